@@ -1,0 +1,640 @@
+"""Flash attention in Triton: forward with a logsumexp row, backward that recomputes P.
+
+Shapes (every launcher checks them):
+    q:                (B, Hq, S, D)      fp16 / bf16 / fp32, any strides
+    k, v:             (B, Hkv, S, D)     same dtype as q, ``Hq % Hkv == 0`` (GQA)
+    key_padding_mask: None or bool (B, S), True = the key may be attended
+    out:              (B, Hq, S, D)      dtype of q, contiguous
+    lse:              (B, Hq, S)         float32, natural log; -inf where a row attends nothing
+
+Forward: one program per (query block, batch * query head). It streams key blocks through an
+online softmax (running max ``m``, running sum ``l``, fp32 accumulator), in base 2 so that the
+exponentials are ``exp2``. With ``causal`` it stops at the diagonal, and only the key blocks
+that straddle the diagonal pay for the element-wise causal mask.
+
+Backward: ``D = rowsum(dO * O)`` first; then one kernel owns a key block of one KV head and walks
+over every query block of every query head in its GQA group (fixed order, so dK/dV are summed
+deterministically and without atomics), and one kernel owns a query block and walks over the
+key blocks to form dQ. Both rebuild ``P = exp(scale * Q K^T - lse)`` tile by tile; the S x S
+matrix never exists in memory. A row whose lse is -inf gets ``P = 0``, hence zero gradients.
+
+The head dimension is padded to a power of two (>= 16) inside the kernels with masked loads, so
+any head_dim in 16..256 works (80 and 96 included). fp32 inputs use IEEE fp32 dot products
+(no TF32), half-precision inputs use fp16/bf16 tensor-core dots with fp32 accumulation.
+
+On a GPU the block sizes are autotuned per architecture family (Hopper, Ampere) with the key
+(HEAD_DIM, CAUSAL, S_BUCKET); under ``TRITON_INTERPRET=1`` a single fixed configuration from
+``INTERPRETER_BLOCKS`` is used so that CPU tests stay fast.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["attention_fwd", "attention_bwd"]
+
+_LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the kernels
+
+# Block sizes used when the kernels run in the Triton interpreter (no autotuning there).
+# Tests may override entries (e.g. BLOCK_M != BLOCK_N) with ``monkeypatch.setitem``.
+INTERPRETER_BLOCKS = {
+    "fwd": {"BLOCK_M": 32, "BLOCK_N": 32},
+    "dkdv": {"BLOCK_M": 32, "BLOCK_N": 32},
+    "dq": {"BLOCK_M": 32, "BLOCK_N": 32},
+}
+_PRE_BLOCK_M = 64  # rows per program of the D = rowsum(dO * O) pre-pass
+
+
+def _interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (decided by TRITON_INTERPRET, as Triton does)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
+                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                    offs_m, offs_d, lo, hi, S, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIAG: tl.constexpr,
+                    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, l_i, m_i) over key blocks [lo, hi) of one query block.
+
+    q: (BLOCK_M, D_PAD); acc: (BLOCK_M, D_PAD) fp32; l_i, m_i: (BLOCK_M,) fp32, m_i in base 2.
+    DIAG: the blocks straddle the causal diagonal and need the element-wise causal mask.
+    """
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < S
+        # K^T tile (D_PAD, BLOCK_N) and V tile (BLOCK_N, D_PAD); padded entries read as 0.
+        kT = tl.load(K_bh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        if HAS_MASK:
+            keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
+            col_ok = col_ok & (keep != 0)
+        bias = tl.where(col_ok, 0.0, float("-inf"))
+        s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
+        if DIAG:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen only masked keys keeps m = -inf; shift by 0 there so that
+        # exp2(-inf - m) is 0 rather than NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, Mask, Out, Lse,
+                     stride_qb, stride_qh, stride_qs, stride_qd,
+                     stride_kb, stride_kh, stride_ks, stride_kd,
+                     stride_vb, stride_vh, stride_vs, stride_vd,
+                     stride_mb, stride_ms,
+                     stride_ob, stride_oh, stride_os, stride_od,
+                     Hq, S, GROUP, qk_scale, S_BUCKET,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (cdiv(S, BLOCK_M), B * Hq). Writes Out (B, Hq, S, D) and Lse (B, Hq, S) contiguous.
+
+    qk_scale = scale * log2(e). S_BUCKET is only an autotuning key.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < S
+    d_ok = offs_d < HEAD_DIM
+
+    Q_bh = Q + b * stride_qb + h * stride_qh
+    K_bh = K + b * stride_kb + hk * stride_kh
+    V_bh = V + b * stride_vb + hk * stride_vh
+    Mask_b = Mask + b * stride_mb
+    q = tl.load(Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if CAUSAL:
+        # Key blocks ending at or before the first row of this query block are fully visible;
+        # the blocks from there up to the last row straddle the diagonal; the rest are skipped.
+        hi = tl.minimum(start_m + BLOCK_M, S)
+        mid = (start_m // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
+                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                        offs_m, offs_d, 0, mid, S, qk_scale,
+                                        HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
+                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                        offs_m, offs_d, mid, hi, S, qk_scale,
+                                        HEAD_DIM, BLOCK_N, True, HAS_MASK, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
+                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                        offs_m, offs_d, 0, S, S, qk_scale,
+                                        HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
+
+    # Rows with nothing to attend have l = 0: out = 0 and lse = -inf.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_i * 0.6931471805599453 + tl.log(l_safe))
+    O_bh = Out + b * stride_ob + h * stride_oh
+    tl.store(O_bh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + pid_bh.to(tl.int64) * S + offs_m, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_preprocess_kernel(Out, DOut, Delta,
+                                stride_ob, stride_oh, stride_os, stride_od,
+                                stride_gb, stride_gh, stride_gs, stride_gd,
+                                Hq, S,
+                                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+    """Grid (cdiv(S, BLOCK_M), B * Hq). Delta (B, Hq, S) fp32 = rowsum(dOut * Out)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < S
+    ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(Out + b * stride_ob + h * stride_oh
+                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=ok, other=0.0)
+    do = tl.load(DOut + b * stride_gb + h * stride_gh
+                 + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * S + offs_m, delta, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh, Lse_bh, Delta_bh,
+                         stride_qs, stride_qd, stride_gs, stride_gd,
+                         offs_d, lo, hi, S, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DIAG: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head.
+
+    k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; bias_n: (BLOCK_N,) 0 or -inf.
+    Works on transposed tiles: sT = K Q^T is (BLOCK_N, BLOCK_M).
+    """
+    d_ok = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < S
+        ok = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                    mask=ok, other=0.0)
+        # lse = -inf (row attends nothing) or a row past S becomes +inf: P = exp2(s - inf) = 0.
+        lse = tl.load(Lse_bh + offs_m, mask=row_ok, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale + bias_n[:, None]
+        if DIAG:
+            sT = tl.where(offs_m[None, :] >= offs_n[:, None], sT, float("-inf"))
+        pT = tl.exp2(sT - lse2[None, :])
+        do = tl.load(DO_bh + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd,
+                     mask=ok, other=0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        delta = tl.load(Delta_bh + offs_m, mask=row_ok, other=0.0)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
+                          stride_qb, stride_qh, stride_qs, stride_qd,
+                          stride_kb, stride_kh, stride_ks, stride_kd,
+                          stride_vb, stride_vh, stride_vs, stride_vd,
+                          stride_mb, stride_ms,
+                          stride_gb, stride_gh, stride_gs, stride_gd,
+                          stride_db, stride_dh, stride_ds, stride_dd,
+                          Hq, Hkv, S, GROUP, qk_scale, sm_scale, S_BUCKET,
+                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                          HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (cdiv(S, BLOCK_N), B * Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*.
+
+    Each program loops over the GROUP query heads of its KV head in a fixed order, so the GQA
+    sum is deterministic. Lse, Delta: (B, Hq, S) contiguous fp32.
+    """
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    col_ok = offs_n < S
+    ok = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + b * stride_kb + hk * stride_kh
+                + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=ok, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh
+                + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=ok, other=0.0)
+    if HAS_MASK:
+        keep = tl.load(Mask + b * stride_mb + offs_n * stride_ms, mask=col_ok, other=0)
+        col_ok = col_ok & (keep != 0)
+    bias_n = tl.where(col_ok, 0.0, float("-inf"))
+
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        Q_bh = Q + b * stride_qb + h * stride_qh
+        DO_bh = DOut + b * stride_gb + h * stride_gh
+        row_base = (b * Hq + h) * S
+        if CAUSAL:
+            # Query blocks ending before start_n see none of these keys; blocks that start
+            # after the last key of this block see all of them (no element-wise mask).
+            lo = (start_n // BLOCK_M) * BLOCK_M
+            mid = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, S)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh,
+                                          Lse + row_base, Delta + row_base,
+                                          stride_qs, stride_qd, stride_gs, stride_gd,
+                                          offs_d, lo, mid, S, qk_scale,
+                                          HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh,
+                                          Lse + row_base, Delta + row_base,
+                                          stride_qs, stride_qd, stride_gs, stride_gd,
+                                          offs_d, mid, S, S, qk_scale,
+                                          HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh,
+                                          Lse + row_base, Delta + row_base,
+                                          stride_qs, stride_qd, stride_gs, stride_gd,
+                                          offs_d, 0, S, S, qk_scale,
+                                          HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+
+    out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
+                       stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                       offs_d, lo, hi, S, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIAG: tl.constexpr,
+                       HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi).
+
+    q, do: (BLOCK_M, D_PAD); lse2: (BLOCK_M,) base-2 lse with +inf for empty rows;
+    delta: (BLOCK_M,); dq: (BLOCK_M, D_PAD) fp32.
+    """
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < S
+        ok = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_bh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=ok, other=0.0)
+        v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=ok, other=0.0)
+        if HAS_MASK:
+            keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
+            col_ok = col_ok & (keep != 0)
+        bias = tl.where(col_ok, 0.0, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
+        if DIAG:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
+                        stride_qb, stride_qh, stride_qs, stride_qd,
+                        stride_kb, stride_kh, stride_ks, stride_kd,
+                        stride_vb, stride_vh, stride_vs, stride_vd,
+                        stride_mb, stride_ms,
+                        stride_gb, stride_gh, stride_gs, stride_gd,
+                        stride_db, stride_dh, stride_ds, stride_dd,
+                        Hq, S, GROUP, qk_scale, sm_scale, S_BUCKET,
+                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                        HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (cdiv(S, BLOCK_M), B * Hq). Writes DQ (B, Hq, S, D) with strides stride_d*."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < S
+    ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh
+                + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=ok, other=0.0)
+    do = tl.load(DOut + b * stride_gb + h * stride_gh
+                 + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
+    row_base = pid_bh.to(tl.int64) * S
+    lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    K_bh = K + b * stride_kb + hk * stride_kh
+    V_bh = V + b * stride_vb + hk * stride_vh
+    Mask_b = Mask + b * stride_mb
+
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, S)
+        mid = (start_m // BLOCK_N) * BLOCK_N
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
+                                stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                offs_d, 0, mid, S, qk_scale,
+                                HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
+                                stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                offs_d, mid, hi, S, qk_scale,
+                                HEAD_DIM, BLOCK_N, True, HAS_MASK, DOT_PRECISION)
+    else:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
+                                stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                offs_d, 0, S, S, qk_scale,
+                                HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
+    tl.store(DQ + b * stride_db + h * stride_dh
+             + offs_m[:, None] * stride_ds + offs_d[None, :] * stride_dd,
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning (GPU only)
+# --------------------------------------------------------------------------------------------
+def _cfg(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n},
+                         num_warps=warps, num_stages=stages)
+
+
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and architecture family.
+# Forward and dQ hold a query tile and stream keys (large BLOCK_M); dK/dV hold a key tile and
+# stream queries (large BLOCK_N). Configs that cannot fit are pruned per head_dim below.
+_CONFIGS = {
+    ("fwd", "hopper"): [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3),
+                        _cfg(128, 128, 8, 2), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
+                        _cfg(64, 32, 4, 2)],
+    ("fwd", "ampere"): [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 4, 3),
+                        _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+    ("dkdv", "hopper"): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3),
+                         _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2)],
+    ("dkdv", "ampere"): [_cfg(32, 128, 8, 2), _cfg(64, 64, 4, 2), _cfg(32, 64, 4, 2),
+                         _cfg(16, 64, 4, 2)],
+    ("dq", "hopper"): [_cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
+                       _cfg(64, 32, 4, 2)],
+    ("dq", "ampere"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2)],
+}
+_KEY = ["HEAD_DIM", "CAUSAL", "S_BUCKET"]
+_TUNED = {}
+
+
+def _arch(device: torch.device) -> str:
+    major, _ = torch.cuda.get_device_capability(device)
+    return "hopper" if major >= 9 else "ampere"
+
+
+def _smem_budget(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    if optin:
+        return int(optin)
+    major, minor = props.major, props.minor
+    return 227 * 1024 if major >= 9 else (163 * 1024 if (major, minor) == (8, 0) else 99 * 1024)
+
+
+def _make_pruner(kind: str):
+    """early_config_prune: drop configs whose tiles cannot fit in shared memory / registers."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        d_pad = args["D_PAD"]
+        q = args["Q"]
+        elt = q.element_size()
+        budget = _smem_budget(q.device)
+        kept = []
+        for c in configs:
+            bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
+            resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+            # Two streamed tiles (K and V, or Q and dO) per pipeline stage + the resident tile.
+            smem = stages * 2 * streamed * d_pad * elt + resident * d_pad * elt
+            # fp32 accumulators per thread (one for fwd/dq, two for dk/dv) must not spill badly.
+            accs = 2 if kind == "dkdv" else 1
+            regs = accs * resident * d_pad / (32 * c.num_warps)
+            if smem <= budget and regs <= 128:
+                kept.append(c)
+        if not kept:  # always keep the smallest tile so that something runs
+            kept = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+        return kept
+
+    return prune
+
+
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+
+
+def _launcher(kind: str, device: torch.device):
+    """Return (kernel, fixed meta-parameters): a fixed config in the interpreter, else autotuned."""
+    if _interpreting():
+        return _KERNELS[kind], dict(INTERPRETER_BLOCKS[kind])
+    arch = _arch(device)
+    tuned = _TUNED.get((kind, arch))
+    if tuned is None:
+        tuned = triton.autotune(configs=_CONFIGS[(kind, arch)], key=_KEY,
+                                prune_configs_by={"early_config_prune": _make_pruner(kind)},
+                                )(_KERNELS[kind])
+        _TUNED[(kind, arch)] = tuned
+    return tuned, {}
+
+
+def _s_bucket(S: int) -> int:
+    """Autotuning bucket of the sequence length: next power of two, clamped to [128, 32768]."""
+    return min(max(triton.next_power_of_2(S), 128), 32768)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_qkv(name, q, k, v, key_padding_mask):
+    """Validate q (B, Hq, S, D), k/v (B, Hkv, S, D) and the mask; return (B, Hq, Hkv, S, D)."""
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: {arg} must have 4 dims (B, H, S, D), got shape {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{name}: q must be float16, bfloat16 or float32, got {q.dtype}")
+    for arg, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: {arg} must have the dtype of q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but q is on {q.device}")
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(f"{name}: k must have shape (B={B}, Hkv, S={S}, D={D}), got {tuple(k.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{name}: k must have Hkv dividing Hq={Hq}, got Hkv={Hkv}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"{name}: v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if not 16 <= D <= 256:
+        raise ValueError(f"{name}: q must have head_dim D in 16..256, got D={D}")
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+            got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
+            raise TypeError(f"{name}: key_padding_mask must be a bool tensor, got {got}")
+        if tuple(m.shape) != (B, S):
+            raise ValueError(f"{name}: key_padding_mask must have shape (B={B}, S={S}), "
+                             f"got {tuple(m.shape)}")
+        if m.device != q.device:
+            raise ValueError(f"{name}: key_padding_mask is on {m.device} but q is on {q.device}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError(f"{name}: q is on {q.device}; the Triton kernels need a CUDA device "
+                           f"or TRITON_INTERPRET=1 (set before triton is imported)")
+    return B, Hq, Hkv, S, D
+
+
+def _mask_args(key_padding_mask, fallback):
+    """(pointer tensor, stride_b, stride_s, HAS_MASK) for the kernels; bool is read as uint8."""
+    if key_padding_mask is None:
+        return fallback, 0, 0, False
+    m = key_padding_mask.view(torch.uint8)
+    return m, m.stride(0), m.stride(1), True
+
+
+def _common_meta(D, causal):
+    return dict(HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), CAUSAL=bool(causal),
+                DOT_PRECISION="ieee")
+
+
+class _on_device:
+    """Make q's CUDA device current for the launch (Triton launches on the current device)."""
+
+    def __init__(self, device):
+        self.ctx = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def attention_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
+    """Flash attention forward.
+
+    q: (B, Hq, S, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0; key_padding_mask: None or bool
+    (B, S), True = key may be attended; query i attends key j <= i when ``causal``.
+    Returns ``(out, lse)``: out (B, Hq, S, D) in q's dtype, contiguous; lse (B, Hq, S) float32,
+    natural-log logsumexp of the scaled masked scores, -inf for rows with nothing to attend
+    (their out is 0).
+    """
+    B, Hq, Hkv, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask)
+    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    if B * Hq * S == 0:
+        return out, lse
+    mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
+    kernel, meta = _launcher("fwd", q.device)
+
+    def grid(m):
+        return (triton.cdiv(S, m["BLOCK_M"]), B * Hq)
+
+    with _on_device(q.device):
+        kernel[grid](q, k, v, mask, out, lse,
+                     *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
+                     Hq, S, Hq // Hkv, float(scale) * _LOG2E, _s_bucket(S),
+                     HAS_MASK=has_mask, **_common_meta(D, causal), **meta)
+    return out, lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, scale: float):
+    """Flash attention backward, recomputing P = exp(scale * q k^T - lse) tile by tile.
+
+    dout, out: (B, Hq, S, D) in q's dtype; q: (B, Hq, S, D); k, v: (B, Hkv, S, D);
+    lse: (B, Hq, S) float32 from :func:`attention_fwd`; mask/causal/scale as in the forward.
+    Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (contiguous). dk/dv of a KV
+    head sum its query group in a fixed order (deterministic, no atomics).
+    """
+    name = "attention_bwd"
+    B, Hq, Hkv, S, D = _check_qkv(name, q, k, v, key_padding_mask)
+    for arg, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{name}: {arg} must have the shape of q {tuple(q.shape)}, "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: {arg} must have the dtype of q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but q is on {q.device}")
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, Hq, S):
+        got = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(f"{name}: lse must have shape (B={B}, Hq={Hq}, S={S}), got {got}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"{name}: lse must be float32, got {lse.dtype}")
+    if lse.device != q.device:
+        raise ValueError(f"{name}: lse is on {lse.device} but q is on {q.device}")
+
+    dq = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, S, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, S, D), dtype=v.dtype, device=q.device)
+    if B * Hq * S == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
+    common = _common_meta(D, causal)
+    qk_scale = float(scale) * _LOG2E
+    group = Hq // Hkv
+
+    with _on_device(q.device):
+        _attn_bwd_preprocess_kernel[(triton.cdiv(S, _PRE_BLOCK_M), B * Hq)](
+            out, dout, delta, *out.stride(), *dout.stride(), Hq, S,
+            HEAD_DIM=D, D_PAD=common["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
+
+        kernel, meta = _launcher("dkdv", q.device)
+        kernel[lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * Hkv)](
+            q, k, v, mask, dout, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
+            *dk.stride(), Hq, Hkv, S, group, qk_scale, float(scale), _s_bucket(S),
+            HAS_MASK=has_mask, **common, **meta)
+
+        kernel, meta = _launcher("dq", q.device)
+        kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B * Hq)](
+            q, k, v, mask, dout, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
+            *dq.stride(), Hq, S, group, qk_scale, float(scale), _s_bucket(S),
+            HAS_MASK=has_mask, **common, **meta)
+    return dq, dk, dv
