@@ -1,0 +1,146 @@
+"""``ckpt_ext.checkpoint``: activation checkpointing of any callable, backed by a C++ Function.
+
+The C++ side (``csrc/checkpoint.cpp``) snapshots RNG and autocast state, runs the segment once,
+finds every tensor from outside the arguments that the segment differentiates through
+(module parameters, closure tensors, earlier non-leaf tensors), saves only the argument
+tensors, and re-runs the segment in backward. This module only maps arbitrary Python
+arguments and results (pytrees with non-tensor leaves) to flat tensor lists and back.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import _C
+
+__all__ = ["checkpoint"]
+
+# Keyword arguments that torch.utils.checkpoint.checkpoint consumes itself; accepted here with
+# the values that mean what this implementation does, so a call can switch over unchanged.
+_TORCH_ONLY_KWARGS = ("use_reentrant", "context_fn", "determinism_check", "debug")
+
+
+def _drop_saved(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _refuse_unpack(_packed: Any) -> torch.Tensor:
+    raise RuntimeError(
+        "ckpt_ext.checkpoint: the segment tried to use a tensor saved during its forward pass "
+        "before the pass ended (for example torch.autograd.grad inside the segment); this is "
+        "not supported inside ckpt_ext.checkpoint")
+
+
+class _Segment:
+    """The segment's callable with its arguments flattened; called by C++ with new tensors."""
+
+    __slots__ = ("fn", "flat", "spec", "tensor_pos", "inputs", "out_spec", "out_flat",
+                 "out_tensor_pos")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn = fn
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            self.flat, self.spec = list(args), None  # fast path: positional tensors only
+            self.tensor_pos = range(len(args))
+        else:
+            self.flat, self.spec = tree_flatten((args, kwargs))
+            self.tensor_pos = [i for i, a in enumerate(self.flat) if isinstance(a, torch.Tensor)]
+        # The argument tensors travel through C++ (saved for backward there); the flat list
+        # keeps only the non-tensor leaves so nothing here holds them a second time.
+        self.inputs = [self.flat[i] for i in self.tensor_pos]
+        for i in self.tensor_pos:
+            self.flat[i] = None
+        self.out_spec = None
+
+    def __call__(self, tensors: list, recompute: bool) -> list:
+        flat = list(self.flat)
+        for pos, t in zip(self.tensor_pos, tensors):
+            flat[pos] = t
+        if self.spec is None:
+            args, kwargs = flat, {}
+        else:
+            args, kwargs = tree_unflatten(flat, self.spec)
+        if recompute:
+            out = self.fn(*args, **kwargs)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(_drop_saved, _refuse_unpack):
+                out = self.fn(*args, **kwargs)
+        return self._flatten_output(out, recompute)
+
+    def _flatten_output(self, out: Any, recompute: bool) -> list:
+        if isinstance(out, torch.Tensor):
+            flat, spec = [out], None
+        else:
+            flat, spec = tree_flatten(out)
+        tensor_pos = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
+        if not recompute:
+            self.out_spec, self.out_flat, self.out_tensor_pos = spec, flat, tensor_pos
+        elif spec != self.out_spec or tensor_pos != self.out_tensor_pos:
+            raise RuntimeError(
+                "ckpt_ext.checkpoint: recomputing the segment in backward returned a different "
+                f"output structure than forward ({spec} vs {self.out_spec}), so the function is "
+                "not deterministic; its gradients cannot be computed by recomputation")
+        return [flat[i] for i in tensor_pos]
+
+    def rebuild(self, tensors: list) -> Any:
+        flat = list(self.out_flat)
+        for pos, t in zip(self.out_tensor_pos, tensors):
+            flat[pos] = t
+        self.out_flat = None  # the forward's outputs belong to the caller from here on
+        if self.out_spec is None:
+            return flat[0]
+        return tree_unflatten(flat, self.out_spec)
+
+
+def _check_torch_kwargs(kwargs: dict) -> None:
+    use_reentrant = kwargs.pop("use_reentrant", None)
+    if use_reentrant:
+        raise NotImplementedError(
+            "ckpt_ext.checkpoint: use_reentrant=True is not offered; ckpt_ext.checkpoint "
+            "already behaves like use_reentrant=False (gradients reach every input and "
+            "parameter). Drop the argument, or call torch.utils.checkpoint.checkpoint directly.")
+    context_fn = kwargs.pop("context_fn", None)
+    if context_fn is not None and context_fn is not torch.utils.checkpoint.noop_context_fn:
+        raise NotImplementedError(
+            "ckpt_ext.checkpoint: context_fn is not supported (selective activation "
+            "checkpointing); use torch.utils.checkpoint.checkpoint for it")
+    determinism_check = kwargs.pop("determinism_check", "default")
+    if determinism_check not in ("default", "none"):
+        raise ValueError(
+            f"ckpt_ext.checkpoint: determinism_check must be 'default' or 'none', got "
+            f"{determinism_check!r}")
+    if kwargs.pop("debug", False):
+        raise NotImplementedError(
+            "ckpt_ext.checkpoint: debug=True is not supported; use "
+            "torch.utils.checkpoint.checkpoint(..., debug=True) to trace a recomputation")
+
+
+def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` keeping only its input tensors for backward.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+    **kwargs)``: backward re-runs ``fn`` (with the forward's RNG and autocast state) and
+    differentiates it. Gradients reach every tensor argument and every tensor ``fn`` reads
+    from elsewhere (module parameters, closures), as in an uncheckpointed run; arguments and
+    results may be any pytree with non-tensor leaves. Under ``torch.no_grad()`` it simply
+    calls ``fn``. Double backward is not supported and raises.
+
+    Args:
+        fn: the segment; must compute the same outputs when re-run on the same inputs.
+        *args, **kwargs: passed to ``fn``. The keywords ``use_reentrant`` (False/None),
+            ``context_fn`` (default only), ``determinism_check`` and ``debug`` (False) are
+            taken as torch's checkpoint takes them, so calls can switch over unchanged.
+        preserve_rng_state: replay the forward's CPU/CUDA RNG state during recomputation.
+    """
+    if not callable(fn):
+        raise TypeError(f"ckpt_ext.checkpoint: fn must be callable, got {type(fn).__name__}")
+    if kwargs:
+        _check_torch_kwargs(kwargs)
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    segment = _Segment(fn, args, kwargs)
+    inputs, segment.inputs = segment.inputs, None
+    outs = _C.checkpoint_apply(segment, bool(preserve_rng_state), inputs)
+    return segment.rebuild(outs)

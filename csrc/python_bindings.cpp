@@ -1,0 +1,18 @@
+// The Python module ckpt_ext._C: loading it registers every TORCH_LIBRARY block of the
+// extension; the functions bound here are the pieces that cannot go through the dispatcher
+// (the segment checkpoint takes a Python callable).
+#include <torch/extension.h>
+
+namespace ckpt_ext {
+void bind_checkpoint(pybind11::module& m);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ckpt_ext C++ extension: op schemas, CPU kernels, C++ autograd Functions";
+#ifdef CKPT_EXT_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  ckpt_ext::bind_checkpoint(m);
+}
