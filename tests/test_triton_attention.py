@@ -1,0 +1,360 @@
+"""Tests of the Triton flash-attention launchers in kernels/attention.py.
+
+Without a GPU they run through the Triton interpreter on CPU, in fp32 and fp16 only (bf16
+``tl.dot`` is wrong in the interpreter; bf16 is covered by the GPU-only tests).
+
+Accuracy rule (STYLE.md 5). The reference is plain PyTorch attention in fp64 (K/V repeated for
+GQA, explicit masks, rows with nothing to attend set to 0) fed with exactly the values the
+kernel sees. The baseline is the same eager attention run with autograd at the test dtype on
+the test device (on CPU: torch's own fp16 / fp32 CPU kernels). For each of out, lse, dq, dk, dv
+the kernel's max abs error against the reference must be at most 2x (out, lse) or 3x (grads)
+the baseline's. Where the baseline is exact or nearly so (e.g. out = v at S = 1) the bound is
+instead a floor of 4 * eps(dtype) * max(1, max|reference|): four units in the last place of
+the largest value, far below any real bug. lse is compared on rows that attend something; on
+the other rows it must be exactly -inf in both.
+"""
+import importlib.util
+import os
+import pathlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    from ckpt_ext.kernels import attention
+except ImportError:
+    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "attention.py"
+    _spec = importlib.util.spec_from_file_location("ckpt_ext_kernels_attention", _path)
+    attention = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(attention)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NAMES = ("out", "lse", "dq", "dk", "dv")
+FACTOR = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
+
+
+# ------------------------------------------------------------------------------------------
+# Reference, baseline and inputs
+# ------------------------------------------------------------------------------------------
+def allowed_matrix(B, S, mask, causal, device):
+    """Bool (B, 1, S, S): query i may attend key j."""
+    allowed = torch.ones(S, S, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed.expand(B, 1, S, S)
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    return allowed
+
+
+def eager_attention(q, k, v, mask, causal, scale):
+    """Plain PyTorch attention at the dtype of q. q (B, Hq, S, D), k/v (B, Hkv, S, D).
+
+    Returns (out (B, Hq, S, D), lse (B, Hq, S)); rows with nothing to attend give out 0 and
+    lse -inf. Masked scores are filled with the dtype's most negative finite value (not -inf)
+    so that autograd stays finite on empty rows, whose result is then replaced by 0.
+    """
+    B, Hq, S, _ = q.shape
+    group = Hq // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    allowed = allowed_matrix(B, S, mask, causal, q.device)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    has_any = allowed.any(dim=-1, keepdim=True)
+    p = torch.where(has_any, torch.softmax(scores, dim=-1), torch.zeros((), dtype=q.dtype, device=q.device))
+    lse = torch.where(has_any[..., 0], torch.logsumexp(scores, dim=-1).float(), float("-inf"))
+    return p @ v, lse
+
+
+def run_eager(q, k, v, mask, causal, scale, dout, dtype):
+    """Eager attention + autograd with inputs cast to `dtype`; returns dict of the 5 results."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = eager_attention(*leaves, mask, causal, scale)
+    out.backward(dout.to(dtype))
+    return dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+
+
+def run_kernel(q, k, v, mask, causal, scale, dout):
+    out, lse = attention.attention_fwd(q, k, v, mask, causal, scale)
+    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, causal, scale)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def make_mask(kind, B, S, gen, device):
+    """None, or bool (B, S): 'right'/'left' random padding (>= 1 kept key), 'full': batch 0
+    entirely padded and the rest right-padded."""
+    if kind == "none":
+        return None
+    keep = torch.randint(1, S + 1, (B,), generator=gen)
+    pos = torch.arange(S)
+    if kind == "left":
+        mask = pos[None, :] >= (S - keep)[:, None]
+    else:
+        mask = pos[None, :] < keep[:, None]
+    if kind == "full":
+        mask[0] = False
+    return mask.to(device)
+
+
+def make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed=0, device=DEVICE):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D), dout like q, all drawn in `dtype`; and the mask."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+
+    q, k, v = rnd(B, Hq, S, D), rnd(B, Hkv, S, D), rnd(B, Hkv, S, D)
+    dout = rnd(B, Hq, S, D)
+    return q, k, v, dout, make_mask(mask_kind, B, S, gen, device)
+
+
+def check_accuracy(got, base, ref, dtype):
+    """Assert the STYLE.md 5 bound for each result; return {name: kernel_err / bound}."""
+    eps = torch.finfo(dtype).eps
+    ratios = {}
+    for name in NAMES:
+        g, b, r = got[name].double(), base[name].double(), ref[name].double()
+        assert g.shape == r.shape, f"{name}: shape {tuple(g.shape)} != {tuple(r.shape)}"
+        assert not torch.isnan(g).any(), f"{name}: NaN in the kernel result"
+        if name == "lse":
+            finite = torch.isfinite(r)
+            assert torch.equal(torch.isneginf(g), ~finite), "lse: -inf rows differ from the reference"
+            g, b, r = g[finite], b[finite], r[finite]
+            if r.numel() == 0:
+                continue
+        err = (g - r).abs().max().item()
+        base_err = (b - r).abs().max().item()
+        floor = 4 * eps * max(1.0, r.abs().max().item())
+        bound = max(FACTOR[name] * base_err, floor)
+        ratios[name] = err / bound
+        assert err <= bound, (f"{name}: kernel error {err:.3e} > bound {bound:.3e} "
+                              f"(baseline error {base_err:.3e}, floor {floor:.3e})")
+    return ratios
+
+
+def check_case(B, Hq, Hkv, S, D, dtype, causal, mask_kind, scale=None, seed=0):
+    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed)
+    scale = D ** -0.5 if scale is None else scale
+    got = run_kernel(q, k, v, mask, causal, scale, dout)
+    for name, t in (("out", q), ("dq", q), ("dk", k), ("dv", v)):
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+    assert got["lse"].dtype == torch.float32 and got["lse"].shape == (B, Hq, S)
+    base = run_eager(q, k, v, mask, causal, scale, dout, dtype)
+    ref = run_eager(q, k, v, mask, causal, scale, dout, torch.float64)
+    return check_accuracy(got, base, ref, dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# Accuracy on a covering set (every value of every axis appears)
+# ------------------------------------------------------------------------------------------
+#            dtype          B  Hq Hkv  S   D   causal mask
+CASES = [
+    (torch.float32, 1, 4, 4, 1, 16, False, "none"),
+    (torch.float16, 2, 8, 2, 1, 64, True, "right"),
+    (torch.float32, 3, 4, 4, 17, 64, True, "full"),
+    (torch.float16, 2, 4, 4, 17, 128, False, "left"),
+    (torch.float32, 2, 8, 2, 17, 16, False, "right"),
+    (torch.float16, 1, 8, 2, 17, 16, True, "none"),
+    (torch.float32, 2, 8, 2, 64, 128, True, "left"),
+    (torch.float16, 3, 4, 4, 64, 16, True, "full"),
+    (torch.float32, 1, 4, 4, 64, 64, False, "none"),
+    (torch.float16, 2, 8, 2, 64, 64, False, "right"),
+    (torch.float32, 2, 4, 4, 129, 64, True, "right"),
+    (torch.float16, 2, 8, 2, 129, 128, True, "left"),
+    (torch.float32, 3, 8, 2, 129, 16, False, "full"),
+    (torch.float16, 1, 4, 4, 129, 64, False, "none"),
+    (torch.float16, 2, 8, 2, 129, 16, True, "full"),
+    (torch.float32, 3, 8, 2, 129, 128, False, "right"),
+    (torch.float32, 2, 4, 4, 1, 128, True, "full"),
+    (torch.float16, 3, 4, 4, 1, 16, False, "left"),
+]
+
+
+def _case_id(c):
+    dtype, B, Hq, Hkv, S, D, causal, mask = c
+    return f"{str(dtype)[6:]}-B{B}-H{Hq}/{Hkv}-S{S}-D{D}-{'causal' if causal else 'full'}-mask_{mask}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_accuracy(case):
+    dtype, B, Hq, Hkv, S, D, causal, mask = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask)
+
+
+@pytest.mark.parametrize("D", [80, 96, 256])
+def test_head_dim_not_power_of_two_or_large(D):
+    """head_dim padded to the next power of two inside the kernel (80, 96) and the maximum 256."""
+    check_case(2, 4, 2, 33, D, torch.float32, True, "right", seed=D)
+
+
+def test_custom_scale():
+    check_case(1, 4, 2, 40, 32, torch.float32, True, "left", scale=0.3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=["M16-N32", "M32-N16"])
+def test_unequal_blocks(monkeypatch, blocks):
+    """BLOCK_M != BLOCK_N (as in the GPU configs) exercises the causal block-skipping bounds."""
+    bm, bn = blocks
+    for kind in ("fwd", "dkdv", "dq"):
+        monkeypatch.setitem(attention.INTERPRETER_BLOCKS, kind, {"BLOCK_M": bm, "BLOCK_N": bn})
+    check_case(2, 4, 2, 71, 16, torch.float32, True, "left", seed=7)
+
+
+# ------------------------------------------------------------------------------------------
+# Layouts, determinism, empty rows
+# ------------------------------------------------------------------------------------------
+def test_non_contiguous_inputs():
+    """HF passes (B, S, H, D).transpose(1, 2) views; the mask and dout may be strided too."""
+    B, Hq, Hkv, S, D = 2, 4, 2, 37, 32
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(3)
+
+    def rnd_bshd(H):
+        return torch.randn(B, S, H, D, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)
+
+    q, k, v, dout = rnd_bshd(Hq), rnd_bshd(Hkv), rnd_bshd(Hkv), rnd_bshd(Hq)
+    wide = torch.ones(B, 2 * S, dtype=torch.bool, device=DEVICE)
+    wide[0, 2 * 30:] = False
+    mask = wide[:, ::2]
+    assert not q.is_contiguous() and not k.is_contiguous() and not mask.is_contiguous()
+    scale = D ** -0.5
+    got = run_kernel(q, k, v, mask, True, scale, dout)
+    assert got["out"].is_contiguous()
+    base = run_eager(q, k, v, mask, True, scale, dout, dtype)
+    ref = run_eager(q, k, v, mask, True, scale, dout, torch.float64)
+    check_accuracy(got, base, ref, dtype)
+    contiguous = run_kernel(*(t.contiguous() for t in (q, k, v, mask)), True, scale, dout.contiguous())
+    for name in NAMES:
+        torch.testing.assert_close(got[name], contiguous[name], rtol=1e-6, atol=1e-6)
+
+
+def test_deterministic_backward():
+    """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal."""
+    q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, torch.float16, "right", seed=11)
+    out, lse = attention.attention_fwd(q, k, v, mask, True, 0.2)
+    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 0.2)
+    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 0.2)
+    for a, b, name in zip(first, second, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), f"{name} differs between two backward runs"
+
+
+def test_fully_masked_rows_are_zero():
+    """Rows with nothing to attend: out 0, lse -inf, dq 0; unattended keys get dk = dv = 0."""
+    B, Hq, Hkv, S, D = 2, 4, 2, 20, 16
+    q, k, v, dout, _ = make_inputs(B, Hq, Hkv, S, D, torch.float32, "none", seed=5)
+    mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
+    mask[0] = False          # fully padded sequence
+    mask[1, :6] = False      # left padding: causal rows 0..5 see nothing
+    out, lse = attention.attention_fwd(q, k, v, mask, True, D ** -0.5)
+    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, D ** -0.5)
+    for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{name} has NaN"
+    assert torch.all(out[0] == 0) and torch.all(out[1, :, :6] == 0)
+    assert torch.all(torch.isneginf(lse[0])) and torch.all(torch.isneginf(lse[1, :, :6]))
+    assert torch.isfinite(lse[1, :, 6:]).all()
+    assert torch.all(dq[0] == 0) and torch.all(dq[1, :, :6] == 0)
+    assert torch.all(dk[0] == 0) and torch.all(dv[0] == 0)
+    assert torch.all(dk[1, :, :6] == 0) and torch.all(dv[1, :, :6] == 0)
+    assert (dq[1, :, 6:] != 0).any() and (dv[1, :, 6:] != 0).any()
+
+
+def test_backward_accepts_external_minus_inf_lse():
+    """A caller-provided lse with -inf rows (as the CPU reference op would give) is handled."""
+    q, k, v, dout, _ = make_inputs(1, 2, 2, 8, 16, torch.float32, "none", seed=9)
+    mask = torch.zeros(1, 8, dtype=torch.bool, device=DEVICE)
+    out = torch.zeros_like(q)
+    lse = torch.full((1, 2, 8), float("-inf"), device=DEVICE)
+    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, False, 0.25)
+    assert torch.all(dq == 0) and torch.all(dk == 0) and torch.all(dv == 0)
+
+
+# ------------------------------------------------------------------------------------------
+# Input validation
+# ------------------------------------------------------------------------------------------
+def _good(dtype=torch.float32):
+    q = torch.zeros(2, 4, 8, 16, dtype=dtype, device=DEVICE)
+    k = torch.zeros(2, 2, 8, 16, dtype=dtype, device=DEVICE)
+    return q, k, k.clone(), None
+
+
+BAD_FWD = [
+    ("rank", lambda q, k, v, m: (q[0], k, v, m), ValueError, "q must have 4 dims"),
+    ("hkv", lambda q, k, v, m: (q, k[:, :1].expand(2, 3, 8, 16), v[:, :1].expand(2, 3, 8, 16), m),
+     ValueError, r"k must have Hkv dividing Hq=4, got Hkv=3"),
+    ("dtype", lambda q, k, v, m: (q, k.half(), v, m), TypeError, "k must have the dtype of q"),
+    ("int", lambda q, k, v, m: (q.long(), k.long(), v.long(), m), TypeError, "q must be float16"),
+    ("vshape", lambda q, k, v, m: (q, k, v[:, :, :4], m), ValueError, "v must have the shape of k"),
+    ("kseq", lambda q, k, v, m: (q, k[:, :, :4], v[:, :, :4], m), ValueError, r"k must have shape \(B=2"),
+    ("small_d", lambda q, k, v, m: (q[..., :8], k[..., :8], v[..., :8], m), ValueError,
+     "q must have head_dim D in 16..256, got D=8"),
+    ("big_d", lambda q, k, v, m: (*(torch.zeros(*t.shape[:3], 320, device=DEVICE) for t in (q, k, v)), m),
+     ValueError, "got D=320"),
+    ("mask_dtype", lambda q, k, v, m: (q, k, v, torch.ones(2, 8, device=DEVICE)), TypeError,
+     "key_padding_mask must be a bool tensor"),
+    ("mask_shape", lambda q, k, v, m: (q, k, v, torch.ones(2, 9, dtype=torch.bool, device=DEVICE)),
+     ValueError, r"key_padding_mask must have shape \(B=2, S=8\)"),
+    ("device", lambda q, k, v, m: (q, k.to("meta"), v, m), ValueError, "k is on meta"),
+]
+
+
+@pytest.mark.parametrize("make_bad,exc,match", [b[1:] for b in BAD_FWD], ids=[b[0] for b in BAD_FWD])
+def test_forward_rejects_bad_input(make_bad, exc, match):
+    with pytest.raises(exc, match=match):
+        attention.attention_fwd(*make_bad(*_good()), True, 0.25)
+
+
+def test_backward_rejects_bad_input():
+    q, k, v, _ = _good()
+    out, lse, dout = torch.zeros_like(q), torch.zeros(2, 4, 8, device=DEVICE), torch.zeros_like(q)
+    bwd = attention.attention_bwd
+    with pytest.raises(ValueError, match="dout must have the shape of q"):
+        bwd(dout[:, :2], q, k, v, out, lse, None, True, 0.25)
+    with pytest.raises(TypeError, match="out must have the dtype of q"):
+        bwd(dout, q, k, v, out.double(), lse, None, True, 0.25)
+    with pytest.raises(TypeError, match="lse must be float32"):
+        bwd(dout, q, k, v, out, lse.double(), None, True, 0.25)
+    with pytest.raises(ValueError, match=r"lse must have shape \(B=2, Hq=4, S=8\)"):
+        bwd(dout, q, k, v, out, lse[..., :3], None, True, 0.25)
+    with pytest.raises(ValueError, match="k must have Hkv dividing Hq=4, got Hkv=3"):
+        kk = torch.zeros(2, 3, 8, 16, device=DEVICE)
+        bwd(dout, q, kk, kk, out, lse, None, True, 0.25)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU only: bf16 / fp16 / fp32 on CUDA, bigger shapes, autotuned configs
+# ------------------------------------------------------------------------------------------
+GPU_CASES = [
+    (torch.bfloat16, 2, 8, 2, 1024, 128, True, "right"),
+    (torch.bfloat16, 2, 16, 16, 1000, 64, True, "left"),
+    (torch.bfloat16, 3, 8, 8, 257, 80, False, "full"),
+    (torch.float16, 2, 8, 2, 1024, 64, True, "full"),
+    (torch.float16, 1, 4, 4, 2048, 256, True, "none"),
+    (torch.float16, 2, 4, 2, 127, 96, False, "right"),
+    (torch.float32, 2, 4, 2, 513, 64, True, "left"),
+    (torch.bfloat16, 1, 32, 8, 4096, 128, True, "none"),
+]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_case_id(c) for c in GPU_CASES])
+def test_accuracy_gpu(case):
+    dtype, B, Hq, Hkv, S, D, causal, mask = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_deterministic_backward_gpu():
+    q, k, v, dout, mask = make_inputs(2, 32, 8, 2048, 128, torch.bfloat16, "right", seed=1)
+    out, lse = attention.attention_fwd(q, k, v, mask, True, 128 ** -0.5)
+    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 128 ** -0.5)
+    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 128 ** -0.5)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
