@@ -17,6 +17,9 @@ from . import _C
 
 __all__ = ["checkpoint"]
 
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
 # Keyword arguments that torch.utils.checkpoint.checkpoint consumes itself; accepted here with
 # the values that mean what this implementation does, so a call can switch over unchanged.
 _TORCH_ONLY_KWARGS = ("use_reentrant", "context_fn", "determinism_check", "debug")
@@ -65,8 +68,13 @@ class _Segment:
         if recompute:
             out = self.fn(*args, **kwargs)
         else:
-            with torch.autograd.graph.saved_tensors_hooks(_drop_saved, _refuse_unpack):
+            # torch.autograd.graph.saved_tensors_hooks without the context-manager object:
+            # this runs once per checkpointed call, so its cost is the per-call overhead.
+            _push_hooks(_drop_saved, _refuse_unpack)
+            try:
                 out = self.fn(*args, **kwargs)
+            finally:
+                _pop_hooks()
         return self._flatten_output(out, recompute)
 
     def _flatten_output(self, out: Any, recompute: bool) -> list:

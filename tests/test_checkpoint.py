@@ -1,0 +1,390 @@
+"""ckpt_ext.checkpoint against an uncheckpointed run and torch.utils.checkpoint."""
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import ckpt_ext
+from ckpt_ext import checkpoint
+
+
+def torch_ckpt(fn, *args, **kwargs):
+    return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def grads_of(tensors):
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def clear(tensors):
+    for t in tensors:
+        t.grad = None
+
+
+def run_three_ways(fn, leaves, make_args, loss=lambda out: out.sum(), seed=123):
+    """Forward+backward of fn plainly, under torch's checkpoint and under ours; returns
+    (outputs, grads) per mode with the RNG reseeded identically before each."""
+    results = {}
+    for name, wrap in (("plain", lambda f, *a, **k: f(*a, **k)), ("torch", torch_ckpt),
+                       ("ours", checkpoint)):
+        clear(leaves)
+        torch.manual_seed(seed)
+        args, kwargs = make_args()
+        out = wrap(fn, *args, **kwargs)
+        loss(out).backward()
+        results[name] = (out, grads_of(leaves))
+    return results
+
+
+def assert_same(results, exact=True):
+    ref_out, ref_grads = results["plain"]
+    for name in ("torch", "ours"):
+        out, grads = results[name]
+        for a, b in zip(torch.utils._pytree.tree_leaves(ref_out),
+                        torch.utils._pytree.tree_leaves(out)):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(b, a, rtol=0, atol=0) if exact else \
+                    torch.testing.assert_close(b, a)
+            else:
+                assert a == b
+        for ga, gb in zip(ref_grads, grads):
+            assert (ga is None) == (gb is None), name
+            if ga is not None:
+                torch.testing.assert_close(gb, ga, rtol=0, atol=0) if exact else \
+                    torch.testing.assert_close(gb, ga)
+
+
+class MLP(nn.Module):
+    def __init__(self, d=12, h=20, p=0.0):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, h), nn.Linear(h, d), nn.Dropout(p)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.gelu(self.fc1(x))))
+
+    def method(self, x, scale):
+        return self.forward(x) * scale
+
+
+# ---- gradients reach everything ------------------------------------------------------------
+
+def test_gradcheck_fp64():
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, b: torch.tanh(x @ w + b).sin()  # noqa: E731
+    assert torch.autograd.gradcheck(lambda x, b, w_: checkpoint(lambda x, b: torch.tanh(x @ w_ + b).sin(), x, b),
+                                    (x, b, w))
+    assert torch.autograd.gradcheck(lambda x, b: checkpoint(fn, x, b), (x, b))
+
+
+@pytest.mark.parametrize("how", ["module", "bound_method", "closure", "lambda_global"])
+def test_parameters_get_gradients(how):
+    model = MLP()
+    x = torch.randn(7, 12, requires_grad=True)
+    if how == "module":
+        fn, make = model, lambda: ((x,), {})
+    elif how == "bound_method":
+        fn, make = model.method, lambda: ((x, 0.5), {})
+    elif how == "closure":
+        w = torch.randn(12, 12, requires_grad=True)
+
+        def fn(a):
+            return model(a @ w)
+        make = lambda: ((x,), {})  # noqa: E731
+    else:
+        fn, make = (lambda a: MODEL_GLOBAL(a)), lambda: ((x,), {})
+    leaves = [x] + list(model.parameters()) + list(MODEL_GLOBAL.parameters())
+    if how == "closure":
+        leaves.append(w)
+    assert_same(run_three_ways(fn, leaves, make))
+
+
+MODEL_GLOBAL = MLP()
+
+
+def test_no_argument_requires_grad():
+    model = MLP()
+    x = torch.randn(4, 12)
+    results = run_three_ways(model, list(model.parameters()), lambda: ((x,), {}))
+    assert_same(results)
+    assert results["ours"][0].requires_grad
+
+
+def test_closure_over_non_leaf_tensor():
+    base = torch.randn(12, 12, requires_grad=True)
+    x = torch.randn(4, 12, requires_grad=True)
+    grads = []
+    for wrap in (checkpoint, lambda f, a: f(a)):
+        clear([base, x])
+        scaled = base * 3  # non-leaf computed before the segment, read by the closure
+        fn = lambda a: torch.tanh(a @ scaled)  # noqa: E731
+        wrap(fn, x).sum().backward()
+        grads.append(grads_of([base, x]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_autograd_grad_and_backward_inputs():
+    model = MLP()
+    x = torch.randn(4, 12, requires_grad=True)
+    out = checkpoint(model, x)
+    gw, gx = torch.autograd.grad(out.square().sum(), inputs=[model.fc1.weight, x])
+    ref_w, ref_x = torch.autograd.grad(model(x).square().sum(), inputs=[model.fc1.weight, x])
+    torch.testing.assert_close(gw, ref_w, rtol=0, atol=0)
+    torch.testing.assert_close(gx, ref_x, rtol=0, atol=0)
+    assert model.fc1.weight.grad is None and x.grad is None
+
+    checkpoint(model, x).sum().backward(inputs=[model.fc2.bias])
+    assert x.grad is None and model.fc1.weight.grad is None
+    ref = torch.autograd.grad(model(x).sum(), model.fc2.bias)[0]
+    torch.testing.assert_close(model.fc2.bias.grad, ref, rtol=0, atol=0)
+
+
+# ---- arguments and results -----------------------------------------------------------------
+
+def test_pytree_arguments_and_results():
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(3, 4, requires_grad=True)
+    c = torch.randn(4, requires_grad=True)
+
+    def fn(pair, cfg, *, extra=None, name="x"):
+        x, y = pair
+        out = {"sum": x * cfg["k"] + y.sin(), "list": [x.exp(), None, name, 3], "c": extra * 2}
+        return out, len(name)
+
+    def make():
+        return ([a, b], {"k": 2.5, "unused": None}), {"extra": c, "name": "abc"}
+
+    loss = lambda out: out[0]["sum"].sum() + out[0]["list"][0].sum() + out[0]["c"].sum()  # noqa
+    results = run_three_ways(fn, [a, b, c], make, loss=loss)
+    assert_same(results)
+    out = results["ours"][0]
+    assert out[1] == 3 and out[0]["list"][1:] == [None, "abc", 3]
+
+
+def test_several_outputs_some_without_grad():
+    x = torch.randn(5, requires_grad=True)
+    y = torch.randn(5)  # does not require grad
+
+    def fn(x, y):
+        return x.sin(), y.cos(), x.argmax(), x.detach() * 2
+
+    outs = checkpoint(fn, x, y)
+    ref = torch_ckpt(fn, x, y)
+    assert [o.requires_grad for o in outs] == [o.requires_grad for o in ref] == [True, False, False, False]
+    outs[0].sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().cos(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        outs[1].sum().backward()
+
+
+def test_input_returned_unchanged():
+    x = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    a, b = checkpoint(lambda x, w: (x, x * w), x, w)
+    torch.testing.assert_close(a, x, rtol=0, atol=0)
+    (a.sum() * 3 + b.sum()).backward()
+    torch.testing.assert_close(x.grad, 3 + w.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, x.detach(), rtol=0, atol=0)
+
+
+def test_non_tensor_only_results_and_args():
+    assert checkpoint(lambda a, b: a + b, 2, 3) == 5
+    x = torch.randn(3, requires_grad=True)
+    assert checkpoint(lambda t: None, x) is None
+
+
+# ---- RNG and autocast ----------------------------------------------------------------------
+
+def test_dropout_replayed_and_caller_rng_untouched():
+    model = MLP(p=0.5)
+    x = torch.randn(16, 12, requires_grad=True)
+    leaves = [x] + list(model.parameters())
+    assert_same(run_three_ways(model, leaves, lambda: ((x,), {})))
+
+    torch.manual_seed(5)
+    out = checkpoint(model, x)
+    state_before_backward = torch.get_rng_state()
+    out.sum().backward()
+    assert torch.equal(torch.get_rng_state(), state_before_backward)
+
+
+def test_rng_without_preservation_differs():
+    # With preserve_rng_state=False the recomputation draws fresh numbers: the gradient of
+    # a dropout segment no longer matches; this shows the preserved path is doing the work.
+    x = torch.ones(4000, requires_grad=True)
+    fn = lambda t: F.dropout(t, 0.5, training=True)  # noqa: E731
+    torch.manual_seed(0)
+    out = checkpoint(fn, x, preserve_rng_state=False)
+    out.sum().backward()
+    assert not torch.equal(x.grad, (out.detach() != 0).float() * 2)
+    x.grad = None
+    torch.manual_seed(0)
+    out = checkpoint(fn, x)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, (out.detach() != 0).float() * 2, rtol=0, atol=0)
+
+
+def test_autocast_state_replayed():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    seen = []
+
+    def fn(t):
+        y = lin(t)
+        seen.append((torch.is_autocast_enabled("cpu"), y.dtype))
+        return y.float().sin()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = checkpoint(fn, x)
+    out.sum().backward()  # outside autocast: the recomputation must still run under it
+    assert seen == [(True, torch.bfloat16), (True, torch.bfloat16)]
+    assert not torch.is_autocast_enabled("cpu")
+    gx = x.grad.clone()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch_ckpt(fn, x)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(gx, x.grad, rtol=0, atol=0)
+
+
+# ---- calls, lifetimes, graphs --------------------------------------------------------------
+
+def test_no_grad_calls_once():
+    calls = []
+    x = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        out = checkpoint(lambda t: calls.append(1) or t * 2, x)
+    assert calls == [1] and not out.requires_grad
+
+
+def test_runs_twice_and_frees_intermediates():
+    calls, refs = [], []
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def fn(t):
+        calls.append(1)
+        mid = t.sin()
+        refs.append(weakref.ref(mid))
+        return mid.cos()
+
+    out = checkpoint(fn, x)
+    gc.collect()
+    assert len(calls) == 1 and refs[0]() is None  # the forward intermediate is gone
+    out.sum().backward()
+    assert len(calls) == 2
+    # A plain run keeps it alive through the graph: the weakref check can fail.
+    plain_refs = []
+    y = (lambda t: (plain_refs.append(weakref.ref(m := t.sin())), m.cos())[1])(x)
+    gc.collect()
+    assert plain_refs[0]() is not None
+    del y
+
+
+def test_retain_graph_and_second_backward_accumulate():
+    model = MLP()
+    x = torch.randn(4, 12, requires_grad=True)
+    out = checkpoint(model, x)
+    out.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * first, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+
+
+def test_double_backward_raises():
+    x = torch.randn(4, requires_grad=True)
+    out = checkpoint(lambda t: t.pow(3), x)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_nondeterministic_function_raises():
+    x = torch.randn(4, requires_grad=True)
+    calls = []
+
+    def grows(t):
+        calls.append(1)
+        return t.repeat(len(calls))
+
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        checkpoint(grows, x).sum().backward()
+
+    def flips_dtype(t):
+        calls.append(1)
+        return t.double() if len(calls) % 2 == 0 else t * 1
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        checkpoint(flips_dtype, x).sum().backward()
+
+    def more_outputs(t):
+        calls.append(1)
+        return (t * 2,) * (len(calls) % 2 + 1)
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        sum(o.sum() for o in checkpoint(more_outputs, x)).backward()
+
+
+def test_nested_checkpoints():
+    inner, outer_extra = MLP(), nn.Linear(12, 12)
+    x = torch.randn(5, 12, requires_grad=True)
+    fn = lambda t: outer_extra(checkpoint(inner, t.tanh()) + t)  # noqa: E731
+    leaves = [x] + list(inner.parameters()) + list(outer_extra.parameters())
+    assert_same(run_three_ways(fn, leaves, lambda: ((x,), {})))
+
+
+def test_exception_propagates_and_leaves_no_state():
+    x = torch.randn(3, requires_grad=True)
+
+    def boom(t):
+        t.sin()
+        raise ValueError("boom inside fn")
+
+    with pytest.raises(ValueError, match="boom inside fn"):
+        checkpoint(boom, x)
+    # Grad mode on, no saved-tensor hooks left installed: a plain op saves normally.
+    assert torch.is_grad_enabled()
+    y = x.sin()
+    assert y.grad_fn._saved_self is not None
+    calls = []
+
+    def fails_in_backward(t):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("boom in recompute")
+        return t.sin()
+
+    out = checkpoint(fails_in_backward, x)
+    with torch.autocast("cpu", enabled=False):
+        with pytest.raises(ValueError, match="boom in recompute"):
+            out.sum().backward()
+    assert not torch.is_autocast_enabled("cpu")
+    (x * 2).sum().backward()  # autograd still works afterwards
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2))
+
+
+def test_torch_only_keywords():
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(torch.sin, x, use_reentrant=False, determinism_check="default")
+    torch.testing.assert_close(out, x.sin())
+    with pytest.raises(NotImplementedError, match="use_reentrant=True"):
+        checkpoint(torch.sin, x, use_reentrant=True)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        checkpoint(3, x)
+
+
+def test_saves_only_inputs():
+    model = MLP(12, 256)
+    x = torch.randn(32, 12, requires_grad=True)
+    assert ckpt_ext.saved_activation_bytes(checkpoint, model, x) == x.numel() * 4
+    assert ckpt_ext.saved_activation_bytes(torch_ckpt, model, x) == x.numel() * 4
+    assert ckpt_ext.saved_activation_bytes(model, x) > 10 * x.numel() * 4
