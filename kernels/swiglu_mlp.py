@@ -383,7 +383,11 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
     dw_down = torch.mm(dy.t(), h)          # (H, I)
     del h
     dx = torch.mm(dgate, w_gate)           # (T, H)
-    dx.addmm_(dup, w_up)
+    if dx.is_cuda:
+        dx.addmm_(dup, w_up)               # cuBLAS adds C in fp32: one rounding, no temporary
+    else:
+        # CPU (interpreter runs): the BLAS beta=1 path rounds worse than eager for few rows.
+        dx += torch.mm(dup, w_up)
     dw_gate = torch.mm(dgate.t(), x)       # (I, H)
     dw_up = torch.mm(dup.t(), x)           # (I, H)
 

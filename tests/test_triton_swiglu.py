@@ -1,0 +1,288 @@
+"""Tests of the Triton SwiGLU launchers in kernels/swiglu_mlp.py.
+
+Without a GPU they run through the Triton interpreter on CPU (fp32 and fp16 only: bf16
+``tl.dot`` is wrong in the interpreter). Accuracy rule (STYLE.md 5): against an fp64 reference,
+the kernel's max abs error is at most 2x (outputs) / 3x (gradients) the error of plain PyTorch
+at the same dtype. The plain-PyTorch baseline is the eager composition
+``linear(silu(linear(x)) * linear(x))`` run with autograd at the test dtype on the test device;
+on CPU that is torch's own fp16 / fp32 CPU matmul, the honest "what you would get without these
+kernels" on this machine. When the baseline error is 0 (e.g. db_down at T=1, an exact copy of dy)
+the bound uses a floor of 2 eps * max|reference| instead.
+"""
+import gc
+import importlib.util
+import os
+import pathlib
+import weakref
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    from ckpt_ext.kernels import swiglu_mlp
+except ImportError:
+    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "swiglu_mlp.py"
+    _spec = importlib.util.spec_from_file_location("swiglu_mlp", _path)
+    swiglu_mlp = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(swiglu_mlp)
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I = 96, 172
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down")
+
+
+def make_inputs(T, H, I, dtype, bias, device=DEVICE, seed=0):
+    """Inputs drawn in `dtype` (so the fp64 reference sees exactly the same values).
+
+    Returns (x, w_gate, w_up, w_down, b_gate, b_up, b_down, dy); weights scaled as nn.Linear.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+    x = rnd(T, H)
+    w_gate, w_up = rnd(I, H, scale=H ** -0.5), rnd(I, H, scale=H ** -0.5)
+    w_down = rnd(H, I, scale=I ** -0.5)
+    b_gate, b_up, b_down = (rnd(I, scale=0.5), rnd(I, scale=0.5), rnd(H, scale=0.5)) if bias else (None,) * 3
+    dy = rnd(T, H)
+    return x, w_gate, w_up, w_down, b_gate, b_up, b_down, dy
+
+
+def eager(x, w_gate, w_up, w_down, b_gate, b_up, b_down, dy):
+    """Plain PyTorch forward + autograd backward at the dtype of the inputs.
+
+    Returns (y, dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down); absent bias grads None.
+    """
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None
+              for t in (x, w_gate, w_up, w_down, b_gate, b_up, b_down)]
+    x_, wg, wu, wd, bg, bu, bd = leaves
+    F = torch.nn.functional
+    y = F.linear(F.silu(F.linear(x_, wg, bg)) * F.linear(x_, wu, bu), wd, bd)
+    y.backward(dy)
+    return (y.detach(),) + tuple(t.grad if t is not None else None for t in leaves)
+
+
+def reference(*args):
+    """eager() in fp64: the ground truth."""
+    return eager(*[t.double() if t is not None else None for t in args])
+
+
+def run_kernels(x, w_gate, w_up, w_down, b_gate, b_up, b_down, dy, save):
+    """(y, dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down) from the launchers."""
+    y, gate, up = swiglu_mlp.swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                        save == "gate_up")
+    if save == "input":
+        gate = up = None
+    grads = swiglu_mlp.swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up)
+    return (y,) + grads
+
+
+def max_err(a, ref):
+    return (a.double() - ref).abs().max().item() if ref.numel() else 0.0
+
+
+def check_accuracy(out, base, ref, dtype):
+    """Kernel error <= 2x (y) / 3x (grads) the eager error at the same dtype; returns ratios."""
+    names = ("y",) + GRAD_NAMES
+    ratios = {}
+    for name, o, b, r in zip(names, out, base, ref):
+        if r is None:
+            assert o.numel() == 0 and o.dtype == dtype, f"{name}: expected an empty placeholder"
+            continue
+        assert o.shape == r.shape and o.dtype == dtype, f"{name}: {o.shape} {o.dtype}"
+        factor = 2.0 if name == "y" else 3.0
+        floor = 2 * torch.finfo(dtype).eps * max(r.abs().max().item() if r.numel() else 0.0, 1e-30)
+        base_err = max(max_err(b, r), floor)
+        err = max_err(o, r)
+        ratios[name] = err / base_err
+        assert err <= factor * base_err, (
+            f"{name}: kernel error {err:.3e} > {factor}x eager {dtype} error {base_err:.3e}")
+    return ratios
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("T", [1, 7, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_matches_fp64_reference(dtype, T, bias, save):
+    args = make_inputs(T, H, I, dtype, bias)
+    check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), dtype)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_noncontiguous_inputs(save):
+    """x a strided view, w_gate / w_down transposed views: strides are honoured."""
+    x, wg, wu, wd, bg, bu, bd, dy = make_inputs(33, H, I, torch.float32, True)
+    x_view = torch.zeros(33, 2 * H, dtype=x.dtype, device=x.device)[:, ::2]
+    x_view.copy_(x)
+    wg_view = wg.t().contiguous().t()
+    wd_view = wd.t().contiguous().t()
+    assert not x_view.is_contiguous() and not wg_view.is_contiguous()
+    out = run_kernels(x_view, wg_view, wu, wd_view, bg, bu, bd, dy, save)
+    expected = run_kernels(x, wg, wu, wd, bg, bu, bd, dy, save)
+    for name, a, b in zip(("y",) + GRAD_NAMES, out, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_independent_biases():
+    """Only b_up given: the other two bias gradients are empty placeholders."""
+    x, wg, wu, wd, _, bu, _, dy = make_inputs(7, H, I, torch.float32, True)
+    args = (x, wg, wu, wd, None, bu, None, dy)
+    check_accuracy(run_kernels(*args, "input"), eager(*args), reference(*args), torch.float32)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_deterministic(save):
+    args = make_inputs(129, H, I, torch.float16, True)
+    first = run_kernels(*args, save)
+    second = run_kernels(*args, save)
+    for name, a, b in zip(("y",) + GRAD_NAMES, first, second):
+        assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
+def test_save_modes_agree():
+    """The two save modes give the same gradients in fp32 (one rounds gate/up, one does not)."""
+    args = make_inputs(65, H, I, torch.float32, True)
+    for name, a, b in zip(("y",) + GRAD_NAMES, run_kernels(*args, "input"),
+                          run_kernels(*args, "gate_up")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _AllocationLog(TorchDispatchMode):
+    """Keeps a weak reference to every tensor an aten op returns, by shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.refs.append((tuple(t.shape), weakref.ref(t)))
+        return out
+
+
+def test_save_input_keeps_no_tokens_by_I_tensor():
+    """save="input": gate/up come back empty and no (T, I) tensor outlives swiglu_fwd."""
+    T = 40
+    x, wg, wu, wd, bg, bu, bd, _ = make_inputs(T, H, I, torch.float32, True)
+    log = _AllocationLog()
+    with log:
+        y, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, False)
+    gc.collect()
+    assert gate.shape == (0,) and up.shape == (0,)
+    assert gate.dtype == x.dtype and up.dtype == x.dtype
+    assert y.shape == (T, H)
+    seen = [ref for shape, ref in log.refs if shape == (T, I)]
+    assert seen, "the forward should have allocated its transient h (T, I)"
+    assert all(ref() is None for ref in seen), "a (T, I) tensor survived swiglu_fwd"
+
+
+def test_save_gate_up_returns_preactivations():
+    x, wg, wu, wd, bg, bu, bd, _ = make_inputs(7, H, I, torch.float32, True)
+    _, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, True)
+    torch.testing.assert_close(gate, torch.nn.functional.linear(x, wg, bg), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(up, torch.nn.functional.linear(x, wu, bu), rtol=1e-5, atol=1e-5)
+
+
+def test_backward_accepts_forward_placeholders():
+    """The empty gate/up that save="input" returns can be handed straight to swiglu_bwd."""
+    x, wg, wu, wd, bg, bu, bd, dy = make_inputs(7, H, I, torch.float32, False)
+    _, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, False)
+    from_empty = swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, gate, up)
+    from_none = swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, None, None)
+    for a, b in zip(from_empty, from_none):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_zero_tokens(save):
+    x, wg, wu, wd, bg, bu, bd, dy = make_inputs(0, H, I, torch.float32, True)
+    y, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, save == "gate_up")
+    assert y.shape == (0, H)
+    assert gate.numel() == 0 and up.numel() == 0
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = swiglu_mlp.swiglu_bwd(
+        dy, x, wg, wu, wd, bg, bu, bd, *((gate, up) if save == "gate_up" else (None, None)))
+    assert dx.shape == (0, H)
+    for g, p in ((dwg, wg), (dwu, wu), (dwd, wd), (dbg, bg), (dbu, bu), (dbd, bd)):
+        assert g.shape == p.shape and not g.any()
+
+
+def _bad(**changes):
+    """Valid fwd arguments (T 5, H 96, I 172) with some replaced."""
+    x, wg, wu, wd, bg, bu, bd, _ = make_inputs(5, H, I, torch.float32, True)
+    args = dict(x=x, w_gate=wg, w_up=wu, w_down=wd, b_gate=bg, b_up=bu, b_down=bd)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("changes, exc, match", [
+    (dict(w_up=torch.zeros(I, H - 1)), ValueError,
+     r"swiglu_fwd: w_up must have shape \(I, H\) = \(172, 96\), got \(172, 95\)"),
+    (dict(w_down=torch.zeros(I, H)), ValueError,
+     r"swiglu_fwd: w_down must have shape \(H, I\) = \(96, 172\), got \(172, 96\)"),
+    (dict(w_gate=torch.zeros(I, H + 1)), ValueError,
+     r"swiglu_fwd: w_gate must have shape \(I, H\) with H = x.shape\[1\] = 96, got \(172, 97\)"),
+    (dict(x=torch.zeros(2, 5, H)), ValueError, r"swiglu_fwd: x must be 2-D \(T, H\)"),
+    (dict(x=torch.zeros(5, H, dtype=torch.int32)), TypeError,
+     r"swiglu_fwd: x must be float16, bfloat16 or float32, got torch.int32"),
+    (dict(w_up=torch.zeros(I, H, dtype=torch.float16)), TypeError,
+     r"swiglu_fwd: w_up must have the dtype of x \(torch.float32\), got torch.float16"),
+    (dict(b_gate=torch.zeros(I + 1)), ValueError,
+     r"swiglu_fwd: b_gate must have shape \(I,\) = \(172,\), got \(173,\)"),
+    (dict(b_down=torch.zeros(I)), ValueError,
+     r"swiglu_fwd: b_down must have shape \(H,\) = \(96,\), got \(172,\)"),
+    (dict(w_down=torch.zeros(H, I, device="meta")), ValueError,
+     r"swiglu_fwd: w_down must be on the device of x"),
+])
+def test_fwd_errors(changes, exc, match):
+    args = _bad(**{k: v.to(DEVICE) if v.device.type != "meta" else v for k, v in changes.items()})
+    with pytest.raises(exc, match=match):
+        swiglu_mlp.swiglu_fwd(**args, return_gate_up=False)
+
+
+def test_bwd_errors():
+    x, wg, wu, wd, bg, bu, bd, dy = make_inputs(5, H, I, torch.float32, True)
+    with pytest.raises(ValueError, match=r"swiglu_bwd: dy must have shape \(T, H\) = \(5, 96\), got \(4, 96\)"):
+        swiglu_mlp.swiglu_bwd(dy[:4], x, wg, wu, wd, bg, bu, bd, None, None)
+    gate = torch.zeros(5, I, device=DEVICE)
+    with pytest.raises(ValueError, match=r"swiglu_bwd: gate and up must be given together"):
+        swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, gate, None)
+    with pytest.raises(ValueError, match=r"swiglu_bwd: up must have shape \(T, I\) = \(5, 172\), got \(5, 171\)"):
+        swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, gate, gate[:, :-1])
+
+
+# ------------------------------------------------------------------------------------------
+# GPU only
+# ------------------------------------------------------------------------------------------
+@needs_gpu
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("T", [1, 7, 129])
+def test_bf16_cuda(T, bias, save):
+    args = make_inputs(T, H, I, torch.bfloat16, bias, device="cuda")
+    check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), torch.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("I_", [11008, 14336], ids=["llama7b", "llama3_8b"])
+def test_llama_sizes_cuda(I_, dtype, save):
+    """LLaMA MLP sizes (H 4096); reference in fp32 (fp64 GEMMs of this size are too slow)."""
+    args = make_inputs(1024, 4096, I_, dtype, False, device="cuda")
+    prec = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ref = eager(*[t.float() if t is not None else None for t in args])
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    check_accuracy(run_kernels(*args, save), eager(*args), ref, dtype)
