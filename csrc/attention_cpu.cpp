@@ -1,0 +1,290 @@
+// CPU (ATen) implementation of attention_fwd / attention_bwd: blocked attention with an online
+// softmax, the reference the Triton kernels are tested against.
+//
+// Shapes: q (B, Hq, S, D); k, v (B, Hkv, S, D), Hq % Hkv == 0, query head h reads kv head
+// h / (Hq / Hkv); key_padding_mask (B, S) bool, True = the key may be attended; out (B, Hq, S, D)
+// contiguous in q's dtype; lse (B, Hq, S) float32, the natural-log logsumexp of the scaled
+// allowed scores, -inf for a row with nothing to attend (its out row and its gradients are 0).
+//
+// Memory: no S x S tensor is ever built. Work is split into query tiles of kBlockM rows and
+// key tiles of kBlockN keys; the score tile of one step is (kBlockM * G, kBlockN), with G the
+// number of query heads sharing a kv head: the G heads of a group are stacked row-wise,
+// (query position, head) order, so one matmul serves the whole group.
+//
+// Precision: float16 / bfloat16 are computed in float32, float32 in float32, float64 in float64;
+// results are rounded once to the output dtype. lse is float32 by the schema, which is too
+// coarse for float64 gradients, so for float64 inputs attention_bwd recomputes lse in float64
+// from q and k (one extra pass of q k^T, no V); for the other dtypes it uses the lse it is given.
+//
+// Parallelism: at::parallel_for over (batch, kv head, query tile) in forward and over
+// (batch, kv head) in backward; each work item writes a disjoint part of the outputs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "checks.h"
+
+namespace ckpt_ext {
+namespace {
+
+using checks::check_defined;
+using checks::check_device_as;
+using checks::check_dim;
+using checks::check_dtype;
+using checks::check_dtype_as;
+using checks::check_floating;
+using checks::check_shape;
+
+constexpr int64_t kBlockM = 128;  // query positions per tile (times G rows: the head group)
+constexpr int64_t kBlockN = 128;  // keys per tile
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct AttnDims {
+  int64_t B, Hq, Hkv, S, D, G;  // G = Hq / Hkv query heads per kv head
+};
+
+// Validates q, k, v and the mask of both ops; returns the sizes.
+AttnDims check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::optional<at::Tensor>& key_padding_mask) {
+  check_defined(op, "q", q);
+  check_defined(op, "k", k);
+  check_defined(op, "v", v);
+  check_dim(op, "q", q, 4, "(B, Hq, S, D)");
+  check_dim(op, "k", k, 4, "(B, Hkv, S, D)");
+  check_dim(op, "v", v, 4, "(B, Hkv, S, D)");
+  check_floating(op, "q", q);
+  check_dtype_as(op, "k", k, "q", q);
+  check_dtype_as(op, "v", v, "q", q);
+  check_device_as(op, "k", k, "q", q);
+  check_device_as(op, "v", v, "q", q);
+  AttnDims d{q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), 0};
+  CKPT_CHECK_VALUE(d.B > 0, op, "q has an empty batch (B=0); attention needs B >= 1");
+  CKPT_CHECK_VALUE(d.D > 0, op, "q must have head dim D >= 1, got D=0");
+  CKPT_CHECK_VALUE(d.Hq > 0, op, "q must have at least one head, got Hq=0");
+  CKPT_CHECK_VALUE(k.size(0) == d.B, op, "k must have the batch size of q (B=", d.B, "), got ",
+                   k.size(0), " in shape ", checks::shape_str(k.sizes()));
+  CKPT_CHECK_VALUE(k.size(2) == d.S, op, "k must have the sequence length of q (S=", d.S,
+                   "), got ", k.size(2), " in shape ", checks::shape_str(k.sizes()));
+  CKPT_CHECK_VALUE(k.size(3) == d.D, op, "k must have the head dim of q (D=", d.D, "), got ",
+                   k.size(3), " in shape ", checks::shape_str(k.sizes()));
+  CKPT_CHECK_VALUE(d.Hkv > 0 && d.Hq % d.Hkv == 0, op, "k must have Hkv dividing Hq=", d.Hq,
+                   ", got Hkv=", d.Hkv);
+  check_shape(op, "v", v, k.sizes(), "(the shape of k)");
+  d.G = d.Hq / d.Hkv;
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& m = *key_padding_mask;
+    check_defined(op, "key_padding_mask", m);
+    check_dtype(op, "key_padding_mask", m, at::kBool, " (True = may be attended)");
+    check_shape(op, "key_padding_mask", m, {d.B, d.S}, "(B, S)");
+    check_device_as(op, "key_padding_mask", m, "q", q);
+  }
+  return d;
+}
+
+// Which entries of a (query tile, key tile) pair may not be attended: causal and padding.
+struct TileMask {
+  bool causal;
+  at::Tensor blocked_keys;  // (B, S) bool, True = key padded out; undefined without a mask
+
+  // Bool tile, True = score is masked out; shaped to broadcast over the score tile viewed as
+  // (m, G, n): (m, 1, n) when causal cuts through the tile, else (1, 1, n). Undefined when
+  // nothing in the tile is masked (the common case off the diagonal).
+  at::Tensor tile(int64_t b, int64_t i0, int64_t m, int64_t j0, int64_t n) const {
+    at::Tensor blocked;
+    if (causal && j0 + n - 1 > i0) {  // some key j in the tile lies after some query i
+      auto opts = at::TensorOptions().dtype(at::kLong);
+      at::Tensor qi = at::arange(i0, i0 + m, opts).view({m, 1, 1});
+      at::Tensor kj = at::arange(j0, j0 + n, opts).view({1, 1, n});
+      blocked = kj > qi;  // (m, 1, n)
+    }
+    if (blocked_keys.defined()) {
+      at::Tensor pad = blocked_keys.select(0, b).narrow(0, j0, n).view({1, 1, n});
+      blocked = blocked.defined() ? blocked.logical_or(pad) : pad;
+    }
+    return blocked;
+  }
+};
+
+// The G query heads of kv head hk at positions [i0, i0 + m) of batch b: a view (m, G, D) of
+// t (B, Hq, S, D) (q, out, dout, dq), rows in (position, head) order once flattened.
+at::Tensor group_rows(const at::Tensor& t, int64_t b, int64_t hk, int64_t G, int64_t i0,
+                      int64_t m) {
+  return t.select(0, b).narrow(0, hk * G, G).narrow(1, i0, m).transpose(0, 1);
+}
+
+// Online softmax of one query tile against keys [0, j_end) of one kv head.
+//   qt (m * G, D) in the compute dtype, rows in (position, head) order, positions [i0, i0 + m);
+//   kh, vh (S, D) of the kv head, any dtype (tiles are converted); vh undefined = statistics
+//   only (no output accumulation).
+// Returns (acc (m * G, D) or undefined, row_max (m * G,), row_sum (m * G,)), where
+// out = acc / row_sum and lse = row_max + log(row_sum); a row with nothing allowed keeps
+// row_max = -inf, row_sum = 0, acc = 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> online_softmax(
+    const at::Tensor& qt, const at::Tensor& kh, const at::Tensor& vh, const TileMask& mask,
+    int64_t b, int64_t i0, int64_t m, int64_t G, double scale) {
+  const int64_t S = kh.size(0);
+  const at::ScalarType cdt = qt.scalar_type();
+  const int64_t rows = qt.size(0);
+  at::Tensor row_max = at::full({rows}, -kInf, qt.options());
+  at::Tensor row_sum = at::zeros({rows}, qt.options());
+  at::Tensor acc = vh.defined() ? at::zeros({rows, qt.size(1)}, qt.options()) : at::Tensor();
+  const int64_t j_end = mask.causal ? std::min(S, i0 + m) : S;  // later keys are all masked
+  for (int64_t j0 = 0; j0 < j_end; j0 += kBlockN) {
+    const int64_t n = std::min(kBlockN, j_end - j0);
+    at::Tensor kt = kh.narrow(0, j0, n).to(cdt);                  // (n, D)
+    at::Tensor s = at::mm(qt, kt.t()).mul_(scale);                // (m * G, n)
+    at::Tensor blocked = mask.tile(b, i0, m, j0, n);
+    if (blocked.defined()) s.view({m, G, n}).masked_fill_(blocked, -kInf);
+    at::Tensor new_max = at::maximum(row_max, s.amax(1));         // (m * G,)
+    // Subtract 0 instead of -inf on rows with nothing allowed so far: their p stays 0.
+    at::Tensor shift = new_max.masked_fill(new_max == -kInf, 0.0);
+    at::Tensor p = s.sub_(shift.unsqueeze(1)).exp_();             // (m * G, n)
+    at::Tensor alpha = (row_max - shift).exp_();                  // rescales older blocks
+    row_sum.mul_(alpha).add_(p.sum(1));
+    if (acc.defined()) {
+      at::Tensor vt = vh.narrow(0, j0, n).to(cdt);                // (n, D)
+      acc.mul_(alpha.unsqueeze(1)).addmm_(p, vt);
+    }
+    row_max = new_max;
+  }
+  return {acc, row_max, row_sum};
+}
+
+// lse (m * G,) from the online-softmax statistics; -inf where nothing was allowed.
+at::Tensor lse_from_stats(const at::Tensor& row_max, const at::Tensor& row_sum) {
+  return row_max + row_sum.log();  // row_sum == 0 exactly when row_max == -inf
+}
+
+TileMask make_mask(const std::optional<at::Tensor>& key_padding_mask, bool causal) {
+  TileMask mask{causal, at::Tensor()};
+  if (key_padding_mask.has_value()) mask.blocked_keys = key_padding_mask->logical_not();
+  return mask;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v,
+                                                     const std::optional<at::Tensor>& key_padding_mask,
+                                                     bool causal, double scale) {
+  const char* op = "attention_fwd";
+  const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
+  const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
+  at::Tensor out = at::empty({d.B, d.Hq, d.S, d.D}, q.options());                  // (B, Hq, S, D)
+  at::Tensor lse = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));     // (B, Hq, S)
+  const TileMask mask = make_mask(key_padding_mask, causal);
+  const int64_t num_q_tiles = (d.S + kBlockM - 1) / kBlockM;
+
+  at::parallel_for(0, d.B * d.Hkv * num_q_tiles, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowADInplaceOrView guard;  // worker threads do not inherit the caller's
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (d.Hkv * num_q_tiles);
+      const int64_t hk = (item / num_q_tiles) % d.Hkv;
+      const int64_t i0 = (item % num_q_tiles) * kBlockM;
+      const int64_t m = std::min(kBlockM, d.S - i0);
+      at::Tensor qt = group_rows(q, b, hk, d.G, i0, m).to(cdt).reshape({m * d.G, d.D});
+      at::Tensor kh = k.select(0, b).select(0, hk);  // (S, D)
+      at::Tensor vh = v.select(0, b).select(0, hk);  // (S, D)
+      auto [acc, row_max, row_sum] = online_softmax(qt, kh, vh, mask, b, i0, m, d.G, scale);
+      at::Tensor inv = row_sum.reciprocal().masked_fill_(row_sum == 0, 0.0);  // (m * G,)
+      acc.mul_(inv.unsqueeze(1));
+      group_rows(out, b, hk, d.G, i0, m).copy_(acc.view({m, d.G, d.D}));
+      lse.select(0, b).narrow(0, hk * d.G, d.G).narrow(1, i0, m).transpose(0, 1)
+          .copy_(lse_from_stats(row_max, row_sum).view({m, d.G}));
+    }
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
+    bool causal, double scale) {
+  const char* op = "attention_bwd";
+  const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
+  checks::check_like(op, "dout", dout, "q", q, q.sizes(), "(the shape of q)");
+  checks::check_like(op, "out", out, "q", q, q.sizes(), "(the shape of q)");
+  check_defined(op, "lse", lse);
+  check_shape(op, "lse", lse, {d.B, d.Hq, d.S}, "(B, Hq, S)");
+  check_dtype(op, "lse", lse, at::kFloat);
+  check_device_as(op, "lse", lse, "q", q);
+
+  const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
+  at::Tensor dq = at::empty({d.B, d.Hq, d.S, d.D}, q.options());   // (B, Hq, S, D)
+  at::Tensor dk = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
+  at::Tensor dv = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
+  const TileMask mask = make_mask(key_padding_mask, causal);
+  const int64_t G = d.G, S = d.S, D = d.D;
+
+  at::parallel_for(0, d.B * d.Hkv, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / d.Hkv, hk = item % d.Hkv;
+      // The head group in (position, head) row order, compute dtype, contiguous.
+      at::Tensor qg = group_rows(q, b, hk, G, 0, S).to(cdt).contiguous();        // (S, G, D)
+      at::Tensor dog = group_rows(dout, b, hk, G, 0, S).to(cdt).contiguous();    // (S, G, D)
+      at::Tensor og = group_rows(out, b, hk, G, 0, S).to(cdt);                   // (S, G, D)
+      at::Tensor delta = (dog * og).sum(-1).view({S * G});                       // (S * G,)
+      at::Tensor kh = k.select(0, b).select(0, hk).to(cdt).contiguous();         // (S, D)
+      at::Tensor vh = v.select(0, b).select(0, hk).to(cdt).contiguous();         // (S, D)
+      at::Tensor lse_g;                                                          // (S * G,)
+      if (cdt == at::kDouble) {
+        lse_g = at::empty({S * G}, qg.options());
+        for (int64_t i0 = 0; i0 < S; i0 += kBlockM) {
+          const int64_t m = std::min(kBlockM, S - i0);
+          at::Tensor qt = qg.narrow(0, i0, m).view({m * G, D});
+          auto stats = online_softmax(qt, kh, at::Tensor(), mask, b, i0, m, G, scale);
+          lse_g.narrow(0, i0 * G, m * G)
+              .copy_(lse_from_stats(std::get<1>(stats), std::get<2>(stats)));
+        }
+      } else {
+        lse_g = lse.select(0, b).narrow(0, hk * G, G).transpose(0, 1).to(cdt).reshape({S * G});
+      }
+      // exp(s - (+inf)) = 0 gives P = 0 on rows with nothing to attend (lse = -inf).
+      at::Tensor lse_safe = lse_g.masked_fill(lse_g == -kInf, kInf).unsqueeze(1);  // (S * G, 1)
+      at::Tensor dq_acc = at::zeros({S * G, D}, qg.options());                   // (S * G, D)
+      at::Tensor dk_acc = at::zeros({S, D}, qg.options());                       // (S, D)
+      at::Tensor dv_acc = at::zeros({S, D}, qg.options());                       // (S, D)
+      at::Tensor q_rows = qg.view({S * G, D}), do_rows = dog.view({S * G, D});
+
+      for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
+        const int64_t n = std::min(kBlockN, S - j0);
+        at::Tensor kt = kh.narrow(0, j0, n), vt = vh.narrow(0, j0, n);      // (n, D)
+        at::Tensor dkt = dk_acc.narrow(0, j0, n), dvt = dv_acc.narrow(0, j0, n);
+        // Causal: query tiles that end before key j0 see none of this key tile.
+        const int64_t i_first = causal ? (j0 / kBlockM) * kBlockM : 0;
+        for (int64_t i0 = i_first; i0 < S; i0 += kBlockM) {
+          const int64_t m = std::min(kBlockM, S - i0);
+          const int64_t r0 = i0 * G, rows = m * G;
+          at::Tensor qt = q_rows.narrow(0, r0, rows);                          // (m * G, D)
+          at::Tensor dot = do_rows.narrow(0, r0, rows);                        // (m * G, D)
+          at::Tensor s = at::mm(qt, kt.t()).mul_(scale);                       // (m * G, n)
+          at::Tensor blocked = mask.tile(b, i0, m, j0, n);
+          if (blocked.defined()) s.view({m, G, n}).masked_fill_(blocked, -kInf);
+          at::Tensor p = s.sub_(lse_safe.narrow(0, r0, rows)).exp_();          // P (m * G, n)
+          dvt.addmm_(p.t(), dot);                                              // dV += P^T dO
+          at::Tensor ds = at::mm(dot, vt.t());                                 // dP = dO V^T
+          ds.sub_(delta.narrow(0, r0, rows).unsqueeze(1)).mul_(p);             // dS = P (dP - D)
+          dq_acc.narrow(0, r0, rows).addmm_(ds, kt, 1.0, scale);               // dQ += scale dS K
+          dkt.addmm_(ds.t(), qt, 1.0, scale);                                  // dK += scale dS^T Q
+        }
+      }
+      group_rows(dq, b, hk, G, 0, S).copy_(dq_acc.view({S, G, D}));
+      dk.select(0, b).select(0, hk).copy_(dk_acc);
+      dv.select(0, b).select(0, hk).copy_(dv_acc);
+    }
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd_cpu);
+  m.impl("attention_bwd", &attention_bwd_cpu);
+}
+
+}  // namespace ckpt_ext
