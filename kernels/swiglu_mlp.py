@@ -214,7 +214,8 @@ if _INTERPRET:
     _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
     _FIXED_META = _INTERPRET_META
 else:
-    _fwd_launch = triton.autotune(configs=_GPU_CONFIGS, key=_TUNE_KEY)(_swiglu_fwd_kernel)
+    _fwd_launch = triton.autotune(configs=_GPU_CONFIGS,
+                                  key=_TUNE_KEY + ["STORE_GATE_UP"])(_swiglu_fwd_kernel)
     # dgate is written over dh in place, so tuning runs must restore dh between trials.
     _bwd_recompute_launch = triton.autotune(configs=_GPU_CONFIGS, key=_TUNE_KEY,
                                             restore_value=["dh_ptr"])(_swiglu_bwd_recompute_kernel)
