@@ -1,14 +1,20 @@
 """ckpt_ext: activation recompute for training LLaMA-style transformers.
 
-Public API:
-    checkpoint(fn, *args, preserve_rng_state=True, **kwargs)
-    saved_activation_bytes(fn, *args, **kwargs)
+Public API (DESIGN.md):
+    checkpoint(fn, *args, preserve_rng_state=True, **kwargs)   C++ segment checkpoint
+    saved_activation_bytes(fn, *args, **kwargs)                  bytes held for backward
+    ops.attention / ops.swiglu_mlp / ops.rms_norm                differentiable kernel ops
+    modules.DecoderLayer / Attention / SwiGLUMLP / RMSNorm       drop-in modules, policy=
+    presets.PRESETS, presets.saved_bytes                         the presets and their bytes
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
+from . import _backend, blocks, modules, ops, presets
 from .checkpoint import checkpoint
 from .memory import saved_activation_bytes
 
-__all__ = ["checkpoint", "saved_activation_bytes"]
+__all__ = ["checkpoint", "saved_activation_bytes", "ops", "blocks", "modules", "presets"]
 __version__ = "0.1.0"
+
+_backend.register_from_environment()

@@ -45,4 +45,24 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // q_out = q * cos + rotate_half(q) * sin, with rotate_half(x) = cat(-x[D/2:], x[:D/2]).
   m.def("rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor q_out, Tensor k_out)");
   m.def("rope_bwd(Tensor dq_out, Tensor dk_out, Tensor cos, Tensor sin) -> (Tensor dq, Tensor dk)");
+
+  // ---- block ops: C++ autograd Functions at the Autograd key (csrc/blocks.cpp) --------------
+  // x, h: (B, S, H). preset: "fast" | "balanced" | "min_memory" decides what forward saves;
+  // backward recomputes the rest through the kernel ops above. Weights in nn.Linear layout;
+  // q_norm_weight/k_norm_weight (D,) are Qwen3's per-head norms. Causal attention.
+  // Attention sublayer: x + o_proj(attention(rope(q, k), v)), q/k/v from rms_norm(x).
+  m.def("attention_block(Tensor x, Tensor norm_weight, Tensor w_q, Tensor w_k, Tensor w_v, "
+        "Tensor w_o, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, Tensor? q_norm_weight, "
+        "Tensor? k_norm_weight, Tensor cos, Tensor sin, Tensor? key_padding_mask, int num_heads, "
+        "int num_kv_heads, float eps, float scale, str preset) -> Tensor");
+  // MLP sublayer: h + down(silu(gate(m)) * up(m)), m = rms_norm(h).
+  m.def("mlp_block(Tensor h, Tensor norm_weight, Tensor w_gate, Tensor w_up, Tensor w_down, "
+        "Tensor? b_gate, Tensor? b_up, Tensor? b_down, float eps, str preset) -> Tensor");
+  // The whole decoder layer: mlp_block(attention_block(x)).
+  m.def("decoder_layer(Tensor x, Tensor input_norm_weight, Tensor w_q, Tensor w_k, Tensor w_v, "
+        "Tensor w_o, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, Tensor? q_norm_weight, "
+        "Tensor? k_norm_weight, Tensor cos, Tensor sin, Tensor? key_padding_mask, "
+        "Tensor post_norm_weight, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, "
+        "Tensor? b_up, Tensor? b_down, int num_heads, int num_kv_heads, float eps, float scale, "
+        "str preset) -> Tensor");
 }

@@ -1,0 +1,137 @@
+"""Which implementation serves each kernel op on each device.
+
+* CPU: the ATen reference kernels of ``csrc/*_cpu.cpp`` (always built).
+* CUDA: the Triton launchers of ``ckpt_ext.kernels`` for attention and SwiGLU, registered here
+  through ``torch.library`` when torch has CUDA; the CUDA C++ row-wise kernels (RMSNorm, RoPE)
+  of ``csrc/cuda`` in a CUDA build, or plain-PyTorch fallbacks registered here when the
+  extension was built without CUDA.
+* ``CKPT_EXT_BACKEND=triton`` (with ``TRITON_INTERPRET=1``) also puts the Triton launchers on
+  CPU tensors, so the whole fused path runs through Triton in CPU tests; ``use_triton("cpu")``
+  does the same for a ``with`` block.
+
+Triton is imported on the first call of a launcher, not at ``import ckpt_ext``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Callable, Iterator
+
+import torch
+
+from . import _C
+
+__all__ = ["register_from_environment", "use_triton", "register_triton"]
+
+# op name -> (module in ckpt_ext.kernels, launcher)
+TRITON_OPS = {
+    "attention_fwd": ("attention", "attention_fwd"),
+    "attention_bwd": ("attention", "attention_bwd"),
+    "swiglu_fwd": ("swiglu_mlp", "swiglu_fwd"),
+    "swiglu_bwd": ("swiglu_mlp", "swiglu_bwd"),
+}
+
+_persistent: list = []  # libraries that live as long as the process
+
+
+def _lazy(module: str, name: str) -> Callable:
+    fn = None
+
+    def launcher(*args):
+        nonlocal fn
+        if fn is None:
+            fn = getattr(importlib.import_module(f"ckpt_ext.kernels.{module}"), name)
+        return fn(*args)
+
+    launcher.__name__ = name
+    return launcher
+
+
+def register_triton(device_type: str) -> torch.library.Library:
+    """Register the Triton launchers for ``device_type`` ("cuda", or "cpu" under the Triton
+    interpreter). Returns the ``torch.library.Library`` holding the registrations; they last
+    as long as it does."""
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"register_triton: device_type must be 'cuda' or 'cpu', got "
+                         f"{device_type!r}")
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
+            "in the environment before triton is imported (CKPT_EXT_BACKEND=triton requires it)")
+    lib = torch.library.Library("ckpt_ext", "IMPL")
+    for op, (module, name) in TRITON_OPS.items():
+        lib.impl(op, _lazy(module, name), device_type.upper())
+    return lib
+
+
+@contextlib.contextmanager
+def use_triton(device_type: str = "cpu") -> Iterator[None]:
+    """Within the block, the Triton launchers implement the kernel ops on ``device_type``;
+    afterwards the previous implementations are back."""
+    lib = register_triton(device_type)
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+# ---- plain-PyTorch row-wise ops for CUDA tensors in a build without CUDA kernels -----------
+
+def _rms_norm_fwd(x, weight, eps):
+    xf = x if x.dtype == torch.float64 else x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rms_norm_bwd(dy, x, weight, eps):
+    xf = x if x.dtype == torch.float64 else x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf * rstd
+    dweight = (dy * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    g = dy.to(n.dtype) * weight.to(n.dtype)
+    dx = rstd * (g - n * (g * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dweight
+
+
+def _add_rms_norm_fwd(x, residual, weight, eps):
+    s = x + residual
+    return _rms_norm_fwd(s, weight, eps), s
+
+
+def _rotate(t, sign):
+    half = t.shape[-1] // 2
+    return torch.cat((-sign * t[..., half:], sign * t[..., :half]), dim=-1)
+
+
+def _rope(q, k, cos, sin, sign):
+    c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+
+    def one(t):
+        tf = t.float() if t.dtype != torch.float64 else t
+        if sign > 0:
+            return (tf * c + _rotate(tf, 1) * s).to(t.dtype)
+        return (tf * c - _rotate(tf * s, 1)).to(t.dtype)  # rotate_half^T(y) = -rotate_half(y)
+    return one(q), one(k)
+
+
+def _register_rowwise_fallback() -> None:
+    lib = torch.library.Library("ckpt_ext", "IMPL")
+    lib.impl("rms_norm_fwd", _rms_norm_fwd, "CUDA")
+    lib.impl("rms_norm_bwd", _rms_norm_bwd, "CUDA")
+    lib.impl("add_rms_norm_fwd", _add_rms_norm_fwd, "CUDA")
+    lib.impl("rope_fwd", lambda q, k, cos, sin: _rope(q, k, cos, sin, 1), "CUDA")
+    lib.impl("rope_bwd", lambda dq, dk, cos, sin: _rope(dq, dk, cos, sin, -1), "CUDA")
+    _persistent.append(lib)
+
+
+def register_from_environment() -> None:
+    """Called once by ``import ckpt_ext``."""
+    backend = os.environ.get("CKPT_EXT_BACKEND", "auto")
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"CKPT_EXT_BACKEND must be 'auto' or 'triton', got {backend!r}")
+    if torch.version.cuda is not None:  # torch built with CUDA; no device is queried
+        _persistent.append(register_triton("cuda"))
+        if not _C.with_cuda:
+            _register_rowwise_fallback()
+    if backend == "triton":
+        _persistent.append(register_triton("cpu"))

@@ -1,0 +1,257 @@
+"""Drop-in modules for LLaMA-style layers, with Hugging Face parameter names.
+
+An HF ``LlamaDecoderLayer`` state_dict loads strictly into ``DecoderLayer`` (and Qwen2's, with
+``attention_bias=True, o_bias=False``; Qwen3's with ``qk_norm=True``). ``policy`` picks what
+is saved for backward (see ``ckpt_ext.presets``):
+
+* ``none``: plain PyTorch (SDPA attention), nothing recomputed;
+* ``torch``: the plain layer under ``torch.utils.checkpoint(use_reentrant=False)``;
+* ``fast`` / ``balanced`` / ``min_memory``: the fused path, one C++ autograd Function per
+  layer (``torch.ops.ckpt_ext.decoder_layer``) over the kernel ops.
+
+Shapes: hidden_states (B, S, H); position_embeddings = (cos, sin), each (1 or B, S, head_dim)
+as HF's rotary embedding returns them; key_padding_mask bool (B, S), True = real token.
+Attention is causal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from .. import ops
+from ..presets import FUSED_PRESETS, check_policy
+
+__all__ = ["LayerConfig", "RMSNorm", "SwiGLUMLP", "Attention", "DecoderLayer"]
+
+PositionEmbeddings = Tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Everything that shapes one decoder layer."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: Optional[int] = None        # default hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False          # biases on q/k/v (and o_proj unless o_bias says)
+    o_bias: Optional[bool] = None         # o_proj bias; None = attention_bias (Qwen2: False)
+    mlp_bias: bool = False
+    qk_norm: bool = False                 # Qwen3's per-head RMSNorm on q and k
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got "
+                             f"{self.num_kv_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads="
+                             f"{self.num_heads}; pass head_dim")
+        if self.dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.dim}")
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+# ---- plain PyTorch math (policy "none" / "torch") ------------------------------------------
+
+def _rms_norm_plain(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x if x.dtype == torch.float64 else x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_plain(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _attention_plain(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                     key_padding_mask: Optional[Tensor]) -> Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    if key_padding_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    s = q.shape[2]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    allowed = key_padding_mask[:, None, None, :] & causal
+    # A row with nothing to attend would be NaN in SDPA: let it attend anywhere, then zero it.
+    empty = ~allowed.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale,
+                                         enable_gqa=gqa)
+    return out.masked_fill(empty, 0.0)
+
+
+# ---- modules -------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """HF ``LlamaRMSNorm``: ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, policy: str = "balanced"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+        self.policy = check_policy(policy)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.policy in FUSED_PRESETS:
+            return ops.rms_norm(x, self.weight, self.variance_epsilon)
+        return _rms_norm_plain(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, policy={self.policy!r}"
+
+
+class SwiGLUMLP(nn.Module):
+    """HF ``LlamaMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; x (..., H)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 policy: str = "balanced"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.policy = check_policy(policy)
+
+    def _plain(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.policy == "none":
+            return self._plain(x)
+        if self.policy == "torch":
+            return torch_checkpoint(self._plain, x, use_reentrant=False)
+        return ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight,
+                              self.down_proj.weight, self.gate_proj.bias, self.up_proj.bias,
+                              self.down_proj.bias,
+                              save="gate_up" if self.policy == "fast" else "input")
+
+
+class Attention(nn.Module):
+    """HF ``LlamaAttention`` (causal, GQA, RoPE; optional q/k/v/o biases and Qwen3 q/k norms).
+
+    forward(hidden_states (B, S, H) already normed, position_embeddings, key_padding_mask)
+    -> (B, S, H). Fused policies run ``ckpt_ext.ops`` (attention saves q, k, v, out, lse).
+    """
+
+    def __init__(self, config: LayerConfig, policy: str = "balanced"):
+        super().__init__()
+        c, d = config, config.dim
+        o_bias = c.attention_bias if c.o_bias is None else c.o_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, d
+        self.scaling = d ** -0.5
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(d, c.rms_norm_eps, policy)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps, policy)
+        else:
+            self.q_norm = self.k_norm = None
+        self.policy = check_policy(policy)
+
+    def _heads(self, x: Tensor, proj: nn.Linear, heads: int, norm: Optional[RMSNorm]) -> Tensor:
+        t = proj(x).view(*x.shape[:-1], heads, self.head_dim)
+        return (t if norm is None else norm(t)).transpose(1, 2)
+
+    def _attend(self, x: Tensor, position_embeddings: PositionEmbeddings,
+                key_padding_mask: Optional[Tensor]) -> Tensor:
+        b, s, _ = x.shape
+        q = self._heads(x, self.q_proj, self.num_heads, self.q_norm)
+        k = self._heads(x, self.k_proj, self.num_kv_heads, self.k_norm)
+        v = self._heads(x, self.v_proj, self.num_kv_heads, None)
+        cos, sin = position_embeddings
+        if self.policy in FUSED_PRESETS:
+            q, k = ops.rope(q, k, cos, sin)
+            out = ops.attention(q, k, v, causal=True, scale=self.scaling,
+                                key_padding_mask=key_padding_mask)
+        else:
+            q, k = _rope_plain(q, k, cos, sin)
+            out = _attention_plain(q, k, v, self.scaling, key_padding_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
+                key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        if self.policy == "torch":
+            return torch_checkpoint(self._attend, hidden_states, position_embeddings,
+                                    key_padding_mask, use_reentrant=False)
+        return self._attend(hidden_states, position_embeddings, key_padding_mask)
+
+
+class DecoderLayer(nn.Module):
+    """HF ``LlamaDecoderLayer``: ``h = x + attn(norm(x)); y = h + mlp(norm(h))``.
+
+    forward(hidden_states (B, S, H), position_embeddings (cos, sin), key_padding_mask=None)
+    -> (B, S, H). With a fused policy the whole layer is one C++ autograd Function that saves
+    what the preset says (``ckpt_ext.presets``).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 intermediate_size: int, *, head_dim: Optional[int] = None,
+                 rms_norm_eps: float = 1e-6, attention_bias: bool = False,
+                 mlp_bias: bool = False, o_bias: Optional[bool] = None, qk_norm: bool = False,
+                 policy: str = "balanced"):
+        super().__init__()
+        self.config = c = LayerConfig(hidden_size, num_heads, num_kv_heads, intermediate_size,
+                                      head_dim, rms_norm_eps, attention_bias, o_bias, mlp_bias,
+                                      qk_norm)
+        self.self_attn = Attention(c, policy)
+        self.mlp = SwiGLUMLP(hidden_size, intermediate_size, mlp_bias, policy)
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, policy)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, policy)
+        self.policy = policy
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: str) -> None:
+        self._policy = check_policy(value)
+        for m in self.modules():
+            if m is not self and hasattr(m, "policy"):
+                m.policy = value
+
+    def _plain(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
+        h = x + self.self_attn._attend(self.input_layernorm(x), (cos, sin), mask)
+        return h + self.mlp._plain(self.post_attention_layernorm(h))
+
+    def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
+        a, m = self.self_attn, self.mlp
+        qn = None if a.q_norm is None else a.q_norm.weight
+        kn = None if a.k_norm is None else a.k_norm.weight
+        return torch.ops.ckpt_ext.decoder_layer(
+            x, self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+            a.o_proj.weight, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.o_proj.bias, qn, kn,
+            cos, sin, mask, self.post_attention_layernorm.weight, m.gate_proj.weight,
+            m.up_proj.weight, m.down_proj.weight, m.gate_proj.bias, m.up_proj.bias,
+            m.down_proj.bias, a.num_heads, a.num_kv_heads,
+            self.input_layernorm.variance_epsilon, a.scaling, self.policy)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
+                key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        cos, sin = position_embeddings
+        if self.policy == "none":
+            return self._plain(hidden_states, cos, sin, key_padding_mask)
+        if self.policy == "torch":
+            return torch_checkpoint(self._plain, hidden_states, cos, sin, key_padding_mask,
+                                    use_reentrant=False)
+        return self._fused(hidden_states, cos, sin, key_padding_mask)

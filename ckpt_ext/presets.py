@@ -1,0 +1,54 @@
+"""Recompute presets (``policy=``) of a decoder layer, and the bytes each one saves.
+
+=============  ==============================================  ==================================
+preset         saved for backward (per layer)                  recomputed in backward
+=============  ==============================================  ==================================
+``none``       everything autograd saves (plain layer)          nothing
+``torch``      x (``torch.utils.checkpoint`` of the plain layer) the whole layer
+``fast``       x, q, k, v (post-RoPE), out, lse, h, gate, up    norms, SwiGLU product, softmax tiles
+``balanced``   x, out, lse, h                                   + q/k/v and RoPE, gate/up tile-wise
+``min_memory`` x                                                + attention forward and o_proj
+=============  ==============================================  ==================================
+
+``saved_bytes`` gives the exact count ``saved_activation_bytes`` measures for one fused or
+``torch`` layer; ``README.md`` carries the same formulas.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PRESETS", "FUSED_PRESETS", "check_policy", "saved_bytes", "per_token_bytes"]
+
+PRESETS = ("none", "torch", "fast", "balanced", "min_memory")
+FUSED_PRESETS = ("fast", "balanced", "min_memory")
+
+
+def check_policy(policy: str, what: str = "policy") -> str:
+    if policy not in PRESETS:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, PRESETS))}; got {policy!r}")
+    return policy
+
+
+def per_token_bytes(preset: str, *, H: int, Hq: int, Hkv: int, D: int, I: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes one token leaves saved in one layer (activations in ``dtype``; lse is fp32)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    if preset == "fast":  # x, q, k, v, out, lse, h, gate, up
+        return e * (2 * H + 2 * Hq * D + 2 * Hkv * D + 2 * I) + 4 * Hq
+    if preset == "balanced":  # x, out, lse, h
+        return e * (2 * H + Hq * D) + 4 * Hq
+    if preset in ("min_memory", "torch"):  # x
+        return e * H
+    raise ValueError(f"per_token_bytes: no closed form for preset {preset!r} (measure it with "
+                     "ckpt_ext.saved_activation_bytes)")
+
+
+def saved_bytes(preset: str, *, B: int, S: int, H: int, Hq: int, Hkv: int, D: int, I: int,
+                dtype: torch.dtype, rope_batch: int = 1, rope_dtype: torch.dtype | None = None,
+                mask: bool = False) -> int:
+    """Exact saved bytes of one layer: ``B*S*per_token_bytes`` plus the layer's shared inputs,
+    cos and sin ``(rope_batch, S, D)`` and the bool ``key_padding_mask`` ``(B, S)`` if given.
+    In a model the shared inputs are the same tensors for every layer and count once."""
+    rope_e = torch.empty((), dtype=rope_dtype or dtype).element_size()
+    shared = 2 * rope_batch * S * D * rope_e + (B * S if mask else 0)
+    return B * S * per_token_bytes(preset, H=H, Hq=Hq, Hkv=Hkv, D=D, I=I, dtype=dtype) + shared
