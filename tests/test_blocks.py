@@ -1,0 +1,286 @@
+"""The fused decoder layer: presets vs an independent plain-PyTorch LLaMA layer, gradcheck,
+saved bytes against the README formulas, HF compatibility and errors."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ckpt_ext
+from ckpt_ext import blocks
+from ckpt_ext.modules import DecoderLayer
+from ckpt_ext.presets import FUSED_PRESETS, PRESETS, saved_bytes
+
+# ---- an independent reference: explicit softmax, repeated K/V, no ckpt_ext code ------------
+
+
+def rope_tables(s, d, dtype, batch=1, offset=None):
+    pos = torch.arange(s, dtype=torch.float64)[None].repeat(batch, 1)
+    if offset is not None:
+        pos = pos + offset[:, None]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = pos[..., None] * inv
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
+    """p: a DecoderLayer state_dict (HF names). Computes in x's dtype."""
+    def rms(t, w):
+        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    def lin(t, name):
+        return F.linear(t, p[name + ".weight"], p.get(name + ".bias"))
+
+    def rot(t):
+        h = t.shape[-1] // 2
+        return torch.cat([-t[..., h:], t[..., :h]], -1)
+
+    b, s, _ = x.shape
+    d = p["self_attn.q_proj.weight"].shape[0] // hq
+    n = rms(x, p["input_layernorm.weight"])
+    q = lin(n, "self_attn.q_proj").view(b, s, hq, d)
+    k = lin(n, "self_attn.k_proj").view(b, s, hkv, d)
+    v = lin(n, "self_attn.v_proj").view(b, s, hkv, d).transpose(1, 2)
+    if qk_norm:
+        q, k = rms(q, p["self_attn.q_norm.weight"]), rms(k, p["self_attn.k_norm.weight"])
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    c, sn = cos[:, None], sin[:, None]
+    q, k = q * c + rot(q) * sn, k * c + rot(k) * sn
+    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+    probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # nothing to attend -> 0
+    h = x + lin((probs @ v).transpose(1, 2).reshape(b, s, -1), "self_attn.o_proj")
+    m = rms(h, p["post_attention_layernorm.weight"])
+    return h + lin(F.silu(lin(m, "mlp.gate_proj")) * lin(m, "mlp.up_proj"), "mlp.down_proj")
+
+
+def make_layer(h, hq, hkv, i, dtype, policy="balanced", **kw):
+    layer = DecoderLayer(h, hq, hkv, i, policy=policy, **kw).to(dtype)
+    with torch.no_grad():  # non-trivial norm weights and biases
+        for name, t in layer.named_parameters():
+            if "norm" in name:
+                t.copy_(1 + 0.2 * torch.randn_like(t))
+            elif name.endswith("bias"):
+                t.copy_(0.1 * torch.randn_like(t))
+    return layer
+
+
+def make_mask(kind, b, s):
+    if kind == "none":
+        return None
+    mask = torch.ones(b, s, dtype=torch.bool)
+    lengths = torch.randint(1, s + 1, (b,))
+    for r in range(b):  # left padding, as HF batches prompts
+        mask[r, : s - lengths[r]] = False
+    if kind == "fully_padded":
+        mask[-1] = False
+    return mask
+
+
+def run(layer, x, pe, mask):
+    x = x.detach().requires_grad_()
+    y = layer(x, pe, mask)
+    grad_out = torch.randn_like(y, generator=torch.Generator().manual_seed(1))
+    y.backward(grad_out)
+    grads = {"x": x.grad}
+    grads.update({n: t.grad for n, t in layer.named_parameters()})
+    return y.detach(), grads, grad_out
+
+
+CASES = [  # (S, B, Hq, Hkv, mask): every S, batch 1 and 3, MHA and GQA, each mask kind
+    (1, 1, 4, 4, "none"), (1, 3, 4, 2, "left_pad"), (17, 1, 4, 2, "none"),
+    (17, 3, 4, 4, "fully_padded"), (17, 3, 4, 2, "left_pad"), (129, 1, 4, 4, "left_pad"),
+    (129, 3, 4, 2, "fully_padded"), (129, 3, 4, 2, "none"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("s,b,hq,hkv,mask_kind", CASES)
+def test_every_policy_matches_reference(dtype, s, b, hq, hkv, mask_kind):
+    h, i = 64, 172
+    layer = make_layer(h, hq, hkv, i, dtype)
+    x = torch.randn(b, s, h, dtype=dtype)
+    pe = rope_tables(s, h // hq, dtype)
+    mask = make_mask(mask_kind, b, s)
+
+    # reference in fp64 from the same weights
+    p64 = {k: v.detach().double().requires_grad_() for k, v in layer.state_dict().items()}
+    x64 = x.double().requires_grad_()
+    y_ref = reference_layer(p64, x64, *(t.double() for t in pe), mask, hq, hkv)
+    _, _, grad_out = run(layer, x, pe, mask)  # only for grad_out's values
+    y_ref.backward(grad_out.double())
+    ref_grads = {"x": x64.grad, **{k: v.grad for k, v in p64.items()}}
+
+    rtol, atol = (1e-10, 1e-10) if dtype == torch.float64 else (1e-4, 2e-5)
+    for policy in PRESETS:
+        layer.zero_grad(set_to_none=True)
+        layer.policy = policy
+        y, grads, _ = run(layer, x, pe, mask)
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y.double(), y_ref.detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{policy} output: {m}")
+        for name, g in grads.items():
+            torch.testing.assert_close(g.double(), ref_grads[name], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{policy} grad {name}: {m}")
+
+
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_gradcheck_decoder_layer_fp64(preset):
+    torch.manual_seed(1)
+    layer = make_layer(8, 2, 1, 12, torch.float64, policy=preset, attention_bias=True,
+                       mlp_bias=True, qk_norm=True)
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    pe = rope_tables(4, 4, torch.float64, batch=2, offset=torch.tensor([0.0, 3.0]))
+    mask = torch.tensor([[True] * 4, [False, True, True, True]])
+    params = list(layer.parameters())
+
+    def fn(x, *ps):
+        return torch.func.functional_call(layer, dict(zip(dict(layer.named_parameters()), ps)),
+                                          (x, pe, mask))
+    assert torch.autograd.gradcheck(fn, (x, *params), atol=1e-7)
+
+
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_gradcheck_sublayer_blocks_fp64(preset):
+    torch.manual_seed(2)
+    d64 = dict(dtype=torch.float64, requires_grad=True)
+    b, s, h, hq, hkv, d, i = 2, 5, 8, 4, 2, 4, 6
+    x = torch.randn(b, s, h, **d64)
+    nw = (1 + 0.2 * torch.randn(h, dtype=torch.float64)).requires_grad_()
+    wq, wk, wv = (torch.randn(n * d, h, **d64) for n in (hq, hkv, hkv))
+    wo = torch.randn(h, hq * d, **d64)
+    bq = torch.randn(hq * d, **d64)
+    pe = rope_tables(s, d, torch.float64)
+    mask = torch.tensor([[False, False, True, True, True], [True] * 5])
+    attn = lambda x, nw, wq, wk, wv, wo, bq: blocks.attention_block(  # noqa: E731
+        x, nw, wq, wk, wv, wo, pe, num_heads=hq, num_kv_heads=hkv, b_q=bq,
+        key_padding_mask=mask, preset=preset)
+    assert torch.autograd.gradcheck(attn, (x, nw, wq, wk, wv, wo, bq), atol=1e-7)
+
+    wg, wu = torch.randn(i, h, **d64), torch.randn(i, h, **d64)
+    wd, bd = torch.randn(h, i, **d64), torch.randn(h, **d64)
+    mlp = lambda x, nw, wg, wu, wd, bd: blocks.mlp_block(  # noqa: E731
+        x, nw, wg, wu, wd, b_down=bd, preset=preset)
+    assert torch.autograd.gradcheck(mlp, (x, nw, wg, wu, wd, bd), atol=1e-7)
+
+
+def test_sublayers_compose_to_the_layer():
+    layer = make_layer(32, 4, 2, 48, torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    pe = rope_tables(9, 8, torch.float64)
+    a, m = layer.self_attn, layer.mlp
+    h = blocks.attention_block(x, layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
+                               a.v_proj.weight, a.o_proj.weight, pe, num_heads=4,
+                               num_kv_heads=2)
+    y = blocks.mlp_block(h, layer.post_attention_layernorm.weight, m.gate_proj.weight,
+                         m.up_proj.weight, m.down_proj.weight)
+    torch.testing.assert_close(y, layer(x, pe), rtol=1e-12, atol=1e-12)
+
+
+# ---- bytes ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("preset", ["torch", *FUSED_PRESETS])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["nomask", "mask"])
+def test_saved_bytes_match_formula(dtype, hq, hkv, preset, with_mask):
+    b, s, h, i = 3, 19, 64, 96
+    d = h // hq
+    layer = make_layer(h, hq, hkv, i, dtype, policy=preset)
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    pe = rope_tables(s, d, dtype)
+    mask = make_mask("left_pad", b, s) if with_mask else None
+    measured = ckpt_ext.saved_activation_bytes(layer, x, pe, mask)
+    expected = saved_bytes(preset, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i, dtype=dtype,
+                           mask=with_mask)
+    assert measured == expected
+
+
+def test_saved_bytes_order_and_none_is_largest():
+    b, s, h = 2, 64, 64
+    x = torch.randn(b, s, h, requires_grad=True)
+    pe = rope_tables(s, 16, torch.float32)
+    got = {}
+    for preset in PRESETS:
+        layer = make_layer(h, 4, 2, 172, torch.float32, policy=preset)
+        got[preset] = ckpt_ext.saved_activation_bytes(layer, x, pe)
+    assert got["none"] > got["fast"] > got["balanced"] > got["min_memory"] == got["torch"]
+
+
+# ---- behaviour -----------------------------------------------------------------------------
+
+def test_no_grad_saves_nothing_and_matches():
+    layer = make_layer(32, 4, 2, 48, torch.float32)
+    x = torch.randn(2, 7, 32)
+    pe = rope_tables(7, 8, torch.float32)
+    with torch.no_grad():
+        y = layer(x, pe)
+    assert not y.requires_grad
+    layer.policy = "none"
+    torch.testing.assert_close(y, layer(x, pe).detach(), rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():
+        layer.policy = "min_memory"
+        torch.testing.assert_close(layer(x, pe), y, rtol=1e-6, atol=1e-6)
+
+
+def test_double_backward_raises():
+    layer = make_layer(16, 2, 2, 24, torch.float64, policy="balanced")
+    x = torch.randn(1, 3, 16, dtype=torch.float64, requires_grad=True)
+    y = layer(x, rope_tables(3, 8, torch.float64))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="policy"):
+        DecoderLayer(32, 4, 2, 48, policy="fastest")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        DecoderLayer(32, 4, 3, 48)
+    layer = make_layer(32, 4, 2, 48, torch.float32)
+    pe = rope_tables(5, 8, torch.float32)
+    with pytest.raises(RuntimeError, match=r"x must be \(B, S, H\)"):
+        layer(torch.randn(5, 32), pe)
+    with pytest.raises(RuntimeError, match="empty batch"):
+        layer(torch.randn(0, 5, 32), pe)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        layer(torch.randn(1, 5, 32), (pe[0].requires_grad_(), pe[1]))
+    with pytest.raises(ValueError, match="preset"):
+        blocks.mlp_block(torch.randn(1, 2, 32), torch.ones(32), torch.ones(4, 32),
+                         torch.ones(4, 32), torch.ones(32, 4), preset="none")
+    with pytest.raises(RuntimeError, match="preset must be one of"):
+        torch.ops.ckpt_ext.mlp_block(torch.randn(1, 2, 32), torch.ones(32), torch.ones(4, 32),
+                                     torch.ones(4, 32), torch.ones(32, 4), None, None, None,
+                                     1e-6, "quick")
+
+
+def test_hf_llama_layer_state_dict_loads_and_matches():
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=172, rms_norm_eps=1e-5, attention_bias=True,
+                      mlp_bias=True, attn_implementation="eager")
+    # fp32: HF's RMSNorm computes in fp32 whatever the input dtype, so fp64 cannot be tight.
+    hf = LlamaDecoderLayer(cfg, layer_idx=0)
+    with torch.no_grad():
+        for name, t in hf.named_parameters():
+            t.add_(0.1 * torch.randn_like(t))
+    ours = DecoderLayer(64, 4, 2, 172, rms_norm_eps=1e-5, attention_bias=True, mlp_bias=True,
+                        policy="balanced")
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    hf.load_state_dict(ours.state_dict(), strict=True)
+
+    x = torch.randn(2, 11, 64)
+    pos = torch.arange(11)[None].repeat(2, 1)
+    pe = LlamaRotaryEmbedding(cfg)(x, pos)
+    causal = torch.full((11, 11), float("-inf")).triu(1)[None, None]
+    out = hf(x, attention_mask=causal, position_embeddings=pe, position_ids=pos)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(ours(x, pe), out, rtol=1e-4, atol=1e-5)
