@@ -7,7 +7,7 @@ Shapes (every launcher checks them):
     out:              (B, Hq, S, D)      dtype of q, contiguous
     lse:              (B, Hq, S)         float32, natural log; -inf where a row attends nothing
 
-Forward: one program per (query block, batch * query head). It streams key blocks through an
+Forward: one program per (query block, batch, query head). It streams key blocks through an
 online softmax (running max ``m``, running sum ``l``, fp32 accumulator), in base 2 so that the
 exponentials are ``exp2``. With ``causal`` it stops at the diagonal, and only the key blocks
 that straddle the diagonal pay for the element-wise causal mask.
@@ -106,14 +106,15 @@ def _attn_fwd_kernel(Q, K, V, Mask, Out, Lse,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B * Hq). Writes Out (B, Hq, S, D) and Lse (B, Hq, S) contiguous.
+    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes Out (B, Hq, S, D) and Lse (B, Hq, S) contiguous.
 
     qk_scale = scale * log2(e). S_BUCKET is only an autotuning key.
     """
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    if CAUSAL:  # the last query blocks carry the most work: launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -158,7 +159,7 @@ def _attn_fwd_kernel(Q, K, V, Mask, Out, Lse,
     O_bh = Out + b * stride_ob + h * stride_oh
     tl.store(O_bh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + pid_bh.to(tl.int64) * S + offs_m, lse, mask=row_ok)
+    tl.store(Lse + (b * Hq + h) * S + offs_m, lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,11 +172,10 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Delta,
                                 Hq, S,
                                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                                 BLOCK_M: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B * Hq). Delta (B, Hq, S) fp32 = rowsum(dOut * Out)."""
+    """Grid (cdiv(S, BLOCK_M), B, Hq). Delta (B, Hq, S) fp32 = rowsum(dOut * Out)."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     row_ok = offs_m < S
@@ -185,7 +185,7 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Delta,
     do = tl.load(DOut + b * stride_gb + h * stride_gh
                  + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + pid_bh.to(tl.int64) * S + offs_m, delta, mask=row_ok)
+    tl.store(Delta + (b * Hq + h) * S + offs_m, delta, mask=row_ok)
 
 
 @triton.jit
@@ -236,15 +236,14 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_N), B * Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*.
+    """Grid (cdiv(S, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*.
 
     Each program loops over the GROUP query heads of its KV head in a fixed order, so the GQA
     sum is deterministic. Lse, Delta: (B, Hq, S) contiguous fp32.
     """
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    hk = (pid_bh % Hkv).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    hk = tl.program_id(2).to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -340,11 +339,12 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B * Hq). Writes DQ (B, Hq, S, D) with strides stride_d*."""
+    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes DQ (B, Hq, S, D) with strides stride_d*."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    if CAUSAL:  # the last query blocks carry the most work: launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -355,7 +355,7 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
                 + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=ok, other=0.0)
     do = tl.load(DOut + b * stride_gb + h * stride_gh
                  + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
-    row_base = pid_bh.to(tl.int64) * S
+    row_base = (b * Hq + h) * S
     lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
@@ -531,9 +531,11 @@ def _mask_args(key_padding_mask, fallback):
     return m, m.stride(0), m.stride(1), True
 
 
-def _common_meta(D, causal):
+def _common_meta(D, causal, dtype):
+    # fp32 inputs: exact fp32 products (no TF32, which would exceed the accuracy bounds);
+    # fp16/bf16 inputs: tensor-core dots (the precision argument only affects fp32 operands).
     return dict(HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), CAUSAL=bool(causal),
-                DOT_PRECISION="ieee")
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
 class _on_device:
@@ -569,13 +571,13 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
     kernel, meta = _launcher("fwd", q.device)
 
     def grid(m):
-        return (triton.cdiv(S, m["BLOCK_M"]), B * Hq)
+        return (triton.cdiv(S, m["BLOCK_M"]), B, Hq)
 
     with _on_device(q.device):
         kernel[grid](q, k, v, mask, out, lse,
                      *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
                      Hq, S, Hq // Hkv, float(scale) * _LOG2E, _s_bucket(S),
-                     HAS_MASK=has_mask, **_common_meta(D, causal), **meta)
+                     HAS_MASK=has_mask, **_common_meta(D, causal, q.dtype), **meta)
     return out, lse
 
 
@@ -615,24 +617,24 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, scale
     lse = lse.contiguous()
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
-    common = _common_meta(D, causal)
+    common = _common_meta(D, causal, q.dtype)
     qk_scale = float(scale) * _LOG2E
     group = Hq // Hkv
 
     with _on_device(q.device):
-        _attn_bwd_preprocess_kernel[(triton.cdiv(S, _PRE_BLOCK_M), B * Hq)](
+        _attn_bwd_preprocess_kernel[(triton.cdiv(S, _PRE_BLOCK_M), B, Hq)](
             out, dout, delta, *out.stride(), *dout.stride(), Hq, S,
             HEAD_DIM=D, D_PAD=common["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
 
         kernel, meta = _launcher("dkdv", q.device)
-        kernel[lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * Hkv)](
+        kernel[lambda m: (triton.cdiv(S, m["BLOCK_N"]), B, Hkv)](
             q, k, v, mask, dout, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dk.stride(), Hq, Hkv, S, group, qk_scale, float(scale), _s_bucket(S),
             HAS_MASK=has_mask, **common, **meta)
 
         kernel, meta = _launcher("dq", q.device)
-        kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B * Hq)](
+        kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B, Hq)](
             q, k, v, mask, dout, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dq.stride(), Hq, S, group, qk_scale, float(scale), _s_bucket(S),

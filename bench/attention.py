@@ -1,0 +1,350 @@
+"""Benchmark the Triton flash-attention kernels against torch SDPA (flash backend) and eager.
+
+GPU (default sweep): causal, bf16, head_dim 64 (Hq = 32) and 128 (Hq = 16), Hkv = Hq, S in
+{1k, 2k, 4k, 8k, 16k} at 16k tokens per batch (B = 16384 // S), plus one GQA row per head_dim
+(Hkv = Hq / 4, S = 4k). Reports forward, backward and forward+backward TFLOP/s (median over
+repetitions, CUDA events, after warmup), prints a table and writes
+``bench/results/attention_<device>.csv`` whose header comment records the device, torch and
+triton versions, the command and the date.
+
+FLOPs (FlashAttention convention): forward 4 * B * Hq * S^2 * D, halved when causal;
+backward 2.5x forward; forward+backward 3.5x forward.
+
+Without a GPU the script runs the kernels under the Triton interpreter at a tiny size, labels
+the run "CPU interpreter run: NOT a performance figure", and writes
+``bench/results/attention_cpu_smoke.csv``; it exists so that CI exercises this script.
+
+    python bench/attention.py                         # full GPU sweep
+    python bench/attention.py --seqlens 2048 --head-dims 128 --reps 10
+    python bench/attention.py --cpu-size 1,2,64,16    # CPU smoke size B,H,S,D
+"""
+import argparse
+import csv
+import datetime
+import importlib.util
+import math
+import os
+import pathlib
+import re
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+try:
+    from ckpt_ext.kernels import attention  # noqa: E402
+except ImportError:
+    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "attention.py"
+    _spec = importlib.util.spec_from_file_location("ckpt_ext_kernels_attention", _path)
+    attention = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(attention)
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", default="1024,2048,4096,8192,16384",
+                   help="comma-separated sequence lengths (GPU)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch: B = tokens // S")
+    p.add_argument("--head-dims", default="64,128", help="comma-separated head dims (GPU)")
+    p.add_argument("--heads", default="64:32,128:16",
+                   help="query heads per head_dim as D:Hq pairs (GPU)")
+    p.add_argument("--gqa-seqlen", type=int, default=4096,
+                   help="S of the extra GQA row per head_dim (Hkv = Hq/4); 0 disables it")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="GPU dtype")
+    p.add_argument("--no-causal", action="store_true", help="benchmark non-causal attention")
+    p.add_argument("--providers", default="triton,sdpa,eager",
+                   help="comma-separated subset of triton,sdpa,eager")
+    p.add_argument("--warmup", type=int, default=None, help="warmup iterations (GPU 5, CPU 1)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (GPU 30, CPU 3)")
+    p.add_argument("--cpu-size", default="1,2,64,16", help="B,H,S,D of the CPU interpreter smoke run")
+    p.add_argument("--out", default=None, help="CSV path (default bench/results/attention_<device>.csv)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------
+# Providers: each returns {mode: callable} for one shape
+# ------------------------------------------------------------------------------------------
+def eager_attention(q, k, v, causal, scale):
+    """Plain PyTorch: S x S scores, fp32 softmax. q (B, Hq, S, D), k/v (B, Hkv, S, D)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        S = q.shape[2]
+        upper = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(upper, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def sdpa_attention(q, k, v, causal, scale):
+    """torch SDPA restricted to the flash backend on CUDA (default backends on CPU)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    backend = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
+    with sdpa_kernel(backend):
+        if group > 1:
+            try:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                      enable_gqa=True)
+            except (RuntimeError, TypeError):
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def autograd_fns(fn, q, k, v, dout, causal, scale):
+    """fwd / bwd / fwd+bwd callables for an autograd-based implementation."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            return fn(*leaves, causal, scale)
+
+    graph = {}
+
+    def prepare_bwd():
+        graph["out"] = fn(*leaves, causal, scale)
+
+    def bwd():
+        for t in leaves:
+            t.grad = None
+        graph["out"].backward(dout, retain_graph=True)
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves, causal, scale).backward(dout)
+
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
+
+
+def triton_fns(q, k, v, dout, causal, scale):
+    saved = {}
+
+    def fwd():
+        return attention.attention_fwd(q, k, v, None, causal, scale)
+
+    def prepare_bwd():
+        saved["out"], saved["lse"] = fwd()
+
+    def bwd():
+        return attention.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], None, causal, scale)
+
+    def fwd_bwd():
+        out, lse = attention.attention_fwd(q, k, v, None, causal, scale)
+        return attention.attention_bwd(dout, q, k, v, out, lse, None, causal, scale)
+
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
+
+
+# ------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------
+def time_ms(fn, warmup, reps, cuda):
+    """Median wall time of fn() in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def fwd_flops(B, Hq, S, D, causal):
+    return 4.0 * B * Hq * S * S * D * (0.5 if causal else 1.0)
+
+
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device):
+    """Rows (dicts) for every provider and mode at one shape."""
+    cuda = device == "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, Hq, S, D, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(B, Hkv, S, D, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(B, Hkv, S, D, device=device, dtype=dtype, generator=gen)
+    dout = torch.randn(B, Hq, S, D, device=device, dtype=dtype, generator=gen)
+    scale = D ** -0.5
+    rows = []
+    for prov in providers:
+        note = ""
+        try:
+            if prov == "triton":
+                fns, prepare = triton_fns(q, k, v, dout, causal, scale)
+            elif prov == "sdpa":
+                fns, prepare = autograd_fns(sdpa_attention, q, k, v, dout, causal, scale)
+            else:
+                fns, prepare = autograd_fns(eager_attention, q, k, v, dout, causal, scale)
+            results = {}
+            for mode in MODES:
+                if mode == "bwd":
+                    prepare()
+                results[mode] = time_ms(fns[mode], warmup, reps, cuda)
+        except torch.cuda.OutOfMemoryError:
+            results, note = {m: float("nan") for m in MODES}, "OOM"
+        except RuntimeError as exc:  # e.g. flash backend unavailable for this shape
+            results, note = {m: float("nan") for m in MODES}, f"error: {str(exc).splitlines()[0][:80]}"
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+        for mode in MODES:
+            ms = results[mode]
+            tflops = fwd_flops(B, Hq, S, D, causal) * MODE_FLOP_FACTOR[mode] / (ms * 1e-3) / 1e12
+            rows.append(dict(provider=prov, mode=mode, head_dim=D, hq=Hq, hkv=Hkv, batch=B,
+                             seqlen=S, dtype=str(dtype).replace("torch.", ""), causal=causal,
+                             ms=ms, tflops=tflops, note=note))
+    return rows
+
+
+def sanity_check(device, dtype):
+    """Max |triton - sdpa| of out on a small shape, so a broken build is not benchmarked."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 64, 64, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    out, _ = attention.attention_fwd(q, k, v, None, True, 0.125)
+    ref = eager_attention(q.float(), k.float(), v.float(), True, 0.125)
+    return (out.float() - ref).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------
+def print_table(rows, providers):
+    shapes = []
+    for r in rows:
+        key = (r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"])
+        if key not in shapes:
+            shapes.append(key)
+    by = {(r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"], r["provider"], r["mode"]): r
+          for r in rows}
+    head = f"{'D':>4} {'Hq/Hkv':>7} {'B':>4} {'S':>6} |"
+    for prov in providers:
+        head += f" {prov + ' fwd':>12} {'bwd':>7} {'f+b':>7} |"
+    if "triton" in providers and "sdpa" in providers:
+        head += f" {'f+b vs sdpa':>11}"
+    print("TFLOP/s (higher is better)")
+    print(head)
+    print("-" * len(head))
+    for key in shapes:
+        D, hq, hkv, B, S = key
+        line = f"{D:>4} {f'{hq}/{hkv}':>7} {B:>4} {S:>6} |"
+        for prov in providers:
+            vals = [by[key + (prov, m)]["tflops"] for m in MODES]
+            note = by[key + (prov, "fwd")]["note"]
+            if note:
+                line += f" {note[:28]:>28} |"
+            else:
+                line += f" {vals[0]:>12.3g} {vals[1]:>7.3g} {vals[2]:>7.3g} |"
+        if "triton" in providers and "sdpa" in providers:
+            t, s = by[key + ("triton", "fwd+bwd")]["tflops"], by[key + ("sdpa", "fwd+bwd")]["tflops"]
+            line += f" {t / s:>10.2f}x" if s == s and s > 0 and t == t else f" {'n/a':>11}"
+        print(line)
+
+
+def write_csv(rows, path, header_lines):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "dtype", "causal",
+              "ms", "tflops", "note"]
+    with open(path, "w", newline="") as f:
+        for line in header_lines:
+            f.write(f"# {line}\n")
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in fields})
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    providers = [p for p in args.providers.split(",") if p]
+    unknown = set(providers) - {"triton", "sdpa", "eager"}
+    if unknown:
+        sys.exit(f"bench/attention.py: unknown providers {sorted(unknown)}")
+    causal = not args.no_causal
+    cuda = torch.cuda.is_available()
+    command = " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    if cuda:
+        device_name = torch.cuda.get_device_name()
+        dtype = DTYPES[args.dtype]
+        warmup = 5 if args.warmup is None else args.warmup
+        reps = 30 if args.reps is None else args.reps
+        err = sanity_check("cuda", dtype)
+        print(f"{device_name}: sanity max|triton - eager| = {err:.3g} ({args.dtype})")
+        heads = dict(tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(","))
+        shapes = []
+        for D in (int(x) for x in args.head_dims.split(",")):
+            hq = heads.get(D, max(1, 2048 // D))
+            for S in (int(x) for x in args.seqlens.split(",")):
+                shapes.append((max(1, args.tokens // S), hq, hq, S, D))
+            if args.gqa_seqlen and hq % 4 == 0:
+                S = args.gqa_seqlen
+                shapes.append((max(1, args.tokens // S), hq, hq // 4, S, D))
+        slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+        out_path = pathlib.Path(args.out) if args.out else RESULTS / f"attention_{slug}.csv"
+        device = "cuda"
+    else:
+        device_name = "CPU (Triton interpreter)"
+        print("CPU interpreter run: NOT a performance figure (no CUDA GPU; TRITON_INTERPRET=1)")
+        dtype = torch.float32  # bf16 tl.dot is wrong in the interpreter
+        warmup = 1 if args.warmup is None else args.warmup
+        reps = 3 if args.reps is None else args.reps
+        B, H, S, D = (int(x) for x in args.cpu_size.split(","))
+        shapes = [(B, H, H, S, D)]
+        if H % 2 == 0:
+            shapes.append((B, H, H // 2, S, D))
+        out_path = pathlib.Path(args.out) if args.out else RESULTS / "attention_cpu_smoke.csv"
+        device = "cpu"
+
+    rows = []
+    for B, hq, hkv, S, D in shapes:
+        rows += bench_shape(B, hq, hkv, S, D, dtype, causal, providers, warmup, reps, device)
+        r = {x["provider"] + " " + x["mode"]: x["ms"] for x in rows[-3 * len(providers):]}
+        print(f"  D={D} Hq/Hkv={hq}/{hkv} B={B} S={S}: "
+              + ", ".join(f"{k} {v:.3g} ms" for k, v in r.items() if not math.isnan(v)), flush=True)
+
+    print()
+    if not cuda:
+        print("CPU interpreter run: NOT a performance figure")
+    print_table(rows, providers)
+    header = [
+        f"device: {device_name}" + ("" if cuda else " -- CPU interpreter run: NOT a performance figure"),
+        f"torch {torch.__version__}, triton {triton.__version__}, "
+        f"cuda {torch.version.cuda}, dtype {str(dtype).replace('torch.', '')}, causal {causal}",
+        f"command: {command}",
+        f"date: {started}",
+        "flops: fwd = 4*B*Hq*S^2*D (x0.5 causal); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+        "sdpa: torch SDPA with SDPBackend.FLASH_ATTENTION on CUDA (MATH on CPU); eager: S x S scores, fp32 softmax",
+    ]
+    write_csv(rows, out_path, header)
+
+
+if __name__ == "__main__":
+    main()
