@@ -24,6 +24,7 @@ silu'(g) = s (1 + g (1 - s)),  dgate = dh * up * silu'(gate),  dup = dh * silu(g
 With ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU
 tensors through the Triton interpreter, with one fixed block configuration.
 """
+import contextlib
 import os
 
 import torch
@@ -153,17 +154,18 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                          HAS_BG, HAS_BU, DOT_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
-    dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
-                 mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    dgate = dh * u * (s * (1.0 + g * (1.0 - s)))
-    dup = dh * silu
     out_dtype = h_ptr.dtype.element_ty
     out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
-    tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
-    tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
+    # Epilogue ordered to keep few (BLOCK_M, BLOCK_N) fp32 values live at once: h first, then
+    # dh is read and dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s).
+    s = tl.sigmoid(g)
+    silu = g * s
     tl.store(h_ptr + out_offs, (silu * u).to(out_dtype), mask=mask)
+    u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
+    dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(dup_ptr + out_offs, (dh * silu).to(out_dtype), mask=mask)
+    tl.store(dgate_ptr + out_offs, (dh * u_dsilu).to(out_dtype), mask=mask)
 
 
 @triton.jit
@@ -189,17 +191,24 @@ def _swiglu_bwd_elementwise_kernel(gate_ptr, up_ptr, dh_ptr, dgate_ptr, dup_ptr,
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# The fused tiles keep two fp32 accumulators, so a 128x128 tile holds as many registers as a
-# 128x256 plain GEMM tile; the list covers Hopper (228 KB shared memory) and Ampere
-# (164 KB on A100, ~100 KB on consumer parts). Configs that do not fit the device are dropped
-# by the autotuner when they fail to compile (OutOfResources).
+# The fused tiles keep two fp32 accumulators: a 128x64 tile loads as many bytes per FLOP as a
+# 128x128 plain GEMM tile, a 128x128 tile holds the registers of a 128x256 one. Checked offline
+# with triton 3.9 + ptxas 13.0 (bf16, sm_90a / sm_80): all compile; on sm_90a the 128x128,
+# 256x64 and 4-warp 128x64 tiles spill 12-28 bytes in the backward epilogue only, on sm_80 they
+# spill more (up to 340 bytes), which the autotuner's timings then weigh. Shared memory: up to 196 KB (Hopper: 227 KB); configs that
+# do not fit a device (A100 164 KB, consumer Ampere ~100 KB) fail to compile and are skipped.
 _GPU_CONFIGS = [
+    # Hopper (wgmma, large shared memory)
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=5),
+    # Hopper and Ampere, no spills on either
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
+    # few tokens
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
 ]
@@ -286,6 +295,11 @@ def _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
     return T, H, I
 
 
+def _on_device(x):
+    """Triton launches on the current CUDA device: make it the device of x."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def _absent(t):
     """A saved gate/up counts as absent when it is None or the 1-D empty placeholder that
     swiglu_fwd(..., return_gate_up=False) returns."""
@@ -311,23 +325,48 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, return_gate_up: bo
         The intermediate h (T, I) is transient: freed before this returns.
     """
     T, H, I = _check_inputs("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    empty = x.new_empty((0,))
     h = x.new_empty((T, I))
-    gate, up = (x.new_empty((T, I)), x.new_empty((T, I))) if return_gate_up else (empty, empty)
+    # Distinct placeholders: an op's outputs must not alias each other.
+    gu_shape = (T, I) if return_gate_up else (0,)
+    gate, up = x.new_empty(gu_shape), x.new_empty(gu_shape)
     if T > 0 and I > 0:
         b_gate_c = b_gate.contiguous() if b_gate is not None else h
         b_up_c = b_up.contiguous() if b_up is not None else h
-        _fwd_launch[_grid(T, I)](
-            x, w_gate, w_up, b_gate_c, b_up_c, h,
-            gate if return_gate_up else h, up if return_gate_up else h,
-            T, H, I, _t_bucket(T),
-            x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-            w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1),
-            HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-            STORE_GATE_UP=bool(return_gate_up), DOT_IEEE=_dot_ieee(x.dtype), **_FIXED_META)
+        with _on_device(x):
+            _fwd_launch[_grid(T, I)](
+                x, w_gate, w_up, b_gate_c, b_up_c, h,
+                gate if return_gate_up else h, up if return_gate_up else h,
+                T, H, I, _t_bucket(T),
+                x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+                w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1),
+                HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+                STORE_GATE_UP=bool(return_gate_up), DOT_IEEE=_dot_ieee(x.dtype), **_FIXED_META)
     y = torch.nn.functional.linear(h, w_down, b_down)
     del h
     return y, gate, up
+
+
+def _launch_bwd(x, w_gate, w_up, b_gate, b_up, gate, up, dh, dup, h, recompute):
+    """Fill dgate (written over dh in place), dup and h, all (T, I) and contiguous, from
+    dh = dy Wd and either x (recompute) or the saved gate and up."""
+    T, H = x.shape
+    I = w_gate.shape[0]
+    if recompute:
+        b_gate_c = b_gate.contiguous() if b_gate is not None else h
+        b_up_c = b_up.contiguous() if b_up is not None else h
+        _bwd_recompute_launch[_grid(T, I)](
+            x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h,
+            T, H, I, _t_bucket(T),
+            x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+            w_up.stride(0), w_up.stride(1), dh.stride(0), dh.stride(1),
+            h.stride(0), h.stride(1),
+            HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+            DOT_IEEE=_dot_ieee(x.dtype), **_FIXED_META)
+    else:
+        n = T * I
+        _swiglu_bwd_elementwise_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
+            gate.contiguous(), up.contiguous(), dh, dh, dup, h, n,
+            BLOCK=_ELEMENTWISE_BLOCK, num_warps=4)
 
 
 def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
@@ -357,30 +396,13 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
         _check_tensor(op, "gate", gate, (T, I), "(T, I)", x)
         _check_tensor(op, "up", up, (T, I), "(T, I)", x)
 
-    dh = torch.mm(dy, w_down)              # (T, I); becomes dgate in place
-    dgate = dh
+    dh = torch.mm(dy, w_down)              # (T, I), contiguous; becomes dgate in place
     dup = x.new_empty((T, I))
     h = x.new_empty((T, I))
     if T > 0 and I > 0:
-        if recompute:
-            b_gate_c = b_gate.contiguous() if b_gate is not None else h
-            b_up_c = b_up.contiguous() if b_up is not None else h
-            _bwd_recompute_launch[_grid(T, I)](
-                x, w_gate, w_up, b_gate_c, b_up_c, dh, dgate, dup, h,
-                T, H, I, _t_bucket(T),
-                x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-                w_up.stride(0), w_up.stride(1), dh.stride(0), dh.stride(1),
-                h.stride(0), h.stride(1),
-                HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-                DOT_IEEE=_dot_ieee(x.dtype), **_FIXED_META)
-        else:
-            if not dh.is_contiguous():
-                dh = dh.contiguous()
-                dgate = dh
-            n = T * I
-            _swiglu_bwd_elementwise_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
-                gate.contiguous(), up.contiguous(), dh, dgate, dup, h, n,
-                BLOCK=_ELEMENTWISE_BLOCK, num_warps=4)
+        with _on_device(x):
+            _launch_bwd(x, w_gate, w_up, b_gate, b_up, gate, up, dh, dup, h, recompute)
+    dgate = dh
     dw_down = torch.mm(dy.t(), h)          # (H, I)
     del h
     dx = torch.mm(dgate, w_gate)           # (T, H)

@@ -180,6 +180,7 @@ def test_save_input_keeps_no_tokens_by_I_tensor():
     gc.collect()
     assert gate.shape == (0,) and up.shape == (0,)
     assert gate.dtype == x.dtype and up.dtype == x.dtype
+    assert gate is not up, "op outputs must not alias each other"
     assert y.shape == (T, H)
     seen = [ref for shape, ref in log.refs if shape == (T, I)]
     assert seen, "the forward should have allocated its transient h (T, I)"
