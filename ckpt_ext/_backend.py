@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -60,8 +61,11 @@ def register_triton(device_type: str) -> torch.library.Library:
             "Triton kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
             "in the environment before triton is imported (CKPT_EXT_BACKEND=triton requires it)")
     lib = torch.library.Library("ckpt_ext", "IMPL")
-    for op, (module, name) in TRITON_OPS.items():
-        lib.impl(op, _lazy(module, name), device_type.upper())
+    with warnings.catch_warnings():
+        # On CPU the launchers replace the ATen kernels on purpose; torch warns about that.
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        for op, (module, name) in TRITON_OPS.items():
+            lib.impl(op, _lazy(module, name), device_type.upper())
     return lib
 
 

@@ -1,85 +1,14 @@
 """The fused decoder layer: presets vs an independent plain-PyTorch LLaMA layer, gradcheck,
 saved bytes against the README formulas, HF compatibility and errors."""
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ckpt_ext
 from ckpt_ext import blocks
 from ckpt_ext.modules import DecoderLayer
 from ckpt_ext.presets import FUSED_PRESETS, PRESETS, saved_bytes
 
-# ---- an independent reference: explicit softmax, repeated K/V, no ckpt_ext code ------------
-
-
-def rope_tables(s, d, dtype, batch=1, offset=None):
-    pos = torch.arange(s, dtype=torch.float64)[None].repeat(batch, 1)
-    if offset is not None:
-        pos = pos + offset[:, None]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    freqs = pos[..., None] * inv
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
-    """p: a DecoderLayer state_dict (HF names). Computes in x's dtype."""
-    def rms(t, w):
-        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
-
-    def lin(t, name):
-        return F.linear(t, p[name + ".weight"], p.get(name + ".bias"))
-
-    def rot(t):
-        h = t.shape[-1] // 2
-        return torch.cat([-t[..., h:], t[..., :h]], -1)
-
-    b, s, _ = x.shape
-    d = p["self_attn.q_proj.weight"].shape[0] // hq
-    n = rms(x, p["input_layernorm.weight"])
-    q = lin(n, "self_attn.q_proj").view(b, s, hq, d)
-    k = lin(n, "self_attn.k_proj").view(b, s, hkv, d)
-    v = lin(n, "self_attn.v_proj").view(b, s, hkv, d).transpose(1, 2)
-    if qk_norm:
-        q, k = rms(q, p["self_attn.q_norm.weight"]), rms(k, p["self_attn.k_norm.weight"])
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    c, sn = cos[:, None], sin[:, None]
-    q, k = q * c + rot(q) * sn, k * c + rot(k) * sn
-    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
-    if mask is not None:
-        allowed = allowed & mask[:, None, None, :]
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
-    probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # nothing to attend -> 0
-    h = x + lin((probs @ v).transpose(1, 2).reshape(b, s, -1), "self_attn.o_proj")
-    m = rms(h, p["post_attention_layernorm.weight"])
-    return h + lin(F.silu(lin(m, "mlp.gate_proj")) * lin(m, "mlp.up_proj"), "mlp.down_proj")
-
-
-def make_layer(h, hq, hkv, i, dtype, policy="balanced", **kw):
-    layer = DecoderLayer(h, hq, hkv, i, policy=policy, **kw).to(dtype)
-    with torch.no_grad():  # non-trivial norm weights and biases
-        for name, t in layer.named_parameters():
-            if "norm" in name:
-                t.copy_(1 + 0.2 * torch.randn_like(t))
-            elif name.endswith("bias"):
-                t.copy_(0.1 * torch.randn_like(t))
-    return layer
-
-
-def make_mask(kind, b, s):
-    if kind == "none":
-        return None
-    mask = torch.ones(b, s, dtype=torch.bool)
-    lengths = torch.randint(1, s + 1, (b,))
-    for r in range(b):  # left padding, as HF batches prompts
-        mask[r, : s - lengths[r]] = False
-    if kind == "fully_padded":
-        mask[-1] = False
-    return mask
+from reference import make_layer, make_mask, reference_layer, rope_tables
 
 
 def run(layer, x, pe, mask):
@@ -259,7 +188,7 @@ def test_errors_name_the_argument():
 
 
 def test_hf_llama_layer_state_dict_loads_and_matches():
-    transformers = pytest.importorskip(
+    pytest.importorskip(
         "transformers", reason="transformers is not installed (pip install -e '.[test]')")
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
