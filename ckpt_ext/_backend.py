@@ -63,7 +63,7 @@ def register_triton(device_type: str) -> torch.library.Library:
     lib = torch.library.Library("ckpt_ext", "IMPL")
     with warnings.catch_warnings():
         # On CPU the launchers replace the ATen kernels on purpose; torch warns about that.
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for op, (module, name) in TRITON_OPS.items():
             lib.impl(op, _lazy(module, name), device_type.upper())
     return lib
