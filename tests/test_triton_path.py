@@ -104,3 +104,41 @@ def test_saved_bytes_unchanged_by_backend():
     if DEVICE == "cpu":
         with use_triton("cpu"):
             assert ckpt_ext.saved_activation_bytes(layer, x, pe) == plain
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_swiglu_saved_bytes_through_triton(save):
+    t, h, i = 37, 96, 172
+    lin = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) * 0.1)
+           for s in ((i, h), (i, h), (h, i))]
+    x = torch.randn(t, h, device=DEVICE, requires_grad=True)
+    with use_triton(DEVICE) if DEVICE == "cpu" else contextlib.nullcontext():
+        got = ckpt_ext.saved_activation_bytes(ckpt_ext.ops.swiglu_mlp, x, *lin, save=save)
+    expected = 4 * (t * h + (0 if save == "input" else 2 * t * i))
+    assert got == expected  # save="input": x alone, no [tokens, I] tensor
+
+
+def test_mlp_sublayer_balanced_through_triton():
+    b, s, h, i = 2, 13, 96, 172
+    torch.manual_seed(3)
+    h_in = torch.randn(b, s, h, device=DEVICE, dtype=torch.float64)
+    nw = 1 + 0.2 * torch.randn(h, device=DEVICE, dtype=torch.float64)
+    ws = [torch.randn(*sh, device=DEVICE, dtype=torch.float64) * 0.1
+          for sh in ((i, h), (i, h), (h, i))]
+    bs = [0.1 * torch.randn(n, device=DEVICE, dtype=torch.float64) for n in (i, i, h)]
+    leaves32 = [t.float().requires_grad_() for t in (h_in, nw, *ws, *bs)]
+    with use_triton(DEVICE) if DEVICE == "cpu" else contextlib.nullcontext():
+        y = ckpt_ext.blocks.mlp_block(leaves32[0], leaves32[1], *leaves32[2:5],
+                                      b_gate=leaves32[5], b_up=leaves32[6], b_down=leaves32[7],
+                                      preset="balanced")
+        y.square().sum().backward()
+
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves32]
+    x64, nw64, wg, wu, wd, bg, bu, bd = leaves64
+    m = nw64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    y_ref = x64 + torch.nn.functional.linear(
+        torch.nn.functional.silu(m @ wg.T + bg) * (m @ wu.T + bu), wd, bd)
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=2e-5)
+    for a, r in zip(leaves32, leaves64):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-4)
