@@ -322,6 +322,7 @@ def main(argv=None):
             shapes.append((B, H, H // 2, S, D))
         out_path = pathlib.Path(args.out) if args.out else RESULTS / "attention_cpu_smoke.csv"
         device = "cpu"
+        torch.set_num_threads(1)  # steadier timings on a shared CPU; still not a figure
 
     rows = []
     for B, hq, hkv, S, D in shapes:

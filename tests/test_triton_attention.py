@@ -210,7 +210,7 @@ CASES = [
     (torch.float32, 3, 8, 2, 129, 16, False, "full"),
     (torch.float16, 1, 4, 4, 129, 64, False, "none"),
     (torch.float16, 2, 8, 2, 129, 16, True, "full"),
-    (torch.float32, 3, 8, 2, 129, 128, False, "right"),
+    (torch.float32, 2, 8, 2, 129, 128, False, "right"),
     (torch.float32, 2, 4, 4, 1, 128, True, "full"),
     (torch.float16, 3, 4, 4, 1, 16, False, "left"),
 ]
