@@ -1,0 +1,387 @@
+"""ckpt_ext.hf.patch_llama on tiny Hugging Face models, against the same model unpatched.
+
+Tiny configs (hidden 64, 3 layers, 4 heads / 2 KV heads of 16, intermediate 172, vocab 128,
+fp32, CPU) with random non-trivial weights, norm weights and biases. Where a batch has left
+padding, logits are compared at real tokens only and the loss leaves out every label that a
+padded position predicts: a query row that may attend nothing is 0 in the fused op and
+whatever HF's kernel gives there (eager: the mean of all values), and neither is meaningful.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: the HF patch tests need it "
+    "(pip install -e '.[test]')")
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
+
+import ckpt_ext  # noqa: E402
+from ckpt_ext.hf import _padding_mask_from, patch_llama, unpatch_llama  # noqa: E402
+
+TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=172, vocab_size=128, pad_token_id=0,
+            rms_norm_eps=1e-5)
+# Llama with every bias it can have (o_proj included); Qwen2 has q/k/v biases and an o_proj
+# without; Qwen3 has q_norm/k_norm; Mistral's default sliding window (4096) is longer than S.
+FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
+            "qwen3": {}}
+TOL = dict(rtol=1e-4, atol=1e-5)
+B, S, PAD = 2, 17, 5
+
+
+def make_model(family="llama", impl="sdpa", cls=AutoModelForCausalLM, seed=0, **overrides):
+    cfg = AutoConfig.for_model(family, **{**TINY, **FAMILIES[family], **overrides})
+    torch.manual_seed(seed)
+    model = cls.from_config(cfg, attn_implementation=impl)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.add_(0.05 * noise)
+    return model
+
+
+def make_batch(pad: bool, seed=1, s=S):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, TINY["vocab_size"], (B, s), generator=g)
+    if not pad:
+        return ids, None, ids.clone()
+    mask = torch.ones(B, s, dtype=torch.long)
+    mask[0, :PAD] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[:, 1:][mask[:, :-1] == 0] = -100  # predicted from a padded position
+    return ids, mask, labels
+
+
+def run(model, ids, mask, labels, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out, grads
+
+
+def assert_same(ref, got, mask):
+    (out_r, grads_r), (out_g, grads_g) = ref, got
+    keep = torch.ones(out_r.logits.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(out_g.logits[keep], out_r.logits[keep], **TOL)
+    torch.testing.assert_close(out_g.loss, out_r.loss, **TOL)
+    assert grads_g.keys() == grads_r.keys()
+    for name in grads_r:
+        torch.testing.assert_close(grads_g[name], grads_r[name], **TOL, msg=name)
+
+
+def calls(model, key="fused"):
+    return [layer.forward.calls[key] if hasattr(layer.forward, "calls") else None
+            for layer in model.model.layers]
+
+
+# ---- numerics -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "leftpad"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_balanced_matches_unpatched(family, impl, pad):
+    ref_model = make_model(family, impl)
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    ids, mask, labels = make_batch(pad)
+    assert_same(run(ref_model, ids, mask, labels), run(model, ids, mask, labels), mask)
+    assert calls(model) == [1, 1, 1]  # every layer went through the fused op
+
+
+@pytest.mark.parametrize("policy", ["fast", "min_memory", "torch", ["none", "torch", "fast"],
+                                    lambda i: ("min_memory", "balanced", "none")[i]],
+                         ids=["fast", "min_memory", "torch", "list", "callable"])
+def test_other_presets_match_unpatched(policy):
+    ref_model = make_model("qwen2", "sdpa")
+    model = patch_llama(copy.deepcopy(ref_model), policy)
+    ids, mask, labels = make_batch(pad=True)
+    assert_same(run(ref_model, ids, mask, labels), run(model, ids, mask, labels), mask)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_adamw_loss_curve(family):
+    ids, mask, labels = make_batch(pad=True)
+    curves = []
+    for patched in (False, True):
+        model = make_model(family, "sdpa")
+        if patched:
+            patch_llama(model, "balanced")
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(10):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(torch.tensor(losses))
+    assert curves[0][-1] < curves[0][0]  # it trains
+    torch.testing.assert_close(curves[1], curves[0], **TOL)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_same_tokens(family):
+    ref_model = make_model(family, "sdpa").eval()
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    ids, mask, _ = make_batch(pad=True, s=9)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = ref_model.generate(ids, **kw)
+    torch.testing.assert_close(model.generate(ids, **kw), ref, rtol=0, atol=0)
+    assert ref.shape[1] == ids.shape[1] + 8
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_saved_bytes_at_most_a_fifth(family):
+    # S=128: long enough that the layers, not the embedding and the LM head, dominate.
+    ref_model = make_model(family, "sdpa")
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    ids = torch.randint(1, TINY["vocab_size"], (2, 128))
+
+    def forward(m):
+        return m(input_ids=ids, use_cache=False).logits
+
+    plain = ckpt_ext.saved_activation_bytes(forward, ref_model)
+    fused = ckpt_ext.saved_activation_bytes(forward, model)
+    assert calls(model) == [1, 1, 1]
+    assert 5 * fused <= plain, f"balanced saves {fused} bytes, unpatched {plain}"
+
+
+def test_bare_model_and_positional_arguments():
+    ref_model = make_model("qwen3", "eager", cls=AutoModel)
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    x = torch.randn(B, S, TINY["hidden_size"], requires_grad=True)
+    pos = torch.arange(S)[None]
+    pe = ref_model.rotary_emb(x, pos)
+    causal = torch.full((S, S), torch.finfo(torch.float32).min).triu(1)[None, None]
+    ref = ref_model.layers[1](x, causal, pos, position_embeddings=pe)
+    got = model.layers[1](x, causal, pos, position_embeddings=pe)  # mask, ids positionally
+    got = got[0] if isinstance(got, tuple) else got
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    torch.testing.assert_close(got, ref, **TOL)
+    assert model.layers[1].forward.calls["fused"] == 1
+
+
+# ---- HF behaviour kept -----------------------------------------------------------------------
+
+def test_isinstance_state_dict_and_unpatch():
+    ref_model = make_model("qwen3", "sdpa")
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    layer_cls = type(ref_model.model.layers[0])
+    assert all(type(layer) is layer_cls for layer in model.model.layers)
+    assert list(model.state_dict()) == list(ref_model.state_dict())
+    for key, value in ref_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value)
+    other = make_model("qwen3", "sdpa", seed=7)
+    model.load_state_dict(other.state_dict(), strict=True)
+    ref_model.load_state_dict(model.state_dict(), strict=True)
+    for key, value in other.state_dict().items():
+        assert torch.equal(ref_model.state_dict()[key], value)
+
+    ids, mask, labels = make_batch(pad=True)
+    ref = run(ref_model, ids, mask, labels)
+    assert_same(ref, run(model, ids, mask, labels), mask)
+    assert unpatch_llama(model) is model
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert_same(ref, run(model, ids, mask, labels), mask)
+    unpatch_llama(model)  # a second unpatch changes nothing
+    patch_llama(model, "fast")  # patch again, after unpatching
+    assert_same(ref, run(model, ids, mask, labels), mask)
+    patch_llama(model, "min_memory")  # re-patching replaces the earlier patch
+    assert [layer.forward.preset for layer in model.model.layers] == ["min_memory"] * 3
+
+
+def test_hooks_hidden_states_and_attentions():
+    ref_model = make_model("llama", "eager")
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    ids, mask, labels = make_batch(pad=True)
+    seen = []
+    model.model.layers[2].register_forward_hook(lambda mod, args, out: seen.append(out))
+    out, _ = run(model, ids, mask, labels, output_hidden_states=True)
+    ref, _ = run(ref_model, ids, mask, labels, output_hidden_states=True)
+    assert len(seen) == 1 and calls(model) == [1, 1, 1]
+    assert len(out.hidden_states) == len(ref.hidden_states) == 4
+    keep = mask.bool()
+    for h_got, h_ref in zip(out.hidden_states, ref.hidden_states):
+        torch.testing.assert_close(h_got[keep], h_ref[keep], **TOL)
+    # output_attentions needs the attention weights: those calls run HF's forward.
+    out, _ = run(model, ids, mask, labels, output_attentions=True)
+    ref, _ = run(ref_model, ids, mask, labels, output_attentions=True)
+    assert calls(model) == [1, 1, 1] and len(out.attentions) == 3
+    for a_got, a_ref in zip(out.attentions, ref.attentions):
+        torch.testing.assert_close(a_got, a_ref, **TOL)
+    out, _ = run(model, ids, mask, labels)  # and the next plain call is fused again
+    assert calls(model) == [2, 2, 2]
+
+
+def test_training_forward_with_kv_cache_delegates_and_warns():
+    ref_model = make_model("mistral", "sdpa")
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    ids, mask, labels = make_batch(pad=True)
+    ref = ref_model(input_ids=ids, attention_mask=mask, labels=labels)  # use_cache defaults on
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert calls(model) == [0, 0, 0]
+    torch.testing.assert_close(got.loss, ref.loss, **TOL)
+    assert got.past_key_values.get_seq_length() == S  # the cache was filled as HF fills it
+
+
+def test_sliding_window_shorter_than_sequence_delegates():
+    ref_model = make_model("mistral", "sdpa", sliding_window=8)
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    ids, mask, labels = make_batch(pad=True)
+    with pytest.warns(UserWarning, match="not exactly causal"):
+        got = run(model, ids, mask, labels)
+    assert calls(model) == [0, 0, 0]
+    assert_same(run(ref_model, ids, mask, labels), got, mask)
+    short_ids, short_mask, short_labels = ids[:, :8], mask[:, :8], labels[:, :8]
+    assert_same(run(ref_model, short_ids, short_mask, short_labels),
+                run(model, short_ids, short_mask, short_labels), short_mask)
+    assert calls(model) == [1, 1, 1]  # a window that covers the sequence is plain causal
+
+
+def test_hf_gradient_checkpointing_warns_and_recomputes_once():
+    ref_model = make_model("llama", "sdpa")
+    model = copy.deepcopy(ref_model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.warns(UserWarning, match="HF gradient checkpointing is enabled"):
+        patch_llama(model, ["balanced", "torch", "none"])
+    ids, mask, labels = make_batch(pad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run(model, ids, mask, labels)
+    # the fused layer's forward ran once: it was not re-run by a checkpoint in backward
+    assert model.model.layers[0].forward.calls == {"fused": 1}
+    assert model.model.layers[1].forward.calls == {"torch (by HF's checkpoint)": 1}
+    assert_same(run(ref_model, ids, mask, labels), got, mask)
+
+
+def test_wrapped_projection_or_submodule_hook_after_patching_delegates():
+    class LoraLike(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.a = base, nn.Linear(base.in_features, 2, bias=False)
+            self.b = nn.Linear(2, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base(x) + self.b(self.a(x))
+
+    ref_model = make_model("llama", "sdpa")
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    for m in (ref_model, model):
+        torch.manual_seed(3)
+        m.model.layers[1].self_attn.v_proj = LoraLike(m.model.layers[1].self_attn.v_proj)
+    model.model.layers[2].mlp.register_forward_hook(lambda mod, args, out: out * 2)
+    ref_model.model.layers[2].mlp.register_forward_hook(lambda mod, args, out: out * 2)
+    ids, mask, labels = make_batch(pad=False)
+    with pytest.warns(UserWarning, match="not a plain nn.Linear"):
+        got = run(model, ids, mask, labels)
+    assert calls(model) == [1, 0, 0]
+    assert_same(run(ref_model, ids, mask, labels), got, mask)
+
+
+# ---- the mask conversion ---------------------------------------------------------------------
+
+def test_padding_mask_from_hf_masks():
+    s = 6
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    kpm = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)  # left, right
+    allowed = (causal & kpm[:, None, :])[:, None]
+    ok, got = _padding_mask_from(allowed, 2, s)
+    assert ok and torch.equal(got, kpm)
+    additive = torch.zeros(2, 1, s, s).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ok, got = _padding_mask_from(additive, 2, s)
+    assert ok and torch.equal(got, kpm)
+    ok, got = _padding_mask_from(causal[None, None], 2, s)  # broadcast batch, no padding
+    assert ok and got is None
+    unmasked_rows = allowed.clone()
+    unmasked_rows[0, 0, :2] = True  # older HF unmasks fully padded query rows for SDPA
+    assert _padding_mask_from(unmasked_rows, 2, s)[0]
+    unmasked_rows[0, 0, 1, 1] = False  # but a padded row that attends some keys is not padding
+    assert not _padding_mask_from(unmasked_rows, 2, s)[0]
+    window = allowed & torch.ones(s, s, dtype=torch.bool).triu(-2)
+    assert not _padding_mask_from(window, 2, s)[0]
+    block = allowed.clone()
+    block[:, :, 4:, :4] = False  # packed: two documents
+    assert not _padding_mask_from(block, 2, s)[0]
+    assert not _padding_mask_from(block[:1], 1, s)[0]
+    assert not _padding_mask_from(additive.masked_fill(allowed, 0.5), 2, s)[0]  # a bias
+    assert not _padding_mask_from(allowed[..., :s - 1], 2, s)[0]  # cross-length
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+def test_policy_errors():
+    model = make_model("llama", "sdpa")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        patch_llama(model, "quick")
+    with pytest.raises(ValueError, match=r"policy: a list needs one preset per decoder layer "
+                                         r"\(3 layers\), got 2"):
+        patch_llama(model, ["none", "fast"])
+    with pytest.raises(ValueError, match=r"policy\[1\] must be one of"):
+        patch_llama(model, ["none", "fastest", "fast"])
+    with pytest.raises(ValueError, match=r"policy\(2\) must be one of"):
+        patch_llama(model, lambda i: "fast" if i < 2 else None)
+    with pytest.raises(TypeError, match="policy must be a preset name"):
+        patch_llama(model, 3)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+def _lora_like(model):
+    class Adapter(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return self.base(x)
+
+    attn = model.model.layers[1].self_attn
+    attn.q_proj = Adapter(attn.q_proj)
+    return model
+
+
+def _eps_mismatch(model):
+    model.model.layers[0].post_attention_layernorm.variance_epsilon = 1e-3
+    return model
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: make_model("llama", "flex_attention"), "attn_implementation='flex_attention'"),
+    (lambda: make_model("llama", "sdpa", attention_dropout=0.1), "attention_dropout=0.1"),
+    (lambda: _lora_like(make_model("llama", "sdpa")),
+     r"layer 1 .*self_attn.q_proj is a Adapter, not a plain nn.Linear"),
+    (lambda: _eps_mismatch(make_model("qwen3", "sdpa")), "different eps"),
+    (lambda: make_model("qwen2", "sdpa", hidden_act="gelu"), "hidden_act='gelu'"),
+], ids=["flex_attention", "dropout", "lora", "eps", "activation"])
+def test_refused_at_patch_time(build, match):
+    model = build()
+    with pytest.raises(ValueError, match=match):
+        patch_llama(model, "balanced")
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    patch_llama(model, "torch")  # the unfused presets take anything HF runs
+
+
+def test_refuses_other_models_and_foreign_forwards():
+    cfg = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128)
+    with pytest.raises(ValueError, match="decoder layers of GPT2LMHeadModel"):
+        patch_llama(AutoModelForCausalLM.from_config(cfg))
+    model = make_model("llama", "sdpa")
+    model.config.model_type = "gemma"
+    with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
+        patch_llama(model)
+    model = make_model("llama", "sdpa")
+    layer = model.model.layers[2]
+    layer.forward = lambda *a, **k: type(layer).forward(layer, *a, **k)
+    with pytest.raises(ValueError, match="layer 2 already has an instance-level forward"):
+        patch_llama(model)
