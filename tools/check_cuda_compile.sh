@@ -33,7 +33,8 @@ trap 'rm -rf "$out"' EXIT
 shopt -s nullglob
 cu_files=(csrc/cuda/*.cu)
 cpp_files=(csrc/cuda/*.cpp)
-echo "check_cuda_compile: $("$nvcc" --version | tail -n 1); ${#cu_files[@]} .cu, ${#cpp_files[@]} .cpp"
+echo "check_cuda_compile: $("$nvcc" --version | tail -n 1);" \
+     "${#cu_files[@]} .cu, ${#cpp_files[@]} .cpp"
 
 fail=0
 for f in "${cu_files[@]}"; do
@@ -52,7 +53,8 @@ for f in "${cu_files[@]}"; do
 done
 
 if [ ${#cpp_files[@]} -gt 0 ] && [ -z "$cuda_inc" ]; then
-  echo "no CUDA include dir with cuda_runtime.h found (set CUDA_HOME): ${#cpp_files[@]} .cpp launcher(s) not syntax-checked"
+  echo "no CUDA include dir with cuda_runtime.h found (set CUDA_HOME):" \
+       "${#cpp_files[@]} .cpp launcher(s) not syntax-checked"
 elif [ ${#cpp_files[@]} -gt 0 ]; then
   if torch_flags=$("$python" - <<'PY' 2>/dev/null
 import torch
@@ -77,7 +79,8 @@ PY
       fi
     done
   else
-    echo "torch is not importable with $python: ${#cpp_files[@]} .cpp launcher(s) not syntax-checked"
+    echo "torch is not importable with $python:" \
+         "${#cpp_files[@]} .cpp launcher(s) not syntax-checked"
   fi
 fi
 

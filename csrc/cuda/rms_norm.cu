@@ -432,7 +432,8 @@ cudaError_t launch_fwd(const void* x, int64_t x_stride, const void* res, int64_t
   const RowConfig cfg = pick_config(n, V, kFwdUnroll);
   bool vec = vec_aligned<XT, V>(x, x_stride, rows) && vec_aligned<WT, V>(w, 0, 1) &&
              vec_aligned<OT, V>(y, n, rows);
-  if (kResidual) vec = vec && vec_aligned<XT, V>(res, res_stride, rows) && vec_aligned<XT, V>(s, n, rows);
+  if (kResidual)
+    vec = vec && vec_aligned<XT, V>(res, res_stride, rows) && vec_aligned<XT, V>(s, n, rows);
   const int grid = grid_for_rows(rows, cfg.teams());
 
   auto go = [&](auto kernel) {
@@ -450,43 +451,59 @@ cudaError_t launch_fwd(const void* x, int64_t x_stride, const void* res, int64_t
   return cudaGetLastError();
 }
 
-// Launches stage 1 as kernel<XT, WT, kTeams, kVec, kSmemAcc> with `smem` dynamic bytes.
+// Raw arguments of the backward's stage 1 (see rms_norm_bwd_kernel).
+struct BwdArgs {
+  const void* dy;
+  int64_t dy_stride;
+  const void* x;
+  int64_t x_stride;
+  const void* w;
+  void* dx;
+  float* partial;
+  int64_t rows;
+  int n;
+  float eps;
+};
+
+// Launches stage 1 as rms_norm_bwd_kernel<XT, WT, kTeams, kVec, kSmemAcc> with `smem` bytes of
+// dynamic shared memory.
 template <typename XT, typename WT, int kTeams, bool kVec, bool kSmemAcc>
-cudaError_t launch_bwd_stage1(int grid, int threads, size_t smem, const void* dy,
-                              int64_t dy_stride, const void* x, int64_t x_stride, const void* w,
-                              void* dx, float* partial, int64_t rows, int n, float eps,
+cudaError_t launch_bwd_stage1(const BwdArgs& a, int grid, int threads, size_t smem,
                               cudaStream_t stream) {
   using OT = OutT<XT, WT>;
   auto kernel = rms_norm_bwd_kernel<XT, WT, kTeams, kVec, kSmemAcc>;
-  if (smem > 48 * 1024) {  // above the default limit: opt in (the caller checked the maximum)
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  // The default limit is 48 KiB of static + dynamic shared memory (the kernel has 256 bytes
+  // of static scratch); above it, opt in (the caller checked the device maximum).
+  if (smem + 1024 > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<grid, threads, smem, stream>>>(static_cast<const OT*>(dy), dy_stride,
-                                          static_cast<const XT*>(x), x_stride,
-                                          static_cast<const WT*>(w), static_cast<XT*>(dx),
-                                          partial, rows, n, eps);
+  kernel<<<grid, threads, smem, stream>>>(
+      static_cast<const OT*>(a.dy), a.dy_stride, static_cast<const XT*>(a.x), a.x_stride,
+      static_cast<const WT*>(a.w), static_cast<XT*>(a.dx), a.partial, a.rows, a.n, a.eps);
   return cudaGetLastError();
 }
 
 template <typename XT, typename WT>
-cudaError_t launch_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t x_stride,
-                       const void* w, void* dx, void* dweight, float* workspace,
-                       int64_t workspace_floats, int64_t rows, int n, float eps,
+cudaError_t launch_bwd(const BwdArgs& a, void* dweight, int64_t workspace_floats,
                        cudaStream_t stream) {
   using OT = OutT<XT, WT>;
   constexpr int V = kVecElems<XT>;
   using detail::vec_aligned;
+  const int64_t rows = a.rows;
+  const int n = a.n;
   int64_t blocks = 0;
   cudaError_t err = bwd_blocks(rows, n, V, &blocks);
   if (err != cudaSuccess) return err;
-  if (workspace_floats < blocks * n || (blocks > 0 && workspace == nullptr)) return cudaErrorInvalidValue;
+  if (workspace_floats < blocks * n || (blocks > 0 && a.partial == nullptr))
+    return cudaErrorInvalidValue;
 
   if (blocks > 0) {
     const RowConfig cfg = pick_config(n, V, kBwdUnroll);
-    const bool vec = vec_aligned<XT, V>(x, x_stride, rows) && vec_aligned<OT, V>(dy, dy_stride, rows) &&
-                     vec_aligned<WT, V>(w, 0, 1) && vec_aligned<XT, V>(dx, n, rows);
+    const bool vec = vec_aligned<XT, V>(a.x, a.x_stride, rows) &&
+                     vec_aligned<OT, V>(a.dy, a.dy_stride, rows) &&
+                     vec_aligned<WT, V>(a.w, 0, 1) && vec_aligned<XT, V>(a.dx, n, rows);
     const int grid = static_cast<int>(blocks);
     // dweight accumulators: cfg.teams() * n floats of shared memory when the device allows it
     // (next to the 256 bytes of static reduction scratch), else the partial rows in global
@@ -498,16 +515,18 @@ cudaError_t launch_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t
     if (err != cudaSuccess) return err;
     const size_t smem = static_cast<size_t>(cfg.teams()) * static_cast<size_t>(n) * sizeof(float);
     const bool smem_acc = smem + 1024 <= static_cast<size_t>(smem_optin);
+    const int threads = cfg.threads;
     if (cfg.warp_teams) {
       if (!smem_acc) return cudaErrorInvalidConfiguration;  // unreachable: smem <= 8 KiB here
-      err = vec ? launch_bwd_stage1<XT, WT, kWarpTeams, true, true>(grid, cfg.threads, smem, dy, dy_stride, x, x_stride, w, dx, workspace, rows, n, eps, stream)
-                : launch_bwd_stage1<XT, WT, kWarpTeams, false, true>(grid, cfg.threads, smem, dy, dy_stride, x, x_stride, w, dx, workspace, rows, n, eps, stream);
+      constexpr int kT = kWarpTeams;
+      err = vec ? launch_bwd_stage1<XT, WT, kT, true, true>(a, grid, threads, smem, stream)
+                : launch_bwd_stage1<XT, WT, kT, false, true>(a, grid, threads, smem, stream);
     } else if (smem_acc) {
-      err = vec ? launch_bwd_stage1<XT, WT, 1, true, true>(grid, cfg.threads, smem, dy, dy_stride, x, x_stride, w, dx, workspace, rows, n, eps, stream)
-                : launch_bwd_stage1<XT, WT, 1, false, true>(grid, cfg.threads, smem, dy, dy_stride, x, x_stride, w, dx, workspace, rows, n, eps, stream);
+      err = vec ? launch_bwd_stage1<XT, WT, 1, true, true>(a, grid, threads, smem, stream)
+                : launch_bwd_stage1<XT, WT, 1, false, true>(a, grid, threads, smem, stream);
     } else {
-      err = vec ? launch_bwd_stage1<XT, WT, 1, true, false>(grid, cfg.threads, 0, dy, dy_stride, x, x_stride, w, dx, workspace, rows, n, eps, stream)
-                : launch_bwd_stage1<XT, WT, 1, false, false>(grid, cfg.threads, 0, dy, dy_stride, x, x_stride, w, dx, workspace, rows, n, eps, stream);
+      err = vec ? launch_bwd_stage1<XT, WT, 1, true, false>(a, grid, threads, 0, stream)
+                : launch_bwd_stage1<XT, WT, 1, false, false>(a, grid, threads, 0, stream);
     }
     if (err != cudaSuccess) return err;
   }
@@ -515,7 +534,8 @@ cudaError_t launch_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t
   // Stage 2 (also for rows == 0, where it writes zeros).
   const dim3 block(kSumCols, kSumRows);
   const int grid2 = static_cast<int>(ceil_div(n, kSumCols));
-  rms_norm_dweight_kernel<WT><<<grid2, block, 0, stream>>>(workspace, blocks, n, static_cast<WT*>(dweight));
+  rms_norm_dweight_kernel<WT><<<grid2, block, 0, stream>>>(a.partial, blocks, n,
+                                                           static_cast<WT*>(dweight));
   return cudaGetLastError();
 }
 
@@ -571,9 +591,9 @@ cudaError_t rms_norm_bwd(const void* dy, int64_t dy_row_stride, const void* x,
   return dispatch_xw(x_dtype, w_dtype, [&](auto xtag, auto wtag) {
     using XT = typename decltype(xtag)::type;
     using WT = typename decltype(wtag)::type;
-    return launch_bwd<XT, WT>(dy, dy_row_stride, x, x_row_stride, weight, dx, dweight,
-                              workspace, workspace_floats, rows, static_cast<int>(n), eps,
-                              stream);
+    const BwdArgs args{dy, dy_row_stride, x, x_row_stride, weight, dx, workspace, rows,
+                       static_cast<int>(n), eps};
+    return launch_bwd<XT, WT>(args, dweight, workspace_floats, stream);
   });
 }
 

@@ -158,7 +158,8 @@ cudaError_t rope(const RopeArgs& a, bool backward, DType qk_dtype, DType cs_dtyp
     return cudaErrorInvalidValue;
   if (a.batch == 0 || a.seq == 0 || a.head_dim == 0 || a.heads_q + a.heads_k == 0)
     return cudaSuccess;
-  if (a.cos == nullptr || a.sin == nullptr || (a.heads_q > 0 && (a.q == nullptr || a.q_out == nullptr)) ||
+  if (a.cos == nullptr || a.sin == nullptr ||
+      (a.heads_q > 0 && (a.q == nullptr || a.q_out == nullptr)) ||
       (a.heads_k > 0 && (a.k == nullptr || a.k_out == nullptr)))
     return cudaErrorInvalidValue;
   auto with_cs = [&](auto ttag) -> cudaError_t {

@@ -4,12 +4,12 @@
 // failed launch into a c10::Error. Compiled only by the CUDA build.
 //
 // Dtypes: float32, float16 and bfloat16 in any combination the op schemas allow (float64 runs
-// on the CPU reference only). Layout: RMSNorm views its input as (rows, n) rows with a unit column stride (a view
-// when the leading dims collapse to one row stride, else a contiguous copy); RoPE takes any
-// strides for (B, H, S) and copies q/k/cos/sin only when their last dim is not contiguous.
-// All outputs are freshly allocated and contiguous.
+// on the CPU reference only). Layout: RMSNorm views its input as (rows, n) rows with a unit
+// column stride (a view when the leading dims collapse to one row stride, else a contiguous
+// copy); RoPE takes any strides for (B, H, S) and copies q/k/cos/sin only when their last dim
+// is not contiguous. All outputs are freshly allocated and contiguous.
 #ifndef CKPT_EXT_WITH_CUDA
-#error "csrc/cuda/rowwise_launch.cpp belongs to the CUDA build (setup.py defines CKPT_EXT_WITH_CUDA)"
+#error "rowwise_launch.cpp belongs to the CUDA build (setup.py defines CKPT_EXT_WITH_CUDA)"
 #endif
 
 #include <tuple>
@@ -74,6 +74,9 @@ std::pair<DType, DType> check_rms_norm(const char* op, const at::Tensor& x,
 }
 
 // ---- RMSNorm -------------------------------------------------------------------------------
+at::ScalarType out_dtype(const at::Tensor& x, const at::Tensor& weight) {
+  return at::promote_types(x.scalar_type(), weight.scalar_type());
+}
 
 // y = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype); y has x's shape and
 // dtype promote_types(x, weight).
@@ -82,8 +85,7 @@ at::Tensor rms_norm_fwd_cuda(const at::Tensor& x, const at::Tensor& weight, doub
   const auto [xd, wd] = check_rms_norm(op, x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.size(-1);
-  at::Tensor y = at::empty(x.sizes(),
-                           x.options().dtype(at::promote_types(x.scalar_type(), weight.scalar_type())));
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype(x, weight)));
   if (y.numel() == 0) return y;
   const at::Tensor x2 = as_rows(x, n);
   const at::Tensor w = weight.contiguous();
@@ -107,8 +109,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_fwd_cuda(const at::Tensor& x,
               x.scalar_type(), "), got ", residual.scalar_type());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.size(-1);
-  at::Tensor y = at::empty(x.sizes(),
-                           x.options().dtype(at::promote_types(x.scalar_type(), weight.scalar_type())));
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype(x, weight)));
   at::Tensor sum = at::empty(x.sizes(), x.options());
   if (y.numel() == 0) return {y, sum};
   const at::Tensor x2 = as_rows(x, n);
@@ -130,9 +131,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& dy, const
   check_device(op, "dy", dy, x.device());
   TORCH_CHECK(dy.sizes() == x.sizes(), op, ": dy must have x's shape ", x.sizes(), ", got ",
               dy.sizes());
-  const auto out_dtype = at::promote_types(x.scalar_type(), weight.scalar_type());
-  TORCH_CHECK(dy.scalar_type() == out_dtype, op, ": dy must have the forward output's dtype ",
-              out_dtype, " (promote_types of x ", x.scalar_type(), " and weight ",
+  TORCH_CHECK(dy.scalar_type() == out_dtype(x, weight), op,
+              ": dy must have the forward output's dtype ", out_dtype(x, weight),
+              " (promote_types of x ", x.scalar_type(), " and weight ",
               weight.scalar_type(), "), got ", dy.scalar_type());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.size(-1);
