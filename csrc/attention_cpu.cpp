@@ -17,7 +17,8 @@
 // from q and k (one extra pass of q k^T, no V); for the other dtypes it uses the lse it is given.
 //
 // Parallelism: at::parallel_for over (batch, kv head, query tile) in forward and over
-// (batch, kv head) in backward; each work item writes a disjoint part of the outputs.
+// (batch, kv head) in backward, for problems of at least kParallelMinWork; each work item
+// writes a disjoint part of the outputs. ATen ops inside a work item run single-threaded.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,9 +44,19 @@ using checks::check_shape;
 constexpr int64_t kBlockM = 128;  // query positions per tile (times G rows: the head group)
 constexpr int64_t kBlockN = 128;  // keys per tile
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// Below this many multiply-adds of q k^T (B * Hq * S * S * D) the ops run on the calling thread:
+// a parallel region costs more than it saves on small problems, and far more on a busy machine.
+constexpr int64_t kParallelMinWork = int64_t{1} << 24;
 
 struct AttnDims {
   int64_t B, Hq, Hkv, S, D, G;  // G = Hq / Hkv query heads per kv head
+
+  // Grain for at::parallel_for over `items` work items: all of them (no parallel region) when
+  // the problem is small.
+  int64_t grain(int64_t items) const {
+    const int64_t work = B * Hq * S * S * D;
+    return work < kParallelMinWork ? std::max<int64_t>(items, 1) : 1;
+  }
 };
 
 // Validates q, k, v and the mask of both ops; returns the sizes.
@@ -178,7 +189,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   const TileMask mask = make_mask(key_padding_mask, causal);
   const int64_t num_q_tiles = (d.S + kBlockM - 1) / kBlockM;
 
-  at::parallel_for(0, d.B * d.Hkv * num_q_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = d.B * d.Hkv * num_q_tiles;
+  at::parallel_for(0, items, d.grain(items), [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowADInplaceOrView guard;  // worker threads do not inherit the caller's
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (d.Hkv * num_q_tiles);
@@ -219,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   const TileMask mask = make_mask(key_padding_mask, causal);
   const int64_t G = d.G, S = d.S, D = d.D;
 
-  at::parallel_for(0, d.B * d.Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, d.B * d.Hkv, d.grain(d.B * d.Hkv), [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowADInplaceOrView guard;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / d.Hkv, hk = item % d.Hkv;

@@ -1,0 +1,425 @@
+"""Differentiable wrappers and fake (meta) implementations of the ckpt_ext kernel ops.
+
+The op schemas live in ``csrc/ckpt_ext.cpp``; the CPU implementations in ``csrc/*_cpu.cpp``;
+CUDA implementations are registered elsewhere. This module adds, for every kernel op:
+
+* a ``torch.library.register_fake`` giving exactly the shapes / dtypes the real op returns
+  (contiguous outputs; ``(0,)`` empty tensors for outputs that do not apply), after the same
+  argument checks as the C++ ops, so that ``torch.compile`` and meta tensors fail as clearly;
+* autograd through ``torch.library.register_autograd`` on each forward op, whose backward
+  calls the matching backward op. The backward ops themselves have no derivative: reaching
+  one with ``create_graph=True`` raises (double backward is not supported).
+
+Public wrappers (DESIGN.md):
+    attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None) -> out
+    swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input")
+    rms_norm(x, weight, eps) -> y
+    add_rms_norm(x, residual, weight, eps) -> (y, s)
+    rope(q, k, cos, sin) -> (q_out, k_out)
+"""
+import math
+
+import torch
+
+from . import _C  # noqa: F401  (registers the ckpt_ext operators)
+
+__all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope"]
+
+_ops = torch.ops.ckpt_ext
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks of the fakes: the same rules and messages as csrc/checks.h
+# --------------------------------------------------------------------------------------------
+def _shape(t):
+    return str(tuple(t.shape))
+
+
+def _dtype(dt):
+    return str(dt).replace("torch.", "")
+
+
+def _check_floating(op, name, t):
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got "
+                        f"{_dtype(t.dtype)}")
+
+
+def _check_dim(op, name, t, dim, layout):
+    if t.dim() != dim:
+        raise ValueError(f"{op}: {name} must have {dim} dims {layout}, got shape {_shape(t)}")
+
+
+def _check_shape(op, name, t, shape, why):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)} {why}, got {_shape(t)}")
+
+
+def _check_dtype_as(op, name, t, ref_name, ref):
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: {name} must have the dtype of {ref_name} ({_dtype(ref.dtype)}), "
+                        f"got {_dtype(t.dtype)}")
+
+
+def _check_device_as(op, name, t, ref_name, ref):
+    if t.device != ref.device:
+        raise RuntimeError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                           f"all tensors must be on one device")
+
+
+def _check_like(op, name, t, ref_name, ref, shape, why):
+    _check_shape(op, name, t, shape, why)
+    _check_dtype_as(op, name, t, ref_name, ref)
+    _check_device_as(op, name, t, ref_name, ref)
+
+
+def _absent(t):
+    """None or the (0,) placeholder of an output that does not apply."""
+    return t is None or (t.dim() == 1 and t.numel() == 0)
+
+
+def _check_qkv(op, q, k, v, key_padding_mask):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool. Returns (B, Hq, Hkv, S, D)."""
+    _check_dim(op, "q", q, 4, "(B, Hq, S, D)")
+    _check_dim(op, "k", k, 4, "(B, Hkv, S, D)")
+    _check_dim(op, "v", v, 4, "(B, Hkv, S, D)")
+    _check_floating(op, "q", q)
+    _check_dtype_as(op, "k", k, "q", q)
+    _check_dtype_as(op, "v", v, "q", q)
+    _check_device_as(op, "k", k, "q", q)
+    _check_device_as(op, "v", v, "q", q)
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    if B == 0:
+        raise ValueError(f"{op}: q has an empty batch (B=0); attention needs B >= 1")
+    if D == 0:
+        raise ValueError(f"{op}: q must have head dim D >= 1, got D=0")
+    if Hq == 0:
+        raise ValueError(f"{op}: q must have at least one head, got Hq=0")
+    for i, what, sym, size in ((0, "batch size", "B", B), (2, "sequence length", "S", S),
+                               (3, "head dim", "D", D)):
+        if k.shape[i] != size:
+            raise ValueError(f"{op}: k must have the {what} of q ({sym}={size}), got "
+                             f"{k.shape[i]} in shape {_shape(k)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{op}: k must have Hkv dividing Hq={Hq}, got Hkv={Hkv}")
+    _check_shape(op, "v", v, k.shape, "(the shape of k)")
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        if m.dtype != torch.bool:
+            raise TypeError(f"{op}: key_padding_mask must be bool (True = may be attended), got "
+                            f"{_dtype(m.dtype)}")
+        _check_shape(op, "key_padding_mask", m, (B, S), "(B, S)")
+        _check_device_as(op, "key_padding_mask", m, "q", q)
+    return B, Hq, Hkv, S, D
+
+
+def _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+    """x (T, H), w_gate/w_up (I, H), w_down (H, I), biases (I,), (I,), (H,). Returns (T, H, I)."""
+    _check_dim(op, "x", x, 2, "(T, H) (tokens flattened)")
+    _check_floating(op, "x", x)
+    _check_dim(op, "w_gate", w_gate, 2, "(I, H)")
+    T, H = x.shape
+    I = w_gate.shape[0]
+    _check_like(op, "w_gate", w_gate, "x", x, (I, H), f"(I, H) with H={H} from x")
+    _check_like(op, "w_up", w_up, "x", x, (I, H), "(I, H), the shape of w_gate")
+    _check_like(op, "w_down", w_down, "x", x, (H, I), "(H, I) for w_gate of shape (I, H)")
+    for name, b, shape, text in (("b_gate", b_gate, (I,), "(I,)"), ("b_up", b_up, (I,), "(I,)"),
+                                 ("b_down", b_down, (H,), "(H,)")):
+        if b is not None:
+            _check_like(op, name, b, "x", x, shape, text)
+    return T, H, I
+
+
+def _check_rms(op, x, weight):
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least 1 dim (..., N), got a 0-dim tensor")
+    _check_floating(op, "x", x)
+    _check_floating(op, "weight", weight)
+    _check_device_as(op, "weight", weight, "x", x)
+    _check_shape(op, "weight", weight, (x.shape[-1],), "to match x's last dim")
+    if x.shape[-1] == 0:
+        raise ValueError(f"{op}: x must have a non-empty last dim, got shape {_shape(x)}")
+
+
+def _check_rope(op, qn, q, kn, k, cos, sin):
+    _check_dim(op, qn, q, 4, "(B, Hq, S, D)")
+    _check_dim(op, kn, k, 4, "(B, Hkv, S, D)")
+    _check_floating(op, qn, q)
+    _check_dtype_as(op, kn, k, qn, q)
+    _check_device_as(op, kn, k, qn, q)
+    B, _, S, D = q.shape
+    _check_shape(op, kn, k, (B, k.shape[1], S, D), f"(B, Hkv, S, D) with B, S, D from {qn}")
+    if D % 2 != 0:
+        raise ValueError(f"{op}: {qn} must have an even head dim D, got D={D}")
+    _check_dim(op, "cos", cos, 3, "(B or 1, S, D)")
+    _check_floating(op, "cos", cos)
+    _check_device_as(op, "cos", cos, qn, q)
+    if cos.shape[0] not in (1, B):
+        raise ValueError(f"{op}: cos must have batch size 1 or B={B}, got shape {_shape(cos)}")
+    _check_shape(op, "cos", cos, (cos.shape[0], S, D), f"(B or 1, S, D) with S, D from {qn}")
+    _check_like(op, "sin", sin, "cos", cos, cos.shape, "(the shape of cos)")
+
+
+# --------------------------------------------------------------------------------------------
+# Fake implementations: shapes and dtypes exactly as the real ops return them
+# --------------------------------------------------------------------------------------------
+@torch.library.register_fake("ckpt_ext::attention_fwd")
+def _attention_fwd_fake(q, k, v, key_padding_mask, causal, scale):
+    B, Hq, _, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask)
+    return q.new_empty((B, Hq, S, D)), q.new_empty((B, Hq, S), dtype=torch.float32)
+
+
+@torch.library.register_fake("ckpt_ext::attention_bwd")
+def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, causal, scale):
+    op = "attention_bwd"
+    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask)
+    _check_like(op, "dout", dout, "q", q, q.shape, "(the shape of q)")
+    _check_like(op, "out", out, "q", q, q.shape, "(the shape of q)")
+    _check_shape(op, "lse", lse, (B, Hq, S), "(B, Hq, S)")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"{op}: lse must be float32, got {_dtype(lse.dtype)}")
+    _check_device_as(op, "lse", lse, "q", q)
+    return (q.new_empty((B, Hq, S, D)), q.new_empty((B, Hkv, S, D)),
+            q.new_empty((B, Hkv, S, D)))
+
+
+@torch.library.register_fake("ckpt_ext::swiglu_fwd")
+def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, return_gate_up):
+    T, H, I = _check_swiglu("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    gate_up_shape = (T, I) if return_gate_up else (0,)
+    return x.new_empty((T, H)), x.new_empty(gate_up_shape), x.new_empty(gate_up_shape)
+
+
+@torch.library.register_fake("ckpt_ext::swiglu_bwd")
+def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
+    op = "swiglu_bwd"
+    T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
+    if _absent(gate) != _absent(up):
+        state = {True: "absent", False: "given"}
+        raise ValueError(f"{op}: gate and up must be given together (save=\"gate_up\") or both "
+                         f"left out (save=\"input\"), got gate {state[_absent(gate)]} and up "
+                         f"{state[_absent(up)]}")
+    if not _absent(gate):
+        _check_like(op, "gate", gate, "x", x, (T, I), "(T, I)")
+        _check_like(op, "up", up, "x", x, (T, I), "(T, I)")
+
+    def bias_grad(b, n):
+        return x.new_empty((n,) if b is not None else (0,))
+
+    return (x.new_empty((T, H)), x.new_empty((I, H)), x.new_empty((I, H)), x.new_empty((H, I)),
+            bias_grad(b_gate, I), bias_grad(b_up, I), bias_grad(b_down, H))
+
+
+@torch.library.register_fake("ckpt_ext::rms_norm_fwd")
+def _rms_norm_fwd_fake(x, weight, eps):
+    _check_rms("rms_norm_fwd", x, weight)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.register_fake("ckpt_ext::rms_norm_bwd")
+def _rms_norm_bwd_fake(dy, x, weight, eps):
+    op = "rms_norm_bwd"
+    _check_rms(op, x, weight)
+    _check_shape(op, "dy", dy, x.shape, "(the shape of x)")
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if dy.dtype != out_dtype:
+        raise TypeError(f"{op}: dy must be {_dtype(out_dtype)} (the output dtype, "
+                        f"promote_types(x, weight)), got {_dtype(dy.dtype)}")
+    _check_device_as(op, "dy", dy, "x", x)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+@torch.library.register_fake("ckpt_ext::add_rms_norm_fwd")
+def _add_rms_norm_fwd_fake(x, residual, weight, eps):
+    op = "add_rms_norm_fwd"
+    _check_rms(op, x, weight)
+    _check_like(op, "residual", residual, "x", x, x.shape, "(the shape of x)")
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.shape)
+
+
+@torch.library.register_fake("ckpt_ext::rope_fwd")
+def _rope_fwd_fake(q, k, cos, sin):
+    _check_rope("rope_fwd", "q", q, "k", k, cos, sin)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.register_fake("ckpt_ext::rope_bwd")
+def _rope_bwd_fake(dq_out, dk_out, cos, sin):
+    _check_rope("rope_bwd", "dq_out", dq_out, "dk_out", dk_out, cos, sin)
+    return dq_out.new_empty(dq_out.shape), dk_out.new_empty(dk_out.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd of the forward ops
+# --------------------------------------------------------------------------------------------
+def _attention_setup(ctx, inputs, output):
+    q, k, v, key_padding_mask, causal, scale = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _attention_backward(ctx, dout, dlse):
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, key_padding_mask, ctx.causal,
+                                    ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down, return_gate_up = inputs
+    _, gate, up = output
+    ctx.mark_non_differentiable(gate, up)
+    ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+    # save="input": x (the weights and biases are parameters); save="gate_up": also gate, up.
+    saved = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    ctx.save_for_backward(*saved, *((gate, up) if return_gate_up else (None, None)))
+
+
+def _swiglu_backward(ctx, dy, dgate, dup):
+    grads = _ops.swiglu_bwd(dy, *ctx.saved_tensors)
+    dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down = grads
+    has_bg, has_bu, has_bd = ctx.has_bias
+    return (dx, dw_gate, dw_up, dw_down, db_gate if has_bg else None, db_up if has_bu else None,
+            db_down if has_bd else None, None)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dweight = _ops.rms_norm_bwd(dy, x, weight, ctx.eps)
+    return dx, dweight, None
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, eps = inputs
+    _, s = output
+    ctx.save_for_backward(s, weight)  # y = rms_norm(s): s is all the norm needs
+    ctx.eps = eps
+
+
+def _add_rms_norm_backward(ctx, dy, ds):
+    s, weight = ctx.saved_tensors
+    dsum, dweight = _ops.rms_norm_bwd(dy, s, weight, ctx.eps)
+    if ds is not None:
+        dsum = dsum + ds
+    return dsum, dsum.clone(), dweight, None  # d/dx = d/dresidual; two tensors, no aliasing
+
+
+def _rope_setup(ctx, inputs, output):
+    _, _, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _rope_backward(ctx, dq_out, dk_out):
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise RuntimeError("ckpt_ext.ops.rope: cos and sin are treated as constants (as HF "
+                           "computes them under no_grad); gradients w.r.t. cos/sin are not "
+                           "supported, detach them")
+    cos, sin = ctx.saved_tensors
+    dq, dk = _ops.rope_bwd(dq_out, dk_out, cos, sin)
+    return dq, dk, None, None
+
+
+def _no_double_backward(name):
+    def setup(ctx, inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"ckpt_ext: {name} has no derivative; double backward through "
+                           f"ckpt_ext ops is not supported")
+
+    torch.library.register_autograd(f"ckpt_ext::{name}", backward, setup_context=setup)
+
+
+torch.library.register_autograd("ckpt_ext::attention_fwd", _attention_backward,
+                                setup_context=_attention_setup)
+torch.library.register_autograd("ckpt_ext::swiglu_fwd", _swiglu_backward,
+                                setup_context=_swiglu_setup)
+torch.library.register_autograd("ckpt_ext::rms_norm_fwd", _rms_norm_backward,
+                                setup_context=_rms_norm_setup)
+torch.library.register_autograd("ckpt_ext::add_rms_norm_fwd", _add_rms_norm_backward,
+                                setup_context=_add_rms_norm_setup)
+torch.library.register_autograd("ckpt_ext::rope_fwd", _rope_backward, setup_context=_rope_setup)
+for _name in ("attention_bwd", "swiglu_bwd", "rms_norm_bwd", "rope_bwd"):
+    _no_double_backward(_name)
+
+
+# --------------------------------------------------------------------------------------------
+# Public wrappers
+# --------------------------------------------------------------------------------------------
+def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
+    """Scaled dot-product attention with GQA, causal and key-padding masks.
+
+    Args:
+        q: (B, Hq, S, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0 (query head h reads kv head
+            h // (Hq // Hkv)); one floating dtype; any strides.
+        causal: query i attends keys j <= i.
+        scale: multiplies q k^T; default 1 / sqrt(D).
+        key_padding_mask: None or bool (B, S), True = the key may be attended.
+
+    Returns:
+        out (B, Hq, S, D), contiguous, q's dtype. A query row with nothing to attend gives 0
+        (and zero gradients). Saves q, k, v, out and lse for backward, which recomputes the
+        softmax tile by tile.
+    """
+    if scale is None:
+        D = q.shape[-1] if q.dim() == 4 else 0
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 / wrong rank: the op says why
+    out, _ = _ops.attention_fwd(q, k, v, key_padding_mask, bool(causal), float(scale))
+    return out
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input"):
+    """LLaMA feed-forward: ``down(silu(gate(x)) * up(x))``, weights in nn.Linear layout.
+
+    Args:
+        x: (..., H); w_gate, w_up: (I, H); w_down: (H, I); b_gate, b_up: None or (I,);
+            b_down: None or (H,); all of x's dtype and device.
+        save: "input" keeps only x for backward (gate and up are recomputed from x);
+            "gate_up" also keeps the (T, I) pre-activations gate and up.
+
+    Returns:
+        y (..., H) in x's dtype.
+    """
+    if save not in ("input", "gate_up"):
+        raise ValueError(f"swiglu_mlp: save must be 'input' or 'gate_up', got {save!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"swiglu_mlp: x must have shape (..., H), got {got}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), x.shape[-1])  # (T, H)
+    y, _, _ = _ops.swiglu_fwd(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, save == "gate_up")
+    return y.reshape(*lead, y.shape[-1])
+
+
+def rms_norm(x, weight, eps):
+    """HF LlamaRMSNorm: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
+
+    x: (..., N); weight: (N,). Returns (..., N) of dtype promote_types(x, weight). Saves x.
+    """
+    return _ops.rms_norm_fwd(x, weight, float(eps))
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """s = x + residual; returns (rms_norm(s, weight, eps), s). x, residual: (..., N)."""
+    return _ops.add_rms_norm_fwd(x, residual, weight, float(eps))
+
+
+def rope(q, k, cos, sin):
+    """HF apply_rotary_pos_emb: ``t * cos + rotate_half(t) * sin`` for t in (q, k).
+
+    q: (B, Hq, S, D); k: (B, Hkv, S, D); cos, sin: (B or 1, S, D) as HF's rotary embedding
+    returns them (broadcast over heads; constants for autograd). Returns (q_out, k_out).
+    """
+    return _ops.rope_fwd(q, k, cos, sin)

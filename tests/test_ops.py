@@ -1,0 +1,648 @@
+"""Tests of the ckpt_ext kernel ops: CPU implementations, fakes, autograd wrappers, checks.
+
+Accuracy rule (STYLE.md 5). Each op is compared with an independent plain-PyTorch reference
+written here, run in float64 on the same input values. The baseline is the same plain-PyTorch
+code run with autograd at the test dtype. The op's max abs error against the float64 reference
+must be at most 2x (outputs) / 3x (gradients) the baseline's, or, where the baseline is exact
+or nearly so, a floor of 4 * eps(dtype) * max(1, max|reference|) (four units in the last place
+of the largest value). In float64 the ops must match the reference to ~1e-12 relative (lse,
+float32 by the schema, to float32 rounding). Values with no finite reference (lse = -inf on
+rows with nothing to attend) must be exactly equal.
+
+Every op also gets torch.library.opcheck (schema, fake, autograd registration, AOT dispatch),
+float64 gradcheck of the Python wrappers, and error-message tests naming the argument.
+"""
+import math
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ckpt_ext  # noqa: F401
+import ckpt_ext.ops as ops
+
+OPS = torch.ops.ckpt_ext
+F64 = torch.float64
+FACTOR_OUT, FACTOR_GRAD = 2.0, 3.0
+
+
+# ------------------------------------------------------------------------------------------
+# Error accounting
+# ------------------------------------------------------------------------------------------
+def max_err(got, ref):
+    """Max abs difference on entries where ref is finite; the others must be equal."""
+    got, ref = got.detach().double(), ref.detach().double()
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    finite = torch.isfinite(ref)
+    assert torch.equal(got[~finite], ref[~finite]), "non-finite reference entries differ"
+    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def magnitude(*refs):
+    """max(1, largest finite |value|) over the given reference tensors."""
+    finite = [r[torch.isfinite(r)].abs() for r in refs]
+    return max([1.0] + [f.max().item() for f in finite if f.numel()])
+
+
+def check_vs_baseline(name, got, base, ref, factor, dtype, scale=None):
+    """got / base: the op's and plain PyTorch's result at `dtype`; ref: float64 reference.
+    scale: magnitude of the floor, default magnitude(ref). The gradients of one op share one
+    (the largest of theirs): at S = 1, for instance, dq and dk of attention are exactly 0
+    while their rounding error scales with dout, the magnitude of dv."""
+    err, base_err = max_err(got, ref), max_err(base, ref)
+    scale = magnitude(ref) if scale is None else scale
+    bound = max(factor * base_err, 4 * torch.finfo(dtype).eps * scale)
+    print(f"  {name}: err {err:.3g}  bound {bound:.3g}  (plain {base_err:.3g})")
+    assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g} (plain {base_err:.3g})"
+
+
+def check_f64(name, got, ref, dtype=F64, scale=None):
+    """Tight comparison of a float64 op result (or a float32 output such as lse)."""
+    err = max_err(got, ref)
+    scale = magnitude(ref) if scale is None else scale
+    bound = (1e-12 if dtype == F64 else 4 * torch.finfo(dtype).eps) * scale
+    assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
+
+
+def leaves(*ts, dtype=None):
+    return [t.detach().to(dtype or t.dtype).requires_grad_() for t in ts]
+
+
+def grads(out, inputs, dout):
+    return torch.autograd.grad(out, inputs, dout, allow_unused=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Plain PyTorch references (differentiable; run in float64 for the reference, at the test
+# dtype for the baseline)
+# ------------------------------------------------------------------------------------------
+def ref_attention(q, k, v, mask, causal, scale):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> out (B, Hq, S, D), lse (B, Hq, S).
+
+    Explicit S x S softmax. Masked scores get the dtype's most negative finite value, so rows
+    with nothing to attend stay finite under autograd; those rows are then set to out = 0,
+    lse = -inf (and get zero gradients through torch.where).
+    """
+    B, Hq, S, _ = q.shape
+    group = Hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # head h -> h // group
+    allowed = torch.ones(S, S, dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed.expand(B, 1, S, S)
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
+    any_allowed = allowed.any(-1)                                  # (B, 1, S)
+    out = torch.where(any_allowed[..., None], torch.softmax(s, -1) @ v, 0.0)
+    lse = torch.where(any_allowed, torch.logsumexp(s.float() if s.dtype != F64 else s, -1),
+                      -math.inf)
+    return out, lse
+
+
+def ref_swiglu(x, wg, wu, wd, bg=None, bu=None, bd=None):
+    gate = torch.nn.functional.linear(x, wg, bg)
+    up = torch.nn.functional.linear(x, wu, bu)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, wd, bd), gate, up
+
+
+def ref_rms_norm(x, weight, eps):
+    """HF LlamaRMSNorm.forward, verbatim semantics (float64 stays float64)."""
+    dtype = x.dtype
+    h = x.to(torch.float32) if dtype != F64 else x
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def ref_rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+def attn_inputs(B, Hq, Hkv, S, D, dtype=torch.float32, masked=False):
+    """q transposed from (B, S, Hq, D) as HF passes it (non-contiguous); k, v contiguous.
+    masked: batch 0 left-padded by S // 3 (causal rows before the padding end attend nothing),
+    the last batch entry fully padded."""
+    q = torch.randn(B, S, Hq, D, dtype=dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D, dtype=dtype)
+    v = torch.randn(B, Hkv, S, D, dtype=dtype)
+    mask = None
+    if masked:
+        mask = torch.ones(B, S, dtype=torch.bool)
+        mask[0, : S // 3] = False
+        mask[-1] = False
+    return q, k, v, mask
+
+
+def swiglu_inputs(T, H, I, dtype=torch.float32, bias=False):
+    x = torch.randn(T, H, dtype=dtype)
+    ws = [torch.randn(I, H, dtype=dtype) / math.sqrt(H), torch.randn(I, H, dtype=dtype) / math.sqrt(H),
+          torch.randn(H, I, dtype=dtype) / math.sqrt(I)]
+    bs = [torch.randn(n, dtype=dtype) if bias else None for n in (I, I, H)]
+    return x, ws, bs
+
+
+def rope_inputs(B, Hq, Hkv, S, D, cos_batch, dtype=torch.float32):
+    """Random cos/sin (not a real rotation): their two halves differ, as the backward must not
+    assume they are equal."""
+    q = torch.randn(B, S, Hq, D, dtype=dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D, dtype=dtype)
+    cos = torch.randn(cos_batch, S, D, dtype=dtype)
+    sin = torch.randn(cos_batch, S, D, dtype=dtype)
+    return q, k, cos, sin
+
+
+# ------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("S", [1, 17, 129])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_attention_fp32_vs_reference(S, causal, heads, masked):
+    Hq, Hkv = heads
+    q, k, v, mask = attn_inputs(2, Hq, Hkv, S, 16, masked=masked)
+    scale = 0.3
+    dout = torch.randn(2, Hq, S, 16)
+    out, lse = OPS.attention_fwd(q, k, v, mask, causal, scale)
+    assert out.is_contiguous() and out.dtype == torch.float32 and lse.dtype == torch.float32
+    ql, kl, vl = leaves(q, k, v)
+    g = grads(ops.attention(ql, kl, vl, causal=causal, scale=scale, key_padding_mask=mask),
+              (ql, kl, vl), dout)
+    r = leaves(q, k, v, dtype=F64)
+    ref_out, ref_lse = ref_attention(*r, mask, causal, scale)
+    ref_g = grads(ref_out, r, dout.double())
+    b = leaves(q, k, v)
+    base_out, base_lse = ref_attention(*b, mask, causal, scale)
+    base_g = grads(base_out, b, dout)
+    check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, torch.float32)
+    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT, torch.float32)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), g, base_g, ref_g):
+        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, torch.float32, magnitude(*ref_g))
+    if masked:  # fully padded sequence: out 0, lse -inf, zero gradients, no NaN
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        assert torch.isneginf(lse[-1]).all()
+        assert all(torch.equal(t[-1], torch.zeros_like(t[-1])) for t in g)
+
+
+@pytest.mark.parametrize("S", [17, 129])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_fp64_tight(S, causal):
+    q, k, v, mask = attn_inputs(2, 4, 2, S, 8, dtype=F64, masked=True)
+    dout = torch.randn(2, 4, S, 8, dtype=F64)
+    out, lse = OPS.attention_fwd(q, k, v, mask, causal, 0.4)
+    dq, dk, dv = OPS.attention_bwd(dout, q, k, v, out, lse, mask, causal, 0.4)
+    r = leaves(q, k, v)
+    ref_out, ref_lse = ref_attention(*r, mask, causal, 0.4)
+    check_f64("out", out, ref_out)
+    check_f64("lse", lse, ref_lse, dtype=torch.float32)
+    ref_g = grads(ref_out, r, dout)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_g):
+        check_f64(name, got, ref, scale=magnitude(*ref_g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_half_vs_reference(dtype):
+    S, causal = 129, True
+    q, k, v, mask = attn_inputs(2, 4, 2, S, 16, dtype=dtype, masked=True)
+    dout = torch.randn(2, 4, S, 16, dtype=dtype)
+    out, lse = OPS.attention_fwd(q, k, v, mask, causal, 0.25)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    got_g = OPS.attention_bwd(dout, q, k, v, out, lse, mask, causal, 0.25)
+    r = leaves(q, k, v, dtype=F64)
+    ref_out, ref_lse = ref_attention(*r, mask, causal, 0.25)
+    ref_g = grads(ref_out, r, dout.double())
+    b = leaves(q, k, v)
+    base_out, base_lse = ref_attention(*b, mask, causal, 0.25)
+    base_g = grads(base_out, b, dout)
+    check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, dtype)
+    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT, dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), got_g, base_g, ref_g):
+        assert got.dtype == dtype
+        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, dtype, magnitude(*ref_g))
+
+
+@pytest.mark.parametrize("S", [1, 17])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_attention_gradcheck(S, causal, masked):
+    q, k, v, mask = attn_inputs(2, 4, 2, S, 8, dtype=F64, masked=masked)
+
+    def fn(q, k, v):
+        return ops.attention(q, k, v, causal=causal, key_padding_mask=mask)
+
+    # Full Jacobians at S = 1; at S = 17 the fast mode (random projections of the Jacobian)
+    # keeps the test quick; test_attention_fp64_tight compares all gradients entry by entry.
+    assert torch.autograd.gradcheck(fn, tuple(leaves(q, k, v)), fast_mode=S > 1)
+
+
+def test_attention_default_scale():
+    q, k, v, _ = attn_inputs(1, 2, 1, 9, 8)
+    out, _ = OPS.attention_fwd(q, k, v, None, True, 1.0 / math.sqrt(8))
+    assert torch.equal(ops.attention(q, k, v), out)
+
+
+def test_attention_never_allocates_s_by_s():
+    """S = 2048: the profiler records every CPU allocation of the op; none may come near the
+    size of one S x S float32 score matrix (16 MiB). One thread, so that every allocation
+    happens on the profiled thread."""
+    S = 2048
+    q, k, v, _ = attn_inputs(1, 2, 1, S, 16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sizes = []
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out, lse = OPS.attention_fwd(q, k, v, None, True, 0.25)
+        sizes.append(max(e.cpu_memory_usage for e in prof.events()))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            OPS.attention_bwd(out, q, k, v, out, lse, None, True, 0.25)
+        sizes.append(max(e.cpu_memory_usage for e in prof.events()))
+    finally:
+        torch.set_num_threads(threads)
+    print(f"  largest allocation fwd {sizes[0]} B, bwd {sizes[1]} B; S x S fp32 = {S * S * 4} B")
+    assert 0 < max(sizes) < S * S * 4 // 8
+
+
+# ------------------------------------------------------------------------------------------
+# SwiGLU MLP
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_swiglu_fp32_vs_reference(save, bias):
+    x, ws, bs = swiglu_inputs(39, 96, 172, bias=bias)
+    x = x.reshape(3, 13, 96)
+    dy = torch.randn(3, 13, 96)
+    params = [w for w in (*ws, *bs) if w is not None]
+
+    def run(dtype, fn):
+        xl, *pl = leaves(x, *params, dtype=dtype)
+        it = iter(pl)
+        args = [next(it) if w is not None else None for w in (*ws, *bs)]
+        y = fn(xl, *args)
+        return y, grads(y, [xl, *pl], dy.to(dtype))
+
+    y, g = run(torch.float32, lambda *a: ops.swiglu_mlp(*a, save=save))
+    ref_y, ref_g = run(F64, lambda *a: ref_swiglu(*a)[0])
+    base_y, base_g = run(torch.float32, lambda *a: ref_swiglu(*a)[0])
+    assert y.shape == x.shape
+    check_vs_baseline("y", y, base_y, ref_y, FACTOR_OUT, torch.float32)
+    names = ["dx", "dw_gate", "dw_up", "dw_down"] + ["db_gate", "db_up", "db_down"] * bias
+    for name, got, base, ref in zip(names, g, base_g, ref_g):
+        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_swiglu_half_vs_reference(dtype):
+    x, ws, bs = swiglu_inputs(37, 96, 172, dtype=dtype, bias=True)
+    dy = torch.randn(37, 96, dtype=dtype)
+    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, True)
+    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, None, None)
+    r = leaves(x, *ws, *bs, dtype=F64)
+    ref_y, ref_gate, ref_up = ref_swiglu(*r)
+    b = leaves(x, *ws, *bs)
+    base_y, base_gate, base_up = ref_swiglu(*b)
+    check_vs_baseline("y", y, base_y, ref_y, FACTOR_OUT, dtype)
+    check_vs_baseline("gate", gate, base_gate, ref_gate, FACTOR_OUT, dtype)
+    check_vs_baseline("up", up, base_up, ref_up, FACTOR_OUT, dtype)
+    names = ("dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down")
+    for name, got, base, ref in zip(names, got_g, grads(base_y, b, dy),
+                                    grads(ref_y, r, dy.double())):
+        assert got.dtype == dtype
+        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, dtype)
+
+
+def test_swiglu_fwd_gate_up_outputs():
+    x, ws, bs = swiglu_inputs(11, 96, 172, dtype=F64, bias=True)
+    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, True)
+    ref_y, ref_gate, ref_up = ref_swiglu(x, *ws, *bs)
+    for name, got, ref in (("y", y, ref_y), ("gate", gate, ref_gate), ("up", up, ref_up)):
+        check_f64(name, got, ref)
+    y2, gate2, up2 = OPS.swiglu_fwd(x, *ws, *bs, False)
+    assert torch.equal(y2, y) and gate2.shape == (0,) and up2.shape == (0,)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_swiglu_token_chunks(save):
+    """I = 66000 makes the CPU op split T = 130 tokens into chunks of 64, 64 and 2 rows: results
+    must match the unchunked float64 reference."""
+    x, ws, bs = swiglu_inputs(130, 8, 66000, dtype=F64, bias=True)
+    dy = torch.randn(130, 8, dtype=F64)
+    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, save == "gate_up")
+    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, *((gate, up) if save == "gate_up" else (None, None)))
+    r = leaves(x, *ws, *bs)
+    ref_y = ref_swiglu(*r)[0]
+    check_f64("y", y, ref_y)
+    for i, (got, ref) in enumerate(zip(got_g, grads(ref_y, r, dy))):
+        check_f64(f"grad {i}", got, ref)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_swiglu_gradcheck(save, bias):
+    x, ws, bs = swiglu_inputs(6, 10, 7, dtype=F64, bias=bias)
+    x = x.reshape(2, 3, 10)
+    args = leaves(x, *ws, *[b for b in bs if b is not None])
+
+    def fn(x, wg, wu, wd, *b):
+        return ops.swiglu_mlp(x, wg, wu, wd, *b, save=save)
+
+    assert torch.autograd.gradcheck(fn, tuple(args))
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_swiglu_empty_tokens(save):
+    x, ws, bs = swiglu_inputs(0, 96, 172, bias=True)
+    args = leaves(x, *ws, *bs)
+    y = ops.swiglu_mlp(*args, save=save)
+    assert y.shape == (0, 96)
+    g = grads(y, args, torch.zeros(0, 96))
+    for got, ref in zip(g, args):
+        assert got.shape == ref.shape and not got.any()
+
+
+def test_swiglu_bad_save():
+    x, ws, _ = swiglu_inputs(4, 8, 6)
+    with pytest.raises(ValueError, match="save"):
+        ops.swiglu_mlp(x, *ws, save="gate")
+
+
+# ------------------------------------------------------------------------------------------
+# RMSNorm
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32), (torch.float16, torch.float32)],
+                         ids=["f32", "bf16", "bf16-w32", "f16-w32"])
+def test_rms_norm_forward_matches_hf_exactly(dtypes):
+    x_dtype, w_dtype = dtypes
+    x = torch.randn(3, 5, 96, dtype=x_dtype)
+    w = torch.randn(96, dtype=w_dtype)
+    y = ops.rms_norm(x, w, 1e-6)
+    ref = ref_rms_norm(x, w, 1e-6)
+    assert y.dtype == ref.dtype == torch.promote_types(x_dtype, w_dtype)
+    assert torch.equal(y, ref)
+    y_sum, s = ops.add_rms_norm(x, x.flip(0), w, 1e-6)
+    assert torch.equal(s, x + x.flip(0)) and torch.equal(y_sum, ref_rms_norm(x + x.flip(0), w, 1e-6))
+
+
+def test_rms_norm_backward_fp32_vs_reference():
+    x = torch.randn(4, 7, 96) * 3
+    w = torch.randn(96)
+    dy = torch.randn(4, 7, 96)
+    xl, wl = leaves(x, w)
+    g = grads(ops.rms_norm(xl, wl, 1e-5), (xl, wl), dy)
+    r = leaves(x, w, dtype=F64)
+    ref_g = grads(ref_rms_norm(*r, 1e-5), r, dy.double())
+    b = leaves(x, w)
+    base_g = grads(ref_rms_norm(*b, 1e-5), b, dy)
+    for name, got, base, ref in zip(("dx", "dweight"), g, base_g, ref_g):
+        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, torch.float32)
+
+
+def test_rms_norm_gradcheck():
+    x, w = leaves(torch.randn(2, 3, 10, dtype=F64), torch.randn(10, dtype=F64))
+    assert torch.autograd.gradcheck(lambda x, w: ops.rms_norm(x, w, 1e-6), (x, w))
+    x1 = leaves(torch.randn(10, dtype=F64))[0]  # rank 1
+    assert torch.autograd.gradcheck(lambda x, w: ops.rms_norm(x, w, 1e-6), (x1, w))
+
+
+def test_add_rms_norm_gradcheck():
+    x, r, w = leaves(torch.randn(2, 3, 10, dtype=F64), torch.randn(2, 3, 10, dtype=F64),
+                     torch.randn(10, dtype=F64))
+    assert torch.autograd.gradcheck(lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6), (x, r, w))
+
+
+# ------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cos_batch", [1, 3])
+def test_rope_fp32_vs_reference(cos_batch):
+    q, k, cos, sin = rope_inputs(3, 4, 2, 17, 16, cos_batch)
+    dq_out, dk_out = torch.randn(3, 4, 17, 16), torch.randn(3, 2, 17, 16)
+    ql, kl = leaves(q, k)
+    q_out, k_out = ops.rope(ql, kl, cos, sin)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    g = torch.autograd.grad((q_out, k_out), (ql, kl), (dq_out, dk_out))
+    r = leaves(q, k, dtype=F64)
+    ref = ref_rope(*r, cos.double(), sin.double())
+    ref_g = torch.autograd.grad(ref, r, (dq_out.double(), dk_out.double()))
+    b = leaves(q, k)
+    base = ref_rope(*b, cos, sin)
+    base_g = torch.autograd.grad(base, b, (dq_out, dk_out))
+    for name, got, bs, rf, f in (("q_out", q_out, base[0], ref[0], FACTOR_OUT),
+                                 ("k_out", k_out, base[1], ref[1], FACTOR_OUT),
+                                 ("dq", g[0], base_g[0], ref_g[0], FACTOR_GRAD),
+                                 ("dk", g[1], base_g[1], ref_g[1], FACTOR_GRAD)):
+        check_vs_baseline(name, got, bs, rf, f, torch.float32)
+
+
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_rope_gradcheck(cos_batch):
+    q, k, cos, sin = rope_inputs(2, 4, 2, 5, 6, cos_batch, dtype=F64)
+    assert torch.autograd.gradcheck(lambda q, k: ops.rope(q, k, cos, sin), tuple(leaves(q, k)))
+
+
+def test_rope_half_rounds_once():
+    """bf16: computed in float32 and rounded once, so exactly the float32 result rounded."""
+    q, k, cos, sin = rope_inputs(2, 4, 2, 9, 8, 1, dtype=torch.bfloat16)
+    q_out, k_out = ops.rope(q, k, cos, sin)
+    ref_q, ref_k = ref_rope(q.float(), k.float(), cos.float(), sin.float())
+    assert torch.equal(q_out, ref_q.bfloat16()) and torch.equal(k_out, ref_k.bfloat16())
+
+
+def test_rope_cos_requiring_grad_is_an_error():
+    q, k, cos, sin = rope_inputs(1, 2, 1, 3, 4, 1)
+    q.requires_grad_()
+    cos.requires_grad_()
+    q_out, _ = ops.rope(q, k, cos, sin)
+    with pytest.raises(RuntimeError, match="cos"):
+        q_out.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------
+# Double backward
+# ------------------------------------------------------------------------------------------
+def test_double_backward_is_a_clear_error():
+    q, k, v = leaves(*attn_inputs(1, 2, 1, 5, 4, dtype=F64)[:3])
+    (dq,) = torch.autograd.grad(ops.attention(q, k, v).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------
+# opcheck: schema, fake tensors, autograd registration, AOT dispatch
+# ------------------------------------------------------------------------------------------
+def _opcheck_samples():
+    """(op name, args) covering optional arguments present and absent, small fp32 shapes."""
+    samples = []
+    for masked in (False, True):
+        q, k, v, mask = attn_inputs(2, 4, 2, 5, 8, masked=masked)
+        for causal in (True, False):
+            samples.append(("attention_fwd", (*leaves(q, k, v), mask, causal, 0.3)))
+            out, lse = OPS.attention_fwd(q, k, v, mask, causal, 0.3)
+            samples.append(("attention_bwd", (torch.randn_like(out), q, k, v, out, lse, mask,
+                                              causal, 0.3)))
+    for bias in (False, True):
+        x, ws, bs = swiglu_inputs(7, 12, 10, bias=bias)
+        for gate_up in (False, True):
+            samples.append(("swiglu_fwd", (*leaves(x, *ws), *(leaves(b)[0] if bias else None
+                                                               for b in bs), gate_up)))
+        _, gate, up = OPS.swiglu_fwd(x, *ws, *bs, True)
+        for saved in ((None, None), (gate, up)):
+            samples.append(("swiglu_bwd", (torch.randn(7, 12), x, *ws, *bs, *saved)))
+    x, w = torch.randn(2, 3, 12), torch.randn(12)
+    samples.append(("rms_norm_fwd", (*leaves(x, w), 1e-6)))
+    samples.append(("rms_norm_bwd", (torch.randn(2, 3, 12), x, w, 1e-6)))
+    samples.append(("add_rms_norm_fwd", (*leaves(x, torch.randn(2, 3, 12), w), 1e-6)))
+    for cos_batch in (1, 2):
+        q, k, cos, sin = rope_inputs(2, 4, 2, 5, 8, cos_batch)
+        samples.append(("rope_fwd", (*leaves(q, k), cos, sin)))
+        samples.append(("rope_bwd", (torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), cos, sin)))
+    return samples
+
+
+def test_opcheck_covers_every_kernel_op():
+    names = {name for name, _ in _opcheck_samples()}
+    assert names == {"attention_fwd", "attention_bwd", "swiglu_fwd", "swiglu_bwd", "rms_norm_fwd",
+                     "rms_norm_bwd", "add_rms_norm_fwd", "rope_fwd", "rope_bwd"}
+
+
+@pytest.mark.parametrize("sample", range(len(_opcheck_samples())))
+def test_opcheck(sample):
+    name, args = _opcheck_samples()[sample]
+    torch.library.opcheck(getattr(OPS, name).default, args)
+
+
+# ------------------------------------------------------------------------------------------
+# Input checks: the error names the argument, from the C++ op (cpu) and from the fake (meta)
+# ------------------------------------------------------------------------------------------
+def _attn_args(device, **change):
+    q, k, v, mask = attn_inputs(2, 4, 2, 5, 8, masked=True)
+    args = dict(q=q, k=k, v=v, mask=mask)
+    args.update(change)
+    return [t.to(device) if t is not None else None for t in
+            (args["q"], args["k"], args["v"], args["mask"])] + [True, 0.3]
+
+
+ERROR_CASES = [
+    # (op, args builder (device -> args), exception, match)
+    ("attention_fwd", lambda d: _attn_args(d, k=torch.randn(2, 2, 5, 8, dtype=F64)), TypeError,
+     "attention_fwd: k must have the dtype of q"),
+    ("attention_fwd", lambda d: _attn_args(d, q=torch.randn(4, 5, 8)), ValueError,
+     r"attention_fwd: q must have 4 dims \(B, Hq, S, D\), got shape \(4, 5, 8\)"),
+    ("attention_fwd", lambda d: _attn_args(d, k=torch.randn(2, 3, 5, 8), v=torch.randn(2, 3, 5, 8)),
+     ValueError, "attention_fwd: k must have Hkv dividing Hq=4, got Hkv=3"),
+    ("attention_fwd", lambda d: _attn_args(d, k=torch.randn(2, 2, 6, 8)), ValueError,
+     "attention_fwd: k must have the sequence length of q"),
+    ("attention_fwd", lambda d: _attn_args(d, v=torch.randn(2, 2, 5, 7)), ValueError,
+     r"attention_fwd: v must have shape \(2, 2, 5, 8\)"),
+    ("attention_fwd", lambda d: _attn_args(d, mask=torch.ones(2, 5)), TypeError,
+     "attention_fwd: key_padding_mask must be bool"),
+    ("attention_fwd", lambda d: _attn_args(d, mask=torch.ones(2, 4, dtype=torch.bool)), ValueError,
+     r"attention_fwd: key_padding_mask must have shape \(2, 5\)"),
+    ("attention_fwd", lambda d: _attn_args(d, q=torch.randn(0, 4, 5, 8), k=torch.randn(0, 2, 5, 8),
+                                           v=torch.randn(0, 2, 5, 8), mask=None),
+     ValueError, "attention_fwd: q has an empty batch"),
+    ("attention_bwd", lambda d: [torch.randn(2, 4, 5, 8, device=d), *_attn_args(d)[:3],
+                                 torch.randn(2, 4, 5, 8, device=d),
+                                 torch.randn(2, 4, 5, device=d, dtype=F64), None, True, 0.3],
+     TypeError, "attention_bwd: lse must be float32"),
+    ("swiglu_fwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(6, 8, device=d),
+                              torch.randn(6, 8, device=d, dtype=F64), torch.randn(8, 6, device=d),
+                              None, None, None, False],
+     TypeError, "swiglu_fwd: w_up must have the dtype of x"),
+    ("swiglu_fwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(6, 8, device=d),
+                              torch.randn(6, 8, device=d), torch.randn(8, 7, device=d),
+                              None, None, None, False],
+     ValueError, r"swiglu_fwd: w_down must have shape \(8, 6\)"),
+    ("swiglu_fwd", lambda d: [torch.randn(2, 5, 8, device=d), torch.randn(6, 8, device=d),
+                              torch.randn(6, 8, device=d), torch.randn(8, 6, device=d),
+                              None, None, None, False],
+     ValueError, "swiglu_fwd: x must have 2 dims"),
+    ("swiglu_fwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(6, 8, device=d),
+                              torch.randn(6, 8, device=d), torch.randn(8, 6, device=d),
+                              torch.randn(5, device=d), None, None, False],
+     ValueError, r"swiglu_fwd: b_gate must have shape \(6,\)"),
+    ("swiglu_bwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(5, 8, device=d),
+                              torch.randn(6, 8, device=d), torch.randn(6, 8, device=d),
+                              torch.randn(8, 6, device=d), None, None, None,
+                              torch.randn(5, 6, device=d), None],
+     ValueError, "swiglu_bwd: gate and up must be given together"),
+    ("swiglu_bwd", lambda d: [torch.randn(4, 8, device=d), torch.randn(5, 8, device=d),
+                              torch.randn(6, 8, device=d), torch.randn(6, 8, device=d),
+                              torch.randn(8, 6, device=d), None, None, None, None, None],
+     ValueError, r"swiglu_bwd: dy must have shape \(5, 8\)"),
+    ("rms_norm_fwd", lambda d: [torch.randn(3, 4096, device=d), torch.randn(4095, device=d), 1e-6],
+     ValueError, r"rms_norm_fwd: weight must have shape \(4096,\) to match x's last dim, got "
+                 r"\(4095,\)"),
+    ("rms_norm_fwd", lambda d: [torch.randn(3, 8, device=d), torch.ones(8, device=d,
+                                                                       dtype=torch.int64), 1e-6],
+     TypeError, "rms_norm_fwd: weight must be float16, bfloat16, float32 or float64, got int64"),
+    ("rms_norm_bwd", lambda d: [torch.randn(3, 8, device=d, dtype=F64), torch.randn(3, 8, device=d),
+                                torch.randn(8, device=d), 1e-6],
+     TypeError, "rms_norm_bwd: dy must be float32"),
+    ("add_rms_norm_fwd", lambda d: [torch.randn(3, 8, device=d), torch.randn(2, 8, device=d),
+                                    torch.randn(8, device=d), 1e-6],
+     ValueError, r"add_rms_norm_fwd: residual must have shape \(3, 8\)"),
+    ("rope_fwd", lambda d: [torch.randn(2, 4, 5, 8, device=d), torch.randn(2, 2, 5, 8, device=d),
+                            torch.randn(3, 5, 8, device=d), torch.randn(3, 5, 8, device=d)],
+     ValueError, "rope_fwd: cos must have batch size 1 or B=2"),
+    ("rope_fwd", lambda d: [torch.randn(2, 4, 5, 7, device=d), torch.randn(2, 2, 5, 7, device=d),
+                            torch.randn(1, 5, 7, device=d), torch.randn(1, 5, 7, device=d)],
+     ValueError, "rope_fwd: q must have an even head dim D, got D=7"),
+    ("rope_fwd", lambda d: [torch.randn(2, 4, 5, 8, device=d), torch.randn(2, 2, 5, 8, device=d),
+                            torch.randn(1, 5, 8, device=d), torch.randn(1, 6, 8, device=d)],
+     ValueError, r"rope_fwd: sin must have shape \(1, 5, 8\)"),
+    ("rope_bwd", lambda d: [torch.randn(2, 4, 5, 8, device=d),
+                            torch.randn(2, 2, 5, 8, device=d, dtype=torch.float16),
+                            torch.randn(1, 5, 8, device=d), torch.randn(1, 5, 8, device=d)],
+     TypeError, "rope_bwd: dk_out must have the dtype of dq_out"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("case", range(len(ERROR_CASES)))
+def test_error_names_argument(case, device):
+    name, build, exc, match = ERROR_CASES[case]
+    with pytest.raises(exc, match=match):
+        getattr(OPS, name)(*build(device))
+
+
+DEVICE_CASES = [
+    ("attention_fwd", lambda: _attn_args("cpu")[:1] + _attn_args("meta")[1:2] + _attn_args("cpu")[2:],
+     "attention_fwd: k is on meta but q is on cpu"),
+    ("attention_fwd", lambda: _attn_args("cpu")[:3] + [torch.ones(2, 5, dtype=torch.bool,
+                                                                   device="meta"), True, 0.3],
+     "attention_fwd: key_padding_mask is on meta but q is on cpu"),
+    ("swiglu_fwd", lambda: [torch.randn(5, 8), torch.randn(6, 8), torch.randn(6, 8),
+                            torch.randn(8, 6, device="meta"), None, None, None, False],
+     "swiglu_fwd: w_down is on meta but x is on cpu"),
+    ("rms_norm_fwd", lambda: [torch.randn(3, 8), torch.randn(8, device="meta"), 1e-6],
+     "rms_norm_fwd: weight is on meta but x is on cpu"),
+    ("rope_fwd", lambda: [torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8),
+                          torch.randn(1, 5, 8, device="meta"), torch.randn(1, 5, 8)],
+     "rope_fwd: cos is on meta but q is on cpu"),
+]
+
+
+@pytest.mark.parametrize("path", ["dispatcher", "cpu_kernel"])
+@pytest.mark.parametrize("case", range(len(DEVICE_CASES)))
+def test_device_mismatch_names_argument(case, path):
+    """Only a CPU is guaranteed here, so the second device is `meta`. Through the dispatcher a
+    CPU/meta mix may reach either kernel; `cpu_kernel` calls the C++ CPU kernel directly."""
+    name, build, match = DEVICE_CASES[case]
+    op = getattr(OPS, name).default
+    with pytest.raises(RuntimeError, match=match):
+        if path == "dispatcher":
+            op(*build())
+        else:
+            op.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *build())
