@@ -104,7 +104,7 @@ struct TileMask {
 
   // Bool tile, True = score is masked out; shaped to broadcast over the score tile viewed as
   // (m, G, n): (m, 1, n) when causal cuts through the tile, else (1, 1, n). Undefined when
-  // nothing in the tile is masked (the common case off the diagonal).
+  // neither rule applies to the tile (no mask, and the tile lies below the causal diagonal).
   at::Tensor tile(int64_t b, int64_t i0, int64_t m, int64_t j0, int64_t n) const {
     at::Tensor blocked;
     if (causal && j0 + n - 1 > i0) {  // some key j in the tile lies after some query i
