@@ -21,7 +21,6 @@ the run "CPU interpreter run: NOT a performance figure", and writes
 import argparse
 import csv
 import datetime
-import importlib.util
 import math
 import os
 import pathlib
@@ -39,13 +38,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-try:
-    from ckpt_ext.kernels import attention  # noqa: E402
-except ImportError:
-    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "attention.py"
-    _spec = importlib.util.spec_from_file_location("ckpt_ext_kernels_attention", _path)
-    attention = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(attention)
+from ckpt_ext.kernels import attention  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import math
 import os
 import pathlib
@@ -49,13 +48,7 @@ if not CUDA:
 import torch.nn as nn  # noqa: E402
 import triton  # noqa: E402
 
-try:
-    from ckpt_ext.kernels import swiglu_mlp
-except ImportError:
-    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "swiglu_mlp.py"
-    _spec = importlib.util.spec_from_file_location("swiglu_mlp", _path)
-    swiglu_mlp = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(swiglu_mlp)
+from ckpt_ext.kernels import swiglu_mlp  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODELS = {"llama7b": (4096, 11008), "llama3_8b": (4096, 14336), "tiny": (64, 96)}

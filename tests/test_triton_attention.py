@@ -23,23 +23,11 @@ lse is float32 for every input dtype, so its baseline is eager attention in floa
 same fp16/bf16 inputs) and its floor uses float32's eps. It is compared on rows that attend
 something; on the other rows it must be exactly -inf in both.
 """
-import importlib.util
-import os
-import pathlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    from ckpt_ext.kernels import attention
-except ImportError:
-    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "attention.py"
-    _spec = importlib.util.spec_from_file_location("ckpt_ext_kernels_attention", _path)
-    attention = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(attention)
+from ckpt_ext.kernels import attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

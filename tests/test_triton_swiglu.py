@@ -10,24 +10,12 @@ kernels" on this machine. When the baseline error is 0 (e.g. db_down at T=1, an 
 the bound uses a floor of 2 eps * max|reference| instead.
 """
 import gc
-import importlib.util
-import os
-import pathlib
 import weakref
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    from ckpt_ext.kernels import swiglu_mlp
-except ImportError:
-    _path = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "swiglu_mlp.py"
-    _spec = importlib.util.spec_from_file_location("swiglu_mlp", _path)
-    swiglu_mlp = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(swiglu_mlp)
+from ckpt_ext.kernels import swiglu_mlp
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
