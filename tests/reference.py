@@ -76,3 +76,35 @@ def make_mask(kind, b, s):
     return mask
 
 
+# ---- attention baselines shared by the attention kernel tests ------------------------------
+
+def allowed_matrix(B, S, mask, causal, device):
+    """Bool (B, 1, S, S): query i may attend key j."""
+    allowed = torch.ones(S, S, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed.expand(B, 1, S, S)
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    return allowed
+
+
+def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out):
+    """Plain PyTorch backward at q's dtype via dS = P * (dP - rowsum(dO * O)), S x S in memory.
+
+    q, dout, out (B, Hq, S, D); k, v (B, Hkv, S, D). Returns dict dq, dk, dv (GQA summed).
+    """
+    B, Hq, S, D = q.shape
+    group = Hq // k.shape[1]
+    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k_rep.transpose(-1, -2)) * scale
+    allowed = allowed_matrix(B, S, mask, causal, q.device)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    p = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1), zero)
+    dp = dout @ v_rep.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(dim=-1, keepdim=True))
+    dq = (ds @ k_rep) * scale
+    dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, -1, group, S, D).sum(dim=2)
+    dv = (p.transpose(-1, -2) @ dout).view(B, -1, group, S, D).sum(dim=2)
+    return dict(dq=dq, dk=dk, dv=dv)

@@ -29,6 +29,8 @@ import torch
 
 from ckpt_ext.kernels import attention
 
+from reference import allowed_matrix, eager_flash_identity_grads
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -38,17 +40,6 @@ FACTOR = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 # ------------------------------------------------------------------------------------------
 # Reference, baseline and inputs
 # ------------------------------------------------------------------------------------------
-def allowed_matrix(B, S, mask, causal, device):
-    """Bool (B, 1, S, S): query i may attend key j."""
-    allowed = torch.ones(S, S, dtype=torch.bool, device=device)
-    if causal:
-        allowed = allowed.tril()
-    allowed = allowed.expand(B, 1, S, S)
-    if mask is not None:
-        allowed = allowed & mask[:, None, None, :]
-    return allowed
-
-
 def eager_attention(q, k, v, mask, causal, scale):
     """Plain PyTorch attention at the dtype of q. q (B, Hq, S, D), k/v (B, Hkv, S, D).
 
@@ -75,27 +66,6 @@ def run_eager(q, k, v, mask, causal, scale, dout, dtype):
     out, lse = eager_attention(*leaves, mask, causal, scale)
     out.backward(dout.to(dtype))
     return dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
-
-
-def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out):
-    """Plain PyTorch backward at q's dtype via dS = P * (dP - rowsum(dO * O)), S x S in memory.
-
-    q, dout, out (B, Hq, S, D); k, v (B, Hkv, S, D). Returns dict dq, dk, dv (GQA summed).
-    """
-    B, Hq, S, D = q.shape
-    group = Hq // k.shape[1]
-    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k_rep.transpose(-1, -2)) * scale
-    allowed = allowed_matrix(B, S, mask, causal, q.device)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    zero = torch.zeros((), dtype=q.dtype, device=q.device)
-    p = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1), zero)
-    dp = dout @ v_rep.transpose(-1, -2)
-    ds = p * (dp - (dout * out).sum(dim=-1, keepdim=True))
-    dq = (ds @ k_rep) * scale
-    dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, -1, group, S, D).sum(dim=2)
-    dv = (p.transpose(-1, -2) @ dout).view(B, -1, group, S, D).sum(dim=2)
-    return dict(dq=dq, dk=dk, dv=dv)
 
 
 def run_kernel(q, k, v, mask, causal, scale, dout):
