@@ -43,6 +43,7 @@ caught per call and delegated.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import warnings
 import weakref
@@ -74,17 +75,18 @@ _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layern
 _ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb"}
 _MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn"}
 # transformers 5.x installs this forward hook on layers and attentions once any output_* is
-# requested; it records only while its collector is active (checked in _inert_hooks).
+# requested; it records only while its collector is active (see _inert).
 _HF_CAPTURE_HOOK = "output_capturing_hook"
 
 
 # ---- finding the model's pieces --------------------------------------------------------------
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    for base in (getattr(model, "base_model", None), getattr(model, "model", None), model):
-        layers = getattr(base, "layers", None)
+def _decoder_layers(model: nn.Module) -> Tuple[nn.Module, nn.ModuleList]:
+    """``(owner, layers)``: the bare ``*Model`` and its ``layers``."""
+    for owner in (getattr(model, "base_model", None), getattr(model, "model", None), model):
+        layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            return layers
+            return owner, layers
     raise ValueError(
         f"patch_llama: could not find the decoder layers of {type(model).__name__} (looked for "
         "model.model.layers and model.layers); pass a transformers *ForCausalLM or *Model of "
@@ -164,13 +166,23 @@ def _structure_problem(layer: nn.Module, hooks: bool = False) -> Optional[str]:
     for name, mod in layer.named_modules():
         if not name:
             continue
-        if "forward" in mod.__dict__:
-            return (f"{name} has an instance-level forward (accelerate offload hooks or another "
-                    "patch), which the fused op would bypass")
+        if _foreign_forward(mod):
+            return (f"{name} has an instance-level forward (accelerate offload hooks, another "
+                    "patch, or transformers recording outputs), which the fused op would bypass")
         if hooks and not (_inert(mod._forward_hooks) and _inert(mod._forward_pre_hooks)):
             return (f"{name} has forward hooks (or output_attentions is being recorded), which "
                     "the fused op would not run")
     return None
+
+
+def _foreign_forward(module: nn.Module) -> bool:
+    """An instance-level ``forward`` other than the class's own bound to the module (which
+    transformers 4.5x leaves behind after recording outputs) and other than ours."""
+    own = module.__dict__.get("forward")
+    if own is None or isinstance(own, _PatchedForward):
+        return False
+    return not (getattr(own, "__self__", None) is module
+                and getattr(own, "__func__", None) is type(module).forward)
 
 
 def _inert(hooks) -> bool:
@@ -225,6 +237,14 @@ class _LayerSpec:
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
 
 
+_SILU = ("SiLU", "SiLUActivation")
+
+
+def _attention_dropout(layer: nn.Module, config) -> float:
+    return float(getattr(layer.self_attn, "attention_dropout",
+                         getattr(config, "attention_dropout", 0.0)) or 0.0)
+
+
 def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
     def refuse(why: str) -> ValueError:
         return ValueError(f"patch_llama: cannot fuse decoder layer {idx} "
@@ -242,13 +262,14 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
             "masks) cannot be verified to be causal + padding, so the fused causal attention "
             "could silently differ. Load the model with attn_implementation='sdpa'; in "
             "training the fused op replaces the attention kernel anyway")
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    dropout = _attention_dropout(layer, config)
     if dropout > 0:
         raise refuse(f"attention_dropout={dropout}: the fused op has no dropout to replay. Set "
                      "config.attention_dropout = 0.0 ('torch' replays dropout exactly)")
-    act = getattr(config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise refuse(f"hidden_act={act!r}: the fused MLP is SwiGLU (SiLU gate)")
+    act = type(layer.mlp._modules.get("act_fn")).__name__
+    if act not in _SILU:
+        raise refuse(f"hidden_act={getattr(config, 'hidden_act', None)!r} (mlp.act_fn is a "
+                     f"{act}): the fused MLP is SwiGLU, with a SiLU gate")
     try:
         return _LayerSpec(layer, config)
     except ValueError as e:
@@ -279,7 +300,7 @@ class _MaskCache:
 
 
 def _padding_mask_from(mask: Tensor, b: int, s: int) -> Tuple[bool, Optional[Tensor]]:
-    """``(ok, key_padding_mask)`` for a 4-D HF mask ``(1 or B, 1, S, S)``: bool (True = may
+    """``(ok, key_padding_mask)`` for a 4-D HF mask ``(1 or B, 1, S, >= S)``: bool (True = may
     attend) or additive float (0 = may attend, the dtype's min = masked).
 
     ``ok`` only when every row is exactly ``causal & key_padding_mask[None, :]``, except that
@@ -287,9 +308,12 @@ def _padding_mask_from(mask: Tensor, b: int, s: int) -> Tuple[bool, Optional[Ten
     may also be fully unmasked, as older transformers make such rows for SDPA. The fused op
     outputs 0 on those rows; HF whatever its kernel gives. ``key_padding_mask`` (B, S) is
     read off the last query row, which may attend every real key; None when all are real."""
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (s, s) \
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != s or mask.shape[3] < s \
             or mask.shape[0] not in (1, b):
         return False, None
+    # transformers 4.x may build the mask one key wider than S without a cache; its attention
+    # functions use the first S keys, and so does this.
+    mask = mask[..., :s]
     if mask.dtype == torch.bool:
         allowed = mask[:, 0]
     elif mask.is_floating_point():
@@ -313,7 +337,8 @@ def _padding_mask_from(mask: Tensor, b: int, s: int) -> Tuple[bool, Optional[Ten
 class _Shared:
     """State shared by the layers of one patched model."""
 
-    def __init__(self):
+    def __init__(self, owner: nn.Module, layers: nn.ModuleList):
+        self.owner, self.layers = owner, layers
         self.masks = _MaskCache()
         self.warned: set = set()
 
@@ -363,16 +388,23 @@ class _PatchedForward:
         if kwargs.get("use_cache") or kwargs.get("past_key_values",
                                                  kwargs.get("past_key_value")) is not None:
             return self._delegate(_CACHE, hidden_states, kwargs, warn=self.layer.training)
-        hf_checkpoints = bool(getattr(self.layer, "gradient_checkpointing", False)
-                              and self.layer.training)
-        if hf_checkpoints:
-            self._hf_checkpointing_on()
+        # Decided the same way in a forward and in its recompute: HF's checkpointing is taken
+        # over only by patch_llama, never while a step may be in flight.
+        hf_checkpoints = self._hf_checkpoints_this_call()
+        if hf_checkpoints or (self.layer.training and getattr(self.shared.owner,
+                                                              "gradient_checkpointing", False)):
+            self.shared.warn_once("hf checkpointing", _HF_GC_MESSAGE)
         if self.preset == "torch":
             if hf_checkpoints:  # HF checkpoints this layer already: once is enough
                 self.calls["torch (by HF's checkpoint)"] += 1
                 return self.original(hidden_states, **kwargs)
             self.calls["torch"] += 1
             return torch_checkpoint(self.original, hidden_states, use_reentrant=False, **kwargs)
+        if hf_checkpoints and _hf_checkpoint_site(type(self.layer)) != "forward":
+            return self._delegate(
+                "HF's gradient checkpointing, turned on after patch_llama, wraps this call, so "
+                "HF's forward runs under it; call patch_llama again to have fused layers skip "
+                "HF's checkpoint", hidden_states, kwargs, warn=True)
         reason = self._why_not_fused(hidden_states, kwargs)
         kpm = None
         if reason is None and kwargs.get("attention_mask") is not None:
@@ -385,20 +417,25 @@ class _PatchedForward:
         out = self._fused(hidden_states, kwargs["position_embeddings"], kpm)
         return (out,) if self.returns_tuple else out
 
+    def _hf_checkpoints_this_call(self) -> bool:
+        """Whether HF's gradient checkpointing wraps this call (transformers < 5) or the class
+        forward that this call would run (5.x)."""
+        layer = self.layer
+        if not layer.training:
+            return False
+        if _hf_checkpoint_site(type(layer)) == "loop":
+            owner = self.shared.owner
+            return bool(getattr(owner, "gradient_checkpointing", False)) and not isinstance(
+                owner.__dict__.get("_gradient_checkpointing_func"), _SkipPatchedLayers)
+        return bool(getattr(layer, "gradient_checkpointing", False))
+
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False):
         self.calls[f"delegated: {reason}"] += 1
         if warn:
             self.shared.warn_once(reason, f"a training forward of decoder layer {self.idx} "
-                                  f"(preset {self.preset!r}) ran HF's forward without "
-                                  f"recompute: {reason} (warned once per reason)")
+                                  f"(preset {self.preset!r}) ran HF's forward, not the fused "
+                                  f"op: {reason} (warned once per reason)")
         return self.original(hidden_states, **kwargs)
-
-    def _hf_checkpointing_on(self) -> None:
-        if _hf_checkpoints_around_call() and self.preset in FUSED_PRESETS:
-            # transformers 4.x: HF's checkpoint already wraps this call; spare the next ones
-            self.layer.__dict__.setdefault(_GC_SAVED, None)
-            self.layer.gradient_checkpointing = False
-        self.shared.warn_once("hf checkpointing", _HF_GC_MESSAGE)
 
     def _why_not_fused(self, x: Tensor, kwargs) -> Optional[str]:
         """Why this call cannot go through the fused op, or None (the mask is checked apart)."""
@@ -411,6 +448,10 @@ class _PatchedForward:
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             if kwargs.get(key) is not None:
                 return f"{key} was given (packed sequences)"
+        if layer.training and _attention_dropout(layer, self.config) > 0:
+            return "attention_dropout > 0 (set after patching)"
+        if type(layer.mlp._modules.get("act_fn")).__name__ not in _SILU:
+            return "mlp.act_fn is not SiLU"
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
             return "attention is not causal (is_causal=False)"
         if kwargs.get("attention_mask") is None and impl == "eager":
@@ -455,20 +496,57 @@ class _PatchedForward:
 
 # ---- public API ------------------------------------------------------------------------------
 
-_GC_SAVED = "_ckpt_ext_gradient_checkpointing"  # a layer's own flag before patching
+_GC_SAVED = "_ckpt_ext_gradient_checkpointing"  # a layer's HF flag, turned off by patching
 _HF_GC_MESSAGE = ("HF gradient checkpointing is enabled as well: layers with a ckpt_ext preset "
                   "recompute once (HF's checkpoint is skipped for fused layers and does the "
-                  "work of 'torch' ones); layers with policy 'none' keep HF's checkpointing")
+                  "work of 'torch' ones); layers with policy 'none' keep HF's checkpointing. "
+                  "Turned on after patch_llama, it is taken over only by patching again")
 
 
-def _hf_checkpoints_around_call() -> bool:
-    """transformers 4.x's ``GradientCheckpointingLayer`` checkpoints in ``__call__``, around
-    the patched forward; 5.x wraps the class ``forward``, which the patched forward bypasses."""
+@functools.lru_cache(maxsize=None)
+def _hf_checkpoint_site(layer_cls: type) -> str:
+    """Where HF's gradient checkpointing wraps a decoder layer: ``"loop"`` (transformers before
+    4.52: the model's layer loop calls ``_gradient_checkpointing_func(layer.__call__, ...)``),
+    ``"call"`` (4.52-4.57: ``GradientCheckpointingLayer.__call__``, around the patched forward)
+    or ``"forward"`` (5.x: the class ``forward``, which the patched forward calls only when it
+    delegates)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
-        return False
-    return "__call__" in GradientCheckpointingLayer.__dict__
+        return "loop"
+    if not issubclass(layer_cls, GradientCheckpointingLayer):
+        return "loop"
+    return "call" if "__call__" in GradientCheckpointingLayer.__dict__ else "forward"
+
+
+class _SkipPatchedLayers:
+    """Stands in for the bare model's ``_gradient_checkpointing_func``, which transformers
+    before 4.52 calls in its layer loop as ``func(layer.__call__, *args)``: patched layers
+    recompute by themselves and run directly; other calls go to HF's function."""
+
+    def __init__(self, func: Callable):
+        self.func = func
+
+    def __call__(self, fn, *args, **kwargs):
+        layer = getattr(fn, "__self__", None)
+        if isinstance(getattr(layer, "__dict__", {}).get("forward"), _PatchedForward):
+            return fn(*args, **kwargs)
+        return self.func(fn, *args, **kwargs)
+
+
+def _take_over_hf_checkpointing(shared: _Shared) -> None:
+    """Keep HF's gradient checkpointing from recomputing a patched layer a second time."""
+    owner = shared.owner
+    func = owner.__dict__.get("_gradient_checkpointing_func")
+    if func is not None and not isinstance(func, _SkipPatchedLayers):
+        owner._gradient_checkpointing_func = _SkipPatchedLayers(func)
+    if _hf_checkpoint_site(type(shared.layers[0])) == "call":
+        for layer in shared.layers:
+            patched = layer.__dict__.get("forward")
+            if isinstance(patched, _PatchedForward) and patched.preset in FUSED_PRESETS \
+                    and layer.__dict__.get("gradient_checkpointing"):
+                layer.__dict__[_GC_SAVED] = True
+                layer.gradient_checkpointing = False
 
 
 def patch_llama(model: nn.Module, policy: Policy = "balanced") -> nn.Module:
@@ -477,44 +555,40 @@ def patch_llama(model: nn.Module, policy: Policy = "balanced") -> nn.Module:
     callable ``(layer_idx) -> preset``; presets are ``ckpt_ext.presets.PRESETS``. Raises
     ValueError, before changing anything, when a layer asked to be fused cannot be (see the
     module docstring). Patching a patched model first undoes the earlier patch."""
-    layers = _decoder_layers(model)
+    owner, layers = _decoder_layers(model)
     config = _model_config(model)
     presets = _resolve_policy(policy, len(layers))
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
-        own = layer.__dict__.get("forward")
-        if own is not None and not isinstance(own, _PatchedForward):
+        if _foreign_forward(layer):
             raise ValueError(f"patch_llama: decoder layer {idx} already has an instance-level "
                              "forward (accelerate hooks or another patch), which patching "
                              "would drop")
         if preset in FUSED_PRESETS:
             specs[idx] = _check_fusable(layer, idx, config)
     unpatch_llama(model)
+    shared = _Shared(owner, layers)
+    for idx, (layer, preset) in enumerate(zip(layers, presets)):
+        if preset != "none":
+            layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()) \
             and any(p != "none" for p in presets):
         warnings.warn(f"ckpt_ext.patch_llama: {_HF_GC_MESSAGE}", stacklevel=2)
-    around_call = _hf_checkpoints_around_call()
-    shared = _Shared()
-    for idx, (layer, preset) in enumerate(zip(layers, presets)):
-        if preset == "none":
-            continue
-        layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
-        if around_call and preset in FUSED_PRESETS:  # keep HF from checkpointing the fused op
-            layer.__dict__[_GC_SAVED] = layer.__dict__.get("gradient_checkpointing")
-            layer.gradient_checkpointing = False
+        shared.warned.add("hf checkpointing")
+    _take_over_hf_checkpointing(shared)
     return model
 
 
 def unpatch_llama(model: nn.Module) -> nn.Module:
-    """Undo ``patch_llama``: every layer gets HF's forward back. Returns ``model``; a model
-    that is not patched is returned unchanged."""
-    for layer in _decoder_layers(model):
+    """Undo ``patch_llama``: every layer gets HF's forward back (and HF's gradient
+    checkpointing its say). Returns ``model``; a model that is not patched is unchanged."""
+    owner, layers = _decoder_layers(model)
+    func = owner.__dict__.get("_gradient_checkpointing_func")
+    if isinstance(func, _SkipPatchedLayers):
+        owner._gradient_checkpointing_func = func.func
+    for layer in layers:
         if isinstance(layer.__dict__.get("forward"), _PatchedForward):
             del layer.__dict__["forward"]
-        if _GC_SAVED in layer.__dict__:
-            saved = layer.__dict__.pop(_GC_SAVED)
-            if saved is None:
-                layer.__dict__.pop("gradient_checkpointing", None)
-            else:
-                layer.gradient_checkpointing = saved
+        if layer.__dict__.pop(_GC_SAVED, False):
+            layer.gradient_checkpointing = True
     return model
