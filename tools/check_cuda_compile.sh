@@ -41,8 +41,13 @@ for f in "${cu_files[@]}"; do
   obj="$out/$(basename "${f%.cu}").o"
   echo "== nvcc $f (sm_80, sm_90)"
   t0=$(date +%s)
-  # Same flags as setup.py's CUDA build, plus host-compiler warnings.
+  # Same flags as setup.py's CUDA build (its nvcc flags plus those torch's BuildExtension adds:
+  # no implicit half/bfloat16 conversions or operators, relaxed constexpr, -fPIC), plus
+  # host-compiler warnings.
   if "$nvcc" -std=c++17 -O3 --use_fast_math -lineinfo \
+      -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
+      -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
+      --expt-relaxed-constexpr -Xcompiler -fPIC \
       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
       -Xcompiler -Wall -Xcompiler -Wextra -Icsrc/cuda -c "$f" -o "$obj"; then
     echo "   ok ($(( $(date +%s) - t0 ))s)"
