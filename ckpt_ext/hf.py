@@ -57,11 +57,6 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from . import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from .presets import FUSED_PRESETS, check_policy
 
-try:  # transformers 5.x: output_attentions is collected by hooks while this context is set
-    from transformers.utils.output_capturing import _active_collector as _HF_COLLECTOR
-except ImportError:  # other versions pass output_attentions to the layer
-    _HF_COLLECTOR = None
-
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -185,15 +180,28 @@ def _foreign_forward(module: nn.Module) -> bool:
                 and getattr(own, "__func__", None) is type(module).forward)
 
 
+@functools.lru_cache(maxsize=None)
+def _hf_collector():
+    """transformers 5.x: the context that its output-capturing hooks record into (None in
+    versions that pass output_attentions to the layers). Imported on first use, so that
+    ``import ckpt_ext`` never imports transformers."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
 def _inert(hooks) -> bool:
     """True for no hooks, or only transformers 5.x's output-capturing hooks while they do not
     record attentions (they are installed for good once any output_* is asked for)."""
     if not hooks:
         return True
-    if _HF_COLLECTOR is None or not all(getattr(h, "__name__", "") == _HF_CAPTURE_HOOK
-                                        for h in hooks.values()):
+    collector = _hf_collector()
+    if collector is None or not all(getattr(h, "__name__", "") == _HF_CAPTURE_HOOK
+                                    for h in hooks.values()):
         return False
-    active = _HF_COLLECTOR.get()
+    active = collector.get()
     return not (active and "attentions" in active)
 
 
