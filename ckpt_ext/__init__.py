@@ -6,15 +6,18 @@ Public API (DESIGN.md):
     ops.attention / ops.swiglu_mlp / ops.rms_norm                differentiable kernel ops
     modules.DecoderLayer / Attention / SwiGLUMLP / RMSNorm       drop-in modules, policy=
     presets.PRESETS, presets.saved_bytes                         the presets and their bytes
+    patch_llama(model, policy="balanced"), unpatch_llama(model)  HF Llama/Mistral/Qwen2/Qwen3
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from . import _backend, blocks, modules, ops, presets
 from .checkpoint import checkpoint
+from .hf import patch_llama, unpatch_llama
 from .memory import saved_activation_bytes
 
-__all__ = ["checkpoint", "saved_activation_bytes", "ops", "blocks", "modules", "presets"]
+__all__ = ["checkpoint", "saved_activation_bytes", "patch_llama", "unpatch_llama", "ops",
+           "blocks", "modules", "presets"]
 __version__ = "0.1.0"
 
 _backend.register_from_environment()

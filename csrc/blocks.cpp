@@ -375,8 +375,9 @@ struct AttentionBlockFn : public torch::autograd::Function<AttentionBlockFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     no_double_backward("attention_block");
-    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
     const variable_list t = ctx->get_saved_variables();
+    // Only now: unpacking may run an outer checkpoint's recomputation, which needs autograd.
+    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
     const AttnArgs a = attn_from_saved(t, ctx);
     AttnGrads g = attention_backward(grad_outputs[0], t[0], a, {t[15], t[16], t[17], t[18], t[19]});
     variable_list grads = attn_grads_list(g);
@@ -401,8 +402,9 @@ struct MlpBlockFn : public torch::autograd::Function<MlpBlockFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     no_double_backward("mlp_block");
-    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
     const variable_list t = ctx->get_saved_variables();
+    // Only now: unpacking may run an outer checkpoint's recomputation, which needs autograd.
+    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
     const MlpArgs m{t[1], t[2], t[3], t[4], as_opt(t[5]), as_opt(t[6]), as_opt(t[7]),
                     ctx->saved_data["eps"].toDouble()};
     MlpGrads g = mlp_backward(grad_outputs[0], t[0], m, t[8], t[9]);
@@ -449,8 +451,9 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     no_double_backward("decoder_layer");
-    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
     const variable_list t = ctx->get_saved_variables();
+    // Only now: unpacking may run an outer checkpoint's recomputation, which needs autograd.
+    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
     const at::Tensor& x = t[0];
     const AttnArgs a = attn_from_saved(t, ctx);
     const MlpArgs m{t[15], t[16], t[17], t[18], as_opt(t[19]), as_opt(t[20]), as_opt(t[21]), a.eps};

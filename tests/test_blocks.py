@@ -2,6 +2,7 @@
 saved bytes against the README formulas, HF compatibility and errors."""
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import ckpt_ext
 from ckpt_ext import blocks
@@ -213,3 +214,16 @@ def test_hf_llama_layer_state_dict_loads_and_matches():
     out = hf(x, attention_mask=causal, position_embeddings=pe, position_ids=pos)
     out = out[0] if isinstance(out, tuple) else out
     torch.testing.assert_close(ours(x, pe), out, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_layer_inside_torch_checkpoint():
+    # Unpacking the block's saved tensors runs the outer checkpoint's recomputation, which
+    # must see autograd enabled (a regression: the backward used to switch it off first).
+    layer = make_layer(64, 4, 2, 96, torch.float64, policy="balanced")
+    x = torch.randn(2, 9, 64, dtype=torch.float64, requires_grad=True)
+    pe = rope_tables(9, 16, torch.float64)
+    torch.utils.checkpoint.checkpoint(layer, x, pe, use_reentrant=False).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    layer(x, pe).sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=0, atol=0)
