@@ -388,3 +388,16 @@ def test_saves_only_inputs():
     assert ckpt_ext.saved_activation_bytes(checkpoint, model, x) == x.numel() * 4
     assert ckpt_ext.saved_activation_bytes(torch_ckpt, model, x) == x.numel() * 4
     assert ckpt_ext.saved_activation_bytes(model, x) > 10 * x.numel() * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA generator)")
+def test_cuda_dropout_replayed_and_cuda_rng_untouched():
+    model = MLP(p=0.5).cuda()
+    x = torch.randn(64, 12, device="cuda", requires_grad=True)
+    leaves = [x] + list(model.parameters())
+    assert_same(run_three_ways(model, leaves, lambda: ((x,), {})))
+    torch.manual_seed(5)
+    out = checkpoint(model, x)
+    cuda_state = torch.cuda.get_rng_state()
+    out.sum().backward()
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_state)
