@@ -74,14 +74,16 @@ def _rel(paths):
 def extensions():
     use_cuda, why = _want_cuda()
     sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
-    cxx = ["-O3", "-std=c++17"]
+    # No -std flag: torch's BuildExtension picks the C++ standard its own headers need
+    # (C++17 for torch 2.11, newer for later releases).
+    cxx = ["-O3"]
     define_macros = []
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         define_macros.append(("CKPT_EXT_WITH_CUDA", "1"))
-        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        nvcc = ["-O3", "--use_fast_math", "-lineinfo"]
         _log(f"CUDA build: {why}; TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
         ext = CUDAExtension("ckpt_ext._C", sources, define_macros=define_macros,
                             extra_compile_args={"cxx": cxx, "nvcc": nvcc})

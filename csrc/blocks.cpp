@@ -476,18 +476,6 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
 
 // ---- dispatcher entry points ---------------------------------------------------------------
 
-bool any_requires_grad(std::initializer_list<const at::Tensor*> ts,
-                       std::initializer_list<const OptTensor*> opts) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const auto* t : ts) {
-    if (t->requires_grad()) return true;
-  }
-  for (const auto* o : opts) {
-    if (o->has_value() && (*o)->requires_grad()) return true;
-  }
-  return false;
-}
-
 at::Tensor attention_block_autograd(
     const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& wq, const at::Tensor& wk,
     const at::Tensor& wv, const at::Tensor& wo, const OptTensor& bq, const OptTensor& bk,
