@@ -20,11 +20,6 @@ __all__ = ["checkpoint"]
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
-# Keyword arguments that torch.utils.checkpoint.checkpoint consumes itself; accepted here with
-# the values that mean what this implementation does, so a call can switch over unchanged.
-_TORCH_ONLY_KWARGS = ("use_reentrant", "context_fn", "determinism_check", "debug")
-
-
 def _drop_saved(_tensor: torch.Tensor) -> None:
     return None
 
@@ -103,6 +98,9 @@ class _Segment:
 
 
 def _check_torch_kwargs(kwargs: dict) -> None:
+    """Take the keywords torch.utils.checkpoint.checkpoint consumes itself out of ``kwargs``,
+    accepting the values that mean what this implementation does, so calls switch over
+    unchanged."""
     use_reentrant = kwargs.pop("use_reentrant", None)
     if use_reentrant:
         raise NotImplementedError(
