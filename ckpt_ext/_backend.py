@@ -82,7 +82,9 @@ def use_triton(device_type: str = "cpu") -> Iterator[None]:
 
 # ---- plain-PyTorch row-wise ops for CUDA tensors in a build without CUDA kernels -----------
 
-def _rms_norm_fwd(x, weight, eps):
+def rms_norm_reference(x, weight, eps):
+    """HF LlamaRMSNorm in plain PyTorch: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)
+    (fp64 stays fp64). Also the plain path of ckpt_ext.modules.RMSNorm."""
     xf = x if x.dtype == torch.float64 else x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -99,7 +101,7 @@ def _rms_norm_bwd(dy, x, weight, eps):
 
 def _add_rms_norm_fwd(x, residual, weight, eps):
     s = x + residual
-    return _rms_norm_fwd(s, weight, eps), s
+    return rms_norm_reference(s, weight, eps), s
 
 
 def _rotate(t, sign):
@@ -120,7 +122,7 @@ def _rope(q, k, cos, sin, sign):
 
 def _register_rowwise_fallback() -> None:
     lib = torch.library.Library("ckpt_ext", "IMPL")
-    lib.impl("rms_norm_fwd", _rms_norm_fwd, "CUDA")
+    lib.impl("rms_norm_fwd", rms_norm_reference, "CUDA")
     lib.impl("rms_norm_bwd", _rms_norm_bwd, "CUDA")
     lib.impl("add_rms_norm_fwd", _add_rms_norm_fwd, "CUDA")
     lib.impl("rope_fwd", lambda q, k, cos, sin: _rope(q, k, cos, sin, 1), "CUDA")

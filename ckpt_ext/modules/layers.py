@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import ops
+from .._backend import rms_norm_reference
 from ..presets import FUSED_PRESETS, check_policy
 
 __all__ = ["LayerConfig", "RMSNorm", "SwiGLUMLP", "Attention", "DecoderLayer"]
@@ -67,12 +68,6 @@ class LayerConfig:
 
 # ---- plain PyTorch math (policy "none" / "torch") ------------------------------------------
 
-def _rms_norm_plain(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x if x.dtype == torch.float64 else x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -113,7 +108,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.policy in FUSED_PRESETS:
             return ops.rms_norm(x, self.weight, self.variance_epsilon)
-        return _rms_norm_plain(x, self.weight, self.variance_epsilon)
+        return rms_norm_reference(x, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, policy={self.policy!r}"
