@@ -36,12 +36,16 @@ TRITON_OPS = {
 _persistent: list = []  # libraries that live as long as the process
 
 
-def _lazy(module: str, name: str) -> Callable:
+def _lazy(module: str, name: str, interpreter: bool = False) -> Callable:
+    """The launcher ``ckpt_ext.kernels.<module>.<name>``, imported on its first call; for CPU
+    tensors (``interpreter``) that first call also checks that Triton's interpreter works."""
     fn = None
 
     def launcher(*args):
         nonlocal fn
         if fn is None:
+            if interpreter:
+                importlib.import_module("ckpt_ext.kernels._interpreter").check_interpreter()
             fn = getattr(importlib.import_module(f"ckpt_ext.kernels.{module}"), name)
         return fn(*args)
 
@@ -65,7 +69,7 @@ def register_triton(device_type: str) -> torch.library.Library:
         # On CPU the launchers replace the ATen kernels on purpose; torch warns about that.
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for op, (module, name) in TRITON_OPS.items():
-            lib.impl(op, _lazy(module, name), device_type.upper())
+            lib.impl(op, _lazy(module, name, device_type == "cpu"), device_type.upper())
     return lib
 
 

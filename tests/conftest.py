@@ -17,3 +17,15 @@ import pytest  # noqa: E402
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_report_header(config):
+    """One line on the Triton interpreter when the tests use it, so that a triton/numpy pairing
+    it cannot run (see ckpt_ext.kernels._interpreter) is named before the failures."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from ckpt_ext.kernels._interpreter import interpreter_problem
+    except ImportError as exc:  # triton missing: the Triton tests say so themselves
+        return f"ckpt_ext: Triton interpreter unavailable ({exc})"
+    return f"ckpt_ext: {interpreter_problem() or 'Triton interpreter OK'}"

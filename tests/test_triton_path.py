@@ -82,6 +82,13 @@ def test_backend_environment_variable():
             "ref, _ = attention_fwd(q, q, q, None, True, 0.25); "
             "assert torch.equal(out, ref); print('triton-served')")
     env = dict(os.environ, CKPT_EXT_BACKEND="triton", TRITON_INTERPRET="1")
+    # On a CUDA machine this process runs Triton compiled, so the interpreter is probed here.
+    probe = ("from ckpt_ext.kernels._interpreter import interpreter_problem; "
+             "print(interpreter_problem() or 'interpreter-ok')")
+    res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    if "interpreter-ok" not in res.stdout:
+        assert res.returncode == 0 and "CPU interpreter" in res.stdout, res.stderr[-2000:]
+        pytest.skip(res.stdout.strip())
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode == 0 and "triton-served" in res.stdout, res.stderr[-2000:]
 
@@ -142,3 +149,26 @@ def test_mlp_sublayer_balanced_through_triton():
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=2e-5)
     for a, r in zip(leaves32, leaves64):
         torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_broken_interpreter_gets_a_clear_error(monkeypatch):
+    # Triton 3.6's interpreter with numpy >= 2.4 fails inside every kernel; the CPU launchers
+    # must say so (and what to change) instead of an interpreter traceback.
+    if DEVICE != "cpu":
+        pytest.skip("CPU-only check: the interpreter is not loaded on a CUDA machine")
+    from ckpt_ext.kernels import _interpreter
+
+    assert _interpreter.interpreter_problem() is None  # this machine's pairing works
+
+    def broken(*args, **kwargs):
+        raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+
+    _interpreter.interpreter_problem.cache_clear()
+    monkeypatch.setattr(_interpreter._probe_kernel, "run", broken)
+    try:
+        problem = _interpreter.interpreter_problem()
+        assert "numpy<2.4" in problem and "0-dimensional" in problem, problem
+        with pytest.raises(RuntimeError, match="numpy<2.4"):
+            _interpreter.check_interpreter()
+    finally:
+        _interpreter.interpreter_problem.cache_clear()
