@@ -1,19 +1,36 @@
-"""One LLaMA-style decoder layer under every preset: saved bytes, step time, gradient error.
+"""One LLaMA-style decoder layer under every preset: saved bytes, peak memory, step time.
 
-Defaults (CPU, fp32): H=512, 8 heads, 2 KV heads, I=1376, S=1024, B=2. For each of
-none / torch / fast / balanced / min_memory, measured in one run:
+Defaults (CPU, fp32): H=512, 8 heads, 2 KV heads, I=1376, S=1024, B=2. ``--llama7b`` takes the
+LLaMA-7B layer of the GPU validation (H=4096, 32 heads, I=11008, B=1, S=4096, bf16, CUDA).
+Rows, all measured in one run on the same weights and inputs:
 
-* saved bytes (``ckpt_ext.saved_activation_bytes``) and the README formula for the fused
-  presets and ``torch``;
-* forward+backward time, as a ratio to ``none`` and to ``torch`` (median of interleaved
-  repetitions, so drift in machine load hits every preset alike);
-* the largest gradient difference from ``none``.
+* none / torch / fast / balanced / min_memory: ``ckpt_ext.modules.DecoderLayer`` per preset;
+* hf / hf_gc (when transformers imports; ``--no-hf`` drops them): transformers'
+  ``LlamaDecoderLayer`` (SDPA attention) carrying the same weights, without and with HF's own
+  gradient checkpointing (``gradient_checkpointing_enable()`` with its defaults).
 
-Prints a table, writes ``bench/results/block_<device>.csv``, and checks the expectations:
-each fused preset saves no more than its formula, and balanced/min_memory take less time than
-torch at the same or lower memory.
+For each row: saved bytes (``ckpt_ext.saved_activation_bytes``) and, for the fused presets and
+``torch``, the README formula; on CUDA the peak memory a forward+backward step allocates above
+what was resident before it; the step time as a ratio to ``none`` and to ``torch`` (median of
+interleaved repetitions, so that drift in the machine's load hits every row alike); the largest
+gradient difference from ``none``.
 
-    python bench/block.py [--device cuda --dtype bfloat16 --seq 4096 --hidden 4096 ...]
+Then the goals, each printed with its figure as ``[ok]`` or ``[MISSED]``:
+
+* every fused preset saves no more than its formula;
+* min_memory saves at most 1.05x the layer input's bytes and steps in at most 1.20x ``none``;
+* balanced saves at most 1/8 of ``none`` and steps in at most 1.10x ``none``;
+* fast saves at most 1/2 of ``none`` and steps in at most 0.95x ``none``;
+* every fused preset beats ``torch`` at its memory point: checkpointing a fraction f of a deep
+  stack's layers with ``torch.utils.checkpoint`` moves a layer along the straight line from
+  (saved, time) of ``none`` to that of ``torch``; at the f where that line saves what the preset
+  saves, the preset must take less time (for min_memory, f = 1: plainly faster than torch).
+
+Writes ``bench/results/block_<device>.csv`` (header: device, versions, command, date) and exits
+non-zero when a goal is missed.
+
+    python bench/block.py [--reps 9]
+    python bench/block.py --llama7b [--reps 10]
 """
 from __future__ import annotations
 
@@ -48,24 +65,117 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+HF_ROWS = ("hf", "hf_gc")
+LLAMA7B = dict(hidden=4096, heads=32, kv_heads=32, intermediate=11008, seq=4096, batch=1,
+               dtype="bfloat16", device="cuda")
+
+
+def hf_layer(ours: DecoderLayer, h, hq, hkv, i, eps, device, dtype):
+    """transformers' LlamaDecoderLayer with ``ours``'s weights, inside a one-layer LlamaModel
+    (whose ``gradient_checkpointing_enable`` is HF's own switch), or None without transformers."""
+    try:
+        from transformers import LlamaConfig, LlamaModel
+    except ImportError as exc:
+        print(f"transformers not importable ({exc}): no hf / hf_gc rows")
+        return None, None
+    cfg = LlamaConfig(hidden_size=h, num_attention_heads=hq, num_key_value_heads=hkv,
+                      intermediate_size=i, num_hidden_layers=1, vocab_size=8,
+                      rms_norm_eps=eps, use_cache=False, attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaModel(cfg).to(device, dtype).train()
+    layer = model.layers[0]
+    layer.load_state_dict(ours.state_dict(), strict=True)
+    return model, layer
+
+
+def hf_step_fn(layer):
+    def fwd(x, pe):
+        out = layer(x, attention_mask=None, position_embeddings=pe, use_cache=False)
+        return out[0] if isinstance(out, tuple) else out
+    return fwd
+
+
+def torch_line_time(n, per_layer, med):
+    """(time, f): the step time of torch checkpointing applied to the fraction f of a stack's
+    layers that makes it save per layer what preset ``n`` saves (the straight line from
+    ``none`` to ``torch``), or None when ``n`` saves more than ``none``."""
+    span = per_layer["none"] - per_layer["torch"]
+    f = (per_layer["none"] - per_layer[n]) / span if span > 0 else 1.0
+    if f < 0:
+        return None
+    return med["none"] + min(f, 1.0) * (med["torch"] - med["none"]), f
+
+
+def goals(saved, per_layer, med, formula, input_bytes):
+    """(description, figure, ok) per goal of the GPU validation, for the rows present. The
+    memory goals use the per-layer bytes: what one more layer of a model keeps."""
+    out = []
+    for n in FUSED_PRESETS:
+        if n in saved:
+            out.append((f"{n} saves <= its formula (one layer, cos/sin included)",
+                        f"{saved[n] / 2**20:.3f} vs {formula[n] / 2**20:.3f} MiB",
+                        saved[n] <= formula[n]))
+    limits = {"min_memory": ("the layer input", input_bytes, 1.05, 1.20),
+              "balanced": ("none's", per_layer["none"], 1 / 8, 1.10),
+              "fast": ("none's", per_layer["none"], 1 / 2, 0.95)}
+    for n, (what, ref, mem_cap, time_cap) in limits.items():
+        if n not in saved:
+            continue
+        out.append((f"{n} saves per layer <= {mem_cap:.3g}x {what} bytes",
+                    f"{per_layer[n] / ref:.4f}x", per_layer[n] <= mem_cap * ref))
+        out.append((f"{n} steps <= {time_cap:.2f}x none", f"{med[n] / med['none']:.3f}x",
+                    med[n] <= time_cap * med["none"]))
+    if "torch" in saved:
+        for n in FUSED_PRESETS:
+            if n not in saved:
+                continue
+            line = torch_line_time(n, per_layer, med)
+            if line is None:
+                out.append((f"{n} beats torch at its memory point", "saves more than none",
+                            False))
+                continue
+            t_line, f = line
+            ok = med[n] < t_line and (f <= 1 or per_layer[n] <= per_layer["torch"])
+            out.append((f"{n} beats torch at its memory point (f={min(f, 1):.2f})",
+                        f"{med[n] / t_line:.3f}x torch's time there", ok))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=1376)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--llama7b", action="store_true",
+                   help="H=4096, 32/32 heads, I=11008, B=1, S=4096, bf16 on CUDA (options "
+                        "given explicitly still win)")
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--intermediate", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--device")
     args = p.parse_args(argv)
+    defaults = dict(hidden=512, heads=8, kv_heads=2, intermediate=1376, seq=1024, batch=2,
+                    dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
+    if args.llama7b:
+        defaults.update(LLAMA7B)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
     if "none" not in args.presets:
         args.presets.insert(0, "none")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda (or --llama7b) needs a CUDA GPU; this torch sees none")
     h, hq, hkv, i, s, b = (args.hidden, args.heads, args.kv_heads, args.intermediate, args.seq,
                            args.batch)
+    if h % hq or hq % hkv:
+        p.error(f"--hidden ({h}) must divide by --heads ({hq}) and --heads by --kv-heads ({hkv})")
     d = h // hq
 
     torch.manual_seed(0)
@@ -73,80 +183,116 @@ def main(argv=None):
     x = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
     pe = rope(s, d, dtype, device)
     grad_out = torch.randn(b, s, h, device=device, dtype=dtype)
-    params = [x] + list(layer.parameters())
 
-    def step():
-        for t in params:
-            t.grad = None
-        layer(x, pe).backward(grad_out)
-
-    saved, grads, times = {}, {}, {n: [] for n in args.presets}
+    rows = {}  # name -> (forward(x, pe), parameters, set-up before each use)
     for name in args.presets:
-        layer.policy = name
-        saved[name] = ckpt_ext.saved_activation_bytes(layer, x, pe)
-        step()  # warm-up, and the gradients to compare
-        grads[name] = [t.grad.float().clone() for t in params]
+        rows[name] = (layer, list(layer.parameters()),
+                      lambda name=name: setattr(layer, "policy", name))
+    model = None
+    if not args.no_hf:
+        model, hfl = hf_layer(layer, h, hq, hkv, i, layer.input_layernorm.variance_epsilon, device, dtype)
+    if model is not None:
+        fwd = hf_step_fn(hfl)
+        rows["hf"] = (fwd, list(hfl.parameters()), model.gradient_checkpointing_disable)
+        rows["hf_gc"] = (fwd, list(hfl.parameters()), model.gradient_checkpointing_enable)
+
+    def step(name):
+        fwd, params, _ = rows[name]
+        for t in [x] + params:
+            t.grad = None
+        fwd(x, pe).backward(grad_out)
+        return params
+
+    gpu = device.type == "cuda"
+    saved, per_layer, grads, peak, times = {}, {}, {}, {}, {n: [] for n in rows}
+    for name, (fwd, params, setup) in rows.items():
+        setup()
+        saved[name] = ckpt_ext.saved_activation_bytes(fwd, x, pe)
+        # a second layer on top adds what each further layer of a model adds: the shared cos
+        # and sin tables, saved by the first, count once
+        per_layer[name] = ckpt_ext.saved_activation_bytes(
+            lambda x, pe: fwd(fwd(x, pe), pe), x, pe) - saved[name]
+        step(name)  # warm-up (Triton compiles here), and the gradients to compare
+        grads[name] = [t.grad.float().clone() for t in [x] + params]
+        if gpu:  # peak above what is resident before a step (weights, inputs, grad_out)
+            for t in [x] + params:
+                t.grad = None
+            sync(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step(name)
+            sync(device)
+            peak[name] = torch.cuda.max_memory_allocated(device) - base
     for _ in range(args.reps):  # interleaved repetitions
-        for name in args.presets:
-            layer.policy = name
+        for name, (_, _, setup) in rows.items():
+            setup()
             sync(device)
             t0 = time.perf_counter()
-            step()
+            step(name)
             sync(device)
             times[name].append(time.perf_counter() - t0)
+    if model is not None:
+        model.gradient_checkpointing_disable()
     med = {n: statistics.median(v) for n, v in times.items()}
     err = {n: max((a - r).abs().max().item() for a, r in zip(grads[n], grads["none"]))
-           for n in args.presets}
+           for n in rows}
     formula = {n: saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i, dtype=dtype)
                for n in args.presets if n != "none"}
+    input_bytes = x.numel() * x.element_size()
 
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+    dev_name = torch.cuda.get_device_name(device) if gpu else \
         f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    print(f"device: {dev_name}; torch {torch.__version__}; {args.dtype}; B={b} S={s} H={h} "
-          f"heads={hq}/{hkv} I={i}")
+    versions = f"torch {torch.__version__}"
+    try:
+        import triton
+        versions += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    if model is not None:
+        import transformers
+        versions += f", transformers {transformers.__version__}"
+    print(f"device: {dev_name}; {versions}; {args.dtype}; B={b} S={s} H={h} heads={hq}/{hkv} "
+          f"I={i}; layer input {input_bytes / 2**20:.1f} MiB")
     t_torch = med.get("torch")
-    hdr = (f"{'preset':<12}{'saved MiB':>11}{'formula MiB':>13}{'x none':>9}{'time ms':>10}"
-           f"{'t/none':>8}{'t/torch':>9}{'max|dgrad|':>12}")
-    print(hdr)
-    rows = []
-    for n in args.presets:
-        f = formula.get(n)
+    mib = lambda v: f"{v / 2**20:.3f}" if v is not None else "nan"  # noqa: E731
+    print(f"{'row':<12}{'saved MiB':>11}{'formula MiB':>13}{'/layer MiB':>12}{'x none':>8}"
+          f"{'peak MiB':>10}{'time ms':>10}{'t/none':>8}{'t/torch':>9}{'max|dgrad|':>12}")
+    csv_rows = []
+    for n in rows:
         rel_t = med[n] / t_torch if t_torch else float("nan")
-        print(f"{n:<12}{saved[n] / 2**20:11.3f}{(f / 2**20 if f else float('nan')):13.3f}"
-              f"{saved[n] / saved['none']:9.3f}{med[n] * 1e3:10.1f}{med[n] / med['none']:8.3f}"
+        rel_m = per_layer[n] / per_layer["none"]
+        print(f"{n:<12}{mib(saved[n]):>11}{mib(formula.get(n)):>13}{mib(per_layer[n]):>12}"
+              f"{rel_m:8.4f}{mib(peak.get(n)):>10}{med[n] * 1e3:10.2f}{med[n] / med['none']:8.3f}"
               f"{rel_t:9.3f}{err[n]:12.2e}")
-        rows.append([n, saved[n], f if f else "", f"{saved[n] / saved['none']:.4f}",
-                     f"{med[n]:.6f}", f"{med[n] / med['none']:.4f}", f"{rel_t:.4f}",
-                     f"{err[n]:.3e}"])
+        csv_rows.append([n, saved[n], formula.get(n, ""), per_layer[n], f"{rel_m:.5f}",
+                         peak.get(n, ""), f"{med[n]:.6f}", f"{med[n] / med['none']:.4f}",
+                         f"{rel_t:.4f}", f"{err[n]:.3e}"])
+    print("saved: one layer's saved bytes (cos/sin included); /layer: what each further layer "
+          "of a model adds; x none: /layer over none's; peak: allocated above the resident "
+          "weights and inputs during a step (CUDA)")
 
-    checks = []
-    for n in FUSED_PRESETS:
-        if n in saved:
-            checks.append((f"{n} saves <= formula", saved[n] <= formula[n]))
-    if "torch" in saved:
-        for n in ("balanced", "min_memory"):
-            if n in saved:
-                checks.append((f"{n} faster than torch at <= its memory",
-                               med[n] < med["torch"] and saved[n] <= saved["torch"] or
-                               n == "balanced" and med[n] < med["torch"]))
-    for what, ok in checks:
-        print(f"  [{'ok' if ok else 'MISSED'}] {what}")
+    checks = goals(saved, per_layer, med, formula, input_bytes)
+    for what, figure, ok in checks:
+        print(f"  [{'ok' if ok else 'MISSED'}] {what}: {figure}")
 
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"block_{device.type}.csv")
     with open(path, "w", newline="") as fh:
-        fh.write(f"# device: {dev_name}; torch {torch.__version__}; python "
-                 f"{platform.python_version()}\n# command: python {' '.join(sys.argv)}\n"
+        fh.write(f"# device: {dev_name}; {versions}; python {platform.python_version()}\n"
+                 f"# command: python {' '.join(sys.argv)}\n"
                  f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
                  f"# config: dtype={args.dtype} B={b} S={s} H={h} Hq={hq} Hkv={hkv} I={i} "
                  f"reps={args.reps}\n")
+        for what, figure, ok in checks:
+            fh.write(f"# goal {'ok' if ok else 'MISSED'}: {what}: {figure}\n")
         w = csv.writer(fh)
-        w.writerow(["preset", "saved_bytes", "formula_bytes", "saved_vs_none", "time_s",
-                    "time_vs_none", "time_vs_torch", "max_grad_err_vs_none"])
-        w.writerows(rows)
+        w.writerow(["row", "saved_bytes", "formula_bytes", "per_layer_bytes",
+                    "per_layer_vs_none", "peak_bytes",
+                    "time_s", "time_vs_none", "time_vs_torch", "max_grad_err_vs_none"])
+        w.writerows(csv_rows)
     print(f"wrote {os.path.relpath(path)}")
-    return all(ok for _, ok in checks)
+    return all(ok for _, _, ok in checks)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main() else 1)

@@ -5,7 +5,8 @@
 #     OUT=$OUT bash tools/gpu_validate.sh build test      # then, in a second call:
 #     OUT=$OUT bash tools/gpu_validate.sh bench
 # Stages: env (always), build (CUDA extension, editable), test (whole suite on the GPU),
-# bench (block, attention, swiglu, rowwise, demo). Everything lands in at most 6 files under
+# block (LLaMA-7B layer, goals), kernels (attention, swiglu, rowwise), demo, and bench
+# (= block kernels demo, then bench/results bundled). Everything lands in at most 6 files under
 # $OUT (the device tool returns at most 8): gpu_env.txt, gpu_build.log, gpu_tests.log,
 # gpu_bench.log and gpu_results.tgz (bench/results/*). Without $OUT, under bench/results/.
 set -uo pipefail
@@ -24,7 +25,12 @@ stages=("$@")
 } > "$out/gpu_env.txt" 2>&1
 cat "$out/gpu_env.txt"
 
+status=0
+expand=()
 for stage in "${stages[@]}"; do
+  if [ "$stage" = bench ]; then expand+=(block kernels demo bundle); else expand+=("$stage"); fi
+done
+for stage in "${expand[@]}"; do
   case "$stage" in
     build)
       log "build (CUDA extension)"
@@ -33,27 +39,33 @@ for stage in "${stages[@]}"; do
         tail -40 "$out/gpu_build.log"; log "build FAILED"; exit 1
       fi
       grep "ckpt_ext build" "$out/gpu_build.log"
-      python3 -c "import ckpt_ext; assert ckpt_ext._C.with_cuda, 'not a CUDA build'; print('CUDA build loaded')"
+      python3 -c "import ckpt_ext; assert ckpt_ext._C.with_cuda, 'not a CUDA build'; print('CUDA build loaded')" \
+          || exit 1
       ;;
     test)
       log "tests on the GPU"
-      python3 -m pytest -q -ra tests > "$out/gpu_tests.log" 2>&1
+      python3 -m pytest -q -ra tests > "$out/gpu_tests.log" 2>&1 || status=1
       tail -25 "$out/gpu_tests.log"
       ;;
-    bench)
-      log "benchmarks"
-      {
-        python3 bench/block.py --device cuda --dtype bfloat16 --hidden 4096 --heads 32 \
-            --kv-heads 32 --intermediate 11008 --seq 4096 --batch 1
-        python3 bench/attention.py
-        python3 bench/swiglu.py
-        python3 bench/rowwise.py
-        python3 bench/demo.py
-      } > "$out/gpu_bench.log" 2>&1
-      tail -60 "$out/gpu_bench.log"
-      tar czf "$out/gpu_results.tgz" bench/results
+    block)
+      log "LLaMA-7B layer: every preset and HF's own checkpointing, goals checked"
+      python3 bench/block.py --llama7b --reps "${REPS:-10}" 2>&1 | tee -a "$out/gpu_bench.log" \
+          || status=1
       ;;
-    *) echo "unknown stage '$stage' (env, build, test, bench)"; exit 2 ;;
+    kernels)
+      log "kernel benchmarks"
+      { python3 bench/attention.py && python3 bench/swiglu.py && python3 bench/rowwise.py; } \
+          2>&1 | tee -a "$out/gpu_bench.log" | tail -60 || status=1
+      ;;
+    demo)
+      log "demo (patched HF Llama)"
+      python3 bench/demo.py 2>&1 | tee -a "$out/gpu_bench.log" | tail -30 || status=1
+      ;;
+    bundle)
+      tar czf "$out/gpu_results.tgz" bench/results && log "bench/results bundled"
+      ;;
+    *) echo "unknown stage '$stage' (build, test, block, kernels, demo, bench)"; exit 2 ;;
   esac
 done
-log "done"
+log "done (status $status: non-zero when a test failed, a goal was missed or a bench broke)"
+exit $status
