@@ -23,7 +23,8 @@ any head_dim in 16..256 works (80 and 96 included). fp32 inputs use IEEE fp32 do
 (no TF32), half-precision inputs use fp16/bf16 tensor-core dots with fp32 accumulation.
 
 On a GPU the block sizes are autotuned per architecture family (Hopper, Ampere) with the key
-(HEAD_DIM, CAUSAL, S_BUCKET); under ``TRITON_INTERPRET=1`` a single fixed configuration from
+(HEAD_DIM, CAUSAL, S_BUCKET); with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is
+launched untimed. Under ``TRITON_INTERPRET=1`` a single fixed configuration from
 ``INTERPRETER_BLOCKS`` is used so that CPU tests stay fast.
 """
 import os
@@ -31,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from . import autotune_enabled
 
 __all__ = ["attention_fwd", "attention_bwd"]
 
@@ -429,29 +432,30 @@ def _smem_budget(device: torch.device) -> int:
     return 227 * 1024 if major >= 9 else (163 * 1024 if (major, minor) == (8, 0) else 99 * 1024)
 
 
+def _prune(kind: str, configs, d_pad: int, elt: int, budget: int) -> list:
+    """The configs whose tiles fit in shared memory and registers (at least the smallest one,
+    so that something runs)."""
+    kept = []
+    for c in configs:
+        bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
+        resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+        # Two streamed tiles (K and V, or Q and dO) per pipeline stage + the resident tile.
+        smem = stages * 2 * streamed * d_pad * elt + resident * d_pad * elt
+        # fp32 accumulators per thread (one for fwd/dq, two for dk/dv) must not spill badly.
+        accs = 2 if kind == "dkdv" else 1
+        regs = accs * resident * d_pad / (32 * c.num_warps)
+        if smem <= budget and regs <= 128:
+            kept.append(c)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
 def _make_pruner(kind: str):
     """early_config_prune: drop configs whose tiles cannot fit in shared memory / registers."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        d_pad = args["D_PAD"]
         q = args["Q"]
-        elt = q.element_size()
-        budget = _smem_budget(q.device)
-        kept = []
-        for c in configs:
-            bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
-            resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
-            # Two streamed tiles (K and V, or Q and dO) per pipeline stage + the resident tile.
-            smem = stages * 2 * streamed * d_pad * elt + resident * d_pad * elt
-            # fp32 accumulators per thread (one for fwd/dq, two for dk/dv) must not spill badly.
-            accs = 2 if kind == "dkdv" else 1
-            regs = accs * resident * d_pad / (32 * c.num_warps)
-            if smem <= budget and regs <= 128:
-                kept.append(c)
-        if not kept:  # always keep the smallest tile so that something runs
-            kept = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-        return kept
+        return _prune(kind, configs, args["D_PAD"], q.element_size(), _smem_budget(q.device))
 
     return prune
 
@@ -459,11 +463,15 @@ def _make_pruner(kind: str):
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
 
 
-def _launcher(kind: str, device: torch.device):
-    """Return (kernel, fixed meta-parameters): a fixed config in the interpreter, else autotuned."""
+def _launcher(kind: str, device: torch.device, d_pad: int, elt: int):
+    """Return (kernel, meta-parameters to pass): a fixed config in the interpreter or with
+    ``CKPT_EXT_AUTOTUNE=0`` (the first candidate that fits), else the autotuned kernel."""
     if _interpreting():
         return _KERNELS[kind], dict(INTERPRETER_BLOCKS[kind])
     arch = _arch(device)
+    if not autotune_enabled():
+        c = _prune(kind, _CONFIGS[(kind, arch)], d_pad, elt, _smem_budget(device))[0]
+        return _KERNELS[kind], dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
     tuned = _TUNED.get((kind, arch))
     if tuned is None:
         tuned = triton.autotune(configs=_CONFIGS[(kind, arch)], key=_KEY,
@@ -569,7 +577,8 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
     if B * Hq * S == 0:
         return out, lse
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
-    kernel, meta = _launcher("fwd", q.device)
+    common = _common_meta(D, causal, q.dtype)
+    kernel, meta = _launcher("fwd", q.device, common["D_PAD"], q.element_size())
 
     def grid(m):
         return (triton.cdiv(S, m["BLOCK_M"]), B, Hq)
@@ -578,7 +587,7 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
         kernel[grid](q, k, v, mask, out, lse,
                      *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
                      Hq, S, Hq // Hkv, float(scale) * _LOG2E, _s_bucket(S),
-                     HAS_MASK=has_mask, **_common_meta(D, causal, q.dtype), **meta)
+                     HAS_MASK=has_mask, **common, **meta)
     return out, lse
 
 
@@ -627,14 +636,14 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, scale
             out, dout, delta, *out.stride(), *dout.stride(), Hq, S,
             HEAD_DIM=D, D_PAD=common["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
 
-        kernel, meta = _launcher("dkdv", q.device)
+        kernel, meta = _launcher("dkdv", q.device, common["D_PAD"], q.element_size())
         kernel[lambda m: (triton.cdiv(S, m["BLOCK_N"]), B, Hkv)](
             q, k, v, mask, dout, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dk.stride(), Hq, Hkv, S, group, qk_scale, float(scale), _s_bucket(S),
             HAS_MASK=has_mask, **common, **meta)
 
-        kernel, meta = _launcher("dq", q.device)
+        kernel, meta = _launcher("dq", q.device, common["D_PAD"], q.element_size())
         kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B, Hq)](
             q, k, v, mask, dout, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),

@@ -22,7 +22,9 @@ All pointwise math is fp32:  s = sigmoid(g),  silu(g) = g s,
 silu'(g) = s (1 + g (1 - s)),  dgate = dh * up * silu'(gate),  dup = dh * silu(gate).
 
 With ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU
-tensors through the Triton interpreter, with one fixed block configuration.
+tensors through the Triton interpreter, with one fixed block configuration. On a GPU
+``CKPT_EXT_AUTOTUNE=0`` (also read at import) launches one fixed configuration untimed instead
+of autotuning.
 """
 import contextlib
 import os
@@ -30,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from . import autotune_enabled
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -218,10 +222,18 @@ _INTERPRET_META = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
 _ELEMENTWISE_BLOCK = 1024
 _TUNE_KEY = ["T_BUCKET", "H", "I"]
 
+# CKPT_EXT_AUTOTUNE=0 (read at import): one configuration that fits every device above, untimed.
+_UNTUNED_META = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
+                 "num_stages": 3}
+
 if _INTERPRET:
     _fwd_launch = _swiglu_fwd_kernel
     _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
     _FIXED_META = _INTERPRET_META
+elif not autotune_enabled():
+    _fwd_launch = _swiglu_fwd_kernel
+    _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
+    _FIXED_META = _UNTUNED_META
 else:
     _fwd_launch = triton.autotune(configs=_GPU_CONFIGS,
                                   key=_TUNE_KEY + ["STORE_GATE_UP"])(_swiglu_fwd_kernel)

@@ -1,7 +1,9 @@
 """Test setup shared by every test module.
 
 Triton kernels run on the CPU through Triton's interpreter when no CUDA GPU is present;
-TRITON_INTERPRET must be set before triton is first imported, hence here.
+TRITON_INTERPRET must be set before triton is first imported, hence here. On a GPU the
+kernels launch untimed fixed configurations (CKPT_EXT_AUTOTUNE=0) unless the environment says
+otherwise.
 """
 import os
 
@@ -9,6 +11,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # One untimed configuration per kernel specialization: the tests check results, and
+    # autotuning every shape they use would compile each kernel's candidates many times over.
+    # tests/test_autotune.py runs the autotuned path.
+    os.environ.setdefault("CKPT_EXT_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

@@ -43,8 +43,13 @@ for stage in "${expand[@]}"; do
           || exit 1
       ;;
     test)
-      log "tests on the GPU"
-      python3 -m pytest -q -ra tests > "$out/gpu_tests.log" 2>&1 || status=1
+      # Fixed kernel configurations (tests/conftest.py sets CKPT_EXT_AUTOTUNE=0; test_autotune
+      # runs the tuned path) and, where pytest-xdist is installed, parallel workers: Triton
+      # compiles each kernel specialization the tests meet, which is CPU work.
+      workers=()
+      python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
+      log "tests on the GPU ${workers[*]}"
+      python3 -m pytest -q -ra "${workers[@]}" tests > "$out/gpu_tests.log" 2>&1 || status=1
       tail -25 "$out/gpu_tests.log"
       ;;
     block)

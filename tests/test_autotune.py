@@ -1,0 +1,87 @@
+"""The CKPT_EXT_AUTOTUNE switch: its parsing, the fixed attention configuration it picks, and
+(on a GPU) that the autotuned launchers agree with the fixed ones the other tests use."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckpt_ext import kernels
+from ckpt_ext.kernels import attention
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("1", True), (None, True)])
+def test_switch_values(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("CKPT_EXT_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("CKPT_EXT_AUTOTUNE", value)
+    assert kernels.autotune_enabled() is expected
+
+
+@pytest.mark.parametrize("value", ["off", "", "2"])
+def test_switch_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("CKPT_EXT_AUTOTUNE", value)
+    with pytest.raises(ValueError, match="CKPT_EXT_AUTOTUNE must be '0' or '1'"):
+        kernels.autotune_enabled()
+
+
+def smem_and_regs(kind, c, d_pad, elt):
+    """Shared memory (bytes) and fp32 accumulator registers per thread of a tile config: the
+    resident tile, plus a K/V (or Q/dO) pair per pipeline stage."""
+    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+    resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+    smem = (max(c.num_stages, 1) * 2 * streamed + resident) * d_pad * elt
+    regs = (2 if kind == "dkdv" else 1) * resident * d_pad / (32 * c.num_warps)
+    return smem, regs
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("arch, budget", [("hopper", 227 * 1024), ("ampere", 163 * 1024),
+                                          ("ampere", 99 * 1024)])
+@pytest.mark.parametrize("d_pad", [16, 64, 128, 256])
+def test_pruned_attention_configs_fit(kind, arch, budget, d_pad):
+    """CKPT_EXT_AUTOTUNE=0 launches the first of these; every one fits the device, in the
+    candidates' order; with no room at all the smallest tile is still offered."""
+    configs = attention._CONFIGS[(kind, arch)]
+    kept = attention._prune(kind, configs, d_pad, 2, budget)
+    fitting = [c for c in configs
+               if (lambda m, r: m <= budget and r <= 128)(*smem_and_regs(kind, c, d_pad, 2))]
+    smallest = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+    assert kept == (fitting or [smallest])
+    if d_pad <= 128 and arch == "hopper":
+        assert fitting, "Hopper must fit a tuned tile up to head_dim 128"
+    assert attention._prune(kind, configs, d_pad, 2, 1024) == [smallest]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the autotuner does not run in the "
+                                     "Triton interpreter)")
+def test_autotuned_launchers_agree_with_fixed_ones(tmp_path):
+    code = r"""
+import torch, ckpt_ext
+from ckpt_ext.kernels import attention, swiglu_mlp
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+out, lse = attention.attention_fwd(q, k, v, None, True, 0.125)
+dq, dk, dv = attention.attention_bwd(torch.ones_like(out), q, k, v, out, lse, None, True, 0.125)
+x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
+wg, wu = (torch.randn(688, 256, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2))
+wd = torch.randn(256, 688, device="cuda", dtype=torch.bfloat16) * 0.05
+y = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, None, None, None, False)[0]
+torch.save([t.cpu() for t in (out, lse, dq, dk, dv, y)], __import__("sys").argv[1])
+"""
+    paths = {}
+    for mode in ("0", "1"):
+        paths[mode] = str(tmp_path / f"autotune_{mode}.pt")
+        env = dict(os.environ, CKPT_EXT_AUTOTUNE=mode)
+        res = subprocess.run([sys.executable, "-c", code, paths[mode]], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+    fixed, tuned = (torch.load(paths[m]) for m in ("0", "1"))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "y"), fixed, tuned):
+        # different tile sizes sum in different orders: bf16-rounding-level differences only
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{name}: {m}")
