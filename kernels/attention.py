@@ -463,15 +463,60 @@ def _make_pruner(kind: str):
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
 
 
+class _FirstThatFits:
+    """The untimed launcher of ``CKPT_EXT_AUTOTUNE=0``: launches the first of ``configs`` that
+    the device accepts. The pruner's shared-memory figure is a model; Triton's own allocation
+    can exceed it (found by AOT compiles for head_dim 256 and fp32), and such a config fails at
+    launch with OutOfResources, before anything runs. The config that launched is remembered
+    per specialization (the launch's constexpr and scalar keywords)."""
+
+    def __init__(self, kernel, configs):
+        self.kernel, self.configs, self.chosen = kernel, configs, {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            key = tuple(sorted(kwargs.items()))
+            start = self.chosen.get(key, 0)
+            errors = []
+            for i in range(start, len(self.configs)):
+                c = self.configs[i]
+                try:
+                    self.kernel[grid](*args, **kwargs, **c.kwargs, num_warps=c.num_warps,
+                                      num_stages=c.num_stages)
+                except OutOfResources as exc:
+                    errors.append(f"{c}: {exc}")
+                    continue
+                self.chosen[key] = i
+                return
+            raise RuntimeError(f"{getattr(self.kernel, '__name__', 'attention kernel')}: no "
+                               f"candidate configuration fits this device: " + "; ".join(errors))
+
+        return launch
+
+
+_UNTUNED = {}
+
+
 def _launcher(kind: str, device: torch.device, d_pad: int, elt: int):
-    """Return (kernel, meta-parameters to pass): a fixed config in the interpreter or with
-    ``CKPT_EXT_AUTOTUNE=0`` (the first candidate that fits), else the autotuned kernel."""
+    """Return (kernel, meta-parameters to pass): a fixed config in the interpreter; with
+    ``CKPT_EXT_AUTOTUNE=0`` the fitting candidates in order, the first that launches used
+    (no timing); else the autotuned kernel."""
     if _interpreting():
         return _KERNELS[kind], dict(INTERPRETER_BLOCKS[kind])
     arch = _arch(device)
     if not autotune_enabled():
-        c = _prune(kind, _CONFIGS[(kind, arch)], d_pad, elt, _smem_budget(device))[0]
-        return _KERNELS[kind], dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+        budget = _smem_budget(device)
+        key = (kind, arch, d_pad, elt, budget)
+        if key not in _UNTUNED:
+            candidates = _CONFIGS[(kind, arch)]
+            configs = _prune(kind, candidates, d_pad, elt, budget)
+            smallest = min(candidates, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+            if all(c is not smallest for c in configs):
+                configs.append(smallest)  # the last resort
+            _UNTUNED[key] = _FirstThatFits(_KERNELS[kind], configs)
+        return _UNTUNED[key], {}
     tuned = _TUNED.get((kind, arch))
     if tuned is None:
         tuned = triton.autotune(configs=_CONFIGS[(kind, arch)], key=_KEY,

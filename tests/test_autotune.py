@@ -57,6 +57,46 @@ def test_pruned_attention_configs_fit(kind, arch, budget, d_pad):
     assert attention._prune(kind, configs, d_pad, 2, 1024) == [smallest]
 
 
+class StubKernel:
+    """Records launches; configs with BLOCK_M above ``fits_up_to`` fail as Triton does when a
+    kernel's shared memory exceeds the device's."""
+
+    def __init__(self, fits_up_to):
+        self.fits_up_to, self.launched, self.tried = fits_up_to, [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            self.tried.append(kwargs["BLOCK_M"])
+            if kwargs["BLOCK_M"] > self.fits_up_to:
+                raise OutOfResources(300000, 232448, "shared memory")
+            self.launched.append((grid, args, kwargs))
+        return run
+
+
+def test_untuned_launcher_skips_configs_the_device_refuses():
+    configs = [attention._cfg(128, 64, 8, 3), attention._cfg(64, 64, 4, 3),
+               attention._cfg(32, 32, 4, 2)]
+    stub = StubKernel(fits_up_to=64)
+    launch = attention._FirstThatFits(stub, configs)
+    launch["grid"](1, 2, HEAD_DIM=256, CAUSAL=True)
+    assert stub.tried == [128, 64]
+    assert stub.launched[0][1] == (1, 2)
+    kw = stub.launched[0][2]
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (64, 64, 4, 3)
+    assert kw["HEAD_DIM"] == 256 and kw["CAUSAL"] is True
+    # remembered per specialization: the refused config is not compiled again
+    launch["grid"](3, 4, HEAD_DIM=256, CAUSAL=True)
+    assert stub.tried == [128, 64, 64]
+    launch["grid"](3, 4, HEAD_DIM=64, CAUSAL=True)  # another specialization starts over
+    assert stub.tried == [128, 64, 64, 128, 64]
+
+    none_fit = attention._FirstThatFits(StubKernel(fits_up_to=16), configs)
+    with pytest.raises(RuntimeError, match="no candidate configuration fits"):
+        none_fit["grid"](1, HEAD_DIM=256)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the autotuner does not run in the "
                                      "Triton interpreter)")
 def test_autotuned_launchers_agree_with_fixed_ones(tmp_path):
