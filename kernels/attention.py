@@ -432,15 +432,25 @@ def _smem_budget(device: torch.device) -> int:
     return 227 * 1024 if major >= 9 else (163 * 1024 if (major, minor) == (8, 0) else 99 * 1024)
 
 
+def _smem_bytes(kind: str, c, d_pad: int, elt: int) -> int:
+    """Shared memory a config needs: two streamed tiles (K and V, or Q and dO) per pipeline
+    stage, plus the resident tiles (q for fwd; q and dO for dq; k and v for dK/dV), plus 2 KiB
+    of lse/delta rows in the backward. Checked against Triton's own allocation by AOT compiles
+    for sm_90 and sm_80 (tools/check_triton_compile.py): exact for fwd and dq, at most 1 KiB
+    over for dK/dV, never under."""
+    bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
+    resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+    resident_tiles, rows = (1, 0) if kind == "fwd" else (2, 2048)
+    return (stages * 2 * streamed + resident_tiles * resident) * d_pad * elt + rows
+
+
 def _prune(kind: str, configs, d_pad: int, elt: int, budget: int) -> list:
     """The configs whose tiles fit in shared memory and registers (at least the smallest one,
     so that something runs)."""
     kept = []
     for c in configs:
-        bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
-        resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
-        # Two streamed tiles (K and V, or Q and dO) per pipeline stage + the resident tile.
-        smem = stages * 2 * streamed * d_pad * elt + resident * d_pad * elt
+        resident = c.kwargs["BLOCK_N"] if kind == "dkdv" else c.kwargs["BLOCK_M"]
+        smem = _smem_bytes(kind, c, d_pad, elt)
         # fp32 accumulators per thread (one for fwd/dq, two for dk/dv) must not spill badly.
         accs = 2 if kind == "dkdv" else 1
         regs = accs * resident * d_pad / (32 * c.num_warps)
