@@ -196,18 +196,21 @@ def _swiglu_bwd_elementwise_kernel(gate_ptr, up_ptr, dh_ptr, dgate_ptr, dup_ptr,
 # Launch configuration
 # --------------------------------------------------------------------------------------------
 # The fused tiles keep two fp32 accumulators: a 128x64 tile loads as many bytes per FLOP as a
-# 128x128 plain GEMM tile, a 128x128 tile holds the registers of a 128x256 one. Checked offline
-# with triton 3.9 + ptxas 13.0 (bf16, sm_90a / sm_80): all compile; on sm_90a the 128x128,
-# 256x64 and 4-warp 128x64 tiles spill 12-28 bytes in the backward epilogue only, on sm_80 they
-# spill more (up to 340 bytes), which the autotuner's timings then weigh. Shared memory: up to 196 KB (Hopper: 227 KB); configs that
-# do not fit a device (A100 164 KB, consumer Ampere ~100 KB) fail to compile and are skipped.
+# 128x128 plain GEMM tile, a 128x128 tile holds the registers of a 128x256 one. AOT compiles
+# (tools/check_triton_compile.py, bf16; bench/results/triton_compile_*.txt) with triton 3.6 and
+# 3.9: all compile for sm_90 and sm_80. On sm_90 the 4-warp and 128x128/256x64 tiles spill
+# 16-64 bytes in the recompute backward only; the 8-warp 128x64, 64x128, 128x64x32 and 64x64
+# tiles do not spill. On sm_80 the large tiles spill more (forward too: up to 340 bytes; with
+# triton 3.6 the 128x128x64 backward up to 9 KB), which the autotuner's timings then weigh.
+# Shared memory: 64-196 KB (Hopper has 227 KB per block); a config that does not fit a device
+# (A100 164 KB, consumer Ampere ~100 KB) fails to compile there and the autotuner skips it.
 _GPU_CONFIGS = [
     # Hopper (wgmma, large shared memory)
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    # Hopper and Ampere, no spills on either
+    # Hopper and Ampere: no spills, except 128x128x32 (24 B in the backward on sm_90)
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
