@@ -1,0 +1,709 @@
+#!/usr/bin/env python
+"""Ahead-of-time compile check of ckpt_ext's Triton kernels for sm_90 / sm_80, no GPU needed.
+
+Every ``@triton.jit`` kernel of ``kernels/attention.py`` and ``kernels/swiglu_mlp.py`` is
+compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` for the
+launch configurations the launchers can pick, and the resources of each cubin are reported:
+dynamic shared memory (``metadata.shared``), registers / stack / static shared / local memory
+(``cuobjdump --dump-resource-usage``) and spill bytes (the ``ptxas -v`` log that Triton prints
+with ``TRITON_DUMP_PTXAS_LOG=1``). For the attention kernels the real shared memory is checked
+against the per-block budget of the device (227 KiB H100, 163 KiB A100) and against the
+decision of the launcher's pruner ``attention._prune``.
+
+Sweep (``--quick`` keeps a few entries of each part):
+  attention  bf16, HEAD_DIM 128 and 64, CAUSAL False/True, no mask: every candidate config of
+             the arch family (90 -> hopper, 80 -> ampere) for fwd, dkdv and dq;
+             one axis at a time with the first config the pruner keeps (what
+             CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32, HEAD_DIM 16/80/256, key padding mask,
+             plus the corner fp32 + HEAD_DIM 256 + mask; the D = rowsum(dO * O) pre-pass once
+             per (dtype, HEAD_DIM).
+  swiglu     bf16, every _GPU_CONFIGS entry: forward (STORE_GATE_UP False/True) and the
+             recompute backward, no biases, DOT_IEEE False; fp32 with DOT_IEEE True and both
+             biases with _UNTUNED_META; the element-wise backward once per dtype.
+
+Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
+with 16-byte aligned data, so pointers carry ``tt.divisibility=16``, unit strides are the
+constant 1 (the JIT turns an int argument equal to 1 into a constexpr), the other strides and
+the model sizes (head_dim multiples, H, I) are multiples of 16; sequence length / token count,
+head counts and GQA group are left unspecialized.
+
+Usage:
+  python tools/check_triton_compile.py [--arch 90 80] [--quick] [--jobs N] [--out PATH]
+
+The kernels come from ``ckpt_ext.kernels`` when that imports, else (e.g. a virtual environment
+where ckpt_ext is not installed or its extension does not load) they are loaded by path from
+this checkout's ``kernels/`` as the package ``ckpt_ext_kernels_aot``; ``--kernels-from-path``
+forces the latter. Triton compiles into a fresh temporary cache directory (removed at the end)
+so that every kernel really goes through ptxas and its log is seen. Exit status 1 when any
+compile fails; spills and pruner disagreements are reported but do not fail the run.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import io
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FALLBACK_PACKAGE = "ckpt_ext_kernels_aot"
+
+# Per-block shared memory a kernel may opt into (bytes), as attention._smem_budget falls back to.
+SMEM_BUDGET = {90: 227 * 1024, 80: 163 * 1024}
+ARCH_FAMILY = {90: "hopper", 80: "ampere"}
+TYPE_NAME = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+ELT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+ATTN_KERNEL = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel",
+               "dq": "_attn_bwd_dq_kernel", "pre": "_attn_bwd_preprocess_kernel"}
+SWIGLU_KERNEL = {"fwd": "_swiglu_fwd_kernel", "bwd_recompute": "_swiglu_bwd_recompute_kernel",
+                 "bwd_elementwise": "_swiglu_bwd_elementwise_kernel"}
+# Triton's defaults for a plain kernel[grid](...) launch without num_warps / num_stages.
+JIT_DEFAULT_WARPS, JIT_DEFAULT_STAGES = 4, 3
+
+
+# --------------------------------------------------------------------------------------------
+# Loading the kernel modules
+# --------------------------------------------------------------------------------------------
+def _load_by_path():
+    """Load this checkout's kernels/ as the synthetic package FALLBACK_PACKAGE."""
+    pkg_dir = REPO / "kernels"
+    if FALLBACK_PACKAGE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            FALLBACK_PACKAGE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[FALLBACK_PACKAGE] = pkg
+        spec.loader.exec_module(pkg)
+    attention = importlib.import_module(f"{FALLBACK_PACKAGE}.attention")
+    swiglu_mlp = importlib.import_module(f"{FALLBACK_PACKAGE}.swiglu_mlp")
+    return attention, swiglu_mlp
+
+
+def load_kernel_modules(force_path: bool):
+    """(attention, swiglu_mlp, how they were found)."""
+    note = ""
+    if not force_path:
+        try:
+            from ckpt_ext.kernels import attention, swiglu_mlp
+            return attention, swiglu_mlp, "ckpt_ext.kernels"
+        except Exception as exc:  # noqa: BLE001 - any import problem means: use the files
+            first = (str(exc).splitlines() or [""])[0]
+            note = f" (ckpt_ext.kernels not importable: {type(exc).__name__}: {first[:160]})"
+    attention, swiglu_mlp = _load_by_path()
+    return attention, swiglu_mlp, f"{FALLBACK_PACKAGE} loaded from {REPO / 'kernels'}{note}"
+
+
+def _prepare_environment():
+    """Compile for real GPUs (not the interpreter) and let ptxas logs reach the workers."""
+    removed = os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    return removed
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------
+_MODULES = {}
+
+
+def _worker_init(force_path: bool):
+    _prepare_environment()
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    attention, swiglu_mlp, _ = load_kernel_modules(force_path)
+    _MODULES["attention"] = attention
+    _MODULES["swiglu_mlp"] = swiglu_mlp
+
+
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_RESOURCE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _cubin_resources(cubin: bytes, cuobjdump: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        proc = subprocess.run([cuobjdump, "--dump-resource-usage", path],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        os.unlink(path)
+    m = _RESOURCE.search(proc.stdout)
+    if not m:
+        return {"cuobjdump_error": _first_line(proc.stderr or proc.stdout) or "no resource line"}
+    reg, stack, shared, local = map(int, m.groups())
+    return {"regs": reg, "stack": stack, "static_shared": shared, "local": local}
+
+
+def compile_job(job: dict, cuobjdump: str) -> dict:
+    """Compile one kernel specialization; returns the job's result fields."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = getattr(_MODULES[job["module"]], job["kernel"])
+    res = {"ok": False}
+    log = io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        src = triton.compiler.ASTSource(fn=fn, signature=job["signature"],
+                                        constexprs=job["constexprs"], attrs=job["attrs"])
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=GPUTarget("cuda", job["arch"], 32),
+                                      options=job["options"])
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, not raised
+        res["seconds"] = time.perf_counter() - t0
+        text = f"{type(exc).__name__}: {exc}"
+        res["error"] = _first_line(text)
+        res["error_detail"] = "\n".join(text.splitlines()[:25])
+        return res
+    res["seconds"] = time.perf_counter() - t0
+    res["ok"] = True
+    res["shared"] = int(compiled.metadata.shared)
+    res.update(_cubin_resources(compiled.asm["cubin"], cuobjdump))
+    ptxas = log.getvalue()
+    frame = _PTXAS_FRAME.search(ptxas)
+    regs = _PTXAS_REGS.search(ptxas)
+    if frame:
+        res["spill_stores"], res["spill_loads"] = int(frame.group(2)), int(frame.group(3))
+    if regs:
+        res["ptxas_regs"] = int(regs.group(1))
+    return res
+
+
+def _run_job(job: dict, cuobjdump: str) -> dict:
+    return compile_job(job, cuobjdump)
+
+
+# --------------------------------------------------------------------------------------------
+# Signatures
+# --------------------------------------------------------------------------------------------
+def make_signature(fn, pointers: dict, unit: set, div16: set, floats: set, constexprs: dict):
+    """Triton signature / constexprs / attrs of ``fn`` under the specialization model.
+
+    pointers: arg -> element type ("bf16", "fp32", "u8"); unit: int args equal to 1 (passed as
+    constexpr 1, as the JIT does); div16: int args that are multiples of 16; floats: fp32 args;
+    constexprs: the tl.constexpr args. Every other argument is a plain i32.
+    """
+    names = list(fn.arg_names)
+    declared = {p.name for p in fn.params if p.is_constexpr}
+    known = set(pointers) | unit | div16 | floats | set(constexprs)
+    unknown = known - set(names)
+    if unknown:
+        raise SystemExit(f"{fn.__name__}: arguments {sorted(unknown)} are not parameters of the "
+                         f"kernel (its parameters: {names}); update this script")
+    missing = declared - set(constexprs)
+    if missing:
+        raise SystemExit(f"{fn.__name__}: no value for the constexpr parameters {sorted(missing)}")
+    signature, consts, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in unit:
+            signature[name] = "constexpr"
+            consts[name] = 1
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name in div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, consts, attrs
+
+
+def _strides(prefixes, dims="bhsd"):
+    return [f"stride_{p}{d}" for p in prefixes for d in dims]
+
+
+def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal: bool,
+                        has_mask: bool, meta: dict):
+    """(signature, constexprs, attrs) of an attention kernel as its launcher passes them."""
+    import torch
+
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    common = attention._common_meta(head_dim, causal, tdtype)
+    fn = getattr(attention, ATTN_KERNEL[kind])
+    if kind == "pre":
+        pointers = {"Out": dtype, "DOut": dtype, "Delta": "fp32"}
+        strides = _strides("og")
+        consts = {"HEAD_DIM": head_dim, "D_PAD": common["D_PAD"], "BLOCK_M": meta["BLOCK_M"]}
+        return make_signature(fn, pointers, {s for s in strides if s.endswith("d")},
+                              {s for s in strides if not s.endswith("d")}, set(), consts)
+    out_names = {"fwd": ["Out"], "dkdv": ["DK", "DV"], "dq": ["DQ"]}[kind]
+    pointers = {n: dtype for n in ["Q", "K", "V"] + out_names}
+    pointers["Mask"] = "u8" if has_mask else dtype  # bool mask viewed as uint8, else q itself
+    pointers["Lse"] = "fp32"
+    prefixes = ["q", "k", "v", "o"] if kind == "fwd" else ["q", "k", "v", "g", "d"]
+    if kind != "fwd":
+        pointers["DOut"] = dtype
+        pointers["Delta"] = "fp32"
+    strides = _strides(prefixes)
+    unit = {s for s in strides if s.endswith("d")}
+    div16 = {s for s in strides if not s.endswith("d")} | {"S_BUCKET"}
+    if has_mask:
+        unit.add("stride_ms")          # contiguous (B, S) mask; stride_mb = S, unspecialized
+    else:
+        div16 |= {"stride_mb", "stride_ms"}   # both 0 when there is no mask
+    floats = {"qk_scale"} if kind == "fwd" else {"qk_scale", "sm_scale"}
+    consts = dict(common, HAS_MASK=has_mask, BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
+    return make_signature(fn, pointers, unit, div16, floats, consts)
+
+
+def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_up=False,
+                     biases=False, dot_ieee=False):
+    fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
+    if kind == "bwd_elementwise":
+        pointers = {n: dtype for n in ("gate_ptr", "up_ptr", "dh_ptr", "dgate_ptr", "dup_ptr", "h_ptr")}
+        return make_signature(fn, pointers, set(), {"N"}, set(), {"BLOCK": meta["BLOCK"]})
+    ptr_names = ["x_ptr", "wg_ptr", "wu_ptr", "bg_ptr", "bu_ptr"]
+    ptr_names += (["h_ptr", "gate_ptr", "up_ptr"] if kind == "fwd"
+                  else ["dh_ptr", "dgate_ptr", "dup_ptr", "h_ptr"])
+    pointers = {n: dtype for n in ptr_names}
+    unit = {"stride_xh", "stride_wgh", "stride_wuh", "stride_oi"}
+    div16 = {"H", "I", "T_BUCKET", "stride_xt", "stride_wgi", "stride_wui", "stride_ot"}
+    if kind == "bwd_recompute":
+        unit.add("stride_dhi")
+        div16.add("stride_dht")
+    consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
+              **{k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
+    if kind == "fwd":
+        consts["STORE_GATE_UP"] = store_gate_up
+    return make_signature(fn, pointers, unit, div16, set(), consts)
+
+
+# --------------------------------------------------------------------------------------------
+# Pruner
+# --------------------------------------------------------------------------------------------
+def pruner_estimate(attention, kind: str, cfg, d_pad: int, elt: int) -> tuple:
+    """The shared-memory bytes (attention._smem_bytes) and fp32 accumulator registers per
+    thread (restated here; the script checks below that the pair agrees with _prune's own
+    decision) that attention._prune judges a config by."""
+    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    resident = bn if kind == "dkdv" else bm
+    smem = attention._smem_bytes(kind, cfg, d_pad, elt)
+    regs = (2 if kind == "dkdv" else 1) * resident * d_pad / (32 * cfg.num_warps)
+    return smem, regs
+
+
+def pruner_verdict(attention, kind: str, cfg, configs, d_pad: int, elt: int, budget: int) -> dict:
+    """keep: _prune keeps the config on its merits; fallback: only as the last-resort smallest
+    config when nothing fits; drop: not kept."""
+    import triton
+
+    # A tiny config that always passes, so that _prune's "keep the smallest" fallback cannot
+    # hide whether cfg passes on its own.
+    probe = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=8, num_stages=1)
+    alone = any(c is cfg for c in attention._prune(kind, [cfg, probe], d_pad, elt, budget))
+    launched = any(c is cfg for c in attention._prune(kind, list(configs), d_pad, elt, budget))
+    verdict = "keep" if alone else ("fallback" if launched else "drop")
+    est_smem, est_regs = pruner_estimate(attention, kind, cfg, d_pad, elt)
+    return {"verdict": verdict, "est_shared": est_smem, "est_acc_regs": est_regs,
+            "estimate_in_sync": alone == (est_smem <= budget and est_regs <= 128)}
+
+
+# --------------------------------------------------------------------------------------------
+# Job list
+# --------------------------------------------------------------------------------------------
+def _cfg_text(meta: dict, warps: int, stages: int) -> str:
+    if "BLOCK_K" in meta:
+        return (f"{meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_K']} g{meta['GROUP_M']} "
+                f"w{warps} s{stages}")
+    if "BLOCK_N" in meta:
+        return f"{meta['BLOCK_M']}x{meta['BLOCK_N']} w{warps} s{stages}"
+    return " ".join(f"{k}={v}" for k, v in meta.items()) + f" w{warps} s{stages}"
+
+
+def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
+    jobs = []
+
+    def add(**job):
+        job["id"] = len(jobs)
+        jobs.append(job)
+
+    for arch in archs:
+        family = ARCH_FAMILY[arch]
+        budget = SMEM_BUDGET[arch]
+
+        # ---- attention -----------------------------------------------------------------
+        pre_done = set()
+
+        def add_pre(dtype, head_dim):
+            if (dtype, head_dim) in pre_done:
+                return
+            pre_done.add((dtype, head_dim))
+            meta = {"BLOCK_M": attention._PRE_BLOCK_M}
+            sig, consts, attrs = attention_signature(attention, "pre", dtype, head_dim, False,
+                                                     False, meta)
+            add(module="attention", kernel=ATTN_KERNEL["pre"], short="attn_pre", arch=arch,
+                dtype=dtype, spec=f"D{head_dim}", config=_cfg_text(
+                    meta, JIT_DEFAULT_WARPS, JIT_DEFAULT_STAGES), part="attention",
+                signature=sig, constexprs=consts, attrs=attrs,
+                options={"num_warps": JIT_DEFAULT_WARPS, "num_stages": JIT_DEFAULT_STAGES},
+                cost=head_dim)
+
+        def add_attn(kind, cfg, configs, dtype, head_dim, causal, has_mask, part):
+            sig, consts, attrs = attention_signature(attention, kind, dtype, head_dim, causal,
+                                                     has_mask, cfg.kwargs)
+            d_pad = consts["D_PAD"]
+            spec = f"D{head_dim}" + (f"(pad{d_pad})" if d_pad != head_dim else "")
+            spec += " causal" if causal else " full"
+            spec += " mask" if has_mask else ""
+            pr = pruner_verdict(attention, kind, cfg, configs, d_pad, ELT_SIZE[dtype], budget)
+            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+            add(module="attention", kernel=ATTN_KERNEL[kind], short=f"attn_{kind}", arch=arch,
+                dtype=dtype, spec=spec, config=_cfg_text(cfg.kwargs, cfg.num_warps,
+                                                         cfg.num_stages),
+                part=part, signature=sig, constexprs=consts, attrs=attrs,
+                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                budget=budget, pruner=pr, head_dim=head_dim, causal=causal,
+                # fp32 (IEEE) dots are lowered to FMAs: far longer ptxas runs than bf16 tiles.
+                cost=bm * bn * d_pad * (16 if dtype == "fp32" else 1)
+                * (2 if kind != "fwd" else 1))
+
+        head_dims = [128] if quick else [128, 64]
+        causals = [True] if quick else [False, True]
+        for head_dim in head_dims:
+            add_pre("bf16", head_dim)
+            for kind in ("fwd", "dkdv", "dq"):
+                configs = attention._CONFIGS[(kind, family)]
+                for cfg in (configs[:2] if quick else configs):
+                    for causal in causals:
+                        add_attn(kind, cfg, configs, "bf16", head_dim, causal, False,
+                                 "attention-configs")
+
+        variants = [("fp16", 128, False), ("fp32", 128, False), ("bf16", 16, False),
+                    ("bf16", 80, False), ("bf16", 256, False), ("bf16", 128, True),
+                    ("fp32", 256, True)]
+        if quick:
+            variants = [("fp32", 128, False), ("bf16", 80, True)]
+        for dtype, head_dim, has_mask in variants:
+            add_pre(dtype, head_dim)
+            d_pad = max(16, 1 << (head_dim - 1).bit_length())
+            for kind in ("fwd", "dkdv", "dq"):
+                configs = attention._CONFIGS[(kind, family)]
+                first = attention._prune(kind, configs, d_pad, ELT_SIZE[dtype], budget)[0]
+                for causal in causals:
+                    add_attn(kind, first, configs, dtype, head_dim, causal, has_mask,
+                             "attention-specializations")
+
+        # ---- swiglu ----------------------------------------------------------------------
+        def add_swiglu(kind, dtype, meta, warps, stages, store=False, biases=False, ieee=False):
+            sig, consts, attrs = swiglu_signature(swiglu_mlp, kind, dtype, meta, store, biases,
+                                                  ieee)
+            bits = []
+            if kind == "fwd":
+                bits.append("store_gate_up" if store else "no_store")
+            if kind != "bwd_elementwise":
+                bits.append("bias" if biases else "no_bias")
+                bits.append("ieee" if ieee else "tc")
+            cost = (meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1) * meta.get("BLOCK_K", 1)
+                    * ELT_SIZE[dtype])
+            add(module="swiglu_mlp", kernel=SWIGLU_KERNEL[kind], short=f"swiglu_{kind}",
+                arch=arch, dtype=dtype, spec=" ".join(bits) or "-",
+                config=_cfg_text(meta, warps, stages), part="swiglu", signature=sig,
+                constexprs=consts, attrs=attrs,
+                options={"num_warps": warps, "num_stages": stages}, cost=cost)
+
+        gpu_configs = swiglu_mlp._GPU_CONFIGS[:2] if quick else swiglu_mlp._GPU_CONFIGS
+        for cfg in gpu_configs:
+            for store in (False, True):
+                add_swiglu("fwd", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages, store=store)
+            add_swiglu("bwd_recompute", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages)
+        um = dict(swiglu_mlp._UNTUNED_META)
+        warps, stages = um.pop("num_warps"), um.pop("num_stages")
+        for store in (False, True):
+            add_swiglu("fwd", "fp32", um, warps, stages, store=store, biases=True, ieee=True)
+        add_swiglu("bwd_recompute", "fp32", um, warps, stages, biases=True, ieee=True)
+        # _launch_bwd launches the element-wise kernel with num_warps=4 and the default stages.
+        for dtype in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
+            add_swiglu("bwd_elementwise", dtype, {"BLOCK": swiglu_mlp._ELEMENTWISE_BLOCK}, 4,
+                       JIT_DEFAULT_STAGES)
+    return jobs
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+def _fmt(value, width, right=True):
+    text = "-" if value is None else str(value)
+    return text.rjust(width) if right else text.ljust(width)
+
+
+def _spill_text(r):
+    if not r.get("ok"):
+        return None
+    if "spill_stores" not in r:
+        return "?"
+    return f"{r['spill_stores']}/{r['spill_loads']}"
+
+
+def format_table(rows) -> list:
+    cols = [("kernel", 30, False), ("arch", 5, False), ("dtype", 5, False),
+            ("specialization", 26, False), ("config", 22, False), ("ok", 4, False),
+            ("shared", 7, True), ("regs", 4, True), ("spill st/ld", 11, True),
+            ("stack", 5, True), ("local", 5, True), ("fits", 4, False),
+            ("pruner", 8, False), ("est.sh", 7, True), ("s", 5, True)]
+    head = " ".join(_fmt(n, w, r) for n, w, r in cols)
+    lines = [head, "-" * len(head)]
+    for j, r in rows:
+        pr = j.get("pruner")
+        fits = None
+        if r.get("ok") and "budget" in j:
+            fits = "yes" if r["shared"] <= j["budget"] else "NO"
+        vals = [j["kernel"], f"sm{j['arch']}", j["dtype"], j["spec"], j["config"],
+                "ok" if r.get("ok") else "FAIL", r.get("shared"), r.get("regs"),
+                _spill_text(r), r.get("stack"), r.get("local"), fits,
+                pr["verdict"] if pr else None, pr["est_shared"] if pr else None,
+                f"{r.get('seconds', 0):.1f}"]
+        lines.append(" ".join(_fmt(v, w, rt) for v, (_, w, rt) in zip(vals, cols)))
+    return lines
+
+
+def summarize(rows) -> tuple:
+    lines = []
+    failures = [(j, r) for j, r in rows if not r.get("ok")]
+    by_kernel = {}
+    for j, r in rows:
+        key = (j["kernel"], j["arch"])
+        n_ok, n = by_kernel.get(key, (0, 0))
+        by_kernel[key] = (n_ok + bool(r.get("ok")), n + 1)
+    lines.append(f"compiles: {len(rows)}, ok: {len(rows) - len(failures)}, failed: {len(failures)}")
+    for (kernel, arch), (n_ok, n) in sorted(by_kernel.items()):
+        lines.append(f"  {kernel:32s} sm{arch}: {n_ok}/{n} ok")
+
+    lines.append("")
+    lines.append(f"failures: {len(failures)}")
+    for j, r in failures:
+        lines.append(f"  {j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]: "
+                     f"{r.get('error', '?')}")
+        for detail in r.get("error_detail", "").splitlines()[1:]:
+            lines.append(f"      | {detail}")
+
+    spills = [(j, r) for j, r in rows if r.get("ok") and (r.get("spill_stores", 0) or
+                                                          r.get("spill_loads", 0) or
+                                                          r.get("local", 0))]
+    lines.append("")
+    lines.append(f"spills (ptxas spill stores/loads > 0 or local memory > 0): {len(spills)}")
+    for j, r in spills:
+        lines.append(f"  {j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]: "
+                     f"spill stores {r.get('spill_stores', '?')} B, loads "
+                     f"{r.get('spill_loads', '?')} B, stack {r.get('stack')} B, "
+                     f"local {r.get('local')} B, regs {r.get('regs')}")
+    unknown = [(j, r) for j, r in rows if r.get("ok") and "spill_stores" not in r]
+    if unknown:
+        lines.append(f"  (no ptxas log for {len(unknown)} compiles; spills unknown there)")
+
+    over = [(j, r) for j, r in rows if r.get("ok") and "budget" in j and r["shared"] > j["budget"]]
+    lines.append("")
+    lines.append(f"attention configs over the shared-memory budget "
+                 f"(sm90 {SMEM_BUDGET[90]} B, sm80 {SMEM_BUDGET[80]} B): {len(over)}")
+    for j, r in over:
+        lines.append(f"  {j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]: "
+                     f"shared {r['shared']} B > {j['budget']} B (pruner: {j['pruner']['verdict']})")
+
+    disagree = []
+    for j, r in rows:
+        pr = j.get("pruner")
+        if not pr or not r.get("ok"):
+            continue
+        fits = r["shared"] <= j["budget"]
+        kept = pr["verdict"] in ("keep", "fallback")
+        where = f"{j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]"
+        if kept and not fits:
+            disagree.append(f"  KEPT ({pr['verdict']}) but does not fit: {where}: shared "
+                            f"{r['shared']} B > {j['budget']} B (estimate {pr['est_shared']} B)")
+        elif not kept and fits:
+            reason = ("register estimate "
+                      f"{pr['est_acc_regs']:.0f} fp32/thread > 128"
+                      if pr["est_shared"] <= j["budget"] else
+                      f"shared estimate {pr['est_shared']} B > {j['budget']} B")
+            disagree.append(f"  DROPPED though it fits: {where}: shared {r['shared']} B <= "
+                            f"{j['budget']} B; dropped by the {reason}; real regs "
+                            f"{r.get('regs')}, spill {_spill_text(r)} B")
+    lines.append("")
+    lines.append(f"pruner disagreements (attention._prune vs real shared memory): {len(disagree)}")
+    lines.extend(disagree)
+    out_of_sync = [j for j, _ in rows if j.get("pruner") and not j["pruner"]["estimate_in_sync"]]
+    if out_of_sync:
+        lines.append(f"  note: this script's restatement of _prune's estimate disagrees with "
+                     f"_prune itself for {len(out_of_sync)} configs (est.sh column unreliable)")
+    return lines, len(failures)
+
+
+def _tool_version(path: str) -> str:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        lines = [l for l in out.stdout.splitlines() if l.strip()]
+        return lines[-1].strip() if lines else "?"
+    except Exception as exc:  # noqa: BLE001
+        return f"? ({exc})"
+
+
+def _git_state() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                                "kernels"], capture_output=True, text=True, timeout=30).stdout
+        return f"{head}" + (" (kernels/ has uncommitted changes)" if dirty.strip() else "")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def ptxas_for(arch: int) -> str:
+    """The ptxas Triton runs for this target (3.9 uses its ptxas-blackwell for sm_90 too)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(arch).path
+    except Exception:  # noqa: BLE001 - older layouts: the bundled ptxas
+        import triton
+        return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+
+
+def find_cuobjdump() -> str:
+    import triton
+
+    candidates = [os.environ.get("CUOBJDUMP", ""), "/usr/local/cuda/bin/cuobjdump",
+                  str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
+                  shutil.which("cuobjdump") or ""]
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise SystemExit("check_triton_compile: no cuobjdump found (set CUOBJDUMP)")
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=[90, 80],
+                        help="compute capabilities to target (default: 90 80)")
+    parser.add_argument("--quick", action="store_true", help="a small sweep")
+    parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (1 or 2, default 2)")
+    parser.add_argument("--kernels-from-path", action="store_true",
+                        help=f"load kernels/ by path (as {FALLBACK_PACKAGE}) even when "
+                             "ckpt_ext.kernels imports")
+    args = parser.parse_args(argv)
+    jobs_n = max(1, min(2, args.jobs))
+
+    interp = _prepare_environment()
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    import torch
+    import triton
+
+    attention, swiglu_mlp, source = load_kernel_modules(args.kernels_from_path)
+    cuobjdump = find_cuobjdump()
+    archs = list(dict.fromkeys(args.arch))
+    jobs = build_jobs(attention, swiglu_mlp, archs, args.quick)
+
+    cache_dir = tempfile.mkdtemp(prefix="ckpt_ext_triton_aot_cache.")
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+
+    command = " ".join([sys.executable, *sys.argv])
+    if os.environ.get("PYTHONPATH"):
+        command = f"PYTHONPATH={os.environ['PYTHONPATH']} {command}"
+    header = [
+        "ckpt_ext Triton AOT compile check (tools/check_triton_compile.py)",
+        f"date:      {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"command:   {command}",
+        f"python:    {sys.version.split()[0]} ({sys.executable})",
+        f"triton:    {triton.__version__} ({Path(triton.__file__).parent})",
+        f"torch:     {torch.__version__}",
+        *[f"ptxas:     sm_{a}: {_tool_version(p)} ({p})" for a, p in
+          ((a, ptxas_for(a)) for a in archs)],
+        f"cuobjdump: {cuobjdump}",
+        f"kernels:   {source}; git {_git_state()}",
+        f"targets:   {', '.join(f'sm_{a} ({ARCH_FAMILY[a]} configs)' for a in archs)}; "
+        f"sweep {'quick' if args.quick else 'full'}; {jobs_n} worker(s); {len(jobs)} compiles",
+        "model:     contiguous tensors, 16-byte aligned pointers, unit strides = constexpr 1, "
+        "other strides / H / I multiples of 16, S and T unspecialized",
+        "columns:   shared = metadata.shared (dynamic, bytes); regs/stack/local from cuobjdump; "
+        "spill st/ld = ptxas -v spill store/load bytes;",
+        "           fits = shared <= per-block budget; pruner = attention._prune on the arch's "
+        "candidate list (keep / drop / fallback); est.sh = its shared estimate; s = compile s",
+    ]
+    if interp is not None:
+        header.append(f"note:      TRITON_INTERPRET={interp!r} was set and has been removed")
+    for line in header:
+        print(line, flush=True)
+    print(flush=True)
+
+    results = {}
+    t_start = time.perf_counter()
+    order = sorted(jobs, key=lambda j: -j["cost"])  # long compiles first, to balance the pool
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with cf.ProcessPoolExecutor(max_workers=jobs_n, mp_context=ctx, initializer=_worker_init,
+                                    initargs=(args.kernels_from_path,)) as pool:
+            futures = {pool.submit(_run_job, j, cuobjdump): j for j in order}
+            for done, fut in enumerate(cf.as_completed(futures), 1):
+                j = futures[fut]
+                try:
+                    r = fut.result()
+                except Exception as exc:  # noqa: BLE001 - a dead worker fails its job
+                    r = {"ok": False, "error": f"worker error: {type(exc).__name__}: {exc}",
+                         "error_detail": ""}
+                results[j["id"]] = r
+                status = "ok" if r.get("ok") else "FAIL " + r.get("error", "")[:100]
+                print(f"[{done}/{len(jobs)} {time.perf_counter() - t_start:6.0f}s] "
+                      f"{j['short']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]: "
+                      f"{status}", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    wall = time.perf_counter() - t_start
+
+    rows = [(j, results[j["id"]]) for j in jobs]
+    report = []
+    for part, title in (("attention-configs", "attention: every candidate config (bf16)"),
+                        ("attention-specializations",
+                         "attention: specializations with the first pruned config, and the "
+                         "rowsum pre-pass"),
+                        ("swiglu", "swiglu")):
+        part_rows = [(j, r) for j, r in rows if j["part"] == part
+                     or (part == "attention-specializations" and j["short"] == "attn_pre")]
+        if part == "attention-configs":
+            part_rows = [(j, r) for j, r in part_rows if j["short"] != "attn_pre"]
+        if not part_rows:
+            continue
+        report.append(f"== {title}")
+        report.extend(format_table(part_rows))
+        report.append("")
+    summary, n_failed = summarize(rows)
+    report.append("== summary")
+    report.extend(summary)
+    report.append("")
+    report.append(f"wall time: {wall:.0f} s for {len(jobs)} compiles with {jobs_n} worker(s)")
+    report.append("RESULT: " + ("FAILED (compile failures above)" if n_failed else "all compiled"))
+    for line in report:
+        print(line)
+    sys.stdout.flush()
+    if args.out:
+        Path(args.out).write_text("\n".join(header + [""] + report) + "\n")
+    return 1 if n_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
