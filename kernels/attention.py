@@ -436,8 +436,8 @@ def _smem_bytes(kind: str, c, d_pad: int, elt: int) -> int:
     """Shared memory a config needs: two streamed tiles (K and V, or Q and dO) per pipeline
     stage, plus the resident tiles (q for fwd; q and dO for dq; k and v for dK/dV), plus 2 KiB
     of lse/delta rows in the backward. Checked against Triton's own allocation by AOT compiles
-    for sm_90 and sm_80 (tools/check_triton_compile.py): exact for fwd and dq, at most 1 KiB
-    over for dK/dV, never under."""
+    for sm_90 and sm_80 (tools/check_triton_compile.py): exact for fwd and dq, 1 KiB over for
+    the large dK/dV tiles and more for the smallest, never under."""
     bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
     resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
     resident_tiles, rows = (1, 0) if kind == "fwd" else (2, 2048)
@@ -456,7 +456,12 @@ def _prune(kind: str, configs, d_pad: int, elt: int, budget: int) -> list:
         regs = accs * resident * d_pad / (32 * c.num_warps)
         if smem <= budget and regs <= 128:
             kept.append(c)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return kept or [_smallest(configs)]
+
+
+def _smallest(configs):
+    """The config with the smallest tile: kept when nothing else fits."""
+    return min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
 
 
 def _make_pruner(kind: str):
@@ -522,7 +527,7 @@ def _launcher(kind: str, device: torch.device, d_pad: int, elt: int):
         if key not in _UNTUNED:
             candidates = _CONFIGS[(kind, arch)]
             configs = _prune(kind, candidates, d_pad, elt, budget)
-            smallest = min(candidates, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+            smallest = _smallest(candidates)
             if all(c is not smallest for c in configs):
                 configs.append(smallest)  # the last resort
             _UNTUNED[key] = _FirstThatFits(_KERNELS[kind], configs)
