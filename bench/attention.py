@@ -259,6 +259,26 @@ def print_table(rows, providers):
         print(line)
 
 
+def goal_verdicts(rows, causal):
+    """The GPU validation's attention goal: Triton forward+backward at least SDPA-flash's
+    throughput at head_dim 128, causal, S 4096 (MHA rows), one line per matching shape."""
+    out = []
+    by = {(r["provider"], r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"]): r
+          for r in rows if r["mode"] == "fwd+bwd"}
+    for (prov, D, hq, hkv, B, S), r in by.items():
+        if prov != "triton" or D != 128 or S != 4096 or hq != hkv or not causal:
+            continue
+        sdpa = by.get(("sdpa", D, hq, hkv, B, S))
+        t, f = r["tflops"], sdpa["tflops"] if sdpa else float("nan")
+        if not (t == t and f == f and f > 0):
+            out.append(f"goal n/a: attention f+b >= SDPA flash (D=128, causal, S=4096, B={B}): "
+                       f"triton {t:.3g}, sdpa {f:.3g} TFLOP/s")
+            continue
+        out.append(f"goal {'ok' if t >= f else 'MISSED'}: attention f+b >= SDPA flash (D=128, "
+                   f"causal, S=4096, B={B}, Hq={hq}): {t / f:.3f}x ({t:.0f} vs {f:.0f} TFLOP/s)")
+    return out
+
+
 def write_csv(rows, path, header_lines):
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "dtype", "causal",
@@ -328,6 +348,9 @@ def main(argv=None):
     if not cuda:
         print("CPU interpreter run: NOT a performance figure")
     print_table(rows, providers)
+    verdicts = goal_verdicts(rows, causal) if cuda else []
+    for line in verdicts:
+        print(line)
     header = [
         f"device: {device_name}" + ("" if cuda else " -- CPU interpreter run: NOT a performance figure"),
         f"torch {torch.__version__}, triton {triton.__version__}, "
@@ -336,7 +359,7 @@ def main(argv=None):
         f"date: {started}",
         "flops: fwd = 4*B*Hq*S^2*D (x0.5 causal); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
         "sdpa: torch SDPA with SDPBackend.FLASH_ATTENTION on CUDA (MATH on CPU); eager: S x S scores, fp32 softmax",
-    ]
+    ] + verdicts
     write_csv(rows, out_path, header)
 
 
