@@ -2,11 +2,12 @@
 # GPU validation for a session that is lent a device machine (see the GPU validation issue).
 # Run on the device machine from the repository root, one stage or several per call (each call
 # is limited to 10 minutes):
-#     OUT=$OUT bash tools/gpu_validate.sh build test      # then, in a second call:
-#     OUT=$OUT bash tools/gpu_validate.sh bench
+#     OUT=$OUT bash tools/gpu_validate.sh build test      # then, in later calls:
+#     OUT=$OUT bash tools/gpu_validate.sh block kernels
+#     OUT=$OUT bash tools/gpu_validate.sh demo bundle
 # Stages: env (always), build (CUDA extension, editable), test (whole suite on the GPU),
-# block (LLaMA-7B layer, goals), kernels (attention, swiglu, rowwise), demo, and bench
-# (= block kernels demo, then bench/results bundled). Everything lands in at most 6 files under
+# block (LLaMA-7B layer, goals), kernels (attention, swiglu, rowwise), demo, bundle (a tar of
+# bench/results), and bench (= block kernels demo bundle). Everything lands in at most 6 files under
 # $OUT (the device tool returns at most 8): gpu_env.txt, gpu_build.log, gpu_tests.log,
 # gpu_bench.log and gpu_results.tgz (bench/results/*). Without $OUT, under bench/results/.
 set -uo pipefail
@@ -69,7 +70,7 @@ for stage in "${expand[@]}"; do
     bundle)
       tar czf "$out/gpu_results.tgz" bench/results && log "bench/results bundled"
       ;;
-    *) echo "unknown stage '$stage' (build, test, block, kernels, demo, bench)"; exit 2 ;;
+    *) echo "unknown stage '$stage' (build, test, block, kernels, demo, bundle, bench)"; exit 2 ;;
   esac
 done
 log "done (status $status: non-zero when a test failed, a goal was missed or a bench broke)"
