@@ -3,8 +3,10 @@
 # Run on the device machine from the repository root, one stage or several per call (each call
 # is limited to 10 minutes):
 #     OUT=$OUT bash tools/gpu_validate.sh build test      # then, in later calls:
-#     OUT=$OUT bash tools/gpu_validate.sh block kernels
-#     OUT=$OUT bash tools/gpu_validate.sh demo bundle
+#     OUT=$OUT bash tools/gpu_validate.sh build block kernels
+#     OUT=$OUT bash tools/gpu_validate.sh build demo bundle
+# (each call starts with build: a device machine idle for 30 s is given back, and the next
+# call gets a bare one).
 # Stages: env (always), build (CUDA extension, editable), test (whole suite on the GPU),
 # block (LLaMA-7B layer, goals), kernels (attention, swiglu, rowwise), demo, bundle (a tar of
 # bench/results), and bench (= block kernels demo bundle). Everything lands in at most 6 files under
