@@ -196,7 +196,8 @@ def main(argv=None):
                       lambda name=name: setattr(layer, "policy", name))
     model = None
     if not args.no_hf:
-        model, hfl = hf_layer(layer, h, hq, hkv, i, layer.input_layernorm.variance_epsilon, device, dtype)
+        eps = layer.input_layernorm.variance_epsilon
+        model, hfl = hf_layer(layer, h, hq, hkv, i, eps, device, dtype)
     if model is not None:
         fwd = hf_step_fn(hfl)
         # transformers >= 5.2x renamed the switch (the old name warns); 5.17 has only the old
@@ -211,7 +212,6 @@ def main(argv=None):
         for t in [x] + params:
             t.grad = None
         fwd(x, pe).backward(grad_out)
-        return params
 
     gpu = device.type == "cuda"
     saved, per_layer, grads, peak, times = {}, {}, {}, {}, {n: [] for n in rows}
@@ -225,7 +225,7 @@ def main(argv=None):
         step(name)  # warm-up (Triton compiles here), and the gradients to compare
         grads[name] = [t.grad.float().clone() for t in [x] + params]
         if gpu:  # peak above what is resident before a step (weights, inputs, grad_out)
-            for t in [x] + params:
+            for t in [x] + params:  # as step() does first, so that base excludes the grads
                 t.grad = None
             sync(device)
             base = torch.cuda.memory_allocated(device)
