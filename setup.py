@@ -96,7 +96,7 @@ def extensions():
 
 
 setup(
-    packages=["ckpt_ext", "ckpt_ext.modules", "ckpt_ext.kernels"],
+    packages=["ckpt_ext", "ckpt_ext.hf", "ckpt_ext.modules", "ckpt_ext.kernels"],
     package_dir={"ckpt_ext": "ckpt_ext", "ckpt_ext.kernels": "kernels"},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -19,7 +19,7 @@ transformers = pytest.importorskip(
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import ckpt_ext  # noqa: E402
-from ckpt_ext.hf import _padding_mask_from, patch_llama, unpatch_llama  # noqa: E402
+from ckpt_ext.hf.patch import _padding_mask_from, patch_llama, unpatch_llama  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=172, vocab_size=128, pad_token_id=0,

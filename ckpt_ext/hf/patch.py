@@ -54,8 +54,8 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from . import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
-from .presets import FUSED_PRESETS, check_policy
+from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
+from ..presets import FUSED_PRESETS, check_policy
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
