@@ -1,47 +1,138 @@
-"""Functional entry points and fake implementations of the fused block ops.
+"""The fused decoder layer op: its weight slots, fakes, and functional entry points.
 
-The block ops (``torch.ops.ckpt_ext.attention_block / mlp_block / decoder_layer``) are C++
-autograd Functions (``csrc/blocks.cpp``) whose forward saves what the preset says and whose
-backward recomputes the rest through the kernel ops. The modules in ``ckpt_ext.modules`` call
-them; these wrappers exist for users who hold the weights themselves.
+``torch.ops.ckpt_ext.decoder_layer`` is one C++ autograd Function (``csrc/blocks.cpp``) over
+two opaque ops, ``decoder_layer_fwd`` (returns the output and the preset's residuals) and
+``decoder_layer_bwd`` (recomputes the rest and returns the gradients). Their fakes below let
+``torch.compile`` trace a model without tracing into them, so a compiled model keeps exactly
+the residuals the preset names.
+
+A layer's tensors travel as one list in the order of ``WEIGHT_SLOTS``: HF parameter names
+relative to the decoder layer (``"input_layernorm.weight"``, ``"self_attn.q_proj.weight"``,
+``"self_attn.q_proj.bias"``, ``"self_attn.q_proj.lora_A"``, ...), ``None`` where absent.
+``ckpt_ext.modules`` and ``ckpt_ext.patch_llama`` call the op; the wrappers here are for users
+who hold the weights themselves.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (registers the operators)
+from . import _C
 from .presets import FUSED_PRESETS
 
-__all__ = ["attention_block", "mlp_block", "decoder_layer"]
+__all__ = ["WEIGHT_SLOTS", "PROJECTIONS", "pack_weights", "decoder_layer", "attention_block",
+           "mlp_block"]
 
 _ops = torch.ops.ckpt_ext
 
-
-def _check_preset(op: str, preset: str) -> None:
-    if preset not in FUSED_PRESETS:
-        raise ValueError(f"{op}: preset must be one of {', '.join(map(repr, FUSED_PRESETS))}, "
-                         f"got {preset!r}")
-
-
-@torch.library.register_fake("ckpt_ext::attention_block")
-def _attention_block_fake(x, norm_weight, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, q_norm_weight,
-                          k_norm_weight, cos, sin, key_padding_mask, num_heads, num_kv_heads,
-                          eps, scale, preset):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+WEIGHT_SLOTS: Tuple[str, ...] = tuple(_C.layer_weight_slots())
+# The projections in the order of the op's lora_scaling list.
+PROJECTIONS: Tuple[str, ...] = tuple(s[:-len(".weight")] for s in WEIGHT_SLOTS
+                                     if s.endswith("_proj.weight"))
+_SLOT_INDEX = {name: i for i, name in enumerate(WEIGHT_SLOTS)}
+PARTS = ("layer", "attention", "mlp")
 
 
-@torch.library.register_fake("ckpt_ext::mlp_block")
-def _mlp_block_fake(h, norm_weight, w_gate, w_up, w_down, b_gate, b_up, b_down, eps, preset):
-    return torch.empty_like(h, memory_format=torch.contiguous_format)
+def pack_weights(named: Mapping[str, Optional[Tensor]]) -> list:
+    """The op's ``weights`` list from a mapping of slot names (``WEIGHT_SLOTS``) to tensors;
+    missing names are ``None``. Unknown names raise a ValueError naming them."""
+    unknown = set(named) - set(_SLOT_INDEX)
+    if unknown:
+        raise ValueError(f"decoder_layer: unknown weight names {sorted(unknown)}; the slots are "
+                         f"ckpt_ext.blocks.WEIGHT_SLOTS")
+    return [named.get(name) for name in WEIGHT_SLOTS]
+
+
+# ---- fakes (what torch.compile and meta tensors see) -----------------------------------------
+
+def _act_dtype(x, compute_dtype):
+    return compute_dtype if compute_dtype is not None else x.dtype
+
+
+def _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset):
+    """Empty tensors shaped, typed and strided as decoder_layer_fwd's ``saved`` output."""
+    if preset == "min_memory":
+        return []
+    b, s, _ = x.shape
+    act = dict(dtype=_act_dtype(x, compute_dtype), device=x.device)
+    out = []
+    if part != "mlp":
+        d = weights[_SLOT_INDEX["self_attn.q_proj.weight"]].shape[0] // num_heads
+        if preset == "fast":
+            out += [x.new_empty(b, num_heads, s, d, **act), x.new_empty(b, num_kv_heads, s, d, **act),
+                    x.new_empty(b, s, num_kv_heads, d, **act).transpose(1, 2)]
+        out += [x.new_empty(b, num_heads, s, d, **act),
+                x.new_empty(b, num_heads, s, dtype=torch.float32)]
+    if part == "layer":
+        out.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+    if part != "attention" and preset == "fast":
+        i = weights[_SLOT_INDEX["mlp.gate_proj.weight"]].shape[0]
+        out += [x.new_empty(b * s, i, **act), x.new_empty(b * s, i, **act)]
+    return out
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer")
-def _decoder_layer_fake(x, *args):
+def _decoder_layer_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
+                        lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype, part,
+                        preset):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("ckpt_ext::decoder_layer_fwd")
+def _decoder_layer_fwd_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
+                            lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
+                            part, preset):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset))
+
+
+@torch.library.register_fake("ckpt_ext::decoder_layer_bwd")
+def _decoder_layer_bwd_fake(dy, x, weights, cos, sin, key_padding_mask, segment_ids, window,
+                            lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
+                            part, preset, saved, needs_grad):
+    dweights = [torch.empty_like(w, memory_format=torch.contiguous_format)
+                if w is not None and need else x.new_empty(0)
+                for w, need in zip(weights, needs_grad)]
+    return torch.empty_like(x, memory_format=torch.contiguous_format), dweights
+
+
+# ---- functional entry points -----------------------------------------------------------------
+
+def _check(op: str, preset: str, part: str) -> None:
+    if preset not in FUSED_PRESETS:
+        raise ValueError(f"{op}: preset must be one of {', '.join(map(repr, FUSED_PRESETS))}, "
+                         f"got {preset!r}")
+    if part not in PARTS:
+        raise ValueError(f"{op}: part must be one of {', '.join(map(repr, PARTS))}, got {part!r}")
+
+
+def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
+                  position_embeddings: Optional[Tuple[Tensor, Tensor]] = None, *,
+                  num_heads: int = 1, num_kv_heads: Optional[int] = None, eps: float = 1e-6,
+                  scale: Optional[float] = None, key_padding_mask: Optional[Tensor] = None,
+                  segment_ids: Optional[Tensor] = None, window: Optional[int] = None,
+                  lora_scaling: Optional[Sequence[float]] = None,
+                  compute_dtype: Optional[torch.dtype] = None, part: str = "layer",
+                  preset: str = "balanced") -> Tensor:
+    """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
+
+    x: (B, S, H); weights: slot name -> tensor (``WEIGHT_SLOTS``; HF's names, e.g.
+    ``dict(hf_layer.named_parameters())``); position_embeddings: (cos, sin), each
+    (1 or B, S, head_dim), required unless ``part="mlp"``; key_padding_mask: bool (B, S), True
+    = real token. ``scale`` defaults to ``head_dim ** -0.5``.
+    """
+    _check("decoder_layer", preset, part)
+    w = pack_weights(weights)
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    if scale is None:
+        wq = w[_SLOT_INDEX["self_attn.q_proj.weight"]]
+        scale = 1.0 / math.sqrt(wq.shape[0] // num_heads) if wq is not None else 1.0
+    return _ops.decoder_layer(x, w, cos, sin, key_padding_mask, segment_ids, window,
+                              list(lora_scaling or ()), num_heads, num_kv_heads or num_heads,
+                              eps, float(scale), compute_dtype, part, preset)
 
 
 def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
@@ -57,42 +148,23 @@ def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_
     x: (B, S, H); w_q: (Hq*D, H); w_k, w_v: (Hkv*D, H); w_o: (H, Hq*D);
     position_embeddings: (cos, sin), each (1 or B, S, D); key_padding_mask: bool (B, S).
     """
-    _check_preset("attention_block", preset)
-    cos, sin = position_embeddings
-    head_dim = w_q.shape[0] // num_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    return _ops.attention_block(x, norm_weight, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o,
-                                q_norm_weight, k_norm_weight, cos, sin, key_padding_mask,
-                                num_heads, num_kv_heads, eps, scale, preset)
+    a = "self_attn."
+    weights = {"input_layernorm.weight": norm_weight, a + "q_proj.weight": w_q,
+               a + "k_proj.weight": w_k, a + "v_proj.weight": w_v, a + "o_proj.weight": w_o,
+               a + "q_proj.bias": b_q, a + "k_proj.bias": b_k, a + "v_proj.bias": b_v,
+               a + "o_proj.bias": b_o, a + "q_norm.weight": q_norm_weight,
+               a + "k_norm.weight": k_norm_weight}
+    return decoder_layer(x, weights, position_embeddings, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, eps=eps, scale=scale,
+                         key_padding_mask=key_padding_mask, part="attention", preset=preset)
 
 
 def mlp_block(h: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
               eps: float = 1e-6, b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
               b_down: Optional[Tensor] = None, preset: str = "balanced") -> Tensor:
     """``h + down(silu(gate(m)) * up(m))`` with ``m = rms_norm(h)``; h: (B, S, H)."""
-    _check_preset("mlp_block", preset)
-    return _ops.mlp_block(h, norm_weight, w_gate, w_up, w_down, b_gate, b_up, b_down, eps, preset)
-
-
-def decoder_layer(x: Tensor, attn: dict, mlp: dict, position_embeddings: Tuple[Tensor, Tensor],
-                  *, num_heads: int, num_kv_heads: int, eps: float = 1e-6,
-                  key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
-                  preset: str = "balanced") -> Tensor:
-    """A whole LLaMA decoder layer as one C++ Function.
-
-    attn: ``norm_weight, w_q, w_k, w_v, w_o`` and optionally ``b_q, b_k, b_v, b_o,
-    q_norm_weight, k_norm_weight``; mlp: ``norm_weight, w_gate, w_up, w_down`` and optionally
-    ``b_gate, b_up, b_down``. Shapes as in ``attention_block``.
-    """
-    _check_preset("decoder_layer", preset)
-    cos, sin = position_embeddings
-    head_dim = attn["w_q"].shape[0] // num_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    g = attn.get
-    m = mlp.get
-    return _ops.decoder_layer(
-        x, attn["norm_weight"], attn["w_q"], attn["w_k"], attn["w_v"], attn["w_o"],
-        g("b_q"), g("b_k"), g("b_v"), g("b_o"), g("q_norm_weight"), g("k_norm_weight"),
-        cos, sin, key_padding_mask,
-        mlp["norm_weight"], mlp["w_gate"], mlp["w_up"], mlp["w_down"],
-        m("b_gate"), m("b_up"), m("b_down"), num_heads, num_kv_heads, eps, scale, preset)
+    weights = {"post_attention_layernorm.weight": norm_weight, "mlp.gate_proj.weight": w_gate,
+               "mlp.up_proj.weight": w_up, "mlp.down_proj.weight": w_down,
+               "mlp.gate_proj.bias": b_gate, "mlp.up_proj.bias": b_up,
+               "mlp.down_proj.bias": b_down}
+    return decoder_layer(h, weights, eps=eps, part="mlp", preset=preset)

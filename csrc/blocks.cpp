@@ -1,26 +1,48 @@
-// C++ autograd Functions of the block ops: the attention sublayer, the MLP sublayer and the
-// whole LLaMA decoder layer, each with the presets of DESIGN.md:
+// The fused LLaMA decoder layer: one C++ autograd Function over two opaque ops.
 //
-//   preset       forward saves (besides inputs and weights)   backward recomputes
+//   decoder_layer       the user-facing op. Autocast key: fixes the compute dtype. Autograd
+//                       key: DecoderLayerFn, which calls the two ops below and saves the
+//                       preset's residuals. Below autograd (no grad): the forward alone.
+//   decoder_layer_fwd   forward: (y, residuals). Residuals are exactly what the preset keeps.
+//   decoder_layer_bwd   backward: recomputes what the preset did not keep, returns gradients.
+//
+// Because forward and backward are single ops with fakes (ckpt_ext/blocks.py), torch.compile
+// (AOTAutograd) cannot trace into them: a compiled model saves the preset's residuals, not
+// what the partitioner would choose from the kernel ops inside.
+//
+//   preset       forward keeps (besides x and the weights)   backward recomputes
 //   fast         q, k, v (post-RoPE), out, lse, h, gate, up   norms, SwiGLU product, softmax tiles
 //   balanced     out, lse, h                                  + q/k/v and RoPE, gate/up tile-wise
 //   min_memory   nothing                                      + attention forward and o_proj
 //
-// (h = x + attention output, the MLP sublayer's input; the sublayer Functions save the part
-// of that list that belongs to them.) Forward and backward call only the kernel ops
-// (torch.ops.ckpt_ext.*_fwd/_bwd) and ATen linear algebra through the dispatcher, below
-// autograd, so the same code runs on the CPU reference ops and on the Triton/CUDA kernels.
+// (h = x + attention output, the MLP input.) `part` selects the whole layer ("layer"), the
+// attention sublayer x + o_proj(attn(...)) ("attention") or the MLP sublayer
+// h + down(silu(gate) * up) ("mlp"); a sublayer keeps its share of the residuals above.
 //
-// Shapes: x, h (B, S, H); q (B, Hq, S, D); k, v (B, Hkv, S, D); out (B, Hq, S, D);
+// Weights travel as one list of named slots (kSlotNames: HF parameter names relative to the
+// decoder layer); a projection is the four slots weight, bias, lora_A, lora_B, absent ones
+// None. A LoRA projection computes x W^T + b + scaling * (x A^T) B^T.
+//
+// Mixed precision: with compute_dtype (set by the Autocast kernel from the autocast dtype),
+// the layer computes what HF's modules compute under autocast: norms in the residual dtype
+// (statistics in fp32), projections and attention in compute_dtype (weights cast transiently,
+// never saved), residual adds in the residual dtype (fp32 when the master weights are fp32).
+//
+// Shapes: x (B, S, H); q (B, Hq, S, D); k, v (B, Hkv, S, D); out (B, Hq, S, D);
 // lse (B, Hq, S) fp32; gate, up (B*S, I); weights in nn.Linear layout.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
+
+#include "checks.h"
 
 namespace ckpt_ext {
 namespace {
@@ -39,7 +61,10 @@ c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
 }
 
 T2 attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const OptTensor& mask, double scale) {
+                 const OptTensor& mask, const OptTensor& seg, std::optional<int64_t> window,
+                 double scale) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!seg && !window, "decoder_layer: segment_ids/window need the "
+                              "masked attention kernels");
   static auto op = op_handle<T2(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const OptTensor&, bool, double)>("ckpt_ext::attention_fwd");
   return op.call(q, k, v, mask, /*causal=*/true, scale);
@@ -47,7 +72,10 @@ T2 attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 T3 attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                 const OptTensor& mask, double scale) {
+                 const OptTensor& mask, const OptTensor& seg, std::optional<int64_t> window,
+                 double scale) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!seg && !window, "decoder_layer: segment_ids/window need the "
+                              "masked attention kernels");
   static auto op = op_handle<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const OptTensor&, bool, double)>("ckpt_ext::attention_bwd");
@@ -103,473 +131,764 @@ T2 rope_bwd(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& cos,
   return op.call(dq, dk, cos, sin);
 }
 
-// ---- presets -------------------------------------------------------------------------------
+// ---- weight slots ----------------------------------------------------------------------------
 
-enum class Preset : int64_t { kFast = 0, kBalanced = 1, kMinMemory = 2 };
+enum Norm : int64_t { kInputNorm = 0, kQNorm, kKNorm, kPostNorm, kNumNorms };
+enum Proj : int64_t { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kNumProjs };
+enum ProjPart : int64_t { kWeight = 0, kBias, kLoraA, kLoraB, kNumProjParts };
+constexpr int64_t kNumSlots = kNumNorms + kNumProjs * kNumProjParts;
+
+constexpr int64_t slot(Norm n) { return n; }
+constexpr int64_t slot(Proj p, ProjPart part) { return kNumNorms + p * kNumProjParts + part; }
+
+const std::array<const char*, kNumNorms> kNormNames = {
+    "input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight"};
+const std::array<const char*, kNumProjs> kProjNames = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+const std::array<const char*, kNumProjParts> kProjPartNames = {"weight", "bias", "lora_A",
+                                                                "lora_B"};
+
+std::string slot_name(int64_t s) {
+  if (s < kNumNorms) return kNormNames[s];
+  const int64_t i = s - kNumNorms;
+  return std::string(kProjNames[i / kNumProjParts]) + "." + kProjPartNames[i % kNumProjParts];
+}
+
+// ---- options -------------------------------------------------------------------------------
+
+enum class Preset { kFast, kBalanced, kMinMemory };
+enum class Part { kLayer, kAttention, kMlp };
 
 Preset parse_preset(c10::string_view name, const char* op) {
   if (name == "fast") return Preset::kFast;
   if (name == "balanced") return Preset::kBalanced;
   if (name == "min_memory") return Preset::kMinMemory;
-  TORCH_CHECK(false, op, ": preset must be one of 'fast', 'balanced', 'min_memory', got '",
-              std::string(name), "'");
+  CKPT_CHECK_VALUE(false, op, "preset must be one of 'fast', 'balanced', 'min_memory', got '",
+                   std::string(name), "'");
 }
 
-// ---- linear algebra helpers ----------------------------------------------------------------
+Part parse_part(c10::string_view name, const char* op) {
+  if (name == "layer") return Part::kLayer;
+  if (name == "attention") return Part::kAttention;
+  if (name == "mlp") return Part::kMlp;
+  CKPT_CHECK_VALUE(false, op, "part must be one of 'layer', 'attention', 'mlp', got '",
+                   std::string(name), "'");
+}
 
-// Gradients of y = inp @ w^T + b for a given dy; inp (..., in), dy (..., out).
-struct LinearGrads {
-  at::Tensor dw, db;
+bool has_attention(Part p) { return p != Part::kMlp; }
+bool has_mlp(Part p) { return p != Part::kAttention; }
+
+// Everything of a call but x and the residuals.
+struct Layer {
+  std::vector<at::Tensor> w;  // kNumSlots, undefined = absent
+  at::Tensor cos, sin;
+  OptTensor mask, seg;
+  std::optional<int64_t> window;
+  std::vector<double> lora_scaling;  // kNumProjs, or empty without adapters
+  int64_t hq, hkv;
+  double eps, scale;
+  std::optional<at::ScalarType> compute_dtype;
+  Part part;
+  Preset preset;
+
+  const at::Tensor& at(int64_t s) const { return w[s]; }
+  const at::Tensor& norm(Norm n) const { return w[slot(n)]; }
+  const at::Tensor& proj(Proj p, ProjPart part = kWeight) const { return w[slot(p, part)]; }
+  int64_t head_dim() const { return proj(kQ).size(0) / hq; }
+  bool qk_norm() const { return norm(kQNorm).defined(); }
+  // t in the compute dtype (a transient copy when it differs; t itself otherwise).
+  at::Tensor cast(const at::Tensor& t) const {
+    return t.defined() && compute_dtype && t.scalar_type() != *compute_dtype
+               ? t.to(*compute_dtype)
+               : t;
+  }
+  OptTensor cast_opt(const at::Tensor& t) const {
+    return t.defined() ? OptTensor(cast(t)) : std::nullopt;
+  }
+  at::ScalarType act_dtype(const at::Tensor& x) const {
+    return compute_dtype.value_or(x.scalar_type());
+  }
+  double lora_scale(Proj p) const { return lora_scaling.empty() ? 0.0 : lora_scaling[p]; }
+  bool has_lora(Proj p) const { return proj(p, kLoraA).defined(); }
+  // The dtype of the low-rank term: the compute dtype, or the adapter's own (PEFT keeps fp32
+  // adapters on a half-precision base and computes their term in fp32).
+  at::ScalarType lora_dtype(Proj p) const {
+    return compute_dtype.value_or(proj(p, kLoraA).scalar_type());
+  }
+  bool mlp_has_lora() const { return has_lora(kGate) || has_lora(kUp) || has_lora(kDown); }
 };
 
-LinearGrads linear_weight_grads(const at::Tensor& dy2, const at::Tensor& inp2, bool has_bias) {
-  return {dy2.t().mm(inp2), has_bias ? dy2.sum(0) : at::Tensor()};
+Layer make_layer(const c10::List<OptTensor>& weights, const OptTensor& cos,
+                 const OptTensor& sin, const OptTensor& mask, const OptTensor& seg,
+                 std::optional<int64_t> window, c10::ArrayRef<double> lora_scaling,
+                 int64_t hq, int64_t hkv, double eps, double scale,
+                 std::optional<at::ScalarType> compute_dtype, c10::string_view part,
+                 c10::string_view preset, const char* op) {
+  CKPT_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kNumSlots, op, "weights must have ",
+                   kNumSlots, " slots (ckpt_ext.blocks.WEIGHT_SLOTS), got ", weights.size());
+  Layer L;
+  L.w.reserve(kNumSlots);
+  for (const OptTensor& t : weights) L.w.push_back(checks::absent(t) ? at::Tensor() : *t);
+  L.cos = cos.value_or(at::Tensor());
+  L.sin = sin.value_or(at::Tensor());
+  L.mask = checks::absent(mask) ? std::nullopt : mask;
+  L.seg = checks::absent(seg) ? std::nullopt : seg;
+  L.window = window;
+  L.lora_scaling.assign(lora_scaling.begin(), lora_scaling.end());
+  L.hq = hq;
+  L.hkv = hkv;
+  L.eps = eps;
+  L.scale = scale;
+  L.compute_dtype = compute_dtype;
+  L.part = parse_part(part, op);
+  L.preset = parse_preset(preset, op);
+  return L;
+}
+
+// ---- validation ----------------------------------------------------------------------------
+
+void check_weight(const char* op, const Layer& L, int64_t s, const at::Tensor& x,
+                  c10::IntArrayRef shape, const std::string& why) {
+  const at::Tensor& t = L.at(s);
+  const std::string name = slot_name(s);
+  CKPT_CHECK_VALUE(t.defined(), op, name, " is required");
+  checks::check_shape(op, name.c_str(), t, shape, why);
+  checks::check_device_as(op, name.c_str(), t, "x", x);
+  const bool adapter = s >= kNumNorms && (s - kNumNorms) % kNumProjParts >= kLoraA;
+  if (L.compute_dtype || adapter) {
+    checks::check_floating(op, name.c_str(), t);
+  } else {
+    CKPT_CHECK_TYPE(t.scalar_type() == x.scalar_type(), op, name, " is ",
+                    checks::dtype_str(t.scalar_type()), " but x is ",
+                    checks::dtype_str(x.scalar_type()),
+                    "; outside autocast the input and the weights must share a dtype (cast x "
+                    "to the weights' dtype, or run under torch.autocast)");
+  }
+}
+
+void check_proj(const char* op, const Layer& L, Proj p, const at::Tensor& x, int64_t out,
+                int64_t in) {
+  check_weight(op, L, slot(p, kWeight), x, {out, in}, "(out_features, in_features)");
+  if (L.proj(p, kBias).defined()) check_weight(op, L, slot(p, kBias), x, {out}, "(out_features,)");
+  const bool a = L.proj(p, kLoraA).defined(), b = L.proj(p, kLoraB).defined();
+  CKPT_CHECK_VALUE(a == b, op, kProjNames[p], ": lora_A and lora_B come together");
+  if (a) {
+    const int64_t r = L.proj(p, kLoraA).size(0);
+    check_weight(op, L, slot(p, kLoraA), x, {r, in}, "(rank, in_features)");
+    check_weight(op, L, slot(p, kLoraB), x, {out, r}, "(out_features, rank)");
+    CKPT_CHECK_VALUE(static_cast<int64_t>(L.lora_scaling.size()) == kNumProjs, op,
+                     "lora_scaling must have one entry per projection (", kNumProjs,
+                     ") when adapters are given, got ", L.lora_scaling.size());
+  }
+}
+
+void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
+  checks::check_defined(op, "x", x);
+  checks::check_dim(op, "x", x, 3, "(B, S, H)");
+  checks::check_floating(op, "x", x);
+  const int64_t b = x.size(0), s = x.size(1), h = x.size(2);
+  if (L.compute_dtype) {
+    CKPT_CHECK_TYPE(at::isFloatingType(*L.compute_dtype), op,
+                    "compute_dtype must be a floating dtype, got ",
+                    checks::dtype_str(*L.compute_dtype));
+  }
+  if (has_attention(L.part)) {
+    CKPT_CHECK_VALUE(L.hq > 0 && L.hkv > 0, op,
+                     "num_heads and num_kv_heads must be positive, got ", L.hq, " and ", L.hkv);
+    CKPT_CHECK_VALUE(L.hq % L.hkv == 0, op, "num_kv_heads must divide num_heads=", L.hq,
+                     ", got ", L.hkv);
+    const at::Tensor& wq = L.proj(kQ);
+    CKPT_CHECK_VALUE(wq.defined() && wq.dim() == 2 && wq.size(0) % L.hq == 0, op,
+                     "self_attn.q_proj.weight must be (num_heads * head_dim, H) with num_heads=",
+                     L.hq, ", got ", wq.defined() ? checks::shape_str(wq.sizes()) : "None");
+    const int64_t d = L.head_dim();
+    check_weight(op, L, slot(kInputNorm), x, {h}, "to match x's hidden size");
+    check_proj(op, L, kQ, x, L.hq * d, h);
+    check_proj(op, L, kK, x, L.hkv * d, h);
+    check_proj(op, L, kV, x, L.hkv * d, h);
+    check_proj(op, L, kO, x, h, L.hq * d);
+    CKPT_CHECK_VALUE(L.qk_norm() == L.norm(kKNorm).defined(), op,
+                     "self_attn.q_norm.weight and self_attn.k_norm.weight come together");
+    if (L.qk_norm()) {
+      check_weight(op, L, slot(kQNorm), x, {d}, "(head_dim,)");
+      check_weight(op, L, slot(kKNorm), x, {d}, "(head_dim,)");
+    }
+    CKPT_CHECK_VALUE(L.cos.defined() && L.sin.defined(), op,
+                     "position_embeddings (cos, sin) are required for the attention");
+    checks::check_dim(op, "cos", L.cos, 3, "(B or 1, S, head_dim)");
+    CKPT_CHECK_VALUE(L.cos.size(0) == 1 || L.cos.size(0) == b, op,
+                     "cos must have batch size 1 or B=", b, ", got shape ",
+                     checks::shape_str(L.cos.sizes()));
+    checks::check_shape(op, "cos", L.cos, {L.cos.size(0), s, d}, "(B or 1, S, head_dim)");
+    checks::check_shape(op, "sin", L.sin, L.cos.sizes(), "(the shape of cos)");
+    CKPT_CHECK_VALUE(!L.cos.requires_grad() && !L.sin.requires_grad(), op,
+                     "gradients with respect to cos/sin are not computed; pass position "
+                     "embeddings that do not require grad (detach them)");
+    if (!L.compute_dtype) {
+      CKPT_CHECK_TYPE(L.cos.scalar_type() == x.scalar_type(), op, "cos is ",
+                      checks::dtype_str(L.cos.scalar_type()), " but x is ",
+                      checks::dtype_str(x.scalar_type()),
+                      "; outside autocast position embeddings share the input's dtype");
+    }
+  }
+  if (has_mlp(L.part)) {
+    const at::Tensor& wg = L.proj(kGate);
+    CKPT_CHECK_VALUE(wg.defined() && wg.dim() == 2, op,
+                     "mlp.gate_proj.weight must be (intermediate_size, H)");
+    const int64_t i = wg.size(0);
+    check_weight(op, L, slot(kPostNorm), x, {h}, "to match x's hidden size");
+    check_proj(op, L, kGate, x, i, h);
+    check_proj(op, L, kUp, x, i, h);
+    check_proj(op, L, kDown, x, h, i);
+  }
+}
+
+// ---- projections (with optional LoRA) ------------------------------------------------------
+
+// y = inp W^T + b + scaling * (inp A^T) B^T; inp in the compute dtype.
+at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp) {
+  at::Tensor y = at::linear(inp, L.cast(L.proj(p)), L.cast_opt(L.proj(p, kBias)));
+  if (L.has_lora(p)) {
+    const at::ScalarType ld = L.lora_dtype(p);
+    const at::Tensor u = at::linear(inp.to(ld), L.proj(p, kLoraA).to(ld));
+    y.add_(at::linear(u, L.proj(p, kLoraB).to(ld)).mul_(L.lora_scale(p)).to(y.scalar_type()));
+  }
+  return y;
+}
+
+struct Grads {
+  at::Tensor dx;
+  std::vector<at::Tensor> dw = std::vector<at::Tensor>(kNumSlots);
+};
+
+// The gradient of slot s, cast to the slot's dtype.
+void set_grad(Grads& g, const Layer& L, int64_t s, const at::Tensor& d) {
+  g.dw[s] = d.to(L.at(s).scalar_type());
+}
+
+// Backward of proj_fwd: inp2 (T, in) and dy2 (T, out) in the compute dtype; weight gradients
+// only where `needs` asks for them. Returns d inp (T, in).
+at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Tensor& inp2,
+                    const std::vector<bool>& needs, Grads& g) {
+  const at::Tensor w = L.cast(L.proj(p));
+  at::Tensor dinp = dy2.mm(w);
+  if (needs[slot(p, kWeight)]) set_grad(g, L, slot(p, kWeight), dy2.t().mm(inp2));
+  if (needs[slot(p, kBias)]) set_grad(g, L, slot(p, kBias), dy2.sum(0));
+  if (L.has_lora(p)) {
+    const double s = L.lora_scale(p);
+    const at::ScalarType ld = L.lora_dtype(p);
+    const at::Tensor a = L.proj(p, kLoraA).to(ld), b = L.proj(p, kLoraB).to(ld);
+    const at::Tensor dyl = dy2.to(ld), inpl = inp2.to(ld);
+    const at::Tensor dyb = dyl.mm(b);  // (T, r)
+    dinp.add_(dyb.mm(a).mul_(s).to(dinp.scalar_type()));
+    if (needs[slot(p, kLoraB)]) set_grad(g, L, slot(p, kLoraB), dyl.t().mm(inpl.mm(a.t())).mul_(s));
+    if (needs[slot(p, kLoraA)]) set_grad(g, L, slot(p, kLoraA), dyb.t().mm(inpl).mul_(s));
+  }
+  return dinp;
 }
 
 at::Tensor flat2(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
 
-at::Tensor grad_or_none(const at::Tensor& g, const OptTensor& param) {
-  return param.has_value() && param->defined() ? g : at::Tensor();
+// ---- residuals -----------------------------------------------------------------------------
+
+struct Residuals {
+  at::Tensor q, k, v, out, lse, h, gate, up;
+};
+
+using Member = at::Tensor Residuals::*;
+
+// What (part, preset) keeps, in the order of decoder_layer_fwd's `saved` output.
+std::vector<Member> kept(Part part, Preset preset) {
+  std::vector<Member> m;
+  if (preset == Preset::kMinMemory) return m;
+  if (has_attention(part)) {
+    if (preset == Preset::kFast) m.insert(m.end(), {&Residuals::q, &Residuals::k, &Residuals::v});
+    m.insert(m.end(), {&Residuals::out, &Residuals::lse});
+  }
+  if (part == Part::kLayer) m.push_back(&Residuals::h);
+  if (has_mlp(part) && preset == Preset::kFast) m.insert(m.end(), {&Residuals::gate, &Residuals::up});
+  return m;
+}
+
+std::vector<at::Tensor> pack(const Residuals& r, const Layer& L) {
+  std::vector<at::Tensor> out;
+  for (Member m : kept(L.part, L.preset)) out.push_back(r.*m);
+  return out;
+}
+
+Residuals unpack(at::TensorList saved, const Layer& L, const char* op) {
+  const auto members = kept(L.part, L.preset);
+  CKPT_CHECK_VALUE(saved.size() == members.size(), op, "saved must hold ", members.size(),
+                   " tensors for this part and preset, got ", saved.size());
+  Residuals r;
+  for (size_t i = 0; i < members.size(); ++i) r.*members[i] = saved[i];
+  return r;
 }
 
 // ---- attention sublayer --------------------------------------------------------------------
-
-struct AttnArgs {
-  at::Tensor norm_w, wq, wk, wv, wo;
-  OptTensor bq, bk, bv, bo, qn, kn;
-  at::Tensor cos, sin;
-  OptTensor mask;
-  int64_t hq, hkv;
-  double eps, scale;
-
-  int64_t head_dim() const { return wq.size(0) / hq; }
-  bool qk_norm() const { return qn.has_value() || kn.has_value(); }
-};
-
-void check_attention_args(const char* op, const at::Tensor& x, const AttnArgs& a) {
-  TORCH_CHECK(x.dim() == 3, op, ": x must be (B, S, H), got shape ", x.sizes());
-  TORCH_CHECK(x.size(0) > 0, op, ": x has an empty batch (B = 0)");
-  TORCH_CHECK(a.hq > 0 && a.hkv > 0, op, ": num_heads and num_kv_heads must be positive, got ",
-              a.hq, " and ", a.hkv);
-  TORCH_CHECK(a.hq % a.hkv == 0, op, ": num_kv_heads must divide num_heads=", a.hq, ", got ",
-              a.hkv);
-  TORCH_CHECK(a.wq.dim() == 2 && a.wq.size(0) % a.hq == 0, op,
-              ": w_q must be (num_heads * head_dim, H) with num_heads=", a.hq, ", got shape ",
-              a.wq.sizes());
-  const int64_t d = a.head_dim(), h = x.size(2);
-  TORCH_CHECK(a.norm_w.dim() == 1 && a.norm_w.size(0) == h, op, ": norm_weight must be (",
-              h, ",) to match x's hidden size, got ", a.norm_w.sizes());
-  TORCH_CHECK(a.wq.size(1) == h, op, ": w_q must be (", a.hq * d, ", ", h, "), got ",
-              a.wq.sizes());
-  TORCH_CHECK(a.wk.dim() == 2 && a.wk.size(0) == a.hkv * d && a.wk.size(1) == h, op,
-              ": w_k must be (num_kv_heads * head_dim, H) = (", a.hkv * d, ", ", h, "), got ",
-              a.wk.sizes());
-  TORCH_CHECK(a.wv.dim() == 2 && a.wv.size(0) == a.hkv * d && a.wv.size(1) == h, op,
-              ": w_v must be (", a.hkv * d, ", ", h, "), got ", a.wv.sizes());
-  TORCH_CHECK(a.wo.dim() == 2 && a.wo.size(0) == h && a.wo.size(1) == a.hq * d, op,
-              ": w_o must be (", h, ", ", a.hq * d, "), got ", a.wo.sizes());
-  TORCH_CHECK(!a.cos.requires_grad() && !a.sin.requires_grad(), op,
-              ": gradients with respect to cos/sin are not computed; pass position "
-              "embeddings that do not require grad (detach them)");
-}
-
-// q/k/v for attention from the sublayer input. q_lin/k_lin: (B, S, H*, D) projections before
-// the optional per-head q/k norms; q, k: (B, H*, S, D) after norms and RoPE; v: a (B, Hkv, S, D)
-// view of its projection.
-struct Projected {
-  at::Tensor n, q_lin, k_lin, q, k, v;
-};
-
-Projected project(const at::Tensor& x, const AttnArgs& a) {
-  const int64_t b = x.size(0), s = x.size(1), d = a.head_dim();
-  Projected p;
-  p.n = rms_norm_fwd(x, a.norm_w, a.eps);
-  p.q_lin = at::linear(p.n, a.wq, a.bq).view({b, s, a.hq, d});
-  p.k_lin = at::linear(p.n, a.wk, a.bk).view({b, s, a.hkv, d});
-  p.v = at::linear(p.n, a.wv, a.bv).view({b, s, a.hkv, d}).transpose(1, 2);
-  const at::Tensor qh = a.qn ? rms_norm_fwd(p.q_lin, *a.qn, a.eps) : p.q_lin;
-  const at::Tensor kh = a.kn ? rms_norm_fwd(p.k_lin, *a.kn, a.eps) : p.k_lin;
-  std::tie(p.q, p.k) = rope_fwd(qh.transpose(1, 2), kh.transpose(1, 2), a.cos, a.sin);
-  return p;
-}
 
 // (B, Hq, S, D) -> (B, S, Hq * D)
 at::Tensor merge_heads(const at::Tensor& out) {
   return out.transpose(1, 2).reshape({out.size(0), out.size(2), out.size(1) * out.size(3)});
 }
 
-at::Tensor attention_output(const at::Tensor& x, const at::Tensor& out, const AttnArgs& a) {
-  return x + at::linear(merge_heads(out), a.wo, a.bo);
+// q/k/v from the sublayer input. n: the normed input in the compute dtype; q_lin/k_lin:
+// (B, S, H*, D) projections before the optional per-head norms; q, k: (B, H*, S, D)
+// contiguous after norms and RoPE; v: a (B, Hkv, S, D) view of its projection.
+struct Projected {
+  at::Tensor n, q_lin, k_lin, q, k, v;
+};
+
+Projected project(const at::Tensor& x, const Layer& L) {
+  const int64_t b = x.size(0), s = x.size(1), d = L.head_dim();
+  Projected p;
+  p.n = L.cast(rms_norm_fwd(x, L.norm(kInputNorm), L.eps));
+  p.q_lin = proj_fwd(L, kQ, p.n).view({b, s, L.hq, d});
+  p.k_lin = proj_fwd(L, kK, p.n).view({b, s, L.hkv, d});
+  p.v = proj_fwd(L, kV, p.n).view({b, s, L.hkv, d}).transpose(1, 2);
+  const at::Tensor qh = L.qk_norm() ? rms_norm_fwd(p.q_lin, L.norm(kQNorm), L.eps) : p.q_lin;
+  const at::Tensor kh = L.qk_norm() ? rms_norm_fwd(p.k_lin, L.norm(kKNorm), L.eps) : p.k_lin;
+  std::tie(p.q, p.k) = rope_fwd(qh.transpose(1, 2), kh.transpose(1, 2), L.cos, L.sin);
+  p.q = L.cast(p.q).contiguous();
+  p.k = L.cast(p.k).contiguous();
+  return p;
 }
 
-// What an attention backward may find saved; undefined members are recomputed.
-struct AttnSaved {
-  at::Tensor q, k, v, out, lse;
-};
-
-struct AttnForward {
-  AttnSaved saved;
-  at::Tensor y;
-};
-
-AttnForward attention_forward(const at::Tensor& x, const AttnArgs& a) {
-  Projected p = project(x, a);
-  auto [out, lse] = attention_fwd(p.q, p.k, p.v, a.mask, a.scale);
-  at::Tensor y = attention_output(x, out, a);
-  return {{p.q, p.k, p.v, out, lse}, y};
+// y = x + o_proj(attention(q, k, v)); fills r.q/k/v/out/lse.
+at::Tensor attention_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
+  Projected p = project(x, L);
+  r.q = p.q, r.k = p.k, r.v = p.v;
+  std::tie(r.out, r.lse) = attention_fwd(p.q, p.k, p.v, L.mask, L.seg, L.window, L.scale);
+  r.out = r.out.contiguous();
+  return x + proj_fwd(L, kO, merge_heads(r.out));
 }
 
-// Gradients of the attention sublayer, in the order of its tensor arguments.
-struct AttnGrads {
-  at::Tensor dx, dnorm_w, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dqn, dkn;
-};
-
-AttnGrads attention_backward(const at::Tensor& dy, const at::Tensor& x, const AttnArgs& a,
-                             AttnSaved s) {
-  const int64_t b = x.size(0), sl = x.size(1), d = a.head_dim();
+at::Tensor attention_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
+                              Residuals r, const std::vector<bool>& needs, Grads& g) {
+  const int64_t b = x.size(0), sl = x.size(1), d = L.head_dim();
   // Recompute what the preset did not keep. The norm is always recomputed; the projections
   // when q/k/v were not kept, or when the per-head q/k norms need their inputs.
   Projected p;
-  if (!s.q.defined() || a.qk_norm()) {
-    p = project(x, a);
-    if (!s.q.defined()) s = {p.q, p.k, p.v, s.out, s.lse};
+  if (!r.q.defined() || L.qk_norm()) {
+    p = project(x, L);
+    if (!r.q.defined()) r.q = p.q, r.k = p.k, r.v = p.v;
   } else {
-    p.n = rms_norm_fwd(x, a.norm_w, a.eps);
+    p.n = L.cast(rms_norm_fwd(x, L.norm(kInputNorm), L.eps));
   }
-  if (!s.out.defined()) std::tie(s.out, s.lse) = attention_fwd(s.q, s.k, s.v, a.mask, a.scale);
+  if (!r.out.defined())
+    std::tie(r.out, r.lse) = attention_fwd(r.q, r.k, r.v, L.mask, L.seg, L.window, L.scale);
 
-  AttnGrads g;
-  const at::Tensor dy2 = flat2(dy);
-  auto go = linear_weight_grads(dy2, flat2(merge_heads(s.out)), a.bo.has_value());
-  g.dwo = go.dw;
-  g.dbo = go.db;
-  const at::Tensor dout = dy.matmul(a.wo).view({b, sl, a.hq, d}).transpose(1, 2);
-  auto [dq, dk, dv] = attention_bwd(dout, s.q, s.k, s.v, s.out, s.lse, a.mask, a.scale);
-  auto [dqh, dkh] = rope_bwd(dq, dk, a.cos, a.sin);
+  const at::Tensor dy2 = L.cast(flat2(dy));
+  const at::Tensor dmerged = proj_bwd(L, kO, dy2, flat2(merge_heads(r.out)), needs, g);
+  const at::Tensor dout = dmerged.view({b, sl, L.hq, d}).transpose(1, 2);
+  auto [dq, dk, dv] =
+      attention_bwd(dout, r.q, r.k, r.v, r.out, r.lse, L.mask, L.seg, L.window, L.scale);
+  auto [dqh, dkh] = rope_bwd(dq, dk, L.cos, L.sin);
   at::Tensor dq_lin = dqh.transpose(1, 2), dk_lin = dkh.transpose(1, 2);  // (B, S, H*, D)
-  if (a.qn) std::tie(dq_lin, g.dqn) = rms_norm_bwd(dq_lin, p.q_lin, *a.qn, a.eps);
-  if (a.kn) std::tie(dk_lin, g.dkn) = rms_norm_bwd(dk_lin, p.k_lin, *a.kn, a.eps);
-  const at::Tensor dq2 = dq_lin.reshape({b * sl, a.hq * d});
-  const at::Tensor dk2 = dk_lin.reshape({b * sl, a.hkv * d});
-  const at::Tensor dv2 = dv.transpose(1, 2).reshape({b * sl, a.hkv * d});
+  if (L.qk_norm()) {
+    at::Tensor dqn, dkn;
+    const at::Tensor &wqn = L.norm(kQNorm), &wkn = L.norm(kKNorm);
+    std::tie(dq_lin, dqn) = rms_norm_bwd(
+        dq_lin.to(at::promote_types(p.q_lin.scalar_type(), wqn.scalar_type())), p.q_lin, wqn,
+        L.eps);
+    std::tie(dk_lin, dkn) = rms_norm_bwd(
+        dk_lin.to(at::promote_types(p.k_lin.scalar_type(), wkn.scalar_type())), p.k_lin, wkn,
+        L.eps);
+    if (needs[slot(kQNorm)]) set_grad(g, L, slot(kQNorm), dqn);
+    if (needs[slot(kKNorm)]) set_grad(g, L, slot(kKNorm), dkn);
+  }
   const at::Tensor n2 = flat2(p.n);
-  auto gq = linear_weight_grads(dq2, n2, a.bq.has_value());
-  auto gk = linear_weight_grads(dk2, n2, a.bk.has_value());
-  auto gv = linear_weight_grads(dv2, n2, a.bv.has_value());
-  std::tie(g.dwq, g.dbq, g.dwk, g.dbk, g.dwv, g.dbv) =
-      std::make_tuple(gq.dw, gq.db, gk.dw, gk.db, gv.dw, gv.db);
-  const at::Tensor dn = (dq2.mm(a.wq) + dk2.mm(a.wk) + dv2.mm(a.wv)).view(x.sizes());
-  auto [dxn, dnorm_w] = rms_norm_bwd(dn, x, a.norm_w, a.eps);
-  g.dx = dy + dxn;
-  g.dnorm_w = dnorm_w;
-  return g;
+  at::Tensor dn = proj_bwd(L, kQ, L.cast(dq_lin.reshape({b * sl, L.hq * d})), n2, needs, g);
+  dn.add_(proj_bwd(L, kK, L.cast(dk_lin.reshape({b * sl, L.hkv * d})), n2, needs, g));
+  dn.add_(proj_bwd(L, kV, dv.transpose(1, 2).reshape({b * sl, L.hkv * d}), n2, needs, g));
+  const at::Tensor& wn = L.norm(kInputNorm);
+  auto [dxn, dwn] = rms_norm_bwd(
+      dn.view(x.sizes()).to(at::promote_types(x.scalar_type(), wn.scalar_type())), x, wn,
+      L.eps);
+  if (needs[slot(kInputNorm)]) set_grad(g, L, slot(kInputNorm), dwn);
+  return dy + dxn;
 }
 
 // ---- MLP sublayer --------------------------------------------------------------------------
 
-struct MlpArgs {
-  at::Tensor norm_w, wg, wu, wd;
-  OptTensor bg, bu, bd;
-  double eps;
-};
-
-void check_mlp_args(const char* op, const at::Tensor& h, const MlpArgs& m) {
-  TORCH_CHECK(h.dim() == 3, op, ": the MLP input must be (B, S, H), got shape ", h.sizes());
-  TORCH_CHECK(h.size(0) > 0, op, ": the MLP input has an empty batch (B = 0)");
-  TORCH_CHECK(m.norm_w.dim() == 1 && m.norm_w.size(0) == h.size(2), op,
-              ": the MLP norm weight must be (", h.size(2), ",), got ", m.norm_w.sizes());
+// The normed MLP input, (T, H) in the compute dtype.
+at::Tensor mlp_input(const at::Tensor& h, const Layer& L) {
+  return L.cast(flat2(rms_norm_fwd(h, L.norm(kPostNorm), L.eps)));
 }
 
-struct MlpForward {
-  at::Tensor y, gate, up;
+// silu(gate) * up with LoRA adapters on gate/up/down: plain ATen (the fused SwiGLU kernels
+// take plain weights); gate/up are kept only for the backward that follows at once.
+struct LoraMlp {
+  at::Tensor gate, up, act;
 };
 
-MlpForward mlp_forward(const at::Tensor& h, const MlpArgs& m, bool keep_gate_up) {
-  const at::Tensor n2 = flat2(rms_norm_fwd(h, m.norm_w, m.eps));
-  auto [y2, gate, up] = swiglu_fwd(n2, m.wg, m.wu, m.wd, m.bg, m.bu, m.bd, keep_gate_up);
-  return {h + y2.view(h.sizes()), gate, up};
+LoraMlp lora_mlp_hidden(const at::Tensor& m2, const Layer& L) {
+  LoraMlp f;
+  f.gate = proj_fwd(L, kGate, m2);
+  f.up = proj_fwd(L, kUp, m2);
+  f.act = at::silu(f.gate) * f.up;
+  return f;
 }
 
-struct MlpGrads {
-  at::Tensor dh, dnorm_w, dwg, dwu, dwd, dbg, dbu, dbd;
+// y = h + down(silu(gate(m)) * up(m)); fills r.gate/up when `keep_gate_up`.
+at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r) {
+  const at::Tensor m2 = mlp_input(h, L);
+  at::Tensor y2;
+  if (L.mlp_has_lora()) {
+    LoraMlp f = lora_mlp_hidden(m2, L);
+    y2 = proj_fwd(L, kDown, f.act);
+    if (keep_gate_up) r.gate = f.gate, r.up = f.up;
+  } else {
+    std::tie(y2, r.gate, r.up) =
+        swiglu_fwd(m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+                   L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+                   L.cast_opt(L.proj(kDown, kBias)), keep_gate_up);
+    if (!keep_gate_up) r.gate = r.up = at::Tensor();
+  }
+  return h + y2.view(h.sizes());
+}
+
+at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& L,
+                        const Residuals& r, const std::vector<bool>& needs, Grads& g) {
+  const at::Tensor m2 = mlp_input(h, L);
+  const at::Tensor dy2 = L.cast(flat2(dy));
+  at::Tensor dm2;
+  if (L.mlp_has_lora()) {
+    LoraMlp f;
+    if (r.gate.defined()) {
+      f.gate = r.gate, f.up = r.up, f.act = at::silu(f.gate) * f.up;
+    } else {
+      f = lora_mlp_hidden(m2, L);
+    }
+    const at::Tensor dact = proj_bwd(L, kDown, dy2, f.act, needs, g);
+    const at::Tensor sg = at::sigmoid(f.gate);
+    const at::Tensor dup = dact * f.gate * sg;
+    const at::Tensor dgate = dact * f.up * sg * (1 + f.gate * (1 - sg));
+    dm2 = proj_bwd(L, kGate, dgate, m2, needs, g);
+    dm2.add_(proj_bwd(L, kUp, dup, m2, needs, g));
+  } else {
+    OptTensor gate, up;
+    if (r.gate.defined()) gate = r.gate, up = r.up;
+    auto [dm, dwg, dwu, dwd, dbg, dbu, dbd] =
+        swiglu_bwd(dy2, m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+                   L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+                   L.cast_opt(L.proj(kDown, kBias)), gate, up);
+    dm2 = dm;
+    const std::array<std::pair<int64_t, at::Tensor*>, 6> grads = {
+        {{slot(kGate, kWeight), &dwg}, {slot(kUp, kWeight), &dwu}, {slot(kDown, kWeight), &dwd},
+         {slot(kGate, kBias), &dbg}, {slot(kUp, kBias), &dbu}, {slot(kDown, kBias), &dbd}}};
+    for (const auto& [s, d] : grads)
+      if (needs[s]) set_grad(g, L, s, *d);
+  }
+  const at::Tensor& wn = L.norm(kPostNorm);
+  auto [dhn, dwn] = rms_norm_bwd(
+      dm2.view(h.sizes()).to(at::promote_types(h.scalar_type(), wn.scalar_type())), h, wn, L.eps);
+  if (needs[slot(kPostNorm)]) set_grad(g, L, slot(kPostNorm), dwn);
+  return dy + dhn;
+}
+
+// ---- the whole call ------------------------------------------------------------------------
+
+at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
+  const bool fast = L.preset == Preset::kFast;
+  switch (L.part) {
+    case Part::kAttention:
+      return attention_forward(x, L, r);
+    case Part::kMlp:
+      return mlp_forward(x, L, fast, r);
+    case Part::kLayer:
+      r.h = attention_forward(x, L, r).contiguous();
+      return mlp_forward(r.h, L, fast, r);
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+Grads layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L, Residuals r,
+                     const std::vector<bool>& needs) {
+  Grads g;
+  switch (L.part) {
+    case Part::kAttention:
+      g.dx = attention_backward(dy, x, L, r, needs, g);
+      break;
+    case Part::kMlp:
+      g.dx = mlp_backward(dy, x, L, r, needs, g);
+      break;
+    case Part::kLayer: {
+      if (!r.h.defined()) {  // min_memory: rebuild the MLP input, keeping what it took
+        Residuals a;
+        r.h = attention_forward(x, L, a);
+        r.q = a.q, r.k = a.k, r.v = a.v, r.out = a.out, r.lse = a.lse;
+      }
+      at::Tensor dh = mlp_backward(dy, r.h, L, r, needs, g);
+      r.h = r.gate = r.up = at::Tensor();
+      g.dx = attention_backward(dh, x, L, r, needs, g);
+      break;
+    }
+  }
+  return g;
+}
+
+// Residuals of an empty input (B = 0 or S = 0), shaped as the real ones.
+Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
+  Residuals r;
+  const int64_t b = x.size(0), s = x.size(1);
+  const auto act = x.options().dtype(L.act_dtype(x));
+  if (has_attention(L.part)) {
+    const int64_t d = L.head_dim();
+    r.q = at::empty({b, L.hq, s, d}, act);
+    r.k = at::empty({b, L.hkv, s, d}, act);
+    r.v = at::empty({b, s, L.hkv, d}, act).transpose(1, 2);
+    r.out = at::empty({b, L.hq, s, d}, act);
+    r.lse = at::empty({b, L.hq, s}, x.options().dtype(at::kFloat));
+  }
+  r.h = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (has_mlp(L.part)) {
+    r.gate = at::empty({b * s, L.proj(kGate).size(0)}, act);
+    r.up = at::empty({b * s, L.proj(kGate).size(0)}, act);
+  }
+  return r;
+}
+
+// ---- ops -----------------------------------------------------------------------------------
+
+#define LAYER_PARAMS                                                                          \
+  const c10::List<OptTensor>&weights, const OptTensor &cos, const OptTensor &sin,           \
+      const OptTensor &key_padding_mask, const OptTensor &segment_ids,                        \
+      std::optional<int64_t> window, c10::ArrayRef<double> lora_scaling, int64_t num_heads,   \
+      int64_t num_kv_heads, double eps, double scale,                                          \
+      std::optional<at::ScalarType> compute_dtype, c10::string_view part,                      \
+      c10::string_view preset
+#define LAYER_ARGS                                                                            \
+  weights, cos, sin, key_padding_mask, segment_ids, window, lora_scaling, num_heads,          \
+      num_kv_heads, eps, scale, compute_dtype, part, preset
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layer_fwd(const at::Tensor& x,
+                                                                  LAYER_PARAMS) {
+  const char* op = "decoder_layer";
+  const Layer L = make_layer(LAYER_ARGS, op);
+  check_layer(op, x, L);
+  if (x.numel() == 0) return {at::empty_like(x, at::MemoryFormat::Contiguous),
+                              pack(empty_residuals(x, L), L)};
+  Residuals r;
+  at::Tensor y = layer_forward(x, L, r).contiguous();
+  return {y, pack(r, L)};
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layer_bwd(
+    const at::Tensor& dy, const at::Tensor& x, LAYER_PARAMS, at::TensorList saved,
+    const c10::List<bool>& needs_grad) {
+  const char* op = "decoder_layer_bwd";
+  const Layer L = make_layer(LAYER_ARGS, op);
+  check_layer(op, x, L);
+  checks::check_shape(op, "dy", dy, x.sizes(), "(the shape of x)");
+  CKPT_CHECK_VALUE(static_cast<int64_t>(needs_grad.size()) == kNumSlots, op,
+                   "needs_grad must have one entry per weight slot (", kNumSlots, "), got ",
+                   needs_grad.size());
+  std::vector<bool> needs(kNumSlots);
+  for (int64_t s = 0; s < kNumSlots; ++s) needs[s] = needs_grad.get(s) && L.at(s).defined();
+  Grads g;
+  if (x.numel() == 0) {
+    g.dx = at::zeros_like(x, at::MemoryFormat::Contiguous);
+    for (int64_t s = 0; s < kNumSlots; ++s)
+      if (needs[s]) g.dw[s] = at::zeros_like(L.at(s));
+  } else {
+    g = layer_backward(dy.to(x.scalar_type()), x, L, unpack(saved, L, op), needs);
+  }
+  // Slots without a gradient come back as empty (0,) tensors (a Tensor[] holds no None).
+  const at::Tensor none = at::empty({0}, x.options());
+  for (auto& d : g.dw)
+    if (!d.defined()) d = none;
+  return {g.dx.contiguous(), g.dw};
+}
+
+// ---- autograd: DecoderLayerFn over the two ops ---------------------------------------------
+
+struct Options {  // the non-tensor arguments, carried through Function::apply
+  std::optional<int64_t> window;
+  std::vector<double> lora_scaling;
+  int64_t num_heads, num_kv_heads;
+  double eps, scale;
+  std::optional<at::ScalarType> compute_dtype;
+  std::string part, preset;
+  std::vector<int64_t> present;  // the weight slots given (Function::apply takes defined tensors)
 };
 
-MlpGrads mlp_backward(const at::Tensor& dy, const at::Tensor& h, const MlpArgs& m,
-                      const at::Tensor& gate, const at::Tensor& up) {
-  const at::Tensor n2 = flat2(rms_norm_fwd(h, m.norm_w, m.eps));
-  OptTensor g_opt, u_opt;
-  if (gate.defined()) g_opt = gate, u_opt = up;
-  auto [dn2, dwg, dwu, dwd, dbg, dbu, dbd] =
-      swiglu_bwd(flat2(dy), n2, m.wg, m.wu, m.wd, m.bg, m.bu, m.bd, g_opt, u_opt);
-  auto [dhn, dnorm_w] = rms_norm_bwd(dn2.view(h.sizes()), h, m.norm_w, m.eps);
-  return {dy + dhn, dnorm_w, dwg, dwu, dwd,
-          grad_or_none(dbg, m.bg), grad_or_none(dbu, m.bu), grad_or_none(dbd, m.bd)};
+void save_options(AutogradContext* ctx, const Options& o) {
+  auto& d = ctx->saved_data;
+  d["window"] = o.window;
+  d["lora_scaling"] = c10::List<double>(o.lora_scaling);
+  d["num_heads"] = o.num_heads;
+  d["num_kv_heads"] = o.num_kv_heads;
+  d["eps"] = o.eps;
+  d["scale"] = o.scale;
+  d["compute_dtype"] = o.compute_dtype;
+  d["part"] = o.part;
+  d["preset"] = o.preset;
+  d["present"] = c10::List<int64_t>(o.present);
 }
 
-// ---- saving helpers ------------------------------------------------------------------------
+Options load_options(AutogradContext* ctx) {
+  auto& d = ctx->saved_data;
+  Options o;
+  o.window = d["window"].toOptional<int64_t>();
+  o.lora_scaling = d["lora_scaling"].toDoubleVector();
+  o.num_heads = d["num_heads"].toInt();
+  o.num_kv_heads = d["num_kv_heads"].toInt();
+  o.eps = d["eps"].toDouble();
+  o.scale = d["scale"].toDouble();
+  o.compute_dtype = d["compute_dtype"].toOptional<at::ScalarType>();
+  o.part = d["part"].toStringRef();
+  o.preset = d["preset"].toStringRef();
+  o.present = d["present"].toIntVector();
+  return o;
+}
 
-at::Tensor opt(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
+using FwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(
+    const at::Tensor&, const c10::List<OptTensor>&, const OptTensor&, const OptTensor&,
+    const OptTensor&, const OptTensor&, std::optional<int64_t>, c10::ArrayRef<double>, int64_t,
+    int64_t, double, double, std::optional<at::ScalarType>, c10::string_view, c10::string_view);
+using BwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(
+    const at::Tensor&, const at::Tensor&, const c10::List<OptTensor>&, const OptTensor&,
+    const OptTensor&, const OptTensor&, const OptTensor&, std::optional<int64_t>,
+    c10::ArrayRef<double>, int64_t, int64_t, double, double, std::optional<at::ScalarType>,
+    c10::string_view, c10::string_view, at::TensorList, const c10::List<bool>&);
+
+// The op's weights list from the given tensors (one per slot in `present`).
+c10::List<OptTensor> as_list(at::TensorList given, const std::vector<int64_t>& present) {
+  c10::List<OptTensor> l(std::vector<OptTensor>(kNumSlots, std::nullopt));
+  for (size_t j = 0; j < present.size(); ++j) l.set(present[j], given[j]);
+  return l;
+}
+
 OptTensor as_opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
-// Saved-tensor layout of the attention arguments: 15 tensors.
-variable_list attn_tensors(const at::Tensor& x, const AttnArgs& a) {
-  return {x,   a.norm_w,  a.wq,     a.wk,     a.wv,  a.wo,  opt(a.bq),  opt(a.bk),
-          opt(a.bv), opt(a.bo), opt(a.qn), opt(a.kn), a.cos, a.sin, opt(a.mask)};
-}
-
-AttnArgs attn_from_saved(const variable_list& t, AutogradContext* ctx) {
-  return {t[1],        t[2],        t[3],        t[4],        t[5],
-          as_opt(t[6]), as_opt(t[7]), as_opt(t[8]), as_opt(t[9]), as_opt(t[10]),
-          as_opt(t[11]), t[12],      t[13],       as_opt(t[14]),
-          ctx->saved_data["hq"].toInt(), ctx->saved_data["hkv"].toInt(),
-          ctx->saved_data["eps"].toDouble(), ctx->saved_data["scale"].toDouble()};
-}
-
-void save_attn_scalars(AutogradContext* ctx, const AttnArgs& a) {
-  ctx->saved_data["hq"] = a.hq;
-  ctx->saved_data["hkv"] = a.hkv;
-  ctx->saved_data["eps"] = a.eps;
-  ctx->saved_data["scale"] = a.scale;
-}
-
-variable_list attn_grads_list(const AttnGrads& g) {
-  // one per attention tensor argument, then cos, sin, mask (no gradient)
-  return {g.dx,  g.dnorm_w, g.dwq, g.dwk, g.dwv, g.dwo,      g.dbq,     g.dbk,
-          g.dbv, g.dbo,     g.dqn, g.dkn, at::Tensor(), at::Tensor(), at::Tensor()};
-}
-
-void no_double_backward(const char* op) {
-  TORCH_CHECK(!at::GradMode::is_enabled(), op,
-              ": double backward (create_graph=True) through a fused block is not supported; "
-              "use policy='none' or 'torch' for higher-order gradients");
-}
-
-// ---- the Functions -------------------------------------------------------------------------
-
-struct AttentionBlockFn : public torch::autograd::Function<AttentionBlockFn> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
-                               const at::Tensor& norm_w, const at::Tensor& wq,
-                               const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo,
-                               const OptTensor& bq, const OptTensor& bk, const OptTensor& bv,
-                               const OptTensor& bo, const OptTensor& qn, const OptTensor& kn,
-                               const at::Tensor& cos, const at::Tensor& sin,
-                               const OptTensor& mask, int64_t hq, int64_t hkv, double eps,
-                               double scale, Preset preset) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const AttnArgs a{norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin, mask,
-                     hq,     hkv, eps, scale};
-    AttnForward f = attention_forward(x, a);
-    variable_list to_save = attn_tensors(x, a);
-    if (preset == Preset::kFast) {
-      to_save.insert(to_save.end(), {f.saved.q, f.saved.k, f.saved.v, f.saved.out, f.saved.lse});
-    } else if (preset == Preset::kBalanced) {
-      to_save.insert(to_save.end(), {at::Tensor(), at::Tensor(), at::Tensor(), f.saved.out,
-                                     f.saved.lse});
-    } else {
-      to_save.insert(to_save.end(), 5, at::Tensor());
-    }
-    ctx->save_for_backward(to_save);
-    save_attn_scalars(ctx, a);
-    return {f.y};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    no_double_backward("attention_block");
-    const variable_list t = ctx->get_saved_variables();
-    // Only now: unpacking may run an outer checkpoint's recomputation, which needs autograd.
-    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
-    const AttnArgs a = attn_from_saved(t, ctx);
-    AttnGrads g = attention_backward(grad_outputs[0], t[0], a, {t[15], t[16], t[17], t[18], t[19]});
-    variable_list grads = attn_grads_list(g);
-    grads.resize(grads.size() + 5);  // hq, hkv, eps, scale, preset
-    return grads;
-  }
-};
-
-struct MlpBlockFn : public torch::autograd::Function<MlpBlockFn> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& h,
-                               const at::Tensor& norm_w, const at::Tensor& wg,
-                               const at::Tensor& wu, const at::Tensor& wd, const OptTensor& bg,
-                               const OptTensor& bu, const OptTensor& bd, double eps,
-                               Preset preset) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const MlpArgs m{norm_w, wg, wu, wd, bg, bu, bd, eps};
-    MlpForward f = mlp_forward(h, m, preset == Preset::kFast);
-    ctx->save_for_backward({h, norm_w, wg, wu, wd, opt(bg), opt(bu), opt(bd), f.gate, f.up});
-    ctx->saved_data["eps"] = eps;
-    return {f.y};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    no_double_backward("mlp_block");
-    const variable_list t = ctx->get_saved_variables();
-    // Only now: unpacking may run an outer checkpoint's recomputation, which needs autograd.
-    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
-    const MlpArgs m{t[1], t[2], t[3], t[4], as_opt(t[5]), as_opt(t[6]), as_opt(t[7]),
-                    ctx->saved_data["eps"].toDouble()};
-    MlpGrads g = mlp_backward(grad_outputs[0], t[0], m, t[8], t[9]);
-    return {g.dh, g.dnorm_w, g.dwg, g.dwu, g.dwd, g.dbg, g.dbu, g.dbd, at::Tensor(),
-            at::Tensor()};
-  }
-};
+// Saved-tensor layout of DecoderLayerFn: x, cos, sin, mask, segment ids, the given weights
+// (Options::present), then the residuals.
+enum SavedSlot : int64_t { kSavedX = 0, kSavedCos, kSavedSin, kSavedMask, kSavedSeg,
+                           kSavedWeights };
 
 struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
-  static variable_list forward(
-      AutogradContext* ctx, const at::Tensor& x, const at::Tensor& in_norm_w,
-      const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo,
-      const OptTensor& bq, const OptTensor& bk, const OptTensor& bv, const OptTensor& bo,
-      const OptTensor& qn, const OptTensor& kn, const at::Tensor& cos, const at::Tensor& sin,
-      const OptTensor& mask, const at::Tensor& post_norm_w, const at::Tensor& wg,
-      const at::Tensor& wu, const at::Tensor& wd, const OptTensor& bg, const OptTensor& bu,
-      const OptTensor& bd, int64_t hq, int64_t hkv, double eps, double scale, Preset preset) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               at::TensorList weights, const OptTensor& cos,
+                               const OptTensor& sin, const OptTensor& mask,
+                               const OptTensor& seg, const Options& o) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const AttnArgs a{in_norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin, mask,
-                     hq,        hkv, eps, scale};
-    const MlpArgs m{post_norm_w, wg, wu, wd, bg, bu, bd, eps};
-    AttnForward fa = attention_forward(x, a);
-    MlpForward fm = mlp_forward(fa.y, m, preset == Preset::kFast);
-    variable_list to_save = attn_tensors(x, a);
-    to_save.insert(to_save.end(), {post_norm_w, wg, wu, wd, opt(bg), opt(bu), opt(bd)});
-    const at::Tensor none;
-    switch (preset) {
-      case Preset::kFast:
-        to_save.insert(to_save.end(), {fa.saved.q, fa.saved.k, fa.saved.v, fa.saved.out,
-                                       fa.saved.lse, fa.y, fm.gate, fm.up});
-        break;
-      case Preset::kBalanced:
-        to_save.insert(to_save.end(),
-                       {none, none, none, fa.saved.out, fa.saved.lse, fa.y, none, none});
-        break;
-      case Preset::kMinMemory:
-        to_save.insert(to_save.end(), 8, none);
-        break;
-    }
+    static auto fwd = op_handle<FwdSig>("ckpt_ext::decoder_layer_fwd");
+    auto [y, saved] = fwd.call(x, as_list(weights, o.present), cos, sin, mask, seg, o.window,
+                               o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps, o.scale,
+                               o.compute_dtype, o.part, o.preset);
+    variable_list to_save = {x, cos.value_or(at::Tensor()), sin.value_or(at::Tensor()),
+                             mask.value_or(at::Tensor()), seg.value_or(at::Tensor())};
+    to_save.insert(to_save.end(), weights.begin(), weights.end());
+    to_save.insert(to_save.end(), saved.begin(), saved.end());
     ctx->save_for_backward(to_save);
-    save_attn_scalars(ctx, a);
-    return {fm.y};
+    save_options(ctx, o);
+    return {y};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    no_double_backward("decoder_layer");
+    CKPT_CHECK(!at::GradMode::is_enabled(), "decoder_layer",
+               "double backward (create_graph=True) through a fused decoder layer is not "
+               "supported: its backward is one opaque op. For higher-order gradients use "
+               "policy 'none' or 'torch' with attention that has a double backward (HF: "
+               "attn_implementation='eager'; ckpt_ext.modules: inside "
+               "torch.nn.attention.sdpa_kernel(SDPBackend.MATH))");
+    // Unpack before the guard: unpacking may run an outer checkpoint's recompute.
     const variable_list t = ctx->get_saved_variables();
-    // Only now: unpacking may run an outer checkpoint's recomputation, which needs autograd.
-    at::AutoDispatchBelowADInplaceOrView guard;  // straight to the kernels, no autograd
-    const at::Tensor& x = t[0];
-    const AttnArgs a = attn_from_saved(t, ctx);
-    const MlpArgs m{t[15], t[16], t[17], t[18], as_opt(t[19]), as_opt(t[20]), as_opt(t[21]), a.eps};
-    AttnSaved s{t[22], t[23], t[24], t[25], t[26]};
-    at::Tensor h = t[27];
-    if (!h.defined()) {  // min_memory: rebuild the MLP input, keeping what it took
-      AttnForward f = attention_forward(x, a);
-      s = f.saved;
-      h = f.y;
-    }
-    MlpGrads gm = mlp_backward(grad_outputs[0], h, m, t[28], t[29]);
-    h = at::Tensor();
-    AttnGrads ga = attention_backward(gm.dh, x, a, s);
-    variable_list grads = attn_grads_list(ga);
-    grads.insert(grads.end(), {gm.dnorm_w, gm.dwg, gm.dwu, gm.dwd, gm.dbg, gm.dbu, gm.dbd});
-    grads.resize(grads.size() + 5);  // hq, hkv, eps, scale, preset
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const Options o = load_options(ctx);
+    const int64_t n = static_cast<int64_t>(o.present.size());
+    const at::TensorList w(t.data() + kSavedWeights, n);
+    const at::TensorList saved(t.data() + kSavedWeights + n, t.size() - kSavedWeights - n);
+    c10::List<bool> needs;
+    for (int64_t s = 0; s < kNumSlots; ++s) needs.push_back(false);
+    for (int64_t j = 0; j < n; ++j) needs.set(o.present[j], ctx->needs_input_grad(1 + j));
+    static auto bwd = op_handle<BwdSig>("ckpt_ext::decoder_layer_bwd");
+    auto [dx, dw] = bwd.call(grad_outputs[0], t[kSavedX], as_list(w, o.present), as_opt(t[kSavedCos]),
+                             as_opt(t[kSavedSin]), as_opt(t[kSavedMask]), as_opt(t[kSavedSeg]),
+                             o.window, o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps,
+                             o.scale, o.compute_dtype, o.part, o.preset, saved, needs);
+    variable_list grads = {dx};
+    for (int64_t j = 0; j < n; ++j)
+      grads.push_back(needs.get(o.present[j]) ? dw[o.present[j]] : at::Tensor());
+    grads.resize(grads.size() + 5);  // cos, sin, mask, segment ids, options
     return grads;
   }
 };
 
-// ---- dispatcher entry points ---------------------------------------------------------------
-
-at::Tensor attention_block_autograd(
-    const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& wq, const at::Tensor& wk,
-    const at::Tensor& wv, const at::Tensor& wo, const OptTensor& bq, const OptTensor& bk,
-    const OptTensor& bv, const OptTensor& bo, const OptTensor& qn, const OptTensor& kn,
-    const at::Tensor& cos, const at::Tensor& sin, const OptTensor& mask, int64_t hq,
-    int64_t hkv, double eps, double scale, c10::string_view preset) {
-  const Preset p = parse_preset(preset, "attention_block");
-  const AttnArgs a{norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin, mask,
-                   hq,     hkv, eps, scale};
-  check_attention_args("attention_block", x, a);
-  return AttentionBlockFn::apply(x, norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin,
-                                 mask, hq, hkv, eps, scale, p)[0];
+Options make_options(std::optional<int64_t> window, c10::ArrayRef<double> lora_scaling,
+                     int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                     std::optional<at::ScalarType> compute_dtype, c10::string_view part,
+                     c10::string_view preset) {
+  return {window, std::vector<double>(lora_scaling.begin(), lora_scaling.end()), num_heads,
+          num_kv_heads, eps, scale, compute_dtype, std::string(part), std::string(preset), {}};
 }
 
-at::Tensor attention_block_plain(
-    const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& wq, const at::Tensor& wk,
-    const at::Tensor& wv, const at::Tensor& wo, const OptTensor& bq, const OptTensor& bk,
-    const OptTensor& bv, const OptTensor& bo, const OptTensor& qn, const OptTensor& kn,
-    const at::Tensor& cos, const at::Tensor& sin, const OptTensor& mask, int64_t hq,
-    int64_t hkv, double eps, double scale, c10::string_view preset) {
-  parse_preset(preset, "attention_block");
-  const AttnArgs a{norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin, mask,
-                   hq,     hkv, eps, scale};
-  check_attention_args("attention_block", x, a);
-  return attention_forward(x, a).y;
+at::Tensor decoder_layer_autograd(const at::Tensor& x, LAYER_PARAMS) {
+  Options o = make_options(window, lora_scaling, num_heads, num_kv_heads, eps, scale,
+                           compute_dtype, part, preset);
+  std::vector<at::Tensor> given;
+  for (int64_t s = 0; s < static_cast<int64_t>(weights.size()); ++s) {
+    const OptTensor t = weights.get(s);
+    if (!checks::absent(t)) given.push_back(*t), o.present.push_back(s);
+  }
+  return DecoderLayerFn::apply(x, at::TensorList(given), cos, sin, key_padding_mask,
+                               segment_ids, o)[0];
 }
 
-at::Tensor mlp_block_autograd(const at::Tensor& h, const at::Tensor& norm_w,
-                              const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
-                              const OptTensor& bg, const OptTensor& bu, const OptTensor& bd,
-                              double eps, c10::string_view preset) {
-  const Preset p = parse_preset(preset, "mlp_block");
-  check_mlp_args("mlp_block", h, {norm_w, wg, wu, wd, bg, bu, bd, eps});
-  return MlpBlockFn::apply(h, norm_w, wg, wu, wd, bg, bu, bd, eps, p)[0];
+// Below autograd (no grad, inference tensors): the forward alone, nothing kept.
+at::Tensor decoder_layer_plain(const at::Tensor& x, LAYER_PARAMS) {
+  static auto fwd = op_handle<FwdSig>("ckpt_ext::decoder_layer_fwd");
+  return std::get<0>(fwd.call(x, LAYER_ARGS));
 }
 
-at::Tensor mlp_block_plain(const at::Tensor& h, const at::Tensor& norm_w, const at::Tensor& wg,
-                           const at::Tensor& wu, const at::Tensor& wd, const OptTensor& bg,
-                           const OptTensor& bu, const OptTensor& bd, double eps,
-                           c10::string_view preset) {
-  parse_preset(preset, "mlp_block");
-  const MlpArgs m{norm_w, wg, wu, wd, bg, bu, bd, eps};
-  check_mlp_args("mlp_block", h, m);
-  return mlp_forward(h, m, /*keep_gate_up=*/false).y;
-}
-
-at::Tensor decoder_layer_autograd(
-    const at::Tensor& x, const at::Tensor& in_norm_w, const at::Tensor& wq,
-    const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo, const OptTensor& bq,
-    const OptTensor& bk, const OptTensor& bv, const OptTensor& bo, const OptTensor& qn,
-    const OptTensor& kn, const at::Tensor& cos, const at::Tensor& sin, const OptTensor& mask,
-    const at::Tensor& post_norm_w, const at::Tensor& wg, const at::Tensor& wu,
-    const at::Tensor& wd, const OptTensor& bg, const OptTensor& bu, const OptTensor& bd,
-    int64_t hq, int64_t hkv, double eps, double scale, c10::string_view preset) {
-  const Preset p = parse_preset(preset, "decoder_layer");
-  check_attention_args("decoder_layer", x,
-                       {in_norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin, mask, hq,
-                        hkv, eps, scale});
-  check_mlp_args("decoder_layer", x, {post_norm_w, wg, wu, wd, bg, bu, bd, eps});
-  return DecoderLayerFn::apply(x, in_norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin,
-                               mask, post_norm_w, wg, wu, wd, bg, bu, bd, hq, hkv, eps, scale,
-                               p)[0];
-}
-
-at::Tensor decoder_layer_plain(
-    const at::Tensor& x, const at::Tensor& in_norm_w, const at::Tensor& wq,
-    const at::Tensor& wk, const at::Tensor& wv, const at::Tensor& wo, const OptTensor& bq,
-    const OptTensor& bk, const OptTensor& bv, const OptTensor& bo, const OptTensor& qn,
-    const OptTensor& kn, const at::Tensor& cos, const at::Tensor& sin, const OptTensor& mask,
-    const at::Tensor& post_norm_w, const at::Tensor& wg, const at::Tensor& wu,
-    const at::Tensor& wd, const OptTensor& bg, const OptTensor& bu, const OptTensor& bd,
-    int64_t hq, int64_t hkv, double eps, double scale, c10::string_view preset) {
-  parse_preset(preset, "decoder_layer");
-  const AttnArgs a{in_norm_w, wq, wk, wv, wo, bq, bk, bv, bo, qn, kn, cos, sin, mask,
-                   hq,        hkv, eps, scale};
-  const MlpArgs m{post_norm_w, wg, wu, wd, bg, bu, bd, eps};
-  check_attention_args("decoder_layer", x, a);
-  check_mlp_args("decoder_layer", x, m);
-  return mlp_forward(attention_forward(x, a).y, m, /*keep_gate_up=*/false).y;
+// Under autocast: compute in the autocast dtype (unless the caller fixed compute_dtype), with
+// the inputs left as they are (see the header comment).
+template <c10::DeviceType device>
+at::Tensor decoder_layer_autocast(const at::Tensor& x, LAYER_PARAMS) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  static auto layer = op_handle<at::Tensor(const at::Tensor&, const c10::List<OptTensor>&,
+                                           const OptTensor&, const OptTensor&, const OptTensor&,
+                                           const OptTensor&, std::optional<int64_t>,
+                                           c10::ArrayRef<double>, int64_t, int64_t, double,
+                                           double, std::optional<at::ScalarType>,
+                                           c10::string_view, c10::string_view)>(
+      "ckpt_ext::decoder_layer");
+  std::optional<at::ScalarType> dtype = compute_dtype;
+  if (!dtype && x.device().type() == device && at::isFloatingType(x.scalar_type()) &&
+      x.scalar_type() != at::kDouble) {
+    dtype = at::autocast::get_autocast_dtype(device);
+  }
+  return layer.call(x, weights, cos, sin, key_padding_mask, segment_ids, window, lora_scaling,
+                    num_heads, num_kv_heads, eps, scale, dtype, part, preset);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) {
-  m.impl("attention_block", attention_block_autograd);
-  m.impl("mlp_block", mlp_block_autograd);
-  m.impl("decoder_layer", decoder_layer_autograd);
+// The slot names of the `weights` list, in order (read by ckpt_ext/blocks.py).
+std::vector<std::string> layer_weight_slots() {
+  std::vector<std::string> names;
+  for (int64_t s = 0; s < kNumSlots; ++s) names.push_back(slot_name(s));
+  return names;
 }
 
-// Below autograd (no_grad, inference tensors): the forward alone, nothing saved.
+TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) { m.impl("decoder_layer", decoder_layer_autograd); }
+
+TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
+  m.impl("decoder_layer", decoder_layer_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
+  m.impl("decoder_layer", decoder_layer_autocast<c10::DeviceType::CUDA>);
+}
+
 TORCH_LIBRARY_IMPL(ckpt_ext, CompositeExplicitAutograd, m) {
-  m.impl("attention_block", attention_block_plain);
-  m.impl("mlp_block", mlp_block_plain);
   m.impl("decoder_layer", decoder_layer_plain);
+  m.impl("decoder_layer_fwd", decoder_layer_fwd);
+  m.impl("decoder_layer_bwd", decoder_layer_bwd);
 }
 
 }  // namespace ckpt_ext

@@ -4,7 +4,7 @@
 //   CPU       ATen reference implementations (csrc/*_cpu.cpp), always built
 //   CUDA      Triton launchers from kernels/ (registered from Python, ckpt_ext/_backend.py)
 //             and CUDA C++ launchers (csrc/cuda/*.cpp, CUDA build only)
-//   Autograd  C++ autograd Functions of the block ops (csrc/blocks.cpp)
+//   Autograd  the C++ autograd Function of the decoder layer (csrc/blocks.cpp)
 //
 // Conventions shared by all kernel ops:
 //   * attention tensors are (B, H, S, D): q (B, Hq, S, D), k/v (B, Hkv, S, D), Hq % Hkv == 0;
@@ -46,23 +46,29 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def("rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor q_out, Tensor k_out)");
   m.def("rope_bwd(Tensor dq_out, Tensor dk_out, Tensor cos, Tensor sin) -> (Tensor dq, Tensor dk)");
 
-  // ---- block ops: C++ autograd Functions at the Autograd key (csrc/blocks.cpp) --------------
-  // x, h: (B, S, H). preset: "fast" | "balanced" | "min_memory" decides what forward saves;
-  // backward recomputes the rest through the kernel ops above. Weights in nn.Linear layout;
-  // q_norm_weight/k_norm_weight (D,) are Qwen3's per-head norms. Causal attention.
-  // Attention sublayer: x + o_proj(attention(rope(q, k), v)), q/k/v from rms_norm(x).
-  m.def("attention_block(Tensor x, Tensor norm_weight, Tensor w_q, Tensor w_k, Tensor w_v, "
-        "Tensor w_o, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, Tensor? q_norm_weight, "
-        "Tensor? k_norm_weight, Tensor cos, Tensor sin, Tensor? key_padding_mask, int num_heads, "
-        "int num_kv_heads, float eps, float scale, str preset) -> Tensor");
-  // MLP sublayer: h + down(silu(gate(m)) * up(m)), m = rms_norm(h).
-  m.def("mlp_block(Tensor h, Tensor norm_weight, Tensor w_gate, Tensor w_up, Tensor w_down, "
-        "Tensor? b_gate, Tensor? b_up, Tensor? b_down, float eps, str preset) -> Tensor");
-  // The whole decoder layer: mlp_block(attention_block(x)).
-  m.def("decoder_layer(Tensor x, Tensor input_norm_weight, Tensor w_q, Tensor w_k, Tensor w_v, "
-        "Tensor w_o, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, Tensor? q_norm_weight, "
-        "Tensor? k_norm_weight, Tensor cos, Tensor sin, Tensor? key_padding_mask, "
-        "Tensor post_norm_weight, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, "
-        "Tensor? b_up, Tensor? b_down, int num_heads, int num_kv_heads, float eps, float scale, "
-        "str preset) -> Tensor");
+  // ---- the fused decoder layer (csrc/blocks.cpp) --------------------------------------------
+  // x (B, S, H). weights: the layer's tensors in the named slots of ckpt_ext.blocks.WEIGHT_SLOTS
+  // (HF parameter names: "input_layernorm.weight", "self_attn.q_proj.weight",
+  // "self_attn.q_proj.bias", "self_attn.q_proj.lora_A", ...), None where absent. cos/sin
+  // (B or 1, S, D); key_padding_mask, segment_ids and window as in attention_fwd; causal.
+  // lora_scaling: one factor per projection (q, k, v, o, gate, up, down), or [] without
+  // adapters. compute_dtype: the dtype of the projections and attention (None: the weights'
+  // dtype; set from torch.autocast by the Autocast kernel). part: "layer" | "attention" |
+  // "mlp". preset: "fast" | "balanced" | "min_memory" decides what forward keeps.
+  m.def("decoder_layer(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, float[] lora_scaling, "
+        "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
+        "str part, str preset) -> Tensor");
+  // The forward and backward of decoder_layer as opaque ops (what torch.compile sees): the
+  // forward returns the preset's residuals, the backward recomputes the rest. needs_grad: one
+  // flag per weight slot; slots without a gradient come back as empty (0,) tensors.
+  m.def("decoder_layer_fwd(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, float[] lora_scaling, "
+        "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
+        "str part, str preset) -> (Tensor y, Tensor[] saved)");
+  m.def("decoder_layer_bwd(Tensor dy, Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, float[] lora_scaling, "
+        "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
+        "str part, str preset, Tensor[] saved, bool[] needs_grad) -> (Tensor dx, "
+        "Tensor[] dweights)");
 }

@@ -5,6 +5,7 @@
 
 namespace ckpt_ext {
 void bind_checkpoint(pybind11::module& m);
+std::vector<std::string> layer_weight_slots();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -15,4 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   ckpt_ext::bind_checkpoint(m);
+  m.def("layer_weight_slots", &ckpt_ext::layer_weight_slots,
+        "The slot names of decoder_layer's weights list, in order");
 }

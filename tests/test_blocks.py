@@ -173,19 +173,38 @@ def test_errors_name_the_argument():
         DecoderLayer(32, 4, 3, 48)
     layer = make_layer(32, 4, 2, 48, torch.float32)
     pe = rope_tables(5, 8, torch.float32)
-    with pytest.raises(RuntimeError, match=r"x must be \(B, S, H\)"):
+    with pytest.raises(ValueError, match=r"x must have 3 dims \(B, S, H\)"):
         layer(torch.randn(5, 32), pe)
-    with pytest.raises(RuntimeError, match="empty batch"):
-        layer(torch.randn(0, 5, 32), pe)
-    with pytest.raises(RuntimeError, match="cos/sin"):
+    with pytest.raises(ValueError, match="cos/sin"):
         layer(torch.randn(1, 5, 32), (pe[0].requires_grad_(), pe[1]))
+    with pytest.raises(TypeError, match="position_embeddings must be a pair"):
+        layer(torch.randn(1, 5, 32), pe[0])
+    with pytest.raises(TypeError, match="input_layernorm.weight is float32 but x is bfloat16"):
+        layer(torch.randn(1, 5, 32, dtype=torch.bfloat16), pe)
+    with pytest.raises(ValueError, match="mlp.down_proj.weight must have shape \\(32, 4\\)"):
+        blocks.mlp_block(torch.randn(1, 2, 32), torch.ones(32), torch.ones(4, 32),
+                         torch.ones(4, 32), torch.ones(32, 5))
     with pytest.raises(ValueError, match="preset"):
         blocks.mlp_block(torch.randn(1, 2, 32), torch.ones(32), torch.ones(4, 32),
                          torch.ones(4, 32), torch.ones(32, 4), preset="none")
-    with pytest.raises(RuntimeError, match="preset must be one of"):
-        torch.ops.ckpt_ext.mlp_block(torch.randn(1, 2, 32), torch.ones(32), torch.ones(4, 32),
-                                     torch.ones(4, 32), torch.ones(32, 4), None, None, None,
-                                     1e-6, "quick")
+    w = blocks.pack_weights({"post_attention_layernorm.weight": torch.ones(32)})
+    with pytest.raises(ValueError, match="preset must be one of"):
+        torch.ops.ckpt_ext.decoder_layer(torch.randn(1, 2, 32), w, None, None, None, None, None,
+                                         [], 1, 1, 1e-6, 1.0, None, "mlp", "quick")
+    with pytest.raises(ValueError, match="unknown weight names"):
+        blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
+
+
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0)], ids=["B=0", "S=0"])
+def test_empty_input_gives_empty_output(preset, shape):
+    layer = make_layer(32, 4, 2, 48, torch.float32, policy=preset)
+    x = torch.randn(*shape, 32, requires_grad=True)
+    y = layer(x, rope_tables(shape[1], 8, torch.float32))
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
 
 
 def test_hf_llama_layer_state_dict_loads_and_matches():

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import ops
+from ..blocks import pack_weights
 from .._backend import rms_norm_reference
 from ..presets import FUSED_PRESETS, check_policy
 
@@ -92,6 +93,17 @@ def _attention_plain(q: Tensor, k: Tensor, v: Tensor, scale: float,
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale,
                                          enable_gqa=gqa)
     return out.masked_fill(empty, 0.0)
+
+
+def _check_position_embeddings(position_embeddings) -> PositionEmbeddings:
+    if not (isinstance(position_embeddings, (tuple, list)) and len(position_embeddings) == 2
+            and all(isinstance(t, Tensor) for t in position_embeddings)):
+        raise TypeError("position_embeddings must be a pair of tensors (cos, sin), each "
+                        "(1 or B, S, head_dim), as HF's rotary embedding returns them; got "
+                        f"{type(position_embeddings).__name__}"
+                        + (f" of length {len(position_embeddings)}"
+                           if isinstance(position_embeddings, (tuple, list)) else ""))
+    return position_embeddings
 
 
 # ---- modules -------------------------------------------------------------------------------
@@ -230,20 +242,15 @@ class DecoderLayer(nn.Module):
         return h + self.mlp._plain(self.post_attention_layernorm(h))
 
     def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
-        a, m = self.self_attn, self.mlp
-        qn = None if a.q_norm is None else a.q_norm.weight
-        kn = None if a.k_norm is None else a.k_norm.weight
+        a = self.self_attn
         return torch.ops.ckpt_ext.decoder_layer(
-            x, self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-            a.o_proj.weight, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.o_proj.bias, qn, kn,
-            cos, sin, mask, self.post_attention_layernorm.weight, m.gate_proj.weight,
-            m.up_proj.weight, m.down_proj.weight, m.gate_proj.bias, m.up_proj.bias,
-            m.down_proj.bias, a.num_heads, a.num_kv_heads,
-            self.input_layernorm.variance_epsilon, a.scaling, self.policy)
+            x, pack_weights(dict(self.named_parameters())), cos, sin, mask, None, None, [],
+            a.num_heads, a.num_kv_heads, self.input_layernorm.variance_epsilon, a.scaling, None,
+            "layer", self.policy)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        cos, sin = position_embeddings
+        cos, sin = _check_position_embeddings(position_embeddings)
         if self.policy == "none":
             return self._plain(hidden_states, cos, sin, key_padding_mask)
         if self.policy == "torch":
