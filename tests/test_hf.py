@@ -19,7 +19,8 @@ transformers = pytest.importorskip(
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import ckpt_ext  # noqa: E402
-from ckpt_ext.hf.patch import _padding_mask_from, patch_llama, unpatch_llama  # noqa: E402
+from ckpt_ext.hf.masks import padding_mask_from_4d as _padding_mask_from  # noqa: E402
+from ckpt_ext.hf.patch import patch_llama, unpatch_llama  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=172, vocab_size=128, pad_token_id=0,
@@ -243,7 +244,7 @@ def test_sliding_window_shorter_than_sequence_delegates():
     ref_model = make_model("mistral", "sdpa", sliding_window=8)
     model = patch_llama(copy.deepcopy(ref_model), "balanced")
     ids, mask, labels = make_batch(pad=True)
-    with pytest.warns(UserWarning, match="not exactly causal"):
+    with pytest.warns(UserWarning, match="sliding window"):
         got = run(model, ids, mask, labels)
     assert calls(model) == [0, 0, 0]
     assert_same(run(ref_model, ids, mask, labels), got, mask)
