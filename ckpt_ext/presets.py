@@ -30,13 +30,17 @@ def check_policy(policy: str, what: str = "policy") -> str:
 
 
 def per_token_bytes(preset: str, *, H: int, Hq: int, Hkv: int, D: int, I: int,
-                    dtype: torch.dtype) -> int:
-    """Bytes one token leaves saved in one layer (activations in ``dtype``; lse is fp32)."""
+                    dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> int:
+    """Bytes one token leaves saved in one layer. ``dtype``: the residual stream's (the layer
+    input x and h); ``compute_dtype``: the projections' and attention's (q, k, v, out, gate,
+    up), which is the autocast dtype under ``torch.autocast`` and ``dtype`` otherwise; lse is
+    fp32."""
     e = torch.empty((), dtype=dtype).element_size()
+    c = torch.empty((), dtype=compute_dtype or dtype).element_size()
     if preset == "fast":  # x, q, k, v, out, lse, h, gate, up
-        return e * (2 * H + 2 * Hq * D + 2 * Hkv * D + 2 * I) + 4 * Hq
+        return 2 * e * H + c * (2 * Hq * D + 2 * Hkv * D + 2 * I) + 4 * Hq
     if preset == "balanced":  # x, out, lse, h
-        return e * (2 * H + Hq * D) + 4 * Hq
+        return 2 * e * H + c * Hq * D + 4 * Hq
     if preset in ("min_memory", "torch"):  # x
         return e * H
     raise ValueError(f"per_token_bytes: no closed form for preset {preset!r} (measure it with "
@@ -44,11 +48,13 @@ def per_token_bytes(preset: str, *, H: int, Hq: int, Hkv: int, D: int, I: int,
 
 
 def saved_bytes(preset: str, *, B: int, S: int, H: int, Hq: int, Hkv: int, D: int, I: int,
-                dtype: torch.dtype, rope_batch: int = 1, rope_dtype: torch.dtype | None = None,
+                dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
+                rope_batch: int = 1, rope_dtype: torch.dtype | None = None,
                 mask: bool = False) -> int:
     """Exact saved bytes of one layer: ``B*S*per_token_bytes`` plus the layer's shared inputs,
     cos and sin ``(rope_batch, S, D)`` and the bool ``key_padding_mask`` ``(B, S)`` if given.
     In a model the shared inputs are the same tensors for every layer and count once."""
     rope_e = torch.empty((), dtype=rope_dtype or dtype).element_size()
     shared = 2 * rope_batch * S * D * rope_e + (B * S if mask else 0)
-    return B * S * per_token_bytes(preset, H=H, Hq=Hq, Hkv=Hkv, D=D, I=I, dtype=dtype) + shared
+    return B * S * per_token_bytes(preset, H=H, Hq=Hq, Hkv=Hkv, D=D, I=I, dtype=dtype,
+                                   compute_dtype=compute_dtype) + shared
