@@ -134,11 +134,13 @@ def _resolve_policy(policy: Policy, n_layers: int) -> List[str]:
 
 # ---- what the fused op needs from a layer ----------------------------------------------------
 
-def _structure_problem(layer: nn.Module, hooks: bool = False) -> Optional[str]:
+def _structure_problem(layer: nn.Module, hooks: bool = False,
+                       projections: bool = True) -> Optional[str]:
     """Why the fused op cannot stand in for this layer's modules, or None. Checked at patch
     time and at every training forward, where it also catches projections wrapped or switched
     after patching (PEFT) and, with ``hooks``, forward hooks on submodules that the fused op
-    would not run."""
+    would not run. ``projections=False`` (patch time) leaves out what PEFT can change later
+    (adapters, dropout, merging): those make a call delegate, never a patch fail."""
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
     if attn is None or mlp is None or not {"input_layernorm",
                                            "post_attention_layernorm"} <= set(layer._modules):
@@ -150,7 +152,7 @@ def _structure_problem(layer: nn.Module, hooks: bool = False) -> Optional[str]:
             return ("it has submodules the fused op does not compute: "
                     f"{', '.join(where + e for e in sorted(extra))}")
     for parent, names, where in ((attn, _ATTN_LINEARS, "self_attn"), (mlp, _MLP_LINEARS, "mlp")):
-        for name in names:
+        for name in names if projections else ():
             proj = read_projection(parent._modules.get(name), layer.training)
             if isinstance(proj, str):
                 return f"{where}.{name} is {proj}"
@@ -275,7 +277,7 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
                           f"({type(layer).__name__}): {why}. Use policy 'none' or 'torch' "
                           "for it (a list or callable policy picks per layer)")
 
-    problem = _structure_problem(layer)
+    problem = _structure_problem(layer, projections=False)
     if problem:
         raise refuse(problem)
     impl = _attn_implementation(config)
