@@ -3,8 +3,18 @@
 The C++ side (``csrc/checkpoint.cpp``) snapshots RNG and autocast state, runs the segment once,
 finds every tensor from outside the arguments that the segment differentiates through
 (module parameters, closure tensors, earlier non-leaf tensors), saves only the argument
-tensors, and re-runs the segment in backward. This module only maps arbitrary Python
-arguments and results (pytrees with non-tensor leaves) to flat tensor lists and back.
+tensors, and re-runs the segment in backward. It behaves like
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: backward under ``create_graph=True``
+gives gradients that are themselves differentiable (double backward, ``gradgradcheck``, nested
+segments); tensor hooks and post-accumulate-grad hooks of the inputs and parameters fire once
+per backward, as without checkpointing; and a recomputation that differs from the forward
+raises ``torch.utils.checkpoint.CheckpointError``.
+
+This module maps arbitrary Python arguments and results (pytrees with non-tensor leaves) to
+flat tensor lists and back, and installs the saved-tensor hooks of both runs: in forward they
+drop every tensor an op saves, noting its dtype, shape and device; in the recomputation they
+note the same and keep the tensor. The two lists must agree (``determinism_check="none"``
+skips this and C++'s comparison of the recorded operations).
 """
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import CheckpointError
 
 from . import _C
 
@@ -22,6 +33,17 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 def _drop_saved(_tensor: torch.Tensor) -> None:
     return None
+
+
+def _unpack_checked(packed: tuple) -> torch.Tensor:
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a {str(tensor.dtype).removeprefix('torch.')}"
+            f"{list(tensor.shape)} tensor saved while ckpt_ext.checkpoint recomputed its "
+            f"segment is at version {tensor._version}; expected version {version} instead")
+    return tensor
 
 
 def _refuse_unpack(_packed: Any) -> torch.Tensor:
@@ -35,10 +57,12 @@ class _Segment:
     """The segment's callable with its arguments flattened; called by C++ with new tensors."""
 
     __slots__ = ("fn", "flat", "spec", "tensor_pos", "inputs", "out_spec", "out_flat",
-                 "out_tensor_pos")
+                 "out_tensor_pos", "check", "saved")
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, check: bool):
         self.fn = fn
+        self.check = check
+        self.saved = None  # (dtype, shape, device) of each tensor the forward saved
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             self.flat, self.spec = list(args), None  # fast path: positional tensors only
             self.tensor_pos = range(len(args))
@@ -61,16 +85,43 @@ class _Segment:
         else:
             args, kwargs = tree_unflatten(flat, self.spec)
         if recompute:
-            out = self.fn(*args, **kwargs)
+            out = self._recompute(args, kwargs)
         else:
             # torch.autograd.graph.saved_tensors_hooks without the context-manager object:
             # this runs once per checkpointed call, so its cost is the per-call overhead.
-            _push_hooks(_drop_saved, _refuse_unpack)
+            if self.check:
+                self.saved = saved = []
+                note = saved.append  # returns None: the tensor is dropped
+                _push_hooks(lambda t: note((t.dtype, t.shape, t.device)), _refuse_unpack)
+            else:
+                _push_hooks(_drop_saved, _refuse_unpack)
             try:
                 out = self.fn(*args, **kwargs)
             finally:
                 _pop_hooks()
         return self._flatten_output(out, recompute)
+
+    def _recompute(self, args: list, kwargs: dict) -> Any:
+        if not self.check:
+            return self.fn(*args, **kwargs)
+        saved = []
+        note = saved.append
+
+        def pack(t: torch.Tensor) -> tuple:
+            note((t.dtype, t.shape, t.device))
+            # Detached, as torch's checkpoint keeps it: an output saved by its own node would
+            # otherwise hold that node through the hook's object (a reference cycle). With
+            # hooks autograd no longer checks versions on unpacking, so the hook does.
+            return (t.detach() if t.requires_grad else t), t._version
+
+        _push_hooks(pack, _unpack_checked)
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            _pop_hooks()
+        if saved != self.saved:
+            raise CheckpointError(_not_deterministic(_saved_difference(saved, self.saved)))
+        return out
 
     def _flatten_output(self, out: Any, recompute: bool) -> list:
         if isinstance(out, torch.Tensor):
@@ -81,10 +132,9 @@ class _Segment:
         if not recompute:
             self.out_spec, self.out_flat, self.out_tensor_pos = spec, flat, tensor_pos
         elif spec != self.out_spec or tensor_pos != self.out_tensor_pos:
-            raise RuntimeError(
-                "ckpt_ext.checkpoint: recomputing the segment in backward returned a different "
-                f"output structure than forward ({spec} vs {self.out_spec}), so the function is "
-                "not deterministic; its gradients cannot be computed by recomputation")
+            raise CheckpointError(_not_deterministic(
+                f"returned a different output structure than forward ({spec} vs "
+                f"{self.out_spec})"))
         return [flat[i] for i in tensor_pos]
 
     def rebuild(self, tensors: list) -> Any:
@@ -97,10 +147,30 @@ class _Segment:
         return tree_unflatten(flat, self.out_spec)
 
 
-def _check_torch_kwargs(kwargs: dict) -> None:
+def _describe(meta: tuple) -> str:
+    dtype, shape, device = meta
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
+
+
+def _saved_difference(now: list, then: list) -> str:
+    for i, (a, b) in enumerate(zip(now, then)):
+        if a != b:
+            return f"saved tensor {i} as {_describe(a)} where forward saved {_describe(b)}"
+    return f"saved {len(now)} tensors for backward where forward saved {len(then)}"
+
+
+def _not_deterministic(what: str) -> str:
+    # The same wording as the C++ side's errors.
+    return (f"ckpt_ext.checkpoint: recomputing the segment in backward {what}, so the segment "
+            "is not deterministic (it depends on something other than its inputs, the RNG "
+            "state and the autocast state: data-dependent control flow, a closure changed "
+            "after forward, ...); its gradients cannot be computed by recomputation")
+
+
+def _check_torch_kwargs(kwargs: dict) -> bool:
     """Take the keywords torch.utils.checkpoint.checkpoint consumes itself out of ``kwargs``,
     accepting the values that mean what this implementation does, so calls switch over
-    unchanged."""
+    unchanged. Returns whether to compare the recomputation with the forward."""
     use_reentrant = kwargs.pop("use_reentrant", None)
     if use_reentrant:
         raise NotImplementedError(
@@ -121,6 +191,7 @@ def _check_torch_kwargs(kwargs: dict) -> None:
         raise NotImplementedError(
             "ckpt_ext.checkpoint: debug=True is not supported; use "
             "torch.utils.checkpoint.checkpoint(..., debug=True) to trace a recomputation")
+    return determinism_check == "default"
 
 
 def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
@@ -131,22 +202,29 @@ def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True, **kwar
     differentiates it. Gradients reach every tensor argument and every tensor ``fn`` reads
     from elsewhere (module parameters, closures), as in an uncheckpointed run; arguments and
     results may be any pytree with non-tensor leaves. Under ``torch.no_grad()`` it simply
-    calls ``fn``. Double backward is not supported and raises.
+    calls ``fn``. Double backward works: with ``create_graph=True`` the recomputation and its
+    gradient are recorded, and their graph reaches the original inputs and parameters. Hooks
+    on inputs and parameters fire once per backward, as without checkpointing.
+
+    The recomputation must do what the forward did: the same tensor outputs (number, shapes,
+    dtypes, devices), the same tensors saved for backward (number, dtypes, shapes, devices),
+    the same autograd operations in the same order, and the same tensors read from outside.
+    Otherwise backward raises ``torch.utils.checkpoint.CheckpointError`` saying what differed.
 
     Args:
         fn: the segment; must compute the same outputs when re-run on the same inputs.
         *args, **kwargs: passed to ``fn``. The keywords ``use_reentrant`` (False/None),
-            ``context_fn`` (default only), ``determinism_check`` and ``debug`` (False) are
-            taken as torch's checkpoint takes them, so calls can switch over unchanged.
+            ``context_fn`` (default only), ``determinism_check`` (``"default"``, or ``"none"``
+            to skip comparing saved tensors and operations) and ``debug`` (False) are taken as
+            torch's checkpoint takes them, so calls can switch over unchanged.
         preserve_rng_state: replay the forward's CPU/CUDA RNG state during recomputation.
     """
     if not callable(fn):
         raise TypeError(f"ckpt_ext.checkpoint: fn must be callable, got {type(fn).__name__}")
-    if kwargs:
-        _check_torch_kwargs(kwargs)
+    check = _check_torch_kwargs(kwargs) if kwargs else True
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    segment = _Segment(fn, args, kwargs)
+    segment = _Segment(fn, args, kwargs, check)
     inputs, segment.inputs = segment.inputs, None
-    outs = _C.checkpoint_apply(segment, bool(preserve_rng_state), inputs)
+    outs = _C.checkpoint_apply(segment, bool(preserve_rng_state), check, inputs)
     return segment.rebuild(outs)

@@ -6,10 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_ext
 from ckpt_ext import checkpoint
+from test_ops import check_vs_baseline
 
 
 def torch_ckpt(fn, *args, **kwargs):
@@ -25,12 +27,15 @@ def clear(tensors):
         t.grad = None
 
 
+WRAPS = {"plain": lambda f, *a, **k: f(*a, **k), "torch": lambda f, *a, **k: torch_ckpt(f, *a, **k),
+         "ours": lambda f, *a, **k: checkpoint(f, *a, **k)}
+
+
 def run_three_ways(fn, leaves, make_args, loss=lambda out: out.sum(), seed=123):
     """Forward+backward of fn plainly, under torch's checkpoint and under ours; returns
     (outputs, grads) per mode with the RNG reseeded identically before each."""
     results = {}
-    for name, wrap in (("plain", lambda f, *a, **k: f(*a, **k)), ("torch", torch_ckpt),
-                       ("ours", checkpoint)):
+    for name, wrap in WRAPS.items():
         clear(leaves)
         torch.manual_seed(seed)
         args, kwargs = make_args()
@@ -143,6 +148,168 @@ def test_autograd_grad_and_backward_inputs():
     assert x.grad is None and model.fc1.weight.grad is None
     ref = torch.autograd.grad(model(x).sum(), model.fc2.bias)[0]
     torch.testing.assert_close(model.fc2.bias.grad, ref, rtol=0, atol=0)
+
+
+def test_closure_over_leaf_and_tensor_derived_from_it():
+    # The segment reads w and a tensor computed from w before it: w's gradient must count the
+    # path through `scaled` once (outside the segment), not once more inside the recompute.
+    w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    grads = {}
+    for name, wrap in WRAPS.items():
+        clear([w, x])
+        scaled = w * 3
+        wrap(lambda a: torch.tanh(a @ scaled) @ w, x).sum().backward()
+        grads[name] = grads_of([w, x])
+    for name in ("torch", "ours"):
+        for a, b in zip(grads["plain"], grads[name]):
+            torch.testing.assert_close(b, a)
+
+
+# ---- double backward -----------------------------------------------------------------------
+
+class GeluMLP(nn.Module):
+    """fp64, smooth (tanh-GELU has non-zero second derivatives everywhere)."""
+
+    def __init__(self, d=6, h=10):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h, dtype=torch.float64)
+        self.fc2 = nn.Linear(h, d, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def second_order(wrap, fn, leaves, make_args, seed=11):
+    """First-order gradients of a loss with create_graph=True, then backward of a function of
+    them: returns (first-order gradients, second-order gradients in .grad)."""
+    clear(leaves)
+    torch.manual_seed(seed)
+    out = wrap(fn, *make_args())
+    first = torch.autograd.grad(out.square().sum(), leaves, create_graph=True, allow_unused=True)
+    assert all(g is None or g.requires_grad for g in first)
+    sum((g.sin() * (i + 1)).sum() for i, g in enumerate(first) if g is not None).backward()
+    return [None if g is None else g.detach() for g in first], grads_of(leaves)
+
+
+@pytest.mark.parametrize("case", ["args", "module", "input_from_outside_leaf", "nested", "dropout"])
+def test_double_backward_matches_torch_fp64(case):
+    dt = torch.float64
+    x = torch.randn(5, 6, dtype=dt, requires_grad=True)
+    if case == "args":
+        w = torch.randn(6, 6, dtype=dt, requires_grad=True)
+        b = torch.randn(6, dtype=dt, requires_grad=True)
+        fn, leaves = (lambda a, b_, w_: torch.tanh(a @ w_ + b_).sin()), [x, b, w]
+        make = lambda: (x, b, w)  # noqa: E731
+    elif case == "module":
+        model = GeluMLP()
+        fn, leaves, make = model, [x] + list(model.parameters()), lambda: (x,)
+    elif case == "input_from_outside_leaf":
+        # w is read inside the segment and also reaches it through the argument.
+        w = torch.randn(5, 6, dtype=dt, requires_grad=True)
+        fn, leaves, make = (lambda t: (w * t).tanh() * w), [x, w], lambda: (w * x,)
+    elif case == "nested":
+        inner, outer = GeluMLP(), nn.Linear(6, 6, dtype=dt)
+        fn = lambda t: outer(checkpoint(inner, t.tanh()) * t)  # noqa: E731
+        leaves, make = [x] + list(inner.parameters()) + list(outer.parameters()), lambda: (x,)
+    else:
+        w = torch.randn(6, 6, dtype=dt, requires_grad=True)
+        fn = lambda t: F.dropout(torch.tanh(t @ w), 0.5, training=True).sin()  # noqa: E731
+        leaves, make = [x, w], lambda: (x,)
+    results = {name: second_order(wrap, fn, leaves, make) for name, wrap in WRAPS.items()}
+    for name in ("torch", "ours"):
+        for part in (0, 1):
+            for ref, got in zip(results["plain"][part], results[name][part]):
+                assert (ref is None) == (got is None), (name, part)
+                if ref is not None:
+                    torch.testing.assert_close(got, ref)
+    assert any(g is not None and g.abs().sum() > 0 for g in results["ours"][1])
+
+
+def test_gradgradcheck_fp64():
+    dt = torch.float64
+    w = torch.randn(5, 4, dtype=dt, requires_grad=True)
+    x = torch.randn(3, 5, dtype=dt, requires_grad=True)
+    b = torch.randn(4, dtype=dt, requires_grad=True)
+
+    def one(x, b, w_):
+        return checkpoint(lambda x, b: torch.tanh(x @ w_ + b).sin(), x, b)
+
+    def nested(x, b, w_):
+        return checkpoint(lambda t: checkpoint(lambda u: torch.tanh(u @ w_), t.sin()) + b, x)
+
+    for f in (one, nested):
+        assert torch.autograd.gradcheck(f, (x, b, w))
+        assert torch.autograd.gradgradcheck(f, (x, b, w))
+
+
+def test_create_graph_gradient_reaches_original_tensors():
+    # The first-order gradient of a checkpointed segment is a function of the real inputs and
+    # parameters: differentiating it gives d/dx (d out/dw) and d/dw (d out/dx), not zeros.
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out = checkpoint(lambda t: (t * w).exp(), x * 1.0)
+    gw, = torch.autograd.grad(out.sum(), w, create_graph=True)
+    ggx, ggw = torch.autograd.grad(gw.sum(), [x, w])
+    e = (x * w).exp().detach()
+    torch.testing.assert_close(ggx, e + x.detach() * w.detach() * e)
+    torch.testing.assert_close(ggw, x.detach() ** 2 * e)
+
+
+# ---- tensor hooks --------------------------------------------------------------------------
+
+def test_leaf_hook_fires_once_like_torch():
+    seen = {}
+    for name, wrap in WRAPS.items():
+        torch.manual_seed(0)
+        w = torch.randn(10, 10, requires_grad=True)
+        calls = []
+        w.register_hook(lambda g: calls.append(g.clone()))
+        x = torch.rand(10, 10, requires_grad=True)
+        wrap(lambda t: w * t, w * x).sum().backward()
+        seen[name] = calls
+    assert len(seen["plain"]) == len(seen["torch"]) == 1
+    assert len(seen["ours"]) == 1
+    torch.testing.assert_close(seen["ours"][0], seen["plain"][0], rtol=0, atol=0)
+
+
+def test_module_parameter_hooks_fire_like_torch():
+    # Parameters used inside the segment and again outside it; a tensor hook that rescales the
+    # gradient (as clipping or PEFT hooks do) and a post-accumulate-grad hook on each.
+    results = {}
+    for name, wrap in WRAPS.items():
+        torch.manual_seed(0)
+        model = MLP()
+        x = torch.randn(6, 12, requires_grad=True)
+        counts = {}
+        for pname, p in model.named_parameters():
+            counts[pname] = [0, 0]
+            p.register_hook(lambda g, c=counts[pname]: (c.__setitem__(0, c[0] + 1), g * 0.5)[1])
+            p.register_post_accumulate_grad_hook(lambda p, c=counts[pname]: c.__setitem__(1, c[1] + 1))
+        model(wrap(model, x)).square().sum().backward()
+        results[name] = (counts, grads_of([x] + list(model.parameters())))
+    assert results["ours"][0] == results["torch"][0] == results["plain"][0]
+    assert all(c == [1, 1] for c in results["ours"][0].values())
+    for name in ("torch", "ours"):
+        for a, b in zip(results["plain"][1], results[name][1]):
+            torch.testing.assert_close(b, a)
+
+
+def test_non_leaf_outside_tensor_hook_and_retain_grad():
+    results = {}
+    for name, wrap in WRAPS.items():
+        torch.manual_seed(0)
+        base = torch.randn(8, 8, requires_grad=True)
+        x = torch.randn(3, 8, requires_grad=True)
+        scaled = base * 3
+        scaled.retain_grad()
+        calls = []
+        scaled.register_hook(lambda g: calls.append(1))
+        wrap(lambda a: torch.tanh(a @ scaled), x).sum().backward()
+        results[name] = (len(calls), scaled.grad, base.grad)
+    assert results["ours"][0] == results["torch"][0] == 1
+    for i in (1, 2):
+        torch.testing.assert_close(results["ours"][i], results["plain"][i], rtol=0, atol=0)
 
 
 # ---- arguments and results -----------------------------------------------------------------
@@ -299,13 +466,6 @@ def test_retain_graph_and_second_backward_accumulate():
         out.sum().backward()
 
 
-def test_double_backward_raises():
-    x = torch.randn(4, requires_grad=True)
-    out = checkpoint(lambda t: t.pow(3), x)
-    with pytest.raises(RuntimeError, match="does not support double backward"):
-        torch.autograd.grad(out.sum(), x, create_graph=True)
-
-
 def test_nondeterministic_function_raises():
     x = torch.randn(4, requires_grad=True)
     calls = []
@@ -314,7 +474,7 @@ def test_nondeterministic_function_raises():
         calls.append(1)
         return t.repeat(len(calls))
 
-    with pytest.raises(RuntimeError, match="not deterministic"):
+    with pytest.raises(CheckpointError, match="not deterministic"):
         checkpoint(grows, x).sum().backward()
 
     def flips_dtype(t):
@@ -322,7 +482,7 @@ def test_nondeterministic_function_raises():
         return t.double() if len(calls) % 2 == 0 else t * 1
 
     calls.clear()
-    with pytest.raises(RuntimeError, match="not deterministic"):
+    with pytest.raises(CheckpointError, match="not deterministic"):
         checkpoint(flips_dtype, x).sum().backward()
 
     def more_outputs(t):
@@ -330,9 +490,102 @@ def test_nondeterministic_function_raises():
         return (t * 2,) * (len(calls) % 2 + 1)
 
     calls.clear()
-    with pytest.raises(RuntimeError, match="not deterministic"):
+    with pytest.raises(CheckpointError, match="not deterministic"):
         sum(o.sum() for o in checkpoint(more_outputs, x)).backward()
 
+
+def _diverging(case):
+    """A segment whose recomputation computes something else than its forward (its closure
+    changes after forward): (fn, expected message)."""
+    state = {"fwd": True}
+    w1 = torch.randn(6, 6, requires_grad=True)
+    w2 = torch.randn(6, 6, requires_grad=True)
+    if case == "branch":  # data-dependent control flow: one more op that saves a tensor
+        fn = lambda t: t.sin() if state["fwd"] else t.sin().sin()  # noqa: E731
+        msg = r"saved 2 tensors for backward where forward saved 1"
+    elif case == "intermediate_shape":  # same output, an intermediate of another shape
+        fn = lambda t: (t[:, : 6 if state["fwd"] else 3] @ w1[: 6 if state["fwd"] else 3]).tanh()  # noqa
+        msg = r"saved tensor \d+ as float32\[3, 6\] on cpu where forward saved float32\[6, 6\]"
+    elif case == "other_op":  # same saved tensors, another operation
+        fn = lambda t: (t.sin() if state["fwd"] else t.cos()) @ w1  # noqa: E731
+        msg = r"recorded operation \d+ of its autograd graph as CosBackward0 where forward had SinBackward0"
+    elif case == "other_tensor":  # same graph, another parameter of the same shape
+        fn = lambda t: t @ (w1 if state["fwd"] else w2)  # noqa: E731
+        msg = r"reads a tensor that requires grad which the forward did not"
+    else:  # an unused parameter the forward read
+        fn = lambda t: (t @ w1) * (w2 if state["fwd"] else w1)[0]  # noqa: E731
+        msg = r"no longer reads a tensor the forward read"
+    return fn, state, msg
+
+
+@pytest.mark.parametrize("case", ["branch", "intermediate_shape", "other_op", "other_tensor",
+                                  "dropped_tensor"])
+def test_recompute_that_differs_raises_checkpoint_error(case):
+    fn, state, msg = _diverging(case)
+    x = torch.randn(5, 6, requires_grad=True)
+    out = checkpoint(fn, x)
+    state["fwd"] = False
+    with pytest.raises(CheckpointError, match=msg):
+        out.sum().backward()
+    assert issubclass(CheckpointError, RuntimeError)
+
+
+def test_determinism_check_none_skips_the_comparison():
+    fn, state, _ = _diverging("other_op")
+    x = torch.randn(5, 6, requires_grad=True)
+    out = checkpoint(fn, x, determinism_check="none")
+    state["fwd"] = False
+    out.sum().backward()  # the gradient of the recomputed function: nothing compared
+    ref = x.detach().requires_grad_()
+    fn(ref).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="determinism_check"):
+        checkpoint(fn, x, determinism_check="strict")
+
+
+def test_autocast_weight_cast_cached_before_the_segment():
+    # Under autocast the bf16 copy of a weight is cached for the region: a segment that reads a
+    # weight already cast outside it must still send the weight its gradient, and must not be
+    # taken for a segment whose recomputation differs. The segment casts the weight itself
+    # (the cache is off inside it), so its bf16 gradient is not summed in bf16 with the other
+    # uses' as in a plain run: compared with the float64 result, as plain bf16 autocast is.
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    leaves = [x] + list(lin.parameters())
+
+    def step(wrap, autocast=True):
+        clear(leaves)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y0 = lin(x)  # caches the bf16 weight
+            out = wrap(lambda t: lin(t).float().sin(), x) + y0.float()
+            out2 = wrap(lambda t: lin(t).float().cos(), x)  # the same weight, second segment
+        (out.sum() + out2.sum()).backward()
+        return grads_of(leaves)
+
+    grads = {name: step(wrap) for name, wrap in WRAPS.items()}
+    lin.double()
+    x.data = x.data.double()
+    ref = step(WRAPS["plain"], autocast=False)
+    for a, b in zip(grads["plain"], grads["torch"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for name, got, base, r in zip(("dx", "dweight", "dbias"), grads["ours"], grads["plain"], ref):
+        check_vs_baseline(name, got, base, r, 3, torch.bfloat16)
+
+
+
+def test_inplace_on_a_saved_tensor_still_detected():
+    # The recomputation saves through hooks (to compare with the forward); the version check
+    # autograd does without hooks must survive.
+    def fn(t):
+        y = t.exp()
+        y.add_(1)  # exp saved y for backward
+        return y
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fn(x).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        checkpoint(fn, x).sum().backward()
 
 def test_nested_checkpoints():
     inner, outer_extra = MLP(), nn.Linear(12, 12)
