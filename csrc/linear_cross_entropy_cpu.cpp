@@ -151,7 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     z.scatter_add_(1, lc, at::full({tc, 1}, -1, z.options()));
     z.mul_(sc);
     at::Tensor dl = z.to(dt);
-    at::mm_out(dhidden.narrow(0, t0, tc), dl, weight);                              // (tc, H)
+    at::Tensor dh_c = dhidden.narrow(0, t0, tc);                                   // (tc, H)
+    at::mm_out(dh_c, dl, weight);
     if (one_chunk) {
       dweight = at::mm(dl.t(), hc);
     } else if (dweight.defined()) {
