@@ -31,6 +31,8 @@ TRITON_OPS = {
     "attention_bwd": ("attention", "attention_bwd"),
     "swiglu_fwd": ("swiglu_mlp", "swiglu_fwd"),
     "swiglu_bwd": ("swiglu_mlp", "swiglu_bwd"),
+    "linear_cross_entropy_fwd": ("linear_cross_entropy", "linear_cross_entropy_fwd"),
+    "linear_cross_entropy_bwd": ("linear_cross_entropy", "linear_cross_entropy_bwd"),
 }
 
 _persistent: list = []  # libraries that live as long as the process

@@ -16,6 +16,8 @@ Public wrappers (DESIGN.md):
     rms_norm(x, weight, eps) -> y
     add_rms_norm(x, residual, weight, eps) -> (y, s)
     rope(q, k, cos, sin) -> (q_out, k_out)
+    linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
+                         reduction="mean", num_items_in_batch=None) -> loss
 """
 import math
 
@@ -23,7 +25,7 @@ import torch
 
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 
-__all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope"]
+__all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
 
 _ops = torch.ops.ckpt_ext
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -423,3 +425,144 @@ def rope(q, k, cos, sin):
     returns them (broadcast over heads; constants for autograd). Returns (q_out, k_out).
     """
     return _ops.rope_fwd(q, k, cos, sin)
+
+
+# --------------------------------------------------------------------------------------------
+# LM head + cross-entropy loss without (T, V) logits: checks, fakes, autograd, wrapper
+# --------------------------------------------------------------------------------------------
+def _stat_dtype(hidden):
+    """dtype of lse / per-token loss / dloss: float64 for float64 hidden, else float32."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def _check_lce(op, hidden, weight, bias, labels):
+    """hidden (T, H), weight (V, H), bias (V,), labels (T,) int64. Returns (T, H, V)."""
+    _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
+    _check_floating(op, "hidden", hidden)
+    _check_dim(op, "weight", weight, 2, "(V, H)")
+    T, H = hidden.shape
+    V = weight.shape[0]
+    _check_like(op, "weight", weight, "hidden", hidden, (V, H), f"(V, H) with H={H} from hidden")
+    if V == 0:
+        raise ValueError(f"{op}: weight must have at least one vocabulary row, got shape "
+                         f"{_shape(weight)}")
+    if bias is not None:
+        _check_like(op, "bias", bias, "hidden", hidden, (V,), "(V,)")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"{op}: labels must be int64, got {_dtype(labels.dtype)}")
+    _check_dim(op, "labels", labels, 1, "(T,)")
+    _check_shape(op, "labels", labels, (T,), "(T,) with T from hidden")
+    _check_device_as(op, "labels", labels, "hidden", hidden)
+    return T, H, V
+
+
+def _check_lce_stat(op, name, t, hidden, T):
+    _check_dim(op, name, t, 1, "(T,)")
+    _check_shape(op, name, t, (T,), "(T,) with T from hidden")
+    if t.dtype != _stat_dtype(hidden):
+        raise TypeError(f"{op}: {name} must be {_dtype(_stat_dtype(hidden))} (float64 for "
+                        f"float64 hidden, else float32), got {_dtype(t.dtype)}")
+    _check_device_as(op, name, t, "hidden", hidden)
+
+
+@torch.library.register_fake("ckpt_ext::linear_cross_entropy_fwd")
+def _linear_cross_entropy_fwd_fake(hidden, weight, bias, labels, ignore_index):
+    T, _, _ = _check_lce("linear_cross_entropy_fwd", hidden, weight, bias, labels)
+    return (hidden.new_empty((T,), dtype=_stat_dtype(hidden)),
+            hidden.new_empty((T,), dtype=_stat_dtype(hidden)))
+
+
+@torch.library.register_fake("ckpt_ext::linear_cross_entropy_bwd")
+def _linear_cross_entropy_bwd_fake(dloss, hidden, weight, bias, labels, lse, ignore_index):
+    op = "linear_cross_entropy_bwd"
+    T, H, V = _check_lce(op, hidden, weight, bias, labels)
+    _check_lce_stat(op, "dloss", dloss, hidden, T)
+    _check_lce_stat(op, "lse", lse, hidden, T)
+    return (hidden.new_empty((T, H)), hidden.new_empty((V, H)),
+            hidden.new_empty((V,) if bias is not None else (0,)))
+
+
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    hidden, weight, bias, labels, ignore_index = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    # hidden, labels and the per-token lse: nothing of size (T, V).
+    ctx.save_for_backward(hidden, weight, bias, labels, lse)
+    ctx.ignore_index = ignore_index
+    ctx.has_bias = bias is not None
+
+
+def _linear_cross_entropy_backward(ctx, dloss, dlse):
+    hidden, weight, bias, labels, lse = ctx.saved_tensors
+    if dloss is None:
+        dloss = torch.zeros_like(lse)
+    dhidden, dweight, dbias = _ops.linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels,
+                                                            lse, ctx.ignore_index)
+    return dhidden, dweight, dbias if ctx.has_bias else None, None, None
+
+
+torch.library.register_autograd("ckpt_ext::linear_cross_entropy_fwd",
+                                _linear_cross_entropy_backward,
+                                setup_context=_linear_cross_entropy_setup)
+_no_double_backward("linear_cross_entropy_bwd")
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
+                         reduction="mean", num_items_in_batch=None):
+    """Cross-entropy of the LM head ``hidden @ weight.T + bias`` against ``labels``, without
+    the (T, V) logits: forward keeps per-token float32 statistics, backward recomputes the
+    logits chunk by chunk.
+
+    Args:
+        hidden: (..., H) float16 / bfloat16 / float32 (float64 on CPU), T tokens in all.
+        weight: (V, H) in nn.Linear layout; bias: None or (V,); dtype and device of hidden.
+        labels: (...) int64 with hidden's leading shape, each in [0, V) or ignore_index.
+            Already aligned with hidden: for causal LM training shift them first, as HF's
+            ``ForCausalLMLoss`` does (``labels[..., 1:]`` padded with ignore_index).
+        reduction: "mean" (over the tokens whose label is not ignore_index, or divided by
+            ``num_items_in_batch`` when given), "sum", or "none" (per-token losses, shape of
+            labels, 0 on ignored tokens).
+        num_items_in_batch: None, an int, or a tensor (kept a tensor: no host sync) to divide
+            the summed loss by instead of the count of non-ignored tokens, as transformers'
+            ``fixed_cross_entropy`` does under gradient accumulation. Only with "mean".
+
+    Returns:
+        The loss in float32 (float64 for float64 inputs), as HF computes it on upcast logits.
+        A mean with nothing to average (every label ignored, or num_items_in_batch == 0) is 0
+        with zero gradients, where ``F.cross_entropy`` gives NaN.
+
+    Saves for backward: hidden, labels and the fp32 log-sum-exp per token (plus the weight
+    and bias, which are parameters); no tensor of T x V elements.
+    """
+    name = "linear_cross_entropy"
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(f"{name}: num_items_in_batch replaces the divisor of reduction='mean'; "
+                         f"got it with reduction={reduction!r}")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"{name}: hidden must have shape (..., H), got {got}")
+    if not isinstance(labels, torch.Tensor) or labels.shape != hidden.shape[:-1]:
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"{name}: labels must have shape hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}, got {got}")
+    lead = hidden.shape[:-1]
+    T = math.prod(lead)
+    flat_labels = labels.reshape(T)
+    loss, _ = _ops.linear_cross_entropy_fwd(hidden.reshape(T, hidden.shape[-1]), weight, bias,
+                                            flat_labels, int(ignore_index))
+    if reduction == "none":
+        return loss.reshape(lead)
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    if num_items_in_batch is None:
+        count = (flat_labels != ignore_index).sum()
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        count = num_items_in_batch.to(total.device)
+    else:
+        return total / (num_items_in_batch if num_items_in_batch != 0 else 1)
+    return total / torch.where(count == 0, torch.ones_like(count), count)

@@ -71,4 +71,20 @@ TORCH_LIBRARY(ckpt_ext, m) {
         "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
         "str part, str preset, Tensor[] saved, bool[] needs_grad) -> (Tensor dx, "
         "Tensor[] dweights)");
+
+  // ---- LM head + cross-entropy loss, never holding the (T, V) logits ------------------------
+  // hidden (T, H) (tokens flattened), weight (V, H) (nn.Linear layout), bias None or (V,) of
+  // weight's dtype, labels (T,) int64 in [0, V) or == ignore_index. logits = hidden weight^T +
+  // bias exist only a chunk / tile at a time. float32 outputs (float64 for float64 inputs):
+  //   lse  (T,) = logsumexp_v logits[t, v]
+  //   loss (T,) = lse[t] - logits[t, labels[t]], and 0 where labels[t] == ignore_index.
+  m.def("linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
+        "int ignore_index) -> (Tensor loss, Tensor lse)");
+  // dloss (T,) of loss's dtype, any strides (an expanded scalar for a mean): the logits are
+  // recomputed from hidden and weight and turned into dlogits = dloss (softmax(logits) -
+  // onehot(labels)) (0 on ignored tokens), which give dhidden (T, H), dweight (V, H) and
+  // dbias (V,) (empty (0,) without bias), in hidden's dtype.
+  m.def("linear_cross_entropy_bwd(Tensor dloss, Tensor hidden, Tensor weight, Tensor? bias, "
+        "Tensor labels, Tensor lse, int ignore_index) -> (Tensor dhidden, Tensor dweight, "
+        "Tensor dbias)");
 }

@@ -1,0 +1,363 @@
+"""The recompute planner: what each preset keeps and recomputes, and the ``auto`` choice.
+
+Memory model (exact; ``tests/test_blocks.py`` checks it against ``saved_activation_bytes``):
+a decoder layer under a fused preset saves ``B*S*per_token_bytes(preset)`` bytes
+(:func:`ckpt_ext.presets.per_token_bytes`). The cos/sin tables and the key padding mask are
+shared by all layers, a few bytes per token once per model, and are left out of the budget.
+
+Recompute model: the forward FLOPs of what a preset recomputes in backward, per layer,
+counting matrix products only (2 FLOPs per multiply-add; norms, RoPE and the SwiGLU product
+are element-wise and left out). With T = B*S tokens, causal attention (a query attends
+(S+1)/2 keys on average), H hidden, Hq/Hkv heads, D head dim, I intermediate size:
+
+    scores    = B*Hq*D*S*(S+1)           Q K^T over the causal triangle
+    pv        = B*Hq*D*S*(S+1)           P V
+    qkv       = 2*T*H*(Hq + 2*Hkv)*D     q, k, v projections
+    o_proj    = 2*T*Hq*D*H
+    gate_up   = 4*T*H*I
+    down      = 2*T*I*H
+
+    fast        scores                                 (the attention backward rebuilds the
+                                                        softmax tiles P = exp(Q K^T - lse))
+    balanced    scores + qkv + gate_up
+    min_memory  scores + qkv + gate_up + scores + pv + o_proj   (attention forward, o_proj)
+    torch       scores + pv + qkv + o_proj + gate_up + down     (the whole layer forward)
+
+:func:`choose_presets` picks, per layer, one of the fused presets so that the layers' saved
+bytes fit a budget with the least total recompute. It solves this small multiple-choice
+knapsack exactly: both bytes and FLOPs are B*S times a per-token integer, so it keeps the
+Pareto front of (bytes per token, FLOPs per token) over the layers seen so far. Exactness makes
+it monotone (a larger budget never gives more recompute), and it depends on shapes only.
+
+LM head (``head_saved_bytes``): HF's ``lm_head`` + ``ForCausalLMLoss`` keeps the head's input
+(e*H per token), the float32 log-softmax of the upcast logits (4*V per token, saved by
+``log_softmax`` and read by ``nll_loss``) and the shifted labels (8 per token), plus a 4-byte
+scalar; it also returns the (B, S, V) logits in the model dtype, alive as long as the output
+is. ``ckpt_ext.ops.linear_cross_entropy`` keeps the input, the labels and a float32 lse per
+token (e*H + 12 per token).
+
+CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .presets import FUSED_PRESETS, per_token_bytes
+
+__all__ = ["LayerDims", "layer_dims_from_config", "parse_bytes", "format_bytes",
+           "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "main"]
+
+Budget = Union[int, str]
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+# Cheapest recompute first: the order in which ties between layers' options are broken.
+_CHOICES = ("fast", "balanced", "min_memory")
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """The shape of one decoder layer: H, Hq, Hkv, D, I."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LayerDims: {name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LayerDims: num_kv_heads must divide num_heads={self.num_heads}, "
+                             f"got {self.num_kv_heads}")
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of ``presets.per_token_bytes``."""
+        return dict(H=self.hidden_size, Hq=self.num_heads, Hkv=self.num_kv_heads,
+                    D=self.head_dim, I=self.intermediate_size)
+
+    @classmethod
+    def from_hf_layer(cls, layer, num_heads: int) -> "LayerDims":
+        """From an HF Llama-family decoder layer (``self_attn.q_proj/k_proj``, ``mlp.gate_proj``)
+        and its number of query heads, read off the projection shapes."""
+        q, k = layer.self_attn.q_proj, layer.self_attn.k_proj
+        head_dim = q.out_features // num_heads
+        return cls(q.in_features, num_heads, k.out_features // head_dim, head_dim,
+                   layer.mlp.gate_proj.out_features)
+
+
+def _config_value(config, name, default=None):
+    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name,
+                                                                               default)
+    return default if value is None else value
+
+
+def layer_dims_from_config(config) -> list:
+    """One LayerDims per decoder layer of an HF config (object or dict): hidden_size,
+    num_attention_heads, num_key_value_heads (default: the heads), head_dim (default
+    hidden_size // heads), intermediate_size, num_hidden_layers."""
+    missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size",
+                           "num_hidden_layers") if _config_value(config, n) is None]
+    if missing:
+        raise ValueError(f"config: missing {', '.join(missing)}")
+    H = int(_config_value(config, "hidden_size"))
+    heads = int(_config_value(config, "num_attention_heads"))
+    kv = int(_config_value(config, "num_key_value_heads", heads))
+    D = int(_config_value(config, "head_dim", H // heads))
+    dims = LayerDims(H, heads, kv, D, int(_config_value(config, "intermediate_size")))
+    return [dims] * int(_config_value(config, "num_hidden_layers"))
+
+
+# ---- bytes ---------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Budget, what: str = "activation_budget") -> int:
+    """Bytes from an int or a string such as "20GiB", "512MB", "1.5 GiB", "4096" (KB/MB/GB/TB
+    are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; case-insensitive)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a string such as '20GiB', got a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what} must be non-negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be an int or a string such as '20GiB', got "
+                        f"{type(value).__name__}")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{what}: cannot read {value!r} as bytes; use an int or a number with "
+                         f"one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units with 2 decimals: "20.00 GiB"."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be a torch dtype or one of {', '.join(_DTYPES)}, got {dtype!r}")
+
+
+def layer_bytes(preset: str, dims: LayerDims, B: int, S: int, dtype) -> int:
+    """Bytes one layer saves under a fused preset (or ``torch``): B*S*per_token_bytes."""
+    return B * S * per_token_bytes(preset, dtype=_dtype(dtype), **dims.kwargs())
+
+
+def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
+    """Bytes the LM head + loss keeps for backward (see the module docstring): HF's
+    ``B*S*(e*H + 4*V + 8) + 4``, the fused op's ``B*S*(e*H + 12)``."""
+    e = torch.empty((), dtype=_dtype(dtype)).element_size()
+    return B * S * (e * H + 12) if fused else B * S * (e * H + 4 * V + 8) + 4
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------
+def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
+    """Recompute FLOPs of one layer divided by B*S (an integer: see the module docstring)."""
+    H, Hq, Hkv, D, I = (d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim,
+                        d.intermediate_size)
+    scores = pv = Hq * D * (S + 1)
+    qkv = 2 * H * (Hq + 2 * Hkv) * D
+    o_proj = 2 * Hq * D * H
+    gate_up = 4 * H * I
+    down = 2 * I * H
+    if preset == "fast":
+        return scores
+    if preset == "balanced":
+        return scores + qkv + gate_up
+    if preset == "min_memory":
+        return 2 * scores + pv + qkv + gate_up + o_proj
+    if preset == "torch":
+        return scores + pv + qkv + o_proj + gate_up + down
+    raise ValueError(f"recompute_flops: preset must be one of 'fast', 'balanced', "
+                     f"'min_memory', 'torch'; got {preset!r}")
+
+
+def recompute_flops(preset: str, dims: LayerDims, B: int, S: int) -> int:
+    """Forward FLOPs that ``preset`` recomputes in one layer's backward (module docstring)."""
+    return B * S * _flops_per_token(preset, dims, S)
+
+
+# ---- the chooser ---------------------------------------------------------------------------
+def _check_shape_args(B, S):
+    for name, v in (("B", B), ("S", S)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"choose_presets: {name} must be a positive int, got {v!r}")
+
+
+def choose_presets(layers: Sequence[LayerDims], B: int, S: int, dtype,
+                   budget_bytes: Budget) -> list:
+    """One fused preset per layer ("fast", "balanced" or "min_memory") such that the layers'
+    saved bytes, ``sum B*S*per_token_bytes``, are at most ``budget_bytes`` (an int or a string
+    such as "20GiB"), with the least total recompute FLOPs (module docstring); among choices
+    of equal recompute, the fewest bytes. Exact, deterministic and monotone: a larger budget
+    never gives more recompute.
+
+    Raises ValueError naming the smallest budget that fits (every layer "min_memory") when
+    ``budget_bytes`` is below it.
+    """
+    import numpy as np
+
+    budget = parse_bytes(budget_bytes)
+    _check_shape_args(B, S)
+    layers = list(layers)
+    if not layers:
+        return []
+    dt = _dtype(dtype)
+    ptb = np.array([[per_token_bytes(p, dtype=dt, **d.kwargs()) for p in _CHOICES]
+                    for d in layers], dtype=np.int64)                      # (L, 3)
+    ptf = np.array([[_flops_per_token(p, d, S) for p in _CHOICES] for d in layers],
+                   dtype=np.int64)                                          # (L, 3)
+    smallest = B * S * int(ptb[:, 2].sum())
+    if budget < smallest:
+        raise ValueError(
+            f"activation_budget of {budget} bytes ({format_bytes(budget)}) is below the "
+            f"smallest that fits: {smallest} bytes ({format_bytes(smallest)}), every one of the "
+            f"{len(layers)} decoder layers 'min_memory', at B={B}, S={S}, {str(dt)[6:]}. Raise the "
+            f"budget or shorten the batch")
+    cap = budget // (B * S)                       # per-token budget: ptb sums are integers
+    tail_min = np.concatenate([np.cumsum(ptb[::-1, 2])[::-1][1:], [0]])   # later layers' min
+    bytes_, flops = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    parents, options = [], []
+    for i in range(len(layers)):
+        cb = (bytes_[:, None] + ptb[i][None, :]).ravel()                  # state-major
+        cf = (flops[:, None] + ptf[i][None, :]).ravel()
+        idx = np.flatnonzero(cb + tail_min[i] <= cap)
+        order = idx[np.lexsort((idx, cf[idx], cb[idx]))]   # bytes, then FLOPs, then index
+        f_sorted = cf[order]
+        # Pareto front: keep a state only if it recomputes less than every cheaper one.
+        prev_min = np.minimum.accumulate(np.concatenate([[np.iinfo(np.int64).max],
+                                                         f_sorted[:-1]]))
+        keep = order[f_sorted < prev_min]
+        bytes_, flops = cb[keep], cf[keep]
+        parents.append(keep // 3)
+        options.append(keep % 3)
+    state = int(np.argmin(flops))       # fewest FLOPs; the front's bytes fall as FLOPs rise
+    chosen = []
+    for i in range(len(layers) - 1, -1, -1):
+        chosen.append(_CHOICES[int(options[i][state])])
+        state = int(parents[i][state])
+    return chosen[::-1]
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+def _read_config(path: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    return config.get("text_config", config) if "hidden_size" not in config else config
+
+
+def _table(rows, header):
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in
+                               enumerate(zip(r, widths))) for r in cells)
+
+
+def _tflop(n: int) -> str:
+    return f"{n / 1e12:.3f}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m ckpt_ext.plan",
+        description="Saved-activation bytes of each ckpt_ext preset, recompute FLOPs, the LM "
+                    "head with and without the fused loss, and the 'auto' choice for a budget.")
+    ap.add_argument("config", nargs="?", help="an HF config.json (or a model directory)")
+    ap.add_argument("--hidden-size", type=int)
+    ap.add_argument("--heads", type=int, help="num_attention_heads")
+    ap.add_argument("--kv-heads", type=int, help="num_key_value_heads (default: --heads)")
+    ap.add_argument("--head-dim", type=int, help="default hidden_size // heads")
+    ap.add_argument("--intermediate-size", type=int)
+    ap.add_argument("--layers", type=int, help="num_hidden_layers")
+    ap.add_argument("--vocab-size", type=int)
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    ap.add_argument("--budget", help="bytes for the decoder layers' saved activations, e.g. "
+                                     "20GiB or 512MB: prints the 'auto' choice")
+    args = ap.parse_args(argv)
+
+    config = _read_config(args.config) if args.config else {}
+    for key, arg in (("hidden_size", "hidden_size"), ("num_attention_heads", "heads"),
+                     ("num_key_value_heads", "kv_heads"), ("head_dim", "head_dim"),
+                     ("intermediate_size", "intermediate_size"),
+                     ("num_hidden_layers", "layers"), ("vocab_size", "vocab_size")):
+        if getattr(args, arg) is not None:
+            config[key] = getattr(args, arg)
+    try:
+        layers = layer_dims_from_config(config)
+    except ValueError as e:
+        ap.error(f"{e} (give a config.json or --hidden-size/--heads/--intermediate-size/"
+                 f"--layers)")
+    if "vocab_size" not in config:
+        ap.error("missing vocab_size (in the config or --vocab-size)")
+    B, S, dtype, V = args.batch, args.seq, _DTYPES[args.dtype], int(config["vocab_size"])
+    d = layers[0]
+    L, T = len(layers), B * S
+    head_hf = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=False)
+    head_fused = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=True)
+    print(f"{L} layers, H {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads}, head_dim "
+          f"{d.head_dim}, I {d.intermediate_size}, V {V}; B {B}, S {S} ({T} tokens), "
+          f"{str(dtype).replace('torch.', '')}")
+    rows = []
+    for preset in ("fast", "balanced", "min_memory", "torch"):
+        ptb = sum(per_token_bytes(preset, dtype=dtype, **x.kwargs()) for x in layers)
+        model = B * S * ptb
+        flops = sum(recompute_flops(preset, x, B, S) for x in layers)
+        rows.append([preset, f"{ptb // L:,}", format_bytes(model // L), format_bytes(model),
+                     format_bytes(model + head_hf), format_bytes(model + head_fused),
+                     _tflop(flops // L), _tflop(flops)])
+    print(_table(rows, ["preset", "B/token/layer", "per layer", "layers", "+ HF head",
+                        "+ fused head", "recompute TFLOP/layer", "recompute TFLOP"]))
+    e = dtype.itemsize
+    print(f"LM head + loss, saved for backward: HF {format_bytes(head_hf)} (per token: hidden "
+          f"{e}*H + fp32 log-softmax 4*V + labels 8 = {e * d.hidden_size + 4 * V + 8:,} B; "
+          f"it also returns the {T} x {V} logits, {format_bytes(T * V * e)}); fused "
+          f"{format_bytes(head_fused)} (hidden + labels + fp32 lse = "
+          f"{e * d.hidden_size + 12:,} B/token)")
+    print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
+          "'torch' is listed for comparison and never chosen by 'auto'")
+    if args.budget is not None:
+        try:
+            chosen = choose_presets(layers, B, S, dtype, args.budget)
+        except ValueError as err:
+            print(f"auto: {err}", file=sys.stderr)
+            return 2
+        used = sum(layer_bytes(p, x, B, S, dtype) for p, x in zip(chosen, layers))
+        flops = sum(recompute_flops(p, x, B, S) for p, x in zip(chosen, layers))
+        counts = ", ".join(f"{chosen.count(p)} x {p}" for p in FUSED_PRESETS if p in chosen)
+        print(f"auto for a budget of {format_bytes(parse_bytes(args.budget))}: {counts}; "
+              f"layers keep {format_bytes(used)} ({format_bytes(used + head_fused)} with the "
+              f"fused head), recompute {_tflop(flops)} TFLOP")
+        print("per layer: " + " ".join(p for p in chosen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+// CPU (ATen) implementation of linear_cross_entropy_fwd / _bwd, the reference of the Triton
+// kernels in kernels/linear_cross_entropy.py.
+//
+//   logits = hidden weight^T + bias                              (T, V), never whole
+//   lse[t]  = logsumexp_v logits[t, v]
+//   loss[t] = lse[t] - logits[t, labels[t]]   (0 where labels[t] == ignore_index)
+//   dlogits = dloss[:, None] (exp(logits - lse[:, None]) - onehot(labels))   (0 on ignored rows)
+//   dhidden = dlogits weight,  dweight = dlogits^T hidden,  dbias = sum_t dlogits
+//
+// Shapes: hidden (T, H); weight (V, H) (nn.Linear layout); bias (V,); labels (T,) int64;
+// loss, lse, dloss (T,) float32 (float64 for float64 inputs). T = 0 is allowed (empty results;
+// the weight and bias gradients are then zeros).
+//
+// Memory: tokens are processed in chunks of at most kChunkElems / V rows, so that the
+// transient (chunk, V) logits / dlogits stay bounded whatever T is.
+//
+// Precision: the matmuls run in the input dtype (ATen's CPU matmuls accumulate float16 /
+// bfloat16 products in float32), so the logits are rounded to the input dtype once, as an HF
+// lm_head computes them; the softmax, the log-sum-exp and the loss run in float32 (float64 for
+// float64). dlogits are rounded to the input dtype (as HF's autograd does when it converts the
+// float32 gradient of the upcast logits back); dweight is accumulated over chunks in float32
+// (float64) and rounded once.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "checks.h"
+
+namespace ckpt_ext {
+namespace {
+
+using checks::check_defined;
+using checks::check_device_as;
+using checks::check_dim;
+using checks::check_dtype;
+using checks::check_floating;
+using checks::check_like;
+
+constexpr int64_t kChunkElems = int64_t{1} << 22;  // elements of one (chunk, V) logits tile
+
+struct LceDims {
+  int64_t T, H, V;
+};
+
+// Validates the arguments shared by both ops; returns (T, H, V).
+LceDims check_lce(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, const at::Tensor& labels) {
+  check_defined(op, "hidden", hidden);
+  check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)");
+  check_floating(op, "hidden", hidden);
+  check_defined(op, "weight", weight);
+  check_dim(op, "weight", weight, 2, "(V, H)");
+  const LceDims d{hidden.size(0), hidden.size(1), weight.size(0)};
+  check_like(op, "weight", weight, "hidden", hidden, {d.V, d.H},
+             "(V, H) with H=" + std::to_string(d.H) + " from hidden");
+  CKPT_CHECK_VALUE(d.V > 0, op, "weight must have at least one vocabulary row, got shape ",
+                   checks::shape_str(weight.sizes()));
+  if (bias.has_value()) check_like(op, "bias", *bias, "hidden", hidden, {d.V}, "(V,)");
+  check_defined(op, "labels", labels);
+  check_dtype(op, "labels", labels, at::kLong);
+  check_dim(op, "labels", labels, 1, "(T,)");
+  checks::check_shape(op, "labels", labels, {d.T}, "(T,) with T from hidden");
+  check_device_as(op, "labels", labels, "hidden", hidden);
+  return d;
+}
+
+// A token-stat tensor (T,) of the compute dtype on hidden's device (lse, dloss).
+void check_stat(const char* op, const char* name, const at::Tensor& t, const at::Tensor& hidden,
+                const LceDims& d) {
+  check_defined(op, name, t);
+  check_dim(op, name, t, 1, "(T,)");
+  checks::check_shape(op, name, t, {d.T}, "(T,) with T from hidden");
+  check_dtype(op, name, t, checks::compute_dtype(hidden.scalar_type()),
+              " (float64 for float64 hidden, else float32)");
+  check_device_as(op, name, t, "hidden", hidden);
+}
+
+int64_t chunk_rows(const LceDims& d) {
+  return std::max<int64_t>(1, kChunkElems / d.V);
+}
+
+// (tc, V) logits of the token rows of hc, in the compute dtype (rounded to the input dtype
+// first, as a Linear in that dtype returns them).
+at::Tensor chunk_logits(const at::Tensor& hc, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, at::ScalarType cdt) {
+  at::Tensor z = bias.has_value() ? at::addmm(*bias, hc, weight.t()) : at::mm(hc, weight.t());
+  return z.to(cdt);
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& labels, int64_t ignore_index) {
+  const char* op = "linear_cross_entropy_fwd";
+  const LceDims d = check_lce(op, hidden, weight, bias, labels);
+  const at::Tensor valid = labels.ne(ignore_index);                                // (T,)
+  const at::Tensor bad = valid.logical_and(labels.lt(0).logical_or(labels.ge(d.V)));
+  if (bad.any().item<bool>()) {
+    const int64_t t = bad.nonzero().select(1, 0).min().item<int64_t>();
+    CKPT_CHECK_VALUE(false, op, "labels must be in [0, V=", d.V, ") or equal ignore_index=",
+                     ignore_index, ", got ", labels[t].item<int64_t>(), " at token ", t);
+  }
+  const at::ScalarType cdt = checks::compute_dtype(hidden.scalar_type());
+  at::Tensor loss = at::empty({d.T}, hidden.options().dtype(cdt));
+  at::Tensor lse = at::empty({d.T}, hidden.options().dtype(cdt));
+  const int64_t step = chunk_rows(d);
+  for (int64_t t0 = 0; t0 < d.T; t0 += step) {
+    const int64_t tc = std::min(step, d.T - t0);
+    at::Tensor z = chunk_logits(hidden.narrow(0, t0, tc), weight, bias, cdt);      // (tc, V)
+    at::Tensor vc = valid.narrow(0, t0, tc);
+    at::Tensor lc = at::where(vc, labels.narrow(0, t0, tc), 0).unsqueeze(1);         // (tc, 1)
+    at::Tensor target = z.gather(1, lc).squeeze(1);                                  // (tc,)
+    at::Tensor lse_c = lse.narrow(0, t0, tc);
+    at::logsumexp_out(lse_c, z, {1}, false);
+    loss.narrow(0, t0, tc).copy_(at::where(vc, lse_c - target, 0));
+  }
+  return {loss, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
+    const at::Tensor& dloss, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& lse,
+    int64_t ignore_index) {
+  const char* op = "linear_cross_entropy_bwd";
+  const LceDims d = check_lce(op, hidden, weight, bias, labels);
+  check_stat(op, "dloss", dloss, hidden, d);
+  check_stat(op, "lse", lse, hidden, d);
+  const at::ScalarType dt = hidden.scalar_type();
+  const at::ScalarType cdt = checks::compute_dtype(dt);
+  const at::Tensor valid = labels.ne(ignore_index);
+  // Per-token scale of dlogits: dloss, 0 on ignored tokens.
+  const at::Tensor scale = at::where(valid, dloss, 0);                              // (T,)
+
+  at::Tensor dhidden = at::empty({d.T, d.H}, hidden.options());
+  const int64_t step = chunk_rows(d);
+  const bool one_chunk = d.T <= step;
+  at::Tensor dweight;                                  // (V, H): input dtype, or an accumulator
+  at::Tensor dbias = at::zeros({bias.has_value() ? d.V : 0}, hidden.options().dtype(cdt));
+  for (int64_t t0 = 0; t0 < d.T; t0 += step) {
+    const int64_t tc = std::min(step, d.T - t0);
+    at::Tensor hc = hidden.narrow(0, t0, tc);
+    at::Tensor z = chunk_logits(hc, weight, bias, cdt);                              // (tc, V)
+    at::Tensor lc =                                                                  // (tc, 1)
+        at::where(valid.narrow(0, t0, tc), labels.narrow(0, t0, tc), 0).unsqueeze(1);
+    at::Tensor sc = scale.narrow(0, t0, tc).unsqueeze(1);                            // (tc, 1)
+    // dlogits = scale (softmax - onehot), in place over the chunk's logits.
+    z.sub_(lse.narrow(0, t0, tc).unsqueeze(1)).exp_();
+    z.scatter_add_(1, lc, at::full({tc, 1}, -1, z.options()));
+    z.mul_(sc);
+    at::Tensor dl = z.to(dt);
+    at::Tensor dh_c = dhidden.narrow(0, t0, tc);                                   // (tc, H)
+    at::mm_out(dh_c, dl, weight);
+    if (one_chunk) {
+      dweight = at::mm(dl.t(), hc);
+    } else if (dweight.defined()) {
+      dweight.addmm_(dl.t().to(cdt), hc.to(cdt));
+    } else {
+      dweight = at::mm(dl.t().to(cdt), hc.to(cdt));
+    }
+    if (bias.has_value()) dbias.add_(dl.sum(0, false, cdt));
+  }
+  dweight = dweight.defined() ? dweight.to(dt) : at::zeros({d.V, d.H}, hidden.options());
+  return {dhidden, dweight, dbias.to(dt)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
+  m.impl("linear_cross_entropy_fwd", &linear_cross_entropy_fwd_cpu);
+  m.impl("linear_cross_entropy_bwd", &linear_cross_entropy_bwd_cpu);
+}
+
+}  // namespace ckpt_ext

@@ -1,0 +1,348 @@
+"""Tests of ckpt_ext.ops.linear_cross_entropy: the LM-head loss without (T, V) logits.
+
+Every case runs the op twice on the same inputs: through the ATen CPU kernels and through the
+Triton launchers (the interpreter on CPU: fp32 / fp16 only; bf16 on a GPU). The reference is
+HF's computation (``lm_head`` then transformers' ``ForCausalLMLoss`` on upcast logits) in
+float64; the baseline the same at the test dtype. Accuracy rule of the suite: the op's error is
+at most 2x (loss) / 3x (gradients) the baseline's (``test_ops.check_vs_baseline``).
+"""
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ckpt_ext
+import ckpt_ext.ops as ops
+from ckpt_ext._backend import use_triton
+from ckpt_ext.kernels import linear_cross_entropy as lce_kernels
+from test_ops import FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline, magnitude
+
+OPS = torch.ops.ckpt_ext
+F64 = torch.float64
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+IGNORE = -100
+
+
+def make_inputs(lead, H, V, dtype, bias=False, ignored=0.25, seed=0, device="cpu"):
+    """hidden (*lead, H), weight (V, H) with logits spread over a few units, bias (V,) or None,
+    labels (*lead) with about `ignored` of them IGNORE. Drawn in float64, rounded to dtype."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype).to(device)
+
+    hidden = rnd(*lead, H)
+    weight = rnd(V, H, scale=2.0 * H ** -0.5)
+    b = rnd(V, scale=0.5) if bias else None
+    labels = torch.randint(0, V, lead, generator=g)
+    labels[torch.rand(lead, generator=g) < ignored] = IGNORE
+    return hidden, weight, b, labels.to(device)
+
+
+def hf_loss(hidden, weight, bias, labels, reduction="mean", num_items_in_batch=None):
+    """HF: logits = lm_head(hidden), upcast to float32 (float64 stays), then cross-entropy as
+    transformers' fixed_cross_entropy (sum / num_items_in_batch when it is given)."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits if logits.dtype == F64 else logits.float()
+    flat, target = logits.reshape(-1, weight.shape[0]), labels.reshape(-1)
+    if num_items_in_batch is not None:
+        return F.cross_entropy(flat, target, ignore_index=IGNORE, reduction="sum") / \
+            num_items_in_batch
+    out = F.cross_entropy(flat, target, ignore_index=IGNORE, reduction=reduction)
+    return out.reshape(labels.shape) if reduction == "none" else out
+
+
+def fused_loss(hidden, weight, bias, labels, reduction="mean", num_items_in_batch=None):
+    return ops.linear_cross_entropy(hidden, weight, labels, bias=bias, ignore_index=IGNORE,
+                                    reduction=reduction, num_items_in_batch=num_items_in_batch)
+
+
+def run(fn, hidden, weight, bias, labels, dout, **kw):
+    """(loss, dhidden, dweight, dbias) of fn at the inputs' dtype, grads of (loss * dout).sum()."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None
+              for t in (hidden, weight, bias)]
+    loss = fn(leaves[0], leaves[1], leaves[2], labels, **kw)
+    grads = torch.autograd.grad((loss * dout.to(loss.dtype)).sum(),
+                                [t for t in leaves if t is not None])
+    return (loss.detach(),) + tuple(grads) + ((None,) if bias is None else ())
+
+
+def backend_context(backend):
+    """"triton" on CPU: the Triton launchers through the interpreter. On a GPU the Triton
+    launchers serve CUDA tensors anyway."""
+    if backend == "triton" and not CUDA:
+        return use_triton("cpu")
+    return contextlib.nullcontext()
+
+
+def check_case(backend, lead, H, V, dtype, bias=False, reduction="mean", num_items=None,
+               ignored=0.25, seed=0):
+    hidden, weight, b, labels = make_inputs(lead, H, V, dtype, bias, ignored, seed, DEVICE)
+    shape = () if reduction != "none" else labels.shape
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1), dtype=F64)
+    dout = dout.to(DEVICE)
+    kw = dict(reduction=reduction, num_items_in_batch=num_items)
+    ref = run(hf_loss, *(t.double() if t is not None else None for t in (hidden, weight, b)),
+              labels, dout, **kw)
+    base = run(hf_loss, hidden, weight, b, labels, dout, **kw)
+    with backend_context(backend):
+        got = run(fused_loss, hidden, weight, b, labels, dout, **kw)
+    assert got[0].dtype == (F64 if dtype == F64 else torch.float32)
+    assert got[0].shape == ref[0].shape
+    grad_scale = magnitude(*(r for r in ref[1:] if r is not None))
+    for name, g, bs, r, factor in zip(("loss", "dhidden", "dweight", "dbias"), got, base, ref,
+                                      (FACTOR_OUT,) + (FACTOR_GRAD,) * 3):
+        if r is None:
+            continue
+        assert name == "loss" or g.dtype == dtype
+        assert torch.isfinite(g).all(), name
+        scale = None if name == "loss" else grad_scale
+        if dtype == F64:
+            check_f64(name, g, r, scale=scale)
+        else:
+            check_vs_baseline(name, g, bs, r, factor, dtype, scale=scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Accuracy: ATen CPU kernels
+# --------------------------------------------------------------------------------------------
+CPU_CASES = [
+    # (lead, H, V, dtype, bias, reduction)
+    ((1,), 16, 7, torch.float32, False, "mean"),
+    ((17,), 24, 131, torch.float32, True, "mean"),
+    ((2, 17), 24, 131, torch.bfloat16, False, "sum"),
+    ((3, 43), 40, 257, torch.float16, True, "none"),
+    ((129,), 32, 97, torch.float64, True, "mean"),
+    ((127,), 48, 300, torch.bfloat16, True, "mean"),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c[0]}-H{c[1]}-V{c[2]}-"
+                         f"{str(c[3])[6:]}-{'bias' if c[4] else 'nobias'}-{c[5]}")
+def test_cpu_matches_hf(case):
+    if CUDA:
+        pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
+    lead, H, V, dtype, bias, reduction = case
+    check_case("aten", lead, H, V, dtype, bias, reduction)
+
+
+def test_cpu_several_token_chunks():
+    """T * V above the CPU kernels' chunk (2**22 logits): several token chunks, dweight
+    accumulated across them."""
+    if CUDA:
+        pytest.skip("CPU kernels")
+    check_case("aten", (601,), 16, 7000, torch.float32, bias=True)
+
+
+def test_cpu_float64_gradcheck():
+    hidden, weight, b, labels = make_inputs((5,), 6, 11, F64, bias=True)
+    leaves = [t.requires_grad_() for t in (hidden, weight, b)]
+    assert torch.autograd.gradcheck(
+        lambda h, w, bb: ops.linear_cross_entropy(h, w, labels, bias=bb, reduction="none"),
+        leaves)
+
+
+# --------------------------------------------------------------------------------------------
+# Accuracy: Triton launchers (interpreter on CPU)
+# --------------------------------------------------------------------------------------------
+TRITON_CASES = [
+    # (lead, H, V, dtype, bias, reduction): V not a multiple of the interpreter's 32-wide tiles
+    # or of its 64-column backward chunk; T not a multiple of 16; H not of 32.
+    ((1,), 40, 7, torch.float32, False, "mean"),        # one split, one chunk
+    ((37,), 40, 150, torch.float32, True, "mean"),      # two splits, three chunks
+    ((2, 17), 48, 131, torch.float16, False, "none"),
+    ((3, 11), 24, 97, torch.float16, True, "sum"),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: f"{c[0]}-H{c[1]}-V{c[2]}-"
+                         f"{str(c[3])[6:]}-{'bias' if c[4] else 'nobias'}-{c[5]}")
+def test_triton_matches_hf(case):
+    lead, H, V, dtype, bias, reduction = case
+    check_case("triton", lead, H, V, dtype, bias, reduction)
+
+
+@needs_gpu
+@pytest.mark.parametrize("V", [32000, 32003])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_matches_hf_gpu(V, dtype):
+    check_case("triton", (2, 129), 256, V, dtype, bias=False)
+    check_case("triton", (1, 1), 256, V, dtype, bias=True, reduction="none")
+
+
+def test_triton_single_vocab_chunk(monkeypatch):
+    """One backward chunk: dhidden is one GEMM (no fp32 accumulation path)."""
+    monkeypatch.setattr(lce_kernels, "INTERPRETER_VOCAB_CHUNK", 1024)
+    check_case("triton", (19,), 40, 150, torch.float32, bias=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Reductions, num_items_in_batch, ignored tokens
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("kind", ["int", "tensor"])
+def test_num_items_in_batch(backend, kind):
+    """transformers divides the summed loss by num_items_in_batch (gradient accumulation)."""
+    n = 53 if kind == "int" else torch.tensor(53)
+    check_case(backend, (2, 21), 24, 131, torch.float32, bias=False, num_items=n)
+
+
+def test_matches_transformers_fixed_cross_entropy():
+    """The same number as transformers' own loss function on the same logits."""
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    hidden, weight, _, labels = make_inputs((2, 13), 16, 50, torch.float32)
+    logits = F.linear(hidden, weight)
+    for n in (None, 17, torch.tensor(17)):
+        want = loss_utils.fixed_cross_entropy(logits.view(-1, 50), labels.view(-1), n)
+        got = ops.linear_cross_entropy(hidden, weight, labels, num_items_in_batch=n)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("reduction,num_items", [("mean", None), ("sum", None), ("none", None),
+                                                 ("mean", 0), ("mean", 5)])
+def test_all_tokens_ignored(backend, reduction, num_items):
+    """Nothing to average: 0 and zero gradients, never NaN. (F.cross_entropy, and so
+    transformers, gives NaN for the mean of nothing, 0/0; with num_items_in_batch > 0 it
+    gives 0, as here.)"""
+    hidden, weight, b, labels = make_inputs((2, 9), 16, 37, torch.float32, bias=True)
+    labels = torch.full_like(labels, IGNORE)
+    with backend_context(backend):
+        got = run(fused_loss, hidden, weight, b, labels,
+                  torch.ones(labels.shape if reduction == "none" else ()),
+                  reduction=reduction, num_items_in_batch=num_items)
+    for t in got:
+        assert torch.isfinite(t).all() and (t == 0).all()
+    if reduction == "mean" and num_items is None:
+        assert torch.isnan(hf_loss(hidden, weight, b, labels))  # what HF returns instead
+    if num_items == 5:
+        assert hf_loss(hidden, weight, b, labels, num_items_in_batch=5) == 0
+
+
+def test_num_items_tensor_needs_no_host_sync():
+    """With a tensor num_items_in_batch (and the default count) the wrapper never reads a
+    value on the host: it runs under FakeTensorMode, where .item() would raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hidden, weight, _, labels = make_inputs((2, 5), 8, 11, torch.float32)
+    with FakeTensorMode() as mode:
+        h, w, lab = (mode.from_tensor(t) for t in (hidden, weight, labels))
+        for n in (None, mode.from_tensor(torch.tensor(7))):
+            loss = ops.linear_cross_entropy(h, w, lab, num_items_in_batch=n)
+            assert loss.shape == () and loss.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_per_token_stats_of_the_kernel_op(backend):
+    """loss[t] = lse[t] - logit[t, label], 0 for ignored tokens; lse = logsumexp of the row."""
+    hidden, weight, b, labels = make_inputs((23,), 16, 45, F64, bias=True)
+    logits = F.linear(hidden, weight, b)
+    want_lse = torch.logsumexp(logits, -1)
+    want_loss = torch.where(labels != IGNORE, want_lse - logits.gather(
+        1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+    cases = [((hidden, weight, b), 1e-12)] if backend == "aten" else []  # no fp64 in Triton
+    cases.append(([t.float() for t in (hidden, weight, b)], 2e-5))
+    with backend_context(backend):
+        for (h, w, bb), tol in cases:
+            loss, lse = OPS.linear_cross_entropy_fwd(h, w, bb, labels, IGNORE)
+            torch.testing.assert_close(lse.double(), want_lse, rtol=tol, atol=tol)
+            torch.testing.assert_close(loss.double(), want_loss, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: nothing of size T x V is saved
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_saved_bytes_have_no_logits(backend, reduction):
+    T, H, V = 64, 16, 500
+    hidden, weight, _, labels = make_inputs((T,), H, V, torch.float32)
+    hidden.requires_grad_()
+    weight = torch.nn.Parameter(weight)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with backend_context(backend):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fused_loss(hidden, weight, None, labels, reduction=reduction)
+        saved = ckpt_ext.saved_activation_bytes(fused_loss, hidden, weight, None, labels,
+                                                reduction=reduction)
+        hf = ckpt_ext.saved_activation_bytes(hf_loss, hidden, weight, None, labels)
+    assert all(math.prod(s) < T * V for s in shapes), shapes
+    # hidden (fp32), labels (int64), lse (fp32); the mean also keeps its 0-dim int64 divisor.
+    assert saved == T * (4 * H + 8 + 4) + (8 if reduction == "mean" else 0)
+    # HF keeps hidden, the fp32 log-softmax (T, V), the labels and a 4-byte total weight.
+    assert hf == T * (4 * H + 4 * V + 8) + 4
+
+
+# --------------------------------------------------------------------------------------------
+# opcheck and input errors
+# --------------------------------------------------------------------------------------------
+def _opcheck_samples():
+    samples = []
+    for bias in (False, True):
+        hidden, weight, b, labels = make_inputs((7,), 12, 10, torch.float32, bias=bias)
+        lv = [t.requires_grad_() if t is not None else None for t in (hidden, weight, b)]
+        samples.append(("linear_cross_entropy_fwd", (*lv, labels, IGNORE)))
+        _, lse = OPS.linear_cross_entropy_fwd(hidden, weight, b, labels, IGNORE)
+        dloss = torch.randn(7)
+        samples.append(("linear_cross_entropy_bwd",
+                        (dloss, *(t.detach() if t is not None else None for t in lv), labels,
+                         lse, IGNORE)))
+    return samples
+
+
+@pytest.mark.parametrize("sample", range(len(_opcheck_samples())))
+def test_opcheck(sample):
+    name, args = _opcheck_samples()[sample]
+    torch.library.opcheck(getattr(OPS, name).default, args)
+
+
+def _bad(change):
+    hidden, weight, b, labels = make_inputs((6,), 8, 10, torch.float32, bias=True)
+    args = dict(hidden=hidden, weight=weight, bias=b, labels=labels)
+    args.update(change(args))
+    return args
+
+
+ERRORS = [
+    (lambda a: dict(labels=a["labels"].int()), TypeError, "labels must be int64"),
+    (lambda a: dict(weight=a["weight"][:, :5]), ValueError, "weight must have shape"),
+    (lambda a: dict(bias=a["bias"][:4]), ValueError, "bias must have shape"),
+    (lambda a: dict(weight=a["weight"].double()), TypeError, "weight must have the dtype"),
+    (lambda a: dict(labels=a["labels"][:5]), ValueError, "labels must have shape"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("case", range(len(ERRORS)))
+def test_kernel_op_errors_name_the_argument(device, case):
+    change, exc, match = ERRORS[case]
+    a = {k: v.to(device) for k, v in _bad(change).items()}
+    with pytest.raises(exc, match=match):
+        OPS.linear_cross_entropy_fwd(a["hidden"], a["weight"], a["bias"], a["labels"], IGNORE)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_label_out_of_range(backend):
+    hidden, weight, _, labels = make_inputs((6,), 8, 10, torch.float32)
+    labels[3] = 10
+    with backend_context(backend), pytest.raises(ValueError, match=r"labels must be in \[0, V=10\).* got 10 at token 3"):
+        ops.linear_cross_entropy(hidden, weight, labels)
+
+
+def test_wrapper_errors():
+    hidden, weight, _, labels = make_inputs((2, 3), 8, 10, torch.float32)
+    with pytest.raises(ValueError, match="reduction must be"):
+        ops.linear_cross_entropy(hidden, weight, labels, reduction="avg")
+    with pytest.raises(ValueError, match="num_items_in_batch replaces"):
+        ops.linear_cross_entropy(hidden, weight, labels, reduction="sum", num_items_in_batch=4)
+    with pytest.raises(ValueError, match=r"labels must have shape hidden.shape\[:-1\]"):
+        ops.linear_cross_entropy(hidden, weight, labels.view(-1))
