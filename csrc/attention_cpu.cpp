@@ -196,8 +196,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   const char* op = "attention_fwd";
   const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
   if (use_aten_flash(q, key_padding_mask)) {
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                   std::nullopt, scale);
+    // That kernel reads each (B, H, S) row of D values with a unit stride, whatever the
+    // tensor's strides say: inputs with a strided last dim are copied first.
+    auto unit_d = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
+        unit_d(q), unit_d(k), unit_d(v), 0.0, causal, std::nullopt, scale);
     return {o.contiguous(), l.to(at::kFloat).contiguous()};
   }
   const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
