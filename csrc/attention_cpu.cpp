@@ -195,6 +195,10 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
                                                      bool causal, double scale) {
   const char* op = "attention_fwd";
   const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
+  if (d.S == 0) {  // empty outputs, as torch's attention gives (ATen's flash kernel divides by S)
+    return {at::empty({d.B, d.Hq, 0, d.D}, q.options()),
+            at::empty({d.B, d.Hq, 0}, q.options().dtype(at::kFloat))};
+  }
   if (use_aten_flash(q, key_padding_mask)) {
     // That kernel reads each (B, H, S) row of D values with a unit stride, whatever the
     // tensor's strides say: inputs with a strided last dim are copied first.
@@ -247,6 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   at::Tensor dq = at::empty({d.B, d.Hq, d.S, d.D}, q.options());   // (B, Hq, S, D)
   at::Tensor dk = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
   at::Tensor dv = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
+  if (d.S == 0) return {dq, dk, dv};  // empty gradients of empty inputs
   const TileMask mask = make_mask(key_padding_mask, causal);
   const int64_t G = d.G, S = d.S, D = d.D;
 
