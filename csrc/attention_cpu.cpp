@@ -195,6 +195,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
                                                      bool causal, double scale) {
   const char* op = "attention_fwd";
   const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
+  checks::check_positive_finite(op, "scale", scale);
   if (d.S == 0) {  // empty outputs, as torch's attention gives (ATen's flash kernel divides by S)
     return {at::empty({d.B, d.Hq, 0, d.D}, q.options()),
             at::empty({d.B, d.Hq, 0}, q.options().dtype(at::kFloat))};
@@ -241,6 +242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     bool causal, double scale) {
   const char* op = "attention_bwd";
   const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
+  checks::check_positive_finite(op, "scale", scale);
   checks::check_like(op, "dout", dout, "q", q, q.sizes(), "(the shape of q)");
   checks::check_like(op, "out", out, "q", q, q.sizes(), "(the shape of q)");
   check_defined(op, "lse", lse);
