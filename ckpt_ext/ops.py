@@ -81,8 +81,14 @@ def _absent(t):
     return t is None or (t.dim() == 1 and t.numel() == 0)
 
 
-def _check_qkv(op, q, k, v, key_padding_mask):
-    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool. Returns (B, Hq, Hkv, S, D)."""
+def _check_positive_finite(op, name, x):
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
+
+
+def _check_qkv(op, q, k, v, key_padding_mask, scale=1.0):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool, scale finite > 0.
+    Returns (B, Hq, Hkv, S, D)."""
     _check_dim(op, "q", q, 4, "(B, Hq, S, D)")
     _check_dim(op, "k", k, 4, "(B, Hkv, S, D)")
     _check_dim(op, "v", v, 4, "(B, Hkv, S, D)")
@@ -114,6 +120,7 @@ def _check_qkv(op, q, k, v, key_padding_mask):
                             f"{_dtype(m.dtype)}")
         _check_shape(op, "key_padding_mask", m, (B, S), "(B, S)")
         _check_device_as(op, "key_padding_mask", m, "q", q)
+    _check_positive_finite(op, "scale", scale)
     return B, Hq, Hkv, S, D
 
 
@@ -169,14 +176,14 @@ def _check_rope(op, qn, q, kn, k, cos, sin):
 # --------------------------------------------------------------------------------------------
 @torch.library.register_fake("ckpt_ext::attention_fwd")
 def _attention_fwd_fake(q, k, v, key_padding_mask, causal, scale):
-    B, Hq, _, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask)
+    B, Hq, _, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, scale)
     return q.new_empty((B, Hq, S, D)), q.new_empty((B, Hq, S), dtype=torch.float32)
 
 
 @torch.library.register_fake("ckpt_ext::attention_bwd")
 def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, causal, scale):
     op = "attention_bwd"
-    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask)
+    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask, scale)
     _check_like(op, "dout", dout, "q", q, q.shape, "(the shape of q)")
     _check_like(op, "out", out, "q", q, q.shape, "(the shape of q)")
     _check_shape(op, "lse", lse, (B, Hq, S), "(B, Hq, S)")
@@ -367,7 +374,7 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
         q: (B, Hq, S, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0 (query head h reads kv head
             h // (Hq // Hkv)); one floating dtype; any strides.
         causal: query i attends keys j <= i.
-        scale: multiplies q k^T; default 1 / sqrt(D).
+        scale: multiplies q k^T, a finite number > 0; default 1 / sqrt(D).
         key_padding_mask: None or bool (B, S), True = the key may be attended.
 
     Returns:
@@ -375,9 +382,13 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
         (and zero gradients). Saves q, k, v, out and lse for backward, which recomputes the
         softmax tile by tile.
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if scale is None:
         D = q.shape[-1] if q.dim() == 4 else 0
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 / wrong rank: the op says why
+    _check_positive_finite("attention", "scale", float(scale))
     out, _ = _ops.attention_fwd(q, k, v, key_padding_mask, bool(causal), float(scale))
     return out
 

@@ -195,9 +195,17 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
                                                      bool causal, double scale) {
   const char* op = "attention_fwd";
   const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
+  checks::check_positive_finite(op, "scale", scale);
+  if (d.S == 0) {  // empty outputs, as torch's attention gives (ATen's flash kernel divides by S)
+    return {at::empty({d.B, d.Hq, 0, d.D}, q.options()),
+            at::empty({d.B, d.Hq, 0}, q.options().dtype(at::kFloat))};
+  }
   if (use_aten_flash(q, key_padding_mask)) {
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                   std::nullopt, scale);
+    // That kernel reads each (B, H, S) row of D values with a unit stride, whatever the
+    // tensor's strides say: inputs with a strided last dim are copied first.
+    auto unit_d = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
+        unit_d(q), unit_d(k), unit_d(v), 0.0, causal, std::nullopt, scale);
     return {o.contiguous(), l.to(at::kFloat).contiguous()};
   }
   const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
@@ -234,6 +242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     bool causal, double scale) {
   const char* op = "attention_bwd";
   const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
+  checks::check_positive_finite(op, "scale", scale);
   checks::check_like(op, "dout", dout, "q", q, q.sizes(), "(the shape of q)");
   checks::check_like(op, "out", out, "q", q, q.sizes(), "(the shape of q)");
   check_defined(op, "lse", lse);
@@ -244,6 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   at::Tensor dq = at::empty({d.B, d.Hq, d.S, d.D}, q.options());   // (B, Hq, S, D)
   at::Tensor dk = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
   at::Tensor dv = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
+  if (d.S == 0) return {dq, dk, dv};  // empty gradients of empty inputs
   const TileMask mask = make_mask(key_padding_mask, causal);
   const int64_t G = d.G, S = d.S, D = d.D;
 

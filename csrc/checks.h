@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -113,6 +114,11 @@ inline void check_device_as(const char* op, const char* name, const at::Tensor& 
                             const char* ref_name, const at::Tensor& ref) {
   CKPT_CHECK(t.device() == ref.device(), op, name, " is on ", t.device().str(), " but ",
              ref_name, " is on ", ref.device().str(), "; all tensors must be on one device");
+}
+
+// A scalar argument that must be a finite number > 0 (a softmax scale, a tolerance).
+inline void check_positive_finite(const char* op, const char* name, double x) {
+  CKPT_CHECK_VALUE(std::isfinite(x) && x > 0, op, name, " must be a finite number > 0, got ", x);
 }
 
 // The usual trio for a tensor that must match a reference tensor in dtype and device and have

@@ -27,6 +27,7 @@ On a GPU the block sizes are autotuned per architecture family (Hopper, Ampere) 
 launched untimed. Under ``TRITON_INTERPRET=1`` a single fixed configuration from
 ``INTERPRETER_BLOCKS`` is used so that CPU tests stay fast.
 """
+import math
 import os
 
 import torch
@@ -552,8 +553,9 @@ def _s_bucket(S: int) -> int:
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_qkv(name, q, k, v, key_padding_mask):
-    """Validate q (B, Hq, S, D), k/v (B, Hkv, S, D) and the mask; return (B, Hq, Hkv, S, D)."""
+def _check_qkv(name, q, k, v, key_padding_mask, scale=1.0):
+    """Validate q (B, Hq, S, D), k/v (B, Hkv, S, D), the mask and scale; return
+    (B, Hq, Hkv, S, D)."""
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -586,9 +588,16 @@ def _check_qkv(name, q, k, v, key_padding_mask):
                              f"got {tuple(m.shape)}")
         if m.device != q.device:
             raise ValueError(f"{name}: key_padding_mask is on {m.device} but q is on {q.device}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name}: scale must be a finite number > 0, got {scale}")
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError(f"{name}: q is on {q.device}; the Triton kernels need a CUDA device "
                            f"or TRITON_INTERPRET=1 (set before triton is imported)")
+    if q.dtype == torch.bfloat16 and _interpreting():
+        raise NotImplementedError(
+            f"{name}: bfloat16 is not supported under the Triton interpreter "
+            f"(TRITON_INTERPRET=1), whose bf16 tl.dot gives wrong results (triton#11584); use "
+            f"float16 or float32 there, or the ATen CPU kernels (leave CKPT_EXT_BACKEND unset)")
     return B, Hq, Hkv, S, D
 
 
@@ -631,7 +640,7 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
     natural-log logsumexp of the scaled masked scores, -inf for rows with nothing to attend
     (their out is 0).
     """
-    B, Hq, Hkv, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask)
+    B, Hq, Hkv, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, scale)
     out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     if B * Hq * S == 0:
@@ -660,7 +669,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, scale
     head sum its query group in a fixed order (deterministic, no atomics).
     """
     name = "attention_bwd"
-    B, Hq, Hkv, S, D = _check_qkv(name, q, k, v, key_padding_mask)
+    B, Hq, Hkv, S, D = _check_qkv(name, q, k, v, key_padding_mask, scale)
     for arg, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")

@@ -294,6 +294,11 @@ def _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
     if x.device.type != "cuda" and not _INTERPRET:
         raise ValueError(f"{op}: x is on {x.device}; the Triton kernels need CUDA tensors "
                          f"(CPU tensors only with TRITON_INTERPRET=1 set before triton is imported)")
+    if x.dtype == torch.bfloat16 and _INTERPRET:
+        raise NotImplementedError(
+            f"{op}: bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1), "
+            f"whose bf16 tl.dot gives wrong results (triton#11584); use float16 or float32 "
+            f"there, or the ATen CPU kernels (leave CKPT_EXT_BACKEND unset)")
     T, H = x.shape
     if not isinstance(w_gate, torch.Tensor):
         raise TypeError(f"{op}: w_gate must be a torch.Tensor, got {type(w_gate).__name__}")
