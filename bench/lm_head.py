@@ -212,7 +212,8 @@ def main(argv=None):
         name = (f"{torch.cuda.get_device_name()} "
                 f"(sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
     else:
-        name = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        name = (f"CPU {platform.processor() or platform.machine()}, "
+                f"{torch.get_num_threads()} threads")
         print(CPU_LABEL)
     rows = []
     for V in args.vocab:
@@ -247,7 +248,8 @@ def main(argv=None):
         f.write(f"# torch {torch.__version__}, triton {triton.__version__}, "
                 f"python {platform.python_version()}\n")
         f.write(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}\n")
-        f.write(f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}\n")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        f.write(f"# date: {now.isoformat(timespec='seconds')}\n")
         f.write(",".join(cols) + "\n")
         for r in rows:
             f.write(",".join(fmt(r[c]) for c in cols) + "\n")
