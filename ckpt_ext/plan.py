@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .presets import FUSED_PRESETS, per_token_bytes
@@ -219,8 +219,6 @@ def choose_presets(layers: Sequence[LayerDims], B: int, S: int, dtype,
     Raises ValueError naming the smallest budget that fits (every layer "min_memory") when
     ``budget_bytes`` is below it.
     """
-    import numpy as np
-
     budget = parse_bytes(budget_bytes)
     _check_shape_args(B, S)
     layers = list(layers)

@@ -11,7 +11,7 @@
 // loss, lse, dloss (T,) float32 (float64 for float64 inputs). T = 0 is allowed (empty results;
 // the weight and bias gradients are then zeros).
 //
-// Memory: tokens are processed in chunks of at most kChunkElems / V rows, so that the
+// Memory: tokens are processed in chunks of max(64, kChunkElems / V) rows, so that the
 // transient (chunk, V) logits / dlogits stay bounded whatever T is.
 //
 // Precision: the matmuls run in the input dtype (ATen's CPU matmuls accumulate float16 /
@@ -40,7 +40,10 @@ using checks::check_dtype;
 using checks::check_floating;
 using checks::check_like;
 
-constexpr int64_t kChunkElems = int64_t{1} << 22;  // elements of one (chunk, V) logits tile
+// Elements of one (chunk, V) logits chunk (64 MiB in float32). Smaller chunks make the CPU
+// matmuls skinny (32 rows at V = 128k ran at half the speed) and rewrite the (V, H) dweight
+// accumulator more often.
+constexpr int64_t kChunkElems = int64_t{1} << 24;
 
 struct LceDims {
   int64_t T, H, V;
@@ -79,8 +82,9 @@ void check_stat(const char* op, const char* name, const at::Tensor& t, const at:
   check_device_as(op, name, t, "hidden", hidden);
 }
 
+// Rows per token chunk: bounded (chunk, V) logits, at least 64 rows.
 int64_t chunk_rows(const LceDims& d) {
-  return std::max<int64_t>(1, kChunkElems / d.V);
+  return std::max<int64_t>(64, kChunkElems / d.V);
 }
 
 // (tc, V) logits of the token rows of hc, in the compute dtype (rounded to the input dtype

@@ -191,7 +191,7 @@ else:
     _FIXED_META = {}
 
 # Every vocabulary split is a multiple of the widest BLOCK_N in use.
-_N_ALIGN = (_FIXED_META or {"BLOCK_N": max(c.kwargs["BLOCK_N"] for c in _GPU_CONFIGS)})["BLOCK_N"]
+_N_ALIGN = _FIXED_META.get("BLOCK_N") or max(c.kwargs["BLOCK_N"] for c in _GPU_CONFIGS)
 # Columns of one backward chunk: interpreter runs use a small fixed width so that tests cover
 # several chunks (tests may change it); on a GPU see _vocab_chunk.
 INTERPRETER_VOCAB_CHUNK = 64
@@ -237,7 +237,8 @@ def _check_tensor(op, name, t, shape, shape_text, dtype, device_of):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"{op}: {name} must have shape {shape_text} = {shape}, got {tuple(t.shape)}")
+        raise ValueError(f"{op}: {name} must have shape {shape_text} = {shape}, got "
+                         f"{tuple(t.shape)}")
     if t.dtype != dtype:
         raise TypeError(f"{op}: {name} must be {dtype}, got {t.dtype}")
     if t.device != device_of.device:

@@ -10,7 +10,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import plan
 from ckpt_ext.plan import LayerDims, choose_presets, parse_bytes
-from ckpt_ext.presets import per_token_bytes, saved_bytes
+from ckpt_ext.presets import saved_bytes
 
 LLAMA3_8B = LayerDims(4096, 32, 8, 128, 14336)
 
