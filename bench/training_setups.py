@@ -1,0 +1,33 @@
+"""Saved activation bytes of a tiny HF Llama in the setups people train with: fp32, autocast
+(fp32 master weights), HF gradient checkpointing, torch.compile; unpatched vs patched presets.
+CPU, seconds to run: python bench/training_setups.py (prints the README table)."""
+import copy, torch, warnings
+warnings.simplefilter("ignore")
+import ckpt_ext
+from transformers import AutoConfig, AutoModelForCausalLM
+cfg = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_cache=False)
+torch.manual_seed(0)
+base = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+ids = torch.randint(0, 256, (2, 64)); mask = torch.ones(2, 64, dtype=torch.long); mask[0, :8] = 0
+def nbytes(m, amp=False):
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return m(input_ids=ids, attention_mask=mask, labels=ids).loss
+    return ckpt_ext.saved_activation_bytes(step)
+rows = []
+rows.append(("fp32, unpatched", nbytes(base)))
+for p in ("balanced", "min_memory"):
+    rows.append((f"fp32, {p}", nbytes(ckpt_ext.patch_llama(copy.deepcopy(base), p))))
+rows.append(("autocast bf16 (fp32 master), unpatched", nbytes(base, True)))
+for p in ("balanced", "min_memory"):
+    rows.append((f"autocast bf16 (fp32 master), {p}", nbytes(ckpt_ext.patch_llama(copy.deepcopy(base), p), True)))
+gc = copy.deepcopy(base); gc.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+rows.append(("HF gradient checkpointing, unpatched", nbytes(gc)))
+rows.append(("HF gradient checkpointing, patched (default policy)", nbytes(ckpt_ext.patch_llama(copy.deepcopy(gc)))))
+for p in ("balanced", "min_memory"):
+    m = ckpt_ext.patch_llama(copy.deepcopy(base), p)
+    rows.append((f"torch.compile (aot_eager), {p}", nbytes(torch.compile(m, backend="aot_eager"))))
+print("| setup | saved bytes |\n|---|---|")
+for name, b in rows:
+    print(f"| {name} | {b:,} |")
