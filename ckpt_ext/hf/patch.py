@@ -236,16 +236,22 @@ class _LayerSpec:
         self.scale = float(attn.scaling)
         self.eps = _eps(layer)
         self.window = _layer_window(config, layer)
-        q, k, o = attn.q_proj, attn.k_proj, attn.o_proj
-        shapes_ok = (q.out_features == self.num_heads * self.head_dim
-                     and k.out_features == self.num_kv_heads * self.head_dim
-                     and attn.v_proj.out_features == k.out_features
-                     and o.in_features == q.out_features
+        # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
+        # only the shapes that modules declare are checked against the config.
+        def dims(name):
+            mod = attn._modules[name]
+            return getattr(mod, "out_features", None), getattr(mod, "in_features", None)
+        (q_out, q_in), (k_out, k_in), (v_out, _), (o_out, o_in) = (
+            dims(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        shapes_ok = (q_out in (None, self.num_heads * self.head_dim)
+                     and k_out in (None, self.num_kv_heads * self.head_dim)
+                     and v_out in (None, self.num_kv_heads * self.head_dim)
+                     and o_in in (None, self.num_heads * self.head_dim)
                      and self.num_heads % self.num_kv_heads == 0 and self.head_dim % 2 == 0)
         if not shapes_ok:
             raise ValueError(
-                f"projection shapes q ({q.out_features}, {q.in_features}), k ({k.out_features}, "
-                f"{k.in_features}), o ({o.out_features}, {o.in_features}) do not match num_heads={self.num_heads}, "
+                f"projection out/in features q ({q_out}, {q_in}), k ({k_out}, {k_in}), o "
+                f"({o_out}, {o_in}) do not match num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
 
 
