@@ -20,7 +20,14 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E4
 
 import ckpt_ext  # noqa: E402
 from ckpt_ext.hf.masks import padding_mask_from_4d as _padding_mask_from  # noqa: E402
-from ckpt_ext.hf.patch import patch_llama, unpatch_llama  # noqa: E402
+from ckpt_ext.hf.patch import patch_llama as _patch_llama, unpatch_llama  # noqa: E402
+
+
+def patch_llama(model, *args, **kwargs):
+    """These tests compare logits, so the LM head stays HF's (fuse_lm_head=False); the fused
+    head is tested in tests/test_lm_head_hf.py."""
+    kwargs.setdefault("fuse_lm_head", False)
+    return _patch_llama(model, *args, **kwargs)
 
 TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=172, vocab_size=128, pad_token_id=0,

@@ -313,3 +313,54 @@ def test_trainer_bf16_runs_the_fused_op(tmp_path):
                              logging_steps=1, save_strategy="no", learning_rate=1e-3)
     Trainer(model=model, args=args, train_dataset=rows).train()
     assert fused_calls(model) == 2 * TINY["num_hidden_layers"]
+
+
+# ---- TRL SFTTrainer ---------------------------------------------------------------------------
+
+def _sft_setup(tmp_path, **config):
+    trl = pytest.importorskip("trl", reason="trl is not installed: the SFTTrainer tests need it "
+                              "(pip install -e '.[test]')")
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install "
+                                   "-e '.[test]')")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(TINY["vocab_size"] - 3)]
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[j] for j in torch.randint(0, len(words), (int(n),), generator=g))
+             for n in torch.randint(5, 20, (8,), generator=g)]
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                         max_length=24, use_cpu=True, report_to=[], save_strategy="no",
+                         logging_steps=1, learning_rate=1e-3, **config)
+    return trl, datasets.Dataset.from_dict({"text": texts}), tok, args
+
+
+def test_sft_trainer_with_its_gradient_checkpointing_runs_min_memory(tmp_path):
+    trl, data, tok, args = _sft_setup(tmp_path)
+    model = ckpt_ext.patch_llama(make_model())
+    with pytest.warns(UserWarning, match="'min_memory'"):
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+        trainer.train()
+    assert args.gradient_checkpointing  # TRL's default
+    assert fused_calls(model) == 2 * TINY["num_hidden_layers"]
+
+
+def test_sft_trainer_lora_runs_the_fused_op(tmp_path):
+    peft = _peft()
+    trl, data, tok, args = _sft_setup(tmp_path, bf16=True)
+    model = ckpt_ext.patch_llama(make_model())
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
+                                 processing_class=tok, peft_config=config)
+        trainer.train()
+    inner = trainer.model.get_base_model()
+    assert sum(layer.forward.calls["fused"] for layer in inner.model.layers) == \
+        2 * TINY["num_hidden_layers"]
+    assert all(not p.requires_grad for n, p in inner.named_parameters() if "lora_" not in n)

@@ -60,6 +60,7 @@ from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS
 from ..presets import FUSED_PRESETS, check_policy
 from .adapters import read_projection
+from .lm_head import FusedHeadForward, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
@@ -67,7 +68,7 @@ __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_A
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
-Policy = Union[str, Sequence[str], Callable[[int], str]]
+Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer, or "auto"
 
 _ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -119,6 +120,8 @@ def _attn_implementation(config) -> str:
 
 
 def _resolve_policy(policy: Policy, n_layers: int) -> List[str]:
+    if policy == "auto":
+        return ["auto"] * n_layers
     if isinstance(policy, str):
         return [check_policy(policy, "policy")] * n_layers
     if callable(policy):
@@ -312,8 +315,12 @@ class _Shared:
     """State shared by the layers of one patched model: the masks of the forward in flight
     (set by a pre-hook on the bare model, cleared by its forward hook) and the warnings given."""
 
-    def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool):
+    def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool,
+                 budget: Optional[int] = None):
         self.owner, self.layers, self.default_policy = owner, layers, default_policy
+        self.budget = budget                   # policy="auto": the decoder layers' budget
+        self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
+        self.auto_presets: Optional[List[str]] = None
         self.masks: Optional[BatchMasks] = None
         self.warned: set = set()
         self.handles: list = []
@@ -322,10 +329,11 @@ class _Shared:
         self.positional = [p.name for p in params]
 
     def __getstate__(self):  # a pickled model drops its hooks' state; patch it again
-        return {k: v for k, v in self.__dict__.items() if k not in ("handles", "masks")}
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("handles", "masks", "auto_presets")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, handles=[], masks=None)
+        self.__dict__.update(state, handles=[], masks=None, auto_presets=None)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -336,9 +344,31 @@ class _Shared:
         named = dict(zip(self.positional, args), **kwargs)
         self.masks = describe(named.get("attention_mask"), named.get("position_ids"),
                               torch.compiler.is_compiling())
+        if self.budget is not None:
+            self.auto_presets = self.choose(named)
 
     def after_model(self, owner, args, kwargs, output):
-        self.masks = None
+        self.masks = self.auto_presets = None
+
+    def choose(self, named) -> Optional[List[str]]:
+        """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
+        x = named.get("input_ids")
+        x = named.get("inputs_embeds") if x is None else x
+        if x is None or x.dim() < 2:
+            return None
+        weight = self.layers[0].input_layernorm.weight
+        device = weight.device.type
+        dtype = weight.dtype
+        if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
+            dtype = torch.float32  # residuals stay fp32; the compute dtype only saves less
+        key = (int(x.shape[0]), int(x.shape[1]), dtype)
+        if key not in self.auto:
+            from ..plan import LayerDims, choose_presets
+            config = self.owner.config
+            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads))
+                    for layer in self.layers]
+            self.auto[key] = choose_presets(dims, key[0], key[1], dtype, self.budget)
+        return self.auto[key]
 
     def install(self) -> None:
         self.handles = [
@@ -402,6 +432,9 @@ class _PatchedForward:
         hf_checkpointing = self.layer.training and bool(
             getattr(self.layer, "gradient_checkpointing", False))
         preset = self.preset
+        if preset == "auto":  # chosen for this forward's shapes; min_memory outside one
+            chosen = self.shared.auto_presets
+            preset = chosen[self.idx] if chosen is not None else "min_memory"
         if preset == "torch":
             self._count("torch")
             if hf_checkpointing:  # HF's class forward checkpoints the layer: once is enough
@@ -411,7 +444,7 @@ class _PatchedForward:
             if self.shared.default_policy:
                 preset = "min_memory"
                 self.shared.warn_once("hf checkpointing", _HF_GC_DEFAULT)
-            elif preset != "min_memory":
+            elif preset not in ("min_memory", "auto") and self.preset != "auto":
                 self.shared.warn_once("hf checkpointing", _HF_GC_EXPLICIT.format(
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
@@ -529,17 +562,40 @@ def _patched(layers) -> List[_PatchedForward]:
 
 # ---- public API ------------------------------------------------------------------------------
 
-def patch_llama(model: nn.Module, policy: Optional[Policy] = None) -> nn.Module:
+def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
+                activation_budget: Optional[Union[int, str]] = None,
+                fuse_lm_head: bool = True) -> nn.Module:
     """Give every decoder layer of ``model`` a recompute preset; returns ``model`` (patched in
-    place). ``model``: a transformers Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or ``*Model``,
-    or a ``peft.PeftModel`` around one. ``policy``: a preset name for every layer, a list with
-    one per layer, or a callable ``(layer_idx) -> preset``; presets are
-    ``ckpt_ext.presets.PRESETS``. The default (None) is ``"balanced"``, and ``"min_memory"``
-    for calls made while HF gradient checkpointing is on (it keeps what HF's checkpointing
-    keeps). Raises ValueError, before changing anything, when a layer asked to be fused cannot
-    be (see the module docstring). Patching a patched model first undoes the earlier patch."""
+    place).
+
+    ``model``: a transformers Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or ``*Model``, or a
+    ``peft.PeftModel`` around one. ``policy``: a preset name for every layer, a list with one
+    per layer, a callable ``(layer_idx) -> preset`` (presets: ``ckpt_ext.presets.PRESETS``), or
+    ``"auto"`` with ``activation_budget`` (bytes, or a string such as ``"20GiB"``): at each
+    training forward the layers' presets are chosen for the batch size, sequence length and
+    dtype so that the decoder layers' saved bytes fit the budget with the least recompute
+    (``ckpt_ext.plan.choose_presets``; a budget below every layer at ``min_memory`` raises a
+    ValueError naming the smallest that fits). The default (None) is ``"balanced"``, and
+    ``"min_memory"`` for calls made while HF gradient checkpointing is on (it keeps what HF's
+    checkpointing keeps). ``fuse_lm_head``: a ``*ForCausalLM``'s training loss runs through
+    ``ckpt_ext.ops.linear_cross_entropy`` and its output's ``logits`` is None
+    (``ckpt_ext.hf.lm_head``).
+
+    Raises ValueError, before changing anything, when a layer asked to be fused cannot be
+    (see the module docstring). Patching a patched model first undoes the earlier patch."""
     owner, layers = _decoder_layers(model)
     config = _model_config(model)
+    budget = None
+    if policy == "auto":
+        if activation_budget is None:
+            raise ValueError("patch_llama: policy='auto' needs activation_budget (bytes, or a "
+                             "string such as '20GiB'), the budget of the decoder layers' saved "
+                             "activations")
+        from ..plan import parse_bytes
+        budget = parse_bytes(activation_budget)
+    elif activation_budget is not None:
+        raise ValueError("patch_llama: activation_budget applies to policy='auto' only, got "
+                         f"policy={policy!r}")
     presets = _resolve_policy("balanced" if policy is None else policy, len(layers))
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
@@ -547,14 +603,15 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None) -> nn.Module:
             raise ValueError(f"patch_llama: decoder layer {idx} already has an instance-level "
                              "forward (accelerate hooks or another patch), which patching "
                              "would drop")
-        if preset in FUSED_PRESETS:
+        if preset in FUSED_PRESETS or preset == "auto":
             specs[idx] = _check_fusable(layer, idx, config)
     unpatch_llama(model)
-    shared = _Shared(owner, layers, default_policy=policy is None)
+    shared = _Shared(owner, layers, default_policy=policy is None, budget=budget)
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if preset != "none":
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
     shared.install()
+    _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared)
     gc_on = any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers)
     fused = set(presets) & set(FUSED_PRESETS)
     if gc_on and fused:
@@ -566,6 +623,20 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None) -> nn.Module:
     return model
 
 
+def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared) -> None:
+    if not fuse or model is owner or getattr(model, "lm_head", None) is None:
+        return
+    if "forward" in model.__dict__:
+        shared.warn_once("head", f"the LM head is not fused: {type(model).__name__} already "
+                         "has an instance-level forward (another patch, or TRL's fused head)")
+        return
+    problem = head_problem(model)
+    if problem:
+        shared.warn_once("head", f"the LM head is not fused: {problem}")
+        return
+    model.forward = FusedHeadForward(model)
+
+
 def unpatch_llama(model: nn.Module) -> nn.Module:
     """Undo ``patch_llama``: every layer gets HF's forward back. Returns ``model``; a model
     that is not patched is unchanged."""
@@ -573,4 +644,7 @@ def unpatch_llama(model: nn.Module) -> nn.Module:
     for patched in _patched(layers):
         patched.shared.remove()
         del patched.layer.__dict__["forward"]
+    inner = _unwrap_peft(model)
+    if isinstance(inner.__dict__.get("forward"), FusedHeadForward):
+        del inner.__dict__["forward"]
     return model

@@ -1,0 +1,104 @@
+"""The LM head and loss of a patched ``*ForCausalLM``, without logits.
+
+In a training forward (grad enabled, ``labels`` given, no KV cache, all positions kept), the
+patched forward runs the bare model, then ``ckpt_ext.ops.linear_cross_entropy`` on its last
+hidden state with HF's label shift (or the ``shift_labels`` given), ``ignore_index`` and
+``num_items_in_batch`` (a tensor stays a tensor: no host sync). It returns HF's
+``CausalLMOutputWithPast`` with ``logits=None``: the ``(B, S, V)`` logits are never formed.
+Every other call (eval, generate, no labels, ``logits_to_keep``, a head or loss the op does
+not compute) runs HF's forward and returns logits as before. TRL's own fused head calls the
+bare model and its own head, so it keeps working, with the decoder layers fused underneath.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import ops
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_causal_lm_loss():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    return ForCausalLMLoss
+
+
+def head_problem(model: nn.Module) -> Optional[str]:
+    """Why the fused head cannot stand in for this model's head and loss, or None."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear:
+        return f"lm_head is a {type(head).__name__}, not a plain nn.Linear"
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        return "the model has no bare .model to run before the head"
+    if getattr(model, "loss_function", None) is not _hf_causal_lm_loss():
+        return "the model's loss_function is not transformers' ForCausalLMLoss"
+    return None
+
+
+class FusedHeadForward:
+    """The instance-level ``forward`` of a patched ``*ForCausalLM``. ``calls`` counts
+    ``fused`` and ``hf`` calls (outside compilation)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        params = inspect.signature(type(model).forward).parameters.values()
+        self.positional = [p.name for p in params
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+        self.calls = {"fused": 0, "hf": 0}
+
+    @property
+    def original(self) -> Callable:
+        return type(self.model).forward.__get__(self.model, type(self.model))
+
+    def __repr__(self) -> str:
+        return "<ckpt_ext patched forward: LM head and loss without logits>"
+
+    def _count(self, key: str) -> None:
+        if not torch.compiler.is_compiling():
+            self.calls[key] += 1
+
+    def __call__(self, *args, **kwargs):
+        kwargs.update(zip(self.positional, args))
+        labels = kwargs.get("labels")
+        fusable = (labels is not None and torch.is_grad_enabled()
+                   and not kwargs.get("use_cache") and kwargs.get("past_key_values") is None
+                   and isinstance(kwargs.get("logits_to_keep", 0), int)
+                   and kwargs.get("logits_to_keep", 0) == 0
+                   and head_problem(self.model) is None)
+        if not fusable:
+            self._count("hf")
+            return self.original(**kwargs)
+        self._count("fused")
+        return self._fused(**kwargs)
+
+    def _fused(self, labels, logits_to_keep=0, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        num_items = kwargs.get("num_items_in_batch")
+        ignore_index = kwargs.get("ignore_index", -100)
+        shift_labels = kwargs.get("shift_labels")
+        outputs = self.model.model(**kwargs)
+        hidden = outputs.last_hidden_state
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        head = self.model.lm_head
+        weight, bias = head.weight, head.bias
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):  # the head's matmul in the autocast dtype
+            dtype = torch.get_autocast_dtype(device)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        elif hidden.dtype != weight.dtype:
+            hidden = hidden.to(weight.dtype)
+        loss = ops.linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device),
+                                        bias=bias, ignore_index=ignore_index,
+                                        num_items_in_batch=num_items)
+        return CausalLMOutputWithPast(loss=loss, logits=None,
+                                      past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions)

@@ -1,0 +1,112 @@
+"""A patched model under DDP and FSDP2 (fully_shard per decoder layer and at the root, with and
+without a bf16 MixedPrecisionPolicy): 2 processes on gloo, CPU. Each rank trains a few SGD
+steps on its own batch; the losses equal the unpatched model's under the same wrapper and,
+without mixed precision, a single-process run that averages the ranks' gradients."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers", reason="transformers is not installed: these tests need it "
+                    "(pip install -e '.[test]')")
+if not dist.is_available():
+    pytest.skip("torch was built without torch.distributed", allow_module_level=True)
+
+WORLD, STEPS, B, S = 2, 2, 2, 13
+
+
+def make_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               vocab_size=97, use_cache=False, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def batch(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(1, 97, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[rank % B, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    return ids.masked_fill(mask == 0, 0), mask, labels
+
+
+def loss_of(model, rank):
+    ids, mask, labels = batch(rank)
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def _worker(rank, init_file, wrapper, patched, out_dir):
+    import ckpt_ext
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    try:
+        model = make_model()
+        if patched:
+            ckpt_ext.patch_llama(model, "balanced")
+        if wrapper == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) \
+                if wrapper == "fsdp2-bf16" else MixedPrecisionPolicy()
+            for layer in model.model.layers:
+                fully_shard(layer, mp_policy=mp_policy)
+            fully_shard(model, mp_policy=mp_policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = loss_of(model, rank)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        inner = model.module if wrapper == "ddp" else model
+        fused = sum(layer.forward.calls["fused"] for layer in inner.model.layers) if patched else 0
+        torch.save({"losses": losses, "fused": fused}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(tmp_path, wrapper, patched):
+    out = tmp_path / f"{wrapper}-{patched}"
+    out.mkdir()
+    mp.start_processes(_worker, args=(str(out / "init"), wrapper, patched, str(out)),
+                       nprocs=WORLD, start_method="spawn")
+    return [torch.load(out / f"{r}.pt") for r in range(WORLD)]
+
+
+def single_process_losses():
+    """The ranks' losses of a single process that steps with the mean of their gradients."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = [[] for _ in range(WORLD)]
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for rank in range(WORLD):
+            loss = loss_of(model, rank)
+            (loss / WORLD).backward()
+            losses[rank].append(loss.item())
+        opt.step()
+    return losses
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo workers are tested on Linux")
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp2-bf16"])
+def test_patched_model_trains_like_unpatched(tmp_path, wrapper):
+    patched = run_distributed(tmp_path, wrapper, True)
+    plain = run_distributed(tmp_path, wrapper, False)
+    assert all(r["fused"] == STEPS * 2 for r in patched)  # 2 layers per step, on every rank
+    tol = dict(rtol=2e-2, atol=2e-2) if wrapper == "fsdp2-bf16" else dict(rtol=1e-5, atol=1e-6)
+    for p, u in zip(patched, plain):
+        torch.testing.assert_close(torch.tensor(p["losses"]), torch.tensor(u["losses"]), **tol)
+    if wrapper != "fsdp2-bf16":
+        for rank, ref in enumerate(single_process_losses()):
+            torch.testing.assert_close(torch.tensor(patched[rank]["losses"]), torch.tensor(ref),
+                                       rtol=1e-5, atol=1e-6)

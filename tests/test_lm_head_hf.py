@@ -1,0 +1,116 @@
+"""The patched *ForCausalLM's LM head and loss (no logits), and policy="auto" with a budget."""
+import copy
+
+import pytest
+import torch
+
+import ckpt_ext
+from ckpt_ext.presets import per_token_bytes
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: these tests need it "
+    "(pip install -e '.[test]')")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+V, B, S = 311, 2, 19
+
+
+def make_model(seed=0, **overrides):
+    cfg = AutoConfig.for_model("llama", **{**dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False), **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def make_batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :5] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids.masked_fill(mask == 0, 0), mask, labels
+
+
+def step(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("extra", ["none", "num_items", "shift_labels"])
+def test_fused_head_matches_hf_without_logits(tied, extra):
+    ref = make_model(tie_word_embeddings=tied)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref))
+    ids, mask, labels = make_batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if extra == "num_items":
+        inputs["num_items_in_batch"] = torch.tensor(23)
+    elif extra == "shift_labels":
+        inputs["shift_labels"] = torch.roll(labels, -3, dims=1)
+    out_r, grads_r = step(ref, **inputs)
+    out, grads = step(model, **inputs)
+    assert out.logits is None and model.forward.calls["fused"] == 1
+    torch.testing.assert_close(out.loss, out_r.loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(grads_r)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_eval_generation_and_no_labels_return_logits():
+    ref = make_model()
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref))
+    ids, mask, labels = make_batch()
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.logits, want.logits)
+    assert model(input_ids=ids, attention_mask=mask).logits.shape == (B, S, V)
+    assert model.forward.calls == {"fused": 0, "hf": 2}
+    assert torch.equal(model.generate(ids[:1, :5], max_new_tokens=3, do_sample=False),
+                       ref.generate(ids[:1, :5], max_new_tokens=3, do_sample=False))
+    ckpt_ext.unpatch_llama(model)
+    assert "forward" not in model.__dict__
+
+
+def test_no_logits_sized_tensor_is_saved():
+    ref = make_model()
+    ids, mask, labels = make_batch()
+    run = lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss  # noqa: E731
+    plain = ckpt_ext.saved_activation_bytes(run, ref)
+    head_off = ckpt_ext.saved_activation_bytes(
+        run, ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory", fuse_lm_head=False))
+    fused = ckpt_ext.saved_activation_bytes(
+        run, ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory"))
+    assert head_off - fused >= B * S * V * 4  # HF's head keeps the fp32 log-softmax at least
+    assert fused < plain
+
+
+def test_auto_fits_the_budget_and_more_budget_never_recomputes_more():
+    ref = make_model()
+    ids, mask, labels = make_batch()
+    dims = dict(H=64, Hq=4, Hkv=2, D=16, I=96, dtype=torch.float32)
+    per_layer = {p: B * S * per_token_bytes(p, **dims) for p in ("fast", "balanced",
+                                                                 "min_memory")}
+    with pytest.raises(ValueError, match="policy='auto' needs activation_budget"):
+        ckpt_ext.patch_llama(copy.deepcopy(ref), "auto")
+    small = ckpt_ext.patch_llama(copy.deepcopy(ref), "auto",
+                                 activation_budget=2 * per_layer["min_memory"] - 1)
+    with pytest.raises(ValueError, match=str(2 * per_layer["min_memory"])):
+        small(input_ids=ids, attention_mask=mask, labels=labels)
+    chosen = []
+    for budget in (2 * per_layer["min_memory"], per_layer["balanced"] + per_layer["min_memory"],
+                   2 * per_layer["fast"]):
+        model = ckpt_ext.patch_llama(copy.deepcopy(ref), "auto", activation_budget=budget)
+        fused_head = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory")
+        run = lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss  # noqa: E731
+        layers_bytes = ckpt_ext.saved_activation_bytes(run, model) - \
+            ckpt_ext.saved_activation_bytes(run, fused_head) + 2 * per_layer["min_memory"]
+        assert layers_bytes <= budget, (layers_bytes, budget)
+        chosen.append(layers_bytes)
+        out, grads = step(model, input_ids=ids, attention_mask=mask, labels=labels)
+        out_r, grads_r = step(ref, input_ids=ids, attention_mask=mask, labels=labels)
+        torch.testing.assert_close(out.loss, out_r.loss, rtol=1e-5, atol=1e-6)
+    assert chosen == sorted(chosen)  # more budget: more bytes kept, never less
