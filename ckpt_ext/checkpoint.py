@@ -161,9 +161,9 @@ def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True, **kwar
         fn: the segment; must compute the same outputs when re-run on the same inputs.
         *args, **kwargs: passed to ``fn``. The keywords ``use_reentrant`` (False/None),
             ``context_fn`` (default only), ``determinism_check`` (``"default"``, or ``"none"``
-            to skip comparing the recorded operations and outside tensors) and ``debug``
-            (False) are taken as torch's checkpoint takes them, so calls can switch over
-            unchanged.
+            to skip comparing the autograd operations and which outside tensors are read;
+            outputs are still compared) and ``debug`` (False) are taken as torch's checkpoint
+            takes them, so calls can switch over unchanged.
         preserve_rng_state: replay the forward's CPU/CUDA RNG state during recomputation.
     """
     if not callable(fn):

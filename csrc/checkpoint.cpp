@@ -444,7 +444,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       inputs[i] = args[i].detach();
       if (!state->arg_requires_grad[i]) continue;
       entry[i] = make_segment_input(torch::autograd::impl::gradient_edge(args[i]),
-                                                torch::autograd::InputMetadata(args[i]));
+                                    torch::autograd::InputMetadata(args[i]));
       torch::autograd::impl::set_gradient_edge(inputs[i], edge_to(entry[i]));
     }
 
@@ -486,8 +486,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       reached[idx] = 1;
       if (idx < n_args) continue;  // already the argument's SegmentInput
       if (!entry[idx]) {
-        entry[idx] = make_segment_input(
-            *edge, edge->function->input_metadata(edge->input_nr));
+        entry[idx] = make_segment_input(*edge, edge->function->input_metadata(edge->input_nr));
       }
       *edge = edge_to(entry[idx]);
     }
