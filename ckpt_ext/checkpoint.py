@@ -10,11 +10,9 @@ segments); tensor hooks and post-accumulate-grad hooks of the inputs and paramet
 per backward, as without checkpointing; and a recomputation that differs from the forward
 raises ``torch.utils.checkpoint.CheckpointError``.
 
-This module maps arbitrary Python arguments and results (pytrees with non-tensor leaves) to
-flat tensor lists and back, and installs the saved-tensor hooks of both runs: in forward they
-drop every tensor an op saves, noting its dtype, shape and device; in the recomputation they
-note the same and keep the tensor. The two lists must agree (``determinism_check="none"``
-skips this and C++'s comparison of the recorded operations).
+This module only maps arbitrary Python arguments and results (pytrees with non-tensor leaves)
+to flat tensor lists and back, and installs the forward's saved-tensor hooks, which drop every
+tensor an op saves.
 """
 from __future__ import annotations
 
@@ -35,17 +33,6 @@ def _drop_saved(_tensor: torch.Tensor) -> None:
     return None
 
 
-def _unpack_checked(packed: tuple) -> torch.Tensor:
-    tensor, version = packed
-    if tensor._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: a {str(tensor.dtype).removeprefix('torch.')}"
-            f"{list(tensor.shape)} tensor saved while ckpt_ext.checkpoint recomputed its "
-            f"segment is at version {tensor._version}; expected version {version} instead")
-    return tensor
-
-
 def _refuse_unpack(_packed: Any) -> torch.Tensor:
     raise RuntimeError(
         "ckpt_ext.checkpoint: the segment tried to use a tensor saved during its forward pass "
@@ -57,12 +44,10 @@ class _Segment:
     """The segment's callable with its arguments flattened; called by C++ with new tensors."""
 
     __slots__ = ("fn", "flat", "spec", "tensor_pos", "inputs", "out_spec", "out_flat",
-                 "out_tensor_pos", "check", "saved")
+                 "out_tensor_pos")
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, check: bool):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self.fn = fn
-        self.check = check
-        self.saved = None  # (dtype, shape, device) of each tensor the forward saved
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             self.flat, self.spec = list(args), None  # fast path: positional tensors only
             self.tensor_pos = range(len(args))
@@ -85,43 +70,16 @@ class _Segment:
         else:
             args, kwargs = tree_unflatten(flat, self.spec)
         if recompute:
-            out = self._recompute(args, kwargs)
+            out = self.fn(*args, **kwargs)
         else:
             # torch.autograd.graph.saved_tensors_hooks without the context-manager object:
             # this runs once per checkpointed call, so its cost is the per-call overhead.
-            if self.check:
-                self.saved = saved = []
-                note = saved.append  # returns None: the tensor is dropped
-                _push_hooks(lambda t: note((t.dtype, t.shape, t.device)), _refuse_unpack)
-            else:
-                _push_hooks(_drop_saved, _refuse_unpack)
+            _push_hooks(_drop_saved, _refuse_unpack)
             try:
                 out = self.fn(*args, **kwargs)
             finally:
                 _pop_hooks()
         return self._flatten_output(out, recompute)
-
-    def _recompute(self, args: list, kwargs: dict) -> Any:
-        if not self.check:
-            return self.fn(*args, **kwargs)
-        saved = []
-        note = saved.append
-
-        def pack(t: torch.Tensor) -> tuple:
-            note((t.dtype, t.shape, t.device))
-            # Detached, as torch's checkpoint keeps it: an output saved by its own node would
-            # otherwise hold that node through the hook's object (a reference cycle). With
-            # hooks autograd no longer checks versions on unpacking, so the hook does.
-            return (t.detach() if t.requires_grad else t), t._version
-
-        _push_hooks(pack, _unpack_checked)
-        try:
-            out = self.fn(*args, **kwargs)
-        finally:
-            _pop_hooks()
-        if saved != self.saved:
-            raise CheckpointError(_not_deterministic(_saved_difference(saved, self.saved)))
-        return out
 
     def _flatten_output(self, out: Any, recompute: bool) -> list:
         if isinstance(out, torch.Tensor):
@@ -145,18 +103,6 @@ class _Segment:
         if self.out_spec is None:
             return flat[0]
         return tree_unflatten(flat, self.out_spec)
-
-
-def _describe(meta: tuple) -> str:
-    dtype, shape, device = meta
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
-
-
-def _saved_difference(now: list, then: list) -> str:
-    for i, (a, b) in enumerate(zip(now, then)):
-        if a != b:
-            return f"saved tensor {i} as {_describe(a)} where forward saved {_describe(b)}"
-    return f"saved {len(now)} tensors for backward where forward saved {len(then)}"
 
 
 def _not_deterministic(what: str) -> str:
@@ -207,16 +153,17 @@ def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True, **kwar
     on inputs and parameters fire once per backward, as without checkpointing.
 
     The recomputation must do what the forward did: the same tensor outputs (number, shapes,
-    dtypes, devices), the same tensors saved for backward (number, dtypes, shapes, devices),
-    the same autograd operations in the same order, and the same tensors read from outside.
+    dtypes, devices), the same autograd operations in the same order producing tensors of the
+    same shapes, dtypes and devices, and the same tensors read from outside the segment.
     Otherwise backward raises ``torch.utils.checkpoint.CheckpointError`` saying what differed.
 
     Args:
         fn: the segment; must compute the same outputs when re-run on the same inputs.
         *args, **kwargs: passed to ``fn``. The keywords ``use_reentrant`` (False/None),
             ``context_fn`` (default only), ``determinism_check`` (``"default"``, or ``"none"``
-            to skip comparing saved tensors and operations) and ``debug`` (False) are taken as
-            torch's checkpoint takes them, so calls can switch over unchanged.
+            to skip comparing the autograd operations and which outside tensors are read;
+            outputs are still compared) and ``debug`` (False) are taken as torch's checkpoint
+            takes them, so calls can switch over unchanged.
         preserve_rng_state: replay the forward's CPU/CUDA RNG state during recomputation.
     """
     if not callable(fn):
@@ -224,7 +171,7 @@ def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True, **kwar
     check = _check_torch_kwargs(kwargs) if kwargs else True
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    segment = _Segment(fn, args, kwargs, check)
+    segment = _Segment(fn, args, kwargs)
     inputs, segment.inputs = segment.inputs, None
     outs = _C.checkpoint_apply(segment, bool(preserve_rng_state), check, inputs)
     return segment.rebuild(outs)

@@ -8,12 +8,13 @@
 //   1. snapshot the RNG state (CPU generator and the CUDA generator of every CUDA device
 //      among the inputs) and the autocast state;
 //   2. run the segment once with grad mode on, on detached aliases of the inputs, under
-//      saved-tensor hooks that drop everything an op tries to save and note its dtype, shape
-//      and device (the Python runner installs them). The graph this builds is never used for
-//      backward: it tells which outputs require grad, which tensors from outside the arguments
-//      (parameters of a module, tensors of a closure, non-leaf tensors computed earlier) the
-//      segment reads, and which operations it recorded, in order. Its intermediates die as the
-//      segment returns, so nothing of size "activations" outlives the forward. The autocast
+//      saved-tensor hooks that drop everything an op tries to save (the Python runner installs
+//      them). The graph this builds is never used for backward: it tells which outputs require
+//      grad, which tensors from outside the arguments (parameters of a module, tensors of a
+//      closure, non-leaf tensors computed earlier) the segment reads, and which operations it
+//      recorded, in order, with the dtype, device and shape of each tensor they produced. Its
+//      intermediates die as the segment returns, so nothing of size "activations" outlives the
+//      forward. The autocast
 //      cast cache is off inside the segment (here and in the recomputation), so that both runs
 //      cast the weights they read themselves and build the same graph;
 //   3. wrap the outputs in CheckpointFunction, whose inputs are the argument tensors (saved
@@ -22,14 +23,15 @@
 // Backward: restore the snapshots and re-run the segment with grad on, its arguments being the
 // saved tensors each behind a SegmentInput node. Walk the recomputed graph down to where it
 // meets the segment's inputs and point every such edge at the SegmentInput of that input;
-// compare what the recomputation produced with the forward (outputs, saved tensors, recorded
-// operations, outside tensors read) and raise torch.utils.checkpoint.CheckpointError where it
-// differs; then differentiate it with torch::autograd::grad, capturing the gradients at the
-// SegmentInput nodes. Those lead nowhere while the gradient is taken, so no hook of an input
-// fires there (its hooks fire once, when this Function hands the gradient on) and no path
-// between two inputs is followed twice. When backward runs with grad mode on
-// (create_graph=True) the gradient is taken with create_graph and each SegmentInput is then
-// connected to its input, so the gradient's own graph reaches the original tensors.
+// compare what the recomputation produced with the forward (outputs, recorded operations and
+// the tensors they produced, outside tensors read) and raise
+// torch.utils.checkpoint.CheckpointError where it differs; then differentiate it with
+// torch::autograd::grad, capturing the gradients at the SegmentInput nodes. Those lead
+// nowhere while the gradient is taken, so no hook of an input fires there (its hooks fire
+// once, when this Function hands the gradient on) and no path between two inputs is followed
+// twice. When backward runs with grad mode on (create_graph=True) the gradient is taken with
+// create_graph and each SegmentInput is then connected to its input, so the gradient's own
+// graph reaches the original tensors.
 #include <torch/extension.h>
 
 #include <ATen/SequenceNumber.h>
@@ -167,6 +169,58 @@ struct TensorMeta {
   c10::Device device;
 };
 
+// What one run of the segment recorded, in walk order: the type of each autograd node and the
+// dtype, device and shape of each tensor it produced (the node's input metadata), flattened.
+struct OpTrace {
+  std::vector<const std::type_info*> types;
+  std::vector<size_t> begin;  // where node k's entries start in `meta`
+  std::vector<int64_t> meta;  // per tensor: ndim (-1 when not recorded), dtype, device, sizes
+
+  void add(const Node& node) {
+    types.push_back(&typeid(node));
+    begin.push_back(meta.size());
+    for (uint32_t i = 0; i < node.num_inputs(); ++i) {
+      const auto& m = node.input_metadata(i);
+      if (m.was_default_constructed() || m.is_nested_tensor()) {
+        meta.push_back(-1);
+        continue;
+      }
+      const auto shape = m.shape_as_dim_vector();
+      meta.push_back(static_cast<int64_t>(shape.size()));
+      meta.push_back(static_cast<int64_t>(m.dtype().toScalarType()));
+      meta.push_back(static_cast<int64_t>(m.device().type()));
+      meta.push_back(m.device().index());
+      for (const auto& size : shape) meta.push_back(size.maybe_as_int().value_or(-2));
+    }
+  }
+
+  size_t size() const { return types.size(); }
+
+  c10::ArrayRef<int64_t> outputs(size_t k) const {
+    const size_t end = k + 1 < begin.size() ? begin[k + 1] : meta.size();
+    return c10::ArrayRef<int64_t>(meta).slice(begin[k], end - begin[k]);
+  }
+
+  static std::string describe(c10::ArrayRef<int64_t> outputs) {
+    std::ostringstream os;
+    for (size_t i = 0; i < outputs.size();) {
+      if (i) os << ", ";
+      if (outputs[i] < 0) {
+        os << "(not recorded)";
+        ++i;
+        continue;
+      }
+      const auto ndim = static_cast<size_t>(outputs[i]);
+      os << c10::toString(static_cast<at::ScalarType>(outputs[i + 1]))
+         << outputs.slice(i + 4, ndim) << " on "
+         << c10::Device(static_cast<c10::DeviceType>(outputs[i + 2]),
+                        static_cast<c10::DeviceIndex>(outputs[i + 3]));
+      i += 4 + ndim;
+    }
+    return os.str();
+  }
+};
+
 struct SegmentState : torch::CustomClassHolder {
   py::object runner;  // runner(tensors: list[Tensor], recompute: bool) -> list[Tensor]
   bool preserve_rng = true;
@@ -177,7 +231,7 @@ struct SegmentState : torch::CustomClassHolder {
   std::vector<at::Tensor> outside;   // inputs after the arguments: leaves and edge proxies
   std::vector<TensorMeta> out_meta;  // what forward produced
   std::vector<bool> out_requires_grad;
-  std::vector<const std::type_info*> ops;  // the forward's autograd nodes, in walk order
+  OpTrace ops;                       // the forward's autograd nodes (when checking)
   variable_list pending_outputs;     // handed from checkpoint_apply to forward
 
   ~SegmentState() override {
@@ -252,11 +306,11 @@ std::vector<at::Tensor> run_segment(SegmentState& st, const variable_list& input
 // (AccumulateGrad) and non-leaf tensors from outside (nodes made before the run or on another
 // thread; sequence numbers are per thread).
 struct SegmentGraph {
-  std::vector<const std::type_info*> ops;  // the run's nodes, in walk order
-  std::vector<Edge*> crossings;            // edges from a node of the run to a tensor it did not create
-  std::vector<size_t> boundary_outputs;    // outputs that are such tensors themselves
+  OpTrace ops;                   // the run's nodes, in walk order
+  std::vector<Edge*> crossings;  // edges from a node of the run to a tensor it did not create
+  std::vector<size_t> boundary_outputs;  // outputs that are such tensors themselves
 
-  static SegmentGraph walk(const variable_list& outs, uint64_t first_seq) {
+  static SegmentGraph walk(const variable_list& outs, uint64_t first_seq, bool trace) {
     SegmentGraph g;
     const uint64_t thread = at::RecordFunction::currentThreadId();
     auto made_by_run = [&](const Node* node) {
@@ -267,7 +321,7 @@ struct SegmentGraph {
     std::vector<Node*> stack;
     auto enter = [&](Node* node) {
       if (!seen.insert(node).second) return;
-      g.ops.push_back(&typeid(*node));
+      if (trace) g.ops.add(*node);
       stack.push_back(node);
     };
     for (size_t k = 0; k < outs.size(); ++k) {
@@ -390,7 +444,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       inputs[i] = args[i].detach();
       if (!state->arg_requires_grad[i]) continue;
       entry[i] = make_segment_input(torch::autograd::impl::gradient_edge(args[i]),
-                                                torch::autograd::InputMetadata(args[i]));
+                                    torch::autograd::InputMetadata(args[i]));
       torch::autograd::impl::set_gradient_edge(inputs[i], edge_to(entry[i]));
     }
 
@@ -406,8 +460,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     check_outputs(*state, outs);
 
-    SegmentGraph graph = SegmentGraph::walk(outs, first_seq);
-    if (state->check) check_ops(*state, graph.ops);
+    SegmentGraph graph = SegmentGraph::walk(outs, first_seq, state->check);
+    if (state->check) check_ops(state->ops, graph.ops);
 
     // Which input each crossing edge reaches; point it at that input's SegmentInput.
     std::unordered_map<EdgeKey, size_t, EdgeKeyHash> index_of;
@@ -432,8 +486,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       reached[idx] = 1;
       if (idx < n_args) continue;  // already the argument's SegmentInput
       if (!entry[idx]) {
-        entry[idx] = make_segment_input(
-            *edge, edge->function->input_metadata(edge->input_nr));
+        entry[idx] = make_segment_input(*edge, edge->function->input_metadata(edge->input_nr));
       }
       *edge = edge_to(entry[idx]);
     }
@@ -517,20 +570,27 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
   }
 
-  static void check_ops(const SegmentState& state,
-                        const std::vector<const std::type_info*>& ops) {
-    const size_t n = std::min(ops.size(), state.ops.size());
+  // The same autograd nodes in the same order, producing tensors of the same dtypes, devices
+  // and shapes.
+  static void check_ops(const OpTrace& forward, const OpTrace& now) {
+    const size_t n = std::min(now.size(), forward.size());
     for (size_t k = 0; k < n; ++k) {
-      if (*ops[k] != *state.ops[k]) {
+      if (*now.types[k] != *forward.types[k]) {
         not_deterministic("recorded operation " + std::to_string(k) +
-                          " of its autograd graph as " + op_name(ops[k]) +
-                          " where forward had " + op_name(state.ops[k]));
+                          " of its autograd graph as " + op_name(now.types[k]) +
+                          " where forward had " + op_name(forward.types[k]));
+      }
+      if (now.outputs(k) != forward.outputs(k)) {
+        not_deterministic("recorded operation " + std::to_string(k) +
+                          " of its autograd graph, " + op_name(now.types[k]) +
+                          ", with outputs " + OpTrace::describe(now.outputs(k)) +
+                          " where forward had " + OpTrace::describe(forward.outputs(k)));
       }
     }
-    if (ops.size() != state.ops.size()) {
-      not_deterministic("recorded " + std::to_string(ops.size()) +
+    if (now.size() != forward.size()) {
+      not_deterministic("recorded " + std::to_string(now.size()) +
                         " operations in its autograd graph where forward recorded " +
-                        std::to_string(state.ops.size()));
+                        std::to_string(forward.size()));
     }
   }
 };
@@ -623,7 +683,7 @@ std::vector<at::Tensor> checkpoint_apply(py::object runner, bool preserve_rng, b
   for (const auto& o : outs) any_requires_grad = any_requires_grad || o.requires_grad();
   if (!any_requires_grad) return outs;  // nothing to differentiate: no node, nothing held
   {
-    SegmentGraph graph = SegmentGraph::walk(outs, first_seq);
+    SegmentGraph graph = SegmentGraph::walk(outs, first_seq, check);
     state->outside = outside_tensors(graph, outs, detached);
     if (check) state->ops = std::move(graph.ops);
   }
