@@ -50,6 +50,9 @@ class FusedHeadForward:
         self.positional = [p.name for p in params
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls = {"fused": 0, "hf": 0}
+        # What inspect.signature(model.forward) reports: Trainer keeps the dataset columns
+        # that the model's forward names.
+        self.__signature__ = inspect.signature(self.original)
 
     @property
     def original(self) -> Callable:

@@ -406,6 +406,7 @@ class _PatchedForward:
         self.positional = [p.name for p in params
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls: collections.Counter = collections.Counter()
+        self.__signature__ = inspect.signature(self.original)  # what HF's forward declares
 
     @property
     def original(self) -> Callable:
