@@ -2,13 +2,18 @@
 
 GPU (default sweep): causal, bf16, head_dim 64 (Hq = 32) and 128 (Hq = 16), Hkv = Hq, S in
 {1k, 2k, 4k, 8k, 16k} at 16k tokens per batch (B = 16384 // S), plus one GQA row per head_dim
-(Hkv = Hq / 4, S = 4k). Reports forward, backward and forward+backward TFLOP/s (median over
+(Hkv = Hq / 4, S = 4k), plus a packed row (documents of 1k tokens packed into S = 8k, given as
+segment ids) and a sliding-window row (window 1k, S = 8k) per head_dim. On the packed and
+windowed rows SDPA and eager get the equivalent dense (B, 1, S, S) boolean mask (SDPA then
+runs its memory-efficient or math backend: flash takes no mask), and the FLOPs counted are
+those of the visible (query, key) pairs only: 4 * Hq * D * pairs forward. Reports forward,
+backward and forward+backward TFLOP/s (median over
 repetitions, CUDA events, after warmup), prints a table and writes
 ``bench/results/attention_<device>.csv`` whose header comment records the device, torch and
 triton versions, the command and the date.
 
-FLOPs (FlashAttention convention): forward 4 * B * Hq * S^2 * D, halved when causal;
-backward 2.5x forward; forward+backward 3.5x forward.
+FLOPs (FlashAttention convention): forward 4 * B * Hq * S^2 * D, halved when causal (masked
+rows: 4 * Hq * D * visible pairs); backward 2.5x forward; forward+backward 3.5x forward.
 
 Without a GPU the script runs the kernels under the Triton interpreter at a tiny size, labels
 the run "CPU interpreter run: NOT a performance figure", and writes
@@ -17,6 +22,7 @@ the run "CPU interpreter run: NOT a performance figure", and writes
     python bench/attention.py                         # full GPU sweep
     python bench/attention.py --seqlens 2048 --head-dims 128 --reps 10
     python bench/attention.py --cpu-size 1,2,64,16    # CPU smoke size B,H,S,D
+    python bench/attention.py --mask-seqlen 16384 --packed-doc 2048 --window 4096
 """
 import argparse
 import csv
@@ -40,6 +46,9 @@ import triton  # noqa: E402
 
 from ckpt_ext.kernels import attention  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from reference import allowed_matrix  # noqa: E402  (the dense form of every mask rule)
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -55,6 +64,11 @@ def parse_args(argv=None):
                    help="query heads per head_dim as D:Hq pairs (GPU)")
     p.add_argument("--gqa-seqlen", type=int, default=4096,
                    help="S of the extra GQA row per head_dim (Hkv = Hq/4); 0 disables it")
+    p.add_argument("--mask-seqlen", type=int, default=8192,
+                   help="S of the packed and windowed rows (GPU); 0 disables them")
+    p.add_argument("--packed-doc", type=int, default=1024,
+                   help="document length of the packed row (segment ids)")
+    p.add_argument("--window", type=int, default=1024, help="window of the sliding-window row")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="GPU dtype")
     p.add_argument("--no-causal", action="store_true", help="benchmark non-causal attention")
     p.add_argument("--providers", default="triton,sdpa,eager",
@@ -69,24 +83,32 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------
 # Providers: each returns {mode: callable} for one shape
 # ------------------------------------------------------------------------------------------
-def eager_attention(q, k, v, causal, scale):
-    """Plain PyTorch: S x S scores, fp32 softmax. q (B, Hq, S, D), k/v (B, Hkv, S, D)."""
+def eager_attention(q, k, v, causal, scale, allowed=None):
+    """Plain PyTorch: S x S scores, fp32 softmax. q (B, Hq, S, D), k/v (B, Hkv, S, D);
+    allowed: None or the dense bool (B, 1, S, S) mask, causal included."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
-    if causal:
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    elif causal:
         S = q.shape[2]
         upper = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(upper, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def sdpa_attention(q, k, v, causal, scale):
-    """torch SDPA restricted to the flash backend on CUDA (default backends on CPU)."""
+def sdpa_attention(q, k, v, causal, scale, allowed=None):
+    """torch SDPA restricted to the flash backend on CUDA (default backends on CPU); with a
+    dense mask `allowed` (B, 1, S, S) SDPA's own backend choice (flash takes no mask)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     group = q.shape[1] // k.shape[1]
+    if allowed is not None:
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     backend = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
     with sdpa_kernel(backend):
         if group > 1:
@@ -124,21 +146,23 @@ def autograd_fns(fn, q, k, v, dout, causal, scale):
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
 
 
-def triton_fns(q, k, v, dout, causal, scale):
+def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None):
     saved = {}
+    masks = (None, segment_ids, window)
 
     def fwd():
-        return attention.attention_fwd(q, k, v, None, causal, scale)
+        return attention.attention_fwd(q, k, v, *masks, causal, scale)
 
     def prepare_bwd():
         saved["out"], saved["lse"] = fwd()
 
     def bwd():
-        return attention.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], None, causal, scale)
+        return attention.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], *masks, causal,
+                                       scale)
 
     def fwd_bwd():
-        out, lse = attention.attention_fwd(q, k, v, None, causal, scale)
-        return attention.attention_bwd(dout, q, k, v, out, lse, None, causal, scale)
+        out, lse = attention.attention_fwd(q, k, v, *masks, causal, scale)
+        return attention.attention_bwd(dout, q, k, v, out, lse, *masks, causal, scale)
 
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
 
@@ -175,8 +199,23 @@ def fwd_flops(B, Hq, S, D, causal):
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
-def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device):
-    """Rows (dicts) for every provider and mode at one shape."""
+def mask_inputs(kind, param, B, S, causal, device):
+    """(segment_ids, window, dense allowed (B, 1, S, S) or None, label) of a row: kind None
+    (plain causal/full), "packed" (documents of `param` tokens back to back) or "window"."""
+    if kind is None:
+        return None, None, None, ""
+    seg = window = None
+    if kind == "packed":
+        seg = (torch.arange(S, device=device) // param).expand(B, S).contiguous()
+    else:
+        window = param
+    allowed = allowed_matrix(B, S, None, causal, device, seg, window)
+    return seg, window, allowed, f"{kind}:{param}"
+
+
+def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device,
+                mask_kind=None, mask_param=None):
+    """Rows (dicts) for every provider and mode at one shape (and mask: see mask_inputs)."""
     cuda = device == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(B, Hq, S, D, device=device, dtype=dtype, generator=gen)
@@ -184,16 +223,25 @@ def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device
     v = torch.randn(B, Hkv, S, D, device=device, dtype=dtype, generator=gen)
     dout = torch.randn(B, Hq, S, D, device=device, dtype=dtype, generator=gen)
     scale = D ** -0.5
+    seg, window, allowed, label = mask_inputs(mask_kind, mask_param, B, S, causal, device)
+    flops = (fwd_flops(B, Hq, S, D, causal) if allowed is None
+             else 4.0 * Hq * D * allowed.sum().item())
+
+    def with_mask(fn):
+        return lambda q, k, v, causal, scale: fn(q, k, v, causal, scale, allowed)
+
     rows = []
     for prov in providers:
         note = ""
         try:
             if prov == "triton":
-                fns, prepare = triton_fns(q, k, v, dout, causal, scale)
+                fns, prepare = triton_fns(q, k, v, dout, causal, scale, seg, window)
             elif prov == "sdpa":
-                fns, prepare = autograd_fns(sdpa_attention, q, k, v, dout, causal, scale)
+                fns, prepare = autograd_fns(with_mask(sdpa_attention), q, k, v, dout, causal,
+                                            scale)
             else:
-                fns, prepare = autograd_fns(eager_attention, q, k, v, dout, causal, scale)
+                fns, prepare = autograd_fns(with_mask(eager_attention), q, k, v, dout, causal,
+                                            scale)
             results = {}
             for mode in MODES:
                 if mode == "bwd":
@@ -208,10 +256,10 @@ def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device
                 torch.cuda.empty_cache()
         for mode in MODES:
             ms = results[mode]
-            tflops = fwd_flops(B, Hq, S, D, causal) * MODE_FLOP_FACTOR[mode] / (ms * 1e-3) / 1e12
+            tflops = flops * MODE_FLOP_FACTOR[mode] / (ms * 1e-3) / 1e12
             rows.append(dict(provider=prov, mode=mode, head_dim=D, hq=Hq, hkv=Hkv, batch=B,
-                             seqlen=S, dtype=str(dtype).replace("torch.", ""), causal=causal,
-                             ms=ms, tflops=tflops, note=note))
+                             seqlen=S, mask=label, dtype=str(dtype).replace("torch.", ""),
+                             causal=causal, ms=ms, tflops=tflops, note=note))
     return rows
 
 
@@ -219,9 +267,14 @@ def sanity_check(device, dtype):
     """Max |triton - sdpa| of out on a small shape, so a broken build is not benchmarked."""
     gen = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(1, 2, 64, 64, device=device, dtype=dtype, generator=gen) for _ in range(3))
-    out, _ = attention.attention_fwd(q, k, v, None, True, 0.125)
-    ref = eager_attention(q.float(), k.float(), v.float(), True, 0.125)
-    return (out.float() - ref).abs().max().item()
+    seg = (torch.arange(64, device=device) // 24).expand(1, 64)
+    err = 0.0
+    for masks in ((None, None), (seg, None), (None, 9)):
+        out, _ = attention.attention_fwd(q, k, v, None, *masks, True, 0.125)
+        allowed = allowed_matrix(1, 64, None, True, device, *masks)
+        ref = eager_attention(q.float(), k.float(), v.float(), True, 0.125, allowed)
+        err = max(err, (out.float() - ref).abs().max().item())
+    return err
 
 
 # ------------------------------------------------------------------------------------------
@@ -230,12 +283,12 @@ def sanity_check(device, dtype):
 def print_table(rows, providers):
     shapes = []
     for r in rows:
-        key = (r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"])
+        key = (r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"], r["mask"])
         if key not in shapes:
             shapes.append(key)
-    by = {(r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"], r["provider"], r["mode"]): r
-          for r in rows}
-    head = f"{'D':>4} {'Hq/Hkv':>7} {'B':>4} {'S':>6} |"
+    by = {(r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"], r["mask"], r["provider"],
+           r["mode"]): r for r in rows}
+    head = f"{'D':>4} {'Hq/Hkv':>7} {'B':>4} {'S':>6} {'mask':>12} |"
     for prov in providers:
         head += f" {prov + ' fwd':>12} {'bwd':>7} {'f+b':>7} |"
     if "triton" in providers and "sdpa" in providers:
@@ -244,8 +297,8 @@ def print_table(rows, providers):
     print(head)
     print("-" * len(head))
     for key in shapes:
-        D, hq, hkv, B, S = key
-        line = f"{D:>4} {f'{hq}/{hkv}':>7} {B:>4} {S:>6} |"
+        D, hq, hkv, B, S, mask = key
+        line = f"{D:>4} {f'{hq}/{hkv}':>7} {B:>4} {S:>6} {mask or '-':>12} |"
         for prov in providers:
             vals = [by[key + (prov, m)]["tflops"] for m in MODES]
             note = by[key + (prov, "fwd")]["note"]
@@ -264,7 +317,7 @@ def goal_verdicts(rows, causal):
     throughput at head_dim 128, causal, S 4096 (MHA rows), one line per matching shape."""
     out = []
     by = {(r["provider"], r["head_dim"], r["hq"], r["hkv"], r["batch"], r["seqlen"]): r
-          for r in rows if r["mode"] == "fwd+bwd"}
+          for r in rows if r["mode"] == "fwd+bwd" and not r["mask"]}
     for (prov, D, hq, hkv, B, S), r in by.items():
         if prov != "triton" or D != 128 or S != 4096 or hq != hkv or not causal:
             continue
@@ -281,8 +334,8 @@ def goal_verdicts(rows, causal):
 
 def write_csv(rows, path, header_lines):
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "dtype", "causal",
-              "ms", "tflops", "note"]
+    fields = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "mask", "dtype",
+              "causal", "ms", "tflops", "note"]
     with open(path, "w", newline="") as f:
         for line in header_lines:
             f.write(f"# {line}\n")
@@ -320,6 +373,10 @@ def main(argv=None):
             if args.gqa_seqlen and hq % 4 == 0:
                 S = args.gqa_seqlen
                 shapes.append((max(1, args.tokens // S), hq, hq // 4, S, D))
+            if args.mask_seqlen:
+                S = args.mask_seqlen
+                shapes.append((max(1, args.tokens // S), hq, hq, S, D, "packed", args.packed_doc))
+                shapes.append((max(1, args.tokens // S), hq, hq, S, D, "window", args.window))
         slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
         out_path = pathlib.Path(args.out) if args.out else RESULTS / f"attention_{slug}.csv"
         device = "cuda"
@@ -333,15 +390,17 @@ def main(argv=None):
         shapes = [(B, H, H, S, D)]
         if H % 2 == 0:
             shapes.append((B, H, H // 2, S, D))
+        quarter = max(1, S // 4)
+        shapes += [(B, H, H, S, D, "packed", quarter), (B, H, H, S, D, "window", quarter)]
         out_path = pathlib.Path(args.out) if args.out else RESULTS / "attention_cpu_smoke.csv"
         device = "cpu"
         torch.set_num_threads(1)  # steadier timings on a shared CPU; still not a figure
 
     rows = []
-    for B, hq, hkv, S, D in shapes:
-        rows += bench_shape(B, hq, hkv, S, D, dtype, causal, providers, warmup, reps, device)
+    for B, hq, hkv, S, D, *mask in shapes:
+        rows += bench_shape(B, hq, hkv, S, D, dtype, causal, providers, warmup, reps, device, *mask)
         r = {x["provider"] + " " + x["mode"]: x["ms"] for x in rows[-3 * len(providers):]}
-        print(f"  D={D} Hq/Hkv={hq}/{hkv} B={B} S={S}: "
+        print(f"  D={D} Hq/Hkv={hq}/{hkv} B={B} S={S}{' ' + rows[-1]['mask'] if mask else ''}: "
               + ", ".join(f"{k} {v:.3g} ms" for k, v in r.items() if not math.isnan(v)), flush=True)
 
     print()
@@ -357,8 +416,11 @@ def main(argv=None):
         f"cuda {torch.version.cuda}, dtype {str(dtype).replace('torch.', '')}, causal {causal}",
         f"command: {command}",
         f"date: {started}",
-        "flops: fwd = 4*B*Hq*S^2*D (x0.5 causal); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
-        "sdpa: torch SDPA with SDPBackend.FLASH_ATTENTION on CUDA (MATH on CPU); eager: S x S scores, fp32 softmax",
+        "flops: fwd = 4*B*Hq*S^2*D (x0.5 causal), masked rows 4*Hq*D*(visible pairs); "
+        "bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+        "sdpa: torch SDPA with SDPBackend.FLASH_ATTENTION on CUDA (MATH on CPU); on packed/window "
+        "rows the equivalent dense bool mask, SDPA's own backend; "
+        "eager: S x S scores, fp32 softmax",
     ] + verdicts
     write_csv(rows, out_path, header)
 

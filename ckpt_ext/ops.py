@@ -11,7 +11,8 @@ CUDA implementations are registered elsewhere. This module adds, for every kerne
   one with ``create_graph=True`` raises (double backward is not supported).
 
 Public wrappers (DESIGN.md):
-    attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None) -> out
+    attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
+              window=None) -> out
     swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input")
     rms_norm(x, weight, eps) -> y
     add_rms_norm(x, residual, weight, eps) -> (y, s)
@@ -86,9 +87,9 @@ def _check_positive_finite(op, name, x):
         raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
 
 
-def _check_qkv(op, q, k, v, key_padding_mask, scale=1.0):
-    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool, scale finite > 0.
-    Returns (B, Hq, Hkv, S, D)."""
+def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool, segment_ids (B, S) int32/int64,
+    window > 0, scale finite > 0. Returns (B, Hq, Hkv, S, D)."""
     _check_dim(op, "q", q, 4, "(B, Hq, S, D)")
     _check_dim(op, "k", k, 4, "(B, Hkv, S, D)")
     _check_dim(op, "v", v, 4, "(B, Hkv, S, D)")
@@ -120,6 +121,15 @@ def _check_qkv(op, q, k, v, key_padding_mask, scale=1.0):
                             f"{_dtype(m.dtype)}")
         _check_shape(op, "key_padding_mask", m, (B, S), "(B, S)")
         _check_device_as(op, "key_padding_mask", m, "q", q)
+    if segment_ids is not None:
+        if segment_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op}: segment_ids must be int32 or int64, got "
+                            f"{_dtype(segment_ids.dtype)}")
+        _check_shape(op, "segment_ids", segment_ids, (B, S), "(B, S)")
+        _check_device_as(op, "segment_ids", segment_ids, "q", q)
+    if window is not None and window <= 0:
+        raise ValueError(f"{op}: window must be > 0 (key j is visible from query i iff "
+                         f"i - window < j <= i), got {window}")
     _check_positive_finite(op, "scale", scale)
     return B, Hq, Hkv, S, D
 
@@ -175,15 +185,17 @@ def _check_rope(op, qn, q, kn, k, cos, sin):
 # Fake implementations: shapes and dtypes exactly as the real ops return them
 # --------------------------------------------------------------------------------------------
 @torch.library.register_fake("ckpt_ext::attention_fwd")
-def _attention_fwd_fake(q, k, v, key_padding_mask, causal, scale):
-    B, Hq, _, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, scale)
+def _attention_fwd_fake(q, k, v, key_padding_mask, segment_ids, window, causal, scale):
+    B, Hq, _, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
+                                window, scale)
     return q.new_empty((B, Hq, S, D)), q.new_empty((B, Hq, S), dtype=torch.float32)
 
 
 @torch.library.register_fake("ckpt_ext::attention_bwd")
-def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, causal, scale):
+def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal,
+                        scale):
     op = "attention_bwd"
-    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask, scale)
+    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale)
     _check_like(op, "dout", dout, "q", q, q.shape, "(the shape of q)")
     _check_like(op, "out", out, "q", q, q.shape, "(the shape of q)")
     _check_shape(op, "lse", lse, (B, Hq, S), "(B, Hq, S)")
@@ -266,18 +278,18 @@ def _rope_bwd_fake(dq_out, dk_out, cos, sin):
 # Autograd of the forward ops
 # --------------------------------------------------------------------------------------------
 def _attention_setup(ctx, inputs, output):
-    q, k, v, key_padding_mask, causal, scale = inputs
+    q, k, v, key_padding_mask, segment_ids, window, causal, scale = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, segment_ids)
+    ctx.window, ctx.causal, ctx.scale = window, causal, scale
 
 
 def _attention_backward(ctx, dout, dlse):
-    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, key_padding_mask, ctx.causal,
-                                    ctx.scale)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, key_padding_mask, segment_ids = ctx.saved_tensors
+    dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids,
+                                    ctx.window, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -367,8 +379,10 @@ for _name in ("attention_bwd", "swiglu_bwd", "rms_norm_bwd", "rope_bwd"):
 # --------------------------------------------------------------------------------------------
 # Public wrappers
 # --------------------------------------------------------------------------------------------
-def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
-    """Scaled dot-product attention with GQA, causal and key-padding masks.
+def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
+              window=None):
+    """Scaled dot-product attention with GQA, causal, key-padding, packed-sequence and
+    sliding-window masks.
 
     Args:
         q: (B, Hq, S, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0 (query head h reads kv head
@@ -376,6 +390,15 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
         causal: query i attends keys j <= i.
         scale: multiplies q k^T, a finite number > 0; default 1 / sqrt(D).
         key_padding_mask: None or bool (B, S), True = the key may be attended.
+        segment_ids: None or int32 / int64 (B, S): packed sequences; query i attends key j only
+            if segment_ids[b, i] == segment_ids[b, j] (any ids; contiguous runs of equal ids
+            let the kernels skip whole tiles).
+        window: None or int > 0, HF's sliding window (transformers' sliding_window_overlay):
+            key j is visible from query i iff ``i - window < j``, so with causal
+            ``i - window < j <= i`` (window=1: each token sees itself). Not causal: also
+            ``j < i + window``, i.e. ``|i - j| < window`` (HF's bidirectional window w, which
+            keeps ``|i - j| <= w``, is window=w + 1). None, or window >= S: no window.
+        The rules combine: a key is attended only if every rule given allows it.
 
     Returns:
         out (B, Hq, S, D), contiguous, q's dtype. A query row with nothing to attend gives 0
@@ -385,11 +408,17 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise TypeError(f"attention: window must be None or an int, got {type(window).__name__}")
+    if window is not None and window <= 0:
+        raise ValueError(f"attention: window must be > 0 (key j is visible from query i iff "
+                         f"i - window < j <= i), got {window}")
     if scale is None:
         D = q.shape[-1] if q.dim() == 4 else 0
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 / wrong rank: the op says why
     _check_positive_finite("attention", "scale", float(scale))
-    out, _ = _ops.attention_fwd(q, k, v, key_padding_mask, bool(causal), float(scale))
+    out, _ = _ops.attention_fwd(q, k, v, key_padding_mask, segment_ids, window, bool(causal),
+                                float(scale))
     return out
 
 

@@ -2,9 +2,18 @@
 // softmax, the reference the Triton kernels are tested against.
 //
 // Shapes: q (B, Hq, S, D); k, v (B, Hkv, S, D), Hq % Hkv == 0, query head h reads kv head
-// h / (Hq / Hkv); key_padding_mask (B, S) bool, True = the key may be attended; out (B, Hq, S, D)
-// contiguous in q's dtype; lse (B, Hq, S) float32, the natural-log logsumexp of the scaled
-// allowed scores, -inf for a row with nothing to attend (its out row and its gradients are 0).
+// h / (Hq / Hkv); key_padding_mask (B, S) bool, True = the key may be attended; segment_ids
+// (B, S) int32/int64, a query sees only keys with its id (packed sequences); window > 0, HF's
+// sliding window: key j is visible from query i iff i - window < j (and j < i + window when not
+// causal); out (B, Hq, S, D) contiguous in q's dtype; lse (B, Hq, S) float32, the natural-log
+// logsumexp of the scaled allowed scores, -inf for a row with nothing to attend (its out row
+// and its gradients are 0).
+//
+// Skipping: causal and the window form a band i - before <= j <= i + after; each query tile
+// visits only the keys in the band of its rows and, with segment ids, in the span from the
+// first to the last position holding one of its rows' ids (and each key tile, in backward,
+// only the queries that can see it). Ids are still compared element-wise, so arbitrary ids are
+// exact; contiguous runs are what makes the spans tight.
 //
 // Memory: no S x S tensor is ever built. Work is split into query tiles of kBlockM rows and
 // key tiles of kBlockN keys; the score tile of one step is (kBlockM * G, kBlockN), with G the
@@ -27,6 +36,9 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "checks.h"
 
@@ -59,9 +71,11 @@ struct AttnDims {
   }
 };
 
-// Validates q, k, v and the mask of both ops; returns the sizes.
+// Validates q, k, v, the masks and the scale of both ops; returns the sizes.
 AttnDims check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const std::optional<at::Tensor>& key_padding_mask) {
+                   const std::optional<at::Tensor>& key_padding_mask,
+                   const std::optional<at::Tensor>& segment_ids, std::optional<int64_t> window,
+                   double scale) {
   check_defined(op, "q", q);
   check_defined(op, "k", k);
   check_defined(op, "v", v);
@@ -94,28 +108,84 @@ AttnDims check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, con
     check_shape(op, "key_padding_mask", m, {d.B, d.S}, "(B, S)");
     check_device_as(op, "key_padding_mask", m, "q", q);
   }
+  if (segment_ids.has_value()) {
+    const at::Tensor& ids = *segment_ids;
+    check_defined(op, "segment_ids", ids);
+    checks::check_index_dtype(op, "segment_ids", ids);
+    check_shape(op, "segment_ids", ids, {d.B, d.S}, "(B, S)");
+    check_device_as(op, "segment_ids", ids, "q", q);
+  }
+  CKPT_CHECK_VALUE(!window.has_value() || *window > 0, op,
+                   "window must be > 0 (key j is visible from query i iff i - window < j <= i), "
+                   "got ", window.value_or(0));
+  checks::check_positive_finite(op, "scale", scale);
   return d;
 }
 
-// Which entries of a (query tile, key tile) pair may not be attended: causal and padding.
-struct TileMask {
-  bool causal;
-  at::Tensor blocked_keys;  // (B, S) bool, True = key padded out; undefined without a mask
+// Which (query, key) pairs may be attended, and which ranges of keys / queries a tile of
+// queries / keys can meet. Key j is visible from query i iff
+//   i - before <= j <= i + after              (the band: causal, window; kNoLimit = none)
+//   and the key is not padded                 (key_padding_mask)
+//   and ids[b, i] == ids[b, j]                (segment_ids)
+struct AttnMask {
+  static constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max() / 4;
+  int64_t S = 0;
+  int64_t before = kNoLimit, after = kNoLimit;
+  at::Tensor blocked_keys;      // (B, S) bool, True = key padded out; undefined without a mask
+  at::Tensor ids;               // (B, S) int64 segment ids; undefined without segments
+  std::vector<int64_t> first;   // (B * S): first position in its row of the id at (b, i)
+  std::vector<int64_t> last;    // (B * S): last position in its row of the id at (b, i)
+
+  bool banded(int64_t i0, int64_t m, int64_t j0, int64_t n) const {
+    // some key of [j0, j0 + n) lies outside the band of some query of [i0, i0 + m)
+    return j0 + n - 1 > i0 + after || j0 < i0 + m - 1 - before;
+  }
+
+  // The positions [lo, hi) that positions [p0, p0 + len) can be paired with: keys of a query
+  // tile (reach_lo = before, reach_hi = after) or queries of a key tile (the reaches swapped;
+  // the segment relation is symmetric).
+  std::pair<int64_t, int64_t> partners(int64_t b, int64_t p0, int64_t len, int64_t reach_lo,
+                                       int64_t reach_hi) const {
+    int64_t lo = std::max<int64_t>(0, p0 - reach_lo);
+    int64_t hi = std::min<int64_t>(S, p0 + len + reach_hi);
+    if (ids.defined()) {
+      int64_t seg_lo = S, seg_hi = 0;
+      for (int64_t p = b * S + p0; p < b * S + p0 + len; ++p) {
+        seg_lo = std::min(seg_lo, first[p]);
+        seg_hi = std::max(seg_hi, last[p] + 1);
+      }
+      lo = std::max(lo, seg_lo);
+      hi = std::min(hi, seg_hi);
+    }
+    return {lo, std::max(lo, hi)};
+  }
+  std::pair<int64_t, int64_t> keys_for(int64_t b, int64_t i0, int64_t m) const {
+    return partners(b, i0, m, before, after);
+  }
+  std::pair<int64_t, int64_t> queries_for(int64_t b, int64_t j0, int64_t n) const {
+    return partners(b, j0, n, after, before);
+  }
 
   // Bool tile, True = score is masked out; shaped to broadcast over the score tile viewed as
-  // (m, G, n): (m, 1, n) when causal cuts through the tile, else (1, 1, n). Undefined when
-  // neither rule applies to the tile (no mask, and the tile lies below the causal diagonal).
+  // (m, G, n): (m, 1, n) when the band or the segments cut through the tile, else (1, 1, n).
+  // Undefined when no rule masks anything in the tile.
   at::Tensor tile(int64_t b, int64_t i0, int64_t m, int64_t j0, int64_t n) const {
     at::Tensor blocked;
-    if (causal && j0 + n - 1 > i0) {  // some key j in the tile lies after some query i
+    auto merge = [&blocked](const at::Tensor& t) {
+      blocked = blocked.defined() ? blocked.logical_or(t) : t;
+    };
+    if (banded(i0, m, j0, n)) {
       auto opts = at::TensorOptions().dtype(at::kLong);
-      at::Tensor qi = at::arange(i0, i0 + m, opts).view({m, 1, 1});
-      at::Tensor kj = at::arange(j0, j0 + n, opts).view({1, 1, n});
-      blocked = kj > qi;  // (m, 1, n)
+      at::Tensor dist = at::arange(j0, j0 + n, opts).view({1, 1, n}) -
+                        at::arange(i0, i0 + m, opts).view({m, 1, 1});  // j - i, (m, 1, n)
+      merge(dist.gt(after).logical_or_(dist.lt(-before)));
     }
     if (blocked_keys.defined()) {
-      at::Tensor pad = blocked_keys.select(0, b).narrow(0, j0, n).view({1, 1, n});
-      blocked = blocked.defined() ? blocked.logical_or(pad) : pad;
+      merge(blocked_keys.select(0, b).narrow(0, j0, n).view({1, 1, n}));
+    }
+    if (ids.defined()) {
+      at::Tensor row = ids.select(0, b);
+      merge(row.narrow(0, i0, m).view({m, 1, 1}).ne(row.narrow(0, j0, n).view({1, 1, n})));
     }
     return blocked;
   }
@@ -128,7 +198,7 @@ at::Tensor group_rows(const at::Tensor& t, int64_t b, int64_t hk, int64_t G, int
   return t.select(0, b).narrow(0, hk * G, G).narrow(1, i0, m).transpose(0, 1);
 }
 
-// Online softmax of one query tile against keys [0, j_end) of one kv head.
+// Online softmax of one query tile against the keys of one kv head that it can see.
 //   qt (m * G, D) in the compute dtype, rows in (position, head) order, positions [i0, i0 + m);
 //   kh, vh (S, D) of the kv head, any dtype (tiles are converted); vh undefined = statistics
 //   only (no output accumulation).
@@ -136,16 +206,15 @@ at::Tensor group_rows(const at::Tensor& t, int64_t b, int64_t hk, int64_t G, int
 // out = acc / row_sum and lse = row_max + log(row_sum); a row with nothing allowed keeps
 // row_max = -inf, row_sum = 0, acc = 0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> online_softmax(
-    const at::Tensor& qt, const at::Tensor& kh, const at::Tensor& vh, const TileMask& mask,
+    const at::Tensor& qt, const at::Tensor& kh, const at::Tensor& vh, const AttnMask& mask,
     int64_t b, int64_t i0, int64_t m, int64_t G, double scale) {
-  const int64_t S = kh.size(0);
   const at::ScalarType cdt = qt.scalar_type();
   const int64_t rows = qt.size(0);
   at::Tensor row_max = at::full({rows}, -kInf, qt.options());
   at::Tensor row_sum = at::zeros({rows}, qt.options());
   at::Tensor acc = vh.defined() ? at::zeros({rows, qt.size(1)}, qt.options()) : at::Tensor();
-  const int64_t j_end = mask.causal ? std::min(S, i0 + m) : S;  // later keys are all masked
-  for (int64_t j0 = 0; j0 < j_end; j0 += kBlockN) {
+  const auto [j_begin, j_end] = mask.keys_for(b, i0, m);  // the other keys are all masked
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlockN) {
     const int64_t n = std::min(kBlockN, j_end - j0);
     at::Tensor kt = kh.narrow(0, j0, n).to(cdt);                  // (n, D)
     at::Tensor s = at::mm(qt, kt.t()).mul_(scale);                // (m * G, n)
@@ -171,36 +240,62 @@ at::Tensor lse_from_stats(const at::Tensor& row_max, const at::Tensor& row_sum) 
   return row_max + row_sum.log();  // row_sum == 0 exactly when row_max == -inf
 }
 
-TileMask make_mask(const std::optional<at::Tensor>& key_padding_mask, bool causal) {
-  TileMask mask{causal, at::Tensor()};
+AttnMask make_mask(const AttnDims& d, const std::optional<at::Tensor>& key_padding_mask,
+                   const std::optional<at::Tensor>& segment_ids, std::optional<int64_t> window,
+                   bool causal) {
+  AttnMask mask;
+  mask.S = d.S;
+  if (window.has_value() && *window < d.S) mask.before = *window - 1;  // >= S: no window
+  mask.after = causal ? 0 : mask.before;
   if (key_padding_mask.has_value()) mask.blocked_keys = key_padding_mask->logical_not();
+  if (segment_ids.has_value()) {
+    mask.ids = segment_ids->to(at::kLong).contiguous();
+    mask.first.resize(d.B * d.S);
+    mask.last.resize(d.B * d.S);
+    const int64_t* id = mask.ids.data_ptr<int64_t>();
+    std::unordered_map<int64_t, std::pair<int64_t, int64_t>> span;  // id -> (first, last)
+    for (int64_t b = 0; b < d.B; ++b) {
+      span.clear();
+      for (int64_t i = 0; i < d.S; ++i) {
+        span.try_emplace(id[b * d.S + i], i, i).first->second.second = i;
+      }
+      for (int64_t i = 0; i < d.S; ++i) {
+        const auto& [lo, hi] = span[id[b * d.S + i]];
+        mask.first[b * d.S + i] = lo;
+        mask.last[b * d.S + i] = hi;
+      }
+    }
+  }
   return mask;
 }
 
-// Without a padding mask, ATen's CPU flash attention computes the same forward out/lse
-// (natural-log logsumexp, fp32 for fp32/bf16/fp16 inputs, GQA without repeating K/V) about 3x
-// faster than the tiles below; it serves the forward there. fp64 stays on the tiles (its lse
-// would be fp64). Its backward is not used: on rows that attend few keys its dk error reached
-// 3.2x plain PyTorch's (tests/test_ops.py), past this project's 3x bound; the tiled backward
-// below stays within it and reads the same lse.
-bool use_aten_flash(const at::Tensor& q, const std::optional<at::Tensor>& key_padding_mask) {
+// Without a padding mask, segments or a window, ATen's CPU flash attention computes the same
+// forward out/lse (natural-log logsumexp, fp32 for fp32/bf16/fp16 inputs, GQA without repeating
+// K/V) about 3x faster than the tiles below; it serves the forward there. fp64 stays on the
+// tiles (its lse would be fp64). Its backward is not used: on rows that attend few keys its dk
+// error reached 3.2x plain PyTorch's (tests/test_ops.py), past this project's 3x bound; the
+// tiled backward below stays within it and reads the same lse.
+bool use_aten_flash(const at::Tensor& q, const AttnMask& mask) {
   const auto dt = q.scalar_type();
-  return !key_padding_mask.has_value() &&
+  return !mask.blocked_keys.defined() && !mask.ids.defined() &&
+         mask.before == AttnMask::kNoLimit &&
          (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v,
                                                      const std::optional<at::Tensor>& key_padding_mask,
-                                                     bool causal, double scale) {
+                                                     const std::optional<at::Tensor>& segment_ids,
+                                                     std::optional<int64_t> window, bool causal,
+                                                     double scale) {
   const char* op = "attention_fwd";
-  const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
-  checks::check_positive_finite(op, "scale", scale);
+  const AttnDims d = check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale);
   if (d.S == 0) {  // empty outputs, as torch's attention gives (ATen's flash kernel divides by S)
     return {at::empty({d.B, d.Hq, 0, d.D}, q.options()),
             at::empty({d.B, d.Hq, 0}, q.options().dtype(at::kFloat))};
   }
-  if (use_aten_flash(q, key_padding_mask)) {
+  const AttnMask mask = make_mask(d, key_padding_mask, segment_ids, window, causal);
+  if (use_aten_flash(q, mask)) {
     // That kernel reads each (B, H, S) row of D values with a unit stride, whatever the
     // tensor's strides say: inputs with a strided last dim are copied first.
     auto unit_d = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
@@ -211,7 +306,6 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
   at::Tensor out = at::empty({d.B, d.Hq, d.S, d.D}, q.options());                  // (B, Hq, S, D)
   at::Tensor lse = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));     // (B, Hq, S)
-  const TileMask mask = make_mask(key_padding_mask, causal);
   const int64_t num_q_tiles = (d.S + kBlockM - 1) / kBlockM;
 
   const int64_t items = d.B * d.Hkv * num_q_tiles;
@@ -239,10 +333,10 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
-    bool causal, double scale) {
+    const std::optional<at::Tensor>& segment_ids, std::optional<int64_t> window, bool causal,
+    double scale) {
   const char* op = "attention_bwd";
-  const AttnDims d = check_qkv(op, q, k, v, key_padding_mask);
-  checks::check_positive_finite(op, "scale", scale);
+  const AttnDims d = check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale);
   checks::check_like(op, "dout", dout, "q", q, q.sizes(), "(the shape of q)");
   checks::check_like(op, "out", out, "q", q, q.sizes(), "(the shape of q)");
   check_defined(op, "lse", lse);
@@ -254,7 +348,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   at::Tensor dk = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
   at::Tensor dv = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
   if (d.S == 0) return {dq, dk, dv};  // empty gradients of empty inputs
-  const TileMask mask = make_mask(key_padding_mask, causal);
+  const AttnMask mask = make_mask(d, key_padding_mask, segment_ids, window, causal);
   const int64_t G = d.G, S = d.S, D = d.D;
 
   at::parallel_for(0, d.B * d.Hkv, d.grain(d.B * d.Hkv), [&](int64_t begin, int64_t end) {
@@ -292,10 +386,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
         const int64_t n = std::min(kBlockN, S - j0);
         at::Tensor kt = kh.narrow(0, j0, n), vt = vh.narrow(0, j0, n);      // (n, D)
         at::Tensor dkt = dk_acc.narrow(0, j0, n), dvt = dv_acc.narrow(0, j0, n);
-        // Causal: query tiles that end before key j0 see none of this key tile.
-        const int64_t i_first = causal ? (j0 / kBlockM) * kBlockM : 0;
-        for (int64_t i0 = i_first; i0 < S; i0 += kBlockM) {
-          const int64_t m = std::min(kBlockM, S - i0);
+        // Only the queries that can see a key of this tile (band and segments).
+        const auto [i_begin, i_end] = mask.queries_for(b, j0, n);
+        for (int64_t i0 = i_begin; i0 < i_end; i0 += kBlockM) {
+          const int64_t m = std::min(kBlockM, i_end - i0);
           const int64_t r0 = i0 * G, rows = m * G;
           at::Tensor qt = q_rows.narrow(0, r0, rows);                          // (m * G, D)
           at::Tensor dot = do_rows.narrow(0, r0, rows);                        // (m * G, D)

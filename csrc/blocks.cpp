@@ -66,8 +66,10 @@ T2 attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK_NOT_IMPLEMENTED(!seg && !window, "decoder_layer: segment_ids/window need the "
                               "masked attention kernels");
   static auto op = op_handle<T2(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptTensor&, bool, double)>("ckpt_ext::attention_fwd");
-  return op.call(q, k, v, mask, /*causal=*/true, scale);
+                                const OptTensor&, const OptTensor&, std::optional<int64_t>,
+                                bool, double)>("ckpt_ext::attention_fwd");
+  return op.call(q, k, v, mask, /*segment_ids=*/std::nullopt, /*window=*/std::nullopt,
+                 /*causal=*/true, scale);
 }
 
 T3 attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
@@ -78,8 +80,10 @@ T3 attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
                               "masked attention kernels");
   static auto op = op_handle<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptTensor&, bool, double)>("ckpt_ext::attention_bwd");
-  return op.call(dout, q, k, v, out, lse, mask, /*causal=*/true, scale);
+                                const OptTensor&, const OptTensor&, std::optional<int64_t>,
+                                bool, double)>("ckpt_ext::attention_bwd");
+  return op.call(dout, q, k, v, out, lse, mask, /*segment_ids=*/std::nullopt,
+                 /*window=*/std::nullopt, /*causal=*/true, scale);
 }
 
 T3 swiglu_fwd(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,

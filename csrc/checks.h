@@ -79,6 +79,13 @@ inline void check_floating(const char* op, const char* name, const at::Tensor& t
                   dtype_str(s));
 }
 
+// t is int32 or int64 (ids, indices).
+inline void check_index_dtype(const char* op, const char* name, const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  CKPT_CHECK_TYPE(s == at::kInt || s == at::kLong, op, name, " must be int32 or int64, got ",
+                  dtype_str(s));
+}
+
 // t has exactly `dim` dims; `layout` names them, e.g. "(B, Hq, S, D)".
 inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim,
                       const char* layout) {

@@ -18,10 +18,15 @@
 
 TORCH_LIBRARY(ckpt_ext, m) {
   // ---- attention ---------------------------------------------------------------------------
-  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool causal, "
-        "float scale) -> (Tensor out, Tensor lse)");
+  // Key j is visible from query i iff every rule given allows it: causal j <= i;
+  // key_padding_mask[b, j]; segment_ids[b, i] == segment_ids[b, j] (int32/int64 (B, S), packed
+  // sequences); window > 0, HF's sliding window: i - window < j (and j < i + window when not
+  // causal); None or window >= S is no window. scale: finite, > 0.
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
+        "Tensor? segment_ids, int? window, bool causal, float scale) -> (Tensor out, Tensor lse)");
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor? key_padding_mask, bool causal, float scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool causal, float scale) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)");
 
   // ---- SwiGLU MLP: y = (silu(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd ------------------------
   // return_gate_up=False: gate/up are never materialised and come back empty.

@@ -4,19 +4,28 @@ Shapes (every launcher checks them):
     q:                (B, Hq, S, D)      fp16 / bf16 / fp32, any strides
     k, v:             (B, Hkv, S, D)     same dtype as q, ``Hq % Hkv == 0`` (GQA)
     key_padding_mask: None or bool (B, S), True = the key may be attended
+    segment_ids:      None or int32 / int64 (B, S): a query sees only keys with its id
+    window:           None or int > 0: key j is visible from query i iff i - window < j
+                      (and j < i + window when not causal); None or >= S: no window
     out:              (B, Hq, S, D)      dtype of q, contiguous
     lse:              (B, Hq, S)         float32, natural log; -inf where a row attends nothing
 
 Forward: one program per (query block, batch, query head). It streams key blocks through an
 online softmax (running max ``m``, running sum ``l``, fp32 accumulator), in base 2 so that the
-exponentials are ``exp2``. With ``causal`` it stops at the diagonal, and only the key blocks
-that straddle the diagonal pay for the element-wise causal mask.
+exponentials are ``exp2``. Causal attention and the window form a band
+``i - win_before <= j <= i + win_after``; a query block visits only the key blocks that meet
+the band and (with segment ids) the span of its segments, and only the blocks that cross an edge
+of the band pay for the element-wise band test. Packed or windowed attention therefore costs
+about what it computes. Segment ids are compared element-wise in every visited block, so any
+ids are handled exactly; contiguous segments are what makes the skipping effective.
 
 Backward: ``D = rowsum(dO * O)`` first; then one kernel owns a key block of one KV head and walks
 over every query block of every query head in its GQA group (fixed order, so dK/dV are summed
 deterministically and without atomics), and one kernel owns a query block and walks over the
-key blocks to form dQ. Both rebuild ``P = exp(scale * Q K^T - lse)`` tile by tile; the S x S
-matrix never exists in memory. A row whose lse is -inf gets ``P = 0``, hence zero gradients.
+key blocks to form dQ, each visiting only the blocks the band and the segments allow (a key
+block meets the query blocks that can see it). Both rebuild ``P = exp(scale * Q K^T - lse)``
+tile by tile; the S x S matrix never exists in memory. A row whose lse is -inf gets ``P = 0``,
+hence zero gradients.
 
 The head dimension is padded to a power of two (>= 16) inside the kernels with masked loads, so
 any head_dim in 16..256 works (80 and 96 included). fp32 inputs use IEEE fp32 dot products
@@ -56,18 +65,54 @@ def _interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# Which tiles a block meets: the band (causal, window) and the segments
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_ranges(first, last, lo, hi, below, above, BLOCK: tl.constexpr):
+    """The tiles (BLOCK wide, aligned) of the other axis that a block of positions
+    [first, last] meets, as (start, full_start, full_end, end).
+
+    A partner p of position x is in the band iff ``x - below <= p <= x + above``; [lo, hi) is
+    the partner range already cut to the band, the segments and [0, S). Tiles in [start, end)
+    cover it; those in [full_start, full_end) lie inside the band for every position of the
+    block and skip the element-wise band test, the others take it. All values are >= 0.
+    """
+    start = (lo // BLOCK) * BLOCK
+    end = tl.cdiv(hi, BLOCK) * BLOCK
+    full_start = tl.cdiv(tl.maximum(last - below, 0), BLOCK) * BLOCK
+    full_start = tl.minimum(tl.maximum(full_start, start), end)
+    full_end = ((first + above + 1) // BLOCK) * BLOCK
+    full_end = tl.minimum(tl.maximum(full_end, full_start), end)
+    return start, full_start, full_end, end
+
+
+@triton.jit
+def _partner_range(offs, ok, first, last, S, below, above, SegLo_b, SegHi_b, HAS_SEG: tl.constexpr):
+    """[lo, hi): the partners that positions offs (valid where ok, spanning [first, last]) may
+    see: the band [first - below, last + above], cut to [0, S) and, with segments, to the span
+    [min first occurrence, max last occurrence] of their segment ids."""
+    lo = tl.maximum(first - below, 0)
+    hi = tl.minimum(last + above + 1, S)
+    if HAS_SEG:
+        lo = tl.maximum(lo, tl.min(tl.load(SegLo_b + offs, mask=ok, other=S), 0))
+        hi = tl.minimum(hi, tl.max(tl.load(SegHi_b + offs, mask=ok, other=0), 0))
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
+def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                    offs_m, offs_d, lo, hi, S, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIAG: tl.constexpr,
-                    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    offs_m, offs_d, lo, hi, S, qk_scale, win_before, win_after,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+                    HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key blocks [lo, hi) of one query block.
 
     q: (BLOCK_M, D_PAD); acc: (BLOCK_M, D_PAD) fp32; l_i, m_i: (BLOCK_M,) fp32, m_i in base 2.
-    DIAG: the blocks straddle the causal diagonal and need the element-wise causal mask.
+    BAND: the blocks cross an edge of the band (causal diagonal, window) and take the
+    element-wise test ``-win_before <= j - i <= win_after``.
     """
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -82,8 +127,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
             col_ok = col_ok & (keep != 0)
         bias = tl.where(col_ok, 0.0, float("-inf"))
         s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
-        if DIAG:
-            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        if BAND:
+            dist = offs_n[None, :] - offs_m[:, None]
+            s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
+        if HAS_SEG:
+            seg_k = tl.load(SegId_b + offs_n, mask=offs_n < S, other=-2)
+            s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 there so that
         # exp2(-inf - m) is 0 rather than NaN.
@@ -100,19 +149,22 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, Mask, Out, Lse,
+def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
                      stride_qb, stride_qh, stride_qs, stride_qd,
                      stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      stride_mb, stride_ms,
                      stride_ob, stride_oh, stride_os, stride_od,
-                     Hq, S, GROUP, qk_scale, S_BUCKET,
+                     Hq, S, GROUP, qk_scale, win_before, win_after, S_BUCKET,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(S, BLOCK_M), B, Hq). Writes Out (B, Hq, S, D) and Lse (B, Hq, S) contiguous.
 
-    qk_scale = scale * log2(e). S_BUCKET is only an autotuning key.
+    qk_scale = scale * log2(e). Key j is visible from query i iff
+    ``i - win_before <= j <= i + win_after`` (causal: win_after = 0), the key is not padded and,
+    with HAS_SEG, SegId[b, j] == SegId[b, i]. SegId/SegLo/SegHi: contiguous int32 (B, S).
+    S_BUCKET is only an autotuning key.
     """
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks carry the most work: launch them first
@@ -130,30 +182,38 @@ def _attn_fwd_kernel(Q, K, V, Mask, Out, Lse,
     K_bh = K + b * stride_kb + hk * stride_kh
     V_bh = V + b * stride_vb + hk * stride_vh
     Mask_b = Mask + b * stride_mb
+    SegId_b = SegId + b * S
     q = tl.load(Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    seg_q = tl.zeros([BLOCK_M], tl.int32)
+    if HAS_SEG:
+        seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if CAUSAL:
-        # Key blocks ending at or before the first row of this query block are fully visible;
-        # the blocks from there up to the last row straddle the diagonal; the rest are skipped.
-        hi = tl.minimum(start_m + BLOCK_M, S)
-        mid = (start_m // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
-                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                        offs_m, offs_d, 0, mid, S, qk_scale,
-                                        HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
-                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                        offs_m, offs_d, mid, hi, S, qk_scale,
-                                        HEAD_DIM, BLOCK_N, True, HAS_MASK, DOT_PRECISION)
-    else:
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, Mask_b,
-                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                        offs_m, offs_d, 0, S, S, qk_scale,
-                                        HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
+    # Key blocks outside the band or the segments of these rows are never visited; of the
+    # others only those crossing an edge of the band pay for the element-wise band test.
+    last_m = tl.minimum(start_m + BLOCK_M, S) - 1
+    lo, hi = _partner_range(offs_m, row_ok, start_m, last_m, S, win_before, win_after,
+                            SegLo + b * S, SegHi + b * S, HAS_SEG)
+    lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
+                                            BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
+                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                    offs_m, offs_d, lo, full_lo, S, qk_scale, win_before,
+                                    win_after, HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG,
+                                    DOT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
+                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                    offs_m, offs_d, full_lo, full_hi, S, qk_scale, win_before,
+                                    win_after, HEAD_DIM, BLOCK_N, False, HAS_MASK, HAS_SEG,
+                                    DOT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
+                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                    offs_m, offs_d, full_hi, hi, S, qk_scale, win_before,
+                                    win_after, HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG,
+                                    DOT_PRECISION)
 
     # Rows with nothing to attend have l = 0: out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -193,15 +253,16 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Delta,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh, Lse_bh, Delta_bh,
-                         stride_qs, stride_qd, stride_gs, stride_gd,
-                         offs_d, lo, hi, S, qk_scale,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DIAG: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh, Lse_bh, Delta_bh,
+                         SegId_b, stride_qs, stride_qd, stride_gs, stride_gd,
+                         offs_d, lo, hi, S, qk_scale, win_before, win_after,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
+                         HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head.
 
-    k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; bias_n: (BLOCK_N,) 0 or -inf.
-    Works on transposed tiles: sT = K Q^T is (BLOCK_N, BLOCK_M).
+    k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; bias_n: (BLOCK_N,) 0 or -inf;
+    seg_k: (BLOCK_N,) segment ids of the keys (HAS_SEG). Works on transposed tiles:
+    sT = K Q^T is (BLOCK_N, BLOCK_M). BAND: the element-wise band test, as in the forward.
     """
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
@@ -215,8 +276,12 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh, Lse_bh, Delt
         lse = tl.load(Lse_bh + offs_m, mask=row_ok, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale + bias_n[:, None]
-        if DIAG:
-            sT = tl.where(offs_m[None, :] >= offs_n[:, None], sT, float("-inf"))
+        if BAND:
+            dist = offs_n[:, None] - offs_m[None, :]
+            sT = tl.where((dist <= win_after) & (dist >= -win_before), sT, float("-inf"))
+        if HAS_SEG:
+            seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
+            sT = tl.where(seg_k[:, None] == seg_q[None, :], sT, float("-inf"))
         pT = tl.exp2(sT - lse2[None, :])
         do = tl.load(DO_bh + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd,
                      mask=ok, other=0.0)
@@ -229,21 +294,24 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh, Lse_bh, Delt
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
+def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DK, DV,
                           stride_qb, stride_qh, stride_qs, stride_qd,
                           stride_kb, stride_kh, stride_ks, stride_kd,
                           stride_vb, stride_vh, stride_vs, stride_vd,
                           stride_mb, stride_ms,
                           stride_gb, stride_gh, stride_gs, stride_gd,
                           stride_db, stride_dh, stride_ds, stride_dd,
-                          Hq, Hkv, S, GROUP, qk_scale, sm_scale, S_BUCKET,
+                          Hq, Hkv, S, GROUP, qk_scale, sm_scale, win_before, win_after,
+                          S_BUCKET,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                          HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*.
 
     Each program loops over the GROUP query heads of its KV head in a fixed order, so the GQA
-    sum is deterministic. Lse, Delta: (B, Hq, S) contiguous fp32.
+    sum is deterministic. Lse, Delta: (B, Hq, S) contiguous fp32. Visibility as in the forward;
+    the query blocks that cannot see any key of this block are never visited.
     """
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -257,6 +325,17 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
                 + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=ok, other=0.0)
     v = tl.load(V + b * stride_vb + hk * stride_vh
                 + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=ok, other=0.0)
+    SegId_b = SegId + b * S
+    seg_k = tl.zeros([BLOCK_N], tl.int32)
+    if HAS_SEG:
+        seg_k = tl.load(SegId_b + offs_n, mask=col_ok, other=-2)
+    # Query i sees key j iff j - win_after <= i <= j + win_before (and the same segment, a
+    # symmetric relation): the band seen from the keys has its two reaches swapped.
+    last_n = tl.minimum(start_n + BLOCK_N, S) - 1
+    lo, hi = _partner_range(offs_n, col_ok, start_n, last_n, S, win_after, win_before,
+                            SegLo + b * S, SegHi + b * S, HAS_SEG)
+    lo, full_lo, full_hi, hi = _tile_ranges(start_n, last_n, lo, hi, win_after, win_before,
+                                            BLOCK_M)
     if HAS_MASK:
         keep = tl.load(Mask + b * stride_mb + offs_n * stride_ms, mask=col_ok, other=0)
         col_ok = col_ok & (keep != 0)
@@ -269,27 +348,22 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
         Q_bh = Q + b * stride_qb + h * stride_qh
         DO_bh = DOut + b * stride_gb + h * stride_gh
         row_base = (b * Hq + h) * S
-        if CAUSAL:
-            # Query blocks ending before start_n see none of these keys; blocks that start
-            # after the last key of this block see all of them (no element-wise mask).
-            lo = (start_n // BLOCK_M) * BLOCK_M
-            mid = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, S)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh,
-                                          Lse + row_base, Delta + row_base,
-                                          stride_qs, stride_qd, stride_gs, stride_gd,
-                                          offs_d, lo, mid, S, qk_scale,
-                                          HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh,
-                                          Lse + row_base, Delta + row_base,
-                                          stride_qs, stride_qd, stride_gs, stride_gd,
-                                          offs_d, mid, S, S, qk_scale,
-                                          HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
-        else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, offs_n, Q_bh, DO_bh,
-                                          Lse + row_base, Delta + row_base,
-                                          stride_qs, stride_qd, stride_gs, stride_gd,
-                                          offs_d, 0, S, S, qk_scale,
-                                          HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
+                                      Lse + row_base, Delta + row_base, SegId_b,
+                                      stride_qs, stride_qd, stride_gs, stride_gd,
+                                      offs_d, lo, full_lo, S, qk_scale, win_before, win_after,
+                                      HEAD_DIM, BLOCK_M, True, HAS_SEG, DOT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
+                                      Lse + row_base, Delta + row_base, SegId_b,
+                                      stride_qs, stride_qd, stride_gs, stride_gd,
+                                      offs_d, full_lo, full_hi, S, qk_scale, win_before,
+                                      win_after, HEAD_DIM, BLOCK_M, False, HAS_SEG,
+                                      DOT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
+                                      Lse + row_base, Delta + row_base, SegId_b,
+                                      stride_qs, stride_qd, stride_gs, stride_gd,
+                                      offs_d, full_hi, hi, S, qk_scale, win_before, win_after,
+                                      HEAD_DIM, BLOCK_M, True, HAS_SEG, DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
@@ -297,15 +371,16 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, DOut, Lse, Delta, DK, DV,
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                       offs_d, lo, hi, S, qk_scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIAG: tl.constexpr,
-                       HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       offs_d, lo, hi, S, qk_scale, win_before, win_after,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+                       HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
     """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi).
 
     q, do: (BLOCK_M, D_PAD); lse2: (BLOCK_M,) base-2 lse with +inf for empty rows;
-    delta: (BLOCK_M,); dq: (BLOCK_M, D_PAD) fp32.
+    delta: (BLOCK_M,); dq: (BLOCK_M, D_PAD) fp32. BAND: the element-wise band test.
     """
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -322,8 +397,12 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
             col_ok = col_ok & (keep != 0)
         bias = tl.where(col_ok, 0.0, float("-inf"))
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
-        if DIAG:
-            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        if BAND:
+            dist = offs_n[None, :] - offs_m[:, None]
+            s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
+        if HAS_SEG:
+            seg_k = tl.load(SegId_b + offs_n, mask=offs_n < S, other=-2)
+            s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -332,18 +411,20 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
+def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DQ,
                         stride_qb, stride_qh, stride_qs, stride_qd,
                         stride_kb, stride_kh, stride_ks, stride_kd,
                         stride_vb, stride_vh, stride_vs, stride_vd,
                         stride_mb, stride_ms,
                         stride_gb, stride_gh, stride_gs, stride_gd,
                         stride_db, stride_dh, stride_ds, stride_dd,
-                        Hq, S, GROUP, qk_scale, sm_scale, S_BUCKET,
+                        Hq, S, GROUP, qk_scale, sm_scale, win_before, win_after, S_BUCKET,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                        HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes DQ (B, Hq, S, D) with strides stride_d*."""
+    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes DQ (B, Hq, S, D) with strides stride_d*.
+    Visits the key blocks the forward visits."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks carry the most work: launch them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -366,24 +447,29 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, DOut, Lse, Delta, DQ,
     K_bh = K + b * stride_kb + hk * stride_kh
     V_bh = V + b * stride_vb + hk * stride_vh
     Mask_b = Mask + b * stride_mb
+    SegId_b = SegId + b * S
+    seg_q = tl.zeros([BLOCK_M], tl.int32)
+    if HAS_SEG:
+        seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
 
+    last_m = tl.minimum(start_m + BLOCK_M, S) - 1
+    lo, hi = _partner_range(offs_m, row_ok, start_m, last_m, S, win_before, win_after,
+                            SegLo + b * S, SegHi + b * S, HAS_SEG)
+    lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
+                                            BLOCK_N)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, S)
-        mid = (start_m // BLOCK_N) * BLOCK_N
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
-                                stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                offs_d, 0, mid, S, qk_scale,
-                                HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
-                                stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                offs_d, mid, hi, S, qk_scale,
-                                HEAD_DIM, BLOCK_N, True, HAS_MASK, DOT_PRECISION)
-    else:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, K_bh, V_bh, Mask_b,
-                                stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                offs_d, 0, S, S, qk_scale,
-                                HEAD_DIM, BLOCK_N, False, HAS_MASK, DOT_PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
+                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                            offs_d, lo, full_lo, S, qk_scale, win_before, win_after,
+                            HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG, DOT_PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
+                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                            offs_d, full_lo, full_hi, S, qk_scale, win_before, win_after,
+                            HEAD_DIM, BLOCK_N, False, HAS_MASK, HAS_SEG, DOT_PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
+                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                            offs_d, full_hi, hi, S, qk_scale, win_before, win_after,
+                            HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG, DOT_PRECISION)
     tl.store(DQ + b * stride_db + h * stride_dh
              + offs_m[:, None] * stride_ds + offs_d[None, :] * stride_dd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok)
@@ -551,10 +637,11 @@ def _s_bucket(S: int) -> int:
 # Launchers
 # --------------------------------------------------------------------------------------------
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NO_LIMIT = 1 << 30  # a band reach that no sequence reaches: "no limit on this side"
 
 
-def _check_qkv(name, q, k, v, key_padding_mask, scale=1.0):
-    """Validate q (B, Hq, S, D), k/v (B, Hkv, S, D), the mask and scale; return
+def _check_qkv(name, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0):
+    """Validate q (B, Hq, S, D), k/v (B, Hkv, S, D), the masks and scale; return
     (B, Hq, Hkv, S, D)."""
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -578,16 +665,22 @@ def _check_qkv(name, q, k, v, key_padding_mask, scale=1.0):
         raise ValueError(f"{name}: v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     if not 16 <= D <= 256:
         raise ValueError(f"{name}: q must have head_dim D in 16..256, got D={D}")
-    if key_padding_mask is not None:
-        m = key_padding_mask
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+    for arg, m, dtypes, what in (("key_padding_mask", key_padding_mask, (torch.bool,), "a bool"),
+                                 ("segment_ids", segment_ids, (torch.int32, torch.int64),
+                                  "an int32 or int64")):
+        if m is None:
+            continue
+        if not isinstance(m, torch.Tensor) or m.dtype not in dtypes:
             got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
-            raise TypeError(f"{name}: key_padding_mask must be a bool tensor, got {got}")
+            raise TypeError(f"{name}: {arg} must be {what} tensor, got {got}")
         if tuple(m.shape) != (B, S):
-            raise ValueError(f"{name}: key_padding_mask must have shape (B={B}, S={S}), "
-                             f"got {tuple(m.shape)}")
+            raise ValueError(f"{name}: {arg} must have shape (B={B}, S={S}), got {tuple(m.shape)}")
         if m.device != q.device:
-            raise ValueError(f"{name}: key_padding_mask is on {m.device} but q is on {q.device}")
+            raise ValueError(f"{name}: {arg} is on {m.device} but q is on {q.device}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):
+        raise ValueError(f"{name}: window must be an int > 0 (key j is visible from query i "
+                         f"iff i - window < j <= i), got {window!r}")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{name}: scale must be a finite number > 0, got {scale}")
     if q.device.type != "cuda" and not _interpreting():
@@ -607,6 +700,49 @@ def _mask_args(key_padding_mask, fallback):
         return fallback, 0, 0, False
     m = key_padding_mask.view(torch.uint8)
     return m, m.stride(0), m.stride(1), True
+
+
+def _segment_args(segment_ids, fallback):
+    """(SegId, SegLo, SegHi, HAS_SEG) for the kernels: contiguous int32 (B, S) tensors.
+
+    SegId[b, i] names the segment id of position i (equal ids, equal names; the index of the
+    id's first entry in the row's stably sorted ids, so any int64 ids fit); SegLo[b, i] and
+    SegHi[b, i] - 1 are the first and last positions of row b holding that id. A query at i can
+    only see keys in [SegLo, SegHi) and a key only queries there, contiguous runs or not; the
+    kernels skip the tiles outside and still compare ids element by element inside. Computed
+    with sorts and scans on q's device, without a host synchronisation.
+    """
+    if segment_ids is None:
+        return fallback, fallback, fallback, False
+    B, S = segment_ids.shape
+    ids, order = torch.sort(segment_ids, dim=1, stable=True)           # (B, S) each
+    pos = torch.arange(S, device=ids.device).expand(B, S)
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]                              # a run of one id starts
+    ends = torch.ones_like(new)
+    ends[:, :-1] = new[:, 1:]                                           # ... and ends
+    run_start = torch.where(new, pos, 0).cummax(dim=1).values           # sorted index of its start
+    run_end = torch.where(ends, pos, S).flip(1).cummin(dim=1).values.flip(1)
+    # Stable sort: positions rise within a run, so its first / last entries are the id's first
+    # and last positions in the row.
+    first, last = order.gather(1, run_start), order.gather(1, run_end)
+    seg_id, seg_lo, seg_hi = (torch.empty((B, S), dtype=torch.int32, device=ids.device)
+                              for _ in range(3))
+    seg_id.scatter_(1, order, run_start.to(torch.int32))
+    seg_lo.scatter_(1, order, first.to(torch.int32))
+    seg_hi.scatter_(1, order, (last + 1).to(torch.int32))
+    return seg_id, seg_lo, seg_hi, True
+
+
+def _band(S, causal, window):
+    """(win_before, win_after): key j is visible from query i iff
+    i - win_before <= j <= i + win_after (before the padding and segment rules)."""
+    if window is None or window >= S:
+        before = _NO_LIMIT
+    else:
+        before = window - 1
+    after = 0 if causal else before
+    return before, after
 
 
 def _common_meta(D, causal, dtype):
@@ -631,21 +767,26 @@ class _on_device:
             self.ctx.__exit__(*exc)
 
 
-def attention_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
+def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, scale: float):
     """Flash attention forward.
 
     q: (B, Hq, S, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0; key_padding_mask: None or bool
-    (B, S), True = key may be attended; query i attends key j <= i when ``causal``.
+    (B, S), True = key may be attended; segment_ids: None or int32/int64 (B, S), a query sees
+    only keys with its id; window: None or int > 0, HF's sliding window: key j is visible from
+    query i iff ``i - window < j`` (and ``j < i + window`` when not causal); causal: ``j <= i``.
     Returns ``(out, lse)``: out (B, Hq, S, D) in q's dtype, contiguous; lse (B, Hq, S) float32,
     natural-log logsumexp of the scaled masked scores, -inf for rows with nothing to attend
-    (their out is 0).
+    (their out is 0). Key tiles that the window or the segments rule out are not visited.
     """
-    B, Hq, Hkv, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, scale)
+    B, Hq, Hkv, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
+                                  window, scale)
     out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     if B * Hq * S == 0:
         return out, lse
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
+    seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
+    before, after = _band(S, causal, window)
     common = _common_meta(D, causal, q.dtype)
     kernel, meta = _launcher("fwd", q.device, common["D_PAD"], q.element_size())
 
@@ -653,23 +794,24 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
         return (triton.cdiv(S, m["BLOCK_M"]), B, Hq)
 
     with _on_device(q.device):
-        kernel[grid](q, k, v, mask, out, lse,
+        kernel[grid](q, k, v, mask, seg_id, seg_lo, seg_hi, out, lse,
                      *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
-                     Hq, S, Hq // Hkv, float(scale) * _LOG2E, _s_bucket(S),
-                     HAS_MASK=has_mask, **common, **meta)
+                     Hq, S, Hq // Hkv, float(scale) * _LOG2E, before, after, _s_bucket(S),
+                     HAS_MASK=has_mask, HAS_SEG=has_seg, **common, **meta)
     return out, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, scale: float):
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal: bool,
+                  scale: float):
     """Flash attention backward, recomputing P = exp(scale * q k^T - lse) tile by tile.
 
     dout, out: (B, Hq, S, D) in q's dtype; q: (B, Hq, S, D); k, v: (B, Hkv, S, D);
-    lse: (B, Hq, S) float32 from :func:`attention_fwd`; mask/causal/scale as in the forward.
-    Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (contiguous). dk/dv of a KV
-    head sum its query group in a fixed order (deterministic, no atomics).
+    lse: (B, Hq, S) float32 from :func:`attention_fwd`; masks, window, causal and scale as in
+    the forward. Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (contiguous).
+    dk/dv of a KV head sum its query group in a fixed order (deterministic, no atomics).
     """
     name = "attention_bwd"
-    B, Hq, Hkv, S, D = _check_qkv(name, q, k, v, key_padding_mask, scale)
+    B, Hq, Hkv, S, D = _check_qkv(name, q, k, v, key_padding_mask, segment_ids, window, scale)
     for arg, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -696,6 +838,8 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, scale
     lse = lse.contiguous()
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
+    seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
+    before, after = _band(S, causal, window)
     common = _common_meta(D, causal, q.dtype)
     qk_scale = float(scale) * _LOG2E
     group = Hq // Hkv
@@ -707,15 +851,15 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, scale
 
         kernel, meta = _launcher("dkdv", q.device, common["D_PAD"], q.element_size())
         kernel[lambda m: (triton.cdiv(S, m["BLOCK_N"]), B, Hkv)](
-            q, k, v, mask, dout, lse, delta, dk, dv,
+            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-            *dk.stride(), Hq, Hkv, S, group, qk_scale, float(scale), _s_bucket(S),
-            HAS_MASK=has_mask, **common, **meta)
+            *dk.stride(), Hq, Hkv, S, group, qk_scale, float(scale), before, after,
+            _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg, **common, **meta)
 
         kernel, meta = _launcher("dq", q.device, common["D_PAD"], q.element_size())
         kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B, Hq)](
-            q, k, v, mask, dout, lse, delta, dq,
+            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-            *dq.stride(), Hq, S, group, qk_scale, float(scale), _s_bucket(S),
-            HAS_MASK=has_mask, **common, **meta)
+            *dq.stride(), Hq, S, group, qk_scale, float(scale), before, after, _s_bucket(S),
+            HAS_MASK=has_mask, HAS_SEG=has_seg, **common, **meta)
     return dq, dk, dv

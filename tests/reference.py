@@ -78,18 +78,47 @@ def make_mask(kind, b, s):
 
 # ---- attention baselines shared by the attention kernel tests ------------------------------
 
-def allowed_matrix(B, S, mask, causal, device):
-    """Bool (B, 1, S, S): query i may attend key j."""
+def allowed_matrix(B, S, mask, causal, device, segment_ids=None, window=None):
+    """Bool (B, 1, S, S): query i may attend key j. The dense form of every attention mask rule:
+    causal j <= i; key_padding_mask[b, j]; segment_ids[b, i] == segment_ids[b, j]; window (HF's
+    sliding_window_overlay, key j visible iff i - window < j; not causal: also j < i + window).
+    """
+    i = torch.arange(S, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
     allowed = torch.ones(S, S, dtype=torch.bool, device=device)
     if causal:
-        allowed = allowed.tril()
+        allowed = allowed & (j <= i)
+    if window is not None:
+        allowed = allowed & (j > i - window) & (causal | (j < i + window))
     allowed = allowed.expand(B, 1, S, S)
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     return allowed
 
 
-def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out):
+def packed_segment_ids(B, S, lengths, device="cpu", dtype=torch.int64, shuffle_ids=True):
+    """(B, S) ids of documents packed back to back: row b holds runs of the given lengths
+    (cycled until S is filled). shuffle_ids: the ids are a random permutation (not sorted, and
+    rows share ids), else 0, 1, 2, ... ."""
+    rows = []
+    for b in range(B):
+        ids, n, d = [], 0, 0
+        while n < S:
+            run = min(lengths[(b + d) % len(lengths)], S - n)
+            ids += [d] * run
+            n, d = n + run, d + 1
+        rows.append(ids)
+    out = torch.tensor(rows, dtype=torch.int64)
+    if shuffle_ids:
+        perm = torch.randperm(int(out.max()) + 1) * 7 - 3  # arbitrary, negative ones included
+        out = perm[out]
+    return out.to(dtype).to(device)
+
+
+def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out, segment_ids=None,
+                               window=None):
     """Plain PyTorch backward at q's dtype via dS = P * (dP - rowsum(dO * O)), S x S in memory.
 
     q, dout, out (B, Hq, S, D); k, v (B, Hkv, S, D). Returns dict dq, dk, dv (GQA summed).
@@ -98,7 +127,7 @@ def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out):
     group = Hq // k.shape[1]
     k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k_rep.transpose(-1, -2)) * scale
-    allowed = allowed_matrix(B, S, mask, causal, q.device)
+    allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     p = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1), zero)

@@ -122,8 +122,9 @@ import torch, ckpt_ext
 from ckpt_ext.kernels import attention, swiglu_mlp
 torch.manual_seed(0)
 q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-out, lse = attention.attention_fwd(q, k, v, None, True, 0.125)
-dq, dk, dv = attention.attention_bwd(torch.ones_like(out), q, k, v, out, lse, None, True, 0.125)
+out, lse = attention.attention_fwd(q, k, v, None, None, None, True, 0.125)
+dq, dk, dv = attention.attention_bwd(torch.ones_like(out), q, k, v, out, lse, None, None, None,
+                                     True, 0.125)
 x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
 wg, wu = (torch.randn(688, 256, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2))
 wd = torch.randn(256, 688, device="cuda", dtype=torch.bfloat16) * 0.05

@@ -21,6 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 import ckpt_ext  # noqa: F401
 import ckpt_ext.ops as ops
 
+from reference import allowed_matrix, packed_segment_ids
+
 OPS = torch.ops.ckpt_ext
 F64 = torch.float64
 FACTOR_OUT, FACTOR_GRAD = 2.0, 3.0
@@ -76,22 +78,18 @@ def grads(out, inputs, dout):
 # Plain PyTorch references (differentiable; run in float64 for the reference, at the test
 # dtype for the baseline)
 # ------------------------------------------------------------------------------------------
-def ref_attention(q, k, v, mask, causal, scale):
+def ref_attention(q, k, v, mask, causal, scale, segment_ids=None, window=None):
     """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> out (B, Hq, S, D), lse (B, Hq, S).
 
-    Explicit S x S softmax. Masked scores get the dtype's most negative finite value, so rows
-    with nothing to attend stay finite under autograd; those rows are then set to out = 0,
-    lse = -inf (and get zero gradients through torch.where).
+    Explicit S x S softmax over the dense mask of tests/reference.py (allowed_matrix). Masked
+    scores get the dtype's most negative finite value, so rows with nothing to attend stay
+    finite under autograd; those rows are then set to out = 0, lse = -inf (and get zero
+    gradients through torch.where).
     """
     B, Hq, S, _ = q.shape
     group = Hq // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # head h -> h // group
-    allowed = torch.ones(S, S, dtype=torch.bool)
-    if causal:
-        allowed = allowed.tril()
-    allowed = allowed.expand(B, 1, S, S)
-    if mask is not None:
-        allowed = allowed & mask[:, None, None, :]
+    allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
     s = (q @ k.transpose(-1, -2)) * scale
     s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
     any_allowed = allowed.any(-1)                                  # (B, 1, S)
@@ -164,6 +162,34 @@ def rope_inputs(B, Hq, Hkv, S, D, cos_batch, dtype=torch.float32):
 # ------------------------------------------------------------------------------------------
 # Attention
 # ------------------------------------------------------------------------------------------
+def check_attention(q, k, v, mask, causal, scale, segment_ids=None, window=None):
+    """The op (forward through OPS, gradients through ops.attention) against the fp64 reference
+    with the 2x/3x rule; rows with nothing to attend must give out 0, lse -inf, zero
+    gradients. Returns (out, lse, (dq, dk, dv))."""
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    out, lse = OPS.attention_fwd(q, k, v, mask, segment_ids, window, causal, scale)
+    assert out.is_contiguous() and out.dtype == q.dtype and lse.dtype == torch.float32
+    ql, kl, vl = leaves(q, k, v)
+    g = grads(ops.attention(ql, kl, vl, causal=causal, scale=scale, key_padding_mask=mask,
+                            segment_ids=segment_ids, window=window), (ql, kl, vl), dout)
+    r = leaves(q, k, v, dtype=F64)
+    ref_out, ref_lse = ref_attention(*r, mask, causal, scale, segment_ids, window)
+    ref_g = grads(ref_out, r, dout.double())
+    b = leaves(q, k, v)
+    base_out, base_lse = ref_attention(*b, mask, causal, scale, segment_ids, window)
+    base_g = grads(base_out, b, dout)
+    check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, q.dtype)
+    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT, q.dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), g, base_g, ref_g):
+        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, q.dtype, magnitude(*ref_g))
+    B, _, S, _ = q.shape
+    empty = ~allowed_matrix(B, S, mask, causal, "cpu", segment_ids, window).any(-1)  # (B, 1, S)
+    empty = empty.expand_as(lse)
+    assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all() and (g[0][empty] == 0).all()
+    assert not any(torch.isnan(t).any() for t in (out, lse, *g))
+    return out, lse, g
+
+
 @pytest.mark.parametrize("S", [1, 17, 129])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
@@ -171,27 +197,103 @@ def rope_inputs(B, Hq, Hkv, S, D, cos_batch, dtype=torch.float32):
 def test_attention_fp32_vs_reference(S, causal, heads, masked):
     Hq, Hkv = heads
     q, k, v, mask = attn_inputs(2, Hq, Hkv, S, 16, masked=masked)
-    scale = 0.3
-    dout = torch.randn(2, Hq, S, 16)
-    out, lse = OPS.attention_fwd(q, k, v, mask, causal, scale)
-    assert out.is_contiguous() and out.dtype == torch.float32 and lse.dtype == torch.float32
-    ql, kl, vl = leaves(q, k, v)
-    g = grads(ops.attention(ql, kl, vl, causal=causal, scale=scale, key_padding_mask=mask),
-              (ql, kl, vl), dout)
-    r = leaves(q, k, v, dtype=F64)
-    ref_out, ref_lse = ref_attention(*r, mask, causal, scale)
-    ref_g = grads(ref_out, r, dout.double())
-    b = leaves(q, k, v)
-    base_out, base_lse = ref_attention(*b, mask, causal, scale)
-    base_g = grads(base_out, b, dout)
-    check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, torch.float32)
-    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT, torch.float32)
-    for name, got, base, ref in zip(("dq", "dk", "dv"), g, base_g, ref_g):
-        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, torch.float32, magnitude(*ref_g))
+    out, lse, g = check_attention(q, k, v, mask, causal, 0.3)
     if masked:  # fully padded sequence: out 0, lse -inf, zero gradients, no NaN
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
         assert torch.isneginf(lse[-1]).all()
         assert all(torch.equal(t[-1], torch.zeros_like(t[-1])) for t in g)
+
+
+# Packed documents and sliding windows. Document lengths cycle to fill S (1 = one-token
+# documents; shorter than a CPU tile of 128 keys and than one of the Triton tiles); windows of 1,
+# inside S, and larger than S.
+#             S   document lengths     window causal heads   masked
+MASK_CASES = [(1, [1], 1, True, (2, 2), False),
+              (17, [5, 1, 11], None, True, (4, 2), True),
+              (17, [1], None, False, (2, 2), False),
+              (17, None, 1, False, (4, 2), True),
+              (129, [1, 40, 3, 85], None, False, (2, 2), False),
+              (129, None, 1, True, (4, 2), False),
+              (127, None, 16, False, (2, 2), True),
+              (129, [64, 65], 200, True, (4, 2), False),
+              (129, [30, 1, 98], 12, True, (4, 1), True),
+              (300, [100, 7, 150, 43], 50, True, (4, 2), True),
+              (300, [130, 170], None, False, (2, 1), False)]
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: f"S{c[0]}-docs{c[1]}-w{c[2]}-"
+                         f"{'causal' if c[3] else 'full'}-H{c[4][0]}/{c[4][1]}-"
+                         f"{'mask' if c[5] else 'nomask'}")
+def test_attention_segments_and_window_fp32(case):
+    S, lengths, window, causal, (Hq, Hkv), masked = case
+    q, k, v, mask = attn_inputs(2, Hq, Hkv, S, 16, masked=masked)
+    ids = packed_segment_ids(2, S, lengths) if lengths else None
+    check_attention(q, k, v, mask, causal, 0.3, ids, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_segments_and_window_half(dtype):
+    q, k, v, mask = attn_inputs(2, 4, 2, 129, 16, dtype=dtype, masked=True)
+    ids = packed_segment_ids(2, 129, [50, 1, 7, 33], dtype=torch.int32)
+    check_attention(q, k, v, mask, True, 0.25, ids, 20)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_segments_and_window_fp64_tight(causal):
+    q, k, v, mask = attn_inputs(2, 4, 2, 140, 8, dtype=F64, masked=True)
+    ids = packed_segment_ids(2, 140, [60, 1, 9, 70], shuffle_ids=False)
+    dout = torch.randn(2, 4, 140, 8, dtype=F64)
+    out, lse = OPS.attention_fwd(q, k, v, mask, ids, 33, causal, 0.4)
+    grads_op = OPS.attention_bwd(dout, q, k, v, out, lse, mask, ids, 33, causal, 0.4)
+    r = leaves(q, k, v)
+    ref_out, ref_lse = ref_attention(*r, mask, causal, 0.4, ids, 33)
+    check_f64("out", out, ref_out)
+    check_f64("lse", lse, ref_lse, dtype=torch.float32)
+    ref_g = grads(ref_out, r, dout)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads_op, ref_g):
+        check_f64(name, got, ref, scale=magnitude(*ref_g))
+
+
+def test_attention_segment_ids_need_not_be_contiguous_or_sorted():
+    """Interleaved ids (one id in several runs) attend across runs, exactly as the dense rule."""
+    q, k, v, _ = attn_inputs(2, 2, 2, 150, 16)
+    ids = torch.randint(-2, 3, (2, 150))
+    check_attention(q, k, v, None, True, 0.3, ids, None)
+    check_attention(q, k, v, None, False, 0.3, ids.int(), 40)
+
+
+def test_attention_window_at_least_s_is_no_window():
+    q, k, v, mask = attn_inputs(2, 4, 2, 33, 16, masked=True)
+    for m in (None, mask):
+        plain = OPS.attention_fwd(q, k, v, m, None, None, True, 0.3)
+        for w in (33, 34, 10**9):
+            got = OPS.attention_fwd(q, k, v, m, None, w, True, 0.3)
+            assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+def test_attention_fully_masked_document():
+    """A document whose keys are all padded: its rows give 0 / -inf / zero gradients."""
+    q, k, v, _ = attn_inputs(2, 4, 2, 40, 16)
+    ids = packed_segment_ids(2, 40, [10, 1, 29], shuffle_ids=False)
+    padded = ids == 2  # the third document of each row, entirely padded
+    out, lse, g = check_attention(q, k, v, ~padded, True, 0.3, ids, 7)
+    rows = padded[:, None, :].expand_as(lse)
+    assert rows.any() and (out[rows] == 0).all() and torch.isneginf(lse[rows]).all()
+    key_rows = padded[:, None, :].expand(g[1].shape[:3])  # padded keys: no query sees them
+    assert (g[0][rows] == 0).all() and (g[1][key_rows] == 0).all() and (g[2][key_rows] == 0).all()
+    assert (out[~rows] != 0).any(dim=-1).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_segments_and_window_gradcheck(causal):
+    q, k, v, mask = attn_inputs(2, 4, 2, 13, 8, dtype=F64, masked=True)
+    ids = packed_segment_ids(2, 13, [4, 1, 8])
+
+    def fn(q, k, v):
+        return ops.attention(q, k, v, causal=causal, key_padding_mask=mask, segment_ids=ids,
+                             window=3)
+
+    assert torch.autograd.gradcheck(fn, tuple(leaves(q, k, v)), fast_mode=True)
 
 
 @pytest.mark.parametrize("S", [17, 129])
@@ -199,8 +301,8 @@ def test_attention_fp32_vs_reference(S, causal, heads, masked):
 def test_attention_fp64_tight(S, causal):
     q, k, v, mask = attn_inputs(2, 4, 2, S, 8, dtype=F64, masked=True)
     dout = torch.randn(2, 4, S, 8, dtype=F64)
-    out, lse = OPS.attention_fwd(q, k, v, mask, causal, 0.4)
-    dq, dk, dv = OPS.attention_bwd(dout, q, k, v, out, lse, mask, causal, 0.4)
+    out, lse = OPS.attention_fwd(q, k, v, mask, None, None, causal, 0.4)
+    dq, dk, dv = OPS.attention_bwd(dout, q, k, v, out, lse, mask, None, None, causal, 0.4)
     r = leaves(q, k, v)
     ref_out, ref_lse = ref_attention(*r, mask, causal, 0.4)
     check_f64("out", out, ref_out)
@@ -215,9 +317,9 @@ def test_attention_half_vs_reference(dtype):
     S, causal = 129, True
     q, k, v, mask = attn_inputs(2, 4, 2, S, 16, dtype=dtype, masked=True)
     dout = torch.randn(2, 4, S, 16, dtype=dtype)
-    out, lse = OPS.attention_fwd(q, k, v, mask, causal, 0.25)
+    out, lse = OPS.attention_fwd(q, k, v, mask, None, None, causal, 0.25)
     assert out.dtype == dtype and lse.dtype == torch.float32
-    got_g = OPS.attention_bwd(dout, q, k, v, out, lse, mask, causal, 0.25)
+    got_g = OPS.attention_bwd(dout, q, k, v, out, lse, mask, None, None, causal, 0.25)
     r = leaves(q, k, v, dtype=F64)
     ref_out, ref_lse = ref_attention(*r, mask, causal, 0.25)
     ref_g = grads(ref_out, r, dout.double())
@@ -247,7 +349,7 @@ def test_attention_gradcheck(S, causal, masked):
 
 def test_attention_default_scale():
     q, k, v, _ = attn_inputs(1, 2, 1, 9, 8)
-    out, _ = OPS.attention_fwd(q, k, v, None, True, 1.0 / math.sqrt(8))
+    out, _ = OPS.attention_fwd(q, k, v, None, None, None, True, 1.0 / math.sqrt(8))
     assert torch.equal(ops.attention(q, k, v), out)
 
 
@@ -262,10 +364,10 @@ def test_attention_never_allocates_s_by_s():
     try:
         sizes = []
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out, lse = OPS.attention_fwd(q, k, v, None, True, 0.25)
+            out, lse = OPS.attention_fwd(q, k, v, None, None, None, True, 0.25)
         sizes.append(max(e.cpu_memory_usage for e in prof.events()))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            OPS.attention_bwd(out, q, k, v, out, lse, None, True, 0.25)
+            OPS.attention_bwd(out, q, k, v, out, lse, None, None, None, True, 0.25)
         sizes.append(max(e.cpu_memory_usage for e in prof.events()))
     finally:
         torch.set_num_threads(threads)
@@ -500,13 +602,15 @@ def test_double_backward_is_a_clear_error():
 def _opcheck_samples():
     """(op name, args) covering optional arguments present and absent, small fp32 shapes."""
     samples = []
-    for masked in (False, True):
+    ids = torch.tensor([[3, 3, 1, 1, 1], [0, 5, 5, 5, 5]])
+    for masked, seg, window in ((False, None, None), (True, None, None), (False, ids, None),
+                                (True, None, 2), (True, ids.int(), 2)):
         q, k, v, mask = attn_inputs(2, 4, 2, 5, 8, masked=masked)
         for causal in (True, False):
-            samples.append(("attention_fwd", (*leaves(q, k, v), mask, causal, 0.3)))
-            out, lse = OPS.attention_fwd(q, k, v, mask, causal, 0.3)
+            samples.append(("attention_fwd", (*leaves(q, k, v), mask, seg, window, causal, 0.3)))
+            out, lse = OPS.attention_fwd(q, k, v, mask, seg, window, causal, 0.3)
             samples.append(("attention_bwd", (torch.randn_like(out), q, k, v, out, lse, mask,
-                                              causal, 0.3)))
+                                              seg, window, causal, 0.3)))
     for bias in (False, True):
         x, ws, bs = swiglu_inputs(7, 12, 10, bias=bias)
         for gate_up in (False, True):
@@ -546,7 +650,7 @@ def _attn_args(device, **change):
     args = dict(q=q, k=k, v=v, mask=mask)
     args.update(change)
     return [t.to(device) if t is not None else None for t in
-            (args["q"], args["k"], args["v"], args["mask"])] + [True, 0.3]
+            (args["q"], args["k"], args["v"], args["mask"])] + [None, None, True, 0.3]
 
 
 ERROR_CASES = [
@@ -565,12 +669,24 @@ ERROR_CASES = [
      "attention_fwd: key_padding_mask must be bool"),
     ("attention_fwd", lambda d: _attn_args(d, mask=torch.ones(2, 4, dtype=torch.bool)), ValueError,
      r"attention_fwd: key_padding_mask must have shape \(2, 5\)"),
+    ("attention_fwd", lambda d: _attn_args(d)[:4] + [torch.ones(2, 5), None, True, 0.3],
+     TypeError, "attention_fwd: segment_ids must be int32 or int64, got float32"),
+    ("attention_fwd", lambda d: _attn_args(d)[:4] + [torch.ones(2, 4, dtype=torch.int64,
+                                                                 device=d), None, True, 0.3],
+     ValueError, r"attention_fwd: segment_ids must have shape \(2, 5\) \(B, S\), got \(2, 4\)"),
+    ("attention_fwd", lambda d: _attn_args(d)[:4] + [None, 0, True, 0.3],
+     ValueError, "attention_fwd: window must be > 0"),
+    ("attention_bwd", lambda d: [torch.randn(2, 4, 5, 8, device=d), *_attn_args(d)[:3],
+                                 torch.randn(2, 4, 5, 8, device=d),
+                                 torch.randn(2, 4, 5, device=d), None, None, -3, True, 0.3],
+     ValueError, "attention_bwd: window must be > 0"),
     ("attention_fwd", lambda d: _attn_args(d, q=torch.randn(0, 4, 5, 8), k=torch.randn(0, 2, 5, 8),
                                            v=torch.randn(0, 2, 5, 8), mask=None),
      ValueError, "attention_fwd: q has an empty batch"),
     ("attention_bwd", lambda d: [torch.randn(2, 4, 5, 8, device=d), *_attn_args(d)[:3],
                                  torch.randn(2, 4, 5, 8, device=d),
-                                 torch.randn(2, 4, 5, device=d, dtype=F64), None, True, 0.3],
+                                 torch.randn(2, 4, 5, device=d, dtype=F64), None, None, None,
+                                 True, 0.3],
      TypeError, "attention_bwd: lse must be float32"),
     ("swiglu_fwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(6, 8, device=d),
                               torch.randn(6, 8, device=d, dtype=F64), torch.randn(8, 6, device=d),
@@ -634,10 +750,15 @@ def test_error_names_argument(case, device):
 
 
 DEVICE_CASES = [
+    ("attention_fwd", lambda: _attn_args("cpu")[:4] + [torch.ones(2, 5, dtype=torch.int64,
+                                                                   device="meta"), None,
+                                                       True, 0.3],
+     "attention_fwd: segment_ids is on meta but q is on cpu"),
     ("attention_fwd", lambda: _attn_args("cpu")[:1] + _attn_args("meta")[1:2] + _attn_args("cpu")[2:],
      "attention_fwd: k is on meta but q is on cpu"),
     ("attention_fwd", lambda: _attn_args("cpu")[:3] + [torch.ones(2, 5, dtype=torch.bool,
-                                                                   device="meta"), True, 0.3],
+                                                                   device="meta"), None, None,
+                                                       True, 0.3],
      "attention_fwd: key_padding_mask is on meta but q is on cpu"),
     ("swiglu_fwd", lambda: [torch.randn(5, 8), torch.randn(6, 8), torch.randn(6, 8),
                             torch.randn(8, 6, device="meta"), None, None, None, False],
@@ -662,3 +783,136 @@ def test_device_mismatch_names_argument(case, path):
             op(*build())
         else:
             op.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *build())
+
+
+# ------------------------------------------------------------------------------------------
+# Regressions found by a probe (issue 16): layouts, empty sequences, bad arguments
+# ------------------------------------------------------------------------------------------
+def strided_last_dim(t):
+    """A copy of t whose last dim has stride 2 (every other element of a wider tensor)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    out = wide[..., ::2]
+    assert out.stride(-1) == 2 and torch.equal(out, t)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["strided_d", "transposed_k"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_non_unit_last_stride(layout, masked, causal):
+    """q/k/v whose last dim is not contiguous (a column slice, or k = (B, H, D, S).mT) give the
+    results and gradients of contiguous inputs, within the 2x/3x rule of the fp64 reference."""
+    q, k, v, mask = attn_inputs(1, 2, 2, 19, 16, masked=masked)
+    if layout == "strided_d":
+        q, k, v = (strided_last_dim(t) for t in (q, k, v))
+    else:
+        k = k.mT.contiguous().mT
+        assert k.stride(-1) != 1
+    dout = torch.randn(1, 2, 19, 16)
+    ql, kl, vl = leaves(q, k, v)
+    out = ops.attention(ql, kl, vl, causal=causal, scale=0.3, key_padding_mask=mask)
+    g = grads(out, (ql, kl, vl), dout)
+    r = leaves(q, k, v, dtype=F64)
+    ref_out, _ = ref_attention(*r, mask, causal, 0.3)
+    ref_g = grads(ref_out, r, dout.double())
+    b = leaves(q, k, v)
+    base_out, _ = ref_attention(*b, mask, causal, 0.3)
+    base_g = grads(base_out, b, dout)
+    check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, torch.float32)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), g, base_g, ref_g):
+        check_vs_baseline(name, got, base, ref, FACTOR_GRAD, torch.float32, magnitude(*ref_g))
+
+
+def test_swiglu_non_unit_last_stride():
+    """Every input with a strided last dim: the 2x/3x rule against the fp64 reference."""
+    x, ws, bs = swiglu_inputs(7, 12, 10, bias=True)
+    dy = torch.randn(7, 12)
+    strided = leaves(*(strided_last_dim(t) for t in (x, *ws, *bs)))
+    y = ops.swiglu_mlp(*strided)
+    g = grads(y, strided, dy)
+    r = leaves(x, *ws, *bs, dtype=F64)
+    ref = ref_swiglu(*r)[0]
+    ref_g = grads(ref, r, dy.double())
+    b = leaves(x, *ws, *bs)
+    base = ref_swiglu(*b)[0]
+    base_g = grads(base, b, dy)
+    check_vs_baseline("y", y, base, ref, FACTOR_OUT, torch.float32)
+    for got, bg, rg in zip(g, base_g, ref_g):
+        check_vs_baseline("grad", got, bg, rg, FACTOR_GRAD, torch.float32)
+
+
+def test_rms_norm_and_rope_non_unit_last_stride():
+    x, w, res = torch.randn(3, 5, 24), torch.randn(24), torch.randn(3, 5, 24)
+    dy = torch.randn(3, 5, 24)
+    for fn in (lambda x, w, r: ops.rms_norm(x, w, 1e-6),
+               lambda x, w, r: ops.add_rms_norm(x, r, w, 1e-6)[0]):
+        plain = leaves(x, w, res)
+        strided = leaves(*(strided_last_dim(t) for t in (x, w, res)))
+        want, got = fn(*plain), fn(*strided)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for a, b in zip(grads(got, strided, dy), grads(want, plain, dy)):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    q, k, cos, sin = rope_inputs(2, 4, 2, 9, 16, 1)
+    dq, dk = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16)
+    plain = leaves(q, k)
+    strided = leaves(strided_last_dim(q), strided_last_dim(k))
+    want = ops.rope(*plain, cos, sin)
+    got = ops.rope(*strided, strided_last_dim(cos), strided_last_dim(sin))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(got, strided, (dq, dk)),
+                    torch.autograd.grad(want, plain, (dq, dk))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_attention_empty_sequence(masked, dtype):
+    """S = 0: empty outputs and empty gradients, as torch's own attention gives."""
+    q, k, v = leaves(torch.randn(2, 4, 0, 16, dtype=dtype), torch.randn(2, 2, 0, 16, dtype=dtype),
+                     torch.randn(2, 2, 0, 16, dtype=dtype))
+    mask = torch.ones(2, 0, dtype=torch.bool) if masked else None
+    out = ops.attention(q, k, v, key_padding_mask=mask)
+    assert out.shape == (2, 4, 0, 16) and out.dtype == dtype
+    _, lse = OPS.attention_fwd(q, k, v, mask, None, None, True, 0.25)
+    assert lse.shape == (2, 4, 0) and lse.dtype == torch.float32
+    g = grads(out, (q, k, v), torch.zeros_like(out))
+    assert [t.shape for t in g] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_attention_rejects_bad_scale(scale, masked):
+    q, k, v, mask = attn_inputs(1, 2, 2, 5, 8, masked=masked)
+    with pytest.raises(ValueError, match="attention: scale must be a finite number > 0"):
+        ops.attention(q, k, v, scale=scale, key_padding_mask=mask)
+    for device in ("cpu", "meta"):
+        args = [t.to(device) if t is not None else None for t in (q, k, v, mask)]
+        with pytest.raises(ValueError, match="attention_fwd: scale must be a finite number > 0"):
+            OPS.attention_fwd(*args, None, None, True, scale)
+        out = torch.zeros_like(args[0])
+        lse = torch.zeros(1, 2, 5, device=device)
+        with pytest.raises(ValueError, match="attention_bwd: scale must be a finite number > 0"):
+            OPS.attention_bwd(out, *args[:3], out, lse, args[3], None, None, True, scale)
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+def test_attention_non_tensor_is_a_type_error(arg):
+    """ops.attention(None, ...) names the argument (it was an AttributeError)."""
+    q, k, v, _ = attn_inputs(1, 2, 2, 5, 8)
+    args = dict(q=q, k=k, v=v)
+    args[arg] = None
+    with pytest.raises(TypeError, match=f"attention: {arg} must be a torch.Tensor, got NoneType"):
+        ops.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("window, exc, match", [
+    (0, ValueError, "attention: window must be > 0"), (-2, ValueError, "window must be > 0"),
+    (2.5, TypeError, "attention: window must be None or an int, got float"),
+    (True, TypeError, "window must be None or an int, got bool")])
+def test_attention_bad_window(window, exc, match):
+    q, k, v, _ = attn_inputs(1, 2, 2, 5, 8)
+    with pytest.raises(exc, match=match):
+        ops.attention(q, k, v, window=window)

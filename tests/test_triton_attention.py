@@ -23,13 +23,16 @@ lse is float32 for every input dtype, so its baseline is eager attention in floa
 same fp16/bf16 inputs) and its floor uses float32's eps. It is compared on rows that attend
 something; on the other rows it must be exactly -inf in both.
 """
+import contextlib
+import threading
+import time
 
 import pytest
 import torch
 
 from ckpt_ext.kernels import attention
 
-from reference import allowed_matrix, eager_flash_identity_grads
+from reference import allowed_matrix, eager_flash_identity_grads, packed_segment_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,7 +43,7 @@ FACTOR = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 # ------------------------------------------------------------------------------------------
 # Reference, baseline and inputs
 # ------------------------------------------------------------------------------------------
-def eager_attention(q, k, v, mask, causal, scale):
+def eager_attention(q, k, v, mask, causal, scale, segment_ids=None, window=None):
     """Plain PyTorch attention at the dtype of q. q (B, Hq, S, D), k/v (B, Hkv, S, D).
 
     Returns (out (B, Hq, S, D), lse (B, Hq, S)); rows with nothing to attend give out 0 and
@@ -52,7 +55,7 @@ def eager_attention(q, k, v, mask, causal, scale):
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
-    allowed = allowed_matrix(B, S, mask, causal, q.device)
+    allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     has_any = allowed.any(dim=-1, keepdim=True)
     p = torch.where(has_any, torch.softmax(scores, dim=-1), torch.zeros((), dtype=q.dtype, device=q.device))
@@ -60,17 +63,18 @@ def eager_attention(q, k, v, mask, causal, scale):
     return p @ v, lse
 
 
-def run_eager(q, k, v, mask, causal, scale, dout, dtype):
+def run_eager(q, k, v, mask, causal, scale, dout, dtype, segment_ids=None, window=None):
     """Eager attention + autograd with inputs cast to `dtype`; returns dict of the 5 results."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = eager_attention(*leaves, mask, causal, scale)
+    out, lse = eager_attention(*leaves, mask, causal, scale, segment_ids, window)
     out.backward(dout.to(dtype))
     return dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
 
 
-def run_kernel(q, k, v, mask, causal, scale, dout):
-    out, lse = attention.attention_fwd(q, k, v, mask, causal, scale)
-    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, causal, scale)
+def run_kernel(q, k, v, mask, causal, scale, dout, segment_ids=None, window=None):
+    out, lse = attention.attention_fwd(q, k, v, mask, segment_ids, window, causal, scale)
+    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, segment_ids, window,
+                                         causal, scale)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
@@ -133,18 +137,23 @@ def check_accuracy(got, base, ref, dtype, base_alt=None):
     return ratios
 
 
-def check_case(B, Hq, Hkv, S, D, dtype, causal, mask_kind, scale=None, seed=0):
+def check_case(B, Hq, Hkv, S, D, dtype, causal, mask_kind, scale=None, seed=0, lengths=None,
+               window=None):
+    """lengths: None, or the document lengths of packed segment ids (cycled to fill S)."""
     q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed)
     scale = D ** -0.5 if scale is None else scale
-    got = run_kernel(q, k, v, mask, causal, scale, dout)
+    seg = packed_segment_ids(B, S, lengths, device=DEVICE) if lengths else None
+    got = run_kernel(q, k, v, mask, causal, scale, dout, seg, window)
     for name, t in (("out", q), ("dq", q), ("dk", k), ("dv", v)):
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
     assert got["lse"].dtype == torch.float32 and got["lse"].shape == (B, Hq, S)
-    base = run_eager(q, k, v, mask, causal, scale, dout, dtype)
-    base_alt = eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, base["out"])
+    base = run_eager(q, k, v, mask, causal, scale, dout, dtype, seg, window)
+    base_alt = eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, base["out"], seg,
+                                          window)
     if dtype != torch.float32:  # lse is float32 whatever the input dtype: fp32 baseline
-        base["lse"] = run_eager(q, k, v, mask, causal, scale, dout, torch.float32)["lse"]
-    ref = run_eager(q, k, v, mask, causal, scale, dout, torch.float64)
+        base["lse"] = run_eager(q, k, v, mask, causal, scale, dout, torch.float32, seg,
+                                window)["lse"]
+    ref = run_eager(q, k, v, mask, causal, scale, dout, torch.float64, seg, window)
     return check_accuracy(got, base, ref, dtype, base_alt)
 
 
@@ -206,6 +215,81 @@ def test_unequal_blocks(monkeypatch, blocks):
 
 
 # ------------------------------------------------------------------------------------------
+# Packed sequences (segment ids) and sliding windows
+# ------------------------------------------------------------------------------------------
+# Document lengths cycle to fill S: one-token documents, documents shorter than a tile (32 in
+# the interpreter), odd lengths; windows of 1, inside S and larger than S; GQA; padding.
+#                dtype          B  Hq Hkv  S   D   causal mask     documents         window
+SEG_WIN_CASES = [(torch.float32, 2, 4, 2, 37, 16, True, "none", [5, 1, 20], None),
+                 (torch.float16, 2, 4, 2, 70, 16, True, "right", None, 7),
+                 (torch.float32, 1, 4, 4, 70, 32, False, "left", None, 1),
+                 (torch.float16, 2, 8, 2, 45, 16, True, "none", [1], 1),
+                 (torch.float32, 2, 4, 2, 33, 16, False, "right", [1, 2, 40], 100),
+                 (torch.float32, 2, 4, 1, 129, 16, True, "full", [50, 1, 7, 33], 20),
+                 (torch.float16, 1, 4, 2, 100, 64, False, "none", [17, 3, 80], 9),
+                 (torch.float32, 1, 2, 2, 1, 16, True, "none", [1], 1)]
+
+
+def _seg_win_id(c):
+    return _case_id(c[:8]) + f"-docs{c[8]}-w{c[9]}"
+
+
+@pytest.mark.parametrize("case", SEG_WIN_CASES, ids=[_seg_win_id(c) for c in SEG_WIN_CASES])
+def test_segments_and_window(case):
+    dtype, B, Hq, Hkv, S, D, causal, mask, lengths, window = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S, lengths=lengths, window=window)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=["M16-N32", "M32-N16"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_segments_and_window_unequal_blocks(monkeypatch, blocks, causal):
+    """BLOCK_M != BLOCK_N: the tile ranges of both axes and of the transposed dK/dV walk."""
+    bm, bn = blocks
+    for kind in ("fwd", "dkdv", "dq"):
+        monkeypatch.setitem(attention.INTERPRETER_BLOCKS, kind, {"BLOCK_M": bm, "BLOCK_N": bn})
+    check_case(2, 4, 2, 83, 16, torch.float32, causal, "left", seed=3, lengths=[9, 1, 40, 21],
+               window=13)
+
+
+def test_segment_ids_any_values_and_layout():
+    """Interleaved, unsorted, negative ids (one id in several runs), int32, a strided view."""
+    B, Hq, Hkv, S, D = 2, 4, 2, 50, 16
+    q, k, v, dout, _ = make_inputs(B, Hq, Hkv, S, D, torch.float32, "none", seed=4)
+    wide = torch.randint(-3, 3, (B, 2 * S), dtype=torch.int32).to(DEVICE) * 1000003
+    seg = wide[:, ::2]
+    assert not seg.is_contiguous()
+    got = run_kernel(q, k, v, None, False, 0.25, dout, seg, 30)
+    base = run_eager(q, k, v, None, False, 0.25, dout, torch.float32, seg, 30)
+    base_alt = eager_flash_identity_grads(q, k, v, None, False, 0.25, dout, base["out"], seg, 30)
+    ref = run_eager(q, k, v, None, False, 0.25, dout, torch.float64, seg, 30)
+    check_accuracy(got, base, ref, torch.float32, base_alt)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the poisoned rows
+@pytest.mark.parametrize("rule", ["window", "segments"])
+def test_ruled_out_tiles_are_never_read(rule):
+    """Tiles that the window or the segments rule out are skipped, not masked: q, k, v and dout
+    of positions 0..31 (one 32-wide tile) hold NaN. Any visit of that tile by a block that
+    cannot see it would put NaN into the block's results (0 * NaN = NaN, even under a mask)."""
+    B, Hq, Hkv, S, D = 1, 2, 1, 128, 16
+    q, k, v, dout, _ = make_inputs(B, Hq, Hkv, S, D, torch.float32, "none", seed=8)
+    seg, window = (None, 8) if rule == "window" else (
+        packed_segment_ids(B, S, [32, 32, 64], device=DEVICE), None)
+    clean = run_kernel(q, k, v, None, True, 0.25, dout, seg, window)
+    for t in (q, k, v, dout):
+        t[:, :, :32] = float("nan")
+    got = run_kernel(q, k, v, None, True, 0.25, dout, seg, window)
+    # Window: query blocks from 64 see keys >= 57 only, key blocks from 64 are seen by queries
+    # >= 64 only (causal). Segments: positions 32.. never meet positions < 32. (With the window
+    # the block of rows 32..63 meets the poisoned keys 25..31, legitimately: its out and lse
+    # become NaN, and so do dK/dV of every key those rows see.)
+    start = 64 if rule == "window" else 32
+    for name in NAMES:
+        assert torch.equal(got[name][:, :, start:], clean[name][:, :, start:]), name
+
+
+# ------------------------------------------------------------------------------------------
 # Layouts, determinism, empty rows
 # ------------------------------------------------------------------------------------------
 def test_non_contiguous_inputs():
@@ -237,9 +321,9 @@ def test_non_contiguous_inputs():
 def test_deterministic_backward():
     """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal."""
     q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, torch.float16, "right", seed=11)
-    out, lse = attention.attention_fwd(q, k, v, mask, True, 0.2)
-    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 0.2)
-    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 0.2)
+    out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.2)
+    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
+    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
     for a, b, name in zip(first, second, ("dq", "dk", "dv")):
         assert torch.equal(a, b), f"{name} differs between two backward runs"
 
@@ -251,8 +335,8 @@ def test_fully_masked_rows_are_zero():
     mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
     mask[0] = False          # fully padded sequence
     mask[1, :6] = False      # left padding: causal rows 0..5 see nothing
-    out, lse = attention.attention_fwd(q, k, v, mask, True, D ** -0.5)
-    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, D ** -0.5)
+    out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, D ** -0.5)
+    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, D ** -0.5)
     for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(t).any(), f"{name} has NaN"
     assert torch.all(out[0] == 0) and torch.all(out[1, :, :6] == 0)
@@ -270,7 +354,7 @@ def test_backward_accepts_external_minus_inf_lse():
     mask = torch.zeros(1, 8, dtype=torch.bool, device=DEVICE)
     out = torch.zeros_like(q)
     lse = torch.full((1, 2, 8), float("-inf"), device=DEVICE)
-    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, False, 0.25)
+    dq, dk, dv = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, False, 0.25)
     assert torch.all(dq == 0) and torch.all(dk == 0) and torch.all(dv == 0)
 
 
@@ -301,12 +385,33 @@ BAD_FWD = [
      ValueError, r"key_padding_mask must have shape \(B=2, S=8\)"),
     ("device", lambda q, k, v, m: (q, k.to("meta"), v, m), ValueError, "k is on meta"),
 ]
+BAD_FWD_MASKS = [  # (id, segment_ids, window, scale, exception, match)
+    ("seg_dtype", torch.ones(2, 8), None, 0.25, TypeError,
+     "segment_ids must be an int32 or int64 tensor"),
+    ("seg_shape", torch.ones(2, 7, dtype=torch.int64), None, 0.25, ValueError,
+     r"segment_ids must have shape \(B=2, S=8\)"),
+    ("window_0", None, 0, 0.25, ValueError, "window must be an int > 0"),
+    ("scale_0", None, None, 0.0, ValueError, "scale must be a finite number > 0"),
+    ("scale_nan", None, None, float("nan"), ValueError, "scale must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("seg,window,scale,exc,match", [b[1:] for b in BAD_FWD_MASKS],
+                         ids=[b[0] for b in BAD_FWD_MASKS])
+def test_forward_rejects_bad_masks(seg, window, scale, exc, match):
+    q, k, v, _ = _good()
+    seg = seg.to(DEVICE) if seg is not None else None
+    with pytest.raises(exc, match="attention_fwd: " + match):
+        attention.attention_fwd(q, k, v, None, seg, window, True, scale)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 8, device=DEVICE)
+    with pytest.raises(exc, match="attention_bwd: " + match):
+        attention.attention_bwd(out, q, k, v, out, lse, None, seg, window, True, scale)
 
 
 @pytest.mark.parametrize("make_bad,exc,match", [b[1:] for b in BAD_FWD], ids=[b[0] for b in BAD_FWD])
 def test_forward_rejects_bad_input(make_bad, exc, match):
     with pytest.raises(exc, match=match):
-        attention.attention_fwd(*make_bad(*_good()), True, 0.25)
+        attention.attention_fwd(*make_bad(*_good()), None, None, True, 0.25)
 
 
 def test_backward_rejects_bad_input():
@@ -314,16 +419,16 @@ def test_backward_rejects_bad_input():
     out, lse, dout = torch.zeros_like(q), torch.zeros(2, 4, 8, device=DEVICE), torch.zeros_like(q)
     bwd = attention.attention_bwd
     with pytest.raises(ValueError, match="dout must have the shape of q"):
-        bwd(dout[:, :2], q, k, v, out, lse, None, True, 0.25)
+        bwd(dout[:, :2], q, k, v, out, lse, None, None, None, True, 0.25)
     with pytest.raises(TypeError, match="out must have the dtype of q"):
-        bwd(dout, q, k, v, out.double(), lse, None, True, 0.25)
+        bwd(dout, q, k, v, out.double(), lse, None, None, None, True, 0.25)
     with pytest.raises(TypeError, match="lse must be float32"):
-        bwd(dout, q, k, v, out, lse.double(), None, True, 0.25)
+        bwd(dout, q, k, v, out, lse.double(), None, None, None, True, 0.25)
     with pytest.raises(ValueError, match=r"lse must have shape \(B=2, Hq=4, S=8\)"):
-        bwd(dout, q, k, v, out, lse[..., :3], None, True, 0.25)
+        bwd(dout, q, k, v, out, lse[..., :3], None, None, None, True, 0.25)
     with pytest.raises(ValueError, match="k must have Hkv dividing Hq=4, got Hkv=3"):
         kk = torch.zeros(2, 3, 8, 16, device=DEVICE)
-        bwd(dout, q, kk, kk, out, lse, None, True, 0.25)
+        bwd(dout, q, kk, kk, out, lse, None, None, None, True, 0.25)
 
 
 # ------------------------------------------------------------------------------------------
@@ -353,8 +458,113 @@ def test_accuracy_gpu(case):
 @pytest.mark.gpu
 def test_deterministic_backward_gpu():
     q, k, v, dout, mask = make_inputs(2, 32, 8, 2048, 128, torch.bfloat16, "right", seed=1)
-    out, lse = attention.attention_fwd(q, k, v, mask, True, 128 ** -0.5)
-    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 128 ** -0.5)
-    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, True, 128 ** -0.5)
+    out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 128 ** -0.5)
+    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 128 ** -0.5)
+    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 128 ** -0.5)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# Regressions found by a probe (issue 16)
+# ------------------------------------------------------------------------------------------
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="checks the Triton interpreter (CPU tensors)")
+
+
+@interpreter_only
+def test_bf16_is_refused_under_the_interpreter():
+    """The interpreter's bf16 tl.dot is wrong (errors of 1e8 and more): refuse, say what to use."""
+    q, k, v, _ = _good(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"bfloat16.*interpreter.*float16 or float32"):
+        attention.attention_fwd(q, k, v, None, None, None, True, 0.25)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 8)
+    with pytest.raises(NotImplementedError, match=r"bfloat16.*interpreter.*ATen"):
+        attention.attention_bwd(out, q, k, v, out, lse, None, None, None, True, 0.25)
+    from ckpt_ext.kernels import swiglu_mlp
+
+    x, w = torch.zeros(3, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"swiglu_fwd: bfloat16.*interpreter"):
+        swiglu_mlp.swiglu_fwd(x, w, w, w.t().contiguous(), None, None, None, False)
+    with pytest.raises(NotImplementedError, match=r"swiglu_bwd: bfloat16.*interpreter"):
+        swiglu_mlp.swiglu_bwd(x, x, w, w, w.t().contiguous(), None, None, None, None, None)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_empty_sequence(masked):
+    """S = 0 through the launchers and through ops.attention's autograd on the Triton path."""
+    import ckpt_ext
+    from ckpt_ext._backend import use_triton
+
+    q = torch.randn(2, 4, 0, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, 2, 0, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(2, 2, 0, 16, device=DEVICE, requires_grad=True)
+    mask = torch.ones(2, 0, dtype=torch.bool, device=DEVICE) if masked else None
+    out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.25)
+    assert out.shape == (2, 4, 0, 16) and lse.shape == (2, 4, 0)
+    grads = attention.attention_bwd(out, q, k, v, out, lse, mask, None, None, True, 0.25)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    with use_triton("cpu") if DEVICE == "cpu" else contextlib.nullcontext():
+        out = ckpt_ext.ops.attention(q, k, v, key_padding_mask=mask)
+        out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+@interpreter_only
+def test_interpreter_check_is_thread_safe(monkeypatch):
+    """Two threads making the first Triton call at once: the self-check runs once at a time
+    (the interpreter is not re-entrant), and every thread sees the working interpreter."""
+    from ckpt_ext.kernels import _interpreter
+
+    run = _interpreter._probe_kernel.run
+    inside, overlaps = [], []
+
+    def probe(*args, **kwargs):
+        inside.append(1)
+        if len(inside) > 1:
+            overlaps.append(1)
+            raise RuntimeError("interpreter entered by two threads")
+        time.sleep(0.05)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    _interpreter.interpreter_problem.cache_clear()
+    monkeypatch.setattr(_interpreter._probe_kernel, "run", probe)
+    barrier = threading.Barrier(4)
+    results = []
+
+    def first_call():
+        barrier.wait()
+        results.append(_interpreter.interpreter_problem())
+
+    try:
+        threads = [threading.Thread(target=first_call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not overlaps and results == [None] * 4, results
+    finally:
+        _interpreter.interpreter_problem.cache_clear()
+
+
+@interpreter_only
+def test_interpreter_check_does_not_cache_other_failures(monkeypatch):
+    """A failure that is not the interpreter's (here a transient error) is reported without
+    blaming numpy and is not remembered: the next check runs the probe again."""
+    from ckpt_ext.kernels import _interpreter
+
+    def transient(*args, **kwargs):
+        raise MemoryError("transient")
+
+    _interpreter.interpreter_problem.cache_clear()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(_interpreter._probe_kernel, "run", transient)
+            problem = _interpreter.interpreter_problem()
+            assert problem is not None and "transient" in problem and "numpy" not in problem
+        assert _interpreter.interpreter_problem() is None
+    finally:
+        _interpreter.interpreter_problem.cache_clear()

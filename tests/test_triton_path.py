@@ -77,9 +77,9 @@ def test_triton_really_serves_the_op_inside_the_block():
 
 def test_backend_environment_variable():
     code = ("import torch, ckpt_ext; q = torch.randn(1, 2, 5, 16); "
-            "out, lse = torch.ops.ckpt_ext.attention_fwd(q, q, q, None, True, 0.25); "
+            "out, lse = torch.ops.ckpt_ext.attention_fwd(q, q, q, None, None, None, True, 0.25); "
             "from ckpt_ext.kernels.attention import attention_fwd; "
-            "ref, _ = attention_fwd(q, q, q, None, True, 0.25); "
+            "ref, _ = attention_fwd(q, q, q, None, None, None, True, 0.25); "
             "assert torch.equal(out, ref); print('triton-served')")
     env = dict(os.environ, CKPT_EXT_BACKEND="triton", TRITON_INTERPRET="1")
     # On a CUDA machine this process runs Triton compiled, so the interpreter is probed here.
