@@ -63,27 +63,21 @@ c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
 T2 attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const OptTensor& mask, const OptTensor& seg, std::optional<int64_t> window,
                  double scale) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!seg && !window, "decoder_layer: segment_ids/window need the "
-                              "masked attention kernels");
   static auto op = op_handle<T2(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const OptTensor&, const OptTensor&, std::optional<int64_t>,
                                 bool, double)>("ckpt_ext::attention_fwd");
-  return op.call(q, k, v, mask, /*segment_ids=*/std::nullopt, /*window=*/std::nullopt,
-                 /*causal=*/true, scale);
+  return op.call(q, k, v, mask, seg, window, /*causal=*/true, scale);
 }
 
 T3 attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                  const OptTensor& mask, const OptTensor& seg, std::optional<int64_t> window,
                  double scale) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!seg && !window, "decoder_layer: segment_ids/window need the "
-                              "masked attention kernels");
   static auto op = op_handle<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const OptTensor&, const OptTensor&, std::optional<int64_t>,
                                 bool, double)>("ckpt_ext::attention_bwd");
-  return op.call(dout, q, k, v, out, lse, mask, /*segment_ids=*/std::nullopt,
-                 /*window=*/std::nullopt, /*causal=*/true, scale);
+  return op.call(dout, q, k, v, out, lse, mask, seg, window, /*causal=*/true, scale);
 }
 
 T3 swiglu_fwd(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,

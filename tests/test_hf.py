@@ -247,18 +247,43 @@ def test_training_forward_with_kv_cache_delegates_and_warns():
     assert got.past_key_values.get_seq_length() == S  # the cache was filled as HF fills it
 
 
-def test_sliding_window_shorter_than_sequence_delegates():
-    ref_model = make_model("mistral", "sdpa", sliding_window=8)
+@pytest.mark.parametrize("family,overrides,windows", [
+    ("mistral", dict(sliding_window=5), [5, 5, 5]),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+     [None, 4, 4]),
+], ids=["mistral-all-layers", "qwen2-layers-from-1"])
+def test_sliding_window_shorter_than_sequence_is_fused(family, overrides, windows):
+    ref_model = make_model(family, "sdpa", **overrides)
     model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    assert [layer.forward.spec.window for layer in model.model.layers] == windows
     ids, mask, labels = make_batch(pad=True)
-    with pytest.warns(UserWarning, match="sliding window"):
-        got = run(model, ids, mask, labels)
-    assert calls(model) == [0, 0, 0]
-    assert_same(run(ref_model, ids, mask, labels), got, mask)
-    short_ids, short_mask, short_labels = ids[:, :8], mask[:, :8], labels[:, :8]
-    assert_same(run(ref_model, short_ids, short_mask, short_labels),
-                run(model, short_ids, short_mask, short_labels), short_mask)
-    assert calls(model) == [1, 1, 1]  # a window that covers the sequence is plain causal
+    assert_same(run(ref_model, ids, mask, labels), run(model, ids, mask, labels), mask)
+    assert calls(model) == [1, 1, 1]
+
+
+def packed_batch(lengths, seed=3):
+    """One row of concatenated documents, as DataCollatorWithFlattening gives it: position ids
+    restart at each document, no attention mask, the first label of each document ignored."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, TINY["vocab_size"], (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100
+    return ids, pos, labels
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_sequences_are_fused(family):
+    ref_model = make_model(family, "sdpa")
+    model = patch_llama(copy.deepcopy(ref_model), "min_memory")
+    ids, pos, labels = packed_batch([7, 1, 12, 3])
+    ref = run(ref_model, ids, None, labels, position_ids=pos)
+    got = run(model, ids, None, labels, position_ids=pos)
+    assert_same(ref, got, None)
+    assert calls(model) == [1, 1, 1]
+    # the documents are independent: each alone gives the same logits as in the pack
+    alone = ref_model(input_ids=ids[:, 8:20], use_cache=False).logits
+    torch.testing.assert_close(got[0].logits[:, 8:20], alone, **TOL)
 
 
 def test_hf_gradient_checkpointing_warns_and_recomputes_once():
