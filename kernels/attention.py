@@ -107,7 +107,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                     offs_m, offs_d, lo, hi, S, qk_scale, win_before, win_after,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-                    HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key blocks [lo, hi) of one query block.
 
     q: (BLOCK_M, D_PAD); acc: (BLOCK_M, D_PAD) fp32; l_i, m_i: (BLOCK_M,) fp32, m_i in base 2.
@@ -127,9 +128,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
             col_ok = col_ok & (keep != 0)
         bias = tl.where(col_ok, 0.0, float("-inf"))
         s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
-        if BAND:
+        if BAND and WINDOW:
             dist = offs_n[None, :] - offs_m[:, None]
             s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
+        elif BAND:  # the causal diagonal only
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
         if HAS_SEG:
             seg_k = tl.load(SegId_b + offs_n, mask=offs_n < S, other=-2)
             s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
@@ -157,8 +160,8 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
                      stride_ob, stride_oh, stride_os, stride_od,
                      Hq, S, GROUP, qk_scale, win_before, win_after, S_BUCKET,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(S, BLOCK_M), B, Hq). Writes Out (B, Hq, S, D) and Lse (B, Hq, S) contiguous.
 
     qk_scale = scale * log2(e). Key j is visible from query i iff
@@ -199,21 +202,26 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
                             SegLo + b * S, SegHi + b * S, HAS_SEG)
     lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
                                             BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
-                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                    offs_m, offs_d, lo, full_lo, S, qk_scale, win_before,
-                                    win_after, HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG,
-                                    DOT_PRECISION)
+    # Phases: the window's lower edge (only with a window: else empty), the blocks inside the
+    # band, the causal diagonal / window's upper edge (only with one: else empty). Leaving the
+    # empty phases out at compile time keeps the plain paths' code as lean as without masks.
+    if WINDOW:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
+                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                        offs_m, offs_d, lo, full_lo, S, qk_scale, win_before,
+                                        win_after, HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK,
+                                        HAS_SEG, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                     offs_m, offs_d, full_lo, full_hi, S, qk_scale, win_before,
-                                    win_after, HEAD_DIM, BLOCK_N, False, HAS_MASK, HAS_SEG,
-                                    DOT_PRECISION)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
-                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                    offs_m, offs_d, full_hi, hi, S, qk_scale, win_before,
-                                    win_after, HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG,
-                                    DOT_PRECISION)
+                                    win_after, HEAD_DIM, BLOCK_N, False, WINDOW, HAS_MASK,
+                                    HAS_SEG, DOT_PRECISION)
+    if CAUSAL or WINDOW:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
+                                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                        offs_m, offs_d, full_hi, hi, S, qk_scale, win_before,
+                                        win_after, HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK,
+                                        HAS_SEG, DOT_PRECISION)
 
     # Rows with nothing to attend have l = 0: out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -257,7 +265,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh, Lse_b
                          SegId_b, stride_qs, stride_qd, stride_gs, stride_gd,
                          offs_d, lo, hi, S, qk_scale, win_before, win_after,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
-                         HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head.
 
     k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; bias_n: (BLOCK_N,) 0 or -inf;
@@ -276,9 +285,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh, Lse_b
         lse = tl.load(Lse_bh + offs_m, mask=row_ok, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale + bias_n[:, None]
-        if BAND:
+        if BAND and WINDOW:
             dist = offs_n[:, None] - offs_m[None, :]
             sT = tl.where((dist <= win_after) & (dist >= -win_before), sT, float("-inf"))
+        elif BAND:  # the causal diagonal only
+            sT = tl.where(offs_m[None, :] >= offs_n[:, None], sT, float("-inf"))
         if HAS_SEG:
             seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
             sT = tl.where(seg_k[:, None] == seg_q[None, :], sT, float("-inf"))
@@ -304,7 +315,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, 
                           Hq, Hkv, S, GROUP, qk_scale, sm_scale, win_before, win_after,
                           S_BUCKET,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                          HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                          WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                           DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(S, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*.
@@ -348,22 +359,28 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, 
         Q_bh = Q + b * stride_qb + h * stride_qh
         DO_bh = DOut + b * stride_gb + h * stride_gh
         row_base = (b * Hq + h) * S
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
-                                      Lse + row_base, Delta + row_base, SegId_b,
-                                      stride_qs, stride_qd, stride_gs, stride_gd,
-                                      offs_d, lo, full_lo, S, qk_scale, win_before, win_after,
-                                      HEAD_DIM, BLOCK_M, True, HAS_SEG, DOT_PRECISION)
+        # Seen from a key block the causal diagonal is the lower edge (query blocks
+        # [lo, full_lo)) and the window's lower edge the upper one ([full_hi, hi)).
+        if CAUSAL or WINDOW:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
+                                          Lse + row_base, Delta + row_base, SegId_b,
+                                          stride_qs, stride_qd, stride_gs, stride_gd,
+                                          offs_d, lo, full_lo, S, qk_scale, win_before,
+                                          win_after, HEAD_DIM, BLOCK_M, True, WINDOW, HAS_SEG,
+                                          DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
                                       Lse + row_base, Delta + row_base, SegId_b,
                                       stride_qs, stride_qd, stride_gs, stride_gd,
                                       offs_d, full_lo, full_hi, S, qk_scale, win_before,
-                                      win_after, HEAD_DIM, BLOCK_M, False, HAS_SEG,
+                                      win_after, HEAD_DIM, BLOCK_M, False, WINDOW, HAS_SEG,
                                       DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
-                                      Lse + row_base, Delta + row_base, SegId_b,
-                                      stride_qs, stride_qd, stride_gs, stride_gd,
-                                      offs_d, full_hi, hi, S, qk_scale, win_before, win_after,
-                                      HEAD_DIM, BLOCK_M, True, HAS_SEG, DOT_PRECISION)
+        if WINDOW:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
+                                          Lse + row_base, Delta + row_base, SegId_b,
+                                          stride_qs, stride_qd, stride_gs, stride_gd,
+                                          offs_d, full_hi, hi, S, qk_scale, win_before,
+                                          win_after, HEAD_DIM, BLOCK_M, True, WINDOW, HAS_SEG,
+                                          DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
@@ -375,7 +392,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                        offs_d, lo, hi, S, qk_scale, win_before, win_after,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-                       HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                       WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
     """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi).
 
@@ -397,9 +414,11 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
             col_ok = col_ok & (keep != 0)
         bias = tl.where(col_ok, 0.0, float("-inf"))
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
-        if BAND:
+        if BAND and WINDOW:
             dist = offs_n[None, :] - offs_m[:, None]
             s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
+        elif BAND:  # the causal diagonal only
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
         if HAS_SEG:
             seg_k = tl.load(SegId_b + offs_n, mask=offs_n < S, other=-2)
             s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
@@ -420,7 +439,7 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DQ
                         stride_db, stride_dh, stride_ds, stride_dd,
                         Hq, S, GROUP, qk_scale, sm_scale, win_before, win_after, S_BUCKET,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                        HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                        WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                         DOT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(S, BLOCK_M), B, Hq). Writes DQ (B, Hq, S, D) with strides stride_d*.
@@ -458,18 +477,22 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DQ
     lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
                                             BLOCK_N)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
-                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                            offs_d, lo, full_lo, S, qk_scale, win_before, win_after,
-                            HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG, DOT_PRECISION)
+    if WINDOW:  # phases as in the forward
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b,
+                                SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                offs_d, lo, full_lo, S, qk_scale, win_before, win_after,
+                                HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK, HAS_SEG,
+                                DOT_PRECISION)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
                             stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                             offs_d, full_lo, full_hi, S, qk_scale, win_before, win_after,
-                            HEAD_DIM, BLOCK_N, False, HAS_MASK, HAS_SEG, DOT_PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
-                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                            offs_d, full_hi, hi, S, qk_scale, win_before, win_after,
-                            HEAD_DIM, BLOCK_N, True, HAS_MASK, HAS_SEG, DOT_PRECISION)
+                            HEAD_DIM, BLOCK_N, False, WINDOW, HAS_MASK, HAS_SEG, DOT_PRECISION)
+    if CAUSAL or WINDOW:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b,
+                                SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                offs_d, full_hi, hi, S, qk_scale, win_before, win_after,
+                                HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK, HAS_SEG,
+                                DOT_PRECISION)
     tl.store(DQ + b * stride_db + h * stride_dh
              + offs_m[:, None] * stride_ds + offs_d[None, :] * stride_dd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok)
@@ -797,7 +820,8 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
         kernel[grid](q, k, v, mask, seg_id, seg_lo, seg_hi, out, lse,
                      *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
                      Hq, S, Hq // Hkv, float(scale) * _LOG2E, before, after, _s_bucket(S),
-                     HAS_MASK=has_mask, HAS_SEG=has_seg, **common, **meta)
+                     HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT, **common,
+                     **meta)
     return out, lse
 
 
@@ -854,12 +878,13 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
             q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dk.stride(), Hq, Hkv, S, group, qk_scale, float(scale), before, after,
-            _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg, **common, **meta)
+            _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT,
+            **common, **meta)
 
         kernel, meta = _launcher("dq", q.device, common["D_PAD"], q.element_size())
         kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B, Hq)](
             q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dq.stride(), Hq, S, group, qk_scale, float(scale), before, after, _s_bucket(S),
-            HAS_MASK=has_mask, HAS_SEG=has_seg, **common, **meta)
+            HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT, **common, **meta)
     return dq, dk, dv

@@ -253,6 +253,8 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     out_names = {"fwd": ["Out"], "dkdv": ["DK", "DV"], "dq": ["DQ"]}[kind]
     pointers = {n: dtype for n in ["Q", "K", "V"] + out_names}
     pointers["Mask"] = "u8" if has_mask else dtype  # bool mask viewed as uint8, else q itself
+    for name in ("SegId", "SegLo", "SegHi"):        # no segment ids: q itself
+        pointers[name] = dtype
     pointers["Lse"] = "fp32"
     prefixes = ["q", "k", "v", "o"] if kind == "fwd" else ["q", "k", "v", "g", "d"]
     if kind != "fwd":
@@ -266,7 +268,8 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     else:
         div16 |= {"stride_mb", "stride_ms"}   # both 0 when there is no mask
     floats = {"qk_scale"} if kind == "fwd" else {"qk_scale", "sm_scale"}
-    consts = dict(common, HAS_MASK=has_mask, BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
+    consts = dict(common, HAS_MASK=has_mask, HAS_SEG=False, WINDOW=False,
+                  BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
     return make_signature(fn, pointers, unit, div16, floats, consts)
 
 
