@@ -158,12 +158,20 @@ def test_no_grad_saves_nothing_and_matches():
         torch.testing.assert_close(layer(x, pe), y, rtol=1e-6, atol=1e-6)
 
 
-def test_double_backward_raises():
+def test_double_backward_raises_and_the_advice_holds():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     layer = make_layer(16, 2, 2, 24, torch.float64, policy="balanced")
     x = torch.randn(1, 3, 16, dtype=torch.float64, requires_grad=True)
-    y = layer(x, rope_tables(3, 8, torch.float64))
-    with pytest.raises(RuntimeError, match="double backward"):
+    pe = rope_tables(3, 8, torch.float64)
+    y = layer(x, pe)
+    with pytest.raises(RuntimeError, match="double backward.*SDPBackend.MATH"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
+    for policy in ("none", "torch"):  # what the message advises works at second order
+        layer.policy = policy
+        with sdpa_kernel(SDPBackend.MATH):
+            fn = lambda t: layer(t, pe).square().sum()  # noqa: E731
+            assert torch.autograd.gradcheck(lambda t: torch.autograd.grad(
+                fn(t), t, create_graph=True)[0], (x,))
 
 
 def test_errors_name_the_argument():
