@@ -76,14 +76,14 @@ def _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset)
 
 @torch.library.register_fake("ckpt_ext::decoder_layer")
 def _decoder_layer_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                        lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype, part,
+                        uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype, part,
                         preset):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_fwd")
 def _decoder_layer_fwd_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                            lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
+                            uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
                             part, preset):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset))
@@ -91,7 +91,7 @@ def _decoder_layer_fwd_fake(x, weights, cos, sin, key_padding_mask, segment_ids,
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_bwd")
 def _decoder_layer_bwd_fake(dy, x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                            lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
+                            uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
                             part, preset, saved, needs_grad):
     dweights = [torch.empty_like(w, memory_format=torch.contiguous_format)
                 if w is not None and need else x.new_empty(0)
@@ -114,6 +114,7 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   num_heads: int = 1, num_kv_heads: Optional[int] = None, eps: float = 1e-6,
                   scale: Optional[float] = None, key_padding_mask: Optional[Tensor] = None,
                   segment_ids: Optional[Tensor] = None, window: Optional[int] = None,
+                  uniform_empty_rows: bool = False,
                   lora_scaling: Optional[Sequence[float]] = None,
                   compute_dtype: Optional[torch.dtype] = None, part: str = "layer",
                   preset: str = "balanced") -> Tensor:
@@ -122,7 +123,9 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     x: (B, S, H); weights: slot name -> tensor (``WEIGHT_SLOTS``; HF's names, e.g.
     ``dict(hf_layer.named_parameters())``); position_embeddings: (cos, sin), each
     (1 or B, S, head_dim), required unless ``part="mlp"``; key_padding_mask: bool (B, S), True
-    = real token. ``scale`` defaults to ``head_dim ** -0.5``.
+    = real token; segment_ids (B, S) int and window: as in ``ckpt_ext.ops.attention``;
+    uniform_empty_rows: a query row with no key to attend averages all values (HF eager
+    attention's result) instead of being 0. ``scale`` defaults to ``head_dim ** -0.5``.
     """
     _check("decoder_layer", preset, part)
     w = pack_weights(weights)
@@ -131,7 +134,7 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         wq = w[_SLOT_INDEX["self_attn.q_proj.weight"]]
         scale = 1.0 / math.sqrt(wq.shape[0] // num_heads) if wq is not None else 1.0
     return _ops.decoder_layer(x, w, cos, sin, key_padding_mask, segment_ids, window,
-                              list(lora_scaling or ()), num_heads, num_kv_heads or num_heads,
+                              uniform_empty_rows, list(lora_scaling or ()), num_heads, num_kv_heads or num_heads,
                               eps, float(scale), compute_dtype, part, preset)
 
 

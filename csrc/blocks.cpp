@@ -184,6 +184,7 @@ struct Layer {
   at::Tensor cos, sin;
   OptTensor mask, seg;
   std::optional<int64_t> window;
+  bool uniform_empty_rows = false;   // rows with no key average all values (HF eager)
   std::vector<double> lora_scaling;  // kNumProjs, or empty without adapters
   int64_t hq, hkv;
   double eps, scale;
@@ -220,8 +221,9 @@ struct Layer {
 
 Layer make_layer(const c10::List<OptTensor>& weights, const OptTensor& cos,
                  const OptTensor& sin, const OptTensor& mask, const OptTensor& seg,
-                 std::optional<int64_t> window, c10::ArrayRef<double> lora_scaling,
-                 int64_t hq, int64_t hkv, double eps, double scale,
+                 std::optional<int64_t> window, bool uniform_empty_rows,
+                 c10::ArrayRef<double> lora_scaling, int64_t hq, int64_t hkv, double eps,
+                 double scale,
                  std::optional<at::ScalarType> compute_dtype, c10::string_view part,
                  c10::string_view preset, const char* op) {
   CKPT_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kNumSlots, op, "weights must have ",
@@ -234,6 +236,7 @@ Layer make_layer(const c10::List<OptTensor>& weights, const OptTensor& cos,
   L.mask = checks::absent(mask) ? std::nullopt : mask;
   L.seg = checks::absent(seg) ? std::nullopt : seg;
   L.window = window;
+  L.uniform_empty_rows = uniform_empty_rows;
   L.lora_scaling.assign(lora_scaling.begin(), lora_scaling.end());
   L.hq = hq;
   L.hkv = hkv;
@@ -454,11 +457,57 @@ Projected project(const at::Tensor& x, const Layer& L) {
   return p;
 }
 
+// ---- HF eager attention's rows with nothing to attend ---------------------------------------
+// Eager attention adds the dtype's minimum to every masked score, so a query row that may
+// attend no key (a left-padded position) has all scores equal: it averages every value
+// uniformly (future and padded keys included) and its gradient reaches q, every k and every v.
+// The attention kernels return 0 for such rows (lse = -inf); with uniform_empty_rows these
+// corrections reproduce eager's result in O(S * D^2), with no host sync.
+
+at::Tensor empty_rows(const at::Tensor& lse) {  // (B, Hq, S, 1) float, 1 on empty rows
+  return at::isneginf(lse).unsqueeze(-1).to(at::kFloat);
+}
+
+at::Tensor per_query_head(const at::Tensor& t, int64_t groups) {  // (B, Hkv, ...) -> (B, Hq, ...)
+  return groups == 1 ? t : t.repeat_interleave(groups, 1);
+}
+
+at::Tensor per_kv_head(const at::Tensor& t, int64_t hkv) {  // (B, Hq, S, D) summed per group
+  return t.view({t.size(0), hkv, -1, t.size(2), t.size(3)}).sum(2);
+}
+
+void fix_empty_rows_forward(const Layer& L, Residuals& r) {
+  const at::Tensor vmean = per_query_head(r.v.mean(2, /*keepdim=*/true), L.hq / L.hkv);
+  r.out = at::where(empty_rows(r.lse).to(at::kBool), vmean.to(r.out.scalar_type()), r.out);
+}
+
+void fix_empty_rows_backward(const Layer& L, const Residuals& r, const at::Tensor& dout,
+                             at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const int64_t groups = L.hq / L.hkv, s = r.k.size(2);
+  const at::Tensor d = dout.to(at::kFloat) * empty_rows(r.lse);  // (B, Hq, S, D)
+  const at::Tensor q = r.q.to(at::kFloat);
+  const at::Tensor k = per_query_head(r.k.to(at::kFloat), groups);
+  const at::Tensor v = per_query_head(r.v.to(at::kFloat), groups);
+  const at::Tensor vmean = v.mean(2, true), kmean = k.mean(2, true);
+  const at::Tensor dvm = (d * vmean).sum(-1, true);                       // dout_i . vmean
+  // dS_ij = (dout_i . v_j - dout_i . vmean) / S on empty rows
+  const at::Tensor dq_fix = d.matmul(v.transpose(-1, -2).matmul(k)).mul_(L.scale / s)
+                                .sub_(dvm * kmean * L.scale);
+  const at::Tensor m = q.transpose(-1, -2).matmul(d);                     // sum_i q_i dout_i^T
+  const at::Tensor c = (dvm * q).sum(2, true);                            // sum_i (dout_i . vmean) q_i
+  const at::Tensor dk_fix = v.matmul(m.transpose(-1, -2)).sub_(c).mul_(L.scale / s);
+  const at::Tensor dv_fix = (d.sum(2, true) / s).expand_as(v);
+  dq = dq + dq_fix.to(dq.scalar_type());
+  dk = dk + per_kv_head(dk_fix, L.hkv).to(dk.scalar_type());
+  dv = dv + per_kv_head(dv_fix.contiguous(), L.hkv).to(dv.scalar_type());
+}
+
 // y = x + o_proj(attention(q, k, v)); fills r.q/k/v/out/lse.
 at::Tensor attention_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   Projected p = project(x, L);
   r.q = p.q, r.k = p.k, r.v = p.v;
   std::tie(r.out, r.lse) = attention_fwd(p.q, p.k, p.v, L.mask, L.seg, L.window, L.scale);
+  if (L.uniform_empty_rows) fix_empty_rows_forward(L, r);
   r.out = r.out.contiguous();
   return x + proj_fwd(L, kO, merge_heads(r.out));
 }
@@ -475,14 +524,17 @@ at::Tensor attention_backward(const at::Tensor& dy, const at::Tensor& x, const L
   } else {
     p.n = L.cast(rms_norm_fwd(x, L.norm(kInputNorm), L.eps));
   }
-  if (!r.out.defined())
+  if (!r.out.defined()) {
     std::tie(r.out, r.lse) = attention_fwd(r.q, r.k, r.v, L.mask, L.seg, L.window, L.scale);
+    if (L.uniform_empty_rows) fix_empty_rows_forward(L, r);
+  }
 
   const at::Tensor dy2 = L.cast(flat2(dy));
   const at::Tensor dmerged = proj_bwd(L, kO, dy2, flat2(merge_heads(r.out)), needs, g);
   const at::Tensor dout = dmerged.view({b, sl, L.hq, d}).transpose(1, 2);
   auto [dq, dk, dv] =
       attention_bwd(dout, r.q, r.k, r.v, r.out, r.lse, L.mask, L.seg, L.window, L.scale);
+  if (L.uniform_empty_rows) fix_empty_rows_backward(L, r, dout, dq, dk, dv);
   auto [dqh, dkh] = rope_bwd(dq, dk, L.cos, L.sin);
   at::Tensor dq_lin = dqh.transpose(1, 2), dk_lin = dkh.transpose(1, 2);  // (B, S, H*, D)
   if (L.qk_norm()) {
@@ -654,12 +706,14 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
 #define LAYER_PARAMS                                                                          \
   const c10::List<OptTensor>&weights, const OptTensor &cos, const OptTensor &sin,           \
       const OptTensor &key_padding_mask, const OptTensor &segment_ids,                        \
-      std::optional<int64_t> window, c10::ArrayRef<double> lora_scaling, int64_t num_heads,   \
+      std::optional<int64_t> window, bool uniform_empty_rows,                                  \
+      c10::ArrayRef<double> lora_scaling, int64_t num_heads,                                   \
       int64_t num_kv_heads, double eps, double scale,                                          \
       std::optional<at::ScalarType> compute_dtype, c10::string_view part,                      \
       c10::string_view preset
 #define LAYER_ARGS                                                                            \
-  weights, cos, sin, key_padding_mask, segment_ids, window, lora_scaling, num_heads,          \
+  weights, cos, sin, key_padding_mask, segment_ids, window, uniform_empty_rows, lora_scaling,  \
+      num_heads,                                                                               \
       num_kv_heads, eps, scale, compute_dtype, part, preset
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layer_fwd(const at::Tensor& x,
@@ -705,6 +759,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layer_bwd(
 
 struct Options {  // the non-tensor arguments, carried through Function::apply
   std::optional<int64_t> window;
+  bool uniform_empty_rows;
   std::vector<double> lora_scaling;
   int64_t num_heads, num_kv_heads;
   double eps, scale;
@@ -716,6 +771,7 @@ struct Options {  // the non-tensor arguments, carried through Function::apply
 void save_options(AutogradContext* ctx, const Options& o) {
   auto& d = ctx->saved_data;
   d["window"] = o.window;
+  d["uniform_empty_rows"] = o.uniform_empty_rows;
   d["lora_scaling"] = c10::List<double>(o.lora_scaling);
   d["num_heads"] = o.num_heads;
   d["num_kv_heads"] = o.num_kv_heads;
@@ -731,6 +787,7 @@ Options load_options(AutogradContext* ctx) {
   auto& d = ctx->saved_data;
   Options o;
   o.window = d["window"].toOptional<int64_t>();
+  o.uniform_empty_rows = d["uniform_empty_rows"].toBool();
   o.lora_scaling = d["lora_scaling"].toDoubleVector();
   o.num_heads = d["num_heads"].toInt();
   o.num_kv_heads = d["num_kv_heads"].toInt();
@@ -745,11 +802,12 @@ Options load_options(AutogradContext* ctx) {
 
 using FwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(
     const at::Tensor&, const c10::List<OptTensor>&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, std::optional<int64_t>, c10::ArrayRef<double>, int64_t,
+    const OptTensor&, const OptTensor&, std::optional<int64_t>, bool, c10::ArrayRef<double>,
+    int64_t,
     int64_t, double, double, std::optional<at::ScalarType>, c10::string_view, c10::string_view);
 using BwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(
     const at::Tensor&, const at::Tensor&, const c10::List<OptTensor>&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, std::optional<int64_t>,
+    const OptTensor&, const OptTensor&, const OptTensor&, std::optional<int64_t>, bool,
     c10::ArrayRef<double>, int64_t, int64_t, double, double, std::optional<at::ScalarType>,
     c10::string_view, c10::string_view, at::TensorList, const c10::List<bool>&);
 
@@ -775,7 +833,7 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op_handle<FwdSig>("ckpt_ext::decoder_layer_fwd");
     auto [y, saved] = fwd.call(x, as_list(weights, o.present), cos, sin, mask, seg, o.window,
-                               o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps, o.scale,
+                               o.uniform_empty_rows, o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps, o.scale,
                                o.compute_dtype, o.part, o.preset);
     variable_list to_save = {x, cos.value_or(at::Tensor()), sin.value_or(at::Tensor()),
                              mask.value_or(at::Tensor()), seg.value_or(at::Tensor())};
@@ -806,7 +864,7 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     static auto bwd = op_handle<BwdSig>("ckpt_ext::decoder_layer_bwd");
     auto [dx, dw] = bwd.call(grad_outputs[0], t[kSavedX], as_list(w, o.present), as_opt(t[kSavedCos]),
                              as_opt(t[kSavedSin]), as_opt(t[kSavedMask]), as_opt(t[kSavedSeg]),
-                             o.window, o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps,
+                             o.window, o.uniform_empty_rows, o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps,
                              o.scale, o.compute_dtype, o.part, o.preset, saved, needs);
     variable_list grads = {dx};
     for (int64_t j = 0; j < n; ++j)
@@ -816,16 +874,18 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
   }
 };
 
-Options make_options(std::optional<int64_t> window, c10::ArrayRef<double> lora_scaling,
+Options make_options(std::optional<int64_t> window, bool uniform_empty_rows,
+                     c10::ArrayRef<double> lora_scaling,
                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                      std::optional<at::ScalarType> compute_dtype, c10::string_view part,
                      c10::string_view preset) {
-  return {window, std::vector<double>(lora_scaling.begin(), lora_scaling.end()), num_heads,
+  return {window, uniform_empty_rows,
+          std::vector<double>(lora_scaling.begin(), lora_scaling.end()), num_heads,
           num_kv_heads, eps, scale, compute_dtype, std::string(part), std::string(preset), {}};
 }
 
 at::Tensor decoder_layer_autograd(const at::Tensor& x, LAYER_PARAMS) {
-  Options o = make_options(window, lora_scaling, num_heads, num_kv_heads, eps, scale,
+  Options o = make_options(window, uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale,
                            compute_dtype, part, preset);
   std::vector<at::Tensor> given;
   for (int64_t s = 0; s < static_cast<int64_t>(weights.size()); ++s) {
@@ -850,7 +910,7 @@ at::Tensor decoder_layer_autocast(const at::Tensor& x, LAYER_PARAMS) {
       at::autocast::get_autocast_dispatch_key_from_device_type(device));
   static auto layer = op_handle<at::Tensor(const at::Tensor&, const c10::List<OptTensor>&,
                                            const OptTensor&, const OptTensor&, const OptTensor&,
-                                           const OptTensor&, std::optional<int64_t>,
+                                           const OptTensor&, std::optional<int64_t>, bool,
                                            c10::ArrayRef<double>, int64_t, int64_t, double,
                                            double, std::optional<at::ScalarType>,
                                            c10::string_view, c10::string_view)>(
@@ -860,8 +920,8 @@ at::Tensor decoder_layer_autocast(const at::Tensor& x, LAYER_PARAMS) {
       x.scalar_type() != at::kDouble) {
     dtype = at::autocast::get_autocast_dtype(device);
   }
-  return layer.call(x, weights, cos, sin, key_padding_mask, segment_ids, window, lora_scaling,
-                    num_heads, num_kv_heads, eps, scale, dtype, part, preset);
+  return layer.call(x, weights, cos, sin, key_padding_mask, segment_ids, window,
+                    uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, dtype, part, preset);
 }
 
 }  // namespace

@@ -56,23 +56,28 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // (HF parameter names: "input_layernorm.weight", "self_attn.q_proj.weight",
   // "self_attn.q_proj.bias", "self_attn.q_proj.lora_A", ...), None where absent. cos/sin
   // (B or 1, S, D); key_padding_mask, segment_ids and window as in attention_fwd; causal.
+  // uniform_empty_rows: a query row with no key to attend averages all values uniformly, as HF's
+  // eager attention computes it (the kernels' rule otherwise: such a row is 0).
   // lora_scaling: one factor per projection (q, k, v, o, gate, up, down), or [] without
   // adapters. compute_dtype: the dtype of the projections and attention (None: the weights'
   // dtype; set from torch.autocast by the Autocast kernel). part: "layer" | "attention" |
   // "mlp". preset: "fast" | "balanced" | "min_memory" decides what forward keeps.
   m.def("decoder_layer(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
-        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, float[] lora_scaling, "
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
+        "float[] lora_scaling, "
         "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
         "str part, str preset) -> Tensor");
   // The forward and backward of decoder_layer as opaque ops (what torch.compile sees): the
   // forward returns the preset's residuals, the backward recomputes the rest. needs_grad: one
   // flag per weight slot; slots without a gradient come back as empty (0,) tensors.
   m.def("decoder_layer_fwd(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
-        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, float[] lora_scaling, "
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
+        "float[] lora_scaling, "
         "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
         "str part, str preset) -> (Tensor y, Tensor[] saved)");
   m.def("decoder_layer_bwd(Tensor dy, Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
-        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, float[] lora_scaling, "
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
+        "float[] lora_scaling, "
         "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
         "str part, str preset, Tensor[] saved, bool[] needs_grad) -> (Tensor dx, "
         "Tensor[] dweights)");

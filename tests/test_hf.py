@@ -451,3 +451,19 @@ def test_refuses_other_models_and_foreign_forwards():
     layer.forward = lambda *a, **k: type(layer).forward(layer, *a, **k)
     with pytest.raises(ValueError, match="layer 2 already has an instance-level forward"):
         patch_llama(model)
+
+
+@pytest.mark.parametrize("policy", ["fast", "balanced", "min_memory"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_eager_left_padding_rows_match_hf(policy, family):
+    """HF eager attention averages all values on a query row that may attend nothing (every
+    score is the dtype's minimum); the patched model reproduces it, so the loss may include
+    the labels predicted from padded positions and still equal HF's, gradients included."""
+    ref_model = make_model(family, "eager")
+    model = patch_llama(copy.deepcopy(ref_model), policy)
+    ids, mask, _ = make_batch(pad=True)
+    labels = ids.clone()  # nothing ignored: padded rows feed the loss
+    ref, got = run(ref_model, ids, mask, labels), run(model, ids, mask, labels)
+    torch.testing.assert_close(got[0].logits, ref[0].logits, **TOL)
+    assert_same(ref, got, None)
+    assert calls(model) == [1, 1, 1]

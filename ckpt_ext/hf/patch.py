@@ -526,7 +526,8 @@ class _PatchedForward:
         cos, sin = position_embeddings
         window = spec.window if spec.window is not None and spec.window < x.shape[1] else None
         return torch.ops.ckpt_ext.decoder_layer(
-            x, weights, cos, sin, masks.key_padding_mask, masks.segment_ids, window, scaling,
+            x, weights, cos, sin, masks.key_padding_mask, masks.segment_ids, window,
+            _attn_implementation(self.config) == "eager", scaling,
             spec.num_heads, spec.num_kv_heads, spec.eps, spec.scale, None, "layer", preset)
 
 

@@ -244,7 +244,7 @@ class DecoderLayer(nn.Module):
     def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
         a = self.self_attn
         return torch.ops.ckpt_ext.decoder_layer(
-            x, pack_weights(dict(self.named_parameters())), cos, sin, mask, None, None, [],
+            x, pack_weights(dict(self.named_parameters())), cos, sin, mask, None, None, False, [],
             a.num_heads, a.num_kv_heads, self.input_layernorm.variance_epsilon, a.scaling, None,
             "layer", self.policy)
 
