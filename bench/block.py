@@ -7,7 +7,11 @@ Rows, all measured in one run on the same weights and inputs:
 * none / torch / fast / balanced / min_memory: ``ckpt_ext.modules.DecoderLayer`` per preset;
 * hf / hf_gc (when transformers imports; ``--no-hf`` drops them): transformers'
   ``LlamaDecoderLayer`` (SDPA attention) carrying the same weights, without and with HF's own
-  gradient checkpointing (``gradient_checkpointing_enable()`` with its defaults).
+  gradient checkpointing (``gradient_checkpointing_enable()`` with its defaults);
+* ``--amp bfloat16`` adds ``<preset>@amp`` rows: an fp32-master copy of the layer under
+  ``torch.autocast`` (input, grad_out and cos/sin in fp32, as in mixed-precision training);
+* ``--compile`` adds ``<preset>@compiled`` rows: the layer under ``torch.compile`` (inductor
+  on CUDA, aot_eager on CPU).
 
 For each row: saved bytes (``ckpt_ext.saved_activation_bytes``) and, for the fused presets and
 ``torch``, the README formula; on CUDA the peak memory a forward+backward step allocates above
@@ -111,8 +115,8 @@ def goals(saved, per_layer, med, formula, input_bytes):
     """(description, figure, ok) per goal of the GPU validation, for the rows present. The
     memory goals use the per-layer bytes: what one more layer of a model keeps."""
     out = []
-    for n in FUSED_PRESETS:
-        if n in saved:
+    for n in formula:  # the fused presets, and their @amp / @compiled rows
+        if n in saved and n.split("@")[0] in FUSED_PRESETS:
             out.append((f"{n} saves <= its formula (one layer, cos/sin included)",
                         f"{saved[n] / 2**20:.3f} vs {formula[n] / 2**20:.3f} MiB",
                         saved[n] <= formula[n]))
@@ -160,6 +164,10 @@ def main(argv=None):
     p.add_argument("--strict", action="store_true",
                    help="exit non-zero when any goal is missed (implied by --llama7b); "
                         "otherwise only a preset saving more than its formula fails the run")
+    p.add_argument("--amp", choices=["bfloat16", "float16"],
+                   help="add <preset>@amp rows: fp32 master weights under torch.autocast")
+    p.add_argument("--compile", action="store_true",
+                   help="add <preset>@compiled rows (torch.compile of the layer)")
     p.add_argument("--device")
     p.add_argument("--csv", help="where to write the table (default: "
                                  "bench/results/block_<device>.csv)")
@@ -190,10 +198,11 @@ def main(argv=None):
     pe = rope(s, d, dtype, device)
     grad_out = torch.randn(b, s, h, device=device, dtype=dtype)
 
-    rows = {}  # name -> (forward(x, pe), parameters, set-up before each use)
+    inputs = {"": (x, pe, grad_out)}
+    rows = {}  # name -> (forward(x, pe), parameters, set-up before each use, inputs key)
     for name in args.presets:
         rows[name] = (layer, list(layer.parameters()),
-                      lambda name=name: setattr(layer, "policy", name))
+                      lambda name=name: setattr(layer, "policy", name), "")
     model = None
     if not args.no_hf:
         eps = layer.input_layernorm.variance_epsilon
@@ -204,28 +213,51 @@ def main(argv=None):
         on = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
         off = getattr(model, "activation_checkpointing_disable",
                       model.gradient_checkpointing_disable)
-        rows["hf"] = (fwd, list(hfl.parameters()), off)
-        rows["hf_gc"] = (fwd, list(hfl.parameters()), on)
+        rows["hf"] = (fwd, list(hfl.parameters()), off, "")
+        rows["hf_gc"] = (fwd, list(hfl.parameters()), on, "")
+    fused_rows = [n for n in args.presets if n in FUSED_PRESETS]
+    if args.amp:
+        amp = DTYPES[args.amp]
+        master = DecoderLayer(h, hq, hkv, i, policy="none").to(device)
+        master.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+        inputs["amp"] = (x.detach().float().requires_grad_(), rope(s, d, torch.float32, device),
+                         grad_out.float())
+
+        def amp_fwd(x, pe):
+            with torch.autocast(device.type, dtype=amp):
+                return master(x, pe)
+        for name in ["none"] + fused_rows:
+            rows[f"{name}@amp"] = (amp_fwd, list(master.parameters()),
+                                   lambda name=name: setattr(master, "policy", name), "amp")
+    if args.compile:
+        backend = "inductor" if device.type == "cuda" else "aot_eager"
+        for name in fused_rows:
+            twin = DecoderLayer(h, hq, hkv, i, policy=name).to(device, dtype)
+            twin.load_state_dict(layer.state_dict())
+            rows[f"{name}@compiled"] = (torch.compile(twin, backend=backend, fullgraph=True),
+                                        list(twin.parameters()), lambda: None, "")
 
     def step(name):
-        fwd, params, _ = rows[name]
-        for t in [x] + params:
+        fwd, params, _, key = rows[name]
+        xi, pei, gi = inputs[key]
+        for t in [xi] + params:
             t.grad = None
-        fwd(x, pe).backward(grad_out)
+        fwd(xi, pei).backward(gi)
 
     gpu = device.type == "cuda"
     saved, per_layer, grads, peak, times = {}, {}, {}, {}, {n: [] for n in rows}
-    for name, (fwd, params, setup) in rows.items():
+    for name, (fwd, params, setup, key) in rows.items():
         setup()
-        saved[name] = ckpt_ext.saved_activation_bytes(fwd, x, pe)
+        xi, pei, _ = inputs[key]
+        saved[name] = ckpt_ext.saved_activation_bytes(fwd, xi, pei)
         # a second layer on top adds what each further layer of a model adds: the shared cos
         # and sin tables, saved by the first, count once
         per_layer[name] = ckpt_ext.saved_activation_bytes(
-            lambda x, pe: fwd(fwd(x, pe), pe), x, pe) - saved[name]
+            lambda x, pe: fwd(fwd(x, pe), pe), xi, pei) - saved[name]
         step(name)  # warm-up (Triton compiles here), and the gradients to compare
-        grads[name] = [t.grad.float().clone() for t in [x] + params]
+        grads[name] = [t.grad.float().clone() for t in [xi] + params]
         if gpu:  # peak above what is resident before a step (weights, inputs, grad_out)
-            for t in [x] + params:  # as step() does first, so that base excludes the grads
+            for t in [xi] + params:  # as step() does first, so that base excludes the grads
                 t.grad = None
             sync(device)
             base = torch.cuda.memory_allocated(device)
@@ -234,7 +266,7 @@ def main(argv=None):
             sync(device)
             peak[name] = torch.cuda.max_memory_allocated(device) - base
     for _ in range(args.reps):  # interleaved repetitions
-        for name, (_, _, setup) in rows.items():
+        for name, (_, _, setup, _) in rows.items():
             setup()
             sync(device)
             t0 = time.perf_counter()
@@ -248,6 +280,10 @@ def main(argv=None):
            for n in rows}
     formula = {n: saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i, dtype=dtype)
                for n in args.presets if n != "none"}
+    formula.update({f"{n}@amp": saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i,
+                                            dtype=torch.float32, compute_dtype=DTYPES[args.amp])
+                    for n in fused_rows if args.amp})
+    formula.update({f"{n}@compiled": formula[n] for n in fused_rows if args.compile})
     input_bytes = x.numel() * x.element_size()
 
     dev_name = torch.cuda.get_device_name(device) if gpu else \
