@@ -25,9 +25,13 @@ enabled, no KV cache):
 
 The masks come from the model's inputs (``ckpt_ext.hf.masks``): the 2-D ``attention_mask``
 becomes a key padding mask; without one, packed ``position_ids`` become segment ids; the
-config's sliding window applies to the layers it names. HF gradient checkpointing on the model
-(turned on before or after patching) is taken over: with the default policy, fused layers use
-``min_memory``, which keeps what HF's checkpointing keeps (the layer input) and recomputes less.
+config's sliding window applies to the layers it names; for ``eager`` models a query row with
+nothing to attend averages all values, as HF's eager attention does. HF gradient checkpointing
+on the model (turned on before or after patching) is taken over: with the default policy, fused
+layers use ``min_memory``, which keeps what HF's checkpointing keeps (the layer input) and
+recomputes less. ``policy="auto"`` chooses the presets per forward shape for an
+``activation_budget``; ``fuse_lm_head`` puts a ``*ForCausalLM``'s training loss through
+``ckpt_ext.ops.linear_cross_entropy`` (``ckpt_ext.hf.lm_head``).
 
 Everything else runs HF's own forward ("delegates"): inference (grad disabled), generation and
 any call with a KV cache, and every training call the fused op would compute differently: a
