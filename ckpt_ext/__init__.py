@@ -1,12 +1,15 @@
 """ckpt_ext: activation recompute for training LLaMA-style transformers.
 
-Public API (DESIGN.md):
+Public API:
     checkpoint(fn, *args, preserve_rng_state=True, **kwargs)   C++ segment checkpoint
     saved_activation_bytes(fn, *args, **kwargs)                  bytes held for backward
     ops.attention / ops.swiglu_mlp / ops.rms_norm                differentiable kernel ops
+    ops.linear_cross_entropy                                     LM-head loss without logits
     modules.DecoderLayer / Attention / SwiGLUMLP / RMSNorm       drop-in modules, policy=
     presets.PRESETS, presets.saved_bytes                         the presets and their bytes
-    patch_llama(model, policy="balanced"), unpatch_llama(model)  HF Llama/Mistral/Qwen2/Qwen3
+    patch_llama(model, policy=None, *, activation_budget=None, fuse_lm_head=True),
+    unpatch_llama(model)                                         HF Llama/Mistral/Qwen2/Qwen3
+    plan (python -m ckpt_ext.plan)                               bytes per preset, auto choice
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 

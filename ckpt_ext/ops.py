@@ -10,7 +10,7 @@ CUDA implementations are registered elsewhere. This module adds, for every kerne
   calls the matching backward op. The backward ops themselves have no derivative: reaching
   one with ``create_graph=True`` raises (double backward is not supported).
 
-Public wrappers (DESIGN.md):
+Public wrappers:
     attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
               window=None) -> out
     swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input")

@@ -1,6 +1,6 @@
 """Tests of the ckpt_ext kernel ops: CPU implementations, fakes, autograd wrappers, checks.
 
-Accuracy rule (STYLE.md 5). Each op is compared with an independent plain-PyTorch reference
+Accuracy rule (README, "Tests"). Each op is compared with an independent plain-PyTorch reference
 written here, run in float64 on the same input values. The baseline is the same plain-PyTorch
 code run with autograd at the test dtype. The op's max abs error against the float64 reference
 must be at most 2x (outputs) / 3x (gradients) the baseline's, or, where the baseline is exact

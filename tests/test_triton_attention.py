@@ -3,7 +3,7 @@
 Without a GPU they run through the Triton interpreter on CPU, in fp32 and fp16 only (bf16
 ``tl.dot`` is wrong in the interpreter; bf16 is covered by the GPU-only tests).
 
-Accuracy rule (STYLE.md 5). The reference is plain PyTorch attention in fp64 (K/V repeated for
+Accuracy rule (README, "Tests"). The reference is plain PyTorch attention in fp64 (K/V repeated for
 GQA, explicit masks, rows with nothing to attend set to 0) fed with exactly the values the
 kernel sees. The baseline is plain PyTorch at the test dtype on the test device (on CPU: torch's
 own fp16 / fp32 CPU kernels). For each of out, lse, dq, dk, dv the kernel's max abs error
@@ -107,7 +107,7 @@ def make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed=0, device=DEVICE):
 
 
 def check_accuracy(got, base, ref, dtype, base_alt=None):
-    """Assert the STYLE.md 5 bound for each result; return {name: kernel_err / bound}.
+    """Assert the accuracy bound (README, "Tests") for each result; return {name: kernel_err / bound}.
 
     base_alt: optional second plain-PyTorch result set (gradients); the baseline error of a
     tensor is the larger of the two.

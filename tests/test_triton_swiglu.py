@@ -1,7 +1,7 @@
 """Tests of the Triton SwiGLU launchers in kernels/swiglu_mlp.py.
 
 Without a GPU they run through the Triton interpreter on CPU (fp32 and fp16 only: bf16
-``tl.dot`` is wrong in the interpreter). Accuracy rule (STYLE.md 5): against an fp64 reference,
+``tl.dot`` is wrong in the interpreter). Accuracy rule (README, "Tests"): against an fp64 reference,
 the kernel's max abs error is at most 2x (outputs) / 3x (gradients) the error of plain PyTorch
 at the same dtype. The plain-PyTorch baseline is the eager composition
 ``linear(silu(linear(x)) * linear(x))`` run with autograd at the test dtype on the test device;
