@@ -20,6 +20,11 @@ the plain PyTorch layer. Sizes follow the device found:
 * GPU: LLaMA-7B-shaped layers (H 4096, 32 heads, I 11008), S 4096, batch 1, bf16, 4 layers;
 * CPU: H 256, 8 heads, I 688, S 256, batch 2, fp32, 4 layers (a couple of minutes on 2 cores).
 
+Setups people train with, on the HF model: ``--amp bfloat16`` runs every step under
+``torch.autocast`` with fp32 master weights; ``--compile`` runs the model under
+``torch.compile`` (inductor on a GPU, aot_eager on a CPU); ``--lora`` wraps it in a PEFT LoRA
+model (rank 8 on every projection, base frozen). The output files get the setup in their name.
+
 Prints a table, writes ``bench/results/demo_<device>.csv`` (device, versions, command and date
 in its header) and a Pareto plot of memory against step time, ``demo_<device>.png``.
 
@@ -109,18 +114,38 @@ class HFLlama(nn.Module):
         except TypeError:
             self.model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
                                                           torch_dtype=dtype)
+        if a.lora:
+            import peft
+            self.model = peft.get_peft_model(self.model, peft.LoraConfig(
+                r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
+                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        self.amp = DTYPES[a.amp] if a.amp else None
+        self.compile = a.compile
+        self.forward_fn = self.model
 
     def set_policy(self, preset: str) -> None:
         from ckpt_ext.hf import patch_llama
 
         patch_llama(self.model, preset)
+        if self.compile:
+            torch._dynamo.reset()
+            backend = "inductor" if next(self.model.parameters()).is_cuda else "aot_eager"
+            self.forward_fn = torch.compile(self.model, backend=backend)
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+        with torch.autocast(ids.device.type, dtype=self.amp or torch.bfloat16,
+                            enabled=self.amp is not None):
+            return self.forward_fn(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def _layers(self):
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") \
+            else self.model
+        return inner.model.layers
 
     def fused_layers(self) -> int:
-        """Layers whose forwards so far (since patching) all ran the fused op."""
-        return sum(1 for layer in self.model.model.layers
+        """Layers whose forwards so far (since patching) all ran the fused op (not counted
+        under torch.compile)."""
+        return sum(1 for layer in self._layers()
                    if set(getattr(layer.forward, "calls", {})) == {"fused"})
 
 
@@ -183,7 +208,7 @@ def check(model, preset, ids, reference):
     row = {"preset": preset}
     row["saved_bytes"] = ckpt_ext.saved_activation_bytes(model.loss, ids)
     row["loss"] = loss = step(model, ids)
-    grads = [p.grad.detach().float().cpu() for p in model.parameters()]
+    grads = [p.grad.detach().float().cpu() for p in model.parameters() if p.grad is not None]
     if hasattr(model, "fused_layers"):
         row["fused_layers"] = model.fused_layers()
     if reference is not None:
@@ -339,6 +364,11 @@ def parse_args(argv=None):
                        type=str if name == "dtype" else int,
                        choices=sorted(DTYPES) if name == "dtype" else None,
                        help=f"default: {gpu} on a GPU, {cpu} on a CPU")
+    p.add_argument("--amp", choices=["bfloat16", "float16"],
+                   help="HF model: every step under torch.autocast (fp32 master weights)")
+    p.add_argument("--compile", action="store_true", help="HF model: under torch.compile")
+    p.add_argument("--lora", action="store_true",
+                   help="HF model: wrapped in a PEFT LoRA model (rank 8, every projection)")
     p.add_argument("--out", default=RESULTS, help="folder for the CSV and the plot "
                    "(default: bench/results)")
     a = p.parse_args(argv)
@@ -354,6 +384,10 @@ def parse_args(argv=None):
         except ImportError:
             a.model = "ckpt_ext"
     a.presets = ["none"] + [x for x in dict.fromkeys(a.presets) if x != "none"]
+    if (a.amp or a.compile or a.lora) and a.model != "hf":
+        p.error("--amp, --compile and --lora apply to the HF model (--model hf)")
+    if a.amp and a.dtype != "float32":
+        p.error("--amp keeps fp32 master weights: use it with --dtype float32")
     a.warmup = max(a.warmup, 1)
     if a.hidden % a.heads or a.heads % a.kv_heads:
         p.error(f"--hidden {a.hidden} must be divisible by --heads {a.heads}, and --heads by "
@@ -367,7 +401,9 @@ def main(argv=None) -> None:
     model = build_model(a, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     shape = (f"{a.layers} layers, H {a.hidden}, {a.heads}/{a.kv_heads} heads, I {a.intermediate},"
-             f" vocab {a.vocab}, B {a.batch}, S {a.seq}, {a.dtype}, {n_params / 1e6:.1f}M params")
+             f" vocab {a.vocab}, B {a.batch}, S {a.seq}, {a.dtype}, {n_params / 1e6:.1f}M params"
+             + (f", autocast {a.amp}" if a.amp else "") + (", compiled" if a.compile else "")
+             + (", LoRA r8" if a.lora else ""))
     model_desc = ("transformers LlamaForCausalLM + ckpt_ext.hf.patch_llama" if a.model == "hf"
                   else "ckpt_ext.modules.DecoderLayer stack")
     print(f"device: {device_description(device)}; torch {torch.__version__}")
@@ -391,14 +427,15 @@ def main(argv=None) -> None:
         r["peak_ratio"] = (r["peak_bytes"] / base["peak_bytes"]) if r["peak_bytes"] else None
     print()
     print_table(rows, device)
-    if a.model == "hf":
+    if a.model == "hf" and not a.compile:
         for r in rows:
             if r["preset"] in FUSED_PRESETS and r.get("fused_layers") != a.layers:
                 print(f"warning: with preset {r['preset']!r} only {r.get('fused_layers')} of "
                       f"{a.layers} layers ran the fused op")
 
     os.makedirs(a.out, exist_ok=True)
-    slug = device_slug(device)
+    slug = device_slug(device) + "".join(
+        f"_{tag}" for tag, on in (("amp", a.amp), ("compiled", a.compile), ("lora", a.lora)) if on)
     stem = os.path.join(a.out, f"demo_{slug}")
     header = [f"device: {device_description(device)}; torch {torch.__version__}; python "
               f"{platform.python_version()}" + (f"; transformers {_tf_version()}"
