@@ -496,6 +496,23 @@ def test_swiglu_frozen_base_runs_no_weight_gemm():
     assert full - frozen == 3, (full, frozen)
 
 
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_swiglu_mlp_frozen_weights(save):
+    """swiglu_mlp with frozen weights: the backward gets needs_grad from autograd, so only dx
+    is computed (no weight-gradient matmul runs) and it matches the reference."""
+    x, ws, bs = swiglu_inputs(9, 12, 10, dtype=F64, bias=True)
+    (xl,) = leaves(x)
+    dy = torch.randn(9, 12, dtype=F64)
+    y = ops.swiglu_mlp(xl, *ws, *bs, save=save)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y.backward(dy)
+    n_mm = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+    assert n_mm == (2 if save == "gate_up" else 4), n_mm   # dh, dx (+ recomputed gate, up)
+    assert all(t.grad is None for t in (*ws, *bs))
+    (rx,) = leaves(x)
+    check_f64("dx", xl.grad, grads(ref_swiglu(rx, *ws, *bs)[0], [rx], dy)[0])
+
+
 def test_swiglu_lora_gradcheck():
     """Autograd of swiglu_fwd with adapters on every projection, float64."""
     args, lora, scaling, _ = reference.make_swiglu_lora(5, 6, 7, F64, F64, (2, 1, 3), True)
