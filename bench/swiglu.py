@@ -75,7 +75,7 @@ class TritonSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, save):
-        y, gate, up = swiglu_mlp.swiglu_fwd(x, w_gate, w_up, w_down, None, None, None,
+        y, gate, up = swiglu_mlp.swiglu_fwd(x, w_gate, w_up, w_down, None, None, None, [], [],
                                             save == "gate_up")
         if save == "gate_up":
             ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
@@ -87,8 +87,9 @@ class TritonSwiGLU(torch.autograd.Function):
     def backward(ctx, dy):
         x, w_gate, w_up, w_down, *gate_up = ctx.saved_tensors
         gate, up = gate_up if gate_up else (None, None)
-        dx, dwg, dwu, dwd, _, _, _ = swiglu_mlp.swiglu_bwd(
-            dy.contiguous(), x, w_gate, w_up, w_down, None, None, None, gate, up)
+        dx, dwg, dwu, dwd, _, _, _, _ = swiglu_mlp.swiglu_bwd(
+            dy.contiguous(), x, w_gate, w_up, w_down, None, None, None, [], [], gate, up,
+            [True] * 12)
         return dx, dwg, dwu, dwd, None
 
 

@@ -151,6 +151,45 @@ def _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
     return T, H, I
 
 
+_SWIGLU_LORA = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
+
+
+def _check_swiglu_lora(op, lora, lora_scaling, x, H, I):
+    """lora [] or 6 entries (A (r, in), B (out, r) per projection, both or neither),
+    lora_scaling [] or 3 finite floats. Returns the 6 entries (None where absent)."""
+    lora = list(lora)
+    if len(lora) not in (0, 6):
+        raise ValueError(f"{op}: lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, "
+                         f"A_down, B_down], got {len(lora)} entries")
+    if len(lora_scaling) != (3 if lora else 0):
+        raise ValueError(f"{op}: lora_scaling must have 3 entries (gate, up, down) with adapters "
+                         f"and none without, got {len(lora_scaling)} for {len(lora)} lora entries")
+    if not lora:
+        return [None] * 6
+    for p, (n_in, n_out) in enumerate(((H, I), (H, I), (I, H))):
+        a, b = lora[2 * p], lora[2 * p + 1]
+        an, bn = _SWIGLU_LORA[2 * p], _SWIGLU_LORA[2 * p + 1]
+        if (a is None) != (b is None):
+            state = {True: "None", False: "given"}
+            raise ValueError(f"{op}: lora {an} and {bn} come together, got {an} "
+                             f"{state[a is None]} and {bn} {state[b is None]}")
+        if a is None:
+            continue
+        _check_dim(op, an, a, 2, "(r, in)")
+        _check_floating(op, an, a)
+        _check_device_as(op, an, a, "x", x)
+        r = a.shape[0]
+        if r < 1:
+            raise ValueError(f"{op}: {an} must have rank r >= 1, got shape {_shape(a)}")
+        _check_shape(op, an, a, (r, n_in), f"(r, in) with in = {n_in}")
+        _check_shape(op, bn, b, (n_out, r), f"(out, r) with out = {n_out} and r from {an}")
+        _check_dtype_as(op, bn, b, an, a)
+        _check_device_as(op, bn, b, "x", x)
+        if not math.isfinite(lora_scaling[p]):
+            raise ValueError(f"{op}: lora_scaling[{p}] must be finite, got {lora_scaling[p]}")
+    return lora
+
+
 def _check_rms(op, x, weight):
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least 1 dim (..., N), got a 0-dim tensor")
@@ -207,16 +246,21 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, 
 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
-def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, return_gate_up):
-    T, H, I = _check_swiglu("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
+                     return_gate_up):
+    op = "swiglu_fwd"
+    T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    _check_swiglu_lora(op, lora, lora_scaling, x, H, I)
     gate_up_shape = (T, I) if return_gate_up else (0,)
     return x.new_empty((T, H)), x.new_empty(gate_up_shape), x.new_empty(gate_up_shape)
 
 
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
-def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
+def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
+                     gate, up, needs_grad):
     op = "swiglu_bwd"
     T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    lora = _check_swiglu_lora(op, lora, lora_scaling, x, H, I)
     _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
     if _absent(gate) != _absent(up):
         state = {True: "absent", False: "given"}
@@ -226,12 +270,22 @@ def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up
     if not _absent(gate):
         _check_like(op, "gate", gate, "x", x, (T, I), "(T, I)")
         _check_like(op, "up", up, "x", x, (T, I), "(T, I)")
+    if len(needs_grad) != 12:
+        raise ValueError(f"{op}: needs_grad must have 12 entries [w_gate, w_up, w_down, b_gate, "
+                         f"b_up, b_down, A_gate, B_gate, A_up, B_up, A_down, B_down], got "
+                         f"{len(needs_grad)}")
 
-    def bias_grad(b, n):
-        return x.new_empty((n,) if b is not None else (0,))
+    def grad(wanted, t, shape=None):
+        """A gradient of t's shape (or `shape`) and x's dtype where computed, else (0,)."""
+        if not wanted or t is None:
+            return x.new_empty((0,))
+        return x.new_empty(t.shape if shape is None else shape)
 
-    return (x.new_empty((T, H)), x.new_empty((I, H)), x.new_empty((I, H)), x.new_empty((H, I)),
-            bias_grad(b_gate, I), bias_grad(b_up, I), bias_grad(b_down, H))
+    dlora = [x.new_empty((0,)) if t is None or not needs_grad[6 + i]
+             else t.new_empty(t.shape) for i, t in enumerate(lora)]
+    return (x.new_empty((T, H)), grad(needs_grad[0], w_gate), grad(needs_grad[1], w_up),
+            grad(needs_grad[2], w_down), grad(needs_grad[3], b_gate), grad(needs_grad[4], b_up),
+            grad(needs_grad[5], b_down), dlora)
 
 
 @torch.library.register_fake("ckpt_ext::rms_norm_fwd")
@@ -293,21 +347,45 @@ def _attention_backward(ctx, dout, dlse):
 
 
 def _swiglu_setup(ctx, inputs, output):
-    x, w_gate, w_up, w_down, b_gate, b_up, b_down, return_gate_up = inputs
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up = inputs
     _, gate, up = output
     ctx.mark_non_differentiable(gate, up)
-    ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
-    # save="input": x (the weights and biases are parameters); save="gate_up": also gate, up.
-    saved = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    if any(t is None for t in lora) and any(t is not None and t.requires_grad for t in lora):
+        # torch.library's autograd tracks a Tensor?[] input only when no entry is None.
+        raise NotImplementedError(
+            "swiglu_fwd: autograd through adapters on only some projections is not supported "
+            "(a lora list with None entries is not tracked); call "
+            "torch.ops.ckpt_ext.swiglu_bwd directly, or detach the adapters")
+    ctx.n_lora = len(lora)
+    ctx.lora_scaling = list(lora_scaling)
+    # save="input": x (the weights, biases and adapters are parameters); save="gate_up": also
+    # gate, up.
+    saved = (x, w_gate, w_up, w_down, b_gate, b_up, b_down, *lora)
     ctx.save_for_backward(*saved, *((gate, up) if return_gate_up else (None, None)))
 
 
 def _swiglu_backward(ctx, dy, dgate, dup):
-    grads = _ops.swiglu_bwd(dy, *ctx.saved_tensors)
-    dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down = grads
-    has_bg, has_bu, has_bd = ctx.has_bias
-    return (dx, dw_gate, dw_up, dw_down, db_gate if has_bg else None, db_up if has_bu else None,
-            db_down if has_bd else None, None)
+    saved = ctx.saved_tensors
+    n = ctx.n_lora
+    lora = list(saved[7:7 + n])
+    gate, up = saved[7 + n:]
+    need = ctx.needs_input_grad
+    # needs_input_grad holds one flag per adapter when lora is a list of tensors ([] for []),
+    # a single False when it holds None entries (not tracked, see _swiglu_setup); the
+    # gradients returned must have the same structure (an empty list for an empty list).
+    lora_need = [bool(f) for f in need[7]] if isinstance(need[7], (list, tuple)) else [False] * n
+    needs = [bool(f) for f in need[1:7]] + (lora_need or [False] * 6)
+    grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs)
+    dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora = grads
+
+    def keep(flag, g):
+        return g if flag else None
+
+    dlora_out = ([keep(f, g) for f, g in zip(lora_need, dlora)]
+                 if isinstance(need[7], (list, tuple)) else None)
+    return (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
+            keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
+            dlora_out, [] if not ctx.lora_scaling else None, None)
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -441,7 +519,8 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, 
         raise ValueError(f"swiglu_mlp: x must have shape (..., H), got {got}")
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])  # (T, H)
-    y, _, _ = _ops.swiglu_fwd(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, save == "gate_up")
+    y, _, _ = _ops.swiglu_fwd(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, [], [],
+                              save == "gate_up")
     return y.reshape(*lead, y.shape[-1])
 
 

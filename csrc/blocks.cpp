@@ -85,21 +85,30 @@ T3 swiglu_fwd(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
               const OptTensor& bd, bool return_gate_up) {
   static auto op = op_handle<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const OptTensor&, const OptTensor&,
-                                const OptTensor&, bool)>("ckpt_ext::swiglu_fwd");
-  return op.call(x, wg, wu, wd, bg, bu, bd, return_gate_up);
+                                const OptTensor&, const c10::List<OptTensor>&,
+                                c10::ArrayRef<double>, bool)>("ckpt_ext::swiglu_fwd");
+  return op.call(x, wg, wu, wd, bg, bu, bd, c10::List<OptTensor>(), {}, return_gate_up);
 }
 
 using T7 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                       at::Tensor>;
+// Plain weights (no adapters), every gradient computed.
 T7 swiglu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& wg,
               const at::Tensor& wu, const at::Tensor& wd, const OptTensor& bg,
               const OptTensor& bu, const OptTensor& bd, const OptTensor& gate,
               const OptTensor& up) {
-  static auto op = op_handle<T7(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                const OptTensor&, const OptTensor&, const OptTensor&,
-                                const OptTensor&)>("ckpt_ext::swiglu_bwd");
-  return op.call(dy, x, wg, wu, wd, bg, bu, bd, gate, up);
+  using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                       at::Tensor, std::vector<at::Tensor>>;
+  static auto op = op_handle<R(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const OptTensor&,
+                               const OptTensor&, const OptTensor&, const c10::List<OptTensor>&,
+                               c10::ArrayRef<double>, const OptTensor&, const OptTensor&,
+                               const c10::List<bool>&)>("ckpt_ext::swiglu_bwd");
+  c10::List<bool> all;
+  for (int i = 0; i < 12; ++i) all.push_back(true);
+  auto [dx, dwg, dwu, dwd, dbg, dbu, dbd, dlora] =
+      op.call(dy, x, wg, wu, wd, bg, bu, bd, c10::List<OptTensor>(), {}, gate, up, all);
+  return {dx, dwg, dwu, dwd, dbg, dbu, dbd};
 }
 
 at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {

@@ -28,15 +28,25 @@ TORCH_LIBRARY(ckpt_ext, m) {
         "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool causal, float scale) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
 
-  // ---- SwiGLU MLP: y = (silu(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd ------------------------
+  // ---- SwiGLU MLP with optional LoRA adapters ------------------------------------------------
+  //   gate = x Wg^T + bg + s_g (x Ag^T) Bg^T,  up likewise,
+  //   y = (silu(gate) * up) Wd^T + bd + s_d ((silu(gate) * up) Ad^T) Bd^T.
+  // lora: [] or [A_gate, B_gate, A_up, B_up, A_down, B_down], each None or a tensor (A (r, in),
+  // B (out, r); a projection has both or neither; any float dtype, the low-rank terms are
+  // computed in float32 (float64 with a float64 operand)); lora_scaling: [] or (s_g, s_u, s_d).
   // return_gate_up=False: gate/up are never materialised and come back empty.
   m.def("swiglu_fwd(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, "
-        "Tensor? b_up, Tensor? b_down, bool return_gate_up) -> (Tensor y, Tensor gate, Tensor up)");
+        "Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
+        "bool return_gate_up) -> (Tensor y, Tensor gate, Tensor up)");
   // gate/up given: use them (save="gate_up"); absent: recompute them from x (save="input").
+  // needs_grad: 12 flags [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate, A_up,
+  // B_up, A_down, B_down]; a gradient not wanted (or whose tensor is absent) is not computed
+  // and comes back empty. dlora has 6 entries in the order of lora, each in its adapter's dtype.
   m.def("swiglu_bwd(Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, "
-        "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor? gate, Tensor? up) -> "
+        "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
+        "Tensor? gate, Tensor? up, bool[] needs_grad) -> "
         "(Tensor dx, Tensor dw_gate, Tensor dw_up, Tensor dw_down, Tensor db_gate, "
-        "Tensor db_up, Tensor db_down)");
+        "Tensor db_up, Tensor db_down, Tensor[] dlora)");
 
   // ---- RMSNorm over the last dim, HF LlamaRMSNorm semantics ---------------------------------
   // y = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)

@@ -1,27 +1,41 @@
 // CPU (ATen) implementation of swiglu_fwd / swiglu_bwd, the reference of the Triton kernels.
 //
-//   gate = x Wg^T + bg,  up = x Wu^T + bu          (T, I)
-//   y    = (silu(gate) * up) Wd^T + bd             (T, H)
+//   gate = x Wg^T + bg + s_g (x Ag^T) Bg^T,  up = x Wu^T + bu + s_u (x Au^T) Bu^T   (T, I)
+//   h    = silu(gate) * up                                                        (T, I)
+//   y    = h Wd^T + bd + s_d (h Ad^T) Bd^T                                        (T, H)
 //
 // Shapes: x (T, H); w_gate, w_up (I, H); w_down (H, I) (nn.Linear layout); b_gate, b_up (I,);
-// b_down (H,); all of x's dtype and device. T = 0 is allowed (empty results of the right
-// shapes; the weight gradients are then zeros).
+// b_down (H,); all of x's dtype and device. LoRA adapters (optional, per projection) A (r, in),
+// B (out, r) in any float dtype on x's device. T = 0 is allowed (empty results of the right
+// shapes; the requested weight gradients are then zeros).
 //
 // Memory: tokens are processed in chunks of at most kChunkElems / I rows, so the transient
 // (chunk, I) intermediates (gate, up, h, dh, dgate, dup) stay bounded whatever T is; only the
 // outputs (and gate/up when they are requested or given) are (T, I) sized.
 //
-// Precision: the matmuls run in the input dtype (ATen's CPU matmuls accumulate float16 /
+// Precision: the base matmuls run in the input dtype (ATen's CPU matmuls accumulate float16 /
 // bfloat16 products in float32); the pointwise SwiGLU math runs in float32 (float64 for
 // float64) and is rounded once to the input dtype; weight and bias gradients are accumulated
 // over token chunks in float32 (float64) and rounded once (see TnSum).
+// LoRA: the low-rank terms run in the "LoRA dtype", float32 (float64 when x or the adapter is
+// float64), from x / h converted to it (as PEFT does for float32 adapters on a half base). For
+// gate/up the term is added to the base product before the activation, which then sees the
+// unrounded sum (the stored gate/up of return_gate_up are the rounded sums, and h is then
+// computed from them, as the backward will). For down the base product is rounded to x's dtype
+// by its matmul and the term is added in the LoRA dtype, rounded once more (PEFT's order). The
+// adapter gradients are accumulated over chunks in the LoRA dtype, from the unrounded
+// dgate/dup, and returned in the adapter's dtype.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "checks.h"
 
@@ -61,6 +75,66 @@ SwigluDims check_swiglu(const char* op, const at::Tensor& x, const at::Tensor& w
   return d;
 }
 
+// ---- LoRA adapters -------------------------------------------------------------------------
+
+enum LoraProj { kLGate = 0, kLUp = 1, kLDown = 2 };
+constexpr const char* kLoraNames[6] = {"A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down"};
+
+// One projection's adapter, its tensors converted to the LoRA dtype `dt`.
+struct Adapter {
+  bool on = false;
+  at::Tensor a, b;  // (r, in), (out, r) in dt
+  double s = 0.0;
+  at::ScalarType dt = at::kFloat;     // LoRA (compute) dtype
+  at::ScalarType own = at::kFloat;    // the adapter's own dtype (of its gradients)
+};
+using Adapters = std::array<Adapter, 3>;
+
+// Validates `lora` / `lora_scaling` (see csrc/ckpt_ext.cpp) and converts the adapters.
+Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& lora,
+                    c10::ArrayRef<double> scaling, const at::Tensor& x, const SwigluDims& d) {
+  Adapters ad;
+  CKPT_CHECK_VALUE(lora.size() == 0 || lora.size() == 6, op,
+                   "lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, A_down, "
+                   "B_down], got ", lora.size(), " entries");
+  CKPT_CHECK_VALUE(scaling.size() == (lora.size() == 0 ? 0u : 3u), op,
+                   "lora_scaling must have 3 entries (gate, up, down) with adapters and none "
+                   "without, got ", scaling.size(), " for ", lora.size(), " lora entries");
+  if (lora.size() == 0) return ad;
+  const int64_t ins[3] = {d.H, d.H, d.I}, outs[3] = {d.I, d.I, d.H};
+  for (int p = 0; p < 3; ++p) {
+    const std::optional<at::Tensor> a = lora.get(2 * p), b = lora.get(2 * p + 1);
+    const bool ha = a.has_value() && a->defined(), hb = b.has_value() && b->defined();
+    const char* an = kLoraNames[2 * p];
+    const char* bn = kLoraNames[2 * p + 1];
+    CKPT_CHECK_VALUE(ha == hb, op, "lora ", an, " and ", bn, " come together, got ", an, " ",
+                     ha ? "given" : "None", " and ", bn, " ", hb ? "given" : "None");
+    if (!ha) continue;
+    check_dim(op, an, *a, 2, "(r, in)");
+    check_floating(op, an, *a);
+    checks::check_device_as(op, an, *a, "x", x);
+    const int64_t r = a->size(0);
+    CKPT_CHECK_VALUE(r >= 1, op, an, " must have rank r >= 1, got shape ",
+                     checks::shape_str(a->sizes()));
+    checks::check_shape(op, an, *a, {r, ins[p]}, "(r, in) with in = " + std::to_string(ins[p]));
+    checks::check_shape(op, bn, *b, {outs[p], r},
+                        "(out, r) with out = " + std::to_string(outs[p]) + " and r from " + an);
+    checks::check_dtype_as(op, bn, *b, an, *a);
+    checks::check_device_as(op, bn, *b, "x", x);
+    CKPT_CHECK_VALUE(std::isfinite(scaling[p]), op, "lora_scaling[", p,
+                     "] must be finite, got ", scaling[p]);
+    Adapter& A = ad[p];
+    A.on = true;
+    A.own = a->scalar_type();
+    A.dt = at::promote_types(checks::compute_dtype(x.scalar_type()),
+                             checks::compute_dtype(A.own));
+    A.a = a->to(A.dt);
+    A.b = b->to(A.dt);
+    A.s = scaling[p];
+  }
+  return ad;
+}
+
 // Rows per token chunk: bounded (chunk, I) intermediates, at least 64 rows.
 int64_t chunk_rows(const SwigluDims& d) {
   return std::max<int64_t>(64, kChunkElems / std::max<int64_t>(d.I, 1));
@@ -76,18 +150,31 @@ void linear_into(at::Tensor out, const at::Tensor& a, const at::Tensor& w,
   }
 }
 
-// silu(gate) * up in the compute dtype, rounded to gate's dtype. gate, up (rows, I).
-at::Tensor swiglu_product(const at::Tensor& gate, const at::Tensor& up) {
-  const at::ScalarType cdt = checks::compute_dtype(gate.scalar_type());
-  return at::silu(gate.to(cdt)).mul_(up.to(cdt)).to(gate.scalar_type());
+// The pre-activation of gate or up for one chunk in the compute dtype `cdt` (or the adapter's
+// LoRA dtype): base (tc, I) (x's dtype) plus s (xc A^T) B^T.
+at::Tensor with_lora(const at::Tensor& base, const at::Tensor& xc, const Adapter& A,
+                     at::ScalarType cdt) {
+  if (!A.on) return base.to(cdt);
+  at::Tensor xa = xc.to(A.dt).mm(A.a.t());                                     // (tc, r)
+  return base.to(A.dt).addmm_(xa, A.b.t(), 1.0, A.s);                          // (tc, I)
+}
+
+// silu(gate) * up in the compute dtype, rounded to `dt`. gate, up (rows, I) in a float dtype.
+at::Tensor swiglu_product(const at::Tensor& gate, const at::Tensor& up, at::ScalarType dt) {
+  const at::ScalarType cdt = at::promote_types(gate.scalar_type(), up.scalar_type());
+  return at::silu(gate.to(cdt)).mul_(up.to(cdt)).to(dt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
     const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
     const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
+    const c10::List<std::optional<at::Tensor>>& lora, c10::ArrayRef<double> lora_scaling,
     bool return_gate_up) {
-  const SwigluDims d = check_swiglu("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  const char* op = "swiglu_fwd";
+  const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  const Adapters ad = parse_lora(op, lora, lora_scaling, x, d);
+  const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   at::Tensor y = at::empty({d.T, d.H}, x.options());                                 // (T, H)
   at::Tensor gate = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
   at::Tensor up = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
@@ -99,8 +186,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     at::Tensor uc = return_gate_up ? up.narrow(0, t0, tc) : at::empty({tc, d.I}, x.options());
     linear_into(gc, xc, w_gate, b_gate);                                             // (tc, I)
     linear_into(uc, xc, w_up, b_up);                                                 // (tc, I)
-    at::Tensor h = swiglu_product(gc, uc);                                           // (tc, I)
-    linear_into(y.narrow(0, t0, tc), h, w_down, b_down);                             // (tc, H)
+    at::Tensor g = with_lora(gc, xc, ad[kLGate], cdt);
+    at::Tensor u = with_lora(uc, xc, ad[kLUp], cdt);
+    if (return_gate_up) {  // store the rounded sums; h from them, as the backward sees them
+      if (ad[kLGate].on) gc.copy_(g), g = gc.to(cdt);
+      if (ad[kLUp].on) uc.copy_(u), u = uc.to(cdt);
+    }
+    at::Tensor h = swiglu_product(g, u, dt);                                         // (tc, I)
+    at::Tensor yc = y.narrow(0, t0, tc);
+    linear_into(yc, h, w_down, b_down);                                              // (tc, H)
+    const Adapter& D = ad[kLDown];
+    if (D.on) {
+      at::Tensor ha = h.to(D.dt).mm(D.a.t());                                        // (tc, r)
+      yc.add_(ha.mm(D.b.t()).mul_(D.s));  // added in the LoRA dtype, rounded once
+    }
   }
   return {y, gate, up};
 }
@@ -135,14 +234,39 @@ class TnSum {
   at::Tensor sum_;
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w_gate,
-               const at::Tensor& w_up, const at::Tensor& w_down,
-               const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-               const std::optional<at::Tensor>& b_down, const std::optional<at::Tensor>& gate,
-               const std::optional<at::Tensor>& up) {
+// sum over chunks of s a_c^T b_c in the LoRA dtype (operands already in it), for an adapter
+// gradient; returned in the adapter's own dtype.
+struct LoraSum {
+  at::Tensor sum;
+  void add(const at::Tensor& a, const at::Tensor& b) {
+    if (sum.defined()) {
+      sum.addmm_(a.t(), b);
+    } else {
+      sum = at::mm(a.t(), b);
+    }
+  }
+  at::Tensor result(at::IntArrayRef shape, const Adapter& A, const at::Tensor& x) const {
+    const auto opts = x.options().dtype(A.own);
+    return sum.defined() ? sum.mul(A.s).to(A.own) : at::zeros(shape, opts);
+  }
+};
+
+using SwigluGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                               at::Tensor, at::Tensor, std::vector<at::Tensor>>;
+
+SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w_gate,
+                           const at::Tensor& w_up, const at::Tensor& w_down,
+                           const std::optional<at::Tensor>& b_gate,
+                           const std::optional<at::Tensor>& b_up,
+                           const std::optional<at::Tensor>& b_down,
+                           const c10::List<std::optional<at::Tensor>>& lora,
+                           c10::ArrayRef<double> lora_scaling,
+                           const std::optional<at::Tensor>& gate,
+                           const std::optional<at::Tensor>& up,
+                           const c10::List<bool>& needs_grad) {
   const char* op = "swiglu_bwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  const Adapters ad = parse_lora(op, lora, lora_scaling, x, d);
   check_like(op, "dy", dy, "x", x, {d.T, d.H}, "(T, H), the shape of x");
   const bool recompute = checks::absent(gate);
   CKPT_CHECK_VALUE(recompute == checks::absent(up), op,
@@ -153,60 +277,110 @@ swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w_ga
     check_like(op, "gate", *gate, "x", x, {d.T, d.I}, "(T, I)");
     check_like(op, "up", *up, "x", x, {d.T, d.I}, "(T, I)");
   }
+  CKPT_CHECK_VALUE(needs_grad.size() == 12, op,
+                   "needs_grad must have 12 entries [w_gate, w_up, w_down, b_gate, b_up, "
+                   "b_down, A_gate, B_gate, A_up, B_up, A_down, B_down], got ",
+                   needs_grad.size());
+  // What is computed: a flag set and its tensor present.
+  const bool n_wg = needs_grad.get(0), n_wu = needs_grad.get(1), n_wd = needs_grad.get(2);
+  const bool n_bg = needs_grad.get(3) && b_gate.has_value();
+  const bool n_bu = needs_grad.get(4) && b_up.has_value();
+  const bool n_bd = needs_grad.get(5) && b_down.has_value();
+  bool n_la[3], n_lb[3];
+  for (int p = 0; p < 3; ++p) {
+    n_la[p] = ad[p].on && needs_grad.get(6 + 2 * p);
+    n_lb[p] = ad[p].on && needs_grad.get(7 + 2 * p);
+  }
+  const Adapter &G = ad[kLGate], &U = ad[kLUp], &D = ad[kLDown];
 
-  const at::ScalarType cdt = checks::compute_dtype(x.scalar_type());
+  const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   const auto acc_opts = x.options().dtype(cdt);
   at::Tensor dx = at::empty({d.T, d.H}, x.options());      // (T, H)
   const int64_t step = chunk_rows(d);
   const bool one_chunk = d.T <= step;
   TnSum dwg(one_chunk, cdt), dwu(one_chunk, cdt), dwd(one_chunk, cdt);  // (I, H) (I, H) (H, I)
+  LoraSum dla[3], dlb[3];                                  // dA (r, in), dB (out, r), unscaled
   at::Tensor dbg = at::zeros({d.I}, acc_opts);             // (I,)
   at::Tensor dbu = at::zeros({d.I}, acc_opts);             // (I,)
   for (int64_t t0 = 0; t0 < d.T; t0 += step) {
     const int64_t tc = std::min(step, d.T - t0);
     at::Tensor xc = x.narrow(0, t0, tc);                   // (tc, H)
     at::Tensor dyc = dy.narrow(0, t0, tc);                 // (tc, H)
-    at::Tensor gc, uc;                                     // (tc, I) pre-activations
+    at::Tensor g, u;                                       // (tc, I) pre-activations, cdt
     if (recompute) {
-      gc = at::empty({tc, d.I}, x.options());
-      uc = at::empty({tc, d.I}, x.options());
+      at::Tensor gc = at::empty({tc, d.I}, x.options());
+      at::Tensor uc = at::empty({tc, d.I}, x.options());
       linear_into(gc, xc, w_gate, b_gate);
       linear_into(uc, xc, w_up, b_up);
+      g = with_lora(gc, xc, G, cdt);
+      u = with_lora(uc, xc, U, cdt);
     } else {
-      gc = gate->narrow(0, t0, tc);
-      uc = up->narrow(0, t0, tc);
+      g = gate->narrow(0, t0, tc).to(cdt);
+      u = up->narrow(0, t0, tc).to(cdt);
     }
     // Pointwise part in the compute dtype, in few passes over (tc, I) (it is memory-bound):
     // silu(g) = g s with s = sigmoid(g); dgate = (dh u) silu'(g), silu'(g) = s (1 + g (1 - s)),
     // which is ATen's fused silu_backward; dup = dh silu(g); h = silu(g) u.
-    at::Tensor g = gc.to(cdt), u = uc.to(cdt);
-    at::Tensor dh = at::mm(dyc, w_down).to(cdt);           // dh = dy Wd  (tc, I)
+    // One pointwise dtype: the compute dtype, or float64 when an adapter is float64.
+    at::ScalarType pdt = at::promote_types(g.scalar_type(), u.scalar_type());
+    if (D.on) pdt = at::promote_types(pdt, D.dt);
+    g = g.to(pdt), u = u.to(pdt);
+    at::Tensor dh = at::mm(dyc, w_down).to(pdt);           // dh = dy Wd (+ LoRA)  (tc, I)
+    at::Tensor dyb;                                        // dy Bd (tc, r_d), LoRA dtype
+    if (D.on) {
+      dyb = dyc.to(D.dt).mm(D.b);
+      dh.addmm_(dyb.to(pdt), D.a.to(pdt), 1.0, D.s);
+    }
     at::Tensor silu = at::silu(g);
-    at::Tensor dgate = at::silu_backward(dh * u, g).to(x.scalar_type());  // (tc, I)
-    at::Tensor dup = dh.mul_(silu).to(x.scalar_type());                   // (tc, I)
-    at::Tensor h = silu.mul_(u).to(x.scalar_type());                      // (tc, I)
-    dwd.add(dyc, h);                                          // dWd += dy^T h
-    dwg.add(dgate, xc);                                       // dWg += dgate^T x
-    dwu.add(dup, xc);                                         // dWu += dup^T x
+    at::Tensor dgate_c = at::silu_backward(dh * u, g);     // (tc, I) unrounded
+    at::Tensor dup_c = dh.mul_(silu);                      // (tc, I) unrounded
+    at::Tensor dgate = dgate_c.to(dt), dup = dup_c.to(dt);
+    if (n_wd || n_la[kLDown] || n_lb[kLDown]) {
+      at::Tensor h = silu.mul_(u).to(dt);                  // (tc, I), as the forward fed down
+      if (n_wd) dwd.add(dyc, h);                           // dWd += dy^T h
+      if (n_la[kLDown]) dla[kLDown].add(dyb, h.to(D.dt));  // dAd += dyb^T h
+      if (n_lb[kLDown]) dlb[kLDown].add(dyc.to(D.dt), h.to(D.dt).mm(D.a.t()));  // dy^T (h Ad^T)
+    }
+    if (n_wg) dwg.add(dgate, xc);                          // dWg += dgate^T x
+    if (n_wu) dwu.add(dup, xc);                            // dWu += dup^T x
     at::Tensor dxc = dx.narrow(0, t0, tc);
-    at::mm_out(dxc, dgate, w_gate);                           // dx = dgate Wg + dup Wu
+    at::mm_out(dxc, dgate, w_gate);                        // dx = dgate Wg + dup Wu
     dxc.addmm_(dup, w_up);
-    if (b_gate.has_value()) dbg.add_(dgate.sum(0, false, cdt));
-    if (b_up.has_value()) dbu.add_(dup.sum(0, false, cdt));
+    const std::pair<const Adapter*, const at::Tensor*> gu[2] = {{&G, &dgate_c}, {&U, &dup_c}};
+    at::Tensor dxl;                                        // LoRA part of dx, (tc, H)
+    for (int p = 0; p < 2; ++p) {
+      const Adapter& A = *gu[p].first;
+      if (!A.on) continue;
+      const at::Tensor dz = gu[p].second->to(A.dt);        // dgate or dup, (tc, I)
+      const at::Tensor xl = xc.to(A.dt);
+      const at::Tensor dzb = dz.mm(A.b);                   // (tc, r)
+      at::Tensor t = dzb.mm(A.a).mul_(A.s);                // s (dz B) A
+      dxl = dxl.defined() ? t.add_(dxl) : t;
+      if (n_la[p]) dla[p].add(dzb, xl);                    // dA += (dz B)^T x
+      if (n_lb[p]) dlb[p].add(dz, xl.mm(A.a.t()));         // dB += dz^T (x A^T)
+    }
+    if (dxl.defined()) dxc.add_(dxl);                      // one rounding to x's dtype
+    if (n_bg) dbg.add_(dgate_c.sum(0, false, cdt));
+    if (n_bu) dbu.add_(dup_c.sum(0, false, cdt));
   }
-  const at::ScalarType dt = x.scalar_type();
-  auto bias_grad = [&](const std::optional<at::Tensor>& bias, const at::Tensor& acc) {
-    return bias.has_value() ? acc.to(dt) : x.new_empty({0});
-  };
-  at::Tensor dbd = b_down.has_value() ? dy.sum(0, false, cdt).to(dt) : x.new_empty({0});
+  const at::Tensor none = x.new_empty({0});
+  at::Tensor dbd = n_bd ? dy.sum(0, false, cdt).to(dt) : none;
   const auto out_opts = x.options();
+  std::vector<at::Tensor> dlora(6);
+  const int64_t ins[3] = {d.H, d.H, d.I}, outs[3] = {d.I, d.I, d.H};
+  for (int p = 0; p < 3; ++p) {
+    const int64_t r = ad[p].on ? ad[p].a.size(0) : 0;
+    dlora[2 * p] = n_la[p] ? dla[p].result({r, ins[p]}, ad[p], x) : x.new_empty({0});
+    dlora[2 * p + 1] = n_lb[p] ? dlb[p].result({outs[p], r}, ad[p], x) : x.new_empty({0});
+  }
   return {dx,
-          dwg.result({d.I, d.H}, out_opts),
-          dwu.result({d.I, d.H}, out_opts),
-          dwd.result({d.H, d.I}, out_opts),
-          bias_grad(b_gate, dbg),
-          bias_grad(b_up, dbu),
-          dbd};
+          n_wg ? dwg.result({d.I, d.H}, out_opts) : x.new_empty({0}),
+          n_wu ? dwu.result({d.I, d.H}, out_opts) : x.new_empty({0}),
+          n_wd ? dwd.result({d.H, d.I}, out_opts) : x.new_empty({0}),
+          n_bg ? dbg.to(dt) : x.new_empty({0}),
+          n_bu ? dbu.to(dt) : x.new_empty({0}),
+          dbd,
+          dlora};
 }
 
 }  // namespace

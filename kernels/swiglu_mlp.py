@@ -1,23 +1,32 @@
-"""Triton kernels for the SwiGLU feed-forward block of LLaMA-style models.
+"""Triton kernels for the SwiGLU feed-forward block of LLaMA-style models, with optional
+LoRA adapters on its three projections.
 
-    y = (silu(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd
+    gate = x Wg^T + bg + s_g (x Ag^T) Bg^T,   up = x Wu^T + bu + s_u (x Au^T) Bu^T
+    y = h Wd^T + bd + s_d (h Ad^T) Bd^T,      h = silu(gate) * up
 
 Shapes (tokens flattened): x ``(T, H)``; w_gate, w_up ``(I, H)`` and w_down ``(H, I)`` in
-``nn.Linear`` layout; b_gate, b_up ``(I,)``; b_down ``(H,)``; y ``(T, H)``.
+``nn.Linear`` layout; b_gate, b_up ``(I,)``; b_down ``(H,)``; y ``(T, H)``; adapters
+A ``(r, in)``, B ``(out, r)`` (PEFT's lora_A / lora_B weights), any of fp16 / bf16 / fp32.
 
 Kernels (Triton only; the autograd wiring lives in ``ckpt_ext``):
 
 * ``_swiglu_fwd_kernel`` computes ``h = silu(gate) * up`` for one ``(BLOCK_M, BLOCK_N)`` tile
   of ``(T, I)`` with two fp32 accumulators sharing the loads of x, so the pre-activations
   gate and up are never written, unless ``STORE_GATE_UP`` asks for them (``save="gate_up"``).
-* ``_swiglu_bwd_recompute_kernel`` (``save="input"``) recomputes gate and up tile by tile from
-  x exactly as the forward did and, given ``dh = dy Wd``, writes ``dgate``, ``dup`` and ``h``.
-  No ``(T, I)`` tensor has to survive from the forward to the backward.
-* ``_swiglu_bwd_elementwise_kernel`` (``save="gate_up"``) gives the same three tensors from the
-  saved gate and up.
+  The gate/up adapters enter the tile as a rank-r dot from the precomputed fp32 ``x A^T``
+  ``(T, r)``; the down adapter's ``h Ad^T`` ``(T, r)`` is accumulated tile by tile (fp32
+  atomic adds), so no extra ``(T, I)`` tensor exists for the adapters.
+* ``_swiglu_bwd_recompute_kernel`` either recomputes gate and up tile by tile from x exactly
+  as the forward did (``RECOMPUTE``, ``save="input"``) or reads the saved ones
+  (``save="gate_up"``) and, given ``dh = dy Wd``, writes ``dgate`` (over dh), ``dup`` and,
+  when the down weight's gradient is wanted, ``h``. The down adapter's term of dh is added
+  in the tile, and the adapters' rank-r gradient pieces (``dgate Bg``, ``dgate^T (x Ag^T)``,
+  ``(dy Bd)^T h``, ``h Ad^T``, likewise for up) are accumulated in fp32 from the unrounded
+  tiles.
 
 The launchers ``swiglu_fwd`` and ``swiglu_bwd`` own validation, shapes, strides, grids and
-autotuning; the dense products with w_down and the weight gradients are torch matmuls.
+autotuning; the dense products with w_down, the weight gradients and the remaining rank-r
+products are torch matmuls, and a weight gradient that is not wanted is not computed.
 All pointwise math is fp32:  s = sigmoid(g),  silu(g) = g s,
 silu'(g) = s (1 + g (1 - s)),  dgate = dh * up * silu'(gate),  dup = dh * silu(gate).
 
@@ -27,6 +36,7 @@ tensors through the Triton interpreter, with one fixed block configuration. On a
 of autotuning.
 """
 import contextlib
+import math
 import os
 
 import torch
@@ -95,30 +105,116 @@ def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, offs_m, offs_n, T, H, I
     return acc_g, acc_u
 
 
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _lora_tile(acc, xa_ptr, lb_ptr, scale, offs_m, offs_n, T, I, r,
+               R: tl.constexpr, IEEE: tl.constexpr):
+    """acc + scale * xa[offs_m, :r] B[offs_n, :r]^T: the low-rank term of gate or up for one
+    tile, from the precomputed fp32 xa = x A^T (T, r) and the fp32 B (I, r), both contiguous.
+    R (a power of two >= 16) pads the rank; the padding is masked to zero."""
+    offs_r = tl.arange(0, R)
+    mask_r = offs_r < r
+    xa = tl.load(xa_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :],
+                 mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)
+    bt = tl.load(lb_ptr + offs_n.to(tl.int64)[None, :] * r + offs_r[:, None],
+                 mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)
+    return acc + scale * _dot(xa, bt, IEEE)
+
+
+@triton.jit
+def _lora_down_accumulate(h, la_ptr, ha_ptr, offs_m, offs_n, T, I, r,
+                          R: tl.constexpr, IEEE: tl.constexpr):
+    """ha[offs_m, :r] += h A[:r, offs_n]^T: this tile's share of act A_down^T (T, r), added
+    atomically into the fp32 ha (each row sums the tiles of all intermediate columns).
+    h: fp32 (BLOCK_M, BLOCK_N), zero in the columns past I; A_down fp32 (r, I) contiguous."""
+    offs_r = tl.arange(0, R)
+    mask_r = offs_r < r
+    at = tl.load(la_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None],
+                 mask=(offs_n < I)[:, None] & mask_r[None, :], other=0.0)      # (BLOCK_N, R)
+    part = _dot(h, at, IEEE)                                                    # (BLOCK_M, R)
+    tl.atomic_add(ha_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :], part,
+                  mask=(offs_m < T)[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _lora_grad_accumulate(dz, xa_ptr, lb_ptr, dxa_ptr, dlb_ptr, offs_m, offs_n, T, I, r,
+                          NEED_DB: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
+    """For one tile of dz = dgate or dup (fp32 (BLOCK_M, BLOCK_N), zero outside T x I):
+    dxa[offs_m, :r] += dz B[offs_n, :r]   (d(x A^T) without the scale, for dx and dA), and
+    when NEED_DB, dB[offs_n, :r] += dz^T xa[offs_m, :r]; both fp32, added atomically."""
+    offs_r = tl.arange(0, R)
+    mask_r = offs_r < r
+    mask_m = offs_m < T
+    mask_n = offs_n < I
+    b = tl.load(lb_ptr + offs_n.to(tl.int64)[:, None] * r + offs_r[None, :],
+                mask=mask_n[:, None] & mask_r[None, :], other=0.0)              # (BLOCK_N, R)
+    tl.atomic_add(dxa_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :],
+                  _dot(dz, b, IEEE), mask=mask_m[:, None] & mask_r[None, :])
+    if NEED_DB:
+        xa = tl.load(xa_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :],
+                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)         # (BLOCK_M, R)
+        tl.atomic_add(dlb_ptr + offs_n.to(tl.int64)[:, None] * r + offs_r[None, :],
+                      _dot(tl.trans(dz), xa, IEEE), mask=mask_n[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr,
+                     s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
+                     stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
+                     HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, DOT_IEEE: tl.constexpr,
+                     LORA_G: tl.constexpr, LORA_U: tl.constexpr, R_G: tl.constexpr,
+                     R_U: tl.constexpr, LORA_IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """gate, up fp32 tiles with their biases and low-rank terms (forward and recompute)."""
+    g, u = _gate_up_tile(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, offs_m, offs_n, T, H, I,
+                         stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
+                         HAS_BG, HAS_BU, DOT_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    if LORA_G:
+        g = _lora_tile(g, xag_ptr, lbg_ptr, s_g, offs_m, offs_n, T, I, r_g, R_G, LORA_IEEE)
+    if LORA_U:
+        u = _lora_tile(u, xau_ptr, lbu_ptr, s_u, offs_m, offs_n, T, I, r_u, R_U, LORA_IEEE)
+    return g, u
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
+                       xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr,
+                       s_g, s_u, r_g, r_u, r_d,
                        T, H, I, T_BUCKET,
                        stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
                        stride_ot, stride_oi,
                        HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
-                       DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
+                       LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
+                       R_D: tl.constexpr, LORA_IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """h (T, I) = silu(x Wg^T + bg) * (x Wu^T + bu), one (BLOCK_M, BLOCK_N) tile per program.
+    """h (T, I) = silu(gate) * up, one (BLOCK_M, BLOCK_N) tile per program.
 
     x (T, H), w_gate / w_up (I, H), biases (I,); h, gate, up share the strides
-    (stride_ot, stride_oi). gate and up (pre-activations, biases included) are written only
-    when STORE_GATE_UP; h is then computed from their rounded values so that the backward,
-    which reads them, sees the same h. T_BUCKET only keys the autotuner.
+    (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
+    from the fp32 xa (T, r) and B (I, r); LORA_D accumulates h A_down^T into the fp32 ha
+    (T, r_d), zero on entry. gate and up (pre-activations, biases and low-rank terms included)
+    are written only when STORE_GATE_UP; h is then computed from their rounded values so that
+    the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
     """
     pid_m, pid_n = _tile_coords(T, I, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g, u = _gate_up_tile(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, offs_m, offs_n, T, H, I,
-                         stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
-                         HAS_BG, HAS_BU, DOT_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xau_ptr,
+                            lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
+                            stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
+                            HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U, LORA_IEEE,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
     out_dtype = h_ptr.dtype.element_ty
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
     out_offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
@@ -129,67 +225,98 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
         tl.store(up_ptr + out_offs, u_lo, mask=mask)
         g = g_lo.to(tl.float32)
         u = u_lo.to(tl.float32)
-    h = g * tl.sigmoid(g) * u
-    tl.store(h_ptr + out_offs, h.to(out_dtype), mask=mask)
+    h = (g * tl.sigmoid(g) * u).to(out_dtype)
+    tl.store(h_ptr + out_offs, h, mask=mask)
+    if LORA_D:  # from the rounded h, the act the down projection reads
+        _lora_down_accumulate(h.to(tl.float32), lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d,
+                              R_D, LORA_IEEE)
 
 
 @triton.jit
 def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
-                                 dgate_ptr, dup_ptr, h_ptr,
+                                 dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr,
+                                 xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr,
+                                 dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr,
+                                 s_g, s_u, s_d, r_g, r_u, r_d,
                                  T, H, I, T_BUCKET,
                                  stride_xt, stride_xh, stride_wgi, stride_wgh,
                                  stride_wui, stride_wuh, stride_dht, stride_dhi,
                                  stride_ot, stride_oi,
                                  HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-                                 DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
+                                 STORE_H: tl.constexpr, LORA_G: tl.constexpr,
+                                 LORA_U: tl.constexpr, LORA_D: tl.constexpr,
+                                 NEED_DBG: tl.constexpr, NEED_DBU: tl.constexpr,
+                                 NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
+                                 R_G: tl.constexpr, R_U: tl.constexpr, R_D: tl.constexpr,
+                                 LORA_IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr):
-    """Backward of save="input": recompute gate/up for one (BLOCK_M, BLOCK_N) tile from x.
+    """Backward for one (BLOCK_M, BLOCK_N) tile: dh = dy Wd (T, I) -> dgate, dup (and h when
+    STORE_H), with the strides (stride_ot, stride_oi).
 
-    x (T, H), w_gate / w_up (I, H), biases (I,), dh = dy Wd (T, I) -> dgate, dup, h (T, I)
-    with the strides (stride_ot, stride_oi). dgate may alias dh: each program reads its dh
-    tile before it writes the same tile.
+    RECOMPUTE (save="input"): gate/up are recomputed from x exactly as the forward did;
+    otherwise (save="gate_up") they are read from gate/up (contiguous, the output strides).
+    dgate may alias dh: each program reads its dh tile before it writes the same tile.
+    LoRA (fp32 buffers, accumulated atomically, zero on entry; scales applied by the launcher
+    except inside dh and the pre-activations):
+      LORA_D: dh += s_d (dy Bd)[tile] Ad[:, tile] from dyb = dy Bd (T, r_d); NEED_DAD:
+              dAd_acc (r_d, I) += dyb^T h; NEED_HA: ha (T, r_d) += h Ad^T (for dBd).
+      LORA_G: dxa_g (T, r_g) += dgate Bg; NEED_DBG: dBg_acc (I, r_g) += dgate^T xa_g (up alike).
     """
     pid_m, pid_n = _tile_coords(T, I, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g, u = _gate_up_tile(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, offs_m, offs_n, T, H, I,
-                         stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
-                         HAS_BG, HAS_BU, DOT_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
-    out_dtype = h_ptr.dtype.element_ty
+    out_dtype = dup_ptr.dtype.element_ty
     out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
+    if RECOMPUTE:
+        g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
+                                xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
+                                stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                                stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
+                                LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        g = tl.load(gate_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
     # Epilogue ordered to keep few (BLOCK_M, BLOCK_N) fp32 values live at once: h first, then
     # dh is read and dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s).
     s = tl.sigmoid(g)
     silu = g * s
-    tl.store(h_ptr + out_offs, (silu * u).to(out_dtype), mask=mask)
+    if STORE_H or NEED_DAD or NEED_HA:
+        h = (silu * u).to(out_dtype)
+        if STORE_H:
+            tl.store(h_ptr + out_offs, h, mask=mask)
+        if NEED_HA:
+            _lora_down_accumulate(h.to(tl.float32), lad_ptr, ha_ptr, offs_m, offs_n, T, I,
+                                  r_d, R_D, LORA_IEEE)
     u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
     dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
                  mask=mask, other=0.0).to(tl.float32)
-    tl.store(dup_ptr + out_offs, (dh * silu).to(out_dtype), mask=mask)
-    tl.store(dgate_ptr + out_offs, (dh * u_dsilu).to(out_dtype), mask=mask)
-
-
-@triton.jit
-def _swiglu_bwd_elementwise_kernel(gate_ptr, up_ptr, dh_ptr, dgate_ptr, dup_ptr, h_ptr, N,
-                                   BLOCK: tl.constexpr):
-    """Backward of save="gate_up": all tensors contiguous with N = T * I elements.
-
-    gate, up, dh -> dgate, dup, h; dgate may alias dh (same element read, then written).
-    """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    out_dtype = h_ptr.dtype.element_ty
-    tl.store(dgate_ptr + offs, (dh * u * (s * (1.0 + g * (1.0 - s)))).to(out_dtype), mask=mask)
-    tl.store(dup_ptr + offs, (dh * silu).to(out_dtype), mask=mask)
-    tl.store(h_ptr + offs, (silu * u).to(out_dtype), mask=mask)
+    if LORA_D:
+        offs_r = tl.arange(0, R_D)
+        mask_r = offs_r < r_d
+        dyb = tl.load(dyb_ptr + rows * r_d + offs_r[None, :],
+                      mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_D)
+        if NEED_DAD:
+            # dAd_acc[:, tile] += dyb^T h; rows past T have dyb = 0.
+            part = _dot(tl.trans(dyb), h.to(tl.float32), LORA_IEEE)          # (R_D, BLOCK_N)
+            tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
+                          mask=mask_r[:, None] & (offs_n < I)[None, :])
+        ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
+                     mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, BLOCK_N)
+        dh += s_d * _dot(dyb, ad, LORA_IEEE)
+    dup = dh * silu
+    tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
+    if LORA_U:
+        _lora_grad_accumulate(tl.where(mask, dup, 0.0), xau_ptr, lbu_ptr, dxau_ptr, dlbu_ptr,
+                              offs_m, offs_n, T, I, r_u, NEED_DBU, R_U, LORA_IEEE)
+    dgate = dh * u_dsilu
+    tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
+    if LORA_G:
+        _lora_grad_accumulate(tl.where(mask, dgate, 0.0), xag_ptr, lbg_ptr, dxag_ptr, dlbg_ptr,
+                              offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +349,6 @@ _GPU_CONFIGS = [
 # Interpreter: one config whose blocks do not divide the test shapes (T 129, H 96, I 172), so
 # every masked tail is exercised.
 _INTERPRET_META = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
-_ELEMENTWISE_BLOCK = 1024
 _TUNE_KEY = ["T_BUCKET", "H", "I"]
 
 # CKPT_EXT_AUTOTUNE=0 (read at import): one configuration that fits every device above, untimed.
@@ -238,11 +364,20 @@ elif not autotune_enabled():
     _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
     _FIXED_META = _UNTUNED_META
 else:
+    _LORA_KEY = ["LORA_G", "LORA_U", "LORA_D", "R_G", "R_U", "R_D"]
+    # ha is accumulated atomically: tuning runs must start it from zero.
     _fwd_launch = triton.autotune(configs=_GPU_CONFIGS,
-                                  key=_TUNE_KEY + ["STORE_GATE_UP"])(_swiglu_fwd_kernel)
-    # dgate is written over dh in place, so tuning runs must restore dh between trials.
-    _bwd_recompute_launch = triton.autotune(configs=_GPU_CONFIGS, key=_TUNE_KEY,
-                                            restore_value=["dh_ptr"])(_swiglu_bwd_recompute_kernel)
+                                  key=_TUNE_KEY + ["STORE_GATE_UP"] + _LORA_KEY,
+                                  reset_to_zero=["ha_ptr"])(_swiglu_fwd_kernel)
+    # dgate is written over dh in place, so tuning runs must restore dh between trials; the
+    # LoRA accumulators start from zero.
+    _bwd_recompute_launch = triton.autotune(
+        configs=_GPU_CONFIGS,
+        key=_TUNE_KEY + ["RECOMPUTE", "STORE_H", "NEED_DBG", "NEED_DBU", "NEED_DAD", "NEED_HA"]
+        + _LORA_KEY,
+        restore_value=["dh_ptr"],
+        reset_to_zero=["dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr", "dlad_ptr", "ha_ptr"],
+    )(_swiglu_bwd_recompute_kernel)
     _FIXED_META = {}
 
 
@@ -326,29 +461,133 @@ def _absent(t):
     return t is None or (t.dim() == 1 and t.numel() == 0)
 
 
+_LORA_NAMES = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
+_NEEDS_NAMES = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") + _LORA_NAMES
+
+
+def _check_lora(op, lora, lora_scaling, x, H, I):
+    """Validate the adapters; returns three entries (gate, up, down), each None or
+    (A, B, scale) with A (r, in), B (out, r) as given."""
+    lora = list(lora)
+    lora_scaling = list(lora_scaling)
+    if len(lora) not in (0, 6):
+        raise ValueError(f"{op}: lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, "
+                         f"A_down, B_down], got {len(lora)} entries")
+    if len(lora_scaling) != (3 if lora else 0):
+        raise ValueError(f"{op}: lora_scaling must have 3 entries (gate, up, down) with adapters "
+                         f"and none without, got {len(lora_scaling)} for {len(lora)} lora entries")
+    if not lora:
+        return [None, None, None]
+    out = []
+    for p, (n_in, n_out) in enumerate(((H, I), (H, I), (I, H))):
+        a, b = lora[2 * p], lora[2 * p + 1]
+        an, bn = _LORA_NAMES[2 * p], _LORA_NAMES[2 * p + 1]
+        if (a is None) != (b is None):
+            raise ValueError(f"{op}: lora {an} and {bn} come together, got {an} "
+                             f"{'None' if a is None else 'given'} and {bn} "
+                             f"{'None' if b is None else 'given'}")
+        if a is None:
+            out.append(None)
+            continue
+        for name, t in ((an, a), (bn, b)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"{op}: {name} must be float16, bfloat16 or float32 for the "
+                                f"Triton kernels, got {t.dtype}")
+            if t.device != x.device:
+                raise ValueError(f"{op}: {name} must be on the device of x ({x.device}), got "
+                                 f"{t.device}")
+        if a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != n_in:
+            raise ValueError(f"{op}: {an} must have shape (r, in) with r >= 1 and in = {n_in}, "
+                             f"got {tuple(a.shape)}")
+        r = a.shape[0]
+        if tuple(b.shape) != (n_out, r):
+            raise ValueError(f"{op}: {bn} must have shape (out, r) = {(n_out, r)}, got "
+                             f"{tuple(b.shape)}")
+        if b.dtype != a.dtype:
+            raise TypeError(f"{op}: {bn} must have the dtype of {an} ({a.dtype}), got {b.dtype}")
+        s = float(lora_scaling[p])
+        if not math.isfinite(s):
+            raise ValueError(f"{op}: lora_scaling[{p}] must be finite, got {s}")
+        out.append((a, b, s))
+    return out
+
+
+def _rank_pad(r):
+    """The rank padded for tl.dot: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(r))
+
+
+def _f32(t):
+    return t.to(torch.float32).contiguous()
+
+
+def _lora_meta(ad, ieee):
+    """Constexpr flags and pads of the three adapters."""
+    meta = {}
+    for key, a in zip("GUD", ad):
+        meta[f"LORA_{key}"] = a is not None
+        meta[f"R_{key}"] = _rank_pad(a[0].shape[0]) if a is not None else 16
+    # The rank-r dots take fp32 operands: exact fp32 products for an fp32 base under the
+    # "highest" matmul precision, TF32 otherwise (for a half-precision base its ~2**-11
+    # relative error on the small low-rank term stays below the rounding of gate/up/dh).
+    meta["LORA_IEEE"] = ieee
+    return meta
+
+
+def _rank(a):
+    return a[0].shape[0] if a is not None else 1
+
+
+def _scale(a):
+    return a[2] if a is not None else 0.0
+
+
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, return_gate_up: bool):
-    """SwiGLU MLP forward.
+def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
+               return_gate_up: bool):
+    """SwiGLU MLP forward with optional LoRA adapters.
 
     Args:
         x: (T, H) float16 / bfloat16 / float32, any strides.
         w_gate, w_up: (I, H); w_down: (H, I) (nn.Linear layout), dtype and device of x.
         b_gate, b_up: None or (I,); b_down: None or (H,).
+        lora: [] or [A_gate, B_gate, A_up, B_up, A_down, B_down], each None or a tensor
+            (A (r, in), B (out, r), float16 / bfloat16 / float32, both or neither per
+            projection); lora_scaling: [] or the 3 scales (gate, up, down).
         return_gate_up: False for save="input" (gate and up are never written; returns empty
             placeholders), True for save="gate_up" (returns the pre-activations).
 
     Returns:
         (y, gate, up): y (T, H) in the dtype of x; gate, up (T, I) pre-activations with the
-        biases included when return_gate_up, else ``x.new_empty((0,))`` each.
+        biases and low-rank terms included when return_gate_up, else ``x.new_empty((0,))``.
         The intermediate h (T, I) is transient: freed before this returns.
+
+    LoRA precision: xa = x A^T (T, r) is computed in fp32 outside the kernel; the kernel adds
+    s xa B^T (fp32 B; the rank-r dots use TF32 on a GPU unless x is fp32 under the "highest"
+    matmul precision) to the fp32 gate/up accumulators before the activation and rounding.
+    h A_down^T (T, r_d) is accumulated in fp32 inside the kernel (atomic adds over the
+    intermediate tiles, so its summation order, and the last bits, may vary between runs on a
+    GPU); y = (h Wd^T + bd, rounded by the dense GEMM) + s_d (h A_down^T) B_down^T in fp32,
+    rounded once more (PEFT's order for an fp32 adapter on a half-precision base).
     """
-    T, H, I = _check_inputs("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    op = "swiglu_fwd"
+    T, H, I = _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    ad = _check_lora(op, lora, lora_scaling, x, H, I)
     h = x.new_empty((T, I))
     # Distinct placeholders: an op's outputs must not alias each other.
     gu_shape = (T, I) if return_gate_up else (0,)
     gate, up = x.new_empty(gu_shape), x.new_empty(gu_shape)
+    lg, lu, ld = ad
+    dummy = x.new_zeros((1,), dtype=torch.float32)
+    xf = x.float() if (lg or lu) else None
+    xag = torch.mm(xf, _f32(lg[0]).t()) if lg else dummy          # (T, r_g) fp32
+    xau = torch.mm(xf, _f32(lu[0]).t()) if lu else dummy          # (T, r_u) fp32
+    del xf
+    ha = x.new_zeros((T, _rank(ld)), dtype=torch.float32) if ld else dummy
     if T > 0 and I > 0:
         b_gate_c = b_gate.contiguous() if b_gate is not None else h
         b_up_c = b_up.contiguous() if b_up is not None else h
@@ -356,56 +595,50 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, return_gate_up: bo
             _fwd_launch[_grid(T, I)](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
                 gate if return_gate_up else h, up if return_gate_up else h,
+                xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
+                _f32(ld[0]) if ld else dummy, ha,
+                _scale(lg), _scale(lu), _rank(lg), _rank(lu), _rank(ld),
                 T, H, I, _t_bucket(T),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
                 w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1),
                 HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-                STORE_GATE_UP=bool(return_gate_up), DOT_IEEE=_dot_ieee(x.dtype), **_FIXED_META)
+                STORE_GATE_UP=bool(return_gate_up), DOT_IEEE=_dot_ieee(x.dtype),
+                **_lora_meta(ad, _dot_ieee(x.dtype)), **_FIXED_META)
     y = torch.nn.functional.linear(h, w_down, b_down)
     del h
+    if ld is not None:
+        y.add_(torch.mm(ha, _f32(ld[1]).t()).mul_(ld[2]))   # fp32 term, one rounding
     return y, gate, up
 
 
-def _launch_bwd(x, w_gate, w_up, b_gate, b_up, gate, up, dh, dup, h, recompute):
-    """Fill dgate (written over dh in place), dup and h, all (T, I) and contiguous, from
-    dh = dy Wd and either x (recompute) or the saved gate and up."""
-    T, H = x.shape
-    I = w_gate.shape[0]
-    if recompute:
-        b_gate_c = b_gate.contiguous() if b_gate is not None else h
-        b_up_c = b_up.contiguous() if b_up is not None else h
-        _bwd_recompute_launch[_grid(T, I)](
-            x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h,
-            T, H, I, _t_bucket(T),
-            x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-            w_up.stride(0), w_up.stride(1), dh.stride(0), dh.stride(1),
-            h.stride(0), h.stride(1),
-            HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-            DOT_IEEE=_dot_ieee(x.dtype), **_FIXED_META)
-    else:
-        n = T * I
-        _swiglu_bwd_elementwise_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
-            gate.contiguous(), up.contiguous(), dh, dh, dup, h, n,
-            BLOCK=_ELEMENTWISE_BLOCK, num_warps=4)
-
-
-def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
-    """SwiGLU MLP backward.
+def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
+               gate, up, needs_grad):
+    """SwiGLU MLP backward with optional LoRA adapters.
 
     Args:
         dy: (T, H) gradient of y, dtype and device of x.
-        x, w_gate, w_up, w_down, b_gate, b_up, b_down: as for ``swiglu_fwd``.
+        x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling: as for
+            ``swiglu_fwd``.
         gate, up: the (T, I) pre-activations saved by ``swiglu_fwd(..., return_gate_up=True)``,
             or both None / both the empty placeholders (save="input": gate and up are
             recomputed tile by tile from x inside the fused kernel).
+        needs_grad: 12 bools [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate,
+            A_up, B_up, A_down, B_down]; a gradient not wanted is never computed.
 
     Returns:
         (dx (T, H), dw_gate (I, H), dw_up (I, H), dw_down (H, I), db_gate (I,), db_up (I,),
-        db_down (H,)), all in the dtype of x; a bias gradient is ``x.new_empty((0,))`` when that
-        bias is None.
+        db_down (H,), dlora): in the dtype of x, dlora 6 tensors in the order of lora, each in
+        its adapter's dtype. A gradient not wanted, or of an absent bias / adapter, is
+        ``x.new_empty((0,))``.
+
+    The adapter gradients are accumulated in fp32 from the unrounded dgate / dup / h tiles
+    inside the kernel (atomic adds, see ``swiglu_fwd``) plus rank-r products outside it:
+    dA = s (dz B)^T x, dB = s dz^T (x A^T) for gate/up (dz = dgate, dup),
+    dA_down = s dyb^T h, dB_down = s dy^T (h A_down^T) with dyb = dy B_down.
     """
     op = "swiglu_bwd"
     T, H, I = _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    ad = _check_lora(op, lora, lora_scaling, x, H, I)
     _check_tensor(op, "dy", dy, (T, H), "(T, H)", x)
     if _absent(gate) != _absent(up):
         raise ValueError(f"{op}: gate and up must be given together (save='gate_up') or both "
@@ -415,15 +648,63 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
     if not recompute:
         _check_tensor(op, "gate", gate, (T, I), "(T, I)", x)
         _check_tensor(op, "up", up, (T, I), "(T, I)", x)
+    needs = [bool(n) for n in needs_grad]
+    if len(needs) != 12:
+        raise ValueError(f"{op}: needs_grad must have 12 entries {list(_NEEDS_NAMES)}, got "
+                         f"{len(needs)}")
+    n_wg, n_wu, n_wd = needs[0:3]
+    n_bg, n_bu, n_bd = (needs[3] and b_gate is not None, needs[4] and b_up is not None,
+                        needs[5] and b_down is not None)
+    n_la = [ad[p] is not None and needs[6 + 2 * p] for p in range(3)]
+    n_lb = [ad[p] is not None and needs[7 + 2 * p] for p in range(3)]
+    lg, lu, ld = ad
+
+    dummy = x.new_zeros((1,), dtype=torch.float32)
+    f32 = torch.float32
+
+    def zeros_or_dummy(cond, shape):
+        return x.new_zeros(shape, dtype=f32) if cond else dummy
+
+    xf = x.float() if (lg or lu) else None
+    xag = torch.mm(xf, _f32(lg[0]).t()) if lg and (recompute or n_lb[0]) else dummy
+    xau = torch.mm(xf, _f32(lu[0]).t()) if lu and (recompute or n_lb[1]) else dummy
+    dyb = torch.mm(dy.float(), _f32(ld[1])) if ld else dummy          # (T, r_d)
+    dxag = zeros_or_dummy(lg, (T, _rank(lg)))
+    dxau = zeros_or_dummy(lu, (T, _rank(lu)))
+    dlbg = zeros_or_dummy(n_lb[0], (I, _rank(lg)))
+    dlbu = zeros_or_dummy(n_lb[1], (I, _rank(lu)))
+    dlad = zeros_or_dummy(n_la[2], (_rank(ld), I))
+    ha = zeros_or_dummy(n_lb[2], (T, _rank(ld)))
 
     dh = torch.mm(dy, w_down)              # (T, I), contiguous; becomes dgate in place
     dup = x.new_empty((T, I))
-    h = x.new_empty((T, I))
+    h = x.new_empty((T, I)) if n_wd else dup   # dup: a placeholder never written
     if T > 0 and I > 0:
+        gate_c = gate.contiguous() if not recompute else dup
+        up_c = up.contiguous() if not recompute else dup
+        b_gate_c = b_gate.contiguous() if b_gate is not None else dup
+        b_up_c = b_up.contiguous() if b_up is not None else dup
         with _on_device(x):
-            _launch_bwd(x, w_gate, w_up, b_gate, b_up, gate, up, dh, dup, h, recompute)
+            _bwd_recompute_launch[_grid(T, I)](
+                x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
+                xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
+                _f32(ld[0]) if ld else dummy, dyb,
+                dxag, dlbg, dxau, dlbu, dlad, ha,
+                _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld),
+                T, H, I, _t_bucket(T),
+                x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+                w_up.stride(0), w_up.stride(1), dh.stride(0), dh.stride(1),
+                dup.stride(0), dup.stride(1),
+                HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+                DOT_IEEE=_dot_ieee(x.dtype), RECOMPUTE=recompute, STORE_H=n_wd,
+                NEED_DBG=n_lb[0], NEED_DBU=n_lb[1], NEED_DAD=n_la[2], NEED_HA=n_lb[2],
+                **_lora_meta(ad, _dot_ieee(x.dtype)), **_FIXED_META)
     dgate = dh
-    dw_down = torch.mm(dy.t(), h)          # (H, I)
+
+    def none():
+        return x.new_empty((0,))   # distinct placeholders: outputs must not alias
+
+    dw_down = torch.mm(dy.t(), h) if n_wd else none()     # (H, I)
     del h
     dx = torch.mm(dgate, w_gate)           # (T, H)
     if dx.is_cuda:
@@ -431,13 +712,30 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up):
     else:
         # CPU (interpreter runs): the BLAS beta=1 path rounds worse than eager for few rows.
         dx += torch.mm(dup, w_up)
-    dw_gate = torch.mm(dgate.t(), x)       # (I, H)
-    dw_up = torch.mm(dup.t(), x)           # (I, H)
+    dw_gate = torch.mm(dgate.t(), x) if n_wg else none()  # (I, H)
+    dw_up = torch.mm(dup.t(), x) if n_wu else none()      # (I, H)
+    db_gate = dgate.sum(0, dtype=f32).to(x.dtype) if n_bg else none()
+    db_up = dup.sum(0, dtype=f32).to(x.dtype) if n_bu else none()
+    db_down = dy.sum(0, dtype=f32).to(x.dtype) if n_bd else none()
+    del dgate, dup, dh
 
-    def bias_grad(g, b):
-        if b is None:
-            return x.new_empty((0,))
-        return g.sum(0, dtype=torch.float32).to(x.dtype)
-
-    return (dx, dw_gate, dw_up, dw_down, bias_grad(dgate, b_gate), bias_grad(dup, b_up),
-            bias_grad(dy, b_down))
+    # Rank-r products of the adapter gradients, and the low-rank paths of dx (fp32).
+    dlora = [none() for _ in range(6)]
+    dx_lora = None
+    for p, (a, dxa) in enumerate(((lg, dxag), (lu, dxau))):
+        if a is None:
+            continue
+        t = torch.mm(dxa, _f32(a[0])).mul_(a[2])             # s (dz B) A  (T, H)
+        dx_lora = t if dx_lora is None else dx_lora.add_(t)
+        if n_la[p]:
+            dlora[2 * p] = torch.mm(dxa.t(), xf).mul_(a[2]).to(a[0].dtype)
+    if dx_lora is not None:
+        dx.add_(dx_lora)                                     # one rounding to x's dtype
+    for p, dlb in ((0, dlbg), (1, dlbu)):
+        if n_lb[p]:
+            dlora[2 * p + 1] = dlb.mul_(ad[p][2]).to(ad[p][1].dtype)
+    if n_la[2]:
+        dlora[4] = dlad.mul_(ld[2]).to(ld[0].dtype)
+    if n_lb[2]:
+        dlora[5] = torch.mm(dy.float().t(), ha).mul_(ld[2]).to(ld[1].dtype)
+    return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora

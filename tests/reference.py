@@ -137,3 +137,75 @@ def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out, segment_
     dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, -1, group, S, D).sum(dim=2)
     dv = (p.transpose(-1, -2) @ dout).view(B, -1, group, S, D).sum(dim=2)
     return dict(dq=dq, dk=dk, dv=dv)
+
+
+# ---- SwiGLU MLP with PEFT LoRA adapters ----------------------------------------------------
+
+SWIGLU_NEEDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down",
+                "A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
+
+
+def lora_linear(t, w, b, lora_a=None, lora_b=None, scale=0.0):
+    """PEFT's LoRA Linear: ``linear(t, w, b) + scale * lora_B(lora_A(t))`` with t converted to
+    the adapter's dtype for the low-rank path and the sum returned in t's dtype."""
+    y = F.linear(t, w, b)
+    if lora_a is None:
+        return y
+    return (y + scale * F.linear(F.linear(t.to(lora_a.dtype), lora_a), lora_b)).to(t.dtype)
+
+
+def swiglu_lora_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None,
+                          lora=(), scaling=()):
+    """``down(silu(gate(x)) * up(x))`` with optional adapters, plain PyTorch, differentiable.
+
+    lora: [] or [A_gate, B_gate, A_up, B_up, A_down, B_down] (None where a projection has no
+    adapter); scaling: [] or the 3 scales. Computes in the dtypes it is given: pass float64
+    tensors for the ground truth, the test dtypes for the eager baseline."""
+    lora = list(lora) or [None] * 6
+    scaling = list(scaling) or [0.0] * 3
+    gate = lora_linear(x, w_gate, b_gate, lora[0], lora[1], scaling[0])
+    up = lora_linear(x, w_up, b_up, lora[2], lora[3], scaling[1])
+    return lora_linear(F.silu(gate) * up, w_down, b_down, lora[4], lora[5], scaling[2])
+
+
+def make_swiglu_lora(T, H, I, dtype, lora_dtype, ranks, bias, device="cpu", seed=0):
+    """Inputs of one SwiGLU-with-LoRA case, drawn in their dtypes (the float64 reference sees
+    the same values). ranks: (r_gate, r_up, r_down), None = no adapter on that projection.
+
+    Returns (args, lora, scaling, dy) with args = (x, w_gate, w_up, w_down, b_gate, b_up,
+    b_down). B is not zero (as after some training) so every gradient path is exercised."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dt).to(device)
+
+    x = rnd(T, H)
+    args = [x, rnd(I, H, scale=H ** -0.5), rnd(I, H, scale=H ** -0.5), rnd(H, I, scale=I ** -0.5)]
+    args += [rnd(I, scale=0.5), rnd(I, scale=0.5), rnd(H, scale=0.5)] if bias else [None] * 3
+    lora, scaling = [], []
+    for r, (n_in, n_out) in zip(ranks, ((H, I), (H, I), (I, H))):
+        if r is None:
+            lora += [None, None]
+        else:
+            lora += [rnd(r, n_in, scale=n_in ** -0.5, dt=lora_dtype),
+                     rnd(n_out, r, scale=r ** -0.5, dt=lora_dtype)]
+        scaling.append(2.0 / r if r else 0.0)
+    return args, lora, scaling, rnd(T, H)
+
+
+def swiglu_lora_grads(args, lora, scaling, dy, dtype=None):
+    """y and the 12 + 1 gradients of swiglu_lora_reference by autograd, in the op's order:
+    (y, dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, [dA_gate, dB_gate, dA_up, dB_up,
+    dA_down, dB_down]); None where a tensor is absent. dtype: convert every tensor first (e.g.
+    torch.float64 for the ground truth)."""
+    def prep(t):
+        if t is None:
+            return None
+        return (t.to(dtype) if dtype is not None else t).detach().clone().requires_grad_()
+
+    a = [prep(t) for t in args]
+    lo = [prep(t) for t in lora]
+    y = swiglu_lora_reference(*a, lora=lo, scaling=scaling)
+    y.backward(dy.to(y.dtype))
+    gradient = [t.grad if t is not None else None for t in a]
+    return (y.detach(), *gradient, [t.grad if t is not None else None for t in lo])

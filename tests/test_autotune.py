@@ -128,7 +128,7 @@ dq, dk, dv = attention.attention_bwd(torch.ones_like(out), q, k, v, out, lse, No
 x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
 wg, wu = (torch.randn(688, 256, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2))
 wd = torch.randn(256, 688, device="cuda", dtype=torch.bfloat16) * 0.05
-y = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, None, None, None, False)[0]
+y = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, None, None, None, [], [], False)[0]
 torch.save([t.cpu() for t in (out, lse, dq, dk, dv, y)], __import__("sys").argv[1])
 """
     paths = {}

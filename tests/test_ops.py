@@ -20,12 +20,14 @@ from torch.profiler import ProfilerActivity, profile
 
 import ckpt_ext  # noqa: F401
 import ckpt_ext.ops as ops
+import reference
 
 from reference import allowed_matrix, packed_segment_ids
 
 OPS = torch.ops.ckpt_ext
 F64 = torch.float64
 FACTOR_OUT, FACTOR_GRAD = 2.0, 3.0
+ALL_GRADS = [True] * 12  # swiglu_bwd needs_grad: every gradient
 
 
 # ------------------------------------------------------------------------------------------
@@ -407,8 +409,8 @@ def test_swiglu_fp32_vs_reference(save, bias):
 def test_swiglu_half_vs_reference(dtype):
     x, ws, bs = swiglu_inputs(37, 96, 172, dtype=dtype, bias=True)
     dy = torch.randn(37, 96, dtype=dtype)
-    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, True)
-    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, None, None)
+    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, [], [], True)
+    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, [], [], None, None, ALL_GRADS)[:7]
     r = leaves(x, *ws, *bs, dtype=F64)
     ref_y, ref_gate, ref_up = ref_swiglu(*r)
     b = leaves(x, *ws, *bs)
@@ -425,11 +427,11 @@ def test_swiglu_half_vs_reference(dtype):
 
 def test_swiglu_fwd_gate_up_outputs():
     x, ws, bs = swiglu_inputs(11, 96, 172, dtype=F64, bias=True)
-    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, True)
+    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, [], [], True)
     ref_y, ref_gate, ref_up = ref_swiglu(x, *ws, *bs)
     for name, got, ref in (("y", y, ref_y), ("gate", gate, ref_gate), ("up", up, ref_up)):
         check_f64(name, got, ref)
-    y2, gate2, up2 = OPS.swiglu_fwd(x, *ws, *bs, False)
+    y2, gate2, up2 = OPS.swiglu_fwd(x, *ws, *bs, [], [], False)
     assert torch.equal(y2, y) and gate2.shape == (0,) and up2.shape == (0,)
 
 
@@ -439,8 +441,9 @@ def test_swiglu_token_chunks(save):
     must match the unchunked float64 reference."""
     x, ws, bs = swiglu_inputs(130, 8, 66000, dtype=F64, bias=True)
     dy = torch.randn(130, 8, dtype=F64)
-    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, save == "gate_up")
-    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, *((gate, up) if save == "gate_up" else (None, None)))
+    y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, [], [], save == "gate_up")
+    saved = (gate, up) if save == "gate_up" else (None, None)
+    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, [], [], *saved, ALL_GRADS)[:7]
     r = leaves(x, *ws, *bs)
     ref_y = ref_swiglu(*r)[0]
     check_f64("y", y, ref_y)
@@ -454,7 +457,7 @@ def test_swiglu_token_chunks_half(dtype):
     chunks in float32 stay within the error bound of eager PyTorch in the same dtype."""
     x, ws, bs = swiglu_inputs(130, 8, 66000, dtype=dtype, bias=True)
     dy = torch.randn(130, 8, dtype=dtype)
-    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, None, None)
+    got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, [], [], None, None, ALL_GRADS)[:7]
     r = leaves(x, *ws, *bs, dtype=F64)
     b = leaves(x, *ws, *bs)
     names = ("dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down")
@@ -492,6 +495,143 @@ def test_swiglu_bad_save():
     x, ws, _ = swiglu_inputs(4, 8, 6)
     with pytest.raises(ValueError, match="save"):
         ops.swiglu_mlp(x, *ws, save="gate")
+
+
+# ---- SwiGLU with LoRA adapters and needs_grad (reference: tests/reference.py) -------------
+SWIGLU_OUT_NAMES = ("y", "dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down",
+                    "dA_gate", "dB_gate", "dA_up", "dB_up", "dA_down", "dB_down")
+
+
+def run_swiglu_lora(args, lora, scaling, dy, save, needs=ALL_GRADS):
+    """The 14 results of the CPU ops (y, dx, dW, db, dA_gate ... dB_down)."""
+    y, gate, up = OPS.swiglu_fwd(*args, lora, scaling, save == "gate_up")
+    saved = (gate, up) if save == "gate_up" else (None, None)
+    *g, dlora = OPS.swiglu_bwd(dy, *args, lora, scaling, *saved, needs)
+    assert len(dlora) == 6
+    return (y, *g, *dlora)
+
+
+def swiglu_lora_ref(args, lora, scaling, dy, dtype=None):
+    y, *g, dlora = reference.swiglu_lora_grads(args, lora, scaling, dy, dtype)
+    return (y, *g, *dlora)
+
+
+def check_swiglu_lora(out, base, ref, needs=ALL_GRADS, exact=False):
+    """exact: float64 run, tight check; else the 2x / 3x baseline rule. Gradients not wanted
+    or not applicable must be the empty placeholder."""
+    grad_scale = magnitude(*[r for r in ref[1:] if r is not None])
+    for name, want, o, b, r in zip(SWIGLU_OUT_NAMES, [True, True, *needs], out, base, ref):
+        if r is None or not want:
+            assert o.shape == (0,), f"{name}: expected an empty placeholder, got {o.shape}"
+            continue
+        assert o.shape == r.shape and o.dtype == b.dtype, (name, o.shape, o.dtype)
+        scale = None if name == "y" else grad_scale
+        if exact:
+            check_f64(name, o, r, scale=scale)
+        else:
+            check_vs_baseline(name, o, b, r, FACTOR_OUT if name == "y" else FACTOR_GRAD,
+                              o.dtype, scale=scale)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("ranks", [(4, 4, 4), (1, None, None), (None, 8, None), (None, None, 1),
+                                   (8, None, 4)], ids=str)
+def test_swiglu_lora_f64(ranks, save):
+    args, lora, scaling, dy = reference.make_swiglu_lora(17, 24, 43, F64, F64, ranks, True)
+    out = run_swiglu_lora(args, lora, scaling, dy, save)
+    check_swiglu_lora(out, out, swiglu_lora_ref(args, lora, scaling, dy), exact=True)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("dtype, lora_dtype", [(torch.bfloat16, torch.float32),
+                                               (torch.float16, torch.float32),
+                                               (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)],
+                         ids=["bf16-a32", "f16-a32", "f32", "bf16"])
+def test_swiglu_lora_vs_reference(dtype, lora_dtype, save):
+    """fp32 adapters on a half-precision base (PEFT's default) and same-dtype adapters."""
+    args, lora, scaling, dy = reference.make_swiglu_lora(37, 96, 172, dtype, lora_dtype,
+                                                         (8, 4, 1), True)
+    check_swiglu_lora(run_swiglu_lora(args, lora, scaling, dy, save),
+                      swiglu_lora_ref(args, lora, scaling, dy),
+                      swiglu_lora_ref(args, lora, scaling, dy, F64))
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_swiglu_lora_token_chunks(save):
+    """Chunks of 64, 64 and 2 rows (I = 66000): the adapter gradients summed over chunks."""
+    args, lora, scaling, dy = reference.make_swiglu_lora(130, 8, 66000, F64, F64, (4, 1, 8), True)
+    out = run_swiglu_lora(args, lora, scaling, dy, save)
+    check_swiglu_lora(out, out, swiglu_lora_ref(args, lora, scaling, dy), exact=True)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("needs", [[False] * 6 + [True] * 6, [False] * 6 + [False, True] * 3,
+                                   [False] * 12, [True, False, True, False, True, False]
+                                   + [True, False] * 3],
+                         ids=["frozen_base", "only_B", "dx_only", "mixed"])
+def test_swiglu_needs_grad(needs, save):
+    """Gradients not wanted come back empty; the wanted ones equal those of a full run."""
+    args, lora, scaling, dy = reference.make_swiglu_lora(33, 24, 43, torch.float32,
+                                                         torch.float32, (4, 8, 2), True)
+    out = run_swiglu_lora(args, lora, scaling, dy, save, needs)
+    check_swiglu_lora(out, swiglu_lora_ref(args, lora, scaling, dy),
+                      swiglu_lora_ref(args, lora, scaling, dy, F64), needs)
+    full = run_swiglu_lora(args, lora, scaling, dy, save)
+    for name, want, o, f in zip(SWIGLU_OUT_NAMES, [True, True, *needs], out, full):
+        if want:
+            torch.testing.assert_close(o, f, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_swiglu_frozen_base_runs_no_weight_gemm():
+    """With frozen base weights no (I, H) / (H, I) weight gradient is formed: the profiler sees
+    fewer matmuls than a run that wants them, and none with the dW shapes."""
+    args, lora, scaling, dy = reference.make_swiglu_lora(33, 24, 43, torch.float32,
+                                                         torch.float32, (4, 4, 4), False)
+
+    def mm_count(needs):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            OPS.swiglu_bwd(dy, *args, lora, scaling, None, None, needs)
+        return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+
+    frozen, full = mm_count([False] * 6 + [True] * 6), mm_count(ALL_GRADS)
+    assert full - frozen == 3, (full, frozen)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_swiglu_mlp_frozen_weights(save):
+    """swiglu_mlp with frozen weights: the backward gets needs_grad from autograd, so only dx
+    is computed (no weight-gradient matmul runs) and it matches the reference."""
+    x, ws, bs = swiglu_inputs(9, 12, 10, dtype=F64, bias=True)
+    (xl,) = leaves(x)
+    dy = torch.randn(9, 12, dtype=F64)
+    y = ops.swiglu_mlp(xl, *ws, *bs, save=save)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y.backward(dy)
+    n_mm = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+    assert n_mm == (2 if save == "gate_up" else 4), n_mm   # dh, dx (+ recomputed gate, up)
+    assert all(t.grad is None for t in (*ws, *bs))
+    (rx,) = leaves(x)
+    check_f64("dx", xl.grad, grads(ref_swiglu(rx, *ws, *bs)[0], [rx], dy)[0])
+
+
+def test_swiglu_lora_gradcheck():
+    """Autograd of swiglu_fwd with adapters on every projection, float64."""
+    args, lora, scaling, _ = reference.make_swiglu_lora(5, 6, 7, F64, F64, (2, 1, 3), True)
+    inputs = leaves(*args[:4], *[b for b in args[4:]], *lora)
+
+    def fn(x, wg, wu, wd, bg, bu, bd, *lo):
+        return OPS.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, list(lo), scaling, False)[0]
+
+    assert torch.autograd.gradcheck(fn, tuple(inputs))
+
+
+def test_swiglu_lora_partial_autograd_is_a_clear_error():
+    args, lora, scaling, _ = reference.make_swiglu_lora(5, 6, 7, F64, F64, (2, None, 3), False)
+    lora = [t.requires_grad_() if t is not None else None for t in lora]
+    args[0].requires_grad_()  # autograd records the op (the None-holding list it cannot see)
+    with pytest.raises(NotImplementedError, match="adapters on only some projections"):
+        OPS.swiglu_fwd(*args, lora, scaling, False)
 
 
 # ------------------------------------------------------------------------------------------
@@ -615,10 +755,20 @@ def _opcheck_samples():
         x, ws, bs = swiglu_inputs(7, 12, 10, bias=bias)
         for gate_up in (False, True):
             samples.append(("swiglu_fwd", (*leaves(x, *ws), *(leaves(b)[0] if bias else None
-                                                               for b in bs), gate_up)))
-        _, gate, up = OPS.swiglu_fwd(x, *ws, *bs, True)
+                                                               for b in bs), [], [], gate_up)))
+        _, gate, up = OPS.swiglu_fwd(x, *ws, *bs, [], [], True)
         for saved in ((None, None), (gate, up)):
-            samples.append(("swiglu_bwd", (torch.randn(7, 12), x, *ws, *bs, *saved)))
+            samples.append(("swiglu_bwd", (torch.randn(7, 12), x, *ws, *bs, [], [], *saved,
+                                            ALL_GRADS)))
+    for ranks, needs in (((2, 3, 1), ALL_GRADS), ((None, 4, None), [False] * 6 + [True] * 6),
+                         ((2, None, 5), [True, False] * 6)):
+        args, lora, scaling, dy = reference.make_swiglu_lora(7, 12, 10, torch.float32,
+                                                             torch.float32, ranks, True)
+        grad_lora = leaves(*lora) if None not in lora else lora  # partial lists: not tracked
+        samples.append(("swiglu_fwd", (*leaves(*args), grad_lora, scaling, False)))
+        _, gate, up = OPS.swiglu_fwd(*args, lora, scaling, True)
+        for saved in ((None, None), (gate, up)):
+            samples.append(("swiglu_bwd", (dy, *args, lora, scaling, *saved, needs)))
     x, w = torch.randn(2, 3, 12), torch.randn(12)
     samples.append(("rms_norm_fwd", (*leaves(x, w), 1e-6)))
     samples.append(("rms_norm_bwd", (torch.randn(2, 3, 12), x, w, 1e-6)))
@@ -651,6 +801,19 @@ def _attn_args(device, **change):
     args.update(change)
     return [t.to(device) if t is not None else None for t in
             (args["q"], args["k"], args["v"], args["mask"])] + [None, None, True, 0.3]
+
+
+def _swiglu_lora_args(device, change, scaling=(1.0, 0.5, 2.0), lora_len=6):
+    """swiglu_fwd arguments (T 5, H 8, I 6, rank 2 on every projection), some adapters
+    replaced (index into the lora list -> tensor or None)."""
+    x, ws, _ = swiglu_inputs(5, 8, 6)
+    lora = [torch.randn(2, 8), torch.randn(6, 2), torch.randn(2, 8), torch.randn(6, 2),
+            torch.randn(2, 6), torch.randn(8, 2)]
+    for i, t in change.items():
+        lora[i] = t
+    lora = [t.to(device) if t is not None else None for t in lora[:lora_len]]
+    return [x.to(device), *[w.to(device) for w in ws], None, None, None, lora, list(scaling),
+            False]
 
 
 ERROR_CASES = [
@@ -690,29 +853,45 @@ ERROR_CASES = [
      TypeError, "attention_bwd: lse must be float32"),
     ("swiglu_fwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(6, 8, device=d),
                               torch.randn(6, 8, device=d, dtype=F64), torch.randn(8, 6, device=d),
-                              None, None, None, False],
+                              None, None, None, [], [], False],
      TypeError, "swiglu_fwd: w_up must have the dtype of x"),
     ("swiglu_fwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(6, 8, device=d),
                               torch.randn(6, 8, device=d), torch.randn(8, 7, device=d),
-                              None, None, None, False],
+                              None, None, None, [], [], False],
      ValueError, r"swiglu_fwd: w_down must have shape \(8, 6\)"),
     ("swiglu_fwd", lambda d: [torch.randn(2, 5, 8, device=d), torch.randn(6, 8, device=d),
                               torch.randn(6, 8, device=d), torch.randn(8, 6, device=d),
-                              None, None, None, False],
+                              None, None, None, [], [], False],
      ValueError, "swiglu_fwd: x must have 2 dims"),
     ("swiglu_fwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(6, 8, device=d),
                               torch.randn(6, 8, device=d), torch.randn(8, 6, device=d),
-                              torch.randn(5, device=d), None, None, False],
+                              torch.randn(5, device=d), None, None, [], [], False],
      ValueError, r"swiglu_fwd: b_gate must have shape \(6,\)"),
     ("swiglu_bwd", lambda d: [torch.randn(5, 8, device=d), torch.randn(5, 8, device=d),
                               torch.randn(6, 8, device=d), torch.randn(6, 8, device=d),
-                              torch.randn(8, 6, device=d), None, None, None,
-                              torch.randn(5, 6, device=d), None],
+                              torch.randn(8, 6, device=d), None, None, None, [], [],
+                              torch.randn(5, 6, device=d), None, ALL_GRADS],
      ValueError, "swiglu_bwd: gate and up must be given together"),
     ("swiglu_bwd", lambda d: [torch.randn(4, 8, device=d), torch.randn(5, 8, device=d),
                               torch.randn(6, 8, device=d), torch.randn(6, 8, device=d),
-                              torch.randn(8, 6, device=d), None, None, None, None, None],
+                              torch.randn(8, 6, device=d), None, None, None, [], [], None, None,
+                              ALL_GRADS],
      ValueError, r"swiglu_bwd: dy must have shape \(5, 8\)"),
+    ("swiglu_fwd", lambda d: _swiglu_lora_args(d, {1: None}), ValueError,
+     "swiglu_fwd: lora A_gate and B_gate come together, got A_gate given and B_gate None"),
+    ("swiglu_fwd", lambda d: _swiglu_lora_args(d, {4: torch.randn(2, 5)}), ValueError,
+     r"swiglu_fwd: A_down must have shape \(2, 6\) \(r, in\) with in = 6, got \(2, 5\)"),
+    ("swiglu_fwd", lambda d: _swiglu_lora_args(d, {3: torch.randn(6, 3)}), ValueError,
+     r"swiglu_fwd: B_up must have shape \(6, 2\) \(out, r\) with out = 6 and r from A_up"),
+    ("swiglu_fwd", lambda d: _swiglu_lora_args(d, {1: torch.randn(6, 2, dtype=F64)}), TypeError,
+     "swiglu_fwd: B_gate must have the dtype of A_gate"),
+    ("swiglu_fwd", lambda d: _swiglu_lora_args(d, {}, scaling=[1.0]), ValueError,
+     "swiglu_fwd: lora_scaling must have 3 entries"),
+    ("swiglu_fwd", lambda d: _swiglu_lora_args(d, {}, lora_len=4), ValueError,
+     r"swiglu_fwd: lora must be \[\] or the 6 entries"),
+    ("swiglu_bwd", lambda d: [torch.randn(5, 8, device=d), *_swiglu_lora_args(d, {})[:-1],
+                              None, None, [True] * 11],
+     ValueError, "swiglu_bwd: needs_grad must have 12 entries"),
     ("rms_norm_fwd", lambda d: [torch.randn(3, 4096, device=d), torch.randn(4095, device=d), 1e-6],
      ValueError, r"rms_norm_fwd: weight must have shape \(4096,\) to match x's last dim, got "
                  r"\(4095,\)"),
@@ -761,7 +940,7 @@ DEVICE_CASES = [
                                                        True, 0.3],
      "attention_fwd: key_padding_mask is on meta but q is on cpu"),
     ("swiglu_fwd", lambda: [torch.randn(5, 8), torch.randn(6, 8), torch.randn(6, 8),
-                            torch.randn(8, 6, device="meta"), None, None, None, False],
+                            torch.randn(8, 6, device="meta"), None, None, None, [], [], False],
      "swiglu_fwd: w_down is on meta but x is on cpu"),
     ("rms_norm_fwd", lambda: [torch.randn(3, 8), torch.randn(8, device="meta"), 1e-6],
      "rms_norm_fwd: weight is on meta but x is on cpu"),

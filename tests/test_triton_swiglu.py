@@ -17,12 +17,15 @@ import torch
 
 from ckpt_ext.kernels import swiglu_mlp
 
+from reference import make_swiglu_lora, swiglu_lora_grads
+
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I = 96, 172
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down")
+ALL_GRADS = [True] * 12  # needs_grad: every gradient
 
 
 def make_inputs(T, H, I, dtype, bias, device=DEVICE, seed=0):
@@ -64,12 +67,14 @@ def reference(*args):
 
 def run_kernels(x, w_gate, w_up, w_down, b_gate, b_up, b_down, dy, save):
     """(y, dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down) from the launchers."""
-    y, gate, up = swiglu_mlp.swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down,
+    y, gate, up = swiglu_mlp.swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, [], [],
                                         save == "gate_up")
     if save == "input":
         gate = up = None
-    grads = swiglu_mlp.swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, gate, up)
-    return (y,) + grads
+    grads = swiglu_mlp.swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, [], [],
+                                  gate, up, ALL_GRADS)
+    assert len(grads[7]) == 6 and all(t.numel() == 0 for t in grads[7])
+    return (y,) + grads[:7]
 
 
 def max_err(a, ref):
@@ -188,7 +193,7 @@ def test_save_input_keeps_no_tokens_by_I_tensor():
     x, wg, wu, wd, bg, bu, bd, _ = make_inputs(T, H, I, torch.float32, True)
     log = _AllocationLog()
     with log:
-        y, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, False)
+        y, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, [], [], False)
     gc.collect()
     assert gate.shape == (0,) and up.shape == (0,)
     assert gate.dtype == x.dtype and up.dtype == x.dtype
@@ -201,7 +206,7 @@ def test_save_input_keeps_no_tokens_by_I_tensor():
 
 def test_save_gate_up_returns_preactivations():
     x, wg, wu, wd, bg, bu, bd, _ = make_inputs(7, H, I, torch.float32, True)
-    _, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, True)
+    _, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, [], [], True)
     torch.testing.assert_close(gate, torch.nn.functional.linear(x, wg, bg), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(up, torch.nn.functional.linear(x, wu, bu), rtol=1e-5, atol=1e-5)
 
@@ -209,21 +214,23 @@ def test_save_gate_up_returns_preactivations():
 def test_backward_accepts_forward_placeholders():
     """The empty gate/up that save="input" returns can be handed straight to swiglu_bwd."""
     x, wg, wu, wd, bg, bu, bd, dy = make_inputs(7, H, I, torch.float32, False)
-    _, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, False)
-    from_empty = swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, gate, up)
-    from_none = swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, None, None)
-    for a, b in zip(from_empty, from_none):
+    _, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, [], [], False)
+    from_empty = swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], gate, up, ALL_GRADS)
+    from_none = swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], None, None,
+                                      ALL_GRADS)
+    for a, b in zip(from_empty[:7], from_none[:7]):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
 def test_zero_tokens(save):
     x, wg, wu, wd, bg, bu, bd, dy = make_inputs(0, H, I, torch.float32, True)
-    y, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, save == "gate_up")
+    y, gate, up = swiglu_mlp.swiglu_fwd(x, wg, wu, wd, bg, bu, bd, [], [], save == "gate_up")
     assert y.shape == (0, H)
     assert gate.numel() == 0 and up.numel() == 0
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = swiglu_mlp.swiglu_bwd(
-        dy, x, wg, wu, wd, bg, bu, bd, *((gate, up) if save == "gate_up" else (None, None)))
+    dx, dwg, dwu, dwd, dbg, dbu, dbd, _ = swiglu_mlp.swiglu_bwd(
+        dy, x, wg, wu, wd, bg, bu, bd, [], [],
+        *((gate, up) if save == "gate_up" else (None, None)), ALL_GRADS)
     assert dx.shape == (0, H)
     for g, p in ((dwg, wg), (dwu, wu), (dwd, wd), (dbg, bg), (dbu, bu), (dbd, bd)):
         assert g.shape == p.shape and not g.any()
@@ -259,18 +266,19 @@ def _bad(**changes):
 def test_fwd_errors(changes, exc, match):
     args = _bad(**{k: v.to(DEVICE) if v.device.type != "meta" else v for k, v in changes.items()})
     with pytest.raises(exc, match=match):
-        swiglu_mlp.swiglu_fwd(**args, return_gate_up=False)
+        swiglu_mlp.swiglu_fwd(**args, lora=[], lora_scaling=[], return_gate_up=False)
 
 
 def test_bwd_errors():
     x, wg, wu, wd, bg, bu, bd, dy = make_inputs(5, H, I, torch.float32, True)
     with pytest.raises(ValueError, match=r"swiglu_bwd: dy must have shape \(T, H\) = \(5, 96\), got \(4, 96\)"):
-        swiglu_mlp.swiglu_bwd(dy[:4], x, wg, wu, wd, bg, bu, bd, None, None)
+        swiglu_mlp.swiglu_bwd(dy[:4], x, wg, wu, wd, bg, bu, bd, [], [], None, None, ALL_GRADS)
     gate = torch.zeros(5, I, device=DEVICE)
     with pytest.raises(ValueError, match=r"swiglu_bwd: gate and up must be given together"):
-        swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, gate, None)
+        swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], gate, None, ALL_GRADS)
     with pytest.raises(ValueError, match=r"swiglu_bwd: up must have shape \(T, I\) = \(5, 172\), got \(5, 171\)"):
-        swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, gate, gate[:, :-1])
+        swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], gate, gate[:, :-1],
+                              ALL_GRADS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -299,3 +307,192 @@ def test_llama_sizes_cuda(I_, dtype, save):
     finally:
         torch.set_float32_matmul_precision(prec)
     check_accuracy(run_kernels(*args, save), eager(*args), ref, dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# LoRA adapters and needs_grad
+# ------------------------------------------------------------------------------------------
+LORA_NAMES = ("dA_gate", "dB_gate", "dA_up", "dB_up", "dA_down", "dB_down")
+ALL_NAMES = ("y",) + GRAD_NAMES + LORA_NAMES
+# needs_grad presets: LoRA training (frozen base), only the B matrices, nothing but dx.
+NEEDS = {
+    "all": ALL_GRADS,
+    "frozen_base": [False] * 6 + [True] * 6,
+    "only_B": [False] * 6 + [False, True] * 3,
+    "dx_only": [False] * 12,
+    "down_weight_and_A": [False, False, True, False, False, True] + [True, False] * 3,
+}
+
+
+def run_lora_kernels(args, lora, scaling, dy, save, needs=ALL_GRADS):
+    """The 14 results (y, dx, dW..., db..., dA_gate ... dB_down) of the launchers."""
+    y, gate, up = swiglu_mlp.swiglu_fwd(*args, lora, scaling, save == "gate_up")
+    if save == "input":
+        assert gate.numel() == 0 and up.numel() == 0
+        gate = up = None
+    grads = swiglu_mlp.swiglu_bwd(dy, *args, lora, scaling, gate, up, needs)
+    assert len(grads) == 8 and len(grads[7]) == 6
+    return (y, *grads[:7], *grads[7])
+
+
+def flat_reference(args, lora, scaling, dy, dtype=None):
+    y, *rest, dlora = swiglu_lora_grads(args, lora, scaling, dy, dtype)
+    return (y, *rest, *dlora)
+
+
+def check_lora_accuracy(out, base, ref, needs=ALL_GRADS):
+    """Kernel error <= 2x (y) / 3x (grads) the eager error at the same dtype (floor 2 eps of
+    the result's dtype * max|reference|); a gradient not wanted or not applicable must be the
+    empty placeholder."""
+    wanted = [True, True] + list(needs)
+    for name, want, o, b, r in zip(ALL_NAMES, wanted, out, base, ref):
+        if r is None or not want:
+            assert o.numel() == 0 and o.dim() == 1, f"{name}: expected an empty placeholder"
+            continue
+        assert o.shape == r.shape and o.dtype == b.dtype, f"{name}: {o.shape} {o.dtype}"
+        factor = 2.0 if name == "y" else 3.0
+        floor = 2 * torch.finfo(o.dtype).eps * max(r.abs().max().item() if r.numel() else 0.0,
+                                                   1e-30)
+        base_err = max(max_err(b, r), floor)
+        err = max_err(o, r)
+        assert err <= factor * base_err, (
+            f"{name}: kernel error {err:.3e} > {factor}x eager error {base_err:.3e}")
+
+
+# (T, dtype, adapter dtype, ranks (gate, up, down; None = no adapter), bias)
+LORA_CASES = [
+    (17, torch.float32, torch.float32, (4, 4, 4), True),
+    (17, torch.float16, torch.float32, (8, 1, 4), False),   # fp32 adapters on an fp16 base
+    (65, torch.float32, torch.float32, (1, None, None), True),
+    (9, torch.float32, torch.float32, (None, 8, None), False),
+    (9, torch.float16, torch.float32, (None, None, 8), True),
+    (1, torch.float16, torch.float16, (4, None, 1), False),
+]
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("case", range(len(LORA_CASES)))
+def test_lora_matches_fp64_reference(case, save):
+    T, dtype, lora_dtype, ranks, bias = LORA_CASES[case]
+    args, lora, scaling, dy = make_swiglu_lora(T, H, I, dtype, lora_dtype, ranks, bias,
+                                                         device=DEVICE)
+    check_lora_accuracy(run_lora_kernels(args, lora, scaling, dy, save),
+                        flat_reference(args, lora, scaling, dy),
+                        flat_reference(args, lora, scaling, dy, torch.float64))
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("needs", sorted(NEEDS))
+def test_lora_needs_grad(needs, save):
+    """A subset of gradients: the others come back empty, the wanted ones as with all."""
+    args, lora, scaling, dy = make_swiglu_lora(33, H, I, torch.float32, torch.float32,
+                                                         (4, 8, 2), True, device=DEVICE)
+    flags = NEEDS[needs]
+    out = run_lora_kernels(args, lora, scaling, dy, save, flags)
+    check_lora_accuracy(out, flat_reference(args, lora, scaling, dy),
+                        flat_reference(args, lora, scaling, dy, torch.float64), flags)
+    full = run_lora_kernels(args, lora, scaling, dy, save)
+    for name, want, o, f in zip(ALL_NAMES, [True, True] + flags, out, full):
+        if want:
+            torch.testing.assert_close(o, f, rtol=1e-6, atol=1e-6, msg=name)
+
+
+class _MatmulLog(TorchDispatchMode):
+    """The output shapes of every aten matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_frozen_base_skips_weight_gemms():
+    """needs_grad of a LoRA run with frozen base weights: no weight-gradient GEMM runs (no
+    matmul with an (I, H) / (H, I) output), against three in a run that wants them."""
+    T = 21
+    args, lora, scaling, dy = make_swiglu_lora(T, H, I, torch.float32, torch.float32,
+                                               (4, 4, 4), True, device=DEVICE)
+    logs = {}
+    for name in ("frozen_base", "all"):
+        logs[name] = _MatmulLog()
+        with logs[name]:
+            swiglu_mlp.swiglu_bwd(dy, *args, lora, scaling, None, None, NEEDS[name])
+
+    def weight_shaped(log):
+        return sum(shape in ((I, H), (H, I)) for shape in log.shapes)
+
+    assert weight_shaped(logs["frozen_base"]) == 0, logs["frozen_base"].shapes
+    assert weight_shaped(logs["all"]) == 3, logs["all"].shapes
+
+
+def test_lora_save_input_keeps_no_tokens_by_I_tensor():
+    """With adapters on all three projections no (T, I) tensor outlives the forward."""
+    T = 40
+    args, lora, scaling, _ = make_swiglu_lora(T, H, I, torch.float32, torch.float32,
+                                                        (4, 4, 4), True, device=DEVICE)
+    log = _AllocationLog()
+    with log:
+        swiglu_mlp.swiglu_fwd(*args, lora, scaling, False)
+    gc.collect()
+    seen = [ref for shape, ref in log.refs if shape == (T, I)]
+    assert seen and all(ref() is None for ref in seen)
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_lora_zero_tokens(save):
+    args, lora, scaling, dy = make_swiglu_lora(0, H, I, torch.float32, torch.float32,
+                                                         (4, 4, 4), True, device=DEVICE)
+    out = run_lora_kernels(args, lora, scaling, dy, save)
+    assert out[0].shape == (0, H) and out[1].shape == (0, H)
+    for o, p in zip(out[2:], [*args[1:], *lora]):
+        assert o.shape == p.shape and not o.any()
+
+
+def _lora_fwd_error(lora, scaling):
+    args, _, _, _ = make_swiglu_lora(5, H, I, torch.float32, torch.float32,
+                                               (None,) * 3, False, device=DEVICE)
+    swiglu_mlp.swiglu_fwd(*args, lora, scaling, False)
+
+
+@pytest.mark.parametrize("lora, scaling, exc, match", [
+    ([None] * 5, [1.0] * 3, ValueError, r"swiglu_fwd: lora must be \[\] or the 6 entries"),
+    ([None] * 6, [], ValueError, r"swiglu_fwd: lora_scaling must have 3 entries"),
+    ([torch.zeros(4, H)] + [None] * 5, [1.0] * 3, ValueError,
+     r"swiglu_fwd: lora A_gate and B_gate come together"),
+    ([torch.zeros(4, H + 1), torch.zeros(I, 4)] + [None] * 4, [1.0] * 3, ValueError,
+     r"swiglu_fwd: A_gate must have shape \(r, in\) with r >= 1 and in = 96"),
+    ([None] * 4 + [torch.zeros(4, I), torch.zeros(H, 3)], [1.0] * 3, ValueError,
+     r"swiglu_fwd: B_down must have shape \(out, r\) = \(96, 4\), got \(96, 3\)"),
+    ([None, None, torch.zeros(4, H), torch.zeros(I, 4, dtype=torch.float16)] + [None] * 2,
+     [1.0] * 3, TypeError, r"swiglu_fwd: B_up must have the dtype of A_up"),
+    ([torch.zeros(4, H, dtype=torch.float64), torch.zeros(I, 4, dtype=torch.float64)]
+     + [None] * 4, [1.0] * 3, TypeError,
+     r"swiglu_fwd: A_gate must be float16, bfloat16 or float32 for the Triton kernels"),
+])
+def test_lora_errors(lora, scaling, exc, match):
+    lora = [t.to(DEVICE) if t is not None else None for t in lora]
+    with pytest.raises(exc, match=match):
+        _lora_fwd_error(lora, scaling)
+
+
+def test_needs_grad_length_error():
+    x, wg, wu, wd, bg, bu, bd, dy = make_inputs(5, H, I, torch.float32, True)
+    with pytest.raises(ValueError, match=r"swiglu_bwd: needs_grad must have 12 entries"):
+        swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], None, None, [True] * 7)
+
+
+@needs_gpu
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+@pytest.mark.parametrize("ranks", [(16, 16, 16), (8, None, 64)], ids=["r16", "mixed"])
+def test_lora_bf16_cuda(ranks, save):
+    """fp32 adapters on a bf16 base, the PEFT default."""
+    args, lora, scaling, dy = make_swiglu_lora(300, 256, 688, torch.bfloat16,
+                                                         torch.float32, ranks, True, "cuda")
+    check_lora_accuracy(run_lora_kernels(args, lora, scaling, dy, save),
+                        flat_reference(args, lora, scaling, dy),
+                        flat_reference(args, lora, scaling, dy, torch.float64))

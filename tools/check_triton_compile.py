@@ -18,8 +18,9 @@ Sweep (``--quick`` keeps a few entries of each part):
              plus the corner fp32 + HEAD_DIM 256 + mask; the D = rowsum(dO * O) pre-pass once
              per (dtype, HEAD_DIM).
   swiglu     bf16, every _GPU_CONFIGS entry: forward (STORE_GATE_UP False/True) and the
-             recompute backward, no biases, DOT_IEEE False; fp32 with DOT_IEEE True and both
-             biases with _UNTUNED_META; the element-wise backward once per dtype.
+             recompute backward, no biases, DOT_IEEE False, and both with LoRA adapters on
+             every projection; fp32 with DOT_IEEE True and both biases with _UNTUNED_META;
+             the save="gate_up" backward (RECOMPUTE False) once per dtype and with LoRA.
 
 Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
 with 16-byte aligned data, so pointers carry ``tt.divisibility=16``, unit strides are the
@@ -69,7 +70,7 @@ ELT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 ATTN_KERNEL = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel",
                "dq": "_attn_bwd_dq_kernel", "pre": "_attn_bwd_preprocess_kernel"}
 SWIGLU_KERNEL = {"fwd": "_swiglu_fwd_kernel", "bwd_recompute": "_swiglu_bwd_recompute_kernel",
-                 "bwd_elementwise": "_swiglu_bwd_elementwise_kernel"}
+                 "bwd_gate_up": "_swiglu_bwd_recompute_kernel"}
 # Triton's defaults for a plain kernel[grid](...) launch without num_warps / num_stages.
 JIT_DEFAULT_WARPS, JIT_DEFAULT_STAGES = 4, 3
 
@@ -274,25 +275,35 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
 
 
 def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_up=False,
-                     biases=False, dot_ieee=False):
+                     biases=False, dot_ieee=False, lora=False):
+    """kind: fwd, bwd_recompute (save="input") or bwd_gate_up (the same kernel reading the
+    saved gate/up). lora: adapters on all three projections (rank pad 16), every adapter
+    gradient wanted; without, the LoRA buffers are the unused fp32 placeholders."""
     fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
-    if kind == "bwd_elementwise":
-        pointers = {n: dtype for n in ("gate_ptr", "up_ptr", "dh_ptr", "dgate_ptr", "dup_ptr", "h_ptr")}
-        return make_signature(fn, pointers, set(), {"N"}, set(), {"BLOCK": meta["BLOCK"]})
     ptr_names = ["x_ptr", "wg_ptr", "wu_ptr", "bg_ptr", "bu_ptr"]
     ptr_names += (["h_ptr", "gate_ptr", "up_ptr"] if kind == "fwd"
-                  else ["dh_ptr", "dgate_ptr", "dup_ptr", "h_ptr"])
+                  else ["dh_ptr", "dgate_ptr", "dup_ptr", "h_ptr", "gate_ptr", "up_ptr"])
     pointers = {n: dtype for n in ptr_names}
+    lora_ptrs = ["xag_ptr", "lbg_ptr", "xau_ptr", "lbu_ptr", "lad_ptr", "ha_ptr"]
+    if kind != "fwd":
+        lora_ptrs += ["dyb_ptr", "dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr", "dlad_ptr"]
+    pointers.update({n: "fp32" for n in lora_ptrs})
     unit = {"stride_xh", "stride_wgh", "stride_wuh", "stride_oi"}
     div16 = {"H", "I", "T_BUCKET", "stride_xt", "stride_wgi", "stride_wui", "stride_ot"}
-    if kind == "bwd_recompute":
+    floats = {"s_g", "s_u"} if kind == "fwd" else {"s_g", "s_u", "s_d"}
+    if kind != "fwd":
         unit.add("stride_dhi")
         div16.add("stride_dht")
     consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
+              "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": 16, "R_U": 16, "R_D": 16,
+              "LORA_IEEE": False,
               **{k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     if kind == "fwd":
         consts["STORE_GATE_UP"] = store_gate_up
-    return make_signature(fn, pointers, unit, div16, set(), consts)
+    else:
+        consts.update(RECOMPUTE=kind == "bwd_recompute", STORE_H=True, NEED_DBG=lora,
+                      NEED_DBU=lora, NEED_DAD=lora, NEED_HA=lora)
+    return make_signature(fn, pointers, unit, div16, floats, consts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,15 +422,17 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
                              "attention-specializations")
 
         # ---- swiglu ----------------------------------------------------------------------
-        def add_swiglu(kind, dtype, meta, warps, stages, store=False, biases=False, ieee=False):
+        def add_swiglu(kind, dtype, meta, warps, stages, store=False, biases=False, ieee=False,
+                       lora=False):
             sig, consts, attrs = swiglu_signature(swiglu_mlp, kind, dtype, meta, store, biases,
-                                                  ieee)
+                                                  ieee, lora)
             bits = []
             if kind == "fwd":
                 bits.append("store_gate_up" if store else "no_store")
-            if kind != "bwd_elementwise":
-                bits.append("bias" if biases else "no_bias")
-                bits.append("ieee" if ieee else "tc")
+            bits.append("bias" if biases else "no_bias")
+            bits.append("ieee" if ieee else "tc")
+            if lora:
+                bits.append("lora")
             cost = (meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1) * meta.get("BLOCK_K", 1)
                     * ELT_SIZE[dtype])
             add(module="swiglu_mlp", kernel=SWIGLU_KERNEL[kind], short=f"swiglu_{kind}",
@@ -433,15 +446,19 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
             for store in (False, True):
                 add_swiglu("fwd", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages, store=store)
             add_swiglu("bwd_recompute", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages)
+            # LoRA on every projection: the extra rank-16 dots and fp32 accumulators.
+            add_swiglu("fwd", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages, lora=True)
+            add_swiglu("bwd_recompute", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages,
+                       lora=True)
         um = dict(swiglu_mlp._UNTUNED_META)
         warps, stages = um.pop("num_warps"), um.pop("num_stages")
         for store in (False, True):
             add_swiglu("fwd", "fp32", um, warps, stages, store=store, biases=True, ieee=True)
         add_swiglu("bwd_recompute", "fp32", um, warps, stages, biases=True, ieee=True)
-        # _launch_bwd launches the element-wise kernel with num_warps=4 and the default stages.
+        # save="gate_up": the same backward kernel reading the saved gate/up.
         for dtype in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
-            add_swiglu("bwd_elementwise", dtype, {"BLOCK": swiglu_mlp._ELEMENTWISE_BLOCK}, 4,
-                       JIT_DEFAULT_STAGES)
+            add_swiglu("bwd_gate_up", dtype, um, warps, stages)
+        add_swiglu("bwd_gate_up", "bf16", um, warps, stages, lora=True)
     return jobs
 
 
