@@ -80,35 +80,34 @@ T3 attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
   return op.call(dout, q, k, v, out, lse, mask, seg, window, /*causal=*/true, scale);
 }
 
+// lora: [] or [A_gate, B_gate, A_up, B_up, A_down, B_down]; lora_scaling: [] or 3 factors.
 T3 swiglu_fwd(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
               const at::Tensor& wd, const OptTensor& bg, const OptTensor& bu,
-              const OptTensor& bd, bool return_gate_up) {
+              const OptTensor& bd, const c10::List<OptTensor>& lora,
+              c10::ArrayRef<double> lora_scaling, bool return_gate_up) {
   static auto op = op_handle<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const OptTensor&, const OptTensor&,
                                 const OptTensor&, const c10::List<OptTensor>&,
                                 c10::ArrayRef<double>, bool)>("ckpt_ext::swiglu_fwd");
-  return op.call(x, wg, wu, wd, bg, bu, bd, c10::List<OptTensor>(), {}, return_gate_up);
+  return op.call(x, wg, wu, wd, bg, bu, bd, lora, lora_scaling, return_gate_up);
 }
 
-using T7 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                      at::Tensor>;
-// Plain weights (no adapters), every gradient computed.
-T7 swiglu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& wg,
-              const at::Tensor& wu, const at::Tensor& wd, const OptTensor& bg,
-              const OptTensor& bu, const OptTensor& bd, const OptTensor& gate,
-              const OptTensor& up) {
-  using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                       at::Tensor, std::vector<at::Tensor>>;
-  static auto op = op_handle<R(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const OptTensor&,
-                               const OptTensor&, const OptTensor&, const c10::List<OptTensor>&,
-                               c10::ArrayRef<double>, const OptTensor&, const OptTensor&,
-                               const c10::List<bool>&)>("ckpt_ext::swiglu_bwd");
-  c10::List<bool> all;
-  for (int i = 0; i < 12; ++i) all.push_back(true);
-  auto [dx, dwg, dwu, dwd, dbg, dbu, dbd, dlora] =
-      op.call(dy, x, wg, wu, wd, bg, bu, bd, c10::List<OptTensor>(), {}, gate, up, all);
-  return {dx, dwg, dwu, dwd, dbg, dbu, dbd};
+// needs_grad: [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate, A_up, B_up, A_down,
+// B_down]; what is not wanted is never computed and comes back empty.
+using SwigluGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                               at::Tensor, at::Tensor, std::vector<at::Tensor>>;
+SwigluGrads swiglu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& wg,
+                       const at::Tensor& wu, const at::Tensor& wd, const OptTensor& bg,
+                       const OptTensor& bu, const OptTensor& bd,
+                       const c10::List<OptTensor>& lora, c10::ArrayRef<double> lora_scaling,
+                       const OptTensor& gate, const OptTensor& up,
+                       const c10::List<bool>& needs_grad) {
+  static auto op = op_handle<SwigluGrads(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+      const c10::List<OptTensor>&, c10::ArrayRef<double>, const OptTensor&, const OptTensor&,
+      const c10::List<bool>&)>("ckpt_ext::swiglu_bwd");
+  return op.call(dy, x, wg, wu, wd, bg, bu, bd, lora, lora_scaling, gate, up, needs_grad);
 }
 
 at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -577,69 +576,56 @@ at::Tensor mlp_input(const at::Tensor& h, const Layer& L) {
   return L.cast(flat2(rms_norm_fwd(h, L.norm(kPostNorm), L.eps)));
 }
 
-// silu(gate) * up with LoRA adapters on gate/up/down: plain ATen (the fused SwiGLU kernels
-// take plain weights); gate/up are kept only for the backward that follows at once.
-struct LoraMlp {
-  at::Tensor gate, up, act;
-};
+// The SwiGLU ops' adapter arguments: [A_gate, B_gate, A_up, B_up, A_down, B_down] (cast to
+// the compute dtype under autocast, their own dtype otherwise) and the three factors.
+constexpr std::array<Proj, 3> kMlpProjs = {kGate, kUp, kDown};
 
-LoraMlp lora_mlp_hidden(const at::Tensor& m2, const Layer& L) {
-  LoraMlp f;
-  f.gate = proj_fwd(L, kGate, m2);
-  f.up = proj_fwd(L, kUp, m2);
-  f.act = at::silu(f.gate) * f.up;
-  return f;
+std::pair<c10::List<OptTensor>, std::vector<double>> mlp_lora(const Layer& L) {
+  c10::List<OptTensor> lora;
+  std::vector<double> scaling;
+  if (!L.mlp_has_lora()) return {lora, scaling};
+  for (Proj p : kMlpProjs) {
+    for (ProjPart part : {kLoraA, kLoraB}) lora.push_back(L.cast_opt(L.proj(p, part)));
+    scaling.push_back(L.lora_scale(p));
+  }
+  return {lora, scaling};
 }
 
 // y = h + down(silu(gate(m)) * up(m)); fills r.gate/up when `keep_gate_up`.
 at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r) {
   const at::Tensor m2 = mlp_input(h, L);
-  at::Tensor y2;
-  if (L.mlp_has_lora()) {
-    LoraMlp f = lora_mlp_hidden(m2, L);
-    y2 = proj_fwd(L, kDown, f.act);
-    if (keep_gate_up) r.gate = f.gate, r.up = f.up;
-  } else {
-    std::tie(y2, r.gate, r.up) =
-        swiglu_fwd(m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
-                   L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-                   L.cast_opt(L.proj(kDown, kBias)), keep_gate_up);
-    if (!keep_gate_up) r.gate = r.up = at::Tensor();
-  }
+  auto [lora, scaling] = mlp_lora(L);
+  auto [y2, gate, up] =
+      swiglu_fwd(m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+                 L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+                 L.cast_opt(L.proj(kDown, kBias)), lora, scaling, keep_gate_up);
+  if (keep_gate_up) r.gate = gate, r.up = up;
   return h + y2.view(h.sizes());
 }
 
 at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& L,
                         const Residuals& r, const std::vector<bool>& needs, Grads& g) {
   const at::Tensor m2 = mlp_input(h, L);
-  const at::Tensor dy2 = L.cast(flat2(dy));
-  at::Tensor dm2;
-  if (L.mlp_has_lora()) {
-    LoraMlp f;
-    if (r.gate.defined()) {
-      f.gate = r.gate, f.up = r.up, f.act = at::silu(f.gate) * f.up;
-    } else {
-      f = lora_mlp_hidden(m2, L);
-    }
-    const at::Tensor dact = proj_bwd(L, kDown, dy2, f.act, needs, g);
-    const at::Tensor sg = at::sigmoid(f.gate);
-    const at::Tensor dup = dact * f.gate * sg;
-    const at::Tensor dgate = dact * f.up * sg * (1 + f.gate * (1 - sg));
-    dm2 = proj_bwd(L, kGate, dgate, m2, needs, g);
-    dm2.add_(proj_bwd(L, kUp, dup, m2, needs, g));
-  } else {
-    OptTensor gate, up;
-    if (r.gate.defined()) gate = r.gate, up = r.up;
-    auto [dm, dwg, dwu, dwd, dbg, dbu, dbd] =
-        swiglu_bwd(dy2, m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
-                   L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-                   L.cast_opt(L.proj(kDown, kBias)), gate, up);
-    dm2 = dm;
-    const std::array<std::pair<int64_t, at::Tensor*>, 6> grads = {
-        {{slot(kGate, kWeight), &dwg}, {slot(kUp, kWeight), &dwu}, {slot(kDown, kWeight), &dwd},
-         {slot(kGate, kBias), &dbg}, {slot(kUp, kBias), &dbu}, {slot(kDown, kBias), &dbd}}};
-    for (const auto& [s, d] : grads)
-      if (needs[s]) set_grad(g, L, s, *d);
+  auto [lora, scaling] = mlp_lora(L);
+  // The ops' gradient order: weights, biases, then the adapters, as in mlp_lora.
+  std::vector<int64_t> order;
+  for (ProjPart part : {kWeight, kBias})
+    for (Proj p : kMlpProjs) order.push_back(slot(p, part));
+  for (Proj p : kMlpProjs)
+    for (ProjPart part : {kLoraA, kLoraB}) order.push_back(slot(p, part));
+  c10::List<bool> wanted;
+  for (int64_t s : order) wanted.push_back(needs[s]);
+  OptTensor gate, up;
+  if (r.gate.defined()) gate = r.gate, up = r.up;
+  auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] =
+      swiglu_bwd(L.cast(flat2(dy)), m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
+                 L.cast(L.proj(kDown)), L.cast_opt(L.proj(kGate, kBias)),
+                 L.cast_opt(L.proj(kUp, kBias)), L.cast_opt(L.proj(kDown, kBias)), lora, scaling,
+                 gate, up, wanted);
+  const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
+  for (size_t j = 0; j < order.size(); ++j) {
+    if (!needs[order[j]]) continue;
+    set_grad(g, L, order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
   }
   const at::Tensor& wn = L.norm(kPostNorm);
   auto [dhn, dwn] = rms_norm_bwd(

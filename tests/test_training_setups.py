@@ -2,6 +2,7 @@
 checkpointing, PEFT LoRA adapters, and HF's Trainer. Each test checks that the fused op really
 ran (saved bytes, call counts), not a flag, and compares with the unpatched model."""
 import copy
+import os
 import warnings
 
 import pytest
@@ -390,3 +391,26 @@ def test_compiled_packed_batch_matches_eager():
     torch.testing.assert_close(loss_c, loss_r, rtol=1e-5, atol=1e-6)
     for name, g in grads_r.items():
         torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_lora_through_the_triton_kernels():
+    """The same exactness with the Triton kernels (interpreter on CPU): the adapters' rank-r
+    terms inside the SwiGLU and attention tiles."""
+    peft = _peft()
+    from ckpt_ext._backend import use_triton
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 (the "
+                    "conftest sets it on machines without a GPU)")
+    ids, mask, labels = make_batch()
+    base = make_model("llama")
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=ALL, init_lora_weights=False))
+    model = copy.deepcopy(ref)
+    ckpt_ext.patch_llama(model, "balanced")
+    loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
+    with use_triton("cpu"):
+        loss, grads = loss_and_grads(model, ids, mask, labels)
+    torch.testing.assert_close(loss, loss_r, rtol=1e-4, atol=1e-5)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, rtol=2e-3, atol=1e-5, msg=name)
