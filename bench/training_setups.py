@@ -28,6 +28,24 @@ rows.append(("HF gradient checkpointing, patched (default policy)", nbytes(ckpt_
 for p in ("balanced", "min_memory"):
     m = ckpt_ext.patch_llama(copy.deepcopy(base), p)
     rows.append((f"torch.compile (aot_eager), {p}", nbytes(torch.compile(m, backend="aot_eager"))))
+import peft  # noqa: E402
+lora_cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+lora = peft.get_peft_model(copy.deepcopy(base), lora_cfg)
+rows.append(("LoRA r8 (all projections), unpatched", nbytes(lora)))
+rows.append(("LoRA r8 (all projections), balanced",
+             nbytes(ckpt_ext.patch_llama(copy.deepcopy(lora), "balanced"))))
+pos = torch.cat([torch.arange(n) for n in (20, 7, 30, 7)])[None].repeat(2, 1)
+
+
+def packed_bytes(m):
+    return ckpt_ext.saved_activation_bytes(
+        lambda: m(input_ids=ids, position_ids=pos, labels=ids).loss)
+
+
+rows.append(("packed (4 documents per row), unpatched", packed_bytes(base)))
+rows.append(("packed (4 documents per row), balanced",
+             packed_bytes(ckpt_ext.patch_llama(copy.deepcopy(base), "balanced"))))
 print("| setup | saved bytes |\n|---|---|")
 for name, b in rows:
     print(f"| {name} | {b:,} |")
