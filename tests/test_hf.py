@@ -467,3 +467,17 @@ def test_eager_left_padding_rows_match_hf(policy, family):
     torch.testing.assert_close(got[0].logits, ref[0].logits, **TOL)
     assert_same(ref, got, None)
     assert calls(model) == [1, 1, 1]
+
+
+def test_flash_attention_models_are_fused():
+    """A model configured for flash_attention_2 (what padding-free training recommends) trains
+    through the fused kernel, which replaces its attention: set after construction on CPU,
+    where HF's own flash path could not run at all."""
+    ref_model = make_model("llama", "sdpa")
+    model = copy.deepcopy(ref_model)
+    model.config._attn_implementation = "flash_attention_2"
+    patch_llama(model, "balanced")
+    ids, pos, labels = packed_batch([9, 4, 11])
+    assert_same(run(ref_model, ids, None, labels, position_ids=pos),
+                run(model, ids, None, labels, position_ids=pos), None)
+    assert calls(model) == [1, 1, 1]

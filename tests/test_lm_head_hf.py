@@ -116,3 +116,11 @@ def test_auto_fits_the_budget_and_more_budget_never_recomputes_more():
         out_r, grads_r = step(ref, input_ids=ids, attention_mask=mask, labels=labels)
         torch.testing.assert_close(out.loss, out_r.loss, rtol=1e-5, atol=1e-6)
     assert chosen == sorted(chosen)  # more budget: more bytes kept, never less
+
+
+def test_auto_under_compile_has_no_graph_breaks():
+    torch._dynamo.reset()
+    model = ckpt_ext.patch_llama(make_model(), "auto", activation_budget="10MiB")
+    ids, mask, labels = make_batch()
+    explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels)
+    assert explain.graph_break_count == 0, explain.break_reasons

@@ -485,7 +485,7 @@ def test_bf16_is_refused_under_the_interpreter():
 
     x, w = torch.zeros(3, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"swiglu_fwd: bfloat16.*interpreter"):
-        swiglu_mlp.swiglu_fwd(x, w, w, w.t().contiguous(), None, None, None, False)
+        swiglu_mlp.swiglu_fwd(x, w, w, w.t().contiguous(), None, None, None, [], [], False)
     with pytest.raises(NotImplementedError, match=r"swiglu_bwd: bfloat16.*interpreter"):
         swiglu_mlp.swiglu_bwd(x, x, w, w, w.t().contiguous(), None, None, None, None, None)
 

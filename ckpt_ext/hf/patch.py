@@ -365,13 +365,19 @@ class _Shared:
         dtype = weight.dtype
         if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
             dtype = torch.float32  # residuals stay fp32; the compute dtype only saves less
-        key = (int(x.shape[0]), int(x.shape[1]), dtype)
+        return self._choice(int(x.shape[0]), int(x.shape[1]), dtype)
+
+    @torch.compiler.assume_constant_result
+    def _choice(self, b: int, s: int, dtype: torch.dtype) -> List[str]:
+        """The presets for one shape, cached; a constant to torch.compile, which guards on
+        the shapes it is called with (the choice depends on nothing else)."""
+        key = (b, s, dtype)
         if key not in self.auto:
             from ..plan import LayerDims, choose_presets
             config = self.owner.config
             dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads))
                     for layer in self.layers]
-            self.auto[key] = choose_presets(dims, key[0], key[1], dtype, self.budget)
+            self.auto[key] = choose_presets(dims, b, s, dtype, self.budget)
         return self.auto[key]
 
     def install(self) -> None:
