@@ -487,7 +487,8 @@ def test_bf16_is_refused_under_the_interpreter():
     with pytest.raises(NotImplementedError, match=r"swiglu_fwd: bfloat16.*interpreter"):
         swiglu_mlp.swiglu_fwd(x, w, w, w.t().contiguous(), None, None, None, [], [], False)
     with pytest.raises(NotImplementedError, match=r"swiglu_bwd: bfloat16.*interpreter"):
-        swiglu_mlp.swiglu_bwd(x, x, w, w, w.t().contiguous(), None, None, None, None, None)
+        swiglu_mlp.swiglu_bwd(x, x, w, w, w.t().contiguous(), None, None, None, [], [], None, None,
+                              [True] * 12)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
