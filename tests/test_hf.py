@@ -482,3 +482,17 @@ def test_flash_attention_models_are_fused():
     assert_same(run(ref_model, ids, None, labels, position_ids=pos),
                 run(model, ids, None, labels, position_ids=pos), None, STRICT)
     assert calls(model) == [1, 1, 1]
+
+
+def test_a_copy_of_a_patched_model_unpatches_cleanly():
+    model = patch_llama(make_model("llama", "sdpa"), "balanced")
+    twin = copy.deepcopy(model)
+    assert len(twin.model._forward_pre_hooks) == len(twin.model._forward_hooks) == 1
+    unpatch_llama(twin)
+    assert not twin.model._forward_pre_hooks and not twin.model._forward_hooks
+    assert not twin.model._forward_hooks_with_kwargs
+    assert len(model.model._forward_pre_hooks) == 1  # the original keeps its patch
+    patch_llama(twin, "min_memory")
+    ids, mask, labels = make_batch(pad=True)
+    assert_same(run(model, ids, mask, labels), run(twin, ids, mask, labels), mask)
+    assert calls(twin) == [1, 1, 1]

@@ -327,17 +327,15 @@ class _Shared:
         self.auto_presets: Optional[List[str]] = None
         self.masks: Optional[BatchMasks] = None
         self.warned: set = set()
-        self.handles: list = []
         params = [p for p in inspect.signature(type(owner).forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.positional = [p.name for p in params]
 
-    def __getstate__(self):  # a pickled model drops its hooks' state; patch it again
-        return {k: v for k, v in self.__dict__.items()
-                if k not in ("handles", "masks", "auto_presets")}
+    def __getstate__(self):  # the masks of a forward in flight are not state to keep
+        return {k: v for k, v in self.__dict__.items() if k not in ("masks", "auto_presets")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, handles=[], masks=None, auto_presets=None)
+        self.__dict__.update(state, masks=None, auto_presets=None)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -381,15 +379,20 @@ class _Shared:
         return self.auto[key]
 
     def install(self) -> None:
-        self.handles = [
-            self.owner.register_forward_pre_hook(self.before_model, with_kwargs=True),
-            self.owner.register_forward_hook(self.after_model, with_kwargs=True,
-                                             always_call=True)]
+        self.owner.register_forward_pre_hook(self.before_model, with_kwargs=True)
+        self.owner.register_forward_hook(self.after_model, with_kwargs=True, always_call=True)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        """Remove this object's hooks from the bare model (found by owner, so that this also
+        works in a deepcopy or unpickled copy of a patched model)."""
+        owner = self.owner
+        for hooks, extras in ((owner._forward_pre_hooks, (owner._forward_pre_hooks_with_kwargs,)),
+                              (owner._forward_hooks, (owner._forward_hooks_with_kwargs,
+                                                      owner._forward_hooks_always_called))):
+            for key in [k for k, h in hooks.items() if getattr(h, "__self__", None) is self]:
+                del hooks[key]
+                for extra in extras:
+                    extra.pop(key, None)
 
 
 _CACHE = ("use_cache=True or past_key_values was given: the KV cache must be filled, so HF's "
