@@ -36,10 +36,7 @@ import math
 import os
 import pathlib
 import platform
-import re
-import statistics
 import sys
-import time
 
 import torch
 
@@ -52,6 +49,7 @@ import triton  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import ckpt_ext  # noqa: E402
+from _harness import device_tag, peak_mib, time_steps  # noqa: E402
 from ckpt_ext._backend import use_triton  # noqa: E402
 
 try:
@@ -96,27 +94,6 @@ def trl_head(h, w, labels, chunk):
 VARIANTS = {"hf": hf_head, "chunked": chunked_head, "fused": fused_head, "trl": trl_head}
 
 
-class Clock:
-    """Marks on the device timeline (CUDA events) or host clock (CPU); ms between marks."""
-
-    def __init__(self):
-        self.marks = []
-
-    def mark(self):
-        if CUDA:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def elapsed_ms(self, i, j):
-        if CUDA:
-            torch.cuda.synchronize()
-            return self.marks[i].elapsed_time(self.marks[j])
-        return (self.marks[j] - self.marks[i]) * 1e3
-
-
 def measure(fn, h, w, labels, chunk, warmup, reps):
     """Median forward / backward / total ms; peak MiB of one step above what was allocated
     before it (GPU); MiB saved for backward; (loss, dh, dw) of the last step."""
@@ -132,30 +109,14 @@ def measure(fn, h, w, labels, chunk, warmup, reps):
             clock.mark()
         return loss.detach()
 
-    for _ in range(warmup):        # includes autotuning of each new shape
-        step()
-    fwd, bwd, tot = [], [], []
-    for _ in range(reps):
-        clock = Clock()
-        loss = step(clock)
-        fwd.append(clock.elapsed_ms(0, 1))
-        bwd.append(clock.elapsed_ms(1, 2))
-        tot.append(clock.elapsed_ms(0, 2))
-    peak = math.nan
-    if CUDA:
-        h.grad = w.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    times = time_steps(step, warmup, reps)
+    h.grad = w.grad = None
+    peak = peak_mib(step)
+    loss = step(None)  # the result compared across variants
     grads = (h.grad.detach().clone(), w.grad.detach().clone())
     h.grad = w.grad = None
     saved = ckpt_ext.saved_activation_bytes(fn, h, w, labels, chunk) / 2**20
-    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd),
-            "total_ms": statistics.median(tot), "peak_mib": peak, "saved_mib": saved,
-            "result": (loss,) + grads}
+    return {**times, "peak_mib": peak, "saved_mib": saved, "result": (loss,) + grads}
 
 
 def run_case(variants, V, H, T, dtype, device, chunk, warmup, reps, tag=""):
@@ -181,12 +142,6 @@ def run_case(variants, V, H, T, dtype, device, chunk, warmup, reps, tag=""):
                      "saved_x_hf": r["saved_mib"] / base["saved_mib"],
                      "max_diff_vs_hf": diff})
     return rows
-
-
-def device_tag():
-    if not CUDA:
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
 
 
 def main(argv=None):

@@ -30,14 +30,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import pathlib
 import platform
-import re
-import statistics
 import sys
-import time
 
 import torch
 
@@ -49,6 +45,7 @@ import torch.nn as nn  # noqa: E402
 import triton  # noqa: E402
 
 from ckpt_ext.kernels import swiglu_mlp  # noqa: E402
+from _harness import device_tag, peak_mib, time_steps  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODELS = {"llama7b": (4096, 11008), "llama3_8b": (4096, 14336), "tiny": (64, 96)}
@@ -101,27 +98,6 @@ def make_step(variant, mlp):
     return lambda x: TritonSwiGLU.apply(x, *w, variant)
 
 
-class Clock:
-    """Marks on the device timeline (CUDA events) or host clock (CPU); ms between marks."""
-
-    def __init__(self):
-        self.marks = []
-
-    def mark(self):
-        if CUDA:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def elapsed_ms(self, i, j):
-        if CUDA:
-            torch.cuda.synchronize()
-            return self.marks[i].elapsed_time(self.marks[j])
-        return (self.marks[j] - self.marks[i]) * 1e3
-
-
 def saved_bytes(forward, x, params):
     """Bytes of the unique storages saved for backward by forward(x), parameters excluded."""
     skip = {p.untyped_storage().data_ptr() for p in params}
@@ -159,39 +135,16 @@ def measure(variant, mlp, x, dy, warmup, reps):
         if clock:
             clock.mark()
 
-    for _ in range(warmup):        # includes the autotuning of each new shape
-        step()
-    fwd, bwd, tot = [], [], []
-    for _ in range(reps):
-        clock = Clock()
-        step(clock)
-        fwd.append(clock.elapsed_ms(0, 1))
-        bwd.append(clock.elapsed_ms(1, 2))
-        tot.append(clock.elapsed_ms(0, 2))
-
-    peak = math.nan
-    if CUDA:
-        for p in params:
-            p.grad = None
-        x.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    times = time_steps(step, warmup, reps)
+    for p in params:
+        p.grad = None
+    x.grad = None
+    peak = peak_mib(step)
     saved = saved_bytes(forward, x, params) / 2**20
     for p in params:
         p.grad = None
     x.grad = None
-    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd),
-            "total_ms": statistics.median(tot), "peak_mib": peak, "saved_mib": saved}
-
-
-def device_tag():
-    if not CUDA:
-        return "cpu_smoke"
-    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
+    return {**times, "peak_mib": peak, "saved_mib": saved}
 
 
 def main(argv=None):
@@ -260,7 +213,7 @@ def main(argv=None):
     if not CUDA:
         print(CPU_LABEL)
 
-    out = pathlib.Path(args.out) if args.out else RESULTS / f"swiglu_{device_tag()}.csv"
+    out = pathlib.Path(args.out) if args.out else RESULTS / f"swiglu_{device_tag('cpu_smoke')}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         if not CUDA:
