@@ -458,15 +458,19 @@ class _PatchedForward:
             if self.shared.default_policy:
                 preset = "min_memory"
                 self.shared.warn_once("hf checkpointing", _HF_GC_DEFAULT)
-            elif preset not in ("min_memory", "auto") and self.preset != "auto":
+            elif preset not in ("min_memory", "auto") and self.preset != "auto" and \
+                    "hf checkpointing" not in self.shared.warned:
                 self.shared.warn_once("hf checkpointing", _HF_GC_EXPLICIT.format(
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
         reason, masks = self._why_not_fused(hidden_states, kwargs)
+        tensors = _layer_tensors(self.layer) if reason is None else None
+        if isinstance(tensors, str):
+            reason = tensors
         if reason is not None:
             return self._delegate(reason, hidden_states, kwargs, warn=True)
         self._count("fused")
-        return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset)
+        return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False):
         self._count(f"delegated: {reason}")
@@ -498,11 +502,6 @@ class _PatchedForward:
             if t is not None and tuple(t.shape) != tuple(x.shape[:2]):
                 return (f"the model's masks of shape {tuple(t.shape)} do not fit hidden_states "
                         f"{tuple(x.shape)}"), masks
-        if masks.segment_ids is not None or (self.spec.window is not None
-                                             and self.spec.window < x.shape[1]):
-            if not _masked_attention_available():
-                return ("packed sequences / a sliding window shorter than the sequence need "
-                        "the masked attention kernels"), masks
         return None, masks
 
     def _why_not_fused(self, x: Tensor, kwargs) -> Tuple[Optional[str], BatchMasks]:
@@ -518,7 +517,7 @@ class _PatchedForward:
             return "attention_dropout > 0 (set after patching)", BatchMasks()
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
             return "attention is not causal (is_causal=False)", BatchMasks()
-        problem = _structure_problem(layer, hooks=True)
+        problem = _structure_problem(layer, hooks=True, projections=False)  # read once, later
         if problem:
             return problem, BatchMasks()
         pe = kwargs.get("position_embeddings")
@@ -533,9 +532,9 @@ class _PatchedForward:
             return "cos/sin require grad", BatchMasks()
         return self._masks(x, kwargs)
 
-    def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str) -> Tensor:
-        layer, spec = self.layer, self.spec
-        weights, scaling = _layer_tensors(layer)
+    def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
+               weights: list, scaling: list) -> Tensor:
+        spec = self.spec
         cos, sin = position_embeddings
         window = spec.window if spec.window is not None and spec.window < x.shape[1] else None
         return torch.ops.ckpt_ext.decoder_layer(
@@ -544,8 +543,9 @@ class _PatchedForward:
             spec.num_heads, spec.num_kv_heads, spec.eps, spec.scale, None, "layer", preset)
 
 
-def _layer_tensors(layer: nn.Module) -> Tuple[list, list]:
-    """The op's ``weights`` list and ``lora_scaling`` for a layer whose structure was checked."""
+def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list]]:
+    """The op's ``weights`` list and ``lora_scaling`` for a layer whose structure was checked,
+    or why a projection cannot be fused (its adapters are read here, once per call)."""
     named = {"input_layernorm.weight": layer.input_layernorm.weight,
              "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
     attn = layer.self_attn
@@ -556,18 +556,13 @@ def _layer_tensors(layer: nn.Module) -> Tuple[list, list]:
     for path in PROJECTIONS:
         parent, name = path.split(".")
         proj = read_projection(getattr(layer, parent)._modules[name], layer.training)
+        if isinstance(proj, str):
+            return f"{path} is {proj}"
         named[f"{path}.weight"], named[f"{path}.bias"] = proj.weight, proj.bias
         named[f"{path}.lora_A"], named[f"{path}.lora_B"] = proj.lora_A, proj.lora_B
         scaling.append(proj.scaling)
         lora = lora or proj.lora_A is not None
     return [named.get(slot) for slot in WEIGHT_SLOTS], (scaling if lora else [])
-
-
-@functools.lru_cache(maxsize=None)
-def _masked_attention_available() -> bool:
-    """Whether the attention kernel ops take segment ids and windows."""
-    schema = torch.ops.ckpt_ext.attention_fwd.default._schema
-    return any(a.name == "segment_ids" for a in schema.arguments)
 
 
 def _patched(layers) -> List[_PatchedForward]:
