@@ -154,9 +154,23 @@ def _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
 _SWIGLU_LORA = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
 
 
-def _check_swiglu_lora(op, lora, lora_scaling, x, H, I):
+def _check_probability(op, name, p):
+    if not (math.isfinite(p) and 0.0 <= p < 1.0):
+        raise ValueError(f"{op}: {name} must be a probability in [0, 1), got {p}")
+
+
+def _check_seed(op, name, seed):
+    if (seed.device.type != "cpu" or seed.numel() != 1 or seed.dtype.is_floating_point
+            or seed.dtype.is_complex or seed.dtype == torch.bool):
+        raise ValueError(f"{op}: {name} must be a CPU integer tensor with one element (read "
+                         f"without a device sync), got a {_dtype(seed.dtype)} tensor of shape "
+                         f"{_shape(seed)} on {seed.device}")
+
+
+def _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I):
     """lora [] or 6 entries (A (r, in), B (out, r) per projection, both or neither),
-    lora_scaling [] or 3 finite floats. Returns the 6 entries (None where absent)."""
+    lora_scaling [] or 3 finite floats, lora_dropout [] or 3 probabilities (a seed when one is
+    > 0). Returns the 6 entries (None where absent)."""
     lora = list(lora)
     if len(lora) not in (0, 6):
         raise ValueError(f"{op}: lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, "
@@ -164,6 +178,9 @@ def _check_swiglu_lora(op, lora, lora_scaling, x, H, I):
     if len(lora_scaling) != (3 if lora else 0):
         raise ValueError(f"{op}: lora_scaling must have 3 entries (gate, up, down) with adapters "
                          f"and none without, got {len(lora_scaling)} for {len(lora)} lora entries")
+    if len(lora_dropout) not in (0, len(lora_scaling)):
+        raise ValueError(f"{op}: lora_dropout must be [] or have 3 entries (gate, up, down) with "
+                         f"adapters, got {len(lora_dropout)} for {len(lora)} lora entries")
     if not lora:
         return [None] * 6
     for p, (n_in, n_out) in enumerate(((H, I), (H, I), (I, H))):
@@ -187,6 +204,12 @@ def _check_swiglu_lora(op, lora, lora_scaling, x, H, I):
         _check_device_as(op, bn, b, "x", x)
         if not math.isfinite(lora_scaling[p]):
             raise ValueError(f"{op}: lora_scaling[{p}] must be finite, got {lora_scaling[p]}")
+        if lora_dropout and lora_dropout[p] != 0.0:
+            _check_probability(op, f"lora_dropout[{p}]", lora_dropout[p])
+            if _absent(dropout_seed):
+                raise ValueError(f"{op}: dropout_seed is required when lora_dropout has a "
+                                 f"probability > 0")
+            _check_seed(op, "dropout_seed", dropout_seed)
     return lora
 
 
@@ -247,20 +270,20 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
 def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                     return_gate_up):
+                     return_gate_up, lora_dropout=(), dropout_seed=None):
     op = "swiglu_fwd"
     T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    _check_swiglu_lora(op, lora, lora_scaling, x, H, I)
+    _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
     gate_up_shape = (T, I) if return_gate_up else (0,)
     return x.new_empty((T, H)), x.new_empty(gate_up_shape), x.new_empty(gate_up_shape)
 
 
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                     gate, up, needs_grad):
+                     gate, up, needs_grad, lora_dropout=(), dropout_seed=None):
     op = "swiglu_bwd"
     T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    lora = _check_swiglu_lora(op, lora, lora_scaling, x, H, I)
+    lora = _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
     _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
     if _absent(gate) != _absent(up):
         state = {True: "absent", False: "given"}
@@ -286,6 +309,15 @@ def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lo
     return (x.new_empty((T, H)), grad(needs_grad[0], w_gate), grad(needs_grad[1], w_up),
             grad(needs_grad[2], w_down), grad(needs_grad[3], b_gate), grad(needs_grad[4], b_up),
             grad(needs_grad[5], b_down), dlora)
+
+
+@torch.library.register_fake("ckpt_ext::lora_dropout")
+def _lora_dropout_fake(x, seed, stream, p):
+    op = "lora_dropout"
+    _check_floating(op, "x", x)
+    _check_probability(op, "p", p)
+    _check_seed(op, "seed", seed)
+    return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("ckpt_ext::rms_norm_fwd")
@@ -347,7 +379,8 @@ def _attention_backward(ctx, dout, dlse):
 
 
 def _swiglu_setup(ctx, inputs, output):
-    x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up = inputs
+    (x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up,
+     lora_dropout, dropout_seed) = inputs
     _, gate, up = output
     ctx.mark_non_differentiable(gate, up)
     if any(t is None for t in lora) and any(t is not None and t.requires_grad for t in lora):
@@ -358,6 +391,10 @@ def _swiglu_setup(ctx, inputs, output):
             "torch.ops.ckpt_ext.swiglu_bwd directly, or detach the adapters")
     ctx.n_lora = len(lora)
     ctx.lora_scaling = list(lora_scaling)
+    ctx.lora_dropout = list(lora_dropout)
+    # The gradient structure mirrors the inputs': [] for an empty list, None for a default.
+    ctx.dropout_grad = [] if isinstance(lora_dropout, list) and not lora_dropout else None
+    ctx.dropout_seed = dropout_seed  # a CPU scalar tensor
     # save="input": x (the weights, biases and adapters are parameters); save="gate_up": also
     # gate, up.
     saved = (x, w_gate, w_up, w_down, b_gate, b_up, b_down, *lora)
@@ -375,7 +412,8 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     # gradients returned must have the same structure (an empty list for an empty list).
     lora_need = [bool(f) for f in need[7]] if isinstance(need[7], (list, tuple)) else [False] * n
     needs = [bool(f) for f in need[1:7]] + (lora_need or [False] * 6)
-    grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs)
+    grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs,
+                            ctx.lora_dropout, ctx.dropout_seed)
     dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora = grads
 
     def keep(flag, g):
@@ -383,9 +421,22 @@ def _swiglu_backward(ctx, dy, dgate, dup):
 
     dlora_out = ([keep(f, g) for f, g in zip(lora_need, dlora)]
                  if isinstance(need[7], (list, tuple)) else None)
-    return (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
-            keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
-            dlora_out, [] if not ctx.lora_scaling else None, None)
+    grads = (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
+             keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
+             dlora_out, [] if not ctx.lora_scaling else None, None, ctx.dropout_grad, None)
+    # One gradient per argument the caller passed: the trailing lora_dropout / dropout_seed
+    # may have been left to their defaults (needs_input_grad has one entry per passed one).
+    return grads[:len(need)]
+
+
+def _lora_dropout_setup(ctx, inputs, output):
+    _, seed, stream, p = inputs
+    ctx.seed, ctx.stream, ctx.p = seed, stream, p
+
+
+def _lora_dropout_backward(ctx, dy):
+    # The mask is a function of (seed, stream, element): the adjoint applies the same one.
+    return _ops.lora_dropout(dy, ctx.seed, ctx.stream, ctx.p), None, None, None
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -445,6 +496,8 @@ torch.library.register_autograd("ckpt_ext::attention_fwd", _attention_backward,
                                 setup_context=_attention_setup)
 torch.library.register_autograd("ckpt_ext::swiglu_fwd", _swiglu_backward,
                                 setup_context=_swiglu_setup)
+torch.library.register_autograd("ckpt_ext::lora_dropout", _lora_dropout_backward,
+                                setup_context=_lora_dropout_setup)
 torch.library.register_autograd("ckpt_ext::rms_norm_fwd", _rms_norm_backward,
                                 setup_context=_rms_norm_setup)
 torch.library.register_autograd("ckpt_ext::add_rms_norm_fwd", _add_rms_norm_backward,
