@@ -369,3 +369,20 @@ def test_compiled_peft_lora_dropout_has_no_graph_breaks_and_replays_eager():
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     for name, g in grads_e.items():
         torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_layer_with_adapters_and_dropout_saves_the_formula(preset):
+    """Adapters on every projection with dropout add only the 8-byte seed to what the preset
+    keeps (the rank-r products and the masks are recomputed)."""
+    from ckpt_ext.presets import saved_bytes
+    x, weights, pe = layer_inputs(torch.float32)
+    params = {n: torch.nn.Parameter(t) for n, t in weights.items()}
+    x.requires_grad_()
+    got = ckpt_ext.saved_activation_bytes(layer_loss, x, params, pe, DROPOUT, seed_tensor(3),
+                                          preset)
+    # layer_loss's own ops keep the scale row (H,) (for y * row) and y * row (for square)
+    loss_extra = 4 * HS + 4 * BS * SL * HS
+    expected = saved_bytes(preset, B=BS, S=SL, H=HS, Hq=NH, Hkv=NKV, D=D, I=IM,
+                           dtype=torch.float32, lora_dropout=True)
+    assert got - loss_extra == expected

@@ -356,7 +356,7 @@ def test_sft_trainer_lora_runs_the_fused_op(tmp_path):
     peft = _peft()
     trl, data, tok, args = _sft_setup(tmp_path, bf16=True)
     model = ckpt_ext.patch_llama(make_model())
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ALL)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=ALL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
