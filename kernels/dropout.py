@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import _check_floating, _check_probability, _check_seed
+
 _M32 = 0xFFFFFFFF
 
 
@@ -41,19 +43,10 @@ def dropout_threshold(p: float) -> int:
 
 
 def read_seed(op: str, name: str, seed) -> int:
-    """The value of a dropout seed tensor (a CPU integer tensor with one element)."""
-    if not isinstance(seed, torch.Tensor) or seed.device.type != "cpu" or seed.numel() != 1 \
-            or seed.dtype.is_floating_point or seed.dtype.is_complex or seed.dtype == torch.bool:
-        got = (f"a {str(seed.dtype).replace('torch.', '')} tensor of shape {tuple(seed.shape)} "
-               f"on {seed.device}" if isinstance(seed, torch.Tensor) else type(seed).__name__)
-        raise ValueError(f"{op}: {name} must be a CPU integer tensor with one element (read "
-                         f"without a device sync), got {got}")
+    """The value of a dropout seed tensor (a CPU integer tensor with one element: reading it
+    never waits for a device)."""
+    _check_seed(op, name, seed)
     return int(seed.item())
-
-
-def check_probability(op: str, name: str, p: float) -> None:
-    if not (0.0 <= p < 1.0):
-        raise ValueError(f"{op}: {name} must be a probability in [0, 1), got {p}")
 
 
 @triton.jit
@@ -88,18 +81,14 @@ def _lora_dropout_kernel(x_ptr, out_ptr, rows, cols, key, threshold, inv,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def lora_dropout(x, seed, stream, p):
     """The ``lora_dropout`` op on a CUDA tensor (or a CPU one under the interpreter)."""
     op = "lora_dropout"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOATS:
+    _check_floating(op, "x", x)
+    if x.dtype == torch.float64:
         raise TypeError(f"{op}: x must be float16, bfloat16 or float32 for the Triton kernel, "
-                        f"got {str(x.dtype).replace('torch.', '')}")
-    check_probability(op, "p", p)
+                        f"got float64")
+    _check_probability(op, "p", p)
     key = dropout_key(read_seed(op, "seed", seed), stream)
     src = x.contiguous()
     out = torch.empty_like(src)

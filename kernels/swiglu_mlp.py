@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from . import autotune_enabled
-from .dropout import check_probability, dropout_key, dropout_threshold, keep_mask, read_seed
+from .._checks import _check_probability, _check_seed
+from .dropout import dropout_key, dropout_threshold, keep_mask
 from .dropout import lora_dropout as _lora_dropout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -550,11 +551,11 @@ def _check_dropout(op, lora_dropout, dropout_seed, lora_scaling, ad):
     for p, prob in enumerate(lora_dropout):
         if ad[p] is None or prob == 0.0:
             continue
-        check_probability(op, f"lora_dropout[{p}]", prob)
+        _check_probability(op, f"lora_dropout[{p}]", prob)
         if dropout_seed is None:
             raise ValueError(f"{op}: dropout_seed is required when lora_dropout has a "
                              f"probability > 0")
-        read_seed(op, "dropout_seed", dropout_seed)
+        _check_seed(op, "dropout_seed", dropout_seed)
         out[p] = _Dropout(float(prob), dropout_seed, 4 + p)
     return out
 
