@@ -386,3 +386,28 @@ def test_layer_with_adapters_and_dropout_saves_the_formula(preset):
     expected = saved_bytes(preset, B=BS, S=SL, H=HS, Hq=NH, Hkv=NKV, D=D, I=IM,
                            dtype=torch.float32, lora_dropout=True)
     assert got - loss_extra == expected
+
+
+def test_hf_gradient_checkpointing_replays_the_seed():
+    """Under HF gradient checkpointing the layer's forward runs twice; the checkpoint restores
+    the CPU generator, so the recompute draws the same seed: the gradients equal a run without
+    checkpointing under the same torch.manual_seed."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
+                               "(pip install -e '.[test]')")
+    from test_training_setups import ALL, loss_and_grads, make_batch, make_model
+    torch.manual_seed(0)
+    model = peft.get_peft_model(make_model("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.3, target_modules=ALL, init_lora_weights=False))
+    ckpt_ext.patch_llama(model, "min_memory")
+    ids, mask, labels = make_batch()
+    torch.manual_seed(11)
+    loss, grads = loss_and_grads(model, ids, mask, labels)
+    model.get_base_model().gradient_checkpointing_enable()
+    model.enable_input_require_grads()
+    torch.manual_seed(11)
+    loss_gc, grads_gc = loss_and_grads(model, ids, mask, labels)
+    inner = model.get_base_model()
+    assert sum(layer.forward.calls["fused"] for layer in inner.model.layers) >= 4
+    torch.testing.assert_close(loss_gc, loss, rtol=1e-6, atol=1e-7)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_gc[name], g, rtol=1e-5, atol=1e-7, msg=name)
