@@ -1,20 +1,48 @@
-"""Timing pieces shared by the kernel benchmarks (bench/swiglu.py, bench/lm_head.py)."""
+"""The one timing and provenance harness of the benchmarks in bench/.
+
+* Timing: ``Clock`` marks the device timeline with CUDA events on a GPU and reads
+  ``time.perf_counter`` on the CPU; ``time_ms`` (median ms per call of a function),
+  ``time_steps`` (median forward / backward / total ms of a training step) and interleaved
+  loops (``Clock`` around each step, ``median``) are all built on it.
+* Memory: ``peak_mib``.
+* Provenance and output: ``device_name`` / ``device_tag``, ``provenance`` (the header every
+  CSV starts with: device, versions, command, date), ``write_csv``, ``print_table``.
+"""
 from __future__ import annotations
 
+import csv
+import datetime
 import math
+import os
+import platform
 import re
+import shlex
 import statistics
+import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 
-class Clock:
-    """Marks on the device timeline (CUDA events) or host clock (CPU); ms between marks."""
+def _is_cuda(device) -> bool:
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
 
-    def __init__(self):
-        self.cuda = torch.cuda.is_available()
+
+def sync(device=None) -> None:
+    """Wait for the GPU (a no-op on the CPU)."""
+    if _is_cuda(device):
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """Marks on the device timeline (CUDA events) or host clock (CPU); ms between marks.
+    device: where the timed work runs (default: the GPU if there is one)."""
+
+    def __init__(self, device=None):
+        self.cuda = _is_cuda(device)
         self.marks = []
 
     def mark(self):
@@ -32,6 +60,29 @@ class Clock:
         return (self.marks[j] - self.marks[i]) * 1e3
 
 
+def median(samples: Iterable[float]) -> float:
+    return statistics.median(list(samples))
+
+
+def time_ms(fn: Callable[[], object], warmup: int, reps: int, device=None,
+            chunk: int = 1) -> float:
+    """Median ms per call of ``fn()`` over ``reps`` samples, after ``warmup`` untimed calls.
+    chunk: calls per sample (for functions too short to time one call at a time)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    samples = []
+    for _ in range(reps):
+        clock = Clock(device)
+        clock.mark()
+        for _ in range(chunk):
+            fn()
+        clock.mark()
+        sync(device)
+        samples.append(clock.elapsed_ms(0, 1) / chunk)
+    return median(samples)
+
+
 def time_steps(step: Callable[[Optional[Clock]], object], warmup: int, reps: int) -> dict:
     """Median forward / backward / total ms of ``step(clock)``, which marks the clock before
     the forward, between forward and backward, and after the backward; ``step(None)`` runs
@@ -45,8 +96,7 @@ def time_steps(step: Callable[[Optional[Clock]], object], warmup: int, reps: int
         fwd.append(clock.elapsed_ms(0, 1))
         bwd.append(clock.elapsed_ms(1, 2))
         tot.append(clock.elapsed_ms(0, 2))
-    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd),
-            "total_ms": statistics.median(tot)}
+    return {"fwd_ms": median(fwd), "bwd_ms": median(bwd), "total_ms": median(tot)}
 
 
 def peak_mib(step: Callable[[Optional[Clock]], object]) -> float:
@@ -62,8 +112,84 @@ def peak_mib(step: Callable[[Optional[Clock]], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def device_tag(cpu: str = "cpu") -> str:
+# ---- provenance and output -----------------------------------------------------------------
+def device_tag(cpu: str = "cpu", device=None) -> str:
     """The GPU's name as a file-name tag (``cpu`` without one)."""
-    if not torch.cuda.is_available():
+    if not _is_cuda(device):
         return cpu
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
+
+
+def device_name(device=None) -> str:
+    """The GPU's name and CUDA version, or the CPU's architecture, cores and torch threads."""
+    if _is_cuda(device):
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} threads)")
+
+
+def versions() -> str:
+    """torch, triton and transformers (those that import) and python."""
+    out = [f"torch {torch.__version__}"]
+    for name in ("triton", "transformers"):
+        module = sys.modules.get(name)
+        if module is None and name == "triton":
+            try:
+                import triton as module
+            except ImportError:
+                module = None
+        if module is not None:
+            out.append(f"{name} {module.__version__}")
+    return ", ".join(out + [f"python {platform.python_version()}"])
+
+
+def provenance(device=None, note: str = "") -> list:
+    """The provenance lines every result file starts with: device (and ``note``, e.g. that a
+    CPU run is not a performance figure), versions, the command that ran, the UTC date."""
+    command = " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0])]
+                       + sys.argv[1:])
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return [f"device: {device_name(device)}" + (f" -- {note}" if note else ""),
+            f"versions: {versions()}",
+            f"command: {command}",
+            f"date: {date}"]
+
+
+def write_csv(path, header: Sequence[str], fields: Sequence[str], rows: Iterable) -> None:
+    """``# ``-prefixed header lines (provenance first), then a CSV with the named columns;
+    rows are dicts (missing keys left empty, floats written to 6 significant digits) or
+    sequences in the order of ``fields``."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        for line in header:
+            f.write(f"# {line}\n")
+        w = csv.writer(f)
+        w.writerow(fields)
+        for r in rows:
+            cells = [r.get(k, "") for k in fields] if isinstance(r, dict) else list(r)
+            w.writerow([_cell(c) for c in cells])
+    print(f"wrote {os.path.relpath(path)}")
+
+
+def print_table(fields: Sequence[str], rows: Iterable, float_format: str = ".3f",
+                rule: bool = False) -> None:
+    """Right-aligned columns: the header, then rows (dicts or sequences as in write_csv; floats
+    in ``float_format``, strings as given); rule: a dashed line under the header."""
+    def text(v):
+        return format(v, float_format) if isinstance(v, float) else str(v)
+
+    lines = [[text(r.get(k, "")) for k in fields] if isinstance(r, dict) else
+             [text(c) for c in r] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(fields, *lines)]
+    head = [list(fields)] + ([["-" * w for w in widths]] if rule else [])
+    for cells in head + lines:
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
+
+
+def _cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value

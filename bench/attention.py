@@ -25,16 +25,10 @@ the run "CPU interpreter run: NOT a performance figure", and writes
     python bench/attention.py --mask-seqlen 16384 --packed-doc 2048 --window 4096
 """
 import argparse
-import csv
-import datetime
 import math
 import os
 import pathlib
-import re
-import shlex
-import statistics
 import sys
-import time
 
 import torch
 
@@ -42,12 +36,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+import triton  # noqa: E402,F401  (after TRITON_INTERPRET; its version goes in the header)
 
 from ckpt_ext.kernels import attention  # noqa: E402
+from _harness import device_tag, provenance, time_ms, write_csv  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from reference import allowed_matrix  # noqa: E402  (the dense form of every mask rule)
+from reference import allowed_matrix, attention_reference  # noqa: E402  (the dense mask rule)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -168,30 +163,8 @@ def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None):
 
 
 # ------------------------------------------------------------------------------------------
-# Timing
+# FLOPs
 # ------------------------------------------------------------------------------------------
-def time_ms(fn, warmup, reps, cuda):
-    """Median wall time of fn() in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def fwd_flops(B, Hq, S, D, causal):
     return 4.0 * B * Hq * S * S * D * (0.5 if causal else 1.0)
 
@@ -216,7 +189,6 @@ def mask_inputs(kind, param, B, S, causal, device):
 def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device,
                 mask_kind=None, mask_param=None):
     """Rows (dicts) for every provider and mode at one shape (and mask: see mask_inputs)."""
-    cuda = device == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(B, Hq, S, D, device=device, dtype=dtype, generator=gen)
     k = torch.randn(B, Hkv, S, D, device=device, dtype=dtype, generator=gen)
@@ -246,13 +218,13 @@ def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device
             for mode in MODES:
                 if mode == "bwd":
                     prepare()
-                results[mode] = time_ms(fns[mode], warmup, reps, cuda)
+                results[mode] = time_ms(fns[mode], warmup, reps, device)
         except torch.cuda.OutOfMemoryError:
             results, note = {m: float("nan") for m in MODES}, "OOM"
         except RuntimeError as exc:  # e.g. flash backend unavailable for this shape
             results, note = {m: float("nan") for m in MODES}, f"error: {str(exc).splitlines()[0][:80]}"
         finally:
-            if cuda:
+            if device == "cuda":
                 torch.cuda.empty_cache()
         for mode in MODES:
             ms = results[mode]
@@ -264,15 +236,15 @@ def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device
 
 
 def sanity_check(device, dtype):
-    """Max |triton - sdpa| of out on a small shape, so a broken build is not benchmarked."""
+    """Max |triton - reference| of out on a small shape (tests/reference.py's attention in
+    float32), so that a broken build is not benchmarked."""
     gen = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(1, 2, 64, 64, device=device, dtype=dtype, generator=gen) for _ in range(3))
     seg = (torch.arange(64, device=device) // 24).expand(1, 64)
     err = 0.0
     for masks in ((None, None), (seg, None), (None, 9)):
         out, _ = attention.attention_fwd(q, k, v, None, *masks, True, 0.125)
-        allowed = allowed_matrix(1, 64, None, True, device, *masks)
-        ref = eager_attention(q.float(), k.float(), v.float(), True, 0.125, allowed)
+        ref, _ = attention_reference(q.float(), k.float(), v.float(), None, True, 0.125, *masks)
         err = max(err, (out.float() - ref).abs().max().item())
     return err
 
@@ -332,18 +304,8 @@ def goal_verdicts(rows, causal):
     return out
 
 
-def write_csv(rows, path, header_lines):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "mask", "dtype",
+CSV_FIELDS = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "mask", "dtype",
               "causal", "ms", "tflops", "note"]
-    with open(path, "w", newline="") as f:
-        for line in header_lines:
-            f.write(f"# {line}\n")
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in fields})
-    print(f"wrote {path}")
 
 
 def main(argv=None):
@@ -354,8 +316,6 @@ def main(argv=None):
         sys.exit(f"bench/attention.py: unknown providers {sorted(unknown)}")
     causal = not args.no_causal
     cuda = torch.cuda.is_available()
-    command = " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     if cuda:
         device_name = torch.cuda.get_device_name()
@@ -363,7 +323,7 @@ def main(argv=None):
         warmup = 5 if args.warmup is None else args.warmup
         reps = 30 if args.reps is None else args.reps
         err = sanity_check("cuda", dtype)
-        print(f"{device_name}: sanity max|triton - eager| = {err:.3g} ({args.dtype})")
+        print(f"{device_name}: sanity max|triton - reference| = {err:.3g} ({args.dtype})")
         heads = dict(tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(","))
         shapes = []
         for D in (int(x) for x in args.head_dims.split(",")):
@@ -377,11 +337,9 @@ def main(argv=None):
                 S = args.mask_seqlen
                 shapes.append((max(1, args.tokens // S), hq, hq, S, D, "packed", args.packed_doc))
                 shapes.append((max(1, args.tokens // S), hq, hq, S, D, "window", args.window))
-        slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
-        out_path = pathlib.Path(args.out) if args.out else RESULTS / f"attention_{slug}.csv"
+        out_path = pathlib.Path(args.out) if args.out else RESULTS / f"attention_{device_tag()}.csv"
         device = "cuda"
     else:
-        device_name = "CPU (Triton interpreter)"
         print("CPU interpreter run: NOT a performance figure (no CUDA GPU; TRITON_INTERPRET=1)")
         dtype = torch.float32  # bf16 tl.dot is wrong in the interpreter
         warmup = 1 if args.warmup is None else args.warmup
@@ -410,19 +368,17 @@ def main(argv=None):
     verdicts = goal_verdicts(rows, causal) if cuda else []
     for line in verdicts:
         print(line)
-    header = [
-        f"device: {device_name}" + ("" if cuda else " -- CPU interpreter run: NOT a performance figure"),
-        f"torch {torch.__version__}, triton {triton.__version__}, "
-        f"cuda {torch.version.cuda}, dtype {str(dtype).replace('torch.', '')}, causal {causal}",
-        f"command: {command}",
-        f"date: {started}",
+    note = "" if cuda else "CPU (Triton interpreter) run: NOT a performance figure"
+    header = provenance(device, note) + [
+        f"config: dtype {str(dtype).replace('torch.', '')}, causal {causal}, warmup {warmup}, "
+        f"reps {reps}",
         "flops: fwd = 4*B*Hq*S^2*D (x0.5 causal), masked rows 4*Hq*D*(visible pairs); "
         "bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
         "sdpa: torch SDPA with SDPBackend.FLASH_ATTENTION on CUDA (MATH on CPU); on packed/window "
         "rows the equivalent dense bool mask, SDPA's own backend; "
         "eager: S x S scores, fp32 softmax",
     ] + verdicts
-    write_csv(rows, out_path, header)
+    write_csv(out_path, header, CSV_FIELDS, rows)
 
 
 if __name__ == "__main__":

@@ -40,19 +40,17 @@ Exits non-zero when a preset saves more than its formula, and with ``--llama7b``
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import platform
-import statistics
 import sys
-import time
 
 import torch
 
 import ckpt_ext
 from ckpt_ext.modules import DecoderLayer
 from ckpt_ext.presets import FUSED_PRESETS, PRESETS, saved_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import Clock, device_name, median, provenance, sync, write_csv  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,11 +61,6 @@ def rope(s, d, dtype, device):
     freqs = torch.arange(s, device=device).float()[:, None] * inv
     emb = torch.cat([freqs, freqs], -1)[None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 HF_ROWS = ("hf", "hf_gc")
@@ -146,7 +139,7 @@ def goals(saved, per_layer, med, formula, input_bytes):
     return out
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama7b", action="store_true",
                    help="H=4096, 32/32 heads, I=11008, B=1, S=4096, bf16 on CUDA (options "
@@ -183,15 +176,31 @@ def main(argv=None):
         p.error(f"--reps must be >= 1, got {args.reps}")
     if "none" not in args.presets:
         args.presets.insert(0, "none")
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda (or --llama7b) needs a CUDA GPU; this torch sees none")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error(f"--hidden ({args.hidden}) must divide by --heads ({args.heads}) and --heads by "
+                f"--kv-heads ({args.kv_heads})")
+    return args
+
+
+class Measured:
+    """Per row name: saved bytes of one layer, per-layer bytes, CUDA peak bytes, median step
+    seconds, max gradient difference from ``none``; and the formulas of the fused rows."""
+
+    def __init__(self):
+        self.saved, self.per_layer, self.peak, self.med, self.err, self.formula = (
+            {}, {}, {}, {}, {}, {})
+        self.input_bytes = 0
+
+
+def build_rows(args, device, dtype):
+    """(rows, inputs, restore): rows maps a name to (forward(x, pe), parameters, set-up before
+    each use, inputs key); inputs maps a key to (x, (cos, sin), grad_out); restore() puts HF's
+    model back as it was (or None without the hf rows)."""
     h, hq, hkv, i, s, b = (args.hidden, args.heads, args.kv_heads, args.intermediate, args.seq,
                            args.batch)
-    if h % hq or hq % hkv:
-        p.error(f"--hidden ({h}) must divide by --heads ({hq}) and --heads by --kv-heads ({hkv})")
     d = h // hq
-
     torch.manual_seed(0)
     layer = DecoderLayer(h, hq, hkv, i, policy="none").to(device, dtype)
     x = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
@@ -199,7 +208,7 @@ def main(argv=None):
     grad_out = torch.randn(b, s, h, device=device, dtype=dtype)
 
     inputs = {"": (x, pe, grad_out)}
-    rows = {}  # name -> (forward(x, pe), parameters, set-up before each use, inputs key)
+    rows = {}
     for name in args.presets:
         rows[name] = (layer, list(layer.parameters()),
                       lambda name=name: setattr(layer, "policy", name), "")
@@ -236,6 +245,17 @@ def main(argv=None):
             twin.load_state_dict(layer.state_dict())
             rows[f"{name}@compiled"] = (torch.compile(twin, backend=backend, fullgraph=True),
                                         list(twin.parameters()), lambda: None, "")
+    return rows, inputs, (rows["hf"][2] if model is not None else None)
+
+
+def measure(args) -> Measured:
+    """Saved bytes, peak memory, step times (interleaved repetitions) and gradient
+    differences of every row."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    h, hq, hkv, i, s, b = (args.hidden, args.heads, args.kv_heads, args.intermediate, args.seq,
+                           args.batch)
+    d = h // hq
+    rows, inputs, restore = build_rows(args, device, dtype)
 
     def step(name):
         fwd, params, _, key = rows[name]
@@ -245,15 +265,16 @@ def main(argv=None):
         fwd(xi, pei).backward(gi)
 
     gpu = device.type == "cuda"
-    saved, per_layer, grads, peak, times = {}, {}, {}, {}, {n: [] for n in rows}
+    m = Measured()
+    grads, times = {}, {n: [] for n in rows}
     for name, (fwd, params, setup, key) in rows.items():
         setup()
         xi, pei, _ = inputs[key]
-        saved[name] = ckpt_ext.saved_activation_bytes(fwd, xi, pei)
+        m.saved[name] = ckpt_ext.saved_activation_bytes(fwd, xi, pei)
         # a second layer on top adds what each further layer of a model adds: the shared cos
         # and sin tables, saved by the first, count once
-        per_layer[name] = ckpt_ext.saved_activation_bytes(
-            lambda x, pe: fwd(fwd(x, pe), pe), xi, pei) - saved[name]
+        m.per_layer[name] = ckpt_ext.saved_activation_bytes(
+            lambda x, pe: fwd(fwd(x, pe), pe), xi, pei) - m.saved[name]
         step(name)  # warm-up (Triton compiles here), and the gradients to compare
         grads[name] = [t.grad.float().clone() for t in [xi] + params]
         if gpu:  # peak above what is resident before a step (weights, inputs, grad_out)
@@ -264,82 +285,88 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats(device)
             step(name)
             sync(device)
-            peak[name] = torch.cuda.max_memory_allocated(device) - base
+            m.peak[name] = torch.cuda.max_memory_allocated(device) - base
     for _ in range(args.reps):  # interleaved repetitions
         for name, (_, _, setup, _) in rows.items():
             setup()
             sync(device)
-            t0 = time.perf_counter()
+            clock = Clock(device)
+            clock.mark()
             step(name)
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    if model is not None:
-        rows["hf"][2]()
-    med = {n: statistics.median(v) for n, v in times.items()}
-    err = {n: max((a - r).abs().max().item() for a, r in zip(grads[n], grads["none"]))
-           for n in rows}
-    formula = {n: saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i, dtype=dtype)
-               for n in args.presets if n != "none"}
-    formula.update({f"{n}@amp": saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i,
-                                            dtype=torch.float32, compute_dtype=DTYPES[args.amp])
-                    for n in fused_rows if args.amp})
-    formula.update({f"{n}@compiled": formula[n] for n in fused_rows if args.compile})
-    input_bytes = x.numel() * x.element_size()
+            clock.mark()
+            times[name].append(clock.elapsed_ms(0, 1) / 1e3)
+    if restore is not None:
+        restore()
+    m.med = {n: median(v) for n, v in times.items()}
+    m.err = {n: max((a - r).abs().max().item() for a, r in zip(grads[n], grads["none"]))
+             for n in rows}
+    fused_rows = [n for n in args.presets if n in FUSED_PRESETS]
+    m.formula = {n: saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i, dtype=dtype)
+                 for n in args.presets if n != "none"}
+    m.formula.update({f"{n}@amp": saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i,
+                                              dtype=torch.float32,
+                                              compute_dtype=DTYPES[args.amp])
+                      for n in fused_rows if args.amp})
+    m.formula.update({f"{n}@compiled": m.formula[n] for n in fused_rows if args.compile})
+    m.input_bytes = b * s * h * torch.empty((), dtype=dtype).element_size()
+    return m
 
-    dev_name = torch.cuda.get_device_name(device) if gpu else \
-        f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    versions = f"torch {torch.__version__}"
-    try:
-        import triton
-        versions += f", triton {triton.__version__}"
-    except ImportError:
-        pass
-    if model is not None:
-        import transformers
-        versions += f", transformers {transformers.__version__}"
-    print(f"device: {dev_name}; {versions}; {args.dtype}; B={b} S={s} H={h} heads={hq}/{hkv} "
-          f"I={i}; layer input {input_bytes / 2**20:.1f} MiB")
+
+CSV_FIELDS = ["row", "saved_bytes", "formula_bytes", "per_layer_bytes", "per_layer_vs_none",
+              "peak_bytes", "time_s", "time_vs_none", "time_vs_torch", "max_grad_err_vs_none"]
+
+
+def report(args, m: Measured):
+    """Print the table and the goals; return (csv rows, goal checks)."""
+    h, hq, hkv, i, s, b = (args.hidden, args.heads, args.kv_heads, args.intermediate, args.seq,
+                           args.batch)
+    print(f"device: {device_name(args.device)}; {args.dtype}; B={b} S={s} H={h} heads={hq}/{hkv} "
+          f"I={i}; layer input {m.input_bytes / 2**20:.1f} MiB")
+    med, per_layer = m.med, m.per_layer
     t_torch = med.get("torch")
     mib = lambda v: f"{v / 2**20:.3f}" if v is not None else "nan"  # noqa: E731
     print(f"{'row':<12}{'saved MiB':>11}{'formula MiB':>13}{'/layer MiB':>12}{'x none':>8}"
           f"{'peak MiB':>10}{'time ms':>10}{'t/none':>8}{'t/torch':>9}{'max|dgrad|':>12}")
     csv_rows = []
-    for n in rows:
+    for n in med:
         rel_t = med[n] / t_torch if t_torch else float("nan")
         rel_m = per_layer[n] / per_layer["none"]
-        print(f"{n:<12}{mib(saved[n]):>11}{mib(formula.get(n)):>13}{mib(per_layer[n]):>12}"
-              f"{rel_m:8.4f}{mib(peak.get(n)):>10}{med[n] * 1e3:10.2f}{med[n] / med['none']:8.3f}"
-              f"{rel_t:9.3f}{err[n]:12.2e}")
-        csv_rows.append([n, saved[n], formula.get(n, ""), per_layer[n], f"{rel_m:.5f}",
-                         peak.get(n, ""), f"{med[n]:.6f}", f"{med[n] / med['none']:.4f}",
-                         f"{rel_t:.4f}", f"{err[n]:.3e}"])
+        print(f"{n:<12}{mib(m.saved[n]):>11}{mib(m.formula.get(n)):>13}{mib(per_layer[n]):>12}"
+              f"{rel_m:8.4f}{mib(m.peak.get(n)):>10}{med[n] * 1e3:10.2f}"
+              f"{med[n] / med['none']:8.3f}{rel_t:9.3f}{m.err[n]:12.2e}")
+        csv_rows.append([n, m.saved[n], m.formula.get(n, ""), per_layer[n], f"{rel_m:.5f}",
+                         m.peak.get(n, ""), f"{med[n]:.6f}", f"{med[n] / med['none']:.4f}",
+                         f"{rel_t:.4f}", f"{m.err[n]:.3e}"])
     print("saved: one layer's saved bytes (cos/sin included); /layer: what each further layer "
           "of a model adds; x none: /layer over none's; peak: allocated above the resident "
           "weights and inputs during a step (CUDA)")
 
-    checks = goals(saved, per_layer, med, formula, input_bytes)
+    checks = goals(m.saved, per_layer, med, m.formula, m.input_bytes)
     binding = args.llama7b or args.strict
     print("goals" + ("" if binding else " (informational: they are set for --llama7b on a GPU; "
                                          "--strict makes a miss fail this run)"))
     for what, figure, ok in checks:
         print(f"  [{'ok' if ok else 'MISSED'}] {what}: {figure}")
+    return csv_rows, checks
 
+
+def write(args, csv_rows, checks):
+    """The CSV: provenance, the configuration and the goals as header lines, then the rows."""
+    device = torch.device(args.device)
     path = args.csv or os.path.join(RESULTS, f"block_{device.type}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        fh.write(f"# device: {dev_name}; {versions}; python {platform.python_version()}\n"
-                 f"# command: python {' '.join(sys.argv)}\n"
-                 f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
-                 f"# config: dtype={args.dtype} B={b} S={s} H={h} Hq={hq} Hkv={hkv} I={i} "
-                 f"reps={args.reps}\n")
-        for what, figure, ok in checks:
-            fh.write(f"# goal {'ok' if ok else 'MISSED'}: {what}: {figure}\n")
-        w = csv.writer(fh)
-        w.writerow(["row", "saved_bytes", "formula_bytes", "per_layer_bytes",
-                    "per_layer_vs_none", "peak_bytes",
-                    "time_s", "time_vs_none", "time_vs_torch", "max_grad_err_vs_none"])
-        w.writerows(csv_rows)
-    print(f"wrote {os.path.relpath(path)}")
+    header = provenance(device) + [
+        f"config: dtype={args.dtype} B={args.batch} S={args.seq} H={args.hidden} "
+        f"Hq={args.heads} Hkv={args.kv_heads} I={args.intermediate} reps={args.reps}"]
+    header += [f"goal {'ok' if ok else 'MISSED'}: {what}: {figure}" for what, figure, ok in checks]
+    write_csv(path, header, CSV_FIELDS, csv_rows)
+    return path
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    csv_rows, checks = report(args, measure(args))
+    write(args, csv_rows, checks)
+    binding = args.llama7b or args.strict
     formulas_ok = all(ok for what, _, ok in checks if "formula" in what)
     return formulas_ok and (all(ok for _, _, ok in checks) or not binding)
 

@@ -15,13 +15,8 @@ Target: ckpt_ext's per-call overhead at most one third of torch's.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import platform
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -30,27 +25,15 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_ext
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import device_name, provenance, time_ms, write_csv  # noqa: E402
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(step, device, reps, chunk):
-    """Median seconds per call of `step`, over chunks of `chunk` calls."""
-    for _ in range(max(reps // 10, 5)):
-        step()
-    sync(device)
-    samples = []
-    for _ in range(max(reps // chunk, 5)):
-        t0 = time.perf_counter()
-        for _ in range(chunk):
-            step()
-        sync(device)
-        samples.append((time.perf_counter() - t0) / chunk)
-    return statistics.median(samples)
+    """Median seconds per call of `step`, over samples of `chunk` calls (about reps calls)."""
+    return time_ms(step, max(reps // 10, 5), max(reps // chunk, 5), device, chunk) / 1e3
 
 
 def wrappers():
@@ -118,15 +101,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
     tiny = tiny_overhead(device, args.reps)
     over = {n: tiny[n] - tiny["none"] for n in ("torch", "ckpt_ext")}
     ratio = over["ckpt_ext"] / over["torch"] if over["torch"] > 0 else float("nan")
     stack, err = mlp_stack(device, args.tokens, args.dim, args.stack_reps)
 
-    print(f"device: {dev_name}; torch {torch.__version__}; python {platform.python_version()}")
+    header = provenance(device) + [f"config: reps={args.reps} tokens={args.tokens} "
+                                   f"dim={args.dim} stack_reps={args.stack_reps}"]
+    print(f"device: {device_name(device)}; torch {torch.__version__}")
     print("\nPer-call overhead on a tiny function (forward+backward, median):")
     print(f"{'mode':<10}{'time/call (us)':>16}{'overhead (us)':>16}")
     for n in ("none", "torch", "ckpt_ext"):
@@ -140,24 +122,15 @@ def main(argv=None):
         print(f"{n:<10}{saved / 2**20:12.3f}{t * 1e3:12.2f}{t / stack['none'][1]:9.3f}"
               f"{err[n]:14.2e}")
 
-    os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"checkpoint_overhead_{device.type}.csv")
-    with open(path, "w", newline="") as f:
-        f.write(f"# device: {dev_name}; torch {torch.__version__}; "
-                f"python {platform.python_version()}\n")
-        f.write(f"# command: python {' '.join(sys.argv)}\n")
-        f.write(f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n")
-        w = csv.writer(f)
-        w.writerow(["benchmark", "mode", "time_s", "overhead_s", "saved_bytes", "ratio_to_none",
-                    "max_grad_err"])
-        for n in ("none", "torch", "ckpt_ext"):
-            w.writerow(["tiny", n, f"{tiny[n]:.9f}", "" if n == "none" else f"{over[n]:.9f}",
-                        "", f"{tiny[n] / tiny['none']:.4f}", ""])
-        for n, (saved, t) in stack.items():
-            w.writerow(["mlp_stack", n, f"{t:.6f}", "", saved, f"{t / stack['none'][1]:.4f}",
-                        f"{err[n]:.3e}"])
-        w.writerow(["tiny", "overhead_ratio_ckpt_ext_over_torch", "", f"{ratio:.4f}", "", "", ""])
-    print(f"\nwrote {os.path.relpath(path)}")
+    rows = [["tiny", n, f"{tiny[n]:.9f}", "" if n == "none" else f"{over[n]:.9f}", "",
+             f"{tiny[n] / tiny['none']:.4f}", ""] for n in ("none", "torch", "ckpt_ext")]
+    rows += [["mlp_stack", n, f"{t:.6f}", "", saved, f"{t / stack['none'][1]:.4f}",
+              f"{err[n]:.3e}"] for n, (saved, t) in stack.items()]
+    rows.append(["tiny", "overhead_ratio_ckpt_ext_over_torch", "", f"{ratio:.4f}", "", "", ""])
+    print()
+    write_csv(path, header, ["benchmark", "mode", "time_s", "overhead_s", "saved_bytes",
+                             "ratio_to_none", "max_grad_err"], rows)
     return ratio
 
 

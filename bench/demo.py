@@ -5,9 +5,8 @@ and the same batch, it measures
 
 * the bytes the forward leaves saved for backward (``ckpt_ext.saved_activation_bytes``) and,
   on a GPU, the peak memory of a training step (``torch.cuda.max_memory_allocated``);
-* the step time (forward + backward after ``--warmup`` steps; on a GPU the median wall clock
-  of ``--steps`` steps, on a CPU the smallest process CPU time of them), as a ratio to
-  ``none``;
+* the step time (forward + backward after ``--warmup`` steps: the median of ``--steps``
+  steps, CUDA events on a GPU, ``time.perf_counter`` on a CPU), as a ratio to ``none``;
 * agreement with ``none``: the loss and every parameter gradient (max abs error, and max over
   parameters of ``max|g - g_none| / max|g_none|``).
 
@@ -33,14 +32,8 @@ in its header) and a Pareto plot of memory against step time, ``demo_<device>.pn
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import platform
-import re
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -49,6 +42,10 @@ import torch.nn.functional as F
 import ckpt_ext
 from ckpt_ext.modules import DecoderLayer, RMSNorm
 from ckpt_ext.presets import FUSED_PRESETS, PRESETS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import (Clock, device_name, device_tag, median, print_table,  # noqa: E402
+                      provenance, write_csv)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -187,11 +184,6 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def step(model, ids) -> float:
     for p in model.parameters():
         p.grad = None
@@ -226,9 +218,6 @@ def time_presets(model, rows, ids, device, a, progress) -> None:
     """Step times (and on a GPU the peak memory of a step) of every preset, taking the presets
     in turn step after step so that a change in the machine's load hits them all alike."""
     gpu = device.type == "cuda"
-    # GPU: wall clock, median. CPU: the process's CPU time (all threads), the smallest: a busy
-    # shared machine distorts that far less than the wall clock.
-    clock = time.perf_counter if gpu else time.process_time
     times = {r["preset"]: [] for r in rows}
     peaks = dict.fromkeys(times, 0)
     for i in range(a.warmup - 1 + a.steps):
@@ -240,39 +229,27 @@ def time_presets(model, rows, ids, device, a, progress) -> None:
             if gpu:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            t0 = clock()
+            clock = Clock(device)
+            clock.mark()
             step(model, ids)
-            sync(device)
+            clock.mark()
             if i >= a.warmup - 1:
-                times[preset].append(clock() - t0)
+                times[preset].append(clock.elapsed_ms(0, 1) / 1e3)
                 if gpu:
                     peaks[preset] = max(peaks[preset], torch.cuda.max_memory_allocated())
             progress.update(f"{preset}: {'warmup' if i < a.warmup - 1 else 'step'}")
     for r in rows:
-        r["step_s"] = statistics.median(times[r["preset"]]) if gpu else min(times[r["preset"]])
+        r["step_s"] = median(times[r["preset"]])
         r["peak_bytes"] = peaks[r["preset"]] if gpu else None
 
 
 # ---- reporting --------------------------------------------------------------------------------
 
-def device_description(device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-
-
-def device_slug(device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
-    return re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "cuda"
-
-
 def mib(n) -> str:
     return "" if n is None else f"{n / 2**20:.1f}"
 
 
-def print_table(rows, device) -> None:
+def print_results(rows, device) -> None:
     gpu = device.type == "cuda"
     head = ["preset", "saved MiB", "x none"] + (["peak MiB", "x none"] if gpu else []) + \
         ["step ms", "x none", "loss", "|dloss|", "grad abs err", "grad rel err"]
@@ -285,22 +262,12 @@ def print_table(rows, device) -> None:
         cells += [f"{r[k]:.2e}" if k in r else "(ref)" for k in
                   ("loss_abs_err", "grad_max_abs_err", "grad_max_rel_err")]
         lines.append(cells)
-    widths = [max(len(x) for x in col) for col in zip(head, *lines)]
-    for cells in [head, ["-" * w for w in widths]] + lines:
-        print("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
+    print_table(head, lines, rule=True)
 
 
-def write_csv(path, rows, header_lines) -> None:
-    keys = ["preset", "saved_bytes", "saved_ratio", "peak_bytes", "peak_ratio", "step_s",
-            "time_ratio", "loss", "loss_abs_err", "grad_max_abs_err", "grad_max_rel_err",
-            "fused_layers"]
-    with open(path, "w", newline="") as f:
-        for line in header_lines:
-            f.write(f"# {line}\n")
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in keys})
+CSV_FIELDS = ["preset", "saved_bytes", "saved_ratio", "peak_bytes", "peak_ratio", "step_s",
+              "time_ratio", "loss", "loss_abs_err", "grad_max_abs_err", "grad_max_rel_err",
+              "fused_layers"]
 
 
 def pareto_plot(path, rows, device, title) -> None:
@@ -406,7 +373,7 @@ def main(argv=None) -> None:
              + (", LoRA r8" if a.lora else ""))
     model_desc = ("transformers LlamaForCausalLM + ckpt_ext.hf.patch_llama" if a.model == "hf"
                   else "ckpt_ext.modules.DecoderLayer stack")
-    print(f"device: {device_description(device)}; torch {torch.__version__}")
+    print(f"device: {device_name(device)}; torch {torch.__version__}")
     print(f"model: {model_desc}: {shape}")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(device)
@@ -426,7 +393,7 @@ def main(argv=None) -> None:
         r["time_ratio"] = r["step_s"] / base["step_s"]
         r["peak_ratio"] = (r["peak_bytes"] / base["peak_bytes"]) if r["peak_bytes"] else None
     print()
-    print_table(rows, device)
+    print_results(rows, device)
     if a.model == "hf" and not a.compile:
         for r in rows:
             if r["preset"] in FUSED_PRESETS and r.get("fused_layers") != a.layers:
@@ -434,29 +401,17 @@ def main(argv=None) -> None:
                       f"{a.layers} layers ran the fused op")
 
     os.makedirs(a.out, exist_ok=True)
-    slug = device_slug(device) + "".join(
+    slug = device_tag(device=device) + "".join(
         f"_{tag}" for tag, on in (("amp", a.amp), ("compiled", a.compile), ("lora", a.lora)) if on)
     stem = os.path.join(a.out, f"demo_{slug}")
-    header = [f"device: {device_description(device)}; torch {torch.__version__}; python "
-              f"{platform.python_version()}" + (f"; transformers {_tf_version()}"
-                                                if a.model == "hf" else ""),
-              f"model: {model_desc}: {shape}",
-              f"command: python {' '.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}",
-              f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-              "saved_bytes: ckpt_ext.saved_activation_bytes of the loss forward; peak_bytes: "
-              "torch.cuda.max_memory_allocated of a step (GPU only); step_s: forward+backward, "
-              + ("median wall clock" if device.type == "cuda" else
-                 f"smallest process CPU time ({torch.get_num_threads()} threads)")
-              + f" of {a.steps} steps after {a.warmup} warmup; errors vs 'none'"]
-    write_csv(stem + ".csv", rows, header)
-    print(f"wrote {stem}.csv")
+    header = provenance(device) + [
+        f"model: {model_desc}: {shape}",
+        "saved_bytes: ckpt_ext.saved_activation_bytes of the loss forward; peak_bytes: "
+        "torch.cuda.max_memory_allocated of a step (GPU only); step_s: forward+backward, "
+        f"median of {a.steps} steps after {a.warmup} warmup; errors vs 'none'"]
+    write_csv(stem + ".csv", header, CSV_FIELDS, rows)
     pareto_plot(stem + ".png", rows, device,
-                f"{model_desc}\n{shape}\n{device_description(device)}")
-
-
-def _tf_version() -> str:
-    import transformers
-    return transformers.__version__
+                f"{model_desc}\n{shape}\n{device_name(device)}")
 
 
 if __name__ == "__main__":

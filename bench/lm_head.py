@@ -31,12 +31,9 @@ at a tiny size (checks the plumbing only: NOT a performance figure). Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import pathlib
-import platform
-import sys
 
 import torch
 
@@ -49,7 +46,8 @@ import triton  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import ckpt_ext  # noqa: E402
-from _harness import device_tag, peak_mib, time_steps  # noqa: E402
+from _harness import (device_name, device_tag, peak_mib, print_table, provenance,  # noqa: E402
+                      time_steps, write_csv)
 from ckpt_ext._backend import use_triton  # noqa: E402
 
 try:
@@ -163,12 +161,7 @@ def main(argv=None):
     device = torch.device("cuda" if CUDA else "cpu")
     dtype = DTYPES[args.dtype]
     variants = ["hf", "chunked", "fused"] + (["trl"] if ChunkedLogProbFunction and CUDA else [])
-    if CUDA:
-        name = (f"{torch.cuda.get_device_name()} "
-                f"(sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
-    else:
-        name = (f"CPU {platform.processor() or platform.machine()}, "
-                f"{torch.get_num_threads()} threads")
+    if not CUDA:
         print(CPU_LABEL)
     rows = []
     for V in args.vocab:
@@ -183,32 +176,15 @@ def main(argv=None):
 
     cols = ["variant", "V", "H", "tokens", "dtype", "fwd_ms", "bwd_ms", "total_ms", "total_x_hf",
             "peak_mib", "saved_mib", "saved_x_hf", "max_diff_vs_hf"]
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    table = [cols] + [[fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
-    print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}")
-    for line in table:
-        print("  ".join(s.rjust(w) for s, w in zip(line, widths)))
+    print(f"device: {device_name(device)}; torch {torch.__version__}; triton {triton.__version__}")
+    print_table(cols, rows, ".4g")
     if not CUDA:
         print(CPU_LABEL)
     if ChunkedLogProbFunction is None:
         print("trl not importable: no 'trl' rows")
 
     out = pathlib.Path(args.out) if args.out else RESULTS / f"lm_head_{device_tag()}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        if not CUDA:
-            f.write(f"# {CPU_LABEL}\n")
-        f.write(f"# device: {name}\n")
-        f.write(f"# torch {torch.__version__}, triton {triton.__version__}, "
-                f"python {platform.python_version()}\n")
-        f.write(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}\n")
-        now = datetime.datetime.now(datetime.timezone.utc)
-        f.write(f"# date: {now.isoformat(timespec='seconds')}\n")
-        f.write(",".join(cols) + "\n")
-        for r in rows:
-            f.write(",".join(fmt(r[c]) for c in cols) + "\n")
-    print(f"wrote {out}")
+    write_csv(out, provenance(device, "" if CUDA else CPU_LABEL), cols, rows)
 
 
 if __name__ == "__main__":

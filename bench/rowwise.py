@@ -34,15 +34,15 @@ Without a CUDA GPU it only says so and exits 0: the CUDA kernels are compile-che
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
-import platform
-import re
-import statistics
 import sys
 
 import torch
+
+from _harness import device_tag, print_table, provenance, time_ms, write_csv
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from reference import rms_norm_reference, rope_reference  # noqa: E402  (HF semantics)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -52,9 +52,7 @@ EPS = 1e-6
 
 def hf_rms_norm(x, weight, eps=EPS):
     """HF LlamaRMSNorm.forward: x (..., N), weight (N,)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return rms_norm_reference(x, weight, eps)
 
 
 def hf_add_rms_norm(x, residual, weight, eps=EPS):
@@ -62,31 +60,14 @@ def hf_add_rms_norm(x, residual, weight, eps=EPS):
     return hf_rms_norm(s, weight, eps), s
 
 
-def rotate_half(t):
-    h = t.shape[-1] // 2
-    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-
-
 def hf_rope(q, k, cos, sin):
     """HF apply_rotary_pos_emb: q (B, Hq, S, D), k (B, Hkv, S, D), cos/sin (B, S, D)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rope_reference(q, k, cos, sin)
 
 
 def time_us(fn, warmup, reps):
-    """Median wall time of fn() in microseconds, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    """Median time of fn() in microseconds (CUDA events around each call)."""
+    return time_ms(fn, warmup, reps, "cuda") * 1e3
 
 
 def copy_us(nbytes, warmup, reps):
@@ -177,10 +158,6 @@ def cases(args, dtype):
     yield from rope_cases(*args.rope, dtype, compile_)
 
 
-def device_tag():
-    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,11 +207,7 @@ def main(argv=None):
 
     cols = ["op", "shape", "dtype", "impl", "mbytes", "median_us", "gbps", "frac_of_copy",
             "speedup_vs_eager"]
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    table = [cols] + [[fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
-    for line in table:
-        print("  ".join(s.rjust(w) for s, w in zip(line, widths)))
+    print_table(cols, rows)
     print("goal: ckpt_ext frac_of_copy >= 0.8")
     for r in rows:
         if r["impl"] == "ckpt_ext":
@@ -243,17 +216,8 @@ def main(argv=None):
                   f"{r['speedup_vs_eager']:.2f}x eager")
 
     out = pathlib.Path(args.out) if args.out else RESULTS / f"rowwise_{device_tag()}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        f.write(f"# device: {name}\n")
-        f.write(f"# torch {torch.__version__}, python {platform.python_version()}\n")
-        f.write(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}\n")
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        f.write(f"# date: {now}\n")
-        f.write(",".join(cols) + "\n")
-        for r in rows:
-            f.write(",".join(fmt(r[c]) for c in cols) + "\n")
-    print(f"wrote {out}")
+    header = provenance("cuda") + [f"config: warmup {args.warmup}, reps {args.reps}"]
+    write_csv(out, header, cols, rows)
     return 0
 
 

@@ -29,11 +29,8 @@ which checks the plumbing only: NOT a performance figure. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import platform
-import sys
 
 import torch
 
@@ -45,7 +42,8 @@ import torch.nn as nn  # noqa: E402
 import triton  # noqa: E402
 
 from ckpt_ext.kernels import swiglu_mlp  # noqa: E402
-from _harness import device_tag, peak_mib, time_steps  # noqa: E402
+from _harness import (device_name, device_tag, peak_mib, print_table, provenance,  # noqa: E402
+                      time_steps, write_csv)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODELS = {"llama7b": (4096, 11008), "llama3_8b": (4096, 14336), "tiny": (64, 96)}
@@ -166,10 +164,7 @@ def main(argv=None):
     device = torch.device("cuda" if CUDA else "cpu")
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
-    if CUDA:
-        name = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
-    else:
-        name = f"CPU {platform.processor() or platform.machine()}, Triton interpreter"
+    if not CUDA:
         # Tiny CPU GEMMs on a shared 2-core machine spend their time waking OpenMP threads.
         torch.set_num_threads(1)
         print(CPU_LABEL)
@@ -195,12 +190,8 @@ def main(argv=None):
 
     cols = ["model", "H", "I", "tokens", "dtype", "variant", "fwd_ms", "bwd_ms", "total_ms",
             "fwd_x_eager", "bwd_x_eager", "total_x_eager", "peak_mib", "saved_mib", "eager_tflops"]
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    table = [cols] + [[fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
-    print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}")
-    for line in table:
-        print("  ".join(s.rjust(w) for s, w in zip(line, widths)))
+    print(f"device: {device_name(device)}; torch {torch.__version__}; triton {triton.__version__}")
+    print_table(cols, rows)
     print("eager_tflops: the eager FLOP count (18 T H I) over the step time; "
           "goal: input total_x_eager <= 1.25")
     for r in rows:
@@ -214,19 +205,7 @@ def main(argv=None):
         print(CPU_LABEL)
 
     out = pathlib.Path(args.out) if args.out else RESULTS / f"swiglu_{device_tag('cpu_smoke')}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        if not CUDA:
-            f.write(f"# {CPU_LABEL}\n")
-        f.write(f"# device: {name}\n")
-        f.write(f"# torch {torch.__version__}, triton {triton.__version__}, "
-                f"python {platform.python_version()}\n")
-        f.write(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}\n")
-        f.write(f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}\n")
-        f.write(",".join(cols) + "\n")
-        for r in rows:
-            f.write(",".join(fmt(r[c]) for c in cols) + "\n")
-    print(f"wrote {out}")
+    write_csv(out, provenance(device, "" if CUDA else CPU_LABEL), cols, rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Recompute presets (``policy=``) of a decoder layer, and the bytes each one saves.
+"""The recompute presets of a decoder layer, and the bytes each one saves.
+
+Terms (used the same way in the package, the tests and bench/): a *preset* is one of the named
+recompute strategies in the table below; *policy* is the ``policy=`` argument of
+``ckpt_ext.modules`` and ``ckpt_ext.patch_llama`` that selects a preset by name (for
+``patch_llama`` also one preset per layer, as a list or a callable, or ``"auto"``: presets
+chosen per forward to fit an activation budget).
 
 =============  ==============================================  ==================================
 preset         saved for backward (per layer)                  recomputed in backward

@@ -1,5 +1,12 @@
-"""An independent plain-PyTorch LLaMA decoder layer (explicit softmax, repeated K/V, no
-ckpt_ext code) and the fixtures the layer tests share."""
+"""The one place the tests (and bench/) take references and the accuracy rule from.
+
+* The accuracy rule: ``check_vs_baseline`` (a low-precision result against a float64
+  reference and plain PyTorch at the same dtype) and ``check_f64`` (a float64 result).
+* Independent plain-PyTorch references (no ckpt_ext code): ``rotate_half``,
+  ``rope_reference``, ``rms_norm_reference``, ``attention_reference`` (explicit S x S softmax,
+  repeated K/V), ``swiglu_reference``, a whole LLaMA decoder layer
+  (``reference_layer``), SwiGLU with PEFT LoRA adapters; and the fixtures the tests share.
+"""
 import math
 
 import torch
@@ -7,7 +14,130 @@ import torch.nn.functional as F
 
 from ckpt_ext.modules import DecoderLayer
 
+F64 = torch.float64
 
+
+# ---- the accuracy rule ---------------------------------------------------------------------
+# A result computed at a low-precision dtype is compared with an independent plain-PyTorch
+# reference run in float64 on exactly the same input values. The baseline is the same
+# plain-PyTorch code at the test dtype (what a user gets without ckpt_ext). The result's max
+# abs error against the reference must be at most FACTOR_OUT (outputs) / FACTOR_GRAD
+# (gradients) times the baseline's. A baseline that happens to be exact or nearly so (out = v
+# at S = 1, a bias gradient that is a plain sum) is floored at FLOOR_ULPS[dtype] units in the
+# last place (eps) of the reference's magnitude: its largest finite |value|, or the `scale` a
+# caller shares between the gradients of one op. Entries with no finite reference (lse = -inf
+# on rows with nothing to attend) must be exactly equal. Float64 results: check_f64.
+#
+# FLOOR_ULPS: half an ulp for float16 / bfloat16 (no test in the suite needs more); 1.3 for
+# float32, where the CPU SwiGLU op on inputs with a strided last dim needs 1.26
+# (test_ops.py::test_swiglu_non_unit_last_stride, y). These replace four floors: 4 eps *
+# max(1, |ref|) (test_ops, test_triton_attention: 2 ulps for outputs, 1.33 for gradients),
+# 2 ulps (test_triton_swiglu) and half an ulp (test_cuda_rowwise).
+FACTOR_OUT, FACTOR_GRAD = 2.0, 3.0
+FLOOR_ULPS = {torch.float16: 0.5, torch.bfloat16: 0.5, torch.float32: 1.3}
+
+
+def max_err(got, ref):
+    """Max abs difference on entries where ref is finite; the others must be equal."""
+    got, ref = got.detach().double(), ref.detach().double()
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    finite = torch.isfinite(ref)
+    assert torch.equal(got[~finite], ref[~finite]), "non-finite reference entries differ"
+    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def magnitude(*refs):
+    """Largest finite |value| over the given reference tensors (0 if there is none)."""
+    finite = [r[torch.isfinite(r)].abs() for r in refs if r is not None]
+    return max([0.0] + [f.max().item() for f in finite if f.numel()])
+
+
+def check_vs_baseline(name, got, base, ref, factor, dtype=None, scale=None):
+    """Assert the accuracy rule for one result and return err / bound.
+
+    got: the result under test; base: plain PyTorch's result at the test dtype, or a sequence
+    of such results (two exact formulas that round differently: the largest error counts);
+    ref: the float64 reference; factor: FACTOR_OUT or FACTOR_GRAD; dtype: whose eps sets the
+    floor (default got's dtype; pass the compute dtype where got is upcast, as under autocast);
+    scale: magnitude of the floor, default magnitude(ref). The gradients of one op may share one
+    (the largest of theirs): at S = 1, for instance, dq and dk of attention are exactly 0 while
+    their rounding error scales with dout, the magnitude of dv."""
+    dtype = got.dtype if dtype is None else dtype
+    assert not torch.isnan(got).any(), f"{name}: NaN in the result"
+    bases = (base,) if isinstance(base, torch.Tensor) else tuple(base)
+    err = max_err(got, ref)
+    base_err = max(max_err(b, ref) for b in bases)
+    scale = magnitude(ref) if scale is None else scale
+    floor = FLOOR_ULPS[dtype] * torch.finfo(dtype).eps * scale
+    bound = factor * max(base_err, floor)
+    print(f"  {name}: err {err:.3g}  bound {bound:.3g}  (plain {base_err:.3g})")
+    assert err <= bound, (f"{name}: error {err:.3g} > bound {bound:.3g} = {factor}x plain "
+                          f"PyTorch's {base_err:.3g} (floor {floor:.3g})")
+    return err / bound if bound else 0.0
+
+
+def check_f64(name, got, ref, dtype=F64, scale=None):
+    """Tight comparison of a float64 result (1e-12 of the magnitude), or of a float32 output
+    such as lse (4 units in the last place); scale as in check_vs_baseline."""
+    err = max_err(got, ref)
+    scale = max(1.0, magnitude(ref) if scale is None else scale)
+    bound = (1e-12 if dtype == F64 else 4 * torch.finfo(dtype).eps) * scale
+    assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
+
+
+# ---- references of single ops -------------------------------------------------------------
+def rotate_half(x):
+    """HF's rotate_half: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope_reference(q, k, cos, sin):
+    """HF apply_rotary_pos_emb: q (B, Hq, S, D), k (B, Hkv, S, D), cos/sin (1 or B, S, D)
+    broadcast over heads; computes in the promoted dtype of its inputs."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rms_norm_reference(x, weight, eps):
+    """HF LlamaRMSNorm.forward, verbatim semantics: x upcast to float32 (float64 stays),
+    normalised, cast back to x's dtype, times weight (the result in the promoted dtype)."""
+    dtype = x.dtype
+    h = x.to(torch.float32) if dtype != F64 else x
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def swiglu_reference(x, wg, wu, wd, bg=None, bu=None, bd=None):
+    """``down(silu(gate(x)) * up(x))`` in nn.Linear layout; returns (y, gate, up)."""
+    gate = F.linear(x, wg, bg)
+    up = F.linear(x, wu, bu)
+    return F.linear(F.silu(gate) * up, wd, bd), gate, up
+
+
+def attention_reference(q, k, v, mask, causal, scale, segment_ids=None, window=None):
+    """Plain PyTorch attention at q's dtype, differentiable: q (B, Hq, S, D), k/v (B, Hkv, S,
+    D) -> out (B, Hq, S, D), lse (B, Hq, S) (float32, float64 for float64 inputs).
+
+    Explicit S x S softmax over the dense mask (allowed_matrix), K/V repeated for GQA. Masked
+    scores get the dtype's most negative finite value, so rows with nothing to attend stay
+    finite under autograd; those rows are then set to out = 0, lse = -inf (and get zero
+    gradients through torch.where).
+    """
+    B, Hq, S, _ = q.shape
+    group = Hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # head h -> h // group
+    allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
+    any_allowed = allowed.any(-1)                                  # (B, 1, S)
+    out = torch.where(any_allowed[..., None], torch.softmax(s, -1) @ v, 0.0)
+    lse = torch.where(any_allowed, torch.logsumexp(s.float() if s.dtype != F64 else s, -1),
+                      -math.inf)
+    return out, lse
+
+
+# ---- a whole decoder layer -----------------------------------------------------------------
 def rope_tables(s, d, dtype, batch=1, offset=None):
     pos = torch.arange(s, dtype=torch.float64)[None].repeat(batch, 1)
     if offset is not None:
@@ -26,10 +156,6 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
     def lin(t, name):
         return F.linear(t, p[name + ".weight"], p.get(name + ".bias"))
 
-    def rot(t):
-        h = t.shape[-1] // 2
-        return torch.cat([-t[..., h:], t[..., :h]], -1)
-
     b, s, _ = x.shape
     d = p["self_attn.q_proj.weight"].shape[0] // hq
     n = rms(x, p["input_layernorm.weight"])
@@ -39,8 +165,7 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
     if qk_norm:
         q, k = rms(q, p["self_attn.q_norm.weight"]), rms(k, p["self_attn.k_norm.weight"])
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    c, sn = cos[:, None], sin[:, None]
-    q, k = q * c + rot(q) * sn, k * c + rot(k) * sn
+    q, k = rope_reference(q, k, cos, sin)
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
     allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None]

@@ -31,7 +31,7 @@ CASES = [  # (S, B, Hq, Hkv, mask): every S, batch 1 and 3, MHA and GQA, each ma
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("s,b,hq,hkv,mask_kind", CASES)
-def test_every_policy_matches_reference(dtype, s, b, hq, hkv, mask_kind):
+def test_every_preset_matches_reference(dtype, s, b, hq, hkv, mask_kind):
     h, i = 64, 172
     layer = make_layer(h, hq, hkv, i, dtype)
     x = torch.randn(b, s, h, dtype=dtype)
@@ -47,16 +47,16 @@ def test_every_policy_matches_reference(dtype, s, b, hq, hkv, mask_kind):
     ref_grads = {"x": x64.grad, **{k: v.grad for k, v in p64.items()}}
 
     rtol, atol = (1e-10, 1e-10) if dtype == torch.float64 else (1e-4, 2e-5)
-    for policy in PRESETS:
+    for preset in PRESETS:
         layer.zero_grad(set_to_none=True)
-        layer.policy = policy
+        layer.policy = preset
         y, grads, _ = run(layer, x, pe, mask)
         assert torch.isfinite(y).all()
         torch.testing.assert_close(y.double(), y_ref.detach(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{policy} output: {m}")
+                                   msg=lambda m: f"{preset} output: {m}")
         for name, g in grads.items():
             torch.testing.assert_close(g.double(), ref_grads[name], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{policy} grad {name}: {m}")
+                                       msg=lambda m: f"{preset} grad {name}: {m}")
 
 
 @pytest.mark.parametrize("preset", FUSED_PRESETS)
@@ -166,8 +166,8 @@ def test_double_backward_raises_and_the_advice_holds():
     y = layer(x, pe)
     with pytest.raises(RuntimeError, match="double backward.*SDPBackend.MATH"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
-    for policy in ("none", "torch"):  # what the message advises works at second order
-        layer.policy = policy
+    for preset in ("none", "torch"):  # what the message advises works at second order
+        layer.policy = preset
         with sdpa_kernel(SDPBackend.MATH):
             fn = lambda t: layer(t, pe).square().sum()  # noqa: E731
             assert torch.autograd.gradcheck(lambda t: torch.autograd.grad(

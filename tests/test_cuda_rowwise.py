@@ -2,13 +2,16 @@
 fused residual-add RMSNorm forward, RoPE forward and backward, called through
 torch.ops.ckpt_ext on CUDA tensors of a CUDA build.
 
-Every result is compared with a float64 reference written here (HF semantics). Its max abs
-error must be at most 2x (outputs) / 3x (gradients) the error that plain PyTorch (the HF code,
-eager, at the same dtypes, on the same GPU) makes against that reference; a baseline that
-happens to be exact is floored at half an ulp of the largest reference value.
+Every result is compared with a float64 reference from tests/reference.py (HF semantics) by
+the suite's accuracy rule (reference.check_vs_baseline): its max abs error must be at most 2x
+(outputs) / 3x (gradients) the error that plain PyTorch (the HF code, eager, at the same dtypes,
+on the same GPU) makes against that reference.
 """
 import pytest
 import torch
+
+from reference import (FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, rms_norm_reference,
+                       rope_reference)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA kernels need a CUDA GPU; compile-checked by .ci/run")
@@ -27,16 +30,6 @@ def ops():
 
 
 # ---- helpers -------------------------------------------------------------------------------
-def assert_within(name, out, ref, baseline, factor):
-    """max|out - ref| <= factor * max|baseline - ref| (floored at half an ulp of max|ref|)."""
-    err = (out.double() - ref).abs().max().item()
-    err_base = (baseline.to(out.dtype).double() - ref).abs().max().item()
-    floor = 0.5 * torch.finfo(out.dtype).eps * ref.abs().max().item()
-    bound = factor * max(err_base, floor)
-    assert err <= bound, (f"{name}: kernel error {err:.3g} exceeds {factor}x plain PyTorch's "
-                          f"{err_base:.3g} (bound {bound:.3g})")
-
-
 def misaligned(t):
     """A copy of t whose storage starts one element past an allocation (not 16-byte aligned)."""
     buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
@@ -51,16 +44,13 @@ def randn(*shape, dtype, scale=1.0):
 
 
 def rms_ref64(x, w, eps):
-    """HF LlamaRMSNorm in float64: w * x * rsqrt(mean(x^2) + eps) (x (..., N), w (N,))."""
-    x64 = x.double()
-    return w.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps))
+    """HF LlamaRMSNorm in float64 (x (..., N), w (N,))."""
+    return rms_norm_reference(x.double(), w.double(), eps)
 
 
 def rms_hf(x, w, eps):
     """HF LlamaRMSNorm.forward as written, at the inputs' dtypes (the plain-PyTorch baseline)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
+    return rms_norm_reference(x, w, eps)
 
 
 def rms_grads(fn, x, w, dy, eps):
@@ -76,15 +66,15 @@ def check_rms_norm(ops, x, w, dy, eps=EPS):
     y = ops.rms_norm_fwd(x, w, eps)
     assert y.shape == x.shape and y.is_contiguous()
     assert y.dtype == torch.promote_types(x.dtype, w.dtype)
-    assert_within("rms_norm_fwd y", y, rms_ref64(x, w, eps), rms_hf(x, w, eps), 2)
+    check_vs_baseline("rms_norm_fwd y", y, rms_hf(x, w, eps), rms_ref64(x, w, eps), FACTOR_OUT)
 
     dx, dw = ops.rms_norm_bwd(dy, x, w, eps)
     assert dx.shape == x.shape and dx.dtype == x.dtype and dx.is_contiguous()
     assert dw.shape == w.shape and dw.dtype == w.dtype
     dx_ref, dw_ref = rms_grads(rms_ref64, x.double(), w.double(), dy.double(), eps)
     dx_base, dw_base = rms_grads(rms_hf, x, w, dy, eps)
-    assert_within("rms_norm_bwd dx", dx, dx_ref, dx_base, 3)
-    assert_within("rms_norm_bwd dweight", dw, dw_ref, dw_base, 3)
+    check_vs_baseline("rms_norm_bwd dx", dx, dx_base, dx_ref, FACTOR_GRAD)
+    check_vs_baseline("rms_norm_bwd dweight", dw, dw_base, dw_ref, FACTOR_GRAD)
 
 
 def rms_inputs(shape, dtype, w_dtype=None):
@@ -176,7 +166,8 @@ def test_add_rms_norm(ops, dtype, n):
     y, s = ops.add_rms_norm_fwd(x, r, w, EPS)
     assert torch.equal(s, x + r), "sum must be x + residual exactly as torch rounds it"
     assert y.dtype == dtype and y.shape == x.shape
-    assert_within("add_rms_norm_fwd y", y, rms_ref64(x + r, w, EPS), rms_hf(x + r, w, EPS), 2)
+    check_vs_baseline("add_rms_norm_fwd y", y, rms_hf(x + r, w, EPS), rms_ref64(x + r, w, EPS),
+                      FACTOR_OUT)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -187,7 +178,8 @@ def test_add_rms_norm_misaligned_fp32_weight(ops, dtype):
     y, s = ops.add_rms_norm_fwd(x, r, w, EPS)
     assert torch.equal(s, x + r)
     assert y.dtype == torch.float32
-    assert_within("add_rms_norm_fwd y", y, rms_ref64(x + r, w, EPS), rms_hf(x + r, w, EPS), 2)
+    check_vs_baseline("add_rms_norm_fwd y", y, rms_hf(x + r, w, EPS), rms_ref64(x + r, w, EPS),
+                      FACTOR_OUT)
 
 
 def test_rms_norm_input_errors(ops):
@@ -201,22 +193,15 @@ def test_rms_norm_input_errors(ops):
 
 
 # ---- RoPE ----------------------------------------------------------------------------------
-def rotate_half(t):
-    h = t.shape[-1] // 2
-    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-
-
 def rope_ref64(q, k, cos, sin):
     """HF apply_rotary_pos_emb in float64; cos/sin (1 or B, S, D) broadcast over heads."""
-    c, s = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
-    q, k = q.double(), k.double()
-    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+    return rope_reference(q.double(), k.double(), cos.double(), sin.double())
 
 
 def rope_hf(q, k, cos, sin):
     """HF apply_rotary_pos_emb as written, at the inputs' dtypes, cast back to q's dtype."""
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * c + rotate_half(q) * s).to(q.dtype), (k * c + rotate_half(k) * s).to(k.dtype)
+    q_out, k_out = rope_reference(q, k, cos, sin)
+    return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
 def rope_grads(fn, q, k, cos, sin, dq_out, dk_out):
@@ -244,8 +229,8 @@ def check_rope(ops, q, k, cos, sin):
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert q_out.dtype == q.dtype and k_out.dtype == k.dtype
     (q_ref, k_ref), (q_base, k_base) = rope_ref64(q, k, cos, sin), rope_hf(q, k, cos, sin)
-    assert_within("rope_fwd q_out", q_out, q_ref, q_base, 2)
-    assert_within("rope_fwd k_out", k_out, k_ref, k_base, 2)
+    check_vs_baseline("rope_fwd q_out", q_out, q_base, q_ref, FACTOR_OUT)
+    check_vs_baseline("rope_fwd k_out", k_out, k_base, k_ref, FACTOR_OUT)
 
     dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
     dq, dk = ops.rope_bwd(dq_out, dk_out, cos, sin)
@@ -253,8 +238,8 @@ def check_rope(ops, q, k, cos, sin):
     dq_ref, dk_ref = rope_grads(rope_ref64, q.double(), k.double(), cos, sin, dq_out.double(),
                                 dk_out.double())
     dq_base, dk_base = rope_grads(rope_hf, q, k, cos, sin, dq_out, dk_out)
-    assert_within("rope_bwd dq", dq, dq_ref, dq_base, 3)
-    assert_within("rope_bwd dk", dk, dk_ref, dk_base, 3)
+    check_vs_baseline("rope_bwd dq", dq, dq_base, dq_ref, FACTOR_GRAD)
+    check_vs_baseline("rope_bwd dk", dk, dk_base, dk_ref, FACTOR_GRAD)
     # Non-contiguous gradients, as autograd may hand them over.
     dq2, dk2 = ops.rope_bwd(dq_out.transpose(1, 2).contiguous().transpose(1, 2),
                             dk_out.transpose(1, 2).contiguous().transpose(1, 2), cos, sin)

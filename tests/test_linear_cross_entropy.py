@@ -4,7 +4,7 @@ Every case runs the op twice on the same inputs: through the ATen CPU kernels an
 Triton launchers (the interpreter on CPU: fp32 / fp16 only; bf16 on a GPU). The reference is
 HF's computation (``lm_head`` then transformers' ``ForCausalLMLoss`` on upcast logits) in
 float64; the baseline the same at the test dtype. Accuracy rule of the suite: the op's error is
-at most 2x (loss) / 3x (gradients) the baseline's (``test_ops.check_vs_baseline``).
+at most 2x (loss) / 3x (gradients) the baseline's (``reference.check_vs_baseline``).
 """
 import contextlib
 import math
@@ -17,7 +17,7 @@ import ckpt_ext
 import ckpt_ext.ops as ops
 from ckpt_ext._backend import use_triton
 from ckpt_ext.kernels import linear_cross_entropy as lce_kernels
-from test_ops import FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline, magnitude
+from reference import FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline, magnitude
 
 OPS = torch.ops.ckpt_ext
 F64 = torch.float64

@@ -1,13 +1,11 @@
 """Tests of the ckpt_ext kernel ops: CPU implementations, fakes, autograd wrappers, checks.
 
-Accuracy rule (README, "Tests"). Each op is compared with an independent plain-PyTorch reference
-written here, run in float64 on the same input values. The baseline is the same plain-PyTorch
-code run with autograd at the test dtype. The op's max abs error against the float64 reference
-must be at most 2x (outputs) / 3x (gradients) the baseline's, or, where the baseline is exact
-or nearly so, a floor of 4 * eps(dtype) * max(1, max|reference|) (four units in the last place
-of the largest value). In float64 the ops must match the reference to ~1e-12 relative (lse,
-float32 by the schema, to float32 rounding). Values with no finite reference (lse = -inf on
-rows with nothing to attend) must be exactly equal.
+Accuracy rule (README, "Tests"; implemented once in tests/reference.py). Each op is compared
+with an independent plain-PyTorch reference from tests/reference.py, run in float64 on the same
+input values; the baseline is the same plain-PyTorch code run with autograd at the test dtype
+(check_vs_baseline: at most 2x outputs / 3x gradients the baseline's error). In float64 the ops
+must match the reference to ~1e-12 relative (check_f64; lse, float32 by the schema, to float32
+rounding).
 
 Every op also gets torch.library.opcheck (schema, fake, autograd registration, AOT dispatch),
 float64 gradcheck of the Python wrappers, and error-message tests naming the argument.
@@ -22,50 +20,12 @@ import ckpt_ext  # noqa: F401
 import ckpt_ext.ops as ops
 import reference
 
-from reference import allowed_matrix, packed_segment_ids
+from reference import (F64, FACTOR_GRAD, FACTOR_OUT, allowed_matrix, attention_reference,
+                       check_f64, check_vs_baseline, magnitude, packed_segment_ids,
+                       rms_norm_reference, rope_reference, swiglu_reference)
 
 OPS = torch.ops.ckpt_ext
-F64 = torch.float64
-FACTOR_OUT, FACTOR_GRAD = 2.0, 3.0
 ALL_GRADS = [True] * 12  # swiglu_bwd needs_grad: every gradient
-
-
-# ------------------------------------------------------------------------------------------
-# Error accounting
-# ------------------------------------------------------------------------------------------
-def max_err(got, ref):
-    """Max abs difference on entries where ref is finite; the others must be equal."""
-    got, ref = got.detach().double(), ref.detach().double()
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    finite = torch.isfinite(ref)
-    assert torch.equal(got[~finite], ref[~finite]), "non-finite reference entries differ"
-    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
-
-
-def magnitude(*refs):
-    """max(1, largest finite |value|) over the given reference tensors."""
-    finite = [r[torch.isfinite(r)].abs() for r in refs]
-    return max([1.0] + [f.max().item() for f in finite if f.numel()])
-
-
-def check_vs_baseline(name, got, base, ref, factor, dtype, scale=None):
-    """got / base: the op's and plain PyTorch's result at `dtype`; ref: float64 reference.
-    scale: magnitude of the floor, default magnitude(ref). The gradients of one op share one
-    (the largest of theirs): at S = 1, for instance, dq and dk of attention are exactly 0
-    while their rounding error scales with dout, the magnitude of dv."""
-    err, base_err = max_err(got, ref), max_err(base, ref)
-    scale = magnitude(ref) if scale is None else scale
-    bound = max(factor * base_err, 4 * torch.finfo(dtype).eps * scale)
-    print(f"  {name}: err {err:.3g}  bound {bound:.3g}  (plain {base_err:.3g})")
-    assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g} (plain {base_err:.3g})"
-
-
-def check_f64(name, got, ref, dtype=F64, scale=None):
-    """Tight comparison of a float64 op result (or a float32 output such as lse)."""
-    err = max_err(got, ref)
-    scale = magnitude(ref) if scale is None else scale
-    bound = (1e-12 if dtype == F64 else 4 * torch.finfo(dtype).eps) * scale
-    assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
 
 
 def leaves(*ts, dtype=None):
@@ -74,55 +34,6 @@ def leaves(*ts, dtype=None):
 
 def grads(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout, allow_unused=True)
-
-
-# ------------------------------------------------------------------------------------------
-# Plain PyTorch references (differentiable; run in float64 for the reference, at the test
-# dtype for the baseline)
-# ------------------------------------------------------------------------------------------
-def ref_attention(q, k, v, mask, causal, scale, segment_ids=None, window=None):
-    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> out (B, Hq, S, D), lse (B, Hq, S).
-
-    Explicit S x S softmax over the dense mask of tests/reference.py (allowed_matrix). Masked
-    scores get the dtype's most negative finite value, so rows with nothing to attend stay
-    finite under autograd; those rows are then set to out = 0, lse = -inf (and get zero
-    gradients through torch.where).
-    """
-    B, Hq, S, _ = q.shape
-    group = Hq // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # head h -> h // group
-    allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
-    any_allowed = allowed.any(-1)                                  # (B, 1, S)
-    out = torch.where(any_allowed[..., None], torch.softmax(s, -1) @ v, 0.0)
-    lse = torch.where(any_allowed, torch.logsumexp(s.float() if s.dtype != F64 else s, -1),
-                      -math.inf)
-    return out, lse
-
-
-def ref_swiglu(x, wg, wu, wd, bg=None, bu=None, bd=None):
-    gate = torch.nn.functional.linear(x, wg, bg)
-    up = torch.nn.functional.linear(x, wu, bu)
-    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, wd, bd), gate, up
-
-
-def ref_rms_norm(x, weight, eps):
-    """HF LlamaRMSNorm.forward, verbatim semantics (float64 stays float64)."""
-    dtype = x.dtype
-    h = x.to(torch.float32) if dtype != F64 else x
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def ref_rope(q, k, cos, sin):
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 # ------------------------------------------------------------------------------------------
@@ -175,13 +86,13 @@ def check_attention(q, k, v, mask, causal, scale, segment_ids=None, window=None)
     g = grads(ops.attention(ql, kl, vl, causal=causal, scale=scale, key_padding_mask=mask,
                             segment_ids=segment_ids, window=window), (ql, kl, vl), dout)
     r = leaves(q, k, v, dtype=F64)
-    ref_out, ref_lse = ref_attention(*r, mask, causal, scale, segment_ids, window)
+    ref_out, ref_lse = attention_reference(*r, mask, causal, scale, segment_ids, window)
     ref_g = grads(ref_out, r, dout.double())
     b = leaves(q, k, v)
-    base_out, base_lse = ref_attention(*b, mask, causal, scale, segment_ids, window)
+    base_out, base_lse = attention_reference(*b, mask, causal, scale, segment_ids, window)
     base_g = grads(base_out, b, dout)
     check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, q.dtype)
-    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT, q.dtype)
+    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT)  # float32: its own eps
     for name, got, base, ref in zip(("dq", "dk", "dv"), g, base_g, ref_g):
         check_vs_baseline(name, got, base, ref, FACTOR_GRAD, q.dtype, magnitude(*ref_g))
     B, _, S, _ = q.shape
@@ -248,7 +159,7 @@ def test_attention_segments_and_window_fp64_tight(causal):
     out, lse = OPS.attention_fwd(q, k, v, mask, ids, 33, causal, 0.4)
     grads_op = OPS.attention_bwd(dout, q, k, v, out, lse, mask, ids, 33, causal, 0.4)
     r = leaves(q, k, v)
-    ref_out, ref_lse = ref_attention(*r, mask, causal, 0.4, ids, 33)
+    ref_out, ref_lse = attention_reference(*r, mask, causal, 0.4, ids, 33)
     check_f64("out", out, ref_out)
     check_f64("lse", lse, ref_lse, dtype=torch.float32)
     ref_g = grads(ref_out, r, dout)
@@ -306,7 +217,7 @@ def test_attention_fp64_tight(S, causal):
     out, lse = OPS.attention_fwd(q, k, v, mask, None, None, causal, 0.4)
     dq, dk, dv = OPS.attention_bwd(dout, q, k, v, out, lse, mask, None, None, causal, 0.4)
     r = leaves(q, k, v)
-    ref_out, ref_lse = ref_attention(*r, mask, causal, 0.4)
+    ref_out, ref_lse = attention_reference(*r, mask, causal, 0.4)
     check_f64("out", out, ref_out)
     check_f64("lse", lse, ref_lse, dtype=torch.float32)
     ref_g = grads(ref_out, r, dout)
@@ -323,13 +234,13 @@ def test_attention_half_vs_reference(dtype):
     assert out.dtype == dtype and lse.dtype == torch.float32
     got_g = OPS.attention_bwd(dout, q, k, v, out, lse, mask, None, None, causal, 0.25)
     r = leaves(q, k, v, dtype=F64)
-    ref_out, ref_lse = ref_attention(*r, mask, causal, 0.25)
+    ref_out, ref_lse = attention_reference(*r, mask, causal, 0.25)
     ref_g = grads(ref_out, r, dout.double())
     b = leaves(q, k, v)
-    base_out, base_lse = ref_attention(*b, mask, causal, 0.25)
+    base_out, base_lse = attention_reference(*b, mask, causal, 0.25)
     base_g = grads(base_out, b, dout)
     check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, dtype)
-    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT, dtype)
+    check_vs_baseline("lse", lse, base_lse, ref_lse, FACTOR_OUT)  # float32: its own eps
     for name, got, base, ref in zip(("dq", "dk", "dv"), got_g, base_g, ref_g):
         assert got.dtype == dtype
         check_vs_baseline(name, got, base, ref, FACTOR_GRAD, dtype, magnitude(*ref_g))
@@ -396,8 +307,8 @@ def test_swiglu_fp32_vs_reference(save, bias):
         return y, grads(y, [xl, *pl], dy.to(dtype))
 
     y, g = run(torch.float32, lambda *a: ops.swiglu_mlp(*a, save=save))
-    ref_y, ref_g = run(F64, lambda *a: ref_swiglu(*a)[0])
-    base_y, base_g = run(torch.float32, lambda *a: ref_swiglu(*a)[0])
+    ref_y, ref_g = run(F64, lambda *a: swiglu_reference(*a)[0])
+    base_y, base_g = run(torch.float32, lambda *a: swiglu_reference(*a)[0])
     assert y.shape == x.shape
     check_vs_baseline("y", y, base_y, ref_y, FACTOR_OUT, torch.float32)
     names = ["dx", "dw_gate", "dw_up", "dw_down"] + ["db_gate", "db_up", "db_down"] * bias
@@ -412,9 +323,9 @@ def test_swiglu_half_vs_reference(dtype):
     y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, [], [], True)
     got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, [], [], None, None, ALL_GRADS)[:7]
     r = leaves(x, *ws, *bs, dtype=F64)
-    ref_y, ref_gate, ref_up = ref_swiglu(*r)
+    ref_y, ref_gate, ref_up = swiglu_reference(*r)
     b = leaves(x, *ws, *bs)
-    base_y, base_gate, base_up = ref_swiglu(*b)
+    base_y, base_gate, base_up = swiglu_reference(*b)
     check_vs_baseline("y", y, base_y, ref_y, FACTOR_OUT, dtype)
     check_vs_baseline("gate", gate, base_gate, ref_gate, FACTOR_OUT, dtype)
     check_vs_baseline("up", up, base_up, ref_up, FACTOR_OUT, dtype)
@@ -428,7 +339,7 @@ def test_swiglu_half_vs_reference(dtype):
 def test_swiglu_fwd_gate_up_outputs():
     x, ws, bs = swiglu_inputs(11, 96, 172, dtype=F64, bias=True)
     y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, [], [], True)
-    ref_y, ref_gate, ref_up = ref_swiglu(x, *ws, *bs)
+    ref_y, ref_gate, ref_up = swiglu_reference(x, *ws, *bs)
     for name, got, ref in (("y", y, ref_y), ("gate", gate, ref_gate), ("up", up, ref_up)):
         check_f64(name, got, ref)
     y2, gate2, up2 = OPS.swiglu_fwd(x, *ws, *bs, [], [], False)
@@ -445,7 +356,7 @@ def test_swiglu_token_chunks(save):
     saved = (gate, up) if save == "gate_up" else (None, None)
     got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, [], [], *saved, ALL_GRADS)[:7]
     r = leaves(x, *ws, *bs)
-    ref_y = ref_swiglu(*r)[0]
+    ref_y = swiglu_reference(*r)[0]
     check_f64("y", y, ref_y)
     for i, (got, ref) in enumerate(zip(got_g, grads(ref_y, r, dy))):
         check_f64(f"grad {i}", got, ref)
@@ -461,8 +372,8 @@ def test_swiglu_token_chunks_half(dtype):
     r = leaves(x, *ws, *bs, dtype=F64)
     b = leaves(x, *ws, *bs)
     names = ("dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down")
-    for name, got, base, ref in zip(names, got_g, grads(ref_swiglu(*b)[0], b, dy),
-                                    grads(ref_swiglu(*r)[0], r, dy.double())):
+    for name, got, base, ref in zip(names, got_g, grads(swiglu_reference(*b)[0], b, dy),
+                                    grads(swiglu_reference(*r)[0], r, dy.double())):
         assert got.dtype == dtype
         check_vs_baseline(name, got, base, ref, FACTOR_GRAD, dtype)
 
@@ -612,7 +523,7 @@ def test_swiglu_mlp_frozen_weights(save):
     assert n_mm == (2 if save == "gate_up" else 4), n_mm   # dh, dx (+ recomputed gate, up)
     assert all(t.grad is None for t in (*ws, *bs))
     (rx,) = leaves(x)
-    check_f64("dx", xl.grad, grads(ref_swiglu(rx, *ws, *bs)[0], [rx], dy)[0])
+    check_f64("dx", xl.grad, grads(swiglu_reference(rx, *ws, *bs)[0], [rx], dy)[0])
 
 
 def test_swiglu_lora_gradcheck():
@@ -645,11 +556,11 @@ def test_rms_norm_forward_matches_hf_exactly(dtypes):
     x = torch.randn(3, 5, 96, dtype=x_dtype)
     w = torch.randn(96, dtype=w_dtype)
     y = ops.rms_norm(x, w, 1e-6)
-    ref = ref_rms_norm(x, w, 1e-6)
+    ref = rms_norm_reference(x, w, 1e-6)
     assert y.dtype == ref.dtype == torch.promote_types(x_dtype, w_dtype)
     assert torch.equal(y, ref)
     y_sum, s = ops.add_rms_norm(x, x.flip(0), w, 1e-6)
-    assert torch.equal(s, x + x.flip(0)) and torch.equal(y_sum, ref_rms_norm(x + x.flip(0), w, 1e-6))
+    assert torch.equal(s, x + x.flip(0)) and torch.equal(y_sum, rms_norm_reference(x + x.flip(0), w, 1e-6))
 
 
 def test_rms_norm_backward_fp32_vs_reference():
@@ -659,9 +570,9 @@ def test_rms_norm_backward_fp32_vs_reference():
     xl, wl = leaves(x, w)
     g = grads(ops.rms_norm(xl, wl, 1e-5), (xl, wl), dy)
     r = leaves(x, w, dtype=F64)
-    ref_g = grads(ref_rms_norm(*r, 1e-5), r, dy.double())
+    ref_g = grads(rms_norm_reference(*r, 1e-5), r, dy.double())
     b = leaves(x, w)
-    base_g = grads(ref_rms_norm(*b, 1e-5), b, dy)
+    base_g = grads(rms_norm_reference(*b, 1e-5), b, dy)
     for name, got, base, ref in zip(("dx", "dweight"), g, base_g, ref_g):
         check_vs_baseline(name, got, base, ref, FACTOR_GRAD, torch.float32)
 
@@ -691,10 +602,10 @@ def test_rope_fp32_vs_reference(cos_batch):
     assert q_out.is_contiguous() and k_out.is_contiguous()
     g = torch.autograd.grad((q_out, k_out), (ql, kl), (dq_out, dk_out))
     r = leaves(q, k, dtype=F64)
-    ref = ref_rope(*r, cos.double(), sin.double())
+    ref = rope_reference(*r, cos.double(), sin.double())
     ref_g = torch.autograd.grad(ref, r, (dq_out.double(), dk_out.double()))
     b = leaves(q, k)
-    base = ref_rope(*b, cos, sin)
+    base = rope_reference(*b, cos, sin)
     base_g = torch.autograd.grad(base, b, (dq_out, dk_out))
     for name, got, bs, rf, f in (("q_out", q_out, base[0], ref[0], FACTOR_OUT),
                                  ("k_out", k_out, base[1], ref[1], FACTOR_OUT),
@@ -713,7 +624,7 @@ def test_rope_half_rounds_once():
     """bf16: computed in float32 and rounded once, so exactly the float32 result rounded."""
     q, k, cos, sin = rope_inputs(2, 4, 2, 9, 8, 1, dtype=torch.bfloat16)
     q_out, k_out = ops.rope(q, k, cos, sin)
-    ref_q, ref_k = ref_rope(q.float(), k.float(), cos.float(), sin.float())
+    ref_q, ref_k = rope_reference(q.float(), k.float(), cos.float(), sin.float())
     assert torch.equal(q_out, ref_q.bfloat16()) and torch.equal(k_out, ref_k.bfloat16())
 
 
@@ -993,10 +904,10 @@ def test_attention_non_unit_last_stride(layout, masked, causal):
     out = ops.attention(ql, kl, vl, causal=causal, scale=0.3, key_padding_mask=mask)
     g = grads(out, (ql, kl, vl), dout)
     r = leaves(q, k, v, dtype=F64)
-    ref_out, _ = ref_attention(*r, mask, causal, 0.3)
+    ref_out, _ = attention_reference(*r, mask, causal, 0.3)
     ref_g = grads(ref_out, r, dout.double())
     b = leaves(q, k, v)
-    base_out, _ = ref_attention(*b, mask, causal, 0.3)
+    base_out, _ = attention_reference(*b, mask, causal, 0.3)
     base_g = grads(base_out, b, dout)
     check_vs_baseline("out", out, base_out, ref_out, FACTOR_OUT, torch.float32)
     for name, got, base, ref in zip(("dq", "dk", "dv"), g, base_g, ref_g):
@@ -1011,10 +922,10 @@ def test_swiglu_non_unit_last_stride():
     y = ops.swiglu_mlp(*strided)
     g = grads(y, strided, dy)
     r = leaves(x, *ws, *bs, dtype=F64)
-    ref = ref_swiglu(*r)[0]
+    ref = swiglu_reference(*r)[0]
     ref_g = grads(ref, r, dy.double())
     b = leaves(x, *ws, *bs)
-    base = ref_swiglu(*b)[0]
+    base = swiglu_reference(*b)[0]
     base_g = grads(base, b, dy)
     check_vs_baseline("y", y, base, ref, FACTOR_OUT, torch.float32)
     for got, bg, rg in zip(g, base_g, ref_g):

@@ -3,14 +3,13 @@
 Without a GPU they run through the Triton interpreter on CPU, in fp32 and fp16 only (bf16
 ``tl.dot`` is wrong in the interpreter; bf16 is covered by the GPU-only tests).
 
-Accuracy rule (README, "Tests"). The reference is plain PyTorch attention in fp64 (K/V repeated for
-GQA, explicit masks, rows with nothing to attend set to 0) fed with exactly the values the
-kernel sees. The baseline is plain PyTorch at the test dtype on the test device (on CPU: torch's
-own fp16 / fp32 CPU kernels). For each of out, lse, dq, dk, dv the kernel's max abs error
-against the reference must be at most 2x (out, lse) or 3x (grads) the baseline's error, and
-the bound is never below a floor of 4 * eps(dtype) * max(1, max|reference|) (four units in the
-last place of the largest value; it matters only where the baseline is exact, e.g. out = v at
-S = 1).
+Accuracy rule (README, "Tests"; reference.check_vs_baseline). The reference is
+reference.attention_reference in fp64 (K/V repeated for GQA, explicit masks, rows with nothing
+to attend set to 0) fed with exactly the values the kernel sees. The baseline is the same code
+at the test dtype on the test device (on CPU: torch's own fp16 / fp32 CPU kernels). For each of
+out, lse, dq, dk, dv the kernel's max abs error against the reference must be at most 2x (out,
+lse) or 3x (grads) the baseline's error (a baseline that is exact, e.g. out = v at S = 1, is
+floored at reference.FLOOR_ULPS units in the last place of the largest reference value).
 
 The gradient baseline error is the larger of two plain-PyTorch backward passes at the test
 dtype: eager autograd through softmax, and the same S x S math written with the flash-attention
@@ -32,41 +31,24 @@ import torch
 
 from ckpt_ext.kernels import attention
 
-from reference import allowed_matrix, eager_flash_identity_grads, packed_segment_ids
+from reference import (FACTOR_GRAD, FACTOR_OUT, attention_reference, check_vs_baseline,
+                       eager_flash_identity_grads, packed_segment_ids)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAMES = ("out", "lse", "dq", "dk", "dv")
-FACTOR = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
+FACTOR = {"out": FACTOR_OUT, "lse": FACTOR_OUT, "dq": FACTOR_GRAD, "dk": FACTOR_GRAD,
+          "dv": FACTOR_GRAD}
 
 
 # ------------------------------------------------------------------------------------------
 # Reference, baseline and inputs
 # ------------------------------------------------------------------------------------------
-def eager_attention(q, k, v, mask, causal, scale, segment_ids=None, window=None):
-    """Plain PyTorch attention at the dtype of q. q (B, Hq, S, D), k/v (B, Hkv, S, D).
-
-    Returns (out (B, Hq, S, D), lse (B, Hq, S)); rows with nothing to attend give out 0 and
-    lse -inf. Masked scores are filled with the dtype's most negative finite value (not -inf)
-    so that autograd stays finite on empty rows, whose result is then replaced by 0.
-    """
-    B, Hq, S, _ = q.shape
-    group = Hq // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    has_any = allowed.any(dim=-1, keepdim=True)
-    p = torch.where(has_any, torch.softmax(scores, dim=-1), torch.zeros((), dtype=q.dtype, device=q.device))
-    lse = torch.where(has_any[..., 0], torch.logsumexp(scores, dim=-1).float(), float("-inf"))
-    return p @ v, lse
-
-
 def run_eager(q, k, v, mask, causal, scale, dout, dtype, segment_ids=None, window=None):
-    """Eager attention + autograd with inputs cast to `dtype`; returns dict of the 5 results."""
+    """Eager attention (reference.attention_reference) + autograd with inputs cast to `dtype`;
+    returns dict of the 5 results."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = eager_attention(*leaves, mask, causal, scale, segment_ids, window)
+    out, lse = attention_reference(*leaves, mask, causal, scale, segment_ids, window)
     out.backward(dout.to(dtype))
     return dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
 
@@ -107,33 +89,21 @@ def make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed=0, device=DEVICE):
 
 
 def check_accuracy(got, base, ref, dtype, base_alt=None):
-    """Assert the accuracy bound (README, "Tests") for each result; return {name: kernel_err / bound}.
+    """Assert the accuracy rule (reference.check_vs_baseline) for each result; return
+    {name: kernel_err / bound}. lse is compared on rows that attend something (at float32's
+    eps); on the others it must be exactly -inf in both.
 
     base_alt: optional second plain-PyTorch result set (gradients); the baseline error of a
     tensor is the larger of the two.
     """
-    eps = torch.finfo(dtype).eps
     ratios = {}
     for name in NAMES:
-        g, b, r = got[name].double(), base[name].double(), ref[name].double()
+        g, r = got[name], ref[name]
         assert g.shape == r.shape, f"{name}: shape {tuple(g.shape)} != {tuple(r.shape)}"
-        assert not torch.isnan(g).any(), f"{name}: NaN in the kernel result"
-        if name == "lse":
-            finite = torch.isfinite(r)
-            assert torch.equal(torch.isneginf(g), ~finite), "lse: -inf rows differ from the reference"
-            g, b, r = g[finite], b[finite], r[finite]
-            if r.numel() == 0:
-                continue
-        err = (g - r).abs().max().item()
-        base_err = (b - r).abs().max().item()
-        if base_alt is not None and name in base_alt:
-            base_err = max(base_err, (base_alt[name].double() - r).abs().max().item())
-        unit = torch.finfo(torch.float32).eps if name == "lse" else eps
-        floor = 4 * unit * max(1.0, r.abs().max().item())
-        bound = max(FACTOR[name] * base_err, floor)
-        ratios[name] = err / bound
-        assert err <= bound, (f"{name}: kernel error {err:.3e} > bound {bound:.3e} "
-                              f"(baseline error {base_err:.3e}, floor {floor:.3e})")
+        assert g.dtype == (torch.float32 if name == "lse" else dtype), f"{name}: {g.dtype}"
+        bases = [base[name]] + ([base_alt[name]] if base_alt is not None and name in base_alt
+                                else [])
+        ratios[name] = check_vs_baseline(name, g, bases, r, FACTOR[name])
     return ratios
 
 

@@ -1,13 +1,14 @@
 """Tests of the Triton SwiGLU launchers in kernels/swiglu_mlp.py.
 
 Without a GPU they run through the Triton interpreter on CPU (fp32 and fp16 only: bf16
-``tl.dot`` is wrong in the interpreter). Accuracy rule (README, "Tests"): against an fp64 reference,
-the kernel's max abs error is at most 2x (outputs) / 3x (gradients) the error of plain PyTorch
-at the same dtype. The plain-PyTorch baseline is the eager composition
-``linear(silu(linear(x)) * linear(x))`` run with autograd at the test dtype on the test device;
-on CPU that is torch's own fp16 / fp32 CPU matmul, the honest "what you would get without these
-kernels" on this machine. When the baseline error is 0 (e.g. db_down at T=1, an exact copy of dy)
-the bound uses a floor of 2 eps * max|reference| instead.
+``tl.dot`` is wrong in the interpreter). Accuracy rule (README, "Tests";
+reference.check_vs_baseline): against an fp64 reference, the kernel's max abs error is at most
+2x (outputs) / 3x (gradients) the error of plain PyTorch at the same dtype. The plain-PyTorch
+baseline is the eager composition ``linear(silu(linear(x)) * linear(x))``
+(reference.swiglu_reference) run with autograd at the test dtype on the test device; on CPU
+that is torch's own fp16 / fp32 CPU matmul, the honest "what you would get without these
+kernels" on this machine. When the baseline error is 0 (e.g. db_down at T=1, an exact copy of
+dy) the baseline is floored at reference.FLOOR_ULPS units in the last place of max|reference|.
 """
 import gc
 import weakref
@@ -17,7 +18,8 @@ import torch
 
 from ckpt_ext.kernels import swiglu_mlp
 
-from reference import make_swiglu_lora, swiglu_lora_grads
+from reference import (FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, make_swiglu_lora,
+                       swiglu_lora_grads, swiglu_reference)
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,9 +55,7 @@ def eager(x, w_gate, w_up, w_down, b_gate, b_up, b_down, dy):
     """
     leaves = [t.detach().clone().requires_grad_() if t is not None else None
               for t in (x, w_gate, w_up, w_down, b_gate, b_up, b_down)]
-    x_, wg, wu, wd, bg, bu, bd = leaves
-    F = torch.nn.functional
-    y = F.linear(F.silu(F.linear(x_, wg, bg)) * F.linear(x_, wu, bu), wd, bd)
+    y = swiglu_reference(*leaves)[0]
     y.backward(dy)
     return (y.detach(),) + tuple(t.grad if t is not None else None for t in leaves)
 
@@ -77,12 +77,9 @@ def run_kernels(x, w_gate, w_up, w_down, b_gate, b_up, b_down, dy, save):
     return (y,) + grads[:7]
 
 
-def max_err(a, ref):
-    return (a.double() - ref).abs().max().item() if ref.numel() else 0.0
-
-
 def check_accuracy(out, base, ref, dtype):
-    """Kernel error <= 2x (y) / 3x (grads) the eager error at the same dtype; returns ratios."""
+    """The accuracy rule (reference.check_vs_baseline) for y and the 7 gradients; returns
+    {name: kernel_err / bound}."""
     names = ("y",) + GRAD_NAMES
     ratios = {}
     for name, o, b, r in zip(names, out, base, ref):
@@ -90,13 +87,7 @@ def check_accuracy(out, base, ref, dtype):
             assert o.numel() == 0 and o.dtype == dtype, f"{name}: expected an empty placeholder"
             continue
         assert o.shape == r.shape and o.dtype == dtype, f"{name}: {o.shape} {o.dtype}"
-        factor = 2.0 if name == "y" else 3.0
-        floor = 2 * torch.finfo(dtype).eps * max(r.abs().max().item() if r.numel() else 0.0, 1e-30)
-        base_err = max(max_err(b, r), floor)
-        err = max_err(o, r)
-        ratios[name] = err / base_err
-        assert err <= factor * base_err, (
-            f"{name}: kernel error {err:.3e} > {factor}x eager {dtype} error {base_err:.3e}")
+        ratios[name] = check_vs_baseline(name, o, b, r, FACTOR_OUT if name == "y" else FACTOR_GRAD)
     return ratios
 
 
@@ -342,22 +333,15 @@ def flat_reference(args, lora, scaling, dy, dtype=None):
 
 
 def check_lora_accuracy(out, base, ref, needs=ALL_GRADS):
-    """Kernel error <= 2x (y) / 3x (grads) the eager error at the same dtype (floor 2 eps of
-    the result's dtype * max|reference|); a gradient not wanted or not applicable must be the
-    empty placeholder."""
+    """The accuracy rule (reference.check_vs_baseline) for the 14 results; a gradient not
+    wanted or not applicable must be the empty placeholder."""
     wanted = [True, True] + list(needs)
     for name, want, o, b, r in zip(ALL_NAMES, wanted, out, base, ref):
         if r is None or not want:
             assert o.numel() == 0 and o.dim() == 1, f"{name}: expected an empty placeholder"
             continue
         assert o.shape == r.shape and o.dtype == b.dtype, f"{name}: {o.shape} {o.dtype}"
-        factor = 2.0 if name == "y" else 3.0
-        floor = 2 * torch.finfo(o.dtype).eps * max(r.abs().max().item() if r.numel() else 0.0,
-                                                   1e-30)
-        base_err = max(max_err(b, r), floor)
-        err = max_err(o, r)
-        assert err <= factor * base_err, (
-            f"{name}: kernel error {err:.3e} > {factor}x eager error {base_err:.3e}")
+        check_vs_baseline(name, o, b, r, FACTOR_OUT if name == "y" else FACTOR_GRAD)
 
 
 # (T, dtype, adapter dtype, ranks (gate, up, down; None = no adapter), bias)

@@ -1,8 +1,8 @@
 """Drop-in modules for LLaMA-style layers, with Hugging Face parameter names.
 
 An HF ``LlamaDecoderLayer`` state_dict loads strictly into ``DecoderLayer`` (and Qwen2's, with
-``attention_bias=True, o_bias=False``; Qwen3's with ``qk_norm=True``). ``policy`` picks what
-is saved for backward (see ``ckpt_ext.presets``):
+``attention_bias=True, o_bias=False``; Qwen3's with ``qk_norm=True``). ``policy`` selects the
+preset, what is saved for backward (see ``ckpt_ext.presets``):
 
 * ``none``: plain PyTorch (SDPA attention), nothing recomputed;
 * ``torch``: the plain layer under ``torch.utils.checkpoint(use_reentrant=False)``;
@@ -67,7 +67,7 @@ class LayerConfig:
         return self.head_dim or self.hidden_size // self.num_heads
 
 
-# ---- plain PyTorch math (policy "none" / "torch") ------------------------------------------
+# ---- plain PyTorch math (presets "none" / "torch") -----------------------------------------
 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
@@ -155,7 +155,7 @@ class Attention(nn.Module):
     """HF ``LlamaAttention`` (causal, GQA, RoPE; optional q/k/v/o biases and Qwen3 q/k norms).
 
     forward(hidden_states (B, S, H) already normed, position_embeddings, key_padding_mask)
-    -> (B, S, H). Fused policies run ``ckpt_ext.ops`` (attention saves q, k, v, out, lse).
+    -> (B, S, H). Fused presets run ``ckpt_ext.ops`` (attention saves q, k, v, out, lse).
     """
 
     def __init__(self, config: LayerConfig, policy: str = "balanced"):
@@ -207,7 +207,7 @@ class DecoderLayer(nn.Module):
     """HF ``LlamaDecoderLayer``: ``h = x + attn(norm(x)); y = h + mlp(norm(h))``.
 
     forward(hidden_states (B, S, H), position_embeddings (cos, sin), key_padding_mask=None)
-    -> (B, S, H). With a fused policy the whole layer is one C++ autograd Function that saves
+    -> (B, S, H). With a fused preset the whole layer is one C++ autograd Function that saves
     what the preset says (``ckpt_ext.presets``).
     """
 
