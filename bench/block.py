@@ -12,6 +12,11 @@ Rows, all measured in one run on the same weights and inputs:
   ``torch.autocast`` (input, grad_out and cos/sin in fp32, as in mixed-precision training);
 * ``--compile`` adds ``<preset>@compiled`` rows: the layer under ``torch.compile`` (inductor
   on CUDA, aot_eager on CPU).
+* ``--lora R`` adds ``hf@lora`` (HF's layer with PEFT LoRA adapters of rank R on every
+  projection, ``--lora-dropout`` P, base weights frozen) and ``<preset>@lora`` rows: the fused
+  op on that layer's tensors, as ``patch_llama`` calls it (adapters fused, dropout masks hashed
+  from a per-call seed). Their gradients (the adapters') are compared with ``hf@lora``'s when
+  P = 0; with P > 0 the two draw different masks and the column says ``nan``.
 
 For each row: saved bytes (``ckpt_ext.saved_activation_bytes``) and, for the fused presets and
 ``torch``, the README formula; on CUDA the peak memory a forward+backward step allocates above
@@ -161,6 +166,10 @@ def parse_args(argv=None):
                    help="add <preset>@amp rows: fp32 master weights under torch.autocast")
     p.add_argument("--compile", action="store_true",
                    help="add <preset>@compiled rows (torch.compile of the layer)")
+    p.add_argument("--lora", type=int, metavar="R",
+                   help="add PEFT LoRA rows (rank R, every projection; needs peft)")
+    p.add_argument("--lora-dropout", type=float, default=0.05, metavar="P",
+                   help="the LoRA rows' lora_dropout (default 0.05)")
     p.add_argument("--device")
     p.add_argument("--csv", help="where to write the table (default: "
                                  "bench/results/block_<device>.csv)")
@@ -178,6 +187,10 @@ def parse_args(argv=None):
         args.presets.insert(0, "none")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda (or --llama7b) needs a CUDA GPU; this torch sees none")
+    if args.lora is not None and args.lora < 1:
+        p.error(f"--lora must be a rank >= 1, got {args.lora}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        p.error(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error(f"--hidden ({args.hidden}) must divide by --heads ({args.heads}) and --heads by "
                 f"--kv-heads ({args.kv_heads})")
@@ -245,7 +258,50 @@ def build_rows(args, device, dtype):
             twin.load_state_dict(layer.state_dict())
             rows[f"{name}@compiled"] = (torch.compile(twin, backend=backend, fullgraph=True),
                                         list(twin.parameters()), lambda: None, "")
+    if args.lora:
+        lora_rows(args, rows, model, fused_rows)
     return rows, inputs, (rows["hf"][2] if model is not None else None)
+
+
+def lora_rows(args, rows, model, fused_rows):
+    """hf@lora and <preset>@lora: a copy of HF's layer with PEFT adapters, and the fused op on
+    its tensors (what a patched PEFT model runs)."""
+    if model is None:
+        print("--lora needs transformers (the hf rows): no LoRA rows")
+        return
+    try:
+        import peft
+    except ImportError as exc:
+        print(f"peft not importable ({exc}): no LoRA rows")
+        return
+    import copy
+
+    from ckpt_ext.hf.patch import _layer_tensors
+
+    lora_model = copy.deepcopy(model)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft.inject_adapter_in_model(peft.LoraConfig(
+        r=args.lora, lora_alpha=2 * args.lora, lora_dropout=args.lora_dropout,
+        target_modules=targets, init_lora_weights=False), lora_model)
+    layer = lora_model.layers[0].train()
+    for name, t in layer.named_parameters():
+        t.requires_grad_("lora_" in name)
+    params = [t for t in layer.parameters() if t.requires_grad]
+    rows["hf@lora"] = (hf_step_fn(layer), params, lambda: None, "")
+    attn = layer.self_attn
+    hq, hkv = args.heads, args.kv_heads
+    eps = layer.input_layernorm.variance_epsilon
+
+    def fused(preset):
+        def fwd(x, pe):
+            weights, scaling, dropout = _layer_tensors(layer)
+            seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
+            return torch.ops.ckpt_ext.decoder_layer(
+                x, weights, pe[0], pe[1], None, None, None, False, scaling, dropout, seed,
+                hq, hkv, eps, attn.scaling, None, "layer", preset)
+        return fwd
+    for name in fused_rows:
+        rows[f"{name}@lora"] = (fused(name), params, lambda: None, "")
 
 
 def measure(args) -> Measured:
@@ -298,8 +354,12 @@ def measure(args) -> Measured:
     if restore is not None:
         restore()
     m.med = {n: median(v) for n, v in times.items()}
-    m.err = {n: max((a - r).abs().max().item() for a, r in zip(grads[n], grads["none"]))
-             for n in rows}
+    def err(n):  # the LoRA rows' gradients are the adapters': compared with hf@lora's
+        ref = "hf@lora" if n.endswith("@lora") else "none"
+        if ref == "hf@lora" and args.lora_dropout > 0:
+            return float("nan")  # PEFT's and the fused op's masks differ
+        return max((a - r).abs().max().item() for a, r in zip(grads[n], grads[ref]))
+    m.err = {n: err(n) for n in rows}
     fused_rows = [n for n in args.presets if n in FUSED_PRESETS]
     m.formula = {n: saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i, dtype=dtype)
                  for n in args.presets if n != "none"}
@@ -308,6 +368,9 @@ def measure(args) -> Measured:
                                               compute_dtype=DTYPES[args.amp])
                       for n in fused_rows if args.amp})
     m.formula.update({f"{n}@compiled": m.formula[n] for n in fused_rows if args.compile})
+    m.formula.update({f"{n}@lora": saved_bytes(n, B=b, S=s, H=h, Hq=hq, Hkv=hkv, D=d, I=i,
+                                               dtype=dtype, lora_dropout=args.lora_dropout > 0)
+                      for n in fused_rows if args.lora and f"{n}@lora" in rows})
     m.input_bytes = b * s * h * torch.empty((), dtype=dtype).element_size()
     return m
 

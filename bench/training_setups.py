@@ -1,5 +1,6 @@
 """Saved activation bytes of a tiny HF Llama in the setups people train with: fp32, autocast
-(fp32 master weights), HF gradient checkpointing, torch.compile; unpatched vs patched presets.
+(fp32 master weights), HF gradient checkpointing, torch.compile, PEFT LoRA (with and without
+lora_dropout), packed sequences; unpatched vs patched presets.
 CPU, seconds to run: python bench/training_setups.py (prints the README table)."""
 import copy, torch, warnings
 warnings.simplefilter("ignore")
@@ -35,6 +36,12 @@ lora = peft.get_peft_model(copy.deepcopy(base), lora_cfg)
 rows.append(("LoRA r8 (all projections), unpatched", nbytes(lora)))
 rows.append(("LoRA r8 (all projections), balanced",
              nbytes(ckpt_ext.patch_llama(copy.deepcopy(lora), "balanced"))))
+drop_cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05,
+                           target_modules=lora_cfg.target_modules)
+drop = peft.get_peft_model(copy.deepcopy(base), drop_cfg)
+rows.append(("LoRA r8 + lora_dropout 0.05, unpatched", nbytes(drop)))
+rows.append(("LoRA r8 + lora_dropout 0.05, balanced",
+             nbytes(ckpt_ext.patch_llama(copy.deepcopy(drop), "balanced"))))
 pos = torch.cat([torch.arange(n) for n in (20, 7, 30, 7)])[None].repeat(2, 1)
 
 
