@@ -105,16 +105,12 @@ class HFLlama(nn.Module):
                           max_position_embeddings=max(a.seq, 2048), rms_norm_eps=1e-5,
                           use_cache=False)
         dtype = DTYPES[a.dtype]
-        try:  # transformers 5 names it dtype, 4.x torch_dtype
-            self.model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
-                                                          dtype=dtype)
-        except TypeError:
-            self.model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
-                                                          torch_dtype=dtype)
+        self.model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
+                                                      dtype=dtype)
         if a.lora:
             import peft
             self.model = peft.get_peft_model(self.model, peft.LoraConfig(
-                r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
+                r=8, lora_alpha=16, lora_dropout=0.05, target_modules=[
                     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
         self.amp = DTYPES[a.amp] if a.amp else None
         self.compile = a.compile
@@ -335,7 +331,8 @@ def parse_args(argv=None):
                    help="HF model: every step under torch.autocast (fp32 master weights)")
     p.add_argument("--compile", action="store_true", help="HF model: under torch.compile")
     p.add_argument("--lora", action="store_true",
-                   help="HF model: wrapped in a PEFT LoRA model (rank 8, every projection)")
+                   help="HF model: wrapped in a PEFT LoRA model (rank 8, every projection, "
+                        "lora_dropout 0.05)")
     p.add_argument("--out", default=RESULTS, help="folder for the CSV and the plot "
                    "(default: bench/results)")
     a = p.parse_args(argv)
@@ -370,7 +367,7 @@ def main(argv=None) -> None:
     shape = (f"{a.layers} layers, H {a.hidden}, {a.heads}/{a.kv_heads} heads, I {a.intermediate},"
              f" vocab {a.vocab}, B {a.batch}, S {a.seq}, {a.dtype}, {n_params / 1e6:.1f}M params"
              + (f", autocast {a.amp}" if a.amp else "") + (", compiled" if a.compile else "")
-             + (", LoRA r8" if a.lora else ""))
+             + (", LoRA r8 (dropout 0.05)" if a.lora else ""))
     model_desc = ("transformers LlamaForCausalLM + ckpt_ext.hf.patch_llama" if a.model == "hf"
                   else "ckpt_ext.modules.DecoderLayer stack")
     print(f"device: {device_name(device)}; torch {torch.__version__}")
