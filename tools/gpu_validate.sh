@@ -56,8 +56,8 @@ for stage in "${expand[@]}"; do
       tail -25 "$out/gpu_tests.log"
       ;;
     block)
-      log "LLaMA-7B layer: every preset, HF's own checkpointing, autocast and compiled rows"
-      python3 bench/block.py --llama7b --amp bfloat16 --compile --reps "${REPS:-10}" 2>&1 \
+      log "LLaMA-7B layer: every preset, HF's own checkpointing, autocast, compiled and LoRA rows"
+      python3 bench/block.py --llama7b --amp bfloat16 --compile --lora 16 --reps "${REPS:-10}" 2>&1 \
           | tee -a "$out/gpu_bench.log" || status=1
       ;;
     kernels)
