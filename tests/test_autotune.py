@@ -30,13 +30,19 @@ def test_switch_rejects_other_values(monkeypatch, value):
 
 
 def smem_and_regs(kind, c, d_pad, elt):
-    """Shared memory (bytes) and fp32 accumulator registers per thread of a tile config."""
+    """Shared memory (bytes): two streamed tiles per stage, the resident tiles and (backward)
+    2 KiB of lse/delta rows; and the register model's fp32 words per thread, restated from its
+    description (accumulators, resident tiles, one step's score tiles)."""
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
     resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
     tiles = max(c.num_stages, 1) * 2 * streamed + (1 if kind == "fwd" else 2) * resident
     smem = tiles * d_pad * elt + (0 if kind == "fwd" else 2048)
-    regs = (2 if kind == "dkdv" else 1) * resident * d_pad / (32 * c.num_warps)
-    return smem, regs
+    half = elt / 4
+    words = {"fwd": bm * d_pad * (1 + half) + bm * bn * (1 + half),
+             "dq": bm * d_pad * (1 + 2 * half) + bm * bn * (2 + half),
+             "dkdv": 2 * bn * d_pad * (1 + half) + 2 * bm * d_pad * half + bm * bn * (4 + half)}[kind]
+    warps = min(c.num_warps, bn // 16) if kind == "dkdv" else c.num_warps
+    return smem, words / (32 * warps)
 
 
 # Triton's own shared-memory allocation (bytes) for bf16, head_dim 128, found by AOT compiles
@@ -65,8 +71,11 @@ def test_pruned_attention_configs_fit(kind, arch, budget, d_pad):
     candidates' order; with no room at all the smallest tile is still offered."""
     configs = attention._CONFIGS[(kind, arch)]
     kept = attention._prune(kind, configs, d_pad, 2, budget)
+    assert all(attention.estimate_resources(kind, c, d_pad, 2) == smem_and_regs(kind, c, d_pad, 2)
+               for c in configs)
+    limit = attention._REG_LIMIT[kind]
     fitting = [c for c in configs
-               if (lambda m, r: m <= budget and r <= 128)(*smem_and_regs(kind, c, d_pad, 2))]
+               if (lambda m, r: m <= budget and r <= limit)(*smem_and_regs(kind, c, d_pad, 2))]
     smallest = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
     assert kept == (fitting or [smallest])
     if d_pad <= 128 and arch == "hopper":

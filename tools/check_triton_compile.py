@@ -238,15 +238,16 @@ def _strides(prefixes, dims="bhsd"):
 
 
 def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal: bool,
-                        has_mask: bool, meta: dict):
-    """(signature, constexprs, attrs) of an attention kernel as its launcher passes them."""
+                        has_mask: bool, meta: dict, dq_atomic: bool = False):
+    """(signature, constexprs, attrs) of an attention kernel as its launcher passes them
+    (dq_atomic: the dK/dV kernel of CKPT_EXT_ATTN_DQ=atomic)."""
     import torch
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     common = attention._common_meta(head_dim, causal, tdtype)
     fn = getattr(attention, ATTN_KERNEL[kind])
     if kind == "pre":
-        pointers = {"Out": dtype, "DOut": dtype, "Delta": "fp32"}
+        pointers = {"Out": dtype, "DOut": dtype, "Lse": "fp32", "Delta": "fp32", "Lse2": "fp32"}
         strides = _strides("og")
         consts = {"HEAD_DIM": head_dim, "D_PAD": common["D_PAD"], "BLOCK_M": meta["BLOCK_M"]}
         return make_signature(fn, pointers, {s for s in strides if s.endswith("d")},
@@ -256,11 +257,14 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     pointers["Mask"] = "u8" if has_mask else dtype  # bool mask viewed as uint8, else q itself
     for name in ("SegId", "SegLo", "SegHi"):        # no segment ids: q itself
         pointers[name] = dtype
-    pointers["Lse"] = "fp32"
-    prefixes = ["q", "k", "v", "o"] if kind == "fwd" else ["q", "k", "v", "g", "d"]
+    pointers["Lse" if kind == "fwd" else "Lse2"] = "fp32"
+    prefixes = {"fwd": ["q", "k", "v", "o"], "dq": ["q", "k", "v", "g", "d"],
+                "dkdv": ["q", "k", "v", "g", "d", "a"]}[kind]
     if kind != "fwd":
         pointers["DOut"] = dtype
         pointers["Delta"] = "fp32"
+    if kind == "dkdv":
+        pointers["DQA"] = "fp32"  # the fp32 dQ sums (atomic mode), else dq itself
     strides = _strides(prefixes)
     unit = {s for s in strides if s.endswith("d")}
     div16 = {s for s in strides if not s.endswith("d")} | {"S_BUCKET"}
@@ -271,6 +275,8 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     floats = {"qk_scale"} if kind == "fwd" else {"qk_scale", "sm_scale"}
     consts = dict(common, HAS_MASK=has_mask, HAS_SEG=False, WINDOW=False,
                   BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
+    if kind == "dkdv":
+        consts["DQ_ATOMIC"] = dq_atomic
     return make_signature(fn, pointers, unit, div16, floats, consts)
 
 
