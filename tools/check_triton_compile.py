@@ -316,14 +316,9 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
 # Pruner
 # --------------------------------------------------------------------------------------------
 def pruner_estimate(attention, kind: str, cfg, d_pad: int, elt: int) -> tuple:
-    """The shared-memory bytes (attention._smem_bytes) and fp32 accumulator registers per
-    thread (restated here; the script checks below that the pair agrees with _prune's own
-    decision) that attention._prune judges a config by."""
-    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-    resident = bn if kind == "dkdv" else bm
-    smem = attention._smem_bytes(kind, cfg, d_pad, elt)
-    regs = (2 if kind == "dkdv" else 1) * resident * d_pad / (32 * cfg.num_warps)
-    return smem, regs
+    """The shared-memory bytes and registers per thread that attention._prune judges a config
+    by (attention.estimate_resources)."""
+    return attention.estimate_resources(kind, cfg, d_pad, elt)
 
 
 def pruner_verdict(attention, kind: str, cfg, configs, d_pad: int, elt: int, budget: int) -> dict:
@@ -339,7 +334,8 @@ def pruner_verdict(attention, kind: str, cfg, configs, d_pad: int, elt: int, bud
     verdict = "keep" if alone else ("fallback" if launched else "drop")
     est_smem, est_regs = pruner_estimate(attention, kind, cfg, d_pad, elt)
     return {"verdict": verdict, "est_shared": est_smem, "est_acc_regs": est_regs,
-            "estimate_in_sync": alone == (est_smem <= budget and est_regs <= 128)}
+            "estimate_in_sync": alone == (est_smem <= budget
+                                          and est_regs <= attention._REG_LIMIT[kind])}
 
 
 # --------------------------------------------------------------------------------------------
