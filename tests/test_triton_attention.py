@@ -415,8 +415,10 @@ def test_decoder_layer_has_no_attention_layout_copies(backend, policy):
     assert len(copies["bwd"]) == 2, copies["bwd"]
 
 
-def test_deterministic_backward():
-    """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal."""
+def test_deterministic_backward(monkeypatch):
+    """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal
+    (dq too with CKPT_EXT_ATTN_DQ=separate, the default)."""
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "separate")
     q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, torch.float16, "right", seed=11)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.2)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
@@ -553,7 +555,19 @@ def test_accuracy_gpu(case):
 
 @needs_gpu
 @pytest.mark.gpu
-def test_deterministic_backward_gpu():
+@pytest.mark.parametrize("case", GPU_CASES[:4] + GPU_CASES[6:7], ids=[_case_id(c) for c in GPU_CASES[:4] + GPU_CASES[6:7]])
+def test_dq_atomic_gpu(monkeypatch, case):
+    """The atomic dQ path with the GPU's configs, bf16 / fp16 / fp32 (the one the interpreter
+    cannot check for bf16)."""
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "atomic")
+    dtype, B, Hq, Hkv, S, D, causal, mask = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 2)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_deterministic_backward_gpu(monkeypatch):
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "separate")
     q, k, v, dout, mask = make_inputs(2, 32, 8, 2048, 128, torch.bfloat16, "right", seed=1)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 128 ** -0.5)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 128 ** -0.5)
