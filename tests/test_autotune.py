@@ -40,7 +40,8 @@ def smem_and_regs(kind, c, d_pad, elt):
     half = elt / 4
     words = {"fwd": bm * d_pad * (1 + half) + bm * bn * (1 + half),
              "dq": bm * d_pad * (1 + 2 * half) + bm * bn * (2 + half),
-             "dkdv": 2 * bn * d_pad * (1 + half) + 2 * bm * d_pad * half + bm * bn * (4 + half)}[kind]
+             "dkdv": (2 * bn * d_pad * (1 + half) + 2 * bm * d_pad * half
+                      + bm * bn * (4 + half))}[kind]
     warps = min(c.num_warps, bn // 16) if kind == "dkdv" else c.num_warps
     return smem, words / (32 * warps)
 

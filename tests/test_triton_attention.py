@@ -555,7 +555,8 @@ def test_accuracy_gpu(case):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES[:4] + GPU_CASES[6:7], ids=[_case_id(c) for c in GPU_CASES[:4] + GPU_CASES[6:7]])
+@pytest.mark.parametrize("case", GPU_CASES[:4] + GPU_CASES[6:7],
+                         ids=[_case_id(c) for c in GPU_CASES[:4] + GPU_CASES[6:7]])
 def test_dq_atomic_gpu(monkeypatch, case):
     """The atomic dQ path with the GPU's configs, bf16 / fp16 / fp32 (the one the interpreter
     cannot check for bf16)."""
