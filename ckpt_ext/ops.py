@@ -485,8 +485,8 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     Returns:
         out (B, Hq, S, D) in q's dtype, laid out (B, S, Hq, D) in memory (so
         ``out.transpose(1, 2).reshape(B, S, Hq * D)`` is a view). A query row with nothing to
-        attend gives 0 (and zero gradients). Saves q, k, v, out and lse for backward, which recomputes the
-        softmax tile by tile.
+        attend gives 0 (and zero gradients). Saves q, k, v, out and lse for backward, which
+        recomputes the softmax tile by tile.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
