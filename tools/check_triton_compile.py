@@ -334,6 +334,7 @@ def pruner_verdict(attention, kind: str, cfg, configs, d_pad: int, elt: int, bud
     verdict = "keep" if alone else ("fallback" if launched else "drop")
     est_smem, est_regs = pruner_estimate(attention, kind, cfg, d_pad, elt)
     return {"verdict": verdict, "est_shared": est_smem, "est_acc_regs": est_regs,
+            "reg_limit": attention._REG_LIMIT[kind],
             "estimate_in_sync": alone == (est_smem <= budget
                                           and est_regs <= attention._REG_LIMIT[kind])}
 
@@ -556,15 +557,18 @@ def summarize(rows) -> tuple:
             disagree.append(f"  KEPT ({pr['verdict']}) but does not fit: {where}: shared "
                             f"{r['shared']} B > {j['budget']} B (estimate {pr['est_shared']} B)")
         elif not kept and fits:
-            reason = ("register estimate "
-                      f"{pr['est_acc_regs']:.0f} fp32/thread > 128"
-                      if pr["est_shared"] <= j["budget"] else
+            by_regs = pr["est_shared"] <= j["budget"]
+            if by_regs and r.get("spill_stores", 0) > 0:
+                continue  # dropped by the register model and it does spill: they agree
+            reason = (f"register estimate {pr['est_acc_regs']:.0f} fp32/thread > "
+                      f"{pr['reg_limit']}" if by_regs else
                       f"shared estimate {pr['est_shared']} B > {j['budget']} B")
             disagree.append(f"  DROPPED though it fits: {where}: shared {r['shared']} B <= "
                             f"{j['budget']} B; dropped by the {reason}; real regs "
                             f"{r.get('regs')}, spill {_spill_text(r)} B")
     lines.append("")
-    lines.append(f"pruner disagreements (attention._prune vs real shared memory): {len(disagree)}")
+    lines.append(f"pruner disagreements (attention._prune vs real shared memory and spills): "
+                 f"{len(disagree)}")
     lines.extend(disagree)
     out_of_sync = [j for j, _ in rows if j.get("pruner") and not j["pruner"]["estimate_in_sync"]]
     if out_of_sync:
