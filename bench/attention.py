@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="GPU dtype")
     p.add_argument("--no-causal", action="store_true", help="benchmark non-causal attention")
     p.add_argument("--providers", default="triton,sdpa,eager",
-                   help="comma-separated subset of triton,sdpa,eager")
+                   help="comma-separated subset of triton,triton_atomic,sdpa,eager "
+                        "(triton_atomic: the backward with CKPT_EXT_ATTN_DQ=atomic)")
     p.add_argument("--warmup", type=int, default=None, help="warmup iterations (GPU 5, CPU 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (GPU 30, CPU 3)")
     p.add_argument("--cpu-size", default="1,2,64,16", help="B,H,S,D of the CPU interpreter smoke run")
@@ -141,7 +142,23 @@ def autograd_fns(fn, q, k, v, dout, causal, scale):
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
 
 
-def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None):
+def with_dq_mode(mode, fn):
+    """fn called with CKPT_EXT_ATTN_DQ=mode (the launcher reads it at every backward)."""
+    def call():
+        before = os.environ.get("CKPT_EXT_ATTN_DQ")
+        os.environ["CKPT_EXT_ATTN_DQ"] = mode
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["CKPT_EXT_ATTN_DQ"]
+            else:
+                os.environ["CKPT_EXT_ATTN_DQ"] = before
+    return call
+
+
+def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None, dq_mode=None):
+    """dq_mode: None (the environment's CKPT_EXT_ATTN_DQ) or "separate" / "atomic"."""
     saved = {}
     masks = (None, segment_ids, window)
 
@@ -159,6 +176,8 @@ def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None):
         out, lse = attention.attention_fwd(q, k, v, *masks, causal, scale)
         return attention.attention_bwd(dout, q, k, v, out, lse, *masks, causal, scale)
 
+    if dq_mode is not None:
+        bwd, fwd_bwd = with_dq_mode(dq_mode, bwd), with_dq_mode(dq_mode, fwd_bwd)
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
 
 
@@ -206,8 +225,9 @@ def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device
     for prov in providers:
         note = ""
         try:
-            if prov == "triton":
-                fns, prepare = triton_fns(q, k, v, dout, causal, scale, seg, window)
+            if prov in ("triton", "triton_atomic"):  # dQ: the environment's, or atomic
+                fns, prepare = triton_fns(q, k, v, dout, causal, scale, seg, window,
+                                          "atomic" if prov == "triton_atomic" else None)
             elif prov == "sdpa":
                 fns, prepare = autograd_fns(with_mask(sdpa_attention), q, k, v, dout, causal,
                                             scale)
@@ -311,7 +331,7 @@ CSV_FIELDS = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "m
 def main(argv=None):
     args = parse_args(argv)
     providers = [p for p in args.providers.split(",") if p]
-    unknown = set(providers) - {"triton", "sdpa", "eager"}
+    unknown = set(providers) - {"triton", "triton_atomic", "sdpa", "eager"}
     if unknown:
         sys.exit(f"bench/attention.py: unknown providers {sorted(unknown)}")
     causal = not args.no_causal

@@ -64,7 +64,7 @@ def _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset)
         if preset == "fast":
             out += [x.new_empty(b, num_heads, s, d, **act), x.new_empty(b, num_kv_heads, s, d, **act),
                     x.new_empty(b, s, num_kv_heads, d, **act).transpose(1, 2)]
-        out += [x.new_empty(b, num_heads, s, d, **act),
+        out += [x.new_empty(b, s, num_heads, d, **act).transpose(1, 2),
                 x.new_empty(b, num_heads, s, dtype=torch.float32)]
     if part == "layer":
         out.append(torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -38,11 +38,16 @@ _ops = torch.ops.ckpt_ext
 # --------------------------------------------------------------------------------------------
 # Fake implementations: shapes and dtypes exactly as the real ops return them
 # --------------------------------------------------------------------------------------------
+def _empty_bshd(like, B, H, S, D):
+    return like.new_empty((B, S, H, D)).transpose(1, 2)
+
+
 @torch.library.register_fake("ckpt_ext::attention_fwd")
 def _attention_fwd_fake(q, k, v, key_padding_mask, segment_ids, window, causal, scale):
     B, Hq, _, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
                                 window, scale)
-    return q.new_empty((B, Hq, S, D)), q.new_empty((B, Hq, S), dtype=torch.float32)
+    # out, dq, dk, dv: (B, H, S, D) views of (B, S, H, D) memory, as the kernels return them.
+    return _empty_bshd(q, B, Hq, S, D), q.new_empty((B, Hq, S), dtype=torch.float32)
 
 
 @torch.library.register_fake("ckpt_ext::attention_bwd")
@@ -56,8 +61,7 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, 
     if lse.dtype != torch.float32:
         raise TypeError(f"{op}: lse must be float32, got {_dtype(lse.dtype)}")
     _check_device_as(op, "lse", lse, "q", q)
-    return (q.new_empty((B, Hq, S, D)), q.new_empty((B, Hkv, S, D)),
-            q.new_empty((B, Hkv, S, D)))
+    return _empty_bshd(q, B, Hq, S, D), _empty_bshd(q, B, Hkv, S, D), _empty_bshd(q, B, Hkv, S, D)
 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
@@ -324,9 +328,10 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
         The rules combine: a key is attended only if every rule given allows it.
 
     Returns:
-        out (B, Hq, S, D), contiguous, q's dtype. A query row with nothing to attend gives 0
-        (and zero gradients). Saves q, k, v, out and lse for backward, which recomputes the
-        softmax tile by tile.
+        out (B, Hq, S, D) in q's dtype, laid out (B, S, Hq, D) in memory (so
+        ``out.transpose(1, 2).reshape(B, S, Hq * D)`` is a view). A query row with nothing to
+        attend gives 0 (and zero gradients). Saves q, k, v, out and lse for backward, which
+        recomputes the softmax tile by tile.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

@@ -5,9 +5,13 @@
 // h / (Hq / Hkv); key_padding_mask (B, S) bool, True = the key may be attended; segment_ids
 // (B, S) int32/int64, a query sees only keys with its id (packed sequences); window > 0, HF's
 // sliding window: key j is visible from query i iff i - window < j (and j < i + window when not
-// causal); out (B, Hq, S, D) contiguous in q's dtype; lse (B, Hq, S) float32, the natural-log
+// causal); out (B, Hq, S, D) in q's dtype; lse (B, Hq, S) float32 contiguous, the natural-log
 // logsumexp of the scaled allowed scores, -inf for a row with nothing to attend (its out row
 // and its gradients are 0).
+//
+// Layout: out, dq, dk and dv are (B, H, S, D) views of (B, S, H, D) memory, the layout in which
+// the decoder layer holds its projections, as the Triton kernels return them: merging the heads
+// back, t.transpose(1, 2).reshape(B, S, H * D), is then a view, not a copy.
 //
 // Skipping: causal and the window form a band i - before <= j <= i + after; each query tile
 // visits only the keys in the band of its rows and, with segment ids, in the span from the
@@ -191,6 +195,16 @@ struct AttnMask {
   }
 };
 
+// An uninitialised (B, H, S, D) tensor laid out (B, S, H, D) in memory (see "Layout" above).
+at::Tensor empty_bshd(int64_t B, int64_t H, int64_t S, int64_t D, const at::TensorOptions& o) {
+  return at::empty({B, S, H, D}, o).transpose(1, 2);
+}
+
+// t (B, H, S, D) laid out (B, S, H, D): t itself when it already is, else a copy.
+at::Tensor as_bshd(const at::Tensor& t) {
+  return t.transpose(1, 2).contiguous().transpose(1, 2);
+}
+
 // The G query heads of kv head hk at positions [i0, i0 + m) of batch b: a view (m, G, D) of
 // t (B, Hq, S, D) (q, out, dout, dq), rows in (position, head) order once flattened.
 at::Tensor group_rows(const at::Tensor& t, int64_t b, int64_t hk, int64_t G, int64_t i0,
@@ -291,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   const char* op = "attention_fwd";
   const AttnDims d = check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale);
   if (d.S == 0) {  // empty outputs, as torch's attention gives (ATen's flash kernel divides by S)
-    return {at::empty({d.B, d.Hq, 0, d.D}, q.options()),
+    return {empty_bshd(d.B, d.Hq, 0, d.D, q.options()),
             at::empty({d.B, d.Hq, 0}, q.options().dtype(at::kFloat))};
   }
   const AttnMask mask = make_mask(d, key_padding_mask, segment_ids, window, causal);
@@ -301,10 +315,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
     auto unit_d = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
         unit_d(q), unit_d(k), unit_d(v), 0.0, causal, std::nullopt, scale);
-    return {o.contiguous(), l.to(at::kFloat).contiguous()};
+    // It allocates its output (B, S, H, D) and returns the (B, H, S, D) view: no copy here.
+    return {as_bshd(o), l.to(at::kFloat).contiguous()};
   }
   const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
-  at::Tensor out = at::empty({d.B, d.Hq, d.S, d.D}, q.options());                  // (B, Hq, S, D)
+  at::Tensor out = empty_bshd(d.B, d.Hq, d.S, d.D, q.options());                   // (B, Hq, S, D)
   at::Tensor lse = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));     // (B, Hq, S)
   const int64_t num_q_tiles = (d.S + kBlockM - 1) / kBlockM;
 
@@ -344,9 +359,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   check_dtype(op, "lse", lse, at::kFloat);
   check_device_as(op, "lse", lse, "q", q);
   const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
-  at::Tensor dq = at::empty({d.B, d.Hq, d.S, d.D}, q.options());   // (B, Hq, S, D)
-  at::Tensor dk = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
-  at::Tensor dv = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());  // (B, Hkv, S, D)
+  at::Tensor dq = empty_bshd(d.B, d.Hq, d.S, d.D, q.options());   // (B, Hq, S, D)
+  at::Tensor dk = empty_bshd(d.B, d.Hkv, d.S, d.D, q.options());  // (B, Hkv, S, D)
+  at::Tensor dv = empty_bshd(d.B, d.Hkv, d.S, d.D, q.options());  // (B, Hkv, S, D)
   if (d.S == 0) return {dq, dk, dv};  // empty gradients of empty inputs
   const AttnMask mask = make_mask(d, key_padding_mask, segment_ids, window, causal);
   const int64_t G = d.G, S = d.S, D = d.D;

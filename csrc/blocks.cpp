@@ -30,7 +30,8 @@
 // (statistics in fp32), projections and attention in compute_dtype (weights cast transiently,
 // never saved), residual adds in the residual dtype (fp32 when the master weights are fp32).
 //
-// Shapes: x (B, S, H); q (B, Hq, S, D); k, v (B, Hkv, S, D); out (B, Hq, S, D);
+// Shapes: x (B, S, H); q (B, Hq, S, D); k, v (B, Hkv, S, D); out (B, Hq, S, D) (v and out
+// laid out (B, S, H*, D) in memory);
 // lse (B, Hq, S) fp32; gate, up (B*S, I); weights in nn.Linear layout.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -535,7 +536,9 @@ at::Tensor per_kv_head(const at::Tensor& t, int64_t hkv) {  // (B, Hq, S, D) sum
 
 void fix_empty_rows_forward(const Layer& L, Residuals& r) {
   const at::Tensor vmean = per_query_head(r.v.mean(2, /*keepdim=*/true), L.hq / L.hkv);
-  r.out = at::where(empty_rows(r.lse).to(at::kBool), vmean.to(r.out.scalar_type()), r.out);
+  at::Tensor fixed = at::empty_like(r.out);  // keeps out's (B, S, Hq, D) memory layout
+  at::where_out(fixed, empty_rows(r.lse).to(at::kBool), vmean.to(r.out.scalar_type()), r.out);
+  r.out = fixed;
 }
 
 void fix_empty_rows_backward(const Layer& L, const Residuals& r, const at::Tensor& dout,
@@ -565,7 +568,9 @@ at::Tensor attention_forward(const at::Tensor& x, const Layer& L, Residuals& r) 
   r.q = p.q, r.k = p.k, r.v = p.v;
   std::tie(r.out, r.lse) = attention_fwd(p.q, p.k, p.v, L.mask, L.seg, L.window, L.scale);
   if (L.uniform_empty_rows) fix_empty_rows_forward(L, r);
-  r.out = r.out.contiguous();
+  // The kernels return out as a (B, Hq, S, D) view of (B, S, Hq, D) memory, so merge_heads is
+  // a view; this is a no-op for them and keeps the residual's layout fixed for any kernel.
+  r.out = r.out.transpose(1, 2).contiguous().transpose(1, 2);
   return x + proj_fwd(L, kO, merge_heads(r.out));
 }
 
@@ -740,7 +745,7 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
     r.q = at::empty({b, L.hq, s, d}, act);
     r.k = at::empty({b, L.hkv, s, d}, act);
     r.v = at::empty({b, s, L.hkv, d}, act).transpose(1, 2);
-    r.out = at::empty({b, L.hq, s, d}, act);
+    r.out = at::empty({b, s, L.hq, d}, act).transpose(1, 2);
     r.lse = at::empty({b, L.hq, s}, x.options().dtype(at::kFloat));
   }
   r.h = at::empty_like(x, at::MemoryFormat::Contiguous);

@@ -7,8 +7,13 @@ Shapes (every launcher checks them):
     segment_ids:      None or int32 / int64 (B, S): a query sees only keys with its id
     window:           None or int > 0: key j is visible from query i iff i - window < j
                       (and j < i + window when not causal); None or >= S: no window
-    out:              (B, Hq, S, D)      dtype of q, contiguous
+    out:              (B, Hq, S, D)      dtype of q, laid out (B, S, Hq, D) in memory
     lse:              (B, Hq, S)         float32, natural log; -inf where a row attends nothing
+
+Layout: the decoder layer holds q/k/v as (B, S, H, D) projections viewed (B, H, S, D). The
+kernels take any strides, and out, dq, dk and dv are allocated (B, S, H, D) in memory and
+returned as (B, H, S, D) views of it, so ``t.transpose(1, 2).reshape(B, S, H * D)`` on a result
+is a view: no layout copy on either side of the kernels.
 
 Forward: one program per (query block, batch, query head). It streams key blocks through an
 online softmax (running max ``m``, running sum ``l``, fp32 accumulator), in base 2 so that the
@@ -19,13 +24,25 @@ of the band pay for the element-wise band test. Packed or windowed attention the
 about what it computes. Segment ids are compared element-wise in every visited block, so any
 ids are handled exactly; contiguous segments are what makes the skipping effective.
 
-Backward: ``D = rowsum(dO * O)`` first; then one kernel owns a key block of one KV head and walks
-over every query block of every query head in its GQA group (fixed order, so dK/dV are summed
-deterministically and without atomics), and one kernel owns a query block and walks over the
-key blocks to form dQ, each visiting only the blocks the band and the segments allow (a key
-block meets the query blocks that can see it). Both rebuild ``P = exp(scale * Q K^T - lse)``
+Backward: a pre-pass forms ``D = rowsum(dO * O)`` and the base-2 lse (+inf on rows that attend
+nothing); then one kernel owns a key block of one KV head and walks over every query block of
+every query head in its GQA group (fixed order, so dK/dV are summed deterministically and
+without atomics). dQ is formed one of two ways (``CKPT_EXT_ATTN_DQ``, see :func:`dq_mode`):
+``separate`` (default), a second kernel that owns a query block and walks over the key blocks,
+recomputing Q K^T and dO V^T (7 tile matmuls per tile pair in all); or ``atomic``, the dK/dV
+kernel also forms dS^T K and adds it into fp32 dQ rows with atomics, then one pass converts
+them to q's dtype (5 matmuls, as FlashAttention-2; not bit-reproducible). Each kernel visits
+only the blocks the band and the segments allow. All rebuild ``P = exp2(s * qk_scale - lse2)``
 tile by tile; the S x S matrix never exists in memory. A row whose lse is -inf gets ``P = 0``,
 hence zero gradients.
+
+Inner loops: each walk is split into stages (the window's lower edge, the interior blocks, the
+block crossing S, the causal diagonal / window's upper edge); interior blocks do no masking at
+all (no bound, band or padding test unless a padding mask is given), and the scale is applied
+in the single fused multiply-add ``s * qk_scale - m`` (forward, with the running max scaled once
+per row) or ``s * qk_scale - lse2`` (backward) instead of a multiply and a bias add per score.
+The scale is folded into that FMA rather than into K or Q beforehand: pre-scaling a bf16/fp16
+tile would round it once more, for no fewer instructions.
 
 The head dimension is padded to a power of two (>= 16) inside the kernels with masked loads, so
 any head_dim in 16..256 works (80 and 96 included). fp32 inputs use IEEE fp32 dot products
@@ -45,7 +62,8 @@ import triton.language as tl
 
 from . import autotune_enabled
 
-__all__ = ["attention_fwd", "attention_bwd"]
+__all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs",
+           "attention_candidate_configs", "estimate_resources"]
 
 _LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the kernels
 
@@ -62,6 +80,23 @@ _PRE_BLOCK_M = 64  # rows per program of the D = rowsum(dO * O) pre-pass
 def _interpreting() -> bool:
     """True when Triton runs its CPU interpreter (decided by TRITON_INTERPRET, as Triton does)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dq_mode() -> str:
+    """How the backward forms dQ, from ``CKPT_EXT_ATTN_DQ`` (read at every backward launch).
+
+    ``separate`` (the default): a dQ kernel of its own walks the key blocks of each query
+    block; deterministic, but it recomputes Q K^T and dO V^T (7 tile matmuls per tile pair in
+    all). ``atomic``: the dK/dV kernel also forms dS^T K and adds it into an fp32 dQ buffer
+    with atomics, then one pass converts it to q's dtype (5 matmuls per tile pair, as
+    FlashAttention-2; the fp32 sums' order, hence their last bits, vary between runs). Both
+    are exact formulas tested against the same reference; which is faster is for a GPU
+    measurement to decide, and the default follows that measurement.
+    """
+    value = os.environ.get("CKPT_EXT_ATTN_DQ", "separate")
+    if value not in ("separate", "atomic"):
+        raise ValueError(f"CKPT_EXT_ATTN_DQ must be 'separate' or 'atomic', got {value!r}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,27 +142,39 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                     offs_m, offs_d, lo, hi, S, qk_scale, win_before, win_after,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-                    WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    EDGE: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+                    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key blocks [lo, hi) of one query block.
 
-    q: (BLOCK_M, D_PAD); acc: (BLOCK_M, D_PAD) fp32; l_i, m_i: (BLOCK_M,) fp32, m_i in base 2.
-    BAND: the blocks cross an edge of the band (causal diagonal, window) and take the
-    element-wise test ``-win_before <= j - i <= win_after``.
+    q: (BLOCK_M, D_PAD); acc: (BLOCK_M, D_PAD) fp32; l_i, m_i: (BLOCK_M,) fp32, m_i in base 2
+    (already scaled). BAND: the blocks cross an edge of the band (causal diagonal, window) and
+    take the element-wise test ``-win_before <= j - i <= win_after``. EDGE: a block may reach
+    past S and takes the bound test; interior blocks (not BAND, not EDGE, no padding mask) do
+    no per-element masking at all. Scores stay unscaled: the max is scaled once per row and
+    ``exp2(s * qk_scale - m)`` is one fused multiply-add per element.
     """
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < S
-        # K^T tile (D_PAD, BLOCK_N) and V tile (BLOCK_N, D_PAD); padded entries read as 0.
-        kT = tl.load(K_bh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-        if HAS_MASK:
-            keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
-            col_ok = col_ok & (keep != 0)
-        bias = tl.where(col_ok, 0.0, float("-inf"))
-        s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
+        if BAND or EDGE or HAS_MASK:
+            col_ok = offs_n < S
+            # K^T tile (D_PAD, BLOCK_N) and V tile (BLOCK_N, D_PAD); padded entries read as 0.
+            kT = tl.load(K_bh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+                         mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            if HAS_MASK:
+                keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
+                col_ok = col_ok & (keep != 0)
+            s = tl.dot(q, kT, input_precision=DOT_PRECISION)
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+        else:  # interior block: every key exists and is visible through the band
+            kT = tl.load(K_bh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+                         mask=d_ok[:, None], other=0.0)
+            v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=d_ok[None, :], other=0.0)
+            s = tl.dot(q, kT, input_precision=DOT_PRECISION)
         if BAND and WINDOW:
             dist = offs_n[None, :] - offs_m[:, None]
             s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
@@ -136,15 +183,13 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
         if HAS_SEG:
             seg_k = tl.load(SegId_b + offs_n, mask=offs_n < S, other=-2)
             s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         # A row that has seen only masked keys keeps m = -inf; shift by 0 there so that
         # exp2(-inf - m) is 0 rather than NaN.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
+        p = tl.exp2(s * qk_scale - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -162,7 +207,8 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes Out (B, Hq, S, D) and Lse (B, Hq, S) contiguous.
+    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes Out (B, Hq, S, D) with strides stride_o* and Lse
+    (B, Hq, S) contiguous.
 
     qk_scale = scale * log2(e). Key j is visible from query i iff
     ``i - win_before <= j <= i + win_after`` (causal: win_after = 0), the key is not padded and,
@@ -196,32 +242,40 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # Key blocks outside the band or the segments of these rows are never visited; of the
-    # others only those crossing an edge of the band pay for the element-wise band test.
+    # others only those crossing an edge of the band pay for the element-wise band test, and
+    # only the block crossing S for the bound test.
     last_m = tl.minimum(start_m + BLOCK_M, S) - 1
     lo, hi = _partner_range(offs_m, row_ok, start_m, last_m, S, win_before, win_after,
                             SegLo + b * S, SegHi + b * S, HAS_SEG)
     lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
                                             BLOCK_N)
-    # Phases: the window's lower edge (only with a window: else empty), the blocks inside the
-    # band, the causal diagonal / window's upper edge (only with one: else empty). Leaving the
-    # empty phases out at compile time keeps the plain paths' code as lean as without masks.
+    inner_hi = tl.maximum(tl.minimum(full_hi, (S // BLOCK_N) * BLOCK_N), full_lo)
+    # Stages: the window's lower edge (only with a window: else empty), the interior blocks,
+    # the block crossing S when it lies inside the band, the causal diagonal / window's upper
+    # edge (only with one: else empty). Leaving the empty stages out at compile time keeps the
+    # plain paths' code as lean as without masks.
     if WINDOW:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                         stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                         offs_m, offs_d, lo, full_lo, S, qk_scale, win_before,
-                                        win_after, HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK,
-                                        HAS_SEG, DOT_PRECISION)
+                                        win_after, HEAD_DIM, BLOCK_N, True, True, WINDOW,
+                                        HAS_MASK, HAS_SEG, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                    offs_m, offs_d, full_lo, full_hi, S, qk_scale, win_before,
-                                    win_after, HEAD_DIM, BLOCK_N, False, WINDOW, HAS_MASK,
+                                    offs_m, offs_d, full_lo, inner_hi, S, qk_scale, win_before,
+                                    win_after, HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK,
+                                    HAS_SEG, DOT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
+                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                    offs_m, offs_d, inner_hi, full_hi, S, qk_scale, win_before,
+                                    win_after, HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK,
                                     HAS_SEG, DOT_PRECISION)
     if CAUSAL or WINDOW:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                         stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                         offs_m, offs_d, full_hi, hi, S, qk_scale, win_before,
-                                        win_after, HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK,
-                                        HAS_SEG, DOT_PRECISION)
+                                        win_after, HEAD_DIM, BLOCK_N, True, True, WINDOW,
+                                        HAS_MASK, HAS_SEG, DOT_PRECISION)
 
     # Rows with nothing to attend have l = 0: out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -238,13 +292,15 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
 # Backward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_preprocess_kernel(Out, DOut, Delta,
+def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
                                 stride_ob, stride_oh, stride_os, stride_od,
                                 stride_gb, stride_gh, stride_gs, stride_gd,
                                 Hq, S,
                                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                                 BLOCK_M: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B, Hq). Delta (B, Hq, S) fp32 = rowsum(dOut * Out)."""
+    """Grid (cdiv(S, BLOCK_M), B, Hq). Delta (B, Hq, S) fp32 = rowsum(dOut * Out); Lse2
+    (B, Hq, S) fp32 = lse in base 2, +inf on rows that attend nothing (lse = -inf), so that
+    the backward's ``P = exp2(s * qk_scale - lse2)`` is 0 there with no test per tile."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -257,21 +313,30 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Delta,
     do = tl.load(DOut + b * stride_gb + h * stride_gh
                  + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (b * Hq + h) * S + offs_m, delta, mask=row_ok)
+    rows = (b * Hq + h) * S + offs_m
+    tl.store(Delta + rows, delta, mask=row_ok)
+    lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(Lse2 + rows, lse2, mask=row_ok)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh, Lse_bh, Delta_bh,
-                         SegId_b, stride_qs, stride_qd, stride_gs, stride_gd,
-                         offs_d, lo, hi, S, qk_scale, win_before, win_after,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_bh, Delta_bh,
+                         DQA_bh, SegId_b, stride_qs, stride_qd, stride_gs, stride_gd,
+                         stride_as, stride_ad, offs_d, lo, hi, S, qk_scale, sm_scale,
+                         win_before, win_after, key_edge,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
-                         WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head.
+                         WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                         DQ_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head;
+    with DQ_ATOMIC also add this key block's share of dQ (scaled) to the fp32 rows DQA_bh.
 
-    k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; bias_n: (BLOCK_N,) 0 or -inf;
-    seg_k: (BLOCK_N,) segment ids of the keys (HAS_SEG). Works on transposed tiles:
-    sT = K Q^T is (BLOCK_N, BLOCK_M). BAND: the element-wise band test, as in the forward.
+    k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; col_ok: (BLOCK_N,) the key exists
+    and is not padded; seg_k: (BLOCK_N,) segment ids of the keys (HAS_SEG). Works on transposed
+    tiles: sT = K Q^T is (BLOCK_N, BLOCK_M), unscaled; ``exp2(sT * qk_scale - lse2)`` is one
+    fused multiply-add. Keys past S need no test for dK/dV (their rows are never stored, and a
+    row of dK/dV depends only on its own row of P); only the dQ sum over keys does, on the
+    block crossing S (key_edge). BAND: the element-wise band test, as in the forward.
     """
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
@@ -281,10 +346,14 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh, Lse_b
         ok = row_ok[:, None] & d_ok[None, :]
         q = tl.load(Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                     mask=ok, other=0.0)
-        # lse = -inf (row attends nothing) or a row past S becomes +inf: P = exp2(s - inf) = 0.
-        lse = tl.load(Lse_bh + offs_m, mask=row_ok, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale + bias_n[:, None]
+        # Rows past S read lse2 = +inf: P = exp2(s - inf) = 0 there.
+        lse2 = tl.load(Lse2_bh + offs_m, mask=row_ok, other=float("inf"))
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if HAS_MASK:
+            sT = tl.where(col_ok[:, None], sT, float("-inf"))
+        elif DQ_ATOMIC:
+            if key_edge:
+                sT = tl.where(col_ok[:, None], sT, float("-inf"))
         if BAND and WINDOW:
             dist = offs_n[:, None] - offs_m[None, :]
             sT = tl.where((dist <= win_after) & (dist >= -win_before), sT, float("-inf"))
@@ -293,36 +362,43 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh, Lse_b
         if HAS_SEG:
             seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
             sT = tl.where(seg_k[:, None] == seg_q[None, :], sT, float("-inf"))
-        pT = tl.exp2(sT - lse2[None, :])
+        pT = tl.exp2(sT * qk_scale - lse2[None, :])
         do = tl.load(DO_bh + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd,
                      mask=ok, other=0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(Delta_bh + offs_m, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
+            tl.atomic_add(DQA_bh + offs_m[:, None] * stride_as + offs_d[None, :] * stride_ad,
+                          dq, mask=ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DK, DV,
+def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, DK, DV, DQA,
                           stride_qb, stride_qh, stride_qs, stride_qd,
                           stride_kb, stride_kh, stride_ks, stride_kd,
                           stride_vb, stride_vh, stride_vs, stride_vd,
                           stride_mb, stride_ms,
                           stride_gb, stride_gh, stride_gs, stride_gd,
                           stride_db, stride_dh, stride_ds, stride_dd,
+                          stride_ab, stride_ah, stride_as, stride_ad,
                           Hq, Hkv, S, GROUP, qk_scale, sm_scale, win_before, win_after,
                           S_BUCKET,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr,
+                          DQ_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*.
+    """Grid (cdiv(S, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*;
+    with DQ_ATOMIC also adds dQ into DQA (B, Hq, S, D) fp32 (strides stride_a*, zeroed first).
 
     Each program loops over the GROUP query heads of its KV head in a fixed order, so the GQA
-    sum is deterministic. Lse, Delta: (B, Hq, S) contiguous fp32. Visibility as in the forward;
-    the query blocks that cannot see any key of this block are never visited.
+    sum of dK/dV is deterministic (the atomic dQ sum is not). Lse2, Delta: (B, Hq, S)
+    contiguous fp32 from the preprocess kernel. Visibility as in the forward; the query blocks
+    that cannot see any key of this block are never visited.
     """
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -347,10 +423,10 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, 
                             SegLo + b * S, SegHi + b * S, HAS_SEG)
     lo, full_lo, full_hi, hi = _tile_ranges(start_n, last_n, lo, hi, win_after, win_before,
                                             BLOCK_M)
+    key_edge = start_n + BLOCK_N > S
     if HAS_MASK:
         keep = tl.load(Mask + b * stride_mb + offs_n * stride_ms, mask=col_ok, other=0)
         col_ok = col_ok & (keep != 0)
-    bias_n = tl.where(col_ok, 0.0, float("-inf"))
 
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
@@ -358,29 +434,33 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, 
         h = hk * GROUP + g
         Q_bh = Q + b * stride_qb + h * stride_qh
         DO_bh = DOut + b * stride_gb + h * stride_gh
+        DQA_bh = DQA + b * stride_ab + h * stride_ah
         row_base = (b * Hq + h) * S
         # Seen from a key block the causal diagonal is the lower edge (query blocks
         # [lo, full_lo)) and the window's lower edge the upper one ([full_hi, hi)).
         if CAUSAL or WINDOW:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
-                                          Lse + row_base, Delta + row_base, SegId_b,
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
+                                          Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                           stride_qs, stride_qd, stride_gs, stride_gd,
-                                          offs_d, lo, full_lo, S, qk_scale, win_before,
-                                          win_after, HEAD_DIM, BLOCK_M, True, WINDOW, HAS_SEG,
-                                          DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
-                                      Lse + row_base, Delta + row_base, SegId_b,
+                                          stride_as, stride_ad, offs_d, lo, full_lo, S,
+                                          qk_scale, sm_scale, win_before, win_after, key_edge,
+                                          HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
+                                          DQ_ATOMIC, DOT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
+                                      Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                       stride_qs, stride_qd, stride_gs, stride_gd,
-                                      offs_d, full_lo, full_hi, S, qk_scale, win_before,
-                                      win_after, HEAD_DIM, BLOCK_M, False, WINDOW, HAS_SEG,
-                                      DOT_PRECISION)
+                                      stride_as, stride_ad, offs_d, full_lo, full_hi, S,
+                                      qk_scale, sm_scale, win_before, win_after, key_edge,
+                                      HEAD_DIM, BLOCK_M, False, WINDOW, HAS_MASK, HAS_SEG,
+                                      DQ_ATOMIC, DOT_PRECISION)
         if WINDOW:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, bias_n, seg_k, offs_n, Q_bh, DO_bh,
-                                          Lse + row_base, Delta + row_base, SegId_b,
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
+                                          Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                           stride_qs, stride_qd, stride_gs, stride_gd,
-                                          offs_d, full_hi, hi, S, qk_scale, win_before,
-                                          win_after, HEAD_DIM, BLOCK_M, True, WINDOW, HAS_SEG,
-                                          DOT_PRECISION)
+                                          stride_as, stride_ad, offs_d, full_hi, hi, S,
+                                          qk_scale, sm_scale, win_before, win_after, key_edge,
+                                          HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
+                                          DQ_ATOMIC, DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
@@ -392,28 +472,36 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                        offs_d, lo, hi, S, qk_scale, win_before, win_after,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-                       WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       EDGE: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+                       HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi).
 
     q, do: (BLOCK_M, D_PAD); lse2: (BLOCK_M,) base-2 lse with +inf for empty rows;
-    delta: (BLOCK_M,); dq: (BLOCK_M, D_PAD) fp32. BAND: the element-wise band test.
+    delta: (BLOCK_M,); dq: (BLOCK_M, D_PAD) fp32. BAND, EDGE: the band and bound tests, as in
+    the forward; interior blocks do no per-element masking.
     """
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < S
-        ok = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_bh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=ok, other=0.0)
-        v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=ok, other=0.0)
-        if HAS_MASK:
-            keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
-            col_ok = col_ok & (keep != 0)
-        bias = tl.where(col_ok, 0.0, float("-inf"))
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
+        if BAND or EDGE or HAS_MASK:
+            col_ok = offs_n < S
+            ok = col_ok[:, None] & d_ok[None, :]
+            k = tl.load(K_bh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                        mask=ok, other=0.0)
+            v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=ok, other=0.0)
+            if HAS_MASK:
+                keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
+                col_ok = col_ok & (keep != 0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+        else:
+            k = tl.load(K_bh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                        mask=d_ok[None, :], other=0.0)
+            v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if BAND and WINDOW:
             dist = offs_n[None, :] - offs_m[:, None]
             s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
@@ -422,7 +510,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
         if HAS_SEG:
             seg_k = tl.load(SegId_b + offs_n, mask=offs_n < S, other=-2)
             s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
+        p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -430,7 +518,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DQ,
+def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, DQ,
                         stride_qb, stride_qh, stride_qs, stride_qd,
                         stride_kb, stride_kh, stride_ks, stride_kd,
                         stride_vb, stride_vh, stride_vs, stride_vd,
@@ -443,7 +531,7 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DQ
                         DOT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(S, BLOCK_M), B, Hq). Writes DQ (B, Hq, S, D) with strides stride_d*.
-    Visits the key blocks the forward visits."""
+    Visits the key blocks the forward visits, in the same stages."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks carry the most work: launch them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -460,8 +548,7 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DQ
     do = tl.load(DOut + b * stride_gb + h * stride_gh
                  + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
     row_base = (b * Hq + h) * S
-    lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.load(Lse2 + row_base + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     K_bh = K + b * stride_kb + hk * stride_kh
     V_bh = V + b * stride_vb + hk * stride_vh
@@ -476,22 +563,29 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse, Delta, DQ
                             SegLo + b * S, SegHi + b * S, HAS_SEG)
     lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
                                             BLOCK_N)
+    inner_hi = tl.maximum(tl.minimum(full_hi, (S // BLOCK_N) * BLOCK_N), full_lo)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if WINDOW:  # phases as in the forward
+    if WINDOW:  # stages as in the forward
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b,
                                 SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                 offs_d, lo, full_lo, S, qk_scale, win_before, win_after,
-                                HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK, HAS_SEG,
+                                HEAD_DIM, BLOCK_N, True, True, WINDOW, HAS_MASK, HAS_SEG,
                                 DOT_PRECISION)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
                             stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                            offs_d, full_lo, full_hi, S, qk_scale, win_before, win_after,
-                            HEAD_DIM, BLOCK_N, False, WINDOW, HAS_MASK, HAS_SEG, DOT_PRECISION)
+                            offs_d, full_lo, inner_hi, S, qk_scale, win_before, win_after,
+                            HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK, HAS_SEG,
+                            DOT_PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
+                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                            offs_d, inner_hi, full_hi, S, qk_scale, win_before, win_after,
+                            HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK, HAS_SEG,
+                            DOT_PRECISION)
     if CAUSAL or WINDOW:
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b,
                                 SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                 offs_d, full_hi, hi, S, qk_scale, win_before, win_after,
-                                HEAD_DIM, BLOCK_N, True, WINDOW, HAS_MASK, HAS_SEG,
+                                HEAD_DIM, BLOCK_N, True, True, WINDOW, HAS_MASK, HAS_SEG,
                                 DOT_PRECISION)
     tl.store(DQ + b * stride_db + h * stride_dh
              + offs_m[:, None] * stride_ds + offs_d[None, :] * stride_dd,
@@ -506,25 +600,31 @@ def _cfg(block_m, block_n, warps, stages):
                          num_warps=warps, num_stages=stages)
 
 
-# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and architecture family.
-# Forward and dQ hold a query tile and stream keys (large BLOCK_M); dK/dV hold a key tile and
-# stream queries (large BLOCK_N). Configs that cannot fit are pruned per head_dim below.
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and architecture family, in
+# order of preference (larger tiles first). Forward and dQ hold a query tile and stream keys
+# (large BLOCK_M); dK/dV hold a key tile and stream queries (large BLOCK_N). The resource model
+# below drops, per head_dim and dtype, the configs that would not fit shared memory or would
+# spill registers, so the first one kept is the largest spill-free tile.
 _CONFIGS = {
-    ("fwd", "hopper"): [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3),
-                        _cfg(128, 128, 8, 2), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
+    ("fwd", "hopper"): [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2),
+                        _cfg(128, 32, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
                         _cfg(64, 32, 4, 2)],
-    ("fwd", "ampere"): [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 4, 3),
-                        _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
-    ("dkdv", "hopper"): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3),
-                         _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2), _cfg(32, 64, 8, 2),
+    ("fwd", "ampere"): [_cfg(128, 64, 8, 2), _cfg(128, 64, 4, 3), _cfg(128, 32, 8, 3),
+                        _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+    ("dkdv", "hopper"): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 8, 2),
+                         _cfg(16, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 8, 2),
+                         _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2), _cfg(16, 32, 4, 2)],
+    ("dkdv", "ampere"): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(64, 64, 4, 2),
+                         _cfg(32, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2),
                          _cfg(16, 32, 4, 2)],
-    ("dkdv", "ampere"): [_cfg(32, 128, 8, 2), _cfg(64, 64, 4, 2), _cfg(32, 64, 4, 2),
-                         _cfg(16, 64, 4, 2), _cfg(32, 64, 8, 2), _cfg(16, 32, 4, 2)],
-    ("dq", "hopper"): [_cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
+    ("dq", "hopper"): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2),
+                       _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+    ("dq", "ampere"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 2),
                        _cfg(64, 32, 4, 2)],
-    ("dq", "ampere"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2)],
 }
-_KEY = ["HEAD_DIM", "CAUSAL", "S_BUCKET"]
+_KEYS = {"fwd": ["HEAD_DIM", "CAUSAL", "S_BUCKET"],
+         "dkdv": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "DQ_ATOMIC"],
+         "dq": ["HEAD_DIM", "CAUSAL", "S_BUCKET"]}
 _TUNED = {}
 
 
@@ -554,19 +654,78 @@ def _smem_bytes(kind: str, c, d_pad: int, elt: int) -> int:
     return (stages * 2 * streamed + resident_tiles * resident) * d_pad * elt + rows
 
 
-def _prune(kind: str, configs, d_pad: int, elt: int, budget: int) -> list:
-    """The configs whose tiles fit in shared memory and registers (at least the smallest one,
-    so that something runs)."""
-    kept = []
-    for c in configs:
-        resident = c.kwargs["BLOCK_N"] if kind == "dkdv" else c.kwargs["BLOCK_M"]
-        smem = _smem_bytes(kind, c, d_pad, elt)
-        # fp32 accumulators per thread (one for fwd/dq, two for dk/dv) must not spill badly.
-        accs = 2 if kind == "dkdv" else 1
-        regs = accs * resident * d_pad / (32 * c.num_warps)
-        if smem <= budget and regs <= 128:
-            kept.append(c)
+# Register model. The fp32 words a config keeps live at the peak of its inner loop: the
+# accumulators (fp32), the resident tiles and the streamed tiles used as dot operands (input
+# dtype: a 16-bit element is half a 32-bit register), and one step's score-sized tiles (fp32
+# S/P and dP, P or dS in the input dtype), per thread. For dK/dV, whose tiles have BLOCK_N
+# rows, only BLOCK_N / 16 warps share them (the MMA row granularity): more warps split the
+# columns but do not relieve the row-wise state, and AOT compiles show that 64-row tiles on 8
+# warps spill where 128-row ones do not. Calibrated against AOT compiles of these kernels for
+# sm_90 and sm_80 (tools/check_triton_compile.py, bf16 head_dim 128 causal, where registers
+# are tightest): every config measured to spill is dropped by the limits below, and the first
+# config kept for head_dim 64 and 128 compiles spill-free on both. Counting only the
+# accumulators (the model before) kept configs that spill 0.2-1 KB.
+_REG_LIMIT = {"fwd": 120, "dkdv": 240, "dq": 160}
+
+
+def _tile_words(kind: str, bm: int, bn: int, d_pad: int, elt: int, dq_atomic: bool) -> float:
+    """fp32 words a (bm, bn) tile pair keeps live (see "Register model")."""
+    half = elt / 4
+    if kind == "fwd":  # acc (bm, d) fp32; q (bm, d); S (bm, bn) fp32, P (bm, bn)
+        return bm * d_pad * (1 + half) + bm * bn * (1 + half)
+    if kind == "dq":   # dq (bm, d) fp32; q, dO (bm, d); S/P, dP (bm, bn) fp32, dS (bm, bn)
+        return bm * d_pad * (1 + 2 * half) + bm * bn * (2 + half)
+    # dkdv: dk, dv (bn, d) fp32; k, v (bn, d); q, dO (bm, d); S^T, P^T, dP^T, dS^T (bn, bm)
+    # fp32 and dS^T in the input dtype; with atomic dQ the (bm, d) fp32 dQ tile of each step
+    # and its re-layout for the atomics (measured: about 10 words per element).
+    return (2 * bn * d_pad * (1 + half) + 2 * bm * d_pad * half + bm * bn * (4 + half)
+            + (10 * bm * d_pad if dq_atomic else 0))
+
+
+def estimate_resources(kind: str, config, d_pad: int, elt: int, dq_atomic: bool = False):
+    """(shared memory bytes, fp32 registers per thread) that an attention kernel needs with
+    ``config``: kind "fwd", "dkdv" or "dq"; d_pad: the padded head dim (a power of two >= 16);
+    elt: bytes per input element; dq_atomic: the dK/dV kernel of ``CKPT_EXT_ATTN_DQ=atomic``."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    smem = _smem_bytes(kind, config, d_pad, elt)
+    if kind == "dkdv" and dq_atomic:  # the atomics' dQ tile, re-laid out through shared memory
+        smem += max(4 * bm, 3 * bn) * d_pad
+    warps = min(config.num_warps, max(bn // 16, 1)) if kind == "dkdv" else config.num_warps
+    threads = 32 * warps
+    return smem, _tile_words(kind, bm, bn, d_pad, elt, dq_atomic) / threads
+
+
+def _fits(kind, c, d_pad, elt, budget, dq_atomic=False) -> bool:
+    smem, regs = estimate_resources(kind, c, d_pad, elt, dq_atomic)
+    return smem <= budget and regs <= _REG_LIMIT[kind]
+
+
+def _prune(kind: str, configs, d_pad: int, elt: int, budget: int, dq_atomic: bool = False) -> list:
+    """The configs whose tiles fit in shared memory and, by the register model, in registers
+    without spilling, in their order (at least the smallest one, so that something runs)."""
+    kept = [c for c in configs if _fits(kind, c, d_pad, elt, budget, dq_atomic)]
     return kept or [_smallest(configs)]
+
+
+def attention_configs(kind: str, family: str) -> list:
+    """Every launch candidate (``triton.Config`` with BLOCK_M, BLOCK_N) of kernel ``kind``
+    ("fwd", "dkdv", "dq") for the architecture ``family`` ("hopper": sm_90 and newer,
+    "ampere": sm_80 / sm_86 / sm_89), in the order they are tried."""
+    if (kind, family) not in _CONFIGS:
+        raise ValueError(f"attention_configs: kind must be 'fwd', 'dkdv' or 'dq' and family "
+                         f"'hopper' or 'ampere', got {kind!r}, {family!r}")
+    return list(_CONFIGS[(kind, family)])
+
+
+def attention_candidate_configs(kind: str, family: str, head_dim: int, dtype: torch.dtype,
+                                smem_budget: int, dq_atomic: bool = False) -> list:
+    """The candidates that the launchers keep for one specialization, in order: those that fit
+    ``smem_budget`` bytes of shared memory and the register model (see ``estimate_resources``);
+    the first is what ``CKPT_EXT_AUTOTUNE=0`` launches. Never empty (the smallest tile when
+    nothing fits)."""
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    elt = torch.empty((), dtype=dtype).element_size()
+    return _prune(kind, attention_configs(kind, family), d_pad, elt, smem_budget, dq_atomic)
 
 
 def _smallest(configs):
@@ -580,7 +739,8 @@ def _make_pruner(kind: str):
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         q = args["Q"]
-        return _prune(kind, configs, args["D_PAD"], q.element_size(), _smem_budget(q.device))
+        return _prune(kind, configs, args["D_PAD"], q.element_size(), _smem_budget(q.device),
+                      bool(args.get("DQ_ATOMIC", False)))
 
     return prune
 
@@ -624,7 +784,7 @@ class _FirstThatFits:
 _UNTUNED = {}
 
 
-def _launcher(kind: str, device: torch.device, d_pad: int, elt: int):
+def _launcher(kind: str, device: torch.device, d_pad: int, elt: int, dq_atomic: bool = False):
     """Return (kernel, meta-parameters to pass): a fixed config in the interpreter; with
     ``CKPT_EXT_AUTOTUNE=0`` the fitting candidates in order, the first that launches used
     (no timing); else the autotuned kernel."""
@@ -633,10 +793,10 @@ def _launcher(kind: str, device: torch.device, d_pad: int, elt: int):
     arch = _arch(device)
     if not autotune_enabled():
         budget = _smem_budget(device)
-        key = (kind, arch, d_pad, elt, budget)
+        key = (kind, arch, d_pad, elt, budget, dq_atomic)
         if key not in _UNTUNED:
             candidates = _CONFIGS[(kind, arch)]
-            configs = _prune(kind, candidates, d_pad, elt, budget)
+            configs = _prune(kind, candidates, d_pad, elt, budget, dq_atomic)
             smallest = _smallest(candidates)
             if all(c is not smallest for c in configs):
                 configs.append(smallest)  # the last resort
@@ -644,7 +804,7 @@ def _launcher(kind: str, device: torch.device, d_pad: int, elt: int):
         return _UNTUNED[key], {}
     tuned = _TUNED.get((kind, arch))
     if tuned is None:
-        tuned = triton.autotune(configs=_CONFIGS[(kind, arch)], key=_KEY,
+        tuned = triton.autotune(configs=_CONFIGS[(kind, arch)], key=_KEYS[kind],
                                 prune_configs_by={"early_config_prune": _make_pruner(kind)},
                                 )(_KERNELS[kind])
         _TUNED[(kind, arch)] = tuned
@@ -768,6 +928,12 @@ def _band(S, causal, window):
     return before, after
 
 
+def _empty_bshd(B, H, S, D, dtype, device):
+    """An uninitialised (B, H, S, D) tensor laid out as (B, S, H, D) in memory (see the module
+    docstring, "Layout")."""
+    return torch.empty((B, S, H, D), dtype=dtype, device=device).transpose(1, 2)
+
+
 def _common_meta(D, causal, dtype):
     # fp32 inputs: exact fp32 products (no TF32, which would exceed the accuracy bounds);
     # fp16/bf16 inputs: tensor-core dots (the precision argument only affects fp32 operands).
@@ -797,13 +963,14 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     (B, S), True = key may be attended; segment_ids: None or int32/int64 (B, S), a query sees
     only keys with its id; window: None or int > 0, HF's sliding window: key j is visible from
     query i iff ``i - window < j`` (and ``j < i + window`` when not causal); causal: ``j <= i``.
-    Returns ``(out, lse)``: out (B, Hq, S, D) in q's dtype, contiguous; lse (B, Hq, S) float32,
+    Returns ``(out, lse)``: out (B, Hq, S, D) in q's dtype, laid out (B, S, Hq, D) in memory
+    (``out.transpose(1, 2)`` is contiguous); lse (B, Hq, S) float32 contiguous,
     natural-log logsumexp of the scaled masked scores, -inf for rows with nothing to attend
     (their out is 0). Key tiles that the window or the segments rule out are not visited.
     """
     B, Hq, Hkv, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
                                   window, scale)
-    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    out = _empty_bshd(B, Hq, S, D, q.dtype, q.device)
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     if B * Hq * S == 0:
         return out, lse
@@ -831,7 +998,8 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
 
     dout, out: (B, Hq, S, D) in q's dtype; q: (B, Hq, S, D); k, v: (B, Hkv, S, D);
     lse: (B, Hq, S) float32 from :func:`attention_fwd`; masks, window, causal and scale as in
-    the forward. Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (contiguous).
+    the forward. Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v, each laid out
+    (B, S, H, D) in memory like out.
     dk/dv of a KV head sum its query group in a fixed order (deterministic, no atomics).
     """
     name = "attention_bwd"
@@ -854,37 +1022,49 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     if lse.device != q.device:
         raise ValueError(f"{name}: lse is on {lse.device} but q is on {q.device}")
 
-    dq = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, Hkv, S, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, Hkv, S, D), dtype=v.dtype, device=q.device)
+    dq = _empty_bshd(B, Hq, S, D, q.dtype, q.device)
+    dk = _empty_bshd(B, Hkv, S, D, k.dtype, q.device)
+    dv = _empty_bshd(B, Hkv, S, D, v.dtype, q.device)
     if B * Hq * S == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    lse = lse.contiguous()
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
     seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
     before, after = _band(S, causal, window)
     common = _common_meta(D, causal, q.dtype)
     qk_scale = float(scale) * _LOG2E
     group = Hq // Hkv
+    atomic = dq_mode() == "atomic"
+    if atomic:  # fp32 sums, zeroed; for fp32 inputs dq is its own accumulator
+        dq_acc = dq if q.dtype == torch.float32 else _empty_bshd(B, Hq, S, D, torch.float32,
+                                                                 q.device)
+        dq_acc.zero_()
+    else:
+        dq_acc = dq  # not written by the dK/dV kernel
 
     with _on_device(q.device):
         _attn_bwd_preprocess_kernel[(triton.cdiv(S, _PRE_BLOCK_M), B, Hq)](
-            out, dout, delta, *out.stride(), *dout.stride(), Hq, S,
+            out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, S,
             HEAD_DIM=D, D_PAD=common["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
 
-        kernel, meta = _launcher("dkdv", q.device, common["D_PAD"], q.element_size())
+        kernel, meta = _launcher("dkdv", q.device, common["D_PAD"], q.element_size(), atomic)
         kernel[lambda m: (triton.cdiv(S, m["BLOCK_N"]), B, Hkv)](
-            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse, delta, dk, dv,
+            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv, dq_acc,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-            *dk.stride(), Hq, Hkv, S, group, qk_scale, float(scale), before, after,
-            _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT,
-            **common, **meta)
+            *dk.stride(), *dq_acc.stride(), Hq, Hkv, S, group, qk_scale, float(scale), before,
+            after, _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg,
+            WINDOW=before != _NO_LIMIT, DQ_ATOMIC=atomic, **common, **meta)
 
-        kernel, meta = _launcher("dq", q.device, common["D_PAD"], q.element_size())
-        kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B, Hq)](
-            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-            *dq.stride(), Hq, S, group, qk_scale, float(scale), before, after, _s_bucket(S),
-            HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT, **common, **meta)
+        if atomic:
+            if dq_acc is not dq:
+                dq.copy_(dq_acc)  # the convert pass: fp32 sums to q's dtype, same layout
+        else:
+            kernel, meta = _launcher("dq", q.device, common["D_PAD"], q.element_size())
+            kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B, Hq)](
+                q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dq,
+                *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
+                *dq.stride(), Hq, S, group, qk_scale, float(scale), before, after,
+                _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT,
+                **common, **meta)
     return dq, dk, dv

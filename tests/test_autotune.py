@@ -30,13 +30,20 @@ def test_switch_rejects_other_values(monkeypatch, value):
 
 
 def smem_and_regs(kind, c, d_pad, elt):
-    """Shared memory (bytes) and fp32 accumulator registers per thread of a tile config."""
+    """Shared memory (bytes): two streamed tiles per stage, the resident tiles and (backward)
+    2 KiB of lse/delta rows; and the register model's fp32 words per thread, restated from its
+    description (accumulators, resident tiles, one step's score tiles)."""
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
     resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
     tiles = max(c.num_stages, 1) * 2 * streamed + (1 if kind == "fwd" else 2) * resident
     smem = tiles * d_pad * elt + (0 if kind == "fwd" else 2048)
-    regs = (2 if kind == "dkdv" else 1) * resident * d_pad / (32 * c.num_warps)
-    return smem, regs
+    half = elt / 4
+    words = {"fwd": bm * d_pad * (1 + half) + bm * bn * (1 + half),
+             "dq": bm * d_pad * (1 + 2 * half) + bm * bn * (2 + half),
+             "dkdv": (2 * bn * d_pad * (1 + half) + 2 * bm * d_pad * half
+                      + bm * bn * (4 + half))}[kind]
+    warps = min(c.num_warps, bn // 16) if kind == "dkdv" else c.num_warps
+    return smem, words / (32 * warps)
 
 
 # Triton's own shared-memory allocation (bytes) for bf16, head_dim 128, found by AOT compiles
@@ -65,13 +72,75 @@ def test_pruned_attention_configs_fit(kind, arch, budget, d_pad):
     candidates' order; with no room at all the smallest tile is still offered."""
     configs = attention._CONFIGS[(kind, arch)]
     kept = attention._prune(kind, configs, d_pad, 2, budget)
+    assert all(attention.estimate_resources(kind, c, d_pad, 2) == smem_and_regs(kind, c, d_pad, 2)
+               for c in configs)
+    limit = attention._REG_LIMIT[kind]
     fitting = [c for c in configs
-               if (lambda m, r: m <= budget and r <= 128)(*smem_and_regs(kind, c, d_pad, 2))]
+               if (lambda m, r: m <= budget and r <= limit)(*smem_and_regs(kind, c, d_pad, 2))]
     smallest = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
     assert kept == (fitting or [smallest])
     if d_pad <= 128 and arch == "hopper":
         assert fitting, "Hopper must fit a tuned tile up to head_dim 128"
     assert attention._prune(kind, configs, d_pad, 2, 1024) == [smallest]
+
+
+# Spill-store bytes that ptxas reports for the attention kernels (tools/check_triton_compile.py,
+# triton 3.9, bf16, causal unless marked "full"; "atomic": the dK/dV kernel of
+# CKPT_EXT_ATTN_DQ=atomic): (arch, kind, head_dim, BLOCK_M, BLOCK_N, warps, stages) -> bytes.
+MEASURED_SPILLS = {
+    ("hopper", "fwd", 128, 128, 64, 8, 3): 16, ("hopper", "fwd", 128, 128, 32, 4, 3): 104,
+    ("hopper", "fwd", 128, 128, 32, 8, 3): 0, ("hopper", "fwd", 128, 64, 64, 4, 3): 16,
+    ("hopper", "fwd", 128, 64, 32, 4, 2): 0, ("hopper", "fwd", 64, 128, 64, 8, 3): 0,
+    ("hopper", "dkdv", 128, 32, 128, 8, 2): 132, ("hopper", "dkdv", 128, 64, 64, 8, 2): 376,
+    ("hopper", "dkdv", 128, 32, 64, 8, 2): 16, ("hopper", "dkdv", 128, 32, 64, 4, 2): 364,
+    ("hopper", "dkdv", 128, 16, 64, 4, 2): 80, ("hopper", "dkdv", 128, 16, 128, 8, 2): 0,
+    ("hopper", "dkdv", 64, 64, 128, 8, 3): 12, ("hopper", "dkdv", 64, 32, 128, 8, 3): 0,
+    ("hopper", "dkdv atomic", 128, 64, 64, 8, 2): 524,
+    ("hopper", "dkdv atomic", 128, 32, 64, 8, 2): 132,
+    ("hopper", "dkdv atomic", 128, 16, 64, 4, 2): 284,
+    ("hopper", "dkdv atomic", 128, 16, 32, 4, 2): 0,
+    ("hopper", "dkdv atomic", 64, 64, 128, 8, 3): 224,
+    ("hopper", "dkdv atomic", 64, 16, 128, 8, 2): 0,
+    ("hopper", "dq", 128, 128, 64, 8, 2): 8, ("hopper", "dq", 128, 128, 32, 8, 2): 0,
+    ("hopper", "dq", 128, 64, 64, 8, 2): 0, ("hopper", "dq", 64, 128, 64, 8, 3): 0,
+    ("ampere", "fwd", 128, 128, 64, 8, 2): 104, ("ampere", "fwd", 128, 128, 32, 8, 3): 0,
+    ("ampere", "fwd", 64, 128, 64, 8, 2): 0,
+    ("ampere", "dkdv", 128, 32, 128, 8, 2): 120, ("ampere", "dkdv", 128, 64, 64, 8, 2): 8,
+    ("ampere", "dkdv", 128, 32, 64, 4, 2): 84, ("ampere", "dkdv", 128, 16, 64, 4, 2): 36,
+    ("ampere", "dkdv", 128, 16, 128, 8, 2): 0, ("ampere", "dkdv", 64, 32, 128, 8, 2): 0,
+    ("ampere", "dkdv atomic", 128, 64, 64, 8, 2): 304,
+    ("ampere", "dkdv atomic", 128, 32, 64, 8, 2): 32,
+    ("ampere", "dkdv atomic", 128, 16, 64, 4, 2): 236,
+    ("ampere", "dkdv atomic", 64, 32, 128, 8, 2): 80,
+    ("ampere", "dkdv atomic", 64, 16, 128, 8, 2): 0,
+    ("ampere", "dq", 128, 128, 64, 8, 2): 68, ("ampere", "dq", 128, 128, 32, 8, 2): 20,
+    ("ampere", "dq", 128, 64, 64, 8, 2): 0, ("ampere", "dq", 64, 128, 32, 8, 2): 0,
+}
+
+
+def test_register_model_drops_every_measured_spill():
+    """The register model keeps a config only if its AOT compile did not spill, and the first
+    config kept for head_dim 64 and 128 (what CKPT_EXT_AUTOTUNE=0 launches) was measured
+    spill-free on its architecture. Atomic dQ at head_dim 128 keeps only the smallest tile (the
+    last resort), which spills 32 B on sm_80."""
+    for (family, kind, d, bm, bn, warps, stages), spill in MEASURED_SPILLS.items():
+        atomic = kind.endswith("atomic")
+        kind = kind.split()[0]
+        cfg = attention._cfg(bm, bn, warps, stages)
+        kept = attention._prune(kind, [cfg, attention._cfg(16, 16, 4, 1)], d, 2, 227 * 1024,
+                                atomic)
+        assert (cfg in kept) <= (spill == 0), (family, kind, d, bm, bn, warps, stages, atomic)
+    for family in ("hopper", "ampere"):
+        for d in (64, 128):
+            for kind, atomic in (("fwd", False), ("dkdv", False), ("dkdv", True), ("dq", False)):
+                first = attention.attention_candidate_configs(kind, family, d, torch.bfloat16,
+                                                              227 * 1024, atomic)[0]
+                key = (family, kind + (" atomic" if atomic else ""), d, first.kwargs["BLOCK_M"],
+                       first.kwargs["BLOCK_N"], first.num_warps, first.num_stages)
+                if atomic and d == 128:
+                    assert (key[3], key[4]) == (16, 32), key
+                    continue
+                assert MEASURED_SPILLS.get(key) == 0, key
 
 
 class StubKernel:

@@ -81,7 +81,8 @@ def check_attention(q, k, v, mask, causal, scale, segment_ids=None, window=None)
     gradients. Returns (out, lse, (dq, dk, dv))."""
     dout = torch.randn(q.shape, dtype=q.dtype)
     out, lse = OPS.attention_fwd(q, k, v, mask, segment_ids, window, causal, scale)
-    assert out.is_contiguous() and out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.transpose(1, 2).is_contiguous() and out.dtype == q.dtype
+    assert lse.is_contiguous() and lse.dtype == torch.float32
     ql, kl, vl = leaves(q, k, v)
     g = grads(ops.attention(ql, kl, vl, causal=causal, scale=scale, key_padding_mask=mask,
                             segment_ids=segment_ids, window=window), (ql, kl, vl), dout)

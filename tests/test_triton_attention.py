@@ -260,6 +260,49 @@ def test_ruled_out_tiles_are_never_read(rule):
 
 
 # ------------------------------------------------------------------------------------------
+# dQ formed by its own kernel (the default) or with atomics inside the dK/dV kernel
+# ------------------------------------------------------------------------------------------
+#            dtype          B  Hq Hkv  S   D  causal mask     documents   window
+DQ_CASES = [(torch.float32, 2, 4, 2, 1, 16, True, "right", None, None),
+            (torch.float16, 2, 8, 2, 17, 64, True, "left", None, None),
+            (torch.float32, 3, 4, 4, 17, 16, False, "full", None, None),
+            (torch.float16, 1, 4, 1, 129, 16, False, "none", None, None),
+            (torch.float32, 2, 8, 2, 129, 32, True, "none", [50, 1, 7, 33], None),
+            (torch.float32, 2, 4, 2, 70, 16, False, "right", [1, 2, 40], 9),
+            (torch.float16, 2, 4, 2, 129, 16, True, "full", None, 20)]
+
+
+@pytest.mark.parametrize("mode", ["separate", "atomic"])
+@pytest.mark.parametrize("case", DQ_CASES, ids=[_seg_win_id(c) for c in DQ_CASES])
+def test_dq_modes(monkeypatch, mode, case):
+    """CKPT_EXT_ATTN_DQ: both dQ paths meet the accuracy rule (GQA, padding, segments, window,
+    S = 1, 17, 129); the atomic one adds dQ from every key block of every group head."""
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", mode)
+    assert attention.dq_mode() == mode
+    dtype, B, Hq, Hkv, S, D, causal, mask, lengths, window = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 1, lengths=lengths, window=window)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
+def test_dq_atomic_unequal_blocks(monkeypatch):
+    """The atomic dQ rows with BLOCK_M != BLOCK_N (query blocks cut differently from the
+    forward's) and a key block crossing S."""
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "atomic")
+    monkeypatch.setitem(attention.INTERPRETER_BLOCKS, "dkdv", {"BLOCK_M": 16, "BLOCK_N": 32})
+    check_case(2, 4, 2, 71, 16, torch.float32, True, "left", seed=12, lengths=[9, 1, 40],
+               window=13)
+
+
+def test_dq_mode_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "fast")
+    q, k, v, _ = _good()
+    out, lse = attention.attention_fwd(q, k, v, None, None, None, True, 0.25)
+    with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be 'separate' or 'atomic', "
+                                         "got 'fast'"):
+        attention.attention_bwd(out, q, k, v, out, lse, None, None, None, True, 0.25)
+
+
+# ------------------------------------------------------------------------------------------
 # Layouts, determinism, empty rows
 # ------------------------------------------------------------------------------------------
 def test_non_contiguous_inputs():
@@ -278,7 +321,9 @@ def test_non_contiguous_inputs():
     assert not q.is_contiguous() and not k.is_contiguous() and not mask.is_contiguous()
     scale = D ** -0.5
     got = run_kernel(q, k, v, mask, True, scale, dout)
-    assert got["out"].is_contiguous()
+    for name in ("out", "dq", "dk", "dv"):  # (B, H, S, D) views of (B, S, H, D) memory
+        assert got[name].transpose(1, 2).is_contiguous(), name
+    assert got["lse"].is_contiguous()
     base = run_eager(q, k, v, mask, True, scale, dout, dtype)
     base_alt = eager_flash_identity_grads(q, k, v, mask, True, scale, dout, base["out"])
     ref = run_eager(q, k, v, mask, True, scale, dout, torch.float64)
@@ -288,8 +333,62 @@ def test_non_contiguous_inputs():
         torch.testing.assert_close(got[name], contiguous[name], rtol=1e-6, atol=1e-6)
 
 
-def test_deterministic_backward():
-    """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal."""
+def _layer_copies(step):
+    """The aten::copy_ calls that one decoder-layer step makes outside the kernel ops (every
+    ``ckpt_ext::`` op but the decoder_layer ops themselves), by phase: {"fwd": [...], "bwd":
+    [...]}, each entry the chain of enclosing ops. In fp32 no dtype conversion copies, so
+    these are the layout copies (``.contiguous()``, a ``reshape`` that cannot view)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    copies = {"fwd": [], "bwd": []}
+    for event in prof.events():
+        if event.name != "aten::copy_":
+            continue
+        chain, parent = [], event.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        if any(n.startswith("ckpt_ext::") and not n.startswith("ckpt_ext::decoder_layer")
+               for n in chain):
+            continue  # inside a kernel op: its own work (the interpreter's copies included)
+        phase = "bwd" if "ckpt_ext::decoder_layer_bwd" in chain else "fwd"
+        copies[phase].append(" < ".join(chain))
+    return copies
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the layer's ops on CPU")
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("policy", ["fast", "balanced", "min_memory"])
+def test_decoder_layer_has_no_attention_layout_copies(backend, policy):
+    """out, dq, dk, dv come back as (B, H, S, D) views of (B, S, H, D) memory, so the layer
+    merges heads with views: no copy in forward, and in backward only the two made for the
+    RoPE gradients, which rope_bwd returns contiguous (B, H, S, D) (merged back to
+    (B * S, H * D) for the q/k projections). Before this layout: 1 in forward (2 recomputed
+    with min_memory) and 4 in backward (out twice, dq, dk, dv)."""
+    from ckpt_ext._backend import use_triton
+    from reference import make_layer, rope_tables
+
+    b, s, hq, hkv, d = 2, 17, 4, 2, 16
+    layer = make_layer(hq * d, hq, hkv, 96, torch.float32, policy=policy)
+    x = torch.randn(b, s, hq * d, requires_grad=True)
+    pe = rope_tables(s, d, torch.float32)
+
+    def step():
+        layer(x, pe, None).sum().backward()
+
+    with use_triton("cpu") if backend == "triton" else contextlib.nullcontext():
+        step()  # warm-up (the interpreter's first launch)
+        copies = _layer_copies(step)
+    assert copies["fwd"] == [], copies["fwd"]
+    assert len(copies["bwd"]) == 2, copies["bwd"]
+
+
+def test_deterministic_backward(monkeypatch):
+    """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal
+    (dq too with CKPT_EXT_ATTN_DQ=separate, the default)."""
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "separate")
     q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, torch.float16, "right", seed=11)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.2)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
@@ -426,7 +525,20 @@ def test_accuracy_gpu(case):
 
 @needs_gpu
 @pytest.mark.gpu
-def test_deterministic_backward_gpu():
+@pytest.mark.parametrize("case", GPU_CASES[:4] + GPU_CASES[6:7],
+                         ids=[_case_id(c) for c in GPU_CASES[:4] + GPU_CASES[6:7]])
+def test_dq_atomic_gpu(monkeypatch, case):
+    """The atomic dQ path with the GPU's configs, bf16 / fp16 / fp32 (the one the interpreter
+    cannot check for bf16)."""
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "atomic")
+    dtype, B, Hq, Hkv, S, D, causal, mask = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 2)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_deterministic_backward_gpu(monkeypatch):
+    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "separate")
     q, k, v, dout, mask = make_inputs(2, 32, 8, 2048, 128, torch.bfloat16, "right", seed=1)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 128 ** -0.5)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 128 ** -0.5)

@@ -238,15 +238,16 @@ def _strides(prefixes, dims="bhsd"):
 
 
 def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal: bool,
-                        has_mask: bool, meta: dict):
-    """(signature, constexprs, attrs) of an attention kernel as its launcher passes them."""
+                        has_mask: bool, meta: dict, dq_atomic: bool = False):
+    """(signature, constexprs, attrs) of an attention kernel as its launcher passes them
+    (dq_atomic: the dK/dV kernel of CKPT_EXT_ATTN_DQ=atomic)."""
     import torch
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     common = attention._common_meta(head_dim, causal, tdtype)
     fn = getattr(attention, ATTN_KERNEL[kind])
     if kind == "pre":
-        pointers = {"Out": dtype, "DOut": dtype, "Delta": "fp32"}
+        pointers = {"Out": dtype, "DOut": dtype, "Lse": "fp32", "Delta": "fp32", "Lse2": "fp32"}
         strides = _strides("og")
         consts = {"HEAD_DIM": head_dim, "D_PAD": common["D_PAD"], "BLOCK_M": meta["BLOCK_M"]}
         return make_signature(fn, pointers, {s for s in strides if s.endswith("d")},
@@ -256,11 +257,14 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     pointers["Mask"] = "u8" if has_mask else dtype  # bool mask viewed as uint8, else q itself
     for name in ("SegId", "SegLo", "SegHi"):        # no segment ids: q itself
         pointers[name] = dtype
-    pointers["Lse"] = "fp32"
-    prefixes = ["q", "k", "v", "o"] if kind == "fwd" else ["q", "k", "v", "g", "d"]
+    pointers["Lse" if kind == "fwd" else "Lse2"] = "fp32"
+    prefixes = {"fwd": ["q", "k", "v", "o"], "dq": ["q", "k", "v", "g", "d"],
+                "dkdv": ["q", "k", "v", "g", "d", "a"]}[kind]
     if kind != "fwd":
         pointers["DOut"] = dtype
         pointers["Delta"] = "fp32"
+    if kind == "dkdv":
+        pointers["DQA"] = "fp32"  # the fp32 dQ sums (atomic mode), else dq itself
     strides = _strides(prefixes)
     unit = {s for s in strides if s.endswith("d")}
     div16 = {s for s in strides if not s.endswith("d")} | {"S_BUCKET"}
@@ -271,6 +275,8 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     floats = {"qk_scale"} if kind == "fwd" else {"qk_scale", "sm_scale"}
     consts = dict(common, HAS_MASK=has_mask, HAS_SEG=False, WINDOW=False,
                   BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
+    if kind == "dkdv":
+        consts["DQ_ATOMIC"] = dq_atomic
     return make_signature(fn, pointers, unit, div16, floats, consts)
 
 
@@ -310,14 +316,9 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
 # Pruner
 # --------------------------------------------------------------------------------------------
 def pruner_estimate(attention, kind: str, cfg, d_pad: int, elt: int) -> tuple:
-    """The shared-memory bytes (attention._smem_bytes) and fp32 accumulator registers per
-    thread (restated here; the script checks below that the pair agrees with _prune's own
-    decision) that attention._prune judges a config by."""
-    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-    resident = bn if kind == "dkdv" else bm
-    smem = attention._smem_bytes(kind, cfg, d_pad, elt)
-    regs = (2 if kind == "dkdv" else 1) * resident * d_pad / (32 * cfg.num_warps)
-    return smem, regs
+    """The shared-memory bytes and registers per thread that attention._prune judges a config
+    by (attention.estimate_resources)."""
+    return attention.estimate_resources(kind, cfg, d_pad, elt)
 
 
 def pruner_verdict(attention, kind: str, cfg, configs, d_pad: int, elt: int, budget: int) -> dict:
@@ -333,7 +334,9 @@ def pruner_verdict(attention, kind: str, cfg, configs, d_pad: int, elt: int, bud
     verdict = "keep" if alone else ("fallback" if launched else "drop")
     est_smem, est_regs = pruner_estimate(attention, kind, cfg, d_pad, elt)
     return {"verdict": verdict, "est_shared": est_smem, "est_acc_regs": est_regs,
-            "estimate_in_sync": alone == (est_smem <= budget and est_regs <= 128)}
+            "reg_limit": attention._REG_LIMIT[kind],
+            "estimate_in_sync": alone == (est_smem <= budget
+                                          and est_regs <= attention._REG_LIMIT[kind])}
 
 
 # --------------------------------------------------------------------------------------------
@@ -554,15 +557,18 @@ def summarize(rows) -> tuple:
             disagree.append(f"  KEPT ({pr['verdict']}) but does not fit: {where}: shared "
                             f"{r['shared']} B > {j['budget']} B (estimate {pr['est_shared']} B)")
         elif not kept and fits:
-            reason = ("register estimate "
-                      f"{pr['est_acc_regs']:.0f} fp32/thread > 128"
-                      if pr["est_shared"] <= j["budget"] else
+            by_regs = pr["est_shared"] <= j["budget"]
+            if by_regs and r.get("spill_stores", 0) > 0:
+                continue  # dropped by the register model and it does spill: they agree
+            reason = (f"register estimate {pr['est_acc_regs']:.0f} fp32/thread > "
+                      f"{pr['reg_limit']}" if by_regs else
                       f"shared estimate {pr['est_shared']} B > {j['budget']} B")
             disagree.append(f"  DROPPED though it fits: {where}: shared {r['shared']} B <= "
                             f"{j['budget']} B; dropped by the {reason}; real regs "
                             f"{r.get('regs')}, spill {_spill_text(r)} B")
     lines.append("")
-    lines.append(f"pruner disagreements (attention._prune vs real shared memory): {len(disagree)}")
+    lines.append(f"pruner disagreements (attention._prune vs real shared memory and spills): "
+                 f"{len(disagree)}")
     lines.extend(disagree)
     out_of_sync = [j for j, _ in rows if j.get("pruner") and not j["pruner"]["estimate_in_sync"]]
     if out_of_sync:
