@@ -46,7 +46,8 @@ from triton.runtime.errors import OutOfResources
 from . import autotune_enabled
 
 __all__ = ["INTERPRET", "AUTOTUNE", "reload_policy", "dot_precision", "cached", "DeviceInfo",
-           "device_info", "on_device", "FirstThatFits", "Fixed", "select"]
+           "device_info", "on_device", "FirstThatFits", "Fixed", "select", "cdiv", "next_pow2", "pow2_bucket",
+           "placeholder"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,6 +144,13 @@ def device_info(device: torch.device) -> DeviceInfo:
 _NULL = contextlib.nullcontext()
 
 
+@cached
+def placeholder(device: torch.device) -> torch.Tensor:
+    """A one-element fp32 tensor on ``device`` for pointer arguments a specialization never
+    touches (absent biases, adapters, buffers); shared, never written."""
+    return torch.zeros((1,), dtype=torch.float32, device=device)
+
+
 def on_device(device: torch.device):
     """A context in which ``device`` is the current CUDA device; a no-op for CPU tensors and
     when it already is current (the common case: no device switch per launch)."""
@@ -234,6 +242,23 @@ def select(kernel, configs: Sequence, *, interpret_meta, key: Sequence[str],
     if not AUTOTUNE:
         return FirstThatFits(kernel, configs)
     return triton.autotune(configs=list(configs), key=list(key), **autotune_kwargs)(kernel)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code (``triton.cdiv`` is a constexpr function: slower on the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host code."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def pow2_bucket(n: int, lo: int, hi: int | None = None) -> int:
+    """Autotuning key of a size: the next power of two, at least ``lo`` (at most ``hi``), so
+    that a run with varying sequence lengths tunes a handful of times, not once per length."""
+    b = max(lo, next_pow2(n))
+    return b if hi is None else min(b, hi)
 
 
 def cut(configs: Sequence, keep: Callable, fallback: Callable | None = None) -> list:
