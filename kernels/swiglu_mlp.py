@@ -30,22 +30,19 @@ products are torch matmuls, and a weight gradient that is not wanted is not comp
 All pointwise math is fp32:  s = sigmoid(g),  silu(g) = g s,
 silu'(g) = s (1 + g (1 - s)),  dgate = dh * up * silu'(gate),  dup = dh * silu(gate).
 
-With ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU
-tensors through the Triton interpreter, with one fixed block configuration. On a GPU
-``CKPT_EXT_AUTOTUNE=0`` (also read at import) launches one fixed configuration untimed instead
-of autotuning.
+Launch policy (``kernels/_launch.py``, shared by all kernels): under Triton's interpreter
+(``TRITON_INTERPRET=1``) the kernels run on CPU tensors with one fixed block configuration; on
+a GPU they autotune over the candidates that the resource model (``launch_configs``) keeps for
+the device, dtype and adapters, or with ``CKPT_EXT_AUTOTUNE=0`` launch the first of them
+untimed. Launchers are cached per (device, dtype, fp32 dot precision, flags, adapter ranks).
 """
-import contextlib
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import autotune_enabled
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from . import _launch
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,82 +319,151 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# The fused tiles keep two fp32 accumulators: a 128x64 tile loads as many bytes per FLOP as a
-# 128x128 plain GEMM tile, a 128x128 tile holds the registers of a 128x256 one. AOT compiles
-# (tools/check_triton_compile.py, bf16; bench/results/triton_compile_*.txt) with triton 3.6 and
-# 3.9: all compile for sm_90 and sm_80. On sm_90 the 4-warp and 128x128/256x64 tiles spill
-# 16-64 bytes in the recompute backward only; the 8-warp 128x64, 64x128, 128x64x32 and 64x64
-# tiles do not spill. On sm_80 the large tiles spill more (forward too: up to 340 bytes; with
-# triton 3.6 the 128x128x64 backward up to 9 KB), which the autotuner's timings then weigh.
-# Shared memory: 64-196 KB (Hopper has 227 KB per block); a config that does not fit a device
-# (A100 164 KB, consumer Ampere ~100 KB) fails to compile there and the autotuner skips it.
-_GPU_CONFIGS = [
-    # Hopper (wgmma, large shared memory)
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    # Hopper and Ampere: no spills, except 128x128x32 (24 B in the backward on sm_90)
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    # few tokens
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
+def _cfg(bm, bn, bk, warps, stages, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_warps=warps, num_stages=stages)
+
+
+# Candidates, in order of preference; the resource model below keeps those that neither spill
+# registers nor exceed the device's shared memory for a kernel variant, and the first kept one
+# is what CKPT_EXT_AUTOTUNE=0 launches. The fused tiles keep two fp32 accumulators: a 128x64
+# tile loads as many bytes per FLOP as a 128x128 plain GEMM tile, a 128x128 tile holds the
+# registers of a 128x256 one. The last two serve the LoRA backward, whose epilogue is the
+# heaviest (see _regs_estimate).
+_CANDIDATES = [
+    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(256, 64, 64, 8, 3),
+    _cfg(128, 64, 64, 4, 4), _cfg(128, 64, 64, 8, 4), _cfg(64, 128, 64, 8, 4),
+    _cfg(128, 128, 32, 8, 4), _cfg(128, 64, 32, 8, 4), _cfg(64, 64, 64, 4, 4),
+    _cfg(32, 64, 128, 4, 3), _cfg(64, 32, 64, 8, 3), _cfg(32, 32, 64, 4, 3),
 ]
 # Interpreter: one config whose blocks do not divide the test shapes (T 129, H 96, I 172), so
 # every masked tail is exercised.
 _INTERPRET_META = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
 _TUNE_KEY = ["T_BUCKET", "H", "I"]
+_KINDS = ("fwd", "bwd")
+_REG_LIMIT = 176     # estimated fp32 values per thread that stay clear of ptxas's 255 registers
 
-# CKPT_EXT_AUTOTUNE=0 (read at import): one configuration that fits every device above, untimed.
-_UNTUNED_META = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
-                 "num_stages": 3}
 
-if _INTERPRET:
-    _fwd_launch = _swiglu_fwd_kernel
-    _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
-    _FIXED_META = _INTERPRET_META
-elif not autotune_enabled():
-    _fwd_launch = _swiglu_fwd_kernel
-    _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
-    _FIXED_META = _UNTUNED_META
-else:
-    _LORA_KEY = ["LORA_G", "LORA_U", "LORA_D", "R_G", "R_U", "R_D"]
-    # ha is accumulated atomically: tuning runs must start it from zero.
-    _fwd_launch = triton.autotune(configs=_GPU_CONFIGS,
-                                  key=_TUNE_KEY + ["STORE_GATE_UP"] + _LORA_KEY,
-                                  reset_to_zero=["ha_ptr"])(_swiglu_fwd_kernel)
+def _wgmma(config, arch):
+    """Whether Triton lowers the tile's dots to Hopper's wgmma (operands read from shared
+    memory, BLOCK_M >= 64 per warp group) rather than to mma with register operands."""
+    return arch == "hopper" and config.kwargs["BLOCK_M"] >= 64 and config.num_warps % 4 == 0
+
+
+def _smem_estimate(config, arch, elt):
+    """Shared memory of the pipelined x, w_gate, w_up tiles: num_stages buffers with wgmma,
+    num_stages - 1 with mma; equal to Triton's allocation in the AOT reports."""
+    m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    buffers = config.num_stages if _wgmma(config, arch) else max(config.num_stages - 1, 1)
+    return buffers * (m * bk + 2 * bk * bn) * elt
+
+
+def _regs_estimate(kind, config, arch, elt, lora, rank_pad):
+    """Estimated 32-bit registers per thread that decide whether ptxas spills, fitted to the
+    AOT compile reports (tools/check_triton_compile.py, bf16, sm_90 and sm_80).
+
+    With ``tile`` = BLOCK_M * BLOCK_N / threads (one fp32 tile): the forward holds its two
+    accumulators plus the epilogue (2.5 tiles), the recompute backward the two accumulators and
+    then up to four epilogue tiles (4 tiles); mma (Ampere, and Hopper below 64 rows) adds the
+    register operands of one x / w k-step. LoRA adds the rank-r tiles; its backward forms six
+    products with a full (BLOCK_M, BLOCK_N) fp32 operand, which spill above 8 values per
+    thread or 32 columns at rank pad 16: those return a value over the limit."""
+    m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    threads = 32 * config.num_warps
+    tile = m * bn / threads
+    operands = 0 if _wgmma(config, arch) else (m * bk + bk * bn) * elt / (4 * threads)
+    regs = (2.5 if kind == "fwd" else 4.0) * tile + operands
+    if lora:
+        rank_tile = rank_pad * bn / threads
+        if kind == "fwd":
+            regs += 8 * rank_tile + 40
+        elif bn > 32 or tile * rank_pad / 16 > 8:
+            regs = max(regs, 2 * _REG_LIMIT)
+        else:
+            regs = max(regs, _REG_LIMIT)
+    return regs
+
+
+def launch_configs(kind, arch, dtype, *, lora=False, rank_pad=16, smem_budget=None):
+    """Every candidate of a SwiGLU kernel with the resource model's verdict, in order.
+
+    kind: "fwd" (``_swiglu_fwd_kernel``) or "bwd" (``_swiglu_bwd_recompute_kernel``, the
+    recompute and the save="gate_up" variants); arch: "hopper" or "ampere"; dtype: the
+    torch dtype of x; lora: adapters present (rank padded to ``rank_pad``); smem_budget: the
+    device's per-block shared memory (default: the family's, see ``_launch.smem_budget_for``).
+    Returns a list of ``(config, {"regs": est, "smem": est, "kept": bool})``; when no config is
+    kept the smallest tile is marked kept, so that something launches.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"launch_configs: kind must be one of {_KINDS}, got {kind!r}")
+    elt = dtype.itemsize
+    if smem_budget is None:
+        smem_budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
+    rows = []
+    for c in _CANDIDATES:
+        regs = _regs_estimate(kind, c, arch, elt, lora, rank_pad)
+        smem = _smem_estimate(c, arch, elt)
+        rows.append((c, {"regs": regs, "smem": smem,
+                         "kept": regs <= _REG_LIMIT and smem <= smem_budget}))
+    if not any(est["kept"] for _, est in rows):
+        smallest = min(range(len(rows)), key=lambda i: (
+            rows[i][0].kwargs["BLOCK_M"] * rows[i][0].kwargs["BLOCK_N"], rows[i][1]["smem"]))
+        rows[smallest][1]["kept"] = True
+    return rows
+
+
+def kept_configs(kind, arch, dtype, *, lora=False, rank_pad=16, smem_budget=None):
+    """The configs :func:`launch_configs` keeps, in order: the autotuner's candidates, and the
+    first one is what ``CKPT_EXT_AUTOTUNE=0`` launches."""
+    return [c for c, est in launch_configs(kind, arch, dtype, lora=lora, rank_pad=rank_pad,
+                                           smem_budget=smem_budget) if est["kept"]]
+
+
+def _kernel_for(kind, device, dtype, lora_pads):
+    """The launcher of one kernel for a device, dtype and adapters (rank pads or None)."""
+    if _launch.INTERPRET:
+        configs = []
+    else:
+        info = _launch.device_info(device)
+        configs = kept_configs(kind, info.arch, dtype, lora=lora_pads is not None,
+                               rank_pad=max(lora_pads or (16,)), smem_budget=info.smem_budget)
+    if kind == "fwd":
+        # ha is accumulated atomically: tuning runs must start it from zero.
+        return _launch.select(_swiglu_fwd_kernel, configs, interpret_meta=_INTERPRET_META,
+                              key=_TUNE_KEY, reset_to_zero=["ha_ptr"])
     # dgate is written over dh in place, so tuning runs must restore dh between trials; the
     # LoRA accumulators start from zero.
-    _bwd_recompute_launch = triton.autotune(
-        configs=_GPU_CONFIGS,
-        key=_TUNE_KEY + ["RECOMPUTE", "STORE_H", "NEED_DBG", "NEED_DBU", "NEED_DAD", "NEED_HA"]
-        + _LORA_KEY,
-        restore_value=["dh_ptr"],
-        reset_to_zero=["dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr", "dlad_ptr", "ha_ptr"],
-    )(_swiglu_bwd_recompute_kernel)
-    _FIXED_META = {}
+    return _launch.select(_swiglu_bwd_recompute_kernel, configs,
+                          interpret_meta=_INTERPRET_META, key=_TUNE_KEY,
+                          restore_value=["dh_ptr"],
+                          reset_to_zero=["dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr",
+                                         "dlad_ptr", "ha_ptr"])
+
+
+@_launch.cached
+def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_pads):
+    """(kernel, constexpr arguments) of the forward for one specialization; lora_pads: None
+    or the rank pads (R_G, R_U, R_D), 0 for a projection without adapter."""
+    ieee = precision == "ieee"
+    meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
+                **_lora_meta(lora_pads, ieee))
+    return _kernel_for("fwd", device, dtype, lora_pads), meta
+
+
+@_launch.cached
+def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, needs,
+                  lora_pads):
+    """(kernel, constexpr arguments) of the backward for one specialization; needs: the
+    (NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA) flags."""
+    ieee = precision == "ieee"
+    meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
+                STORE_H=store_h, NEED_DBG=needs[0], NEED_DBU=needs[1], NEED_DAD=needs[2],
+                NEED_HA=needs[3], **_lora_meta(lora_pads, ieee))
+    return _kernel_for("bwd", device, dtype, lora_pads), meta
 
 
 def _grid(T, I):
-    if _FIXED_META:
-        n = triton.cdiv(T, _FIXED_META["BLOCK_M"]) * triton.cdiv(I, _FIXED_META["BLOCK_N"])
-        return lambda meta: (n,)
-    return lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)
-
-
-def _t_bucket(T):
-    """Autotuning key for the token count: the next power of two (at least 16), so a run with
-    varying sequence lengths tunes a handful of times, not once per length."""
-    return max(16, triton.next_power_of_2(T))
-
-
-def _dot_ieee(dtype):
-    """fp32 inputs follow torch's matmul precision setting: exact fp32 products unless the user
-    allowed TF32 (torch.set_float32_matmul_precision("high"/"medium"))."""
-    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    return lambda meta: (_launch.cdiv(T, meta["BLOCK_M"]) * _launch.cdiv(I, meta["BLOCK_N"]),)
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,10 +492,10 @@ def _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
                          f"{tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{op}: x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.device.type != "cuda" and not _INTERPRET:
+    if x.device.type != "cuda" and not _launch.INTERPRET:
         raise ValueError(f"{op}: x is on {x.device}; the Triton kernels need CUDA tensors "
                          f"(CPU tensors only with TRITON_INTERPRET=1 set before triton is imported)")
-    if x.dtype == torch.bfloat16 and _INTERPRET:
+    if x.dtype == torch.bfloat16 and _launch.INTERPRET:
         raise NotImplementedError(
             f"{op}: bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1), "
             f"whose bf16 tl.dot gives wrong results (triton#11584); use float16 or float32 "
@@ -448,11 +514,6 @@ def _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
         if b is not None:
             _check_tensor(op, name, b, shape, "(I,)" if name != "b_down" else "(H,)", x)
     return T, H, I
-
-
-def _on_device(x):
-    """Triton launches on the current CUDA device: make it the device of x."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _absent(t):
@@ -516,19 +577,27 @@ def _check_lora(op, lora, lora_scaling, x, H, I):
 
 def _rank_pad(r):
     """The rank padded for tl.dot: a power of two, at least 16."""
-    return max(16, triton.next_power_of_2(r))
+    return _launch.pow2_bucket(r, 16)
 
 
 def _f32(t):
     return t.to(torch.float32).contiguous()
 
 
-def _lora_meta(ad, ieee):
+def _lora_pads(ad):
+    """(R_G, R_U, R_D): each adapter's rank padded for tl.dot, 0 for a projection without
+    one; None without adapters (a launcher-cache key)."""
+    if all(a is None for a in ad):
+        return None
+    return tuple(_rank_pad(a[0].shape[0]) if a is not None else 0 for a in ad)
+
+
+def _lora_meta(pads, ieee):
     """Constexpr flags and pads of the three adapters."""
     meta = {}
-    for key, a in zip("GUD", ad):
-        meta[f"LORA_{key}"] = a is not None
-        meta[f"R_{key}"] = _rank_pad(a[0].shape[0]) if a is not None else 16
+    for key, pad in zip("GUD", pads or (0, 0, 0)):
+        meta[f"LORA_{key}"] = pad > 0
+        meta[f"R_{key}"] = pad or 16
     # The rank-r dots take fp32 operands: exact fp32 products for an fp32 base under the
     # "highest" matmul precision, TF32 otherwise (for a half-precision base its ~2**-11
     # relative error on the small low-rank term stays below the rounding of gate/up/dh).
@@ -582,7 +651,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     gu_shape = (T, I) if return_gate_up else (0,)
     gate, up = x.new_empty(gu_shape), x.new_empty(gu_shape)
     lg, lu, ld = ad
-    dummy = x.new_zeros((1,), dtype=torch.float32)
+    dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     xf = x.float() if (lg or lu) else None
     xag = torch.mm(xf, _f32(lg[0]).t()) if lg else dummy          # (T, r_g) fp32
     xau = torch.mm(xf, _f32(lu[0]).t()) if lu else dummy          # (T, r_u) fp32
@@ -591,19 +660,19 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     if T > 0 and I > 0:
         b_gate_c = b_gate.contiguous() if b_gate is not None else h
         b_up_c = b_up.contiguous() if b_up is not None else h
-        with _on_device(x):
-            _fwd_launch[_grid(T, I)](
+        kernel, meta = _fwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
+                                     b_gate is not None, b_up is not None,
+                                     bool(return_gate_up), _lora_pads(ad))
+        with _launch.on_device(x.device):
+            kernel[_grid(T, I)](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
                 gate if return_gate_up else h, up if return_gate_up else h,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, ha,
                 _scale(lg), _scale(lu), _rank(lg), _rank(lu), _rank(ld),
-                T, H, I, _t_bucket(T),
+                T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-                w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1),
-                HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-                STORE_GATE_UP=bool(return_gate_up), DOT_IEEE=_dot_ieee(x.dtype),
-                **_lora_meta(ad, _dot_ieee(x.dtype)), **_FIXED_META)
+                w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1), **meta)
     y = torch.nn.functional.linear(h, w_down, b_down)
     del h
     if ld is not None:
@@ -659,7 +728,7 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     n_lb = [ad[p] is not None and needs[7 + 2 * p] for p in range(3)]
     lg, lu, ld = ad
 
-    dummy = x.new_zeros((1,), dtype=torch.float32)
+    dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     f32 = torch.float32
 
     def zeros_or_dummy(cond, shape):
@@ -684,21 +753,20 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         up_c = up.contiguous() if not recompute else dup
         b_gate_c = b_gate.contiguous() if b_gate is not None else dup
         b_up_c = b_up.contiguous() if b_up is not None else dup
-        with _on_device(x):
-            _bwd_recompute_launch[_grid(T, I)](
+        kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
+                                     b_gate is not None, b_up is not None, recompute, n_wd,
+                                     (n_lb[0], n_lb[1], n_la[2], n_lb[2]), _lora_pads(ad))
+        with _launch.on_device(x.device):
+            kernel[_grid(T, I)](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, dyb,
                 dxag, dlbg, dxau, dlbu, dlad, ha,
                 _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld),
-                T, H, I, _t_bucket(T),
+                T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
                 w_up.stride(0), w_up.stride(1), dh.stride(0), dh.stride(1),
-                dup.stride(0), dup.stride(1),
-                HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-                DOT_IEEE=_dot_ieee(x.dtype), RECOMPUTE=recompute, STORE_H=n_wd,
-                NEED_DBG=n_lb[0], NEED_DBU=n_lb[1], NEED_DAD=n_la[2], NEED_HA=n_lb[2],
-                **_lora_meta(ad, _dot_ieee(x.dtype)), **_FIXED_META)
+                dup.stride(0), dup.stride(1), **meta)
     dgate = dh
 
     def none():
