@@ -344,21 +344,23 @@ _KINDS = ("fwd", "bwd")
 _REG_LIMIT = 176     # estimated fp32 values per thread that stay clear of ptxas's 255 registers
 
 
-def _wgmma(config, arch):
+def _wgmma(config, arch, ieee):
     """Whether Triton lowers the tile's dots to Hopper's wgmma (operands read from shared
-    memory, BLOCK_M >= 64 per warp group) rather than to mma with register operands."""
-    return arch == "hopper" and config.kwargs["BLOCK_M"] >= 64 and config.num_warps % 4 == 0
+    memory, BLOCK_M >= 64 per warp group) rather than to mma with register operands (or, for
+    IEEE fp32, to FMAs)."""
+    return (arch == "hopper" and not ieee and config.kwargs["BLOCK_M"] >= 64
+            and config.num_warps % 4 == 0)
 
 
-def _smem_estimate(config, arch, elt):
+def _smem_estimate(config, arch, elt, ieee):
     """Shared memory of the pipelined x, w_gate, w_up tiles: num_stages buffers with wgmma,
-    num_stages - 1 with mma; equal to Triton's allocation in the AOT reports."""
+    num_stages - 1 otherwise; equal to Triton's allocation in the AOT reports."""
     m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-    buffers = config.num_stages if _wgmma(config, arch) else max(config.num_stages - 1, 1)
+    buffers = config.num_stages if _wgmma(config, arch, ieee) else max(config.num_stages - 1, 1)
     return buffers * (m * bk + 2 * bk * bn) * elt
 
 
-def _regs_estimate(kind, config, arch, elt, lora, rank_pad):
+def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad):
     """Estimated 32-bit registers per thread that decide whether ptxas spills, fitted to the
     AOT compile reports (tools/check_triton_compile.py, bf16, sm_90 and sm_80).
 
@@ -371,7 +373,7 @@ def _regs_estimate(kind, config, arch, elt, lora, rank_pad):
     m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
     threads = 32 * config.num_warps
     tile = m * bn / threads
-    operands = 0 if _wgmma(config, arch) else (m * bk + bk * bn) * elt / (4 * threads)
+    operands = 0 if _wgmma(config, arch, ieee) else (m * bk + bk * bn) * elt / (4 * threads)
     regs = (2.5 if kind == "fwd" else 4.0) * tile + operands
     if lora:
         rank_tile = rank_pad * bn / threads
@@ -384,25 +386,30 @@ def _regs_estimate(kind, config, arch, elt, lora, rank_pad):
     return regs
 
 
-def launch_configs(kind, arch, dtype, *, lora=False, rank_pad=16, smem_budget=None):
+def launch_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
+                   smem_budget=None):
     """Every candidate of a SwiGLU kernel with the resource model's verdict, in order.
 
     kind: "fwd" (``_swiglu_fwd_kernel``) or "bwd" (``_swiglu_bwd_recompute_kernel``, the
     recompute and the save="gate_up" variants); arch: "hopper" or "ampere"; dtype: the
-    torch dtype of x; lora: adapters present (rank padded to ``rank_pad``); smem_budget: the
-    device's per-block shared memory (default: the family's, see ``_launch.smem_budget_for``).
+    torch dtype of x; precision: ``_launch.dot_precision(dtype)`` (fp32: "ieee" or "tf32");
+    lora: adapters present (rank padded to ``rank_pad``); smem_budget: the device's per-block
+    shared memory (default: the family's, see ``_launch.smem_budget_for``). The register
+    model is fitted to bf16 compiles (fp16 allocates alike); fp32 is estimated alike but not
+    checked against spills (IEEE fp32 dots run on FMAs and spill on sm_80 at every size).
     Returns a list of ``(config, {"regs": est, "smem": est, "kept": bool})``; when no config is
     kept the smallest tile is marked kept, so that something launches.
     """
     if kind not in _KINDS:
         raise ValueError(f"launch_configs: kind must be one of {_KINDS}, got {kind!r}")
     elt = dtype.itemsize
+    ieee = dtype == torch.float32 and precision == "ieee"
     if smem_budget is None:
         smem_budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
     rows = []
     for c in _CANDIDATES:
-        regs = _regs_estimate(kind, c, arch, elt, lora, rank_pad)
-        smem = _smem_estimate(c, arch, elt)
+        regs = _regs_estimate(kind, c, arch, elt, ieee, lora, rank_pad)
+        smem = _smem_estimate(c, arch, elt, ieee)
         rows.append((c, {"regs": regs, "smem": smem,
                          "kept": regs <= _REG_LIMIT and smem <= smem_budget}))
     if not any(est["kept"] for _, est in rows):
@@ -412,20 +419,23 @@ def launch_configs(kind, arch, dtype, *, lora=False, rank_pad=16, smem_budget=No
     return rows
 
 
-def kept_configs(kind, arch, dtype, *, lora=False, rank_pad=16, smem_budget=None):
+def kept_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
+                 smem_budget=None):
     """The configs :func:`launch_configs` keeps, in order: the autotuner's candidates, and the
     first one is what ``CKPT_EXT_AUTOTUNE=0`` launches."""
-    return [c for c, est in launch_configs(kind, arch, dtype, lora=lora, rank_pad=rank_pad,
-                                           smem_budget=smem_budget) if est["kept"]]
+    return [c for c, est in launch_configs(kind, arch, dtype, precision=precision, lora=lora,
+                                           rank_pad=rank_pad, smem_budget=smem_budget)
+            if est["kept"]]
 
 
-def _kernel_for(kind, device, dtype, lora_pads):
+def _kernel_for(kind, device, dtype, precision, lora_pads):
     """The launcher of one kernel for a device, dtype and adapters (rank pads or None)."""
     if _launch.INTERPRET:
         configs = []
     else:
         info = _launch.device_info(device)
-        configs = kept_configs(kind, info.arch, dtype, lora=lora_pads is not None,
+        configs = kept_configs(kind, info.arch, dtype, precision=precision,
+                               lora=lora_pads is not None,
                                rank_pad=max(lora_pads or (16,)), smem_budget=info.smem_budget)
     if kind == "fwd":
         # ha is accumulated atomically: tuning runs must start it from zero.
@@ -447,7 +457,7 @@ def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
                 **_lora_meta(lora_pads, ieee))
-    return _kernel_for("fwd", device, dtype, lora_pads), meta
+    return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
 
 @_launch.cached
@@ -459,7 +469,7 @@ def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, 
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
                 STORE_H=store_h, NEED_DBG=needs[0], NEED_DBU=needs[1], NEED_DAD=needs[2],
                 NEED_HA=needs[3], **_lora_meta(lora_pads, ieee))
-    return _kernel_for("bwd", device, dtype, lora_pads), meta
+    return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 
 
 def _grid(T, I):
