@@ -31,6 +31,7 @@ TRITON_OPS = {
     "attention_bwd": ("attention", "attention_bwd"),
     "swiglu_fwd": ("swiglu_mlp", "swiglu_fwd"),
     "swiglu_bwd": ("swiglu_mlp", "swiglu_bwd"),
+    "lora_dropout": ("dropout", "lora_dropout"),
     "linear_cross_entropy_fwd": ("linear_cross_entropy", "linear_cross_entropy_fwd"),
     "linear_cross_entropy_bwd": ("linear_cross_entropy", "linear_cross_entropy_bwd"),
 }

@@ -76,23 +76,24 @@ def _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset)
 
 @torch.library.register_fake("ckpt_ext::decoder_layer")
 def _decoder_layer_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                        uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype, part,
-                        preset):
+                        uniform_empty_rows, lora_scaling, lora_dropout, dropout_seed, num_heads,
+                        num_kv_heads, eps, scale, compute_dtype, part, preset):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_fwd")
 def _decoder_layer_fwd_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                            uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
-                            part, preset):
+                            uniform_empty_rows, lora_scaling, lora_dropout, dropout_seed,
+                            num_heads, num_kv_heads, eps, scale, compute_dtype, part, preset):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset))
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_bwd")
 def _decoder_layer_bwd_fake(dy, x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                            uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, compute_dtype,
-                            part, preset, saved, needs_grad):
+                            uniform_empty_rows, lora_scaling, lora_dropout, dropout_seed,
+                            num_heads, num_kv_heads, eps, scale, compute_dtype, part, preset,
+                            saved, needs_grad):
     dweights = [torch.empty_like(w, memory_format=torch.contiguous_format)
                 if w is not None and need else x.new_empty(0)
                 for w, need in zip(weights, needs_grad)]
@@ -116,6 +117,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   segment_ids: Optional[Tensor] = None, window: Optional[int] = None,
                   uniform_empty_rows: bool = False,
                   lora_scaling: Optional[Sequence[float]] = None,
+                  lora_dropout: Optional[Sequence[float]] = None,
+                  dropout_seed: Optional[Tensor] = None,
                   compute_dtype: Optional[torch.dtype] = None, part: str = "layer",
                   preset: str = "balanced") -> Tensor:
     """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
@@ -126,6 +129,10 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     = real token; segment_ids (B, S) int and window: as in ``ckpt_ext.ops.attention``;
     uniform_empty_rows: a query row with no key to attend averages all values (HF eager
     attention's result) instead of being 0. ``scale`` defaults to ``head_dim ** -0.5``.
+    lora_scaling: one factor per projection (``PROJECTIONS``) when ``weights`` has adapters
+    (``"<projection>.lora_A"`` / ``".lora_B"``); lora_dropout: one probability per projection,
+    applied to the adapter's input with masks hashed from ``dropout_seed`` (a CPU int64 tensor
+    with one element, e.g. ``torch.randint(2**31, ())``): the backward replays them exactly.
     """
     _check("decoder_layer", preset, part)
     w = pack_weights(weights)
@@ -134,8 +141,10 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         wq = w[_SLOT_INDEX["self_attn.q_proj.weight"]]
         scale = 1.0 / math.sqrt(wq.shape[0] // num_heads) if wq is not None else 1.0
     return _ops.decoder_layer(x, w, cos, sin, key_padding_mask, segment_ids, window,
-                              uniform_empty_rows, list(lora_scaling or ()), num_heads, num_kv_heads or num_heads,
-                              eps, float(scale), compute_dtype, part, preset)
+                              uniform_empty_rows, list(lora_scaling or ()),
+                              list(lora_dropout or ()), dropout_seed, num_heads,
+                              num_kv_heads or num_heads, eps, float(scale), compute_dtype, part,
+                              preset)
 
 
 def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,

@@ -25,199 +25,14 @@ import math
 import torch
 
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
+from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
+                      _absent, _check_positive_finite, _check_qkv, _check_swiglu,
+                      _check_probability, _check_seed, _check_swiglu_lora, _check_rms, _check_rope,
+                      _stat_dtype, _check_lce, _check_lce_stat)
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
 
 _ops = torch.ops.ckpt_ext
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-# --------------------------------------------------------------------------------------------
-# Argument checks of the fakes: the same rules and messages as csrc/checks.h
-# --------------------------------------------------------------------------------------------
-def _shape(t):
-    return str(tuple(t.shape))
-
-
-def _dtype(dt):
-    return str(dt).replace("torch.", "")
-
-
-def _check_floating(op, name, t):
-    if t.dtype not in _FLOATS:
-        raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got "
-                        f"{_dtype(t.dtype)}")
-
-
-def _check_dim(op, name, t, dim, layout):
-    if t.dim() != dim:
-        raise ValueError(f"{op}: {name} must have {dim} dims {layout}, got shape {_shape(t)}")
-
-
-def _check_shape(op, name, t, shape, why):
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{op}: {name} must have shape {tuple(shape)} {why}, got {_shape(t)}")
-
-
-def _check_dtype_as(op, name, t, ref_name, ref):
-    if t.dtype != ref.dtype:
-        raise TypeError(f"{op}: {name} must have the dtype of {ref_name} ({_dtype(ref.dtype)}), "
-                        f"got {_dtype(t.dtype)}")
-
-
-def _check_device_as(op, name, t, ref_name, ref):
-    if t.device != ref.device:
-        raise RuntimeError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
-                           f"all tensors must be on one device")
-
-
-def _check_like(op, name, t, ref_name, ref, shape, why):
-    _check_shape(op, name, t, shape, why)
-    _check_dtype_as(op, name, t, ref_name, ref)
-    _check_device_as(op, name, t, ref_name, ref)
-
-
-def _absent(t):
-    """None or the (0,) placeholder of an output that does not apply."""
-    return t is None or (t.dim() == 1 and t.numel() == 0)
-
-
-def _check_positive_finite(op, name, x):
-    if not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
-
-
-def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0):
-    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool, segment_ids (B, S) int32/int64,
-    window > 0, scale finite > 0. Returns (B, Hq, Hkv, S, D)."""
-    _check_dim(op, "q", q, 4, "(B, Hq, S, D)")
-    _check_dim(op, "k", k, 4, "(B, Hkv, S, D)")
-    _check_dim(op, "v", v, 4, "(B, Hkv, S, D)")
-    _check_floating(op, "q", q)
-    _check_dtype_as(op, "k", k, "q", q)
-    _check_dtype_as(op, "v", v, "q", q)
-    _check_device_as(op, "k", k, "q", q)
-    _check_device_as(op, "v", v, "q", q)
-    B, Hq, S, D = q.shape
-    Hkv = k.shape[1]
-    if B == 0:
-        raise ValueError(f"{op}: q has an empty batch (B=0); attention needs B >= 1")
-    if D == 0:
-        raise ValueError(f"{op}: q must have head dim D >= 1, got D=0")
-    if Hq == 0:
-        raise ValueError(f"{op}: q must have at least one head, got Hq=0")
-    for i, what, sym, size in ((0, "batch size", "B", B), (2, "sequence length", "S", S),
-                               (3, "head dim", "D", D)):
-        if k.shape[i] != size:
-            raise ValueError(f"{op}: k must have the {what} of q ({sym}={size}), got "
-                             f"{k.shape[i]} in shape {_shape(k)}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"{op}: k must have Hkv dividing Hq={Hq}, got Hkv={Hkv}")
-    _check_shape(op, "v", v, k.shape, "(the shape of k)")
-    if key_padding_mask is not None:
-        m = key_padding_mask
-        if m.dtype != torch.bool:
-            raise TypeError(f"{op}: key_padding_mask must be bool (True = may be attended), got "
-                            f"{_dtype(m.dtype)}")
-        _check_shape(op, "key_padding_mask", m, (B, S), "(B, S)")
-        _check_device_as(op, "key_padding_mask", m, "q", q)
-    if segment_ids is not None:
-        if segment_ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{op}: segment_ids must be int32 or int64, got "
-                            f"{_dtype(segment_ids.dtype)}")
-        _check_shape(op, "segment_ids", segment_ids, (B, S), "(B, S)")
-        _check_device_as(op, "segment_ids", segment_ids, "q", q)
-    if window is not None and window <= 0:
-        raise ValueError(f"{op}: window must be > 0 (key j is visible from query i iff "
-                         f"i - window < j <= i), got {window}")
-    _check_positive_finite(op, "scale", scale)
-    return B, Hq, Hkv, S, D
-
-
-def _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-    """x (T, H), w_gate/w_up (I, H), w_down (H, I), biases (I,), (I,), (H,). Returns (T, H, I)."""
-    _check_dim(op, "x", x, 2, "(T, H) (tokens flattened)")
-    _check_floating(op, "x", x)
-    _check_dim(op, "w_gate", w_gate, 2, "(I, H)")
-    T, H = x.shape
-    I = w_gate.shape[0]
-    _check_like(op, "w_gate", w_gate, "x", x, (I, H), f"(I, H) with H={H} from x")
-    _check_like(op, "w_up", w_up, "x", x, (I, H), "(I, H), the shape of w_gate")
-    _check_like(op, "w_down", w_down, "x", x, (H, I), "(H, I) for w_gate of shape (I, H)")
-    for name, b, shape, text in (("b_gate", b_gate, (I,), "(I,)"), ("b_up", b_up, (I,), "(I,)"),
-                                 ("b_down", b_down, (H,), "(H,)")):
-        if b is not None:
-            _check_like(op, name, b, "x", x, shape, text)
-    return T, H, I
-
-
-_SWIGLU_LORA = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
-
-
-def _check_swiglu_lora(op, lora, lora_scaling, x, H, I):
-    """lora [] or 6 entries (A (r, in), B (out, r) per projection, both or neither),
-    lora_scaling [] or 3 finite floats. Returns the 6 entries (None where absent)."""
-    lora = list(lora)
-    if len(lora) not in (0, 6):
-        raise ValueError(f"{op}: lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, "
-                         f"A_down, B_down], got {len(lora)} entries")
-    if len(lora_scaling) != (3 if lora else 0):
-        raise ValueError(f"{op}: lora_scaling must have 3 entries (gate, up, down) with adapters "
-                         f"and none without, got {len(lora_scaling)} for {len(lora)} lora entries")
-    if not lora:
-        return [None] * 6
-    for p, (n_in, n_out) in enumerate(((H, I), (H, I), (I, H))):
-        a, b = lora[2 * p], lora[2 * p + 1]
-        an, bn = _SWIGLU_LORA[2 * p], _SWIGLU_LORA[2 * p + 1]
-        if (a is None) != (b is None):
-            state = {True: "None", False: "given"}
-            raise ValueError(f"{op}: lora {an} and {bn} come together, got {an} "
-                             f"{state[a is None]} and {bn} {state[b is None]}")
-        if a is None:
-            continue
-        _check_dim(op, an, a, 2, "(r, in)")
-        _check_floating(op, an, a)
-        _check_device_as(op, an, a, "x", x)
-        r = a.shape[0]
-        if r < 1:
-            raise ValueError(f"{op}: {an} must have rank r >= 1, got shape {_shape(a)}")
-        _check_shape(op, an, a, (r, n_in), f"(r, in) with in = {n_in}")
-        _check_shape(op, bn, b, (n_out, r), f"(out, r) with out = {n_out} and r from {an}")
-        _check_dtype_as(op, bn, b, an, a)
-        _check_device_as(op, bn, b, "x", x)
-        if not math.isfinite(lora_scaling[p]):
-            raise ValueError(f"{op}: lora_scaling[{p}] must be finite, got {lora_scaling[p]}")
-    return lora
-
-
-def _check_rms(op, x, weight):
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must have at least 1 dim (..., N), got a 0-dim tensor")
-    _check_floating(op, "x", x)
-    _check_floating(op, "weight", weight)
-    _check_device_as(op, "weight", weight, "x", x)
-    _check_shape(op, "weight", weight, (x.shape[-1],), "to match x's last dim")
-    if x.shape[-1] == 0:
-        raise ValueError(f"{op}: x must have a non-empty last dim, got shape {_shape(x)}")
-
-
-def _check_rope(op, qn, q, kn, k, cos, sin):
-    _check_dim(op, qn, q, 4, "(B, Hq, S, D)")
-    _check_dim(op, kn, k, 4, "(B, Hkv, S, D)")
-    _check_floating(op, qn, q)
-    _check_dtype_as(op, kn, k, qn, q)
-    _check_device_as(op, kn, k, qn, q)
-    B, _, S, D = q.shape
-    _check_shape(op, kn, k, (B, k.shape[1], S, D), f"(B, Hkv, S, D) with B, S, D from {qn}")
-    if D % 2 != 0:
-        raise ValueError(f"{op}: {qn} must have an even head dim D, got D={D}")
-    _check_dim(op, "cos", cos, 3, "(B or 1, S, D)")
-    _check_floating(op, "cos", cos)
-    _check_device_as(op, "cos", cos, qn, q)
-    if cos.shape[0] not in (1, B):
-        raise ValueError(f"{op}: cos must have batch size 1 or B={B}, got shape {_shape(cos)}")
-    _check_shape(op, "cos", cos, (cos.shape[0], S, D), f"(B or 1, S, D) with S, D from {qn}")
-    _check_like(op, "sin", sin, "cos", cos, cos.shape, "(the shape of cos)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,20 +62,20 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
 def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                     return_gate_up):
+                     return_gate_up, lora_dropout=(), dropout_seed=None):
     op = "swiglu_fwd"
     T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    _check_swiglu_lora(op, lora, lora_scaling, x, H, I)
+    _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
     gate_up_shape = (T, I) if return_gate_up else (0,)
     return x.new_empty((T, H)), x.new_empty(gate_up_shape), x.new_empty(gate_up_shape)
 
 
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                     gate, up, needs_grad):
+                     gate, up, needs_grad, lora_dropout=(), dropout_seed=None):
     op = "swiglu_bwd"
     T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    lora = _check_swiglu_lora(op, lora, lora_scaling, x, H, I)
+    lora = _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
     _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
     if _absent(gate) != _absent(up):
         state = {True: "absent", False: "given"}
@@ -286,6 +101,15 @@ def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lo
     return (x.new_empty((T, H)), grad(needs_grad[0], w_gate), grad(needs_grad[1], w_up),
             grad(needs_grad[2], w_down), grad(needs_grad[3], b_gate), grad(needs_grad[4], b_up),
             grad(needs_grad[5], b_down), dlora)
+
+
+@torch.library.register_fake("ckpt_ext::lora_dropout")
+def _lora_dropout_fake(x, seed, stream, p):
+    op = "lora_dropout"
+    _check_floating(op, "x", x)
+    _check_probability(op, "p", p)
+    _check_seed(op, "seed", seed)
+    return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("ckpt_ext::rms_norm_fwd")
@@ -347,7 +171,8 @@ def _attention_backward(ctx, dout, dlse):
 
 
 def _swiglu_setup(ctx, inputs, output):
-    x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up = inputs
+    (x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up,
+     lora_dropout, dropout_seed) = inputs
     _, gate, up = output
     ctx.mark_non_differentiable(gate, up)
     if any(t is None for t in lora) and any(t is not None and t.requires_grad for t in lora):
@@ -358,6 +183,10 @@ def _swiglu_setup(ctx, inputs, output):
             "torch.ops.ckpt_ext.swiglu_bwd directly, or detach the adapters")
     ctx.n_lora = len(lora)
     ctx.lora_scaling = list(lora_scaling)
+    ctx.lora_dropout = list(lora_dropout)
+    # The gradient structure mirrors the inputs': [] for an empty list, None for a default.
+    ctx.dropout_grad = [] if isinstance(lora_dropout, list) and not lora_dropout else None
+    ctx.dropout_seed = dropout_seed  # a CPU scalar tensor
     # save="input": x (the weights, biases and adapters are parameters); save="gate_up": also
     # gate, up.
     saved = (x, w_gate, w_up, w_down, b_gate, b_up, b_down, *lora)
@@ -375,7 +204,8 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     # gradients returned must have the same structure (an empty list for an empty list).
     lora_need = [bool(f) for f in need[7]] if isinstance(need[7], (list, tuple)) else [False] * n
     needs = [bool(f) for f in need[1:7]] + (lora_need or [False] * 6)
-    grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs)
+    grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs,
+                            ctx.lora_dropout, ctx.dropout_seed)
     dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora = grads
 
     def keep(flag, g):
@@ -383,9 +213,22 @@ def _swiglu_backward(ctx, dy, dgate, dup):
 
     dlora_out = ([keep(f, g) for f, g in zip(lora_need, dlora)]
                  if isinstance(need[7], (list, tuple)) else None)
-    return (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
-            keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
-            dlora_out, [] if not ctx.lora_scaling else None, None)
+    grads = (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
+             keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
+             dlora_out, [] if not ctx.lora_scaling else None, None, ctx.dropout_grad, None)
+    # One gradient per argument the caller passed: the trailing lora_dropout / dropout_seed
+    # may have been left to their defaults (needs_input_grad has one entry per passed one).
+    return grads[:len(need)]
+
+
+def _lora_dropout_setup(ctx, inputs, output):
+    _, seed, stream, p = inputs
+    ctx.seed, ctx.stream, ctx.p = seed, stream, p
+
+
+def _lora_dropout_backward(ctx, dy):
+    # The mask is a function of (seed, stream, element): the adjoint applies the same one.
+    return _ops.lora_dropout(dy, ctx.seed, ctx.stream, ctx.p), None, None, None
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -445,6 +288,8 @@ torch.library.register_autograd("ckpt_ext::attention_fwd", _attention_backward,
                                 setup_context=_attention_setup)
 torch.library.register_autograd("ckpt_ext::swiglu_fwd", _swiglu_backward,
                                 setup_context=_swiglu_setup)
+torch.library.register_autograd("ckpt_ext::lora_dropout", _lora_dropout_backward,
+                                setup_context=_lora_dropout_setup)
 torch.library.register_autograd("ckpt_ext::rms_norm_fwd", _rms_norm_backward,
                                 setup_context=_rms_norm_setup)
 torch.library.register_autograd("ckpt_ext::add_rms_norm_fwd", _add_rms_norm_backward,
@@ -549,41 +394,6 @@ def rope(q, k, cos, sin):
 # --------------------------------------------------------------------------------------------
 # LM head + cross-entropy loss without (T, V) logits: checks, fakes, autograd, wrapper
 # --------------------------------------------------------------------------------------------
-def _stat_dtype(hidden):
-    """dtype of lse / per-token loss / dloss: float64 for float64 hidden, else float32."""
-    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
-
-
-def _check_lce(op, hidden, weight, bias, labels):
-    """hidden (T, H), weight (V, H), bias (V,), labels (T,) int64. Returns (T, H, V)."""
-    _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
-    _check_floating(op, "hidden", hidden)
-    _check_dim(op, "weight", weight, 2, "(V, H)")
-    T, H = hidden.shape
-    V = weight.shape[0]
-    _check_like(op, "weight", weight, "hidden", hidden, (V, H), f"(V, H) with H={H} from hidden")
-    if V == 0:
-        raise ValueError(f"{op}: weight must have at least one vocabulary row, got shape "
-                         f"{_shape(weight)}")
-    if bias is not None:
-        _check_like(op, "bias", bias, "hidden", hidden, (V,), "(V,)")
-    if labels.dtype != torch.int64:
-        raise TypeError(f"{op}: labels must be int64, got {_dtype(labels.dtype)}")
-    _check_dim(op, "labels", labels, 1, "(T,)")
-    _check_shape(op, "labels", labels, (T,), "(T,) with T from hidden")
-    _check_device_as(op, "labels", labels, "hidden", hidden)
-    return T, H, V
-
-
-def _check_lce_stat(op, name, t, hidden, T):
-    _check_dim(op, name, t, 1, "(T,)")
-    _check_shape(op, name, t, (T,), "(T,) with T from hidden")
-    if t.dtype != _stat_dtype(hidden):
-        raise TypeError(f"{op}: {name} must be {_dtype(_stat_dtype(hidden))} (float64 for "
-                        f"float64 hidden, else float32), got {_dtype(t.dtype)}")
-    _check_device_as(op, name, t, "hidden", hidden)
-
-
 @torch.library.register_fake("ckpt_ext::linear_cross_entropy_fwd")
 def _linear_cross_entropy_fwd_fake(hidden, weight, bias, labels, ignore_index):
     T, _, _ = _check_lce("linear_cross_entropy_fwd", hidden, weight, bias, labels)

@@ -21,7 +21,9 @@
 //
 // Weights travel as one list of named slots (kSlotNames: HF parameter names relative to the
 // decoder layer); a projection is the four slots weight, bias, lora_A, lora_B, absent ones
-// None. A LoRA projection computes x W^T + b + scaling * (x A^T) B^T.
+// None. A LoRA projection computes x W^T + b + scaling * (dropout(x) A^T) B^T; the dropout
+// mask is a hash of (dropout_seed, projection, element) (csrc/lora_dropout.h), so every
+// recompute and the backward see the forward's masks.
 //
 // Mixed precision: with compute_dtype (set by the Autocast kernel from the autocast dtype),
 // the layer computes what HF's modules compute under autocast: norms in the residual dtype
@@ -43,6 +45,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "lora_dropout.h"
 
 namespace ckpt_ext {
 namespace {
@@ -80,16 +83,30 @@ T3 attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
   return op.call(dout, q, k, v, out, lse, mask, seg, window, /*causal=*/true, scale);
 }
 
-// lora: [] or [A_gate, B_gate, A_up, B_up, A_down, B_down]; lora_scaling: [] or 3 factors.
+at::Tensor lora_dropout_op(const at::Tensor& x, const at::Tensor& seed, int64_t stream, double p) {
+  static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>(
+      "ckpt_ext::lora_dropout");
+  return op.call(x, seed, stream, p);
+}
+
+// The SwiGLU ops' adapter arguments: lora [] or [A_gate, B_gate, A_up, B_up, A_down, B_down];
+// scaling [] or 3 factors; dropout [] or 3 probabilities; seed for a dropout > 0.
+struct MlpLora {
+  c10::List<OptTensor> lora;
+  std::vector<double> scaling, dropout;
+  OptTensor seed;
+};
+
 T3 swiglu_fwd(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
               const at::Tensor& wd, const OptTensor& bg, const OptTensor& bu,
-              const OptTensor& bd, const c10::List<OptTensor>& lora,
-              c10::ArrayRef<double> lora_scaling, bool return_gate_up) {
+              const OptTensor& bd, const MlpLora& l, bool return_gate_up) {
   static auto op = op_handle<T3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const OptTensor&, const OptTensor&,
                                 const OptTensor&, const c10::List<OptTensor>&,
-                                c10::ArrayRef<double>, bool)>("ckpt_ext::swiglu_fwd");
-  return op.call(x, wg, wu, wd, bg, bu, bd, lora, lora_scaling, return_gate_up);
+                                c10::ArrayRef<double>, bool, c10::ArrayRef<double>,
+                                const OptTensor&)>("ckpt_ext::swiglu_fwd");
+  return op.call(x, wg, wu, wd, bg, bu, bd, l.lora, l.scaling, return_gate_up, l.dropout,
+                 l.seed);
 }
 
 // needs_grad: [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate, A_up, B_up, A_down,
@@ -98,16 +115,16 @@ using SwigluGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, a
                                at::Tensor, at::Tensor, std::vector<at::Tensor>>;
 SwigluGrads swiglu_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& wg,
                        const at::Tensor& wu, const at::Tensor& wd, const OptTensor& bg,
-                       const OptTensor& bu, const OptTensor& bd,
-                       const c10::List<OptTensor>& lora, c10::ArrayRef<double> lora_scaling,
+                       const OptTensor& bu, const OptTensor& bd, const MlpLora& l,
                        const OptTensor& gate, const OptTensor& up,
                        const c10::List<bool>& needs_grad) {
   static auto op = op_handle<SwigluGrads(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
       const c10::List<OptTensor>&, c10::ArrayRef<double>, const OptTensor&, const OptTensor&,
-      const c10::List<bool>&)>("ckpt_ext::swiglu_bwd");
-  return op.call(dy, x, wg, wu, wd, bg, bu, bd, lora, lora_scaling, gate, up, needs_grad);
+      const c10::List<bool>&, c10::ArrayRef<double>, const OptTensor&)>("ckpt_ext::swiglu_bwd");
+  return op.call(dy, x, wg, wu, wd, bg, bu, bd, l.lora, l.scaling, gate, up, needs_grad,
+                 l.dropout, l.seed);
 }
 
 at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -194,6 +211,8 @@ struct Layer {
   std::optional<int64_t> window;
   bool uniform_empty_rows = false;   // rows with no key average all values (HF eager)
   std::vector<double> lora_scaling;  // kNumProjs, or empty without adapters
+  std::vector<double> lora_dropout;  // kNumProjs, or empty without dropout
+  OptTensor seed;                    // dropout_seed
   int64_t hq, hkv;
   double eps, scale;
   std::optional<at::ScalarType> compute_dtype;
@@ -218,6 +237,13 @@ struct Layer {
     return compute_dtype.value_or(x.scalar_type());
   }
   double lora_scale(Proj p) const { return lora_scaling.empty() ? 0.0 : lora_scaling[p]; }
+  double dropout_p(Proj p) const {
+    return has_lora(p) && !lora_dropout.empty() ? lora_dropout[p] : 0.0;
+  }
+  // The adapter's input of projection p, dropout applied (inp in the LoRA dtype).
+  at::Tensor lora_input(Proj p, const at::Tensor& inp) const {
+    return dropout_p(p) > 0.0 ? lora_dropout_op(inp, *seed, p, dropout_p(p)) : inp;
+  }
   bool has_lora(Proj p) const { return proj(p, kLoraA).defined(); }
   // The dtype of the low-rank term: the compute dtype, or the adapter's own (PEFT keeps fp32
   // adapters on a half-precision base and computes their term in fp32).
@@ -230,8 +256,8 @@ struct Layer {
 Layer make_layer(const c10::List<OptTensor>& weights, const OptTensor& cos,
                  const OptTensor& sin, const OptTensor& mask, const OptTensor& seg,
                  std::optional<int64_t> window, bool uniform_empty_rows,
-                 c10::ArrayRef<double> lora_scaling, int64_t hq, int64_t hkv, double eps,
-                 double scale,
+                 c10::ArrayRef<double> lora_scaling, c10::ArrayRef<double> lora_dropout,
+                 const OptTensor& seed, int64_t hq, int64_t hkv, double eps, double scale,
                  std::optional<at::ScalarType> compute_dtype, c10::string_view part,
                  c10::string_view preset, const char* op) {
   CKPT_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kNumSlots, op, "weights must have ",
@@ -246,6 +272,8 @@ Layer make_layer(const c10::List<OptTensor>& weights, const OptTensor& cos,
   L.window = window;
   L.uniform_empty_rows = uniform_empty_rows;
   L.lora_scaling.assign(lora_scaling.begin(), lora_scaling.end());
+  L.lora_dropout.assign(lora_dropout.begin(), lora_dropout.end());
+  L.seed = checks::absent(seed) ? std::nullopt : seed;
   L.hq = hq;
   L.hkv = hkv;
   L.eps = eps;
@@ -291,6 +319,24 @@ void check_proj(const char* op, const Layer& L, Proj p, const at::Tensor& x, int
                      "lora_scaling must have one entry per projection (", kNumProjs,
                      ") when adapters are given, got ", L.lora_scaling.size());
   }
+}
+
+void check_dropout(const char* op, const Layer& L) {
+  if (L.lora_dropout.empty()) return;
+  CKPT_CHECK_VALUE(static_cast<int64_t>(L.lora_dropout.size()) == kNumProjs, op,
+                   "lora_dropout must be [] or have one entry per projection (", kNumProjs,
+                   "), got ", L.lora_dropout.size());
+  bool any = false;
+  for (int64_t p = 0; p < kNumProjs; ++p) {
+    const std::string name = std::string("lora_dropout[") + std::to_string(p) + "] (" +
+                             kProjNames[p] + ")";
+    dropout::check_probability(op, name.c_str(), L.lora_dropout[p]);
+    any = any || L.dropout_p(static_cast<Proj>(p)) > 0.0;
+  }
+  if (!any) return;
+  CKPT_CHECK_VALUE(L.seed.has_value(), op,
+                   "dropout_seed is required when lora_dropout has a probability > 0");
+  dropout::read_seed(op, "dropout_seed", *L.seed);
 }
 
 void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
@@ -352,16 +398,18 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
     check_proj(op, L, kUp, x, i, h);
     check_proj(op, L, kDown, x, h, i);
   }
+  check_dropout(op, L);
 }
 
 // ---- projections (with optional LoRA) ------------------------------------------------------
 
-// y = inp W^T + b + scaling * (inp A^T) B^T; inp in the compute dtype.
+// y = inp W^T + b + scaling * (dropout(inp) A^T) B^T; inp in the compute dtype, dropout in
+// the LoRA dtype (PEFT's order).
 at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp) {
   at::Tensor y = at::linear(inp, L.cast(L.proj(p)), L.cast_opt(L.proj(p, kBias)));
   if (L.has_lora(p)) {
     const at::ScalarType ld = L.lora_dtype(p);
-    const at::Tensor u = at::linear(inp.to(ld), L.proj(p, kLoraA).to(ld));
+    const at::Tensor u = at::linear(L.lora_input(p, inp.to(ld)), L.proj(p, kLoraA).to(ld));
     y.add_(at::linear(u, L.proj(p, kLoraB).to(ld)).mul_(L.lora_scale(p)).to(y.scalar_type()));
   }
   return y;
@@ -389,9 +437,10 @@ at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Ten
     const double s = L.lora_scale(p);
     const at::ScalarType ld = L.lora_dtype(p);
     const at::Tensor a = L.proj(p, kLoraA).to(ld), b = L.proj(p, kLoraB).to(ld);
-    const at::Tensor dyl = dy2.to(ld), inpl = inp2.to(ld);
+    const at::Tensor dyl = dy2.to(ld), inpl = L.lora_input(p, inp2.to(ld));
     const at::Tensor dyb = dyl.mm(b);  // (T, r)
-    dinp.add_(dyb.mm(a).mul_(s).to(dinp.scalar_type()));
+    // dropout is linear and its own adjoint: the input's gradient gets the forward's mask
+    dinp.add_(L.lora_input(p, dyb.mm(a).mul_(s)).to(dinp.scalar_type()));
     if (needs[slot(p, kLoraB)]) set_grad(g, L, slot(p, kLoraB), dyl.t().mm(inpl.mm(a.t())).mul_(s));
     if (needs[slot(p, kLoraA)]) set_grad(g, L, slot(p, kLoraA), dyb.t().mm(inpl).mul_(s));
   }
@@ -577,28 +626,35 @@ at::Tensor mlp_input(const at::Tensor& h, const Layer& L) {
 }
 
 // The SwiGLU ops' adapter arguments: [A_gate, B_gate, A_up, B_up, A_down, B_down] (cast to
-// the compute dtype under autocast, their own dtype otherwise) and the three factors.
+// the compute dtype under autocast, their own dtype otherwise), the three factors, and the
+// dropout probabilities with the seed (the ops number gate/up/down 4/5/6, as the layer does).
 constexpr std::array<Proj, 3> kMlpProjs = {kGate, kUp, kDown};
 
-std::pair<c10::List<OptTensor>, std::vector<double>> mlp_lora(const Layer& L) {
-  c10::List<OptTensor> lora;
-  std::vector<double> scaling;
-  if (!L.mlp_has_lora()) return {lora, scaling};
+MlpLora mlp_lora(const Layer& L) {
+  MlpLora l;
+  if (!L.mlp_has_lora()) return l;
+  bool any_dropout = false;
   for (Proj p : kMlpProjs) {
-    for (ProjPart part : {kLoraA, kLoraB}) lora.push_back(L.cast_opt(L.proj(p, part)));
-    scaling.push_back(L.lora_scale(p));
+    for (ProjPart part : {kLoraA, kLoraB}) l.lora.push_back(L.cast_opt(L.proj(p, part)));
+    l.scaling.push_back(L.lora_scale(p));
+    l.dropout.push_back(L.dropout_p(p));
+    any_dropout = any_dropout || L.dropout_p(p) > 0.0;
   }
-  return {lora, scaling};
+  if (any_dropout) {
+    l.seed = L.seed;
+  } else {
+    l.dropout.clear();
+  }
+  return l;
 }
 
 // y = h + down(silu(gate(m)) * up(m)); fills r.gate/up when `keep_gate_up`.
 at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r) {
   const at::Tensor m2 = mlp_input(h, L);
-  auto [lora, scaling] = mlp_lora(L);
   auto [y2, gate, up] =
       swiglu_fwd(m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
                  L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-                 L.cast_opt(L.proj(kDown, kBias)), lora, scaling, keep_gate_up);
+                 L.cast_opt(L.proj(kDown, kBias)), mlp_lora(L), keep_gate_up);
   if (keep_gate_up) r.gate = gate, r.up = up;
   return h + y2.view(h.sizes());
 }
@@ -606,7 +662,6 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
 at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& L,
                         const Residuals& r, const std::vector<bool>& needs, Grads& g) {
   const at::Tensor m2 = mlp_input(h, L);
-  auto [lora, scaling] = mlp_lora(L);
   // The ops' gradient order: weights, biases, then the adapters, as in mlp_lora.
   std::vector<int64_t> order;
   for (ProjPart part : {kWeight, kBias})
@@ -620,7 +675,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
   auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] =
       swiglu_bwd(L.cast(flat2(dy)), m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
                  L.cast(L.proj(kDown)), L.cast_opt(L.proj(kGate, kBias)),
-                 L.cast_opt(L.proj(kUp, kBias)), L.cast_opt(L.proj(kDown, kBias)), lora, scaling,
+                 L.cast_opt(L.proj(kUp, kBias)), L.cast_opt(L.proj(kDown, kBias)), mlp_lora(L),
                  gate, up, wanted);
   const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
   for (size_t j = 0; j < order.size(); ++j) {
@@ -702,14 +757,15 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
   const c10::List<OptTensor>&weights, const OptTensor &cos, const OptTensor &sin,           \
       const OptTensor &key_padding_mask, const OptTensor &segment_ids,                        \
       std::optional<int64_t> window, bool uniform_empty_rows,                                  \
-      c10::ArrayRef<double> lora_scaling, int64_t num_heads,                                   \
+      c10::ArrayRef<double> lora_scaling, c10::ArrayRef<double> lora_dropout,                  \
+      const OptTensor &dropout_seed, int64_t num_heads,                                        \
       int64_t num_kv_heads, double eps, double scale,                                          \
       std::optional<at::ScalarType> compute_dtype, c10::string_view part,                      \
       c10::string_view preset
 #define LAYER_ARGS                                                                            \
   weights, cos, sin, key_padding_mask, segment_ids, window, uniform_empty_rows, lora_scaling,  \
-      num_heads,                                                                               \
-      num_kv_heads, eps, scale, compute_dtype, part, preset
+      lora_dropout, dropout_seed, num_heads, num_kv_heads, eps, scale, compute_dtype, part,    \
+      preset
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layer_fwd(const at::Tensor& x,
                                                                   LAYER_PARAMS) {
@@ -755,7 +811,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layer_bwd(
 struct Options {  // the non-tensor arguments, carried through Function::apply
   std::optional<int64_t> window;
   bool uniform_empty_rows;
-  std::vector<double> lora_scaling;
+  std::vector<double> lora_scaling, lora_dropout;
   int64_t num_heads, num_kv_heads;
   double eps, scale;
   std::optional<at::ScalarType> compute_dtype;
@@ -768,6 +824,7 @@ void save_options(AutogradContext* ctx, const Options& o) {
   d["window"] = o.window;
   d["uniform_empty_rows"] = o.uniform_empty_rows;
   d["lora_scaling"] = c10::List<double>(o.lora_scaling);
+  d["lora_dropout"] = c10::List<double>(o.lora_dropout);
   d["num_heads"] = o.num_heads;
   d["num_kv_heads"] = o.num_kv_heads;
   d["eps"] = o.eps;
@@ -784,6 +841,7 @@ Options load_options(AutogradContext* ctx) {
   o.window = d["window"].toOptional<int64_t>();
   o.uniform_empty_rows = d["uniform_empty_rows"].toBool();
   o.lora_scaling = d["lora_scaling"].toDoubleVector();
+  o.lora_dropout = d["lora_dropout"].toDoubleVector();
   o.num_heads = d["num_heads"].toInt();
   o.num_kv_heads = d["num_kv_heads"].toInt();
   o.eps = d["eps"].toDouble();
@@ -795,16 +853,17 @@ Options load_options(AutogradContext* ctx) {
   return o;
 }
 
-using FwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(
-    const at::Tensor&, const c10::List<OptTensor>&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, std::optional<int64_t>, bool, c10::ArrayRef<double>,
-    int64_t,
-    int64_t, double, double, std::optional<at::ScalarType>, c10::string_view, c10::string_view);
+// The signature of decoder_layer without x (decoder_layer_fwd's; decoder_layer_bwd adds dy
+// before and saved, needs_grad after).
+#define LAYER_SIG                                                                             \
+  const c10::List<OptTensor>&, const OptTensor&, const OptTensor&, const OptTensor&,          \
+      const OptTensor&, std::optional<int64_t>, bool, c10::ArrayRef<double>,                  \
+      c10::ArrayRef<double>, const OptTensor&, int64_t, int64_t, double, double,              \
+      std::optional<at::ScalarType>, c10::string_view, c10::string_view
+using LayerSig = at::Tensor(const at::Tensor&, LAYER_SIG);
+using FwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(const at::Tensor&, LAYER_SIG);
 using BwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(
-    const at::Tensor&, const at::Tensor&, const c10::List<OptTensor>&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, std::optional<int64_t>, bool,
-    c10::ArrayRef<double>, int64_t, int64_t, double, double, std::optional<at::ScalarType>,
-    c10::string_view, c10::string_view, at::TensorList, const c10::List<bool>&);
+    const at::Tensor&, const at::Tensor&, LAYER_SIG, at::TensorList, const c10::List<bool>&);
 
 // The op's weights list from the given tensors (one per slot in `present`).
 c10::List<OptTensor> as_list(at::TensorList given, const std::vector<int64_t>& present) {
@@ -815,23 +874,25 @@ c10::List<OptTensor> as_list(at::TensorList given, const std::vector<int64_t>& p
 
 OptTensor as_opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
-// Saved-tensor layout of DecoderLayerFn: x, cos, sin, mask, segment ids, the given weights
-// (Options::present), then the residuals.
+// Saved-tensor layout of DecoderLayerFn: x, cos, sin, mask, segment ids, dropout seed, the
+// given weights (Options::present), then the residuals.
 enum SavedSlot : int64_t { kSavedX = 0, kSavedCos, kSavedSin, kSavedMask, kSavedSeg,
-                           kSavedWeights };
+                           kSavedSeed, kSavedWeights };
 
 struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                at::TensorList weights, const OptTensor& cos,
                                const OptTensor& sin, const OptTensor& mask,
-                               const OptTensor& seg, const Options& o) {
+                               const OptTensor& seg, const OptTensor& seed, const Options& o) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op_handle<FwdSig>("ckpt_ext::decoder_layer_fwd");
     auto [y, saved] = fwd.call(x, as_list(weights, o.present), cos, sin, mask, seg, o.window,
-                               o.uniform_empty_rows, o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps, o.scale,
-                               o.compute_dtype, o.part, o.preset);
+                               o.uniform_empty_rows, o.lora_scaling, o.lora_dropout, seed,
+                               o.num_heads, o.num_kv_heads, o.eps, o.scale, o.compute_dtype,
+                               o.part, o.preset);
     variable_list to_save = {x, cos.value_or(at::Tensor()), sin.value_or(at::Tensor()),
-                             mask.value_or(at::Tensor()), seg.value_or(at::Tensor())};
+                             mask.value_or(at::Tensor()), seg.value_or(at::Tensor()),
+                             seed.value_or(at::Tensor())};
     to_save.insert(to_save.end(), weights.begin(), weights.end());
     to_save.insert(to_save.end(), saved.begin(), saved.end());
     ctx->save_for_backward(to_save);
@@ -857,38 +918,41 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     for (int64_t s = 0; s < kNumSlots; ++s) needs.push_back(false);
     for (int64_t j = 0; j < n; ++j) needs.set(o.present[j], ctx->needs_input_grad(1 + j));
     static auto bwd = op_handle<BwdSig>("ckpt_ext::decoder_layer_bwd");
-    auto [dx, dw] = bwd.call(grad_outputs[0], t[kSavedX], as_list(w, o.present), as_opt(t[kSavedCos]),
-                             as_opt(t[kSavedSin]), as_opt(t[kSavedMask]), as_opt(t[kSavedSeg]),
-                             o.window, o.uniform_empty_rows, o.lora_scaling, o.num_heads, o.num_kv_heads, o.eps,
-                             o.scale, o.compute_dtype, o.part, o.preset, saved, needs);
+    auto [dx, dw] = bwd.call(grad_outputs[0], t[kSavedX], as_list(w, o.present),
+                             as_opt(t[kSavedCos]), as_opt(t[kSavedSin]), as_opt(t[kSavedMask]),
+                             as_opt(t[kSavedSeg]), o.window, o.uniform_empty_rows,
+                             o.lora_scaling, o.lora_dropout, as_opt(t[kSavedSeed]), o.num_heads,
+                             o.num_kv_heads, o.eps, o.scale, o.compute_dtype, o.part, o.preset,
+                             saved, needs);
     variable_list grads = {dx};
     for (int64_t j = 0; j < n; ++j)
       grads.push_back(needs.get(o.present[j]) ? dw[o.present[j]] : at::Tensor());
-    grads.resize(grads.size() + 5);  // cos, sin, mask, segment ids, options
+    grads.resize(grads.size() + 6);  // cos, sin, mask, segment ids, seed, options
     return grads;
   }
 };
 
 Options make_options(std::optional<int64_t> window, bool uniform_empty_rows,
-                     c10::ArrayRef<double> lora_scaling,
+                     c10::ArrayRef<double> lora_scaling, c10::ArrayRef<double> lora_dropout,
                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                      std::optional<at::ScalarType> compute_dtype, c10::string_view part,
                      c10::string_view preset) {
   return {window, uniform_empty_rows,
-          std::vector<double>(lora_scaling.begin(), lora_scaling.end()), num_heads,
+          std::vector<double>(lora_scaling.begin(), lora_scaling.end()),
+          std::vector<double>(lora_dropout.begin(), lora_dropout.end()), num_heads,
           num_kv_heads, eps, scale, compute_dtype, std::string(part), std::string(preset), {}};
 }
 
 at::Tensor decoder_layer_autograd(const at::Tensor& x, LAYER_PARAMS) {
-  Options o = make_options(window, uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale,
-                           compute_dtype, part, preset);
+  Options o = make_options(window, uniform_empty_rows, lora_scaling, lora_dropout, num_heads,
+                           num_kv_heads, eps, scale, compute_dtype, part, preset);
   std::vector<at::Tensor> given;
   for (int64_t s = 0; s < static_cast<int64_t>(weights.size()); ++s) {
     const OptTensor t = weights.get(s);
     if (!checks::absent(t)) given.push_back(*t), o.present.push_back(s);
   }
   return DecoderLayerFn::apply(x, at::TensorList(given), cos, sin, key_padding_mask,
-                               segment_ids, o)[0];
+                               segment_ids, dropout_seed, o)[0];
 }
 
 // Below autograd (no grad, inference tensors): the forward alone, nothing kept.
@@ -903,20 +967,15 @@ template <c10::DeviceType device>
 at::Tensor decoder_layer_autocast(const at::Tensor& x, LAYER_PARAMS) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device));
-  static auto layer = op_handle<at::Tensor(const at::Tensor&, const c10::List<OptTensor>&,
-                                           const OptTensor&, const OptTensor&, const OptTensor&,
-                                           const OptTensor&, std::optional<int64_t>, bool,
-                                           c10::ArrayRef<double>, int64_t, int64_t, double,
-                                           double, std::optional<at::ScalarType>,
-                                           c10::string_view, c10::string_view)>(
-      "ckpt_ext::decoder_layer");
+  static auto layer = op_handle<LayerSig>("ckpt_ext::decoder_layer");
   std::optional<at::ScalarType> dtype = compute_dtype;
   if (!dtype && x.device().type() == device && at::isFloatingType(x.scalar_type()) &&
       x.scalar_type() != at::kDouble) {
     dtype = at::autocast::get_autocast_dtype(device);
   }
   return layer.call(x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                    uniform_empty_rows, lora_scaling, num_heads, num_kv_heads, eps, scale, dtype, part, preset);
+                    uniform_empty_rows, lora_scaling, lora_dropout, dropout_seed, num_heads,
+                    num_kv_heads, eps, scale, dtype, part, preset);
 }
 
 }  // namespace

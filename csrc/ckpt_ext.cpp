@@ -28,23 +28,37 @@ TORCH_LIBRARY(ckpt_ext, m) {
         "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool causal, float scale) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
 
+  // ---- LoRA dropout with a replayable mask (csrc/lora_dropout.h) ----------------------------
+  // x with each element of its (numel / size(-1), size(-1)) view kept with probability 1 - p
+  // and scaled by 1 / (1 - p), else 0. The mask is a hash of (seed, stream, row, column), so
+  // the same arguments give the same mask on every device; seed: a CPU integer tensor with one
+  // element; 0 <= p < 1. The op is its own adjoint (backward applies it to the gradient).
+  // Streams: the decoder layer numbers its projections q, k, v, o, gate, up, down = 0..6, and
+  // the SwiGLU ops use the same numbers (4, 5, 6) for their adapters' inputs.
+  m.def("lora_dropout(Tensor x, Tensor seed, int stream, float p) -> Tensor");
+
   // ---- SwiGLU MLP with optional LoRA adapters ------------------------------------------------
   //   gate = x Wg^T + bg + s_g (x Ag^T) Bg^T,  up likewise,
   //   y = (silu(gate) * up) Wd^T + bd + s_d ((silu(gate) * up) Ad^T) Bd^T.
   // lora: [] or [A_gate, B_gate, A_up, B_up, A_down, B_down], each None or a tensor (A (r, in),
   // B (out, r); a projection has both or neither; any float dtype, the low-rank terms are
   // computed in float32 (float64 with a float64 operand)); lora_scaling: [] or (s_g, s_u, s_d).
+  // lora_dropout (trailing, optional): [] or the 3 dropout probabilities of the adapters'
+  // inputs (gate, up, down), applied as lora_dropout(input converted to the LoRA dtype,
+  // dropout_seed, 4 | 5 | 6, p); dropout_seed is required when one of them is > 0.
   // return_gate_up=False: gate/up are never materialised and come back empty.
   m.def("swiglu_fwd(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, "
         "Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
-        "bool return_gate_up) -> (Tensor y, Tensor gate, Tensor up)");
+        "bool return_gate_up, float[] lora_dropout=[], Tensor? dropout_seed=None) -> "
+        "(Tensor y, Tensor gate, Tensor up)");
   // gate/up given: use them (save="gate_up"); absent: recompute them from x (save="input").
   // needs_grad: 12 flags [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate, A_up,
   // B_up, A_down, B_down]; a gradient not wanted (or whose tensor is absent) is not computed
   // and comes back empty. dlora has 6 entries in the order of lora, each in its adapter's dtype.
   m.def("swiglu_bwd(Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, "
         "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
-        "Tensor? gate, Tensor? up, bool[] needs_grad) -> "
+        "Tensor? gate, Tensor? up, bool[] needs_grad, float[] lora_dropout=[], "
+        "Tensor? dropout_seed=None) -> "
         "(Tensor dx, Tensor dw_gate, Tensor dw_up, Tensor dw_down, Tensor db_gate, "
         "Tensor db_up, Tensor db_down, Tensor[] dlora)");
 
@@ -69,12 +83,15 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // uniform_empty_rows: a query row with no key to attend averages all values uniformly, as HF's
   // eager attention computes it (the kernels' rule otherwise: such a row is 0).
   // lora_scaling: one factor per projection (q, k, v, o, gate, up, down), or [] without
-  // adapters. compute_dtype: the dtype of the projections and attention (None: the weights'
+  // adapters. lora_dropout: [] or one dropout probability per projection, applied to the
+  // adapter's input (lora_dropout with stream = the projection's index, see above);
+  // dropout_seed: required when one is > 0 (backward replays the forward's masks from it).
+  // compute_dtype: the dtype of the projections and attention (None: the weights'
   // dtype; set from torch.autocast by the Autocast kernel). part: "layer" | "attention" |
   // "mlp". preset: "fast" | "balanced" | "min_memory" decides what forward keeps.
   m.def("decoder_layer(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
         "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
-        "float[] lora_scaling, "
+        "float[] lora_scaling, float[] lora_dropout, Tensor? dropout_seed, "
         "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
         "str part, str preset) -> Tensor");
   // The forward and backward of decoder_layer as opaque ops (what torch.compile sees): the
@@ -82,12 +99,12 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // flag per weight slot; slots without a gradient come back as empty (0,) tensors.
   m.def("decoder_layer_fwd(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
         "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
-        "float[] lora_scaling, "
+        "float[] lora_scaling, float[] lora_dropout, Tensor? dropout_seed, "
         "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
         "str part, str preset) -> (Tensor y, Tensor[] saved)");
   m.def("decoder_layer_bwd(Tensor dy, Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
         "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
-        "float[] lora_scaling, "
+        "float[] lora_scaling, float[] lora_dropout, Tensor? dropout_seed, "
         "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
         "str part, str preset, Tensor[] saved, bool[] needs_grad) -> (Tensor dx, "
         "Tensor[] dweights)");

@@ -24,7 +24,10 @@
 // computed from them, as the backward will). For down the base product is rounded to x's dtype
 // by its matmul and the term is added in the LoRA dtype, rounded once more (PEFT's order). The
 // adapter gradients are accumulated over chunks in the LoRA dtype, from the unrounded
-// dgate/dup, and returned in the adapter's dtype.
+// dgate/dup, and returned in the adapter's dtype. LoRA dropout (lora_dropout > 0) masks the
+// adapter's input after its conversion to the LoRA dtype (PEFT's order); backward regenerates
+// the mask from dropout_seed (csrc/lora_dropout.h) and masks the input gradient's LoRA part
+// with it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -38,6 +41,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "lora_dropout.h"
 
 namespace ckpt_ext {
 namespace {
@@ -85,14 +89,19 @@ struct Adapter {
   bool on = false;
   at::Tensor a, b;  // (r, in), (out, r) in dt
   double s = 0.0;
+  double p = 0.0;                     // dropout probability of the adapter's input
+  uint32_t key = 0;                   // its dropout key (stream 4, 5, 6)
   at::ScalarType dt = at::kFloat;     // LoRA (compute) dtype
   at::ScalarType own = at::kFloat;    // the adapter's own dtype (of its gradients)
 };
 using Adapters = std::array<Adapter, 3>;
 
-// Validates `lora` / `lora_scaling` (see csrc/ckpt_ext.cpp) and converts the adapters.
+// Validates `lora` / `lora_scaling` / `lora_dropout` / `dropout_seed` (see
+// csrc/ckpt_ext.cpp) and converts the adapters.
 Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& lora,
-                    c10::ArrayRef<double> scaling, const at::Tensor& x, const SwigluDims& d) {
+                    c10::ArrayRef<double> scaling, c10::ArrayRef<double> dropout,
+                    const std::optional<at::Tensor>& seed, const at::Tensor& x,
+                    const SwigluDims& d) {
   Adapters ad;
   CKPT_CHECK_VALUE(lora.size() == 0 || lora.size() == 6, op,
                    "lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, A_down, "
@@ -100,6 +109,9 @@ Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& 
   CKPT_CHECK_VALUE(scaling.size() == (lora.size() == 0 ? 0u : 3u), op,
                    "lora_scaling must have 3 entries (gate, up, down) with adapters and none "
                    "without, got ", scaling.size(), " for ", lora.size(), " lora entries");
+  CKPT_CHECK_VALUE(dropout.size() == 0 || dropout.size() == scaling.size(), op,
+                   "lora_dropout must be [] or have 3 entries (gate, up, down) with adapters, "
+                   "got ", dropout.size(), " for ", lora.size(), " lora entries");
   if (lora.size() == 0) return ad;
   const int64_t ins[3] = {d.H, d.H, d.I}, outs[3] = {d.I, d.I, d.H};
   for (int p = 0; p < 3; ++p) {
@@ -131,6 +143,14 @@ Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& 
     A.a = a->to(A.dt);
     A.b = b->to(A.dt);
     A.s = scaling[p];
+    if (dropout.size() != 0 && dropout[p] != 0.0) {
+      dropout::check_probability(op, ("lora_dropout[" + std::to_string(p) + "]").c_str(),
+                                 dropout[p]);
+      CKPT_CHECK_VALUE(!checks::absent(seed), op,
+                       "dropout_seed is required when lora_dropout has a probability > 0");
+      A.p = dropout[p];
+      A.key = dropout::key(dropout::read_seed(op, "dropout_seed", *seed), 4 + p);
+    }
   }
   return ad;
 }
@@ -150,12 +170,19 @@ void linear_into(at::Tensor out, const at::Tensor& a, const at::Tensor& w,
   }
 }
 
+// The adapter's input for the token chunk starting at row0: in (tc, in) converted to the LoRA
+// dtype, dropout applied.
+at::Tensor lora_input(const Adapter& A, const at::Tensor& in, int64_t row0) {
+  const at::Tensor l = in.to(A.dt);
+  return A.p > 0.0 ? dropout::apply_cpu(l, A.key, A.p, row0) : l;
+}
+
 // The pre-activation of gate or up for one chunk in the compute dtype `cdt` (or the adapter's
-// LoRA dtype): base (tc, I) (x's dtype) plus s (xc A^T) B^T.
+// LoRA dtype): base (tc, I) (x's dtype) plus s (xc' A^T) B^T, xc' = lora_input(xc).
 at::Tensor with_lora(const at::Tensor& base, const at::Tensor& xc, const Adapter& A,
-                     at::ScalarType cdt) {
+                     at::ScalarType cdt, int64_t row0) {
   if (!A.on) return base.to(cdt);
-  at::Tensor xa = xc.to(A.dt).mm(A.a.t());                                     // (tc, r)
+  at::Tensor xa = lora_input(A, xc, row0).mm(A.a.t());                         // (tc, r)
   return base.to(A.dt).addmm_(xa, A.b.t(), 1.0, A.s);                          // (tc, I)
 }
 
@@ -170,10 +197,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
     const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
     const c10::List<std::optional<at::Tensor>>& lora, c10::ArrayRef<double> lora_scaling,
-    bool return_gate_up) {
+    bool return_gate_up, c10::ArrayRef<double> lora_dropout,
+    const std::optional<at::Tensor>& dropout_seed) {
   const char* op = "swiglu_fwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
-  const Adapters ad = parse_lora(op, lora, lora_scaling, x, d);
+  const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, d);
   const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   at::Tensor y = at::empty({d.T, d.H}, x.options());                                 // (T, H)
   at::Tensor gate = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
@@ -186,8 +214,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     at::Tensor uc = return_gate_up ? up.narrow(0, t0, tc) : at::empty({tc, d.I}, x.options());
     linear_into(gc, xc, w_gate, b_gate);                                             // (tc, I)
     linear_into(uc, xc, w_up, b_up);                                                 // (tc, I)
-    at::Tensor g = with_lora(gc, xc, ad[kLGate], cdt);
-    at::Tensor u = with_lora(uc, xc, ad[kLUp], cdt);
+    at::Tensor g = with_lora(gc, xc, ad[kLGate], cdt, t0);
+    at::Tensor u = with_lora(uc, xc, ad[kLUp], cdt, t0);
     if (return_gate_up) {  // store the rounded sums; h from them, as the backward sees them
       if (ad[kLGate].on) gc.copy_(g), g = gc.to(cdt);
       if (ad[kLUp].on) uc.copy_(u), u = uc.to(cdt);
@@ -197,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     linear_into(yc, h, w_down, b_down);                                              // (tc, H)
     const Adapter& D = ad[kLDown];
     if (D.on) {
-      at::Tensor ha = h.to(D.dt).mm(D.a.t());                                        // (tc, r)
+      at::Tensor ha = lora_input(D, h, t0).mm(D.a.t());                              // (tc, r)
       yc.add_(ha.mm(D.b.t()).mul_(D.s));  // added in the LoRA dtype, rounded once
     }
   }
@@ -263,10 +291,12 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
                            c10::ArrayRef<double> lora_scaling,
                            const std::optional<at::Tensor>& gate,
                            const std::optional<at::Tensor>& up,
-                           const c10::List<bool>& needs_grad) {
+                           const c10::List<bool>& needs_grad,
+                           c10::ArrayRef<double> lora_dropout,
+                           const std::optional<at::Tensor>& dropout_seed) {
   const char* op = "swiglu_bwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
-  const Adapters ad = parse_lora(op, lora, lora_scaling, x, d);
+  const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, d);
   check_like(op, "dy", dy, "x", x, {d.T, d.H}, "(T, H), the shape of x");
   const bool recompute = checks::absent(gate);
   CKPT_CHECK_VALUE(recompute == checks::absent(up), op,
@@ -312,8 +342,8 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
       at::Tensor uc = at::empty({tc, d.I}, x.options());
       linear_into(gc, xc, w_gate, b_gate);
       linear_into(uc, xc, w_up, b_up);
-      g = with_lora(gc, xc, G, cdt);
-      u = with_lora(uc, xc, U, cdt);
+      g = with_lora(gc, xc, G, cdt, t0);
+      u = with_lora(uc, xc, U, cdt, t0);
     } else {
       g = gate->narrow(0, t0, tc).to(cdt);
       u = up->narrow(0, t0, tc).to(cdt);
@@ -329,7 +359,11 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
     at::Tensor dyb;                                        // dy Bd (tc, r_d), LoRA dtype
     if (D.on) {
       dyb = dyc.to(D.dt).mm(D.b);
-      dh.addmm_(dyb.to(pdt), D.a.to(pdt), 1.0, D.s);
+      if (D.p > 0.0) {  // the adapter's input was masked: so is its gradient
+        dh.add_(dropout::apply_cpu(dyb.mm(D.a).mul_(D.s), D.key, D.p, t0).to(pdt));
+      } else {
+        dh.addmm_(dyb.to(pdt), D.a.to(pdt), 1.0, D.s);
+      }
     }
     at::Tensor silu = at::silu(g);
     at::Tensor dgate_c = at::silu_backward(dh * u, g);     // (tc, I) unrounded
@@ -338,8 +372,11 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
     if (n_wd || n_la[kLDown] || n_lb[kLDown]) {
       at::Tensor h = silu.mul_(u).to(dt);                  // (tc, I), as the forward fed down
       if (n_wd) dwd.add(dyc, h);                           // dWd += dy^T h
-      if (n_la[kLDown]) dla[kLDown].add(dyb, h.to(D.dt));  // dAd += dyb^T h
-      if (n_lb[kLDown]) dlb[kLDown].add(dyc.to(D.dt), h.to(D.dt).mm(D.a.t()));  // dy^T (h Ad^T)
+      if (n_la[kLDown] || n_lb[kLDown]) {
+        const at::Tensor hl = lora_input(D, h, t0);        // h' (dropout applied)
+        if (n_la[kLDown]) dla[kLDown].add(dyb, hl);        // dAd += dyb^T h'
+        if (n_lb[kLDown]) dlb[kLDown].add(dyc.to(D.dt), hl.mm(D.a.t()));  // dy^T (h' Ad^T)
+      }
     }
     if (n_wg) dwg.add(dgate, xc);                          // dWg += dgate^T x
     if (n_wu) dwu.add(dup, xc);                            // dWu += dup^T x
@@ -352,12 +389,13 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
       const Adapter& A = *gu[p].first;
       if (!A.on) continue;
       const at::Tensor dz = gu[p].second->to(A.dt);        // dgate or dup, (tc, I)
-      const at::Tensor xl = xc.to(A.dt);
+      const at::Tensor xl = lora_input(A, xc, t0);         // x' (dropout applied)
       const at::Tensor dzb = dz.mm(A.b);                   // (tc, r)
-      at::Tensor t = dzb.mm(A.a).mul_(A.s);                // s (dz B) A
+      at::Tensor t = dzb.mm(A.a).mul_(A.s);                // s (dz B) A, masked like x'
+      if (A.p > 0.0) t = dropout::apply_cpu(t, A.key, A.p, t0);
       dxl = dxl.defined() ? t.add_(dxl) : t;
-      if (n_la[p]) dla[p].add(dzb, xl);                    // dA += (dz B)^T x
-      if (n_lb[p]) dlb[p].add(dz, xl.mm(A.a.t()));         // dB += dz^T (x A^T)
+      if (n_la[p]) dla[p].add(dzb, xl);                    // dA += (dz B)^T x'
+      if (n_lb[p]) dlb[p].add(dz, xl.mm(A.a.t()));         // dB += dz^T (x' A^T)
     }
     if (dxl.defined()) dxc.add_(dxl);                      // one rounding to x's dtype
     if (n_bg) dbg.add_(dgate_c.sum(0, false, cdt));

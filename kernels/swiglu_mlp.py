@@ -43,6 +43,9 @@ import triton
 import triton.language as tl
 
 from . import _launch
+from .._checks import _check_probability, _check_seed
+from .dropout import dropout_key, dropout_threshold, keep_mask
+from .dropout import lora_dropout as _lora_dropout
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,6 +143,17 @@ def _lora_down_accumulate(h, la_ptr, ha_ptr, offs_m, offs_n, T, I, r,
 
 
 @triton.jit
+def _dropped(t, key, thr, inv, offs_m, offs_n, DROP: tl.constexpr):
+    """t (fp32 (BLOCK_M, BLOCK_N), rows offs_m, columns offs_n) with LoRA dropout applied:
+    the mask of kernels/dropout.py for (key, thr), kept entries scaled by inv. Identity
+    without DROP."""
+    if DROP:
+        keep = keep_mask(key, thr, offs_m[:, None], offs_n[None, :])
+        t = tl.where(keep, t * inv, 0.0)
+    return t
+
+
+@triton.jit
 def _lora_grad_accumulate(dz, xa_ptr, lb_ptr, dxa_ptr, dlb_ptr, offs_m, offs_n, T, I, r,
                           NEED_DB: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
     """For one tile of dz = dgate or dup (fp32 (BLOCK_M, BLOCK_N), zero outside T x I):
@@ -182,25 +196,26 @@ def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xa
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["key_d", "thr_d"])
 def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
                        xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr,
-                       s_g, s_u, r_g, r_u, r_d,
+                       s_g, s_u, r_g, r_u, r_d, key_d, thr_d, inv_d,
                        T, H, I, T_BUCKET,
                        stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
                        stride_ot, stride_oi,
                        HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
                        DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                        LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
-                       R_D: tl.constexpr, LORA_IEEE: tl.constexpr,
+                       R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """h (T, I) = silu(gate) * up, one (BLOCK_M, BLOCK_N) tile per program.
 
     x (T, H), w_gate / w_up (I, H), biases (I,); h, gate, up share the strides
     (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
-    from the fp32 xa (T, r) and B (I, r); LORA_D accumulates h A_down^T into the fp32 ha
-    (T, r_d), zero on entry. gate and up (pre-activations, biases and low-rank terms included)
+    from the fp32 xa (T, r) and B (I, r); LORA_D accumulates h' A_down^T into the fp32 ha
+    (T, r_d), zero on entry, where h' is h with the adapter's dropout (DROP_D: the mask of
+    (key_d, thr_d), scale inv_d) or h itself. gate and up (pre-activations, biases and low-rank terms included)
     are written only when STORE_GATE_UP; h is then computed from their rounded values so that
     the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
     """
@@ -225,16 +240,16 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
     h = (g * tl.sigmoid(g) * u).to(out_dtype)
     tl.store(h_ptr + out_offs, h, mask=mask)
     if LORA_D:  # from the rounded h, the act the down projection reads
-        _lora_down_accumulate(h.to(tl.float32), lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d,
-                              R_D, LORA_IEEE)
+        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
+        _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_IEEE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["key_d", "thr_d"])
 def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                                  dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr,
                                  xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr,
                                  dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr,
-                                 s_g, s_u, s_d, r_g, r_u, r_d,
+                                 s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d,
                                  T, H, I, T_BUCKET,
                                  stride_xt, stride_xh, stride_wgi, stride_wgh,
                                  stride_wui, stride_wuh, stride_dht, stride_dhi,
@@ -246,9 +261,9 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                                  NEED_DBG: tl.constexpr, NEED_DBU: tl.constexpr,
                                  NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
                                  R_G: tl.constexpr, R_U: tl.constexpr, R_D: tl.constexpr,
-                                 LORA_IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr):
+                                 LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Backward for one (BLOCK_M, BLOCK_N) tile: dh = dy Wd (T, I) -> dgate, dup (and h when
     STORE_H), with the strides (stride_ot, stride_oi).
 
@@ -258,7 +273,8 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
     LoRA (fp32 buffers, accumulated atomically, zero on entry; scales applied by the launcher
     except inside dh and the pre-activations):
       LORA_D: dh += s_d (dy Bd)[tile] Ad[:, tile] from dyb = dy Bd (T, r_d); NEED_DAD:
-              dAd_acc (r_d, I) += dyb^T h; NEED_HA: ha (T, r_d) += h Ad^T (for dBd).
+              dAd_acc (r_d, I) += dyb^T h'; NEED_HA: ha (T, r_d) += h' Ad^T (for dBd); with
+              DROP_D, h' and the dh term carry the forward's dropout mask (as in the forward).
       LORA_G: dxa_g (T, r_g) += dgate Bg; NEED_DBG: dBg_acc (I, r_g) += dgate^T xa_g (up alike).
     """
     pid_m, pid_n = _tile_coords(T, I, BLOCK_M, BLOCK_N, GROUP_M)
@@ -285,9 +301,10 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
         h = (silu * u).to(out_dtype)
         if STORE_H:
             tl.store(h_ptr + out_offs, h, mask=mask)
+        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
         if NEED_HA:
-            _lora_down_accumulate(h.to(tl.float32), lad_ptr, ha_ptr, offs_m, offs_n, T, I,
-                                  r_d, R_D, LORA_IEEE)
+            _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
+                                  LORA_IEEE)
     u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
     dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
                  mask=mask, other=0.0).to(tl.float32)
@@ -297,13 +314,14 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
         dyb = tl.load(dyb_ptr + rows * r_d + offs_r[None, :],
                       mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_D)
         if NEED_DAD:
-            # dAd_acc[:, tile] += dyb^T h; rows past T have dyb = 0.
-            part = _dot(tl.trans(dyb), h.to(tl.float32), LORA_IEEE)          # (R_D, BLOCK_N)
+            # dAd_acc[:, tile] += dyb^T h'; rows past T have dyb = 0.
+            part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, BLOCK_N)
             tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
                           mask=mask_r[:, None] & (offs_n < I)[None, :])
         ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
                      mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, BLOCK_N)
-        dh += s_d * _dot(dyb, ad, LORA_IEEE)
+        dh += _dropped(s_d * _dot(dyb, ad, LORA_IEEE), key_d, thr_d, inv_d, offs_m, offs_n,
+                       DROP_D)
     dup = dh * silu
     tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
     if LORA_U:
@@ -451,24 +469,26 @@ def _kernel_for(kind, device, dtype, precision, lora_pads):
 
 
 @_launch.cached
-def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_pads):
+def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_pads,
+                  drop_d=False):
     """(kernel, constexpr arguments) of the forward for one specialization; lora_pads: None
-    or the rank pads (R_G, R_U, R_D), 0 for a projection without adapter."""
+    or the rank pads (R_G, R_U, R_D), 0 for a projection without adapter; drop_d: the down
+    adapter's input dropout."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
-                **_lora_meta(lora_pads, ieee))
+                DROP_D=drop_d, **_lora_meta(lora_pads, ieee))
     return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
 
 @_launch.cached
 def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, needs,
-                  lora_pads):
+                  lora_pads, drop_d=False):
     """(kernel, constexpr arguments) of the backward for one specialization; needs: the
     (NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA) flags."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
                 STORE_H=store_h, NEED_DBG=needs[0], NEED_DBU=needs[1], NEED_DAD=needs[2],
-                NEED_HA=needs[3], **_lora_meta(lora_pads, ieee))
+                NEED_HA=needs[3], DROP_D=drop_d, **_lora_meta(lora_pads, ieee))
     return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 
 
@@ -585,6 +605,46 @@ def _check_lora(op, lora, lora_scaling, x, H, I):
     return out
 
 
+class _Dropout:
+    """One adapter's input dropout: probability p > 0 and its mask key (stream 4 | 5 | 6)."""
+
+    def __init__(self, p, seed, stream):
+        self.p, self.seed, self.stream = p, seed, stream
+        self.key = dropout_key(int(seed.item()), stream)
+
+
+def _check_dropout(op, lora_dropout, dropout_seed, lora_scaling, ad):
+    """The three adapters' dropouts (gate, up, down), each None or a _Dropout."""
+    lora_dropout = list(lora_dropout)
+    if len(lora_dropout) not in (0, len(lora_scaling)):
+        raise ValueError(f"{op}: lora_dropout must be [] or have 3 entries (gate, up, down) "
+                         f"with adapters, got {len(lora_dropout)} for {len(lora_scaling)} "
+                         f"lora_scaling entries")
+    out = [None, None, None]
+    for p, prob in enumerate(lora_dropout):
+        if ad[p] is None or prob == 0.0:
+            continue
+        _check_probability(op, f"lora_dropout[{p}]", prob)
+        if dropout_seed is None:
+            raise ValueError(f"{op}: dropout_seed is required when lora_dropout has a "
+                             f"probability > 0")
+        _check_seed(op, "dropout_seed", dropout_seed)
+        out[p] = _Dropout(float(prob), dropout_seed, 4 + p)
+    return out
+
+
+def _adapter_input(xf, drop):
+    """An adapter's fp32 input with its dropout applied (xf itself without one)."""
+    return xf if drop is None else _lora_dropout(xf, drop.seed, drop.stream, drop.p)
+
+
+def _down_dropout_args(drop):
+    """(key_d, thr_d, inv_d) and the DROP_D flag of the kernels."""
+    if drop is None:
+        return (0, 0, 1.0), False
+    return (drop.key, dropout_threshold(drop.p), 1.0 / (1.0 - drop.p)), True
+
+
 def _rank_pad(r):
     """The rank padded for tl.dot: a power of two, at least 16."""
     return _launch.pow2_bucket(r, 16)
@@ -627,7 +687,7 @@ def _scale(a):
 # Launchers
 # --------------------------------------------------------------------------------------------
 def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-               return_gate_up: bool):
+               return_gate_up: bool, lora_dropout=(), dropout_seed=None):
     """SwiGLU MLP forward with optional LoRA adapters.
 
     Args:
@@ -639,6 +699,10 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
             projection); lora_scaling: [] or the 3 scales (gate, up, down).
         return_gate_up: False for save="input" (gate and up are never written; returns empty
             placeholders), True for save="gate_up" (returns the pre-activations).
+        lora_dropout: [] or the 3 dropout probabilities of the adapters' inputs; dropout_seed:
+            a CPU integer tensor with one element, required when one is > 0. The gate/up
+            adapters read ``lora_dropout(x, seed, 4 | 5, p)`` (fp32), the down adapter h with
+            the same mask function applied inside the tile (stream 6).
 
     Returns:
         (y, gate, up): y (T, H) in the dtype of x; gate, up (T, I) pre-activations with the
@@ -656,6 +720,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     op = "swiglu_fwd"
     T, H, I = _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     ad = _check_lora(op, lora, lora_scaling, x, H, I)
+    drop = _check_dropout(op, lora_dropout, dropout_seed, lora_scaling, ad)
     h = x.new_empty((T, I))
     # Distinct placeholders: an op's outputs must not alias each other.
     gu_shape = (T, I) if return_gate_up else (0,)
@@ -663,23 +728,24 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     lg, lu, ld = ad
     dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     xf = x.float() if (lg or lu) else None
-    xag = torch.mm(xf, _f32(lg[0]).t()) if lg else dummy          # (T, r_g) fp32
-    xau = torch.mm(xf, _f32(lu[0]).t()) if lu else dummy          # (T, r_u) fp32
+    xag = torch.mm(_adapter_input(xf, drop[0]), _f32(lg[0]).t()) if lg else dummy  # (T, r_g)
+    xau = torch.mm(_adapter_input(xf, drop[1]), _f32(lu[0]).t()) if lu else dummy  # (T, r_u)
     del xf
     ha = x.new_zeros((T, _rank(ld)), dtype=torch.float32) if ld else dummy
+    drop_d, has_drop_d = _down_dropout_args(drop[2])
     if T > 0 and I > 0:
         b_gate_c = b_gate.contiguous() if b_gate is not None else h
         b_up_c = b_up.contiguous() if b_up is not None else h
         kernel, meta = _fwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
                                      b_gate is not None, b_up is not None,
-                                     bool(return_gate_up), _lora_pads(ad))
+                                     bool(return_gate_up), _lora_pads(ad), has_drop_d)
         with _launch.on_device(x.device):
             kernel[_grid(T, I)](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
                 gate if return_gate_up else h, up if return_gate_up else h,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, ha,
-                _scale(lg), _scale(lu), _rank(lg), _rank(lu), _rank(ld),
+                _scale(lg), _scale(lu), _rank(lg), _rank(lu), _rank(ld), *drop_d,
                 T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
                 w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1), **meta)
@@ -691,7 +757,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
 
 
 def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-               gate, up, needs_grad):
+               gate, up, needs_grad, lora_dropout=(), dropout_seed=None):
     """SwiGLU MLP backward with optional LoRA adapters.
 
     Args:
@@ -703,6 +769,7 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
             recomputed tile by tile from x inside the fused kernel).
         needs_grad: 12 bools [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate,
             A_up, B_up, A_down, B_down]; a gradient not wanted is never computed.
+        lora_dropout, dropout_seed: as for ``swiglu_fwd`` (the masks are regenerated).
 
     Returns:
         (dx (T, H), dw_gate (I, H), dw_up (I, H), dw_down (H, I), db_gate (I,), db_up (I,),
@@ -712,12 +779,14 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
 
     The adapter gradients are accumulated in fp32 from the unrounded dgate / dup / h tiles
     inside the kernel (atomic adds, see ``swiglu_fwd``) plus rank-r products outside it:
-    dA = s (dz B)^T x, dB = s dz^T (x A^T) for gate/up (dz = dgate, dup),
-    dA_down = s dyb^T h, dB_down = s dy^T (h A_down^T) with dyb = dy B_down.
+    dA = s (dz B)^T x', dB = s dz^T (x' A^T) for gate/up (dz = dgate, dup),
+    dA_down = s dyb^T h', dB_down = s dy^T (h' A_down^T) with dyb = dy B_down, where x', h'
+    carry the adapter's dropout; the low-rank part of dx (and of dh) gets the same mask.
     """
     op = "swiglu_bwd"
     T, H, I = _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     ad = _check_lora(op, lora, lora_scaling, x, H, I)
+    drop = _check_dropout(op, lora_dropout, dropout_seed, lora_scaling, ad)
     _check_tensor(op, "dy", dy, (T, H), "(T, H)", x)
     if _absent(gate) != _absent(up):
         raise ValueError(f"{op}: gate and up must be given together (save='gate_up') or both "
@@ -745,8 +814,11 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         return x.new_zeros(shape, dtype=f32) if cond else dummy
 
     xf = x.float() if (lg or lu) else None
-    xag = torch.mm(xf, _f32(lg[0]).t()) if lg and (recompute or n_lb[0]) else dummy
-    xau = torch.mm(xf, _f32(lu[0]).t()) if lu and (recompute or n_lb[1]) else dummy
+    xd = [_adapter_input(xf, drop[p]) if a is not None else None
+          for p, a in enumerate((lg, lu))]                               # x' per adapter
+    xag = torch.mm(xd[0], _f32(lg[0]).t()) if lg and (recompute or n_lb[0]) else dummy
+    xau = torch.mm(xd[1], _f32(lu[0]).t()) if lu and (recompute or n_lb[1]) else dummy
+    drop_d, has_drop_d = _down_dropout_args(drop[2])
     dyb = torch.mm(dy.float(), _f32(ld[1])) if ld else dummy          # (T, r_d)
     dxag = zeros_or_dummy(lg, (T, _rank(lg)))
     dxau = zeros_or_dummy(lu, (T, _rank(lu)))
@@ -765,14 +837,15 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         b_up_c = b_up.contiguous() if b_up is not None else dup
         kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
                                      b_gate is not None, b_up is not None, recompute, n_wd,
-                                     (n_lb[0], n_lb[1], n_la[2], n_lb[2]), _lora_pads(ad))
+                                     (n_lb[0], n_lb[1], n_la[2], n_lb[2]), _lora_pads(ad),
+                                     has_drop_d)
         with _launch.on_device(x.device):
             kernel[_grid(T, I)](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, dyb,
                 dxag, dlbg, dxau, dlbu, dlad, ha,
-                _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld),
+                _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld), *drop_d,
                 T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
                 w_up.stride(0), w_up.stride(1), dh.stride(0), dh.stride(1),
@@ -803,10 +876,10 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     for p, (a, dxa) in enumerate(((lg, dxag), (lu, dxau))):
         if a is None:
             continue
-        t = torch.mm(dxa, _f32(a[0])).mul_(a[2])             # s (dz B) A  (T, H)
+        t = _adapter_input(torch.mm(dxa, _f32(a[0])).mul_(a[2]), drop[p])  # s (dz B) A, masked
         dx_lora = t if dx_lora is None else dx_lora.add_(t)
         if n_la[p]:
-            dlora[2 * p] = torch.mm(dxa.t(), xf).mul_(a[2]).to(a[0].dtype)
+            dlora[2 * p] = torch.mm(dxa.t(), xd[p]).mul_(a[2]).to(a[0].dtype)
     if dx_lora is not None:
         dx.add_(dx_lora)                                     # one rounding to x's dtype
     for p, dlb in ((0, dlbg), (1, dlbu)):

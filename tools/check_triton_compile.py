@@ -85,16 +85,24 @@ JIT_DEFAULT_WARPS, JIT_DEFAULT_STAGES = 4, 3
 # Loading the kernel modules
 # --------------------------------------------------------------------------------------------
 def _load_by_path():
-    """Load this checkout's kernels/ as the synthetic package FALLBACK_PACKAGE."""
+    """Load this checkout's kernels/ as the synthetic package FALLBACK_PACKAGE.kernels, whose
+    parent stands for ckpt_ext without running its __init__ (the kernels import
+    ``ckpt_ext._checks``, plain Python, relatively)."""
+    import types
+
     pkg_dir = REPO / "kernels"
-    if FALLBACK_PACKAGE not in sys.modules:
+    name = f"{FALLBACK_PACKAGE}.kernels"
+    if name not in sys.modules:
+        parent = types.ModuleType(FALLBACK_PACKAGE)
+        parent.__path__ = [str(REPO / "ckpt_ext")]
+        sys.modules[FALLBACK_PACKAGE] = parent
         spec = importlib.util.spec_from_file_location(
-            FALLBACK_PACKAGE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)])
+            name, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)])
         pkg = importlib.util.module_from_spec(spec)
-        sys.modules[FALLBACK_PACKAGE] = pkg
+        sys.modules[name] = pkg
         spec.loader.exec_module(pkg)
-    attention = importlib.import_module(f"{FALLBACK_PACKAGE}.attention")
-    swiglu_mlp = importlib.import_module(f"{FALLBACK_PACKAGE}.swiglu_mlp")
+    attention = importlib.import_module(f"{name}.attention")
+    swiglu_mlp = importlib.import_module(f"{name}.swiglu_mlp")
     return attention, swiglu_mlp
 
 
@@ -109,7 +117,8 @@ def load_kernel_modules(force_path: bool):
             first = (str(exc).splitlines() or [""])[0]
             note = f" (ckpt_ext.kernels not importable: {type(exc).__name__}: {first[:160]})"
     attention, swiglu_mlp = _load_by_path()
-    return attention, swiglu_mlp, f"{FALLBACK_PACKAGE} loaded from {REPO / 'kernels'}{note}"
+    return attention, swiglu_mlp, (f"{FALLBACK_PACKAGE}.kernels loaded from "
+                                   f"{REPO / 'kernels'}{note}")
 
 
 def _prepare_environment():
@@ -284,7 +293,8 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
                      biases=False, dot_ieee=False, lora=False):
     """kind: fwd, bwd_recompute (save="input") or bwd_gate_up (the same kernel reading the
     saved gate/up). lora: adapters on all three projections (rank pad 16), every adapter
-    gradient wanted; without, the LoRA buffers are the unused fp32 placeholders."""
+    gradient wanted, and the down adapter's dropout on (DROP_D, the mask hashed in the
+    tile: the heaviest variant); without, the LoRA buffers are the unused fp32 placeholders."""
     fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
     ptr_names = ["x_ptr", "wg_ptr", "wu_ptr", "bg_ptr", "bu_ptr"]
     ptr_names += (["h_ptr", "gate_ptr", "up_ptr"] if kind == "fwd"
@@ -296,13 +306,13 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
     pointers.update({n: "fp32" for n in lora_ptrs})
     unit = {"stride_xh", "stride_wgh", "stride_wuh", "stride_oi"}
     div16 = {"H", "I", "T_BUCKET", "stride_xt", "stride_wgi", "stride_wui", "stride_ot"}
-    floats = {"s_g", "s_u"} if kind == "fwd" else {"s_g", "s_u", "s_d"}
+    floats = {"s_g", "s_u", "inv_d"} if kind == "fwd" else {"s_g", "s_u", "s_d", "inv_d"}
     if kind != "fwd":
         unit.add("stride_dhi")
         div16.add("stride_dht")
     consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
               "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": 16, "R_U": 16, "R_D": 16,
-              "LORA_IEEE": False,
+              "LORA_IEEE": False, "DROP_D": lora,
               **{k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     if kind == "fwd":
         consts["STORE_GATE_UP"] = store_gate_up
@@ -430,7 +440,7 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
             bits.append("bias" if biases else "no_bias")
             bits.append("ieee" if ieee else "tc")
             if lora:
-                bits.append("lora")
+                bits.append("lora+drop")
             cost = (meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1) * meta.get("BLOCK_K", 1)
                     * ELT_SIZE[dtype] * (8 if lora else 1))
             add(module="swiglu_mlp", kernel=SWIGLU_KERNEL[kind], short=f"swiglu_{kind}",

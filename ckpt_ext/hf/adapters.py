@@ -2,8 +2,10 @@
 LoRA ``Linear`` around one.
 
 A LoRA projection computes ``x W^T + b + scaling * dropout(x) A^T B^T`` (PEFT's
-``lora.Linear``); the op's four slots per projection are ``weight, bias, lora_A, lora_B`` and
-``scaling`` goes into its ``lora_scaling`` list. Read at every call, since PEFT can wrap,
+``lora.Linear``); the op's four slots per projection are ``weight, bias, lora_A, lora_B``,
+``scaling`` goes into its ``lora_scaling`` list and, in training, the dropout probability into
+``lora_dropout`` (the op draws its own masks from a seed and replays them in backward, so
+PEFT's ``nn.Dropout`` module itself never runs on the fused path). Read at every call, since PEFT can wrap,
 merge, disable or switch adapters at any time; what cannot be fused comes back as a reason
 string and the layer runs HF's (and PEFT's) own forward.
 """
@@ -22,6 +24,7 @@ class Projection(NamedTuple):
     lora_A: Optional[Tensor] = None
     lora_B: Optional[Tensor] = None
     scaling: float = 0.0
+    dropout: float = 0.0  # the adapter input's dropout probability in this (training) call
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,12 +65,18 @@ def read_projection(module: nn.Module, training: bool) -> Union[Projection, str]
     if module.use_dora.get(name, False):
         return "a LoRA layer with DoRA (use_dora=True)"
     dropout = module.lora_dropout[name]
-    if training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
-        return (f"a LoRA layer with lora_dropout={dropout.p} in training (the fused op has no "
-                "dropout to replay; set lora_dropout=0.0 to fuse)")
+    if type(dropout) is nn.Dropout:
+        p = float(dropout.p) if training else 0.0
+        if p >= 1.0:
+            return "a LoRA layer with lora_dropout=1.0 (its adapter input is always zero)"
+    elif type(dropout) is nn.Identity:
+        p = 0.0
+    else:
+        return f"a LoRA layer whose lora_dropout is a {type(dropout).__name__}, not nn.Dropout"
     a, b = module.lora_A[name], module.lora_B[name]
     if type(a) is not nn.Linear or type(b) is not nn.Linear:
         return "a LoRA layer whose adapter is not a pair of nn.Linear"
     if a.bias is not None or b.bias is not None:
         return "a LoRA layer with lora_bias=True"
-    return Projection(base.weight, base.bias, a.weight, b.weight, float(module.scaling[name]))
+    return Projection(base.weight, base.bias, a.weight, b.weight, float(module.scaling[name]),
+                      p)

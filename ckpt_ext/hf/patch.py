@@ -533,26 +533,31 @@ class _PatchedForward:
         return self._masks(x, kwargs)
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
-               weights: list, scaling: list) -> Tensor:
+               weights: list, scaling: list, dropout: list) -> Tensor:
         spec = self.spec
         cos, sin = position_embeddings
         window = spec.window if spec.window is not None and spec.window < x.shape[1] else None
+        # LoRA dropout: a fresh seed per call from torch's CPU generator (torch.manual_seed
+        # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
+        # from it and saves it for the backward.
+        seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
         return torch.ops.ckpt_ext.decoder_layer(
             x, weights, cos, sin, masks.key_padding_mask, masks.segment_ids, window,
-            _attn_implementation(self.config) == "eager", scaling,
+            _attn_implementation(self.config) == "eager", scaling, dropout, seed,
             spec.num_heads, spec.num_kv_heads, spec.eps, spec.scale, None, "layer", preset)
 
 
-def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list]]:
-    """The op's ``weights`` list and ``lora_scaling`` for a layer whose structure was checked,
-    or why a projection cannot be fused (its adapters are read here, once per call)."""
+def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list, list]]:
+    """The op's ``weights``, ``lora_scaling`` and ``lora_dropout`` lists for a layer whose
+    structure was checked, or why a projection cannot be fused (its adapters are read here,
+    once per call). The lists are empty without adapters / without dropout."""
     named = {"input_layernorm.weight": layer.input_layernorm.weight,
              "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
     attn = layer.self_attn
     for norm in ("q_norm", "k_norm"):
         if attn._modules.get(norm) is not None:
             named[f"self_attn.{norm}.weight"] = attn._modules[norm].weight
-    scaling, lora = [], False
+    scaling, dropout, lora = [], [], False
     for path in PROJECTIONS:
         parent, name = path.split(".")
         proj = read_projection(getattr(layer, parent)._modules[name], layer.training)
@@ -561,8 +566,10 @@ def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list]]:
         named[f"{path}.weight"], named[f"{path}.bias"] = proj.weight, proj.bias
         named[f"{path}.lora_A"], named[f"{path}.lora_B"] = proj.lora_A, proj.lora_B
         scaling.append(proj.scaling)
+        dropout.append(proj.dropout)
         lora = lora or proj.lora_A is not None
-    return [named.get(slot) for slot in WEIGHT_SLOTS], (scaling if lora else [])
+    return ([named.get(slot) for slot in WEIGHT_SLOTS], scaling if lora else [],
+            dropout if any(p > 0 for p in dropout) else [])
 
 
 def _patched(layers) -> List[_PatchedForward]:

@@ -245,7 +245,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn
         return torch.ops.ckpt_ext.decoder_layer(
             x, pack_weights(dict(self.named_parameters())), cos, sin, mask, None, None, False, [],
-            a.num_heads, a.num_kv_heads, self.input_layernorm.variance_epsilon, a.scaling, None,
+            [], None, a.num_heads, a.num_kv_heads, self.input_layernorm.variance_epsilon, a.scaling, None,
             "layer", self.policy)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,

@@ -1,0 +1,256 @@
+"""Argument checks of the ckpt_ext kernel ops in Python: the same rules, exception types and
+messages as ``csrc/checks.h``, used by the fakes (``ckpt_ext.ops``, what ``torch.compile`` and
+meta tensors run) and by the Triton launchers (``ckpt_ext.kernels``), so that an op rejects
+bad input in the same words whichever implementation serves it.
+
+Exception types, as the C++ checks raise them: ValueError for a wrong shape, size or value;
+TypeError for a wrong dtype; RuntimeError for tensors on different devices (TORCH_CHECK).
+"""
+import math
+
+import torch
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t):
+    return str(tuple(t.shape))
+
+
+def _dtype(dt):
+    return str(dt).replace("torch.", "")
+
+
+def _check_floating(op, name, t):
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got "
+                        f"{_dtype(t.dtype)}")
+
+
+def _check_dim(op, name, t, dim, layout):
+    if t.dim() != dim:
+        raise ValueError(f"{op}: {name} must have {dim} dims {layout}, got shape {_shape(t)}")
+
+
+def _check_shape(op, name, t, shape, why):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)} {why}, got {_shape(t)}")
+
+
+def _check_dtype_as(op, name, t, ref_name, ref):
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: {name} must have the dtype of {ref_name} ({_dtype(ref.dtype)}), "
+                        f"got {_dtype(t.dtype)}")
+
+
+def _check_device_as(op, name, t, ref_name, ref):
+    if t.device != ref.device:
+        raise RuntimeError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                           f"all tensors must be on one device")
+
+
+def _check_like(op, name, t, ref_name, ref, shape, why):
+    _check_shape(op, name, t, shape, why)
+    _check_dtype_as(op, name, t, ref_name, ref)
+    _check_device_as(op, name, t, ref_name, ref)
+
+
+def _absent(t):
+    """None or the (0,) placeholder of an output that does not apply."""
+    return t is None or (t.dim() == 1 and t.numel() == 0)
+
+
+def _check_positive_finite(op, name, x):
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
+
+
+def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool, segment_ids (B, S) int32/int64,
+    window > 0, scale finite > 0. Returns (B, Hq, Hkv, S, D)."""
+    _check_dim(op, "q", q, 4, "(B, Hq, S, D)")
+    _check_dim(op, "k", k, 4, "(B, Hkv, S, D)")
+    _check_dim(op, "v", v, 4, "(B, Hkv, S, D)")
+    _check_floating(op, "q", q)
+    _check_dtype_as(op, "k", k, "q", q)
+    _check_dtype_as(op, "v", v, "q", q)
+    _check_device_as(op, "k", k, "q", q)
+    _check_device_as(op, "v", v, "q", q)
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    if B == 0:
+        raise ValueError(f"{op}: q has an empty batch (B=0); attention needs B >= 1")
+    if D == 0:
+        raise ValueError(f"{op}: q must have head dim D >= 1, got D=0")
+    if Hq == 0:
+        raise ValueError(f"{op}: q must have at least one head, got Hq=0")
+    for i, what, sym, size in ((0, "batch size", "B", B), (2, "sequence length", "S", S),
+                               (3, "head dim", "D", D)):
+        if k.shape[i] != size:
+            raise ValueError(f"{op}: k must have the {what} of q ({sym}={size}), got "
+                             f"{k.shape[i]} in shape {_shape(k)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{op}: k must have Hkv dividing Hq={Hq}, got Hkv={Hkv}")
+    _check_shape(op, "v", v, k.shape, "(the shape of k)")
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        if m.dtype != torch.bool:
+            raise TypeError(f"{op}: key_padding_mask must be bool (True = may be attended), got "
+                            f"{_dtype(m.dtype)}")
+        _check_shape(op, "key_padding_mask", m, (B, S), "(B, S)")
+        _check_device_as(op, "key_padding_mask", m, "q", q)
+    if segment_ids is not None:
+        if segment_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op}: segment_ids must be int32 or int64, got "
+                            f"{_dtype(segment_ids.dtype)}")
+        _check_shape(op, "segment_ids", segment_ids, (B, S), "(B, S)")
+        _check_device_as(op, "segment_ids", segment_ids, "q", q)
+    if window is not None and window <= 0:
+        raise ValueError(f"{op}: window must be > 0 (key j is visible from query i iff "
+                         f"i - window < j <= i), got {window}")
+    _check_positive_finite(op, "scale", scale)
+    return B, Hq, Hkv, S, D
+
+
+def _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+    """x (T, H), w_gate/w_up (I, H), w_down (H, I), biases (I,), (I,), (H,). Returns (T, H, I)."""
+    _check_dim(op, "x", x, 2, "(T, H) (tokens flattened)")
+    _check_floating(op, "x", x)
+    _check_dim(op, "w_gate", w_gate, 2, "(I, H)")
+    T, H = x.shape
+    I = w_gate.shape[0]
+    _check_like(op, "w_gate", w_gate, "x", x, (I, H), f"(I, H) with H={H} from x")
+    _check_like(op, "w_up", w_up, "x", x, (I, H), "(I, H), the shape of w_gate")
+    _check_like(op, "w_down", w_down, "x", x, (H, I), "(H, I) for w_gate of shape (I, H)")
+    for name, b, shape, text in (("b_gate", b_gate, (I,), "(I,)"), ("b_up", b_up, (I,), "(I,)"),
+                                 ("b_down", b_down, (H,), "(H,)")):
+        if b is not None:
+            _check_like(op, name, b, "x", x, shape, text)
+    return T, H, I
+
+
+_SWIGLU_LORA = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
+
+
+def _check_probability(op, name, p):
+    if not (math.isfinite(p) and 0.0 <= p < 1.0):
+        raise ValueError(f"{op}: {name} must be a probability in [0, 1), got {p}")
+
+
+def _check_seed(op, name, seed):
+    if (seed.device.type != "cpu" or seed.numel() != 1 or seed.dtype.is_floating_point
+            or seed.dtype.is_complex or seed.dtype == torch.bool):
+        raise ValueError(f"{op}: {name} must be a CPU integer tensor with one element (read "
+                         f"without a device sync), got a {_dtype(seed.dtype)} tensor of shape "
+                         f"{_shape(seed)} on {seed.device}")
+
+
+def _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I):
+    """lora [] or 6 entries (A (r, in), B (out, r) per projection, both or neither),
+    lora_scaling [] or 3 finite floats, lora_dropout [] or 3 probabilities (a seed when one is
+    > 0). Returns the 6 entries (None where absent)."""
+    lora = list(lora)
+    if len(lora) not in (0, 6):
+        raise ValueError(f"{op}: lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, "
+                         f"A_down, B_down], got {len(lora)} entries")
+    if len(lora_scaling) != (3 if lora else 0):
+        raise ValueError(f"{op}: lora_scaling must have 3 entries (gate, up, down) with adapters "
+                         f"and none without, got {len(lora_scaling)} for {len(lora)} lora entries")
+    if len(lora_dropout) not in (0, len(lora_scaling)):
+        raise ValueError(f"{op}: lora_dropout must be [] or have 3 entries (gate, up, down) with "
+                         f"adapters, got {len(lora_dropout)} for {len(lora)} lora entries")
+    if not lora:
+        return [None] * 6
+    for p, (n_in, n_out) in enumerate(((H, I), (H, I), (I, H))):
+        a, b = lora[2 * p], lora[2 * p + 1]
+        an, bn = _SWIGLU_LORA[2 * p], _SWIGLU_LORA[2 * p + 1]
+        if (a is None) != (b is None):
+            state = {True: "None", False: "given"}
+            raise ValueError(f"{op}: lora {an} and {bn} come together, got {an} "
+                             f"{state[a is None]} and {bn} {state[b is None]}")
+        if a is None:
+            continue
+        _check_dim(op, an, a, 2, "(r, in)")
+        _check_floating(op, an, a)
+        _check_device_as(op, an, a, "x", x)
+        r = a.shape[0]
+        if r < 1:
+            raise ValueError(f"{op}: {an} must have rank r >= 1, got shape {_shape(a)}")
+        _check_shape(op, an, a, (r, n_in), f"(r, in) with in = {n_in}")
+        _check_shape(op, bn, b, (n_out, r), f"(out, r) with out = {n_out} and r from {an}")
+        _check_dtype_as(op, bn, b, an, a)
+        _check_device_as(op, bn, b, "x", x)
+        if not math.isfinite(lora_scaling[p]):
+            raise ValueError(f"{op}: lora_scaling[{p}] must be finite, got {lora_scaling[p]}")
+        if lora_dropout and lora_dropout[p] != 0.0:
+            _check_probability(op, f"lora_dropout[{p}]", lora_dropout[p])
+            if _absent(dropout_seed):
+                raise ValueError(f"{op}: dropout_seed is required when lora_dropout has a "
+                                 f"probability > 0")
+            _check_seed(op, "dropout_seed", dropout_seed)
+    return lora
+
+
+def _check_rms(op, x, weight):
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least 1 dim (..., N), got a 0-dim tensor")
+    _check_floating(op, "x", x)
+    _check_floating(op, "weight", weight)
+    _check_device_as(op, "weight", weight, "x", x)
+    _check_shape(op, "weight", weight, (x.shape[-1],), "to match x's last dim")
+    if x.shape[-1] == 0:
+        raise ValueError(f"{op}: x must have a non-empty last dim, got shape {_shape(x)}")
+
+
+def _check_rope(op, qn, q, kn, k, cos, sin):
+    _check_dim(op, qn, q, 4, "(B, Hq, S, D)")
+    _check_dim(op, kn, k, 4, "(B, Hkv, S, D)")
+    _check_floating(op, qn, q)
+    _check_dtype_as(op, kn, k, qn, q)
+    _check_device_as(op, kn, k, qn, q)
+    B, _, S, D = q.shape
+    _check_shape(op, kn, k, (B, k.shape[1], S, D), f"(B, Hkv, S, D) with B, S, D from {qn}")
+    if D % 2 != 0:
+        raise ValueError(f"{op}: {qn} must have an even head dim D, got D={D}")
+    _check_dim(op, "cos", cos, 3, "(B or 1, S, D)")
+    _check_floating(op, "cos", cos)
+    _check_device_as(op, "cos", cos, qn, q)
+    if cos.shape[0] not in (1, B):
+        raise ValueError(f"{op}: cos must have batch size 1 or B={B}, got shape {_shape(cos)}")
+    _check_shape(op, "cos", cos, (cos.shape[0], S, D), f"(B or 1, S, D) with S, D from {qn}")
+    _check_like(op, "sin", sin, "cos", cos, cos.shape, "(the shape of cos)")
+
+
+def _stat_dtype(hidden):
+    """dtype of lse / per-token loss / dloss: float64 for float64 hidden, else float32."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def _check_lce(op, hidden, weight, bias, labels):
+    """hidden (T, H), weight (V, H), bias (V,), labels (T,) int64. Returns (T, H, V)."""
+    _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
+    _check_floating(op, "hidden", hidden)
+    _check_dim(op, "weight", weight, 2, "(V, H)")
+    T, H = hidden.shape
+    V = weight.shape[0]
+    _check_like(op, "weight", weight, "hidden", hidden, (V, H), f"(V, H) with H={H} from hidden")
+    if V == 0:
+        raise ValueError(f"{op}: weight must have at least one vocabulary row, got shape "
+                         f"{_shape(weight)}")
+    if bias is not None:
+        _check_like(op, "bias", bias, "hidden", hidden, (V,), "(V,)")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"{op}: labels must be int64, got {_dtype(labels.dtype)}")
+    _check_dim(op, "labels", labels, 1, "(T,)")
+    _check_shape(op, "labels", labels, (T,), "(T,) with T from hidden")
+    _check_device_as(op, "labels", labels, "hidden", hidden)
+    return T, H, V
+
+
+def _check_lce_stat(op, name, t, hidden, T):
+    _check_dim(op, name, t, 1, "(T,)")
+    _check_shape(op, name, t, (T,), "(T,) with T from hidden")
+    if t.dtype != _stat_dtype(hidden):
+        raise TypeError(f"{op}: {name} must be {_dtype(_stat_dtype(hidden))} (float64 for "
+                        f"float64 hidden, else float32), got {_dtype(t.dtype)}")
+    _check_device_as(op, name, t, "hidden", hidden)

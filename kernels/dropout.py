@@ -1,0 +1,103 @@
+"""LoRA dropout with a replayable mask, in Triton: the ``lora_dropout`` op's CUDA launcher and
+the mask function the fused SwiGLU kernels call inside their tiles.
+
+The mask of element (row, col) of a tensor viewed as ``(numel / size(-1), size(-1))`` is a
+hash of (seed, stream, row, col), so the backward regenerates the forward's mask from the
+seed alone, whatever the tiling (uint32 arithmetic; the C++ reference in
+``csrc/lora_dropout.h`` computes the same bits):
+
+    key(seed, stream) = mix32(seed ^ mix32(stream + 0x9E3779B9))
+    hash(row, col)    = mix32(mix32(row ^ key) ^ col)
+    keep              = hash >= floor(p * 2^32)
+    out               = keep ? x * (1 / (1 - p)) : 0     (product in float32)
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import _check_floating, _check_probability, _check_seed
+from . import _launch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32_host(x: int) -> int:
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _M32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _M32
+    x ^= x >> 15
+    return x
+
+
+def dropout_key(seed: int, stream: int) -> int:
+    """The uint32 key of (seed, stream), as a Python int in [0, 2^32)."""
+    return _mix32_host((seed & _M32) ^ _mix32_host(stream + 0x9E3779B9))
+
+
+def dropout_threshold(p: float) -> int:
+    """floor(p * 2^32) for p in [0, 1): an element is kept when its hash is at least this."""
+    return int(p * 4294967296.0)
+
+
+def read_seed(op: str, name: str, seed) -> int:
+    """The value of a dropout seed tensor (a CPU integer tensor with one element: reading it
+    never waits for a device)."""
+    _check_seed(op, name, seed)
+    return int(seed.item())
+
+
+@triton.jit
+def _mix32(x):
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x ^= x >> 15
+    return x
+
+
+@triton.jit
+def keep_mask(key, threshold, rows, cols):
+    """bool mask of the elements (rows, cols) (broadcastable int tensors, e.g. (M, 1) and
+    (1, N)) under ``key`` / ``threshold`` (Python ints in [0, 2^32))."""
+    k = key.to(tl.uint32)
+    hr = _mix32(rows.to(tl.uint32) ^ k)
+    return _mix32(hr ^ cols.to(tl.uint32)) >= threshold.to(tl.uint32)
+
+
+@triton.jit(do_not_specialize=["key", "threshold"])
+def _lora_dropout_kernel(x_ptr, out_ptr, rows, cols, key, threshold, inv,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    inside = (offs_r < rows) & (offs_c < cols)
+    offs = offs_r.to(tl.int64) * cols + offs_c
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+    keep = keep_mask(key, threshold, offs_r, offs_c)
+    y = tl.where(keep, x.to(tl.float32) * inv, 0.0)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def lora_dropout(x, seed, stream, p):
+    """The ``lora_dropout`` op on a CUDA tensor (or a CPU one under the interpreter)."""
+    op = "lora_dropout"
+    _check_floating(op, "x", x)
+    if x.dtype == torch.float64:
+        raise TypeError(f"{op}: x must be float16, bfloat16 or float32 for the Triton kernel, "
+                        f"got float64")
+    _check_probability(op, "p", p)
+    key = dropout_key(read_seed(op, "seed", seed), stream)
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    if src.numel() == 0:
+        return out
+    cols = src.shape[-1] if src.dim() else 1
+    rows = src.numel() // cols
+    block_r, block_c = 16, min(triton.next_power_of_2(cols), 256)
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+    with _launch.on_device(x.device):
+        _lora_dropout_kernel[grid](src, out, rows, cols, key, dropout_threshold(p),
+                                   1.0 / (1.0 - p), BLOCK_R=block_r, BLOCK_C=block_c)
+    return out

@@ -1,0 +1,388 @@
+"""LoRA dropout with exact replay: the lora_dropout op's mask against an independent hash, the
+SwiGLU ops and the decoder layer against plain PyTorch with the same masks, finite
+differences under a fixed seed, and PEFT models with lora_dropout > 0 through patch_llama."""
+import contextlib
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt_ext
+from ckpt_ext import blocks
+
+from reference import make_layer, rope_tables
+
+OPS = torch.ops.ckpt_ext
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 "
+    "(the conftest sets it on machines without a GPU)")
+
+
+# ---- the mask, from its definition ---------------------------------------------------------
+
+def _mix32(x):
+    x = x.astype(np.uint64) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    x ^= x >> 15
+    return x
+
+
+def reference_keep(seed, stream, rows, cols, p):
+    """The documented mask, computed with numpy's uint64 arithmetic (independent of the C++
+    and Triton code)."""
+    key = _mix32(np.array([(seed & 0xFFFFFFFF) ^ int(_mix32(np.array([stream + 0x9E3779B9]))[0])]))
+    r = np.arange(rows, dtype=np.uint64)[:, None]
+    c = np.arange(cols, dtype=np.uint64)[None, :]
+    h = _mix32(_mix32(r ^ key) ^ c)
+    return torch.from_numpy(h >= np.uint64(int(p * 2**32)))
+
+
+def seed_tensor(value):
+    return torch.tensor(value, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (3, 5, 129), (1, 1)])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_mask_is_the_documented_hash(shape, p):
+    x = torch.randn(shape, dtype=torch.float64)
+    seed, stream = 123456789, 5
+    y = OPS.lora_dropout(x, seed_tensor(seed), stream, p)
+    keep = reference_keep(seed, stream, x.numel() // shape[-1], shape[-1], p).view(shape)
+    torch.testing.assert_close(y, torch.where(keep, x / (1 - p), torch.zeros_like(x)),
+                               rtol=1e-15, atol=0)
+
+
+def test_mask_rate_and_independence():
+    x = torch.ones(400, 500)
+    p = 0.3
+    masks = [OPS.lora_dropout(x, seed_tensor(s), t, p) != 0 for s, t in ((1, 0), (1, 1), (2, 0))]
+    for m in masks:  # 200k Bernoulli(0.7) draws: the standard deviation of the rate is 0.001
+        assert abs(m.float().mean().item() - 0.7) < 0.006
+    for a, b in ((0, 1), (0, 2), (1, 2)):  # another stream or seed: an independent mask
+        agree = (masks[a] == masks[b]).float().mean().item()
+        assert abs(agree - (0.7**2 + 0.3**2)) < 0.006
+    rows = masks[0].float().mean(1)  # no row or column is special
+    cols = masks[0].float().mean(0)
+    assert rows.min() > 0.55 and rows.max() < 0.85 and cols.min() > 0.55 and cols.max() < 0.85
+    again = OPS.lora_dropout(x, seed_tensor(1), 0, p) != 0
+    assert torch.equal(again, masks[0])
+
+
+def test_op_autograd_and_errors():
+    x = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    seed = seed_tensor(77)
+    torch.autograd.gradcheck(lambda t: OPS.lora_dropout(t, seed, 3, 0.4), (x,))
+    assert torch.equal(OPS.lora_dropout(x.detach(), seed, 3, 0.0), x.detach())
+    with pytest.raises(ValueError, match=r"lora_dropout: p must be a probability in \[0, 1\)"):
+        OPS.lora_dropout(x, seed, 0, 1.0)
+    with pytest.raises(ValueError, match="seed must be a CPU integer tensor with one element"):
+        OPS.lora_dropout(x, torch.tensor([1, 2]), 0, 0.1)
+    with pytest.raises(ValueError, match="seed must be a CPU integer tensor"):
+        OPS.lora_dropout(x, torch.tensor(1.0), 0, 0.1)
+    fake = OPS.lora_dropout(torch.empty(3, 4, device="meta"), seed, 0, 0.1)
+    assert fake.shape == (3, 4) and fake.device.type == "meta"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_mask_equals_the_cpu_op_bit_for_bit(dtype):
+    from ckpt_ext.kernels.dropout import lora_dropout as triton_dropout
+    x = torch.randn(37, 300).to(dtype)
+    for seed, stream, p in ((5, 0, 0.1), (2**31 - 2, 6, 0.5), (2**40 + 3, 4, 0.9)):
+        got = triton_dropout(x, seed_tensor(seed), stream, p)
+        assert torch.equal(got, OPS.lora_dropout(x, seed_tensor(seed), stream, p))
+
+
+# ---- SwiGLU ops ------------------------------------------------------------------------------
+
+T, H, I, R = 37, 24, 40, 3
+
+
+def swiglu_args(dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.2):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+    x = rnd(T, H, scale=1.0)
+    w = [rnd(I, H), rnd(I, H), rnd(H, I)]
+    b = [rnd(I), rnd(I), rnd(H)] if bias else [None] * 3
+    lora = [rnd(R, H), rnd(I, R), rnd(R, H), rnd(I, R), rnd(R, I), rnd(H, R)]
+    return x, w, b, lora
+
+
+def swiglu_reference(x, w, b, lora, scaling, dropout, seed):
+    """Plain PyTorch: the adapters' inputs dropped with the op's masks (streams 4, 5, 6)."""
+    def drop(t, stream, p):
+        return OPS.lora_dropout(t, seed, stream, p) if p > 0 else t
+
+    def lin(t, wt, bt):
+        return torch.nn.functional.linear(t, wt, bt)
+
+    gate = lin(x, w[0], b[0]) + scaling[0] * lin(lin(drop(x, 4, dropout[0]), lora[0], None),
+                                                 lora[1], None)
+    up = lin(x, w[1], b[1]) + scaling[1] * lin(lin(drop(x, 5, dropout[1]), lora[2], None),
+                                               lora[3], None)
+    h = torch.nn.functional.silu(gate) * up
+    return lin(h, w[2], b[2]) + scaling[2] * lin(lin(drop(h, 6, dropout[2]), lora[4], None),
+                                                 lora[5], None)
+
+
+def _check_swiglu(dtype, backend, rtol):
+    x, w, b, lora = swiglu_args(dtype)
+    scaling, dropout, seed = [0.7, 1.3, 0.9], [0.3, 0.2, 0.4], seed_tensor(2024)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).to(dtype)
+    leaves = [t.double().requires_grad_() for t in (x, *w, *b, *lora)]
+    x64, w64, b64, l64 = leaves[0], leaves[1:4], leaves[4:7], leaves[7:]
+    y64 = swiglu_reference(x64, w64, b64, l64, scaling, dropout, seed)
+    ref = torch.autograd.grad(y64, leaves, dy.double())
+    with backend():
+        for save in (False, True):
+            y, gate, up = OPS.swiglu_fwd(x, *w, *b, lora, scaling, save, dropout, seed)
+            grads = OPS.swiglu_bwd(dy, x, *w, *b, lora, scaling, gate if save else None,
+                                   up if save else None, [True] * 12, dropout, seed)
+            torch.testing.assert_close(y.double(), y64.detach(), rtol=rtol, atol=rtol)
+            got = [grads[0], *grads[1:7], *grads[7]]
+            for name, g, r in zip(["x", "wg", "wu", "wd", "bg", "bu", "bd", "Ag", "Bg", "Au",
+                                   "Bu", "Ad", "Bd"], got, ref):
+                torch.testing.assert_close(g.double(), r, rtol=rtol, atol=rtol, msg=name)
+    # another seed: another result
+    y2 = OPS.swiglu_fwd(x, *w, *b, lora, scaling, False, dropout, seed_tensor(2025))[0]
+    assert (y2.double() - y64.detach()).abs().max() > 100 * rtol
+
+
+def test_swiglu_cpu_ops_with_dropout_match_plain_pytorch():
+    _check_swiglu(torch.float64, contextlib.nullcontext, 1e-10)
+
+
+@needs_interpreter
+def test_swiglu_triton_kernels_with_dropout_match_plain_pytorch():
+    from ckpt_ext._backend import use_triton
+    _check_swiglu(torch.float32, lambda: use_triton("cpu"), 2e-4)
+
+
+def test_swiglu_dropout_errors():
+    x, w, b, lora = swiglu_args(torch.float32)
+    with pytest.raises(ValueError, match="dropout_seed is required"):
+        OPS.swiglu_fwd(x, *w, *b, lora, [1.0] * 3, False, [0.1, 0.0, 0.0], None)
+    with pytest.raises(ValueError, match=r"lora_dropout\[2\] must be a probability"):
+        OPS.swiglu_fwd(x, *w, *b, lora, [1.0] * 3, False, [0.0, 0.0, 1.5], seed_tensor(1))
+    with pytest.raises(ValueError, match="lora_dropout must be"):
+        OPS.swiglu_fwd(x, *w, *b, lora, [1.0] * 3, False, [0.1], seed_tensor(1))
+
+
+# ---- the decoder layer -----------------------------------------------------------------------
+
+HS, NH, NKV, D, IM, BS, SL = 32, 4, 2, 8, 48, 2, 9
+
+
+def layer_inputs(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = make_layer(HS, NH, NKV, IM, dtype=dtype)
+    weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    for path in blocks.PROJECTIONS:
+        w = weights[f"{path}.weight"]
+        weights[f"{path}.lora_A"] = 0.3 * torch.randn(R, w.shape[1], generator=g, dtype=dtype)
+        weights[f"{path}.lora_B"] = 0.3 * torch.randn(w.shape[0], R, generator=g, dtype=dtype)
+    x = torch.randn(BS, SL, HS, generator=g, dtype=dtype)
+    cos, sin = rope_tables(SL, D, dtype=dtype)
+    return x, weights, (cos, sin)
+
+
+def layer_loss(x, weights, pe, dropout, seed, preset):
+    y = blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV,
+                             lora_scaling=[0.5 + 0.1 * i for i in range(7)], lora_dropout=dropout,
+                             dropout_seed=seed, preset=preset)
+    return (y * torch.linspace(-1, 1, HS, dtype=x.dtype)).square().sum()
+
+
+DROPOUT = [0.1, 0.2, 0.3, 0.15, 0.25, 0.35, 0.4]
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_layer_gradient_matches_central_differences_under_one_seed(preset):
+    x, weights, pe = layer_inputs()
+    seed = seed_tensor(31337)
+    trainable = {n: t.requires_grad_() for n, t in weights.items() if "lora_" in n}
+    x.requires_grad_()
+    loss = layer_loss(x, weights, pe, DROPOUT, seed, preset)
+    grads = torch.autograd.grad(loss, [x, *trainable.values()])
+    g = torch.Generator().manual_seed(5)
+    dirs = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in [x, *trainable.values()]]
+    eps = 1e-6
+    with torch.no_grad():
+        def at(sign):
+            xs = x + sign * eps * dirs[0]
+            ws = dict(weights)
+            for (n, t), d in zip(trainable.items(), dirs[1:]):
+                ws[n] = t + sign * eps * d
+            return layer_loss(xs, ws, pe, DROPOUT, seed, preset)
+        numeric = (at(1) - at(-1)) / (2 * eps)
+    analytic = sum((gr * d).sum() for gr, d in zip(grads, dirs))
+    torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-8)
+    # the dropout really acts: other seeds and p = 0 give other losses
+    other = layer_loss(x, weights, pe, DROPOUT, seed_tensor(1), preset)
+    plain = layer_loss(x, weights, pe, None, None, preset)
+    assert abs(other - loss) > 1e-3 * abs(loss) and abs(plain - loss) > 1e-3 * abs(loss)
+
+
+def test_layer_matches_plain_pytorch_with_the_same_masks():
+    """Every projection's adapter input dropped with stream = its index, in plain PyTorch."""
+    x, weights, (cos, sin) = layer_inputs()
+    seed = seed_tensor(99)
+    scaling = [0.5 + 0.1 * i for i in range(7)]
+    leaves = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    xr = x.clone().requires_grad_()
+
+    def proj(i, t):
+        path = blocks.PROJECTIONS[i]
+        w = leaves
+        lora = OPS.lora_dropout(t, seed, i, DROPOUT[i]) @ w[f"{path}.lora_A"].t() \
+            @ w[f"{path}.lora_B"].t()
+        return t @ w[f"{path}.weight"].t() + scaling[i] * lora
+
+    def norm(t, wt):
+        return wt * t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)
+
+    def rot(t):
+        return torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1)
+
+    n = norm(xr, leaves["input_layernorm.weight"])
+    q = proj(0, n).view(BS, SL, NH, D).transpose(1, 2)
+    k = proj(1, n).view(BS, SL, NKV, D).transpose(1, 2)
+    v = proj(2, n).view(BS, SL, NKV, D).transpose(1, 2)
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                         enable_gqa=True)
+    h = xr + proj(3, a.transpose(1, 2).reshape(BS, SL, NH * D))
+    m = norm(h, leaves["post_attention_layernorm.weight"])
+    y_ref = h + proj(6, torch.nn.functional.silu(proj(4, m)) * proj(5, m))
+    loss_ref = (y_ref * torch.linspace(-1, 1, HS, dtype=x.dtype)).square().sum()
+    ref = torch.autograd.grad(loss_ref, [xr, *leaves.values()])
+
+    leaves2 = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    x2 = x.clone().requires_grad_()
+    loss = layer_loss(x2, leaves2, (cos, sin), DROPOUT, seed, "balanced")
+    got = torch.autograd.grad(loss, [x2, *leaves2.values()])
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=0)
+    for name, g, r in zip(["x", *leaves], got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_layer_dropout_errors():
+    x, weights, pe = layer_inputs(torch.float32)
+    with pytest.raises(ValueError, match="dropout_seed is required"):
+        layer_loss(x, weights, pe, DROPOUT, None, "balanced")
+    with pytest.raises(ValueError, match=r"lora_dropout\[3\] \(self_attn.o_proj\) must be"):
+        layer_loss(x, weights, pe, [0.1, 0.1, 0.1, 1.0, 0.1, 0.1, 0.1], seed_tensor(1),
+                   "balanced")
+    with pytest.raises(ValueError, match="lora_dropout must be"):
+        layer_loss(x, weights, pe, [0.1], seed_tensor(1), "balanced")
+    with pytest.raises(ValueError, match="dropout_seed must be a CPU integer tensor"):
+        layer_loss(x, weights, pe, DROPOUT, torch.tensor(0.5), "balanced")
+
+
+# ---- PEFT models with lora_dropout > 0 -------------------------------------------------------
+
+class HashDropout(torch.nn.Module):
+    """Stands in for PEFT's nn.Dropout in the unpatched reference: the fused op's mask."""
+
+    def __init__(self, seeds, layer, stream, p):
+        super().__init__()
+        self.seeds, self.layer, self.stream, self.p = seeds, layer, stream, p
+
+    def forward(self, x):
+        return OPS.lora_dropout(x, self.seeds[self.layer], self.stream, self.p)
+
+
+@pytest.mark.parametrize("preset", ["balanced", "min_memory"])
+def test_peft_lora_dropout_is_fused_with_the_reference_masks(preset):
+    """patch_llama(peft model with lora_dropout=0.2): every layer fused, and the loss and the
+    adapter gradients equal the unpatched PEFT model whose dropout modules apply the same
+    masks (the fused forward draws one seed per layer call from torch's CPU generator)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
+                               "(pip install -e '.[test]')")
+    from test_training_setups import ALL, loss_and_grads, make_batch, make_model
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=ALL,
+                          init_lora_weights=False)
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(make_model("llama"), cfg)
+    model = copy.deepcopy(ref)
+    ckpt_ext.patch_llama(model, preset)
+    ids, mask, labels = make_batch()
+    torch.manual_seed(1234)
+    seeds = [torch.randint(2**31 - 1, (), dtype=torch.int64) for _ in range(2)]
+    for li, layer in enumerate(ref.get_base_model().model.layers):
+        for stream, path in enumerate(blocks.PROJECTIONS):
+            parent, name = path.split(".")
+            lora = getattr(layer, parent)._modules[name]
+            lora.lora_dropout["default"] = HashDropout(seeds, li, stream, 0.2)
+    loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
+    torch.manual_seed(1234)
+    loss, grads = loss_and_grads(model, ids, mask, labels)
+    assert sum(layer.forward.calls["fused"] for layer in model.get_base_model().model.layers) == 2
+    torch.testing.assert_close(loss, loss_r, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(grads_r)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    torch.manual_seed(4321)  # another seed, other masks
+    assert abs(loss_and_grads(model, ids, mask, labels)[0] - loss) > 1e-6
+    model.eval()  # no dropout outside training (fused, since grad is on)
+    fused = sum(layer.forward.calls["fused"] for layer in model.get_base_model().model.layers)
+    ev = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert sum(layer.forward.calls["fused"]
+               for layer in model.get_base_model().model.layers) == fused + 2
+    plain = copy.deepcopy(model)
+    ckpt_ext.unpatch_llama(plain)
+    torch.testing.assert_close(ev, plain(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_peft_lora_dropout_has_no_graph_breaks_and_replays_eager():
+    """torch.compile of a patched PEFT model with lora_dropout: no graph break, and under
+    aot_eager (which draws the seeds with eager's generator) the same loss and gradients as
+    eager for the same torch.manual_seed."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
+                               "(pip install -e '.[test]')")
+    from test_training_setups import ALL, loss_and_grads, make_batch, make_model
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = peft.get_peft_model(make_model("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.3, target_modules=ALL, init_lora_weights=False))
+    ckpt_ext.patch_llama(model, "balanced")
+    ids, mask, labels = make_batch()
+    explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    loss_e, grads_e = loss_and_grads(model, ids, mask, labels)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(7)
+    loss_c, grads_c = loss_and_grads(compiled, ids, mask, labels)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for name, g in grads_e.items():
+        torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_layer_with_adapters_and_dropout_saves_the_formula(preset):
+    """Adapters on every projection with dropout add only the 8-byte seed to what the preset
+    keeps (the rank-r products and the masks are recomputed)."""
+    from ckpt_ext.presets import saved_bytes
+    x, weights, pe = layer_inputs(torch.float32)
+    params = {n: torch.nn.Parameter(t) for n, t in weights.items()}
+    x.requires_grad_()
+    got = ckpt_ext.saved_activation_bytes(layer_loss, x, params, pe, DROPOUT, seed_tensor(3),
+                                          preset)
+    # layer_loss's own ops keep the scale row (H,) (for y * row) and y * row (for square)
+    loss_extra = 4 * HS + 4 * BS * SL * HS
+    expected = saved_bytes(preset, B=BS, S=SL, H=HS, Hq=NH, Hkv=NKV, D=D, I=IM,
+                           dtype=torch.float32, lora_dropout=True)
+    assert got - loss_extra == expected
