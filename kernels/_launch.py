@@ -13,6 +13,11 @@ One module decides, for all kernel families (attention, SwiGLU, LM-head loss):
   resource model keeps, untimed, falling back to the next one if the device refuses it
   (:class:`FirstThatFits`). :func:`reload_policy` re-reads the switch and empties every
   launcher cache (tests, benchmarks).
+* **Kernel variants.** ``CKPT_EXT_SWIGLU_GRID`` (``switch``, read with the autotune switch):
+  ``tiles`` (default) launches one program per output tile of the fused SwiGLU GEMMs;
+  ``persistent`` launches one program per SM (three in the interpreter, so that the loop is
+  tested), each looping over the tiles in the same grouped order. The GPU validation decides
+  the default.
 * **fp32 dot precision.** :func:`dot_precision`: fp32 operands use IEEE fp32 products when
   torch's float32 matmul precision is ``"highest"`` (torch's default) and TF32 when the user
   allowed it with ``torch.set_float32_matmul_precision("high"/"medium")``, the rule torch's
@@ -37,7 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Mapping, Sequence
+import os
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -45,9 +51,9 @@ from triton.runtime.errors import OutOfResources
 
 from . import autotune_enabled
 
-__all__ = ["INTERPRET", "AUTOTUNE", "reload_policy", "dot_precision", "cached", "DeviceInfo",
-           "device_info", "on_device", "FirstThatFits", "Fixed", "select", "cdiv", "next_pow2", "pow2_bucket",
-           "placeholder"]
+__all__ = ["INTERPRET", "AUTOTUNE", "SWIGLU_GRID", "switch", "reload_policy", "dot_precision",
+           "cached", "DeviceInfo", "arch_family", "smem_budget_for", "device_info", "on_device",
+           "placeholder", "FirstThatFits", "Fixed", "select", "cdiv", "next_pow2", "pow2_bucket"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,18 +72,32 @@ def _interpreting() -> bool:
     return isinstance(_mode_probe, InterpretedFunction)
 
 
+def switch(name: str, values: Sequence[str], default: str) -> str:
+    """A kernel-variant switch from the environment: ``name``'s value, one of ``values``."""
+    value = os.environ.get(name, default)
+    if value not in values:
+        raise ValueError(f"{name} must be one of {', '.join(repr(v) for v in values)}, got "
+                         f"{value!r}")
+    return value
+
+
 INTERPRET: bool = _interpreting()
 AUTOTUNE: bool = (not INTERPRET) and autotune_enabled()
+# CKPT_EXT_SWIGLU_GRID: "tiles" (one program per output tile, grouped order) or "persistent"
+# (one program per SM looping over the tiles in the same order).
+SWIGLU_GRID: str = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "tiles")
 
 _CACHES: list = []
 
 
 def reload_policy() -> None:
-    """Read ``CKPT_EXT_AUTOTUNE`` again and forget every cached launcher (and the device
-    information), so that the next launch follows the current environment. The interpreter
-    flag cannot change: Triton fixed it when the kernels were defined."""
-    global AUTOTUNE
+    """Read ``CKPT_EXT_AUTOTUNE`` and the variant switches again and forget every cached
+    launcher (and the device information), so that the next launch follows the current
+    environment. The interpreter flag cannot change: Triton fixed it when the kernels were
+    defined."""
+    global AUTOTUNE, SWIGLU_GRID
     AUTOTUNE = (not INTERPRET) and autotune_enabled()
+    SWIGLU_GRID = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "tiles")
     for cache in _CACHES:
         cache.cache_clear()
 
@@ -259,23 +279,3 @@ def pow2_bucket(n: int, lo: int, hi: int | None = None) -> int:
     that a run with varying sequence lengths tunes a handful of times, not once per length."""
     b = max(lo, next_pow2(n))
     return b if hi is None else min(b, hi)
-
-
-def cut(configs: Sequence, keep: Callable, fallback: Callable | None = None) -> list:
-    """The configs for which ``keep(config)`` holds, in order; when none does, the one chosen
-    by ``fallback(configs)`` (default: the smallest BLOCK_M x BLOCK_N tile), so that something
-    launches."""
-    kept = [c for c in configs if keep(c)]
-    if kept:
-        return kept
-    if fallback is None:
-        return [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-    return [fallback(configs)]
-
-
-def merged(*metas: Mapping) -> dict:
-    """One dict of constexpr arguments from several."""
-    out = {}
-    for m in metas:
-        out.update(m)
-    return out

@@ -127,7 +127,7 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, dloss_ptr, dl_ptr,
     dl[t, j] = dloss[t] (exp(logits[t, v_start + j] - lse[t]) - [labels[t] == v_start + j]),
     0 on rows whose label is ignore_index. lse (stride_st) and dloss (stride_dt, 0 for an
     expanded scalar) are fp32 (T,). T_BUCKET only keys the autotuner."""
-    pid_m, pid_n = _tile_coords(T, VC, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), T, VC, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # column within the chunk
     offs_n = v_start + offs_j                             # vocabulary row of the weight

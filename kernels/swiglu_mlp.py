@@ -52,10 +52,11 @@ from .dropout import lora_dropout as _lora_dropout
 # Shared device helpers
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _tile_coords(T, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Map the 1-D program id to a (token tile, intermediate tile) pair, GROUP_M token tiles
-    at a time, so neighbouring programs reuse the same weight tiles from L2."""
-    pid = tl.program_id(0)
+def _tile_coords(pid, T, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """Map the 1-D tile id pid to a (token tile, intermediate tile) pair, GROUP_M token tiles
+    at a time, so neighbouring tiles (run at the same time) reuse the same weight tiles from
+    L2."""
     num_m = tl.cdiv(T, BLOCK_M)
     num_n = tl.cdiv(I, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -209,7 +210,7 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
                        R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """h (T, I) = silu(gate) * up, one (BLOCK_M, BLOCK_N) tile per program.
+    """h (T, I) = silu(gate) * up in (BLOCK_M, BLOCK_N) tiles (see the tile loop below).
 
     x (T, H), w_gate / w_up (I, H), biases (I,); h, gate, up share the strides
     (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
@@ -219,29 +220,34 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
     are written only when STORE_GATE_UP; h is then computed from their rounded values so that
     the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
     """
-    pid_m, pid_n = _tile_coords(T, I, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xau_ptr,
-                            lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
-                            stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
-                            HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U, LORA_IEEE,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
-    out_dtype = h_ptr.dtype.element_ty
-    mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
-    out_offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
-    if STORE_GATE_UP:
-        g_lo = g.to(out_dtype)
-        u_lo = u.to(out_dtype)
-        tl.store(gate_ptr + out_offs, g_lo, mask=mask)
-        tl.store(up_ptr + out_offs, u_lo, mask=mask)
-        g = g_lo.to(tl.float32)
-        u = u_lo.to(tl.float32)
-    h = (g * tl.sigmoid(g) * u).to(out_dtype)
-    tl.store(h_ptr + out_offs, h, mask=mask)
-    if LORA_D:  # from the rounded h, the act the down projection reads
-        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
-        _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_IEEE)
+    # Tiles in grouped order: one per program (grid = the tile count), or, with the
+    # persistent grid (fewer programs than tiles), each program loops over every
+    # num_programs-th tile, so the tiles running at once stay neighbours in that order.
+    num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
+                                xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
+                                stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                                stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
+                                LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        out_dtype = h_ptr.dtype.element_ty
+        mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
+        out_offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
+        if STORE_GATE_UP:
+            g_lo = g.to(out_dtype)
+            u_lo = u.to(out_dtype)
+            tl.store(gate_ptr + out_offs, g_lo, mask=mask)
+            tl.store(up_ptr + out_offs, u_lo, mask=mask)
+            g = g_lo.to(tl.float32)
+            u = u_lo.to(tl.float32)
+        h = (g * tl.sigmoid(g) * u).to(out_dtype)
+        tl.store(h_ptr + out_offs, h, mask=mask)
+        if LORA_D:  # from the rounded h, the act the down projection reads
+            hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
+            _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_IEEE)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
@@ -264,7 +270,7 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                                  LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Backward for one (BLOCK_M, BLOCK_N) tile: dh = dy Wd (T, I) -> dgate, dup (and h when
+    """Backward in (BLOCK_M, BLOCK_N) tiles: dh = dy Wd (T, I) -> dgate, dup (and h when
     STORE_H), with the strides (stride_ot, stride_oi).
 
     RECOMPUTE (save="input"): gate/up are recomputed from x exactly as the forward did;
@@ -277,61 +283,66 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
               DROP_D, h' and the dh term carry the forward's dropout mask (as in the forward).
       LORA_G: dxa_g (T, r_g) += dgate Bg; NEED_DBG: dBg_acc (I, r_g) += dgate^T xa_g (up alike).
     """
-    pid_m, pid_n = _tile_coords(T, I, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
-    out_dtype = dup_ptr.dtype.element_ty
-    out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
-    if RECOMPUTE:
-        g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
-                                xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
-                                stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
-                                stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
-                                LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        g = tl.load(gate_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
-    # Epilogue ordered to keep few (BLOCK_M, BLOCK_N) fp32 values live at once: h first, then
-    # dh is read and dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s).
-    s = tl.sigmoid(g)
-    silu = g * s
-    if STORE_H or NEED_DAD or NEED_HA:
-        h = (silu * u).to(out_dtype)
-        if STORE_H:
-            tl.store(h_ptr + out_offs, h, mask=mask)
-        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
-        if NEED_HA:
-            _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
-                                  LORA_IEEE)
-    u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
-    dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
-                 mask=mask, other=0.0).to(tl.float32)
-    if LORA_D:
-        offs_r = tl.arange(0, R_D)
-        mask_r = offs_r < r_d
-        dyb = tl.load(dyb_ptr + rows * r_d + offs_r[None, :],
-                      mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_D)
-        if NEED_DAD:
-            # dAd_acc[:, tile] += dyb^T h'; rows past T have dyb = 0.
-            part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, BLOCK_N)
-            tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
-                          mask=mask_r[:, None] & (offs_n < I)[None, :])
-        ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
-                     mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, BLOCK_N)
-        dh += _dropped(s_d * _dot(dyb, ad, LORA_IEEE), key_d, thr_d, inv_d, offs_m, offs_n,
-                       DROP_D)
-    dup = dh * silu
-    tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
-    if LORA_U:
-        _lora_grad_accumulate(tl.where(mask, dup, 0.0), xau_ptr, lbu_ptr, dxau_ptr, dlbu_ptr,
-                              offs_m, offs_n, T, I, r_u, NEED_DBU, R_U, LORA_IEEE)
-    dgate = dh * u_dsilu
-    tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
-    if LORA_G:
-        _lora_grad_accumulate(tl.where(mask, dgate, 0.0), xag_ptr, lbg_ptr, dxag_ptr, dlbg_ptr,
-                              offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
+    # Tiles in grouped order: one per program (grid = the tile count), or, with the
+    # persistent grid (fewer programs than tiles), each program loops over every
+    # num_programs-th tile, so the tiles running at once stay neighbours in that order.
+    num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
+        rows = offs_m.to(tl.int64)[:, None]
+        out_dtype = dup_ptr.dtype.element_ty
+        out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
+        if RECOMPUTE:
+            g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
+                                    xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
+                                    stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                                    stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
+                                    LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            g = tl.load(gate_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        # Epilogue ordered to keep few (BLOCK_M, BLOCK_N) fp32 values live at once: h first, then
+        # dh is read and dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s).
+        s = tl.sigmoid(g)
+        silu = g * s
+        if STORE_H or NEED_DAD or NEED_HA:
+            h = (silu * u).to(out_dtype)
+            if STORE_H:
+                tl.store(h_ptr + out_offs, h, mask=mask)
+            hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
+            if NEED_HA:
+                _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
+                                      LORA_IEEE)
+        u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
+        dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
+                     mask=mask, other=0.0).to(tl.float32)
+        if LORA_D:
+            offs_r = tl.arange(0, R_D)
+            mask_r = offs_r < r_d
+            dyb = tl.load(dyb_ptr + rows * r_d + offs_r[None, :],
+                          mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_D)
+            if NEED_DAD:
+                # dAd_acc[:, tile] += dyb^T h'; rows past T have dyb = 0.
+                part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, BLOCK_N)
+                tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
+                              mask=mask_r[:, None] & (offs_n < I)[None, :])
+            ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
+                         mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, BLOCK_N)
+            dh += _dropped(s_d * _dot(dyb, ad, LORA_IEEE), key_d, thr_d, inv_d, offs_m, offs_n,
+                           DROP_D)
+        dup = dh * silu
+        tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
+        if LORA_U:
+            _lora_grad_accumulate(tl.where(mask, dup, 0.0), xau_ptr, lbu_ptr, dxau_ptr, dlbu_ptr,
+                                  offs_m, offs_n, T, I, r_u, NEED_DBU, R_U, LORA_IEEE)
+        dgate = dh * u_dsilu
+        tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
+        if LORA_G:
+            _lora_grad_accumulate(tl.where(mask, dgate, 0.0), xag_ptr, lbg_ptr, dxag_ptr, dlbg_ptr,
+                                  offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,8 +503,22 @@ def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, 
     return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 
 
-def _grid(T, I):
-    return lambda meta: (_launch.cdiv(T, meta["BLOCK_M"]) * _launch.cdiv(I, meta["BLOCK_N"]),)
+@_launch.cached
+def _programs(device):
+    """Programs of the persistent grid (CKPT_EXT_SWIGLU_GRID=persistent) on a device: one per
+    SM; three in the interpreter (so that tests run programs that loop over several tiles);
+    0 for the grid of one program per tile."""
+    if _launch.SWIGLU_GRID != "persistent":
+        return 0
+    return 3 if _launch.INTERPRET else _launch.device_info(device).sm_count
+
+
+def _grid(T, I, programs):
+    """(tiles,) or, persistent, (min(tiles, programs),): see the kernels' tile loop."""
+    def grid(meta):
+        tiles = _launch.cdiv(T, meta["BLOCK_M"]) * _launch.cdiv(I, meta["BLOCK_N"])
+        return (min(tiles, programs) if programs else tiles,)
+    return grid
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,7 +765,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
                                      b_gate is not None, b_up is not None,
                                      bool(return_gate_up), _lora_pads(ad), has_drop_d)
         with _launch.on_device(x.device):
-            kernel[_grid(T, I)](
+            kernel[_grid(T, I, _programs(x.device))](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
                 gate if return_gate_up else h, up if return_gate_up else h,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
@@ -840,7 +865,7 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
                                      (n_lb[0], n_lb[1], n_la[2], n_lb[2]), _lora_pads(ad),
                                      has_drop_d)
         with _launch.on_device(x.device):
-            kernel[_grid(T, I)](
+            kernel[_grid(T, I, _programs(x.device))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, dyb,

@@ -162,6 +162,17 @@ def test_fp32_dot_precision_follows_torch(setting, expected):
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.parametrize("value", ["Persistent", "", "2"])
+def test_grid_switch_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("CKPT_EXT_SWIGLU_GRID", value)
+    with pytest.raises(ValueError, match="CKPT_EXT_SWIGLU_GRID must be one of 'tiles', "
+                                         "'persistent'"):
+        _launch.reload_policy()
+    monkeypatch.undo()
+    _launch.reload_policy()
+    assert _launch.SWIGLU_GRID == "tiles"
+
+
 def test_host_arithmetic():
     assert [_launch.cdiv(a, 16) for a in (0, 1, 16, 17)] == [0, 1, 1, 2]
     assert [_launch.next_pow2(n) for n in (0, 1, 2, 3, 17, 64)] == [1, 1, 2, 4, 32, 64]

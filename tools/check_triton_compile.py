@@ -35,8 +35,8 @@ Usage:
 
 The kernels come from ``ckpt_ext.kernels`` when that imports, else (e.g. a virtual environment
 where ckpt_ext is not installed or its extension does not load) they are loaded by path from
-this checkout's ``kernels/`` as the package ``ckpt_ext_kernels_aot``; ``--kernels-from-path``
-forces the latter. Triton compiles into a fresh temporary cache directory (removed at the end)
+this checkout's ``kernels/`` as the package ``ckpt_ext_kernels_aot.kernels``;
+``--kernels-from-path`` forces the latter. Triton compiles into a fresh temporary cache directory (removed at the end)
 so that every kernel really goes through ptxas and its log is seen. Exit status 1 when any
 compile fails or when a config the resource model keeps spills registers in bf16/fp16
 (``--allow-spills`` reports those without failing); fp32 spills and model disagreements about
