@@ -50,21 +50,27 @@ def _parse(argv):
 
 def _kernel_modules(directory):
     """(attention, swiglu_mlp, linear_cross_entropy) from ckpt_ext.kernels, or from a kernels/
-    directory loaded by path as the package ``ckpt_ext_kernels_bench``."""
+    directory loaded by path as the package ``ckpt_ext_bench.kernels`` (its parent stands for
+    the ckpt_ext/ directory beside it, whose __init__ is not run: the kernels import
+    ``ckpt_ext._checks`` relatively)."""
     import importlib
     import importlib.util
+    import types
 
     if directory is None:
         from ckpt_ext.kernels import attention, linear_cross_entropy, swiglu_mlp
         return attention, swiglu_mlp, linear_cross_entropy
     pkg_dir = Path(directory).resolve()
+    parent = types.ModuleType("ckpt_ext_bench")
+    parent.__path__ = [str(pkg_dir.parent / "ckpt_ext")]
+    sys.modules["ckpt_ext_bench"] = parent
     spec = importlib.util.spec_from_file_location(
-        "ckpt_ext_kernels_bench", pkg_dir / "__init__.py",
+        "ckpt_ext_bench.kernels", pkg_dir / "__init__.py",
         submodule_search_locations=[str(pkg_dir)])
     pkg = importlib.util.module_from_spec(spec)
-    sys.modules["ckpt_ext_kernels_bench"] = pkg
+    sys.modules["ckpt_ext_bench.kernels"] = pkg
     spec.loader.exec_module(pkg)
-    return tuple(importlib.import_module(f"ckpt_ext_kernels_bench.{m}")
+    return tuple(importlib.import_module(f"ckpt_ext_bench.kernels.{m}")
                  for m in ("attention", "swiglu_mlp", "linear_cross_entropy"))
 
 
