@@ -29,7 +29,9 @@ hence zero gradients.
 
 The head dimension is padded to a power of two (>= 16) inside the kernels with masked loads, so
 any head_dim in 16..256 works (80 and 96 included). fp32 inputs use IEEE fp32 dot products
-(no TF32), half-precision inputs use fp16/bf16 tensor-core dots with fp32 accumulation.
+under torch's default float32 matmul precision and TF32 when the user allowed it (see
+``_launch.dot_precision``); half-precision inputs use fp16/bf16 tensor-core dots with fp32
+accumulation.
 
 Launch policy (``kernels/_launch.py``, shared by all kernels): on a GPU the block sizes are
 autotuned per architecture family (Hopper, Ampere) with the key (HEAD_DIM, CAUSAL, S_BUCKET);
