@@ -197,20 +197,57 @@ def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xa
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
+                     xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g, r_u, r_d,
+                     key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                     stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
+                     HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
+                     DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
+                     LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
+                     R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Forward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
+    the kernel's."""
+    pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
+                            xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
+                            stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                            stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
+                            LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    out_dtype = h_ptr.dtype.element_ty
+    mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
+    out_offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
+    if STORE_GATE_UP:
+        g_lo = g.to(out_dtype)
+        u_lo = u.to(out_dtype)
+        tl.store(gate_ptr + out_offs, g_lo, mask=mask)
+        tl.store(up_ptr + out_offs, u_lo, mask=mask)
+        g = g_lo.to(tl.float32)
+        u = u_lo.to(tl.float32)
+    h = (g * tl.sigmoid(g) * u).to(out_dtype)
+    tl.store(h_ptr + out_offs, h, mask=mask)
+    if LORA_D:  # from the rounded h, the act the down projection reads
+        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
+        _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_IEEE)
+
+
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
-def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
-                       xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr,
-                       s_g, s_u, r_g, r_u, r_d, key_d, thr_d, inv_d,
-                       T, H, I, T_BUCKET,
-                       stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
-                       stride_ot, stride_oi,
+def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
+                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g, r_u, r_d, key_d,
+                       thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                       stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
                        HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
                        DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                        LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
                        R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """h (T, I) = silu(gate) * up in (BLOCK_M, BLOCK_N) tiles (see the tile loop below).
+    """h (T, I) = silu(gate) * up in (BLOCK_M, BLOCK_N) tiles, one per program or, with
+    PERSISTENT, looping over tiles (_swiglu_fwd_tile does one).
 
     x (T, H), w_gate / w_up (I, H), biases (I,); h, gate, up share the strides
     (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
@@ -220,57 +257,123 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
     are written only when STORE_GATE_UP; h is then computed from their rounded values so that
     the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
     """
-    # Tiles in grouped order: one per program (grid = the tile count), or, with the
-    # persistent grid (fewer programs than tiles), each program loops over every
-    # num_programs-th tile, so the tiles running at once stay neighbours in that order.
-    num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PERSISTENT:
+        # Fewer programs than tiles (CKPT_EXT_SWIGLU_GRID=persistent): each program loops
+        # over every num_programs-th tile, so the tiles running at once stay neighbours in
+        # the grouped order.
+        num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
+                             xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g,
+                             r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                             stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
+                             stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
+                             LORA_D, R_G, R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                             GROUP_M)
+    else:
+        _swiglu_fwd_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr,
+                         up_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u,
+                         r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                         stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
+                         stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
+                         LORA_D, R_G, R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                         GROUP_M)
+
+
+@triton.jit
+def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
+                               dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
+                               lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr,
+                               dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d,
+                               inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                               stride_wgh, stride_wui, stride_wuh, stride_dht, stride_dhi,
+                               stride_ot, stride_oi, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
+                               DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
+                               STORE_H: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
+                               LORA_D: tl.constexpr, NEED_DBG: tl.constexpr,
+                               NEED_DBU: tl.constexpr, NEED_DAD: tl.constexpr,
+                               NEED_HA: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
+                               R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Backward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
+    the kernel's."""
+    pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    out_dtype = dup_ptr.dtype.element_ty
+    out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
+    if RECOMPUTE:
         g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
                                 xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
                                 stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                                 stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
                                 LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        out_dtype = h_ptr.dtype.element_ty
-        mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
-        out_offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
-        if STORE_GATE_UP:
-            g_lo = g.to(out_dtype)
-            u_lo = u.to(out_dtype)
-            tl.store(gate_ptr + out_offs, g_lo, mask=mask)
-            tl.store(up_ptr + out_offs, u_lo, mask=mask)
-            g = g_lo.to(tl.float32)
-            u = u_lo.to(tl.float32)
-        h = (g * tl.sigmoid(g) * u).to(out_dtype)
-        tl.store(h_ptr + out_offs, h, mask=mask)
-        if LORA_D:  # from the rounded h, the act the down projection reads
-            hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
-            _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_IEEE)
+    else:
+        g = tl.load(gate_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+    # Epilogue ordered to keep few (BLOCK_M, BLOCK_N) fp32 values live at once: h first, then
+    # dh is read and dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s).
+    s = tl.sigmoid(g)
+    silu = g * s
+    if STORE_H or NEED_DAD or NEED_HA:
+        h = (silu * u).to(out_dtype)
+        if STORE_H:
+            tl.store(h_ptr + out_offs, h, mask=mask)
+        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
+        if NEED_HA:
+            _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
+                                  LORA_IEEE)
+    u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
+    dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
+                 mask=mask, other=0.0).to(tl.float32)
+    if LORA_D:
+        offs_r = tl.arange(0, R_D)
+        mask_r = offs_r < r_d
+        dyb = tl.load(dyb_ptr + rows * r_d + offs_r[None, :],
+                      mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_D)
+        if NEED_DAD:
+            # dAd_acc[:, tile] += dyb^T h'; rows past T have dyb = 0.
+            part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, BLOCK_N)
+            tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
+                          mask=mask_r[:, None] & (offs_n < I)[None, :])
+        ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
+                     mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, BLOCK_N)
+        dh += _dropped(s_d * _dot(dyb, ad, LORA_IEEE), key_d, thr_d, inv_d, offs_m, offs_n,
+                       DROP_D)
+    dup = dh * silu
+    tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
+    if LORA_U:
+        _lora_grad_accumulate(tl.where(mask, dup, 0.0), xau_ptr, lbu_ptr, dxau_ptr, dlbu_ptr,
+                              offs_m, offs_n, T, I, r_u, NEED_DBU, R_U, LORA_IEEE)
+    dgate = dh * u_dsilu
+    tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
+    if LORA_G:
+        _lora_grad_accumulate(tl.where(mask, dgate, 0.0), xag_ptr, lbg_ptr, dxag_ptr, dlbg_ptr,
+                              offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
-def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
-                                 dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr,
-                                 xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr,
-                                 dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr,
-                                 s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d,
-                                 T, H, I, T_BUCKET,
-                                 stride_xt, stride_xh, stride_wgi, stride_wgh,
-                                 stride_wui, stride_wuh, stride_dht, stride_dhi,
-                                 stride_ot, stride_oi,
-                                 HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-                                 DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
-                                 STORE_H: tl.constexpr, LORA_G: tl.constexpr,
-                                 LORA_U: tl.constexpr, LORA_D: tl.constexpr,
+def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
+                                 dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
+                                 lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr,
+                                 dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d,
+                                 thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh,
+                                 stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_dht,
+                                 stride_dhi, stride_ot, stride_oi, HAS_BG: tl.constexpr,
+                                 HAS_BU: tl.constexpr, DOT_IEEE: tl.constexpr,
+                                 RECOMPUTE: tl.constexpr, STORE_H: tl.constexpr,
+                                 LORA_G: tl.constexpr, LORA_U: tl.constexpr, LORA_D: tl.constexpr,
                                  NEED_DBG: tl.constexpr, NEED_DBU: tl.constexpr,
-                                 NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
-                                 R_G: tl.constexpr, R_U: tl.constexpr, R_D: tl.constexpr,
-                                 LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                                 NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr, R_G: tl.constexpr,
+                                 R_U: tl.constexpr, R_D: tl.constexpr, LORA_IEEE: tl.constexpr,
+                                 DROP_D: tl.constexpr, PERSISTENT: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Backward in (BLOCK_M, BLOCK_N) tiles: dh = dy Wd (T, I) -> dgate, dup (and h when
+    """Backward in (BLOCK_M, BLOCK_N) tiles (one per program or, with PERSISTENT, looping over
+    tiles; _swiglu_bwd_recompute_tile does one): dh = dy Wd (T, I) -> dgate, dup (and h when
     STORE_H), with the strides (stride_ot, stride_oi).
 
     RECOMPUTE (save="input"): gate/up are recomputed from x exactly as the forward did;
@@ -283,66 +386,34 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
               DROP_D, h' and the dh term carry the forward's dropout mask (as in the forward).
       LORA_G: dxa_g (T, r_g) += dgate Bg; NEED_DBG: dBg_acc (I, r_g) += dgate^T xa_g (up alike).
     """
-    # Tiles in grouped order: one per program (grid = the tile count), or, with the
-    # persistent grid (fewer programs than tiles), each program loops over every
-    # num_programs-th tile, so the tiles running at once stay neighbours in that order.
-    num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
-        rows = offs_m.to(tl.int64)[:, None]
-        out_dtype = dup_ptr.dtype.element_ty
-        out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
-        if RECOMPUTE:
-            g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
-                                    xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
-                                    stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
-                                    stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
-                                    LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        else:
-            g = tl.load(gate_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(up_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
-        # Epilogue ordered to keep few (BLOCK_M, BLOCK_N) fp32 values live at once: h first, then
-        # dh is read and dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s).
-        s = tl.sigmoid(g)
-        silu = g * s
-        if STORE_H or NEED_DAD or NEED_HA:
-            h = (silu * u).to(out_dtype)
-            if STORE_H:
-                tl.store(h_ptr + out_offs, h, mask=mask)
-            hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
-            if NEED_HA:
-                _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
-                                      LORA_IEEE)
-        u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
-        dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
-                     mask=mask, other=0.0).to(tl.float32)
-        if LORA_D:
-            offs_r = tl.arange(0, R_D)
-            mask_r = offs_r < r_d
-            dyb = tl.load(dyb_ptr + rows * r_d + offs_r[None, :],
-                          mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_D)
-            if NEED_DAD:
-                # dAd_acc[:, tile] += dyb^T h'; rows past T have dyb = 0.
-                part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, BLOCK_N)
-                tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
-                              mask=mask_r[:, None] & (offs_n < I)[None, :])
-            ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
-                         mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, BLOCK_N)
-            dh += _dropped(s_d * _dot(dyb, ad, LORA_IEEE), key_d, thr_d, inv_d, offs_m, offs_n,
-                           DROP_D)
-        dup = dh * silu
-        tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
-        if LORA_U:
-            _lora_grad_accumulate(tl.where(mask, dup, 0.0), xau_ptr, lbu_ptr, dxau_ptr, dlbu_ptr,
-                                  offs_m, offs_n, T, I, r_u, NEED_DBU, R_U, LORA_IEEE)
-        dgate = dh * u_dsilu
-        tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
-        if LORA_G:
-            _lora_grad_accumulate(tl.where(mask, dgate, 0.0), xag_ptr, lbg_ptr, dxag_ptr, dlbg_ptr,
-                                  offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
+    if PERSISTENT:
+        # Fewer programs than tiles (CKPT_EXT_SWIGLU_GRID=persistent): each program loops
+        # over every num_programs-th tile, so the tiles running at once stay neighbours in
+        # the grouped order.
+        num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
+                                       dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
+                                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
+                                       dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u,
+                                       s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                       stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                                       stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
+                                       HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G,
+                                       LORA_U, LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G,
+                                       R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       GROUP_M)
+    else:
+        _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
+                                   dh_ptr, dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
+                                   lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
+                                   dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d,
+                                   r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                   stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                                   stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
+                                   HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G, LORA_U,
+                                   LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G, R_U, R_D,
+                                   LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,7 +558,8 @@ def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_
     adapter's input dropout."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
-                DROP_D=drop_d, **_lora_meta(lora_pads, ieee))
+                DROP_D=drop_d, PERSISTENT=_launch.SWIGLU_GRID == "persistent",
+                **_lora_meta(lora_pads, ieee))
     return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
 
@@ -499,7 +571,8 @@ def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, 
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
                 STORE_H=store_h, NEED_DBG=needs[0], NEED_DBU=needs[1], NEED_DAD=needs[2],
-                NEED_HA=needs[3], DROP_D=drop_d, **_lora_meta(lora_pads, ieee))
+                NEED_HA=needs[3], DROP_D=drop_d, PERSISTENT=_launch.SWIGLU_GRID == "persistent",
+                **_lora_meta(lora_pads, ieee))
     return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 
 

@@ -22,7 +22,9 @@ Sweep (``--quick`` keeps a few entries of each part):
              False/True) and the recompute backward, no biases, DOT_IEEE False, and both with
              LoRA adapters on every projection (rank pad 16); with the first kept config (what
              CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32 with DOT_IEEE True and both biases, and
-             the save="gate_up" backward (RECOMPUTE False) per dtype and with LoRA.
+             the save="gate_up" backward (RECOMPUTE False) per dtype and with LoRA; the
+             persistent-grid variants (CKPT_EXT_SWIGLU_GRID=persistent) of the first kept
+             bf16 configs.
 
 Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
 with 16-byte aligned data, so pointers carry ``tt.divisibility=16``, unit strides are the
@@ -290,11 +292,12 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
 
 
 def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_up=False,
-                     biases=False, dot_ieee=False, lora=False):
+                     biases=False, dot_ieee=False, lora=False, persistent=False):
     """kind: fwd, bwd_recompute (save="input") or bwd_gate_up (the same kernel reading the
     saved gate/up). lora: adapters on all three projections (rank pad 16), every adapter
     gradient wanted, and the down adapter's dropout on (DROP_D, the mask hashed in the
-    tile: the heaviest variant); without, the LoRA buffers are the unused fp32 placeholders."""
+    tile: the heaviest variant); without, the LoRA buffers are the unused fp32 placeholders.
+    persistent: the CKPT_EXT_SWIGLU_GRID=persistent variant (programs loop over tiles)."""
     fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
     ptr_names = ["x_ptr", "wg_ptr", "wu_ptr", "bg_ptr", "bu_ptr"]
     ptr_names += (["h_ptr", "gate_ptr", "up_ptr"] if kind == "fwd"
@@ -312,7 +315,7 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
         div16.add("stride_dht")
     consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
               "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": 16, "R_U": 16, "R_D": 16,
-              "LORA_IEEE": False, "DROP_D": lora,
+              "LORA_IEEE": False, "DROP_D": lora, "PERSISTENT": persistent,
               **{k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     if kind == "fwd":
         consts["STORE_GATE_UP"] = store_gate_up
@@ -430,11 +433,12 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
 
         # ---- swiglu ----------------------------------------------------------------------
         def add_swiglu(kind, dtype, cfg, est, store=False, biases=False, ieee=False,
-                       lora=False):
+                       lora=False, persistent=False):
             meta, warps, stages = cfg.kwargs, cfg.num_warps, cfg.num_stages
             sig, consts, attrs = swiglu_signature(swiglu_mlp, kind, dtype, meta, store, biases,
-                                                  ieee, lora)
+                                                  ieee, lora, persistent)
             bits = ["saved_gate_up"] if kind == "bwd_gate_up" else []
+            bits += ["persistent"] if persistent else []
             if kind == "fwd":
                 bits.append("store_gate_up" if store else "no_store")
             bits.append("bias" if biases else "no_bias")
@@ -484,6 +488,11 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                 add_swiglu("bwd_gate_up", dtype, *first_row("bwd_gate_up", dtype),
                            ieee=dtype == "fp32")
             add_swiglu("bwd_gate_up", "bf16", *first_row("bwd_gate_up", "bf16", True), lora=True)
+            # CKPT_EXT_SWIGLU_GRID=persistent: the first kept configs with the tile loop.
+            for lora in (False, True):
+                for kind in ("fwd", "bwd_recompute"):
+                    add_swiglu(kind, "bf16", *first_row(kind, "bf16", lora), lora=lora,
+                               persistent=True)
     return jobs
 
 
