@@ -16,8 +16,8 @@ One module decides, for all kernel families (attention, SwiGLU, LM-head loss):
 * **Kernel variants.** ``CKPT_EXT_SWIGLU_GRID`` (``switch``, read with the autotune switch):
   ``tiles`` (default) launches one program per output tile of the fused SwiGLU GEMMs;
   ``persistent`` launches one program per SM (three in the interpreter, so that the loop is
-  tested), each looping over the tiles in the same grouped order. The GPU validation decides
-  the default.
+  tested), each looping over the tiles in the same grouped order (all but the LoRA backward,
+  whose tile loop spills on sm_90). The GPU validation decides the default.
 * **fp32 dot precision.** :func:`dot_precision`: fp32 operands use IEEE fp32 products when
   torch's float32 matmul precision is ``"highest"`` (torch's default) and TF32 when the user
   allowed it with ``torch.set_float32_matmul_precision("high"/"medium")``, the rule torch's

@@ -571,17 +571,19 @@ def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, 
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
                 STORE_H=store_h, NEED_DBG=needs[0], NEED_DBU=needs[1], NEED_DAD=needs[2],
-                NEED_HA=needs[3], DROP_D=drop_d, PERSISTENT=_launch.SWIGLU_GRID == "persistent",
+                NEED_HA=needs[3], DROP_D=drop_d,
+                # The LoRA backward keeps one program per tile: its tile loop spills on sm_90
+                # even at the smallest candidate tiles (AOT report).
+                PERSISTENT=_launch.SWIGLU_GRID == "persistent" and lora_pads is None,
                 **_lora_meta(lora_pads, ieee))
     return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 
 
-@_launch.cached
-def _programs(device):
-    """Programs of the persistent grid (CKPT_EXT_SWIGLU_GRID=persistent) on a device: one per
-    SM; three in the interpreter (so that tests run programs that loop over several tiles);
-    0 for the grid of one program per tile."""
-    if _launch.SWIGLU_GRID != "persistent":
+def _programs(device, meta):
+    """Programs of the persistent grid (a launcher whose meta has PERSISTENT) on a device: one
+    per SM; three in the interpreter (so that tests run programs that loop over several
+    tiles); 0 for the grid of one program per tile."""
+    if not meta["PERSISTENT"]:
         return 0
     return 3 if _launch.INTERPRET else _launch.device_info(device).sm_count
 
@@ -838,7 +840,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
                                      b_gate is not None, b_up is not None,
                                      bool(return_gate_up), _lora_pads(ad), has_drop_d)
         with _launch.on_device(x.device):
-            kernel[_grid(T, I, _programs(x.device))](
+            kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
                 gate if return_gate_up else h, up if return_gate_up else h,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
@@ -938,7 +940,7 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
                                      (n_lb[0], n_lb[1], n_la[2], n_lb[2]), _lora_pads(ad),
                                      has_drop_d)
         with _launch.on_device(x.device):
-            kernel[_grid(T, I, _programs(x.device))](
+            kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, dyb,
