@@ -122,7 +122,9 @@ def persistent_grid(monkeypatch):
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
 def test_persistent_grid_matches_fp64_reference(persistent_grid, save):
-    assert swiglu_mlp._programs(torch.device(DEVICE)) > 0
+    dev = torch.device(DEVICE)
+    meta = swiglu_mlp._fwd_launcher(dev, torch.float32, "ieee", True, True, False, None)[1]
+    assert meta["PERSISTENT"] and swiglu_mlp._programs(dev, meta) > 0
     args = make_inputs(129, H, I, torch.float32, True)   # 5 x 3 tiles of 32 x 64 in the interpreter
     check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), torch.float32)
 
