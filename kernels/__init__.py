@@ -14,7 +14,8 @@ def autotune_enabled() -> bool:
     ``CKPT_EXT_AUTOTUNE=0`` picks the fixed configuration: the first candidate that fits the
     device, with no timing runs. The test suite sets it on a GPU, where correctness does not
     depend on tile sizes and tuning every shape it tries would cost minutes of compilation.
-    Read by the attention launcher at each launch, by the SwiGLU module when it is imported.
+    Read once by the launch policy (``kernels/_launch.py``) when the kernel modules are
+    imported, that is at the first Triton launch; ``_launch.reload_policy()`` reads it again.
     """
     value = _os.environ.get("CKPT_EXT_AUTOTUNE", "1")
     if value not in ("0", "1"):

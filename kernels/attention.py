@@ -46,24 +46,27 @@ tile would round it once more, for no fewer instructions.
 
 The head dimension is padded to a power of two (>= 16) inside the kernels with masked loads, so
 any head_dim in 16..256 works (80 and 96 included). fp32 inputs use IEEE fp32 dot products
-(no TF32), half-precision inputs use fp16/bf16 tensor-core dots with fp32 accumulation.
+under torch's default float32 matmul precision and TF32 when the user allowed it (see
+``_launch.dot_precision``); half-precision inputs use fp16/bf16 tensor-core dots with fp32
+accumulation.
 
-On a GPU the block sizes are autotuned per architecture family (Hopper, Ampere) with the key
-(HEAD_DIM, CAUSAL, S_BUCKET); with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is
-launched untimed. Under ``TRITON_INTERPRET=1`` a single fixed configuration from
-``INTERPRETER_BLOCKS`` is used so that CPU tests stay fast.
+Launch policy (``kernels/_launch.py``, shared by all kernels): on a GPU the block sizes are
+autotuned per architecture family (Hopper, Ampere) with the key (HEAD_DIM, CAUSAL, S_BUCKET);
+with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is launched untimed. Under
+``TRITON_INTERPRET=1`` a single fixed configuration from ``INTERPRETER_BLOCKS`` is used so that
+CPU tests stay fast. Launchers are cached per (kernel, device, dtype, head_dim, causal, mask
+kind, window, fp32 dot precision).
 """
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import autotune_enabled
+from . import _launch
 
 __all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs",
-           "attention_candidate_configs", "estimate_resources"]
+           "attention_candidate_configs", "launch_configs", "estimate_resources"]
 
 _LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the kernels
 
@@ -77,11 +80,6 @@ INTERPRETER_BLOCKS = {
 _PRE_BLOCK_M = 64  # rows per program of the D = rowsum(dO * O) pre-pass
 
 
-def _interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (decided by TRITON_INTERPRET, as Triton does)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def dq_mode() -> str:
     """How the backward forms dQ, from ``CKPT_EXT_ATTN_DQ`` (read at every backward launch).
 
@@ -93,10 +91,7 @@ def dq_mode() -> str:
     are exact formulas tested against the same reference; which is faster is for a GPU
     measurement to decide, and the default follows that measurement.
     """
-    value = os.environ.get("CKPT_EXT_ATTN_DQ", "separate")
-    if value not in ("separate", "atomic"):
-        raise ValueError(f"CKPT_EXT_ATTN_DQ must be 'separate' or 'atomic', got {value!r}")
-    return value
+    return _launch.switch("CKPT_EXT_ATTN_DQ", ("separate", "atomic"), "separate")
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,21 +620,6 @@ _CONFIGS = {
 _KEYS = {"fwd": ["HEAD_DIM", "CAUSAL", "S_BUCKET"],
          "dkdv": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "DQ_ATOMIC"],
          "dq": ["HEAD_DIM", "CAUSAL", "S_BUCKET"]}
-_TUNED = {}
-
-
-def _arch(device: torch.device) -> str:
-    major, _ = torch.cuda.get_device_capability(device)
-    return "hopper" if major >= 9 else "ampere"
-
-
-def _smem_budget(device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    optin = getattr(props, "shared_memory_per_block_optin", 0)
-    if optin:
-        return int(optin)
-    major, minor = props.major, props.minor
-    return 227 * 1024 if major >= 9 else (163 * 1024 if (major, minor) == (8, 0) else 99 * 1024)
 
 
 def _smem_bytes(kind: str, c, d_pad: int, elt: int) -> int:
@@ -733,87 +713,64 @@ def _smallest(configs):
     return min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
 
 
-def _make_pruner(kind: str):
-    """early_config_prune: drop configs whose tiles cannot fit in shared memory / registers."""
+def launch_configs(kind: str, arch: str, head_dim: int, dtype: torch.dtype,
+                   smem_budget: int | None = None, dq_atomic: bool = False) -> list:
+    """Every candidate of an attention kernel with the pruner's verdict, in order.
 
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        q = args["Q"]
-        return _prune(kind, configs, args["D_PAD"], q.element_size(), _smem_budget(q.device),
-                      bool(args.get("DQ_ATOMIC", False)))
-
-    return prune
+    kind: "fwd", "dkdv", "dq" or "pre" (the rowsum pre-pass, one fixed config); arch: "hopper"
+    or "ampere"; smem_budget: the device's per-block shared memory (default: the family's);
+    dq_atomic: the dK/dV kernel of ``CKPT_EXT_ATTN_DQ=atomic``. Returns ``(config, {"smem":
+    est, "regs": est, "kept": bool, "fallback": bool})`` entries (``estimate_resources``);
+    "kept": on its merits, "fallback": only as the last resort when nothing fits.
+    """
+    if kind == "pre":
+        return [(triton.Config({"BLOCK_M": _PRE_BLOCK_M}, num_warps=4, num_stages=3),
+                 {"smem": 0, "regs": 0, "kept": True, "fallback": False})]
+    if smem_budget is None:
+        smem_budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
+    d_pad, elt = max(16, triton.next_power_of_2(head_dim)), dtype.itemsize
+    configs = attention_configs(kind, arch)
+    kept = _prune(kind, configs, d_pad, elt, smem_budget, dq_atomic)
+    rows = []
+    for c in configs:
+        smem, regs = estimate_resources(kind, c, d_pad, elt, dq_atomic)
+        fits = _fits(kind, c, d_pad, elt, smem_budget, dq_atomic)
+        launched = any(k is c for k in kept)
+        rows.append((c, {"smem": smem, "regs": regs, "kept": launched and fits,
+                         "fallback": launched and not fits}))
+    return rows
 
 
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
 
 
-class _FirstThatFits:
-    """The untimed launcher of ``CKPT_EXT_AUTOTUNE=0``: launches the first of ``configs`` that
-    the device accepts. The pruner's shared-memory figure is a model; Triton's own allocation
-    can exceed it (found by AOT compiles for head_dim 256 and fp32), and such a config fails at
-    launch with OutOfResources, before anything runs. The config that launched is remembered
-    per specialization (the launch's constexpr and scalar keywords)."""
-
-    def __init__(self, kernel, configs):
-        self.kernel, self.configs, self.chosen = kernel, configs, {}
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            from triton.runtime.errors import OutOfResources
-
-            key = tuple(sorted(kwargs.items()))
-            start = self.chosen.get(key, 0)
-            errors = []
-            for i in range(start, len(self.configs)):
-                c = self.configs[i]
-                try:
-                    self.kernel[grid](*args, **kwargs, **c.kwargs, num_warps=c.num_warps,
-                                      num_stages=c.num_stages)
-                except OutOfResources as exc:
-                    errors.append(f"{c}: {exc}")
-                    continue
-                self.chosen[key] = i
-                return
-            raise RuntimeError(f"{getattr(self.kernel, '__name__', 'attention kernel')}: no "
-                               f"candidate configuration fits this device: " + "; ".join(errors))
-
-        return launch
-
-
-_UNTUNED = {}
-
-
-def _launcher(kind: str, device: torch.device, d_pad: int, elt: int, dq_atomic: bool = False):
-    """Return (kernel, meta-parameters to pass): a fixed config in the interpreter; with
-    ``CKPT_EXT_AUTOTUNE=0`` the fitting candidates in order, the first that launches used
-    (no timing); else the autotuned kernel."""
-    if _interpreting():
-        return _KERNELS[kind], dict(INTERPRETER_BLOCKS[kind])
-    arch = _arch(device)
-    if not autotune_enabled():
-        budget = _smem_budget(device)
-        key = (kind, arch, d_pad, elt, budget, dq_atomic)
-        if key not in _UNTUNED:
-            candidates = _CONFIGS[(kind, arch)]
-            configs = _prune(kind, candidates, d_pad, elt, budget, dq_atomic)
-            smallest = _smallest(candidates)
-            if all(c is not smallest for c in configs):
-                configs.append(smallest)  # the last resort
-            _UNTUNED[key] = _FirstThatFits(_KERNELS[kind], configs)
-        return _UNTUNED[key], {}
-    tuned = _TUNED.get((kind, arch))
-    if tuned is None:
-        tuned = triton.autotune(configs=_CONFIGS[(kind, arch)], key=_KEYS[kind],
-                                prune_configs_by={"early_config_prune": _make_pruner(kind)},
-                                )(_KERNELS[kind])
-        _TUNED[(kind, arch)] = tuned
-    return tuned, {}
+@_launch.cached
+def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
+              has_mask: bool, has_seg: bool, window: bool, precision: str,
+              dq_atomic: bool = False):
+    """(kernel, constexpr arguments) of one kernel for one specialization: a fixed config in
+    the interpreter; with ``CKPT_EXT_AUTOTUNE=0`` the fitting candidates in order, the first
+    that launches used (no timing); else the autotuned kernel over the fitting candidates."""
+    meta = dict(_common_meta(head_dim, causal, dtype, precision), HAS_MASK=has_mask,
+                HAS_SEG=has_seg, WINDOW=window)
+    if kind == "dkdv":
+        meta["DQ_ATOMIC"] = dq_atomic
+    configs = []
+    if not _launch.INTERPRET:
+        info = _launch.device_info(device)
+        candidates = _CONFIGS[(kind, info.arch)]
+        configs = _prune(kind, candidates, meta["D_PAD"], dtype.itemsize, info.smem_budget,
+                         dq_atomic)
+        smallest = _smallest(candidates)
+        if not _launch.AUTOTUNE and all(c is not smallest for c in configs):
+            configs.append(smallest)  # the last resort
+    return _launch.select(_KERNELS[kind], configs, key=_KEYS[kind],
+                          interpret_meta=lambda: INTERPRETER_BLOCKS[kind]), meta
 
 
 def _s_bucket(S: int) -> int:
     """Autotuning bucket of the sequence length: next power of two, clamped to [128, 32768]."""
-    return min(max(triton.next_power_of_2(S), 128), 32768)
+    return _launch.pow2_bucket(S, 128, 32768)
 
 
 # --------------------------------------------------------------------------------------------
@@ -866,10 +823,10 @@ def _check_qkv(name, q, k, v, key_padding_mask, segment_ids=None, window=None, s
                          f"iff i - window < j <= i), got {window!r}")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{name}: scale must be a finite number > 0, got {scale}")
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not _launch.INTERPRET:
         raise RuntimeError(f"{name}: q is on {q.device}; the Triton kernels need a CUDA device "
                            f"or TRITON_INTERPRET=1 (set before triton is imported)")
-    if q.dtype == torch.bfloat16 and _interpreting():
+    if q.dtype == torch.bfloat16 and _launch.INTERPRET:
         raise NotImplementedError(
             f"{name}: bfloat16 is not supported under the Triton interpreter "
             f"(TRITON_INTERPRET=1), whose bf16 tl.dot gives wrong results (triton#11584); use "
@@ -934,26 +891,11 @@ def _empty_bshd(B, H, S, D, dtype, device):
     return torch.empty((B, S, H, D), dtype=dtype, device=device).transpose(1, 2)
 
 
-def _common_meta(D, causal, dtype):
-    # fp32 inputs: exact fp32 products (no TF32, which would exceed the accuracy bounds);
-    # fp16/bf16 inputs: tensor-core dots (the precision argument only affects fp32 operands).
+def _common_meta(D, causal, dtype, precision=None):
+    # fp32 inputs follow torch's float32 matmul precision (_launch.dot_precision); fp16/bf16
+    # inputs: tensor-core dots (the precision argument only affects fp32 operands).
     return dict(HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), CAUSAL=bool(causal),
-                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
-
-
-class _on_device:
-    """Make q's CUDA device current for the launch (Triton launches on the current device)."""
-
-    def __init__(self, device):
-        self.ctx = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+                DOT_PRECISION=precision or _launch.dot_precision(dtype))
 
 
 def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, scale: float):
@@ -977,17 +919,16 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
     seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
     before, after = _band(S, causal, window)
-    common = _common_meta(D, causal, q.dtype)
-    kernel, meta = _launcher("fwd", q.device, common["D_PAD"], q.element_size())
+    kernel, meta = _launcher("fwd", q.device, q.dtype, D, bool(causal), has_mask, has_seg,
+                             before != _NO_LIMIT, _launch.dot_precision(q.dtype))
 
     def grid(m):
-        return (triton.cdiv(S, m["BLOCK_M"]), B, Hq)
+        return (_launch.cdiv(S, m["BLOCK_M"]), B, Hq)
 
-    with _on_device(q.device):
+    with _launch.on_device(q.device):
         kernel[grid](q, k, v, mask, seg_id, seg_lo, seg_hi, out, lse,
                      *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
                      Hq, S, Hq // Hkv, float(scale) * _LOG2E, before, after, _s_bucket(S),
-                     HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT, **common,
                      **meta)
     return out, lse
 
@@ -1032,7 +973,8 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
     seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
     before, after = _band(S, causal, window)
-    common = _common_meta(D, causal, q.dtype)
+    spec = (q.device, q.dtype, D, bool(causal), has_mask, has_seg, before != _NO_LIMIT,
+            _launch.dot_precision(q.dtype))
     qk_scale = float(scale) * _LOG2E
     group = Hq // Hkv
     atomic = dq_mode() == "atomic"
@@ -1043,28 +985,26 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     else:
         dq_acc = dq  # not written by the dK/dV kernel
 
-    with _on_device(q.device):
-        _attn_bwd_preprocess_kernel[(triton.cdiv(S, _PRE_BLOCK_M), B, Hq)](
+    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic)
+    with _launch.on_device(q.device):
+        _attn_bwd_preprocess_kernel[(_launch.cdiv(S, _PRE_BLOCK_M), B, Hq)](
             out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, S,
-            HEAD_DIM=D, D_PAD=common["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
+            HEAD_DIM=D, D_PAD=dkdv_meta["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
 
-        kernel, meta = _launcher("dkdv", q.device, common["D_PAD"], q.element_size(), atomic)
-        kernel[lambda m: (triton.cdiv(S, m["BLOCK_N"]), B, Hkv)](
+        dkdv[lambda m: (_launch.cdiv(S, m["BLOCK_N"]), B, Hkv)](
             q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv, dq_acc,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dk.stride(), *dq_acc.stride(), Hq, Hkv, S, group, qk_scale, float(scale), before,
-            after, _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg,
-            WINDOW=before != _NO_LIMIT, DQ_ATOMIC=atomic, **common, **meta)
+            after, _s_bucket(S), **dkdv_meta)
 
         if atomic:
             if dq_acc is not dq:
                 dq.copy_(dq_acc)  # the convert pass: fp32 sums to q's dtype, same layout
         else:
-            kernel, meta = _launcher("dq", q.device, common["D_PAD"], q.element_size())
-            kernel[lambda m: (triton.cdiv(S, m["BLOCK_M"]), B, Hq)](
+            kernel, meta = _launcher("dq", *spec)
+            kernel[lambda m: (_launch.cdiv(S, m["BLOCK_M"]), B, Hq)](
                 q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
                 *dq.stride(), Hq, S, group, qk_scale, float(scale), before, after,
-                _s_bucket(S), HAS_MASK=has_mask, HAS_SEG=has_seg, WINDOW=before != _NO_LIMIT,
-                **common, **meta)
+                _s_bucket(S), **meta)
     return dq, dk, dv

@@ -11,13 +11,12 @@ seed alone, whatever the tiling (uint32 arithmetic; the C++ reference in
     keep              = hash >= floor(p * 2^32)
     out               = keep ? x * (1 / (1 - p)) : 0     (product in float32)
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from .._checks import _check_floating, _check_probability, _check_seed
+from . import _launch
 
 _M32 = 0xFFFFFFFF
 
@@ -98,7 +97,7 @@ def lora_dropout(x, seed, stream, p):
     rows = src.numel() // cols
     block_r, block_c = 16, min(triton.next_power_of_2(cols), 256)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
-    with (torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()):
+    with _launch.on_device(x.device):
         _lora_dropout_kernel[grid](src, out, rows, cols, key, dropout_threshold(p),
                                    1.0 / (1.0 - p), BLOCK_R=block_r, BLOCK_C=block_c)
     return out

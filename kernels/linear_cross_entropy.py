@@ -26,21 +26,18 @@ Extra memory of the backward beyond its outputs: the (T, VC) dlogits chunk and, 
 is more than one chunk, an fp32 (T, H) accumulator of dhidden. Extra FLOPs: the forward's
 logits GEMM once more (4 GEMMs of 2 T V H instead of HF's 3).
 
-Launch policy as in ``swiglu_mlp``: with ``TRITON_INTERPRET=1`` (read when this module is
-imported) one fixed small configuration on CPU tensors; on a GPU autotuning over
-``_GPU_CONFIGS`` keyed by (T bucket, H, V), or with ``CKPT_EXT_AUTOTUNE=0`` one fixed
-configuration untimed.
+Launch policy (``kernels/_launch.py``, shared by all kernels): under Triton's interpreter
+(``TRITON_INTERPRET=1``) one fixed small configuration on CPU tensors; on a GPU autotuning
+over ``_GPU_CONFIGS`` keyed by (T bucket, H, V), or with ``CKPT_EXT_AUTOTUNE=0`` the first
+candidate that the device accepts, untimed. Launchers are cached per (device, dtype, fp32 dot
+precision, bias).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from . import autotune_enabled
-from .swiglu_mlp import _dot_ieee, _on_device, _t_bucket, _tile_coords
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from . import _launch
+from .swiglu_mlp import _tile_coords
 _LOG2E = 1.4426950408889634
 
 
@@ -130,7 +127,7 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, dloss_ptr, dl_ptr,
     dl[t, j] = dloss[t] (exp(logits[t, v_start + j] - lse[t]) - [labels[t] == v_start + j]),
     0 on rows whose label is ignore_index. lse (stride_st) and dloss (stride_dt, 0 for an
     expanded scalar) are fp32 (T,). T_BUCKET only keys the autotuner."""
-    pid_m, pid_n = _tile_coords(T, VC, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), T, VC, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # column within the chunk
     offs_n = v_start + offs_j                             # vocabulary row of the weight
@@ -156,8 +153,10 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, dloss_ptr, dl_ptr,
 # One fp32 accumulator per tile, as in a plain GEMM (the forward adds three (BLOCK_M,) rows).
 # Shared memory per stage: (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes in bf16; 128x256x64 with 3
 # stages takes 144 KiB (Hopper, A100), the 64- and 128-wide tiles fit consumer Ampere's ~100 KiB.
-# A config that does not fit a device fails to compile there and the autotuner skips it.
+# A config that does not fit a device fails to compile there and the autotuner skips it. The
+# first, which fits every device above, is what CKPT_EXT_AUTOTUNE=0 launches.
 _GPU_CONFIGS = [
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
@@ -168,54 +167,57 @@ _GPU_CONFIGS = [
 ]
 # Interpreter: small blocks that do not divide the test shapes, so every masked tail runs.
 _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
-# CKPT_EXT_AUTOTUNE=0 (read at import): one configuration that fits every device above, untimed.
-_UNTUNED_META = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
-                 "num_stages": 3}
 _TUNE_KEY = ["T_BUCKET", "H", "V"]
 
 
-def _without_group(meta):
+def _without_group(config):
     """The forward kernel takes no GROUP_M: each of its programs owns a token tile."""
-    return {k: v for k, v in meta.items() if k != "GROUP_M"}
+    return triton.Config({k: v for k, v in config.kwargs.items() if k != "GROUP_M"},
+                         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-if _INTERPRET:
-    _fwd_launch, _bwd_launch, _FIXED_META = _fwd_kernel, _bwd_kernel, _INTERPRET_META
-elif not autotune_enabled():
-    _fwd_launch, _bwd_launch, _FIXED_META = _fwd_kernel, _bwd_kernel, _UNTUNED_META
-else:
-    _fwd_configs = [triton.Config(_without_group(c.kwargs), num_warps=c.num_warps,
-                                  num_stages=c.num_stages) for c in _GPU_CONFIGS]
-    _fwd_launch = triton.autotune(configs=_fwd_configs, key=_TUNE_KEY)(_fwd_kernel)
-    _bwd_launch = triton.autotune(configs=_GPU_CONFIGS, key=_TUNE_KEY)(_bwd_kernel)
-    _FIXED_META = {}
-
+_FWD_CONFIGS = [_without_group(c) for c in _GPU_CONFIGS]
 # Every vocabulary split is a multiple of the widest BLOCK_N in use.
-_N_ALIGN = _FIXED_META.get("BLOCK_N") or max(c.kwargs["BLOCK_N"] for c in _GPU_CONFIGS)
+_N_ALIGN = (_INTERPRET_META["BLOCK_N"] if _launch.INTERPRET
+            else max(c.kwargs["BLOCK_N"] for c in _GPU_CONFIGS))
+
+
+@_launch.cached
+def _launcher(kind, device, dtype, precision, has_bias):
+    """(kernel, constexpr arguments) of the forward or backward for one specialization."""
+    meta = dict(HAS_BIAS=has_bias, DOT_IEEE=precision == "ieee")
+    if kind == "fwd":
+        interp = {k: v for k, v in _INTERPRET_META.items() if k != "GROUP_M"}
+        return _launch.select(_fwd_kernel, _FWD_CONFIGS, interpret_meta=interp,
+                              key=_TUNE_KEY), meta
+    return _launch.select(_bwd_kernel, _GPU_CONFIGS, interpret_meta=_INTERPRET_META,
+                          key=_TUNE_KEY), meta
+
+
 # Columns of one backward chunk: interpreter runs use a small fixed width so that tests cover
 # several chunks (tests may change it); on a GPU see _vocab_chunk.
 INTERPRETER_VOCAB_CHUNK = 64
 _CHUNK_MIN_ELEMS = 1 << 25
 
 
-def _grid(T, cols, meta, per_tile_cols=True):
+def _grid(T, cols, per_tile_cols=True):
     """Launch grid over T tokens and `cols` vocabulary columns: (token tiles * column tiles,)
     for the backward; (token tiles, cols) for the forward (cols = its number of splits)."""
     def grid(m):
-        tiles_m = triton.cdiv(T, m["BLOCK_M"])
-        return (tiles_m * triton.cdiv(cols, m["BLOCK_N"]),) if per_tile_cols else (tiles_m, cols)
-    return grid(meta) if meta else grid
+        tiles_m = _launch.cdiv(T, m["BLOCK_M"])
+        return (tiles_m * _launch.cdiv(cols, m["BLOCK_N"]),) if per_tile_cols else (tiles_m, cols)
+    return grid
 
 
 def _n_split(T, V, device):
     """Vocabulary splits of the forward: enough programs for about four waves of the GPU's
     SMs (with 128-token tiles), at most one per _N_ALIGN columns; two in the interpreter, so
     that the merge of partials is tested."""
-    max_split = triton.cdiv(V, _N_ALIGN)
+    max_split = _launch.cdiv(V, _N_ALIGN)
     if device.type != "cuda":
         return min(2, max_split)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_split, triton.cdiv(4 * sms, triton.cdiv(T, 128))))
+    sms = _launch.device_info(device).sm_count
+    return max(1, min(max_split, _launch.cdiv(4 * sms, _launch.cdiv(T, 128))))
 
 
 def _vocab_chunk(T, V, H, device):
@@ -255,7 +257,7 @@ def _check_inputs(op, hidden, weight, bias, labels):
                          f"{tuple(hidden.shape)}")
     if hidden.dtype not in _DTYPES:
         raise TypeError(f"{op}: hidden must be float16, bfloat16 or float32, got {hidden.dtype}")
-    if hidden.device.type != "cuda" and not _INTERPRET:
+    if hidden.device.type != "cuda" and not _launch.INTERPRET:
         raise ValueError(f"{op}: hidden is on {hidden.device}; the Triton kernels need CUDA "
                          f"tensors (CPU tensors only with TRITON_INTERPRET=1 set before triton "
                          f"is imported)")
@@ -302,18 +304,18 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int):
     if T == 0:
         return torch.empty(0, **f32), torch.empty(0, **f32)
     n_split = _n_split(T, V, hidden.device)
-    v_per_split = triton.cdiv(triton.cdiv(V, n_split), _N_ALIGN) * _N_ALIGN
-    n_split = triton.cdiv(V, v_per_split)                 # every split non-empty
+    v_per_split = _launch.cdiv(_launch.cdiv(V, n_split), _N_ALIGN) * _N_ALIGN
+    n_split = _launch.cdiv(V, v_per_split)                 # every split non-empty
     part = torch.empty((3, n_split, T), **f32)
     row_max, row_sum, tgt = part.unbind(0)
-    meta = _without_group(_FIXED_META)
-    with _on_device(hidden):
-        _fwd_launch[_grid(T, n_split, meta, per_tile_cols=False)](
+    kernel, meta = _launcher("fwd", hidden.device, hidden.dtype,
+                             _launch.dot_precision(hidden.dtype), bias is not None)
+    with _launch.on_device(hidden.device):
+        kernel[_grid(T, n_split, per_tile_cols=False)](
             hidden, weight, bias if bias is not None else hidden, labels, row_max, row_sum, tgt,
-            T, H, V, v_per_split, _t_bucket(T), ignore_index,
+            T, H, V, v_per_split, _launch.pow2_bucket(T, 16), ignore_index,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            labels.stride(0), HAS_BIAS=bias is not None, DOT_IEEE=_dot_ieee(hidden.dtype),
-            **meta)
+            labels.stride(0), **meta)
     # Merge the splits (base-2 partials): lse = ln 2 (M + log2 sum_s l_s 2^(m_s - M)).
     if n_split == 1:
         lse = (row_max[0] + torch.log2(row_sum[0])) / _LOG2E
@@ -350,16 +352,18 @@ def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_in
     vc_max = _vocab_chunk(T, V, H, hidden.device)
     buf = hidden.new_empty((T * vc_max,))
     dhidden = None
+    kernel, meta = _launcher("bwd", hidden.device, hidden.dtype,
+                             _launch.dot_precision(hidden.dtype), bias is not None)
+    t_bucket = _launch.pow2_bucket(T, 16)
     for v0 in range(0, V, vc_max):
         vc = min(vc_max, V - v0)
         dl = buf[:T * vc].view(T, vc)
-        with _on_device(hidden):
-            _bwd_launch[_grid(T, vc, _FIXED_META)](
+        with _launch.on_device(hidden.device):
+            kernel[_grid(T, vc)](
                 hidden, weight, bias if bias is not None else hidden, labels, lse, dloss, dl,
-                T, H, V, v0, vc, _t_bucket(T), ignore_index,
+                T, H, V, v0, vc, t_bucket, ignore_index,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                labels.stride(0), lse.stride(0), dloss.stride(0),
-                HAS_BIAS=bias is not None, DOT_IEEE=_dot_ieee(hidden.dtype), **_FIXED_META)
+                labels.stride(0), lse.stride(0), dloss.stride(0), **meta)
         w_c = weight[v0:v0 + vc]
         torch.mm(dl.t(), hidden, out=dweight[v0:v0 + vc])
         if bias is not None:

@@ -30,35 +30,33 @@ products are torch matmuls, and a weight gradient that is not wanted is not comp
 All pointwise math is fp32:  s = sigmoid(g),  silu(g) = g s,
 silu'(g) = s (1 + g (1 - s)),  dgate = dh * up * silu'(gate),  dup = dh * silu(gate).
 
-With ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU
-tensors through the Triton interpreter, with one fixed block configuration. On a GPU
-``CKPT_EXT_AUTOTUNE=0`` (also read at import) launches one fixed configuration untimed instead
-of autotuning.
+Launch policy (``kernels/_launch.py``, shared by all kernels): under Triton's interpreter
+(``TRITON_INTERPRET=1``) the kernels run on CPU tensors with one fixed block configuration; on
+a GPU they autotune over the candidates that the resource model (``launch_configs``) keeps for
+the device, dtype and adapters, or with ``CKPT_EXT_AUTOTUNE=0`` launch the first of them
+untimed. Launchers are cached per (device, dtype, fp32 dot precision, flags, adapter ranks).
 """
-import contextlib
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import autotune_enabled
+from . import _launch
 from .._checks import _check_probability, _check_seed
 from .dropout import dropout_key, dropout_threshold, keep_mask
 from .dropout import lora_dropout as _lora_dropout
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------
 # Shared device helpers
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _tile_coords(T, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Map the 1-D program id to a (token tile, intermediate tile) pair, GROUP_M token tiles
-    at a time, so neighbouring programs reuse the same weight tiles from L2."""
-    pid = tl.program_id(0)
+def _tile_coords(pid, T, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """Map the 1-D tile id pid to a (token tile, intermediate tile) pair, GROUP_M token tiles
+    at a time, so neighbouring tiles (run at the same time) reuse the same weight tiles from
+    L2."""
     num_m = tl.cdiv(T, BLOCK_M)
     num_n = tl.cdiv(I, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -199,37 +197,27 @@ def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xa
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["key_d", "thr_d"])
-def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
-                       xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr,
-                       s_g, s_u, r_g, r_u, r_d, key_d, thr_d, inv_d,
-                       T, H, I, T_BUCKET,
-                       stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
-                       stride_ot, stride_oi,
-                       HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
-                       DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
-                       LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
-                       R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """h (T, I) = silu(gate) * up, one (BLOCK_M, BLOCK_N) tile per program.
-
-    x (T, H), w_gate / w_up (I, H), biases (I,); h, gate, up share the strides
-    (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
-    from the fp32 xa (T, r) and B (I, r); LORA_D accumulates h' A_down^T into the fp32 ha
-    (T, r_d), zero on entry, where h' is h with the adapter's dropout (DROP_D: the mask of
-    (key_d, thr_d), scale inv_d) or h itself. gate and up (pre-activations, biases and low-rank terms included)
-    are written only when STORE_GATE_UP; h is then computed from their rounded values so that
-    the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
-    """
-    pid_m, pid_n = _tile_coords(T, I, BLOCK_M, BLOCK_N, GROUP_M)
+@triton.jit
+def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
+                     xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g, r_u, r_d,
+                     key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                     stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
+                     HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
+                     DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
+                     LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
+                     R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Forward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
+    the kernel's."""
+    pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xau_ptr,
-                            lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
-                            stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
-                            HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U, LORA_IEEE,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
+    g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
+                            xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
+                            stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                            stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
+                            LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     out_dtype = h_ptr.dtype.element_ty
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
     out_offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
@@ -248,39 +236,69 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
-def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
-                                 dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr,
-                                 xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr,
-                                 dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr,
-                                 s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d,
-                                 T, H, I, T_BUCKET,
-                                 stride_xt, stride_xh, stride_wgi, stride_wgh,
-                                 stride_wui, stride_wuh, stride_dht, stride_dhi,
-                                 stride_ot, stride_oi,
-                                 HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-                                 DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
-                                 STORE_H: tl.constexpr, LORA_G: tl.constexpr,
-                                 LORA_U: tl.constexpr, LORA_D: tl.constexpr,
-                                 NEED_DBG: tl.constexpr, NEED_DBU: tl.constexpr,
-                                 NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
-                                 R_G: tl.constexpr, R_U: tl.constexpr, R_D: tl.constexpr,
-                                 LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Backward for one (BLOCK_M, BLOCK_N) tile: dh = dy Wd (T, I) -> dgate, dup (and h when
-    STORE_H), with the strides (stride_ot, stride_oi).
+def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
+                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g, r_u, r_d, key_d,
+                       thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                       stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
+                       HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
+                       DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
+                       LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
+                       R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                       PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """h (T, I) = silu(gate) * up in (BLOCK_M, BLOCK_N) tiles, one per program or, with
+    PERSISTENT, looping over tiles (_swiglu_fwd_tile does one).
 
-    RECOMPUTE (save="input"): gate/up are recomputed from x exactly as the forward did;
-    otherwise (save="gate_up") they are read from gate/up (contiguous, the output strides).
-    dgate may alias dh: each program reads its dh tile before it writes the same tile.
-    LoRA (fp32 buffers, accumulated atomically, zero on entry; scales applied by the launcher
-    except inside dh and the pre-activations):
-      LORA_D: dh += s_d (dy Bd)[tile] Ad[:, tile] from dyb = dy Bd (T, r_d); NEED_DAD:
-              dAd_acc (r_d, I) += dyb^T h'; NEED_HA: ha (T, r_d) += h' Ad^T (for dBd); with
-              DROP_D, h' and the dh term carry the forward's dropout mask (as in the forward).
-      LORA_G: dxa_g (T, r_g) += dgate Bg; NEED_DBG: dBg_acc (I, r_g) += dgate^T xa_g (up alike).
+    x (T, H), w_gate / w_up (I, H), biases (I,); h, gate, up share the strides
+    (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
+    from the fp32 xa (T, r) and B (I, r); LORA_D accumulates h' A_down^T into the fp32 ha
+    (T, r_d), zero on entry, where h' is h with the adapter's dropout (DROP_D: the mask of
+    (key_d, thr_d), scale inv_d) or h itself. gate and up (pre-activations, biases and low-rank terms included)
+    are written only when STORE_GATE_UP; h is then computed from their rounded values so that
+    the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
     """
-    pid_m, pid_n = _tile_coords(T, I, BLOCK_M, BLOCK_N, GROUP_M)
+    if PERSISTENT:
+        # Fewer programs than tiles (CKPT_EXT_SWIGLU_GRID=persistent): each program loops
+        # over every num_programs-th tile, so the tiles running at once stay neighbours in
+        # the grouped order.
+        num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
+                             xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g,
+                             r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                             stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
+                             stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
+                             LORA_D, R_G, R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                             GROUP_M)
+    else:
+        _swiglu_fwd_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr,
+                         up_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u,
+                         r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                         stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
+                         stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
+                         LORA_D, R_G, R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                         GROUP_M)
+
+
+@triton.jit
+def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
+                               dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
+                               lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr,
+                               dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d,
+                               inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                               stride_wgh, stride_wui, stride_wuh, stride_dht, stride_dhi,
+                               stride_ot, stride_oi, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
+                               DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
+                               STORE_H: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
+                               LORA_D: tl.constexpr, NEED_DBG: tl.constexpr,
+                               NEED_DBU: tl.constexpr, NEED_DAD: tl.constexpr,
+                               NEED_HA: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
+                               R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Backward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
+    the kernel's."""
+    pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
@@ -337,85 +355,245 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                               offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
 
 
+@triton.jit(do_not_specialize=["key_d", "thr_d"])
+def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
+                                 dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
+                                 lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr,
+                                 dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d,
+                                 thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh,
+                                 stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_dht,
+                                 stride_dhi, stride_ot, stride_oi, HAS_BG: tl.constexpr,
+                                 HAS_BU: tl.constexpr, DOT_IEEE: tl.constexpr,
+                                 RECOMPUTE: tl.constexpr, STORE_H: tl.constexpr,
+                                 LORA_G: tl.constexpr, LORA_U: tl.constexpr, LORA_D: tl.constexpr,
+                                 NEED_DBG: tl.constexpr, NEED_DBU: tl.constexpr,
+                                 NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr, R_G: tl.constexpr,
+                                 R_U: tl.constexpr, R_D: tl.constexpr, LORA_IEEE: tl.constexpr,
+                                 DROP_D: tl.constexpr, PERSISTENT: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Backward in (BLOCK_M, BLOCK_N) tiles (one per program or, with PERSISTENT, looping over
+    tiles; _swiglu_bwd_recompute_tile does one): dh = dy Wd (T, I) -> dgate, dup (and h when
+    STORE_H), with the strides (stride_ot, stride_oi).
+
+    RECOMPUTE (save="input"): gate/up are recomputed from x exactly as the forward did;
+    otherwise (save="gate_up") they are read from gate/up (contiguous, the output strides).
+    dgate may alias dh: each program reads its dh tile before it writes the same tile.
+    LoRA (fp32 buffers, accumulated atomically, zero on entry; scales applied by the launcher
+    except inside dh and the pre-activations):
+      LORA_D: dh += s_d (dy Bd)[tile] Ad[:, tile] from dyb = dy Bd (T, r_d); NEED_DAD:
+              dAd_acc (r_d, I) += dyb^T h'; NEED_HA: ha (T, r_d) += h' Ad^T (for dBd); with
+              DROP_D, h' and the dh term carry the forward's dropout mask (as in the forward).
+      LORA_G: dxa_g (T, r_g) += dgate Bg; NEED_DBG: dBg_acc (I, r_g) += dgate^T xa_g (up alike).
+    """
+    if PERSISTENT:
+        # Fewer programs than tiles (CKPT_EXT_SWIGLU_GRID=persistent): each program loops
+        # over every num_programs-th tile, so the tiles running at once stay neighbours in
+        # the grouped order.
+        num_tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(I, BLOCK_N)
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
+                                       dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
+                                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
+                                       dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u,
+                                       s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                       stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                                       stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
+                                       HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G,
+                                       LORA_U, LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G,
+                                       R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       GROUP_M)
+    else:
+        _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
+                                   dh_ptr, dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
+                                   lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
+                                   dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d,
+                                   r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                   stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
+                                   stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
+                                   HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G, LORA_U,
+                                   LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G, R_U, R_D,
+                                   LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# The fused tiles keep two fp32 accumulators: a 128x64 tile loads as many bytes per FLOP as a
-# 128x128 plain GEMM tile, a 128x128 tile holds the registers of a 128x256 one. AOT compiles
-# (tools/check_triton_compile.py, bf16; bench/results/triton_compile_*.txt) with triton 3.6 and
-# 3.9: all compile for sm_90 and sm_80. On sm_90 the 4-warp and 128x128/256x64 tiles spill
-# 16-64 bytes in the recompute backward only; the 8-warp 128x64, 64x128, 128x64x32 and 64x64
-# tiles do not spill. On sm_80 the large tiles spill more (forward too: up to 340 bytes; with
-# triton 3.6 the 128x128x64 backward up to 9 KB), which the autotuner's timings then weigh.
-# Shared memory: 64-196 KB (Hopper has 227 KB per block); a config that does not fit a device
-# (A100 164 KB, consumer Ampere ~100 KB) fails to compile there and the autotuner skips it.
-_GPU_CONFIGS = [
-    # Hopper (wgmma, large shared memory)
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    # Hopper and Ampere: no spills, except 128x128x32 (24 B in the backward on sm_90)
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    # few tokens
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
+def _cfg(bm, bn, bk, warps, stages, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_warps=warps, num_stages=stages)
+
+
+# Candidates, in order of preference; the resource model below keeps those that neither spill
+# registers nor exceed the device's shared memory for a kernel variant, and the first kept one
+# is what CKPT_EXT_AUTOTUNE=0 launches. The fused tiles keep two fp32 accumulators: a 128x64
+# tile loads as many bytes per FLOP as a 128x128 plain GEMM tile, a 128x128 tile holds the
+# registers of a 128x256 one. The last two serve the LoRA backward, whose epilogue is the
+# heaviest (see _regs_estimate).
+_CANDIDATES = [
+    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(256, 64, 64, 8, 3),
+    _cfg(128, 64, 64, 4, 4), _cfg(128, 64, 64, 8, 4), _cfg(64, 128, 64, 8, 4),
+    _cfg(128, 128, 32, 8, 4), _cfg(128, 64, 32, 8, 4), _cfg(64, 64, 64, 4, 4),
+    _cfg(32, 64, 128, 4, 3), _cfg(64, 32, 64, 8, 3), _cfg(32, 32, 64, 4, 3),
 ]
 # Interpreter: one config whose blocks do not divide the test shapes (T 129, H 96, I 172), so
 # every masked tail is exercised.
 _INTERPRET_META = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
 _TUNE_KEY = ["T_BUCKET", "H", "I"]
+_KINDS = ("fwd", "bwd")
+_REG_LIMIT = 176     # estimated fp32 values per thread that stay clear of ptxas's 255 registers
 
-# CKPT_EXT_AUTOTUNE=0 (read at import): one configuration that fits every device above, untimed.
-_UNTUNED_META = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
-                 "num_stages": 3}
 
-if _INTERPRET:
-    _fwd_launch = _swiglu_fwd_kernel
-    _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
-    _FIXED_META = _INTERPRET_META
-elif not autotune_enabled():
-    _fwd_launch = _swiglu_fwd_kernel
-    _bwd_recompute_launch = _swiglu_bwd_recompute_kernel
-    _FIXED_META = _UNTUNED_META
-else:
-    _LORA_KEY = ["LORA_G", "LORA_U", "LORA_D", "R_G", "R_U", "R_D", "DROP_D"]
-    # ha is accumulated atomically: tuning runs must start it from zero.
-    _fwd_launch = triton.autotune(configs=_GPU_CONFIGS,
-                                  key=_TUNE_KEY + ["STORE_GATE_UP"] + _LORA_KEY,
-                                  reset_to_zero=["ha_ptr"])(_swiglu_fwd_kernel)
+def _wgmma(config, arch, ieee):
+    """Whether Triton lowers the tile's dots to Hopper's wgmma (operands read from shared
+    memory, BLOCK_M >= 64 per warp group) rather than to mma with register operands (or, for
+    IEEE fp32, to FMAs)."""
+    return (arch == "hopper" and not ieee and config.kwargs["BLOCK_M"] >= 64
+            and config.num_warps % 4 == 0)
+
+
+def _smem_estimate(config, arch, elt, ieee):
+    """Shared memory of the pipelined x, w_gate, w_up tiles: num_stages buffers with wgmma,
+    num_stages - 1 otherwise; equal to Triton's allocation in the AOT reports."""
+    m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    buffers = config.num_stages if _wgmma(config, arch, ieee) else max(config.num_stages - 1, 1)
+    return buffers * (m * bk + 2 * bk * bn) * elt
+
+
+def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad):
+    """Estimated 32-bit registers per thread that decide whether ptxas spills, fitted to the
+    AOT compile reports (tools/check_triton_compile.py, bf16, sm_90 and sm_80).
+
+    With ``tile`` = BLOCK_M * BLOCK_N / threads (one fp32 tile): the forward holds its two
+    accumulators plus the epilogue (2.5 tiles), the recompute backward the two accumulators and
+    then up to four epilogue tiles (4 tiles); mma (Ampere, and Hopper below 64 rows) adds the
+    register operands of one x / w k-step. LoRA adds the rank-r tiles; its backward forms six
+    products with a full (BLOCK_M, BLOCK_N) fp32 operand, which spill above 8 values per
+    thread or 32 columns at rank pad 16: those return a value over the limit."""
+    m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    threads = 32 * config.num_warps
+    tile = m * bn / threads
+    operands = 0 if _wgmma(config, arch, ieee) else (m * bk + bk * bn) * elt / (4 * threads)
+    regs = (2.5 if kind == "fwd" else 4.0) * tile + operands
+    if lora:
+        rank_tile = rank_pad * bn / threads
+        if kind == "fwd":
+            regs += 8 * rank_tile + 40
+        elif bn > 32 or tile * rank_pad / 16 > 8:
+            regs = max(regs, 2 * _REG_LIMIT)
+        else:
+            regs = max(regs, _REG_LIMIT)
+    return regs
+
+
+def launch_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
+                   smem_budget=None):
+    """Every candidate of a SwiGLU kernel with the resource model's verdict, in order.
+
+    kind: "fwd" (``_swiglu_fwd_kernel``) or "bwd" (``_swiglu_bwd_recompute_kernel``, the
+    recompute and the save="gate_up" variants); arch: "hopper" or "ampere"; dtype: the
+    torch dtype of x; precision: ``_launch.dot_precision(dtype)`` (fp32: "ieee" or "tf32");
+    lora: adapters present (rank padded to ``rank_pad``); smem_budget: the device's per-block
+    shared memory (default: the family's, see ``_launch.smem_budget_for``). The register
+    model is fitted to bf16 compiles (fp16 allocates alike); fp32 is estimated alike but not
+    checked against spills (IEEE fp32 dots run on FMAs and spill on sm_80 at every size).
+    Returns a list of ``(config, {"regs": est, "smem": est, "kept": bool})``; when no config is
+    kept the smallest tile is marked kept, so that something launches.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"launch_configs: kind must be one of {_KINDS}, got {kind!r}")
+    elt = dtype.itemsize
+    ieee = dtype == torch.float32 and precision == "ieee"
+    if smem_budget is None:
+        smem_budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
+    rows = []
+    for c in _CANDIDATES:
+        regs = _regs_estimate(kind, c, arch, elt, ieee, lora, rank_pad)
+        smem = _smem_estimate(c, arch, elt, ieee)
+        rows.append((c, {"regs": regs, "smem": smem,
+                         "kept": regs <= _REG_LIMIT and smem <= smem_budget}))
+    if not any(est["kept"] for _, est in rows):
+        smallest = min(range(len(rows)), key=lambda i: (
+            rows[i][0].kwargs["BLOCK_M"] * rows[i][0].kwargs["BLOCK_N"], rows[i][1]["smem"]))
+        rows[smallest][1]["kept"] = True
+    return rows
+
+
+def kept_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
+                 smem_budget=None):
+    """The configs :func:`launch_configs` keeps, in order: the autotuner's candidates, and the
+    first one is what ``CKPT_EXT_AUTOTUNE=0`` launches."""
+    return [c for c, est in launch_configs(kind, arch, dtype, precision=precision, lora=lora,
+                                           rank_pad=rank_pad, smem_budget=smem_budget)
+            if est["kept"]]
+
+
+def _kernel_for(kind, device, dtype, precision, lora_pads):
+    """The launcher of one kernel for a device, dtype and adapters (rank pads or None)."""
+    if _launch.INTERPRET:
+        configs = []
+    else:
+        info = _launch.device_info(device)
+        configs = kept_configs(kind, info.arch, dtype, precision=precision,
+                               lora=lora_pads is not None,
+                               rank_pad=max(lora_pads or (16,)), smem_budget=info.smem_budget)
+    if kind == "fwd":
+        # ha is accumulated atomically: tuning runs must start it from zero.
+        return _launch.select(_swiglu_fwd_kernel, configs, interpret_meta=_INTERPRET_META,
+                              key=_TUNE_KEY, reset_to_zero=["ha_ptr"])
     # dgate is written over dh in place, so tuning runs must restore dh between trials; the
     # LoRA accumulators start from zero.
-    _bwd_recompute_launch = triton.autotune(
-        configs=_GPU_CONFIGS,
-        key=_TUNE_KEY + ["RECOMPUTE", "STORE_H", "NEED_DBG", "NEED_DBU", "NEED_DAD", "NEED_HA"]
-        + _LORA_KEY,
-        restore_value=["dh_ptr"],
-        reset_to_zero=["dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr", "dlad_ptr", "ha_ptr"],
-    )(_swiglu_bwd_recompute_kernel)
-    _FIXED_META = {}
+    return _launch.select(_swiglu_bwd_recompute_kernel, configs,
+                          interpret_meta=_INTERPRET_META, key=_TUNE_KEY,
+                          restore_value=["dh_ptr"],
+                          reset_to_zero=["dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr",
+                                         "dlad_ptr", "ha_ptr"])
 
 
-def _grid(T, I):
-    if _FIXED_META:
-        n = triton.cdiv(T, _FIXED_META["BLOCK_M"]) * triton.cdiv(I, _FIXED_META["BLOCK_N"])
-        return lambda meta: (n,)
-    return lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)
+@_launch.cached
+def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_pads,
+                  drop_d=False):
+    """(kernel, constexpr arguments) of the forward for one specialization; lora_pads: None
+    or the rank pads (R_G, R_U, R_D), 0 for a projection without adapter; drop_d: the down
+    adapter's input dropout."""
+    ieee = precision == "ieee"
+    meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
+                DROP_D=drop_d, PERSISTENT=_launch.SWIGLU_GRID == "persistent",
+                **_lora_meta(lora_pads, ieee))
+    return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
 
-def _t_bucket(T):
-    """Autotuning key for the token count: the next power of two (at least 16), so a run with
-    varying sequence lengths tunes a handful of times, not once per length."""
-    return max(16, triton.next_power_of_2(T))
+@_launch.cached
+def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, needs,
+                  lora_pads, drop_d=False):
+    """(kernel, constexpr arguments) of the backward for one specialization; needs: the
+    (NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA) flags."""
+    ieee = precision == "ieee"
+    meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
+                STORE_H=store_h, NEED_DBG=needs[0], NEED_DBU=needs[1], NEED_DAD=needs[2],
+                NEED_HA=needs[3], DROP_D=drop_d,
+                # The LoRA backward keeps one program per tile: its tile loop spills on sm_90
+                # even at the smallest candidate tiles (AOT report).
+                PERSISTENT=_launch.SWIGLU_GRID == "persistent" and lora_pads is None,
+                **_lora_meta(lora_pads, ieee))
+    return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 
 
-def _dot_ieee(dtype):
-    """fp32 inputs follow torch's matmul precision setting: exact fp32 products unless the user
-    allowed TF32 (torch.set_float32_matmul_precision("high"/"medium"))."""
-    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+def _programs(device, meta):
+    """Programs of the persistent grid (a launcher whose meta has PERSISTENT) on a device: one
+    per SM; three in the interpreter (so that tests run programs that loop over several
+    tiles); 0 for the grid of one program per tile."""
+    if not meta["PERSISTENT"]:
+        return 0
+    return 3 if _launch.INTERPRET else _launch.device_info(device).sm_count
+
+
+def _grid(T, I, programs):
+    """(tiles,) or, persistent, (min(tiles, programs),): see the kernels' tile loop."""
+    def grid(meta):
+        tiles = _launch.cdiv(T, meta["BLOCK_M"]) * _launch.cdiv(I, meta["BLOCK_N"])
+        return (min(tiles, programs) if programs else tiles,)
+    return grid
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,10 +622,10 @@ def _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
                          f"{tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{op}: x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.device.type != "cuda" and not _INTERPRET:
+    if x.device.type != "cuda" and not _launch.INTERPRET:
         raise ValueError(f"{op}: x is on {x.device}; the Triton kernels need CUDA tensors "
                          f"(CPU tensors only with TRITON_INTERPRET=1 set before triton is imported)")
-    if x.dtype == torch.bfloat16 and _INTERPRET:
+    if x.dtype == torch.bfloat16 and _launch.INTERPRET:
         raise NotImplementedError(
             f"{op}: bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1), "
             f"whose bf16 tl.dot gives wrong results (triton#11584); use float16 or float32 "
@@ -466,11 +644,6 @@ def _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
         if b is not None:
             _check_tensor(op, name, b, shape, "(I,)" if name != "b_down" else "(H,)", x)
     return T, H, I
-
-
-def _on_device(x):
-    """Triton launches on the current CUDA device: make it the device of x."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _absent(t):
@@ -574,19 +747,27 @@ def _down_dropout_args(drop):
 
 def _rank_pad(r):
     """The rank padded for tl.dot: a power of two, at least 16."""
-    return max(16, triton.next_power_of_2(r))
+    return _launch.pow2_bucket(r, 16)
 
 
 def _f32(t):
     return t.to(torch.float32).contiguous()
 
 
-def _lora_meta(ad, ieee):
+def _lora_pads(ad):
+    """(R_G, R_U, R_D): each adapter's rank padded for tl.dot, 0 for a projection without
+    one; None without adapters (a launcher-cache key)."""
+    if all(a is None for a in ad):
+        return None
+    return tuple(_rank_pad(a[0].shape[0]) if a is not None else 0 for a in ad)
+
+
+def _lora_meta(pads, ieee):
     """Constexpr flags and pads of the three adapters."""
     meta = {}
-    for key, a in zip("GUD", ad):
-        meta[f"LORA_{key}"] = a is not None
-        meta[f"R_{key}"] = _rank_pad(a[0].shape[0]) if a is not None else 16
+    for key, pad in zip("GUD", pads or (0, 0, 0)):
+        meta[f"LORA_{key}"] = pad > 0
+        meta[f"R_{key}"] = pad or 16
     # The rank-r dots take fp32 operands: exact fp32 products for an fp32 base under the
     # "highest" matmul precision, TF32 otherwise (for a half-precision base its ~2**-11
     # relative error on the small low-rank term stays below the rounding of gate/up/dh).
@@ -645,7 +826,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     gu_shape = (T, I) if return_gate_up else (0,)
     gate, up = x.new_empty(gu_shape), x.new_empty(gu_shape)
     lg, lu, ld = ad
-    dummy = x.new_zeros((1,), dtype=torch.float32)
+    dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     xf = x.float() if (lg or lu) else None
     xag = torch.mm(_adapter_input(xf, drop[0]), _f32(lg[0]).t()) if lg else dummy  # (T, r_g)
     xau = torch.mm(_adapter_input(xf, drop[1]), _f32(lu[0]).t()) if lu else dummy  # (T, r_u)
@@ -655,19 +836,19 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     if T > 0 and I > 0:
         b_gate_c = b_gate.contiguous() if b_gate is not None else h
         b_up_c = b_up.contiguous() if b_up is not None else h
-        with _on_device(x):
-            _fwd_launch[_grid(T, I)](
+        kernel, meta = _fwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
+                                     b_gate is not None, b_up is not None,
+                                     bool(return_gate_up), _lora_pads(ad), has_drop_d)
+        with _launch.on_device(x.device):
+            kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
                 gate if return_gate_up else h, up if return_gate_up else h,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, ha,
                 _scale(lg), _scale(lu), _rank(lg), _rank(lu), _rank(ld), *drop_d,
-                T, H, I, _t_bucket(T),
+                T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-                w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1),
-                HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-                STORE_GATE_UP=bool(return_gate_up), DOT_IEEE=_dot_ieee(x.dtype),
-                DROP_D=has_drop_d, **_lora_meta(ad, _dot_ieee(x.dtype)), **_FIXED_META)
+                w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1), **meta)
     y = torch.nn.functional.linear(h, w_down, b_down)
     del h
     if ld is not None:
@@ -726,7 +907,7 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     n_lb = [ad[p] is not None and needs[7 + 2 * p] for p in range(3)]
     lg, lu, ld = ad
 
-    dummy = x.new_zeros((1,), dtype=torch.float32)
+    dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     f32 = torch.float32
 
     def zeros_or_dummy(cond, shape):
@@ -754,21 +935,21 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         up_c = up.contiguous() if not recompute else dup
         b_gate_c = b_gate.contiguous() if b_gate is not None else dup
         b_up_c = b_up.contiguous() if b_up is not None else dup
-        with _on_device(x):
-            _bwd_recompute_launch[_grid(T, I)](
+        kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
+                                     b_gate is not None, b_up is not None, recompute, n_wd,
+                                     (n_lb[0], n_lb[1], n_la[2], n_lb[2]), _lora_pads(ad),
+                                     has_drop_d)
+        with _launch.on_device(x.device):
+            kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
                 _f32(ld[0]) if ld else dummy, dyb,
                 dxag, dlbg, dxau, dlbu, dlad, ha,
                 _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld), *drop_d,
-                T, H, I, _t_bucket(T),
+                T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
                 w_up.stride(0), w_up.stride(1), dh.stride(0), dh.stride(1),
-                dup.stride(0), dup.stride(1),
-                HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-                DOT_IEEE=_dot_ieee(x.dtype), RECOMPUTE=recompute, STORE_H=n_wd,
-                NEED_DBG=n_lb[0], NEED_DBU=n_lb[1], NEED_DAD=n_la[2], NEED_HA=n_lb[2],
-                DROP_D=has_drop_d, **_lora_meta(ad, _dot_ieee(x.dtype)), **_FIXED_META)
+                dup.stride(0), dup.stride(1), **meta)
     dgate = dh
 
     def none():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckpt_ext import kernels
-from ckpt_ext.kernels import attention
+from ckpt_ext.kernels import _launch, attention
 
 CUDA = torch.cuda.is_available()
 
@@ -165,20 +165,20 @@ def test_untuned_launcher_skips_configs_the_device_refuses():
     configs = [attention._cfg(128, 64, 8, 3), attention._cfg(64, 64, 4, 3),
                attention._cfg(32, 32, 4, 2)]
     stub = StubKernel(fits_up_to=64)
-    launch = attention._FirstThatFits(stub, configs)
+    launch = _launch.FirstThatFits(stub, configs)
     launch["grid"](1, 2, HEAD_DIM=256, CAUSAL=True)
     assert stub.tried == [128, 64]
     assert stub.launched[0][1] == (1, 2)
     kw = stub.launched[0][2]
     assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (64, 64, 4, 3)
     assert kw["HEAD_DIM"] == 256 and kw["CAUSAL"] is True
-    # remembered per specialization: the refused config is not compiled again
+    assert launch.chosen is configs[1]
+    # remembered by the launcher (one per launcher-cache key): the refused config is not
+    # compiled again
     launch["grid"](3, 4, HEAD_DIM=256, CAUSAL=True)
     assert stub.tried == [128, 64, 64]
-    launch["grid"](3, 4, HEAD_DIM=64, CAUSAL=True)  # another specialization starts over
-    assert stub.tried == [128, 64, 64, 128, 64]
 
-    none_fit = attention._FirstThatFits(StubKernel(fits_up_to=16), configs)
+    none_fit = _launch.FirstThatFits(StubKernel(fits_up_to=16), configs)
     with pytest.raises(RuntimeError, match="no candidate configuration fits"):
         none_fit["grid"](1, HEAD_DIM=256)
 
@@ -212,3 +212,125 @@ torch.save([t.cpu() for t in (out, lse, dq, dk, dv, y)], __import__("sys").argv[
         # different tile sizes sum in different orders: bf16-rounding-level differences only
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------------------------------------
+# The launch policy module and the SwiGLU resource model
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting, expected", [("highest", "ieee"), ("high", "tf32"),
+                                               ("medium", "tf32")])
+def test_fp32_dot_precision_follows_torch(setting, expected):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        assert _launch.dot_precision(torch.float32) == expected
+        # half precision: tensor-core dots whatever the setting
+        assert _launch.dot_precision(torch.bfloat16) == "tf32"
+        assert _launch.dot_precision(torch.float16) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("value", ["Persistent", "", "2"])
+def test_grid_switch_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("CKPT_EXT_SWIGLU_GRID", value)
+    with pytest.raises(ValueError, match="CKPT_EXT_SWIGLU_GRID must be one of 'tiles', "
+                                         "'persistent'"):
+        _launch.reload_policy()
+    monkeypatch.undo()
+    _launch.reload_policy()
+    assert _launch.SWIGLU_GRID == "tiles"
+
+
+def test_host_arithmetic():
+    assert [_launch.cdiv(a, 16) for a in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    assert [_launch.next_pow2(n) for n in (0, 1, 2, 3, 17, 64)] == [1, 1, 2, 4, 32, 64]
+    assert _launch.pow2_bucket(5, 16) == 16 and _launch.pow2_bucket(129, 16) == 256
+    assert _launch.pow2_bucket(40000, 128, 32768) == 32768
+
+
+def test_launchers_are_cached_per_specialization():
+    from ckpt_ext.kernels import swiglu_mlp
+
+    cpu = torch.device("cpu")
+    a = swiglu_mlp._fwd_launcher(cpu, torch.float32, "ieee", False, False, False, None)
+    assert swiglu_mlp._fwd_launcher(cpu, torch.float32, "ieee", False, False, False, None) is a
+    b = swiglu_mlp._fwd_launcher(cpu, torch.float32, "tf32", False, False, False, None)
+    assert b is not a and b[1]["DOT_IEEE"] is False and a[1]["DOT_IEEE"] is True
+    _launch.reload_policy()
+    assert swiglu_mlp._fwd_launcher(cpu, torch.float32, "ieee", False, False, False, None) is not a
+
+
+# Spill bytes ptxas reported for SwiGLU configs (tools/check_triton_compile.py, triton 3.9, bf16;
+# bench/results/triton_compile_swiglu_sm90_sm80_triton3.9.txt, and earlier runs for LoRA without
+# dropout and for former candidates): (kind, arch, lora, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages) -> spill stores.
+MEASURED_SWIGLU_SPILLS = {
+    ("fwd", "ampere", False, 128, 128, 64, 8, 3): 196, ("fwd", "ampere", False, 256, 64, 64, 8, 3): 32,
+    ("fwd", "ampere", False, 128, 64, 64, 4, 4): 340, ("fwd", "ampere", False, 128, 64, 64, 8, 4): 0,
+    ("fwd", "hopper", False, 128, 128, 64, 8, 3): 0,
+    ("bwd", "hopper", False, 128, 128, 64, 8, 3): 24, ("bwd", "hopper", False, 256, 64, 64, 8, 3): 36,
+    ("bwd", "hopper", False, 128, 64, 64, 4, 4): 64, ("bwd", "hopper", False, 128, 64, 64, 8, 4): 0,
+    ("bwd", "ampere", False, 128, 128, 32, 8, 4): 188, ("bwd", "ampere", False, 128, 64, 64, 8, 4): 0,
+    ("bwd", "hopper", True, 128, 128, 64, 8, 3): 3268, ("bwd", "hopper", True, 128, 64, 64, 8, 4): 456,
+    ("bwd", "hopper", True, 64, 64, 64, 8, 3): 160, ("bwd", "ampere", True, 64, 32, 64, 4, 3): 0,
+    ("bwd", "hopper", True, 64, 32, 64, 4, 3): 48, ("bwd", "hopper", True, 64, 32, 64, 8, 3): 0,
+    ("bwd", "ampere", True, 64, 32, 64, 8, 3): 0, ("bwd", "hopper", True, 32, 64, 64, 8, 3): 80,
+    ("fwd", "hopper", True, 128, 64, 64, 8, 4): 0, ("fwd", "ampere", True, 64, 128, 64, 8, 4): 8,
+    ("fwd", "ampere", True, 128, 128, 64, 8, 3): 9736, ("fwd", "ampere", True, 128, 64, 64, 8, 4): 0,
+}
+# Shared memory Triton allocated (bytes, bf16): (arch, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+MEASURED_SWIGLU_SMEM = {
+    ("hopper", 128, 128, 64, 8, 3): 147456, ("ampere", 128, 128, 64, 8, 3): 98304,
+    ("hopper", 128, 64, 64, 8, 4): 131072, ("ampere", 128, 64, 64, 8, 4): 98304,
+    ("hopper", 32, 64, 128, 4, 3): 81920, ("ampere", 64, 64, 64, 4, 4): 73728,
+    ("hopper", 64, 32, 64, 8, 3): 49152, ("ampere", 64, 32, 64, 8, 3): 32768,
+}
+
+
+def _entry(rows, bm, bn, bk, w, s):
+    for c, est in rows:
+        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
+                c.num_stages) == (bm, bn, bk, w, s):
+            return est
+    return None
+
+
+def test_swiglu_model_drops_every_measured_spill():
+    from ckpt_ext.kernels import swiglu_mlp
+
+    for (kind, arch, lora, *cfg), spill in MEASURED_SWIGLU_SPILLS.items():
+        est = _entry(swiglu_mlp.launch_configs(kind, arch, torch.bfloat16, lora=lora), *cfg)
+        if est is None:
+            continue  # not a candidate any more
+        assert not (spill and est["kept"]), (kind, arch, lora, cfg, spill, est)
+
+
+def test_swiglu_smem_model_matches_triton():
+    from ckpt_ext.kernels import swiglu_mlp
+
+    for (arch, *cfg), real in MEASURED_SWIGLU_SMEM.items():
+        est = _entry(swiglu_mlp.launch_configs("fwd", arch, torch.bfloat16), *cfg)
+        assert est is not None and est["smem"] == real, (arch, cfg, real, est)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("arch", ["hopper", "ampere"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lora", [False, True])
+def test_swiglu_first_kept_config_is_measured_spill_free(kind, arch, dtype, lora):
+    """What CKPT_EXT_AUTOTUNE=0 launches was compiled without spills (bf16 figures; fp16 has
+    the same register allocation), and every kept config fits the family's shared memory."""
+    from ckpt_ext.kernels import swiglu_mlp
+
+    rows = swiglu_mlp.launch_configs(kind, arch, dtype, lora=lora)
+    kept = [(c, est) for c, est in rows if est["kept"]]
+    assert kept
+    c = kept[0][0]
+    key = (kind, arch, lora, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
+           c.num_warps, c.num_stages)
+    assert MEASURED_SWIGLU_SPILLS.get(key) == 0, key
+    budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
+    assert all(est["smem"] <= budget for _, est in kept)
+    # a device with little shared memory still gets a config
+    assert swiglu_mlp.kept_configs(kind, arch, dtype, lora=lora, smem_budget=16384)

@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from ckpt_ext.kernels import swiglu_mlp
+from ckpt_ext.kernels import _launch, swiglu_mlp
 
 from reference import (FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, make_swiglu_lora,
                        swiglu_lora_grads, swiglu_reference)
@@ -98,6 +98,34 @@ def check_accuracy(out, base, ref, dtype):
 def test_matches_fp64_reference(dtype, T, bias, save):
     args = make_inputs(T, H, I, dtype, bias)
     check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), dtype)
+
+
+@pytest.fixture
+def persistent_grid(monkeypatch):
+    """CKPT_EXT_SWIGLU_GRID=persistent for one test: in the interpreter three programs, each
+    looping over several tiles."""
+    monkeypatch.setenv("CKPT_EXT_SWIGLU_GRID", "persistent")
+    _launch.reload_policy()
+    yield
+    monkeypatch.undo()
+    _launch.reload_policy()
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_persistent_grid_matches_fp64_reference(persistent_grid, save):
+    dev = torch.device(DEVICE)
+    meta = swiglu_mlp._fwd_launcher(dev, torch.float32, "ieee", True, True, False, None)[1]
+    assert meta["PERSISTENT"] and swiglu_mlp._programs(dev, meta) > 0
+    args = make_inputs(129, H, I, torch.float32, True)   # 5 x 3 tiles of 32 x 64 in the interpreter
+    check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), torch.float32)
+
+
+def test_persistent_grid_with_lora(persistent_grid):
+    args, lora, scaling, dy = make_swiglu_lora(129, H, I, torch.float16, torch.float32,
+                                               (4, 8, 4), False, device=DEVICE)
+    check_lora_accuracy(run_lora_kernels(args, lora, scaling, dy, "input"),
+                        flat_reference(args, lora, scaling, dy),
+                        flat_reference(args, lora, scaling, dy, torch.float64))
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])

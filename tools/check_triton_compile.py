@@ -6,9 +6,10 @@ compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32
 launch configurations the launchers can pick, and the resources of each cubin are reported:
 dynamic shared memory (``metadata.shared``), registers / stack / static shared / local memory
 (``cuobjdump --dump-resource-usage``) and spill bytes (the ``ptxas -v`` log that Triton prints
-with ``TRITON_DUMP_PTXAS_LOG=1``). For the attention kernels the real shared memory is checked
-against the per-block budget of the device (227 KiB H100, 163 KiB A100) and against the
-decision of the launcher's pruner ``attention._prune``.
+with ``TRITON_DUMP_PTXAS_LOG=1``). The real shared memory is checked against the per-block
+budget of the device (227 KiB H100, 163 KiB A100), and every compile is compared with the
+verdict of the kernel's resource model, read through the kernel modules' public
+``launch_configs`` functions (keep / fallback / drop, with the model's estimates).
 
 Sweep (``--quick`` keeps a few entries of each part):
   attention  bf16, HEAD_DIM 128 and 64, CAUSAL False/True, no mask: every candidate config of
@@ -17,10 +18,13 @@ Sweep (``--quick`` keeps a few entries of each part):
              CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32, HEAD_DIM 16/80/256, key padding mask,
              plus the corner fp32 + HEAD_DIM 256 + mask; the D = rowsum(dO * O) pre-pass once
              per (dtype, HEAD_DIM).
-  swiglu     bf16, every _GPU_CONFIGS entry: forward (STORE_GATE_UP False/True) and the
-             recompute backward, no biases, DOT_IEEE False, and both with LoRA adapters on
-             every projection; fp32 with DOT_IEEE True and both biases with _UNTUNED_META;
-             the save="gate_up" backward (RECOMPUTE False) once per dtype and with LoRA.
+  swiglu     bf16, every candidate of swiglu_mlp.launch_configs: forward (STORE_GATE_UP
+             False/True) and the recompute backward, no biases, DOT_IEEE False, and both with
+             LoRA adapters on every projection (rank pad 16); with the first kept config (what
+             CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32 with DOT_IEEE True and both biases, and
+             the save="gate_up" backward (RECOMPUTE False) per dtype and with LoRA; the
+             persistent-grid variants (CKPT_EXT_SWIGLU_GRID=persistent) of the first kept
+             bf16 configs (forward, and backward without LoRA).
 
 Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
 with 16-byte aligned data, so pointers carry ``tt.divisibility=16``, unit strides are the
@@ -33,10 +37,13 @@ Usage:
 
 The kernels come from ``ckpt_ext.kernels`` when that imports, else (e.g. a virtual environment
 where ckpt_ext is not installed or its extension does not load) they are loaded by path from
-this checkout's ``kernels/`` as the package ``ckpt_ext_kernels_aot``; ``--kernels-from-path``
-forces the latter. Triton compiles into a fresh temporary cache directory (removed at the end)
+this checkout's ``kernels/`` as the package ``ckpt_ext_kernels_aot.kernels``;
+``--kernels-from-path`` forces the latter. Triton compiles into a fresh temporary cache directory (removed at the end)
 so that every kernel really goes through ptxas and its log is seen. Exit status 1 when any
-compile fails; spills and pruner disagreements are reported but do not fail the run.
+compile fails or when a config the resource model keeps spills registers in bf16/fp16
+(``--allow-spills`` reports those without failing); fp32 spills and model disagreements about
+shared memory are reported but do not fail the run. ``--part`` limits the sweep to attention or
+swiglu.
 """
 from __future__ import annotations
 
@@ -61,10 +68,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FALLBACK_PACKAGE = "ckpt_ext_kernels_aot"
 
-# Per-block shared memory a kernel may opt into (bytes), as attention._smem_budget falls back to.
+# Per-block shared memory a kernel may opt into (bytes), as the launch policy falls back to.
 SMEM_BUDGET = {90: 227 * 1024, 80: 163 * 1024}
 ARCH_FAMILY = {90: "hopper", 80: "ampere"}
 TYPE_NAME = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+HALF = ("bf16", "fp16")          # dtypes whose kept configs must not spill
 ELT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 ATTN_KERNEL = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel",
@@ -79,16 +87,24 @@ JIT_DEFAULT_WARPS, JIT_DEFAULT_STAGES = 4, 3
 # Loading the kernel modules
 # --------------------------------------------------------------------------------------------
 def _load_by_path():
-    """Load this checkout's kernels/ as the synthetic package FALLBACK_PACKAGE."""
+    """Load this checkout's kernels/ as the synthetic package FALLBACK_PACKAGE.kernels, whose
+    parent stands for ckpt_ext without running its __init__ (the kernels import
+    ``ckpt_ext._checks``, plain Python, relatively)."""
+    import types
+
     pkg_dir = REPO / "kernels"
-    if FALLBACK_PACKAGE not in sys.modules:
+    name = f"{FALLBACK_PACKAGE}.kernels"
+    if name not in sys.modules:
+        parent = types.ModuleType(FALLBACK_PACKAGE)
+        parent.__path__ = [str(REPO / "ckpt_ext")]
+        sys.modules[FALLBACK_PACKAGE] = parent
         spec = importlib.util.spec_from_file_location(
-            FALLBACK_PACKAGE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)])
+            name, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)])
         pkg = importlib.util.module_from_spec(spec)
-        sys.modules[FALLBACK_PACKAGE] = pkg
+        sys.modules[name] = pkg
         spec.loader.exec_module(pkg)
-    attention = importlib.import_module(f"{FALLBACK_PACKAGE}.attention")
-    swiglu_mlp = importlib.import_module(f"{FALLBACK_PACKAGE}.swiglu_mlp")
+    attention = importlib.import_module(f"{name}.attention")
+    swiglu_mlp = importlib.import_module(f"{name}.swiglu_mlp")
     return attention, swiglu_mlp
 
 
@@ -103,7 +119,8 @@ def load_kernel_modules(force_path: bool):
             first = (str(exc).splitlines() or [""])[0]
             note = f" (ckpt_ext.kernels not importable: {type(exc).__name__}: {first[:160]})"
     attention, swiglu_mlp = _load_by_path()
-    return attention, swiglu_mlp, f"{FALLBACK_PACKAGE} loaded from {REPO / 'kernels'}{note}"
+    return attention, swiglu_mlp, (f"{FALLBACK_PACKAGE}.kernels loaded from "
+                                   f"{REPO / 'kernels'}{note}")
 
 
 def _prepare_environment():
@@ -281,10 +298,12 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
 
 
 def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_up=False,
-                     biases=False, dot_ieee=False, lora=False):
+                     biases=False, dot_ieee=False, lora=False, persistent=False):
     """kind: fwd, bwd_recompute (save="input") or bwd_gate_up (the same kernel reading the
     saved gate/up). lora: adapters on all three projections (rank pad 16), every adapter
-    gradient wanted; without, the LoRA buffers are the unused fp32 placeholders."""
+    gradient wanted, and the down adapter's dropout on (DROP_D, the mask hashed in the
+    tile: the heaviest variant); without, the LoRA buffers are the unused fp32 placeholders.
+    persistent: the CKPT_EXT_SWIGLU_GRID=persistent variant (programs loop over tiles)."""
     fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
     ptr_names = ["x_ptr", "wg_ptr", "wu_ptr", "bg_ptr", "bu_ptr"]
     ptr_names += (["h_ptr", "gate_ptr", "up_ptr"] if kind == "fwd"
@@ -296,13 +315,13 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
     pointers.update({n: "fp32" for n in lora_ptrs})
     unit = {"stride_xh", "stride_wgh", "stride_wuh", "stride_oi"}
     div16 = {"H", "I", "T_BUCKET", "stride_xt", "stride_wgi", "stride_wui", "stride_ot"}
-    floats = {"s_g", "s_u"} if kind == "fwd" else {"s_g", "s_u", "s_d"}
+    floats = {"s_g", "s_u", "inv_d"} if kind == "fwd" else {"s_g", "s_u", "s_d", "inv_d"}
     if kind != "fwd":
         unit.add("stride_dhi")
         div16.add("stride_dht")
     consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
               "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": 16, "R_U": 16, "R_D": 16,
-              "LORA_IEEE": False,
+              "LORA_IEEE": False, "DROP_D": lora, "PERSISTENT": persistent,
               **{k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     if kind == "fwd":
         consts["STORE_GATE_UP"] = store_gate_up
@@ -315,28 +334,17 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
 # --------------------------------------------------------------------------------------------
 # Pruner
 # --------------------------------------------------------------------------------------------
-def pruner_estimate(attention, kind: str, cfg, d_pad: int, elt: int) -> tuple:
-    """The shared-memory bytes and registers per thread that attention._prune judges a config
-    by (attention.estimate_resources)."""
-    return attention.estimate_resources(kind, cfg, d_pad, elt)
+def model_verdict(est: dict) -> dict:
+    """The resource model's verdict on a config from a ``launch_configs`` entry: keep (on its
+    merits), fallback (only as the last resort when nothing fits) or drop."""
+    verdict = "fallback" if est.get("fallback") else ("keep" if est["kept"] else "drop")
+    return {"verdict": verdict, "est_shared": est["smem"],
+            "est_regs": est.get("regs", est.get("acc_regs"))}
 
 
-def pruner_verdict(attention, kind: str, cfg, configs, d_pad: int, elt: int, budget: int) -> dict:
-    """keep: _prune keeps the config on its merits; fallback: only as the last-resort smallest
-    config when nothing fits; drop: not kept."""
-    import triton
-
-    # A tiny config that always passes, so that _prune's "keep the smallest" fallback cannot
-    # hide whether cfg passes on its own.
-    probe = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=8, num_stages=1)
-    alone = any(c is cfg for c in attention._prune(kind, [cfg, probe], d_pad, elt, budget))
-    launched = any(c is cfg for c in attention._prune(kind, list(configs), d_pad, elt, budget))
-    verdict = "keep" if alone else ("fallback" if launched else "drop")
-    est_smem, est_regs = pruner_estimate(attention, kind, cfg, d_pad, elt)
-    return {"verdict": verdict, "est_shared": est_smem, "est_acc_regs": est_regs,
-            "reg_limit": attention._REG_LIMIT[kind],
-            "estimate_in_sync": alone == (est_smem <= budget
-                                          and est_regs <= attention._REG_LIMIT[kind])}
+def first_kept(rows):
+    """The config CKPT_EXT_AUTOTUNE=0 launches first: the first kept entry of launch_configs."""
+    return next(c for c, est in rows if est["kept"] or est.get("fallback"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,7 +359,10 @@ def _cfg_text(meta: dict, warps: int, stages: int) -> str:
     return " ".join(f"{k}={v}" for k, v in meta.items()) + f" w{warps} s{stages}"
 
 
-def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
+def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "swiglu")) -> list:
+    import torch
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     jobs = []
 
     def add(**job):
@@ -369,7 +380,9 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
             if (dtype, head_dim) in pre_done:
                 return
             pre_done.add((dtype, head_dim))
-            meta = {"BLOCK_M": attention._PRE_BLOCK_M}
+            pre = first_kept(attention.launch_configs("pre", family, head_dim,
+                                                      torch_dtype[dtype]))
+            meta = dict(pre.kwargs)
             sig, consts, attrs = attention_signature(attention, "pre", dtype, head_dim, False,
                                                      False, meta)
             add(module="attention", kernel=ATTN_KERNEL["pre"], short="attn_pre", arch=arch,
@@ -379,14 +392,15 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
                 options={"num_warps": JIT_DEFAULT_WARPS, "num_stages": JIT_DEFAULT_STAGES},
                 cost=head_dim)
 
-        def add_attn(kind, cfg, configs, dtype, head_dim, causal, has_mask, part):
+        def add_attn(kind, cfg, est, dtype, head_dim, causal, has_mask, part, dq_atomic=False):
             sig, consts, attrs = attention_signature(attention, kind, dtype, head_dim, causal,
-                                                     has_mask, cfg.kwargs)
+                                                     has_mask, cfg.kwargs, dq_atomic)
             d_pad = consts["D_PAD"]
             spec = f"D{head_dim}" + (f"(pad{d_pad})" if d_pad != head_dim else "")
             spec += " causal" if causal else " full"
             spec += " mask" if has_mask else ""
-            pr = pruner_verdict(attention, kind, cfg, configs, d_pad, ELT_SIZE[dtype], budget)
+            spec += " atomic-dq" if dq_atomic else ""
+            pr = model_verdict(est)
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
             add(module="attention", kernel=ATTN_KERNEL[kind], short=f"attn_{kind}", arch=arch,
                 dtype=dtype, spec=spec, config=_cfg_text(cfg.kwargs, cfg.num_warps,
@@ -400,13 +414,13 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
 
         head_dims = [128] if quick else [128, 64]
         causals = [True] if quick else [False, True]
-        for head_dim in head_dims:
+        for head_dim in (head_dims if "attention" in parts else []):
             add_pre("bf16", head_dim)
             for kind in ("fwd", "dkdv", "dq"):
-                configs = attention._CONFIGS[(kind, family)]
-                for cfg in (configs[:2] if quick else configs):
+                rows = attention.launch_configs(kind, family, head_dim, torch.bfloat16, budget)
+                for cfg, est in (rows[:2] if quick else rows):
                     for causal in causals:
-                        add_attn(kind, cfg, configs, "bf16", head_dim, causal, False,
+                        add_attn(kind, cfg, est, "bf16", head_dim, causal, False,
                                  "attention-configs")
 
         variants = [("fp16", 128, False), ("fp32", 128, False), ("bf16", 16, False),
@@ -414,54 +428,86 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool) -> list:
                     ("fp32", 256, True)]
         if quick:
             variants = [("fp32", 128, False), ("bf16", 80, True)]
-        for dtype, head_dim, has_mask in variants:
+        for dtype, head_dim, has_mask in (variants if "attention" in parts else []):
             add_pre(dtype, head_dim)
-            d_pad = max(16, 1 << (head_dim - 1).bit_length())
             for kind in ("fwd", "dkdv", "dq"):
-                configs = attention._CONFIGS[(kind, family)]
-                first = attention._prune(kind, configs, d_pad, ELT_SIZE[dtype], budget)[0]
+                rows = attention.launch_configs(kind, family, head_dim, torch_dtype[dtype],
+                                                budget)
+                first = next((c, est) for c, est in rows if est["kept"] or est["fallback"])
                 for causal in causals:
-                    add_attn(kind, first, configs, dtype, head_dim, causal, has_mask,
+                    add_attn(kind, *first, dtype, head_dim, causal, has_mask,
                              "attention-specializations")
+        # CKPT_EXT_ATTN_DQ=atomic: the dK/dV kernel that also adds dQ with atomics
+        for dtype, head_dim in ((("bf16", 128), ("bf16", 64)) if "attention" in parts else ()):
+            rows = attention.launch_configs("dkdv", family, head_dim, torch_dtype[dtype], budget,
+                                            dq_atomic=True)
+            first = next((c, est) for c, est in rows if est["kept"] or est["fallback"])
+            for causal in causals:
+                add_attn("dkdv", *first, dtype, head_dim, causal, False,
+                         "attention-specializations", dq_atomic=True)
 
         # ---- swiglu ----------------------------------------------------------------------
-        def add_swiglu(kind, dtype, meta, warps, stages, store=False, biases=False, ieee=False,
-                       lora=False):
+        def add_swiglu(kind, dtype, cfg, est, store=False, biases=False, ieee=False,
+                       lora=False, persistent=False):
+            meta, warps, stages = cfg.kwargs, cfg.num_warps, cfg.num_stages
             sig, consts, attrs = swiglu_signature(swiglu_mlp, kind, dtype, meta, store, biases,
-                                                  ieee, lora)
-            bits = []
+                                                  ieee, lora, persistent)
+            bits = ["saved_gate_up"] if kind == "bwd_gate_up" else []
+            bits += ["persistent"] if persistent else []
             if kind == "fwd":
                 bits.append("store_gate_up" if store else "no_store")
             bits.append("bias" if biases else "no_bias")
             bits.append("ieee" if ieee else "tc")
             if lora:
-                bits.append("lora")
+                bits.append("lora+drop")
             cost = (meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1) * meta.get("BLOCK_K", 1)
-                    * ELT_SIZE[dtype])
+                    * ELT_SIZE[dtype] * (8 if lora else 1))
             add(module="swiglu_mlp", kernel=SWIGLU_KERNEL[kind], short=f"swiglu_{kind}",
                 arch=arch, dtype=dtype, spec=" ".join(bits) or "-",
                 config=_cfg_text(meta, warps, stages), part="swiglu", signature=sig,
                 constexprs=consts, attrs=attrs,
-                options={"num_warps": warps, "num_stages": stages}, cost=cost)
+                options={"num_warps": warps, "num_stages": stages}, cost=cost,
+                budget=budget, pruner=model_verdict(est))
 
-        gpu_configs = swiglu_mlp._GPU_CONFIGS[:2] if quick else swiglu_mlp._GPU_CONFIGS
-        for cfg in gpu_configs:
-            for store in (False, True):
-                add_swiglu("fwd", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages, store=store)
-            add_swiglu("bwd_recompute", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages)
-            # LoRA on every projection: the extra rank-16 dots and fp32 accumulators.
-            add_swiglu("fwd", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages, lora=True)
-            add_swiglu("bwd_recompute", "bf16", cfg.kwargs, cfg.num_warps, cfg.num_stages,
-                       lora=True)
-        um = dict(swiglu_mlp._UNTUNED_META)
-        warps, stages = um.pop("num_warps"), um.pop("num_stages")
-        for store in (False, True):
-            add_swiglu("fwd", "fp32", um, warps, stages, store=store, biases=True, ieee=True)
-        add_swiglu("bwd_recompute", "fp32", um, warps, stages, biases=True, ieee=True)
-        # save="gate_up": the same backward kernel reading the saved gate/up.
-        for dtype in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
-            add_swiglu("bwd_gate_up", dtype, um, warps, stages)
-        add_swiglu("bwd_gate_up", "bf16", um, warps, stages, lora=True)
+        def swiglu_rows(kind, dtype, lora=False):
+            model_kind = "fwd" if kind == "fwd" else "bwd"
+            # fp32 as the launcher sees it under torch's default "highest" matmul precision
+            return swiglu_mlp.launch_configs(model_kind, family, torch_dtype[dtype],
+                                             precision="ieee", lora=lora, rank_pad=16,
+                                             smem_budget=budget)
+
+        def first_row(kind, dtype, lora=False):
+            return next((c, est) for c, est in swiglu_rows(kind, dtype, lora) if est["kept"])
+
+        if "swiglu" in parts:
+            for lora in (False, True):
+                for kind, store in (("fwd", False), ("fwd", True), ("bwd_recompute", False)):
+                    if lora and store:
+                        continue
+                    rows = swiglu_rows(kind, "bf16", lora)
+                    for cfg, est in (rows[:2] if quick else rows):
+                        add_swiglu(kind, "bf16", cfg, est, store=store, lora=lora)
+            for dtype in (["fp32"] if quick else ["fp16", "fp32"]):
+                half = dtype != "fp32"
+                for store in (False, True):
+                    add_swiglu("fwd", dtype, *first_row("fwd", dtype), store=store,
+                               biases=not half, ieee=not half)
+                add_swiglu("bwd_recompute", dtype, *first_row("bwd_recompute", dtype),
+                           biases=not half, ieee=not half)
+                if half:
+                    add_swiglu("fwd", dtype, *first_row("fwd", dtype, True), lora=True)
+                    add_swiglu("bwd_recompute", dtype, *first_row("bwd_recompute", dtype, True),
+                               lora=True)
+            # save="gate_up": the same backward kernel reading the saved gate/up.
+            for dtype in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
+                add_swiglu("bwd_gate_up", dtype, *first_row("bwd_gate_up", dtype),
+                           ieee=dtype == "fp32")
+            add_swiglu("bwd_gate_up", "bf16", *first_row("bwd_gate_up", "bf16", True), lora=True)
+            # CKPT_EXT_SWIGLU_GRID=persistent: the first kept configs with the tile loop (the
+            # LoRA backward keeps one program per tile: its loop spills on sm_90).
+            for kind, lora in (("fwd", False), ("fwd", True), ("bwd_recompute", False)):
+                add_swiglu(kind, "bf16", *first_row(kind, "bf16", lora), lora=lora,
+                           persistent=True)
     return jobs
 
 
@@ -486,7 +532,7 @@ def format_table(rows) -> list:
             ("specialization", 26, False), ("config", 22, False), ("ok", 4, False),
             ("shared", 7, True), ("regs", 4, True), ("spill st/ld", 11, True),
             ("stack", 5, True), ("local", 5, True), ("fits", 4, False),
-            ("pruner", 8, False), ("est.sh", 7, True), ("s", 5, True)]
+            ("model", 8, False), ("est.sh", 7, True), ("est.rg", 6, True), ("s", 5, True)]
     head = " ".join(_fmt(n, w, r) for n, w, r in cols)
     lines = [head, "-" * len(head)]
     for j, r in rows:
@@ -498,12 +544,17 @@ def format_table(rows) -> list:
                 "ok" if r.get("ok") else "FAIL", r.get("shared"), r.get("regs"),
                 _spill_text(r), r.get("stack"), r.get("local"), fits,
                 pr["verdict"] if pr else None, pr["est_shared"] if pr else None,
+                f"{pr['est_regs']:.0f}" if pr and pr.get("est_regs") is not None else None,
                 f"{r.get('seconds', 0):.1f}"]
         lines.append(" ".join(_fmt(v, w, rt) for v, (_, w, rt) in zip(vals, cols)))
     return lines
 
 
-def summarize(rows) -> tuple:
+def _spills(r) -> bool:
+    return bool(r.get("spill_stores", 0) or r.get("spill_loads", 0) or r.get("local", 0))
+
+
+def summarize(rows, allow_spills: bool = False) -> tuple:
     lines = []
     failures = [(j, r) for j, r in rows if not r.get("ok")]
     by_kernel = {}
@@ -538,8 +589,19 @@ def summarize(rows) -> tuple:
         lines.append(f"  (no ptxas log for {len(unknown)} compiles; spills unknown there)")
 
     over = [(j, r) for j, r in rows if r.get("ok") and "budget" in j and r["shared"] > j["budget"]]
+    kept_spills = [(j, r) for j, r in rows if r.get("ok") and _spills(r) and j["dtype"] in HALF
+                   and j.get("pruner") and j["pruner"]["verdict"] in ("keep", "fallback")]
     lines.append("")
-    lines.append(f"attention configs over the shared-memory budget "
+    lines.append(f"kept bf16/fp16 configs that spill (the resource model keeps them; "
+                 f"{'reported only, --allow-spills' if allow_spills else 'these fail the run'}):"
+                 f" {len(kept_spills)}")
+    for j, r in kept_spills:
+        lines.append(f"  {j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}] "
+                     f"({j['pruner']['verdict']}): spill {_spill_text(r)} B, regs {r.get('regs')}"
+                     f", estimate {j['pruner']['est_regs']:.0f}")
+
+    lines.append("")
+    lines.append(f"configs over the shared-memory budget "
                  f"(sm90 {SMEM_BUDGET[90]} B, sm80 {SMEM_BUDGET[80]} B): {len(over)}")
     for j, r in over:
         lines.append(f"  {j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]: "
@@ -556,25 +618,18 @@ def summarize(rows) -> tuple:
         if kept and not fits:
             disagree.append(f"  KEPT ({pr['verdict']}) but does not fit: {where}: shared "
                             f"{r['shared']} B > {j['budget']} B (estimate {pr['est_shared']} B)")
-        elif not kept and fits:
-            by_regs = pr["est_shared"] <= j["budget"]
-            if by_regs and r.get("spill_stores", 0) > 0:
-                continue  # dropped by the register model and it does spill: they agree
-            reason = (f"register estimate {pr['est_acc_regs']:.0f} fp32/thread > "
-                      f"{pr['reg_limit']}" if by_regs else
+        elif not kept and fits and not _spills(r):
+            reason = ("register estimate"
+                      if pr["est_shared"] <= j["budget"] else
                       f"shared estimate {pr['est_shared']} B > {j['budget']} B")
-            disagree.append(f"  DROPPED though it fits: {where}: shared {r['shared']} B <= "
-                            f"{j['budget']} B; dropped by the {reason}; real regs "
-                            f"{r.get('regs')}, spill {_spill_text(r)} B")
+            disagree.append(f"  DROPPED though it fits and does not spill: {where}: shared "
+                            f"{r['shared']} B <= {j['budget']} B; dropped by the {reason}; "
+                            f"real regs {r.get('regs')}")
     lines.append("")
-    lines.append(f"pruner disagreements (attention._prune vs real shared memory and spills): "
-                 f"{len(disagree)}")
+    lines.append(f"model disagreements (a kept config that does not fit, or a dropped one that "
+                 f"fits without spilling: conservative): {len(disagree)}")
     lines.extend(disagree)
-    out_of_sync = [j for j, _ in rows if j.get("pruner") and not j["pruner"]["estimate_in_sync"]]
-    if out_of_sync:
-        lines.append(f"  note: this script's restatement of _prune's estimate disagrees with "
-                     f"_prune itself for {len(out_of_sync)} configs (est.sh column unreliable)")
-    return lines, len(failures)
+    return lines, len(failures), (0 if allow_spills else len(kept_spills))
 
 
 def _tool_version(path: str) -> str:
@@ -629,6 +684,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small sweep")
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (1 or 2, default 2)")
+    parser.add_argument("--part", choices=["attention", "swiglu"], nargs="+",
+                        default=["attention", "swiglu"], help="kernel families to compile")
+    parser.add_argument("--allow-spills", action="store_true",
+                        help="report kept bf16/fp16 configs that spill without failing")
     parser.add_argument("--kernels-from-path", action="store_true",
                         help=f"load kernels/ by path (as {FALLBACK_PACKAGE}) even when "
                              "ckpt_ext.kernels imports")
@@ -643,7 +702,7 @@ def main(argv=None) -> int:
     attention, swiglu_mlp, source = load_kernel_modules(args.kernels_from_path)
     cuobjdump = find_cuobjdump()
     archs = list(dict.fromkeys(args.arch))
-    jobs = build_jobs(attention, swiglu_mlp, archs, args.quick)
+    jobs = build_jobs(attention, swiglu_mlp, archs, args.quick, tuple(args.part))
 
     cache_dir = tempfile.mkdtemp(prefix="ckpt_ext_triton_aot_cache.")
     os.environ["TRITON_CACHE_DIR"] = cache_dir
@@ -663,13 +722,16 @@ def main(argv=None) -> int:
         f"cuobjdump: {cuobjdump}",
         f"kernels:   {source}; git {_git_state()}",
         f"targets:   {', '.join(f'sm_{a} ({ARCH_FAMILY[a]} configs)' for a in archs)}; "
-        f"sweep {'quick' if args.quick else 'full'}; {jobs_n} worker(s); {len(jobs)} compiles",
+        f"sweep {'quick' if args.quick else 'full'} ({', '.join(args.part)}); {jobs_n} worker(s); "
+        f"{len(jobs)} compiles",
         "model:     contiguous tensors, 16-byte aligned pointers, unit strides = constexpr 1, "
         "other strides / H / I multiples of 16, S and T unspecialized",
         "columns:   shared = metadata.shared (dynamic, bytes); regs/stack/local from cuobjdump; "
         "spill st/ld = ptxas -v spill store/load bytes;",
-        "           fits = shared <= per-block budget; pruner = attention._prune on the arch's "
-        "candidate list (keep / drop / fallback); est.sh = its shared estimate; s = compile s",
+        "           fits = shared <= per-block budget; model = the kernel's launch_configs verdict "
+        "on the arch's candidates (keep / drop / fallback);",
+        "           est.sh / est.rg = the model's shared-memory and register estimates "
+        "(attention: fp32 accumulator values per thread); s = compile s",
     ]
     if interp is not None:
         header.append(f"note:      TRITON_INTERPRET={interp!r} was set and has been removed")
@@ -717,18 +779,21 @@ def main(argv=None) -> int:
         report.append(f"== {title}")
         report.extend(format_table(part_rows))
         report.append("")
-    summary, n_failed = summarize(rows)
+    summary, n_failed, n_spilled = summarize(rows, args.allow_spills)
     report.append("== summary")
     report.extend(summary)
     report.append("")
     report.append(f"wall time: {wall:.0f} s for {len(jobs)} compiles with {jobs_n} worker(s)")
-    report.append("RESULT: " + ("FAILED (compile failures above)" if n_failed else "all compiled"))
+    problems = ([f"{n_failed} compile failures"] if n_failed else []) + (
+        [f"{n_spilled} kept bf16/fp16 configs spill"] if n_spilled else [])
+    report.append("RESULT: " + (f"FAILED ({', '.join(problems)})" if problems else
+                                "all compiled; no kept bf16/fp16 config spills"))
     for line in report:
         print(line)
     sys.stdout.flush()
     if args.out:
         Path(args.out).write_text("\n".join(header + [""] + report) + "\n")
-    return 1 if n_failed else 0
+    return 1 if (n_failed or n_spilled) else 0
 
 
 if __name__ == "__main__":

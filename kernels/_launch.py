@@ -1,0 +1,281 @@
+"""The launch policy shared by every Triton kernel of ``ckpt_ext.kernels``.
+
+One module decides, for all kernel families (attention, SwiGLU, LM-head loss):
+
+* **Interpreter.** ``INTERPRET`` is True when the kernels run in Triton's CPU interpreter. It
+  is decided the way Triton decides it: ``@triton.jit`` makes an interpreted function when
+  ``TRITON_INTERPRET`` is set at the moment the kernel is defined, so the flag is taken, once,
+  from a probe kernel defined when this module is imported (by the first kernel module, that
+  is at the first Triton launch: ``ckpt_ext`` imports the kernels lazily).
+* **Autotuning.** ``CKPT_EXT_AUTOTUNE`` (``ckpt_ext.kernels.autotune_enabled``) is read once,
+  at the same import, and only off the interpreter. ``1`` (default): the launchers autotune
+  over their candidate configurations; ``0``: they launch the first candidate the kernel's
+  resource model keeps, untimed, falling back to the next one if the device refuses it
+  (:class:`FirstThatFits`). :func:`reload_policy` re-reads the switch and empties every
+  launcher cache (tests, benchmarks).
+* **Kernel variants.** ``CKPT_EXT_SWIGLU_GRID`` (``switch``, read with the autotune switch):
+  ``tiles`` (default) launches one program per output tile of the fused SwiGLU GEMMs;
+  ``persistent`` launches one program per SM (three in the interpreter, so that the loop is
+  tested), each looping over the tiles in the same grouped order (all but the LoRA backward,
+  whose tile loop spills on sm_90). The GPU validation decides the default.
+* **fp32 dot precision.** :func:`dot_precision`: fp32 operands use IEEE fp32 products when
+  torch's float32 matmul precision is ``"highest"`` (torch's default) and TF32 when the user
+  allowed it with ``torch.set_float32_matmul_precision("high"/"medium")``, the rule torch's
+  own matmuls follow, so a fused kernel is as exact as the matmuls it replaces under every
+  setting. Read at every launch with fp32 operands, as torch reads it at every matmul; the
+  result is part of the launcher cache key. fp16/bf16 operands are unaffected (tensor-core
+  dots with fp32 accumulation).
+* **Launcher caches.** Everything a launch decides from its specialization (device, dtype,
+  head_dim or shape class, causal, mask kind, flags) rather than from the tensors' values is
+  computed once per key by a function decorated with :func:`cached`: the kernel to launch
+  (plain, autotuned or first-that-fits), its constexpr arguments, the device's architecture
+  family and shared memory. A launch then costs a cache lookup, the argument checks and the
+  kernel call.
+* **Device.** :func:`on_device` makes a CUDA tensor's device current for the launch (Triton
+  launches on the current device), and is free when it already is.
+
+Kernel modules use :func:`select` to turn a candidate list into the launcher of one key, and
+expose their candidates and resource models through public functions (``launch_configs``)
+that ``tools/check_triton_compile.py`` reads.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Callable, Sequence
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+from . import autotune_enabled
+
+__all__ = ["INTERPRET", "AUTOTUNE", "SWIGLU_GRID", "switch", "reload_policy", "dot_precision",
+           "cached", "DeviceInfo", "arch_family", "smem_budget_for", "device_info", "on_device",
+           "placeholder", "FirstThatFits", "Fixed", "select", "cdiv", "next_pow2", "pow2_bucket"]
+
+
+# --------------------------------------------------------------------------------------------
+# Interpreter and autotuning: decided once
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _mode_probe(X):
+    pass
+
+
+def _interpreting() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - every supported triton has it
+        return False
+    return isinstance(_mode_probe, InterpretedFunction)
+
+
+def switch(name: str, values: Sequence[str], default: str) -> str:
+    """A kernel-variant switch from the environment: ``name``'s value, one of ``values``."""
+    value = os.environ.get(name, default)
+    if value not in values:
+        raise ValueError(f"{name} must be one of {', '.join(repr(v) for v in values)}, got "
+                         f"{value!r}")
+    return value
+
+
+INTERPRET: bool = _interpreting()
+AUTOTUNE: bool = (not INTERPRET) and autotune_enabled()
+# CKPT_EXT_SWIGLU_GRID: "tiles" (one program per output tile, grouped order) or "persistent"
+# (one program per SM looping over the tiles in the same order).
+SWIGLU_GRID: str = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "tiles")
+
+_CACHES: list = []
+
+
+def reload_policy() -> None:
+    """Read ``CKPT_EXT_AUTOTUNE`` and the variant switches again and forget every cached
+    launcher (and the device information), so that the next launch follows the current
+    environment. The interpreter flag cannot change: Triton fixed it when the kernels were
+    defined."""
+    global AUTOTUNE, SWIGLU_GRID
+    AUTOTUNE = (not INTERPRET) and autotune_enabled()
+    SWIGLU_GRID = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "tiles")
+    for cache in _CACHES:
+        cache.cache_clear()
+
+
+def cached(fn: Callable) -> Callable:
+    """Memoize a launcher builder on its (hashable) arguments; :func:`reload_policy` clears it."""
+    wrapped = functools.lru_cache(maxsize=None)(fn)
+    _CACHES.append(wrapped)
+    return wrapped
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 dot precision
+# --------------------------------------------------------------------------------------------
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of ``tl.dot`` for operands of ``dtype``: "ieee" for fp32 under
+    torch's "highest" float32 matmul precision, "tf32" for fp32 under "high" / "medium" (the
+    user allowed TF32 for fp32 matmuls) and for fp16/bf16 (where Triton ignores it)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+# --------------------------------------------------------------------------------------------
+class DeviceInfo:
+    """What the launchers need to know about a device, queried once per device."""
+
+    __slots__ = ("arch", "capability", "smem_budget", "sm_count")
+
+    def __init__(self, arch: str, capability: tuple, smem_budget: int, sm_count: int):
+        self.arch = arch                  # candidate family: "hopper" (sm_90+) or "ampere"
+        self.capability = capability      # (major, minor)
+        self.smem_budget = smem_budget    # bytes of shared memory one block may opt into
+        self.sm_count = sm_count
+
+    def __repr__(self):
+        return (f"DeviceInfo(arch={self.arch!r}, capability={self.capability}, "
+                f"smem_budget={self.smem_budget}, sm_count={self.sm_count})")
+
+
+def arch_family(major: int) -> str:
+    """The candidate family of a compute capability: Hopper and newer, else Ampere."""
+    return "hopper" if major >= 9 else "ampere"
+
+
+def smem_budget_for(capability: tuple) -> int:
+    """Per-block opt-in shared memory of a capability when the driver does not report it:
+    227 KiB on sm_90, 163 KiB on sm_80 (A100), 99 KiB on other Ampere / Ada parts."""
+    major, minor = capability
+    return 227 * 1024 if major >= 9 else (163 * 1024 if (major, minor) == (8, 0) else 99 * 1024)
+
+
+@cached
+def device_info(device: torch.device) -> DeviceInfo:
+    """Architecture family, shared-memory budget and SM count of a CUDA device (cached)."""
+    props = torch.cuda.get_device_properties(device)
+    cap = (props.major, props.minor)
+    budget = int(getattr(props, "shared_memory_per_block_optin", 0) or smem_budget_for(cap))
+    return DeviceInfo(arch_family(props.major), cap, budget, props.multi_processor_count)
+
+
+_NULL = contextlib.nullcontext()
+
+
+@cached
+def placeholder(device: torch.device) -> torch.Tensor:
+    """A one-element fp32 tensor on ``device`` for pointer arguments a specialization never
+    touches (absent biases, adapters, buffers); shared, never written."""
+    return torch.zeros((1,), dtype=torch.float32, device=device)
+
+
+def on_device(device: torch.device):
+    """A context in which ``device`` is the current CUDA device; a no-op for CPU tensors and
+    when it already is current (the common case: no device switch per launch)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return _NULL
+    return torch.cuda.device(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+def _config_kwargs(c) -> dict:
+    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+class Fixed:
+    """A kernel launched with fixed meta-parameters: ``Fixed(kernel, meta)[grid](*args)``.
+    ``meta`` is a mapping, or a zero-argument callable returning one (read at each launch, so
+    that tests can change the interpreter's block sizes)."""
+
+    __slots__ = ("kernel", "meta")
+
+    def __init__(self, kernel, meta):
+        self.kernel, self.meta = kernel, meta
+
+    def __getitem__(self, grid):
+        kernel, meta = self.kernel, self.meta
+
+        def launch(*args, **kwargs):
+            m = meta() if callable(meta) else meta
+            return kernel[grid](*args, **kwargs, **m)
+
+        return launch
+
+
+class FirstThatFits:
+    """The untimed launcher of ``CKPT_EXT_AUTOTUNE=0``: launches the first of ``configs`` that
+    the device accepts. A resource model is a model; Triton's own allocation can exceed it,
+    and such a config fails at launch with OutOfResources before anything runs. The launcher
+    then moves on to the next config and remembers where it got to: one FirstThatFits serves
+    one launcher-cache key (one specialization), so later launches start at the config that
+    fitted."""
+
+    def __init__(self, kernel, configs: Sequence):
+        if not configs:
+            raise ValueError("FirstThatFits: configs must not be empty")
+        self.kernel, self.configs = kernel, list(configs)
+        self._kwargs = [_config_kwargs(c) for c in self.configs]
+        self.start = 0
+
+    @property
+    def chosen(self):
+        """The config launched last (the first one before any launch)."""
+        return self.configs[self.start]
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            try:
+                return self.kernel[grid](*args, **kwargs, **self._kwargs[self.start])
+            except OutOfResources as exc:
+                errors = [f"{self.configs[self.start]}: {exc}"]
+            for i in range(self.start + 1, len(self.configs)):
+                try:
+                    out = self.kernel[grid](*args, **kwargs, **self._kwargs[i])
+                except OutOfResources as exc:
+                    errors.append(f"{self.configs[i]}: {exc}")
+                    continue
+                self.start = i
+                return out
+            raise RuntimeError(f"{getattr(self.kernel, '__name__', 'kernel')}: no candidate "
+                               f"configuration fits this device: " + "; ".join(errors))
+
+        return launch
+
+
+def select(kernel, configs: Sequence, *, interpret_meta, key: Sequence[str],
+           **autotune_kwargs):
+    """The launcher of one cache key, following the policy.
+
+    kernel: the ``@triton.jit`` function; configs: its candidates for this key, in order of
+    preference, already cut to those the kernel's resource model keeps (the first is what
+    ``CKPT_EXT_AUTOTUNE=0`` launches); interpret_meta: the fixed block sizes of interpreter
+    runs (a mapping or a zero-argument callable); key, autotune_kwargs: ``triton.autotune``'s
+    key and its other arguments (``reset_to_zero``, ``restore_value``). Returns an object
+    launched as ``launcher[grid](*args, **constexprs)``.
+    """
+    if INTERPRET:
+        return Fixed(kernel, interpret_meta)
+    if not AUTOTUNE:
+        return FirstThatFits(kernel, configs)
+    return triton.autotune(configs=list(configs), key=list(key), **autotune_kwargs)(kernel)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code (``triton.cdiv`` is a constexpr function: slower on the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host code."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def pow2_bucket(n: int, lo: int, hi: int | None = None) -> int:
+    """Autotuning key of a size: the next power of two, at least ``lo`` (at most ``hi``), so
+    that a run with varying sequence lengths tunes a handful of times, not once per length."""
+    b = max(lo, next_pow2(n))
+    return b if hi is None else min(b, hi)
