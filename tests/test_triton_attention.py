@@ -297,8 +297,8 @@ def test_dq_mode_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "fast")
     q, k, v, _ = _good()
     out, lse = attention.attention_fwd(q, k, v, None, None, None, True, 0.25)
-    with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be 'separate' or 'atomic', "
-                                         "got 'fast'"):
+    with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be one of 'separate', "
+                                         "'atomic', got 'fast'"):
         attention.attention_bwd(out, q, k, v, out, lse, None, None, None, True, 0.25)
 
 
