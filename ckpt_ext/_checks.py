@@ -254,3 +254,55 @@ def _check_lce_stat(op, name, t, hidden, T):
         raise TypeError(f"{op}: {name} must be {_dtype(_stat_dtype(hidden))} (float64 for "
                         f"float64 hidden, else float32), got {_dtype(t.dtype)}")
     _check_device_as(op, name, t, "hidden", hidden)
+
+
+# ---- whole-op checks (a fake and a launcher call the same one) ------------------------------
+
+def _check_attention_bwd(op, dout, q, k, v, out, lse, key_padding_mask, segment_ids, window,
+                         scale):
+    """attention_bwd's arguments; returns (B, Hq, Hkv, S, D)."""
+    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale)
+    _check_like(op, "dout", dout, "q", q, q.shape, "(the shape of q)")
+    _check_like(op, "out", out, "q", q, q.shape, "(the shape of q)")
+    _check_shape(op, "lse", lse, (B, Hq, S), "(B, Hq, S)")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"{op}: lse must be float32, got {_dtype(lse.dtype)}")
+    _check_device_as(op, "lse", lse, "q", q)
+    return B, Hq, Hkv, S, D
+
+
+def _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
+                      lora_dropout, dropout_seed):
+    """swiglu_fwd's arguments; returns (T, H, I, the 6 lora entries)."""
+    T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    lora = _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
+    return T, H, I, lora
+
+
+def _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
+                      lora_scaling, gate, up, needs_grad, lora_dropout, dropout_seed):
+    """swiglu_bwd's arguments; returns (T, H, I, the 6 lora entries)."""
+    T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
+                                      lora_scaling, lora_dropout, dropout_seed)
+    _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
+    if _absent(gate) != _absent(up):
+        state = {True: "absent", False: "given"}
+        raise ValueError(f"{op}: gate and up must be given together (save=\"gate_up\") or both "
+                         f"left out (save=\"input\"), got gate {state[_absent(gate)]} and up "
+                         f"{state[_absent(up)]}")
+    if not _absent(gate):
+        _check_like(op, "gate", gate, "x", x, (T, I), "(T, I)")
+        _check_like(op, "up", up, "x", x, (T, I), "(T, I)")
+    if len(needs_grad) != 12:
+        raise ValueError(f"{op}: needs_grad must have 12 entries [w_gate, w_up, w_down, b_gate, "
+                         f"b_up, b_down, A_gate, B_gate, A_up, B_up, A_down, B_down], got "
+                         f"{len(needs_grad)}")
+    return T, H, I, lora
+
+
+def _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse):
+    """linear_cross_entropy_bwd's arguments; returns (T, H, V)."""
+    T, H, V = _check_lce(op, hidden, weight, bias, labels)
+    _check_lce_stat(op, "dloss", dloss, hidden, T)
+    _check_lce_stat(op, "lse", lse, hidden, T)
+    return T, H, V

@@ -26,9 +26,9 @@ import torch
 
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
-                      _absent, _check_positive_finite, _check_qkv, _check_swiglu,
-                      _check_probability, _check_seed, _check_swiglu_lora, _check_rms, _check_rope,
-                      _stat_dtype, _check_lce, _check_lce_stat)
+                      _check_positive_finite, _check_qkv, _check_probability, _check_seed,
+                      _check_rms, _check_rope, _stat_dtype, _check_lce, _check_attention_bwd,
+                      _check_swiglu_fwd, _check_swiglu_bwd, _check_lce_bwd)
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
 
@@ -53,23 +53,16 @@ def _attention_fwd_fake(q, k, v, key_padding_mask, segment_ids, window, causal, 
 @torch.library.register_fake("ckpt_ext::attention_bwd")
 def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal,
                         scale):
-    op = "attention_bwd"
-    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale)
-    _check_like(op, "dout", dout, "q", q, q.shape, "(the shape of q)")
-    _check_like(op, "out", out, "q", q, q.shape, "(the shape of q)")
-    _check_shape(op, "lse", lse, (B, Hq, S), "(B, Hq, S)")
-    if lse.dtype != torch.float32:
-        raise TypeError(f"{op}: lse must be float32, got {_dtype(lse.dtype)}")
-    _check_device_as(op, "lse", lse, "q", q)
+    B, Hq, Hkv, S, D = _check_attention_bwd("attention_bwd", dout, q, k, v, out, lse,
+                                            key_padding_mask, segment_ids, window, scale)
     return _empty_bshd(q, B, Hq, S, D), _empty_bshd(q, B, Hkv, S, D), _empty_bshd(q, B, Hkv, S, D)
 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
 def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                      return_gate_up, lora_dropout=(), dropout_seed=None):
-    op = "swiglu_fwd"
-    T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
+    T, H, I, _ = _check_swiglu_fwd("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                   lora, lora_scaling, lora_dropout, dropout_seed)
     gate_up_shape = (T, I) if return_gate_up else (0,)
     return x.new_empty((T, H)), x.new_empty(gate_up_shape), x.new_empty(gate_up_shape)
 
@@ -77,22 +70,9 @@ def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_s
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                      gate, up, needs_grad, lora_dropout=(), dropout_seed=None):
-    op = "swiglu_bwd"
-    T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    lora = _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
-    _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
-    if _absent(gate) != _absent(up):
-        state = {True: "absent", False: "given"}
-        raise ValueError(f"{op}: gate and up must be given together (save=\"gate_up\") or both "
-                         f"left out (save=\"input\"), got gate {state[_absent(gate)]} and up "
-                         f"{state[_absent(up)]}")
-    if not _absent(gate):
-        _check_like(op, "gate", gate, "x", x, (T, I), "(T, I)")
-        _check_like(op, "up", up, "x", x, (T, I), "(T, I)")
-    if len(needs_grad) != 12:
-        raise ValueError(f"{op}: needs_grad must have 12 entries [w_gate, w_up, w_down, b_gate, "
-                         f"b_up, b_down, A_gate, B_gate, A_up, B_up, A_down, B_down], got "
-                         f"{len(needs_grad)}")
+    T, H, I, lora = _check_swiglu_bwd("swiglu_bwd", dy, x, w_gate, w_up, w_down, b_gate, b_up,
+                                      b_down, lora, lora_scaling, gate, up, needs_grad,
+                                      lora_dropout, dropout_seed)
 
     def grad(wanted, t, shape=None):
         """A gradient of t's shape (or `shape`) and x's dtype where computed, else (0,)."""
@@ -408,10 +388,8 @@ def _linear_cross_entropy_fwd_fake(hidden, weight, bias, labels, ignore_index):
 
 @torch.library.register_fake("ckpt_ext::linear_cross_entropy_bwd")
 def _linear_cross_entropy_bwd_fake(dloss, hidden, weight, bias, labels, lse, ignore_index):
-    op = "linear_cross_entropy_bwd"
-    T, H, V = _check_lce(op, hidden, weight, bias, labels)
-    _check_lce_stat(op, "dloss", dloss, hidden, T)
-    _check_lce_stat(op, "lse", lse, hidden, T)
+    T, H, V = _check_lce_bwd("linear_cross_entropy_bwd", dloss, hidden, weight, bias, labels,
+                             lse)
     return (hidden.new_empty((T, H)), hidden.new_empty((V, H)),
             hidden.new_empty((V,) if bias is not None else (0,)))
 

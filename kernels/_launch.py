@@ -53,7 +53,8 @@ from . import autotune_enabled
 
 __all__ = ["INTERPRET", "AUTOTUNE", "SWIGLU_GRID", "switch", "reload_policy", "dot_precision",
            "cached", "DeviceInfo", "arch_family", "smem_budget_for", "device_info", "on_device",
-           "placeholder", "FirstThatFits", "Fixed", "select", "cdiv", "next_pow2", "pow2_bucket"]
+           "placeholder", "check_operands", "FirstThatFits", "Fixed", "select", "cdiv",
+           "next_pow2", "pow2_bucket"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,6 +178,35 @@ def on_device(device: torch.device):
     if device.type != "cuda" or device.index == torch.cuda.current_device():
         return _NULL
     return torch.cuda.device(device)
+
+
+# --------------------------------------------------------------------------------------------
+# What the Triton kernels add to an op's argument checks
+# --------------------------------------------------------------------------------------------
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_operands(op: str, *named, uses_dot: bool = True) -> None:
+    """The Triton-only rules, after the op's own checks (``ckpt_ext._checks``, shared with its
+    fake, which already gave the shapes, dtypes and devices): every ``(name, tensor)`` given
+    (None skipped) is float16, bfloat16 or float32 (TypeError); the first one is on a CUDA
+    device, or on the CPU under the interpreter (RuntimeError, as for tensors on different
+    devices); for kernels with ``tl.dot`` (``uses_dot``) bfloat16 is refused under the
+    interpreter, whose bf16 ``tl.dot`` is wrong (NotImplementedError)."""
+    for name, t in named:
+        if t is not None and t.dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"{op}: {name} must be float16, bfloat16 or float32 for the Triton "
+                            f"kernels, got {str(t.dtype).replace('torch.', '')}")
+    name, first = named[0]
+    if first.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"{op}: {name} is on {first.device}; the Triton kernels need a CUDA "
+                           f"device (CPU tensors only with TRITON_INTERPRET=1 set before triton "
+                           f"is imported)")
+    if uses_dot and first.dtype == torch.bfloat16 and INTERPRET:
+        raise NotImplementedError(
+            f"{op}: bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1), "
+            f"whose bf16 tl.dot gives wrong results (triton#11584); use float16 or float32 "
+            f"there, or the ATen CPU kernels (leave CKPT_EXT_BACKEND unset)")
 
 
 # --------------------------------------------------------------------------------------------

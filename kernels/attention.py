@@ -57,12 +57,11 @@ with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is launched untimed. 
 CPU tests stay fast. Launchers are cached per (kernel, device, dtype, head_dim, causal, mask
 kind, window, fp32 dot precision).
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import _checks
 from . import _launch
 
 __all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs",
@@ -776,62 +775,16 @@ def _s_bucket(S: int) -> int:
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_LIMIT = 1 << 30  # a band reach that no sequence reaches: "no limit on this side"
 
 
-def _check_qkv(name, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0):
-    """Validate q (B, Hq, S, D), k/v (B, Hkv, S, D), the masks and scale; return
-    (B, Hq, Hkv, S, D)."""
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: {arg} must have 4 dims (B, H, S, D), got shape {tuple(t.shape)}")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"{name}: q must be float16, bfloat16 or float32, got {q.dtype}")
-    for arg, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: {arg} must have the dtype of q ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: {arg} is on {t.device} but q is on {q.device}")
-    B, Hq, S, D = q.shape
-    Hkv = k.shape[1]
-    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-        raise ValueError(f"{name}: k must have shape (B={B}, Hkv, S={S}, D={D}), got {tuple(k.shape)}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"{name}: k must have Hkv dividing Hq={Hq}, got Hkv={Hkv}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"{name}: v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+def _kernel_rules(name, q, D):
+    """What the Triton kernels add to the op's checks (``ckpt_ext._checks``, shared with the
+    fakes): head_dim 16..256, fp16/bf16/fp32, a CUDA device (or the interpreter)."""
     if not 16 <= D <= 256:
-        raise ValueError(f"{name}: q must have head_dim D in 16..256, got D={D}")
-    for arg, m, dtypes, what in (("key_padding_mask", key_padding_mask, (torch.bool,), "a bool"),
-                                 ("segment_ids", segment_ids, (torch.int32, torch.int64),
-                                  "an int32 or int64")):
-        if m is None:
-            continue
-        if not isinstance(m, torch.Tensor) or m.dtype not in dtypes:
-            got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
-            raise TypeError(f"{name}: {arg} must be {what} tensor, got {got}")
-        if tuple(m.shape) != (B, S):
-            raise ValueError(f"{name}: {arg} must have shape (B={B}, S={S}), got {tuple(m.shape)}")
-        if m.device != q.device:
-            raise ValueError(f"{name}: {arg} is on {m.device} but q is on {q.device}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window <= 0):
-        raise ValueError(f"{name}: window must be an int > 0 (key j is visible from query i "
-                         f"iff i - window < j <= i), got {window!r}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{name}: scale must be a finite number > 0, got {scale}")
-    if q.device.type != "cuda" and not _launch.INTERPRET:
-        raise RuntimeError(f"{name}: q is on {q.device}; the Triton kernels need a CUDA device "
-                           f"or TRITON_INTERPRET=1 (set before triton is imported)")
-    if q.dtype == torch.bfloat16 and _launch.INTERPRET:
-        raise NotImplementedError(
-            f"{name}: bfloat16 is not supported under the Triton interpreter "
-            f"(TRITON_INTERPRET=1), whose bf16 tl.dot gives wrong results (triton#11584); use "
-            f"float16 or float32 there, or the ATen CPU kernels (leave CKPT_EXT_BACKEND unset)")
-    return B, Hq, Hkv, S, D
+        raise ValueError(f"{name}: q must have head_dim D in 16..256 for the Triton kernels, "
+                         f"got D={D}")
+    _launch.check_operands(name, ("q", q))
 
 
 def _mask_args(key_padding_mask, fallback):
@@ -910,8 +863,9 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     natural-log logsumexp of the scaled masked scores, -inf for rows with nothing to attend
     (their out is 0). Key tiles that the window or the segments rule out are not visited.
     """
-    B, Hq, Hkv, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
-                                  window, scale)
+    B, Hq, Hkv, S, D = _checks._check_qkv("attention_fwd", q, k, v, key_padding_mask,
+                                          segment_ids, window, scale)
+    _kernel_rules("attention_fwd", q, D)
     out = _empty_bshd(B, Hq, S, D, q.dtype, q.device)
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     if B * Hq * S == 0:
@@ -944,24 +898,9 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     dk/dv of a KV head sum its query group in a fixed order (deterministic, no atomics).
     """
     name = "attention_bwd"
-    B, Hq, Hkv, S, D = _check_qkv(name, q, k, v, key_padding_mask, segment_ids, window, scale)
-    for arg, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != tuple(q.shape):
-            raise ValueError(f"{name}: {arg} must have the shape of q {tuple(q.shape)}, "
-                             f"got {tuple(t.shape)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: {arg} must have the dtype of q ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: {arg} is on {t.device} but q is on {q.device}")
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, Hq, S):
-        got = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
-        raise ValueError(f"{name}: lse must have shape (B={B}, Hq={Hq}, S={S}), got {got}")
-    if lse.dtype != torch.float32:
-        raise TypeError(f"{name}: lse must be float32, got {lse.dtype}")
-    if lse.device != q.device:
-        raise ValueError(f"{name}: lse is on {lse.device} but q is on {q.device}")
+    B, Hq, Hkv, S, D = _checks._check_attention_bwd(name, dout, q, k, v, out, lse,
+                                                    key_padding_mask, segment_ids, window, scale)
+    _kernel_rules(name, q, D)
 
     dq = _empty_bshd(B, Hq, S, D, q.dtype, q.device)
     dk = _empty_bshd(B, Hkv, S, D, k.dtype, q.device)

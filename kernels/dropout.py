@@ -84,9 +84,7 @@ def lora_dropout(x, seed, stream, p):
     """The ``lora_dropout`` op on a CUDA tensor (or a CPU one under the interpreter)."""
     op = "lora_dropout"
     _check_floating(op, "x", x)
-    if x.dtype == torch.float64:
-        raise TypeError(f"{op}: x must be float16, bfloat16 or float32 for the Triton kernel, "
-                        f"got float64")
+    _launch.check_operands(op, ("x", x), uses_dot=False)
     _check_probability(op, "p", p)
     key = dropout_key(read_seed(op, "seed", seed), stream)
     src = x.contiguous()

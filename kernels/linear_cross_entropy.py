@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import _check_lce, _check_lce_bwd
 from . import _launch
 from .swiglu_mlp import _tile_coords
 _LOG2E = 1.4426950408889634
@@ -230,48 +231,13 @@ def _vocab_chunk(T, V, H, device):
 
 
 # --------------------------------------------------------------------------------------------
-# Validation
+# Validation: the op's own checks (ckpt_ext._checks, shared with the fakes), then the Triton
+# kernels' (_launch.check_operands)
 # --------------------------------------------------------------------------------------------
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_tensor(op, name, t, shape, shape_text, dtype, device_of):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{op}: {name} must have shape {shape_text} = {shape}, got "
-                         f"{tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{op}: {name} must be {dtype}, got {t.dtype}")
-    if t.device != device_of.device:
-        raise ValueError(f"{op}: {name} must be on the device of hidden ({device_of.device}), "
-                         f"got {t.device}")
-
-
 def _check_inputs(op, hidden, weight, bias, labels):
     """Validate the arguments shared by both launchers; returns (T, H, V)."""
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"{op}: hidden must be a torch.Tensor, got {type(hidden).__name__}")
-    if hidden.dim() != 2:
-        raise ValueError(f"{op}: hidden must be 2-D (T, H) with the tokens flattened, got shape "
-                         f"{tuple(hidden.shape)}")
-    if hidden.dtype not in _DTYPES:
-        raise TypeError(f"{op}: hidden must be float16, bfloat16 or float32, got {hidden.dtype}")
-    if hidden.device.type != "cuda" and not _launch.INTERPRET:
-        raise ValueError(f"{op}: hidden is on {hidden.device}; the Triton kernels need CUDA "
-                         f"tensors (CPU tensors only with TRITON_INTERPRET=1 set before triton "
-                         f"is imported)")
-    T, H = hidden.shape
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] == 0:
-        raise ValueError(f"{op}: weight must have shape (V, H) with V >= 1 and H = "
-                         f"hidden.shape[1] = {H}, got {tuple(weight.shape)}")
-    V = weight.shape[0]
-    _check_tensor(op, "weight", weight, (V, H), "(V, H)", hidden.dtype, hidden)
-    if bias is not None:
-        _check_tensor(op, "bias", bias, (V,), "(V,)", hidden.dtype, hidden)
-    _check_tensor(op, "labels", labels, (T,), "(T,)", torch.int64, hidden)
+    T, H, V = _check_lce(op, hidden, weight, bias, labels)
+    _launch.check_operands(op, ("hidden", hidden))
     return T, H, V
 
 
@@ -342,9 +308,8 @@ def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_in
         chunk (rounded once); dhidden sums the chunks in fp32 and is rounded once.
     """
     op = "linear_cross_entropy_bwd"
+    _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse)
     T, H, V = _check_inputs(op, hidden, weight, bias, labels)
-    _check_tensor(op, "dloss", dloss, (T,), "(T,)", torch.float32, hidden)
-    _check_tensor(op, "lse", lse, (T,), "(T,)", torch.float32, hidden)
     dweight = hidden.new_empty((V, H))
     dbias = hidden.new_empty((V,) if bias is not None else (0,))
     if T == 0:

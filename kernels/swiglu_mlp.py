@@ -36,14 +36,12 @@ a GPU they autotune over the candidates that the resource model (``launch_config
 the device, dtype and adapters, or with ``CKPT_EXT_AUTOTUNE=0`` launch the first of them
 untimed. Launchers are cached per (device, dtype, fp32 dot precision, flags, adapter ranks).
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from . import _launch
-from .._checks import _check_probability, _check_seed
+from .._checks import _check_swiglu_bwd, _check_swiglu_fwd
 from .dropout import dropout_key, dropout_threshold, keep_mask
 from .dropout import lora_dropout as _lora_dropout
 
@@ -597,55 +595,9 @@ def _grid(T, I, programs):
 
 
 # --------------------------------------------------------------------------------------------
-# Validation
+# Validation: the op's own checks (ckpt_ext._checks, shared with the fakes), then the Triton
+# kernels' (_launch.check_operands)
 # --------------------------------------------------------------------------------------------
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_tensor(op, name, t, shape, shape_text, x):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{op}: {name} must have shape {shape_text} = {shape}, got {tuple(t.shape)}")
-    if t.dtype != x.dtype:
-        raise TypeError(f"{op}: {name} must have the dtype of x ({x.dtype}), got {t.dtype}")
-    if t.device != x.device:
-        raise ValueError(f"{op}: {name} must be on the device of x ({x.device}), got {t.device}")
-
-
-def _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-    """Validate the common arguments of both launchers; returns (T, H, I)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be 2-D (T, H) with the tokens flattened, got shape "
-                         f"{tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{op}: x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.device.type != "cuda" and not _launch.INTERPRET:
-        raise ValueError(f"{op}: x is on {x.device}; the Triton kernels need CUDA tensors "
-                         f"(CPU tensors only with TRITON_INTERPRET=1 set before triton is imported)")
-    if x.dtype == torch.bfloat16 and _launch.INTERPRET:
-        raise NotImplementedError(
-            f"{op}: bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1), "
-            f"whose bf16 tl.dot gives wrong results (triton#11584); use float16 or float32 "
-            f"there, or the ATen CPU kernels (leave CKPT_EXT_BACKEND unset)")
-    T, H = x.shape
-    if not isinstance(w_gate, torch.Tensor):
-        raise TypeError(f"{op}: w_gate must be a torch.Tensor, got {type(w_gate).__name__}")
-    if w_gate.dim() != 2 or w_gate.shape[1] != H:
-        raise ValueError(f"{op}: w_gate must have shape (I, H) with H = x.shape[1] = {H}, got "
-                         f"{tuple(w_gate.shape)}")
-    I = w_gate.shape[0]
-    _check_tensor(op, "w_gate", w_gate, (I, H), "(I, H)", x)
-    _check_tensor(op, "w_up", w_up, (I, H), "(I, H)", x)
-    _check_tensor(op, "w_down", w_down, (H, I), "(H, I)", x)
-    for name, b, shape in (("b_gate", b_gate, (I,)), ("b_up", b_up, (I,)), ("b_down", b_down, (H,))):
-        if b is not None:
-            _check_tensor(op, name, b, shape, "(I,)" if name != "b_down" else "(H,)", x)
-    return T, H, I
-
-
 def _absent(t):
     """A saved gate/up counts as absent when it is None or the 1-D empty placeholder that
     swiglu_fwd(..., return_gate_up=False) returns."""
@@ -653,56 +605,14 @@ def _absent(t):
 
 
 _LORA_NAMES = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
-_NEEDS_NAMES = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") + _LORA_NAMES
 
 
-def _check_lora(op, lora, lora_scaling, x, H, I):
-    """Validate the adapters; returns three entries (gate, up, down), each None or
-    (A, B, scale) with A (r, in), B (out, r) as given."""
-    lora = list(lora)
-    lora_scaling = list(lora_scaling)
-    if len(lora) not in (0, 6):
-        raise ValueError(f"{op}: lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, "
-                         f"A_down, B_down], got {len(lora)} entries")
-    if len(lora_scaling) != (3 if lora else 0):
-        raise ValueError(f"{op}: lora_scaling must have 3 entries (gate, up, down) with adapters "
-                         f"and none without, got {len(lora_scaling)} for {len(lora)} lora entries")
-    if not lora:
-        return [None, None, None]
-    out = []
-    for p, (n_in, n_out) in enumerate(((H, I), (H, I), (I, H))):
-        a, b = lora[2 * p], lora[2 * p + 1]
-        an, bn = _LORA_NAMES[2 * p], _LORA_NAMES[2 * p + 1]
-        if (a is None) != (b is None):
-            raise ValueError(f"{op}: lora {an} and {bn} come together, got {an} "
-                             f"{'None' if a is None else 'given'} and {bn} "
-                             f"{'None' if b is None else 'given'}")
-        if a is None:
-            out.append(None)
-            continue
-        for name, t in ((an, a), (bn, b)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in _DTYPES:
-                raise TypeError(f"{op}: {name} must be float16, bfloat16 or float32 for the "
-                                f"Triton kernels, got {t.dtype}")
-            if t.device != x.device:
-                raise ValueError(f"{op}: {name} must be on the device of x ({x.device}), got "
-                                 f"{t.device}")
-        if a.dim() != 2 or a.shape[0] < 1 or a.shape[1] != n_in:
-            raise ValueError(f"{op}: {an} must have shape (r, in) with r >= 1 and in = {n_in}, "
-                             f"got {tuple(a.shape)}")
-        r = a.shape[0]
-        if tuple(b.shape) != (n_out, r):
-            raise ValueError(f"{op}: {bn} must have shape (out, r) = {(n_out, r)}, got "
-                             f"{tuple(b.shape)}")
-        if b.dtype != a.dtype:
-            raise TypeError(f"{op}: {bn} must have the dtype of {an} ({a.dtype}), got {b.dtype}")
-        s = float(lora_scaling[p])
-        if not math.isfinite(s):
-            raise ValueError(f"{op}: lora_scaling[{p}] must be finite, got {s}")
-        out.append((a, b, s))
-    return out
+def _adapters(op, x, lora, lora_scaling):
+    """The three adapters (gate, up, down) of a checked ``lora`` list, each None or
+    (A, B, scale), after the Triton kernels' dtype rule."""
+    _launch.check_operands(op, ("x", x), *zip(_LORA_NAMES, lora))
+    return [None if lora[2 * p] is None else (lora[2 * p], lora[2 * p + 1],
+                                              float(lora_scaling[p])) for p in range(3)]
 
 
 class _Dropout:
@@ -713,24 +623,12 @@ class _Dropout:
         self.key = dropout_key(int(seed.item()), stream)
 
 
-def _check_dropout(op, lora_dropout, dropout_seed, lora_scaling, ad):
-    """The three adapters' dropouts (gate, up, down), each None or a _Dropout."""
-    lora_dropout = list(lora_dropout)
-    if len(lora_dropout) not in (0, len(lora_scaling)):
-        raise ValueError(f"{op}: lora_dropout must be [] or have 3 entries (gate, up, down) "
-                         f"with adapters, got {len(lora_dropout)} for {len(lora_scaling)} "
-                         f"lora_scaling entries")
-    out = [None, None, None]
-    for p, prob in enumerate(lora_dropout):
-        if ad[p] is None or prob == 0.0:
-            continue
-        _check_probability(op, f"lora_dropout[{p}]", prob)
-        if dropout_seed is None:
-            raise ValueError(f"{op}: dropout_seed is required when lora_dropout has a "
-                             f"probability > 0")
-        _check_seed(op, "dropout_seed", dropout_seed)
-        out[p] = _Dropout(float(prob), dropout_seed, 4 + p)
-    return out
+def _dropouts(lora_dropout, dropout_seed, ad):
+    """The three adapters' dropouts (gate, up, down), each None or a _Dropout (the arguments
+    were checked with the op's)."""
+    return [_Dropout(float(prob), dropout_seed, 4 + p)
+            if ad[p] is not None and prob != 0.0 else None
+            for p, prob in enumerate(list(lora_dropout) or [0.0] * 3)]
 
 
 def _adapter_input(xf, drop):
@@ -818,9 +716,10 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     rounded once more (PEFT's order for an fp32 adapter on a half-precision base).
     """
     op = "swiglu_fwd"
-    T, H, I = _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    ad = _check_lora(op, lora, lora_scaling, x, H, I)
-    drop = _check_dropout(op, lora_dropout, dropout_seed, lora_scaling, ad)
+    T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
+                                      lora_scaling, lora_dropout, dropout_seed)
+    ad = _adapters(op, x, lora, lora_scaling)
+    drop = _dropouts(lora_dropout, dropout_seed, ad)
     h = x.new_empty((T, I))
     # Distinct placeholders: an op's outputs must not alias each other.
     gu_shape = (T, I) if return_gate_up else (0,)
@@ -884,22 +783,13 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     carry the adapter's dropout; the low-rank part of dx (and of dh) gets the same mask.
     """
     op = "swiglu_bwd"
-    T, H, I = _check_inputs(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    ad = _check_lora(op, lora, lora_scaling, x, H, I)
-    drop = _check_dropout(op, lora_dropout, dropout_seed, lora_scaling, ad)
-    _check_tensor(op, "dy", dy, (T, H), "(T, H)", x)
-    if _absent(gate) != _absent(up):
-        raise ValueError(f"{op}: gate and up must be given together (save='gate_up') or both "
-                         f"left out (save='input'), got gate={'absent' if _absent(gate) else 'given'}"
-                         f" and up={'absent' if _absent(up) else 'given'}")
+    T, H, I, lora = _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                      lora, lora_scaling, gate, up, needs_grad, lora_dropout,
+                                      dropout_seed)
+    ad = _adapters(op, x, lora, lora_scaling)
+    drop = _dropouts(lora_dropout, dropout_seed, ad)
     recompute = _absent(gate)
-    if not recompute:
-        _check_tensor(op, "gate", gate, (T, I), "(T, I)", x)
-        _check_tensor(op, "up", up, (T, I), "(T, I)", x)
     needs = [bool(n) for n in needs_grad]
-    if len(needs) != 12:
-        raise ValueError(f"{op}: needs_grad must have 12 entries {list(_NEEDS_NAMES)}, got "
-                         f"{len(needs)}")
     n_wg, n_wu, n_wd = needs[0:3]
     n_bg, n_bu, n_bd = (needs[3] and b_gate is not None, needs[4] and b_up is not None,
                         needs[5] and b_down is not None)

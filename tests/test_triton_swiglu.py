@@ -266,22 +266,25 @@ def _bad(**changes):
 
 @pytest.mark.parametrize("changes, exc, match", [
     (dict(w_up=torch.zeros(I, H - 1)), ValueError,
-     r"swiglu_fwd: w_up must have shape \(I, H\) = \(172, 96\), got \(172, 95\)"),
+     r"swiglu_fwd: w_up must have shape \(172, 96\) \(I, H\), the shape of w_gate, got "
+     r"\(172, 95\)"),
     (dict(w_down=torch.zeros(I, H)), ValueError,
-     r"swiglu_fwd: w_down must have shape \(H, I\) = \(96, 172\), got \(172, 96\)"),
+     r"swiglu_fwd: w_down must have shape \(96, 172\) \(H, I\) for w_gate of shape \(I, H\), "
+     r"got \(172, 96\)"),
     (dict(w_gate=torch.zeros(I, H + 1)), ValueError,
-     r"swiglu_fwd: w_gate must have shape \(I, H\) with H = x.shape\[1\] = 96, got \(172, 97\)"),
-    (dict(x=torch.zeros(2, 5, H)), ValueError, r"swiglu_fwd: x must be 2-D \(T, H\)"),
+     r"swiglu_fwd: w_gate must have shape \(172, 96\) \(I, H\) with H=96 from x, got "
+     r"\(172, 97\)"),
+    (dict(x=torch.zeros(2, 5, H)), ValueError, r"swiglu_fwd: x must have 2 dims \(T, H\)"),
     (dict(x=torch.zeros(5, H, dtype=torch.int32)), TypeError,
-     r"swiglu_fwd: x must be float16, bfloat16 or float32, got torch.int32"),
+     r"swiglu_fwd: x must be float16, bfloat16, float32 or float64, got int32"),
     (dict(w_up=torch.zeros(I, H, dtype=torch.float16)), TypeError,
-     r"swiglu_fwd: w_up must have the dtype of x \(torch.float32\), got torch.float16"),
+     r"swiglu_fwd: w_up must have the dtype of x \(float32\), got float16"),
     (dict(b_gate=torch.zeros(I + 1)), ValueError,
-     r"swiglu_fwd: b_gate must have shape \(I,\) = \(172,\), got \(173,\)"),
+     r"swiglu_fwd: b_gate must have shape \(172,\) \(I,\), got \(173,\)"),
     (dict(b_down=torch.zeros(I)), ValueError,
-     r"swiglu_fwd: b_down must have shape \(H,\) = \(96,\), got \(172,\)"),
-    (dict(w_down=torch.zeros(H, I, device="meta")), ValueError,
-     r"swiglu_fwd: w_down must be on the device of x"),
+     r"swiglu_fwd: b_down must have shape \(96,\) \(H,\), got \(172,\)"),
+    (dict(w_down=torch.zeros(H, I, device="meta")), RuntimeError,
+     r"swiglu_fwd: w_down is on meta but x is on"),
 ])
 def test_fwd_errors(changes, exc, match):
     args = _bad(**{k: v.to(DEVICE) if v.device.type != "meta" else v for k, v in changes.items()})
@@ -291,12 +294,14 @@ def test_fwd_errors(changes, exc, match):
 
 def test_bwd_errors():
     x, wg, wu, wd, bg, bu, bd, dy = make_inputs(5, H, I, torch.float32, True)
-    with pytest.raises(ValueError, match=r"swiglu_bwd: dy must have shape \(T, H\) = \(5, 96\), got \(4, 96\)"):
+    with pytest.raises(ValueError, match=r"swiglu_bwd: dy must have shape \(5, 96\) \(T, H\), "
+                                         r"the shape of x, got \(4, 96\)"):
         swiglu_mlp.swiglu_bwd(dy[:4], x, wg, wu, wd, bg, bu, bd, [], [], None, None, ALL_GRADS)
     gate = torch.zeros(5, I, device=DEVICE)
     with pytest.raises(ValueError, match=r"swiglu_bwd: gate and up must be given together"):
         swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], gate, None, ALL_GRADS)
-    with pytest.raises(ValueError, match=r"swiglu_bwd: up must have shape \(T, I\) = \(5, 172\), got \(5, 171\)"):
+    with pytest.raises(ValueError, match=r"swiglu_bwd: up must have shape \(5, 172\) \(T, I\), "
+                                         r"got \(5, 171\)"):
         swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], gate, gate[:, :-1],
                               ALL_GRADS)
 
@@ -478,9 +483,10 @@ def _lora_fwd_error(lora, scaling):
     ([torch.zeros(4, H)] + [None] * 5, [1.0] * 3, ValueError,
      r"swiglu_fwd: lora A_gate and B_gate come together"),
     ([torch.zeros(4, H + 1), torch.zeros(I, 4)] + [None] * 4, [1.0] * 3, ValueError,
-     r"swiglu_fwd: A_gate must have shape \(r, in\) with r >= 1 and in = 96"),
+     r"swiglu_fwd: A_gate must have shape \(4, 96\) \(r, in\) with in = 96, got \(4, 97\)"),
     ([None] * 4 + [torch.zeros(4, I), torch.zeros(H, 3)], [1.0] * 3, ValueError,
-     r"swiglu_fwd: B_down must have shape \(out, r\) = \(96, 4\), got \(96, 3\)"),
+     r"swiglu_fwd: B_down must have shape \(96, 4\) \(out, r\) with out = 96 and r from "
+     r"A_down, got \(96, 3\)"),
     ([None, None, torch.zeros(4, H), torch.zeros(I, 4, dtype=torch.float16)] + [None] * 2,
      [1.0] * 3, TypeError, r"swiglu_fwd: B_up must have the dtype of A_up"),
     ([torch.zeros(4, H, dtype=torch.float64), torch.zeros(I, 4, dtype=torch.float64)]
