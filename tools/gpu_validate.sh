@@ -62,7 +62,12 @@ for stage in "${expand[@]}"; do
       ;;
     kernels)
       log "kernel benchmarks"
-      { python3 bench/attention.py && python3 bench/swiglu.py && python3 bench/rowwise.py; } \
+      # both dQ paths (CKPT_EXT_ATTN_DQ) and both SwiGLU grids (CKPT_EXT_SWIGLU_GRID) in one run
+      { python3 bench/attention.py --providers triton,triton_atomic,sdpa,eager \
+          && python3 bench/swiglu.py \
+          && CKPT_EXT_SWIGLU_GRID=persistent python3 bench/swiglu.py \
+               --out bench/results/swiglu_persistent_gpu.csv \
+          && python3 bench/rowwise.py; } \
           2>&1 | tee -a "$out/gpu_bench.log" | tail -60 || status=1
       ;;
     demo)
