@@ -2,8 +2,10 @@
 without a bf16 MixedPrecisionPolicy): 2 processes on gloo, CPU. Each rank trains a few SGD
 steps on its own batch; the losses equal the unpatched model's under the same wrapper and,
 without mixed precision, a single-process run that averages the ranks' gradients."""
+import datetime
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
 WORLD, STEPS, B, S = 2, 2, 2, 13
+TIMEOUT_S = 240  # a run takes about 20 s; a hung collective must not hang the suite
 
 
 def make_model():
@@ -45,7 +48,7 @@ def loss_of(model, rank):
 def _worker(rank, init_file, wrapper, patched, out_dir):
     import ckpt_ext
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         model = make_model()
         if patched:
@@ -70,6 +73,7 @@ def _worker(rank, init_file, wrapper, patched, out_dir):
         inner = model.module if wrapper == "ddp" else model
         fused = sum(layer.forward.calls["fused"] for layer in inner.model.layers) if patched else 0
         torch.save({"losses": losses, "fused": fused}, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()  # both ranks done before either tears the group down
     finally:
         dist.destroy_process_group()
 
@@ -77,8 +81,16 @@ def _worker(rank, init_file, wrapper, patched, out_dir):
 def run_distributed(tmp_path, wrapper, patched):
     out = tmp_path / f"{wrapper}-{patched}"
     out.mkdir()
-    mp.start_processes(_worker, args=(str(out / "init"), wrapper, patched, str(out)),
-                       nprocs=WORLD, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(str(out / "init"), wrapper, patched, str(out)),
+                             nprocs=WORLD, start_method="spawn", join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=2):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            done = sorted(f.name for f in out.glob("*.pt"))
+            pytest.fail(f"{wrapper} workers did not finish within {TIMEOUT_S} s (results "
+                        f"written: {done or 'none'}); killed")
     return [torch.load(out / f"{r}.pt") for r in range(WORLD)]
 
 
