@@ -17,7 +17,10 @@ One module decides, for all kernel families (attention, SwiGLU, LM-head loss):
   ``tiles`` (default) launches one program per output tile of the fused SwiGLU GEMMs;
   ``persistent`` launches one program per SM (three in the interpreter, so that the loop is
   tested), each looping over the tiles in the same grouped order (all but the LoRA backward,
-  whose tile loop spills on sm_90). The GPU validation decides the default.
+  whose tile loop spills on sm_90). ``CKPT_EXT_SWIGLU_EPILOGUE``: ``subtiled`` (default) runs
+  the SwiGLU backward's pointwise epilogue on column pieces of the tile, as narrow as the
+  resource model needs for the tile to stay spill-free; ``whole`` runs it on the whole tile
+  (and the model drops the tiles that spill). The GPU validation decides the defaults.
 * **fp32 dot precision.** :func:`dot_precision`: fp32 operands use IEEE fp32 products when
   torch's float32 matmul precision is ``"highest"`` (torch's default) and TF32 when the user
   allowed it with ``torch.set_float32_matmul_precision("high"/"medium")``, the rule torch's
@@ -51,10 +54,10 @@ from triton.runtime.errors import OutOfResources
 
 from . import autotune_enabled
 
-__all__ = ["INTERPRET", "AUTOTUNE", "SWIGLU_GRID", "switch", "reload_policy", "dot_precision",
-           "cached", "DeviceInfo", "arch_family", "smem_budget_for", "device_info", "on_device",
-           "placeholder", "check_operands", "FirstThatFits", "Fixed", "select", "cdiv",
-           "next_pow2", "pow2_bucket"]
+__all__ = ["INTERPRET", "AUTOTUNE", "SWIGLU_GRID", "SWIGLU_EPILOGUE", "switch", "reload_policy",
+           "dot_precision", "cached", "DeviceInfo", "arch_family", "smem_budget_for",
+           "device_info", "on_device", "placeholder", "check_operands", "FirstThatFits", "Fixed",
+           "select", "cdiv", "next_pow2", "pow2_bucket"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,6 +90,9 @@ AUTOTUNE: bool = (not INTERPRET) and autotune_enabled()
 # CKPT_EXT_SWIGLU_GRID: "tiles" (one program per output tile, grouped order) or "persistent"
 # (one program per SM looping over the tiles in the same order).
 SWIGLU_GRID: str = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "tiles")
+# CKPT_EXT_SWIGLU_EPILOGUE: "subtiled" (the backward's epilogue on column pieces of the tile)
+# or "whole" (on the whole tile).
+SWIGLU_EPILOGUE: str = switch("CKPT_EXT_SWIGLU_EPILOGUE", ("subtiled", "whole"), "subtiled")
 
 _CACHES: list = []
 
@@ -96,9 +102,10 @@ def reload_policy() -> None:
     launcher (and the device information), so that the next launch follows the current
     environment. The interpreter flag cannot change: Triton fixed it when the kernels were
     defined."""
-    global AUTOTUNE, SWIGLU_GRID
+    global AUTOTUNE, SWIGLU_GRID, SWIGLU_EPILOGUE
     AUTOTUNE = (not INTERPRET) and autotune_enabled()
     SWIGLU_GRID = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "tiles")
+    SWIGLU_EPILOGUE = switch("CKPT_EXT_SWIGLU_EPILOGUE", ("subtiled", "whole"), "subtiled")
     for cache in _CACHES:
         cache.cache_clear()
 

@@ -279,41 +279,28 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
 
 
 @triton.jit
-def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
-                               dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
-                               lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr,
-                               dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d,
-                               inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
-                               stride_wgh, stride_wui, stride_wuh, stride_dht, stride_dhi,
-                               stride_ot, stride_oi, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-                               DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
-                               STORE_H: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
-                               LORA_D: tl.constexpr, NEED_DBG: tl.constexpr,
-                               NEED_DBU: tl.constexpr, NEED_DAD: tl.constexpr,
-                               NEED_HA: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
-                               R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Backward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
-    the kernel's."""
-    pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _halves(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """(left, right): the column halves of the (ROWS, WIDTH) tile t."""
+    return tl.split(tl.permute(tl.reshape(t, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_ptr, lbg_ptr,
+                  xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr,
+                  dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
+                  stride_dhi, stride_ot, stride_oi, STORE_H: tl.constexpr, LORA_G: tl.constexpr,
+                  LORA_U: tl.constexpr, LORA_D: tl.constexpr, NEED_DBG: tl.constexpr,
+                  NEED_DBU: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
+                  R_G: tl.constexpr, R_U: tl.constexpr, R_D: tl.constexpr,
+                  LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr):
+    """The backward's pointwise epilogue on one (rows offs_m, columns offs_n) piece of a tile,
+    given its fp32 gate and up: h (when wanted), dup, dgate and the adapters' pieces.
+    Ordered to keep few fp32 values of the piece live at once: h first, then dh is read and
+    dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s)."""
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     out_dtype = dup_ptr.dtype.element_ty
     out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
-    if RECOMPUTE:
-        g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
-                                xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
-                                stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
-                                stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
-                                LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        g = tl.load(gate_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
-    # Epilogue ordered to keep few (BLOCK_M, BLOCK_N) fp32 values live at once: h first, then
-    # dh is read and dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s).
     s = tl.sigmoid(g)
     silu = g * s
     if STORE_H or NEED_DAD or NEED_HA:
@@ -331,14 +318,14 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
         offs_r = tl.arange(0, R_D)
         mask_r = offs_r < r_d
         dyb = tl.load(dyb_ptr + rows * r_d + offs_r[None, :],
-                      mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_D)
+                      mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (rows, R_D)
         if NEED_DAD:
-            # dAd_acc[:, tile] += dyb^T h'; rows past T have dyb = 0.
-            part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, BLOCK_N)
+            # dAd_acc[:, piece] += dyb^T h'; rows past T have dyb = 0.
+            part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, columns)
             tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
                           mask=mask_r[:, None] & (offs_n < I)[None, :])
         ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
-                     mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, BLOCK_N)
+                     mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, columns)
         dh += _dropped(s_d * _dot(dyb, ad, LORA_IEEE), key_d, thr_d, inv_d, offs_m, offs_n,
                        DROP_D)
     dup = dh * silu
@@ -351,6 +338,80 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
     if LORA_G:
         _lora_grad_accumulate(tl.where(mask, dgate, 0.0), xag_ptr, lbg_ptr, dxag_ptr, dlbg_ptr,
                               offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
+
+
+@triton.jit
+def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
+                               dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
+                               lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr,
+                               dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d,
+                               inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                               stride_wgh, stride_wui, stride_wuh, stride_dht, stride_dhi,
+                               stride_ot, stride_oi, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
+                               DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
+                               STORE_H: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
+                               LORA_D: tl.constexpr, NEED_DBG: tl.constexpr,
+                               NEED_DBU: tl.constexpr, NEED_DAD: tl.constexpr,
+                               NEED_HA: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
+                               R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                               EPI_N: tl.constexpr):
+    """Backward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
+    the kernel's. The epilogue runs on EPI_N-column pieces of the tile (BLOCK_N, BLOCK_N / 2
+    or BLOCK_N / 4)."""
+    pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n0 = pid_n * BLOCK_N
+    if RECOMPUTE:
+        g, u = _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr,
+                                xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m,
+                                n0 + tl.arange(0, BLOCK_N), T, H, I, stride_xt, stride_xh,
+                                stride_wgi, stride_wgh, stride_wui, stride_wuh, HAS_BG, HAS_BU,
+                                DOT_IEEE, LORA_G, LORA_U, R_G, R_U, LORA_IEEE, BLOCK_M,
+                                BLOCK_N, BLOCK_K)
+        if EPI_N == BLOCK_N:
+            _bwd_epilogue(g, u, offs_m, n0 + tl.arange(0, BLOCK_N), dh_ptr, dgate_ptr, dup_ptr,
+                          h_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
+                          dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d,
+                          key_d, thr_d, inv_d, T, I, stride_dht, stride_dhi, stride_ot,
+                          stride_oi, STORE_H, LORA_G, LORA_U, LORA_D, NEED_DBG, NEED_DBU,
+                          NEED_DAD, NEED_HA, R_G, R_U, R_D, LORA_IEEE, DROP_D)
+        else:
+            # Subtiled epilogue: the accumulators are split into column pieces (halves, or
+            # quarters) and the epilogue's fp32 temporaries exist for one piece at a time.
+            g_pieces = _halves(g, BLOCK_M, BLOCK_N)
+            u_pieces = _halves(u, BLOCK_M, BLOCK_N)
+            if EPI_N * 4 == BLOCK_N:
+                g_a, g_b = _halves(g_pieces[0], BLOCK_M, BLOCK_N // 2)
+                g_c, g_d = _halves(g_pieces[1], BLOCK_M, BLOCK_N // 2)
+                u_a, u_b = _halves(u_pieces[0], BLOCK_M, BLOCK_N // 2)
+                u_c, u_d = _halves(u_pieces[1], BLOCK_M, BLOCK_N // 2)
+                g_pieces = (g_a, g_b, g_c, g_d)
+                u_pieces = (u_a, u_b, u_c, u_d)
+            for j in tl.static_range(BLOCK_N // EPI_N):
+                _bwd_epilogue(g_pieces[j], u_pieces[j], offs_m,
+                              n0 + j * EPI_N + tl.arange(0, EPI_N), dh_ptr, dgate_ptr, dup_ptr,
+                              h_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr,
+                              dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_d,
+                              r_g, r_u, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
+                              stride_dhi, stride_ot, stride_oi, STORE_H, LORA_G, LORA_U,
+                              LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G, R_U, R_D,
+                              LORA_IEEE, DROP_D)
+    else:
+        # save="gate_up": each piece reads its own columns of the saved gate and up.
+        for j in tl.static_range(BLOCK_N // EPI_N):
+            offs_n = n0 + j * EPI_N + tl.arange(0, EPI_N)
+            mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
+            offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
+            g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_ptr,
+                          lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr,
+                          dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d,
+                          thr_d, inv_d, T, I, stride_dht, stride_dhi, stride_ot, stride_oi,
+                          STORE_H, LORA_G, LORA_U, LORA_D, NEED_DBG, NEED_DBU, NEED_DAD,
+                          NEED_HA, R_G, R_U, R_D, LORA_IEEE, DROP_D)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
@@ -369,7 +430,8 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                  R_U: tl.constexpr, R_D: tl.constexpr, LORA_IEEE: tl.constexpr,
                                  DROP_D: tl.constexpr, PERSISTENT: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                 EPI_N: tl.constexpr):
     """Backward in (BLOCK_M, BLOCK_N) tiles (one per program or, with PERSISTENT, looping over
     tiles; _swiglu_bwd_recompute_tile does one): dh = dy Wd (T, I) -> dgate, dup (and h when
     STORE_H), with the strides (stride_ot, stride_oi).
@@ -400,7 +462,7 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                        HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G,
                                        LORA_U, LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G,
                                        R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
-                                       GROUP_M)
+                                       GROUP_M, EPI_N)
     else:
         _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
                                    dh_ptr, dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
@@ -411,7 +473,8 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                    stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                    HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G, LORA_U,
                                    LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G, R_U, R_D,
-                                   LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                                   LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                   EPI_N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,11 +498,21 @@ _CANDIDATES = [
     _cfg(32, 64, 128, 4, 3), _cfg(64, 32, 64, 8, 3), _cfg(32, 32, 64, 4, 3),
 ]
 # Interpreter: one config whose blocks do not divide the test shapes (T 129, H 96, I 172), so
-# every masked tail is exercised.
+# every masked tail is exercised; the backward's epilogue runs on quarter tiles (both levels of
+# the split) unless CKPT_EXT_SWIGLU_EPILOGUE=whole. Tests may change these.
 _INTERPRET_META = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
+_INTERPRET_EPI_N = {"subtiled": 16, "whole": 64}
 _TUNE_KEY = ["T_BUCKET", "H", "I"]
 _KINDS = ("fwd", "bwd")
 _REG_LIMIT = 176     # estimated fp32 values per thread that stay clear of ptxas's 255 registers
+_EPI_MIN = 16        # narrowest epilogue piece (tl.dot needs 16 columns for the LoRA products)
+
+
+def _interpret_meta(kind):
+    """The interpreter's fixed meta-parameters of a kernel ("fwd" or "bwd")."""
+    if kind == "fwd":
+        return dict(_INTERPRET_META)
+    return dict(_INTERPRET_META, EPI_N=_INTERPRET_EPI_N[_launch.SWIGLU_EPILOGUE])
 
 
 def _wgmma(config, arch, ieee):
@@ -458,21 +531,29 @@ def _smem_estimate(config, arch, elt, ieee):
     return buffers * (m * bk + 2 * bk * bn) * elt
 
 
-def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad):
+def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad, epi_n=None):
     """Estimated 32-bit registers per thread that decide whether ptxas spills, fitted to the
     AOT compile reports (tools/check_triton_compile.py, bf16, sm_90 and sm_80).
 
     With ``tile`` = BLOCK_M * BLOCK_N / threads (one fp32 tile): the forward holds its two
-    accumulators plus the epilogue (2.5 tiles), the recompute backward the two accumulators and
-    then up to four epilogue tiles (4 tiles); mma (Ampere, and Hopper below 64 rows) adds the
-    register operands of one x / w k-step. LoRA adds the rank-r tiles; its backward forms six
-    products with a full (BLOCK_M, BLOCK_N) fp32 operand, which spill above 8 values per
-    thread or 32 columns at rank pad 16: those return a value over the limit."""
+    accumulators plus the epilogue (2.5 tiles); the backward holds the two accumulators while
+    its epilogue keeps 2.5 fp32 values per element of the piece it works on, ``piece`` =
+    BLOCK_M * epi_n / threads (epi_n = BLOCK_N for the whole tile, BLOCK_N / 2 or / 4
+    subtiled); mma (Ampere, and Hopper below 64 rows) adds the register operands of one
+    x / w k-step. LoRA adds the rank-r tiles; its backward forms six products with a fp32
+    operand of the piece, which spill when the tile holds more than 8 values per thread or 32
+    columns at rank pad 16, whatever the piece (subtiling cuts the LoRA spills but does not
+    end them: 128x64 w8 in 16-column pieces still spills 8 B on sm_90): those return a
+    value over the limit."""
     m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
     threads = 32 * config.num_warps
     tile = m * bn / threads
     operands = 0 if _wgmma(config, arch, ieee) else (m * bk + bk * bn) * elt / (4 * threads)
-    regs = (2.5 if kind == "fwd" else 4.0) * tile + operands
+    if kind == "fwd":
+        regs = 2.5 * tile + operands
+    else:
+        piece = m * (epi_n or bn) / threads
+        regs = 2.0 * tile + 2.5 * piece + operands
     if lora:
         rank_tile = rank_pad * bn / threads
         if kind == "fwd":
@@ -484,32 +565,75 @@ def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad):
     return regs
 
 
+def _epilogue_widths(kind, config, epilogue):
+    """The backward's epilogue piece widths to try for a config, widest first: the whole
+    tile, then (subtiled) its halves and quarters down to _EPI_MIN columns; (None,) for the
+    forward."""
+    if kind == "fwd":
+        return (None,)
+    bn = config.kwargs["BLOCK_N"]
+    if epilogue == "whole":
+        return (bn,)
+    return tuple(w for w in (bn, bn // 2, bn // 4) if w >= min(_EPI_MIN, bn))
+
+
+def estimate_resources(kind, config, arch, dtype, *, precision="ieee", lora=False,
+                       rank_pad=16, epi_n=None):
+    """The resource model's estimates for one config of a SwiGLU kernel: ``{"regs": estimated
+    fp32 values per thread, "smem": shared-memory bytes, "spill_free": regs within the limit
+    that keeps ptxas clear of spills}``. kind, arch, dtype, precision, lora, rank_pad: as for
+    :func:`launch_configs`; epi_n: the backward's epilogue piece width (default: the config's
+    ``EPI_N``, else the whole tile)."""
+    if kind not in _KINDS:
+        raise ValueError(f"estimate_resources: kind must be one of {_KINDS}, got {kind!r}")
+    elt = dtype.itemsize
+    ieee = dtype == torch.float32 and precision == "ieee"
+    if kind == "bwd" and epi_n is None:
+        epi_n = config.kwargs.get("EPI_N", config.kwargs["BLOCK_N"])
+    regs = _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad,
+                          epi_n if kind == "bwd" else None)
+    return {"regs": regs, "smem": _smem_estimate(config, arch, elt, ieee),
+            "spill_free": regs <= _REG_LIMIT}
+
+
 def launch_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
-                   smem_budget=None):
+                   smem_budget=None, epilogue=None):
     """Every candidate of a SwiGLU kernel with the resource model's verdict, in order.
 
     kind: "fwd" (``_swiglu_fwd_kernel``) or "bwd" (``_swiglu_bwd_recompute_kernel``, the
     recompute and the save="gate_up" variants); arch: "hopper" or "ampere"; dtype: the
     torch dtype of x; precision: ``_launch.dot_precision(dtype)`` (fp32: "ieee" or "tf32");
     lora: adapters present (rank padded to ``rank_pad``); smem_budget: the device's per-block
-    shared memory (default: the family's, see ``_launch.smem_budget_for``). The register
-    model is fitted to bf16 compiles (fp16 allocates alike); fp32 is estimated alike but not
-    checked against spills (IEEE fp32 dots run on FMAs and spill on sm_80 at every size).
-    Returns a list of ``(config, {"regs": est, "smem": est, "kept": bool})``; when no config is
-    kept the smallest tile is marked kept, so that something launches.
+    shared memory (default: the family's, see ``_launch.smem_budget_for``); epilogue: the
+    backward's epilogue, "subtiled" or "whole" (default: ``CKPT_EXT_SWIGLU_EPILOGUE``). The
+    register model is fitted to bf16 compiles (fp16 allocates alike); fp32 is estimated alike
+    but not checked against spills (IEEE fp32 dots run on FMAs and spill on sm_80 at every
+    size). Returns a list of ``(config, {"regs": est, "smem": est, "kept": bool})``; a
+    backward config carries ``EPI_N``, the widest epilogue piece the model keeps (subtiled),
+    else the whole tile. When no config is kept the smallest tile is marked kept, so that
+    something launches.
     """
     if kind not in _KINDS:
         raise ValueError(f"launch_configs: kind must be one of {_KINDS}, got {kind!r}")
-    elt = dtype.itemsize
-    ieee = dtype == torch.float32 and precision == "ieee"
+    epilogue = _launch.SWIGLU_EPILOGUE if epilogue is None else epilogue
+    if epilogue not in ("subtiled", "whole"):
+        raise ValueError(f"launch_configs: epilogue must be 'subtiled' or 'whole', got "
+                         f"{epilogue!r}")
     if smem_budget is None:
         smem_budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
     rows = []
     for c in _CANDIDATES:
-        regs = _regs_estimate(kind, c, arch, elt, ieee, lora, rank_pad)
-        smem = _smem_estimate(c, arch, elt, ieee)
-        rows.append((c, {"regs": regs, "smem": smem,
-                         "kept": regs <= _REG_LIMIT and smem <= smem_budget}))
+        widths = _epilogue_widths(kind, c, epilogue)
+        ests = [estimate_resources(kind, c, arch, dtype, precision=precision, lora=lora,
+                                   rank_pad=rank_pad, epi_n=w) for w in widths]
+        # the widest piece that fits, else the narrowest (marked not kept)
+        pick = next((i for i, e in enumerate(ests) if e["spill_free"]), len(widths) - 1)
+        if widths[pick] is not None:
+            c = triton.Config({**c.kwargs, "EPI_N": widths[pick]}, num_warps=c.num_warps,
+                              num_stages=c.num_stages)
+        est = ests[pick]
+        rows.append((c, {"regs": est["regs"], "smem": est["smem"],
+                         "kept": est["spill_free"] and est["smem"] <= smem_budget}))
     if not any(est["kept"] for _, est in rows):
         smallest = min(range(len(rows)), key=lambda i: (
             rows[i][0].kwargs["BLOCK_M"] * rows[i][0].kwargs["BLOCK_N"], rows[i][1]["smem"]))
@@ -518,11 +642,12 @@ def launch_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=
 
 
 def kept_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
-                 smem_budget=None):
+                 smem_budget=None, epilogue=None):
     """The configs :func:`launch_configs` keeps, in order: the autotuner's candidates, and the
     first one is what ``CKPT_EXT_AUTOTUNE=0`` launches."""
     return [c for c, est in launch_configs(kind, arch, dtype, precision=precision, lora=lora,
-                                           rank_pad=rank_pad, smem_budget=smem_budget)
+                                           rank_pad=rank_pad, smem_budget=smem_budget,
+                                           epilogue=epilogue)
             if est["kept"]]
 
 
@@ -537,12 +662,13 @@ def _kernel_for(kind, device, dtype, precision, lora_pads):
                                rank_pad=max(lora_pads or (16,)), smem_budget=info.smem_budget)
     if kind == "fwd":
         # ha is accumulated atomically: tuning runs must start it from zero.
-        return _launch.select(_swiglu_fwd_kernel, configs, interpret_meta=_INTERPRET_META,
+        return _launch.select(_swiglu_fwd_kernel, configs,
+                              interpret_meta=lambda: _interpret_meta("fwd"),
                               key=_TUNE_KEY, reset_to_zero=["ha_ptr"])
     # dgate is written over dh in place, so tuning runs must restore dh between trials; the
     # LoRA accumulators start from zero.
     return _launch.select(_swiglu_bwd_recompute_kernel, configs,
-                          interpret_meta=_INTERPRET_META, key=_TUNE_KEY,
+                          interpret_meta=lambda: _interpret_meta("bwd"), key=_TUNE_KEY,
                           restore_value=["dh_ptr"],
                           reset_to_zero=["dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr",
                                          "dlad_ptr", "ha_ptr"])

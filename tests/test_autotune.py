@@ -230,15 +230,17 @@ def test_fp32_dot_precision_follows_torch(setting, expected):
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.parametrize("name, values", [
+    ("CKPT_EXT_SWIGLU_GRID", "'tiles', 'persistent'"),
+    ("CKPT_EXT_SWIGLU_EPILOGUE", "'subtiled', 'whole'")])
 @pytest.mark.parametrize("value", ["Persistent", "", "2"])
-def test_grid_switch_rejects_other_values(monkeypatch, value):
-    monkeypatch.setenv("CKPT_EXT_SWIGLU_GRID", value)
-    with pytest.raises(ValueError, match="CKPT_EXT_SWIGLU_GRID must be one of 'tiles', "
-                                         "'persistent'"):
+def test_variant_switches_reject_other_values(monkeypatch, name, values, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be one of {values}"):
         _launch.reload_policy()
     monkeypatch.undo()
     _launch.reload_policy()
-    assert _launch.SWIGLU_GRID == "tiles"
+    assert (_launch.SWIGLU_GRID, _launch.SWIGLU_EPILOGUE) == ("tiles", "subtiled")
 
 
 def test_host_arithmetic():
@@ -262,21 +264,54 @@ def test_launchers_are_cached_per_specialization():
 
 # Spill bytes ptxas reported for SwiGLU configs (tools/check_triton_compile.py, triton 3.9, bf16;
 # bench/results/triton_compile_swiglu_sm90_sm80_triton3.9.txt, and earlier runs for LoRA without
-# dropout and for former candidates): (kind, arch, lora, BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-# num_stages) -> spill stores.
+# dropout, former candidates and backward epilogue widths the launcher does not pick):
+# (kind, arch, lora, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_N) -> spill stores;
+# EPI_N is the backward's epilogue piece (BLOCK_N: the whole tile), None for the forward.
 MEASURED_SWIGLU_SPILLS = {
-    ("fwd", "ampere", False, 128, 128, 64, 8, 3): 196, ("fwd", "ampere", False, 256, 64, 64, 8, 3): 32,
-    ("fwd", "ampere", False, 128, 64, 64, 4, 4): 340, ("fwd", "ampere", False, 128, 64, 64, 8, 4): 0,
-    ("fwd", "hopper", False, 128, 128, 64, 8, 3): 0,
-    ("bwd", "hopper", False, 128, 128, 64, 8, 3): 24, ("bwd", "hopper", False, 256, 64, 64, 8, 3): 36,
-    ("bwd", "hopper", False, 128, 64, 64, 4, 4): 64, ("bwd", "hopper", False, 128, 64, 64, 8, 4): 0,
-    ("bwd", "ampere", False, 128, 128, 32, 8, 4): 188, ("bwd", "ampere", False, 128, 64, 64, 8, 4): 0,
-    ("bwd", "hopper", True, 128, 128, 64, 8, 3): 3268, ("bwd", "hopper", True, 128, 64, 64, 8, 4): 456,
-    ("bwd", "hopper", True, 64, 64, 64, 8, 3): 160, ("bwd", "ampere", True, 64, 32, 64, 4, 3): 0,
-    ("bwd", "hopper", True, 64, 32, 64, 4, 3): 48, ("bwd", "hopper", True, 64, 32, 64, 8, 3): 0,
-    ("bwd", "ampere", True, 64, 32, 64, 8, 3): 0, ("bwd", "hopper", True, 32, 64, 64, 8, 3): 80,
-    ("fwd", "hopper", True, 128, 64, 64, 8, 4): 0, ("fwd", "ampere", True, 64, 128, 64, 8, 4): 8,
-    ("fwd", "ampere", True, 128, 128, 64, 8, 3): 9736, ("fwd", "ampere", True, 128, 64, 64, 8, 4): 0,
+    ("fwd", "ampere", False, 128, 128, 64, 8, 3, None): 196,
+    ("fwd", "ampere", False, 256, 64, 64, 8, 3, None): 32,
+    ("fwd", "ampere", False, 128, 64, 64, 4, 4, None): 340,
+    ("fwd", "ampere", False, 128, 64, 64, 8, 4, None): 0,
+    ("fwd", "hopper", False, 128, 128, 64, 8, 3, None): 0,
+    ("fwd", "hopper", True, 128, 64, 64, 8, 4, None): 0,
+    ("fwd", "ampere", True, 64, 128, 64, 8, 4, None): 8,
+    ("fwd", "ampere", True, 128, 128, 64, 8, 3, None): 9736,
+    ("fwd", "ampere", True, 128, 64, 64, 8, 4, None): 0,
+    # backward, whole-tile epilogue
+    ("bwd", "hopper", False, 128, 128, 64, 8, 3, 128): 24,
+    ("bwd", "hopper", False, 256, 64, 64, 8, 3, 64): 36,
+    ("bwd", "hopper", False, 128, 64, 64, 4, 4, 64): 64,
+    ("bwd", "hopper", False, 128, 64, 64, 8, 4, 64): 0,
+    ("bwd", "hopper", False, 128, 128, 32, 8, 4, 128): 24,
+    ("bwd", "ampere", False, 128, 128, 32, 8, 4, 128): 188,
+    ("bwd", "ampere", False, 128, 64, 64, 8, 4, 64): 0,
+    ("bwd", "ampere", False, 64, 64, 64, 4, 4, 64): 0,
+    ("bwd", "hopper", True, 128, 128, 64, 8, 3, 128): 3268,
+    ("bwd", "hopper", True, 128, 64, 64, 8, 4, 64): 456,
+    ("bwd", "hopper", True, 64, 64, 64, 8, 3, 64): 160,
+    ("bwd", "ampere", True, 64, 32, 64, 4, 3, 32): 0,
+    ("bwd", "hopper", True, 64, 32, 64, 4, 3, 32): 48,
+    ("bwd", "hopper", True, 64, 32, 64, 8, 3, 32): 0,
+    ("bwd", "ampere", True, 64, 32, 64, 8, 3, 32): 0,
+    ("bwd", "hopper", True, 32, 64, 64, 8, 3, 64): 80,
+    # backward, subtiled epilogue
+    ("bwd", "hopper", False, 128, 128, 64, 8, 3, 64): 0,
+    ("bwd", "hopper", False, 128, 128, 64, 8, 3, 32): 0,
+    ("bwd", "hopper", False, 128, 128, 64, 8, 4, 32): 0,
+    ("bwd", "hopper", False, 256, 64, 64, 8, 3, 16): 0,
+    ("bwd", "hopper", False, 128, 64, 64, 4, 4, 16): 0,
+    ("bwd", "hopper", False, 128, 128, 32, 8, 4, 32): 0,
+    ("bwd", "ampere", False, 128, 128, 64, 8, 3, 64): 272,
+    ("bwd", "ampere", False, 128, 128, 64, 8, 3, 32): 8068,
+    ("bwd", "ampere", False, 128, 64, 64, 4, 4, 32): 192,
+    ("bwd", "ampere", False, 128, 64, 64, 4, 4, 16): 280,
+    ("bwd", "ampere", False, 128, 128, 32, 8, 4, 64): 144,
+    ("bwd", "ampere", False, 128, 128, 32, 8, 4, 32): 184,
+    ("bwd", "hopper", True, 128, 128, 64, 8, 3, 32): 1700,
+    ("bwd", "hopper", True, 256, 64, 64, 8, 3, 16): 1836,
+    ("bwd", "hopper", True, 128, 64, 64, 8, 4, 16): 8,
+    ("bwd", "hopper", True, 128, 64, 32, 8, 4, 16): 16,
+    ("bwd", "hopper", True, 64, 128, 64, 8, 4, 32): 544,
 }
 # Shared memory Triton allocated (bytes, bf16): (arch, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
 MEASURED_SWIGLU_SMEM = {
@@ -287,49 +322,72 @@ MEASURED_SWIGLU_SMEM = {
 }
 
 
-def _entry(rows, bm, bn, bk, w, s):
-    for c, est in rows:
-        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
-                c.num_stages) == (bm, bn, bk, w, s):
-            return est
-    return None
+def _config(bm, bn, bk, w, s, epi):
+    """The SwiGLU config of a MEASURED_SWIGLU_SPILLS key (EPI_N only for the backward)."""
+    import triton
+
+    extra = {} if epi is None else {"EPI_N": epi}
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, **extra},
+                         num_warps=w, num_stages=s)
 
 
-def test_swiglu_model_drops_every_measured_spill():
+def test_swiglu_model_flags_every_measured_spill():
     from ckpt_ext.kernels import swiglu_mlp
 
     for (kind, arch, lora, *cfg), spill in MEASURED_SWIGLU_SPILLS.items():
-        est = _entry(swiglu_mlp.launch_configs(kind, arch, torch.bfloat16, lora=lora), *cfg)
-        if est is None:
-            continue  # not a candidate any more
-        assert not (spill and est["kept"]), (kind, arch, lora, cfg, spill, est)
+        est = swiglu_mlp.estimate_resources(kind, _config(*cfg), arch, torch.bfloat16,
+                                            lora=lora)
+        assert not (spill and est["spill_free"]), (kind, arch, lora, cfg, spill, est)
 
 
 def test_swiglu_smem_model_matches_triton():
     from ckpt_ext.kernels import swiglu_mlp
 
     for (arch, *cfg), real in MEASURED_SWIGLU_SMEM.items():
-        est = _entry(swiglu_mlp.launch_configs("fwd", arch, torch.bfloat16), *cfg)
-        assert est is not None and est["smem"] == real, (arch, cfg, real, est)
+        est = swiglu_mlp.estimate_resources("fwd", _config(*cfg, None), arch, torch.bfloat16)
+        assert est["smem"] == real, (arch, cfg, real, est)
 
 
+@pytest.mark.parametrize("epilogue", ["subtiled", "whole"])
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 @pytest.mark.parametrize("arch", ["hopper", "ampere"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lora", [False, True])
-def test_swiglu_first_kept_config_is_measured_spill_free(kind, arch, dtype, lora):
+def test_swiglu_first_kept_config_is_measured_spill_free(kind, arch, dtype, lora, epilogue):
     """What CKPT_EXT_AUTOTUNE=0 launches was compiled without spills (bf16 figures; fp16 has
     the same register allocation), and every kept config fits the family's shared memory."""
     from ckpt_ext.kernels import swiglu_mlp
 
-    rows = swiglu_mlp.launch_configs(kind, arch, dtype, lora=lora)
+    rows = swiglu_mlp.launch_configs(kind, arch, dtype, lora=lora, epilogue=epilogue)
     kept = [(c, est) for c, est in rows if est["kept"]]
     assert kept
     c = kept[0][0]
     key = (kind, arch, lora, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
-           c.num_warps, c.num_stages)
+           c.num_warps, c.num_stages, c.kwargs.get("EPI_N"))
     assert MEASURED_SWIGLU_SPILLS.get(key) == 0, key
     budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
     assert all(est["smem"] <= budget for _, est in kept)
+    if kind == "bwd":
+        assert all(c.kwargs["BLOCK_N"] % c.kwargs["EPI_N"] == 0 for c, _ in rows)
+        if epilogue == "whole":
+            assert all(c.kwargs["EPI_N"] == c.kwargs["BLOCK_N"] for c, _ in rows)
+    else:
+        assert all("EPI_N" not in c.kwargs for c, _ in rows)
     # a device with little shared memory still gets a config
-    assert swiglu_mlp.kept_configs(kind, arch, dtype, lora=lora, smem_budget=16384)
+    assert swiglu_mlp.kept_configs(kind, arch, dtype, lora=lora, smem_budget=16384,
+                                   epilogue=epilogue)
+
+
+def test_subtiled_epilogue_keeps_the_largest_hopper_tile():
+    """The subtiled backward keeps the 128x128 tile on sm_90 (whole, it spills 24 B), in the
+    widest piece the model calls spill-free; whole-tile epilogues keep the old first choice."""
+    from ckpt_ext.kernels import swiglu_mlp
+
+    sub = swiglu_mlp.kept_configs("bwd", "hopper", torch.bfloat16)[0]
+    whole = swiglu_mlp.kept_configs("bwd", "hopper", torch.bfloat16, epilogue="whole")[0]
+    assert (sub.kwargs["BLOCK_M"], sub.kwargs["BLOCK_N"], sub.kwargs["EPI_N"]) == (128, 128, 32)
+    assert (whole.kwargs["BLOCK_M"], whole.kwargs["BLOCK_N"], whole.kwargs["EPI_N"]) == (128, 64, 64)
+    with pytest.raises(ValueError, match="epilogue must be 'subtiled' or 'whole'"):
+        swiglu_mlp.launch_configs("bwd", "hopper", torch.bfloat16, epilogue="halves")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        swiglu_mlp.estimate_resources("bwd_dx", sub, "hopper", torch.bfloat16)

@@ -128,6 +128,36 @@ def test_persistent_grid_with_lora(persistent_grid):
                         flat_reference(args, lora, scaling, dy, torch.float64))
 
 
+@pytest.fixture(params=["whole", "halves"])
+def epilogue_pieces(request, monkeypatch):
+    """The backward's epilogue on the whole 64-column tile (CKPT_EXT_SWIGLU_EPILOGUE=whole)
+    or on halves; the other tests run it on quarters (the interpreter's subtiled default)."""
+    if request.param == "whole":
+        monkeypatch.setenv("CKPT_EXT_SWIGLU_EPILOGUE", "whole")
+        _launch.reload_policy()
+    else:
+        monkeypatch.setitem(swiglu_mlp._INTERPRET_EPI_N, "subtiled", 32)
+    assert swiglu_mlp._interpret_meta("bwd")["EPI_N"] == (64 if request.param == "whole" else 32)
+    yield request.param
+    monkeypatch.undo()
+    _launch.reload_policy()
+    assert swiglu_mlp._interpret_meta("bwd")["EPI_N"] == 16
+
+
+@pytest.mark.parametrize("save", ["input", "gate_up"])
+def test_epilogue_pieces_match_fp64_reference(epilogue_pieces, save):
+    args = make_inputs(129, H, I, torch.float32, True)   # I 172: the last tile's pieces masked
+    check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), torch.float32)
+
+
+def test_epilogue_pieces_with_lora(epilogue_pieces):
+    args, lora, scaling, dy = make_swiglu_lora(70, H, I, torch.float16, torch.float32,
+                                               (4, 8, 4), True, device=DEVICE)
+    check_lora_accuracy(run_lora_kernels(args, lora, scaling, dy, "input"),
+                        flat_reference(args, lora, scaling, dy),
+                        flat_reference(args, lora, scaling, dy, torch.float64))
+
+
 @pytest.mark.parametrize("save", ["input", "gate_up"])
 def test_noncontiguous_inputs(save):
     """x a strided view, w_gate / w_down transposed views: strides are honoured."""

@@ -24,7 +24,10 @@ Sweep (``--quick`` keeps a few entries of each part):
              CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32 with DOT_IEEE True and both biases, and
              the save="gate_up" backward (RECOMPUTE False) per dtype and with LoRA; the
              persistent-grid variants (CKPT_EXT_SWIGLU_GRID=persistent) of the first kept
-             bf16 configs (forward, and backward without LoRA).
+             bf16 configs (forward, and backward without LoRA). Backward configs carry the
+             epilogue piece width the model picks (EPI_N, ``e32`` in the config column);
+             the whole-tile epilogue (CKPT_EXT_SWIGLU_EPILOGUE=whole) of every candidate where
+             it differs is compiled too.
 
 Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
 with 16-byte aligned data, so pointers carry ``tt.divisibility=16``, unit strides are the
@@ -326,7 +329,8 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
     if kind == "fwd":
         consts["STORE_GATE_UP"] = store_gate_up
     else:
-        consts.update(RECOMPUTE=kind == "bwd_recompute", STORE_H=True, NEED_DBG=lora,
+        consts.update(RECOMPUTE=kind == "bwd_recompute", STORE_H=True, EPI_N=meta["EPI_N"],
+                      NEED_DBG=lora,
                       NEED_DBU=lora, NEED_DAD=lora, NEED_HA=lora)
     return make_signature(fn, pointers, unit, div16, floats, consts)
 
@@ -352,8 +356,9 @@ def first_kept(rows):
 # --------------------------------------------------------------------------------------------
 def _cfg_text(meta: dict, warps: int, stages: int) -> str:
     if "BLOCK_K" in meta:
-        return (f"{meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_K']} g{meta['GROUP_M']} "
-                f"w{warps} s{stages}")
+        epilogue = f" e{meta['EPI_N']}" if "EPI_N" in meta else ""
+        return (f"{meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_K']} g{meta['GROUP_M']}"
+                f"{epilogue} w{warps} s{stages}")
     if "BLOCK_N" in meta:
         return f"{meta['BLOCK_M']}x{meta['BLOCK_N']} w{warps} s{stages}"
     return " ".join(f"{k}={v}" for k, v in meta.items()) + f" w{warps} s{stages}"
@@ -469,12 +474,12 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                 options={"num_warps": warps, "num_stages": stages}, cost=cost,
                 budget=budget, pruner=model_verdict(est))
 
-        def swiglu_rows(kind, dtype, lora=False):
+        def swiglu_rows(kind, dtype, lora=False, epilogue="subtiled"):
             model_kind = "fwd" if kind == "fwd" else "bwd"
             # fp32 as the launcher sees it under torch's default "highest" matmul precision
             return swiglu_mlp.launch_configs(model_kind, family, torch_dtype[dtype],
                                              precision="ieee", lora=lora, rank_pad=16,
-                                             smem_budget=budget)
+                                             smem_budget=budget, epilogue=epilogue)
 
         def first_row(kind, dtype, lora=False):
             return next((c, est) for c, est in swiglu_rows(kind, dtype, lora) if est["kept"])
@@ -487,6 +492,13 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                     rows = swiglu_rows(kind, "bf16", lora)
                     for cfg, est in (rows[:2] if quick else rows):
                         add_swiglu(kind, "bf16", cfg, est, store=store, lora=lora)
+                    if kind == "bwd_recompute" and not lora:
+                        # CKPT_EXT_SWIGLU_EPILOGUE=whole: the candidates whose whole-tile
+                        # epilogue differs from the subtiled pick
+                        whole = swiglu_rows(kind, "bf16", lora, epilogue="whole")
+                        for (cfg, est), (sub, _) in list(zip(whole, rows))[:2 if quick else None]:
+                            if cfg.kwargs["EPI_N"] != sub.kwargs["EPI_N"]:
+                                add_swiglu(kind, "bf16", cfg, est, lora=lora)
             for dtype in (["fp32"] if quick else ["fp16", "fp32"]):
                 half = dtype != "fp32"
                 for store in (False, True):
