@@ -145,9 +145,12 @@ def versions() -> str:
 
 def provenance(device=None, note: str = "") -> list:
     """The provenance lines every result file starts with: device (and ``note``, e.g. that a
-    CPU run is not a performance figure), versions, the command that ran, the UTC date."""
-    command = " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0])]
-                       + sys.argv[1:])
+    CPU run is not a performance figure), versions, the command that ran (with the
+    ``CKPT_EXT_*`` switches set in the environment), the UTC date."""
+    switches = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+                if k.startswith("CKPT_EXT_")]
+    command = " ".join(switches + [shlex.quote(a) for a in
+                                   ["python", os.path.relpath(sys.argv[0])] + sys.argv[1:]])
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return [f"device: {device_name(device)}" + (f" -- {note}" if note else ""),
             f"versions: {versions()}",

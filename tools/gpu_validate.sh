@@ -62,11 +62,14 @@ for stage in "${expand[@]}"; do
       ;;
     kernels)
       log "kernel benchmarks"
-      # both dQ paths (CKPT_EXT_ATTN_DQ) and both SwiGLU grids (CKPT_EXT_SWIGLU_GRID) in one run
+      # both dQ paths (CKPT_EXT_ATTN_DQ), both SwiGLU grids (CKPT_EXT_SWIGLU_GRID) and both
+      # SwiGLU backward epilogues (CKPT_EXT_SWIGLU_EPILOGUE) in one run
       { python3 bench/attention.py --providers triton,triton_atomic,sdpa,eager \
           && python3 bench/swiglu.py \
           && CKPT_EXT_SWIGLU_GRID=persistent python3 bench/swiglu.py \
                --out bench/results/swiglu_persistent_gpu.csv \
+          && CKPT_EXT_SWIGLU_EPILOGUE=whole python3 bench/swiglu.py \
+               --out bench/results/swiglu_whole_epilogue_gpu.csv \
           && python3 bench/rowwise.py; } \
           2>&1 | tee -a "$out/gpu_bench.log" | tail -60 || status=1
       ;;
