@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import _C
+from ._checks import _rope_out_like
 
 __all__ = ["register_from_environment", "use_triton", "register_triton"]
 
@@ -122,8 +123,10 @@ def _rope(q, k, cos, sin, sign):
     def one(t):
         tf = t.float() if t.dtype != torch.float64 else t
         if sign > 0:
-            return (tf * c + _rotate(tf, 1) * s).to(t.dtype)
-        return (tf * c - _rotate(tf * s, 1)).to(t.dtype)  # rotate_half^T(y) = -rotate_half(y)
+            r = tf * c + _rotate(tf, 1) * s
+        else:
+            r = tf * c - _rotate(tf * s, 1)   # rotate_half^T(y) = -rotate_half(y)
+        return _rope_out_like(t).copy_(r)     # the layout every rope implementation returns
     return one(q), one(k)
 
 

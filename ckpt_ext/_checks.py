@@ -221,6 +221,27 @@ def _check_rope(op, qn, q, kn, k, cos, sin):
     _check_like(op, "sin", sin, "cos", cos, cos.shape, "(the shape of cos)")
 
 
+def _dense(t):
+    """Whether t's elements fill the span of its strides exactly once (non-overlapping and
+    dense, any dim order), as ATen's ``is_non_overlapping_and_dense`` for a non-empty t."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _rope_out_like(t):
+    """The output of rope_fwd / rope_bwd for input t (csrc/checks.h ``rope_out_like``): t's
+    strides when t is non-empty, non-overlapping and dense with a unit last stride (e.g. the
+    (B, H, S, D) view of (B, S, H, D) memory that attention reads and returns), contiguous
+    otherwise."""
+    if t.numel() > 0 and t.stride(-1) == 1 and _dense(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return t.new_empty(t.shape)
+
+
 def _stat_dtype(hidden):
     """dtype of lse / per-token loss / dloss: float64 for float64 hidden, else float32."""
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32

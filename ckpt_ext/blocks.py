@@ -62,7 +62,8 @@ def _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset)
     if part != "mlp":
         d = weights[_SLOT_INDEX["self_attn.q_proj.weight"]].shape[0] // num_heads
         if preset == "fast":
-            out += [x.new_empty(b, num_heads, s, d, **act), x.new_empty(b, num_kv_heads, s, d, **act),
+            out += [x.new_empty(b, s, num_heads, d, **act).transpose(1, 2),
+                    x.new_empty(b, s, num_kv_heads, d, **act).transpose(1, 2),
                     x.new_empty(b, s, num_kv_heads, d, **act).transpose(1, 2)]
         out += [x.new_empty(b, s, num_heads, d, **act).transpose(1, 2),
                 x.new_empty(b, num_heads, s, dtype=torch.float32)]

@@ -27,8 +27,9 @@ import torch
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
                       _check_positive_finite, _check_qkv, _check_probability, _check_seed,
-                      _check_rms, _check_rope, _stat_dtype, _check_lce, _check_attention_bwd,
-                      _check_swiglu_fwd, _check_swiglu_bwd, _check_lce_bwd)
+                      _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
+                      _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
+                      _check_lce_bwd)
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
 
@@ -127,13 +128,13 @@ def _add_rms_norm_fwd_fake(x, residual, weight, eps):
 @torch.library.register_fake("ckpt_ext::rope_fwd")
 def _rope_fwd_fake(q, k, cos, sin):
     _check_rope("rope_fwd", "q", q, "k", k, cos, sin)
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+    return _rope_out_like(q), _rope_out_like(k)
 
 
 @torch.library.register_fake("ckpt_ext::rope_bwd")
 def _rope_bwd_fake(dq_out, dk_out, cos, sin):
     _check_rope("rope_bwd", "dq_out", dq_out, "dk_out", dk_out, cos, sin)
-    return dq_out.new_empty(dq_out.shape), dk_out.new_empty(dk_out.shape)
+    return _rope_out_like(dq_out), _rope_out_like(dk_out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,7 +372,9 @@ def rope(q, k, cos, sin):
     """HF apply_rotary_pos_emb: ``t * cos + rotate_half(t) * sin`` for t in (q, k).
 
     q: (B, Hq, S, D); k: (B, Hkv, S, D); cos, sin: (B or 1, S, D) as HF's rotary embedding
-    returns them (broadcast over heads; constants for autograd). Returns (q_out, k_out).
+    returns them (broadcast over heads; constants for autograd). Returns (q_out, k_out),
+    each with its input's strides when that is dense with a unit last stride (a (B, H, S, D)
+    view of (B, S, H, D) memory stays one), contiguous otherwise; the gradients likewise.
     """
     return _ops.rope_fwd(q, k, cos, sin)
 

@@ -160,10 +160,13 @@ T2 rope_bwd(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& cos,
 enum Norm : int64_t { kInputNorm = 0, kQNorm, kKNorm, kPostNorm, kNumNorms };
 enum Proj : int64_t { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kNumProjs };
 enum ProjPart : int64_t { kWeight = 0, kBias, kLoraA, kLoraB, kNumProjParts };
-constexpr int64_t kNumSlots = kNumNorms + kNumProjs * kNumProjParts;
+constexpr int64_t kNumSlots =
+    int64_t{kNumNorms} + int64_t{kNumProjs} * int64_t{kNumProjParts};
 
 constexpr int64_t slot(Norm n) { return n; }
-constexpr int64_t slot(Proj p, ProjPart part) { return kNumNorms + p * kNumProjParts + part; }
+constexpr int64_t slot(Proj p, ProjPart part) {
+  return int64_t{kNumNorms} + int64_t{p} * int64_t{kNumProjParts} + int64_t{part};
+}
 
 const std::array<const char*, kNumNorms> kNormNames = {
     "input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
@@ -494,8 +497,8 @@ at::Tensor merge_heads(const at::Tensor& out) {
 }
 
 // q/k/v from the sublayer input. n: the normed input in the compute dtype; q_lin/k_lin:
-// (B, S, H*, D) projections before the optional per-head norms; q, k: (B, H*, S, D)
-// contiguous after norms and RoPE; v: a (B, Hkv, S, D) view of its projection.
+// (B, S, H*, D) projections before the optional per-head norms; q, k: (B, H*, S, D) views
+// of (B, S, H*, D) memory after norms and RoPE; v: a (B, Hkv, S, D) view of its projection.
 struct Projected {
   at::Tensor n, q_lin, k_lin, q, k, v;
 };
@@ -509,9 +512,11 @@ Projected project(const at::Tensor& x, const Layer& L) {
   p.v = proj_fwd(L, kV, p.n).view({b, s, L.hkv, d}).transpose(1, 2);
   const at::Tensor qh = L.qk_norm() ? rms_norm_fwd(p.q_lin, L.norm(kQNorm), L.eps) : p.q_lin;
   const at::Tensor kh = L.qk_norm() ? rms_norm_fwd(p.k_lin, L.norm(kKNorm), L.eps) : p.k_lin;
+  // rope keeps its input's layout: q, k stay (B, H, S, D) views of (B, S, H, D) memory, the
+  // layout attention reads, and their gradients come back alike (merged with views).
   std::tie(p.q, p.k) = rope_fwd(qh.transpose(1, 2), kh.transpose(1, 2), L.cos, L.sin);
-  p.q = L.cast(p.q).contiguous();
-  p.k = L.cast(p.k).contiguous();
+  p.q = L.cast(p.q);
+  p.k = L.cast(p.k);
   return p;
 }
 
@@ -742,8 +747,8 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
   const auto act = x.options().dtype(L.act_dtype(x));
   if (has_attention(L.part)) {
     const int64_t d = L.head_dim();
-    r.q = at::empty({b, L.hq, s, d}, act);
-    r.k = at::empty({b, L.hkv, s, d}, act);
+    r.q = at::empty({b, s, L.hq, d}, act).transpose(1, 2);
+    r.k = at::empty({b, s, L.hkv, d}, act).transpose(1, 2);
     r.v = at::empty({b, s, L.hkv, d}, act).transpose(1, 2);
     r.out = at::empty({b, s, L.hq, d}, act).transpose(1, 2);
     r.lse = at::empty({b, L.hq, s}, x.options().dtype(at::kFloat));

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -58,6 +60,16 @@ inline std::string dtype_str(at::ScalarType t) {
 // (float16 / bfloat16 inputs are widened, their results rounded once at the end).
 inline at::ScalarType compute_dtype(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The output of rope_fwd / rope_bwd for input t (every implementation, and the fakes in
+// ckpt_ext/ops.py): t's strides when t is non-empty, non-overlapping and dense with a unit
+// last stride (e.g. the (B, H, S, D) view of (B, S, H, D) memory that attention reads and
+// returns, so the caller merges heads with a view), contiguous otherwise.
+inline at::Tensor rope_out_like(const at::Tensor& t) {
+  if (t.numel() > 0 && t.stride(-1) == 1 && t.is_non_overlapping_and_dense())
+    return at::empty_strided(t.sizes(), t.strides(), t.options());
+  return at::empty(t.sizes(), t.options());
 }
 
 // An optional tensor argument that "does not apply": None, or the empty (0,) placeholder an op

@@ -132,13 +132,14 @@ at::Tensor rotate_half(const at::Tensor& t, bool transpose) {
 }
 
 // forward:  t * cos + rotate_half(t) * sin;   backward: t * cos + rotate_half^T(t * sin).
-// t (B, H, S, D); c, s (Bc, 1, S, D) in the compute dtype. Result contiguous in t's dtype.
+// t (B, H, S, D); c, s (Bc, 1, S, D) in the compute dtype. Result in t's dtype and layout
+// (checks::rope_out_like).
 at::Tensor rope_apply(const at::Tensor& t, const at::Tensor& c, const at::Tensor& s,
                       bool backward) {
   at::Tensor tf = t.to(c.scalar_type());
   at::Tensor r = backward ? tf * c + rotate_half(tf * s, /*transpose=*/true)
                           : tf * c + rotate_half(tf, /*transpose=*/false) * s;
-  return r.to(t.scalar_type()).contiguous();
+  return checks::rope_out_like(t).copy_(r);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_cpu(const char* op, const char* qn, const at::Tensor& q,

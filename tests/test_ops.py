@@ -600,7 +600,7 @@ def test_rope_fp32_vs_reference(cos_batch):
     dq_out, dk_out = torch.randn(3, 4, 17, 16), torch.randn(3, 2, 17, 16)
     ql, kl = leaves(q, k)
     q_out, k_out = ops.rope(ql, kl, cos, sin)
-    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert q_out.stride() == q.stride() and k_out.is_contiguous()   # the inputs' layouts
     g = torch.autograd.grad((q_out, k_out), (ql, kl), (dq_out, dk_out))
     r = leaves(q, k, dtype=F64)
     ref = rope_reference(*r, cos.double(), sin.double())
@@ -613,6 +613,36 @@ def test_rope_fp32_vs_reference(cos_batch):
                                  ("dq", g[0], base_g[0], ref_g[0], FACTOR_GRAD),
                                  ("dk", g[1], base_g[1], ref_g[1], FACTOR_GRAD)):
         check_vs_baseline(name, got, bs, rf, f, torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["bshd_view", "last_dim_strided"])
+def test_rope_keeps_its_input_layout(layout):
+    """A (B, H, S, D) view of (B, S, H, D) memory comes back as one (outputs and gradients), so
+    the decoder layer merges heads with views; a last dim that is not unit-strided comes back
+    contiguous. The values do not depend on the layout, and the fakes (torch.compile) give
+    the strides the op returns."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, Hq, Hkv, S, D = 2, 4, 2, 7, 8
+    q, k, cos, sin = rope_inputs(B, Hq, Hkv, S, D, 1)
+    q, k = q.contiguous(), k.contiguous()
+    if layout == "bshd_view":
+        qv, kv = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+        want = [qv.stride(), kv.stride()]
+        assert want[0] == (S * Hq * D, D, Hq * D, 1)
+    else:
+        qv, kv = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (q, k))
+        want = [q.stride(), k.stride()]   # contiguous
+        assert qv.stride(-1) != 1
+    for op in ("rope_fwd", "rope_bwd"):
+        fn = getattr(torch.ops.ckpt_ext, op)
+        outs, ref = fn(qv, kv, cos, sin), fn(q, k, cos, sin)
+        assert [t.stride() for t in outs] == want, op
+        for got, r in zip(outs, ref):
+            assert torch.equal(got, r), op
+        with FakeTensorMode() as mode:
+            fake = fn(*(mode.from_tensor(t) for t in (qv, kv, cos, sin)))
+        assert [t.stride() for t in fake] == want, op
 
 
 @pytest.mark.parametrize("cos_batch", [1, 2])

@@ -80,11 +80,10 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
       for (int hd = static_cast<int>(threadIdx.y); hd < heads; hd += static_cast<int>(blockDim.y)) {
         const bool is_q = hd < heads_q;
         const int64_t head = is_q ? hd : hd - heads_q;
-        const int64_t num_heads = is_q ? a.heads_q : a.heads_k;
-        const T* in = (is_q ? q : k) + b * (is_q ? a.q_stride[0] : a.k_stride[0]) +
-                      head * (is_q ? a.q_stride[1] : a.k_stride[1]) +
-                      s * (is_q ? a.q_stride[2] : a.k_stride[2]);
-        T* out = (is_q ? q_out : k_out) + ((b * num_heads + head) * seq + s) * head_dim;
+        const int64_t* is = is_q ? a.q_stride : a.k_stride;
+        const int64_t* os = is_q ? a.q_out_stride : a.k_out_stride;
+        const T* in = (is_q ? q : k) + b * is[0] + head * is[1] + s * is[2];
+        T* out = (is_q ? q_out : k_out) + b * os[0] + head * os[1] + s * os[2];
         float x1[W], x2[W], o1[W], o2[W];
         load_w<T, W, kVec>(in + i, x1);
         load_w<T, W, kVec>(in + half + i, x2);
@@ -125,8 +124,8 @@ cudaError_t launch_rope(const RopeArgs& a, bool backward, cudaStream_t stream) {
   const int64_t half = a.head_dim / 2;
   const bool vec = half % W == 0 && strides_aligned<T, W>(a.q, a.q_stride, 3) &&
                    strides_aligned<T, W>(a.k, a.k_stride, 3) &&
-                   detail::vec_aligned<T, W>(a.q_out, 0, 1) &&
-                   detail::vec_aligned<T, W>(a.k_out, 0, 1) &&
+                   strides_aligned<T, W>(a.q_out, a.q_out_stride, 3) &&
+                   strides_aligned<T, W>(a.k_out, a.k_out_stride, 3) &&
                    strides_aligned<CT, W>(a.cos, a.cos_stride, 2) &&
                    strides_aligned<CT, W>(a.sin, a.sin_stride, 2);
   const int units = static_cast<int>(vec ? half / W : half);

@@ -59,7 +59,9 @@ cudaError_t rms_norm_bwd(const void* dy, int64_t dy_row_stride, const void* x,
 // ---- rotary position embedding, HF apply_rotary_pos_emb semantics ---------------------------
 // q (B, Hq, S, D) and k (B, Hkv, S, D) with arbitrary strides for the first three dims and a
 // contiguous last dim; cos/sin (Bc, S, D) with Bc in {1, B} (a batch stride of 0 broadcasts)
-// and a contiguous last dim. q_out (B, Hq, S, D) and k_out (B, Hkv, S, D) are contiguous.
+// and a contiguous last dim. q_out (B, Hq, S, D) and k_out (B, Hkv, S, D) likewise take any
+// strides for the first three dims with a contiguous last dim (the launcher gives them the
+// layout of q and k: checks::rope_out_like).
 // With h = D / 2 and i < h (all in float32, rounded once to q's dtype):
 //   forward:  out[i]     = a[i] * cos[i]     - a[i + h] * sin[i]
 //             out[i + h] = a[i + h] * cos[i + h] + a[i] * sin[i + h]
@@ -72,8 +74,10 @@ struct RopeArgs {
   int64_t q_stride[3] = {0, 0, 0};  // element strides of (B, Hq, S)
   const void* k = nullptr;
   int64_t k_stride[3] = {0, 0, 0};  // element strides of (B, Hkv, S)
-  void* q_out = nullptr;            // contiguous (B, Hq, S, D)
-  void* k_out = nullptr;            // contiguous (B, Hkv, S, D)
+  void* q_out = nullptr;
+  int64_t q_out_stride[3] = {0, 0, 0};  // element strides of q_out's (B, Hq, S)
+  void* k_out = nullptr;
+  int64_t k_out_stride[3] = {0, 0, 0};  // element strides of k_out's (B, Hkv, S)
   const void* cos = nullptr;
   int64_t cos_stride[2] = {0, 0};   // element strides of (batch, S); batch stride 0 = broadcast
   const void* sin = nullptr;

@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../checks.h"
 #include "rowwise.cuh"
 
 namespace {
@@ -157,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& dy, const
 // ---- RoPE ----------------------------------------------------------------------------------
 
 // a (B, Hq, S, D) and b (B, Hkv, S, D) (q/k, or dq_out/dk_out), cos/sin (1 or B, S, D).
-// Returns contiguous (B, Hq, S, D) and (B, Hkv, S, D) in a's dtype.
+// Returns (B, Hq, S, D) and (B, Hkv, S, D) in a's dtype, laid out as checks::rope_out_like.
 std::tuple<at::Tensor, at::Tensor> rope_cuda(const char* op, const char* qname,
                                              const char* kname, const at::Tensor& q,
                                              const at::Tensor& k, const at::Tensor& cos,
@@ -186,8 +187,8 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const char* op, const char* qname,
               cos.scalar_type(), "), got ", sin.scalar_type());
 
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor q_out = at::empty(q.sizes(), q.options());
-  at::Tensor k_out = at::empty(k.sizes(), k.options());
+  at::Tensor q_out = ckpt_ext::checks::rope_out_like(q);
+  at::Tensor k_out = ckpt_ext::checks::rope_out_like(k);
   if (q.numel() == 0 && k.numel() == 0) return {q_out, k_out};
   // The kernel needs a contiguous last dim; any strides of the first three dims are fine.
   const at::Tensor qi = q.stride(3) == 1 ? q : q.contiguous();
@@ -204,6 +205,10 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const char* op, const char* qname,
   }
   a.q_out = q_out.data_ptr();
   a.k_out = k_out.data_ptr();
+  for (int d = 0; d < 3; ++d) {
+    a.q_out_stride[d] = q_out.stride(d);
+    a.k_out_stride[d] = k_out.stride(d);
+  }
   a.cos = ci.data_ptr();
   a.cos_stride[0] = ci.size(0) == 1 ? 0 : ci.stride(0);  // batch 1 broadcasts
   a.cos_stride[1] = ci.stride(1);
