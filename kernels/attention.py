@@ -599,22 +599,30 @@ def _cfg(block_m, block_n, warps, stages):
 # (large BLOCK_M); dK/dV hold a key tile and stream queries (large BLOCK_N). The resource model
 # below drops, per head_dim and dtype, the configs that would not fit shared memory or would
 # spill registers, so the first one kept is the largest spill-free tile.
+#
+# The smallest tile of each list is the last resort (launched when nothing else fits); those
+# of head_dim 256 are spill-free: 32x32 (fwd, dq) and 16x16 (dK/dV). On Ampere the dQ kernel
+# keeps 8 warps for 64-row tiles: with 4 warps it spilled at head_dim 64 (causal) and 128
+# although the register model counts fewer words per thread than for fitting 8-warp tiles.
 _CONFIGS = {
     ("fwd", "hopper"): [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2),
                         _cfg(128, 32, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
-                        _cfg(64, 32, 4, 2)],
+                        _cfg(64, 32, 8, 2), _cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
     ("fwd", "ampere"): [_cfg(128, 64, 8, 2), _cfg(128, 64, 4, 3), _cfg(128, 32, 8, 3),
-                        _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+                        _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 8, 2),
+                        _cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
     ("dkdv", "hopper"): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 8, 2),
                          _cfg(16, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 8, 2),
-                         _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2), _cfg(16, 32, 4, 2)],
+                         _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2), _cfg(16, 32, 4, 2),
+                         _cfg(16, 16, 4, 2)],
     ("dkdv", "ampere"): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(64, 64, 4, 2),
                          _cfg(32, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2),
                          _cfg(16, 32, 4, 2), _cfg(16, 16, 4, 2)],
     ("dq", "hopper"): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2),
-                       _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
-    ("dq", "ampere"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 2),
-                       _cfg(64, 32, 4, 2)],
+                       _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
+                       _cfg(32, 32, 4, 2)],
+    ("dq", "ampere"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 8, 2),
+                       _cfg(32, 32, 4, 2)],
 }
 _KEYS = {"fwd": ["HEAD_DIM", "CAUSAL", "S_BUCKET"],
          "dkdv": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "DQ_ATOMIC"],
