@@ -20,9 +20,11 @@ Kernels (Triton only; the autograd wiring lives in ``ckpt_ext``):
   as the forward did (``RECOMPUTE``, ``save="input"``) or reads the saved ones
   (``save="gate_up"``) and, given ``dh = dy Wd``, writes ``dgate`` (over dh), ``dup`` and,
   when the down weight's gradient is wanted, ``h``. The down adapter's term of dh is added
-  in the tile, and the adapters' rank-r gradient pieces (``dgate Bg``, ``dgate^T (x Ag^T)``,
-  ``(dy Bd)^T h``, ``h Ad^T``, likewise for up) are accumulated in fp32 from the unrounded
-  tiles.
+  in the tile, and its rank-r gradient pieces (``(dy Bd)^T h``, ``h Ad^T``) are accumulated
+  in fp32 from the unrounded tiles (h is not written for a frozen down weight). The gate/up
+  adapters' pieces (``dgate Bg``, ``dgate^T (x Ag^T)``, likewise for up) are rank-r products
+  of the written dgate / dup, outside the kernel: in the tile they took the registers that
+  larger tiles need.
 
 The launchers ``swiglu_fwd`` and ``swiglu_bwd`` own validation, shapes, strides, grids and
 autotuning; the dense products with w_down, the weight gradients and the remaining rank-r
@@ -153,27 +155,6 @@ def _dropped(t, key, thr, inv, offs_m, offs_n, DROP: tl.constexpr):
 
 
 @triton.jit
-def _lora_grad_accumulate(dz, xa_ptr, lb_ptr, dxa_ptr, dlb_ptr, offs_m, offs_n, T, I, r,
-                          NEED_DB: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
-    """For one tile of dz = dgate or dup (fp32 (BLOCK_M, BLOCK_N), zero outside T x I):
-    dxa[offs_m, :r] += dz B[offs_n, :r]   (d(x A^T) without the scale, for dx and dA), and
-    when NEED_DB, dB[offs_n, :r] += dz^T xa[offs_m, :r]; both fp32, added atomically."""
-    offs_r = tl.arange(0, R)
-    mask_r = offs_r < r
-    mask_m = offs_m < T
-    mask_n = offs_n < I
-    b = tl.load(lb_ptr + offs_n.to(tl.int64)[:, None] * r + offs_r[None, :],
-                mask=mask_n[:, None] & mask_r[None, :], other=0.0)              # (BLOCK_N, R)
-    tl.atomic_add(dxa_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :],
-                  _dot(dz, b, IEEE), mask=mask_m[:, None] & mask_r[None, :])
-    if NEED_DB:
-        xa = tl.load(xa_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :],
-                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)         # (BLOCK_M, R)
-        tl.atomic_add(dlb_ptr + offs_n.to(tl.int64)[:, None] * r + offs_r[None, :],
-                      _dot(tl.trans(dz), xa, IEEE), mask=mask_n[:, None] & mask_r[None, :])
-
-
-@triton.jit
 def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr,
                      s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
                      stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
@@ -286,11 +267,9 @@ def _halves(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 @triton.jit
 def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_ptr, lbg_ptr,
-                  xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr,
-                  dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
+                  xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
                   stride_dhi, stride_ot, stride_oi, STORE_H: tl.constexpr, LORA_G: tl.constexpr,
-                  LORA_U: tl.constexpr, LORA_D: tl.constexpr, NEED_DBG: tl.constexpr,
-                  NEED_DBU: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
+                  LORA_U: tl.constexpr, LORA_D: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
                   R_G: tl.constexpr, R_U: tl.constexpr, R_D: tl.constexpr,
                   LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr):
     """The backward's pointwise epilogue on one (rows offs_m, columns offs_n) piece of a tile,
@@ -330,28 +309,22 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_p
                        DROP_D)
     dup = dh * silu
     tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
-    if LORA_U:
-        _lora_grad_accumulate(tl.where(mask, dup, 0.0), xau_ptr, lbu_ptr, dxau_ptr, dlbu_ptr,
-                              offs_m, offs_n, T, I, r_u, NEED_DBU, R_U, LORA_IEEE)
+
     dgate = dh * u_dsilu
     tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
-    if LORA_G:
-        _lora_grad_accumulate(tl.where(mask, dgate, 0.0), xag_ptr, lbg_ptr, dxag_ptr, dlbg_ptr,
-                              offs_m, offs_n, T, I, r_g, NEED_DBG, R_G, LORA_IEEE)
+
 
 
 @triton.jit
 def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
                                dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
-                               lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr,
-                               dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d,
+                               lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d,
                                inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
                                stride_wgh, stride_wui, stride_wuh, stride_dht, stride_dhi,
                                stride_ot, stride_oi, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
                                DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
                                STORE_H: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
-                               LORA_D: tl.constexpr, NEED_DBG: tl.constexpr,
-                               NEED_DBU: tl.constexpr, NEED_DAD: tl.constexpr,
+                               LORA_D: tl.constexpr, NEED_DAD: tl.constexpr,
                                NEED_HA: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
                                R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -372,11 +345,9 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
                                 BLOCK_N, BLOCK_K)
         if EPI_N == BLOCK_N:
             _bwd_epilogue(g, u, offs_m, n0 + tl.arange(0, BLOCK_N), dh_ptr, dgate_ptr, dup_ptr,
-                          h_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
-                          dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d,
+                          h_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d,
                           key_d, thr_d, inv_d, T, I, stride_dht, stride_dhi, stride_ot,
-                          stride_oi, STORE_H, LORA_G, LORA_U, LORA_D, NEED_DBG, NEED_DBU,
-                          NEED_DAD, NEED_HA, R_G, R_U, R_D, LORA_IEEE, DROP_D)
+                          stride_oi, STORE_H, LORA_G, LORA_U, LORA_D, NEED_DAD, NEED_HA, R_G, R_U, R_D, LORA_IEEE, DROP_D)
         else:
             # Subtiled epilogue: the accumulators are split into column pieces (halves, or
             # quarters) and the epilogue's fp32 temporaries exist for one piece at a time.
@@ -393,10 +364,10 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
                 _bwd_epilogue(g_pieces[j], u_pieces[j], offs_m,
                               n0 + j * EPI_N + tl.arange(0, EPI_N), dh_ptr, dgate_ptr, dup_ptr,
                               h_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr,
-                              dxag_ptr, dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_d,
+                              dlad_ptr, ha_ptr, s_d,
                               r_g, r_u, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
                               stride_dhi, stride_ot, stride_oi, STORE_H, LORA_G, LORA_U,
-                              LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G, R_U, R_D,
+                              LORA_D, NEED_DAD, NEED_HA, R_G, R_U, R_D,
                               LORA_IEEE, DROP_D)
     else:
         # save="gate_up": each piece reads its own columns of the saved gate and up.
@@ -407,25 +378,22 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
             g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_ptr,
-                          lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr,
-                          dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d,
+                          lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d,
                           thr_d, inv_d, T, I, stride_dht, stride_dhi, stride_ot, stride_oi,
-                          STORE_H, LORA_G, LORA_U, LORA_D, NEED_DBG, NEED_DBU, NEED_DAD,
+                          STORE_H, LORA_G, LORA_U, LORA_D, NEED_DAD,
                           NEED_HA, R_G, R_U, R_D, LORA_IEEE, DROP_D)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
 def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
                                  dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
-                                 lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr, dlbg_ptr, dxau_ptr,
-                                 dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d,
+                                 lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d,
                                  thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh,
                                  stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_dht,
                                  stride_dhi, stride_ot, stride_oi, HAS_BG: tl.constexpr,
                                  HAS_BU: tl.constexpr, DOT_IEEE: tl.constexpr,
                                  RECOMPUTE: tl.constexpr, STORE_H: tl.constexpr,
                                  LORA_G: tl.constexpr, LORA_U: tl.constexpr, LORA_D: tl.constexpr,
-                                 NEED_DBG: tl.constexpr, NEED_DBU: tl.constexpr,
                                  NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr, R_G: tl.constexpr,
                                  R_U: tl.constexpr, R_D: tl.constexpr, LORA_IEEE: tl.constexpr,
                                  DROP_D: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -439,12 +407,13 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
     RECOMPUTE (save="input"): gate/up are recomputed from x exactly as the forward did;
     otherwise (save="gate_up") they are read from gate/up (contiguous, the output strides).
     dgate may alias dh: each program reads its dh tile before it writes the same tile.
-    LoRA (fp32 buffers, accumulated atomically, zero on entry; scales applied by the launcher
-    except inside dh and the pre-activations):
-      LORA_D: dh += s_d (dy Bd)[tile] Ad[:, tile] from dyb = dy Bd (T, r_d); NEED_DAD:
-              dAd_acc (r_d, I) += dyb^T h'; NEED_HA: ha (T, r_d) += h' Ad^T (for dBd); with
-              DROP_D, h' and the dh term carry the forward's dropout mask (as in the forward).
-      LORA_G: dxa_g (T, r_g) += dgate Bg; NEED_DBG: dBg_acc (I, r_g) += dgate^T xa_g (up alike).
+    LoRA: LORA_G / LORA_U add the low-rank terms to the recomputed gate / up (as the forward);
+    their gradient pieces are rank-r products of the written dgate / dup, left to the launcher
+    (accumulating them here cost the tile its registers: AOT, 64x32 tiles at most). LORA_D
+    (fp32 buffers, accumulated atomically, zero on entry; the scale is applied by the
+    launcher except inside dh): dh += s_d (dy Bd)[tile] Ad[:, tile] from dyb = dy Bd (T, r_d);
+    NEED_DAD: dAd_acc (r_d, I) += dyb^T h'; NEED_HA: ha (T, r_d) += h' Ad^T (for dBd); with
+    DROP_D, h' and the dh term carry the forward's dropout mask (as in the forward).
     """
     if PERSISTENT:
         # Fewer programs than tiles (CKPT_EXT_SWIGLU_GRID=persistent): each program loops
@@ -454,25 +423,23 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                                        dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
-                                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
-                                       dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u,
+                                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u,
                                        s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
                                        stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                                        stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                        HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G,
-                                       LORA_U, LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G,
+                                       LORA_U, LORA_D, NEED_DAD, NEED_HA, R_G,
                                        R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
                                        GROUP_M, EPI_N)
     else:
         _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
                                    dh_ptr, dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
-                                   lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dxag_ptr,
-                                   dlbg_ptr, dxau_ptr, dlbu_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d,
+                                   lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d,
                                    r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
                                    stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                                    stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                    HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G, LORA_U,
-                                   LORA_D, NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA, R_G, R_U, R_D,
+                                   LORA_D, NEED_DAD, NEED_HA, R_G, R_U, R_D,
                                    LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                    EPI_N)
 
@@ -540,11 +507,13 @@ def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad, epi_n=None):
     its epilogue keeps 2.5 fp32 values per element of the piece it works on, ``piece`` =
     BLOCK_M * epi_n / threads (epi_n = BLOCK_N for the whole tile, BLOCK_N / 2 or / 4
     subtiled); mma (Ampere, and Hopper below 64 rows) adds the register operands of one
-    x / w k-step. LoRA adds the rank-r tiles; its backward forms six products with a fp32
-    operand of the piece, which spill when the tile holds more than 8 values per thread or 32
-    columns at rank pad 16, whatever the piece (subtiling cuts the LoRA spills but does not
-    end them: 128x64 w8 in 16-column pieces still spills 8 B on sm_90): those return a
-    value over the limit."""
+    x / w k-step. LoRA adds the rank-r tiles. In the backward (the down adapter's products
+    in the epilogue, the gate/up rank-r terms in the recompute) the AOT reports fit a rule
+    rather than a sum: at rank pad 16 a config is spill-free when BLOCK_N <= 64 and tile +
+    piece <= 48 values (wgmma) or, with mma, BLOCK_M <= 64 and tile + piece <= 40 (sm_80:
+    128-row tiles spill at every piece width, 64x64 w4 in 16-column pieces does not); larger
+    rank pads scale tile + piece. A config outside the rule returns a value over the
+    limit."""
     m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
     threads = 32 * config.num_warps
     tile = m * bn / threads
@@ -558,10 +527,12 @@ def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad, epi_n=None):
         rank_tile = rank_pad * bn / threads
         if kind == "fwd":
             regs += 8 * rank_tile + 40
-        elif bn > 32 or tile * rank_pad / 16 > 8:
-            regs = max(regs, 2 * _REG_LIMIT)
         else:
-            regs = max(regs, _REG_LIMIT)
+            wgmma = _wgmma(config, arch, ieee)
+            budget = 48 if wgmma else 40
+            fits = (bn <= 64 and (wgmma or m <= 64)
+                    and (tile + piece) * rank_pad / 16 <= budget)
+            regs = max(regs, _REG_LIMIT) if fits else max(regs, 2 * _REG_LIMIT)
     return regs
 
 
@@ -670,8 +641,7 @@ def _kernel_for(kind, device, dtype, precision, lora_pads):
     return _launch.select(_swiglu_bwd_recompute_kernel, configs,
                           interpret_meta=lambda: _interpret_meta("bwd"), key=_TUNE_KEY,
                           restore_value=["dh_ptr"],
-                          reset_to_zero=["dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr",
-                                         "dlad_ptr", "ha_ptr"])
+                          reset_to_zero=["dlad_ptr", "ha_ptr"])
 
 
 @_launch.cached
@@ -691,11 +661,10 @@ def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_
 def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, needs,
                   lora_pads, drop_d=False):
     """(kernel, constexpr arguments) of the backward for one specialization; needs: the
-    (NEED_DBG, NEED_DBU, NEED_DAD, NEED_HA) flags."""
+    (NEED_DAD, NEED_HA) flags."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
-                STORE_H=store_h, NEED_DBG=needs[0], NEED_DBU=needs[1], NEED_DAD=needs[2],
-                NEED_HA=needs[3], DROP_D=drop_d,
+                STORE_H=store_h, NEED_DAD=needs[0], NEED_HA=needs[1], DROP_D=drop_d,
                 # The LoRA backward keeps one program per tile: its tile loop spills on sm_90
                 # even at the smallest candidate tiles (AOT report).
                 PERSISTENT=_launch.SWIGLU_GRID == "persistent" and lora_pads is None,
@@ -767,6 +736,28 @@ def _down_dropout_args(drop):
     if drop is None:
         return (0, 0, 1.0), False
     return (drop.key, dropout_threshold(drop.p), 1.0 / (1.0 - drop.p)), True
+
+
+# Rows of dgate / dup widened to fp32 at a time for the adapters' rank-r products: the
+# transient fp32 copy stays within 64 MiB whatever T is.
+_RANK_CHUNK_BYTES = 64 << 20
+
+
+def _rank_products(dz, b, xa, need_db):
+    """One gate/up adapter's gradient pieces from dz = dgate or dup (T, I) as written, in x's
+    dtype: (dz B (T, r), dz^T xa (I, r) when need_db else None), both fp32 from fp32 row
+    chunks of dz (B the adapter's (I, r) lora_B weight; xa = x' A^T (T, r) fp32)."""
+    T, I = dz.shape
+    bf = _f32(b)
+    dxa = dz.new_empty((T, bf.shape[1]), dtype=torch.float32)
+    db = dz.new_zeros((I, bf.shape[1]), dtype=torch.float32) if need_db else None
+    rows = max(1, _RANK_CHUNK_BYTES // (4 * max(I, 1)))
+    for t0 in range(0, T, rows):
+        z = dz[t0:t0 + rows].float()
+        torch.mm(z, bf, out=dxa[t0:t0 + rows])
+        if need_db:
+            db.addmm_(z.t(), xa[t0:t0 + rows])
+    return dxa, db
 
 
 def _rank_pad(r):
@@ -902,9 +893,10 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         its adapter's dtype. A gradient not wanted, or of an absent bias / adapter, is
         ``x.new_empty((0,))``.
 
-    The adapter gradients are accumulated in fp32 from the unrounded dgate / dup / h tiles
-    inside the kernel (atomic adds, see ``swiglu_fwd``) plus rank-r products outside it:
-    dA = s (dz B)^T x', dB = s dz^T (x' A^T) for gate/up (dz = dgate, dup),
+    The adapter gradients are fp32 rank-r products: for gate/up of the written dgate / dup
+    (rounded to x's dtype, as the gradient PEFT's lora_B receives), in fp32 row chunks of at
+    most 64 MiB; for down partly inside the kernel, from the unrounded h tiles (atomic adds,
+    see ``swiglu_fwd``): dA = s (dz B)^T x', dB = s dz^T (x' A^T) for gate/up (dz = dgate, dup),
     dA_down = s dyb^T h', dB_down = s dy^T (h' A_down^T) with dyb = dy B_down, where x', h'
     carry the adapter's dropout; the low-rank part of dx (and of dh) gets the same mask.
     """
@@ -936,10 +928,6 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     xau = torch.mm(xd[1], _f32(lu[0]).t()) if lu and (recompute or n_lb[1]) else dummy
     drop_d, has_drop_d = _down_dropout_args(drop[2])
     dyb = torch.mm(dy.float(), _f32(ld[1])) if ld else dummy          # (T, r_d)
-    dxag = zeros_or_dummy(lg, (T, _rank(lg)))
-    dxau = zeros_or_dummy(lu, (T, _rank(lu)))
-    dlbg = zeros_or_dummy(n_lb[0], (I, _rank(lg)))
-    dlbu = zeros_or_dummy(n_lb[1], (I, _rank(lu)))
     dlad = zeros_or_dummy(n_la[2], (_rank(ld), I))
     ha = zeros_or_dummy(n_lb[2], (T, _rank(ld)))
 
@@ -953,14 +941,12 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         b_up_c = b_up.contiguous() if b_up is not None else dup
         kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
                                      b_gate is not None, b_up is not None, recompute, n_wd,
-                                     (n_lb[0], n_lb[1], n_la[2], n_lb[2]), _lora_pads(ad),
-                                     has_drop_d)
+                                     (n_la[2], n_lb[2]), _lora_pads(ad), has_drop_d)
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
-                _f32(ld[0]) if ld else dummy, dyb,
-                dxag, dlbg, dxau, dlbu, dlad, ha,
+                _f32(ld[0]) if ld else dummy, dyb, dlad, ha,
                 _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld), *drop_d,
                 T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
@@ -984,23 +970,26 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     db_gate = dgate.sum(0, dtype=f32).to(x.dtype) if n_bg else none()
     db_up = dup.sum(0, dtype=f32).to(x.dtype) if n_bu else none()
     db_down = dy.sum(0, dtype=f32).to(x.dtype) if n_bd else none()
+    # The gate/up adapters' pieces: dz B (T, r) and dz^T (x' A^T) (I, r), dz = dgate, dup.
+    pieces = [_rank_products(dz, a[1], xa, n_lb[p]) if a is not None else None
+              for p, (a, dz, xa) in enumerate(((lg, dgate, xag), (lu, dup, xau)))]
     del dgate, dup, dh
 
     # Rank-r products of the adapter gradients, and the low-rank paths of dx (fp32).
     dlora = [none() for _ in range(6)]
     dx_lora = None
-    for p, (a, dxa) in enumerate(((lg, dxag), (lu, dxau))):
+    for p, a in enumerate((lg, lu)):
         if a is None:
             continue
+        dxa, dlb = pieces[p]
         t = _adapter_input(torch.mm(dxa, _f32(a[0])).mul_(a[2]), drop[p])  # s (dz B) A, masked
         dx_lora = t if dx_lora is None else dx_lora.add_(t)
         if n_la[p]:
             dlora[2 * p] = torch.mm(dxa.t(), xd[p]).mul_(a[2]).to(a[0].dtype)
+        if n_lb[p]:
+            dlora[2 * p + 1] = dlb.mul_(a[2]).to(a[1].dtype)
     if dx_lora is not None:
         dx.add_(dx_lora)                                     # one rounding to x's dtype
-    for p, dlb in ((0, dlbg), (1, dlbu)):
-        if n_lb[p]:
-            dlora[2 * p + 1] = dlb.mul_(ad[p][2]).to(ad[p][1].dtype)
     if n_la[2]:
         dlora[4] = dlad.mul_(ld[2]).to(ld[0].dtype)
     if n_lb[2]:

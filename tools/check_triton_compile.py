@@ -27,7 +27,8 @@ Sweep (``--quick`` keeps a few entries of each part):
              bf16 configs (forward, and backward without LoRA). Backward configs carry the
              epilogue piece width the model picks (EPI_N, ``e32`` in the config column);
              the whole-tile epilogue (CKPT_EXT_SWIGLU_EPILOGUE=whole) of every candidate where
-             it differs is compiled too.
+             it differs is compiled too; and the first kept LoRA configs at rank pads 32 and
+             64.
 
 Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
 with 16-byte aligned data, so pointers carry ``tt.divisibility=16``, unit strides are the
@@ -301,10 +302,10 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
 
 
 def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_up=False,
-                     biases=False, dot_ieee=False, lora=False, persistent=False):
+                     biases=False, dot_ieee=False, lora=False, persistent=False, rank_pad=16):
     """kind: fwd, bwd_recompute (save="input") or bwd_gate_up (the same kernel reading the
-    saved gate/up). lora: adapters on all three projections (rank pad 16), every adapter
-    gradient wanted, and the down adapter's dropout on (DROP_D, the mask hashed in the
+    saved gate/up). lora: adapters on all three projections (rank pad ``rank_pad``), every
+    adapter gradient wanted, and the down adapter's dropout on (DROP_D, the mask hashed in the
     tile: the heaviest variant); without, the LoRA buffers are the unused fp32 placeholders.
     persistent: the CKPT_EXT_SWIGLU_GRID=persistent variant (programs loop over tiles)."""
     fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
@@ -314,7 +315,7 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
     pointers = {n: dtype for n in ptr_names}
     lora_ptrs = ["xag_ptr", "lbg_ptr", "xau_ptr", "lbu_ptr", "lad_ptr", "ha_ptr"]
     if kind != "fwd":
-        lora_ptrs += ["dyb_ptr", "dxag_ptr", "dlbg_ptr", "dxau_ptr", "dlbu_ptr", "dlad_ptr"]
+        lora_ptrs += ["dyb_ptr", "dlad_ptr"]
     pointers.update({n: "fp32" for n in lora_ptrs})
     unit = {"stride_xh", "stride_wgh", "stride_wuh", "stride_oi"}
     div16 = {"H", "I", "T_BUCKET", "stride_xt", "stride_wgi", "stride_wui", "stride_ot"}
@@ -323,15 +324,15 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
         unit.add("stride_dhi")
         div16.add("stride_dht")
     consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
-              "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": 16, "R_U": 16, "R_D": 16,
+              "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": rank_pad, "R_U": rank_pad,
+              "R_D": rank_pad,
               "LORA_IEEE": False, "DROP_D": lora, "PERSISTENT": persistent,
               **{k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     if kind == "fwd":
         consts["STORE_GATE_UP"] = store_gate_up
     else:
         consts.update(RECOMPUTE=kind == "bwd_recompute", STORE_H=True, EPI_N=meta["EPI_N"],
-                      NEED_DBG=lora,
-                      NEED_DBU=lora, NEED_DAD=lora, NEED_HA=lora)
+                      NEED_DAD=lora, NEED_HA=lora)
     return make_signature(fn, pointers, unit, div16, floats, consts)
 
 
@@ -453,10 +454,10 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
 
         # ---- swiglu ----------------------------------------------------------------------
         def add_swiglu(kind, dtype, cfg, est, store=False, biases=False, ieee=False,
-                       lora=False, persistent=False):
+                       lora=False, persistent=False, rank_pad=16):
             meta, warps, stages = cfg.kwargs, cfg.num_warps, cfg.num_stages
             sig, consts, attrs = swiglu_signature(swiglu_mlp, kind, dtype, meta, store, biases,
-                                                  ieee, lora, persistent)
+                                                  ieee, lora, persistent, rank_pad)
             bits = ["saved_gate_up"] if kind == "bwd_gate_up" else []
             bits += ["persistent"] if persistent else []
             if kind == "fwd":
@@ -464,7 +465,7 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
             bits.append("bias" if biases else "no_bias")
             bits.append("ieee" if ieee else "tc")
             if lora:
-                bits.append("lora+drop")
+                bits.append("lora+drop" + (f" r{rank_pad}" if rank_pad != 16 else ""))
             cost = (meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1) * meta.get("BLOCK_K", 1)
                     * ELT_SIZE[dtype] * (8 if lora else 1))
             add(module="swiglu_mlp", kernel=SWIGLU_KERNEL[kind], short=f"swiglu_{kind}",
@@ -474,15 +475,16 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                 options={"num_warps": warps, "num_stages": stages}, cost=cost,
                 budget=budget, pruner=model_verdict(est))
 
-        def swiglu_rows(kind, dtype, lora=False, epilogue="subtiled"):
+        def swiglu_rows(kind, dtype, lora=False, epilogue="subtiled", rank_pad=16):
             model_kind = "fwd" if kind == "fwd" else "bwd"
             # fp32 as the launcher sees it under torch's default "highest" matmul precision
             return swiglu_mlp.launch_configs(model_kind, family, torch_dtype[dtype],
-                                             precision="ieee", lora=lora, rank_pad=16,
+                                             precision="ieee", lora=lora, rank_pad=rank_pad,
                                              smem_budget=budget, epilogue=epilogue)
 
-        def first_row(kind, dtype, lora=False):
-            return next((c, est) for c, est in swiglu_rows(kind, dtype, lora) if est["kept"])
+        def first_row(kind, dtype, lora=False, rank_pad=16):
+            return next((c, est) for c, est in swiglu_rows(kind, dtype, lora,
+                                                           rank_pad=rank_pad) if est["kept"])
 
         if "swiglu" in parts:
             for lora in (False, True):
@@ -515,6 +517,11 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                 add_swiglu("bwd_gate_up", dtype, *first_row("bwd_gate_up", dtype),
                            ieee=dtype == "fp32")
             add_swiglu("bwd_gate_up", "bf16", *first_row("bwd_gate_up", "bf16", True), lora=True)
+            # larger adapter ranks (rank pads 32 and 64): the first kept configs
+            for rank_pad in (() if quick else (32, 64)):
+                for kind in ("fwd", "bwd_recompute"):
+                    add_swiglu(kind, "bf16", *first_row(kind, "bf16", True, rank_pad),
+                               lora=True, rank_pad=rank_pad)
             # CKPT_EXT_SWIGLU_GRID=persistent: the first kept configs with the tile loop (the
             # LoRA backward keeps one program per tile: its loop spills on sm_90).
             for kind, lora in (("fwd", False), ("fwd", True), ("bwd_recompute", False)):
