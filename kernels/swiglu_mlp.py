@@ -511,8 +511,9 @@ def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad, epi_n=None):
     in the epilogue, the gate/up rank-r terms in the recompute) the AOT reports fit a rule
     rather than a sum: at rank pad 16 a config is spill-free when BLOCK_N <= 64 and tile +
     piece <= 48 values (wgmma) or, with mma, BLOCK_M <= 64 and tile + piece <= 40 (sm_80:
-    128-row tiles spill at every piece width, 64x64 w4 in 16-column pieces does not); larger
-    rank pads scale tile + piece. A config outside the rule returns a value over the
+    128-row tiles spill at every piece width, 64x64 w4 in 16-column pieces does not); at
+    rank pads 32 and 64 only BLOCK_N <= 32 with tile <= 8 values is (64x64 and 32x64 tiles
+    spill there at some piece width). A config outside the rule returns a value over the
     limit."""
     m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
     threads = 32 * config.num_warps
@@ -529,9 +530,11 @@ def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad, epi_n=None):
             regs += 8 * rank_tile + 40
         else:
             wgmma = _wgmma(config, arch, ieee)
-            budget = 48 if wgmma else 40
-            fits = (bn <= 64 and (wgmma or m <= 64)
-                    and (tile + piece) * rank_pad / 16 <= budget)
+            if rank_pad <= 16:
+                fits = (bn <= 64 and (wgmma or m <= 64)
+                        and tile + piece <= (48 if wgmma else 40))
+            else:
+                fits = bn <= 32 and tile <= 8
             regs = max(regs, _REG_LIMIT) if fits else max(regs, 2 * _REG_LIMIT)
     return regs
 

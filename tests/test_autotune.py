@@ -289,20 +289,25 @@ def test_launchers_are_cached_per_specialization():
 
 
 # Spill bytes ptxas reported for SwiGLU configs (tools/check_triton_compile.py, triton 3.9, bf16;
-# bench/results/triton_compile_swiglu_sm90_sm80_triton3.9.txt, and earlier runs for LoRA without
-# dropout, former candidates and backward epilogue widths the launcher does not pick):
+# bench/results/triton_compile_swiglu_sm90_sm80_triton3.9.txt, and runs for former candidates
+# and for backward epilogue widths and adapter ranks the launcher does not pick):
 # (kind, arch, lora, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_N) -> spill stores;
-# EPI_N is the backward's epilogue piece (BLOCK_N: the whole tile), None for the forward.
+# lora: False or the adapters' rank pad (LoRA on all three projections, every gradient, the
+# down adapter's dropout); EPI_N: the backward's epilogue piece (BLOCK_N: the whole tile), None
+# for the forward. The LoRA backward rows are those of the kernel that leaves the gate/up
+# adapters' gradient pieces to the launcher.
 MEASURED_SWIGLU_SPILLS = {
     ("fwd", "ampere", False, 128, 128, 64, 8, 3, None): 196,
     ("fwd", "ampere", False, 256, 64, 64, 8, 3, None): 32,
     ("fwd", "ampere", False, 128, 64, 64, 4, 4, None): 340,
     ("fwd", "ampere", False, 128, 64, 64, 8, 4, None): 0,
     ("fwd", "hopper", False, 128, 128, 64, 8, 3, None): 0,
-    ("fwd", "hopper", True, 128, 64, 64, 8, 4, None): 0,
-    ("fwd", "ampere", True, 64, 128, 64, 8, 4, None): 8,
-    ("fwd", "ampere", True, 128, 128, 64, 8, 3, None): 9736,
-    ("fwd", "ampere", True, 128, 64, 64, 8, 4, None): 0,
+    ("fwd", "hopper", 16, 128, 64, 64, 8, 4, None): 0,
+    ("fwd", "ampere", 16, 64, 128, 64, 8, 4, None): 8,
+    ("fwd", "ampere", 16, 128, 128, 64, 8, 3, None): 9736,
+    ("fwd", "ampere", 16, 128, 64, 64, 8, 4, None): 0,
+    ("fwd", "hopper", 32, 64, 32, 64, 8, 3, None): 0, ("fwd", "ampere", 32, 64, 32, 64, 8, 3, None): 0,
+    ("fwd", "hopper", 64, 64, 32, 64, 8, 3, None): 0, ("fwd", "ampere", 64, 64, 32, 64, 8, 3, None): 0,
     # backward, whole-tile epilogue
     ("bwd", "hopper", False, 128, 128, 64, 8, 3, 128): 24,
     ("bwd", "hopper", False, 256, 64, 64, 8, 3, 64): 36,
@@ -312,14 +317,6 @@ MEASURED_SWIGLU_SPILLS = {
     ("bwd", "ampere", False, 128, 128, 32, 8, 4, 128): 188,
     ("bwd", "ampere", False, 128, 64, 64, 8, 4, 64): 0,
     ("bwd", "ampere", False, 64, 64, 64, 4, 4, 64): 0,
-    ("bwd", "hopper", True, 128, 128, 64, 8, 3, 128): 3268,
-    ("bwd", "hopper", True, 128, 64, 64, 8, 4, 64): 456,
-    ("bwd", "hopper", True, 64, 64, 64, 8, 3, 64): 160,
-    ("bwd", "ampere", True, 64, 32, 64, 4, 3, 32): 0,
-    ("bwd", "hopper", True, 64, 32, 64, 4, 3, 32): 48,
-    ("bwd", "hopper", True, 64, 32, 64, 8, 3, 32): 0,
-    ("bwd", "ampere", True, 64, 32, 64, 8, 3, 32): 0,
-    ("bwd", "hopper", True, 32, 64, 64, 8, 3, 64): 80,
     # backward, subtiled epilogue
     ("bwd", "hopper", False, 128, 128, 64, 8, 3, 64): 0,
     ("bwd", "hopper", False, 128, 128, 64, 8, 3, 32): 0,
@@ -333,11 +330,40 @@ MEASURED_SWIGLU_SPILLS = {
     ("bwd", "ampere", False, 128, 64, 64, 4, 4, 16): 280,
     ("bwd", "ampere", False, 128, 128, 32, 8, 4, 64): 144,
     ("bwd", "ampere", False, 128, 128, 32, 8, 4, 32): 184,
-    ("bwd", "hopper", True, 128, 128, 64, 8, 3, 32): 1700,
-    ("bwd", "hopper", True, 256, 64, 64, 8, 3, 16): 1836,
-    ("bwd", "hopper", True, 128, 64, 64, 8, 4, 16): 8,
-    ("bwd", "hopper", True, 128, 64, 32, 8, 4, 16): 16,
-    ("bwd", "hopper", True, 64, 128, 64, 8, 4, 32): 544,
+    # LoRA backward, rank pad 16
+    ("bwd", "hopper", 16, 128, 128, 64, 8, 3, 32): 1148,
+    ("bwd", "hopper", 16, 256, 64, 64, 8, 3, 16): 1168,
+    ("bwd", "hopper", 16, 128, 64, 64, 4, 4, 16): 844,
+    ("bwd", "hopper", 16, 128, 64, 64, 8, 4, 64): 72,
+    ("bwd", "hopper", 16, 128, 64, 64, 8, 4, 32): 0,
+    ("bwd", "hopper", 16, 64, 128, 64, 8, 4, 32): 88,
+    ("bwd", "hopper", 16, 128, 64, 32, 8, 4, 64): 80,
+    ("bwd", "hopper", 16, 128, 64, 32, 8, 4, 32): 0,
+    ("bwd", "hopper", 16, 64, 64, 64, 4, 4, 64): 36,
+    ("bwd", "hopper", 16, 64, 64, 64, 4, 4, 32): 0,
+    ("bwd", "hopper", 16, 32, 64, 128, 4, 3, 64): 0,
+    ("bwd", "hopper", 16, 64, 32, 64, 8, 3, 32): 0,
+    ("bwd", "hopper", 16, 32, 32, 64, 4, 3, 32): 0,
+    ("bwd", "ampere", 16, 128, 64, 64, 8, 4, 16): 80,
+    ("bwd", "ampere", 16, 128, 64, 64, 8, 4, 32): 152,
+    ("bwd", "ampere", 16, 128, 64, 32, 8, 4, 16): 80,
+    ("bwd", "ampere", 16, 64, 128, 64, 8, 4, 32): 568,
+    ("bwd", "ampere", 16, 64, 64, 64, 4, 4, 32): 44,
+    ("bwd", "ampere", 16, 64, 64, 64, 4, 4, 16): 0,
+    ("bwd", "ampere", 16, 32, 64, 128, 4, 3, 64): 0,
+    ("bwd", "ampere", 16, 64, 32, 64, 8, 3, 32): 0,
+    ("bwd", "ampere", 16, 32, 32, 64, 4, 3, 32): 0,
+    # LoRA backward, rank pads 32 and 64
+    ("bwd", "hopper", 32, 32, 64, 128, 4, 3, 16): 32,
+    ("bwd", "hopper", 32, 32, 64, 128, 4, 3, 32): 76,
+    ("bwd", "hopper", 32, 64, 64, 64, 4, 4, 16): 180,
+    ("bwd", "ampere", 32, 64, 64, 64, 4, 4, 16): 104,
+    ("bwd", "hopper", 64, 32, 64, 128, 4, 3, 64): 0,
+    ("bwd", "ampere", 64, 32, 64, 128, 4, 3, 64): 56,
+    ("bwd", "hopper", 32, 64, 32, 64, 8, 3, 32): 0, ("bwd", "ampere", 32, 64, 32, 64, 8, 3, 32): 0,
+    ("bwd", "hopper", 64, 64, 32, 64, 8, 3, 32): 0, ("bwd", "ampere", 64, 64, 32, 64, 8, 3, 32): 0,
+    ("bwd", "hopper", 32, 32, 32, 64, 4, 3, 32): 0, ("bwd", "ampere", 32, 32, 32, 64, 4, 3, 32): 0,
+    ("bwd", "hopper", 64, 32, 32, 64, 4, 3, 32): 0, ("bwd", "ampere", 64, 32, 32, 64, 4, 3, 32): 0,
 }
 # Shared memory Triton allocated (bytes, bf16): (arch, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
 MEASURED_SWIGLU_SMEM = {
@@ -362,7 +388,7 @@ def test_swiglu_model_flags_every_measured_spill():
 
     for (kind, arch, lora, *cfg), spill in MEASURED_SWIGLU_SPILLS.items():
         est = swiglu_mlp.estimate_resources(kind, _config(*cfg), arch, torch.bfloat16,
-                                            lora=lora)
+                                            lora=bool(lora), rank_pad=lora or 16)
         assert not (spill and est["spill_free"]), (kind, arch, lora, cfg, spill, est)
 
 
@@ -375,18 +401,25 @@ def test_swiglu_smem_model_matches_triton():
 
 
 @pytest.mark.parametrize("epilogue", ["subtiled", "whole"])
-@pytest.mark.parametrize("kind", ["fwd", "bwd"])
 @pytest.mark.parametrize("arch", ["hopper", "ampere"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("kind, lora", [("fwd", False), ("fwd", 16), ("fwd", 32), ("fwd", 64),
+                                        ("bwd", False), ("bwd", 16), ("bwd", 32), ("bwd", 64)])
 def test_swiglu_first_kept_config_is_measured_spill_free(kind, arch, dtype, lora, epilogue):
     """What CKPT_EXT_AUTOTUNE=0 launches was compiled without spills (bf16 figures; fp16 has
-    the same register allocation), and every kept config fits the family's shared memory."""
+    the same register allocation), every kept LoRA backward config too (their rule is fitted,
+    not summed), and every kept config fits the family's shared memory."""
     from ckpt_ext.kernels import swiglu_mlp
 
-    rows = swiglu_mlp.launch_configs(kind, arch, dtype, lora=lora, epilogue=epilogue)
+    rows = swiglu_mlp.launch_configs(kind, arch, dtype, lora=bool(lora),
+                                     rank_pad=lora or 16, epilogue=epilogue)
     kept = [(c, est) for c, est in rows if est["kept"]]
     assert kept
+    if kind == "bwd" and lora and epilogue == "subtiled":
+        for c, _ in kept:
+            key = (kind, arch, lora, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                   c.kwargs["BLOCK_K"], c.num_warps, c.num_stages, c.kwargs["EPI_N"])
+            assert MEASURED_SWIGLU_SPILLS.get(key) == 0, key
     c = kept[0][0]
     key = (kind, arch, lora, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
            c.num_warps, c.num_stages, c.kwargs.get("EPI_N"))
