@@ -120,12 +120,18 @@ def test_persistent_grid_matches_fp64_reference(persistent_grid, save):
     check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), torch.float32)
 
 
-def test_persistent_grid_with_lora(persistent_grid):
-    args, lora, scaling, dy = make_swiglu_lora(129, H, I, torch.float16, torch.float32,
-                                               (4, 8, 4), False, device=DEVICE)
+def check_lora_case(T, bias):
+    """fp16 inputs with fp32 adapters of ranks (4, 8, 4), save="input": the 14 results of the
+    launchers against the plain-PyTorch baseline and the fp64 reference."""
+    args, lora, scaling, dy = make_swiglu_lora(T, H, I, torch.float16, torch.float32,
+                                               (4, 8, 4), bias, device=DEVICE)
     check_lora_accuracy(run_lora_kernels(args, lora, scaling, dy, "input"),
                         flat_reference(args, lora, scaling, dy),
                         flat_reference(args, lora, scaling, dy, torch.float64))
+
+
+def test_persistent_grid_with_lora(persistent_grid):
+    check_lora_case(129, bias=False)
 
 
 @pytest.fixture(params=["whole", "halves"])
@@ -151,11 +157,7 @@ def test_epilogue_pieces_match_fp64_reference(epilogue_pieces, save):
 
 
 def test_epilogue_pieces_with_lora(epilogue_pieces):
-    args, lora, scaling, dy = make_swiglu_lora(70, H, I, torch.float16, torch.float32,
-                                               (4, 8, 4), True, device=DEVICE)
-    check_lora_accuracy(run_lora_kernels(args, lora, scaling, dy, "input"),
-                        flat_reference(args, lora, scaling, dy),
-                        flat_reference(args, lora, scaling, dy, torch.float64))
+    check_lora_case(70, bias=True)
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
