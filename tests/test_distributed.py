@@ -3,6 +3,7 @@ without a bf16 MixedPrecisionPolicy): 2 processes on gloo, CPU. Each rank trains
 steps on its own batch; the losses equal the unpatched model's under the same wrapper and,
 without mixed precision, a single-process run that averages the ranks' gradients."""
 import datetime
+import gc
 import os
 import sys
 import time
@@ -73,6 +74,15 @@ def _worker(rank, init_file, wrapper, patched, out_dir):
         inner = model.module if wrapper == "ddp" else model
         fused = sum(layer.forward.calls["fused"] for layer in inner.model.layers) if patched else 0
         torch.save({"losses": losses, "fused": fused}, os.path.join(out_dir, f"{rank}.pt"))
+        # Free DDP's reducer while the group is still registered. Freed later (at the return,
+        # after destroy_process_group), it drops the last reference to the gloo group and its
+        # destructor joins gloo's worker threads with the GIL held, while a worker thread
+        # needs the GIL to free a finished work's Python thread-local state: a deadlock at
+        # exit (py-spy: ~Reducer -> ~ProcessGroupGloo -> thread::join; runLoop ->
+        # ~AsyncBarrierWork -> ~ThreadLocalState -> gil_scoped_acquire), about one DDP run
+        # in four here.
+        del model, inner, opt, loss
+        gc.collect()
         dist.barrier()  # both ranks done before either tears the group down
     finally:
         dist.destroy_process_group()
