@@ -232,9 +232,9 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
     (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
     from the fp32 xa (T, r) and B (I, r); LORA_D accumulates h' A_down^T into the fp32 ha
     (T, r_d), zero on entry, where h' is h with the adapter's dropout (DROP_D: the mask of
-    (key_d, thr_d), scale inv_d) or h itself. gate and up (pre-activations, biases and low-rank terms included)
-    are written only when STORE_GATE_UP; h is then computed from their rounded values so that
-    the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
+    (key_d, thr_d), scale inv_d) or h itself. gate and up (pre-activations, biases and
+    low-rank terms included) are written only when STORE_GATE_UP; h is then computed from
+    their rounded values so that the backward, which reads them, sees the same h. T_BUCKET only keys the autotuner.
     """
     if PERSISTENT:
         # Fewer programs than tiles (CKPT_EXT_SWIGLU_GRID=persistent): each program loops
@@ -266,14 +266,13 @@ def _halves(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_ptr, lbg_ptr,
-                  xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
-                  stride_dhi, stride_ot, stride_oi, STORE_H: tl.constexpr, LORA_G: tl.constexpr,
-                  LORA_U: tl.constexpr, LORA_D: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
-                  R_G: tl.constexpr, R_U: tl.constexpr, R_D: tl.constexpr,
-                  LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr):
+def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_ptr, dyb_ptr,
+                  dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
+                  stride_dhi, stride_ot, stride_oi, STORE_H: tl.constexpr,
+                  LORA_D: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
+                  R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr):
     """The backward's pointwise epilogue on one (rows offs_m, columns offs_n) piece of a tile,
-    given its fp32 gate and up: h (when wanted), dup, dgate and the adapters' pieces.
+    given its fp32 gate and up: h (when wanted), dup, dgate and the down adapter's pieces.
     Ordered to keep few fp32 values of the piece live at once: h first, then dh is read and
     dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s)."""
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
@@ -309,19 +308,18 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_p
                        DROP_D)
     dup = dh * silu
     tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
-
     dgate = dh * u_dsilu
     tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
-
 
 
 @triton.jit
 def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
                                dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
-                               lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d,
-                               inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
-                               stride_wgh, stride_wui, stride_wuh, stride_dht, stride_dhi,
-                               stride_ot, stride_oi, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
+                               lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g,
+                               r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                               stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
+                               stride_dht, stride_dhi, stride_ot, stride_oi,
+                               HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
                                DOT_IEEE: tl.constexpr, RECOMPUTE: tl.constexpr,
                                STORE_H: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                                LORA_D: tl.constexpr, NEED_DAD: tl.constexpr,
@@ -343,52 +341,46 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
                                 stride_wgi, stride_wgh, stride_wui, stride_wuh, HAS_BG, HAS_BU,
                                 DOT_IEEE, LORA_G, LORA_U, R_G, R_U, LORA_IEEE, BLOCK_M,
                                 BLOCK_N, BLOCK_K)
+        # Subtiled epilogue: the accumulators are split into column pieces (halves, or
+        # quarters) and the epilogue's fp32 temporaries exist for one piece at a time.
         if EPI_N == BLOCK_N:
-            _bwd_epilogue(g, u, offs_m, n0 + tl.arange(0, BLOCK_N), dh_ptr, dgate_ptr, dup_ptr,
-                          h_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d,
-                          key_d, thr_d, inv_d, T, I, stride_dht, stride_dhi, stride_ot,
-                          stride_oi, STORE_H, LORA_G, LORA_U, LORA_D, NEED_DAD, NEED_HA, R_G, R_U, R_D, LORA_IEEE, DROP_D)
-        else:
-            # Subtiled epilogue: the accumulators are split into column pieces (halves, or
-            # quarters) and the epilogue's fp32 temporaries exist for one piece at a time.
+            g_pieces = (g,)
+            u_pieces = (u,)
+        elif EPI_N * 2 == BLOCK_N:
             g_pieces = _halves(g, BLOCK_M, BLOCK_N)
             u_pieces = _halves(u, BLOCK_M, BLOCK_N)
-            if EPI_N * 4 == BLOCK_N:
-                g_a, g_b = _halves(g_pieces[0], BLOCK_M, BLOCK_N // 2)
-                g_c, g_d = _halves(g_pieces[1], BLOCK_M, BLOCK_N // 2)
-                u_a, u_b = _halves(u_pieces[0], BLOCK_M, BLOCK_N // 2)
-                u_c, u_d = _halves(u_pieces[1], BLOCK_M, BLOCK_N // 2)
-                g_pieces = (g_a, g_b, g_c, g_d)
-                u_pieces = (u_a, u_b, u_c, u_d)
-            for j in tl.static_range(BLOCK_N // EPI_N):
-                _bwd_epilogue(g_pieces[j], u_pieces[j], offs_m,
-                              n0 + j * EPI_N + tl.arange(0, EPI_N), dh_ptr, dgate_ptr, dup_ptr,
-                              h_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr,
-                              dlad_ptr, ha_ptr, s_d,
-                              r_g, r_u, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
-                              stride_dhi, stride_ot, stride_oi, STORE_H, LORA_G, LORA_U,
-                              LORA_D, NEED_DAD, NEED_HA, R_G, R_U, R_D,
-                              LORA_IEEE, DROP_D)
-    else:
-        # save="gate_up": each piece reads its own columns of the saved gate and up.
-        for j in tl.static_range(BLOCK_N // EPI_N):
-            offs_n = n0 + j * EPI_N + tl.arange(0, EPI_N)
+        else:
+            g_l, g_r = _halves(g, BLOCK_M, BLOCK_N)
+            u_l, u_r = _halves(u, BLOCK_M, BLOCK_N)
+            g_a, g_b = _halves(g_l, BLOCK_M, BLOCK_N // 2)
+            g_c, g_d = _halves(g_r, BLOCK_M, BLOCK_N // 2)
+            u_a, u_b = _halves(u_l, BLOCK_M, BLOCK_N // 2)
+            u_c, u_d = _halves(u_r, BLOCK_M, BLOCK_N // 2)
+            g_pieces = (g_a, g_b, g_c, g_d)
+            u_pieces = (u_a, u_b, u_c, u_d)
+    for j in tl.static_range(BLOCK_N // EPI_N):
+        offs_n = n0 + j * EPI_N + tl.arange(0, EPI_N)
+        if RECOMPUTE:
+            g_j = g_pieces[j]
+            u_j = u_pieces[j]
+        else:
+            # save="gate_up": each piece reads its own columns of the saved gate and up.
             mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
             offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
-            g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, xag_ptr,
-                          lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_d, r_g, r_u, r_d, key_d,
-                          thr_d, inv_d, T, I, stride_dht, stride_dhi, stride_ot, stride_oi,
-                          STORE_H, LORA_G, LORA_U, LORA_D, NEED_DAD,
-                          NEED_HA, R_G, R_U, R_D, LORA_IEEE, DROP_D)
+            g_j = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            u_j = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        _bwd_epilogue(g_j, u_j, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_ptr,
+                      dyb_ptr, dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, T, I,
+                      stride_dht, stride_dhi, stride_ot, stride_oi, STORE_H, LORA_D, NEED_DAD,
+                      NEED_HA, R_D, LORA_IEEE, DROP_D)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
 def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
                                  dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
-                                 lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d,
-                                 thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh,
+                                 lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d,
+                                 r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                 stride_xt, stride_xh,
                                  stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_dht,
                                  stride_dhi, stride_ot, stride_oi, HAS_BG: tl.constexpr,
                                  HAS_BU: tl.constexpr, DOT_IEEE: tl.constexpr,
@@ -423,8 +415,9 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                                        dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
-                                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u,
-                                       s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                       lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr,
+                                       ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d,
+                                       T, H, I, T_BUCKET,
                                        stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                                        stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                        HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G,
@@ -434,8 +427,9 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
     else:
         _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
                                    dh_ptr, dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
-                                   lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d,
-                                   r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                   lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr,
+                                   s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I,
+                                   T_BUCKET,
                                    stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                                    stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                    HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G, LORA_U,
