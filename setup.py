@@ -78,6 +78,12 @@ def extensions():
     # (C++17 for torch 2.11, newer for later releases).
     cxx = ["-O3"]
     define_macros = []
+    # Link the C++ runtime that torch itself loads. An extension that carries its own static
+    # copy of libstdc++ (seen on the CUDA build of an H100 image: __cxa_throw defined inside
+    # _C.so, no libstdc++.so.6 among its needed libraries) throws every c10::Error with a
+    # runtime torch cannot catch from, and the process dies with SIGSEGV on the first bad
+    # argument. Named after the objects, so that --as-needed keeps it.
+    link = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
@@ -86,11 +92,12 @@ def extensions():
         nvcc = ["-O3", "--use_fast_math", "-lineinfo"]
         _log(f"CUDA build: {why}; TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
         ext = CUDAExtension("ckpt_ext._C", sources, define_macros=define_macros,
-                            extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+                            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                            extra_link_args=link)
     else:
         _log(f"CPU build (CppExtension): {why}")
         ext = CppExtension("ckpt_ext._C", sources, define_macros=define_macros,
-                           extra_compile_args={"cxx": cxx})
+                           extra_compile_args={"cxx": cxx}, extra_link_args=link)
     _log(f"MAX_JOBS={os.environ.get('MAX_JOBS', '(ninja default)')}; {len(sources)} sources")
     return [ext]
 
