@@ -168,7 +168,7 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
     q, k = rope_reference(q, k, cos, sin)
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    allowed = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()[None, None]
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)

@@ -279,13 +279,14 @@ def test_host_arithmetic():
 def test_launchers_are_cached_per_specialization():
     from ckpt_ext.kernels import swiglu_mlp
 
-    cpu = torch.device("cpu")
-    a = swiglu_mlp._fwd_launcher(cpu, torch.float32, "ieee", False, False, False, None)
-    assert swiglu_mlp._fwd_launcher(cpu, torch.float32, "ieee", False, False, False, None) is a
-    b = swiglu_mlp._fwd_launcher(cpu, torch.float32, "tf32", False, False, False, None)
+    # The device the launchers run on here: the GPU, or the CPU under the interpreter.
+    dev = torch.device("cuda" if CUDA else "cpu")
+    a = swiglu_mlp._fwd_launcher(dev, torch.float32, "ieee", False, False, False, None)
+    assert swiglu_mlp._fwd_launcher(dev, torch.float32, "ieee", False, False, False, None) is a
+    b = swiglu_mlp._fwd_launcher(dev, torch.float32, "tf32", False, False, False, None)
     assert b is not a and b[1]["DOT_IEEE"] is False and a[1]["DOT_IEEE"] is True
     _launch.reload_policy()
-    assert swiglu_mlp._fwd_launcher(cpu, torch.float32, "ieee", False, False, False, None) is not a
+    assert swiglu_mlp._fwd_launcher(dev, torch.float32, "ieee", False, False, False, None) is not a
 
 
 # Spill bytes ptxas reported for SwiGLU configs (tools/check_triton_compile.py, triton 3.9, bf16;

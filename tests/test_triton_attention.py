@@ -240,21 +240,23 @@ def test_segment_ids_any_values_and_layout():
 @pytest.mark.parametrize("rule", ["window", "segments"])
 def test_ruled_out_tiles_are_never_read(rule):
     """Tiles that the window or the segments rule out are skipped, not masked: q, k, v and dout
-    of positions 0..31 (one 32-wide tile) hold NaN. Any visit of that tile by a block that
-    cannot see it would put NaN into the block's results (0 * NaN = NaN, even under a mask)."""
-    B, Hq, Hkv, S, D = 1, 2, 1, 128, 16
+    of positions 0..T-1 hold NaN, T the widest tile the kernels use here (32 under the
+    interpreter, 128 on a GPU). Any visit of that tile by a block that cannot see it would put
+    NaN into the block's results (0 * NaN = NaN, even under a mask)."""
+    T = 128 if torch.cuda.is_available() else 32
+    B, Hq, Hkv, S, D = 1, 2, 1, 4 * T, 16
     q, k, v, dout, _ = make_inputs(B, Hq, Hkv, S, D, torch.float32, "none", seed=8)
     seg, window = (None, 8) if rule == "window" else (
-        packed_segment_ids(B, S, [32, 32, 64], device=DEVICE), None)
+        packed_segment_ids(B, S, [T, T, 2 * T], device=DEVICE), None)
     clean = run_kernel(q, k, v, None, True, 0.25, dout, seg, window)
     for t in (q, k, v, dout):
-        t[:, :, :32] = float("nan")
+        t[:, :, :T] = float("nan")
     got = run_kernel(q, k, v, None, True, 0.25, dout, seg, window)
-    # Window: query blocks from 64 see keys >= 57 only, key blocks from 64 are seen by queries
-    # >= 64 only (causal). Segments: positions 32.. never meet positions < 32. (With the window
-    # the block of rows 32..63 meets the poisoned keys 25..31, legitimately: its out and lse
-    # become NaN, and so do dK/dV of every key those rows see.)
-    start = 64 if rule == "window" else 32
+    # Window: query blocks from 2T see keys >= 2T - 7 only, key blocks from 2T are seen by
+    # queries >= 2T only (causal). Segments: positions T.. never meet positions < T. (With the
+    # window the block of rows T..2T-1 meets the poisoned keys T-7..T-1, legitimately: its out
+    # and lse become NaN, and so do dK/dV of every key those rows see.)
+    start = 2 * T if rule == "window" else T
     for name in NAMES:
         assert torch.equal(got[name][:, :, start:], clean[name][:, :, start:]), name
 
