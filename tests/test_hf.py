@@ -7,6 +7,7 @@ padded position predicts: a query row that may attend nothing is 0 in the fused 
 whatever HF's kernel gives there (eager: the mean of all values), and neither is meaningful.
 """
 import copy
+import functools
 import warnings
 
 import pytest
@@ -308,6 +309,58 @@ def test_hf_gradient_checkpointing_warns_and_recomputes_once():
     unpatch_llama(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers
                if hasattr(layer, "gradient_checkpointing"))
+
+
+def _checkpoint_in_call(model):
+    """Give the model's decoder layers the checkpointing of transformers up to 5.17: HF's
+    checkpoint wraps ``__call__`` (so an instance-level forward runs under it), not the class
+    forward as in later releases."""
+    cls = type(model.model.layers[0])
+    raw_forward = getattr(cls.forward, "__wrapped__", cls.forward)
+
+    class CallCheckpointedLayer(cls):
+        def __call__(self, *args, **kwargs):
+            if self.gradient_checkpointing and self.training:
+                return self._gradient_checkpointing_func(
+                    functools.partial(super().__call__, **kwargs), *args)
+            return super().__call__(*args, **kwargs)
+
+    CallCheckpointedLayer.forward = raw_forward  # later releases wrap forward in a subclass too
+    for layer in model.model.layers:
+        layer.__class__ = CallCheckpointedLayer
+    return model
+
+
+@pytest.mark.parametrize("enable", ["before", "after"])
+def test_hf_checkpointing_in_call_is_taken_over(enable):
+    """transformers <= 5.17 (checkpoint in __call__): the fused layer still runs once per
+    forward, 'torch' and 'none' are checkpointed once, and unpatching gives HF's function back."""
+    ref_model = _checkpoint_in_call(make_model("llama", "sdpa"))
+    ref_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = _checkpoint_in_call(copy.deepcopy(make_model("llama", "sdpa")))
+    hf_func = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if enable == "before":
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_func = model.model.layers[0]._gradient_checkpointing_func
+        patch_llama(model, ["balanced", "torch", "none"])
+        if enable == "after":
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_func = model.model.layers[0]._gradient_checkpointing_func
+        runs = [0, 0, 0]
+        for i in (1, 2):  # a hook on the fused layer's MLP would make it delegate
+            model.model.layers[i].mlp.register_forward_pre_hook(
+                lambda mod, args, i=i: runs.__setitem__(i, runs[i] + 1))
+        ids, mask, labels = make_batch(pad=True)
+        got = run(model, ids, mask, labels)
+    assert model.model.layers[0].forward.calls == {"fused": 1}
+    assert runs == [0, 2, 2]  # forward + one recompute each
+    assert_same(run(ref_model, ids, mask, labels), got, mask)
+    unpatch_llama(model)
+    assert model.model.layers[0]._gradient_checkpointing_func is hf_func
 
 
 def test_hf_gradient_checkpointing_turned_on_after_patching():

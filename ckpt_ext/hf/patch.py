@@ -191,6 +191,35 @@ def _foreign_forward(module: nn.Module) -> bool:
                 and getattr(own, "__func__", None) is type(module).forward)
 
 
+def _checkpoints_in_call(cls: type) -> bool:
+    """Whether HF's gradient checkpointing of ``cls`` wraps ``__call__`` (transformers releases up
+    to about 5.17: ``GradientCheckpointingLayer.__call__`` runs ``nn.Module.__call__``, and so an
+    instance-level forward, under ``_gradient_checkpointing_func``) rather than the class forward
+    (later releases), which an instance-level forward replaces."""
+    code = getattr(cls.__call__, "__code__", None)
+    return code is not None and "_gradient_checkpointing_func" in code.co_names
+
+
+class _CallThrough:
+    """A patched layer's ``_gradient_checkpointing_func`` where HF checkpoints in ``__call__``:
+    it calls through, so that HF's checkpoint does not wrap the fused op, which keeps what it
+    needs itself (else the layer would run its forward three times). ``_PatchedForward`` puts
+    what it hands to HF's forward under ``checkpoint``, the function HF had set."""
+
+    def __init__(self, checkpoint: Callable):
+        self.checkpoint = checkpoint
+
+    def __call__(self, function: Callable, *args, **kwargs):
+        return function(*args, **kwargs)
+
+
+def _take_over_call_checkpoint(layer: nn.Module) -> None:
+    func = layer.__dict__.get("_gradient_checkpointing_func")
+    if func is not None and not isinstance(func, _CallThrough) and \
+            _checkpoints_in_call(type(layer)):
+        layer._gradient_checkpointing_func = _CallThrough(func)
+
+
 @functools.lru_cache(maxsize=None)
 def _hf_collector():
     """The context that transformers' output-capturing hooks record into (None where absent).
@@ -343,6 +372,9 @@ class _Shared:
             warnings.warn(f"ckpt_ext.patch_llama: {message}", stacklevel=4)
 
     def before_model(self, owner, args, kwargs):
+        if not torch.compiler.is_compiling():  # HF checkpointing turned on after patching
+            for patched in _patched(self.layers):
+                _take_over_call_checkpoint(patched.layer)
         named = dict(zip(self.positional, args), **kwargs)
         self.masks = describe(named.get("attention_mask"), named.get("position_ids"),
                               torch.compiler.is_compiling())
@@ -451,8 +483,8 @@ class _PatchedForward:
             preset = chosen[self.idx] if chosen is not None else "min_memory"
         if preset == "torch":
             self._count("torch")
-            if hf_checkpointing:  # HF's class forward checkpoints the layer: once is enough
-                return self.original(hidden_states, **kwargs)
+            if hf_checkpointing:  # HF checkpoints the layer: once is enough
+                return self._hf_forward(hidden_states, kwargs)
             return torch_checkpoint(self.original, hidden_states, use_reentrant=False, **kwargs)
         if hf_checkpointing:
             if self.shared.default_policy:
@@ -478,6 +510,16 @@ class _PatchedForward:
             self.shared.warn_once(reason, f"a training forward of decoder layer {self.idx} "
                                   f"(preset {self.preset!r}) ran HF's forward, not the fused "
                                   f"op: {reason} (warned once per reason)")
+        return self._hf_forward(hidden_states, kwargs)
+
+    def _hf_forward(self, hidden_states: Tensor, kwargs):
+        """HF's forward, under HF's checkpoint where ``_CallThrough`` took it out of HF's
+        ``__call__`` (the class forward of later transformers applies it itself)."""
+        layer = self.layer
+        call = layer.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(call, _CallThrough) and layer.gradient_checkpointing and layer.training \
+                and torch.is_grad_enabled():
+            return call.checkpoint(functools.partial(self.original, **kwargs), hidden_states)
         return self.original(hidden_states, **kwargs)
 
     def _masks(self, x: Tensor, kwargs) -> Tuple[Optional[str], BatchMasks]:
@@ -627,6 +669,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if preset != "none":
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
+            _take_over_call_checkpoint(layer)
     shared.install()
     _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared)
     gc_on = any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers)
@@ -661,6 +704,9 @@ def unpatch_llama(model: nn.Module) -> nn.Module:
     for patched in _patched(layers):
         patched.shared.remove()
         del patched.layer.__dict__["forward"]
+        call = patched.layer.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(call, _CallThrough):
+            patched.layer._gradient_checkpointing_func = call.checkpoint
     inner = _unwrap_peft(model)
     if isinstance(inner.__dict__.get("forward"), FusedHeadForward):
         del inner.__dict__["forward"]
