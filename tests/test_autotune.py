@@ -266,7 +266,7 @@ def test_variant_switches_reject_other_values(monkeypatch, name, values, value):
         _launch.reload_policy()
     monkeypatch.undo()
     _launch.reload_policy()
-    assert (_launch.SWIGLU_GRID, _launch.SWIGLU_EPILOGUE) == ("tiles", "subtiled")
+    assert (_launch.SWIGLU_GRID, _launch.SWIGLU_EPILOGUE) == ("persistent", "subtiled")
 
 
 def test_host_arithmetic():

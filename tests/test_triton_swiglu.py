@@ -100,22 +100,24 @@ def test_matches_fp64_reference(dtype, T, bias, save):
     check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), dtype)
 
 
-@pytest.fixture
-def persistent_grid(monkeypatch):
-    """CKPT_EXT_SWIGLU_GRID=persistent for one test: in the interpreter three programs, each
-    looping over several tiles."""
-    monkeypatch.setenv("CKPT_EXT_SWIGLU_GRID", "persistent")
+@pytest.fixture(params=["persistent", "tiles"])
+def grid(request, monkeypatch):
+    """CKPT_EXT_SWIGLU_GRID for one test: ``persistent`` (the default; in the interpreter three
+    programs, each looping over several tiles) or ``tiles`` (one program per tile)."""
+    monkeypatch.setenv("CKPT_EXT_SWIGLU_GRID", request.param)
     _launch.reload_policy()
-    yield
+    yield request.param
     monkeypatch.undo()
     _launch.reload_policy()
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
-def test_persistent_grid_matches_fp64_reference(persistent_grid, save):
+def test_grids_match_fp64_reference(grid, save):
     dev = torch.device(DEVICE)
     meta = swiglu_mlp._fwd_launcher(dev, torch.float32, "ieee", True, True, False, None)[1]
-    assert meta["PERSISTENT"] and swiglu_mlp._programs(dev, meta) > 0
+    assert meta["PERSISTENT"] == (grid == "persistent")
+    # a persistent launch sizes its grid from the device; 0 means one program per tile
+    assert (swiglu_mlp._programs(dev, meta) > 0) == (grid == "persistent")
     args = make_inputs(129, H, I, torch.float32, True)   # 5 x 3 tiles of 32 x 64 in the interpreter
     check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), torch.float32)
 
@@ -130,7 +132,7 @@ def check_lora_case(T, bias):
                         flat_reference(args, lora, scaling, dy, torch.float64))
 
 
-def test_persistent_grid_with_lora(persistent_grid):
+def test_grids_with_lora(grid):
     check_lora_case(129, bias=False)
 
 

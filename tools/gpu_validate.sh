@@ -66,8 +66,8 @@ for stage in "${expand[@]}"; do
       # SwiGLU backward epilogues (CKPT_EXT_SWIGLU_EPILOGUE) in one run
       { python3 bench/attention.py --providers triton,triton_atomic,sdpa,eager \
           && python3 bench/swiglu.py \
-          && CKPT_EXT_SWIGLU_GRID=persistent python3 bench/swiglu.py \
-               --out bench/results/swiglu_persistent_gpu.csv \
+          && CKPT_EXT_SWIGLU_GRID=tiles python3 bench/swiglu.py \
+               --out bench/results/swiglu_tiles_gpu.csv \
           && CKPT_EXT_SWIGLU_EPILOGUE=whole python3 bench/swiglu.py \
                --out bench/results/swiglu_whole_epilogue_gpu.csv \
           && python3 bench/rowwise.py; } \
