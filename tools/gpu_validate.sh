@@ -4,12 +4,17 @@
 # is limited to 10 minutes):
 #     OUT=$OUT bash tools/gpu_validate.sh build test      # then, in later calls:
 #     OUT=$OUT bash tools/gpu_validate.sh build block kernels
+#     OUT=$OUT bash tools/gpu_validate.sh build capacity
 #     OUT=$OUT bash tools/gpu_validate.sh build demo bundle
 # (each call starts with build: a device machine idle for 30 s is given back, and the next
 # call gets a bare one).
-# Stages: env (always), build (CUDA extension, editable), test (whole suite on the GPU),
-# block (LLaMA-7B layer, goals), kernels (attention, swiglu, rowwise), demo, bundle (a tar of
-# bench/results), and bench (= block kernels demo bundle). Everything lands in at most 6 files under
+# Stages: env (always), build (CUDA extension, editable, for this GPU's architecture only),
+# test (whole suite on the GPU), block (LLaMA-7B layer, goals), kernels (attention, swiglu,
+# lm_head, rowwise), capacity (LLaMA-3.1-8B LoRA step: peak per token of every setup, the
+# longest sequence for HF checkpointing and min_memory), demo, bundle (a tar of bench/results),
+# and bench (= block kernels demo bundle). Times seen on an H100 (2026-11-24): build 72-91 s,
+# test 7 min with 12 workers, block 2 min, kernels 4 min, capacity 2 min plus about 100 s per
+# search step near 128K tokens. Everything lands in at most 6 files under
 # $OUT (the device tool returns at most 8): gpu_env.txt, gpu_build.log, gpu_tests.log,
 # gpu_bench.log and gpu_results.tgz (bench/results/*). Without $OUT, under bench/results/.
 set -uo pipefail
@@ -36,8 +41,11 @@ done
 for stage in "${expand[@]}"; do
   case "$stage" in
     build)
-      log "build (CUDA extension)"
-      if ! MAX_JOBS="${MAX_JOBS:-16}" python3 -m pip install --no-build-isolation --no-deps -e . \
+      # Only this GPU's architecture: half the compile time of the default "8.0;9.0".
+      arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+      log "build (CUDA extension, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch})"
+      if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" MAX_JOBS="${MAX_JOBS:-16}" \
+          python3 -m pip install --no-build-isolation --no-deps -e . \
           > "$out/gpu_build.log" 2>&1; then
         tail -40 "$out/gpu_build.log"; log "build FAILED"; exit 1
       fi
@@ -65,6 +73,7 @@ for stage in "${expand[@]}"; do
       # both dQ paths (CKPT_EXT_ATTN_DQ), both SwiGLU grids (CKPT_EXT_SWIGLU_GRID) and both
       # SwiGLU backward epilogues (CKPT_EXT_SWIGLU_EPILOGUE) in one run
       { python3 bench/attention.py --providers triton,triton_atomic,sdpa,eager \
+          && python3 bench/lm_head.py --vocab 128256 --tokens 8192 \
           && python3 bench/swiglu.py \
           && CKPT_EXT_SWIGLU_GRID=tiles python3 bench/swiglu.py \
                --out bench/results/swiglu_tiles_gpu.csv \
@@ -73,6 +82,13 @@ for stage in "${expand[@]}"; do
           && python3 bench/rowwise.py; } \
           2>&1 | tee -a "$out/gpu_bench.log" | tail -60 || status=1
       ;;
+    capacity)
+      log "LLaMA-3.1-8B LoRA step: peak per token, then the longest sequence (untuned kernels)"
+      CKPT_EXT_AUTOTUNE=0 python3 bench/capacity.py --seqs 8192,16384 \
+          --capacity hf_gc min_memory --time-budget "${CAPACITY_BUDGET:-240}" \
+          --deadline "${CAPACITY_DEADLINE:-540}" 2>&1 | tee -a "$out/gpu_bench.log" | tail -30 \
+          || status=1
+      ;;
     demo)
       log "demo (patched HF Llama)"
       python3 bench/demo.py 2>&1 | tee -a "$out/gpu_bench.log" | tail -30 || status=1
@@ -80,7 +96,8 @@ for stage in "${expand[@]}"; do
     bundle)
       tar czf "$out/gpu_results.tgz" bench/results && log "bench/results bundled"
       ;;
-    *) echo "unknown stage '$stage' (build, test, block, kernels, demo, bundle, bench)"; exit 2 ;;
+    *) echo "unknown stage '$stage' (build, test, block, kernels, capacity, demo, bundle, bench)"
+       exit 2 ;;
   esac
 done
 log "done (status $status: non-zero when a test failed, a goal was missed or a bench broke)"
