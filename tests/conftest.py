@@ -19,6 +19,11 @@ else:
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist (the README's `-n 2`) the workers share the machine's cores: one intra-op
+# thread each, so that two workers do not fight over the same cores with two threads apiece.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
