@@ -131,7 +131,7 @@ def test_cpu_matches_hf(case):
 
 
 def test_cpu_several_token_chunks():
-    """T * V above the CPU kernels' byte cap (CKPT_EXT_CHUNK_BYTES, 16 MiB by default): five
+    """T * V above the CPU kernels' byte cap (CKPT_EXT_CHUNK_BYTES, 64 MiB by default): two
     token chunks, dweight accumulated across them."""
     if CUDA:
         pytest.skip("CPU kernels")
