@@ -467,7 +467,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         with zero gradients, where ``F.cross_entropy`` gives NaN.
 
     Saves for backward: hidden, labels and the fp32 log-sum-exp per token (plus the weight
-    and bias, which are parameters); no tensor of T x V elements.
+    and bias, which are parameters); no tensor of T x V elements. Backward computes only the
+    gradients of the inputs that require grad: a frozen weight (a LoRA model's LM head) gets
+    no (V, H) gradient and no GEMM for it.
     """
     name = "linear_cross_entropy"
     if reduction not in _REDUCTIONS:
