@@ -19,10 +19,11 @@ Rows, all measured in one run on the same weights and inputs:
   P = 0; with P > 0 the two draw different masks and the column says ``nan``.
 
 For each row: saved bytes (``ckpt_ext.saved_activation_bytes``) and, for the fused presets and
-``torch``, the README formula; on CUDA the peak memory a forward+backward step allocates above
-what was resident before it; the step time as a ratio to ``none`` and to ``torch`` (median of
-interleaved repetitions, so that drift in the machine's load hits every row alike); the largest
-gradient difference from ``none``.
+``torch``, the README formula; the peak memory a forward+backward step allocates above what
+was resident before it (``ckpt_ext.peak_memory_bytes``: the CUDA allocator's statistics, on CPU
+the profiler's memory events, in an untimed step of its own); the step time as a ratio to
+``none`` and to ``torch`` (median of interleaved repetitions, so that drift in the machine's
+load hits every row alike); the largest gradient difference from ``none``.
 
 Then the goals, each printed with its figure as ``[ok]`` or ``[MISSED]``:
 
@@ -198,7 +199,7 @@ def parse_args(argv=None):
 
 
 class Measured:
-    """Per row name: saved bytes of one layer, per-layer bytes, CUDA peak bytes, median step
+    """Per row name: saved bytes of one layer, per-layer bytes, peak bytes of a step, median step
     seconds, max gradient difference from ``none``; and the formulas of the fused rows."""
 
     def __init__(self):
@@ -320,7 +321,6 @@ def measure(args) -> Measured:
             t.grad = None
         fwd(xi, pei).backward(gi)
 
-    gpu = device.type == "cuda"
     m = Measured()
     grads, times = {}, {n: [] for n in rows}
     for name, (fwd, params, setup, key) in rows.items():
@@ -333,15 +333,11 @@ def measure(args) -> Measured:
             lambda x, pe: fwd(fwd(x, pe), pe), xi, pei) - m.saved[name]
         step(name)  # warm-up (Triton compiles here), and the gradients to compare
         grads[name] = [t.grad.float().clone() for t in [xi] + params]
-        if gpu:  # peak above what is resident before a step (weights, inputs, grad_out)
-            for t in [xi] + params:  # as step() does first, so that base excludes the grads
-                t.grad = None
-            sync(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            step(name)
-            sync(device)
-            m.peak[name] = torch.cuda.max_memory_allocated(device) - base
+        # peak above what is resident before a step (weights, inputs, grad_out): the CUDA
+        # allocator's statistics, or on CPU the profiler's memory events (an untimed step)
+        for t in [xi] + params:  # as step() does first, so that the base excludes the grads
+            t.grad = None
+        m.peak[name] = ckpt_ext.peak_memory_bytes(lambda x: step(name), xi)
     for _ in range(args.reps):  # interleaved repetitions
         for name, (_, _, setup, _) in rows.items():
             setup()
@@ -402,7 +398,7 @@ def report(args, m: Measured):
                          f"{rel_t:.4f}", f"{m.err[n]:.3e}"])
     print("saved: one layer's saved bytes (cos/sin included); /layer: what each further layer "
           "of a model adds; x none: /layer over none's; peak: allocated above the resident "
-          "weights and inputs during a step (CUDA)")
+          "weights and inputs during a step (ckpt_ext.peak_memory_bytes)")
 
     checks = goals(m.saved, per_layer, med, m.formula, m.input_bytes)
     binding = args.llama7b or args.strict

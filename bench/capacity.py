@@ -19,8 +19,9 @@ None. Per setup and S in ``--seqs`` (``--warmup`` untimed steps at that S first:
 kernels autotune per power-of-two length bucket), one measured step gives
 
 * ``peak_bytes``: ``torch.cuda.max_memory_allocated()`` during the step above what was
-  allocated before it (``base_bytes``: weights, adapters, input ids); NaN on CPU, where torch
-  has no allocator statistics;
+  allocated before it (``base_bytes``: weights, adapters, input ids); on CPU
+  ``ckpt_ext.peak_memory_bytes`` of a second, untimed step (the CPU allocator's reports
+  through the profiler; ``base_bytes`` NaN there);
 * ``step_s``: forward + backward (CUDA events; the host clock on CPU);
 * ``saved_bytes`` (smallest S only): what the forward leaves saved for backward
   (``ckpt_ext.saved_activation_bytes``).
@@ -71,7 +72,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 SETUPS = ("hf_gc", "hf_gc+fused_loss", "min_memory", "balanced", "fast")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GiB = 2**30
-CPU_NOTE = "CPU run: no allocator statistics (peak_bytes and base_bytes are NaN); not GPU figures"
+CPU_NOTE = ("CPU run: peak_bytes from the profiler's memory events (base_bytes NaN); "
+            "not GPU figures")
 
 CSV_FIELDS = ["kind", "setup", "seq", "status", "peak_bytes", "peak_kib_per_token", "step_s",
               "base_bytes", "saved_bytes", "fit_a_bytes", "fit_b_bytes_per_token",
@@ -173,7 +175,9 @@ class Runner:
 
     def step(self, seq: int) -> dict:
         """One measured step at ``seq`` tokens: ``status`` ok or OOM, ``peak_bytes`` (and per
-        token), ``step_s``, ``base_bytes``, ``wall_s`` (host seconds, failures included)."""
+        token), ``step_s``, ``base_bytes``, ``wall_s`` (host seconds, failures included).
+        On CPU the peak comes from a second, untimed step under the profiler
+        (``ckpt_ext.peak_memory_bytes``), which slows the step it watches."""
         base = peak = math.nan
         if self.cuda:
             torch.cuda.synchronize()
@@ -189,6 +193,12 @@ class Runner:
             return {"status": "OOM", "step_s": wall, "wall_s": wall, "base_bytes": base}
         if self.cuda:
             peak = torch.cuda.max_memory_allocated() - base
+        else:
+            ids = self.ids(seq)
+            self.model.zero_grad(set_to_none=True)
+            peak = ckpt_ext.peak_memory_bytes(
+                lambda model, ids: self._step(ids), self.model, ids)
+            self.model.zero_grad(set_to_none=True)
         return {"status": "ok", "peak_bytes": peak, "peak_kib_per_token": peak / seq / 1024,
                 "step_s": clock.elapsed_ms(0, 1) / 1e3, "wall_s": wall, "base_bytes": base}
 
@@ -369,7 +379,8 @@ def main(argv=None) -> list:
         f"model: {shape}",
         f"PYTORCH_CUDA_ALLOC_CONF: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '(unset)')}",
         "peak_bytes: torch.cuda.max_memory_allocated() of one forward+backward step above "
-        "base_bytes (allocated before it); step_s: that step's time after "
+        "base_bytes (allocated before it; on CPU ckpt_ext.peak_memory_bytes of an untimed "
+        "step); step_s: that step's time after "
         f"{a.warmup} warm-up step(s) at the same S; saved_bytes: "
         "ckpt_ext.saved_activation_bytes of the forward (smallest S); trial rows: capacity "
         "search steps (no warm-up); capacity rows: its result"]

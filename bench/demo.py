@@ -3,8 +3,10 @@
 For each preset (none / torch / fast / balanced / min_memory by default) on the same weights
 and the same batch, it measures
 
-* the bytes the forward leaves saved for backward (``ckpt_ext.saved_activation_bytes``) and,
-  on a GPU, the peak memory of a training step (``torch.cuda.max_memory_allocated``);
+* the peak memory of a training step above what was allocated before it
+  (``ckpt_ext.peak_memory_bytes``: the CUDA allocator's statistics on a GPU, the profiler's
+  memory events on a CPU, in an untimed step) and the bytes the forward leaves saved for
+  backward (``ckpt_ext.saved_activation_bytes``);
 * the step time (forward + backward after ``--warmup`` steps: the median of ``--steps``
   steps, CUDA events on a GPU, ``time.perf_counter`` on a CPU), as a ratio to ``none``;
 * agreement with ``none``: the loss and every parameter gradient (max abs error, and max over
@@ -25,7 +27,8 @@ Setups people train with, on the HF model: ``--amp bfloat16`` runs every step un
 model (rank 8 on every projection, base frozen). The output files get the setup in their name.
 
 Prints a table, writes ``bench/results/demo_<device>.csv`` (device, versions, command and date
-in its header) and a Pareto plot of memory against step time, ``demo_<device>.png``.
+in its header) and a Pareto plot of the step's peak memory against step time,
+``demo_<device>.png``.
 
     python bench/demo.py [--layers 8] [--seq 2048] [--presets none balanced] [--steps 5] ...
 """
@@ -197,6 +200,11 @@ def check(model, preset, ids, reference):
     row["saved_bytes"] = ckpt_ext.saved_activation_bytes(model.loss, ids)
     row["loss"] = loss = step(model, ids)
     grads = [p.grad.detach().float().cpu() for p in model.parameters() if p.grad is not None]
+    # the step's peak above what is resident before it (weights, ids; gradients cleared): the
+    # CUDA allocator's statistics, on CPU the profiler's memory events (an untimed step)
+    for p in model.parameters():
+        p.grad = None
+    row["peak_bytes"] = ckpt_ext.peak_memory_bytes(step, model, ids)
     if hasattr(model, "fused_layers"):
         row["fused_layers"] = model.fused_layers()
     if reference is not None:
@@ -211,32 +219,26 @@ def check(model, preset, ids, reference):
 
 
 def time_presets(model, rows, ids, device, a, progress) -> None:
-    """Step times (and on a GPU the peak memory of a step) of every preset, taking the presets
-    in turn step after step so that a change in the machine's load hits them all alike."""
-    gpu = device.type == "cuda"
+    """Step times of every preset, taking the presets in turn step after step so that a change
+    in the machine's load hits them all alike."""
     times = {r["preset"]: [] for r in rows}
-    peaks = dict.fromkeys(times, 0)
     for i in range(a.warmup - 1 + a.steps):
         for r in rows:
             preset = r["preset"]
             model.set_policy(preset)
             for p in model.parameters():
                 p.grad = None
-            if gpu:
+            if device.type == "cuda":
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
             clock = Clock(device)
             clock.mark()
             step(model, ids)
             clock.mark()
             if i >= a.warmup - 1:
                 times[preset].append(clock.elapsed_ms(0, 1) / 1e3)
-                if gpu:
-                    peaks[preset] = max(peaks[preset], torch.cuda.max_memory_allocated())
             progress.update(f"{preset}: {'warmup' if i < a.warmup - 1 else 'step'}")
     for r in rows:
         r["step_s"] = median(times[r["preset"]])
-        r["peak_bytes"] = peaks[r["preset"]] if gpu else None
 
 
 # ---- reporting --------------------------------------------------------------------------------
@@ -246,14 +248,12 @@ def mib(n) -> str:
 
 
 def print_results(rows, device) -> None:
-    gpu = device.type == "cuda"
-    head = ["preset", "saved MiB", "x none"] + (["peak MiB", "x none"] if gpu else []) + \
-        ["step ms", "x none", "loss", "|dloss|", "grad abs err", "grad rel err"]
+    head = ["preset", "peak MiB", "x none", "saved MiB", "x none", "step ms", "x none", "loss",
+            "|dloss|", "grad abs err", "grad rel err"]
     lines = []
     for r in rows:
-        cells = [r["preset"], mib(r["saved_bytes"]), f"{r['saved_ratio']:.3f}"]
-        if gpu:
-            cells += [mib(r["peak_bytes"]), f"{r['peak_ratio']:.3f}"]
+        cells = [r["preset"], mib(r["peak_bytes"]), f"{r['peak_ratio']:.3f}",
+                 mib(r["saved_bytes"]), f"{r['saved_ratio']:.3f}"]
         cells += [f"{1e3 * r['step_s']:.1f}", f"{r['time_ratio']:.2f}", f"{r['loss']:.6f}"]
         cells += [f"{r[k]:.2e}" if k in r else "(ref)" for k in
                   ("loss_abs_err", "grad_max_abs_err", "grad_max_rel_err")]
@@ -275,8 +275,7 @@ def pareto_plot(path, rows, device, title) -> None:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
     gpu = device.type == "cuda"
-    key, label = ("peak_bytes", "peak memory of a step (GiB)") if gpu else \
-        ("saved_bytes", "activations saved for backward (MiB)")
+    key, label = "peak_bytes", f"peak memory of a step ({'GiB' if gpu else 'MiB'})"
     scale = 2**30 if gpu else 2**20
     pts = [(r["time_ratio"], r[key] / scale, r["preset"]) for r in rows]
     frontier = sorted(p for p in pts if not any(
@@ -388,7 +387,7 @@ def main(argv=None) -> None:
     for r in rows:
         r["saved_ratio"] = r["saved_bytes"] / base["saved_bytes"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
-        r["peak_ratio"] = (r["peak_bytes"] / base["peak_bytes"]) if r["peak_bytes"] else None
+        r["peak_ratio"] = r["peak_bytes"] / max(base["peak_bytes"], 1)
     print()
     print_results(rows, device)
     if a.model == "hf" and not a.compile:
@@ -404,7 +403,8 @@ def main(argv=None) -> None:
     header = provenance(device) + [
         f"model: {model_desc}: {shape}",
         "saved_bytes: ckpt_ext.saved_activation_bytes of the loss forward; peak_bytes: "
-        "torch.cuda.max_memory_allocated of a step (GPU only); step_s: forward+backward, "
+        "ckpt_ext.peak_memory_bytes of a step (allocated above the weights and the batch; CUDA "
+        "allocator statistics, on CPU the profiler's memory events); step_s: forward+backward, "
         f"median of {a.steps} steps after {a.warmup} warmup; errors vs 'none'"]
     write_csv(stem + ".csv", header, CSV_FIELDS, rows)
     pareto_plot(stem + ".png", rows, device,

@@ -131,7 +131,7 @@ def _problems(device, torch, modules):
         "linear_cross_entropy_fwd": lambda: linear_cross_entropy.linear_cross_entropy_fwd(
             hid, w_lm, None, labels, -100),
         "linear_cross_entropy_bwd": lambda: linear_cross_entropy.linear_cross_entropy_bwd(
-            dloss, hid, w_lm, None, labels, lse_lm, -100),
+            dloss, hid, w_lm, None, labels, lse_lm, -100, [True, True, False]),
     }
 
 

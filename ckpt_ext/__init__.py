@@ -3,6 +3,7 @@
 Public API:
     checkpoint(fn, *args, preserve_rng_state=True, **kwargs)   C++ segment checkpoint
     saved_activation_bytes(fn, *args, **kwargs)                  bytes held for backward
+    peak_memory_bytes(fn, *args, **kwargs)                       peak bytes allocated by fn
     ops.attention / ops.swiglu_mlp / ops.rms_norm                differentiable kernel ops
     ops.linear_cross_entropy                                     LM-head loss without logits
     modules.DecoderLayer / Attention / SwiGLUMLP / RMSNorm       drop-in modules, policy=
@@ -17,10 +18,10 @@ from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from . import _backend, blocks, modules, ops, presets
 from .checkpoint import checkpoint
 from .hf import patch_llama, unpatch_llama
-from .memory import saved_activation_bytes
+from .memory import peak_memory_bytes, saved_activation_bytes
 
-__all__ = ["checkpoint", "saved_activation_bytes", "patch_llama", "unpatch_llama", "ops",
-           "blocks", "modules", "presets"]
+__all__ = ["checkpoint", "saved_activation_bytes", "peak_memory_bytes", "patch_llama",
+           "unpatch_llama", "ops", "blocks", "modules", "presets"]
 __version__ = "0.1.0"
 
 _backend.register_from_environment()

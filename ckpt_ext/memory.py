@@ -1,11 +1,12 @@
-"""``saved_activation_bytes``: what a forward pass leaves held for backward."""
+"""What a training step costs in memory: ``saved_activation_bytes`` (what a forward leaves
+held for backward) and ``peak_memory_bytes`` (the most a call allocates at once)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["saved_activation_bytes"]
+__all__ = ["saved_activation_bytes", "peak_memory_bytes"]
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -45,3 +46,103 @@ def saved_activation_bytes(fn: Callable, *args: Any, **kwargs: Any) -> int:
     total = sum(storages.values())  # every counted storage is still alive: `out` holds them
     del out
     return total
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    """The tensors in ``obj``: a tensor, a module's parameters and buffers, or (up to a few
+    levels deep) the items of lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, depth + 1)
+
+
+def _compute_device(fn: Callable, args: tuple, kwargs: dict) -> torch.device:
+    """The device ``fn(*args, **kwargs)`` computes on: the first CUDA device among the tensors
+    of the arguments (and of ``fn`` itself when it is a module, or a bound method of one); the
+    CPU when they are all on the CPU; with no tensor at all, the current CUDA device if CUDA
+    is available, else the CPU."""
+    owner = getattr(fn, "__self__", None)
+    found = False
+    for t in _tensors([fn, owner, list(args), kwargs]):
+        found = True
+        if t.device.type == "cuda":
+            return t.device
+    if not found and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _cpu_peak(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """(fn's result, peak CPU bytes above the start), from the CPU allocator's reports that
+    ``torch.profiler`` records as memory events: each allocation and free, in time order,
+    moves a running total, whose maximum is the peak. Memory freed that was allocated before
+    the call counts as negative."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn(*args, **kwargs)
+    events = [(e.start_ns(), i, e.nbytes())
+              for i, e in enumerate(prof.profiler.kineto_results.events())
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    total = peak = 0
+    for _, _, nbytes in sorted(events):
+        total += nbytes
+        peak = max(peak, total)
+    return out, peak
+
+
+def _cuda_peak(fn: Callable, args: tuple, kwargs: dict,
+               device: torch.device) -> tuple[Any, int]:
+    """(fn's result, peak bytes of the caching allocator on ``device`` above the start)."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    # The reset is global to the device: the peak is read relative to `base`, not to zero.
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    return out, max(0, torch.cuda.max_memory_allocated(device) - base)
+
+
+def peak_memory_bytes(fn: Callable, *args: Any, **kwargs: Any) -> int:
+    """The peak of allocated bytes above the start while ``fn(*args, **kwargs)`` runs.
+
+    For a training step, pass a function that runs forward and backward
+    (``peak_memory_bytes(step, model, batch)``); what is allocated before the call (weights,
+    inputs, gradients not yet cleared) is the base and does not count, and the peak is the
+    largest amount allocated above that base at any moment of the call (0 if the call never
+    allocates more than it frees). fn's result is discarded, after the measurement, so memory
+    it returns counts in the peak.
+
+    The device measured is the one ``fn`` computes on: the first CUDA device among the
+    tensors in the arguments (lists, tuples and dicts are searched; a module, passed as ``fn``
+    or as an argument, contributes its parameters and buffers), else the CPU; with no tensor
+    at all, the current CUDA device when CUDA is available, else the CPU. Only that device is
+    measured.
+
+    * CUDA: the caching allocator's statistics: ``torch.cuda.memory_allocated`` before the
+      call, ``torch.cuda.reset_peak_memory_stats`` (which resets the device's peak for every
+      other reader too), ``torch.cuda.max_memory_allocated`` after it, less the start.
+    * CPU: the CPU allocator's reports of each allocation and free, recorded by
+      ``torch.profiler.profile(profile_memory=True)`` around the call, summed in time order.
+      The profiler records every operator too, which slows the call down: do not time it.
+      It counts allocations of torch's CPU allocator (every CPU tensor), from all threads.
+      The profiler cannot size a block allocated before it started, so on CPU a free of
+      memory older than the call is not seen: the peak is then that of the call's own
+      allocations, above what CUDA would report (in a training step, where the gradients are
+      cleared before the call, nothing older is freed).
+    """
+    device = _compute_device(fn, args, kwargs)
+    if device.type == "cuda":
+        out, peak = _cuda_peak(fn, args, kwargs, device)
+    else:
+        out, peak = _cpu_peak(fn, args, kwargs)
+    del out
+    return int(peak)

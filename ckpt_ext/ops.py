@@ -390,11 +390,22 @@ def _linear_cross_entropy_fwd_fake(hidden, weight, bias, labels, ignore_index):
 
 
 @torch.library.register_fake("ckpt_ext::linear_cross_entropy_bwd")
-def _linear_cross_entropy_bwd_fake(dloss, hidden, weight, bias, labels, lse, ignore_index):
-    T, H, V = _check_lce_bwd("linear_cross_entropy_bwd", dloss, hidden, weight, bias, labels,
-                             lse)
-    return (hidden.new_empty((T, H)), hidden.new_empty((V, H)),
-            hidden.new_empty((V,) if bias is not None else (0,)))
+def _linear_cross_entropy_bwd_fake(dloss, hidden, weight, bias, labels, lse, ignore_index,
+                                   output_mask):
+    op = "linear_cross_entropy_bwd"
+    T, H, V = _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse)
+    want_dh, want_dw, want_db = _check_lce_output_mask(op, output_mask)
+    return (hidden.new_empty((T, H) if want_dh else (0,)),
+            hidden.new_empty((V, H) if want_dw else (0,)),
+            hidden.new_empty((V,) if bias is not None and want_db else (0,)))
+
+
+def _check_lce_output_mask(op, output_mask):
+    """output_mask of linear_cross_entropy_bwd: three bools [dhidden, dweight, dbias]."""
+    if len(output_mask) != 3:
+        raise ValueError(f"{op}: output_mask must have 3 entries [dhidden, dweight, dbias], "
+                         f"got {len(output_mask)}")
+    return tuple(bool(m) for m in output_mask)
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
@@ -409,11 +420,18 @@ def _linear_cross_entropy_setup(ctx, inputs, output):
 
 def _linear_cross_entropy_backward(ctx, dloss, dlse):
     hidden, weight, bias, labels, lse = ctx.saved_tensors
+    # Only the gradients autograd asks for are formed: a frozen LM head (LoRA) gets no (V, H)
+    # dweight and no dweight GEMM, a frozen hidden no dhidden.
+    want_dh, want_dw, want_db = ctx.needs_input_grad[:3]
+    want_db = want_db and ctx.has_bias
+    if not (want_dh or want_dw or want_db):
+        return None, None, None, None, None
     if dloss is None:
         dloss = torch.zeros_like(lse)
-    dhidden, dweight, dbias = _ops.linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels,
-                                                            lse, ctx.ignore_index)
-    return dhidden, dweight, dbias if ctx.has_bias else None, None, None
+    dhidden, dweight, dbias = _ops.linear_cross_entropy_bwd(
+        dloss, hidden, weight, bias, labels, lse, ctx.ignore_index, [want_dh, want_dw, want_db])
+    return (dhidden if want_dh else None, dweight if want_dw else None,
+            dbias if want_db else None, None, None)
 
 
 torch.library.register_autograd("ckpt_ext::linear_cross_entropy_fwd",
@@ -449,7 +467,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         with zero gradients, where ``F.cross_entropy`` gives NaN.
 
     Saves for backward: hidden, labels and the fp32 log-sum-exp per token (plus the weight
-    and bias, which are parameters); no tensor of T x V elements.
+    and bias, which are parameters); no tensor of T x V elements. Backward computes only the
+    gradients of the inputs that require grad: a frozen weight (a LoRA model's LM head) gets
+    no (V, H) gradient and no GEMM for it.
     """
     name = "linear_cross_entropy"
     if reduction not in _REDUCTIONS:

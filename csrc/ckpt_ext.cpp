@@ -120,8 +120,9 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // dloss (T,) of loss's dtype, any strides (an expanded scalar for a mean): the logits are
   // recomputed from hidden and weight and turned into dlogits = dloss (softmax(logits) -
   // onehot(labels)) (0 on ignored tokens), which give dhidden (T, H), dweight (V, H) and
-  // dbias (V,) (empty (0,) without bias), in hidden's dtype.
+  // dbias (V,) (empty (0,) without bias), in hidden's dtype. output_mask [dhidden, dweight,
+  // dbias] says which to form: one not asked for is never computed and comes back empty (0,).
   m.def("linear_cross_entropy_bwd(Tensor dloss, Tensor hidden, Tensor weight, Tensor? bias, "
-        "Tensor labels, Tensor lse, int ignore_index) -> (Tensor dhidden, Tensor dweight, "
-        "Tensor dbias)");
+        "Tensor labels, Tensor lse, int ignore_index, bool[3] output_mask) -> (Tensor dhidden, "
+        "Tensor dweight, Tensor dbias)");
 }

@@ -11,24 +11,29 @@
 // loss, lse, dloss (T,) float32 (float64 for float64 inputs). T = 0 is allowed (empty results;
 // the weight and bias gradients are then zeros).
 //
-// Memory: tokens are processed in chunks of max(64, kChunkElems / V) rows, so that the
-// transient (chunk, V) logits / dlogits stay bounded whatever T is.
+// Memory: tokens are processed in chunks whose (rows, V) logits in the compute dtype fit the
+// byte cap CKPT_EXT_CHUNK_BYTES (csrc/chunking.h; at least one row), so that the transient
+// logits / dlogits stay bounded whatever T is. Backward forms only the gradients output_mask
+// asks for: with a frozen weight (LoRA) there is no dweight GEMM and no (V, H) buffer; each
+// chunk's dhidden rows are written in place in the input dtype.
 //
 // Precision: the matmuls run in the input dtype (ATen's CPU matmuls accumulate float16 /
 // bfloat16 products in float32), so the logits are rounded to the input dtype once, as an HF
 // lm_head computes them; the softmax, the log-sum-exp and the loss run in float32 (float64 for
 // float64). dlogits are rounded to the input dtype (as HF's autograd does when it converts the
 // float32 gradient of the upcast logits back); dweight is accumulated over chunks in float32
-// (float64) and rounded once.
+// (float64) and rounded once; the widened dlogits of a chunk reuse its logits buffer.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
 
 #include "checks.h"
+#include "chunking.h"
 
 namespace ckpt_ext {
 namespace {
@@ -39,11 +44,6 @@ using checks::check_dim;
 using checks::check_dtype;
 using checks::check_floating;
 using checks::check_like;
-
-// Elements of one (chunk, V) logits chunk (64 MiB in float32). Smaller chunks make the CPU
-// matmuls skinny (32 rows at V = 128k ran at half the speed) and rewrite the (V, H) dweight
-// accumulator more often.
-constexpr int64_t kChunkElems = int64_t{1} << 24;
 
 struct LceDims {
   int64_t T, H, V;
@@ -82,9 +82,9 @@ void check_stat(const char* op, const char* name, const at::Tensor& t, const at:
   check_device_as(op, name, t, "hidden", hidden);
 }
 
-// Rows per token chunk: bounded (chunk, V) logits, at least 64 rows.
-int64_t chunk_rows(const LceDims& d) {
-  return std::max<int64_t>(64, kChunkElems / d.V);
+// Rows per token chunk: (rows, V) logits in the compute dtype within the byte cap.
+int64_t chunk_rows(const LceDims& d, at::ScalarType cdt) {
+  return chunking::chunk_rows(d.V * static_cast<int64_t>(c10::elementSize(cdt)));
 }
 
 // (tc, V) logits of the token rows of hc, in the compute dtype (rounded to the input dtype
@@ -110,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
   const at::ScalarType cdt = checks::compute_dtype(hidden.scalar_type());
   at::Tensor loss = at::empty({d.T}, hidden.options().dtype(cdt));
   at::Tensor lse = at::empty({d.T}, hidden.options().dtype(cdt));
-  const int64_t step = chunk_rows(d);
+  const int64_t step = chunk_rows(d, cdt);
   for (int64_t t0 = 0; t0 < d.T; t0 += step) {
     const int64_t tc = std::min(step, d.T - t0);
     at::Tensor z = chunk_logits(hidden.narrow(0, t0, tc), weight, bias, cdt);      // (tc, V)
@@ -127,22 +127,27 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     const at::Tensor& dloss, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& lse,
-    int64_t ignore_index) {
+    int64_t ignore_index, std::array<bool, 3> output_mask) {
   const char* op = "linear_cross_entropy_bwd";
   const LceDims d = check_lce(op, hidden, weight, bias, labels);
   check_stat(op, "dloss", dloss, hidden, d);
   check_stat(op, "lse", lse, hidden, d);
+  const bool want_dh = output_mask[0], want_dw = output_mask[1];
+  const bool want_db = output_mask[2] && bias.has_value();
   const at::ScalarType dt = hidden.scalar_type();
   const at::ScalarType cdt = checks::compute_dtype(dt);
+  // A gradient not asked for: an empty (0,) tensor of its own (outputs never alias).
+  auto none = [&] { return at::empty({0}, hidden.options()); };
+  at::Tensor dhidden = want_dh ? at::empty({d.T, d.H}, hidden.options()) : none();
+  if (!(want_dh || want_dw || want_db)) return {dhidden, none(), none()};
   const at::Tensor valid = labels.ne(ignore_index);
   // Per-token scale of dlogits: dloss, 0 on ignored tokens.
   const at::Tensor scale = at::where(valid, dloss, 0);                              // (T,)
 
-  at::Tensor dhidden = at::empty({d.T, d.H}, hidden.options());
-  const int64_t step = chunk_rows(d);
+  const int64_t step = chunk_rows(d, cdt);
   const bool one_chunk = d.T <= step;
   at::Tensor dweight;                                  // (V, H): input dtype, or an accumulator
-  at::Tensor dbias = at::zeros({bias.has_value() ? d.V : 0}, hidden.options().dtype(cdt));
+  at::Tensor dbias = at::zeros({want_db ? d.V : 0}, hidden.options().dtype(cdt));
   for (int64_t t0 = 0; t0 < d.T; t0 += step) {
     const int64_t tc = std::min(step, d.T - t0);
     at::Tensor hc = hidden.narrow(0, t0, tc);
@@ -154,20 +159,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     z.sub_(lse.narrow(0, t0, tc).unsqueeze(1)).exp_();
     z.scatter_add_(1, lc, at::full({tc, 1}, -1, z.options()));
     z.mul_(sc);
-    at::Tensor dl = z.to(dt);
-    at::Tensor dh_c = dhidden.narrow(0, t0, tc);                                   // (tc, H)
-    at::mm_out(dh_c, dl, weight);
-    if (one_chunk) {
-      dweight = at::mm(dl.t(), hc);
-    } else if (dweight.defined()) {
-      dweight.addmm_(dl.t().to(cdt), hc.to(cdt));
-    } else {
-      dweight = at::mm(dl.t().to(cdt), hc.to(cdt));
+    at::Tensor dl = z.to(dt);                         // z itself when dt is the compute dtype
+    if (want_dh) {
+      at::Tensor dh_c = dhidden.narrow(0, t0, tc);                                 // (tc, H)
+      at::mm_out(dh_c, dl, weight);
     }
-    if (bias.has_value()) dbias.add_(dl.sum(0, false, cdt));
+    if (want_dw) {
+      if (one_chunk) {
+        dweight = at::mm(dl.t(), hc);
+      } else {
+        // The rounded dlogits widened back into z's buffer: no second (tc, V) copy.
+        at::Tensor dl_c = dl.is_same(z) ? z : z.copy_(dl);
+        at::Tensor hc_c = hc.to(cdt);
+        if (dweight.defined()) {
+          dweight.addmm_(dl_c.t(), hc_c);
+        } else {
+          dweight = at::mm(dl_c.t(), hc_c);
+        }
+      }
+    }
+    if (want_db) dbias.add_(dl.sum(0, false, cdt));
   }
-  dweight = dweight.defined() ? dweight.to(dt) : at::zeros({d.V, d.H}, hidden.options());
-  return {dhidden, dweight, dbias.to(dt)};
+  if (!want_dw) {
+    dweight = none();
+  } else {
+    dweight = dweight.defined() ? dweight.to(dt) : at::zeros({d.V, d.H}, hidden.options());
+  }
+  return {dhidden, dweight, want_db ? dbias.to(dt) : none()};
 }
 
 }  // namespace

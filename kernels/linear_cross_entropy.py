@@ -22,8 +22,13 @@ Kernels (Triton only; the autograd wiring lives in ``ckpt_ext``):
   (T, VC) chunk of dlogits exists at a time; VC is chosen so that it is about the size of
   hidden (at least 32 Mi elements), see ``_vocab_chunk``.
 
+Only the gradients asked for are formed (``output_mask``). Under a frozen head (LoRA: only
+dhidden) the launcher walks token chunks instead, each over the whole vocabulary: the chunk's
+dlogits give its dhidden rows in one GEMM, and neither dweight nor an accumulator exists.
+
 Extra memory of the backward beyond its outputs: the (T, VC) dlogits chunk and, when there
-is more than one chunk, an fp32 (T, H) accumulator of dhidden. Extra FLOPs: the forward's
+is more than one chunk, an fp32 (T, H) accumulator of dhidden; under a frozen head only the
+(rows, V) dlogits chunk. Extra FLOPs: the forward's
 logits GEMM once more (4 GEMMs of 2 T V H instead of HF's 3).
 
 Launch policy (``kernels/_launch.py``, shared by all kernels): under Triton's interpreter
@@ -198,6 +203,7 @@ def _launcher(kind, device, dtype, precision, has_bias):
 # Columns of one backward chunk: interpreter runs use a small fixed width so that tests cover
 # several chunks (tests may change it); on a GPU see _vocab_chunk.
 INTERPRETER_VOCAB_CHUNK = 64
+INTERPRETER_TOKEN_CHUNK = 16
 _CHUNK_MIN_ELEMS = 1 << 25
 
 
@@ -219,6 +225,15 @@ def _n_split(T, V, device):
         return min(2, max_split)
     sms = _launch.device_info(device).sm_count
     return max(1, min(max_split, _launch.cdiv(4 * sms, _launch.cdiv(T, 128))))
+
+
+def _token_chunk(T, V, H, device):
+    """Token rows per backward chunk when only dhidden is formed: the (rows, V) dlogits chunk
+    about the size of hidden (T, H) and at least _CHUNK_MIN_ELEMS elements, at least 1 row;
+    INTERPRETER_TOKEN_CHUNK rows under the interpreter, so that tests cover several chunks."""
+    if device.type != "cuda":
+        return max(1, min(T, INTERPRETER_TOKEN_CHUNK))
+    return max(1, min(T, max(T * H, _CHUNK_MIN_ELEMS) // V))
 
 
 def _vocab_chunk(T, V, H, device):
@@ -294,52 +309,87 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int):
     return loss, lse
 
 
-def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_index: int):
+def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_index: int,
+                             output_mask=(True, True, True)):
     """Gradients of ``sum_t dloss[t] loss[t]`` with the logits recomputed chunk by chunk.
 
     Args:
         dloss: (T,) float32, any strides (stride 0 for an expanded scalar).
         hidden, weight, bias, labels, ignore_index: as for ``linear_cross_entropy_fwd``.
         lse: (T,) float32 from ``linear_cross_entropy_fwd``.
+        output_mask: [dhidden, dweight, dbias]: which gradients to form; the others are not
+            computed and come back as ``hidden.new_empty((0,))``.
 
     Returns:
         (dhidden (T, H), dweight (V, H), dbias (V,) or ``hidden.new_empty((0,))`` without
-        bias), in the dtype of hidden. dweight and dbias are one GEMM / sum per vocabulary
-        chunk (rounded once); dhidden sums the chunks in fp32 and is rounded once.
+        bias or when not asked for), in the dtype of hidden.
+
+    With dweight or dbias asked for, the vocabulary is walked in chunks: dweight and dbias
+    are one GEMM / sum per chunk (rounded once); dhidden sums the chunks in fp32 and is
+    rounded once. With only dhidden asked for (a frozen LM head), the tokens are walked in
+    chunks instead, each over the whole vocabulary: each chunk's dhidden rows are one GEMM
+    written in place (no fp32 (T, H) accumulator), and no dweight GEMM runs.
     """
     op = "linear_cross_entropy_bwd"
     _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse)
     T, H, V = _check_inputs(op, hidden, weight, bias, labels)
-    dweight = hidden.new_empty((V, H))
-    dbias = hidden.new_empty((V,) if bias is not None else (0,))
-    if T == 0:
-        return hidden.new_empty((0, H)), dweight.zero_(), dbias.zero_()
-    vc_max = _vocab_chunk(T, V, H, hidden.device)
-    buf = hidden.new_empty((T * vc_max,))
-    dhidden = None
+    if len(output_mask) != 3:
+        raise ValueError(f"{op}: output_mask must have 3 entries [dhidden, dweight, dbias], "
+                         f"got {len(output_mask)}")
+    want_dh, want_dw, want_db = (bool(m) for m in output_mask)
+    want_db = want_db and bias is not None
+    def none():  # a gradient not asked for: an empty tensor of its own (outputs never alias)
+        return hidden.new_empty((0,))
+    dweight = hidden.new_empty((V, H)) if want_dw else none()
+    dbias = hidden.new_empty((V,)) if want_db else none()
+    if T == 0 or not (want_dh or want_dw or want_db):
+        return (hidden.new_empty((0, H)) if want_dh else none(), dweight.zero_(), dbias.zero_())
     kernel, meta = _launcher("bwd", hidden.device, hidden.dtype,
                              _launch.dot_precision(hidden.dtype), bias is not None)
     t_bucket = _launch.pow2_bucket(T, 16)
+
+    def dlogits(t0, tc, v0, vc, out):
+        """dlogits of tokens [t0, t0 + tc) and vocabulary columns [v0, v0 + vc) into out."""
+        with _launch.on_device(hidden.device):
+            kernel[_grid(tc, vc)](
+                hidden[t0:t0 + tc], weight, bias if bias is not None else hidden,
+                labels[t0:t0 + tc], lse[t0:t0 + tc], dloss[t0:t0 + tc], out,
+                tc, H, V, v0, vc, t_bucket, ignore_index,
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                labels.stride(0), lse.stride(0), dloss.stride(0), **meta)
+
+    if not (want_dw or want_db):  # frozen head: token chunks over the whole vocabulary
+        tc_max = _token_chunk(T, V, H, hidden.device)
+        buf = hidden.new_empty((min(T, tc_max) * V,))
+        dhidden = hidden.new_empty((T, H))
+        for t0 in range(0, T, tc_max):
+            tc = min(tc_max, T - t0)
+            dl = buf[:tc * V].view(tc, V)
+            dlogits(t0, tc, 0, V, dl)
+            torch.mm(dl, weight, out=dhidden[t0:t0 + tc])
+        return dhidden, dweight, dbias
+
+    vc_max = _vocab_chunk(T, V, H, hidden.device)
+    buf = hidden.new_empty((T * vc_max,))
+    dhidden = None
     for v0 in range(0, V, vc_max):
         vc = min(vc_max, V - v0)
         dl = buf[:T * vc].view(T, vc)
-        with _launch.on_device(hidden.device):
-            kernel[_grid(T, vc)](
-                hidden, weight, bias if bias is not None else hidden, labels, lse, dloss, dl,
-                T, H, V, v0, vc, t_bucket, ignore_index,
-                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                labels.stride(0), lse.stride(0), dloss.stride(0), **meta)
+        dlogits(0, T, v0, vc, dl)
         w_c = weight[v0:v0 + vc]
-        torch.mm(dl.t(), hidden, out=dweight[v0:v0 + vc])
-        if bias is not None:
+        if want_dw:
+            torch.mm(dl.t(), hidden, out=dweight[v0:v0 + vc])
+        if want_db:
             dbias[v0:v0 + vc] = dl.sum(0, dtype=torch.float32)
+        if not want_dh:
+            continue
         if vc == V:                                   # one chunk: one GEMM, one rounding
             dhidden = torch.mm(dl, w_c)
         else:
             if dhidden is None:
                 dhidden = torch.zeros((T, H), dtype=torch.float32, device=hidden.device)
             _addmm_fp32(dhidden, dl, w_c)
-    return dhidden.to(hidden.dtype), dweight, dbias
+    return (dhidden.to(hidden.dtype) if want_dh else none()), dweight, dbias
 
 
 def _addmm_fp32(acc, a, b):

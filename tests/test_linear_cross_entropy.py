@@ -131,8 +131,8 @@ def test_cpu_matches_hf(case):
 
 
 def test_cpu_several_token_chunks():
-    """T * V above the CPU kernels' chunk (2**24 logits): two token chunks, dweight
-    accumulated across them."""
+    """T * V above the CPU kernels' byte cap (CKPT_EXT_CHUNK_BYTES, 64 MiB by default): two
+    token chunks, dweight accumulated across them."""
     if CUDA:
         pytest.skip("CPU kernels")
     check_case("aten", (900,), 8, 20000, torch.float32, bias=True)
@@ -293,9 +293,10 @@ def _opcheck_samples():
         samples.append(("linear_cross_entropy_fwd", (*lv, labels, IGNORE)))
         _, lse = OPS.linear_cross_entropy_fwd(hidden, weight, b, labels, IGNORE)
         dloss = torch.randn(7)
-        samples.append(("linear_cross_entropy_bwd",
-                        (dloss, *(t.detach() if t is not None else None for t in lv), labels,
-                         lse, IGNORE)))
+        for mask in ([True, True, True], [True, False, False], [False, True, bias]):
+            samples.append(("linear_cross_entropy_bwd",
+                            (dloss, *(t.detach() if t is not None else None for t in lv),
+                             labels, lse, IGNORE, mask)))
     return samples
 
 
@@ -357,3 +358,135 @@ def test_wrapper_errors():
         ops.linear_cross_entropy(hidden, weight, labels, reduction="sum", num_items_in_batch=4)
     with pytest.raises(ValueError, match=r"labels must have shape hidden.shape\[:-1\]"):
         ops.linear_cross_entropy(hidden, weight, labels.view(-1))
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen inputs: only the gradients autograd asks for are computed
+# --------------------------------------------------------------------------------------------
+FROZEN = {  # which of (hidden, weight, bias) require grad
+    "lora_head": (True, False, False),      # a frozen LM head under LoRA
+    "frozen_weight_trained_bias": (True, False, True),
+    "frozen_hidden": (False, True, True),
+}
+
+
+def _grads_frozen(fn, hidden, weight, bias, labels, dout, wants):
+    leaves = [t.detach().clone().requires_grad_(w) if t is not None else None
+              for t, w in zip((hidden, weight, bias), wants)]
+    loss = fn(leaves[0], leaves[1], leaves[2], labels)
+    trained = [t for t in leaves if t is not None and t.requires_grad]
+    grads = iter(torch.autograd.grad((loss * dout).sum(), trained))
+    return [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("frozen", list(FROZEN))
+def test_frozen_inputs_gradients_match_hf(backend, frozen):
+    """The gradients that are asked for equal HF's (fp64 reference, fp32 baseline), in both
+    kernels' paths (the Triton launcher walks token chunks when only dhidden is wanted)."""
+    if backend == "aten" and CUDA:
+        pytest.skip("the ATen kernels serve CPU tensors")
+    wants = FROZEN[frozen]
+    seed = int(torch.randint(1 << 30, ()))  # fresh inputs each run
+    hidden, weight, b, labels = make_inputs((2, 19), 40, 150, torch.float32, bias=True,
+                                            seed=seed, device=DEVICE)
+    dout = torch.tensor(1.7, device=DEVICE)
+    ref = _grads_frozen(hf_loss, hidden.double(), weight.double(), b.double(), labels, dout,
+                        wants)
+    base = _grads_frozen(hf_loss, hidden, weight, b, labels, dout, wants)
+    with backend_context(backend):
+        got = _grads_frozen(fused_loss, hidden, weight, b, labels, dout, wants)
+    scale = magnitude(*(r for r in ref if r is not None))
+    for name, g, bs, r, want in zip(("dhidden", "dweight", "dbias"), got, base, ref, wants):
+        assert (g is None) == (not want), name
+        if want:
+            check_vs_baseline(name, g, bs, r, FACTOR_GRAD, torch.float32, scale=scale)
+
+
+def _dweight_gemms(fn, H, V):
+    """The matmuls of fn's backward that form a weight gradient: inputs (a, k) x (k, H) with a
+    reduction over k tokens (k != V; the dhidden GEMM reduces over V, the logits GEMM gives
+    (k, V))."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    found = []
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::matmul"):
+            shapes = [s for s in e.input_shapes if len(s) == 2]
+            if len(shapes) >= 2:
+                a, b2 = shapes[-2:]
+                if a[1] == b2[0] and b2[1] == H and a[1] != V:
+                    found.append((e.name, shapes))
+    return found
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_frozen_head_forms_no_weight_gradient(backend):
+    """Under LoRA the head's weight is frozen: backward must not run the (V, T) x (T, H)
+    GEMM of dweight. Checked on the recorded operators; with a trained weight the same check
+    finds that GEMM (so it can fail)."""
+    if backend == "aten" and CUDA:
+        pytest.skip("the ATen kernels serve CPU tensors")
+    H, V = 40, 150
+    hidden, weight, _, labels = make_inputs((37,), H, V, torch.float32, device=DEVICE)
+    for train_weight in (True, False):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_(train_weight)
+        with backend_context(backend):
+            loss = fused_loss(h, w, None, labels)
+            gemms = _dweight_gemms(lambda: loss.backward(), H, V)
+        assert h.grad is not None
+        assert bool(gemms) == train_weight, gemms
+        assert (w.grad is not None) == train_weight
+
+
+def test_frozen_head_backward_peak_has_no_weight_sized_buffer():
+    """The CPU backward under a frozen head holds a logits chunk and dhidden, never a (V, H)
+    buffer: its peak is far under V*H*4 bytes, which a trained head's backward reaches."""
+    if CUDA:
+        pytest.skip("CPU kernels")
+    T, H, V = 40, 256, 8192                                   # dweight: 8 MiB in fp32
+    hidden, weight, _, labels = make_inputs((T,), H, V, torch.float32)
+    peaks = {}
+    for train_weight in (True, False):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_(train_weight)
+        loss = fused_loss(h, w, None, labels)
+        peaks[train_weight] = ckpt_ext.peak_memory_bytes(lambda t: t.backward(), loss)
+    assert peaks[True] >= 4 * V * H, peaks
+    # the (T, V) logits chunk (1.25 MiB), dhidden (40 KiB) and small per-token tensors
+    assert peaks[False] <= 4 * T * V + 4 * T * H + 256 * 1024, peaks
+
+
+# --------------------------------------------------------------------------------------------
+# The byte cap of the CPU kernel's logits chunks (CKPT_EXT_CHUNK_BYTES)
+# --------------------------------------------------------------------------------------------
+def test_cpu_chunk_byte_cap(monkeypatch):
+    """A small cap: many one- and few-row chunks, the same results; the backward's peak
+    follows the cap; a bad value is refused naming the variable."""
+    if CUDA:
+        pytest.skip("CPU kernels")
+    V = 131
+    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(3 * 4 * V + 5))   # 3 rows per chunk
+    check_case("aten", (2, 17), 24, V, torch.float32, bias=True)
+    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", "1")                   # one row at a time
+    check_case("aten", (2, 17), 24, V, torch.bfloat16, bias=True, reduction="sum")
+
+    T, H, V = 512, 64, 4096
+    hidden, weight, _, labels = make_inputs((T,), H, V, torch.float32)
+    peaks = {}
+    for cap in ("64KiB", "4MiB"):
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", cap)
+        h = hidden.clone().requires_grad_()
+        loss = fused_loss(h, weight, None, labels)
+        peaks[cap] = ckpt_ext.peak_memory_bytes(lambda t: t.backward(), loss)
+    # 4 MiB: a (256, V) fp32 chunk; 64 KiB: (4, V). dhidden (128 KiB) in both.
+    assert peaks["4MiB"] >= 4 * 2**20, peaks
+    assert peaks["64KiB"] <= 4 * T * H + 2 * 64 * 1024 + 128 * 1024, peaks
+
+    for bad in ("0", "-5", "lots", "12 PiB", "2GB"):
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", bad)
+        with pytest.raises(ValueError, match="CKPT_EXT_CHUNK_BYTES must be a positive"):
+            fused_loss(hidden, weight, None, labels)

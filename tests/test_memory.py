@@ -1,4 +1,7 @@
-"""saved_activation_bytes on cases whose answer is computed by hand."""
+"""saved_activation_bytes and peak_memory_bytes on cases whose answer is computed by hand."""
+import random
+
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -49,3 +52,125 @@ def test_parameter_views_excluded():
     x = torch.randn(3, 6, requires_grad=True)
     # mm saves x and w.t() (a view of a parameter): only x counts.
     assert ckpt_ext.saved_activation_bytes(lambda t: t @ w.t(), x) == 4 * 18
+
+
+# ---- peak_memory_bytes ---------------------------------------------------------------------
+# Sizes are drawn afresh each run (not from torch's seeded generator), so that no constant of a
+# particular run can make these pass. TOL: room for the allocations the profiler or the
+# allocator make around the call (a few small tensors), far below the sizes measured.
+_rng = random.SystemRandom()
+MiB = 2**20
+TOL = 64 * 1024
+
+
+def _fresh_bytes(mib: int) -> int:
+    """About ``mib`` MiB, a multiple of 4 bytes that differs from run to run."""
+    return mib * MiB + 4 * _rng.randrange(1, 64 * 1024)
+
+
+def _floats(nbytes: int, device="cpu") -> torch.Tensor:
+    return torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+
+
+def test_peak_of_two_tensors_held_together_is_their_sum():
+    a, b = _fresh_bytes(4), _fresh_bytes(8)
+
+    def fn():
+        x = _floats(a)
+        y = _floats(b)   # while x is held
+        del x, y
+
+    peak = ckpt_ext.peak_memory_bytes(fn)
+    assert a + b <= peak <= a + b + TOL, (peak, a + b)
+
+
+def test_peak_of_tensors_freed_in_turn_is_the_larger():
+    a, b = _fresh_bytes(4), _fresh_bytes(8)
+    first_large = _rng.random() < 0.5
+
+    def fn(n1, n2):
+        x = _floats(n1)
+        del x
+        y = _floats(n2)
+        del y
+
+    args = (b, a) if first_large else (a, b)
+    peak = ckpt_ext.peak_memory_bytes(fn, *args)
+    assert max(a, b) <= peak <= max(a, b) + TOL, (peak, a, b)
+    assert peak < a + b - TOL  # not the sum: nothing was held together
+
+
+def test_peak_counts_from_the_start_and_frees_of_older_memory():
+    """The arguments' own bytes are the base, not part of the peak. Freeing a tensor allocated
+    before the call: on CUDA it lowers what later allocations add; on CPU the profiler does not
+    know the size of a block allocated before it started, so the free is not seen and the peak
+    is that of the call's own allocations (documented)."""
+    held, new = _fresh_bytes(6), _fresh_bytes(8)
+    box = [_floats(held)]
+
+    def fn(box, n):
+        box.pop()             # frees `held` bytes allocated before the call
+        y = _floats(n)
+        del y
+
+    peak = ckpt_ext.peak_memory_bytes(fn, box, n=new)  # keyword arguments reach fn
+    assert new <= peak <= new + TOL, (peak, new)
+    assert not box
+    assert ckpt_ext.peak_memory_bytes(lambda: None) <= TOL  # allocates nothing
+
+
+def test_peak_includes_what_fn_returns_and_a_module_step():
+    n = _fresh_bytes(3)
+    peak = ckpt_ext.peak_memory_bytes(lambda: _floats(n))
+    assert n <= peak <= n + TOL
+    # A Linear's forward + backward on a batch of T rows: the gradients of x, weight and bias
+    # are all alive at the end, so the peak is at least their sum; beyond it there is at most
+    # the output (T, out) and its gradient (T, out).
+    T, d_in, d_out = _rng.randrange(2000, 3000), 256, 384
+    lin = nn.Linear(d_in, d_out)
+    x = torch.randn(T, d_in, requires_grad=True)
+
+    def step(module, inp):
+        module(inp).sum().backward()
+
+    held_after = 4 * (T * d_in + d_out * d_in + d_out)   # x.grad, weight.grad, bias.grad
+    peak = ckpt_ext.peak_memory_bytes(step, lin, x)
+    assert held_after <= peak <= held_after + 2 * 4 * T * d_out + TOL, peak
+
+
+def test_device_is_read_from_the_arguments():
+    from ckpt_ext.memory import _compute_device
+
+    lin = nn.Linear(3, 3)
+    assert _compute_device(lin, (torch.zeros(2, 3),), {}).type == "cpu"
+    assert _compute_device(lambda m: m, (), {"m": {"w": [torch.zeros(1)]}}).type == "cpu"
+    assert _compute_device(lin.forward, (), {}).type == "cpu"  # a bound method's module
+    if not torch.cuda.is_available():
+        assert _compute_device(lambda: None, (), {}).type == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_is_relative_to_the_start():
+    a, b = _fresh_bytes(4), _fresh_bytes(8)
+    resident = _floats(_fresh_bytes(16), "cuda")  # allocated before: not part of the peak
+
+    def fn(t):
+        x = _floats(a, t.device)
+        y = _floats(b, t.device)
+        del x, y
+
+    peak = ckpt_ext.peak_memory_bytes(fn, resident)
+    # the caching allocator rounds each request up to a multiple of 512 bytes
+    assert a + b <= peak <= a + b + 1024, (peak, a + b)
+    box = [resident]
+    del resident
+
+    def frees_first(box, n):  # on CUDA a free of older memory lowers the peak
+        t = box.pop()
+        y = _floats(n, t.device)
+        del t, y
+
+    held = box[0].nbytes
+    peak = ckpt_ext.peak_memory_bytes(frees_first, box, n=held + a)
+    assert a <= peak <= a + 1024, (peak, a)
