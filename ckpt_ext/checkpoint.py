@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.checkpoint import CheckpointError
 
 from . import _C
@@ -72,6 +72,7 @@ class _Segment:
         if recompute:
             out = self.fn(*args, **kwargs)
         else:
+            versions = [_version(t) for t in tensors]
             # torch.autograd.graph.saved_tensors_hooks without the context-manager object:
             # this runs once per checkpointed call, so its cost is the per-call overhead.
             _push_hooks(_drop_saved, _refuse_unpack)
@@ -79,7 +80,43 @@ class _Segment:
                 out = self.fn(*args, **kwargs)
             finally:
                 _pop_hooks()
-        return self._flatten_output(out, recompute)
+        flat_out = self._flatten_output(out, recompute)
+        if not recompute:
+            self._check_unchanged(tensors, versions, flat_out)
+        return flat_out
+
+    def _check_unchanged(self, tensors: list, versions: list, outputs: list) -> None:
+        """Refuse a forward that changed an argument tensor in place: backward would re-run
+        the segment on the changed value (wrong gradients). A changed argument that needs no
+        gradient is harmless when no output requires grad (nothing is recomputed)."""
+        outputs_need_grad = any(o.requires_grad for o in outputs)
+        for k, (t, before) in enumerate(zip(tensors, versions)):
+            if before is None or _version(t) == before:
+                continue
+            if not (outputs_need_grad or t.requires_grad):
+                continue
+            raise RuntimeError(
+                f"ckpt_ext.checkpoint: the segment changed its {self._describe(k)} "
+                f"({str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+                f"{', which requires grad' if t.requires_grad else ''}) in place. A segment "
+                "must not modify its inputs in place: backward re-runs it on its inputs as they "
+                "are then, so the change would be applied twice and the gradients would be "
+                "wrong. Clone the tensor inside the segment (t = t.clone()) or make the change "
+                "before calling ckpt_ext.checkpoint")
+
+    def _describe(self, k: int) -> str:
+        """Where the k-th argument tensor sits in the call: 'argument 0', "keyword argument
+        'mask'", 'argument 1[0]' ..."""
+        if self.spec is None:
+            return f"argument {self.tensor_pos[k]}"
+        flat = list(self.flat)
+        paths = [path for path, _ in tree_flatten_with_path(
+            tree_unflatten([None] * len(flat), self.spec), is_leaf=lambda x: x is None)[0]]
+        path = paths[self.tensor_pos[k]]
+        rest = keystr(path[2:])
+        if path[0].idx == 0:
+            return f"argument {path[1].idx}{rest}"
+        return f"keyword argument {path[1].key!r}{rest}"
 
     def _flatten_output(self, out: Any, recompute: bool) -> list:
         if isinstance(out, torch.Tensor):
@@ -103,6 +140,11 @@ class _Segment:
         if self.out_spec is None:
             return flat[0]
         return tree_unflatten(flat, self.out_spec)
+
+
+def _version(t: torch.Tensor):
+    """The version counter of t (None for an inference tensor, which has none)."""
+    return None if t.is_inference() else t._version
 
 
 def _not_deterministic(what: str) -> str:

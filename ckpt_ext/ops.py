@@ -21,6 +21,7 @@ Public wrappers:
                          reduction="mean", num_items_in_batch=None) -> loss
 """
 import math
+import numbers
 
 import torch
 
@@ -457,9 +458,12 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         reduction: "mean" (over the tokens whose label is not ignore_index, or divided by
             ``num_items_in_batch`` when given), "sum", or "none" (per-token losses, shape of
             labels, 0 on ignored tokens).
-        num_items_in_batch: None, an int, or a tensor (kept a tensor: no host sync) to divide
-            the summed loss by instead of the count of non-ignored tokens, as transformers'
-            ``fixed_cross_entropy`` does under gradient accumulation. Only with "mean".
+        ignore_index: an int (a numpy or one-element integer tensor counts as the int it
+            holds); a float or string is refused, never truncated.
+        num_items_in_batch: None, a number >= 0, or a tensor with one element (kept a tensor:
+            no host sync) to divide the summed loss by instead of the count of non-ignored
+            tokens, as transformers' ``fixed_cross_entropy`` does under gradient accumulation.
+            Only with "mean". Other forms raise, naming it.
 
     Returns:
         The loss in float32 (float64 for float64 inputs), as HF computes it on upcast logits.
@@ -472,11 +476,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     no (V, H) gradient and no GEMM for it.
     """
     name = "linear_cross_entropy"
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{name}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if num_items_in_batch is not None and reduction != "mean":
-        raise ValueError(f"{name}: num_items_in_batch replaces the divisor of reduction='mean'; "
-                         f"got it with reduction={reduction!r}")
+    ignore_index, num_items_in_batch = _check_lce_options(name, ignore_index, reduction,
+                                                          num_items_in_batch)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise ValueError(f"{name}: hidden must have shape (..., H), got {got}")
@@ -498,6 +499,42 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         count = (flat_labels != ignore_index).sum()
     elif isinstance(num_items_in_batch, torch.Tensor):
         count = num_items_in_batch.to(total.device)
+    elif num_items_in_batch == 0:
+        return total * 0.0  # nothing to average: 0, with zero gradients
     else:
-        return total / (num_items_in_batch if num_items_in_batch != 0 else 1)
-    return total / torch.where(count == 0, torch.ones_like(count), count)
+        return total / num_items_in_batch
+    # A zero count gives 0 with zero gradients, without a host sync; the divisor is never 0.
+    nonzero = count != 0
+    return total * nonzero / torch.where(nonzero, count, torch.ones_like(count))
+
+
+def _check_lce_options(name, ignore_index, reduction, num_items_in_batch):
+    """The non-tensor options of linear_cross_entropy, checked: (ignore_index as an int,
+    num_items_in_batch as None, a number >= 0 or a 0-d tensor)."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if isinstance(ignore_index, torch.Tensor) and ignore_index.numel() == 1 and \
+            not ignore_index.dtype.is_floating_point and not ignore_index.dtype.is_complex:
+        ignore_index = ignore_index.item()
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"{name}: ignore_index must be an int, got {ignore_index!r}")
+    ignore_index = int(ignore_index)
+    if num_items_in_batch is None:
+        return ignore_index, None
+    if reduction != "mean":
+        raise ValueError(f"{name}: num_items_in_batch replaces the divisor of reduction='mean'; "
+                         f"got it with reduction={reduction!r}")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        t = num_items_in_batch
+        if t.numel() != 1 or t.dtype == torch.bool or t.dtype.is_complex:
+            raise ValueError(f"{name}: num_items_in_batch must be a number or a tensor with one "
+                             f"real element, got a {str(t.dtype).replace('torch.', '')} tensor "
+                             f"of shape {tuple(t.shape)}")
+        return ignore_index, t.reshape(())
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real):
+        raise TypeError(f"{name}: num_items_in_batch must be None, a number or a tensor, got "
+                        f"{type(num_items_in_batch).__name__} {num_items_in_batch!r}")
+    if not (math.isfinite(num_items_in_batch) and num_items_in_batch >= 0):
+        raise ValueError(f"{name}: num_items_in_batch must be finite and >= 0, got "
+                         f"{num_items_in_batch!r}")
+    return ignore_index, num_items_in_batch

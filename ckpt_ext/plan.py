@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import re
 import sys
@@ -113,12 +114,26 @@ def layer_dims_from_config(config) -> list:
                            "num_hidden_layers") if _config_value(config, n) is None]
     if missing:
         raise ValueError(f"config: missing {', '.join(missing)}")
-    H = int(_config_value(config, "hidden_size"))
-    heads = int(_config_value(config, "num_attention_heads"))
-    kv = int(_config_value(config, "num_key_value_heads", heads))
-    D = int(_config_value(config, "head_dim", H // heads))
-    dims = LayerDims(H, heads, kv, D, int(_config_value(config, "intermediate_size")))
-    return [dims] * int(_config_value(config, "num_hidden_layers"))
+    def integer(name, default=None):
+        value = _config_value(config, name, default)
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            return operator.index(value)
+        except TypeError:
+            raise ValueError(f"config: {name} must be an int, got {value!r}") from None
+
+    H = integer("hidden_size")
+    heads = integer("num_attention_heads")
+    if heads <= 0:
+        raise ValueError(f"config: num_attention_heads must be a positive int, got {heads}")
+    kv = integer("num_key_value_heads", heads)
+    D = integer("head_dim", H // heads)
+    dims = LayerDims(H, heads, kv, D, integer("intermediate_size"))
+    layers = integer("num_hidden_layers")
+    if layers <= 0:
+        raise ValueError(f"config: num_hidden_layers must be a positive int, got {layers}")
+    return [dims] * layers
 
 
 # ---- bytes ---------------------------------------------------------------------------------
@@ -263,11 +278,34 @@ def choose_presets(layers: Sequence[LayerDims], B: int, S: int, dtype,
 
 # ---- CLI -----------------------------------------------------------------------------------
 def _read_config(path: str) -> dict:
+    """The config at ``path`` (a config.json or a model directory); ValueError naming the file
+    when it cannot be read or is not a JSON object."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    return config.get("text_config", config) if "hidden_size" not in config else config
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if isinstance(config, dict) and "hidden_size" not in config:
+        config = config.get("text_config", config)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object (an HF config), got "
+                         f"{type(config).__name__}")
+    return config
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
 
 
 def _table(rows, header):
@@ -287,21 +325,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Saved-activation bytes of each ckpt_ext preset, recompute FLOPs, the LM "
                     "head with and without the fused loss, and the 'auto' choice for a budget.")
     ap.add_argument("config", nargs="?", help="an HF config.json (or a model directory)")
-    ap.add_argument("--hidden-size", type=int)
-    ap.add_argument("--heads", type=int, help="num_attention_heads")
-    ap.add_argument("--kv-heads", type=int, help="num_key_value_heads (default: --heads)")
-    ap.add_argument("--head-dim", type=int, help="default hidden_size // heads")
-    ap.add_argument("--intermediate-size", type=int)
-    ap.add_argument("--layers", type=int, help="num_hidden_layers")
-    ap.add_argument("--vocab-size", type=int)
-    ap.add_argument("--batch", type=int, required=True)
-    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--hidden-size", type=_positive_int)
+    ap.add_argument("--heads", type=_positive_int, help="num_attention_heads")
+    ap.add_argument("--kv-heads", type=_positive_int, help="num_key_value_heads (default: --heads)")
+    ap.add_argument("--head-dim", type=_positive_int, help="default hidden_size // heads")
+    ap.add_argument("--intermediate-size", type=_positive_int)
+    ap.add_argument("--layers", type=_positive_int, help="num_hidden_layers")
+    ap.add_argument("--vocab-size", type=_positive_int)
+    ap.add_argument("--batch", type=_positive_int, required=True)
+    ap.add_argument("--seq", type=_positive_int, required=True)
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     ap.add_argument("--budget", help="bytes for the decoder layers' saved activations, e.g. "
                                      "20GiB or 512MB: prints the 'auto' choice")
     args = ap.parse_args(argv)
+    if args.budget is not None:
+        try:
+            parse_bytes(args.budget, "argument --budget")
+        except (TypeError, ValueError) as e:
+            ap.error(str(e))
 
-    config = _read_config(args.config) if args.config else {}
+    try:
+        config = _read_config(args.config) if args.config else {}
+    except ValueError as e:
+        ap.error(f"argument config: {e}")
     for key, arg in (("hidden_size", "hidden_size"), ("num_attention_heads", "heads"),
                      ("num_key_value_heads", "kv_heads"), ("head_dim", "head_dim"),
                      ("intermediate_size", "intermediate_size"),
@@ -315,7 +361,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  f"--layers)")
     if "vocab_size" not in config:
         ap.error("missing vocab_size (in the config or --vocab-size)")
-    B, S, dtype, V = args.batch, args.seq, _DTYPES[args.dtype], int(config["vocab_size"])
+    V = config["vocab_size"]
+    if isinstance(V, bool) or not isinstance(V, int) or V < 1:
+        ap.error(f"vocab_size must be a positive int (in the config or --vocab-size), got {V!r}")
+    B, S, dtype = args.batch, args.seq, _DTYPES[args.dtype]
     d = layers[0]
     L, T = len(layers), B * S
     head_hf = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=False)

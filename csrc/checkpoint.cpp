@@ -7,7 +7,10 @@
 // Forward (checkpoint_apply, called from ckpt_ext/checkpoint.py):
 //   1. snapshot the RNG state (CPU generator and the CUDA generator of every CUDA device
 //      among the inputs) and the autocast state;
-//   2. run the segment once with grad mode on, on detached aliases of the inputs, under
+//   2. run the segment once with grad mode on, on detached aliases of the inputs (an input
+//      that requires grad is aliased by a leaf when it is a leaf, else by a tensor behind a
+//      SegmentInput node that leads nowhere, so that an in-place change of it reaches the
+//      Python runner's check, which names the argument, not autograd's leaf error), under
 //      saved-tensor hooks that drop everything an op tries to save (the Python runner installs
 //      them). The graph this builds is never used for backward: it tells which outputs require
 //      grad, which tensors from outside the arguments (parameters of a module, tensors of a
@@ -356,7 +359,8 @@ struct SegmentGraph {
 // hands the gradient on. The node leads nowhere while that gradient is taken (paths between
 // inputs, such as an argument computed from a parameter the segment also reads, belong to the
 // outer graph); connect() then leads it to the input, for the graph of a gradient taken with
-// create_graph.
+// create_graph. The forward run's non-leaf arguments that require grad stand behind one too
+// (never connected), so that they are not leaves there either.
 struct SegmentInput : public Node {
   SegmentInput(Edge input, torch::autograd::InputMetadata meta)
       : Node(torch::autograd::edge_list{input}), input_(std::move(input)) {
@@ -599,14 +603,20 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 // itself) and non-leaf tensors (the tensor when it is an output, else a proxy that owns no
 // data and carries its gradient edge), each once.
 std::vector<at::Tensor> outside_tensors(const SegmentGraph& graph, const variable_list& outs,
-                                        const variable_list& detached_args) {
-  std::unordered_set<c10::TensorImpl*> args;
+                                        const variable_list& detached_args,
+                                        const std::vector<SegmentInputPtr>& arg_nodes) {
+  std::unordered_set<c10::TensorImpl*> args;  // the arguments' leaf aliases
   for (const auto& t : detached_args) args.insert(t.unsafeGetTensorImpl());
+  std::unordered_set<const Node*> arg_node_set;  // and their non-leaf ones
+  for (const auto& node : arg_nodes) {
+    if (node) arg_node_set.insert(node.get());
+  }
   std::unordered_set<c10::TensorImpl*> seen_leaves;
   std::unordered_set<EdgeKey, EdgeKeyHash> seen_edges;
   std::vector<at::Tensor> found;
   auto visit = [&](const Edge& edge, const at::Tensor& known) {
     Node* node = edge.function.get();
+    if (arg_node_set.count(node)) return;
     if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
       auto* impl = acc->variable.unsafeGetTensorImpl();
       if (!args.count(impl) && seen_leaves.insert(impl).second) found.push_back(acc->variable);
@@ -664,12 +674,19 @@ std::vector<at::Tensor> checkpoint_apply(py::object runner, bool preserve_rng, b
   state->autocast.cache_enabled = false;  // for the recomputation, as for the run below
 
   variable_list detached(args.size());
+  std::vector<SegmentInputPtr> arg_nodes(args.size());
   state->arg_requires_grad.resize(args.size());
   for (size_t i = 0; i < args.size(); ++i) {
     TORCH_CHECK(args[i].defined(), "ckpt_ext.checkpoint: argument tensor ", i, " is undefined");
     detached[i] = args[i].detach();
     state->arg_requires_grad[i] = args[i].requires_grad();
-    if (args[i].requires_grad()) detached[i].requires_grad_(true);
+    if (!args[i].requires_grad()) continue;
+    if (args[i].is_leaf()) {
+      detached[i].requires_grad_(true);
+    } else {
+      arg_nodes[i] = make_segment_input(Edge(), torch::autograd::InputMetadata(args[i]));
+      torch::autograd::impl::set_gradient_edge(detached[i], edge_to(arg_nodes[i]));
+    }
   }
 
   const uint64_t first_seq = at::sequence_number::peek();
@@ -684,7 +701,7 @@ std::vector<at::Tensor> checkpoint_apply(py::object runner, bool preserve_rng, b
   if (!any_requires_grad) return outs;  // nothing to differentiate: no node, nothing held
   {
     SegmentGraph graph = SegmentGraph::walk(outs, first_seq, check);
-    state->outside = outside_tensors(graph, outs, detached);
+    state->outside = outside_tensors(graph, outs, detached, arg_nodes);
     if (check) state->ops = std::move(graph.ops);
   }
 

@@ -5,6 +5,8 @@
 //   CUDA      Triton launchers from kernels/ (registered from Python, ckpt_ext/_backend.py)
 //             and CUDA C++ launchers (csrc/cuda/*.cpp, CUDA build only)
 //   Autograd  the C++ autograd Function of the decoder layer (csrc/blocks.cpp)
+//   Autocast  decoder_layer: fixes the compute dtype (csrc/blocks.cpp); every other op: runs
+//             with autocast off (below), whatever autocast state it is called under
 //
 // Conventions shared by all kernel ops:
 //   * attention tensors are (B, H, S, D): q (B, Hq, S, D), k/v (B, Hkv, S, D), Hq % Hkv == 0;
@@ -14,7 +16,11 @@
 //   * SwiGLU ops take tokens flattened to x (T, H); weights in nn.Linear layout
 //     (w_gate, w_up: (I, H); w_down: (H, I));
 //   * an output that does not apply (no bias, gate/up not requested) is an empty (0,) tensor.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
+
+#include <array>
 
 TORCH_LIBRARY(ckpt_ext, m) {
   // ---- attention ---------------------------------------------------------------------------
@@ -126,3 +132,31 @@ TORCH_LIBRARY(ckpt_ext, m) {
         "Tensor labels, Tensor lse, int ignore_index, bool[3] output_mask) -> (Tensor dhidden, "
         "Tensor dweight, Tensor dbias)");
 }
+
+namespace {
+
+// Kernel ops compute in the dtypes they are given. Autocast neither casts their inputs nor
+// reaches the ATen ops inside them (on any device type): a backward op, run under whatever
+// autocast state the caller's backward is in, computes in the dtypes its forward chose
+// (decoder_layer records that choice as compute_dtype; the LM head casts before its op).
+void without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  op.callBoxed(stack);
+}
+
+constexpr std::array<const char*, 14> kKernelOps = {
+    "attention_fwd", "attention_bwd", "lora_dropout", "swiglu_fwd", "swiglu_bwd",
+    "rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "rope_fwd", "rope_bwd",
+    "decoder_layer_fwd", "decoder_layer_bwd", "linear_cross_entropy_fwd",
+    "linear_cross_entropy_bwd"};
+
+void register_without_autocast(torch::Library& m) {
+  for (const char* name : kKernelOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) { register_without_autocast(m); }
+TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) { register_without_autocast(m); }

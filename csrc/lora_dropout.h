@@ -2,13 +2,15 @@
 // row, column), so backward (and any recompute) regenerates exactly the forward's mask from
 // the seed alone, on any device and in any tiling.
 //
-//   key(seed, stream) = mix32(seed ^ mix32(stream + 0x9E3779B9))          (uint32 arithmetic)
+//   key(seed, stream) = mix32(lo ^ mix32(hi) ^ mix32(stream + 0x9E3779B9))  (uint32 arithmetic)
 //   hash(row, col)    = mix32(mix32(row ^ key) ^ col)
 //   keep              = hash >= floor(p * 2^32)                            (probability 1 - p)
 //   out               = keep ? x * (1 / (1 - p)) : 0     (product in float32, float64 for float64)
 //
-// Rows and columns are those of the tensor viewed as (numel / size(-1), size(-1)); the seed's
-// low 32 bits are used. kernels/dropout.py computes the same function in Triton (the fused
+// lo and hi are the low and high 32 bits of the 64-bit seed (two's complement), so every bit of
+// the seed counts; mix32(0) = 0, so a seed in [0, 2^32) has key mix32(seed ^ mix32(stream + ..)).
+// Rows and columns are those of the tensor viewed as (numel / size(-1), size(-1)), a 0-d tensor
+// as (1, 1). kernels/dropout.py computes the same function in Triton (the fused
 // SwiGLU kernels generate the down projection's mask inside their tiles); a change here must
 // be made there too (tests/test_lora_dropout.py compares the two bit for bit).
 #pragma once
@@ -30,7 +32,9 @@ inline uint32_t mix32(uint32_t x) {
 }
 
 inline uint32_t key(int64_t seed, int64_t stream) {
-  return mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(stream) + 0x9E3779B9u));
+  const uint64_t bits = static_cast<uint64_t>(seed);
+  return mix32(static_cast<uint32_t>(bits) ^ mix32(static_cast<uint32_t>(bits >> 32)) ^
+               mix32(static_cast<uint32_t>(stream) + 0x9E3779B9u));
 }
 
 inline uint32_t hash(uint32_t key, uint32_t row, uint32_t col) {

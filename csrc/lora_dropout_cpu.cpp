@@ -65,7 +65,11 @@ at::Tensor lora_dropout_cpu(const at::Tensor& x, const at::Tensor& seed, int64_t
   checks::check_floating(op, "x", x);
   dropout::check_probability(op, "p", p);
   const int64_t s = dropout::read_seed(op, "seed", seed);
-  if (x.dim() == 0) return dropout::apply_cpu(x.reshape({1}), dropout::key(s, stream), p).view({});
+  if (x.dim() == 0) {
+    // A 0-d tensor is one element, row 0 and column 0 (the (1, 1) view).
+    return dropout::apply_cpu(x.reshape({1}), dropout::key(s, stream), p)
+        .reshape(c10::IntArrayRef{});
+  }
   return dropout::apply_cpu(x, dropout::key(s, stream), p);
 }
 

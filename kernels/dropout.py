@@ -6,10 +6,14 @@ hash of (seed, stream, row, col), so the backward regenerates the forward's mask
 seed alone, whatever the tiling (uint32 arithmetic; the C++ reference in
 ``csrc/lora_dropout.h`` computes the same bits):
 
-    key(seed, stream) = mix32(seed ^ mix32(stream + 0x9E3779B9))
+    key(seed, stream) = mix32(lo ^ mix32(hi) ^ mix32(stream + 0x9E3779B9))
     hash(row, col)    = mix32(mix32(row ^ key) ^ col)
     keep              = hash >= floor(p * 2^32)
     out               = keep ? x * (1 / (1 - p)) : 0     (product in float32)
+
+where lo and hi are the low and high 32 bits of the 64-bit seed (two's complement): every bit
+of the seed counts, and seeds in [0, 2^32) keep the key mix32(seed ^ mix32(stream + ...)) since
+mix32(0) = 0. A 0-d tensor is viewed as (1, 1).
 """
 import torch
 import triton
@@ -32,8 +36,9 @@ def _mix32_host(x: int) -> int:
 
 
 def dropout_key(seed: int, stream: int) -> int:
-    """The uint32 key of (seed, stream), as a Python int in [0, 2^32)."""
-    return _mix32_host((seed & _M32) ^ _mix32_host(stream + 0x9E3779B9))
+    """The uint32 key of (seed, stream) (seed: any int64), as a Python int in [0, 2^32)."""
+    return _mix32_host((seed & _M32) ^ _mix32_host((seed >> 32) & _M32)
+                       ^ _mix32_host(stream + 0x9E3779B9))
 
 
 def dropout_threshold(p: float) -> int:

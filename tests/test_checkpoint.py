@@ -1,5 +1,6 @@
 """ckpt_ext.checkpoint against an uncheckpointed run and torch.utils.checkpoint."""
 import gc
+import re
 import weakref
 
 import pytest
@@ -590,6 +591,62 @@ def test_inplace_on_a_saved_tensor_still_detected():
         fn(x).sum().backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         checkpoint(fn, x).sum().backward()
+
+def test_inplace_change_of_a_no_grad_input_raises():
+    """A segment that changes an input that needs no gradient in place would be recomputed on
+    the changed value (wrong gradients): refused, naming the argument, as torch's checkpoint
+    refuses it with its version check. Cloning first gives plain PyTorch's gradients."""
+    W = torch.randn(4, 5, requires_grad=True)
+    x0 = torch.randn(3, 4)
+    for fn, args, kwargs, where in (
+            (lambda a: a.add_(1) @ W, (x0.clone(),), {}, "argument 0"),
+            (lambda a: a[0].zero_() @ W, (x0.clone(),), {}, "argument 0"),  # a view of it
+            (lambda a, b: (a @ W) * b.mul_(2).sum(), (x0.clone(), x0.clone()), {}, "argument 1"),
+            (lambda a, *, mask: (a @ W) * mask.relu_().sum(), (x0.clone(),),
+             {"mask": x0.clone()}, "keyword argument 'mask'"),
+            (lambda pair: pair[1].add_(1) @ W, ([3, x0.clone()],), {}, "argument 0[1]")):
+        with pytest.raises(RuntimeError,
+                           match=re.escape(f"changed its {where} (float32[") + r".*\]\) in place"):
+            checkpoint(fn, *args, **kwargs)
+    # nothing requires grad: nothing is recomputed, so the change is the caller's business
+    a = x0.clone()
+    torch.testing.assert_close(checkpoint(lambda t: t.add_(1) * 2, a), (x0 + 1) * 2)
+    torch.testing.assert_close(a, x0 + 1)
+    # the fix the message suggests: the same gradients as plain PyTorch
+    W.grad = None
+    out = checkpoint(lambda t: t.clone().add_(1) @ W, x0.clone())
+    out.pow(2).sum().backward()
+    got, W.grad = W.grad, None
+    ((x0 + 1) @ W).pow(2).sum().backward()
+    torch.testing.assert_close(got, W.grad, rtol=0, atol=0)
+
+
+def test_inplace_change_of_an_input_that_requires_grad_says_what_happened():
+    """A non-leaf input that requires grad changed in place inside the segment: the error
+    says so (not 'a leaf Variable', which the input is not). A leaf input keeps autograd's
+    leaf error, which is true of it, and is left unchanged."""
+    W = torch.randn(4, 4, requires_grad=True)
+    a0 = torch.randn(3, 4, requires_grad=True)
+    a = a0 * 2
+    with pytest.raises(RuntimeError) as err:
+        checkpoint(lambda t: t.add_(1) @ W, a)
+    msg = str(err.value)
+    assert "changed its argument 0 (float32[3, 4], which requires grad) in place" in msg
+    assert "leaf" not in msg
+    with pytest.raises(RuntimeError, match="keyword argument 'x'.*which requires grad"):
+        checkpoint(lambda *, x: x.mul_(3).sum(), x=a0 * 2)
+    before = a0.detach().clone()
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        checkpoint(lambda t: t.add_(1) @ W, a0)
+    assert torch.equal(a0.detach(), before)
+    # without the in-place change the non-leaf input gets plain PyTorch's gradients
+    a0.grad = W.grad = None
+    checkpoint(lambda t: torch.tanh(t) @ W, a0 * 2).sum().backward()
+    got = (a0.grad, W.grad)
+    a0.grad = W.grad = None
+    (torch.tanh(a0 * 2) @ W).sum().backward()
+    torch.testing.assert_close(got, (a0.grad, W.grad), rtol=0, atol=0)
+
 
 def test_nested_checkpoints():
     inner, outer_extra = MLP(), nn.Linear(12, 12)

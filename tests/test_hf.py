@@ -540,7 +540,7 @@ def test_flash_attention_models_are_fused():
 def test_a_copy_of_a_patched_model_unpatches_cleanly():
     model = patch_llama(make_model("llama", "sdpa"), "balanced")
     twin = copy.deepcopy(model)
-    assert len(twin.model._forward_pre_hooks) == len(twin.model._forward_hooks) == 1
+    assert len(twin.model._forward_pre_hooks) == 1 and not twin.model._forward_hooks
     unpatch_llama(twin)
     assert not twin.model._forward_pre_hooks and not twin.model._forward_hooks
     assert not twin.model._forward_hooks_with_kwargs
@@ -549,3 +549,50 @@ def test_a_copy_of_a_patched_model_unpatches_cleanly():
     ids, mask, labels = make_batch(pad=True)
     assert_same(run(model, ids, mask, labels), run(twin, ids, mask, labels), mask)
     assert calls(twin) == [1, 1, 1]
+
+
+def test_one_model_in_several_threads_keeps_each_forwards_masks():
+    """Concurrent forwards of one patched model, each with its own padding mask or packed
+    position_ids, each get the unpatched model's logits and loss for their own batch (the masks
+    travel with the forward's call, not in a slot on the model)."""
+    import threading
+
+    seed = int(torch.randint(2**31, ()))
+    ref_model = make_model("llama", "sdpa", seed=seed)
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    g = torch.Generator().manual_seed(seed)
+    s = 24
+    batches = []
+    for pad in (3, 11):  # left padding of different lengths in the two rows
+        ids = torch.randint(1, TINY["vocab_size"], (B, s), generator=g)
+        mask = torch.ones(B, s, dtype=torch.long)
+        mask[pad % B, :pad] = 0
+        batches.append(dict(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask))
+    ids, pos, _ = packed_batch([5, 9, 10], seed=seed)
+    batches.append(dict(input_ids=ids, position_ids=pos))
+    batches.append(dict(input_ids=batches[0]["input_ids"]))  # no mask at all
+    with torch.no_grad():
+        want = [ref_model(**b, labels=b["input_ids"], use_cache=False) for b in batches]
+    rounds, failures, errors = 12, [], []
+    barrier = threading.Barrier(len(batches))
+
+    def work(k):
+        try:
+            barrier.wait()
+            for r in range(rounds):
+                out = model(**batches[k], labels=batches[k]["input_ids"], use_cache=False)
+                keep = batches[k].get("attention_mask", torch.ones(out.logits.shape[:2])).bool()
+                if not (torch.allclose(out.logits[keep], want[k].logits[keep], **TOL)
+                        and torch.allclose(out.loss, want[k].loss, **TOL)):
+                    failures.append((k, r))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not failures, failures
+    assert sum(calls(model)) == 3 * rounds * len(batches)  # every call ran the fused op

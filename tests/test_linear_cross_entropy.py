@@ -490,3 +490,70 @@ def test_cpu_chunk_byte_cap(monkeypatch):
         monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", bad)
         with pytest.raises(ValueError, match="CKPT_EXT_CHUNK_BYTES must be a positive"):
             fused_loss(hidden, weight, None, labels)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("n", [0, 0.0, "tensor", "tensor1", "float_tensor"])
+def test_num_items_in_batch_zero_is_zero_with_zero_gradients(backend, n):
+    """num_items_in_batch == 0 with labels to count: the documented 0 and zero gradients (not
+    the summed loss), int, float and tensor forms alike."""
+    seed = int(torch.randint(2**31, ()))
+    hidden, weight, b, labels = make_inputs((2, 11), 16, 37, torch.float32, bias=True, seed=seed)
+    assert (labels != IGNORE).any()
+    n = {"tensor": torch.tensor(0), "tensor1": torch.tensor([0]),
+         "float_tensor": torch.tensor(0.0)}.get(n, n)
+    with backend_context(backend):
+        got = run(fused_loss, hidden, weight, b, labels, torch.ones(()), num_items_in_batch=n)
+        summed = run(fused_loss, hidden, weight, b, labels, torch.ones(()), reduction="sum")
+    assert summed[0] > 0 and (summed[1] != 0).any()
+    assert got[0].shape == () and got[0].dtype == torch.float32
+    for t in got:
+        assert torch.isfinite(t).all() and (t == 0).all()
+
+
+@pytest.mark.parametrize("n", [torch.tensor([23]), torch.tensor([[23.0]]), 23.0])
+def test_num_items_in_batch_forms_divide_like_transformers(n):
+    """A one-element tensor (any shape) or a float divides as transformers does; the loss stays
+    a 0-d tensor."""
+    seed = int(torch.randint(2**31, ()))
+    hidden, weight, b, labels = make_inputs((3, 7), 16, 29, torch.float64, seed=seed)
+    got = run(fused_loss, hidden, weight, b, labels, torch.ones(()), num_items_in_batch=n)
+    want = run(hf_loss, hidden, weight, b, labels, torch.ones(()),
+               num_items_in_batch=float(n.reshape(()).item()) if torch.is_tensor(n) else n)
+    assert got[0].shape == ()
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_bad_options_name_the_argument():
+    hidden, weight, _, labels = make_inputs((2, 3), 8, 10, torch.float32)
+    cases = [
+        (dict(num_items_in_batch=torch.tensor([2, 3])), ValueError,
+         r"num_items_in_batch must be a number or a tensor with one real element.*\(2,\)"),
+        (dict(num_items_in_batch=torch.tensor(True)), ValueError, "num_items_in_batch must be"),
+        (dict(num_items_in_batch="4"), TypeError, "num_items_in_batch must be None, a number"),
+        (dict(num_items_in_batch=True), TypeError, "num_items_in_batch must be None, a number"),
+        (dict(num_items_in_batch=-2), ValueError, "num_items_in_batch must be finite and >= 0"),
+        (dict(num_items_in_batch=math.nan), ValueError, "num_items_in_batch must be finite"),
+        (dict(ignore_index=-100.5), TypeError, r"ignore_index must be an int, got -100.5"),
+        (dict(ignore_index=-100.0), TypeError, "ignore_index must be an int"),
+        (dict(ignore_index="-100"), TypeError, "ignore_index must be an int"),
+        (dict(ignore_index=torch.tensor(-100.5)), TypeError, "ignore_index must be an int"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            ops.linear_cross_entropy(hidden, weight, labels, **kw)
+
+
+def test_integer_like_ignore_index():
+    """numpy and 0-d tensor integers are the int they hold."""
+    np = pytest.importorskip("numpy")
+    hidden, weight, b, labels = make_inputs((2, 9), 8, 10, torch.float64, seed=3)
+    labels[labels == IGNORE] = 7
+    labels[0, :4] = 7
+    want = F.cross_entropy(F.linear(hidden, weight).reshape(-1, 10), labels.reshape(-1),
+                           ignore_index=7)
+    for ii in (7, np.int64(7), torch.tensor(7)):
+        got = ops.linear_cross_entropy(hidden, weight, labels, ignore_index=ii)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -124,3 +124,19 @@ def test_auto_under_compile_has_no_graph_breaks():
     ids, mask, labels = make_batch()
     explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels)
     assert explain.graph_break_count == 0, explain.break_reasons
+
+
+@pytest.mark.parametrize("n", [0, "tensor"])
+def test_num_items_in_batch_zero_through_a_patched_model(n):
+    """A patched model's training loss with num_items_in_batch == 0 is 0 with zero gradients
+    (the op's documented value), not the summed loss."""
+    model = ckpt_ext.patch_llama(make_model(seed=int(torch.randint(2**31, ()))))
+    ids, mask, labels = make_batch(seed=int(torch.randint(2**31, ())))
+    out, grads = step(model, input_ids=ids, attention_mask=mask, labels=labels,
+                      num_items_in_batch=torch.tensor(0) if n == "tensor" else n)
+    assert model.forward.calls["fused"] == 1
+    assert out.loss.shape == () and out.loss.item() == 0.0
+    assert grads and all((g == 0).all() for g in grads.values())
+    out, grads = step(model, input_ids=ids, attention_mask=mask, labels=labels,
+                      num_items_in_batch=7)
+    assert out.loss.item() > 0 and any((g != 0).any() for g in grads.values())

@@ -35,8 +35,11 @@ def _mix32(x):
 
 def reference_keep(seed, stream, rows, cols, p):
     """The documented mask, computed with numpy's uint64 arithmetic (independent of the C++
-    and Triton code)."""
-    key = _mix32(np.array([(seed & 0xFFFFFFFF) ^ int(_mix32(np.array([stream + 0x9E3779B9]))[0])]))
+    and Triton code); every bit of the 64-bit seed (two's complement) enters the key."""
+    bits = seed % 2**64
+    lo, hi = bits & 0xFFFFFFFF, bits >> 32
+    key = _mix32(np.array([lo ^ int(_mix32(np.array([hi]))[0])
+                           ^ int(_mix32(np.array([stream + 0x9E3779B9]))[0])], dtype=np.uint64))
     r = np.arange(rows, dtype=np.uint64)[:, None]
     c = np.arange(cols, dtype=np.uint64)[None, :]
     h = _mix32(_mix32(r ^ key) ^ c)
@@ -87,6 +90,71 @@ def test_op_autograd_and_errors():
         OPS.lora_dropout(x, torch.tensor(1.0), 0, 0.1)
     fake = OPS.lora_dropout(torch.empty(3, 4, device="meta"), seed, 0, 0.1)
     assert fake.shape == (3, 4) and fake.device.type == "meta"
+
+
+def test_zero_dim_tensor_is_one_element():
+    """A 0-d x gives a 0-d result of its dtype: the (1, 1) view's one element, kept (scaled)
+    or dropped as the hash says."""
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    seen = set()
+    for _ in range(40):
+        x = torch.randn((), dtype=torch.float64, generator=g)
+        seed = int(torch.randint(-2**62, 2**62, (), generator=g))
+        stream, p = int(torch.randint(8, (), generator=g)), 0.5
+        y = OPS.lora_dropout(x, seed_tensor(seed), stream, p)
+        assert y.shape == () and y.dtype == x.dtype
+        keep = bool(reference_keep(seed, stream, 1, 1, p)[0, 0])
+        seen.add(keep)
+        assert y.item() == (x.item() / (1 - p) if keep else 0.0)
+    assert seen == {True, False}
+    # the same element as in a (1, 1) tensor, and on the autograd and fake paths
+    x = torch.tensor(1.5, dtype=torch.float32, requires_grad=True)
+    y = OPS.lora_dropout(x, seed_tensor(4), 1, 0.3)
+    assert y.shape == () and torch.equal(y, OPS.lora_dropout(x.detach().view(1, 1),
+                                                            seed_tensor(4), 1, 0.3).view(()))
+    y.backward()
+    assert x.grad.shape == () and x.grad.item() in (0.0, pytest.approx(1 / 0.7))
+    assert OPS.lora_dropout(torch.empty((), device="meta"), seed_tensor(4), 1, 0.3).shape == ()
+
+
+SEEDS_64 = (0, 1, 2**31 - 1, 2**32, 2**32 + 1, 2**40, 2**40 + 3, 2**62, 2**63 - 1, -1, -2**32,
+            -2**63)
+
+
+def test_every_bit_of_the_seed_counts():
+    """Seeds that differ only above bit 31 give different masks (2**40 is not seed 0), each the
+    documented hash of the whole 64-bit seed."""
+    x = torch.ones(64, 96)
+    p, stream = 0.5, 2
+    masks = {}
+    for seed in SEEDS_64:
+        masks[seed] = OPS.lora_dropout(x, seed_tensor(seed), stream, p) != 0
+        assert torch.equal(masks[seed], reference_keep(seed, stream, 64, 96, p)), seed
+    for a, b in ((0, 2**32), (0, 2**40), (3, 2**40 + 3), (1, 2**32 + 1), (2**62, 0),
+                 (-1, 2**32 - 1), (-2**32, 0), (-2**63, 0)):
+        if a in masks and b in masks:
+            agree = (masks[a] == masks[b]).float().mean().item()
+            assert 0.4 < agree < 0.6, (a, b, agree)  # independent Bernoulli(1/2) masks
+    for bit in range(32, 64):  # flipping any one high bit changes the mask
+        seed = torch.tensor(1 << bit, dtype=torch.uint64).view(torch.int64).item()
+        other = OPS.lora_dropout(x, seed_tensor(seed), stream, p) != 0
+        assert not torch.equal(other, masks[0]), bit
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_zero_dim_and_64_bit_seeds_equal_the_cpu_op(dtype):
+    from ckpt_ext.kernels.dropout import lora_dropout as triton_dropout
+    x = torch.randn(9, 70).to(dtype)
+    for seed in SEEDS_64:
+        got = triton_dropout(x, seed_tensor(seed), 3, 0.5)
+        assert torch.equal(got != 0, reference_keep(seed, 3, 9, 70, 0.5)), seed
+        assert torch.equal(got, OPS.lora_dropout(x, seed_tensor(seed), 3, 0.5))
+    for seed in SEEDS_64:
+        x0 = torch.randn(()).to(dtype)
+        got = triton_dropout(x0, seed_tensor(seed), 1, 0.5)
+        assert got.shape == () and got.dtype == dtype
+        assert torch.equal(got, OPS.lora_dropout(x0, seed_tensor(seed), 1, 0.5))
 
 
 @needs_interpreter
@@ -152,9 +220,11 @@ def _check_swiglu(dtype, backend, rtol):
             for name, g, r in zip(["x", "wg", "wu", "wd", "bg", "bu", "bd", "Ag", "Bg", "Au",
                                    "Bu", "Ad", "Bd"], got, ref):
                 torch.testing.assert_close(g.double(), r, rtol=rtol, atol=rtol, msg=name)
-    # another seed: another result
-    y2 = OPS.swiglu_fwd(x, *w, *b, lora, scaling, False, dropout, seed_tensor(2025))[0]
-    assert (y2.double() - y64.detach()).abs().max() > 100 * rtol
+    # another seed, also one that differs only above bit 31: another result
+    with backend():
+        for other in (2025, 2024 + 2**40):
+            y2 = OPS.swiglu_fwd(x, *w, *b, lora, scaling, False, dropout, seed_tensor(other))[0]
+            assert (y2.double() - y64.detach()).abs().max() > 100 * rtol, other
 
 
 def test_swiglu_cpu_ops_with_dropout_match_plain_pytorch():

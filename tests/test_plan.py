@@ -177,3 +177,54 @@ def test_cli_errors(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--batch", "2", "--seq", "128"])
     assert "missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--seq", "0"), ("--batch", "-1"), ("--seq", "x"),
+                                        ("--batch", "2.5"), ("--hidden-size", "0"),
+                                        ("--vocab-size", "-3"), ("--budget", "3 parsecs")])
+def test_cli_bad_argument_is_a_usage_error(flag, value, capsys):
+    args = list(DIMS_ARGS)
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    with pytest.raises(SystemExit) as exc:
+        plan.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and value in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content,why", [
+    (None, "No such file"), ('{"hidden_size": 64,', "not valid JSON"),
+    ("[1, 2]", "JSON object"), (b"\xff\xfe\x00", "not valid JSON"),
+    ('{"hidden_size": "64", "num_attention_heads": 4, "intermediate_size": 176, '
+     '"num_hidden_layers": 2, "vocab_size": 100}', "hidden_size must be an int"),
+    ('{"hidden_size": 64, "num_attention_heads": 0, "intermediate_size": 176, '
+     '"num_hidden_layers": 2, "vocab_size": 100}', "num_attention_heads must be a positive"),
+    ('{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 176, '
+     '"num_hidden_layers": 2, "vocab_size": "100"}', "vocab_size must be a positive int")])
+def test_cli_bad_config_is_a_usage_error(tmp_path, content, why, capsys):
+    """A missing, unreadable or malformed config exits 2 with a message, not a traceback."""
+    path = tmp_path / "config.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        plan.main([str(path), "--batch", "2", "--seq", "8"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert why in err and out == "", (out, err)
+
+
+def test_cli_usage_error_exit_status(tmp_path):
+    """The exit status and message of ``python -m ckpt_ext.plan`` itself."""
+    for args, name in (([str(tmp_path / "missing.json"), "--batch", "2", "--seq", "8"],
+                        "argument config"), (DIMS_ARGS + ["--seq", "0"], "argument --seq")):
+        r = subprocess.run([sys.executable, "-m", "ckpt_ext.plan", *args], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+        assert name in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout == ""

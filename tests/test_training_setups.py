@@ -108,6 +108,78 @@ def test_autocast_hf_model_is_fused_and_as_accurate_as_hf(weights):
         model_saved_bytes(hf, ids, mask, labels, torch.bfloat16) * 0.6
 
 
+def _autocast_step(model, ids, mask, labels, backward_in):
+    """Forward under bf16 autocast; backward outside it ("out"), inside the same block ("in")
+    or inside a nested block of another autocast dtype ("fp16")."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if backward_in == "in":
+            loss.backward()
+        elif backward_in == "fp16":
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss.backward()
+    if backward_in == "out":
+        loss.backward()
+    return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()
+                                    if p.grad is not None}
+
+
+@pytest.mark.parametrize("fuse_head", [True, False], ids=["fused-head", "hf-head"])
+@pytest.mark.parametrize("preset", ["none", "torch", *FUSED_PRESETS])
+def test_backward_inside_autocast_equals_backward_outside(preset, fuse_head):
+    """loss.backward() inside the torch.autocast block of the forward (as many training scripts
+    do) gives the gradients of a backward outside it, exactly, and as accurate as HF's own
+    model against fp64 under the same autocast."""
+    seed = int(torch.randint(2**31, ()))
+    ids, mask, labels = make_batch(seed=seed)
+    hf = make_model(seed=seed)
+    model = ckpt_ext.patch_llama(copy.deepcopy(hf), policy=preset, fuse_lm_head=fuse_head)
+    loss_out, grads_out = _autocast_step(model, ids, mask, labels, "out")
+    loss_in, grads_in = _autocast_step(model, ids, mask, labels, "in")
+    assert torch.equal(loss_in, loss_out)
+    assert set(grads_in) == set(grads_out) and len(grads_in) == len(list(hf.parameters()))
+    for name, g in grads_out.items():
+        assert torch.equal(grads_in[name], g), name
+    loss64, grads64 = loss_and_grads(copy.deepcopy(hf).double(), ids, mask, labels)
+    loss_hf, grads_hf = _autocast_step(hf, ids, mask, labels, "in")
+    assert abs(loss_in - loss64).item() <= 3 * abs(loss_hf - loss64).item() + 1e-3
+    for name, g64 in grads64.items():
+        e_hf, e_ck = rel_err(grads_hf[name], g64), rel_err(grads_in[name], g64)
+        assert e_ck <= 3 * e_hf + 1e-3, (name, e_ck, e_hf)
+
+
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_fused_layer_backward_ignores_the_autocast_state_it_runs_under(preset):
+    """The fused layer's backward computes in the dtypes its forward chose: a backward under
+    another autocast dtype, or with autocast off, gives the same gradients, exactly, and they
+    are those of plain PyTorch in fp64 up to bf16 error."""
+    h, hq, hkv, d, i, s = 64, 4, 2, 16, 172, 19
+    layer = make_layer(h, hq, hkv, i, torch.float32, policy=preset)
+    pe = rope_tables(s, d, torch.float32)
+    x0 = torch.randn(2, s, h)
+    dy = torch.randn(2, s, h)
+    results = []
+    for backward_under in (None, torch.bfloat16, torch.float16):
+        x = x0.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x, pe)
+        with torch.autocast("cpu", dtype=backward_under or torch.bfloat16,
+                            enabled=backward_under is not None):
+            y.backward(dy)
+        results.append([x.grad] + [p.grad for p in layer.parameters()])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    ref = make_layer(h, hq, hkv, i, torch.float64, policy="none")
+    ref.load_state_dict(layer.state_dict())
+    x = x0.double().requires_grad_()
+    ref(x, tuple(t.double() for t in pe)).backward(dy.double())
+    for got, want in zip(results[0], [x.grad] + [p.grad for p in ref.parameters()]):
+        assert rel_err(got.double(), want) < 0.05
+
+
 # ---- torch.compile -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("preset", FUSED_PRESETS)

@@ -53,7 +53,7 @@ import collections
 import functools
 import inspect
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -344,27 +344,39 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
 
 # ---- state shared by the layers of one patched model ------------------------------------------
 
+class _ForwardState(NamedTuple):
+    """What one model forward hands its layers: the masks its inputs describe and, with
+    policy="auto", the presets chosen for its shapes. It travels with the forward's own call
+    (a keyword argument the bare model passes to every layer), so concurrent forwards of one
+    model, from several threads, each see their own."""
+
+    masks: BatchMasks
+    presets: Optional[List[str]]
+
+
+# The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
+_FORWARD_KEY = "ckpt_ext_forward"
+
+
 class _Shared:
-    """State shared by the layers of one patched model: the masks of the forward in flight
-    (set by a pre-hook on the bare model, cleared by its forward hook) and the warnings given."""
+    """State shared by the layers of one patched model (none of it per forward): the policy,
+    the "auto" choices per shape, the warnings given, and the pre-hook on the bare model that
+    hands each forward's layers its _ForwardState."""
 
     def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool,
                  budget: Optional[int] = None):
         self.owner, self.layers, self.default_policy = owner, layers, default_policy
         self.budget = budget                   # policy="auto": the decoder layers' budget
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
-        self.auto_presets: Optional[List[str]] = None
-        self.masks: Optional[BatchMasks] = None
         self.warned: set = set()
         params = [p for p in inspect.signature(type(owner).forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.positional = [p.name for p in params]
 
-    def __getstate__(self):  # the masks of a forward in flight are not state to keep
-        return {k: v for k, v in self.__dict__.items() if k not in ("masks", "auto_presets")}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, masks=None, auto_presets=None)
+    def __setstate__(self, state):  # pickles of older versions kept per-forward fields
+        state.pop("masks", None)
+        state.pop("auto_presets", None)
+        self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -376,13 +388,10 @@ class _Shared:
             for patched in _patched(self.layers):
                 _take_over_call_checkpoint(patched.layer)
         named = dict(zip(self.positional, args), **kwargs)
-        self.masks = describe(named.get("attention_mask"), named.get("position_ids"),
-                              torch.compiler.is_compiling())
-        if self.budget is not None:
-            self.auto_presets = self.choose(named)
-
-    def after_model(self, owner, args, kwargs, output):
-        self.masks = self.auto_presets = None
+        masks = describe(named.get("attention_mask"), named.get("position_ids"),
+                         torch.compiler.is_compiling())
+        presets = self.choose(named) if self.budget is not None else None
+        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets)}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
@@ -412,7 +421,6 @@ class _Shared:
 
     def install(self) -> None:
         self.owner.register_forward_pre_hook(self.before_model, with_kwargs=True)
-        self.owner.register_forward_hook(self.after_model, with_kwargs=True, always_call=True)
 
     def remove(self) -> None:
         """Remove this object's hooks from the bare model (found by owner, so that this also
@@ -466,6 +474,9 @@ class _PatchedForward:
             self.calls[key] += 1
 
     def __call__(self, hidden_states: Tensor, *args, **kwargs):
+        # This forward's masks and presets, from the model's pre-hook (None when the layer is
+        # called outside its model's forward).
+        state = kwargs.pop(_FORWARD_KEY, None)
         if args:  # HF passes all but hidden_states by keyword; name any positional ones
             if len(args) > len(self.positional):
                 raise TypeError(f"{type(self.layer).__name__}.forward takes at most "
@@ -479,7 +490,7 @@ class _PatchedForward:
             getattr(self.layer, "gradient_checkpointing", False))
         preset = self.preset
         if preset == "auto":  # chosen for this forward's shapes; min_memory outside one
-            chosen = self.shared.auto_presets
+            chosen = state.presets if state is not None else None
             preset = chosen[self.idx] if chosen is not None else "min_memory"
         if preset == "torch":
             self._count("torch")
@@ -495,7 +506,7 @@ class _PatchedForward:
                 self.shared.warn_once("hf checkpointing", _HF_GC_EXPLICIT.format(
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
-        reason, masks = self._why_not_fused(hidden_states, kwargs)
+        reason, masks = self._why_not_fused(hidden_states, kwargs, state)
         tensors = _layer_tensors(self.layer) if reason is None else None
         if isinstance(tensors, str):
             reason = tensors
@@ -522,10 +533,11 @@ class _PatchedForward:
             return call.checkpoint(functools.partial(self.original, **kwargs), hidden_states)
         return self.original(hidden_states, **kwargs)
 
-    def _masks(self, x: Tensor, kwargs) -> Tuple[Optional[str], BatchMasks]:
+    def _masks(self, x: Tensor, kwargs, state: Optional[_ForwardState]
+               ) -> Tuple[Optional[str], BatchMasks]:
         """The masks of this call: those the model's inputs describe inside a model forward;
         outside one (a layer called directly), the 4-D mask checked to be causal + padding."""
-        masks = self.shared.masks
+        masks = state.masks if state is not None else None
         if masks is None:
             mask = kwargs.get("attention_mask")
             if mask is None:
@@ -546,7 +558,8 @@ class _PatchedForward:
                         f"{tuple(x.shape)}"), masks
         return None, masks
 
-    def _why_not_fused(self, x: Tensor, kwargs) -> Tuple[Optional[str], BatchMasks]:
+    def _why_not_fused(self, x: Tensor, kwargs, state: Optional[_ForwardState]
+                       ) -> Tuple[Optional[str], BatchMasks]:
         """Why this call cannot go through the fused op (or None), and its masks."""
         layer, spec = self.layer, self.spec
         impl = _attn_implementation(self.config)
@@ -572,7 +585,7 @@ class _PatchedForward:
                     f"{tuple(x.shape)} and head_dim {spec.head_dim}"), BatchMasks()
         if cos.requires_grad or sin.requires_grad:
             return "cos/sin require grad", BatchMasks()
-        return self._masks(x, kwargs)
+        return self._masks(x, kwargs, state)
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list) -> Tensor:
