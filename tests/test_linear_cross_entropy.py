@@ -276,8 +276,9 @@ def test_saved_bytes_have_no_logits(backend, reduction):
                                                 reduction=reduction)
         hf = ckpt_ext.saved_activation_bytes(hf_loss, hidden, weight, None, labels)
     assert all(math.prod(s) < T * V for s in shapes), shapes
-    # hidden (fp32), labels (int64), lse (fp32); the mean also keeps its 0-dim int64 divisor.
-    assert saved == T * (4 * H + 8 + 4) + (8 if reduction == "mean" else 0)
+    # hidden (fp32), labels (int64), lse (fp32); the mean also keeps its 0-dim int64 divisor
+    # and the 0-dim bool that zeroes a mean over nothing without a host sync.
+    assert saved == T * (4 * H + 8 + 4) + (8 + 1 if reduction == "mean" else 0)
     # HF keeps hidden, the fp32 log-softmax (T, V), the labels and a 4-byte total weight.
     assert hf == T * (4 * H + 4 * V + 8) + 4
 
