@@ -4,7 +4,7 @@
   ``time.perf_counter`` on the CPU; ``time_ms`` (median ms per call of a function),
   ``time_steps`` (median forward / backward / total ms of a training step) and interleaved
   loops (``Clock`` around each step, ``median``) are all built on it.
-* Memory: ``peak_mib``.
+* Memory: ``peak_mib`` (``ckpt_ext.peak_memory_bytes`` of one untimed step, in MiB).
 * Provenance and output: ``device_name`` / ``device_tag``, ``provenance`` (the header every
   CSV starts with: device, versions, command, date), ``write_csv``, ``print_table``.
 """
@@ -23,6 +23,8 @@ import time
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+
+import ckpt_ext
 
 
 def _is_cuda(device) -> bool:
@@ -104,12 +106,7 @@ def peak_mib(step: Callable[[Optional[Clock]], object]) -> float:
     CPU). The caller clears gradients first, so that the base excludes them."""
     if not torch.cuda.is_available():
         return math.nan
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step(None)
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ckpt_ext.peak_memory_bytes(step, None) / 2**20
 
 
 # ---- provenance and output -----------------------------------------------------------------

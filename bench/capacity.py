@@ -178,22 +178,26 @@ class Runner:
         token), ``step_s``, ``base_bytes``, ``wall_s`` (host seconds, failures included).
         On CPU the peak comes from a second, untimed step under the profiler
         (``ckpt_ext.peak_memory_bytes``), which slows the step it watches."""
-        base = peak = math.nan
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
         clock = Clock(self.args.device)
-        t0 = time.perf_counter()
-        clock.mark()
-        ok = self._try_step(seq)
-        clock.mark()
-        wall = time.perf_counter() - t0
-        if not ok:
-            return {"status": "OOM", "step_s": wall, "wall_s": wall, "base_bytes": base}
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated() - base
+        ran = {}
+
+        def timed_step(_):
+            t0 = time.perf_counter()
+            clock.mark()
+            ran["ok"] = self._try_step(seq)
+            clock.mark()
+            ran["wall"] = time.perf_counter() - t0
+
+        base = peak = math.nan
+        if self.cuda:  # the timed step is measured too: the allocator's statistics cost nothing
+            base = torch.cuda.memory_allocated()
+            peak = ckpt_ext.peak_memory_bytes(timed_step, None)
         else:
+            timed_step(None)
+        wall = ran["wall"]
+        if not ran["ok"]:
+            return {"status": "OOM", "step_s": wall, "wall_s": wall, "base_bytes": base}
+        if not self.cuda:
             ids = self.ids(seq)
             self.model.zero_grad(set_to_none=True)
             peak = ckpt_ext.peak_memory_bytes(

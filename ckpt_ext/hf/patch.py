@@ -191,6 +191,7 @@ def _foreign_forward(module: nn.Module) -> bool:
                 and getattr(own, "__func__", None) is type(module).forward)
 
 
+@functools.lru_cache(maxsize=None)
 def _checkpoints_in_call(cls: type) -> bool:
     """Whether HF's gradient checkpointing of ``cls`` wraps ``__call__`` (transformers releases up
     to about 5.17: ``GradientCheckpointingLayer.__call__`` runs ``nn.Module.__call__``, and so an
