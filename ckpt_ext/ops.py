@@ -18,7 +18,8 @@ Public wrappers:
     add_rms_norm(x, residual, weight, eps) -> (y, s)
     rope(q, k, cos, sin) -> (q_out, k_out)
     linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
-                         reduction="mean", num_items_in_batch=None) -> loss
+                         reduction="mean", num_items_in_batch=None, norm_weight=None,
+                         norm_eps=None) -> loss
 """
 import math
 import numbers
@@ -31,6 +32,7 @@ from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
                       _check_lce_bwd)
+from ._normed_head import normed_loss_per_token
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
 
@@ -444,10 +446,12 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
-                         reduction="mean", num_items_in_batch=None):
+                         reduction="mean", num_items_in_batch=None, norm_weight=None,
+                         norm_eps=None):
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` against ``labels``, without
     the (T, V) logits: forward keeps per-token float32 statistics, backward recomputes the
-    logits chunk by chunk.
+    logits chunk by chunk. With ``norm_weight``, the head reads ``rms_norm(hidden)`` (a
+    model's final RMSNorm, as ``rms_norm`` computes it) and the norm runs inside the op.
 
     Args:
         hidden: (..., H) float16 / bfloat16 / float32 (float64 on CPU), T tokens in all.
@@ -464,20 +468,35 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             no host sync) to divide the summed loss by instead of the count of non-ignored
             tokens, as transformers' ``fixed_cross_entropy`` does under gradient accumulation.
             Only with "mean". Other forms raise, naming it.
+        norm_weight, norm_eps: None, or the weight (H,) and eps of an RMSNorm applied to
+            hidden before the head (both or neither). The normed rows are cast to weight's
+            dtype, as a Linear under autocast casts its input. The op then keeps only the
+            pre-norm hidden: forward and backward walk the tokens in chunks of the byte cap
+            ``CKPT_EXT_CHUNK_BYTES`` and recompute each chunk's normed rows, so no normed
+            copy and no fp32 copy of the hidden state is kept (``ckpt_ext._normed_head``).
 
     Returns:
         The loss in float32 (float64 for float64 inputs), as HF computes it on upcast logits.
         A mean with nothing to average (every label ignored, or num_items_in_batch == 0) is 0
         with zero gradients, where ``F.cross_entropy`` gives NaN.
 
-    Saves for backward: hidden, labels and the fp32 log-sum-exp per token (plus the weight
-    and bias, which are parameters); no tensor of T x V elements. Backward computes only the
-    gradients of the inputs that require grad: a frozen weight (a LoRA model's LM head) gets
-    no (V, H) gradient and no GEMM for it.
+    Saves for backward: hidden, labels and the fp32 log-sum-exp per token (plus the weight,
+    bias and norm weight, which are parameters); no tensor of T x V elements. Backward
+    computes only the gradients of the inputs that require grad: a frozen weight (a LoRA
+    model's LM head) gets no (V, H) gradient and no GEMM for it.
     """
     name = "linear_cross_entropy"
     ignore_index, num_items_in_batch = _check_lce_options(name, ignore_index, reduction,
                                                           num_items_in_batch)
+    if (norm_weight is None) != (norm_eps is None):
+        raise ValueError(f"{name}: norm_weight and norm_eps go together (the final RMSNorm's "
+                         f"weight and eps), got only "
+                         f"{'norm_weight' if norm_eps is None else 'norm_eps'}")
+    if norm_weight is not None:
+        if not isinstance(norm_weight, torch.Tensor):
+            raise TypeError(f"{name}: norm_weight must be a tensor (H,), got "
+                            f"{type(norm_weight).__name__}")
+        _check_positive_finite(name, "norm_eps", norm_eps)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise ValueError(f"{name}: hidden must have shape (..., H), got {got}")
@@ -488,8 +507,13 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     lead = hidden.shape[:-1]
     T = math.prod(lead)
     flat_labels = labels.reshape(T)
-    loss, _ = _ops.linear_cross_entropy_fwd(hidden.reshape(T, hidden.shape[-1]), weight, bias,
-                                            flat_labels, int(ignore_index))
+    flat = hidden.reshape(T, hidden.shape[-1])
+    if norm_weight is None:
+        loss, _ = _ops.linear_cross_entropy_fwd(flat, weight, bias, flat_labels,
+                                                int(ignore_index))
+    else:
+        loss = normed_loss_per_token(flat, norm_weight, norm_eps, weight, bias, flat_labels,
+                                     ignore_index)
     if reduction == "none":
         return loss.reshape(lead)
     total = loss.sum()

@@ -3,6 +3,8 @@
 // (the segment checkpoint takes a Python callable).
 #include <torch/extension.h>
 
+#include "chunking.h"
+
 namespace ckpt_ext {
 void bind_checkpoint(pybind11::module& m);
 std::vector<std::string> layer_weight_slots();
@@ -18,4 +20,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ckpt_ext::bind_checkpoint(m);
   m.def("layer_weight_slots", &ckpt_ext::layer_weight_slots,
         "The slot names of decoder_layer's weights list, in order");
+  m.def(
+      "chunk_bytes",
+      [] {
+        try {
+          return ckpt_ext::chunking::chunk_bytes();
+        } catch (const c10::ValueError& e) {
+          throw pybind11::value_error(e.what_without_backtrace());
+        }
+      },
+      "The byte cap of one token chunk's transient (CKPT_EXT_CHUNK_BYTES, read at each call; "
+      "64 MiB by default)");
 }

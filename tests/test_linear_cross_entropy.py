@@ -558,3 +558,166 @@ def test_integer_like_ignore_index():
     for ii in (7, np.int64(7), torch.tensor(7)):
         got = ops.linear_cross_entropy(hidden, weight, labels, ignore_index=ii)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# The final RMSNorm inside the op (norm_weight / norm_eps)
+# --------------------------------------------------------------------------------------------
+EPS = 1e-5
+
+
+def hf_norm(x, w, eps=EPS):
+    """HF LlamaRMSNorm: the rows normalised in fp32 (fp64 stays), cast back, times weight."""
+    xf = x if x.dtype == F64 else x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def hf_normed_loss(hidden, norm_weight, weight, bias, labels, **kw):
+    return hf_loss(hf_norm(hidden, norm_weight).to(weight.dtype), weight, bias, labels, **kw)
+
+
+def fused_normed_loss(hidden, norm_weight, weight, bias, labels, **kw):
+    return ops.linear_cross_entropy(hidden, weight, labels, bias=bias, ignore_index=IGNORE,
+                                    norm_weight=norm_weight, norm_eps=EPS, **kw)
+
+
+def run_normed(fn, tensors, labels, dout, frozen=(), **kw):
+    """(loss, *grads) of fn over tensors (hidden, norm_weight, weight, bias); the names in
+    frozen get no gradient."""
+    names = ("hidden", "norm_weight", "weight", "bias")
+    leaves = [None if t is None else t.detach().clone().requires_grad_(n not in frozen)
+              for n, t in zip(names, tensors)]
+    loss = fn(*leaves, labels, **kw)
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    grads = torch.autograd.grad((loss * dout.to(loss.dtype)).sum(), wanted)
+    out, it = {"loss": loss.detach()}, iter(grads)
+    for n, t in zip(names, leaves):
+        if t is not None and t.requires_grad:
+            out[n] = next(it)
+    return out
+
+
+def normed_inputs(T, H, V, dtype, head_dtype, bias, seed):
+    hidden, weight, b, labels = make_inputs((T,), H, V, head_dtype, bias, seed=seed,
+                                            device=DEVICE)
+    g = torch.Generator().manual_seed(seed + 7)
+    hidden = (torch.randn(T, H, generator=g, dtype=F64) * 3.0).to(dtype).to(DEVICE)
+    norm_weight = (1.0 + 0.3 * torch.randn(H, generator=g, dtype=F64)).to(dtype).to(DEVICE)
+    return (hidden, norm_weight, weight, b), labels
+
+
+NORMED_CASES = [
+    # (backend, T, H, V, dtype of hidden and norm, dtype of the head, bias)
+    ("aten", 37, 24, 131, torch.float32, torch.float32, True),
+    ("aten", 50, 32, 97, torch.bfloat16, torch.bfloat16, False),
+    ("aten", 29, 40, 61, torch.float32, torch.bfloat16, True),    # autocast: fp32 rows, bf16 head
+    ("aten", 19, 16, 33, torch.float64, torch.float64, True),
+    ("triton", 37, 24, 131, torch.float32, torch.float32, True),
+    ("triton", 45, 32, 70, torch.float16, torch.float16, False),
+]
+
+
+@pytest.mark.parametrize("case", NORMED_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-"
+                         f"{str(c[4])[6:]}-{str(c[5])[6:]}-{'bias' if c[6] else 'nobias'}")
+@pytest.mark.parametrize("rows", [None, 1, 17], ids=["one-chunk", "rows1", "rows17"])
+def test_final_norm_inside_the_head_matches_hf(monkeypatch, case, rows):
+    """norm_weight: HF's norm then head within the accuracy rule against float64, whatever
+    the chunk (one chunk, one row, 17 rows: not a divisor of T), every gradient."""
+    backend, T, H, V, dtype, head_dtype, bias = case
+    if CUDA and backend == "aten":
+        pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
+    if rows is not None:  # the op's chunk: `rows` fp32 rows of H (fp64: 8 bytes an element)
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * max(4, dtype.itemsize)))
+    tensors, labels = normed_inputs(T, H, V, dtype, head_dtype, bias, seed=T)
+    dout = torch.randn((), dtype=F64).to(DEVICE)
+    ref = run_normed(hf_normed_loss, [None if t is None else t.double() for t in tensors],
+                     labels, dout)
+    base = run_normed(hf_normed_loss, tensors, labels, dout)
+    with backend_context(backend):
+        got = run_normed(fused_normed_loss, tensors, labels, dout)
+    assert set(got) == set(ref)
+    for name in ("hidden", "norm_weight", "weight", "bias"):
+        if name in got:
+            want = dict(zip(("hidden", "norm_weight", "weight", "bias"), tensors))[name].dtype
+            assert got[name].dtype == want, name
+    scale = magnitude(*(v for k, v in ref.items() if k != "loss"))
+    for name, r in ref.items():
+        g = got[name]
+        assert torch.isfinite(g).all(), name
+        if dtype == F64:
+            check_f64(name, g, r, scale=None if name == "loss" else scale)
+        else:
+            factor = FACTOR_OUT if name == "loss" else FACTOR_GRAD
+            check_vs_baseline(name, g, base[name], r, factor,
+                              torch.promote_types(dtype, head_dtype) if name == "loss"
+                              else head_dtype if name in ("weight", "bias") else dtype,
+                              scale=None if name == "loss" else scale)
+
+
+def test_final_norm_chunks_change_nothing_in_fp32(monkeypatch):
+    """fp32: the chunked op equals its one-chunk result to fp32 rounding of the sums."""
+    tensors, labels = normed_inputs(61, 24, 53, torch.float32, torch.float32, True, seed=3)
+    dout = torch.tensor(0.7)
+    one = run_normed(fused_normed_loss, tensors, labels, dout)
+    for rows in (1, 7, 60):
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * 24 * 4))
+        got = run_normed(fused_normed_loss, tensors, labels, dout)
+        for name, g in one.items():
+            torch.testing.assert_close(got[name], g, rtol=2e-6, atol=1e-7, msg=name)
+
+
+def test_final_norm_frozen_weights_get_no_gradient_work():
+    """LoRA: the head and the norm frozen; only dhidden is formed, and it is the same."""
+    if CUDA:
+        pytest.skip("CPU kernels (the profiler names the CPU GEMMs)")
+    tensors, labels = normed_inputs(33, 16, 41, torch.float32, torch.float32, False, seed=4)
+    dout = torch.tensor(1.3)
+    full = run_normed(fused_normed_loss, tensors, labels, dout)
+    with torch.profiler.profile() as prof:
+        frozen = run_normed(fused_normed_loss, tensors, labels, dout,
+                            frozen=("norm_weight", "weight"))
+    assert set(frozen) == {"loss", "hidden"}
+    torch.testing.assert_close(frozen["hidden"], full["hidden"], rtol=0, atol=0)
+    # forward logits + backward logits and dhidden: 3 GEMMs, no dweight GEMM
+    mms = [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::mm_out")]
+    assert len(mms) <= 3, [e.name for e in mms]
+
+
+def test_final_norm_keeps_only_the_prenorm_rows(monkeypatch):
+    """Saved: hidden (T, H), labels and the lse; no normed copy. Backward's peak follows the
+    byte cap, not T."""
+    if CUDA:
+        pytest.skip("CPU allocator")
+    T, H, V = 2048, 64, 96
+    tensors, labels = normed_inputs(T, H, V, torch.float32, torch.float32, False, seed=5)
+    hidden, norm_weight, weight, _ = tensors
+    norm_weight, weight = torch.nn.Parameter(norm_weight), torch.nn.Parameter(weight)
+    h = hidden.clone().requires_grad_()
+    saved = ckpt_ext.saved_activation_bytes(
+        lambda: fused_normed_loss(h, norm_weight, weight, None, labels))
+    # hidden, labels, lse; the mean's 0-dim count (int64) and its nonzero flag (bool)
+    assert saved == 4 * T * H + 8 * T + 4 * T + 8 + 1, saved
+    peaks = {}
+    for cap in ("1MiB", "32KiB"):
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", cap)
+        h = hidden.clone().requires_grad_()
+        loss = fused_normed_loss(h, norm_weight, weight, None, labels)
+        peaks[cap] = ckpt_ext.peak_memory_bytes(lambda t: t.backward(), loss)
+    # dhidden (512 KiB) in both; 1 MiB: one chunk's rows, normed rows, dy and logits
+    # (2048 rows of 256 B and of 384 B); 32 KiB: 128-row chunks
+    assert peaks["1MiB"] >= 4 * T * H + 3 * 4 * T * H, peaks
+    assert peaks["32KiB"] <= 4 * T * H + 8 * 32 * 1024 + 64 * 1024, peaks
+
+
+def test_final_norm_arguments_are_checked():
+    tensors, labels = normed_inputs(5, 8, 11, torch.float32, torch.float32, False, seed=6)
+    hidden, norm_weight, weight, _ = tensors
+    with pytest.raises(ValueError, match="norm_weight and norm_eps go together"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_weight=norm_weight)
+    with pytest.raises(ValueError, match="norm_eps must be a finite number > 0"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_weight=norm_weight, norm_eps=0.0)
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \(8,\)"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_weight=norm_weight[:4],
+                                 norm_eps=EPS)
+    with pytest.raises(TypeError, match="norm_weight must be a tensor"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_weight=[1.0] * 8, norm_eps=EPS)

@@ -90,6 +90,35 @@ def test_no_logits_sized_tensor_is_saved():
     assert fused < plain
 
 
+def test_final_norm_runs_inside_the_head_and_keeps_only_its_input():
+    """The bare model's final RMSNorm runs inside the head op: the step keeps the pre-norm
+    hidden state only, where HF's norm before the fused head keeps it, its normalised rows and
+    the normed rows the head reads. Same loss and gradients; unpatching restores HF's norm."""
+    ref = make_model()
+    ids, mask, labels = make_batch()
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory")
+    run = lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss  # noqa: E731
+    with torch.profiler.profile() as prof:
+        out, grads = step(model, input_ids=ids, attention_mask=mask, labels=labels)
+    names = {e.name for e in prof.events()}
+    assert "ckpt_ext::rms_norm_linear_cross_entropy_fwd" in names
+    assert "ckpt_ext::rms_norm_linear_cross_entropy_bwd" in names
+    out_r, grads_r = step(ref, input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.loss, out_r.loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(grads_r)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+    inside = ckpt_ext.saved_activation_bytes(run, model)
+    outside = copy.deepcopy(model)
+    del outside.model.norm.__dict__["forward"]      # HF's norm, then the fused head
+    H = ref.config.hidden_size
+    assert outside.forward.calls["fused"] >= 1
+    assert ckpt_ext.saved_activation_bytes(run, outside) - inside >= 2 * 4 * B * S * H
+    ckpt_ext.unpatch_llama(model)
+    assert "forward" not in model.model.norm.__dict__
+
+
 def test_auto_fits_the_budget_and_more_budget_never_recomputes_more():
     ref = make_model()
     ids, mask, labels = make_batch()

@@ -440,6 +440,47 @@ def test_sft_trainer_lora_runs_the_fused_op(tmp_path):
     assert all(not p.requires_grad for n, p in inner.named_parameters() if "lora_" not in n)
 
 
+def test_sft_trainer_packed_patched_holds_no_more_than_unpatched(tmp_path):
+    """TRL packing (padding-free: position_ids restart per document), fp32, TRL's gradient
+    checkpointing on: the patched model's step peaks no higher than the unpatched one's, and
+    saves no more. The fused layers keep the cos/sin tables as saved tensors; HF's checkpoint
+    keeps them too, in the kwargs of its recompute (alive, but out of sight of saved-tensor
+    hooks), so they are added to the unpatched side."""
+    def batch_and_model(patched):
+        trl, data, tok, args = _sft_setup(tmp_path, packing=True, padding_free=True)
+        model = make_model()
+        if patched:
+            ckpt_ext.patch_llama(model, "min_memory")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
+                                     processing_class=tok)
+        batch = next(iter(trainer.get_train_dataloader()))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False})   # as trainer.train() does with TRL's default
+        model.train()
+        return trainer, batch
+
+    measures = {}
+    for patched in (False, True):
+        trainer, batch = batch_and_model(patched)
+        assert "attention_mask" not in batch and batch["position_ids"].shape[0] == 1
+        step = lambda: trainer.compute_loss(trainer.model, dict(batch))  # noqa: E731
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved = ckpt_ext.saved_activation_bytes(step)
+            step().backward()                                 # gradients exist, as in training
+            peak = ckpt_ext.peak_memory_bytes(lambda: step().backward())
+        measures[patched] = saved, peak
+        if patched:
+            assert fused_calls(trainer.model) == 3 * TINY["num_hidden_layers"]
+            T, D = batch["input_ids"].numel(), TINY["head_dim"]
+            cos_sin = 2 * 4 * T * D
+    (saved_hf, peak_hf), (saved, peak) = measures[False], measures[True]
+    assert saved <= saved_hf + cos_sin, (saved, saved_hf, cos_sin)
+    assert peak <= peak_hf, (peak, peak_hf)
+
+
 def test_compiled_packed_batch_matches_eager():
     torch._dynamo.reset()
     lengths = [6, 1, 10]

@@ -8,6 +8,14 @@ hidden state with HF's label shift (or the ``shift_labels`` given), ``ignore_ind
 Every other call (eval, generate, no labels, ``logits_to_keep``, a head or loss the op does
 not compute) runs HF's forward and returns logits as before. TRL's own fused head calls the
 bare model and its own head, so it keeps working, with the decoder layers fused underneath.
+
+The bare model's final RMSNorm (``model.norm``) gets an instance-level forward too
+(``FinalNorm``): ``ckpt_ext.ops.rms_norm``, which keeps the pre-norm rows for backward where
+HF's norm keeps an fp32 copy of them and its normalised rows. Its output carries its input,
+and a fused training forward hands that pre-norm hidden state to ``linear_cross_entropy`` with
+the norm's weight: the norm then runs inside the head op, chunk by chunk, and the step keeps
+only the pre-norm hidden state (``ckpt_ext._normed_head``); the norm's own output and its graph
+are dropped. ``torch.compile`` traces the attribute like any other (no graph break).
 """
 from __future__ import annotations
 
@@ -38,6 +46,61 @@ def head_problem(model: nn.Module) -> Optional[str]:
     if getattr(model, "loss_function", None) is not _hf_causal_lm_loss():
         return "the model's loss_function is not transformers' ForCausalLMLoss"
     return None
+
+
+# The attribute of a FinalNorm output that holds the norm's input (set only for outputs that
+# may reach the fused head: grad enabled).
+_PRENORM = "_ckpt_ext_prenorm"
+
+
+def final_norm_problem(norm: Optional[nn.Module]) -> Optional[str]:
+    """Why ``norm`` cannot run as ``ckpt_ext.ops.rms_norm``, or None."""
+    if norm is None:
+        return "the bare model has no .norm"
+    if (not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon")
+            or set(dict(norm.named_parameters())) != {"weight"}):
+        return f"model.norm is a {type(norm).__name__}, not the family's RMSNorm"
+    if "forward" in norm.__dict__:
+        return "model.norm already has an instance-level forward"
+    return None
+
+
+class FinalNorm:
+    """The instance-level ``forward`` of a patched model's final RMSNorm (module docstring).
+    A norm with forward hooks of its own runs HF's forward."""
+
+    def __init__(self, norm: nn.Module):
+        self.norm = norm
+        self.__signature__ = inspect.signature(self.original)
+
+    @property
+    def original(self) -> Callable:
+        return type(self.norm).forward.__get__(self.norm, type(self.norm))
+
+    def __repr__(self) -> str:
+        return "<ckpt_ext patched final RMSNorm>"
+
+    def __call__(self, hidden_states):
+        norm = self.norm
+        if norm._forward_hooks or norm._forward_pre_hooks or not isinstance(hidden_states,
+                                                                             torch.Tensor):
+            return self.original(hidden_states)
+        out = ops.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+        if torch.is_grad_enabled():
+            setattr(out, _PRENORM, hidden_states)
+        return out
+
+
+def take_prenorm(hidden: torch.Tensor, norm: Optional[nn.Module]) -> Optional[torch.Tensor]:
+    """The input of the FinalNorm call that produced ``hidden``, unlinked from it (so that
+    ``hidden`` no longer holds it), or None when ``hidden`` did not come from one. (Set to
+    None rather than deleted: torch.compile traces attribute stores, not deletions.)"""
+    if norm is None:
+        return None
+    pre = getattr(hidden, _PRENORM, None)
+    if pre is not None:
+        setattr(hidden, _PRENORM, None)
+    return pre
 
 
 class FusedHeadForward:
@@ -85,8 +148,11 @@ class FusedHeadForward:
         num_items = kwargs.get("num_items_in_batch")
         ignore_index = kwargs.get("ignore_index", -100)
         shift_labels = kwargs.get("shift_labels")
-        outputs = self.model.model(**kwargs)
+        bare = self.model.model
+        outputs = bare(**kwargs)
         hidden = outputs.last_hidden_state
+        norm = bare._modules.get("norm")
+        prenorm = take_prenorm(hidden, norm)
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         head = self.model.lm_head
@@ -98,9 +164,13 @@ class FusedHeadForward:
             bias = None if bias is None else bias.to(dtype)
         elif hidden.dtype != weight.dtype:
             hidden = hidden.to(weight.dtype)
+        norm_args = {}
+        if prenorm is not None:  # the final norm inside the head op, on the pre-norm rows
+            hidden = prenorm
+            norm_args = dict(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
         loss = ops.linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device),
                                         bias=bias, ignore_index=ignore_index,
-                                        num_items_in_batch=num_items)
+                                        num_items_in_batch=num_items, **norm_args)
         return CausalLMOutputWithPast(loss=loss, logits=None,
                                       past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states,

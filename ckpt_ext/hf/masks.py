@@ -27,11 +27,12 @@ class BatchMasks(NamedTuple):
 
 def packed_segment_ids(position_ids: Tensor, compiling: bool) -> Optional[Tensor]:
     """transformers' packed-sequence rule: a new document starts wherever ``position_ids`` does
-    not increase by one. ``(B, S)`` segment ids, or None when no row is packed (decided only
-    outside compilation, as transformers does: a compiled graph always carries the ids)."""
+    not increase by one. ``(B, S)`` int32 segment ids (the layers keep them for backward: half
+    the bytes of int64), or None when no row is packed (decided only outside compilation, as
+    transformers does: a compiled graph always carries the ids)."""
     first = position_ids[:, :1] - 1
     starts = torch.diff(position_ids, dim=-1, prepend=first) != 1
-    ids = starts.cumsum(-1)
+    ids = starts.cumsum(-1, dtype=torch.int32)
     if not compiling and not bool(ids[:, -1].any()):
         return None
     return ids

@@ -64,7 +64,7 @@ from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS
 from ..presets import FUSED_PRESETS, check_policy
 from .adapters import read_projection
-from .lm_head import FusedHeadForward, head_problem
+from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
@@ -709,6 +709,9 @@ def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared)
         shared.warn_once("head", f"the LM head is not fused: {problem}")
         return
     model.forward = FusedHeadForward(model)
+    norm = owner._modules.get("norm")
+    if final_norm_problem(norm) is None:
+        norm.forward = FinalNorm(norm)
 
 
 def unpatch_llama(model: nn.Module) -> nn.Module:
@@ -724,4 +727,7 @@ def unpatch_llama(model: nn.Module) -> nn.Module:
     inner = _unwrap_peft(model)
     if isinstance(inner.__dict__.get("forward"), FusedHeadForward):
         del inner.__dict__["forward"]
+    norm = getattr(getattr(inner, "model", inner), "_modules", {}).get("norm")
+    if norm is not None and isinstance(norm.__dict__.get("forward"), FinalNorm):
+        del norm.__dict__["forward"]
     return model

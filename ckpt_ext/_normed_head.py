@@ -1,0 +1,202 @@
+"""The model's final RMSNorm and the LM-head loss as one op, walked in token chunks.
+
+An HF ``*ForCausalLM`` norms the last hidden state (``model.norm``) before its head. Written
+out, that norm keeps an fp32 copy of the hidden state and its normalised rows for backward,
+and the head keeps the normed rows as its input: three sequence-sized tensors, the largest
+things a step holds besides the decoder layers' own. This op keeps only the pre-norm hidden
+state and the per-token log-sum-exp:
+
+    forward, per chunk of rows:   y = rms_norm(x) (in the head's dtype); loss, lse of y
+    backward, per chunk of rows:  y again; dy (and the head's weight gradient) from the head's
+                                  backward; dx and the norm weight's gradient from the norm's
+
+The chunk is sized from the byte cap that bounds every token chunk of the CPU kernels
+(``CKPT_EXT_CHUNK_BYTES``, 64 MiB by default; ``ckpt_ext._C.chunk_bytes()``): a chunk's rows in
+fp32 fit it, so y, dy and the norm's fp32 work exist one chunk at a time, and each chunk's dx
+rows are written into the result in place. The head's own logits chunks come from the same
+cap inside ``linear_cross_entropy_fwd`` / ``_bwd``. Recompute: the norm once more in backward
+(a row-wise op); the head's recompute is what ``linear_cross_entropy`` does anyway.
+
+Weight gradients sum over the chunks: the norm weight's in fp32, the head weight's in place
+for an fp32 (or fp64) head and in an fp32 ``(V, H)`` accumulator for a half-precision one
+(one rounding at the end, as a single GEMM rounds). With one chunk (short sequences) nothing
+is accumulated and the op computes exactly what the norm and the head compute written out.
+
+Both halves are ``torch.library`` custom ops built from the kernel ops (``rms_norm_fwd`` /
+``_bwd``, ``linear_cross_entropy_fwd`` / ``_bwd``), so they run wherever those do (CPU, the
+Triton launchers) and stay opaque to ``torch.compile``.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._checks import (_check_device_as, _check_dim, _check_floating, _check_shape, _dtype,
+                      _shape, _stat_dtype)
+
+_ops = torch.ops.ckpt_ext
+_FWD = "rms_norm_linear_cross_entropy_fwd"
+_BWD = "rms_norm_linear_cross_entropy_bwd"
+
+
+def chunk_rows(hidden: Tensor) -> int:
+    """Rows per chunk: the chunk's rows in fp32 (fp64 for fp64) within the byte cap."""
+    row = hidden.shape[1] * max(4, hidden.element_size())
+    return max(1, _C.chunk_bytes() // max(1, row))
+
+
+def _check(op, hidden, norm_weight, weight, bias, labels):
+    """Shapes, dtypes and devices of the op's tensors; returns (T, H, V)."""
+    _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
+    _check_floating(op, "hidden", hidden)
+    T, H = hidden.shape
+    if H == 0:
+        raise ValueError(f"{op}: hidden must have a non-empty last dim, got shape "
+                         f"{_shape(hidden)}")
+    _check_floating(op, "norm_weight", norm_weight)
+    _check_shape(op, "norm_weight", norm_weight, (H,), f"(H,) with H={H} from hidden")
+    _check_device_as(op, "norm_weight", norm_weight, "hidden", hidden)
+    _check_dim(op, "weight", weight, 2, "(V, H)")
+    _check_floating(op, "weight", weight)
+    V = weight.shape[0]
+    _check_shape(op, "weight", weight, (V, H), f"(V, H) with H={H} from hidden")
+    _check_device_as(op, "weight", weight, "hidden", hidden)
+    if V == 0:
+        raise ValueError(f"{op}: weight must have at least one vocabulary row, got shape "
+                         f"{_shape(weight)}")
+    if bias is not None:
+        _check_shape(op, "bias", bias, (V,), "(V,)")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"{op}: bias must have weight's dtype {_dtype(weight.dtype)}, got "
+                            f"{_dtype(bias.dtype)}")
+        _check_device_as(op, "bias", bias, "hidden", hidden)
+    if labels.dtype != torch.int64:
+        raise TypeError(f"{op}: labels must be int64, got {_dtype(labels.dtype)}")
+    _check_shape(op, "labels", labels, (T,), "(T,) with T from hidden")
+    _check_device_as(op, "labels", labels, "hidden", hidden)
+    return T, H, V
+
+
+def _stat_of(weight):
+    """dtype of loss / lse: the head computes in weight's dtype (float64 -> float64)."""
+    return _stat_dtype(weight)
+
+
+@torch.library.custom_op(f"ckpt_ext::{_FWD}", mutates_args=())
+def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+         bias: Optional[Tensor], labels: Tensor, ignore_index: int) -> Tuple[Tensor, Tensor]:
+    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels)
+    loss = hidden.new_empty((T,), dtype=_stat_of(weight))
+    lse = torch.empty_like(loss)
+    step = chunk_rows(hidden)
+    for t0 in range(0, T, step):
+        rows = slice(t0, min(T, t0 + step))
+        y = _ops.rms_norm_fwd(hidden[rows], norm_weight, eps).to(weight.dtype)
+        loss_c, lse_c = _ops.linear_cross_entropy_fwd(y, weight, bias, labels[rows],
+                                                      ignore_index)
+        loss[rows] = loss_c
+        lse[rows] = lse_c
+    return loss, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(hidden, norm_weight, eps, weight, bias, labels, ignore_index):
+    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels)
+    stat = hidden.new_empty((T,), dtype=_stat_of(weight))
+    return stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op(f"ckpt_ext::{_BWD}", mutates_args=())
+def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+         bias: Optional[Tensor], labels: Tensor, lse: Tensor, ignore_index: int,
+         output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients [dhidden, dnorm_weight, dweight, dbias] of ``sum_t dloss[t] loss[t]``; those
+    output_mask leaves out are empty (0,) tensors."""
+    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels)
+    want_dx, want_dnw, want_dw, want_db = (bool(m) for m in output_mask)
+    want_db = want_db and bias is not None
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    dx = torch.empty_like(hidden) if want_dx else hidden.new_empty((0,))
+    dnw = norm_weight.new_zeros((H,), dtype=acc) if want_dnw else None
+    dw: Optional[Tensor] = None
+    db = weight.new_zeros((V,), dtype=acc) if want_db else None
+    step = chunk_rows(hidden)
+    for t0 in range(0, T, step):
+        rows = slice(t0, min(T, t0 + step))
+        x = hidden[rows]
+        y = _ops.rms_norm_fwd(x, norm_weight, eps)
+        want_dy = want_dx or want_dnw
+        dy, dw_c, db_c = _ops.linear_cross_entropy_bwd(
+            dloss[rows], y.to(weight.dtype), weight, bias, labels[rows], lse[rows],
+            ignore_index, [want_dy, want_dw, want_db])
+        if want_dy:
+            dx_c, dnw_c = _ops.rms_norm_bwd(dy.to(y.dtype), x, norm_weight, eps)
+            if want_dx:
+                dx[rows] = dx_c
+            if want_dnw:
+                dnw += dnw_c
+        if want_dw:
+            if dw is None:
+                one_chunk = t0 + step >= T
+                dw = dw_c if one_chunk or dw_c.dtype == acc else dw_c.to(acc)
+            else:
+                dw += dw_c
+        if want_db:
+            db += db_c
+    empty = hidden.new_empty((0,))
+    if want_dw and dw is None:  # T == 0
+        dw = torch.zeros_like(weight)
+    return (dx,
+            dnw.to(norm_weight.dtype) if want_dnw else empty.clone(),
+            dw.to(weight.dtype) if want_dw else empty.clone(),
+            db.to(weight.dtype) if want_db else empty.clone())
+
+
+@_bwd.register_fake
+def _bwd_fake(dloss, hidden, norm_weight, eps, weight, bias, labels, lse, ignore_index,
+              output_mask):
+    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels)
+    if len(output_mask) != 4:
+        raise ValueError(f"{_BWD}: output_mask must have 4 entries [dhidden, dnorm_weight, "
+                         f"dweight, dbias], got {len(output_mask)}")
+    want_dx, want_dnw, want_dw, want_db = (bool(m) for m in output_mask)
+    want_db = want_db and bias is not None
+    return (hidden.new_empty((T, H) if want_dx else (0,)),
+            norm_weight.new_empty((H,)) if want_dnw else hidden.new_empty((0,)),
+            weight.new_empty((V, H)) if want_dw else hidden.new_empty((0,)),
+            weight.new_empty((V,)) if want_db else hidden.new_empty((0,)))
+
+
+def _setup(ctx, inputs, output):
+    hidden, norm_weight, eps, weight, bias, labels, ignore_index = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    # The pre-norm hidden state, the labels and the per-token lse: no normed copy, nothing of
+    # size (T, V).
+    ctx.save_for_backward(hidden, norm_weight, weight, bias, labels, lse)
+    ctx.eps, ctx.ignore_index = eps, ignore_index
+
+
+def _backward(ctx, dloss, dlse):
+    hidden, norm_weight, weight, bias, labels, lse = ctx.saved_tensors
+    want_dx, want_dnw, _, want_dw, want_db = ctx.needs_input_grad[:5]
+    want_db = want_db and bias is not None
+    if not (want_dx or want_dnw or want_dw or want_db):
+        return (None,) * 7
+    if dloss is None:
+        dloss = torch.zeros_like(lse)
+    dx, dnw, dw, db = _bwd(dloss, hidden, norm_weight, ctx.eps, weight, bias, labels, lse,
+                           ctx.ignore_index, [want_dx, want_dnw, want_dw, want_db])
+    return (dx if want_dx else None, dnw if want_dnw else None, None,
+            dw if want_dw else None, db if want_db else None, None, None)
+
+
+_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def normed_loss_per_token(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                          bias: Optional[Tensor], labels: Tensor, ignore_index: int) -> Tensor:
+    """Per-token losses (T,) of the head on ``rms_norm(hidden)``; hidden (T, H)."""
+    loss, _ = _fwd(hidden, norm_weight, float(eps), weight, bias, labels, int(ignore_index))
+    return loss
