@@ -55,7 +55,8 @@ import torch
 from .presets import FUSED_PRESETS, per_token_bytes
 
 __all__ = ["LayerDims", "layer_dims_from_config", "parse_bytes", "format_bytes",
-           "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "main"]
+           "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
+           "StepPeak", "model_state_bytes", "longest_sequence", "main"]
 
 Budget = Union[int, str]
 
@@ -187,6 +188,176 @@ def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
     ``B*S*(e*H + 4*V + 8) + 4``, the fused op's ``B*S*(e*H + 12)``."""
     e = torch.empty((), dtype=_dtype(dtype)).element_size()
     return B * S * (e * H + 12) if fused else B * S * (e * H + 4 * V + 8) + 4
+
+
+# ---- the step's peak ---------------------------------------------------------------------------
+PEAK_SETUPS = ("hf_gc", "hf_gc+fused", "fast", "balanced", "min_memory")
+_PATHS = ("cuda", "cpu")
+_SWIGLU_CPU_CHUNK_ELEMS = 1 << 22       # csrc/swiglu_cpu.cpp: elements of one (rows, I) chunk
+DEFAULT_CHUNK_BYTES = 64 << 20          # CKPT_EXT_CHUNK_BYTES's default (csrc/chunking.h)
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """The activation memory of one training step (see :func:`step_peak`)."""
+
+    saved: int      # kept for backward when the forward ends: layers, head, cos/sin
+    peak: int       # the most allocated at once above the step's start
+    phase: str      # where the peak is
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=_dtype(dtype)).element_size()
+
+
+def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
+              path: str = "cuda", train_weights: bool = True,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StepPeak:
+    """A model of the activation memory of one training step of a Llama-style
+    ``*ForCausalLM`` (a forward with labels, then backward), above what the step starts with
+    (weights, the ids, and parameter gradients from an earlier step, added to in place).
+
+    ``setup``: ``"hf_gc"`` (HF gradient checkpointing with HF's final norm, head and loss),
+    ``"hf_gc+fused"`` (the same checkpointing with a fused loss: the ``torch`` preset with
+    ``patch_llama``'s head), or a fused preset with the fused head (``"fast"``,
+    ``"balanced"``, ``"min_memory"``). ``path``: ``"cuda"`` (the Triton kernels) or ``"cpu"``
+    (the ATen kernels), whose transients differ. ``train_weights``: a full fine-tune (the
+    top layer's and the head's weight gradients exist as new tensors before they are added
+    to ``.grad``); False for LoRA on a frozen base (the adapters' gradients are negligible).
+
+    The peak is the larger of two moments (T = B*S tokens, e the element size, Q = Hq*D,
+    K = Hkv*D):
+
+    * the head: everything saved, and in the fused head's forward the final norm's output
+      (e*T*H, dropped after it), the normed rows of one chunk of the byte cap and two (rows,
+      V) fp32 logits buffers within the cap (the logits and their log-sum-exp's work), in its
+      backward dx (e*T*H), the normed rows and their gradient for one chunk, one logits
+      buffer and, training the head, its weight gradient (e*V*H); in HF's head, dx and the
+      gradients of the fp32 log-softmax and of the logits (T*V*(4 + e)), or the logits'
+      gradient with the weight gradient when that is more;
+    * the top layer's backward (the layers below still hold what they saved), the larger of
+      its MLP part and its attention part. Counted from the allocator at the peak (CPU, every
+      preset, ``tests/test_plan.py``), besides the saved bytes: the torch preset re-runs HF's
+      layer, 6 (T, H), 2 (T, Q), 2 (T, K) and 6 (T, I) tensors; the fused presets' MLP part
+      holds dy, the MLP input and its gradient (and for ``min_memory`` the recomputed h, q,
+      k, v, out) with the SwiGLU backward's (rows, I) work: six fp32 chunks of at most 2^22
+      elements on the CPU (four for ``fast``, whose gate/up are saved), three whole (T, I)
+      tensors in the Triton kernels; their attention
+      part 9 (T, H), 5 (T, Q) and 6 (T, K) tensors (``fast``: 3 and 3, its q/k/v are saved;
+      ``min_memory``: one more (T, Q), out) and, training the weights, the layer's weight
+      gradients; the Triton dQ adds an fp32 (T, Q) accumulator.
+
+    The sequence-sized terms are what the sequence-tiled layer removes; the model is kept
+    in step with the code by the test that measures it.
+    """
+    if setup not in PEAK_SETUPS:
+        raise ValueError(f"step_peak: setup must be one of {', '.join(PEAK_SETUPS)}; got "
+                         f"{setup!r}")
+    if path not in _PATHS:
+        raise ValueError(f"step_peak: path must be 'cuda' or 'cpu', got {path!r}")
+    _check_shape_args(B, S)
+    layers = list(layers)
+    if not layers:
+        raise ValueError("step_peak: layers must not be empty")
+    e = _itemsize(dtype)
+    T = B * S
+    d = max(layers, key=lambda x: x.hidden_size * x.intermediate_size)
+    H, Hq, D, I = d.hidden_size, d.num_heads, d.head_dim, d.intermediate_size
+    Q, K = Hq * D, d.num_kv_heads * D
+    preset = "torch" if setup.startswith("hf_gc") else setup
+    layers_saved = sum(layer_bytes(preset, x, B, S, dtype) for x in layers)
+    rope = 2 * S * D * e
+    lse = 4 * Hq * T
+    fused_head = setup != "hf_gc"
+    if fused_head:   # the pre-norm hidden state, the labels, a float32 lse
+        head_saved = T * (e * H + 12)
+    else:            # HF's norm (an fp32 copy of its input, the fp32 rsqrt, the normalised
+        # rows in the input dtype), then the head (its input, the fp32 log-softmax, labels)
+        head_saved = T * (4 * H + 4 + e * H) + head_saved_bytes(B, S, H, V, dtype, fused=False)
+    saved = layers_saved + rope + head_saved
+
+    # the head, forward (the logits buffers) or backward (the gradients)
+    dw = e * V * H if train_weights else 0
+    if fused_head:
+        rows = min(T, max(1, chunk_bytes // (4 * H)))
+        logits = min(rows * V * 4, max(V * 4, chunk_bytes))
+        forward = e * T * H + e * rows * H + 2 * logits
+        backward = e * T * H + 2 * e * rows * H + logits + dw
+        head_work = max(forward, backward)
+    else:
+        head_work = e * T * H + max(T * V * (4 + e), T * V * e + dw)
+    head_peak = saved + head_work
+
+    # the top layer's backward
+    grads = e * H * (2 * Q + 2 * K + 3 * I) if train_weights else 0
+    if preset == "torch":
+        layer_work = e * T * (6 * H + 2 * Q + 2 * K + 6 * I) + lse
+        phase = "top layer backward (HF's layer re-run)"
+    else:
+        if path == "cpu":   # gate/up given (fast): not recomputed into chunks of their own
+            rows = min(T, max(64, _SWIGLU_CPU_CHUNK_ELEMS // I))
+            swiglu = (4 if preset == "fast" else 6) * 4 * rows * I
+        else:
+            swiglu = 3 * e * T * I
+        if preset == "min_memory":
+            mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
+            attn = e * T * (9 * H + 6 * Q + 6 * K)
+        elif preset == "balanced":
+            mlp = e * T * 3 * H + swiglu
+            attn = e * T * (9 * H + 5 * Q + 6 * K)
+        else:
+            mlp = e * T * 3 * H + swiglu
+            attn = e * T * (9 * H + 3 * Q + 3 * K)
+        if path == "cuda":
+            attn += 4 * T * Q
+        attn += grads
+        layer_work = max(mlp, attn)
+        phase = f"top layer backward ({'MLP' if mlp >= attn else 'attention'} part)"
+    layer_peak = layers_saved + rope + layer_work
+    if head_peak >= layer_peak:
+        return StepPeak(saved, head_peak, "head backward")
+    return StepPeak(saved, layer_peak, phase)
+
+
+def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
+                      lora_rank: int = 16, tied: bool = False) -> int:
+    """Bytes the model and its optimizer hold outside the step: ``weights="full"``, a full
+    fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
+    parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
+    rank-``lora_rank`` adapters on every projection (fp32, AdamW: 16 bytes an adapter
+    parameter)."""
+    e = _itemsize(dtype)
+    base = V * layers[0].hidden_size * (1 if tied else 2) + layers[0].hidden_size
+    adapters = 0
+    for x in layers:
+        H, Q, K, I = (x.hidden_size, x.num_heads * x.head_dim, x.num_kv_heads * x.head_dim,
+                      x.intermediate_size)
+        base += H * (2 * Q + 2 * K + 3 * I) + 2 * H
+        adapters += lora_rank * ((H + Q) + 2 * (H + K) + (Q + H) + 2 * (H + I) + (I + H))
+    if weights == "full":
+        return 16 * base
+    if weights == "lora":
+        return e * base + 16 * adapters
+    raise ValueError(f"model_state_bytes: weights must be 'full' or 'lora', got {weights!r}")
+
+
+def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
+                     device_memory: int, weights: str, *, path: str = "cuda",
+                     limit: int = 1 << 26) -> int:
+    """The longest S (at most ``limit``) whose step fits ``device_memory`` with the model
+    state of ``weights`` (:func:`model_state_bytes`), by :func:`step_peak`; 0 if none does."""
+    state = model_state_bytes(layers, V, dtype, weights)
+    fits = lambda s: state + step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
+                                       train_weights=weights == "full").peak <= device_memory
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
