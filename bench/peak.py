@@ -1,8 +1,10 @@
 """Peak memory per token of one training step, per setup, on an HF Llama built from a config.
 
 The question a user asks first: does a step fit? ``ckpt_ext.peak_memory_bytes`` of one
-forward+backward step (labels = input ids), above what is allocated before it (weights, the
-ids; gradients cleared), after one untimed warm-up step. Defaults: H 512, I 1792, 8/2 heads,
+forward+backward step (labels = input ids), above what is allocated before it: the weights,
+the ids and the gradients of the untimed warm-up step before it, which this step adds to in
+place, as every step after a training run's first does. Beside it, the bytes the forward
+leaves saved and ``ckpt_ext.plan.step_peak``'s model of the peak. Defaults: H 512, I 1792, 8/2 heads,
 vocab 16384, 4 layers, B 1, S 4096, fp32, SDPA, on the CPU (the profiler's memory events) or
 CUDA (allocator statistics) as ``--device`` says. Setups (``--setups``):
 
@@ -14,7 +16,8 @@ CUDA (allocator statistics) as ``--device`` says. Setups (``--setups``):
 * a ``lora:`` prefix wraps the model in PEFT LoRA first (r 16, alpha 32, no dropout, every
   projection; base and head frozen).
 
-Prints one line per setup: peak MiB and KiB per token.
+Prints one line per setup: peak MiB and KiB per token, the model's peak and its ratio to the
+measured one, saved MiB.
 
     python bench/peak.py [--seq 4096] [--setups hf_gc min_memory+fused lora:min_memory+fused]
 """
@@ -26,8 +29,12 @@ import time
 import torch
 
 import ckpt_ext
+from ckpt_ext import plan
 
 PRESETS = ("torch", "fast", "balanced", "min_memory")
+# (preset, fused head) -> the setup name of ckpt_ext.plan.step_peak
+PLAN_SETUPS = {(None, False): "hf_gc", ("torch", True): "hf_gc+fused", ("fast", True): "fast",
+               ("balanced", True): "balanced", ("min_memory", True): "min_memory"}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -76,8 +83,8 @@ def step(model, ids):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", nargs="+", default=[
-        "hf_gc", "min_memory+hf_head", "torch+fused", "balanced+fused", "min_memory+fused",
-        "lora:hf_gc", "lora:torch+fused", "lora:min_memory+fused"])
+        "hf_gc", "min_memory+hf_head", "torch+fused", "fast+fused", "balanced+fused",
+        "min_memory+fused", "lora:hf_gc", "lora:torch+fused", "lora:min_memory+fused"])
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,17 +105,28 @@ def main(argv=None):
           f"{args.vocab}, {args.layers} layers, B {args.batch}, S {args.seq}, {args.dtype}, "
           f"{args.device}")
     out = {}
+    dims = [plan.LayerDims(args.hidden, args.heads, args.kv_heads, args.hidden // args.heads,
+                           args.intermediate)] * args.layers
     for setup in args.setups:
         model = build(args, setup)
         ids = torch.randint(args.vocab, (args.batch, args.seq), device=args.device)
-        model.zero_grad(set_to_none=True)
-        step(model, ids)                                   # warm-up
-        model.zero_grad(set_to_none=True)
+        step(model, ids)                                   # warm-up: the gradients now exist
+        saved = ckpt_ext.saved_activation_bytes(
+            lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
         t0 = time.perf_counter()
         peak = ckpt_ext.peak_memory_bytes(step, model, ids)
         out[setup] = peak
+        lora, preset, fused = setup_kind(setup)
+        modelled = ""
+        kind = PLAN_SETUPS.get((preset, fused))
+        if kind is not None:
+            m = plan.step_peak(kind, dims, args.vocab, args.batch, args.seq, DTYPES[args.dtype],
+                               path="cuda" if args.device.startswith("cuda") else "cpu",
+                               train_weights=not lora).peak
+            modelled = f"  model {m / 2**20:9.1f} MiB ({m / peak:.3f}x)"
         print(f"{setup:<26} peak {peak / 2**20:9.1f} MiB  {peak / tokens / 1024:7.1f} KiB/token"
-              f"  (measured step {time.perf_counter() - t0:.1f} s)", flush=True)
+              f"{modelled}  saved {saved / 2**20:8.1f} MiB  (measured step "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
         del model
     return out
 

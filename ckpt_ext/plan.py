@@ -21,7 +21,10 @@ are element-wise and left out). With T = B*S tokens, causal attention (a query a
                                                         softmax tiles P = exp(Q K^T - lse))
     balanced    scores + qkv + gate_up
     min_memory  scores + qkv + gate_up + scores + pv + o_proj   (attention forward, o_proj)
-    torch       scores + pv + qkv + o_proj + gate_up + down     (the whole layer forward)
+    torch       scores + scores + pv + qkv + o_proj + gate_up + down
+                                                       (the whole layer forward, and the
+                                                        softmax tiles again in SDPA's flash
+                                                        backward, as in every other row)
 
 :func:`choose_presets` picks, per layer, one of the fused presets so that the layers' saved
 bytes fit a budget with the least total recompute. It solves this small multiple-choice
@@ -377,7 +380,7 @@ def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
     if preset == "min_memory":
         return 2 * scores + pv + qkv + gate_up + o_proj
     if preset == "torch":
-        return scores + pv + qkv + o_proj + gate_up + down
+        return 2 * scores + pv + qkv + o_proj + gate_up + down
     raise ValueError(f"recompute_flops: preset must be one of 'fast', 'balanced', "
                      f"'min_memory', 'torch'; got {preset!r}")
 
@@ -508,12 +511,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     ap.add_argument("--budget", help="bytes for the decoder layers' saved activations, e.g. "
                                      "20GiB or 512MB: prints the 'auto' choice")
+    ap.add_argument("--device-memory", help="a device's memory, e.g. 80GiB: prints the longest "
+                                            "sequence whose step fits it, per setup")
+    ap.add_argument("--weights", choices=("full", "lora"), default="full",
+                    help="what the device also holds (with --device-memory): 'full', fp32 "
+                         "weights, gradients and AdamW moments (16 B a parameter); 'lora', the "
+                         "frozen base in --dtype plus rank-16 adapters on every projection")
+    ap.add_argument("--path", choices=_PATHS, default="cuda",
+                    help="whose transients the peak model counts: the Triton kernels (cuda) or "
+                         "the ATen kernels (cpu)")
     args = ap.parse_args(argv)
-    if args.budget is not None:
-        try:
-            parse_bytes(args.budget, "argument --budget")
-        except (TypeError, ValueError) as e:
-            ap.error(str(e))
+    for name in ("budget", "device_memory"):
+        if getattr(args, name) is not None:
+            try:
+                parse_bytes(getattr(args, name), f"argument --{name.replace('_', '-')}")
+            except (TypeError, ValueError) as e:
+                ap.error(str(e))
 
     try:
         config = _read_config(args.config) if args.config else {}
@@ -561,6 +574,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{e * d.hidden_size + 12:,} B/token)")
     print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
           "'torch' is listed for comparison and never chosen by 'auto'")
+    _print_steps(args, layers, V, B, S, dtype)
     if args.budget is not None:
         try:
             chosen = choose_presets(layers, B, S, dtype, args.budget)
@@ -575,6 +589,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"fused head), recompute {_tflop(flops)} TFLOP")
         print("per layer: " + " ".join(p for p in chosen))
     return 0
+
+
+_SETUP_NAMES = {"hf_gc": "HF checkpointing, HF head", "hf_gc+fused": "HF checkpointing, fused loss",
+                "fast": "fast", "balanced": "balanced", "min_memory": "min_memory"}
+
+
+def _print_steps(args, layers, V, B, S, dtype) -> None:
+    """The step table: saved bytes and peak per setup (and the longest sequence that fits)."""
+    train = args.weights == "full"
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    header = ["step (" + ("full fine-tune" if train else "LoRA") + f", {args.path} path)",
+              "saved", "peak", "peak KiB/token", "peak is in"]
+    if memory is not None:
+        state = model_state_bytes(layers, V, dtype, args.weights)
+        header.append(f"longest S in {format_bytes(memory)}")
+    rows = []
+    for setup in PEAK_SETUPS:
+        p = step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train)
+        row = [_SETUP_NAMES[setup], format_bytes(p.saved), format_bytes(p.peak),
+               f"{p.peak / (B * S) / 1024:,.1f}", p.phase]
+        if memory is not None:
+            row.append(f"{longest_sequence(setup, layers, V, B, dtype, memory, args.weights, path=args.path):,}")
+        rows.append(row)
+    print(_table(rows, header))
+    print("peak: the most a training step allocates at once above its start, gradients of an "
+          "earlier step present (ckpt_ext.plan.step_peak); the fused presets use the fused "
+          "head and final norm")
+    if memory is not None:
+        print(f"model state on the device ({args.weights}): {format_bytes(state)}; longest S: "
+              f"batch {B}, the step's peak plus the model state within the device memory")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def test_tiny_cpu_run():
                      str(V), "--setups", "hf_gc", "min_memory+fused", "lora:min_memory+fused"])
     # HF's head forms the fp32 logits (S, V) and their log-softmax (S, V) at once
     assert out["hf_gc"] >= 2 * 4 * S * V
-    # the full fine-tune's step allocates every weight gradient (embedding and head: 2 V H)
-    assert out["min_memory+fused"] >= 4 * 2 * V * H
-    # under LoRA the frozen embedding and head get no gradient: less
-    assert 0 < out["lora:min_memory+fused"] < out["min_memory+fused"]
+    # the gradients exist from the warm-up step; the full fine-tune's step still forms the
+    # head's weight gradient (V, H) before adding it in place
+    assert out["min_memory+fused"] >= 4 * V * H
+    # under LoRA the frozen head forms no gradient: never more; the fused loss: less than HF's
+    assert 0 < out["lora:min_memory+fused"] <= out["min_memory+fused"] < out["hf_gc"]

@@ -48,7 +48,7 @@ def test_recompute_flops_by_hand():
                                                           "torch")}
     assert got == {"fast": 96, "balanced": 96 + 768 + 1536,
                    "min_memory": 96 + 768 + 1536 + 96 + 96 + 384,
-                   "torch": 96 + 96 + 768 + 384 + 1536 + 768}
+                   "torch": 96 + 96 + 96 + 768 + 384 + 1536 + 768}
     with pytest.raises(ValueError, match="preset must be one of"):
         plan.recompute_flops("none", d, 1, 3)
 
@@ -171,6 +171,23 @@ def test_cli_on_a_config(tmp_path, capsys):
     assert capsys.readouterr().out == out
 
 
+def test_cli_step_table_and_longest_sequence(capsys):
+    """The step table: saved and peak per setup as step_peak models them, and with
+    --device-memory the longest sequence that fits, per setup."""
+    assert plan.main(DIMS_ARGS + ["--device-memory", "2GiB", "--weights", "lora",
+                                  "--path", "cpu"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("step (LoRA, cpu path)"):]
+    layers = [LayerDims(64, 4, 2, 16, 176)] * 4
+    for setup, name in plan._SETUP_NAMES.items():
+        line = next(x for x in table.splitlines() if x.startswith(name + " "))
+        p = plan.step_peak(setup, layers, 1000, 2, 128, "bf16", path="cpu", train_weights=False)
+        longest = plan.longest_sequence(setup, layers, 1000, 2, "bf16", 2 * 2**30, "lora",
+                                        path="cpu")
+        assert plan.format_bytes(p.peak) in line and f"{longest:,}" in line, (line, longest)
+    assert "longest S in 2.00 GiB" in out
+
+
 def test_cli_errors(capsys):
     assert plan.main(DIMS_ARGS + ["--budget", "1KiB"]) == 2
     assert "smallest that fits: 131072 bytes" in capsys.readouterr().err
@@ -181,7 +198,9 @@ def test_cli_errors(capsys):
 
 @pytest.mark.parametrize("flag,value", [("--seq", "0"), ("--batch", "-1"), ("--seq", "x"),
                                         ("--batch", "2.5"), ("--hidden-size", "0"),
-                                        ("--vocab-size", "-3"), ("--budget", "3 parsecs")])
+                                        ("--vocab-size", "-3"), ("--budget", "3 parsecs"),
+                                        ("--device-memory", "lots"), ("--weights", "qlora"),
+                                        ("--path", "tpu")])
 def test_cli_bad_argument_is_a_usage_error(flag, value, capsys):
     args = list(DIMS_ARGS)
     if flag in args:
