@@ -232,10 +232,11 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     K = Hkv*D):
 
     * the head: everything saved, and in the fused head's forward the final norm's output
-      (e*T*H, dropped after it), the normed rows of one chunk of the byte cap and two (rows,
-      V) fp32 logits buffers within the cap (the logits and their log-sum-exp's work), in its
-      backward dx (e*T*H), the normed rows and their gradient for one chunk, one logits
-      buffer and, training the head, its weight gradient (e*V*H); in HF's head, dx and the
+      (e*T*H, dropped after it), the normed rows of one chunk of the byte cap and, on the
+      CPU, one (rows, V) fp32 logits buffer within the cap; in its backward dx (e*T*H), the
+      normed rows and their gradient for one chunk, that buffer (Triton: a dlogits chunk of
+      about max(rows*H, 2^25) elements, and training the head an fp32 accumulator of the
+      chunk's dx) and, training the head, its weight gradient (e*V*H); in HF's head, dx and the
       gradients of the fp32 log-softmax and of the logits (T*V*(4 + e)), or the logits'
       gradient with the weight gradient when that is more;
     * the top layer's backward (the layers below still hold what they saved), the larger of
@@ -283,9 +284,13 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     dw = e * V * H if train_weights else 0
     if fused_head:
         rows = min(T, max(1, chunk_bytes // (4 * H)))
-        logits = min(rows * V * 4, max(V * 4, chunk_bytes))
-        forward = e * T * H + e * rows * H + 2 * logits
-        backward = e * T * H + 2 * e * rows * H + logits + dw
+        if path == "cpu":    # one (rows, V) fp32 logits buffer within the cap, both ways
+            fwd_logits = bwd_logits = min(rows * V * 4, max(V * 4, chunk_bytes))
+        else:                # Triton: tiles in forward; in backward a dlogits chunk of about
+            fwd_logits = 0   # max(rows*H, 2^25) elements, and training the head an fp32 dx
+            bwd_logits = e * max(rows * H, 1 << 25) + (4 * rows * H if train_weights else 0)
+        forward = e * T * H + e * rows * H + fwd_logits
+        backward = e * T * H + 2 * e * rows * H + bwd_logits + dw
         head_work = max(forward, backward)
     else:
         head_work = e * T * H + max(T * V * (4 + e), T * V * e + dw)

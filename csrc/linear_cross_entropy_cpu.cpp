@@ -13,7 +13,8 @@
 //
 // Memory: tokens are processed in chunks whose (rows, V) logits in the compute dtype fit the
 // byte cap CKPT_EXT_CHUNK_BYTES (csrc/chunking.h; at least one row), so that the transient
-// logits / dlogits stay bounded whatever T is. Backward forms only the gradients output_mask
+// logits / dlogits stay bounded whatever T is: one such buffer at a time (the log-sum-exp and
+// dlogits are computed in place in it). Backward forms only the gradients output_mask
 // asks for: with a frozen weight (LoRA) there is no dweight GEMM and no (V, H) buffer; each
 // chunk's dhidden rows are written in place in the input dtype.
 //
@@ -117,8 +118,12 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
     at::Tensor vc = valid.narrow(0, t0, tc);
     at::Tensor lc = at::where(vc, labels.narrow(0, t0, tc), 0).unsqueeze(1);         // (tc, 1)
     at::Tensor target = z.gather(1, lc).squeeze(1);                                  // (tc,)
+    // log-sum-exp in place over the chunk (logsumexp would allocate a second (tc, V) buffer):
+    // lse = m + log(sum exp(z - m)), m the row max.
+    at::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));                          // (tc, 1)
     at::Tensor lse_c = lse.narrow(0, t0, tc);
-    at::logsumexp_out(lse_c, z, {1}, false);
+    at::sum_out(lse_c, z.sub_(m).exp_(), {1});
+    lse_c.log_().add_(m.squeeze(1));
     loss.narrow(0, t0, tc).copy_(at::where(vc, lse_c - target, 0));
   }
   return {loss, lse};
