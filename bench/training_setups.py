@@ -1,6 +1,7 @@
-"""Saved activation bytes of a tiny HF Llama in the setups people train with: fp32, autocast
-(fp32 master weights), HF gradient checkpointing, torch.compile, PEFT LoRA (with and without
-lora_dropout), packed sequences; unpatched vs patched presets.
+"""Saved activation bytes and the step's peak of a tiny HF Llama in the setups people train
+with: fp32, autocast (fp32 master weights), HF gradient checkpointing, torch.compile, PEFT LoRA
+(with and without lora_dropout), packed sequences; unpatched vs patched presets. The peak is
+ckpt_ext.peak_memory_bytes of a training step after a first one (its gradients present).
 CPU, seconds to run: python bench/training_setups.py (prints the README table)."""
 import copy, torch, warnings
 warnings.simplefilter("ignore")
@@ -11,11 +12,18 @@ cfg = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=344, num_
 torch.manual_seed(0)
 base = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 ids = torch.randint(0, 256, (2, 64)); mask = torch.ones(2, 64, dtype=torch.long); mask[0, :8] = 0
+def measured(loss):
+    """(saved bytes of the forward, peak of a training step after a first one)"""
+    loss().backward()
+    return (ckpt_ext.saved_activation_bytes(loss),
+            ckpt_ext.peak_memory_bytes(lambda: loss().backward()))
+
+
 def nbytes(m, amp=False):
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             return m(input_ids=ids, attention_mask=mask, labels=ids).loss
-    return ckpt_ext.saved_activation_bytes(step)
+    return measured(step)
 rows = []
 rows.append(("fp32, unpatched", nbytes(base)))
 for p in ("balanced", "min_memory"):
@@ -46,13 +54,12 @@ pos = torch.cat([torch.arange(n) for n in (20, 7, 30, 7)])[None].repeat(2, 1)
 
 
 def packed_bytes(m):
-    return ckpt_ext.saved_activation_bytes(
-        lambda: m(input_ids=ids, position_ids=pos, labels=ids).loss)
+    return measured(lambda: m(input_ids=ids, position_ids=pos, labels=ids).loss)
 
 
 rows.append(("packed (4 documents per row), unpatched", packed_bytes(base)))
 rows.append(("packed (4 documents per row), balanced",
              packed_bytes(ckpt_ext.patch_llama(copy.deepcopy(base), "balanced"))))
-print("| setup | saved bytes |\n|---|---|")
-for name, b in rows:
-    print(f"| {name} | {b:,} |")
+print("| setup | saved bytes | step peak bytes |\n|---|---|---|")
+for name, (saved, peak) in rows:
+    print(f"| {name} | {saved:,} | {peak:,} |")
