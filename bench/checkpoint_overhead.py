@@ -5,7 +5,8 @@ Everything is measured in one run, on the device found (CUDA if present, else CP
 1. Per-call overhead on a tiny function (forward + backward of ``x.sin() * w``, 16 elements):
    the median time of a checkpointed call minus the median time of the plain call.
 2. An MLP stack (8 x [Linear(d, 4d), GELU, Linear(4d, d)] with residuals): saved activation
-   bytes and forward+backward step time for none / torch / ckpt_ext (one checkpoint per layer).
+   bytes, the peak of a training step (its gradients present) and the forward+backward step
+   time for none / torch / ckpt_ext (one checkpoint per layer).
 
 Prints a table and writes ``bench/results/checkpoint_overhead_<device>.csv``.
 Target: ckpt_ext's per-call overhead at most one third of torch's.
@@ -85,7 +86,8 @@ def mlp_stack(device, tokens, dim, reps):
         x.grad = None
         step()
         grads[name] = [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]
-        rows[name] = (saved, timed(step, device, reps, chunk=2))
+        peak = ckpt_ext.peak_memory_bytes(step)   # gradients present: added to in place
+        rows[name] = (saved, peak, timed(step, device, reps, chunk=2))
     err = {n: max((a - b).abs().max().item() for a, b in zip(grads[n], grads["none"]))
            for n in grads}
     return rows, err
@@ -117,20 +119,22 @@ def main(argv=None):
     print(f"ckpt_ext overhead / torch overhead = {ratio:.3f} (target <= 0.333)")
 
     print(f"\n8-layer MLP stack (tokens={args.tokens}, dim={args.dim}, fp32):")
-    print(f"{'mode':<10}{'saved MiB':>12}{'step (ms)':>12}{'x none':>9}{'max |dgrad|':>14}")
-    for n, (saved, t) in stack.items():
-        print(f"{n:<10}{saved / 2**20:12.3f}{t * 1e3:12.2f}{t / stack['none'][1]:9.3f}"
-              f"{err[n]:14.2e}")
+    print(f"{'mode':<10}{'saved MiB':>12}{'peak MiB':>12}{'step (ms)':>12}{'x none':>9}"
+          f"{'max |dgrad|':>14}")
+    for n, (saved, peak, t) in stack.items():
+        print(f"{n:<10}{saved / 2**20:12.3f}{peak / 2**20:12.3f}{t * 1e3:12.2f}"
+              f"{t / stack['none'][2]:9.3f}{err[n]:14.2e}")
 
     path = os.path.join(RESULTS, f"checkpoint_overhead_{device.type}.csv")
-    rows = [["tiny", n, f"{tiny[n]:.9f}", "" if n == "none" else f"{over[n]:.9f}", "",
+    rows = [["tiny", n, f"{tiny[n]:.9f}", "" if n == "none" else f"{over[n]:.9f}", "", "",
              f"{tiny[n] / tiny['none']:.4f}", ""] for n in ("none", "torch", "ckpt_ext")]
-    rows += [["mlp_stack", n, f"{t:.6f}", "", saved, f"{t / stack['none'][1]:.4f}",
-              f"{err[n]:.3e}"] for n, (saved, t) in stack.items()]
-    rows.append(["tiny", "overhead_ratio_ckpt_ext_over_torch", "", f"{ratio:.4f}", "", "", ""])
+    rows += [["mlp_stack", n, f"{t:.6f}", "", saved, peak, f"{t / stack['none'][2]:.4f}",
+              f"{err[n]:.3e}"] for n, (saved, peak, t) in stack.items()]
+    rows.append(["tiny", "overhead_ratio_ckpt_ext_over_torch", "", f"{ratio:.4f}", "", "", "",
+                 ""])
     print()
     write_csv(path, header, ["benchmark", "mode", "time_s", "overhead_s", "saved_bytes",
-                             "ratio_to_none", "max_grad_err"], rows)
+                             "peak_bytes", "ratio_to_none", "max_grad_err"], rows)
     return ratio
 
 
