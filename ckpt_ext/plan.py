@@ -196,7 +196,6 @@ def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
 # ---- the step's peak ---------------------------------------------------------------------------
 PEAK_SETUPS = ("hf_gc", "hf_gc+fused", "fast", "balanced", "min_memory")
 _PATHS = ("cuda", "cpu")
-_SWIGLU_CPU_CHUNK_ELEMS = 1 << 22       # csrc/swiglu_cpu.cpp: elements of one (rows, I) chunk
 DEFAULT_CHUNK_BYTES = 64 << 20          # CKPT_EXT_CHUNK_BYTES's default (csrc/chunking.h)
 
 
@@ -244,9 +243,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       preset, ``tests/test_plan.py``), besides the saved bytes: the torch preset re-runs HF's
       layer, 6 (T, H), 2 (T, Q), 2 (T, K) and 6 (T, I) tensors; the fused presets' MLP part
       holds dy, the MLP input and its gradient (and for ``min_memory`` the recomputed h, q,
-      k, v, out) with the SwiGLU backward's (rows, I) work: six fp32 chunks of at most 2^22
-      elements on the CPU (four for ``fast``, whose gate/up are saved), three whole (T, I)
-      tensors in the Triton kernels; their attention
+      k, v, out) with the SwiGLU backward's (rows, I) work: on the CPU six fp32 (rows, I)
+      buffers together within the byte cap (four for ``fast``, whose gate/up are saved), in
+      the Triton kernels three whole (T, I) tensors; their attention
       part 9 (T, H), 5 (T, Q) and 6 (T, K) tensors (``fast``: 3 and 3, its q/k/v are saved;
       ``min_memory``: one more (T, Q), out) and, training the weights, the layer's weight
       gradients; the Triton dQ adds an fp32 (T, Q) accumulator.
@@ -302,9 +301,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         layer_work = e * T * (6 * H + 2 * Q + 2 * K + 6 * I) + lse
         phase = "top layer backward (HF's layer re-run)"
     else:
-        if path == "cpu":   # gate/up given (fast): not recomputed into chunks of their own
-            rows = min(T, max(64, _SWIGLU_CPU_CHUNK_ELEMS // I))
-            swiglu = (4 if preset == "fast" else 6) * 4 * rows * I
+        if path == "cpu":   # (rows, I) fp32 buffers within the cap: six, or four with the
+            n = 4 if preset == "fast" else 6        # gate/up that fast saves
+            swiglu = n * 4 * I * min(T, max(1, chunk_bytes // (n * 4 * I)))
         else:
             swiglu = 3 * e * T * I
         if preset == "min_memory":

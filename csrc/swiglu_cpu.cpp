@@ -9,9 +9,11 @@
 // B (out, r) in any float dtype on x's device. T = 0 is allowed (empty results of the right
 // shapes; the requested weight gradients are then zeros).
 //
-// Memory: tokens are processed in chunks of at most kChunkElems / I rows, so the transient
-// (chunk, I) intermediates (gate, up, h, dh, dgate, dup) stay bounded whatever T is; only the
-// outputs (and gate/up when they are requested or given) are (T, I) sized.
+// Memory: tokens are processed in chunks whose transient (rows, I) intermediates (gate, up,
+// silu, h, dh, dgate/dup: four in forward, six in backward, two fewer where gate/up are
+// outputs or given) together fit the byte cap CKPT_EXT_CHUNK_BYTES (csrc/chunking.h; 64 MiB
+// by default, counted at the compute dtype's width; at least one row), so they stay bounded
+// whatever T is; only the outputs (and gate/up when they are requested or given) are (T, I).
 //
 // Precision: the base matmuls run in the input dtype (ATen's CPU matmuls accumulate float16 /
 // bfloat16 products in float32); the pointwise SwiGLU math runs in float32 (float64 for
@@ -41,6 +43,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "chunking.h"
 #include "lora_dropout.h"
 
 namespace ckpt_ext {
@@ -50,8 +53,6 @@ using checks::check_defined;
 using checks::check_dim;
 using checks::check_floating;
 using checks::check_like;
-
-constexpr int64_t kChunkElems = int64_t{1} << 22;  // elements of one (chunk, I) intermediate
 
 struct SwigluDims {
   int64_t T, H, I;
@@ -155,9 +156,11 @@ Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& 
   return ad;
 }
 
-// Rows per token chunk: bounded (chunk, I) intermediates, at least 64 rows.
-int64_t chunk_rows(const SwigluDims& d) {
-  return std::max<int64_t>(64, kChunkElems / std::max<int64_t>(d.I, 1));
+// Rows per token chunk: its `buffers` (rows, I) intermediates, at the compute dtype's width,
+// together within the byte cap.
+int64_t chunk_rows(const SwigluDims& d, int64_t buffers, at::ScalarType cdt) {
+  return chunking::chunk_rows(buffers * std::max<int64_t>(d.I, 1) *
+                              static_cast<int64_t>(c10::elementSize(cdt)));
 }
 
 // out = a b^T (+ bias), written into the preallocated contiguous `out` (rows, cols).
@@ -206,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
   at::Tensor y = at::empty({d.T, d.H}, x.options());                                 // (T, H)
   at::Tensor gate = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
   at::Tensor up = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
-  const int64_t step = chunk_rows(d);
+  const int64_t step = chunk_rows(d, return_gate_up ? 2 : 4, cdt);
   for (int64_t t0 = 0; t0 < d.T; t0 += step) {
     const int64_t tc = std::min(step, d.T - t0);
     at::Tensor xc = x.narrow(0, t0, tc);                                             // (tc, H)
@@ -326,7 +329,7 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
   const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   const auto acc_opts = x.options().dtype(cdt);
   at::Tensor dx = at::empty({d.T, d.H}, x.options());      // (T, H)
-  const int64_t step = chunk_rows(d);
+  const int64_t step = chunk_rows(d, gate.has_value() ? 4 : 6, cdt);
   const bool one_chunk = d.T <= step;
   TnSum dwg(one_chunk, cdt), dwu(one_chunk, cdt), dwd(one_chunk, cdt);  // (I, H) (I, H) (H, I)
   LoraSum dla[3], dlb[3];                                  // dA (r, in), dB (out, r), unscaled

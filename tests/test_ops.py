@@ -347,11 +347,19 @@ def test_swiglu_fwd_gate_up_outputs():
     assert torch.equal(y2, y) and gate2.shape == (0,) and up2.shape == (0,)
 
 
+def swiglu_chunk_cap(monkeypatch, I, width, rows=64):
+    """A byte cap (CKPT_EXT_CHUNK_BYTES) under which the CPU SwiGLU backward's six (rows, I)
+    buffers of `width` bytes an element make chunks of `rows` rows (the forward's four: 1.5x
+    that)."""
+    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(6 * I * width * rows))
+
+
 @pytest.mark.parametrize("save", ["input", "gate_up"])
-def test_swiglu_token_chunks(save):
-    """I = 66000 makes the CPU op split T = 130 tokens into chunks of 64, 64 and 2 rows: results
-    must match the unchunked float64 reference."""
-    x, ws, bs = swiglu_inputs(130, 8, 66000, dtype=F64, bias=True)
+def test_swiglu_token_chunks(save, monkeypatch):
+    """A byte cap that splits T = 130 tokens into chunks (64, 64 and 2 rows in backward):
+    results must match the unchunked float64 reference."""
+    swiglu_chunk_cap(monkeypatch, 300, 8)
+    x, ws, bs = swiglu_inputs(130, 8, 300, dtype=F64, bias=True)
     dy = torch.randn(130, 8, dtype=F64)
     y, gate, up = OPS.swiglu_fwd(x, *ws, *bs, [], [], save == "gate_up")
     saved = (gate, up) if save == "gate_up" else (None, None)
@@ -364,10 +372,11 @@ def test_swiglu_token_chunks(save):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_swiglu_token_chunks_half(dtype):
+def test_swiglu_token_chunks_half(dtype, monkeypatch):
     """Chunked in half precision (chunks of 64, 64 and 2 rows): the weight gradients summed over
     chunks in float32 stay within the error bound of eager PyTorch in the same dtype."""
-    x, ws, bs = swiglu_inputs(130, 8, 66000, dtype=dtype, bias=True)
+    swiglu_chunk_cap(monkeypatch, 3000, 4)
+    x, ws, bs = swiglu_inputs(130, 8, 3000, dtype=dtype, bias=True)
     dy = torch.randn(130, 8, dtype=dtype)
     got_g = OPS.swiglu_bwd(dy, x, *ws, *bs, [], [], None, None, ALL_GRADS)[:7]
     r = leaves(x, *ws, *bs, dtype=F64)
@@ -470,9 +479,10 @@ def test_swiglu_lora_vs_reference(dtype, lora_dtype, save):
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
-def test_swiglu_lora_token_chunks(save):
-    """Chunks of 64, 64 and 2 rows (I = 66000): the adapter gradients summed over chunks."""
-    args, lora, scaling, dy = reference.make_swiglu_lora(130, 8, 66000, F64, F64, (4, 1, 8), True)
+def test_swiglu_lora_token_chunks(save, monkeypatch):
+    """Chunks of 64, 64 and 2 rows (a byte cap): the adapter gradients summed over chunks."""
+    swiglu_chunk_cap(monkeypatch, 300, 8)
+    args, lora, scaling, dy = reference.make_swiglu_lora(130, 8, 300, F64, F64, (4, 1, 8), True)
     out = run_swiglu_lora(args, lora, scaling, dy, save)
     check_swiglu_lora(out, out, swiglu_lora_ref(args, lora, scaling, dy), exact=True)
 
