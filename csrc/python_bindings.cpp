@@ -6,6 +6,7 @@
 namespace ckpt_ext {
 void bind_checkpoint(pybind11::module& m);
 std::vector<std::string> layer_weight_slots();
+std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,4 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ckpt_ext::bind_checkpoint(m);
   m.def("layer_weight_slots", &ckpt_ext::layer_weight_slots,
         "The slot names of decoder_layer's weights list, in order");
+  m.def("layer_residuals", &ckpt_ext::layer_residuals, pybind11::arg("part"),
+        pybind11::arg("preset"),
+        "The names of the residuals decoder_layer_fwd returns for (part, preset), in order");
 }

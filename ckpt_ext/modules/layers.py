@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import ops
-from ..blocks import pack_weights
+from ..blocks import call_decoder_layer, pack_weights
 from .._backend import rms_norm_reference
 from ..presets import FUSED_PRESETS, check_policy
 
@@ -243,10 +243,10 @@ class DecoderLayer(nn.Module):
 
     def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
         a = self.self_attn
-        return torch.ops.ckpt_ext.decoder_layer(
-            x, pack_weights(dict(self.named_parameters())), cos, sin, mask, None, None, False, [],
-            [], None, a.num_heads, a.num_kv_heads, self.input_layernorm.variance_epsilon, a.scaling, None,
-            "layer", self.policy)
+        return call_decoder_layer(
+            x, weights=pack_weights(dict(self.named_parameters())), cos=cos, sin=sin,
+            key_padding_mask=mask, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+            eps=self.input_layernorm.variance_epsilon, scale=a.scaling, preset=self.policy)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
