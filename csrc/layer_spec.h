@@ -65,8 +65,11 @@ using OptTensor = std::optional<at::Tensor>;
 //   WEIGHTS  the slot list (its given tensors are the Function's differentiable inputs)
 //   TENSOR   an optional tensor without a gradient, saved with save_for_backward
 //   OPTION   a value, kept in the autograd context's saved_data
+// A new argument is its row (with its line below), its use in csrc/layer_math.cpp, its default
+// in ckpt_ext.blocks.LAYER_DEFAULTS, and the caller that sets it; the schemas, the kernels'
+// signatures, the autograd Function and the Python fakes follow from the list.
 //
-//   weights             the layer's tensors in the named slots of kSlot* below
+//   weights             the layer's tensors in the named slots below (kNumSlots)
 //                       (ckpt_ext.blocks.WEIGHT_SLOTS), None where absent
 //   cos, sin            (B or 1, S, D), required unless part is "mlp"
 //   key_padding_mask,
