@@ -40,9 +40,7 @@ import sys
 import torch
 
 from _harness import device_tag, print_table, provenance, time_ms, write_csv
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from reference import rms_norm_reference, rope_reference  # noqa: E402  (HF semantics)
+from ckpt_ext import plain  # the HF semantics the kernels are measured against
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -52,7 +50,7 @@ EPS = 1e-6
 
 def hf_rms_norm(x, weight, eps=EPS):
     """HF LlamaRMSNorm.forward: x (..., N), weight (N,)."""
-    return rms_norm_reference(x, weight, eps)
+    return plain.rms_norm(x, weight, eps)
 
 
 def hf_add_rms_norm(x, residual, weight, eps=EPS):
@@ -62,7 +60,7 @@ def hf_add_rms_norm(x, residual, weight, eps=EPS):
 
 def hf_rope(q, k, cos, sin):
     """HF apply_rotary_pos_emb: q (B, Hq, S, D), k (B, Hkv, S, D), cos/sin (B, S, D)."""
-    return rope_reference(q, k, cos, sin)
+    return plain.rope(q, k, cos, sin)
 
 
 def time_us(fn, warmup, reps):

@@ -3,8 +3,8 @@
 * CPU: the ATen reference kernels of ``csrc/*_cpu.cpp`` (always built).
 * CUDA: the Triton launchers of ``ckpt_ext.kernels`` for attention and SwiGLU, registered here
   through ``torch.library`` when torch has CUDA; the CUDA C++ row-wise kernels (RMSNorm, RoPE)
-  of ``csrc/cuda`` in a CUDA build, or plain-PyTorch fallbacks registered here when the
-  extension was built without CUDA.
+  of ``csrc/cuda`` in a CUDA build, or the plain-PyTorch ones of ``ckpt_ext.plain``
+  registered here when the extension was built without CUDA.
 * ``CKPT_EXT_BACKEND=triton`` (with ``TRITON_INTERPRET=1``) also puts the Triton launchers on
   CPU tensors, so the whole fused path runs through Triton in CPU tests; ``use_triton("cpu")``
   does the same for a ``with`` block.
@@ -14,46 +14,49 @@ Triton is imported on the first call of a launcher, not at ``import ckpt_ext``.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import warnings
 from typing import Callable, Iterator
 
 import torch
 
-from . import _C
+from . import _C, plain
 from ._checks import _rope_out_like
 
 __all__ = ["register_from_environment", "use_triton", "register_triton"]
 
-# op name -> (module in ckpt_ext.kernels, launcher)
-TRITON_OPS = {
-    "attention_fwd": ("attention", "attention_fwd"),
-    "attention_bwd": ("attention", "attention_bwd"),
-    "swiglu_fwd": ("swiglu_mlp", "swiglu_fwd"),
-    "swiglu_bwd": ("swiglu_mlp", "swiglu_bwd"),
-    "lora_dropout": ("dropout", "lora_dropout"),
-    "linear_cross_entropy_fwd": ("linear_cross_entropy", "linear_cross_entropy_fwd"),
-    "linear_cross_entropy_bwd": ("linear_cross_entropy", "linear_cross_entropy_bwd"),
-}
+TRITON_OPS = ("attention_fwd", "attention_bwd", "swiglu_fwd", "swiglu_bwd", "lora_dropout",
+              "linear_cross_entropy_fwd", "linear_cross_entropy_bwd")
 
 _persistent: list = []  # libraries that live as long as the process
 
 
-def _lazy(module: str, name: str, interpreter: bool = False) -> Callable:
-    """The launcher ``ckpt_ext.kernels.<module>.<name>``, imported on its first call; for CPU
-    tensors (``interpreter``) that first call also checks that Triton's interpreter works."""
+def _triton_launchers() -> dict:
+    """op name -> its Triton launcher. Imports triton (the kernel modules do), so it runs on the
+    first launch, not at ``import ckpt_ext``."""
+    from .kernels import attention, dropout, linear_cross_entropy, swiglu_mlp
+    return {"attention_fwd": attention.attention_fwd, "attention_bwd": attention.attention_bwd,
+            "swiglu_fwd": swiglu_mlp.swiglu_fwd, "swiglu_bwd": swiglu_mlp.swiglu_bwd,
+            "lora_dropout": dropout.lora_dropout,
+            "linear_cross_entropy_fwd": linear_cross_entropy.linear_cross_entropy_fwd,
+            "linear_cross_entropy_bwd": linear_cross_entropy.linear_cross_entropy_bwd}
+
+
+def _lazy(op: str, interpreter: bool = False) -> Callable:
+    """The Triton launcher of ``op``, looked up on its first call; for CPU tensors
+    (``interpreter``) that first call also checks that Triton's interpreter works."""
     fn = None
 
     def launcher(*args):
         nonlocal fn
         if fn is None:
             if interpreter:
-                importlib.import_module("ckpt_ext.kernels._interpreter").check_interpreter()
-            fn = getattr(importlib.import_module(f"ckpt_ext.kernels.{module}"), name)
+                from .kernels._interpreter import check_interpreter
+                check_interpreter()
+            fn = _triton_launchers()[op]
         return fn(*args)
 
-    launcher.__name__ = name
+    launcher.__name__ = op
     return launcher
 
 
@@ -72,8 +75,8 @@ def register_triton(device_type: str) -> torch.library.Library:
     with warnings.catch_warnings():
         # On CPU the launchers replace the ATen kernels on purpose; torch warns about that.
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-        for op, (module, name) in TRITON_OPS.items():
-            lib.impl(op, _lazy(module, name, device_type == "cpu"), device_type.upper())
+        for op in TRITON_OPS:
+            lib.impl(op, _lazy(op, device_type == "cpu"), device_type.upper())
     return lib
 
 
@@ -90,50 +93,30 @@ def use_triton(device_type: str = "cpu") -> Iterator[None]:
 
 # ---- plain-PyTorch row-wise ops for CUDA tensors in a build without CUDA kernels -----------
 
-def rms_norm_reference(x, weight, eps):
-    """HF LlamaRMSNorm in plain PyTorch: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)
-    (fp64 stays fp64). Also the plain path of ckpt_ext.modules.RMSNorm."""
-    xf = x if x.dtype == torch.float64 else x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rms_norm_bwd(dy, x, weight, eps):
-    xf = x if x.dtype == torch.float64 else x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    n = xf * rstd
-    dweight = (dy * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    g = dy.to(n.dtype) * weight.to(n.dtype)
-    dx = rstd * (g - n * (g * n).mean(-1, keepdim=True))
-    return dx.to(x.dtype), dweight
-
-
 def _add_rms_norm_fwd(x, residual, weight, eps):
     s = x + residual
-    return rms_norm_reference(s, weight, eps), s
-
-
-def _rotate(t, sign):
-    half = t.shape[-1] // 2
-    return torch.cat((-sign * t[..., half:], sign * t[..., :half]), dim=-1)
+    return plain.rms_norm(s, weight, eps), s
 
 
 def _rope(q, k, cos, sin, sign):
+    """rope_fwd (sign 1) or rope_bwd (sign -1) in fp32 (fp64 stays), into the layout every
+    rope implementation returns."""
     c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
 
     def one(t):
         tf = t.float() if t.dtype != torch.float64 else t
         if sign > 0:
-            r = tf * c + _rotate(tf, 1) * s
+            r = tf * c + plain.rotate_half(tf) * s
         else:
-            r = tf * c - _rotate(tf * s, 1)   # rotate_half^T(y) = -rotate_half(y)
-        return _rope_out_like(t).copy_(r)     # the layout every rope implementation returns
+            r = tf * c - plain.rotate_half(tf * s)   # rotate_half^T(y) = -rotate_half(y)
+        return _rope_out_like(t).copy_(r)
     return one(q), one(k)
 
 
 def _register_rowwise_fallback() -> None:
     lib = torch.library.Library("ckpt_ext", "IMPL")
-    lib.impl("rms_norm_fwd", rms_norm_reference, "CUDA")
-    lib.impl("rms_norm_bwd", _rms_norm_bwd, "CUDA")
+    lib.impl("rms_norm_fwd", plain.rms_norm, "CUDA")
+    lib.impl("rms_norm_bwd", plain.rms_norm_bwd, "CUDA")
     lib.impl("add_rms_norm_fwd", _add_rms_norm_fwd, "CUDA")
     lib.impl("rope_fwd", lambda q, k, cos, sin: _rope(q, k, cos, sin, 1), "CUDA")
     lib.impl("rope_bwd", lambda dq, dk, cos, sin: _rope(dq, dk, cos, sin, -1), "CUDA")

@@ -1,6 +1,6 @@
 """The fused decoder layer op: its weight slots, fakes, and functional entry points.
 
-``torch.ops.ckpt_ext.decoder_layer`` is one C++ autograd Function (``csrc/blocks.cpp``) over
+``torch.ops.ckpt_ext.decoder_layer`` is one C++ autograd Function (``csrc/layer_autograd.cpp``) over
 two opaque ops, ``decoder_layer_fwd`` (returns the output and the preset's residuals) and
 ``decoder_layer_bwd`` (recomputes the rest and returns the gradients). Their fakes below let
 ``torch.compile`` trace a model without tracing into them, so a compiled model keeps exactly
@@ -9,12 +9,15 @@ the residuals the preset names.
 A layer's tensors travel as one list in the order of ``WEIGHT_SLOTS``: HF parameter names
 relative to the decoder layer (``"input_layernorm.weight"``, ``"self_attn.q_proj.weight"``,
 ``"self_attn.q_proj.bias"``, ``"self_attn.q_proj.lora_A"``, ...), ``None`` where absent.
-``ckpt_ext.modules`` and ``ckpt_ext.patch_llama`` call the op; the wrappers here are for users
-who hold the weights themselves.
+The op's arguments after ``x`` are spelled once, in ``csrc/layer_spec.h``; ``LAYER_ARGS`` reads
+their names from its schema, and ``call_decoder_layer`` passes them by name (``ckpt_ext.modules``
+and ``ckpt_ext.patch_llama`` call the op so). The wrappers at the end are for users who hold
+the weights themselves.
 """
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -23,8 +26,8 @@ from torch import Tensor
 from . import _C
 from .presets import FUSED_PRESETS
 
-__all__ = ["WEIGHT_SLOTS", "PROJECTIONS", "pack_weights", "decoder_layer", "attention_block",
-           "mlp_block"]
+__all__ = ["WEIGHT_SLOTS", "PROJECTIONS", "LAYER_ARGS", "RESIDUALS", "pack_weights",
+           "call_decoder_layer", "decoder_layer", "attention_block", "mlp_block"]
 
 _ops = torch.ops.ckpt_ext
 
@@ -34,6 +37,27 @@ PROJECTIONS: Tuple[str, ...] = tuple(s[:-len(".weight")] for s in WEIGHT_SLOTS
                                      if s.endswith("_proj.weight"))
 _SLOT_INDEX = {name: i for i, name in enumerate(WEIGHT_SLOTS)}
 PARTS = ("layer", "attention", "mlp")
+# The names of what decoder_layer_fwd keeps per (part, preset), in the order of its `saved`.
+RESIDUALS = {(part, preset): tuple(_C.layer_residuals(part, preset))
+             for part in PARTS for preset in FUSED_PRESETS}
+
+# The op's arguments after x, in its order (its schema, generated from csrc/layer_spec.h).
+LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._schema.arguments[1:])
+# The value of an argument that a call_decoder_layer leaves out. The others (weights, num_heads,
+# num_kv_heads, eps, scale) every call gives.
+LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
+                      uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
+                      dropout_seed=None, compute_dtype=None, part="layer", preset="balanced")
+
+
+def call_decoder_layer(x: Tensor, **args) -> Tensor:
+    """``torch.ops.ckpt_ext.decoder_layer(x, ...)`` with its arguments by name (``LAYER_ARGS``),
+    ``LAYER_DEFAULTS`` for those left out; x: (B, S, H), weights: the ``WEIGHT_SLOTS`` list."""
+    unknown = set(args) - set(LAYER_ARGS)
+    if unknown:
+        raise TypeError(f"decoder_layer: unknown arguments {sorted(unknown)}; the op takes "
+                        f"ckpt_ext.blocks.LAYER_ARGS")
+    return _ops.decoder_layer(x, **{**LAYER_DEFAULTS, **args})
 
 
 def pack_weights(named: Mapping[str, Optional[Tensor]]) -> list:
@@ -48,56 +72,45 @@ def pack_weights(named: Mapping[str, Optional[Tensor]]) -> list:
 
 # ---- fakes (what torch.compile and meta tensors see) -----------------------------------------
 
-def _act_dtype(x, compute_dtype):
-    return compute_dtype if compute_dtype is not None else x.dtype
+def _bind(names, args, kwargs) -> SimpleNamespace:
+    """A fake's arguments by name, whether the dispatcher passed them by position or name."""
+    return SimpleNamespace(**dict(zip(names, args)), **kwargs)
 
 
-def _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset):
-    """Empty tensors shaped, typed and strided as decoder_layer_fwd's ``saved`` output."""
-    if preset == "min_memory":
-        return []
+def _residual(name: str, x, a) -> Tensor:
+    """An empty tensor shaped, typed and strided as decoder_layer_fwd's residual ``name``."""
     b, s, _ = x.shape
-    act = dict(dtype=_act_dtype(x, compute_dtype), device=x.device)
-    out = []
-    if part != "mlp":
-        d = weights[_SLOT_INDEX["self_attn.q_proj.weight"]].shape[0] // num_heads
-        if preset == "fast":
-            out += [x.new_empty(b, s, num_heads, d, **act).transpose(1, 2),
-                    x.new_empty(b, s, num_kv_heads, d, **act).transpose(1, 2),
-                    x.new_empty(b, s, num_kv_heads, d, **act).transpose(1, 2)]
-        out += [x.new_empty(b, s, num_heads, d, **act).transpose(1, 2),
-                x.new_empty(b, num_heads, s, dtype=torch.float32)]
-    if part == "layer":
-        out.append(torch.empty_like(x, memory_format=torch.contiguous_format))
-    if part != "attention" and preset == "fast":
-        i = weights[_SLOT_INDEX["mlp.gate_proj.weight"]].shape[0]
-        out += [x.new_empty(b * s, i, **act), x.new_empty(b * s, i, **act)]
-    return out
+    act = a.compute_dtype if a.compute_dtype is not None else x.dtype
+    if name == "h":
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    if name == "lse":
+        return x.new_empty(b, a.num_heads, s, dtype=torch.float32)
+    if name in ("gate", "up"):
+        i = a.weights[_SLOT_INDEX["mlp.gate_proj.weight"]].shape[0]
+        return x.new_empty(b * s, i, dtype=act)
+    d = a.weights[_SLOT_INDEX["self_attn.q_proj.weight"]].shape[0] // a.num_heads
+    heads = a.num_heads if name in ("q", "out") else a.num_kv_heads
+    return x.new_empty(b, s, heads, d, dtype=act).transpose(1, 2)  # (B, H*, S, D)
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer")
-def _decoder_layer_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                        uniform_empty_rows, lora_scaling, lora_dropout, dropout_seed, num_heads,
-                        num_kv_heads, eps, scale, compute_dtype, part, preset):
+def _decoder_layer_fake(x, *args, **kwargs):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_fwd")
-def _decoder_layer_fwd_fake(x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                            uniform_empty_rows, lora_scaling, lora_dropout, dropout_seed,
-                            num_heads, num_kv_heads, eps, scale, compute_dtype, part, preset):
+def _decoder_layer_fwd_fake(x, *args, **kwargs):
+    a = _bind(LAYER_ARGS, args, kwargs)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            _residuals(x, weights, num_heads, num_kv_heads, compute_dtype, part, preset))
+            [_residual(name, x, a) for name in RESIDUALS[a.part, a.preset]])
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_bwd")
-def _decoder_layer_bwd_fake(dy, x, weights, cos, sin, key_padding_mask, segment_ids, window,
-                            uniform_empty_rows, lora_scaling, lora_dropout, dropout_seed,
-                            num_heads, num_kv_heads, eps, scale, compute_dtype, part, preset,
-                            saved, needs_grad):
+def _decoder_layer_bwd_fake(dy, x, *args, **kwargs):
+    a = _bind(LAYER_ARGS + ("saved", "needs_grad"), args, kwargs)
     dweights = [torch.empty_like(w, memory_format=torch.contiguous_format)
                 if w is not None and need else x.new_empty(0)
-                for w, need in zip(weights, needs_grad)]
+                for w, need in zip(a.weights, a.needs_grad)]
     return torch.empty_like(x, memory_format=torch.contiguous_format), dweights
 
 
@@ -141,11 +154,12 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     if scale is None:
         wq = w[_SLOT_INDEX["self_attn.q_proj.weight"]]
         scale = 1.0 / math.sqrt(wq.shape[0] // num_heads) if wq is not None else 1.0
-    return _ops.decoder_layer(x, w, cos, sin, key_padding_mask, segment_ids, window,
-                              uniform_empty_rows, list(lora_scaling or ()),
-                              list(lora_dropout or ()), dropout_seed, num_heads,
-                              num_kv_heads or num_heads, eps, float(scale), compute_dtype, part,
-                              preset)
+    return call_decoder_layer(
+        x, weights=w, cos=cos, sin=sin, key_padding_mask=key_padding_mask,
+        segment_ids=segment_ids, window=window, uniform_empty_rows=uniform_empty_rows,
+        lora_scaling=list(lora_scaling or ()), lora_dropout=list(lora_dropout or ()),
+        dropout_seed=dropout_seed, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
+        eps=eps, scale=float(scale), compute_dtype=compute_dtype, part=part, preset=preset)
 
 
 def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,

@@ -73,9 +73,10 @@ inline at::Tensor rope_out_like(const at::Tensor& t) {
 }
 
 // An optional tensor argument that "does not apply": None, or the empty (0,) placeholder an op
-// returns for an output that does not apply (see csrc/ckpt_ext.cpp).
+// returns for an output that does not apply (see csrc/ckpt_ext.cpp). Symbolic sizes (a
+// decoder_layer traced with dynamic shapes) are read as SymInts.
 inline bool absent(const std::optional<at::Tensor>& t) {
-  return !t.has_value() || !t->defined() || (t->dim() == 1 && t->numel() == 0);
+  return !t.has_value() || !t->defined() || (t->dim() == 1 && t->sym_numel() == 0);
 }
 
 // t is a defined tensor (an undefined one reaches C++ only from C++ callers).

@@ -4,8 +4,8 @@
 //   CPU       ATen reference implementations (csrc/*_cpu.cpp), always built
 //   CUDA      Triton launchers from kernels/ (registered from Python, ckpt_ext/_backend.py)
 //             and CUDA C++ launchers (csrc/cuda/*.cpp, CUDA build only)
-//   Autograd  the C++ autograd Function of the decoder layer (csrc/blocks.cpp)
-//   Autocast  decoder_layer: fixes the compute dtype (csrc/blocks.cpp); every other op: runs
+//   Autograd  the C++ autograd Function of the decoder layer (csrc/layer_autograd.cpp)
+//   Autocast  decoder_layer: fixes the compute dtype (csrc/layer_autograd.cpp); every other op: runs
 //             with autocast off (below), whatever autocast state it is called under
 //
 // Conventions shared by all kernel ops:
@@ -21,6 +21,8 @@
 #include <torch/library.h>
 
 #include <array>
+
+#include "layer_spec.h"
 
 TORCH_LIBRARY(ckpt_ext, m) {
   // ---- attention ---------------------------------------------------------------------------
@@ -81,39 +83,15 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def("rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor q_out, Tensor k_out)");
   m.def("rope_bwd(Tensor dq_out, Tensor dk_out, Tensor cos, Tensor sin) -> (Tensor dq, Tensor dk)");
 
-  // ---- the fused decoder layer (csrc/blocks.cpp) --------------------------------------------
-  // x (B, S, H). weights: the layer's tensors in the named slots of ckpt_ext.blocks.WEIGHT_SLOTS
-  // (HF parameter names: "input_layernorm.weight", "self_attn.q_proj.weight",
-  // "self_attn.q_proj.bias", "self_attn.q_proj.lora_A", ...), None where absent. cos/sin
-  // (B or 1, S, D); key_padding_mask, segment_ids and window as in attention_fwd; causal.
-  // uniform_empty_rows: a query row with no key to attend averages all values uniformly, as HF's
-  // eager attention computes it (the kernels' rule otherwise: such a row is 0).
-  // lora_scaling: one factor per projection (q, k, v, o, gate, up, down), or [] without
-  // adapters. lora_dropout: [] or one dropout probability per projection, applied to the
-  // adapter's input (lora_dropout with stream = the projection's index, see above);
-  // dropout_seed: required when one is > 0 (backward replays the forward's masks from it).
-  // compute_dtype: the dtype of the projections and attention (None: the weights'
-  // dtype; set from torch.autocast by the Autocast kernel). part: "layer" | "attention" |
-  // "mlp". preset: "fast" | "balanced" | "min_memory" decides what forward keeps.
-  m.def("decoder_layer(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
-        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
-        "float[] lora_scaling, float[] lora_dropout, Tensor? dropout_seed, "
-        "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
-        "str part, str preset) -> Tensor");
+  // ---- the fused decoder layer (csrc/layer_spec.h: its arguments, spelled once) ----------
+  // x (B, S, H), then LAYER_SCHEMA: the arguments listed and described in that header.
+  m.def("decoder_layer(Tensor x" LAYER_SCHEMA ") -> Tensor");
   // The forward and backward of decoder_layer as opaque ops (what torch.compile sees): the
   // forward returns the preset's residuals, the backward recomputes the rest. needs_grad: one
   // flag per weight slot; slots without a gradient come back as empty (0,) tensors.
-  m.def("decoder_layer_fwd(Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
-        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
-        "float[] lora_scaling, float[] lora_dropout, Tensor? dropout_seed, "
-        "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
-        "str part, str preset) -> (Tensor y, Tensor[] saved)");
-  m.def("decoder_layer_bwd(Tensor dy, Tensor x, Tensor?[] weights, Tensor? cos, Tensor? sin, "
-        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool uniform_empty_rows, "
-        "float[] lora_scaling, float[] lora_dropout, Tensor? dropout_seed, "
-        "int num_heads, int num_kv_heads, float eps, float scale, ScalarType? compute_dtype, "
-        "str part, str preset, Tensor[] saved, bool[] needs_grad) -> (Tensor dx, "
-        "Tensor[] dweights)");
+  m.def("decoder_layer_fwd(Tensor x" LAYER_SCHEMA ") -> (Tensor y, Tensor[] saved)");
+  m.def("decoder_layer_bwd(Tensor dy, Tensor x" LAYER_SCHEMA
+        ", Tensor[] saved, bool[] needs_grad) -> (Tensor dx, Tensor[] dweights)");
 
   // ---- LM head + cross-entropy loss, never holding the (T, V) logits ------------------------
   // hidden (T, H) (tokens flattened), weight (V, H) (nn.Linear layout), bias None or (V,) of

@@ -25,6 +25,18 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (optionally ``gpu(reason=...)``) skip without a CUDA device, with
+    their reason printed in the summary (``-ra``)."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=marker.kwargs.get("reason",
+                                                                      "needs a CUDA GPU")))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

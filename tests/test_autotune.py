@@ -208,8 +208,8 @@ def test_untuned_launcher_skips_configs_the_device_refuses():
         none_fit["grid"](1, HEAD_DIM=256)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the autotuner does not run in the "
-                                     "Triton interpreter)")
+@pytest.mark.gpu(reason="needs a CUDA GPU (the autotuner does not run in the Triton "
+                        "interpreter)")
 def test_autotuned_launchers_agree_with_fixed_ones(tmp_path):
     code = r"""
 import torch, ckpt_ext

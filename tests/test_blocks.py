@@ -255,3 +255,85 @@ def test_fused_layer_inside_torch_checkpoint():
     x.grad = None
     layer(x, pe).sum().backward()
     torch.testing.assert_close(gx, x.grad, rtol=0, atol=0)
+
+
+# ---- the op's spec from C++: residual layout, arguments by name, opcheck ----------------------
+
+_PART_WEIGHTS = {"layer": ("",), "attention": ("input_layernorm.", "self_attn."),
+                 "mlp": ("post_attention_layernorm.", "mlp.")}
+
+
+def _layer_call(dtype, compute_dtype=None, b=2, s=5, requires_grad=False, part="layer"):
+    """x and call_decoder_layer's arguments (but preset) for a small GQA layer's ``part``,
+    given the weights of that part alone (as blocks.attention_block and mlp_block do)."""
+    layer = make_layer(32, 4, 2, 48, dtype)
+    weights = blocks.pack_weights({n: t.detach().requires_grad_(requires_grad)
+                                   for n, t in layer.named_parameters()
+                                   if n.startswith(_PART_WEIGHTS[part])})
+    cos, sin = rope_tables(s, 8, dtype)
+    x = torch.randn(b, s, 32, dtype=dtype, requires_grad=requires_grad)
+    return x, dict(weights=weights, cos=cos, sin=sin, num_heads=4, num_kv_heads=2, eps=1e-6,
+                   scale=8 ** -0.5, compute_dtype=compute_dtype, part=part)
+
+
+def _op_args(args):
+    """The layer ops' positional arguments after x, from call_decoder_layer's by name."""
+    full = {**blocks.LAYER_DEFAULTS, **args}
+    return [full[n] for n in blocks.LAYER_ARGS]
+
+
+@pytest.mark.parametrize("dtype,compute_dtype", [(torch.float32, None), (torch.float64, None),
+                                                 (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "fp64", "fp32-bf16"])
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_saved_residuals_follow_the_spec_and_the_formula(dtype, compute_dtype, preset):
+    """decoder_layer_fwd returns the residuals C++ names for each part (blocks.RESIDUALS), the
+    sublayers' share up to the whole layer's, and their bytes are presets.per_token_bytes."""
+    from ckpt_ext.presets import per_token_bytes
+    b, s = 2, 5
+    x, args = _layer_call(dtype, compute_dtype, b, s)
+    per_part = {}
+    for part in blocks.PARTS:
+        _, saved = torch.ops.ckpt_ext.decoder_layer_fwd(
+            x, *_op_args({**args, "part": part, "preset": preset}))
+        names = blocks.RESIDUALS[part, preset]
+        assert len(saved) == len(names)
+        per_part[part] = dict(zip(names, saved))
+    whole = set(per_part["attention"]) | set(per_part["mlp"]) | ({"h"} if preset != "min_memory"
+                                                                 else set())
+    assert set(per_part["layer"]) == whole
+    saved_bytes = sum(t.numel() * t.element_size() for t in per_part["layer"].values())
+    expected = b * s * per_token_bytes(preset, H=32, Hq=4, Hkv=2, D=8, I=48, dtype=dtype,
+                                       compute_dtype=compute_dtype)
+    assert x.numel() * x.element_size() + saved_bytes == expected
+
+
+def test_call_decoder_layer_names_its_arguments():
+    assert blocks.LAYER_ARGS[0] == "weights" and blocks.LAYER_ARGS[-2:] == ("part", "preset")
+    assert set(blocks.LAYER_DEFAULTS) < set(blocks.LAYER_ARGS)
+    x, args = _layer_call(torch.float32)
+    with pytest.raises(TypeError, match="unknown arguments \\['heads'\\]"):
+        blocks.call_decoder_layer(x, heads=4, **args)
+
+
+def _layer_opcheck_samples():
+    samples = []
+    for part in blocks.PARTS:
+        for preset in FUSED_PRESETS:
+            x, args = _layer_call(torch.float32, part=part)
+            args.update(preset=preset, key_padding_mask=make_mask("left_pad", 2, 5))
+            rest = _op_args(args)
+            samples.append(("decoder_layer_fwd", (x, *rest)))
+            y, saved = torch.ops.ckpt_ext.decoder_layer_fwd(x, *rest)
+            needs = [w is not None for w in args["weights"]]
+            samples.append(("decoder_layer_bwd", (torch.randn_like(y), x, *rest, saved, needs)))
+            xg, argsg = _layer_call(torch.float32, requires_grad=True, part=part)
+            argsg.update(preset=preset)
+            samples.append(("decoder_layer", (xg, *_op_args(argsg))))
+    return samples
+
+
+@pytest.mark.parametrize("sample", range(len(_layer_opcheck_samples())))
+def test_opcheck_decoder_layer(sample):
+    name, args = _layer_opcheck_samples()[sample]
+    torch.library.opcheck(getattr(torch.ops.ckpt_ext, name).default, args)

@@ -704,7 +704,7 @@ def test_saves_only_inputs():
     assert ckpt_ext.saved_activation_bytes(model, x) > 10 * x.numel() * 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA generator)")
+@pytest.mark.gpu(reason="needs a CUDA GPU (CUDA generator)")
 def test_cuda_dropout_replayed_and_cuda_rng_untouched():
     model = MLP(p=0.5).cuda()
     x = torch.randn(64, 12, device="cuda", requires_grad=True)

@@ -13,8 +13,7 @@ import torch
 from reference import (FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, rms_norm_reference,
                        rope_reference)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="CUDA kernels need a CUDA GPU; compile-checked by .ci/run")
+pytestmark = pytest.mark.gpu(reason="CUDA kernels need a CUDA GPU; compile-checked by .ci/run")
 
 DEVICE = "cuda"
 EPS = 1e-6

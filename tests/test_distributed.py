@@ -18,27 +18,20 @@ pytest.importorskip("transformers", reason="transformers is not installed: these
 if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
+from hf_fixtures import padded_batch, tiny_model  # noqa: E402
+
 WORLD, STEPS, B, S = 2, 2, 2, 13
 TIMEOUT_S = 240  # a run takes about 20 s; a hung collective must not hang the suite
 
 
 def make_model():
-    from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               vocab_size=97, use_cache=False, pad_token_id=0)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return tiny_model("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    vocab_size=97, use_cache=False, pad_token_id=0))
 
 
 def batch(rank):
-    g = torch.Generator().manual_seed(100 + rank)
-    ids = torch.randint(1, 97, (B, S), generator=g)
-    mask = torch.ones(B, S, dtype=torch.long)
-    mask[rank % B, :3] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 1:][mask[:, :-1] == 0] = -100
-    return ids.masked_fill(mask == 0, 0), mask, labels
+    return padded_batch(97, B, S, pad_row=rank % B, pad=3, seed=100 + rank)
 
 
 def loss_of(model, rank):

@@ -20,6 +20,7 @@ transformers = pytest.importorskip(
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import ckpt_ext  # noqa: E402
+from hf_fixtures import padded_batch, tiny_model  # noqa: E402
 from ckpt_ext.hf.masks import padding_mask_from_4d as _padding_mask_from  # noqa: E402
 from ckpt_ext.hf.patch import patch_llama as _patch_llama, unpatch_llama  # noqa: E402
 
@@ -43,37 +44,16 @@ B, S, PAD = 2, 17, 5
 
 
 def make_model(family="llama", impl="sdpa", cls=AutoModelForCausalLM, seed=0, **overrides):
-    try:
-        cfg = AutoConfig.for_model(family, **{**TINY, **FAMILIES[family], **overrides})
-    except ValueError:
-        pytest.skip(f"transformers {transformers.__version__} has no {family} models")
-    torch.manual_seed(seed)
-    model = cls.from_config(cfg, attn_implementation=impl)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.add_(0.05 * noise)
-    return model
+    return tiny_model(family, {**TINY, **FAMILIES[family], **overrides}, impl=impl, cls=cls,
+                      seed=seed, perturb=True)
 
 
 def make_batch(pad: bool, seed=1, s=S):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, TINY["vocab_size"], (B, s), generator=g)
     if not pad:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, TINY["vocab_size"], (B, s), generator=g)
         return ids, None, ids.clone()
-    mask = torch.ones(B, s, dtype=torch.long)
-    mask[0, :PAD] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    labels[:, 1:][mask[:, :-1] == 0] = -100  # predicted from a padded position
-    return ids, mask, labels
+    return padded_batch(TINY["vocab_size"], B, s, pad=PAD, seed=seed)
 
 
 def run(model, ids, mask, labels, **kwargs):

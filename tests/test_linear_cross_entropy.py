@@ -23,7 +23,6 @@ OPS = torch.ops.ckpt_ext
 F64 = torch.float64
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 IGNORE = -100
 
 
@@ -166,7 +165,7 @@ def test_triton_matches_hf(case):
     check_case("triton", lead, H, V, dtype, bias, reduction)
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("V", [32000, 32003])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_matches_hf_gpu(V, dtype):
@@ -341,7 +340,7 @@ def test_label_out_of_range(backend):
         ops.linear_cross_entropy(hidden, weight, labels)
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_label_out_of_range_gpu_gives_nan():
     """On a GPU a label check would cost a host sync: the token's loss is NaN instead."""
     hidden, weight, _, labels = make_inputs((6,), 64, 100, torch.bfloat16, device="cuda")

@@ -10,26 +10,20 @@ from ckpt_ext.presets import per_token_bytes
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: these tests need it "
     "(pip install -e '.[test]')")
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from hf_fixtures import padded_batch, tiny_model  # noqa: E402
 
 V, B, S = 311, 2, 19
 
 
 def make_model(seed=0, **overrides):
-    cfg = AutoConfig.for_model("llama", **{**dict(
+    return tiny_model("llama", {**dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False), **overrides})
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False), **overrides},
+        seed=seed)
 
 
 def make_batch(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, V, (B, S), generator=g)
-    mask = torch.ones(B, S, dtype=torch.long)
-    mask[1, :5] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return ids.masked_fill(mask == 0, 0), mask, labels
+    return padded_batch(V, B, S, pad_row=1, pad=5, seed=seed, shift=False)
 
 
 def step(model, **inputs):

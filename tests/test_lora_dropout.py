@@ -92,6 +92,13 @@ def test_op_autograd_and_errors():
     assert fake.shape == (3, 4) and fake.device.type == "meta"
 
 
+@pytest.mark.parametrize("shape,p", [((6, 11), 0.4), ((2, 3, 5), 0.0), ((), 0.5)],
+                         ids=["2d", "3d-p0", "0d"])
+def test_opcheck(shape, p):
+    x = torch.randn(shape, requires_grad=True)
+    torch.library.opcheck(OPS.lora_dropout.default, (x, seed_tensor(2**40 + 3), 2, p))
+
+
 def test_zero_dim_tensor_is_one_element():
     """A 0-d x gives a 0-d result of its dtype: the (1, 1) view's one element, kept (scaled)
     or dropped as the hash says."""

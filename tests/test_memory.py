@@ -150,7 +150,6 @@ def test_device_is_read_from_the_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_peak_is_relative_to_the_start():
     a, b = _fresh_bytes(4), _fresh_bytes(8)
     resident = _floats(_fresh_bytes(16), "cuda")  # allocated before: not part of the peak

@@ -17,7 +17,7 @@ from reference import make_layer, rope_tables
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: these tests need it "
     "(pip install -e '.[test]')")
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from hf_fixtures import padded_batch, tiny_model  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=172, vocab_size=128, pad_token_id=0,
@@ -26,25 +26,12 @@ B, S = 2, 17
 
 
 def make_model(family="llama", dtype=torch.float32, seed=0, **overrides):
-    cfg = AutoConfig.for_model(family, **{**TINY, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.3 * noise if "norm" in name else p + 0.05 * noise)
-    return model.to(dtype)
+    return tiny_model(family, {**TINY, **overrides}, seed=seed, perturb=True,
+                      bias_noise=None).to(dtype)
 
 
 def make_batch(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, TINY["vocab_size"], (B, S), generator=g)
-    mask = torch.ones(B, S, dtype=torch.long)
-    mask[0, :4] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 1:][mask[:, :-1] == 0] = -100  # predicted from a padded position
-    return ids.masked_fill(mask == 0, 0), mask, labels
+    return padded_batch(TINY["vocab_size"], B, S, pad=4, seed=seed)
 
 
 def fused_calls(model):

@@ -35,7 +35,6 @@ from reference import (FACTOR_GRAD, FACTOR_OUT, attention_reference, check_vs_ba
                        eager_flash_identity_grads, packed_segment_ids)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAMES = ("out", "lse", "dq", "dk", "dv")
 FACTOR = {"out": FACTOR_OUT, "lse": FACTOR_OUT, "dq": FACTOR_GRAD, "dk": FACTOR_GRAD,
           "dv": FACTOR_GRAD}
@@ -517,7 +516,6 @@ GPU_CASES = [
 ]
 
 
-@needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_case_id(c) for c in GPU_CASES])
 def test_accuracy_gpu(case):
@@ -525,7 +523,6 @@ def test_accuracy_gpu(case):
     check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S)
 
 
-@needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES[:4] + GPU_CASES[6:7],
                          ids=[_case_id(c) for c in GPU_CASES[:4] + GPU_CASES[6:7]])
@@ -537,7 +534,6 @@ def test_dq_atomic_gpu(monkeypatch, case):
     check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 2)
 
 
-@needs_gpu
 @pytest.mark.gpu
 def test_deterministic_backward_gpu(monkeypatch):
     monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "separate")

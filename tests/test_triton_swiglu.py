@@ -25,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I = 96, 172
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down")
 ALL_GRADS = [True] * 12  # needs_grad: every gradient
 
@@ -343,7 +342,7 @@ def test_bwd_errors():
 # ------------------------------------------------------------------------------------------
 # GPU only
 # ------------------------------------------------------------------------------------------
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("save", ["input", "gate_up"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("T", [1, 7, 129])
@@ -352,7 +351,7 @@ def test_bf16_cuda(T, bias, save):
     check_accuracy(run_kernels(*args, save), eager(*args), reference(*args), torch.bfloat16)
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("save", ["input", "gate_up"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("I_", [11008, 14336], ids=["llama7b", "llama3_8b"])
@@ -539,7 +538,7 @@ def test_needs_grad_length_error():
         swiglu_mlp.swiglu_bwd(dy, x, wg, wu, wd, bg, bu, bd, [], [], None, None, [True] * 7)
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("save", ["input", "gate_up"])
 @pytest.mark.parametrize("ranks", [(16, 16, 16), (8, None, 64)], ids=["r16", "mixed"])
 def test_lora_bf16_cuda(ranks, save):

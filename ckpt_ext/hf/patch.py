@@ -61,7 +61,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
-from ..blocks import PROJECTIONS, WEIGHT_SLOTS
+from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
 from ..presets import FUSED_PRESETS, check_policy
 from .adapters import read_projection
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
@@ -597,10 +597,13 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        return torch.ops.ckpt_ext.decoder_layer(
-            x, weights, cos, sin, masks.key_padding_mask, masks.segment_ids, window,
-            _attn_implementation(self.config) == "eager", scaling, dropout, seed,
-            spec.num_heads, spec.num_kv_heads, spec.eps, spec.scale, None, "layer", preset)
+        return call_decoder_layer(
+            x, weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
+            segment_ids=masks.segment_ids, window=window,
+            uniform_empty_rows=_attn_implementation(self.config) == "eager",
+            lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed,
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
+            scale=spec.scale, preset=preset)
 
 
 def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list, list]]:

@@ -24,9 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from .. import ops
-from ..blocks import pack_weights
-from .._backend import rms_norm_reference
+from .. import ops, plain
+from ..blocks import call_decoder_layer, pack_weights
 from ..presets import FUSED_PRESETS, check_policy
 
 __all__ = ["LayerConfig", "RMSNorm", "SwiGLUMLP", "Attention", "DecoderLayer"]
@@ -69,16 +68,6 @@ class LayerConfig:
 
 # ---- plain PyTorch math (presets "none" / "torch") -----------------------------------------
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_plain(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 def _attention_plain(q: Tensor, k: Tensor, v: Tensor, scale: float,
                      key_padding_mask: Optional[Tensor]) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
@@ -120,7 +109,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.policy in FUSED_PRESETS:
             return ops.rms_norm(x, self.weight, self.variance_epsilon)
-        return rms_norm_reference(x, self.weight, self.variance_epsilon)
+        return plain.rms_norm(x, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, policy={self.policy!r}"
@@ -191,7 +180,7 @@ class Attention(nn.Module):
             out = ops.attention(q, k, v, causal=True, scale=self.scaling,
                                 key_padding_mask=key_padding_mask)
         else:
-            q, k = _rope_plain(q, k, cos, sin)
+            q, k = plain.rope(q, k, cos, sin)
             out = _attention_plain(q, k, v, self.scaling, key_padding_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -243,10 +232,10 @@ class DecoderLayer(nn.Module):
 
     def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
         a = self.self_attn
-        return torch.ops.ckpt_ext.decoder_layer(
-            x, pack_weights(dict(self.named_parameters())), cos, sin, mask, None, None, False, [],
-            [], None, a.num_heads, a.num_kv_heads, self.input_layernorm.variance_epsilon, a.scaling, None,
-            "layer", self.policy)
+        return call_decoder_layer(
+            x, weights=pack_weights(dict(self.named_parameters())), cos=cos, sin=sin,
+            key_padding_mask=mask, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+            eps=self.input_layernorm.variance_epsilon, scale=a.scaling, preset=self.policy)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:

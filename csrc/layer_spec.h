@@ -1,0 +1,349 @@
+// The fused LLaMA decoder layer: what a call is made of. Every file of the layer reads it:
+//   csrc/ckpt_ext.cpp        the three schemas (LAYER_SCHEMA)
+//   csrc/layer_math.cpp      decoder_layer_fwd / decoder_layer_bwd: the layer's math
+//   csrc/layer_autograd.cpp  decoder_layer: the autograd Function over those two ops, and the
+//                            Autocast and below-autograd kernels
+//
+//   decoder_layer       the user-facing op. Autocast key: fixes the compute dtype. Autograd
+//                       key: DecoderLayerFn, which calls the two ops below and saves the
+//                       preset's residuals. Below autograd (no grad): the forward alone.
+//   decoder_layer_fwd   forward: (y, residuals). Residuals are exactly what the preset keeps.
+//   decoder_layer_bwd   backward: recomputes what the preset did not keep, returns gradients.
+//
+// Because forward and backward are single ops with fakes (ckpt_ext/blocks.py), torch.compile
+// (AOTAutograd) cannot trace into them: a compiled model saves the preset's residuals, not
+// what the partitioner would choose from the kernel ops inside.
+//
+//   preset       forward keeps (besides x and the weights)   backward recomputes
+//   fast         q, k, v (post-RoPE), out, lse, h, gate, up   norms, SwiGLU product, softmax tiles
+//   balanced     out, lse, h                                  + q/k/v and RoPE, gate/up tile-wise
+//   min_memory   nothing                                      + attention forward and o_proj
+//
+// (h = x + attention output, the MLP input.) `part` selects the whole layer ("layer"), the
+// attention sublayer x + o_proj(attn(...)) ("attention") or the MLP sublayer
+// h + down(silu(gate) * up) ("mlp"); a sublayer keeps its share of the residuals above.
+//
+// Weights travel as one list of named slots (HF parameter names relative to the decoder
+// layer); a projection is the four slots weight, bias, lora_A, lora_B, absent ones None. A
+// LoRA projection computes x W^T + b + scaling * (dropout(x) A^T) B^T; the dropout mask is a
+// hash of (dropout_seed, projection, element) (csrc/lora_dropout.h), so every recompute and
+// the backward see the forward's masks.
+//
+// Mixed precision: with compute_dtype (set by the Autocast kernel from the autocast dtype),
+// the layer computes what HF's modules compute under autocast: norms in the residual dtype
+// (statistics in fp32), projections and attention in compute_dtype (weights cast transiently,
+// never saved), residual adds in the residual dtype (fp32 when the master weights are fp32).
+//
+// Shapes: x (B, S, H); q (B, Hq, S, D); k, v (B, Hkv, S, D); out (B, Hq, S, D) (v and out
+// laid out (B, S, H*, D) in memory); lse (B, Hq, S) fp32; gate, up (B*S, I); weights in
+// nn.Linear layout.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "checks.h"
+
+namespace ckpt_ext {
+namespace layer {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// ---- the op's arguments, spelled once ------------------------------------------------------
+//
+// decoder_layer(Tensor x, <the list below>) -> Tensor, in this order. Each row is
+// X(KIND, schema type, C++ parameter type, name); KIND says how the autograd Function carries
+// the argument from forward to backward:
+//   WEIGHTS  the slot list (its given tensors are the Function's differentiable inputs)
+//   TENSOR   an optional tensor without a gradient, saved with save_for_backward
+//   OPTION   a value, kept in the autograd context's saved_data
+// A new argument is its row (with its line below), its use in csrc/layer_math.cpp, its default
+// in ckpt_ext.blocks.LAYER_DEFAULTS, and the caller that sets it; the schemas, the kernels'
+// signatures, the autograd Function and the Python fakes follow from the list.
+//
+//   weights             the layer's tensors in the named slots below (kNumSlots)
+//                       (ckpt_ext.blocks.WEIGHT_SLOTS), None where absent
+//   cos, sin            (B or 1, S, D), required unless part is "mlp"
+//   key_padding_mask,
+//   segment_ids,
+//   window              as in attention_fwd; the layer is causal
+//   uniform_empty_rows  a query row with no key to attend averages all values uniformly, as
+//                       HF's eager attention computes it (the kernels' rule otherwise: 0)
+//   lora_scaling        one factor per projection (q, k, v, o, gate, up, down), or [] without
+//                       adapters
+//   lora_dropout        [] or one dropout probability per projection, applied to the
+//                       adapter's input (lora_dropout with stream = the projection's index)
+//   dropout_seed        required when a dropout probability is > 0 (backward replays the
+//                       forward's masks from it)
+//   num_heads,
+//   num_kv_heads, eps   the attention's heads; the norms' epsilon
+//   scale               the attention's softmax scale
+//   compute_dtype       the dtype of the projections and attention (None: the weights';
+//                       set from torch.autocast by the Autocast kernel)
+//   part                "layer" | "attention" | "mlp"
+//   preset              "fast" | "balanced" | "min_memory": what forward keeps
+#define CKPT_DECODER_LAYER_ARGS(X, ...)                                                  \
+  X(WEIGHTS, "Tensor?[]", const c10::List<OptTensor>&, weights, __VA_ARGS__)               \
+  X(TENSOR, "Tensor?", const OptTensor&, cos, __VA_ARGS__)                                 \
+  X(TENSOR, "Tensor?", const OptTensor&, sin, __VA_ARGS__)                                 \
+  X(TENSOR, "Tensor?", const OptTensor&, key_padding_mask, __VA_ARGS__)                    \
+  X(TENSOR, "Tensor?", const OptTensor&, segment_ids, __VA_ARGS__)                         \
+  X(OPTION, "int?", std::optional<int64_t>, window, __VA_ARGS__)                           \
+  X(OPTION, "bool", bool, uniform_empty_rows, __VA_ARGS__)                                 \
+  X(OPTION, "float[]", c10::ArrayRef<double>, lora_scaling, __VA_ARGS__)                   \
+  X(OPTION, "float[]", c10::ArrayRef<double>, lora_dropout, __VA_ARGS__)                   \
+  X(TENSOR, "Tensor?", const OptTensor&, dropout_seed, __VA_ARGS__)                        \
+  X(OPTION, "int", int64_t, num_heads, __VA_ARGS__)                                        \
+  X(OPTION, "int", int64_t, num_kv_heads, __VA_ARGS__)                                     \
+  X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
+  X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
+  X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, __VA_ARGS__)      \
+  X(OPTION, "str", c10::string_view, part, __VA_ARGS__)                                    \
+  X(OPTION, "str", c10::string_view, preset, __VA_ARGS__)
+
+// What the list generates. The first four start each argument with a comma, to follow x
+// (or dy, x):
+//   "decoder_layer(Tensor x" LAYER_SCHEMA ") -> Tensor"     the schema text
+//   f(const at::Tensor& x LAYER_PARAMS)                     a kernel's parameters
+//   op.call(x LAYER_ARGS)                                   passing them on
+//   T(const at::Tensor& LAYER_SIG)                          the C++ signature
+//   op.call(x LAYER_ARGS_OF(w, t, o))                       the arguments from a weights list
+//                                                           w, a LayerTensors t and a
+//                                                           LayerOptions o
+//   CKPT_LAYER_EACH(TENSOR | OPTION, F)                     F(param type, name) for each
+//                                                           argument of that kind
+#define CKPT_LAYER_SCHEMA_(kind, schema, param, name, ...) ", " schema " " #name
+#define CKPT_LAYER_PARAM_(kind, schema, param, name, ...) , param name
+#define CKPT_LAYER_ARG_(kind, schema, param, name, ...) , name
+#define CKPT_LAYER_TYPE_(kind, schema, param, name, ...) , param
+#define LAYER_SCHEMA CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_SCHEMA_, )
+#define LAYER_PARAMS CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_PARAM_, )
+#define LAYER_ARGS CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_ARG_, )
+#define LAYER_SIG CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_TYPE_, )
+
+#define CKPT_LAYER_OF_(kind, schema, param, name, w, t, o) , CKPT_LAYER_OF_##kind(name, w, t, o)
+#define CKPT_LAYER_OF_WEIGHTS(name, w, t, o) w
+#define CKPT_LAYER_OF_TENSOR(name, w, t, o) t.name
+#define CKPT_LAYER_OF_OPTION(name, w, t, o) o.name
+#define LAYER_ARGS_OF(w, t, o) CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_OF_, w, t, o)
+
+#define CKPT_LAYER_PICK_(kind, schema, param, name, want, f) \
+  CKPT_LAYER_PICK_##want##_##kind(f, param, name)
+#define CKPT_LAYER_PICK_TENSOR_WEIGHTS(f, param, name)
+#define CKPT_LAYER_PICK_TENSOR_TENSOR(f, param, name) f(param, name)
+#define CKPT_LAYER_PICK_TENSOR_OPTION(f, param, name)
+#define CKPT_LAYER_PICK_OPTION_WEIGHTS(f, param, name)
+#define CKPT_LAYER_PICK_OPTION_TENSOR(f, param, name)
+#define CKPT_LAYER_PICK_OPTION_OPTION(f, param, name) f(param, name)
+#define CKPT_LAYER_EACH(want, f) CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_PICK_, want, f)
+
+// An OPTION as it is kept once the call has returned (a list or a string is copied).
+inline std::vector<double> store(c10::ArrayRef<double> a) { return a.vec(); }
+inline std::string store(c10::string_view s) { return std::string(s); }
+template <class T>
+T store(const T& v) {
+  return v;
+}
+template <class Param>
+using Stored = decltype(store(std::declval<Param>()));
+
+// The TENSOR arguments, as given.
+struct LayerTensors {
+#define CKPT_LAYER_FIELD_(param, name) OptTensor name;
+  CKPT_LAYER_EACH(TENSOR, CKPT_LAYER_FIELD_)
+#undef CKPT_LAYER_FIELD_
+};
+
+// The OPTION arguments, kept (Stored) so that they outlive the call.
+struct LayerOptions {
+#define CKPT_LAYER_FIELD_(param, name) Stored<param> name;
+  CKPT_LAYER_EACH(OPTION, CKPT_LAYER_FIELD_)
+#undef CKPT_LAYER_FIELD_
+
+  // Into / out of an autograd context's saved_data, one entry per option, by name.
+  void save(torch::autograd::AutogradContext* ctx) const {
+    auto& d = ctx->saved_data;
+#define CKPT_LAYER_SAVE_(param, name) d[#name] = to_ivalue(name);
+    CKPT_LAYER_EACH(OPTION, CKPT_LAYER_SAVE_)
+#undef CKPT_LAYER_SAVE_
+  }
+
+  static LayerOptions load(torch::autograd::AutogradContext* ctx) {
+    auto& d = ctx->saved_data;
+    LayerOptions o;
+#define CKPT_LAYER_LOAD_(param, name) o.name = from_ivalue<decltype(o.name)>(d[#name]);
+    CKPT_LAYER_EACH(OPTION, CKPT_LAYER_LOAD_)
+#undef CKPT_LAYER_LOAD_
+    return o;
+  }
+
+ private:
+  template <class T>
+  static c10::IValue to_ivalue(const T& v) {
+    return c10::IValue(v);
+  }
+  static c10::IValue to_ivalue(const std::vector<double>& v) { return c10::List<double>(v); }
+  template <class T>
+  static T from_ivalue(const c10::IValue& v) {
+    if constexpr (std::is_same_v<T, std::vector<double>>) {
+      return v.toDoubleVector();
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      return v.toStringRef();
+    } else {
+      return v.to<T>();
+    }
+  }
+};
+
+// LayerTensors / LayerOptions from a kernel's LAYER_PARAMS.
+#define CKPT_LAYER_NAME_(param, name) name,
+#define CKPT_LAYER_STORE_(param, name) ::ckpt_ext::layer::store(name),
+#define LAYER_TENSORS_OF_PARAMS \
+  ::ckpt_ext::layer::LayerTensors { CKPT_LAYER_EACH(TENSOR, CKPT_LAYER_NAME_) }
+#define LAYER_OPTIONS_OF_PARAMS \
+  ::ckpt_ext::layer::LayerOptions { CKPT_LAYER_EACH(OPTION, CKPT_LAYER_STORE_) }
+
+// ---- weight slots ----------------------------------------------------------------------------
+
+enum Norm : int64_t { kInputNorm = 0, kQNorm, kKNorm, kPostNorm, kNumNorms };
+enum Proj : int64_t { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kNumProjs };
+enum ProjPart : int64_t { kWeight = 0, kBias, kLoraA, kLoraB, kNumProjParts };
+constexpr int64_t kNumSlots =
+    int64_t{kNumNorms} + int64_t{kNumProjs} * int64_t{kNumProjParts};
+
+constexpr int64_t slot(Norm n) { return n; }
+constexpr int64_t slot(Proj p, ProjPart part) {
+  return int64_t{kNumNorms} + int64_t{p} * int64_t{kNumProjParts} + int64_t{part};
+}
+
+inline const std::array<const char*, kNumNorms> kNormNames = {
+    "input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight"};
+inline const std::array<const char*, kNumProjs> kProjNames = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+inline const std::array<const char*, kNumProjParts> kProjPartNames = {"weight", "bias", "lora_A",
+                                                                "lora_B"};
+
+inline std::string slot_name(int64_t s) {
+  if (s < kNumNorms) return kNormNames[s];
+  const int64_t i = s - kNumNorms;
+  return std::string(kProjNames[i / kNumProjParts]) + "." + kProjPartNames[i % kNumProjParts];
+}
+
+// ---- part and preset ---------------------------------------------------------------------------
+
+enum class Preset { kFast, kBalanced, kMinMemory };
+enum class Part { kLayer, kAttention, kMlp };
+
+inline Preset parse_preset(c10::string_view name, const char* op) {
+  if (name == "fast") return Preset::kFast;
+  if (name == "balanced") return Preset::kBalanced;
+  if (name == "min_memory") return Preset::kMinMemory;
+  CKPT_CHECK_VALUE(false, op, "preset must be one of 'fast', 'balanced', 'min_memory', got '",
+                   std::string(name), "'");
+}
+
+inline Part parse_part(c10::string_view name, const char* op) {
+  if (name == "layer") return Part::kLayer;
+  if (name == "attention") return Part::kAttention;
+  if (name == "mlp") return Part::kMlp;
+  CKPT_CHECK_VALUE(false, op, "part must be one of 'layer', 'attention', 'mlp', got '",
+                   std::string(name), "'");
+}
+
+inline bool has_attention(Part p) { return p != Part::kMlp; }
+inline bool has_mlp(Part p) { return p != Part::kAttention; }
+
+// ---- one call ------------------------------------------------------------------------------
+
+// Everything of a call but x and the residuals: the arguments (TENSOR ones absent = nullopt),
+// the weights by slot, part and preset parsed.
+struct Layer : LayerTensors, LayerOptions {
+  std::vector<at::Tensor> w;  // kNumSlots, undefined = absent
+  Part part_id;
+  Preset preset_id;
+
+  const at::Tensor& at(int64_t s) const { return w[s]; }
+  const at::Tensor& norm(Norm n) const { return w[slot(n)]; }
+  const at::Tensor& proj(Proj p, ProjPart part = kWeight) const { return w[slot(p, part)]; }
+  int64_t head_dim() const { return proj(kQ).size(0) / num_heads; }
+  bool qk_norm() const { return norm(kQNorm).defined(); }
+  // t in the compute dtype (a transient copy when it differs; t itself otherwise).
+  at::Tensor cast(const at::Tensor& t) const {
+    return t.defined() && compute_dtype && t.scalar_type() != *compute_dtype
+               ? t.to(*compute_dtype)
+               : t;
+  }
+  OptTensor cast_opt(const at::Tensor& t) const {
+    return t.defined() ? OptTensor(cast(t)) : std::nullopt;
+  }
+  at::ScalarType act_dtype(const at::Tensor& x) const {
+    return compute_dtype.value_or(x.scalar_type());
+  }
+  double lora_scale(Proj p) const { return lora_scaling.empty() ? 0.0 : lora_scaling[p]; }
+  double dropout_p(Proj p) const {
+    return has_lora(p) && !lora_dropout.empty() ? lora_dropout[p] : 0.0;
+  }
+  bool has_lora(Proj p) const { return proj(p, kLoraA).defined(); }
+  // The dtype of the low-rank term: the compute dtype, or the adapter's own (PEFT keeps fp32
+  // adapters on a half-precision base and computes their term in fp32).
+  at::ScalarType lora_dtype(Proj p) const {
+    return compute_dtype.value_or(proj(p, kLoraA).scalar_type());
+  }
+  bool mlp_has_lora() const { return has_lora(kGate) || has_lora(kUp) || has_lora(kDown); }
+};
+
+// ---- residuals -----------------------------------------------------------------------------
+
+// Every tensor a preset may keep, named (the names ckpt_ext.blocks reads, kResidualNames).
+#define CKPT_LAYER_RESIDUALS(X) X(q) X(k) X(v) X(out) X(lse) X(h) X(gate) X(up)
+
+struct Residuals {
+#define CKPT_LAYER_RESIDUAL_(name) at::Tensor name;
+  CKPT_LAYER_RESIDUALS(CKPT_LAYER_RESIDUAL_)
+#undef CKPT_LAYER_RESIDUAL_
+};
+
+using Member = at::Tensor Residuals::*;
+
+// What (part, preset) keeps, in the order of decoder_layer_fwd's `saved` output.
+inline std::vector<Member> kept(Part part, Preset preset) {
+  std::vector<Member> m;
+  if (preset == Preset::kMinMemory) return m;
+  if (has_attention(part)) {
+    if (preset == Preset::kFast) m.insert(m.end(), {&Residuals::q, &Residuals::k, &Residuals::v});
+    m.insert(m.end(), {&Residuals::out, &Residuals::lse});
+  }
+  if (part == Part::kLayer) m.push_back(&Residuals::h);
+  if (has_mlp(part) && preset == Preset::kFast) m.insert(m.end(), {&Residuals::gate, &Residuals::up});
+  return m;
+}
+
+inline const char* residual_name(Member m) {
+#define CKPT_LAYER_RESIDUAL_NAME_(name) \
+  if (m == &Residuals::name) return #name;
+  CKPT_LAYER_RESIDUALS(CKPT_LAYER_RESIDUAL_NAME_)
+#undef CKPT_LAYER_RESIDUAL_NAME_
+  TORCH_INTERNAL_ASSERT(false, "not a residual");
+}
+
+// ---- the two ops (csrc/layer_math.cpp) -----------------------------------------------------
+
+using FwdResult = std::tuple<at::Tensor, std::vector<at::Tensor>>;  // (y, saved)
+using BwdResult = std::tuple<at::Tensor, std::vector<at::Tensor>>;  // (dx, dweights)
+
+FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS);
+BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
+                            at::TensorList saved, const c10::List<bool>& needs_grad);
+
+}  // namespace layer
+}  // namespace ckpt_ext
