@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from .zero import gathered_for_head, raw_parameter
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,17 +91,24 @@ class FusedHeadForward:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         head = self.model.lm_head
-        weight, bias = head.weight, head.bias
-        device = hidden.device.type
-        if torch.is_autocast_enabled(device):  # the head's matmul in the autocast dtype
-            dtype = torch.get_autocast_dtype(device)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        elif hidden.dtype != weight.dtype:
-            hidden = hidden.to(weight.dtype)
-        loss = ops.linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device),
-                                        bias=bias, ignore_index=ignore_index,
-                                        num_items_in_batch=num_items)
+        # Read past ZeRO-3's getter: under ZeRO-3 the weight is gathered only around the
+        # loss's forward and its backward (ckpt_ext.hf.zero).
+        weight, bias = raw_parameter(head, "weight"), raw_parameter(head, "bias")
+        labels = shift_labels.to(hidden.device)
+
+        def loss_of(hidden):
+            w, b = weight, bias
+            device = hidden.device.type
+            if torch.is_autocast_enabled(device):  # the head's matmul in the autocast dtype
+                dtype = torch.get_autocast_dtype(device)
+                hidden, w = hidden.to(dtype), w.to(dtype)
+                b = None if b is None else b.to(dtype)
+            elif hidden.dtype != w.dtype:
+                hidden = hidden.to(w.dtype)
+            return ops.linear_cross_entropy(hidden, w, labels, bias=b, ignore_index=ignore_index,
+                                            num_items_in_batch=num_items)
+
+        loss = gathered_for_head([weight, bias], hidden, loss_of)
         return CausalLMOutputWithPast(loss=loss, logits=None,
                                       past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states,
