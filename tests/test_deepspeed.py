@@ -151,7 +151,12 @@ def engine_run(rank, stage, patched, lora):
         engine.step()
         losses.append(loss.item())
     probe.remove()
+    from ckpt_ext.hf.zero import is_deepspeed_hook
+    q_proj = decoder(model)[1][0].self_attn.q_proj
+    child_hooks = [is_deepspeed_hook(h) for h in (*q_proj._forward_pre_hooks.values(),
+                                                  *q_proj._forward_hooks.values())]
     result = {"losses": losses, "params": full_params(model), "ops": ops,
+              "child_hooks": child_hooks,
               "statuses": statuses, "fused": fused_counts(model),
               "frozen_with_grad": [n for n, p in model.named_parameters()
                                    if not p.requires_grad and p.grad is not None]}
@@ -330,6 +335,11 @@ def test_zero3_patched_before_initialize(zero_runs):
 def test_zero3_patched_after_initialize(zero_runs):
     check_against_unpatched(zero_runs, "z3-after", "z3")
     check_gathering(zero_runs, "z3-after")
+    # ZeRO-3 hooked every submodule before the layers became leaves: its hooks are recognised
+    # (and skipped by the fused path, which ran above).
+    for rank, res in enumerate(zero_runs):
+        hooks = res["z3-after"]["child_hooks"]
+        assert hooks and all(hooks), (rank, hooks)
 
 
 def test_zero2(zero_runs):

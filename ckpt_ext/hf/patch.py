@@ -182,6 +182,10 @@ def _structure_problem(layer: nn.Module, hooks: bool = False,
     return None
 
 
+_ATTENTIONS_FIX = ("ask for output_attentions only in forwards that do not train, or use policy "
+                   "'none' for the layers whose attentions you need")
+
+
 def _hook_problem(layer: nn.Module, name: str, module: nn.Module) -> Optional[str]:
     """Why forward hooks on ``module`` (a submodule of ``layer``, at ``name``) keep the fused op
     from standing in for it, naming the hooks' owner and the fix; None when the fused op may
@@ -196,9 +200,7 @@ def _hook_problem(layer: nn.Module, name: str, module: nn.Module) -> Optional[st
     own = [h for h in found if not any(h is x for x in capture + deepspeed)]
     if capture and not _capture_inert():
         return ("output_attentions is being recorded (transformers' output-capturing hook on "
-                f"{name}), and the fused op never forms attention weights: ask for "
-                "output_attentions only in forwards that do not train, or use policy 'none' "
-                "for the layers whose attentions you need")
+                f"{name}), and the fused op never forms attention weights: {_ATTENTIONS_FIX}")
     if deepspeed and not zero.is_leaf(layer):
         return (f"DeepSpeed ZeRO-3's hooks on {name} gather its parameters only when it is "
                 "called, and the fused op does not call it: call the layer through its model "
@@ -604,8 +606,8 @@ class _PatchedForward:
         if impl not in SUPPORTED_ATTENTION:
             return f"attn_implementation is now {impl!r}", BatchMasks()
         if kwargs.get("output_attentions"):
-            return "output_attentions=True (the fused op never forms attention weights)", \
-                BatchMasks()
+            return f"output_attentions=True, and the fused op never forms attention weights: " \
+                f"{_ATTENTIONS_FIX}", BatchMasks()
         if layer.training and _attention_dropout(layer, self.config) > 0:
             return "attention_dropout > 0 (set after patching)", BatchMasks()
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
