@@ -40,6 +40,10 @@ PEFT or anything else wrapped in a way the op does not compute (DoRA, several ac
 LoRA dropout in training, quantised base layers). A delegation during training is warned once
 per reason; ``layer.forward.calls`` counts fused and delegated calls (outside compilation).
 
+Under DeepSpeed ZeRO-3 the fused layers become ZeRO-3 leaf modules, gathered whole for their
+forward and again for their backward, and the fused head gathers its weight only around the
+loss's forward and backward (``ckpt_ext.hf.zero``); ZeRO-2 needs nothing.
+
 What can never be fused is refused by ``patch_llama`` with a ``ValueError``: other model
 types, attention implementations the fused op does not replace, attention dropout, activations
 other than SiLU, norms with different eps. Rope variants are not refused: these four layer

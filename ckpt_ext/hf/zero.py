@@ -25,7 +25,8 @@ Nothing here imports deepspeed unless a parameter is a ZeRO-3 parameter (then it
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Optional
+import threading
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -98,22 +99,41 @@ class _ReleaseAfterBackward(torch.autograd.Function):
 
 
 class _Gather:
-    """One ``GatheredParameters`` context for the backward of one call, entered and left by
-    the two autograd nodes above (each at most once)."""
+    """The gathering for the backward of one call, entered and left by the two autograd nodes
+    above (each at most once). Backwards of several calls may overlap (one backward through
+    two forwards of the model): they share one ``GatheredParameters`` context per parameter
+    set, entered by the first and left by the last."""
+
+    _active: Dict[Tuple[int, ...], list] = {}  # ds ids -> [context, users]
+    _lock = threading.Lock()
 
     def __init__(self, params: List[Tensor]):
-        self.params, self.context = params, None
+        self.params, self.entered = params, False
+        self.key = tuple(sorted(p.ds_id for p in params))
 
     def enter(self) -> None:
-        if self.context is None:
-            import deepspeed
-            self.context = deepspeed.zero.GatheredParameters(self.params)
-            self.context.__enter__()
+        with self._lock:
+            if self.entered:
+                return
+            self.entered = True
+            entry = self._active.get(self.key)
+            if entry is None:
+                import deepspeed
+                context = deepspeed.zero.GatheredParameters(self.params)
+                context.__enter__()
+                self._active[self.key] = entry = [context, 0]
+            entry[1] += 1
 
     def exit(self) -> None:
-        if self.context is not None:
-            context, self.context = self.context, None
-            context.__exit__(None, None, None)
+        with self._lock:
+            if not self.entered:
+                return
+            self.entered = False
+            entry = self._active[self.key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._active[self.key]
+                entry[0].__exit__(None, None, None)
 
 
 def gathered_for_head(params: List[Optional[Tensor]], hidden: Tensor,
