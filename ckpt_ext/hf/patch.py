@@ -67,9 +67,9 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS
 from ..presets import FUSED_PRESETS, check_policy
+from . import zero
 from .adapters import read_projection
 from .lm_head import FusedHeadForward, head_problem
-from . import zero
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
