@@ -152,13 +152,20 @@ def engine_run(rank, stage, patched, lora):
         engine.step()
         losses.append(loss.item())
     probe.remove()
+    fused = fused_counts(model)
+    overlap = None
+    if patched == "after":  # one backward through two forwards: their head gathers overlap
+        ids, mask, labels = batch(rank, 0)
+        two = [engine(input_ids=ids, attention_mask=mask, labels=labels).loss for _ in range(2)]
+        engine.backward(two[0] + two[1])
+        overlap = [p.ds_status.name for p in model.parameters()]
     from ckpt_ext.hf.zero import is_deepspeed_hook
     q_proj = decoder(model)[1][0].self_attn.q_proj
     child_hooks = [is_deepspeed_hook(h) for h in (*q_proj._forward_pre_hooks.values(),
                                                   *q_proj._forward_hooks.values())]
     result = {"losses": losses, "params": full_params(model), "ops": ops,
-              "child_hooks": child_hooks,
-              "statuses": statuses, "fused": fused_counts(model),
+              "child_hooks": child_hooks, "overlap": overlap,
+              "statuses": statuses, "fused": fused,
               "frozen_with_grad": [n for n, p in model.named_parameters()
                                    if not p.requires_grad and p.grad is not None]}
     engine.destroy()
@@ -341,6 +348,8 @@ def test_zero3_patched_after_initialize(zero_runs):
     for rank, res in enumerate(zero_runs):
         hooks = res["z3-after"]["child_hooks"]
         assert hooks and all(hooks), (rank, hooks)
+        # A backward through two forwards ran and left every parameter released.
+        assert set(res["z3-after"]["overlap"]) == {"NOT_AVAILABLE"}, res["z3-after"]["overlap"]
 
 
 def test_zero2(zero_runs):
