@@ -217,6 +217,43 @@ def test_hooks_hidden_states_and_attentions():
     assert calls(model) == [2, 2, 2]
 
 
+def _zero3_like_hook(module, args):
+    """Stands for DeepSpeed ZeRO-3's gathering hook: patch_llama tells DeepSpeed's hooks by the
+    module that defines them."""
+
+
+_zero3_like_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"
+
+
+def test_delegation_warnings_name_the_hooks_owner_and_the_fix():
+    model = patch_llama(make_model("llama", "eager"), "balanced")
+    ids, mask, labels = make_batch(pad=True)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    # Hooks of the user's own on a submodule: named, with where to put them instead.
+    handle = q_proj.register_forward_hook(lambda mod, args, out: None)
+    with pytest.warns(UserWarning, match=r"self_attn\.q_proj has forward hooks of your own "
+                      r"\(.*<lambda>\).*register them on the decoder layer itself"):
+        run(model, ids, mask, labels)
+    assert calls(model) == [0, 1, 1]
+    handle.remove()
+    # output_attentions: transformers' capturing hooks record attention weights.
+    with pytest.warns(UserWarning, match="output_attentions.*never forms attention weights: "
+                      "ask for output_attentions only in forwards that do not train"):
+        run(model, ids, mask, labels, output_attentions=True)
+    # DeepSpeed ZeRO-3's hooks on the submodules of a layer that is not a ZeRO-3 leaf module.
+    handle = q_proj.register_forward_pre_hook(_zero3_like_hook)
+    with pytest.warns(UserWarning, match=r"DeepSpeed ZeRO-3's hooks on self_attn\.q_proj.*"
+                      r"set_z3_leaf_modules\(model, \[LlamaDecoderLayer\]\)"):
+        run(model, ids, mask, labels)
+    before = calls(model)
+    model.model.layers[0]._z3_leaf = True  # the layer's own hooks gather everything: fused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(model, ids, mask, labels)
+    assert calls(model) == [n + 1 for n in before]
+    handle.remove()
+
+
 def test_training_forward_with_kv_cache_delegates_and_warns():
     ref_model = make_model("mistral", "sdpa")
     model = patch_llama(copy.deepcopy(ref_model), "balanced")

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from .zero import gathered_for_head, raw_parameter
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,21 +157,30 @@ class FusedHeadForward:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         head = self.model.lm_head
-        weight, bias = head.weight, head.bias
-        device = hidden.device.type
-        if torch.is_autocast_enabled(device):  # the head's matmul in the autocast dtype
-            dtype = torch.get_autocast_dtype(device)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        elif hidden.dtype != weight.dtype:
-            hidden = hidden.to(weight.dtype)
+        # Read past ZeRO-3's getter: under ZeRO-3 the weight is gathered only around the
+        # loss's forward and its backward (ckpt_ext.hf.zero).
+        weight, bias = raw_parameter(head, "weight"), raw_parameter(head, "bias")
+        labels = shift_labels.to(hidden.device)
         norm_args = {}
         if prenorm is not None:  # the final norm inside the head op, on the pre-norm rows
-            hidden = prenorm
+            hidden = prenorm     # (a ZeRO-3 norm has DeepSpeed's hooks: it ran as HF's)
             norm_args = dict(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
-        loss = ops.linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device),
-                                        bias=bias, ignore_index=ignore_index,
-                                        num_items_in_batch=num_items, **norm_args)
+
+        def loss_of(hidden):
+            w, b = weight, bias
+            device = hidden.device.type
+            if torch.is_autocast_enabled(device):  # the head's matmul in the autocast dtype
+                dtype = torch.get_autocast_dtype(device)
+                w = w.to(dtype)
+                b = None if b is None else b.to(dtype)
+                if not norm_args:  # the op casts the normed rows itself
+                    hidden = hidden.to(dtype)
+            elif not norm_args and hidden.dtype != w.dtype:
+                hidden = hidden.to(w.dtype)
+            return ops.linear_cross_entropy(hidden, w, labels, bias=b, ignore_index=ignore_index,
+                                            num_items_in_batch=num_items, **norm_args)
+
+        loss = gathered_for_head([weight, bias], hidden, loss_of)
         return CausalLMOutputWithPast(loss=loss, logits=None,
                                       past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states,

@@ -40,6 +40,10 @@ PEFT or anything else wrapped in a way the op does not compute (DoRA, several ac
 LoRA dropout in training, quantised base layers). A delegation during training is warned once
 per reason; ``layer.forward.calls`` counts fused and delegated calls (outside compilation).
 
+Under DeepSpeed ZeRO-3 the fused layers become ZeRO-3 leaf modules, gathered whole for their
+forward and again for their backward, and the fused head gathers its weight only around the
+loss's forward and backward (``ckpt_ext.hf.zero``); ZeRO-2 needs nothing.
+
 What can never be fused is refused by ``patch_llama`` with a ``ValueError``: other model
 types, attention implementations the fused op does not replace, attention dropout, activations
 other than SiLU, norms with different eps. Rope variants are not refused: these four layer
@@ -63,6 +67,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
 from ..presets import FUSED_PRESETS, check_policy
+from . import zero
 from .adapters import read_projection
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
@@ -80,7 +85,7 @@ _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layern
 _ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb"}
 _MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn"}
 # transformers 5.x installs this forward hook on layers and attentions once any output_* is
-# requested; it records only while its collector is active (see _inert).
+# requested; it records only while its collector is active (see _capture_inert).
 _HF_CAPTURE_HOOK = "output_capturing_hook"
 
 
@@ -175,9 +180,43 @@ def _structure_problem(layer: nn.Module, hooks: bool = False,
         if _foreign_forward(mod):
             return (f"{name} has an instance-level forward (accelerate offload hooks, another "
                     "patch, or transformers recording outputs), which the fused op would bypass")
-        if hooks and not (_inert(mod._forward_hooks) and _inert(mod._forward_pre_hooks)):
-            return (f"{name} has forward hooks (or output_attentions is being recorded), which "
-                    "the fused op would not run")
+        problem = _hook_problem(layer, name, mod) if hooks else None
+        if problem:
+            return problem
+    return None
+
+
+_ATTENTIONS_FIX = ("ask for output_attentions only in forwards that do not train, or use policy "
+                   "'none' for the layers whose attentions you need")
+
+
+def _hook_problem(layer: nn.Module, name: str, module: nn.Module) -> Optional[str]:
+    """Why forward hooks on ``module`` (a submodule of ``layer``, at ``name``) keep the fused op
+    from standing in for it, naming the hooks' owner and the fix; None when the fused op may
+    skip them: transformers' output capturing while it does not record attentions, and
+    DeepSpeed ZeRO-3's gathering hooks inside a ZeRO-3 leaf layer (whose own hooks gather all
+    of its parameters, ckpt_ext.hf.zero)."""
+    found = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    if not found:
+        return None
+    capture = [h for h in found if getattr(h, "__name__", "") == _HF_CAPTURE_HOOK]
+    deepspeed = [h for h in found if zero.is_deepspeed_hook(h)]
+    own = [h for h in found if not any(h is x for x in capture + deepspeed)]
+    if capture and not _capture_inert():
+        return ("output_attentions is being recorded (transformers' output-capturing hook on "
+                f"{name}), and the fused op never forms attention weights: {_ATTENTIONS_FIX}")
+    if deepspeed and not zero.is_leaf(layer):
+        return (f"DeepSpeed ZeRO-3's hooks on {name} gather its parameters only when it is "
+                "called, and the fused op does not call it: call the layer through its model "
+                "(patch_llama makes the fused layers ZeRO-3 leaf modules at the model's "
+                "forward, so that the layer's own hooks gather everything), or mark them "
+                "yourself with deepspeed.utils.set_z3_leaf_modules(model, "
+                f"[{type(layer).__name__}])")
+    if own:
+        names = ", ".join(sorted({getattr(h, "__qualname__", type(h).__name__) for h in own}))
+        return (f"{name} has forward hooks of your own ({names}), which the fused op would "
+                "not run: register them on the decoder layer itself (they then run around "
+                "the fused call), or remove them for training")
     return None
 
 
@@ -232,14 +271,11 @@ def _hf_collector():
     return _active_collector
 
 
-def _inert(hooks) -> bool:
-    """True for no hooks, or only transformers' output-capturing hooks while they do not
-    record attentions (they are installed for good once any output_* is asked for)."""
-    if not hooks:
-        return True
+def _capture_inert() -> bool:
+    """Whether transformers' output-capturing hooks (installed for good once any output_* is
+    asked for) are not recording attentions now."""
     collector = _hf_collector()
-    if collector is None or not all(getattr(h, "__name__", "") == _HF_CAPTURE_HOOK
-                                    for h in hooks.values()):
+    if collector is None:
         return False
     active = collector.get()
     return not (active and "attentions" in active)
@@ -388,6 +424,9 @@ class _Shared:
         if not torch.compiler.is_compiling():  # HF checkpointing turned on after patching
             for patched in _patched(self.layers):
                 _take_over_call_checkpoint(patched.layer)
+            # ZeRO-3 set up after patching: the layers' hooks, which run after this one,
+            # then gather all of each fused layer's parameters (ckpt_ext.hf.zero).
+            zero.make_leaves(self.fused_layers())
         named = dict(zip(self.positional, args), **kwargs)
         masks = describe(named.get("attention_mask"), named.get("position_ids"),
                          torch.compiler.is_compiling())
@@ -419,6 +458,10 @@ class _Shared:
                     for layer in self.layers]
             self.auto[key] = choose_presets(dims, b, s, dtype, self.budget)
         return self.auto[key]
+
+    def fused_layers(self) -> List[nn.Module]:
+        """The layers whose training forward can be the fused op."""
+        return [f.layer for f in _patched(self.layers) if f.preset != "torch"]
 
     def install(self) -> None:
         self.owner.register_forward_pre_hook(self.before_model, with_kwargs=True)
@@ -567,8 +610,8 @@ class _PatchedForward:
         if impl not in SUPPORTED_ATTENTION:
             return f"attn_implementation is now {impl!r}", BatchMasks()
         if kwargs.get("output_attentions"):
-            return "output_attentions=True (the fused op never forms attention weights)", \
-                BatchMasks()
+            return f"output_attentions=True, and the fused op never forms attention weights: " \
+                f"{_ATTENTIONS_FIX}", BatchMasks()
         if layer.training and _attention_dropout(layer, self.config) > 0:
             return "attention_dropout > 0 (set after patching)", BatchMasks()
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
