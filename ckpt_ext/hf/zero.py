@@ -68,39 +68,25 @@ def raw_parameter(module: nn.Module, name: str) -> Optional[Tensor]:
     return module._parameters.get(name)
 
 
-class _GatherBeforeBackward(torch.autograd.Function):
-    """Identity on ``t``; in backward, gathers the parameters before the nodes that produced
-    ``t`` (the loss) run their backward."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on ``t``; its backward calls ``action()`` first. On the loss (the output of the
+    head's computation) that runs before the head's backward: ``_Gather.enter``. On the
+    hidden states going in, once the nodes that consumed them are done: ``_Gather.exit``."""
 
     @staticmethod
-    def forward(ctx, t: Tensor, gather: "_Gather") -> Tensor:
-        ctx.gather = gather
+    def forward(ctx, t: Tensor, action: Callable[[], None]) -> Tensor:
+        ctx.action = action
         return t.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.gather.enter()
-        return grad, None
-
-
-class _ReleaseAfterBackward(torch.autograd.Function):
-    """Identity on ``t``; in backward (reached once the nodes that consumed ``t`` are done),
-    releases the parameters gathered by ``_GatherBeforeBackward``."""
-
-    @staticmethod
-    def forward(ctx, t: Tensor, gather: "_Gather") -> Tensor:
-        ctx.gather = gather
-        return t.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.gather.exit()
+        ctx.action()
         return grad, None
 
 
 class _Gather:
-    """The gathering for the backward of one call, entered and left by the two autograd nodes
-    above (each at most once). Backwards of several calls may overlap (one backward through
+    """The gathering for the backward of one call, entered and left by two ``_OnBackward``
+    nodes (each at most once). Backwards of several calls may overlap (one backward through
     two forwards of the model): they share one ``GatheredParameters`` context per parameter
     set, entered by the first and left by the last."""
 
@@ -153,7 +139,7 @@ def gathered_for_head(params: List[Optional[Tensor]], hidden: Tensor,
         # formed and dropped).
         hidden = hidden.detach().requires_grad_()
     if hidden.requires_grad:
-        hidden = _ReleaseAfterBackward.apply(hidden, backward)
+        hidden = _OnBackward.apply(hidden, backward.exit)
     with deepspeed.zero.GatheredParameters(zero):
         out = compute(hidden)
-    return _GatherBeforeBackward.apply(out, backward) if out.requires_grad else out
+    return _OnBackward.apply(out, backward.enter) if out.requires_grad else out
