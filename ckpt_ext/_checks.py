@@ -191,15 +191,17 @@ def _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H,
     return lora
 
 
-def _check_rms(op, x, weight):
+def _check_rms(op, x, weight, names=("x", "weight")):
+    """An RMSNorm's input (..., N) and weight (N,); ``names``: what the caller calls them."""
+    xn, wn = names
     if x.dim() < 1:
-        raise ValueError(f"{op}: x must have at least 1 dim (..., N), got a 0-dim tensor")
-    _check_floating(op, "x", x)
-    _check_floating(op, "weight", weight)
-    _check_device_as(op, "weight", weight, "x", x)
-    _check_shape(op, "weight", weight, (x.shape[-1],), "to match x's last dim")
+        raise ValueError(f"{op}: {xn} must have at least 1 dim (..., N), got a 0-dim tensor")
+    _check_floating(op, xn, x)
+    _check_floating(op, wn, weight)
+    _check_device_as(op, wn, weight, xn, x)
+    _check_shape(op, wn, weight, (x.shape[-1],), f"to match {xn}'s last dim")
     if x.shape[-1] == 0:
-        raise ValueError(f"{op}: x must have a non-empty last dim, got shape {_shape(x)}")
+        raise ValueError(f"{op}: {xn} must have a non-empty last dim, got shape {_shape(x)}")
 
 
 def _check_rope(op, qn, q, kn, k, cos, sin):

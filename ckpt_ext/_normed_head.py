@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import (_check_device_as, _check_dim, _check_floating, _check_shape, _dtype,
-                      _shape, _stat_dtype)
+from ._checks import (_check_device_as, _check_dim, _check_floating, _check_rms, _check_shape,
+                      _dtype, _shape, _stat_dtype)
 
 _ops = torch.ops.ckpt_ext
 _FWD = "rms_norm_linear_cross_entropy_fwd"
@@ -49,14 +49,8 @@ def chunk_rows(hidden: Tensor) -> int:
 def _check(op, hidden, norm_weight, weight, bias, labels):
     """Shapes, dtypes and devices of the op's tensors; returns (T, H, V)."""
     _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
-    _check_floating(op, "hidden", hidden)
+    _check_rms(op, hidden, norm_weight, ("hidden", "norm_weight"))
     T, H = hidden.shape
-    if H == 0:
-        raise ValueError(f"{op}: hidden must have a non-empty last dim, got shape "
-                         f"{_shape(hidden)}")
-    _check_floating(op, "norm_weight", norm_weight)
-    _check_shape(op, "norm_weight", norm_weight, (H,), f"(H,) with H={H} from hidden")
-    _check_device_as(op, "norm_weight", norm_weight, "hidden", hidden)
     _check_dim(op, "weight", weight, 2, "(V, H)")
     _check_floating(op, "weight", weight)
     V = weight.shape[0]
@@ -78,16 +72,11 @@ def _check(op, hidden, norm_weight, weight, bias, labels):
     return T, H, V
 
 
-def _stat_of(weight):
-    """dtype of loss / lse: the head computes in weight's dtype (float64 -> float64)."""
-    return _stat_dtype(weight)
-
-
 @torch.library.custom_op(f"ckpt_ext::{_FWD}", mutates_args=())
 def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
          bias: Optional[Tensor], labels: Tensor, ignore_index: int) -> Tuple[Tensor, Tensor]:
     T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels)
-    loss = hidden.new_empty((T,), dtype=_stat_of(weight))
+    loss = hidden.new_empty((T,), dtype=_stat_dtype(weight))
     lse = torch.empty_like(loss)
     step = chunk_rows(hidden)
     for t0 in range(0, T, step):
@@ -103,7 +92,7 @@ def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
 @_fwd.register_fake
 def _fwd_fake(hidden, norm_weight, eps, weight, bias, labels, ignore_index):
     T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels)
-    stat = hidden.new_empty((T,), dtype=_stat_of(weight))
+    stat = hidden.new_empty((T,), dtype=_stat_dtype(weight))
     return stat, torch.empty_like(stat)
 
 

@@ -55,6 +55,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from . import _C
 from .presets import FUSED_PRESETS, per_token_bytes
 
 __all__ = ["LayerDims", "layer_dims_from_config", "parse_bytes", "format_bytes",
@@ -189,14 +190,13 @@ def layer_bytes(preset: str, dims: LayerDims, B: int, S: int, dtype) -> int:
 def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
     """Bytes the LM head + loss keeps for backward (see the module docstring): HF's
     ``B*S*(e*H + 4*V + 8) + 4``, the fused op's ``B*S*(e*H + 12)``."""
-    e = torch.empty((), dtype=_dtype(dtype)).element_size()
+    e = _dtype(dtype).itemsize
     return B * S * (e * H + 12) if fused else B * S * (e * H + 4 * V + 8) + 4
 
 
 # ---- the step's peak ---------------------------------------------------------------------------
 PEAK_SETUPS = ("hf_gc", "hf_gc+fused", "fast", "balanced", "min_memory")
 _PATHS = ("cuda", "cpu")
-DEFAULT_CHUNK_BYTES = 64 << 20          # CKPT_EXT_CHUNK_BYTES's default (csrc/chunking.h)
 
 
 @dataclass(frozen=True)
@@ -208,13 +208,9 @@ class StepPeak:
     phase: str      # where the peak is
 
 
-def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=_dtype(dtype)).element_size()
-
-
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
               path: str = "cuda", train_weights: bool = True,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StepPeak:
+              chunk_bytes: Optional[int] = None) -> StepPeak:
     """A model of the activation memory of one training step of a Llama-style
     ``*ForCausalLM`` (a forward with labels, then backward), above what the step starts with
     (weights, the ids, and parameter gradients from an earlier step, added to in place).
@@ -226,6 +222,8 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     (the ATen kernels), whose transients differ. ``train_weights``: a full fine-tune (the
     top layer's and the head's weight gradients exist as new tensors before they are added
     to ``.grad``); False for LoRA on a frozen base (the adapters' gradients are negligible).
+    ``chunk_bytes``: the byte cap of the token chunks, by default the one the kernels read
+    (``CKPT_EXT_CHUNK_BYTES``, 64 MiB unless set).
 
     The peak is the larger of two moments (T = B*S tokens, e the element size, Q = Hq*D,
     K = Hkv*D):
@@ -262,8 +260,10 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     layers = list(layers)
     if not layers:
         raise ValueError("step_peak: layers must not be empty")
-    e = _itemsize(dtype)
+    e = _dtype(dtype).itemsize
     T = B * S
+    if chunk_bytes is None:
+        chunk_bytes = _C.chunk_bytes()
     d = max(layers, key=lambda x: x.hidden_size * x.intermediate_size)
     H, Hq, D, I = d.hidden_size, d.num_heads, d.head_dim, d.intermediate_size
     Q, K = Hq * D, d.num_kv_heads * D
@@ -333,7 +333,7 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
     rank-``lora_rank`` adapters on every projection (fp32, AdamW: 16 bytes an adapter
     parameter)."""
-    e = _itemsize(dtype)
+    e = _dtype(dtype).itemsize
     base = V * layers[0].hidden_size * (1 if tied else 2) + layers[0].hidden_size
     adapters = 0
     for x in layers:

@@ -92,12 +92,10 @@ class FinalNorm:
         return out
 
 
-def take_prenorm(hidden: torch.Tensor, norm: Optional[nn.Module]) -> Optional[torch.Tensor]:
+def take_prenorm(hidden: torch.Tensor) -> Optional[torch.Tensor]:
     """The input of the FinalNorm call that produced ``hidden``, unlinked from it (so that
     ``hidden`` no longer holds it), or None when ``hidden`` did not come from one. (Set to
     None rather than deleted: torch.compile traces attribute stores, not deletions.)"""
-    if norm is None:
-        return None
     pre = getattr(hidden, _PRENORM, None)
     if pre is not None:
         setattr(hidden, _PRENORM, None)
@@ -153,7 +151,7 @@ class FusedHeadForward:
         outputs = bare(**kwargs)
         hidden = outputs.last_hidden_state
         norm = bare._modules.get("norm")
-        prenorm = take_prenorm(hidden, norm)
+        prenorm = take_prenorm(hidden)
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         head = self.model.lm_head
