@@ -115,7 +115,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _lora_tile(acc, xa_ptr, lb_ptr, scale, offs_m, offs_n, T, I, r,
-               R: tl.constexpr, IEEE: tl.constexpr):
+               R: tl.constexpr, PREC: tl.constexpr):
     """acc + scale * xa[offs_m, :r] B[offs_n, :r]^T: the low-rank term of gate or up for one
     tile, from the precomputed fp32 xa = x A^T (T, r) and the fp32 B (I, r), both contiguous.
     R (a power of two >= 16) pads the rank; the padding is masked to zero."""
@@ -125,12 +125,12 @@ def _lora_tile(acc, xa_ptr, lb_ptr, scale, offs_m, offs_n, T, I, r,
                  mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)
     bt = tl.load(lb_ptr + offs_n.to(tl.int64)[None, :] * r + offs_r[:, None],
                  mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)
-    return acc + scale * _dot(xa, bt, IEEE)
+    return acc + scale * tl.dot(xa, bt, input_precision=PREC)
 
 
 @triton.jit
 def _lora_down_accumulate(h, la_ptr, ha_ptr, offs_m, offs_n, T, I, r,
-                          R: tl.constexpr, IEEE: tl.constexpr):
+                          R: tl.constexpr, PREC: tl.constexpr):
     """ha[offs_m, :r] += h A[:r, offs_n]^T: this tile's share of act A_down^T (T, r), added
     atomically into the fp32 ha (each row sums the tiles of all intermediate columns).
     h: fp32 (BLOCK_M, BLOCK_N), zero in the columns past I; A_down fp32 (r, I) contiguous."""
@@ -138,7 +138,7 @@ def _lora_down_accumulate(h, la_ptr, ha_ptr, offs_m, offs_n, T, I, r,
     mask_r = offs_r < r
     at = tl.load(la_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None],
                  mask=(offs_n < I)[:, None] & mask_r[None, :], other=0.0)      # (BLOCK_N, R)
-    part = _dot(h, at, IEEE)                                                    # (BLOCK_M, R)
+    part = tl.dot(h, at, input_precision=PREC)                                 # (BLOCK_M, R)
     tl.atomic_add(ha_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :], part,
                   mask=(offs_m < T)[:, None] & mask_r[None, :])
 
@@ -160,16 +160,16 @@ def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xa
                      stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
                      HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, DOT_IEEE: tl.constexpr,
                      LORA_G: tl.constexpr, LORA_U: tl.constexpr, R_G: tl.constexpr,
-                     R_U: tl.constexpr, LORA_IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     R_U: tl.constexpr, LORA_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """gate, up fp32 tiles with their biases and low-rank terms (forward and recompute)."""
     g, u = _gate_up_tile(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, offs_m, offs_n, T, H, I,
                          stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
                          HAS_BG, HAS_BU, DOT_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     if LORA_G:
-        g = _lora_tile(g, xag_ptr, lbg_ptr, s_g, offs_m, offs_n, T, I, r_g, R_G, LORA_IEEE)
+        g = _lora_tile(g, xag_ptr, lbg_ptr, s_g, offs_m, offs_n, T, I, r_g, R_G, LORA_PREC)
     if LORA_U:
-        u = _lora_tile(u, xau_ptr, lbu_ptr, s_u, offs_m, offs_n, T, I, r_u, R_U, LORA_IEEE)
+        u = _lora_tile(u, xau_ptr, lbu_ptr, s_u, offs_m, offs_n, T, I, r_u, R_U, LORA_PREC)
     return g, u
 
 
@@ -184,7 +184,7 @@ def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_pt
                      HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
                      DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                      LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
-                     R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                     R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr):
     """Forward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
@@ -196,7 +196,7 @@ def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_pt
                             xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m, offs_n, T, H, I,
                             stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                             stride_wuh, HAS_BG, HAS_BU, DOT_IEEE, LORA_G, LORA_U, R_G, R_U,
-                            LORA_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                            LORA_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     out_dtype = h_ptr.dtype.element_ty
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
     out_offs = offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_oi
@@ -211,7 +211,7 @@ def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_pt
     tl.store(h_ptr + out_offs, h, mask=mask)
     if LORA_D:  # from the rounded h, the act the down projection reads
         hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
-        _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_IEEE)
+        _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_PREC)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
@@ -222,7 +222,7 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
                        HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
                        DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                        LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
-                       R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                       R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr,
                        PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """h (T, I) = silu(gate) * up in (BLOCK_M, BLOCK_N) tiles, one per program or, with
@@ -247,7 +247,7 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
                              r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
                              stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
                              stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
-                             LORA_D, R_G, R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                             LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
                              GROUP_M)
     else:
         _swiglu_fwd_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr,
@@ -255,7 +255,7 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
                          r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
                          stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
                          stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
-                         LORA_D, R_G, R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                         LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
                          GROUP_M)
 
 
@@ -270,7 +270,7 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
                   dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
                   stride_dhi, stride_ot, stride_oi, STORE_H: tl.constexpr,
                   LORA_D: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
-                  R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr):
+                  R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr):
     """The backward's pointwise epilogue on one (rows offs_m, columns offs_n) piece of a tile,
     given its fp32 gate and up: h (when wanted), dup, dgate and the down adapter's pieces.
     Ordered to keep few fp32 values of the piece live at once: h first, then dh is read and
@@ -288,7 +288,7 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
         hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
         if NEED_HA:
             _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
-                                  LORA_IEEE)
+                                  LORA_PREC)
     u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
     dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
                  mask=mask, other=0.0).to(tl.float32)
@@ -299,13 +299,13 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
                       mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)  # (rows, R_D)
         if NEED_DAD:
             # dAd_acc[:, piece] += dyb^T h'; rows past T have dyb = 0.
-            part = _dot(tl.trans(dyb), hd, LORA_IEEE)                        # (R_D, columns)
+            part = tl.dot(tl.trans(dyb), hd, input_precision=LORA_PREC)      # (R_D, columns)
             tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
                           mask=mask_r[:, None] & (offs_n < I)[None, :])
         ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
                      mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, columns)
-        dh += _dropped(s_d * _dot(dyb, ad, LORA_IEEE), key_d, thr_d, inv_d, offs_m, offs_n,
-                       DROP_D)
+        dh += _dropped(s_d * tl.dot(dyb, ad, input_precision=LORA_PREC), key_d, thr_d, inv_d,
+                       offs_m, offs_n, DROP_D)
     dup = dh * silu
     tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
     dgate = dh * u_dsilu
@@ -324,7 +324,7 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
                                STORE_H: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                                LORA_D: tl.constexpr, NEED_DAD: tl.constexpr,
                                NEED_HA: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
-                               R_D: tl.constexpr, LORA_IEEE: tl.constexpr, DROP_D: tl.constexpr,
+                               R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                EPI_N: tl.constexpr):
@@ -339,7 +339,7 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
                                 xau_ptr, lbu_ptr, s_g, s_u, r_g, r_u, offs_m,
                                 n0 + tl.arange(0, BLOCK_N), T, H, I, stride_xt, stride_xh,
                                 stride_wgi, stride_wgh, stride_wui, stride_wuh, HAS_BG, HAS_BU,
-                                DOT_IEEE, LORA_G, LORA_U, R_G, R_U, LORA_IEEE, BLOCK_M,
+                                DOT_IEEE, LORA_G, LORA_U, R_G, R_U, LORA_PREC, BLOCK_M,
                                 BLOCK_N, BLOCK_K)
         # Subtiled epilogue: the accumulators are split into column pieces (halves, or
         # quarters) and the epilogue's fp32 temporaries exist for one piece at a time.
@@ -372,7 +372,7 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
         _bwd_epilogue(g_j, u_j, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_ptr,
                       dyb_ptr, dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, T, I,
                       stride_dht, stride_dhi, stride_ot, stride_oi, STORE_H, LORA_D, NEED_DAD,
-                      NEED_HA, R_D, LORA_IEEE, DROP_D)
+                      NEED_HA, R_D, LORA_PREC, DROP_D)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d"])
@@ -387,7 +387,7 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                  RECOMPUTE: tl.constexpr, STORE_H: tl.constexpr,
                                  LORA_G: tl.constexpr, LORA_U: tl.constexpr, LORA_D: tl.constexpr,
                                  NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr, R_G: tl.constexpr,
-                                 R_U: tl.constexpr, R_D: tl.constexpr, LORA_IEEE: tl.constexpr,
+                                 R_U: tl.constexpr, R_D: tl.constexpr, LORA_PREC: tl.constexpr,
                                  DROP_D: tl.constexpr, PERSISTENT: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -422,7 +422,7 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                        stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                        HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G,
                                        LORA_U, LORA_D, NEED_DAD, NEED_HA, R_G,
-                                       R_U, R_D, LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
                                        GROUP_M, EPI_N)
     else:
         _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
@@ -434,7 +434,7 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                    stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                    HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G, LORA_U,
                                    LORA_D, NEED_DAD, NEED_HA, R_G, R_U, R_D,
-                                   LORA_IEEE, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                   LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                    EPI_N)
 
 
@@ -643,20 +643,20 @@ def _kernel_for(kind, device, dtype, precision, lora_pads):
 
 @_launch.cached
 def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_pads,
-                  drop_d=False):
+                  drop_d=False, lora_precision="tf32"):
     """(kernel, constexpr arguments) of the forward for one specialization; lora_pads: None
     or the rank pads (R_G, R_U, R_D), 0 for a projection without adapter; drop_d: the down
-    adapter's input dropout."""
+    adapter's input dropout; lora_precision: the adapters' dots (``_lora_precision``)."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
                 DROP_D=drop_d, PERSISTENT=_launch.SWIGLU_GRID == "persistent",
-                **_lora_meta(lora_pads, ieee))
+                **_lora_meta(lora_pads, lora_precision))
     return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
 
 @_launch.cached
 def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, needs,
-                  lora_pads, drop_d=False):
+                  lora_pads, drop_d=False, lora_precision="tf32"):
     """(kernel, constexpr arguments) of the backward for one specialization; needs: the
     (NEED_DAD, NEED_HA) flags."""
     ieee = precision == "ieee"
@@ -665,7 +665,7 @@ def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, 
                 # The LoRA backward keeps one program per tile: its tile loop spills on sm_90
                 # even at the smallest candidate tiles (AOT report).
                 PERSISTENT=_launch.SWIGLU_GRID == "persistent" and lora_pads is None,
-                **_lora_meta(lora_pads, ieee))
+                **_lora_meta(lora_pads, lora_precision))
     return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 
 
@@ -774,17 +774,27 @@ def _lora_pads(ad):
     return tuple(_rank_pad(a[0].shape[0]) if a is not None else 0 for a in ad)
 
 
-def _lora_meta(pads, ieee):
-    """Constexpr flags and pads of the three adapters."""
+def _lora_meta(pads, lora_precision):
+    """Constexpr flags and pads of the three adapters, and their dots' input precision."""
     meta = {}
     for key, pad in zip("GUD", pads or (0, 0, 0)):
         meta[f"LORA_{key}"] = pad > 0
         meta[f"R_{key}"] = pad or 16
-    # The rank-r dots take fp32 operands: exact fp32 products for an fp32 base under the
-    # "highest" matmul precision, TF32 otherwise (for a half-precision base its ~2**-11
-    # relative error on the small low-rank term stays below the rounding of gate/up/dh).
-    meta["LORA_IEEE"] = ieee
+    meta["LORA_PREC"] = lora_precision
     return meta
+
+
+def _lora_precision(dtype):
+    """``input_precision`` of the adapters' rank-r dots, whose operands are fp32 whatever the
+    base dtype: as torch would multiply the fp32 adapters (PEFT runs them in their own dtype).
+    Under torch's "highest" float32 matmul precision (its default): "ieee" for an fp32 base;
+    "tf32x3" for a half-precision base (three TF32 products on the tensor cores, about fp32's
+    accuracy: a single TF32 product rounds its operands to 10 bits, as fp16 does, and where
+    the low-rank term is as large as the base term that doubled the output's rounding error,
+    1.29x over the accuracy bound on an H100). "tf32" when the user allowed TF32."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
 def _rank(a):
@@ -851,7 +861,8 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
         b_up_c = b_up.contiguous() if b_up is not None else h
         kernel, meta = _fwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
                                      b_gate is not None, b_up is not None,
-                                     bool(return_gate_up), _lora_pads(ad), has_drop_d)
+                                     bool(return_gate_up), _lora_pads(ad), has_drop_d,
+                                     _lora_precision(x.dtype))
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
@@ -938,7 +949,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         b_up_c = b_up.contiguous() if b_up is not None else dup
         kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
                                      b_gate is not None, b_up is not None, recompute, n_wd,
-                                     (n_la[2], n_lb[2]), _lora_pads(ad), has_drop_d)
+                                     (n_la[2], n_lb[2]), _lora_pads(ad), has_drop_d,
+                                     _lora_precision(x.dtype))
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,

@@ -28,13 +28,18 @@ F64 = torch.float64
 # caller shares between the gradients of one op. Entries with no finite reference (lse = -inf
 # on rows with nothing to attend) must be exactly equal. Float64 results: check_f64.
 #
-# FLOOR_ULPS: half an ulp for float16 / bfloat16 (no test in the suite needs more); 1.3 for
-# float32, where the CPU SwiGLU op on inputs with a strided last dim needs 1.26
-# (test_ops.py::test_swiglu_non_unit_last_stride, y). These replace four floors: 4 eps *
-# max(1, |ref|) (test_ops, test_triton_attention: 2 ulps for outputs, 1.33 for gradients),
-# 2 ulps (test_triton_swiglu) and half an ulp (test_cuda_rowwise).
+# FLOOR_ULPS: half an ulp for float16 / bfloat16 (no test in the suite needs more); 3 for
+# float32. On CPU the largest need is 1.26 (test_ops.py::test_swiglu_non_unit_last_stride, y).
+# On a GPU, Triton's float32 exp and sigmoid are the hardware approximations (ex2.approx, about
+# 2 ulps) where PyTorch's are correctly rounded, so on the smallest cases (S = 1, T = 1, where
+# plain PyTorch's own error is one or two ulps) the kernels' float32 error reached 2.6 ulps of
+# the magnitude (H100, triton 3.6: attention out and lse, SwiGLU y). A floor of 3 ulps (6 for
+# outputs, 9 for gradients after FACTOR) is still orders of magnitude under any indexing or
+# masking error. These replace four floors: 4 eps * max(1, |ref|) (test_ops,
+# test_triton_attention: 2 ulps for outputs, 1.33 for gradients), 2 ulps (test_triton_swiglu)
+# and half an ulp (test_cuda_rowwise).
 FACTOR_OUT, FACTOR_GRAD = 2.0, 3.0
-FLOOR_ULPS = {torch.float16: 0.5, torch.bfloat16: 0.5, torch.float32: 1.3}
+FLOOR_ULPS = {torch.float16: 0.5, torch.bfloat16: 0.5, torch.float32: 3.0}
 
 
 def max_err(got, ref):

@@ -414,11 +414,12 @@ def _dweight_gemms(fn, H, V):
     found = []
     for e in prof.events():
         if e.name in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::matmul"):
+            # the operands are two neighbouring 2-D shapes (an out= or a bias operand may
+            # come before or after them)
             shapes = [s for s in e.input_shapes if len(s) == 2]
-            if len(shapes) >= 2:
-                a, b2 = shapes[-2:]
-                if a[1] == b2[0] and b2[1] == H and a[1] != V:
-                    found.append((e.name, shapes))
+            if any(a[1] == b2[0] and b2[1] == H and a[1] != V
+                   for a, b2 in zip(shapes, shapes[1:])):
+                found.append((e.name, shapes))
     return found
 
 

@@ -325,8 +325,10 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
         div16.add("stride_dht")
     consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
               "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": rank_pad, "R_U": rank_pad,
-              "R_D": rank_pad,
-              "LORA_IEEE": False, "DROP_D": lora, "PERSISTENT": persistent,
+              "R_D": rank_pad, "DROP_D": lora, "PERSISTENT": persistent,
+              # the adapters' dots as swiglu_mlp._lora_precision chooses them under torch's
+              # default "highest" float32 matmul precision
+              "LORA_PREC": ("ieee" if dot_ieee else "tf32") if dtype == "fp32" else "tf32x3",
               **{k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}}
     if kind == "fwd":
         consts["STORE_GATE_UP"] = store_gate_up

@@ -60,7 +60,9 @@ for stage in "${expand[@]}"; do
       workers=()
       python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
       log "tests on the GPU ${workers[*]}"
-      python3 -m pytest -q -ra "${workers[@]}" tests > "$out/gpu_tests.log" 2>&1 || status=1
+      # bounded, so that a slow run still leaves its log inside the call's 10 minutes
+      timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -ra "${workers[@]}" tests \
+          > "$out/gpu_tests.log" 2>&1 || status=1
       tail -25 "$out/gpu_tests.log"
       ;;
     block)
