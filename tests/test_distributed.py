@@ -50,12 +50,17 @@ def _worker(rank, init_file, wrapper, patched, out_dir):
         if wrapper == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         else:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) \
                 if wrapper == "fsdp2-bf16" else MixedPrecisionPolicy()
+            # A CPU mesh: without one, fully_shard builds its default mesh on the CUDA device
+            # when CUDA is available (which ran out of memory on a GPU machine shared by many
+            # test workers), while this model and its gloo group are on the CPU.
+            mesh = init_device_mesh("cpu", (WORLD,))
             for layer in model.model.layers:
-                fully_shard(layer, mp_policy=mp_policy)
-            fully_shard(model, mp_policy=mp_policy)
+                fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         losses = []
         for _ in range(STEPS):
