@@ -22,6 +22,13 @@ for an fp32 (or fp64) head and in an fp32 ``(V, H)`` accumulator for a half-prec
 (one rounding at the end, as a single GEMM rounds). With one chunk (short sequences) nothing
 is accumulated and the op computes exactly what the norm and the head compute written out.
 
+Training the head's weight over several chunks, the token walk costs ``4 V H`` bytes beyond
+the gradient itself (that fp32 accumulator, or each chunk's gradient beside the fp32 sum),
+2 GiB at LLaMA-3's vocabulary. When fewer tokens than that are cheaper
+(``walks_vocabulary``), the backward instead normalises all rows at once (y and dy, ``2 e T
+H``) and hands them to the head in one call, which on a GPU walks vocabulary chunks and
+writes each chunk of the weight gradient once (with an fp32 ``(T, H)`` dhidden accumulator).
+
 Both halves are ``torch.library`` custom ops built from the kernel ops (``rms_norm_fwd`` /
 ``_bwd``, ``linear_cross_entropy_fwd`` / ``_bwd``), so they run wherever those do (CPU, the
 Triton launchers) and stay opaque to ``torch.compile``.
@@ -44,6 +51,13 @@ def chunk_rows(hidden: Tensor) -> int:
     """Rows per chunk: the chunk's rows in fp32 (fp64 for fp64) within the byte cap."""
     row = hidden.shape[1] * max(4, hidden.element_size())
     return max(1, _C.chunk_bytes() // max(1, row))
+
+
+def walks_vocabulary(T: int, V: int, head_element_size: int) -> bool:
+    """Whether the backward of a trained head normalises all T rows in one piece: when its
+    extra bytes, y and dy in the head's dtype and an fp32 dhidden accumulator ((2e + 4) T H),
+    are fewer than the token walk's 4 V H (see the module docstring)."""
+    return (2 * head_element_size + 4) * T < 4 * V
 
 
 def _check(op, hidden, norm_weight, weight, bias, labels):
@@ -106,22 +120,27 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
     want_dx, want_dnw, want_dw, want_db = (bool(m) for m in output_mask)
     want_db = want_db and bias is not None
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    dx = torch.empty_like(hidden) if want_dx else hidden.new_empty((0,))
     dnw = norm_weight.new_zeros((H,), dtype=acc) if want_dnw else None
     dw: Optional[Tensor] = None
     db = weight.new_zeros((V,), dtype=acc) if want_db else None
     step = chunk_rows(hidden)
+    if want_dw and walks_vocabulary(T, V, weight.element_size()):
+        step = max(T, 1)   # one piece: the head writes each weight-gradient row once
+    want_dy = want_dx or want_dnw
+    # dx: written chunk by chunk; in one piece, the norm's backward result itself
+    dx = torch.empty_like(hidden) if want_dx and step < T else None
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
         x = hidden[rows]
         y = _ops.rms_norm_fwd(x, norm_weight, eps)
-        want_dy = want_dx or want_dnw
         dy, dw_c, db_c = _ops.linear_cross_entropy_bwd(
             dloss[rows], y.to(weight.dtype), weight, bias, labels[rows], lse[rows],
             ignore_index, [want_dy, want_dw, want_db])
         if want_dy:
             dx_c, dnw_c = _ops.rms_norm_bwd(dy.to(y.dtype), x, norm_weight, eps)
-            if want_dx:
+            if want_dx and dx is None:
+                dx = dx_c
+            elif want_dx:
                 dx[rows] = dx_c
             if want_dnw:
                 dnw += dnw_c
@@ -136,6 +155,8 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
     empty = hidden.new_empty((0,))
     if want_dw and dw is None:  # T == 0
         dw = torch.zeros_like(weight)
+    if dx is None:
+        dx = torch.empty_like(hidden) if want_dx else empty.clone()
     return (dx,
             dnw.to(norm_weight.dtype) if want_dnw else empty.clone(),
             dw.to(weight.dtype) if want_dw else empty.clone(),

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from . import _C
+from ._normed_head import walks_vocabulary
 from .presets import FUSED_PRESETS, per_token_bytes
 
 __all__ = ["LayerDims", "layer_dims_from_config", "parse_bytes", "format_bytes",
@@ -233,7 +234,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       CPU, one (rows, V) fp32 logits buffer within the cap; in its backward dx (e*T*H), the
       normed rows and their gradient for one chunk, that buffer (Triton: a dlogits chunk of
       about max(rows*H, 2^25) elements, and training the head an fp32 accumulator of the
-      chunk's dx) and, training the head, its weight gradient (e*V*H); in HF's head, dx and the
+      chunk's dx) and, training the head, its weight gradient (e*V*H), over several token
+      chunks with an fp32 sum (4*V*H more) unless the rows are few enough to be normalised in
+      one piece (``_normed_head.walks_vocabulary``: (2e + 4)*T < 4*V); in HF's head, dx and the
       gradients of the fp32 log-softmax and of the logits (T*V*(4 + e)), or the logits'
       gradient with the weight gradient when that is more;
     * the top layer's backward (the layers below still hold what they saved), the larger of
@@ -283,13 +286,18 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     dw = e * V * H if train_weights else 0
     if fused_head:
         rows = min(T, max(1, chunk_bytes // (4 * H)))
+        if train_weights and walks_vocabulary(T, V, e):
+            rows = T       # its backward normalises the rows in one piece
+        # training the weight over several token chunks: an fp32 accumulator, or each
+        # chunk's gradient beside the fp32 sum
+        dw_sum = 4 * V * H if train_weights and rows < T else 0
         if path == "cpu":    # one (rows, V) fp32 logits buffer within the cap, both ways
             fwd_logits = bwd_logits = min(rows * V * 4, max(V * 4, chunk_bytes))
         else:                # Triton: tiles in forward; in backward a dlogits chunk of about
             fwd_logits = 0   # max(rows*H, 2^25) elements, and training the head an fp32 dx
             bwd_logits = e * max(rows * H, 1 << 25) + (4 * rows * H if train_weights else 0)
         forward = e * T * H + e * rows * H + fwd_logits
-        backward = e * T * H + 2 * e * rows * H + bwd_logits + dw
+        backward = e * T * H + 2 * e * rows * H + bwd_logits + dw + dw_sum
         head_work = max(forward, backward)
     else:
         head_work = e * T * H + max(T * V * (4 + e), T * V * e + dw)

@@ -709,6 +709,42 @@ def test_final_norm_keeps_only_the_prenorm_rows(monkeypatch):
     assert peaks["32KiB"] <= 4 * T * H + 8 * 32 * 1024 + 64 * 1024, peaks
 
 
+def test_final_norm_trained_head_sums_no_weight_gradient_over_token_chunks(monkeypatch):
+    """Training the head with fewer tokens than walks_vocabulary's bound, over many token
+    chunks of the byte cap: the backward normalises the rows in one piece, so its peak holds
+    the weight gradient once, not an fp32 sum of it beside each chunk's (4 V H more); with
+    more tokens than the bound the token walk's peak has that sum (so the check can fail).
+    Both give the same gradients."""
+    if CUDA:
+        pytest.skip("CPU allocator")
+    from ckpt_ext._normed_head import walks_vocabulary
+    H, V = 64, 4096
+    head_dtype = torch.float32   # (CPU bf16 GEMMs are too slow for the token walk's size)
+    e = head_dtype.itemsize
+    peaks, grads = {}, {}
+    for T, rows in ((96, 16), (2048, 256)):   # 96 tokens: one piece; 2048: token walk
+        assert walks_vocabulary(T, V, e) == (T == 96)
+        tensors, labels = normed_inputs(T, H, V, torch.float32, head_dtype, False, seed=T)
+        hidden, norm_weight, weight, _ = tensors
+        weight = torch.nn.Parameter(weight)
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * 4))   # chunks of `rows`
+        h = hidden.clone().requires_grad_()
+        loss = fused_normed_loss(h, norm_weight, weight, None, labels)
+        peaks[T] = ckpt_ext.peak_memory_bytes(lambda t: t.backward(), loss)
+        grads[T] = (h.grad, weight.grad)
+        if T == 96:   # against the same op with one chunk (the cap above all rows)
+            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(T * H * 8))
+            h1, w1 = hidden.clone().requires_grad_(), weight.detach().clone().requires_grad_()
+            fused_normed_loss(h1, norm_weight, w1, None, labels).backward()
+            # the same sums in another order (the CPU kernel's row chunks follow the cap)
+            torch.testing.assert_close(h.grad, h1.grad)
+            torch.testing.assert_close(weight.grad, w1.grad)
+    dw = e * V * H
+    # one piece: dweight once, rows and their gradients of 96 tokens, a logits chunk of the cap
+    assert peaks[96] <= dw + 8 * 4 * 96 * H + 4 * V * 4 + 64 * 1024, peaks
+    assert peaks[2048] >= dw + 4 * V * H, peaks
+
+
 def test_final_norm_arguments_are_checked():
     tensors, labels = normed_inputs(5, 8, 11, torch.float32, torch.float32, False, seed=6)
     hidden, norm_weight, weight, _ = tensors
