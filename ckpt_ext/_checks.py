@@ -137,6 +137,12 @@ def _check_probability(op, name, p):
         raise ValueError(f"{op}: {name} must be a probability in [0, 1), got {p}")
 
 
+def _check_row_offset(op, name, row_offset):
+    """A global row offset (of a token chunk within a larger input): an int >= 0."""
+    if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:
+        raise ValueError(f"{op}: {name} must be an int >= 0, got {row_offset!r}")
+
+
 def _check_seed(op, name, seed):
     if (seed.device.type != "cpu" or seed.numel() != 1 or seed.dtype.is_floating_point
             or seed.dtype.is_complex or seed.dtype == torch.bool):

@@ -29,6 +29,7 @@ import torch
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
                       _check_positive_finite, _check_qkv, _check_probability, _check_seed,
+                      _check_row_offset,
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
                       _check_lce_bwd)
@@ -64,7 +65,8 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
 def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                     return_gate_up, lora_dropout=(), dropout_seed=None):
+                     return_gate_up, lora_dropout=(), dropout_seed=None, dropout_row_offset=0):
+    _check_row_offset("swiglu_fwd", "dropout_row_offset", dropout_row_offset)
     T, H, I, _ = _check_swiglu_fwd("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                    lora, lora_scaling, lora_dropout, dropout_seed)
     gate_up_shape = (T, I) if return_gate_up else (0,)
@@ -73,7 +75,9 @@ def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_s
 
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                     gate, up, needs_grad, lora_dropout=(), dropout_seed=None):
+                     gate, up, needs_grad, lora_dropout=(), dropout_seed=None,
+                     dropout_row_offset=0):
+    _check_row_offset("swiglu_bwd", "dropout_row_offset", dropout_row_offset)
     T, H, I, lora = _check_swiglu_bwd("swiglu_bwd", dy, x, w_gate, w_up, w_down, b_gate, b_up,
                                       b_down, lora, lora_scaling, gate, up, needs_grad,
                                       lora_dropout, dropout_seed)
@@ -92,10 +96,11 @@ def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lo
 
 
 @torch.library.register_fake("ckpt_ext::lora_dropout")
-def _lora_dropout_fake(x, seed, stream, p):
+def _lora_dropout_fake(x, seed, stream, p, row_offset=0):
     op = "lora_dropout"
     _check_floating(op, "x", x)
     _check_probability(op, "p", p)
+    _check_row_offset(op, "row_offset", row_offset)
     _check_seed(op, "seed", seed)
     return x.new_empty(x.shape)
 
@@ -160,7 +165,8 @@ def _attention_backward(ctx, dout, dlse):
 
 def _swiglu_setup(ctx, inputs, output):
     (x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up,
-     lora_dropout, dropout_seed) = inputs
+     lora_dropout, dropout_seed) = inputs[:12]
+    ctx.dropout_row_offset = inputs[12] if len(inputs) > 12 else 0
     _, gate, up = output
     ctx.mark_non_differentiable(gate, up)
     if any(t is None for t in lora) and any(t is not None and t.requires_grad for t in lora):
@@ -193,7 +199,7 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     lora_need = [bool(f) for f in need[7]] if isinstance(need[7], (list, tuple)) else [False] * n
     needs = [bool(f) for f in need[1:7]] + (lora_need or [False] * 6)
     grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs,
-                            ctx.lora_dropout, ctx.dropout_seed)
+                            ctx.lora_dropout, ctx.dropout_seed, ctx.dropout_row_offset)
     dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora = grads
 
     def keep(flag, g):
@@ -203,20 +209,24 @@ def _swiglu_backward(ctx, dy, dgate, dup):
                  if isinstance(need[7], (list, tuple)) else None)
     grads = (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
              keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
-             dlora_out, [] if not ctx.lora_scaling else None, None, ctx.dropout_grad, None)
-    # One gradient per argument the caller passed: the trailing lora_dropout / dropout_seed
-    # may have been left to their defaults (needs_input_grad has one entry per passed one).
+             dlora_out, [] if not ctx.lora_scaling else None, None, ctx.dropout_grad, None,
+             None)
+    # One gradient per argument the caller passed: the trailing lora_dropout / dropout_seed /
+    # dropout_row_offset may have been left to their defaults (needs_input_grad has one entry
+    # per passed one).
     return grads[:len(need)]
 
 
 def _lora_dropout_setup(ctx, inputs, output):
-    _, seed, stream, p = inputs
+    _, seed, stream, p = inputs[:4]
     ctx.seed, ctx.stream, ctx.p = seed, stream, p
+    ctx.row_offset = inputs[4] if len(inputs) > 4 else 0
 
 
 def _lora_dropout_backward(ctx, dy):
     # The mask is a function of (seed, stream, element): the adjoint applies the same one.
-    return _ops.lora_dropout(dy, ctx.seed, ctx.stream, ctx.p), None, None, None
+    dx = _ops.lora_dropout(dy, ctx.seed, ctx.stream, ctx.p, ctx.row_offset)
+    return (dx,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 def _rms_norm_setup(ctx, inputs, output):

@@ -246,7 +246,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       holds dy, the MLP input and its gradient (and for ``min_memory`` the recomputed h, q,
       k, v, out) with the SwiGLU backward's (rows, I) work: on the CPU six fp32 (rows, I)
       buffers together within the byte cap (four for ``fast``, whose gate/up are saved), in
-      the Triton kernels three whole (T, I) tensors; their attention
+      the Triton kernels three (rows, I) tensors of the layer's token chunk (three (rows, I)
+      tensors at the compute width within the cap; training the weights over several chunks,
+      their gradients' fp32 sum and one chunk's gradients besides); their attention
       part 9 (T, H), 5 (T, Q) and 6 (T, K) tensors (``fast``: 3 and 3, its q/k/v are saved;
       ``min_memory``: one more (T, Q), out) and, training the weights, the layer's weight
       gradients; the Triton dQ adds an fp32 (T, Q) accumulator.
@@ -309,11 +311,15 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         layer_work = e * T * (6 * H + 2 * Q + 2 * K + 6 * I) + lse
         phase = "top layer backward (HF's layer re-run)"
     else:
+        # The MLP walks token chunks of the cap (three (rows, I) tensors at the compute width)
+        mlp_rows = min(T, max(1, chunk_bytes // (3 * max(4, e) * I)))
         if path == "cpu":   # (rows, I) fp32 buffers within the cap: six, or four with the
             n = 4 if preset == "fast" else 6        # gate/up that fast saves
             swiglu = n * 4 * I * min(T, max(1, chunk_bytes // (n * 4 * I)))
-        else:
-            swiglu = 3 * e * T * I
+        else:               # the Triton backward's dh, dgate, dup of one chunk
+            swiglu = 3 * e * mlp_rows * I
+        if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
+            swiglu += 3 * I * H * (4 + e)     # an fp32 sum and the chunk's own
         if preset == "min_memory":
             mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
             attn = e * T * (9 * H + 6 * Q + 6 * K)

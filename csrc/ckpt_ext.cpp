@@ -42,8 +42,9 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // the same arguments give the same mask on every device; seed: a CPU integer tensor with one
   // element; 0 <= p < 1. The op is its own adjoint (backward applies it to the gradient).
   // Streams: the decoder layer numbers its projections q, k, v, o, gate, up, down = 0..6, and
-  // the SwiGLU ops use the same numbers (4, 5, 6) for their adapters' inputs.
-  m.def("lora_dropout(Tensor x, Tensor seed, int stream, float p) -> Tensor");
+  // the SwiGLU ops use the same numbers (4, 5, 6) for their adapters' inputs. row_offset >= 0:
+  // x's rows are rows row_offset.. of a larger tensor (a token chunk), masked as there.
+  m.def("lora_dropout(Tensor x, Tensor seed, int stream, float p, int row_offset=0) -> Tensor");
 
   // ---- SwiGLU MLP with optional LoRA adapters ------------------------------------------------
   //   gate = x Wg^T + bg + s_g (x Ag^T) Bg^T,  up likewise,
@@ -53,12 +54,14 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // computed in float32 (float64 with a float64 operand)); lora_scaling: [] or (s_g, s_u, s_d).
   // lora_dropout (trailing, optional): [] or the 3 dropout probabilities of the adapters'
   // inputs (gate, up, down), applied as lora_dropout(input converted to the LoRA dtype,
-  // dropout_seed, 4 | 5 | 6, p); dropout_seed is required when one of them is > 0.
+  // dropout_seed, 4 | 5 | 6, p); dropout_seed is required when one of them is > 0;
+  // dropout_row_offset >= 0: x's rows are rows dropout_row_offset.. of a larger input (a token
+  // chunk), and the masks are those of these global rows.
   // return_gate_up=False: gate/up are never materialised and come back empty.
   m.def("swiglu_fwd(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, "
         "Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
-        "bool return_gate_up, float[] lora_dropout=[], Tensor? dropout_seed=None) -> "
-        "(Tensor y, Tensor gate, Tensor up)");
+        "bool return_gate_up, float[] lora_dropout=[], Tensor? dropout_seed=None, "
+        "int dropout_row_offset=0) -> (Tensor y, Tensor gate, Tensor up)");
   // gate/up given: use them (save="gate_up"); absent: recompute them from x (save="input").
   // needs_grad: 12 flags [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate, A_up,
   // B_up, A_down, B_down]; a gradient not wanted (or whose tensor is absent) is not computed
@@ -66,7 +69,7 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def("swiglu_bwd(Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, "
         "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
         "Tensor? gate, Tensor? up, bool[] needs_grad, float[] lora_dropout=[], "
-        "Tensor? dropout_seed=None) -> "
+        "Tensor? dropout_seed=None, int dropout_row_offset=0) -> "
         "(Tensor dx, Tensor dw_gate, Tensor dw_up, Tensor dw_down, Tensor db_gate, "
         "Tensor db_up, Tensor db_down, Tensor[] dlora)");
 

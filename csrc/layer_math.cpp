@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "chunking.h"
 #include "kernel_ops.h"
 #include "lora_dropout.h"
 
@@ -42,7 +43,7 @@ Layer make_layer(const c10::List<OptTensor>& weights, const LayerTensors& tensor
 // The adapter's input of projection p, dropout applied (inp in the LoRA dtype).
 at::Tensor lora_input(const Layer& L, Proj p, const at::Tensor& inp) {
   const double dp = L.dropout_p(p);
-  return dp > 0.0 ? kernel::lora_dropout(inp, *L.dropout_seed, p, dp) : inp;
+  return dp > 0.0 ? kernel::lora_dropout(inp, *L.dropout_seed, p, dp, 0) : inp;
 }
 
 // ---- validation ----------------------------------------------------------------------------
@@ -406,21 +407,59 @@ MlpLora mlp_lora(const Layer& L) {
   return l;
 }
 
-// y = h + down(silu(gate(m)) * up(m)); fills r.gate/up when `keep_gate_up`.
-at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r) {
-  const at::Tensor m2 = mlp_input(h, L);
-  const MlpLora l = mlp_lora(L);
-  auto [y2, gate, up] = kernel::swiglu_fwd(
-      m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
-      L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-      L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed);
-  if (keep_gate_up) r.gate = gate, r.up = up;
-  return h + y2.view(h.sizes());
+// Rows per token chunk of the MLP: the SwiGLU intermediates of a chunk, three (rows, I)
+// tensors at the compute width (the Triton backward's dh, dgate and dup; the CPU kernels
+// chunk further within the same cap), within the byte cap CKPT_EXT_CHUNK_BYTES. A sequence
+// that fits is one chunk, computed exactly as written out.
+int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
+  const int64_t I = L.proj(kGate).size(0);
+  return chunking::chunk_rows(3 * I * std::max<int64_t>(4, h.element_size()));
 }
 
+// y = h + down(silu(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
+// chunk's output written in place; with `keep_gate_up` (fast, which saves the whole-sequence
+// gate/up) one chunk, filling r.gate/up. The SwiGLU ops hash LoRA dropout masks on global
+// rows (dropout_row_offset), so the chunks change no mask.
+at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r) {
+  const MlpLora l = mlp_lora(L);
+  const at::Tensor h2 = flat2(h);
+  const int64_t T = h2.size(0);
+  const int64_t rows = keep_gate_up ? T : mlp_chunk_rows(L, h);
+  at::Tensor out;
+  for (int64_t t0 = 0; t0 < T; t0 += rows) {
+    const int64_t tc = std::min(rows, T - t0);
+    const at::Tensor hc = h2.narrow(0, t0, tc);
+    auto [y2, gate, up] = kernel::swiglu_fwd(
+        mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+        L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+        L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
+        t0);
+    if (keep_gate_up) r.gate = gate, r.up = up;
+    if (tc == T) return h + y2.view(h.sizes());
+    if (!out.defined())
+      out = at::empty({T, h2.size(1)}, h.options().dtype(at::result_type(hc, y2)));
+    at::Tensor out_c = out.narrow(0, t0, tc);
+    at::add_out(out_c, hc, y2);
+  }
+  return out.view(h.sizes());
+}
+
+// A gradient summed over token chunks: the first chunk's as it is when it is the only one or
+// already float32/float64, else widened to float32 (one rounding at the end, as one GEMM).
+void accumulate(at::Tensor& sum, const at::Tensor& d, bool only_chunk) {
+  if (sum.defined()) {
+    sum.add_(d);
+  } else {
+    sum = only_chunk || d.element_size() >= 4 ? d : d.to(at::kFloat);
+  }
+}
+
+// Backward of mlp_forward over the same token chunks: per chunk the norm is recomputed, the
+// SwiGLU backward runs (its (rows, I) work one chunk at a time; fast reads its saved gate/up
+// rows), and the chunk's dx rows are written in place; weight, bias, adapter and norm
+// gradients sum over the chunks (float32 for half-precision ones).
 at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& L,
                         const Residuals& r, const std::vector<bool>& needs, Grads& g) {
-  const at::Tensor m2 = mlp_input(h, L);
   // The ops' gradient order: weights, biases, then the adapters, as in mlp_lora.
   std::vector<int64_t> order;
   for (ProjPart part : {kWeight, kBias})
@@ -429,23 +468,45 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     for (ProjPart part : {kLoraA, kLoraB}) order.push_back(slot(p, part));
   c10::List<bool> wanted;
   for (int64_t s : order) wanted.push_back(needs[s]);
-  OptTensor gate, up;
-  if (r.gate.defined()) gate = r.gate, up = r.up;
   const MlpLora l = mlp_lora(L);
-  auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
-      L.cast(flat2(dy)), m2, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
-      L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-      L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed);
-  const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
-  for (size_t j = 0; j < order.size(); ++j) {
-    if (!needs[order[j]]) continue;
-    set_grad(g, L, order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
-  }
   const at::Tensor& wn = L.norm(kPostNorm);
-  auto [dhn, dwn] = kernel::rms_norm_bwd(
-      dm2.view(h.sizes()).to(at::promote_types(h.scalar_type(), wn.scalar_type())), h, wn, L.eps);
-  if (needs[slot(kPostNorm)]) set_grad(g, L, slot(kPostNorm), dwn);
-  return dy + dhn;
+  const at::Tensor h2 = flat2(h), dy2 = flat2(dy);
+  const int64_t T = h2.size(0);
+  const int64_t rows = mlp_chunk_rows(L, h);
+  const bool one = rows >= T;
+  std::vector<at::Tensor> sums(order.size());
+  at::Tensor dwn_sum, dx;
+  for (int64_t t0 = 0; t0 < T; t0 += rows) {
+    const int64_t tc = std::min(rows, T - t0);
+    const at::Tensor hc = h2.narrow(0, t0, tc), dyc = dy2.narrow(0, t0, tc);
+    OptTensor gate, up;
+    if (r.gate.defined()) gate = r.gate.narrow(0, t0, tc), up = r.up.narrow(0, t0, tc);
+    auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
+        L.cast(dyc), mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
+        L.cast(L.proj(kDown)), L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+        L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
+        t0);
+    const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
+    for (size_t j = 0; j < order.size(); ++j) {
+      if (!needs[order[j]]) continue;
+      accumulate(sums[j], j < base.size() ? *base[j] : dlora[j - base.size()], one);
+    }
+    auto [dhn, dwn] = kernel::rms_norm_bwd(
+        dm2.to(at::promote_types(h.scalar_type(), wn.scalar_type())), hc, wn, L.eps);
+    if (needs[slot(kPostNorm)]) accumulate(dwn_sum, dwn, one);
+    if (one) {
+      dx = dy + dhn.view(h.sizes());
+    } else {
+      if (!dx.defined())
+        dx = at::empty({T, h2.size(1)}, dy.options().dtype(at::result_type(dyc, dhn)));
+      at::Tensor dx_c = dx.narrow(0, t0, tc);
+      at::add_out(dx_c, dyc, dhn);
+    }
+  }
+  for (size_t j = 0; j < order.size(); ++j)
+    if (needs[order[j]]) set_grad(g, L, order[j], sums[j]);
+  if (needs[slot(kPostNorm)]) set_grad(g, L, slot(kPostNorm), dwn_sum);
+  return one ? dx : dx.view(h.sizes());
 }
 
 // ---- the whole call ------------------------------------------------------------------------

@@ -59,18 +59,19 @@ at::Tensor apply_cpu(const at::Tensor& x, uint32_t k, double p, int64_t row0) {
 namespace {
 
 at::Tensor lora_dropout_cpu(const at::Tensor& x, const at::Tensor& seed, int64_t stream,
-                            double p) {
+                            double p, int64_t row_offset) {
   const char* op = "lora_dropout";
   checks::check_defined(op, "x", x);
   checks::check_floating(op, "x", x);
   dropout::check_probability(op, "p", p);
+  CKPT_CHECK_VALUE(row_offset >= 0, op, "row_offset must be >= 0, got ", row_offset);
   const int64_t s = dropout::read_seed(op, "seed", seed);
   if (x.dim() == 0) {
     // A 0-d tensor is one element, row 0 and column 0 (the (1, 1) view).
-    return dropout::apply_cpu(x.reshape({1}), dropout::key(s, stream), p)
+    return dropout::apply_cpu(x.reshape({1}), dropout::key(s, stream), p, row_offset)
         .reshape(c10::IntArrayRef{});
   }
-  return dropout::apply_cpu(x, dropout::key(s, stream), p);
+  return dropout::apply_cpu(x, dropout::key(s, stream), p, row_offset);
 }
 
 }  // namespace

@@ -92,6 +92,7 @@ struct Adapter {
   double s = 0.0;
   double p = 0.0;                     // dropout probability of the adapter's input
   uint32_t key = 0;                   // its dropout key (stream 4, 5, 6)
+  int64_t row0 = 0;                   // the global row of x's first row (dropout_row_offset)
   at::ScalarType dt = at::kFloat;     // LoRA (compute) dtype
   at::ScalarType own = at::kFloat;    // the adapter's own dtype (of its gradients)
 };
@@ -101,9 +102,10 @@ using Adapters = std::array<Adapter, 3>;
 // csrc/ckpt_ext.cpp) and converts the adapters.
 Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& lora,
                     c10::ArrayRef<double> scaling, c10::ArrayRef<double> dropout,
-                    const std::optional<at::Tensor>& seed, const at::Tensor& x,
-                    const SwigluDims& d) {
+                    const std::optional<at::Tensor>& seed, int64_t row_offset,
+                    const at::Tensor& x, const SwigluDims& d) {
   Adapters ad;
+  CKPT_CHECK_VALUE(row_offset >= 0, op, "dropout_row_offset must be >= 0, got ", row_offset);
   CKPT_CHECK_VALUE(lora.size() == 0 || lora.size() == 6, op,
                    "lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, A_down, "
                    "B_down], got ", lora.size(), " entries");
@@ -151,6 +153,7 @@ Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& 
                        "dropout_seed is required when lora_dropout has a probability > 0");
       A.p = dropout[p];
       A.key = dropout::key(dropout::read_seed(op, "dropout_seed", *seed), 4 + p);
+      A.row0 = row_offset;
     }
   }
   return ad;
@@ -174,10 +177,10 @@ void linear_into(at::Tensor out, const at::Tensor& a, const at::Tensor& w,
 }
 
 // The adapter's input for the token chunk starting at row0: in (tc, in) converted to the LoRA
-// dtype, dropout applied.
+// dtype, dropout applied (the mask of global rows A.row0 + row0 ...).
 at::Tensor lora_input(const Adapter& A, const at::Tensor& in, int64_t row0) {
   const at::Tensor l = in.to(A.dt);
-  return A.p > 0.0 ? dropout::apply_cpu(l, A.key, A.p, row0) : l;
+  return A.p > 0.0 ? dropout::apply_cpu(l, A.key, A.p, A.row0 + row0) : l;
 }
 
 // The pre-activation of gate or up for one chunk in the compute dtype `cdt` (or the adapter's
@@ -201,10 +204,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
     const c10::List<std::optional<at::Tensor>>& lora, c10::ArrayRef<double> lora_scaling,
     bool return_gate_up, c10::ArrayRef<double> lora_dropout,
-    const std::optional<at::Tensor>& dropout_seed) {
+    const std::optional<at::Tensor>& dropout_seed, int64_t dropout_row_offset) {
   const char* op = "swiglu_fwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
-  const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, d);
+  const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed,
+                                 dropout_row_offset, x, d);
   const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   at::Tensor y = at::empty({d.T, d.H}, x.options());                                 // (T, H)
   at::Tensor gate = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
@@ -296,10 +300,12 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
                            const std::optional<at::Tensor>& up,
                            const c10::List<bool>& needs_grad,
                            c10::ArrayRef<double> lora_dropout,
-                           const std::optional<at::Tensor>& dropout_seed) {
+                           const std::optional<at::Tensor>& dropout_seed,
+                           int64_t dropout_row_offset) {
   const char* op = "swiglu_bwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
-  const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, d);
+  const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed,
+                                 dropout_row_offset, x, d);
   check_like(op, "dy", dy, "x", x, {d.T, d.H}, "(T, H), the shape of x");
   const bool recompute = checks::absent(gate);
   CKPT_CHECK_VALUE(recompute == checks::absent(up), op,
@@ -363,7 +369,7 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
     if (D.on) {
       dyb = dyc.to(D.dt).mm(D.b);
       if (D.p > 0.0) {  // the adapter's input was masked: so is its gradient
-        dh.add_(dropout::apply_cpu(dyb.mm(D.a).mul_(D.s), D.key, D.p, t0).to(pdt));
+        dh.add_(dropout::apply_cpu(dyb.mm(D.a).mul_(D.s), D.key, D.p, D.row0 + t0).to(pdt));
       } else {
         dh.addmm_(dyb.to(pdt), D.a.to(pdt), 1.0, D.s);
       }
@@ -395,7 +401,7 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
       const at::Tensor xl = lora_input(A, xc, t0);         // x' (dropout applied)
       const at::Tensor dzb = dz.mm(A.b);                   // (tc, r)
       at::Tensor t = dzb.mm(A.a).mul_(A.s);                // s (dz B) A, masked like x'
-      if (A.p > 0.0) t = dropout::apply_cpu(t, A.key, A.p, t0);
+      if (A.p > 0.0) t = dropout::apply_cpu(t, A.key, A.p, A.row0 + t0);
       dxl = dxl.defined() ? t.add_(dxl) : t;
       if (n_la[p]) dla[p].add(dzb, xl);                    // dA += (dz B)^T x'
       if (n_lb[p]) dlb[p].add(dz, xl.mm(A.a.t()));         // dB += dz^T (x' A^T)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import _check_floating, _check_probability, _check_seed
+from .._checks import _check_floating, _check_probability, _check_row_offset, _check_seed
 from . import _launch
 
 _M32 = 0xFFFFFFFF
@@ -72,25 +72,27 @@ def keep_mask(key, threshold, rows, cols):
     return _mix32(hr ^ cols.to(tl.uint32)) >= threshold.to(tl.uint32)
 
 
-@triton.jit(do_not_specialize=["key", "threshold"])
-def _lora_dropout_kernel(x_ptr, out_ptr, rows, cols, key, threshold, inv,
+@triton.jit(do_not_specialize=["key", "threshold", "row0"])
+def _lora_dropout_kernel(x_ptr, out_ptr, rows, cols, key, threshold, inv, row0,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     inside = (offs_r < rows) & (offs_c < cols)
     offs = offs_r.to(tl.int64) * cols + offs_c
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-    keep = keep_mask(key, threshold, offs_r, offs_c)
+    keep = keep_mask(key, threshold, offs_r + row0, offs_c)   # the mask of the global rows
     y = tl.where(keep, x.to(tl.float32) * inv, 0.0)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def lora_dropout(x, seed, stream, p):
-    """The ``lora_dropout`` op on a CUDA tensor (or a CPU one under the interpreter)."""
+def lora_dropout(x, seed, stream, p, row_offset=0):
+    """The ``lora_dropout`` op on a CUDA tensor (or a CPU one under the interpreter); x's
+    rows are rows ``row_offset``.. of a larger tensor."""
     op = "lora_dropout"
     _check_floating(op, "x", x)
     _launch.check_operands(op, ("x", x), uses_dot=False)
     _check_probability(op, "p", p)
+    _check_row_offset(op, "row_offset", row_offset)
     key = dropout_key(read_seed(op, "seed", seed), stream)
     src = x.contiguous()
     out = torch.empty_like(src)
@@ -102,5 +104,6 @@ def lora_dropout(x, seed, stream, p):
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     with _launch.on_device(x.device):
         _lora_dropout_kernel[grid](src, out, rows, cols, key, dropout_threshold(p),
-                                   1.0 / (1.0 - p), BLOCK_R=block_r, BLOCK_C=block_c)
+                                   1.0 / (1.0 - p), row_offset, BLOCK_R=block_r,
+                                   BLOCK_C=block_c)
     return out

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from .._checks import _check_swiglu_bwd, _check_swiglu_fwd
+from .._checks import _check_row_offset, _check_swiglu_bwd, _check_swiglu_fwd
 from .dropout import dropout_key, dropout_threshold, keep_mask
 from .dropout import lora_dropout as _lora_dropout
 
@@ -144,12 +144,12 @@ def _lora_down_accumulate(h, la_ptr, ha_ptr, offs_m, offs_n, T, I, r,
 
 
 @triton.jit
-def _dropped(t, key, thr, inv, offs_m, offs_n, DROP: tl.constexpr):
+def _dropped(t, key, thr, inv, row0, offs_m, offs_n, DROP: tl.constexpr):
     """t (fp32 (BLOCK_M, BLOCK_N), rows offs_m, columns offs_n) with LoRA dropout applied:
-    the mask of kernels/dropout.py for (key, thr), kept entries scaled by inv. Identity
-    without DROP."""
+    the mask of kernels/dropout.py for (key, thr) on the global rows row0 + offs_m, kept
+    entries scaled by inv. Identity without DROP."""
     if DROP:
-        keep = keep_mask(key, thr, offs_m[:, None], offs_n[None, :])
+        keep = keep_mask(key, thr, (offs_m + row0)[:, None], offs_n[None, :])
         t = tl.where(keep, t * inv, 0.0)
     return t
 
@@ -179,7 +179,7 @@ def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xa
 @triton.jit
 def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
                      xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g, r_u, r_d,
-                     key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                     key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
                      stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
                      HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
                      DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
@@ -210,14 +210,14 @@ def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_pt
     h = (g * tl.sigmoid(g) * u).to(out_dtype)
     tl.store(h_ptr + out_offs, h, mask=mask)
     if LORA_D:  # from the rounded h, the act the down projection reads
-        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
+        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, row0_d, offs_m, offs_n, DROP_D)
         _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D, LORA_PREC)
 
 
-@triton.jit(do_not_specialize=["key_d", "thr_d"])
+@triton.jit(do_not_specialize=["key_d", "thr_d", "row0_d"])
 def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
                        lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g, r_u, r_d, key_d,
-                       thr_d, inv_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
+                       thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
                        stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
                        HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
                        DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
@@ -244,7 +244,7 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
                              xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g,
-                             r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                             r_u, r_d, key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt,
                              stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
                              stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
                              LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -252,7 +252,7 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
     else:
         _swiglu_fwd_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr,
                          up_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u,
-                         r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                         r_g, r_u, r_d, key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt,
                          stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
                          stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
                          LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -267,7 +267,7 @@ def _halves(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 @triton.jit
 def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_ptr, dyb_ptr,
-                  dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, T, I, stride_dht,
+                  dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, row0_d, T, I, stride_dht,
                   stride_dhi, stride_ot, stride_oi, STORE_H: tl.constexpr,
                   LORA_D: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
                   R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr):
@@ -285,7 +285,7 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
         h = (silu * u).to(out_dtype)
         if STORE_H:
             tl.store(h_ptr + out_offs, h, mask=mask)
-        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, offs_m, offs_n, DROP_D)
+        hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, row0_d, offs_m, offs_n, DROP_D)
         if NEED_HA:
             _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
                                   LORA_PREC)
@@ -305,7 +305,7 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
         ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
                      mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, columns)
         dh += _dropped(s_d * tl.dot(dyb, ad, input_precision=LORA_PREC), key_d, thr_d, inv_d,
-                       offs_m, offs_n, DROP_D)
+                       row0_d, offs_m, offs_n, DROP_D)
     dup = dh * silu
     tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
     dgate = dh * u_dsilu
@@ -316,7 +316,7 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
 def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
                                dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
                                lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d, r_g,
-                               r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET, stride_xt,
+                               r_u, r_d, key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt,
                                stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh,
                                stride_dht, stride_dhi, stride_ot, stride_oi,
                                HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
@@ -370,16 +370,16 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
             g_j = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             u_j = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         _bwd_epilogue(g_j, u_j, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_ptr,
-                      dyb_ptr, dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, T, I,
+                      dyb_ptr, dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, row0_d, T, I,
                       stride_dht, stride_dhi, stride_ot, stride_oi, STORE_H, LORA_D, NEED_DAD,
                       NEED_HA, R_D, LORA_PREC, DROP_D)
 
 
-@triton.jit(do_not_specialize=["key_d", "thr_d"])
+@triton.jit(do_not_specialize=["key_d", "thr_d", "row0_d"])
 def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, dgate_ptr,
                                  dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr, lbg_ptr, xau_ptr,
                                  lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr, s_g, s_u, s_d,
-                                 r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I, T_BUCKET,
+                                 r_g, r_u, r_d, key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET,
                                  stride_xt, stride_xh,
                                  stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_dht,
                                  stride_dhi, stride_ot, stride_oi, HAS_BG: tl.constexpr,
@@ -416,7 +416,7 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
             _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr,
                                        dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
                                        lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr,
-                                       ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d,
+                                       ha_ptr, s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, row0_d,
                                        T, H, I, T_BUCKET,
                                        stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                                        stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
@@ -428,7 +428,7 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
         _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
                                    dh_ptr, dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
                                    lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, dyb_ptr, dlad_ptr, ha_ptr,
-                                   s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, T, H, I,
+                                   s_g, s_u, s_d, r_g, r_u, r_d, key_d, thr_d, inv_d, row0_d, T, H, I,
                                    T_BUCKET,
                                    stride_xt, stride_xh, stride_wgi, stride_wgh, stride_wui,
                                    stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
@@ -708,31 +708,32 @@ def _adapters(op, x, lora, lora_scaling):
 
 
 class _Dropout:
-    """One adapter's input dropout: probability p > 0 and its mask key (stream 4 | 5 | 6)."""
+    """One adapter's input dropout: probability p > 0, its mask key (stream 4 | 5 | 6) and the
+    global row of the op's first row (the masks are those of the global rows)."""
 
-    def __init__(self, p, seed, stream):
-        self.p, self.seed, self.stream = p, seed, stream
+    def __init__(self, p, seed, stream, row0):
+        self.p, self.seed, self.stream, self.row0 = p, seed, stream, row0
         self.key = dropout_key(int(seed.item()), stream)
 
 
-def _dropouts(lora_dropout, dropout_seed, ad):
+def _dropouts(lora_dropout, dropout_seed, ad, row0):
     """The three adapters' dropouts (gate, up, down), each None or a _Dropout (the arguments
     were checked with the op's)."""
-    return [_Dropout(float(prob), dropout_seed, 4 + p)
+    return [_Dropout(float(prob), dropout_seed, 4 + p, row0)
             if ad[p] is not None and prob != 0.0 else None
             for p, prob in enumerate(list(lora_dropout) or [0.0] * 3)]
 
 
 def _adapter_input(xf, drop):
     """An adapter's fp32 input with its dropout applied (xf itself without one)."""
-    return xf if drop is None else _lora_dropout(xf, drop.seed, drop.stream, drop.p)
+    return xf if drop is None else _lora_dropout(xf, drop.seed, drop.stream, drop.p, drop.row0)
 
 
 def _down_dropout_args(drop):
-    """(key_d, thr_d, inv_d) and the DROP_D flag of the kernels."""
+    """(key_d, thr_d, inv_d, row0_d) and the DROP_D flag of the kernels."""
     if drop is None:
-        return (0, 0, 1.0), False
-    return (drop.key, dropout_threshold(drop.p), 1.0 / (1.0 - drop.p)), True
+        return (0, 0, 1.0, 0), False
+    return (drop.key, dropout_threshold(drop.p), 1.0 / (1.0 - drop.p), drop.row0), True
 
 
 # Rows of dgate / dup widened to fp32 at a time for the adapters' rank-r products: the
@@ -809,7 +810,7 @@ def _scale(a):
 # Launchers
 # --------------------------------------------------------------------------------------------
 def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-               return_gate_up: bool, lora_dropout=(), dropout_seed=None):
+               return_gate_up: bool, lora_dropout=(), dropout_seed=None, dropout_row_offset=0):
     """SwiGLU MLP forward with optional LoRA adapters.
 
     Args:
@@ -825,6 +826,8 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
             a CPU integer tensor with one element, required when one is > 0. The gate/up
             adapters read ``lora_dropout(x, seed, 4 | 5, p)`` (fp32), the down adapter h with
             the same mask function applied inside the tile (stream 6).
+        dropout_row_offset: x's rows are rows dropout_row_offset.. of a larger input (a token
+            chunk): the masks are those of these global rows.
 
     Returns:
         (y, gate, up): y (T, H) in the dtype of x; gate, up (T, I) pre-activations with the
@@ -832,18 +835,18 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
         The intermediate h (T, I) is transient: freed before this returns.
 
     LoRA precision: xa = x A^T (T, r) is computed in fp32 outside the kernel; the kernel adds
-    s xa B^T (fp32 B; the rank-r dots use TF32 on a GPU unless x is fp32 under the "highest"
-    matmul precision) to the fp32 gate/up accumulators before the activation and rounding.
+    s xa B^T (fp32 B; the rank-r dots as ``_lora_precision`` chooses) to the fp32 gate/up accumulators before the activation and rounding.
     h A_down^T (T, r_d) is accumulated in fp32 inside the kernel (atomic adds over the
     intermediate tiles, so its summation order, and the last bits, may vary between runs on a
     GPU); y = (h Wd^T + bd, rounded by the dense GEMM) + s_d (h A_down^T) B_down^T in fp32,
     rounded once more (PEFT's order for an fp32 adapter on a half-precision base).
     """
     op = "swiglu_fwd"
+    _check_row_offset(op, "dropout_row_offset", dropout_row_offset)
     T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
                                       lora_scaling, lora_dropout, dropout_seed)
     ad = _adapters(op, x, lora, lora_scaling)
-    drop = _dropouts(lora_dropout, dropout_seed, ad)
+    drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset)
     h = x.new_empty((T, I))
     # Distinct placeholders: an op's outputs must not alias each other.
     gu_shape = (T, I) if return_gate_up else (0,)
@@ -881,7 +884,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
 
 
 def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-               gate, up, needs_grad, lora_dropout=(), dropout_seed=None):
+               gate, up, needs_grad, lora_dropout=(), dropout_seed=None, dropout_row_offset=0):
     """SwiGLU MLP backward with optional LoRA adapters.
 
     Args:
@@ -893,7 +896,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
             recomputed tile by tile from x inside the fused kernel).
         needs_grad: 12 bools [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate,
             A_up, B_up, A_down, B_down]; a gradient not wanted is never computed.
-        lora_dropout, dropout_seed: as for ``swiglu_fwd`` (the masks are regenerated).
+        lora_dropout, dropout_seed, dropout_row_offset: as for ``swiglu_fwd`` (the masks are
+            regenerated).
 
     Returns:
         (dx (T, H), dw_gate (I, H), dw_up (I, H), dw_down (H, I), db_gate (I,), db_up (I,),
@@ -909,11 +913,12 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     carry the adapter's dropout; the low-rank part of dx (and of dh) gets the same mask.
     """
     op = "swiglu_bwd"
+    _check_row_offset(op, "dropout_row_offset", dropout_row_offset)
     T, H, I, lora = _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                       lora, lora_scaling, gate, up, needs_grad, lora_dropout,
                                       dropout_seed)
     ad = _adapters(op, x, lora, lora_scaling)
-    drop = _dropouts(lora_dropout, dropout_seed, ad)
+    drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset)
     recompute = _absent(gate)
     needs = [bool(n) for n in needs_grad]
     n_wg, n_wu, n_wd = needs[0:3]

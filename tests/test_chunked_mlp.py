@@ -1,0 +1,200 @@
+"""The decoder layer's MLP over token chunks of the byte cap (CKPT_EXT_CHUNK_BYTES): LoRA
+dropout masks hashed on global rows (the ops' row offsets), chunked results equal to the
+one-chunk result for every preset, and no (tokens, I) tensor in the Triton backward."""
+import contextlib
+import os
+
+import pytest
+import torch
+
+import ckpt_ext
+from ckpt_ext import blocks
+
+from reference import make_layer, rope_tables
+
+OPS = torch.ops.ckpt_ext
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 "
+    "(the conftest sets it on machines without a GPU)")
+
+
+def seed_tensor(value):
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def triton_backend():
+    from ckpt_ext._backend import use_triton
+    return use_triton("cpu")
+
+
+BACKENDS = [pytest.param(contextlib.nullcontext, id="cpu"),
+            pytest.param(triton_backend, id="triton", marks=needs_interpreter)]
+
+
+# ---- the ops' row offsets --------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_dropout_of_a_row_chunk_is_that_chunk_of_the_whole(backend):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 25, 33, generator=g)          # rows of the (50, 33) view
+    seed = seed_tensor(2**33 + 17)
+    with backend():
+        whole = OPS.lora_dropout(x, seed, 5, 0.4).reshape(50, 33)
+        flat = x.reshape(50, 33)
+        for t0, n in ((0, 50), (0, 1), (17, 17), (49, 1), (33, 17)):
+            got = OPS.lora_dropout(flat[t0:t0 + n], seed, 5, 0.4, t0)
+            assert torch.equal(got, whole[t0:t0 + n]), (t0, n)
+        # another offset is another mask
+        assert not torch.equal(OPS.lora_dropout(flat[17:34], seed, 5, 0.4, 16), whole[17:34])
+        with pytest.raises(ValueError, match="row_offset must be"):
+            OPS.lora_dropout(flat, seed, 5, 0.4, -1)
+
+
+T, H, I, R = 37, 24, 40, 3
+
+
+def swiglu_case(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.2):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+    x = rnd(T, H, scale=1.0)
+    w = [rnd(I, H), rnd(I, H), rnd(H, I), rnd(I), rnd(I), rnd(H)]
+    lora = [rnd(R, H), rnd(I, R), rnd(R, H), rnd(I, R), rnd(R, I), rnd(H, R)]
+    return x, w, lora, rnd(T, H, scale=1.0)
+
+
+@pytest.mark.parametrize("backend,dtype,tol", [
+    pytest.param(contextlib.nullcontext, torch.float64, 1e-12, id="cpu-fp64"),
+    pytest.param(triton_backend, torch.float32, 2e-6, id="triton-fp32", marks=needs_interpreter)])
+def test_swiglu_row_chunks_with_offsets_equal_the_whole(backend, dtype, tol):
+    """Every adapter with dropout: the chunks' y and dx rows are the whole op's rows, and the
+    weight / adapter gradients sum to the whole op's (chunks of 1 and 17 rows of 37)."""
+    x, w, lora, dy = swiglu_case(dtype)
+    scaling, dropout, seed = [0.7, 1.3, 0.9], [0.3, 0.2, 0.4], seed_tensor(77)
+    with backend():
+        y = OPS.swiglu_fwd(x, *w, lora, scaling, False, dropout, seed)[0]
+        whole = OPS.swiglu_bwd(dy, x, *w, lora, scaling, None, None, [True] * 12, dropout, seed)
+        whole = [whole[0], *whole[1:7], *whole[7]]
+        for rows in (1, 17):
+            ys, dxs, sums = [], [], None
+            for t0 in range(0, T, rows):
+                sl = slice(t0, min(T, t0 + rows))
+                ys.append(OPS.swiglu_fwd(x[sl], *w, lora, scaling, False, dropout, seed, t0)[0])
+                g = OPS.swiglu_bwd(dy[sl], x[sl], *w, lora, scaling, None, None, [True] * 12,
+                                   dropout, seed, t0)
+                g = [g[0], *g[1:7], *g[7]]
+                dxs.append(g[0])
+                sums = g[1:] if sums is None else [s + d for s, d in zip(sums, g[1:])]
+            scale = y.abs().max().item()
+            torch.testing.assert_close(torch.cat(ys), y, rtol=tol, atol=tol * scale)
+            torch.testing.assert_close(torch.cat(dxs), whole[0], rtol=tol,
+                                       atol=tol * whole[0].abs().max().item())
+            for i, (s, r) in enumerate(zip(sums, whole[1:])):
+                torch.testing.assert_close(s, r, rtol=tol, atol=tol * r.abs().max().item(),
+                                           msg=f"gradient {i + 1} at {rows} rows")
+        # the offset matters: without it the chunks' masks repeat the first rows'
+        y_wrong = torch.cat([OPS.swiglu_fwd(x[t0:t0 + 17], *w, lora, scaling, False, dropout,
+                                            seed)[0] for t0 in range(0, T, 17)])
+        assert (y_wrong - y).abs().max() > 100 * tol * y.abs().max()
+        with pytest.raises(ValueError, match="dropout_row_offset must be"):
+            OPS.swiglu_fwd(x, *w, lora, scaling, False, dropout, seed, -3)
+
+
+# ---- the decoder layer -----------------------------------------------------------------------
+
+HS, NH, NKV, IM, BS, SL = 32, 4, 2, 48, 2, 70    # 140 tokens
+DROPOUT = [0.1, 0.2, 0.3, 0.15, 0.25, 0.35, 0.4]
+
+
+def layer_case(dtype, seed=0, hidden=HS):
+    """hidden: 64 for the Triton kernels (head_dim 16)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = make_layer(hidden, NH, NKV, IM, dtype=dtype)
+    weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    for path in blocks.PROJECTIONS:
+        w = weights[f"{path}.weight"]
+        weights[f"{path}.lora_A"] = 0.3 * torch.randn(R, w.shape[1], generator=g, dtype=dtype)
+        weights[f"{path}.lora_B"] = 0.3 * torch.randn(w.shape[0], R, generator=g, dtype=dtype)
+    x = torch.randn(BS, SL, hidden, generator=g, dtype=dtype)
+    dy = torch.randn(BS, SL, hidden, generator=g, dtype=dtype)
+    return x, weights, rope_tables(SL, hidden // NH, dtype=dtype), dy
+
+
+def layer_grads(x, weights, pe, dy, preset):
+    """(y, dx, {name: gradient}) with every weight and adapter trained."""
+    x = x.clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    y = blocks.decoder_layer(x, w, pe, num_heads=NH, num_kv_heads=NKV,
+                             lora_scaling=[0.5 + 0.1 * i for i in range(7)],
+                             lora_dropout=DROPOUT, dropout_seed=seed_tensor(4242), preset=preset)
+    y.backward(dy)
+    return y.detach(), x.grad, {n: t.grad for n, t in w.items()}
+
+
+def mlp_rows_cap(rows, dtype):
+    """CKPT_EXT_CHUNK_BYTES for MLP chunks of `rows` tokens: three (rows, I) tensors at the
+    compute width."""
+    return str(rows * 3 * IM * max(4, dtype.itemsize))
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_layer_mlp_chunks_equal_one_chunk(monkeypatch, preset):
+    """fp64, LoRA with dropout on every projection, two sequences: chunks of 1, 17 and 129
+    tokens of 140 give the one-chunk output and gradients."""
+    x, weights, pe, dy = layer_case(torch.float64)
+    y1, dx1, g1 = layer_grads(x, weights, pe, dy, preset)
+    for rows in (1, 17, 129):
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap(rows, torch.float64))
+        y, dx, g = layer_grads(x, weights, pe, dy, preset)
+        torch.testing.assert_close(y, y1, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, dx1, rtol=1e-12, atol=1e-12)
+        for n in g1:
+            torch.testing.assert_close(g[n], g1[n], rtol=1e-11, atol=1e-12, msg=f"{n} {rows}")
+
+
+@needs_interpreter
+def test_layer_mlp_chunks_through_triton_equal_one_chunk(monkeypatch):
+    """The Triton kernels (interpreter, fp32): chunks of 17 tokens give the one-chunk
+    results within fp32 summation-order rounding."""
+    x, weights, pe, dy = layer_case(torch.float32, seed=1, hidden=64)
+    with triton_backend():
+        y1, dx1, g1 = layer_grads(x, weights, pe, dy, "min_memory")
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap(17, torch.float32))
+        y, dx, g = layer_grads(x, weights, pe, dy, "min_memory")
+    torch.testing.assert_close(y, y1, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(dx, dx1, rtol=2e-5, atol=2e-5)
+    for n in g1:
+        scale = g1[n].abs().max().item()
+        torch.testing.assert_close(g[n], g1[n], rtol=2e-5, atol=2e-5 * scale, msg=n)
+
+
+@needs_interpreter
+def test_triton_layer_backward_holds_no_token_by_intermediate_tensor(monkeypatch):
+    """The Triton SwiGLU backward forms three (rows, I) tensors: over the whole sequence they
+    are the MLP part's peak; in chunks of 32 tokens the peak falls by about 3 (T - 32) I
+    elements (the check can fail: the one-chunk peak is measured too)."""
+    Tn, Hn, In = 128, 32, 1024
+    torch.manual_seed(0)
+    layer = make_layer(Hn, 4, 2, In, dtype=torch.float32)
+    weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    x = torch.randn(1, Tn, Hn)
+    pe = rope_tables(Tn, Hn // 4, dtype=torch.float32)
+
+    def step(xx):
+        blocks.decoder_layer(xx, weights, pe, num_heads=4, num_kv_heads=2, part="mlp",
+                             preset="balanced").sum().backward()
+
+    peaks = {}
+    with triton_backend():
+        for rows in (Tn, 32):
+            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap_for(rows, In))
+            peaks[rows] = ckpt_ext.peak_memory_bytes(step, x.clone().requires_grad_())
+    assert peaks[Tn] - peaks[32] >= 0.8 * 3 * (Tn - 32) * In * 4, peaks
+
+
+def mlp_rows_cap_for(rows, intermediate):
+    return str(rows * 3 * intermediate * 4)
