@@ -194,6 +194,20 @@ def make_layer(h, hq, hkv, i, dtype, policy="balanced", **kw):
     return layer
 
 
+def layer_weights_with_adapters(h, hq, hkv, i, rank, dtype, g):
+    """The weights of make_layer(h, hq, hkv, i, dtype) (torch's generator: seed it first) with
+    LoRA adapters of ``rank`` on every projection drawn from generator ``g`` (B non-zero, as
+    after some training), keyed as ckpt_ext.blocks.decoder_layer takes them."""
+    from ckpt_ext import blocks
+    layer = make_layer(h, hq, hkv, i, dtype=dtype)
+    weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    for path in blocks.PROJECTIONS:
+        w = weights[f"{path}.weight"]
+        weights[f"{path}.lora_A"] = 0.3 * torch.randn(rank, w.shape[1], generator=g, dtype=dtype)
+        weights[f"{path}.lora_B"] = 0.3 * torch.randn(w.shape[0], rank, generator=g, dtype=dtype)
+    return weights
+
+
 def make_mask(kind, b, s):
     if kind == "none":
         return None

@@ -2,7 +2,6 @@
 dropout masks hashed on global rows (the ops' row offsets), chunked results equal to the
 one-chunk result for every preset, and no (tokens, I) tensor in the Triton backward."""
 import contextlib
-import os
 
 import pytest
 import torch
@@ -10,17 +9,11 @@ import torch
 import ckpt_ext
 from ckpt_ext import blocks
 
-from reference import make_layer, rope_tables
+from reference import layer_weights_with_adapters, make_layer, rope_tables
+
+from test_lora_dropout import needs_interpreter, seed_tensor
 
 OPS = torch.ops.ckpt_ext
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRET, reason="runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 "
-    "(the conftest sets it on machines without a GPU)")
-
-
-def seed_tensor(value):
-    return torch.tensor(value, dtype=torch.int64)
 
 
 def triton_backend():
@@ -113,12 +106,7 @@ def layer_case(dtype, seed=0, hidden=HS):
     """hidden: 64 for the Triton kernels (head_dim 16)."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    layer = make_layer(hidden, NH, NKV, IM, dtype=dtype)
-    weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    for path in blocks.PROJECTIONS:
-        w = weights[f"{path}.weight"]
-        weights[f"{path}.lora_A"] = 0.3 * torch.randn(R, w.shape[1], generator=g, dtype=dtype)
-        weights[f"{path}.lora_B"] = 0.3 * torch.randn(w.shape[0], R, generator=g, dtype=dtype)
+    weights = layer_weights_with_adapters(hidden, NH, NKV, IM, R, dtype, g)
     x = torch.randn(BS, SL, hidden, generator=g, dtype=dtype)
     dy = torch.randn(BS, SL, hidden, generator=g, dtype=dtype)
     return x, weights, rope_tables(SL, hidden // NH, dtype=dtype), dy

@@ -12,7 +12,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import blocks
 
-from reference import make_layer, rope_tables
+from reference import layer_weights_with_adapters, rope_tables
 
 OPS = torch.ops.ckpt_ext
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -262,12 +262,7 @@ HS, NH, NKV, D, IM, BS, SL = 32, 4, 2, 8, 48, 2, 9
 def layer_inputs(dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    layer = make_layer(HS, NH, NKV, IM, dtype=dtype)
-    weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    for path in blocks.PROJECTIONS:
-        w = weights[f"{path}.weight"]
-        weights[f"{path}.lora_A"] = 0.3 * torch.randn(R, w.shape[1], generator=g, dtype=dtype)
-        weights[f"{path}.lora_B"] = 0.3 * torch.randn(w.shape[0], R, generator=g, dtype=dtype)
+    weights = layer_weights_with_adapters(HS, NH, NKV, IM, R, dtype, g)
     x = torch.randn(BS, SL, HS, generator=g, dtype=dtype)
     cos, sin = rope_tables(SL, D, dtype=dtype)
     return x, weights, (cos, sin)
