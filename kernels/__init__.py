@@ -6,7 +6,6 @@ implementation (and CPU one under the backend setting "triton") by ``ckpt_ext._b
 Their settings (autotuning, kernel variants) come from ``ckpt_ext.config``.
 Importing this package does not import triton; the kernel modules do.
 """
-from .. import config as _config
 
 
 def autotune_enabled() -> bool:
@@ -17,4 +16,8 @@ def autotune_enabled() -> bool:
     The test suite turns it off on a GPU, where correctness does not depend on tile sizes and
     tuning every shape it tries would cost minutes of compilation.
     """
-    return _config.current().autotune
+    # Imported here: the folder is also found as a top-level ``kernels`` from the repository
+    # root (transformers probes for PyPI's ``kernels`` package), where a module-level relative
+    # import would fail the probe's import.
+    from ..config import current
+    return current().autotune
