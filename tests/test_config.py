@@ -294,3 +294,16 @@ def test_patch_backend_registers_the_triton_launchers(monkeypatch):
     assert calls == [1]
     torch.ops.ckpt_ext.attention_fwd(q, q, q, None, None, None, True, 0.25)  # ATen's again
     assert calls == [1]
+
+
+def test_kernels_folder_still_imports_as_top_level_package():
+    """From the repository root the kernels/ folder is also found as a top-level ``kernels``
+    (transformers probes for PyPI's package of that name): its __init__ must import there,
+    so it reads the config only inside its functions."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
