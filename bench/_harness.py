@@ -1,9 +1,10 @@
 """The one timing and provenance harness of the benchmarks in bench/.
 
-* Timing: ``Clock`` marks the device timeline with CUDA events on a GPU and reads
-  ``time.perf_counter`` on the CPU; ``time_ms`` (median ms per call of a function),
-  ``time_steps`` (median forward / backward / total ms of a training step) and interleaved
-  loops (``Clock`` around each step, ``median``) are all built on it.
+* Timing: ``time_ms`` (median ms per call of a function) runs ``triton.testing.do_bench`` on
+  a GPU (L2 flush, CUDA events) and the host clock on the CPU. ``Clock`` marks the device
+  timeline with CUDA events on a GPU and reads ``time.perf_counter`` on the CPU;
+  ``time_steps`` (median forward / backward / total ms of a training step, marked inside the
+  step) and interleaved loops (``Clock`` around each step, ``median``) are built on it.
 * Memory: ``peak_mib`` (``ckpt_ext.peak_memory_bytes`` of one untimed step, in MiB).
 * Provenance and output: ``device_name`` / ``device_tag``, ``provenance`` (the header every
   CSV starts with: device, versions, command, date), ``write_csv``, ``print_table``.
@@ -68,11 +69,26 @@ def median(samples: Iterable[float]) -> float:
 
 def time_ms(fn: Callable[[], object], warmup: int, reps: int, device=None,
             chunk: int = 1) -> float:
-    """Median ms per call of ``fn()`` over ``reps`` samples, after ``warmup`` untimed calls.
-    chunk: calls per sample (for functions too short to time one call at a time)."""
+    """Median ms per call of ``fn()`` over about ``reps`` samples, after about ``warmup``
+    untimed calls.
+
+    On a GPU: ``triton.testing.do_bench`` (the L2 cache flushed before each call, CUDA events
+    around it, the median), whose warm-up and repetitions are time budgets: ``warmup`` and
+    ``reps`` times one call's duration, so that the counts keep their meaning. On the CPU: the
+    host clock, ``chunk`` calls per sample (for functions too short to time one call at a
+    time)."""
+    if _is_cuda(device):
+        from triton.testing import do_bench
+        fn()                                  # compiles / tunes outside the estimate
+        clock = Clock(device)
+        clock.mark()
+        fn()
+        clock.mark()
+        one = max(clock.elapsed_ms(0, 1), 1e-3)
+        return do_bench(fn, warmup=max(warmup, 1) * one, rep=max(reps, 1) * one,
+                        return_mode="median")
     for _ in range(warmup):
         fn()
-    sync(device)
     samples = []
     for _ in range(reps):
         clock = Clock(device)
@@ -80,7 +96,6 @@ def time_ms(fn: Callable[[], object], warmup: int, reps: int, device=None,
         for _ in range(chunk):
             fn()
         clock.mark()
-        sync(device)
         samples.append(clock.elapsed_ms(0, 1) / chunk)
     return median(samples)
 

@@ -38,11 +38,12 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402,F401  (after TRITON_INTERPRET; its version goes in the header)
 
+from ckpt_ext import config  # noqa: E402
 from ckpt_ext.kernels import attention  # noqa: E402
+# the dense attention and mask rule the tests compare with (tests/reference.py re-exports them)
+from ckpt_ext.plain import attention as attention_reference  # noqa: E402
+from ckpt_ext.plain import attention_allowed as allowed_matrix  # noqa: E402
 from _harness import device_tag, provenance, time_ms, write_csv  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from reference import allowed_matrix, attention_reference  # noqa: E402  (the dense mask rule)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -68,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--no-causal", action="store_true", help="benchmark non-causal attention")
     p.add_argument("--providers", default="triton,sdpa,eager",
                    help="comma-separated subset of triton,triton_atomic,sdpa,eager "
-                        "(triton_atomic: the backward with CKPT_EXT_ATTN_DQ=atomic)")
+                        "(triton_atomic: the backward with attention_dq='atomic')")
     p.add_argument("--warmup", type=int, default=None, help="warmup iterations (GPU 5, CPU 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (GPU 30, CPU 3)")
     p.add_argument("--cpu-size", default="1,2,64,16", help="B,H,S,D of the CPU interpreter smoke run")
@@ -143,22 +144,16 @@ def autograd_fns(fn, q, k, v, dout, causal, scale):
 
 
 def with_dq_mode(mode, fn):
-    """fn called with CKPT_EXT_ATTN_DQ=mode (the launcher reads it at every backward)."""
+    """fn called with the attention_dq setting ``mode`` (the launcher reads it at every
+    backward)."""
     def call():
-        before = os.environ.get("CKPT_EXT_ATTN_DQ")
-        os.environ["CKPT_EXT_ATTN_DQ"] = mode
-        try:
+        with config.patch(attention_dq=mode):
             return fn()
-        finally:
-            if before is None:
-                del os.environ["CKPT_EXT_ATTN_DQ"]
-            else:
-                os.environ["CKPT_EXT_ATTN_DQ"] = before
     return call
 
 
 def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None, dq_mode=None):
-    """dq_mode: None (the environment's CKPT_EXT_ATTN_DQ) or "separate" / "atomic"."""
+    """dq_mode: None (the attention_dq setting, CKPT_EXT_ATTN_DQ) or "separate" / "atomic"."""
     saved = {}
     masks = (None, segment_ids, window)
 
@@ -256,8 +251,8 @@ def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device
 
 
 def sanity_check(device, dtype):
-    """Max |triton - reference| of out on a small shape (tests/reference.py's attention in
-    float32), so that a broken build is not benchmarked."""
+    """Max |triton - reference| of out on a small shape (the tests' reference attention,
+    ckpt_ext.plain.attention, in float32), so that a broken build is not benchmarked."""
     gen = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(1, 2, 64, 64, device=device, dtype=dtype, generator=gen) for _ in range(3))
     seg = (torch.arange(64, device=device) // 24).expand(1, 64)

@@ -5,9 +5,10 @@
   through ``torch.library`` when torch has CUDA; the CUDA C++ row-wise kernels (RMSNorm, RoPE)
   of ``csrc/cuda`` in a CUDA build, or the plain-PyTorch ones of ``ckpt_ext.plain``
   registered here when the extension was built without CUDA.
-* ``CKPT_EXT_BACKEND=triton`` (with ``TRITON_INTERPRET=1``) also puts the Triton launchers on
-  CPU tensors, so the whole fused path runs through Triton in CPU tests; ``use_triton("cpu")``
-  does the same for a ``with`` block.
+* The ``backend`` setting ``"triton"`` (``CKPT_EXT_BACKEND=triton`` or
+  ``ckpt_ext.config.patch(backend="triton")``, with ``TRITON_INTERPRET=1``) also puts the Triton
+  launchers on CPU tensors, so the whole fused path runs through Triton in CPU tests;
+  ``use_triton("cpu")`` (public as ``ckpt_ext.use_triton``) does the same for a ``with`` block.
 
 Triton is imported on the first call of a launcher, not at ``import ckpt_ext``.
 """
@@ -20,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import _C, plain
+from . import _C, config, plain
 from ._checks import _rope_out_like
 
 __all__ = ["register_from_environment", "use_triton", "register_triton"]
@@ -123,14 +124,30 @@ def _register_rowwise_fallback() -> None:
     _persistent.append(lib)
 
 
+_cpu_triton: list = []  # the registration of the backend setting "triton", while it holds
+
+
+def _follow_backend(old: config.KernelConfig, new: config.KernelConfig) -> None:
+    """Register the Triton launchers for CPU tensors when the ``backend`` setting becomes
+    "triton", remove that registration when it goes back to "auto"."""
+    if new.backend == old.backend:
+        return
+    if new.backend == "triton":
+        _cpu_triton.append(register_triton("cpu"))
+    else:
+        while _cpu_triton:
+            _cpu_triton.pop()._destroy()
+
+
 def register_from_environment() -> None:
-    """Called once by ``import ckpt_ext``."""
-    backend = os.environ.get("CKPT_EXT_BACKEND", "auto")
-    if backend not in ("auto", "triton"):
-        raise ValueError(f"CKPT_EXT_BACKEND must be 'auto' or 'triton', got {backend!r}")
+    """Called once by ``import ckpt_ext``: the CUDA registrations, and the Triton launchers
+    for CPU tensors while the ``backend`` setting (read from the environment here, with the
+    other kernel settings) is "triton"."""
+    backend = config.current().backend
     if torch.version.cuda is not None:  # torch built with CUDA; no device is queried
         _persistent.append(register_triton("cuda"))
         if not _C.with_cuda:
             _register_rowwise_fallback()
     if backend == "triton":
-        _persistent.append(register_triton("cpu"))
+        _cpu_triton.append(register_triton("cpu"))
+    config.on_change(_follow_backend)

@@ -12,7 +12,7 @@ CUDA implementations are registered elsewhere. This module adds, for every kerne
 
 Public wrappers:
     attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
-              window=None) -> out
+              window=None, deterministic=None) -> out
     swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input")
     rms_norm(x, weight, eps) -> y
     add_rms_norm(x, residual, weight, eps) -> (y, s)
@@ -23,10 +23,12 @@ Public wrappers:
 """
 import math
 import numbers
+import threading
 
 import torch
 
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
+from . import config
 from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
                       _check_positive_finite, _check_qkv, _check_probability, _check_seed,
                       _check_row_offset,
@@ -148,18 +150,29 @@ def _rope_bwd_fake(dq_out, dk_out, cos, sin):
 # --------------------------------------------------------------------------------------------
 # Autograd of the forward ops
 # --------------------------------------------------------------------------------------------
+# The dQ mode that ops.attention(..., deterministic=) asks of the forward running in this
+# thread, for _attention_setup to hand to the backward (the ops' schemas do not carry it).
+_dq_request = threading.local()
+
+
 def _attention_setup(ctx, inputs, output):
     q, k, v, key_padding_mask, segment_ids, window, causal, scale = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, segment_ids)
     ctx.window, ctx.causal, ctx.scale = window, causal, scale
+    ctx.dq_mode = getattr(_dq_request, "mode", None)  # None: the setting at backward time
 
 
 def _attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, key_padding_mask, segment_ids = ctx.saved_tensors
-    dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids,
-                                    ctx.window, ctx.causal, ctx.scale)
+    args = (dout, q, k, v, out, lse, key_padding_mask, segment_ids, ctx.window, ctx.causal,
+            ctx.scale)
+    if ctx.dq_mode is None:
+        dq, dk, dv = _ops.attention_bwd(*args)
+    else:
+        with config.patch(attention_dq=ctx.dq_mode):
+            dq, dk, dv = _ops.attention_bwd(*args)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -301,7 +314,7 @@ for _name in ("attention_bwd", "swiglu_bwd", "rms_norm_bwd", "rope_bwd"):
 # Public wrappers
 # --------------------------------------------------------------------------------------------
 def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
-              window=None):
+              window=None, deterministic=None):
     """Scaled dot-product attention with GQA, causal, key-padding, packed-sequence and
     sliding-window masks.
 
@@ -320,6 +333,14 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
             ``j < i + window``, i.e. ``|i - j| < window`` (HF's bidirectional window w, which
             keeps ``|i - j| <= w``, is window=w + 1). None, or window >= S: no window.
         The rules combine: a key is attended only if every rule given allows it.
+        deterministic: how the backward forms dQ (as flash-attention's ``deterministic=``).
+            True: in a kernel of its own, bit-reproducible; False: added by the dK/dV kernel
+            with fp32 atomics (fewer matmuls; the sums' order, hence their last bits, vary
+            between runs); None (default): the ``attention_dq`` setting of
+            ``ckpt_ext.config`` when the backward runs (``"separate"``, deterministic, unless
+            changed). The choice reaches the Triton backward; the CPU ATen kernels are
+            deterministic either way. Not supported under ``torch.compile`` (the backward op
+            does not take it there); use ``ckpt_ext.config.patch(attention_dq=...)``.
 
     Returns:
         out (B, Hq, S, D) in q's dtype, laid out (B, S, Hq, D) in memory (so
@@ -335,12 +356,27 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     if window is not None and window <= 0:
         raise ValueError(f"attention: window must be > 0 (key j is visible from query i iff "
                          f"i - window < j <= i), got {window}")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"attention: deterministic must be None, True or False, got "
+                        f"{type(deterministic).__name__}")
+    if deterministic is not None and torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "attention: deterministic= is not supported under torch.compile (the compiled "
+            "backward would not see it); set ckpt_ext.config.patch(attention_dq='separate' / "
+            "'atomic') or CKPT_EXT_ATTN_DQ instead")
     if scale is None:
         D = q.shape[-1] if q.dim() == 4 else 0
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 / wrong rank: the op says why
     _check_positive_finite("attention", "scale", float(scale))
-    out, _ = _ops.attention_fwd(q, k, v, key_padding_mask, segment_ids, window, bool(causal),
-                                float(scale))
+    args = (q, k, v, key_padding_mask, segment_ids, window, bool(causal), float(scale))
+    if deterministic is None:
+        out, _ = _ops.attention_fwd(*args)
+        return out
+    _dq_request.mode = "separate" if deterministic else "atomic"
+    try:
+        out, _ = _ops.attention_fwd(*args)
+    finally:
+        _dq_request.mode = None
     return out
 
 

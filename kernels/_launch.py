@@ -7,23 +7,18 @@ One module decides, for all kernel families (attention, SwiGLU, LM-head loss):
   ``TRITON_INTERPRET`` is set at the moment the kernel is defined, so the flag is taken, once,
   from a probe kernel defined when this module is imported (by the first kernel module, that
   is at the first Triton launch: ``ckpt_ext`` imports the kernels lazily).
-* **Autotuning.** ``CKPT_EXT_AUTOTUNE`` (``ckpt_ext.kernels.autotune_enabled``) is read once,
-  at the same import, and only off the interpreter. ``1`` (default): the launchers autotune
-  over their candidate configurations; ``0``: they launch the first candidate the kernel's
-  resource model keeps, untimed, falling back to the next one if the device refuses it
-  (:class:`FirstThatFits`). :func:`reload_policy` re-reads the switch and empties every
-  launcher cache (tests, benchmarks).
-* **Kernel variants.** ``CKPT_EXT_SWIGLU_GRID`` (``switch``, read with the autotune switch):
-  ``persistent`` (default) launches one program per SM (three in the interpreter, so that
-  the loop is tested), each looping over the output tiles of the fused SwiGLU GEMMs in grouped
-  order (all but the LoRA backward, whose tile loop spills on sm_90); ``tiles`` launches one
-  program per output tile. ``CKPT_EXT_SWIGLU_EPILOGUE``: ``subtiled`` (default) runs the
-  SwiGLU backward's pointwise epilogue on column pieces of the tile, as narrow as the resource
-  model needs for the tile to stay spill-free; ``whole`` runs it on the whole tile (and the
-  model drops the tiles that spill). Both defaults are the winners measured on an H100
-  (``bench/swiglu.py``, LLaMA-3-8B MLP, 8192 tokens, bf16): the persistent grid took
-  0.97x the time of ``tiles`` (``save="input"`` forward+backward 16.5 against 17.0 ms), the
-  subtiled epilogue 0.98x that of ``whole`` (17.0 against 17.3 ms).
+* **Settings.** Autotuning and the SwiGLU variants are settings of ``ckpt_ext.config`` (the
+  README's "Kernel settings" table), read when a launcher is built: :func:`autotuning` (off
+  in the interpreter) decides between ``triton.autotune`` over the candidates and
+  :class:`FirstThatFits` (the first candidate the kernel's resource model keeps, untimed,
+  the next one if the device refuses it); ``swiglu_grid`` and ``swiglu_epilogue`` pick the
+  SwiGLU kernels' variants. A change of any of them (``config.patch``, ``config.reload``)
+  empties every launcher cache, so the next launch follows it; :func:`reload_policy` reads
+  the environment again and empties the caches in any case (tests, benchmarks). The
+  defaults are the winners measured on an H100 (``bench/swiglu.py``, LLaMA-3-8B MLP, 8192
+  tokens, bf16): the persistent grid took 0.97x the time of ``tiles`` (``save="input"``
+  forward+backward 16.5 against 17.0 ms), the subtiled epilogue 0.98x that of ``whole``
+  (17.0 against 17.3 ms).
 * **fp32 dot precision.** :func:`dot_precision`: fp32 operands use IEEE fp32 products when
   torch's float32 matmul precision is ``"highest"`` (torch's default) and TF32 when the user
   allowed it with ``torch.set_float32_matmul_precision("high"/"medium")``, the rule torch's
@@ -48,16 +43,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Callable, Sequence
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from . import autotune_enabled
+from .. import config
 
-__all__ = ["INTERPRET", "AUTOTUNE", "SWIGLU_GRID", "SWIGLU_EPILOGUE", "switch", "reload_policy",
+__all__ = ["INTERPRET", "autotuning", "reload_policy",
            "dot_precision", "cached", "DeviceInfo", "arch_family", "smem_budget_for",
            "device_info", "on_device", "placeholder", "check_operands", "FirstThatFits", "Fixed",
            "select", "cdiv", "next_pow2", "pow2_bucket"]
@@ -79,38 +73,40 @@ def _interpreting() -> bool:
     return isinstance(_mode_probe, InterpretedFunction)
 
 
-def switch(name: str, values: Sequence[str], default: str) -> str:
-    """A kernel-variant switch from the environment: ``name``'s value, one of ``values``."""
-    value = os.environ.get(name, default)
-    if value not in values:
-        raise ValueError(f"{name} must be one of {', '.join(repr(v) for v in values)}, got "
-                         f"{value!r}")
-    return value
-
-
 INTERPRET: bool = _interpreting()
-AUTOTUNE: bool = (not INTERPRET) and autotune_enabled()
-# CKPT_EXT_SWIGLU_GRID: "persistent" (one program per SM looping over the output tiles in
-# grouped order) or "tiles" (one program per output tile, same order).
-SWIGLU_GRID: str = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "persistent")
-# CKPT_EXT_SWIGLU_EPILOGUE: "subtiled" (the backward's epilogue on column pieces of the tile)
-# or "whole" (on the whole tile).
-SWIGLU_EPILOGUE: str = switch("CKPT_EXT_SWIGLU_EPILOGUE", ("subtiled", "whole"), "subtiled")
 
 _CACHES: list = []
 
+# The settings a cached launcher is built from; a change of one of them empties the caches.
+_LAUNCHER_SETTINGS = ("autotune", "swiglu_grid", "swiglu_epilogue")
 
-def reload_policy() -> None:
-    """Read ``CKPT_EXT_AUTOTUNE`` and the variant switches again and forget every cached
-    launcher (and the device information), so that the next launch follows the current
-    environment. The interpreter flag cannot change: Triton fixed it when the kernels were
-    defined."""
-    global AUTOTUNE, SWIGLU_GRID, SWIGLU_EPILOGUE
-    AUTOTUNE = (not INTERPRET) and autotune_enabled()
-    SWIGLU_GRID = switch("CKPT_EXT_SWIGLU_GRID", ("tiles", "persistent"), "persistent")
-    SWIGLU_EPILOGUE = switch("CKPT_EXT_SWIGLU_EPILOGUE", ("subtiled", "whole"), "subtiled")
+
+def autotuning() -> bool:
+    """Whether launchers built now autotune: the ``autotune`` setting, off in the
+    interpreter."""
+    return (not INTERPRET) and config.current().autotune
+
+
+def _clear_caches() -> None:
     for cache in _CACHES:
         cache.cache_clear()
+
+
+def _follow_settings(old: config.KernelConfig, new: config.KernelConfig) -> None:
+    if any(getattr(old, f) != getattr(new, f) for f in _LAUNCHER_SETTINGS):
+        _clear_caches()
+
+
+config.on_change(_follow_settings)
+
+
+def reload_policy() -> None:
+    """Read the kernel settings from the environment again (``ckpt_ext.config.reload``) and
+    forget every cached launcher (and the device information), so that the next launch
+    follows the current environment. The interpreter flag cannot change: Triton fixed it when
+    the kernels were defined."""
+    config.reload()
+    _clear_caches()
 
 
 def cached(fn: Callable) -> Callable:
@@ -247,12 +243,12 @@ class Fixed:
 
 
 class FirstThatFits:
-    """The untimed launcher of ``CKPT_EXT_AUTOTUNE=0``: launches the first of ``configs`` that
-    the device accepts. A resource model is a model; Triton's own allocation can exceed it,
-    and such a config fails at launch with OutOfResources before anything runs. The launcher
-    then moves on to the next config and remembers where it got to: one FirstThatFits serves
-    one launcher-cache key (one specialization), so later launches start at the config that
-    fitted."""
+    """The untimed launcher when the ``autotune`` setting is off: launches the first of
+    ``configs`` that the device accepts. A resource model is a model; Triton's own allocation
+    can exceed it, and such a config fails at launch with OutOfResources before anything
+    runs. The launcher then moves on to the next config and remembers where it got to: one
+    FirstThatFits serves one launcher-cache key (one specialization), so later launches start
+    at the config that fitted."""
 
     def __init__(self, kernel, configs: Sequence):
         if not configs:
@@ -292,14 +288,14 @@ def select(kernel, configs: Sequence, *, interpret_meta, key: Sequence[str],
 
     kernel: the ``@triton.jit`` function; configs: its candidates for this key, in order of
     preference, already cut to those the kernel's resource model keeps (the first is what
-    ``CKPT_EXT_AUTOTUNE=0`` launches); interpret_meta: the fixed block sizes of interpreter
+    is launched with autotuning off); interpret_meta: the fixed block sizes of interpreter
     runs (a mapping or a zero-argument callable); key, autotune_kwargs: ``triton.autotune``'s
     key and its other arguments (``reset_to_zero``, ``restore_value``). Returns an object
     launched as ``launcher[grid](*args, **constexprs)``.
     """
     if INTERPRET:
         return Fixed(kernel, interpret_meta)
-    if not AUTOTUNE:
+    if not autotuning():
         return FirstThatFits(kernel, configs)
     return triton.autotune(configs=list(configs), key=list(key), **autotune_kwargs)(kernel)
 

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from .. import _checks
+from .. import config as _config
 from . import _launch
 
 __all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs",
@@ -80,7 +81,9 @@ _PRE_BLOCK_M = 64  # rows per program of the D = rowsum(dO * O) pre-pass
 
 
 def dq_mode() -> str:
-    """How the backward forms dQ, from ``CKPT_EXT_ATTN_DQ`` (read at every backward launch).
+    """How the backward forms dQ: the ``attention_dq`` setting of ``ckpt_ext.config``
+    (``CKPT_EXT_ATTN_DQ``; ``ckpt_ext.ops.attention(..., deterministic=)`` sets it for its own
+    backward), read at every backward launch; the launcher cache is keyed on it.
 
     ``separate`` (the default): a dQ kernel of its own walks the key blocks of each query
     block; deterministic, but it recomputes Q K^T and dO V^T (7 tile matmuls per tile pair in
@@ -90,7 +93,7 @@ def dq_mode() -> str:
     are exact formulas tested against the same reference; which is faster is for a GPU
     measurement to decide, and the default follows that measurement.
     """
-    return _launch.switch("CKPT_EXT_ATTN_DQ", ("separate", "atomic"), "separate")
+    return _config.current().attention_dq
 
 
 # --------------------------------------------------------------------------------------------
@@ -769,7 +772,7 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
         configs = _prune(kind, candidates, meta["D_PAD"], dtype.itemsize, info.smem_budget,
                          dq_atomic)
         smallest = _smallest(candidates)
-        if not _launch.AUTOTUNE and all(c is not smallest for c in configs):
+        if not _launch.autotuning() and all(c is not smallest for c in configs):
             configs.append(smallest)  # the last resort
     return _launch.select(_KERNELS[kind], configs, key=_KEYS[kind],
                           interpret_meta=lambda: INTERPRETER_BLOCKS[kind]), meta

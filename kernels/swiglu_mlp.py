@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import config as _config
 from . import _launch
 from .._checks import _check_row_offset, _check_swiglu_bwd, _check_swiglu_fwd
 from .dropout import dropout_key, dropout_threshold, keep_mask
@@ -473,7 +474,7 @@ def _interpret_meta(kind):
     """The interpreter's fixed meta-parameters of a kernel ("fwd" or "bwd")."""
     if kind == "fwd":
         return dict(_INTERPRET_META)
-    return dict(_INTERPRET_META, EPI_N=_INTERPRET_EPI_N[_launch.SWIGLU_EPILOGUE])
+    return dict(_INTERPRET_META, EPI_N=_INTERPRET_EPI_N[_config.current().swiglu_epilogue])
 
 
 def _wgmma(config, arch, ieee):
@@ -573,7 +574,7 @@ def launch_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=
     torch dtype of x; precision: ``_launch.dot_precision(dtype)`` (fp32: "ieee" or "tf32");
     lora: adapters present (rank padded to ``rank_pad``); smem_budget: the device's per-block
     shared memory (default: the family's, see ``_launch.smem_budget_for``); epilogue: the
-    backward's epilogue, "subtiled" or "whole" (default: ``CKPT_EXT_SWIGLU_EPILOGUE``). The
+    backward's epilogue, "subtiled" or "whole" (default: the ``swiglu_epilogue`` setting). The
     register model is fitted to bf16 compiles (fp16 allocates alike); fp32 is estimated alike
     but not checked against spills (IEEE fp32 dots run on FMAs and spill on sm_80 at every
     size). Returns a list of ``(config, {"regs": est, "smem": est, "kept": bool})``; a
@@ -583,7 +584,7 @@ def launch_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=
     """
     if kind not in _KINDS:
         raise ValueError(f"launch_configs: kind must be one of {_KINDS}, got {kind!r}")
-    epilogue = _launch.SWIGLU_EPILOGUE if epilogue is None else epilogue
+    epilogue = _config.current().swiglu_epilogue if epilogue is None else epilogue
     if epilogue not in ("subtiled", "whole"):
         raise ValueError(f"launch_configs: epilogue must be 'subtiled' or 'whole', got "
                          f"{epilogue!r}")
@@ -649,7 +650,7 @@ def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_
     adapter's input dropout; lora_precision: the adapters' dots (``_lora_precision``)."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
-                DROP_D=drop_d, PERSISTENT=_launch.SWIGLU_GRID == "persistent",
+                DROP_D=drop_d, PERSISTENT=_config.current().swiglu_grid == "persistent",
                 **_lora_meta(lora_pads, lora_precision))
     return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
@@ -664,7 +665,7 @@ def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, 
                 STORE_H=store_h, NEED_DAD=needs[0], NEED_HA=needs[1], DROP_D=drop_d,
                 # The LoRA backward keeps one program per tile: its tile loop spills on sm_90
                 # even at the smallest candidate tiles (AOT report).
-                PERSISTENT=_launch.SWIGLU_GRID == "persistent" and lora_pads is None,
+                PERSISTENT=_config.current().swiglu_grid == "persistent" and lora_pads is None,
                 **_lora_meta(lora_pads, lora_precision))
     return _kernel_for("bwd", device, dtype, precision, lora_pads), meta
 

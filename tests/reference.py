@@ -1,10 +1,11 @@
-"""The one place the tests (and bench/) take references and the accuracy rule from.
+"""The one place the tests take references and the accuracy rule from.
 
 * The accuracy rule: ``check_vs_baseline`` (a low-precision result against a float64
   reference and plain PyTorch at the same dtype) and ``check_f64`` (a float64 result).
-* Independent plain-PyTorch references (no ckpt_ext code): ``rotate_half``,
+* Independent plain-PyTorch references (no kernel code): ``rotate_half``,
   ``rope_reference``, ``rms_norm_reference``, ``attention_reference`` (explicit S x S softmax,
-  repeated K/V), ``swiglu_reference``, a whole LLaMA decoder layer
+  repeated K/V; from ``ckpt_ext.plain``, shared with bench/), ``swiglu_reference``, a whole
+  LLaMA decoder layer
   (``reference_layer``), SwiGLU with PEFT LoRA adapters; and the fixtures the tests share.
 """
 import math
@@ -13,6 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from ckpt_ext.modules import DecoderLayer
+# The dense attention (explicit S x S softmax, every mask rule as a bool matrix) lives in
+# ckpt_ext.plain, plain PyTorch with no kernel code, so that bench/ uses the same one without
+# importing tests/; the tests take it from here under these names.
+from ckpt_ext.plain import attention as attention_reference  # noqa: F401
+from ckpt_ext.plain import attention_allowed as allowed_matrix  # noqa: F401
 
 F64 = torch.float64
 
@@ -120,28 +126,6 @@ def swiglu_reference(x, wg, wu, wd, bg=None, bu=None, bd=None):
     return F.linear(F.silu(gate) * up, wd, bd), gate, up
 
 
-def attention_reference(q, k, v, mask, causal, scale, segment_ids=None, window=None):
-    """Plain PyTorch attention at q's dtype, differentiable: q (B, Hq, S, D), k/v (B, Hkv, S,
-    D) -> out (B, Hq, S, D), lse (B, Hq, S) (float32, float64 for float64 inputs).
-
-    Explicit S x S softmax over the dense mask (allowed_matrix), K/V repeated for GQA. Masked
-    scores get the dtype's most negative finite value, so rows with nothing to attend stay
-    finite under autograd; those rows are then set to out = 0, lse = -inf (and get zero
-    gradients through torch.where).
-    """
-    B, Hq, S, _ = q.shape
-    group = Hq // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # head h -> h // group
-    allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
-    any_allowed = allowed.any(-1)                                  # (B, 1, S)
-    out = torch.where(any_allowed[..., None], torch.softmax(s, -1) @ v, 0.0)
-    lse = torch.where(any_allowed, torch.logsumexp(s.float() if s.dtype != F64 else s, -1),
-                      -math.inf)
-    return out, lse
-
-
 # ---- a whole decoder layer -----------------------------------------------------------------
 def rope_tables(s, d, dtype, batch=1, offset=None):
     pos = torch.arange(s, dtype=torch.float64)[None].repeat(batch, 1)
@@ -221,26 +205,6 @@ def make_mask(kind, b, s):
 
 
 # ---- attention baselines shared by the attention kernel tests ------------------------------
-
-def allowed_matrix(B, S, mask, causal, device, segment_ids=None, window=None):
-    """Bool (B, 1, S, S): query i may attend key j. The dense form of every attention mask rule:
-    causal j <= i; key_padding_mask[b, j]; segment_ids[b, i] == segment_ids[b, j]; window (HF's
-    sliding_window_overlay, key j visible iff i - window < j; not causal: also j < i + window).
-    """
-    i = torch.arange(S, device=device)[:, None]
-    j = torch.arange(S, device=device)[None, :]
-    allowed = torch.ones(S, S, dtype=torch.bool, device=device)
-    if causal:
-        allowed = allowed & (j <= i)
-    if window is not None:
-        allowed = allowed & (j > i - window) & (causal | (j < i + window))
-    allowed = allowed.expand(B, 1, S, S)
-    if mask is not None:
-        allowed = allowed & mask[:, None, None, :]
-    if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return allowed
-
 
 def packed_segment_ids(B, S, lengths, device="cpu", dtype=torch.int64, shuffle_ids=True):
     """(B, S) ids of documents packed back to back: row b holds runs of the given lengths

@@ -1,5 +1,6 @@
-"""The CKPT_EXT_AUTOTUNE switch: its parsing, the fixed attention configuration it picks, and
-(on a GPU) that the autotuned launchers agree with the fixed ones the other tests use."""
+"""The autotune setting (CKPT_EXT_AUTOTUNE): its parsing, the fixed attention configuration it
+picks, and (on a GPU) that the autotuned launchers agree with the fixed ones the other tests
+use."""
 import os
 import subprocess
 import sys
@@ -7,26 +8,24 @@ import sys
 import pytest
 import torch
 
-from ckpt_ext import kernels
+from ckpt_ext import config, kernels
 from ckpt_ext.kernels import _launch, attention
 
 CUDA = torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("value, expected", [("0", False), ("1", True), (None, True)])
-def test_switch_values(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("CKPT_EXT_AUTOTUNE", raising=False)
-    else:
-        monkeypatch.setenv("CKPT_EXT_AUTOTUNE", value)
-    assert kernels.autotune_enabled() is expected
+def test_switch_values(value, expected):
+    environ = {} if value is None else {"CKPT_EXT_AUTOTUNE": value}
+    assert config.from_environment(environ).autotune is expected
+    with config.patch(autotune=expected):
+        assert kernels.autotune_enabled() is expected
 
 
 @pytest.mark.parametrize("value", ["off", "", "2"])
-def test_switch_rejects_other_values(monkeypatch, value):
-    monkeypatch.setenv("CKPT_EXT_AUTOTUNE", value)
-    with pytest.raises(ValueError, match="CKPT_EXT_AUTOTUNE must be '0' or '1'"):
-        kernels.autotune_enabled()
+def test_switch_rejects_other_values(value):
+    with pytest.raises(ValueError, match="CKPT_EXT_AUTOTUNE must be one of '0', '1'"):
+        config.from_environment({"CKPT_EXT_AUTOTUNE": value})
 
 
 def smem_and_regs(kind, c, d_pad, elt):
@@ -260,13 +259,11 @@ def test_fp32_dot_precision_follows_torch(setting, expected):
     ("CKPT_EXT_SWIGLU_GRID", "'tiles', 'persistent'"),
     ("CKPT_EXT_SWIGLU_EPILOGUE", "'subtiled', 'whole'")])
 @pytest.mark.parametrize("value", ["Persistent", "", "2"])
-def test_variant_switches_reject_other_values(monkeypatch, name, values, value):
-    monkeypatch.setenv(name, value)
+def test_variant_switches_reject_other_values(name, values, value):
     with pytest.raises(ValueError, match=f"{name} must be one of {values}"):
-        _launch.reload_policy()
-    monkeypatch.undo()
-    _launch.reload_policy()
-    assert (_launch.SWIGLU_GRID, _launch.SWIGLU_EPILOGUE) == ("persistent", "subtiled")
+        config.from_environment({name: value})
+    current = config.current()
+    assert (current.swiglu_grid, current.swiglu_epilogue) == ("persistent", "subtiled")
 
 
 def test_host_arithmetic():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import ckpt_ext
 import ckpt_ext.ops as ops
-from ckpt_ext._backend import use_triton
+from ckpt_ext import use_triton
 from ckpt_ext.kernels import linear_cross_entropy as lce_kernels
 from reference import FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline, magnitude
 

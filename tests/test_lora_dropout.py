@@ -240,7 +240,7 @@ def test_swiglu_cpu_ops_with_dropout_match_plain_pytorch():
 
 @needs_interpreter
 def test_swiglu_triton_kernels_with_dropout_match_plain_pytorch():
-    from ckpt_ext._backend import use_triton
+    from ckpt_ext import use_triton
     _check_swiglu(torch.float32, lambda: use_triton("cpu"), 2e-4)
 
 

@@ -498,7 +498,7 @@ def test_lora_through_the_triton_kernels():
     """The same exactness with the Triton kernels (interpreter on CPU): the adapters' rank-r
     terms inside the SwiGLU and attention tiles."""
     peft = _peft()
-    from ckpt_ext._backend import use_triton
+    from ckpt_ext import use_triton
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 (the "
                     "conftest sets it on machines without a GPU)")

@@ -29,6 +29,7 @@ import time
 import pytest
 import torch
 
+from ckpt_ext import config
 from ckpt_ext.kernels import attention
 
 from reference import (FACTOR_GRAD, FACTOR_OUT, attention_reference, check_vs_baseline,
@@ -279,32 +280,35 @@ DQ_CASES = [(torch.float32, 2, 4, 2, 1, 16, True, "right", None, None),
 
 @pytest.mark.parametrize("mode", ["separate", "atomic"])
 @pytest.mark.parametrize("case", DQ_CASES, ids=[_seg_win_id(c) for c in DQ_CASES])
-def test_dq_modes(monkeypatch, mode, case):
-    """CKPT_EXT_ATTN_DQ: both dQ paths meet the accuracy rule (GQA, padding, segments, window,
-    S = 1, 17, 129); the atomic one adds dQ from every key block of every group head."""
-    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", mode)
-    assert attention.dq_mode() == mode
+def test_dq_modes(mode, case):
+    """The attention_dq setting: both dQ paths meet the accuracy rule (GQA, padding, segments,
+    window, S = 1, 17, 129); the atomic one adds dQ from every key block of every group head."""
     dtype, B, Hq, Hkv, S, D, causal, mask, lengths, window = case
-    check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 1, lengths=lengths, window=window)
+    with config.patch(attention_dq=mode):
+        assert attention.dq_mode() == mode
+        check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 1, lengths=lengths,
+                   window=window)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
 def test_dq_atomic_unequal_blocks(monkeypatch):
     """The atomic dQ rows with BLOCK_M != BLOCK_N (query blocks cut differently from the
     forward's) and a key block crossing S."""
-    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "atomic")
     monkeypatch.setitem(attention.INTERPRETER_BLOCKS, "dkdv", {"BLOCK_M": 16, "BLOCK_N": 32})
-    check_case(2, 4, 2, 71, 16, torch.float32, True, "left", seed=12, lengths=[9, 1, 40],
-               window=13)
+    with config.patch(attention_dq="atomic"):
+        check_case(2, 4, 2, 71, 16, torch.float32, True, "left", seed=12, lengths=[9, 1, 40],
+                   window=13)
 
 
-def test_dq_mode_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "fast")
-    q, k, v, _ = _good()
-    out, lse = attention.attention_fwd(q, k, v, None, None, None, True, 0.25)
+def test_dq_mode_rejects_unknown_values():
     with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be one of 'separate', "
                                          "'atomic', got 'fast'"):
-        attention.attention_bwd(out, q, k, v, out, lse, None, None, None, True, 0.25)
+        config.from_environment({"CKPT_EXT_ATTN_DQ": "fast"})
+    with pytest.raises(ValueError, match=r"attention_dq \(CKPT_EXT_ATTN_DQ\) must be one of "
+                                         r"'separate', 'atomic', got 'fast'"):
+        with config.patch(attention_dq="fast"):
+            pass
+    assert attention.dq_mode() == "separate"
 
 
 # ------------------------------------------------------------------------------------------
@@ -371,7 +375,7 @@ def test_decoder_layer_has_no_attention_layout_copies(backend, policy):
     its input's layout, so the layer splits and merges heads with views: no layout copy in
     forward or backward. Before this layout: 1 in forward (2 recomputed with min_memory) and
     4 in backward (out twice, dq, dk, dv), then 2 while rope_bwd returned contiguous tensors."""
-    from ckpt_ext._backend import use_triton
+    from ckpt_ext import use_triton
     from reference import make_layer, rope_tables
 
     b, s, hq, hkv, d = 2, 17, 4, 2, 16
@@ -388,10 +392,10 @@ def test_decoder_layer_has_no_attention_layout_copies(backend, policy):
     assert copies == {"fwd": [], "bwd": []}, copies
 
 
-def test_deterministic_backward(monkeypatch):
+@config.patch(attention_dq="separate")
+def test_deterministic_backward():
     """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal
-    (dq too with CKPT_EXT_ATTN_DQ=separate, the default)."""
-    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "separate")
+    (dq too with attention_dq="separate", the default)."""
     q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, torch.float16, "right", seed=11)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.2)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
@@ -530,17 +534,17 @@ def test_accuracy_gpu(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES[:4] + GPU_CASES[6:7],
                          ids=[_case_id(c) for c in GPU_CASES[:4] + GPU_CASES[6:7]])
-def test_dq_atomic_gpu(monkeypatch, case):
+@config.patch(attention_dq="atomic")
+def test_dq_atomic_gpu(case):
     """The atomic dQ path with the GPU's configs, bf16 / fp16 / fp32 (the one the interpreter
     cannot check for bf16)."""
-    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "atomic")
     dtype, B, Hq, Hkv, S, D, causal, mask = case
     check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 2)
 
 
 @pytest.mark.gpu
-def test_deterministic_backward_gpu(monkeypatch):
-    monkeypatch.setenv("CKPT_EXT_ATTN_DQ", "separate")
+@config.patch(attention_dq="separate")
+def test_deterministic_backward_gpu():
     q, k, v, dout, mask = make_inputs(2, 32, 8, 2048, 128, torch.bfloat16, "right", seed=1)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 128 ** -0.5)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 128 ** -0.5)
@@ -579,7 +583,7 @@ def test_bf16_is_refused_under_the_interpreter():
 def test_empty_sequence(masked):
     """S = 0 through the launchers and through ops.attention's autograd on the Triton path."""
     import ckpt_ext
-    from ckpt_ext._backend import use_triton
+    from ckpt_ext import use_triton
 
     q = torch.randn(2, 4, 0, 16, device=DEVICE, requires_grad=True)
     k = torch.randn(2, 2, 0, 16, device=DEVICE, requires_grad=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext._backend import use_triton
+from ckpt_ext import use_triton
 
 from reference import make_layer, make_mask, reference_layer, rope_tables
 

@@ -10,12 +10,14 @@ that is torch's own fp16 / fp32 CPU matmul, the honest "what you would get witho
 kernels" on this machine. When the baseline error is 0 (e.g. db_down at T=1, an exact copy of
 dy) the baseline is floored at reference.FLOOR_ULPS units in the last place of max|reference|.
 """
+import contextlib
 import gc
 import weakref
 
 import pytest
 import torch
 
+from ckpt_ext import config
 from ckpt_ext.kernels import _launch, swiglu_mlp
 
 from reference import (FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, make_swiglu_lora,
@@ -100,14 +102,11 @@ def test_matches_fp64_reference(dtype, T, bias, save):
 
 
 @pytest.fixture(params=["persistent", "tiles"])
-def grid(request, monkeypatch):
-    """CKPT_EXT_SWIGLU_GRID for one test: ``persistent`` (the default; in the interpreter three
-    programs, each looping over several tiles) or ``tiles`` (one program per tile)."""
-    monkeypatch.setenv("CKPT_EXT_SWIGLU_GRID", request.param)
-    _launch.reload_policy()
-    yield request.param
-    monkeypatch.undo()
-    _launch.reload_policy()
+def grid(request):
+    """The swiglu_grid setting for one test: ``persistent`` (the default; in the interpreter
+    three programs, each looping over several tiles) or ``tiles`` (one program per tile)."""
+    with config.patch(swiglu_grid=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
@@ -137,17 +136,17 @@ def test_grids_with_lora(grid):
 
 @pytest.fixture(params=["whole", "halves"])
 def epilogue_pieces(request, monkeypatch):
-    """The backward's epilogue on the whole 64-column tile (CKPT_EXT_SWIGLU_EPILOGUE=whole)
-    or on halves; the other tests run it on quarters (the interpreter's subtiled default)."""
-    if request.param == "whole":
-        monkeypatch.setenv("CKPT_EXT_SWIGLU_EPILOGUE", "whole")
-        _launch.reload_policy()
-    else:
-        monkeypatch.setitem(swiglu_mlp._INTERPRET_EPI_N, "subtiled", 32)
-    assert swiglu_mlp._interpret_meta("bwd")["EPI_N"] == (64 if request.param == "whole" else 32)
-    yield request.param
+    """The backward's epilogue on the whole 64-column tile (swiglu_epilogue="whole") or on
+    halves; the other tests run it on quarters (the interpreter's subtiled default)."""
+    with contextlib.ExitStack() as stack:
+        if request.param == "whole":
+            stack.enter_context(config.patch(swiglu_epilogue="whole"))
+        else:
+            monkeypatch.setitem(swiglu_mlp._INTERPRET_EPI_N, "subtiled", 32)
+        assert swiglu_mlp._interpret_meta("bwd")["EPI_N"] == (64 if request.param == "whole"
+                                                              else 32)
+        yield request.param
     monkeypatch.undo()
-    _launch.reload_policy()
     assert swiglu_mlp._interpret_meta("bwd")["EPI_N"] == 16
 
 

@@ -1,0 +1,192 @@
+"""The runtime kernel settings of ckpt_ext, in one typed place.
+
+Each setting is a field of :class:`KernelConfig` with an environment variable and a set of
+allowed values (``SETTINGS``); the README's "Kernel settings" table documents what each one
+selects.
+
+The environment is read once, at the first use (``import ckpt_ext`` asks for ``backend``);
+a bad value raises ValueError naming the variable and its allowed values. After that the
+settings change only through :func:`patch` (a block, or a decorated function) or
+:func:`reload` (read the environment again). Whatever depends on a setting follows it:
+the Triton launcher caches are emptied when ``autotune`` or a SwiGLU setting changes,
+the attention backward reads ``attention_dq`` at each launch (it is part of the launcher's
+cache key), and ``backend`` registers or removes the Triton launchers for CPU tensors.
+
+``CKPT_EXT_CHUNK_BYTES`` (the CPU kernels' chunk cap) is not a field: the C++ kernels read it
+at each call (``csrc/chunking.h``, ``ckpt_ext._C.chunk_bytes()``).
+
+``use_triton(device_type)`` (``ckpt_ext._backend``) is exported here as well: a ``with``
+block in which the Triton launchers implement the kernel ops on ``device_type``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from typing import Callable, Iterator
+
+__all__ = ["KernelConfig", "SETTINGS", "current", "patch", "reload", "use_triton"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The runtime kernel settings (see the module docstring for each one's variable)."""
+
+    # True: the GPU launchers autotune over their kept candidates; False: they launch the
+    # first kept candidate untimed (the next one if the device refuses it).
+    autotune: bool = True
+    # How the attention backward forms dQ: "separate" (a kernel of its own, deterministic) or
+    # "atomic" (added by the dK/dV kernel with fp32 atomics; last bits vary between runs).
+    attention_dq: str = "separate"
+    # The fused SwiGLU GEMMs' grid: "persistent" (one program per SM looping over the tiles)
+    # or "tiles" (one program per output tile).
+    swiglu_grid: str = "persistent"
+    # The SwiGLU backward's pointwise epilogue: "subtiled" (column pieces of the tile) or
+    # "whole" (the whole tile).
+    swiglu_epilogue: str = "subtiled"
+    # "auto": the ATen kernels on CPU tensors, Triton on CUDA; "triton": the Triton launchers
+    # on CPU tensors too (needs TRITON_INTERPRET=1 before triton is imported).
+    backend: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One field's environment variable and allowed values: ``values`` maps each allowed
+    environment string to the field's value, in the order error messages list them."""
+
+    field: str
+    env: str
+    values: dict
+
+    def parse(self, text: str):
+        if text not in self.values:
+            raise ValueError(f"{self.env} must be one of {self._allowed(self.values)}, got "
+                             f"{text!r}")
+        return self.values[text]
+
+    def check(self, value):
+        """A value given to :func:`patch`: one of the field's values (bools only for a bool
+        field, so that 0 / 1 are not taken for False / True)."""
+        allowed = list(self.values.values())
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise ValueError(f"ckpt_ext.config: {self.field} ({self.env}) must be one of "
+                             f"{self._allowed(allowed)}, got {value!r}")
+        return value
+
+    @staticmethod
+    def _allowed(values) -> str:
+        return ", ".join(repr(v) for v in values)
+
+
+SETTINGS = {s.field: s for s in (
+    Setting("autotune", "CKPT_EXT_AUTOTUNE", {"0": False, "1": True}),
+    Setting("attention_dq", "CKPT_EXT_ATTN_DQ", {"separate": "separate", "atomic": "atomic"}),
+    Setting("swiglu_grid", "CKPT_EXT_SWIGLU_GRID", {"tiles": "tiles",
+                                                    "persistent": "persistent"}),
+    Setting("swiglu_epilogue", "CKPT_EXT_SWIGLU_EPILOGUE", {"subtiled": "subtiled",
+                                                            "whole": "whole"}),
+    Setting("backend", "CKPT_EXT_BACKEND", {"auto": "auto", "triton": "triton"}),
+)}
+
+_lock = threading.RLock()
+_current: KernelConfig | None = None
+_listeners: list = []
+
+
+def from_environment(environ=None) -> KernelConfig:
+    """The settings the environment (``os.environ`` by default) gives: each variable's value,
+    or the field's default where it is unset. Reads only; :func:`reload` applies them."""
+    environ = os.environ if environ is None else environ
+    defaults = KernelConfig()
+    return KernelConfig(**{
+        name: s.parse(environ[s.env]) if s.env in environ else getattr(defaults, name)
+        for name, s in SETTINGS.items()})
+
+
+def current() -> KernelConfig:
+    """The settings in effect: the environment's, read at the first call, as changed since
+    by :func:`patch` or :func:`reload`."""
+    global _current
+    config = _current
+    if config is None:
+        with _lock:
+            if _current is None:
+                _current = from_environment()
+            config = _current
+    return config
+
+
+def on_change(listener: Callable[[KernelConfig, KernelConfig], None]) -> None:
+    """Call ``listener(old, new)`` after every change of the settings (the launch policy
+    empties its caches, the backend registers or removes launchers). For ckpt_ext's own
+    modules."""
+    _listeners.append(listener)
+
+
+def _set(new: KernelConfig) -> None:
+    """Make ``new`` current and tell the listeners; if one of them fails, the previous
+    settings come back (the listeners that ran are told) and the error propagates."""
+    global _current
+    with _lock:
+        old = current()
+        if new == old:
+            return
+        _current = new
+        done = []
+        try:
+            for listener in _listeners:
+                listener(old, new)
+                done.append(listener)
+        except BaseException:
+            _current = old
+            for listener in reversed(done):
+                listener(new, old)
+            raise
+
+
+def _validated(changes: dict) -> dict:
+    for name, value in changes.items():
+        if name not in SETTINGS:
+            raise TypeError(f"ckpt_ext.config: no setting named {name!r}; the settings are "
+                            f"{', '.join(SETTINGS)}")
+        SETTINGS[name].check(value)
+    return changes
+
+
+@contextlib.contextmanager
+def patch(**changes) -> Iterator[KernelConfig]:
+    """Change settings for a block and restore them after it, on exit and on an exception::
+
+        with ckpt_ext.config.patch(attention_dq="atomic", autotune=False):
+            ...
+
+    also as a decorator (``@ckpt_ext.config.patch(swiglu_grid="tiles")``). Values are
+    checked as the environment's are (ValueError naming the variable and its values); an
+    unknown name is a TypeError. Yields the settings in effect inside the block. The settings
+    are process-wide (as the environment is), not per thread."""
+    _validated(changes)
+    with _lock:
+        before = current()
+        _set(dataclasses.replace(before, **changes))
+    try:
+        yield current()
+    finally:
+        _set(before)
+
+
+def reload() -> KernelConfig:
+    """Read the environment again and make its settings current (the listeners run for what
+    changed). Returns them."""
+    config = from_environment()
+    _set(config)
+    return config
+
+
+def __getattr__(name):
+    # use_triton lives with the backend registrations; exported here lazily, since
+    # ckpt_ext._backend itself reads this module.
+    if name == "use_triton":
+        from ._backend import use_triton
+        return use_triton
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
