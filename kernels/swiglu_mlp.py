@@ -836,7 +836,8 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
         The intermediate h (T, I) is transient: freed before this returns.
 
     LoRA precision: xa = x A^T (T, r) is computed in fp32 outside the kernel; the kernel adds
-    s xa B^T (fp32 B; the rank-r dots as ``_lora_precision`` chooses) to the fp32 gate/up accumulators before the activation and rounding.
+    s xa B^T (fp32 B; the rank-r dots as ``_lora_precision`` chooses) to the fp32 gate/up
+    accumulators before the activation and rounding.
     h A_down^T (T, r_d) is accumulated in fp32 inside the kernel (atomic adds over the
     intermediate tiles, so its summation order, and the last bits, may vary between runs on a
     GPU); y = (h Wd^T + bd, rounded by the dense GEMM) + s_d (h A_down^T) B_down^T in fp32,
