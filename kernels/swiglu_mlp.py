@@ -180,8 +180,8 @@ def _pre_activations(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, xag_ptr, lbg_ptr, xa
 @triton.jit
 def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, up_ptr,
                      xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u, r_g, r_u, r_d,
-                     key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt, stride_xh, stride_wgi,
-                     stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
+                     key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt, stride_xh,
+                     stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot, stride_oi,
                      HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, STORE_GATE_UP: tl.constexpr,
                      DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                      LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
