@@ -65,30 +65,38 @@ def _check_positive_finite(op, name, x):
         raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
 
 
-def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0):
-    """q (B, Hq, S, D), k/v (B, Hkv, S, D), mask (B, S) bool, segment_ids (B, S) int32/int64,
-    window > 0, scale finite > 0. Returns (B, Hq, Hkv, S, D)."""
-    _check_dim(op, "q", q, 4, "(B, Hq, S, D)")
-    _check_dim(op, "k", k, 4, "(B, Hkv, S, D)")
-    _check_dim(op, "v", v, 4, "(B, Hkv, S, D)")
+def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0,
+               q_offset=0):
+    """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), 0 <= q_offset, q_offset + Sq <= Sk, mask (B, Sk)
+    bool, segment_ids (B, Sk) int32/int64, window > 0, scale finite > 0.
+    Returns (B, Hq, Hkv, Sq, Sk, D)."""
+    _check_dim(op, "q", q, 4, "(B, Hq, Sq, D)")
+    _check_dim(op, "k", k, 4, "(B, Hkv, Sk, D)")
+    _check_dim(op, "v", v, 4, "(B, Hkv, Sk, D)")
     _check_floating(op, "q", q)
     _check_dtype_as(op, "k", k, "q", q)
     _check_dtype_as(op, "v", v, "q", q)
     _check_device_as(op, "k", k, "q", q)
     _check_device_as(op, "v", v, "q", q)
-    B, Hq, S, D = q.shape
-    Hkv = k.shape[1]
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     if B == 0:
         raise ValueError(f"{op}: q has an empty batch (B=0); attention needs B >= 1")
     if D == 0:
         raise ValueError(f"{op}: q must have head dim D >= 1, got D=0")
     if Hq == 0:
         raise ValueError(f"{op}: q must have at least one head, got Hq=0")
-    for i, what, sym, size in ((0, "batch size", "B", B), (2, "sequence length", "S", S),
-                               (3, "head dim", "D", D)):
+    for i, what, sym, size in ((0, "batch size", "B", B), (3, "head dim", "D", D)):
         if k.shape[i] != size:
             raise ValueError(f"{op}: k must have the {what} of q ({sym}={size}), got "
                              f"{k.shape[i]} in shape {_shape(k)}")
+    if Sk < Sq:
+        raise ValueError(f"{op}: k must have at least the sequence length of q (Sq={Sq}), got "
+                         f"{Sk} in shape {_shape(k)}")
+    if not 0 <= q_offset <= Sk - Sq:
+        raise ValueError(f"{op}: q_offset must satisfy 0 <= q_offset and q_offset + Sq <= Sk "
+                         f"(q holds the queries at positions q_offset..q_offset+Sq-1 of the Sk "
+                         f"keys), got q_offset={q_offset} with Sq={Sq}, Sk={Sk}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"{op}: k must have Hkv dividing Hq={Hq}, got Hkv={Hkv}")
     _check_shape(op, "v", v, k.shape, "(the shape of k)")
@@ -97,19 +105,19 @@ def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, sca
         if m.dtype != torch.bool:
             raise TypeError(f"{op}: key_padding_mask must be bool (True = may be attended), got "
                             f"{_dtype(m.dtype)}")
-        _check_shape(op, "key_padding_mask", m, (B, S), "(B, S)")
+        _check_shape(op, "key_padding_mask", m, (B, Sk), "(B, Sk)")
         _check_device_as(op, "key_padding_mask", m, "q", q)
     if segment_ids is not None:
         if segment_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{op}: segment_ids must be int32 or int64, got "
                             f"{_dtype(segment_ids.dtype)}")
-        _check_shape(op, "segment_ids", segment_ids, (B, S), "(B, S)")
+        _check_shape(op, "segment_ids", segment_ids, (B, Sk), "(B, Sk)")
         _check_device_as(op, "segment_ids", segment_ids, "q", q)
     if window is not None and window <= 0:
         raise ValueError(f"{op}: window must be > 0 (key j is visible from query i iff "
                          f"i - window < j <= i), got {window}")
     _check_positive_finite(op, "scale", scale)
-    return B, Hq, Hkv, S, D
+    return B, Hq, Hkv, Sq, Sk, D
 
 
 def _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
@@ -287,17 +295,35 @@ def _check_lce_stat(op, name, t, hidden, T):
 
 # ---- whole-op checks (a fake and a launcher call the same one) ------------------------------
 
+def _check_accumulator(op, name, t, ref_name, ref, shape, why):
+    """An in-place accumulator: the shape, float32 (or float64 when ref is float64), ref's
+    device; any strides."""
+    _check_shape(op, name, t, shape, why)
+    if not (t.dtype == torch.float32 or (t.dtype == torch.float64 and ref.dtype == torch.float64)):
+        raise TypeError(f"{op}: {name} must be float32 (or float64 when {ref_name} is float64), "
+                        f"got {_dtype(t.dtype)}")
+    _check_device_as(op, name, t, ref_name, ref)
+
+
 def _check_attention_bwd(op, dout, q, k, v, out, lse, key_padding_mask, segment_ids, window,
-                         scale):
-    """attention_bwd's arguments; returns (B, Hq, Hkv, S, D)."""
-    B, Hq, Hkv, S, D = _check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale)
+                         scale, q_offset=0, dk_acc=None, dv_acc=None):
+    """attention_bwd's arguments; returns (B, Hq, Hkv, Sq, Sk, D)."""
+    B, Hq, Hkv, Sq, Sk, D = _check_qkv(op, q, k, v, key_padding_mask, segment_ids, window,
+                                       scale, q_offset)
     _check_like(op, "dout", dout, "q", q, q.shape, "(the shape of q)")
     _check_like(op, "out", out, "q", q, q.shape, "(the shape of q)")
-    _check_shape(op, "lse", lse, (B, Hq, S), "(B, Hq, S)")
+    _check_shape(op, "lse", lse, (B, Hq, Sq), "(B, Hq, Sq)")
     if lse.dtype != torch.float32:
         raise TypeError(f"{op}: lse must be float32, got {_dtype(lse.dtype)}")
     _check_device_as(op, "lse", lse, "q", q)
-    return B, Hq, Hkv, S, D
+    if (dk_acc is None) != (dv_acc is None):
+        state = {True: "absent", False: "given"}
+        raise ValueError(f"{op}: dk_acc and dv_acc must be given together or both left out, got "
+                         f"dk_acc {state[dk_acc is None]} and dv_acc {state[dv_acc is None]}")
+    if dk_acc is not None:
+        for name, t in (("dk_acc", dk_acc), ("dv_acc", dv_acc)):
+            _check_accumulator(op, name, t, "q", q, (B, Hkv, Sk, D), "(B, Hkv, Sk, D)")
+    return B, Hq, Hkv, Sq, Sk, D
 
 
 def _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,

@@ -50,19 +50,24 @@ def _empty_bshd(like, B, H, S, D):
 
 
 @torch.library.register_fake("ckpt_ext::attention_fwd")
-def _attention_fwd_fake(q, k, v, key_padding_mask, segment_ids, window, causal, scale):
-    B, Hq, _, S, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
-                                window, scale)
+def _attention_fwd_fake(q, k, v, key_padding_mask, segment_ids, window, causal, scale,
+                        q_offset=0):
+    B, Hq, _, Sq, _, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
+                                    window, scale, q_offset)
     # out, dq, dk, dv: (B, H, S, D) views of (B, S, H, D) memory, as the kernels return them.
-    return _empty_bshd(q, B, Hq, S, D), q.new_empty((B, Hq, S), dtype=torch.float32)
+    return _empty_bshd(q, B, Hq, Sq, D), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 @torch.library.register_fake("ckpt_ext::attention_bwd")
 def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal,
-                        scale):
-    B, Hq, Hkv, S, D = _check_attention_bwd("attention_bwd", dout, q, k, v, out, lse,
-                                            key_padding_mask, segment_ids, window, scale)
-    return _empty_bshd(q, B, Hq, S, D), _empty_bshd(q, B, Hkv, S, D), _empty_bshd(q, B, Hkv, S, D)
+                        scale, q_offset=0, dk_acc=None, dv_acc=None):
+    B, Hq, Hkv, Sq, Sk, D = _check_attention_bwd("attention_bwd", dout, q, k, v, out, lse,
+                                                 key_padding_mask, segment_ids, window, scale,
+                                                 q_offset, dk_acc, dv_acc)
+    if dk_acc is not None:  # the shares went into the accumulators: (0,) placeholders
+        return _empty_bshd(q, B, Hq, Sq, D), k.new_empty((0,)), v.new_empty((0,))
+    return (_empty_bshd(q, B, Hq, Sq, D), _empty_bshd(q, B, Hkv, Sk, D),
+            _empty_bshd(q, B, Hkv, Sk, D))
 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
@@ -156,24 +161,26 @@ _dq_request = threading.local()
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, key_padding_mask, segment_ids, window, causal, scale = inputs
+    q, k, v, key_padding_mask, segment_ids, window, causal, scale = inputs[:8]
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, segment_ids)
     ctx.window, ctx.causal, ctx.scale = window, causal, scale
     ctx.dq_mode = getattr(_dq_request, "mode", None)  # None: the setting at backward time
+    ctx.q_offset = inputs[8] if len(inputs) > 8 else 0
+    ctx.num_inputs = len(inputs)
 
 
 def _attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, key_padding_mask, segment_ids = ctx.saved_tensors
     args = (dout, q, k, v, out, lse, key_padding_mask, segment_ids, ctx.window, ctx.causal,
-            ctx.scale)
+            ctx.scale, ctx.q_offset)
     if ctx.dq_mode is None:
         dq, dk, dv = _ops.attention_bwd(*args)
     else:
         with config.patch(attention_dq=ctx.dq_mode):
             dq, dk, dv = _ops.attention_bwd(*args)
-    return dq, dk, dv, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -306,15 +313,38 @@ torch.library.register_autograd("ckpt_ext::rms_norm_fwd", _rms_norm_backward,
 torch.library.register_autograd("ckpt_ext::add_rms_norm_fwd", _add_rms_norm_backward,
                                 setup_context=_add_rms_norm_setup)
 torch.library.register_autograd("ckpt_ext::rope_fwd", _rope_backward, setup_context=_rope_setup)
-for _name in ("attention_bwd", "swiglu_bwd", "rms_norm_bwd", "rope_bwd"):
+for _name in ("swiglu_bwd", "rms_norm_bwd", "rope_bwd"):
     _no_double_backward(_name)
+
+
+# attention_bwd mutates its optional dk_acc / dv_acc, and torch.library.register_autograd takes
+# only functional ops: its Autograd kernel is registered directly, an autograd.Function that runs
+# the op below autograd and refuses to be differentiated, as _no_double_backward does.
+class _AttentionBwdNoDerivative(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ops.attention_bwd.default(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("ckpt_ext: attention_bwd has no derivative; double backward through "
+                           "ckpt_ext ops is not supported")
+
+
+def _attention_bwd_autograd(*args):
+    return _AttentionBwdNoDerivative.apply(*args)
+
+
+_AUTOGRAD_LIB = torch.library.Library("ckpt_ext", "IMPL")
+_AUTOGRAD_LIB.impl("attention_bwd", _attention_bwd_autograd, "Autograd")
 
 
 # --------------------------------------------------------------------------------------------
 # Public wrappers
 # --------------------------------------------------------------------------------------------
 def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
-              window=None, deterministic=None):
+              window=None, deterministic=None, q_offset=0):
     """Scaled dot-product attention with GQA, causal, key-padding, packed-sequence and
     sliding-window masks.
 
@@ -341,10 +371,14 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
             changed). The choice reaches the Triton backward; the CPU ATen kernels are
             deterministic either way. Not supported under ``torch.compile`` (the backward op
             does not take it there); use ``ckpt_ext.config.patch(attention_dq=...)``.
+        q_offset: int >= 0; q may hold fewer rows than k (Sq <= Sk): the queries at positions
+            q_offset..q_offset+Sq-1 (q_offset + Sq <= Sk), one chunk of a longer sequence. The
+            rules above read those positions; masks and ids are then (B, Sk). Gradients reach
+            k and v through this chunk's rows only.
 
     Returns:
-        out (B, Hq, S, D) in q's dtype, laid out (B, S, Hq, D) in memory (so
-        ``out.transpose(1, 2).reshape(B, S, Hq * D)`` is a view). A query row with nothing to
+        out (B, Hq, Sq, D) in q's dtype, laid out (B, Sq, Hq, D) in memory (so
+        ``out.transpose(1, 2).reshape(B, Sq, Hq * D)`` is a view). A query row with nothing to
         attend gives 0 (and zero gradients). Saves q, k, v, out and lse for backward, which
         recomputes the softmax tile by tile.
     """
@@ -368,7 +402,9 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
         D = q.shape[-1] if q.dim() == 4 else 0
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 / wrong rank: the op says why
     _check_positive_finite("attention", "scale", float(scale))
-    args = (q, k, v, key_padding_mask, segment_ids, window, bool(causal), float(scale))
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+        raise TypeError(f"attention: q_offset must be an int, got {type(q_offset).__name__}")
+    args = (q, k, v, key_padding_mask, segment_ids, window, bool(causal), float(scale), q_offset)
     if deterministic is None:
         out, _ = _ops.attention_fwd(*args)
         return out

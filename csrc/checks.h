@@ -152,5 +152,19 @@ inline void check_like(const char* op, const char* name, const at::Tensor& t,
   check_device_as(op, name, t, ref_name, ref);
 }
 
+// t is an in-place accumulator of shape `expected`: float32, or float64 when ref is float64,
+// on ref's device; any strides.
+inline void check_accumulator(const char* op, const char* name, const at::Tensor& t,
+                              const char* ref_name, const at::Tensor& ref,
+                              c10::IntArrayRef expected, const std::string& why) {
+  check_defined(op, name, t);
+  check_shape(op, name, t, expected, why);
+  const auto s = t.scalar_type();
+  CKPT_CHECK_TYPE(s == at::kFloat || (s == at::kDouble && ref.scalar_type() == at::kDouble), op,
+                  name, " must be float32 (or float64 when ", ref_name, " is float64), got ",
+                  dtype_str(s));
+  check_device_as(op, name, t, ref_name, ref);
+}
+
 }  // namespace checks
 }  // namespace ckpt_ext

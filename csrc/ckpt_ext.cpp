@@ -30,10 +30,17 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // key_padding_mask[b, j]; segment_ids[b, i] == segment_ids[b, j] (int32/int64 (B, S), packed
   // sequences); window > 0, HF's sliding window: i - window < j (and j < i + window when not
   // causal); None or window >= S is no window. scale: finite, > 0.
+  // Query chunks: q may hold Sq <= Sk rows, the queries at positions q_offset..q_offset+Sq-1
+  // of the Sk keys (q_offset >= 0, q_offset + Sq <= Sk); i above is that global position, the
+  // masks are (B, Sk) and out / lse / dq have q's Sq rows. dk_acc / dv_acc (B, Hkv, Sk, D),
+  // float32 (float64 accepted for float64 q), any strides, given together: the chunk's dK / dV
+  // are added into them in place and dk / dv come back as empty (0,) tensors.
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
-        "Tensor? segment_ids, int? window, bool causal, float scale) -> (Tensor out, Tensor lse)");
+        "Tensor? segment_ids, int? window, bool causal, float scale, int q_offset=0) -> "
+        "(Tensor out, Tensor lse)");
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool causal, float scale) "
+        "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool causal, float scale, "
+        "int q_offset=0, Tensor(a!)? dk_acc=None, Tensor(b!)? dv_acc=None) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
 
   // ---- LoRA dropout with a replayable mask (csrc/lora_dropout.h) ----------------------------

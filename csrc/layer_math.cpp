@@ -312,7 +312,7 @@ at::Tensor attention_forward(const at::Tensor& x, const Layer& L, Residuals& r) 
   Projected p = project(x, L);
   r.q = p.q, r.k = p.k, r.v = p.v;
   std::tie(r.out, r.lse) = kernel::attention_fwd(p.q, p.k, p.v, L.key_padding_mask, L.segment_ids,
-                              L.window, /*causal=*/true, L.scale);
+                              L.window, /*causal=*/true, L.scale, /*q_offset=*/0);
   if (L.uniform_empty_rows) fix_empty_rows_forward(L, r);
   // The kernels return out as a (B, Hq, S, D) view of (B, S, Hq, D) memory, so merge_heads is
   // a view; this is a no-op for them and keeps the residual's layout fixed for any kernel.
@@ -334,7 +334,7 @@ at::Tensor attention_backward(const at::Tensor& dy, const at::Tensor& x, const L
   }
   if (!r.out.defined()) {
     std::tie(r.out, r.lse) = kernel::attention_fwd(r.q, r.k, r.v, L.key_padding_mask, L.segment_ids,
-                              L.window, /*causal=*/true, L.scale);
+                              L.window, /*causal=*/true, L.scale, /*q_offset=*/0);
     if (L.uniform_empty_rows) fix_empty_rows_forward(L, r);
   }
 
@@ -343,7 +343,8 @@ at::Tensor attention_backward(const at::Tensor& dy, const at::Tensor& x, const L
   const at::Tensor dout = dmerged.view({b, sl, L.num_heads, d}).transpose(1, 2);
   auto [dq, dk, dv] =
       kernel::attention_bwd(dout, r.q, r.k, r.v, r.out, r.lse, L.key_padding_mask, L.segment_ids,
-                              L.window, /*causal=*/true, L.scale);
+                              L.window, /*causal=*/true, L.scale, /*q_offset=*/0, std::nullopt,
+                              std::nullopt);
   if (L.uniform_empty_rows) fix_empty_rows_backward(L, r, dout, dq, dk, dv);
   auto [dqh, dkh] = kernel::rope_bwd(dq, dk, *L.cos, *L.sin);
   at::Tensor dq_lin = dqh.transpose(1, 2), dk_lin = dkh.transpose(1, 2);  // (B, S, H*, D)

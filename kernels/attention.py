@@ -1,14 +1,19 @@
 """Flash attention in Triton: forward with a logsumexp row, backward that recomputes P.
 
 Shapes (every launcher checks them):
-    q:                (B, Hq, S, D)      fp16 / bf16 / fp32, any strides
-    k, v:             (B, Hkv, S, D)     same dtype as q, ``Hq % Hkv == 0`` (GQA)
-    key_padding_mask: None or bool (B, S), True = the key may be attended
-    segment_ids:      None or int32 / int64 (B, S): a query sees only keys with its id
+    q:                (B, Hq, Sq, D)     fp16 / bf16 / fp32, any strides
+    k, v:             (B, Hkv, Sk, D)    same dtype as q, ``Hq % Hkv == 0`` (GQA)
+    q_offset:         int, 0 <= q_offset <= Sk - Sq: q's rows are the queries at positions
+                      q_offset..q_offset+Sq-1 (a query chunk; Sq == Sk, 0: all of them)
+    key_padding_mask: None or bool (B, Sk), True = the key may be attended
+    segment_ids:      None or int32 / int64 (B, Sk): a query sees only keys with its id
     window:           None or int > 0: key j is visible from query i iff i - window < j
-                      (and j < i + window when not causal); None or >= S: no window
-    out:              (B, Hq, S, D)      dtype of q, laid out (B, S, Hq, D) in memory
-    lse:              (B, Hq, S)         float32, natural log; -inf where a row attends nothing
+                      (and j < i + window when not causal); None or >= Sk: no window
+    out:              (B, Hq, Sq, D)     dtype of q, laid out (B, Sq, Hq, D) in memory
+    lse:              (B, Hq, Sq)        float32, natural log; -inf where a row attends nothing
+    dk_acc, dv_acc:   None or fp32 (B, Hkv, Sk, D), any strides (backward): dK / dV added
+                      into them, dk / dv returned as (0,) placeholders
+Every rule and every skipped tile reads global positions (query row r is at q_offset + r).
 
 Layout: the decoder layer holds q/k/v as (B, S, H, D) projections viewed (B, H, S, D). The
 kernels take any strides, and out, dq, dk and dv are allocated (B, S, H, D) in memory and
@@ -51,11 +56,12 @@ under torch's default float32 matmul precision and TF32 when the user allowed it
 accumulation.
 
 Launch policy (``kernels/_launch.py``, shared by all kernels): on a GPU the block sizes are
-autotuned per architecture family (Hopper, Ampere) with the key (HEAD_DIM, CAUSAL, S_BUCKET);
+autotuned per architecture family (Hopper, Ampere) with the key (HEAD_DIM, CAUSAL, S_BUCKET,
+SQ_BUCKET: the keys' and the query rows' lengths bucketed; dK/dV also DQ_ATOMIC, ACCUMULATE);
 with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is launched untimed. Under
 ``TRITON_INTERPRET=1`` a single fixed configuration from ``INTERPRETER_BLOCKS`` is used so that
 CPU tests stay fast. Launchers are cached per (kernel, device, dtype, head_dim, causal, mask
-kind, window, fp32 dot precision).
+kind, window, fp32 dot precision, and for dK/dV the dQ mode and accumulation).
 """
 import torch
 import triton
@@ -107,28 +113,35 @@ def _tile_ranges(first, last, lo, hi, below, above, BLOCK: tl.constexpr):
     A partner p of position x is in the band iff ``x - below <= p <= x + above``; [lo, hi) is
     the partner range already cut to the band, the segments and [0, S). Tiles in [start, end)
     cover it; those in [full_start, full_end) lie inside the band for every position of the
-    block and skip the element-wise band test, the others take it. All values are >= 0.
+    block and skip the element-wise band test, the others take it. Positions are in the
+    partner axis' coordinates (a query chunk's rows: global position - q_off), so first and
+    last may be negative; 0 <= lo <= hi. All returned values are >= 0.
     """
     start = (lo // BLOCK) * BLOCK
     end = tl.cdiv(hi, BLOCK) * BLOCK
     full_start = tl.cdiv(tl.maximum(last - below, 0), BLOCK) * BLOCK
     full_start = tl.minimum(tl.maximum(full_start, start), end)
-    full_end = ((first + above + 1) // BLOCK) * BLOCK
+    full_end = (tl.maximum(first + above + 1, 0) // BLOCK) * BLOCK
     full_end = tl.minimum(tl.maximum(full_end, full_start), end)
     return start, full_start, full_end, end
 
 
 @triton.jit
-def _partner_range(offs, ok, first, last, S, below, above, SegLo_b, SegHi_b, HAS_SEG: tl.constexpr):
-    """[lo, hi): the partners that positions offs (valid where ok, spanning [first, last]) may
-    see: the band [first - below, last + above], cut to [0, S) and, with segments, to the span
-    [min first occurrence, max last occurrence] of their segment ids."""
+def _partner_range(offs, ok, first, last, P, below, above, SegLo_b, SegHi_b, shift,
+                   HAS_SEG: tl.constexpr):
+    """[lo, hi), 0 <= lo <= hi <= P: the partners that positions offs (global, valid where ok,
+    spanning [first, last] in partner coordinates) may see: the band [first - below,
+    last + above], cut to the P partners and, with segments, to the span [min first
+    occurrence, max last occurrence] of their segment ids (global positions, minus shift: the
+    partners' global position of coordinate 0)."""
     lo = tl.maximum(first - below, 0)
-    hi = tl.minimum(last + above + 1, S)
+    hi = tl.minimum(last + above + 1, P)
     if HAS_SEG:
-        lo = tl.maximum(lo, tl.min(tl.load(SegLo_b + offs, mask=ok, other=S), 0))
-        hi = tl.minimum(hi, tl.max(tl.load(SegHi_b + offs, mask=ok, other=0), 0))
-    return lo, hi
+        seg_lo = tl.min(tl.load(SegLo_b + offs, mask=ok, other=1 << 30), 0) - shift
+        seg_hi = tl.max(tl.load(SegHi_b + offs, mask=ok, other=0), 0) - shift
+        lo = tl.maximum(lo, seg_lo)
+        hi = tl.minimum(hi, seg_hi)
+    return lo, tl.maximum(hi, lo)
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,9 +157,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
     """Online-softmax update of (acc, l_i, m_i) over key blocks [lo, hi) of one query block.
 
     q: (BLOCK_M, D_PAD); acc: (BLOCK_M, D_PAD) fp32; l_i, m_i: (BLOCK_M,) fp32, m_i in base 2
-    (already scaled). BAND: the blocks cross an edge of the band (causal diagonal, window) and
-    take the element-wise test ``-win_before <= j - i <= win_after``. EDGE: a block may reach
-    past S and takes the bound test; interior blocks (not BAND, not EDGE, no padding mask) do
+    (already scaled); offs_m: the rows' global positions; S: the number of keys. BAND: the
+    blocks cross an edge of the band (causal diagonal, window) and take the element-wise test
+    ``-win_before <= j - i <= win_after``. EDGE: a block may reach past S and takes the bound
+    test; interior blocks (not BAND, not EDGE, no padding mask) do
     no per-element masking at all. Scores stay unscaled: the max is scaled once per row and
     ``exp2(s * qk_scale - m)`` is one fused multiply-add per element.
     """
@@ -200,17 +214,19 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      stride_mb, stride_ms,
                      stride_ob, stride_oh, stride_os, stride_od,
-                     Hq, S, GROUP, qk_scale, win_before, win_after, S_BUCKET,
+                     Hq, Sq, Sk, q_off, GROUP, qk_scale, win_before, win_after, S_BUCKET,
+                     SQ_BUCKET,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes Out (B, Hq, S, D) with strides stride_o* and Lse
-    (B, Hq, S) contiguous.
+    """Grid (cdiv(Sq, BLOCK_M), B, Hq). Writes Out (B, Hq, Sq, D) with strides stride_o* and Lse
+    (B, Hq, Sq) contiguous.
 
+    Query row r of Q (Sq rows) sits at the global position i = q_off + r among the Sk keys.
     qk_scale = scale * log2(e). Key j is visible from query i iff
     ``i - win_before <= j <= i + win_after`` (causal: win_after = 0), the key is not padded and,
-    with HAS_SEG, SegId[b, j] == SegId[b, i]. SegId/SegLo/SegHi: contiguous int32 (B, S).
-    S_BUCKET is only an autotuning key.
+    with HAS_SEG, SegId[b, j] == SegId[b, i]. SegId/SegLo/SegHi: contiguous int32 (B, Sk).
+    S_BUCKET, SQ_BUCKET are only autotuning keys.
     """
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks carry the most work: launch them first
@@ -220,20 +236,21 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    pos_m = q_off + offs_m  # global positions of the rows
     offs_d = tl.arange(0, D_PAD)
-    row_ok = offs_m < S
+    row_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
     Q_bh = Q + b * stride_qb + h * stride_qh
     K_bh = K + b * stride_kb + hk * stride_kh
     V_bh = V + b * stride_vb + hk * stride_vh
     Mask_b = Mask + b * stride_mb
-    SegId_b = SegId + b * S
+    SegId_b = SegId + b * Sk
     q = tl.load(Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     seg_q = tl.zeros([BLOCK_M], tl.int32)
     if HAS_SEG:
-        seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
+        seg_q = tl.load(SegId_b + pos_m, mask=row_ok, other=-1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -241,12 +258,13 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
     # Key blocks outside the band or the segments of these rows are never visited; of the
     # others only those crossing an edge of the band pay for the element-wise band test, and
     # only the block crossing S for the bound test.
-    last_m = tl.minimum(start_m + BLOCK_M, S) - 1
-    lo, hi = _partner_range(offs_m, row_ok, start_m, last_m, S, win_before, win_after,
-                            SegLo + b * S, SegHi + b * S, HAS_SEG)
-    lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
+    first_m = q_off + start_m
+    last_m = q_off + tl.minimum(start_m + BLOCK_M, Sq) - 1
+    lo, hi = _partner_range(pos_m, row_ok, first_m, last_m, Sk, win_before, win_after,
+                            SegLo + b * Sk, SegHi + b * Sk, 0, HAS_SEG)
+    lo, full_lo, full_hi, hi = _tile_ranges(first_m, last_m, lo, hi, win_before, win_after,
                                             BLOCK_N)
-    inner_hi = tl.maximum(tl.minimum(full_hi, (S // BLOCK_N) * BLOCK_N), full_lo)
+    inner_hi = tl.maximum(tl.minimum(full_hi, (Sk // BLOCK_N) * BLOCK_N), full_lo)
     # Stages: the window's lower edge (only with a window: else empty), the interior blocks,
     # the block crossing S when it lies inside the band, the causal diagonal / window's upper
     # edge (only with one: else empty). Leaving the empty stages out at compile time keeps the
@@ -254,23 +272,23 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
     if WINDOW:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                         stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                        offs_m, offs_d, lo, full_lo, S, qk_scale, win_before,
+                                        pos_m, offs_d, lo, full_lo, Sk, qk_scale, win_before,
                                         win_after, HEAD_DIM, BLOCK_N, True, True, WINDOW,
                                         HAS_MASK, HAS_SEG, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                    offs_m, offs_d, full_lo, inner_hi, S, qk_scale, win_before,
+                                    pos_m, offs_d, full_lo, inner_hi, Sk, qk_scale, win_before,
                                     win_after, HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK,
                                     HAS_SEG, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                    offs_m, offs_d, inner_hi, full_hi, S, qk_scale, win_before,
+                                    pos_m, offs_d, inner_hi, full_hi, Sk, qk_scale, win_before,
                                     win_after, HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK,
                                     HAS_SEG, DOT_PRECISION)
     if CAUSAL or WINDOW:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                         stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                        offs_m, offs_d, full_hi, hi, S, qk_scale, win_before,
+                                        pos_m, offs_d, full_hi, hi, Sk, qk_scale, win_before,
                                         win_after, HEAD_DIM, BLOCK_N, True, True, WINDOW,
                                         HAS_MASK, HAS_SEG, DOT_PRECISION)
 
@@ -282,7 +300,7 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
     O_bh = Out + b * stride_ob + h * stride_oh
     tl.store(O_bh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + (b * Hq + h) * S + offs_m, lse, mask=row_ok)
+    tl.store(Lse + (b * Hq + h) * Sq + offs_m, lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,7 +313,8 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
                                 Hq, S,
                                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                                 BLOCK_M: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B, Hq). Delta (B, Hq, S) fp32 = rowsum(dOut * Out); Lse2
+    """Grid (cdiv(S, BLOCK_M), B, Hq), S = Sq, the query rows. Delta (B, Hq, S) fp32 =
+    rowsum(dOut * Out); Lse2
     (B, Hq, S) fp32 = lse in base 2, +inf on rows that attend nothing (lse = -inf), so that
     the backward's ``P = exp2(s * qk_scale - lse2)`` is 0 there with no test per tile."""
     pid_m = tl.program_id(0)
@@ -320,7 +339,7 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_bh, Delta_bh,
                          DQA_bh, SegId_b, stride_qs, stride_qd, stride_gs, stride_gd,
-                         stride_as, stride_ad, offs_d, lo, hi, S, qk_scale, sm_scale,
+                         stride_as, stride_ad, offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
                          win_before, win_after, key_edge,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
                          WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
@@ -329,7 +348,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_
     with DQ_ATOMIC also add this key block's share of dQ (scaled) to the fp32 rows DQA_bh.
 
     k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; col_ok: (BLOCK_N,) the key exists
-    and is not padded; seg_k: (BLOCK_N,) segment ids of the keys (HAS_SEG). Works on transposed
+    and is not padded; seg_k: (BLOCK_N,) segment ids of the keys (HAS_SEG); [lo, hi): rows of
+    the Sq query rows, row r at the global position q_off + r. Works on transposed
     tiles: sT = K Q^T is (BLOCK_N, BLOCK_M), unscaled; ``exp2(sT * qk_scale - lse2)`` is one
     fused multiply-add. Keys past S need no test for dK/dV (their rows are never stored, and a
     row of dK/dV depends only on its own row of P); only the dQ sum over keys does, on the
@@ -339,11 +359,12 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < S
+        pos_m = q_off + offs_m
+        row_ok = offs_m < Sq
         ok = row_ok[:, None] & d_ok[None, :]
         q = tl.load(Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                     mask=ok, other=0.0)
-        # Rows past S read lse2 = +inf: P = exp2(s - inf) = 0 there.
+        # Rows past Sq read lse2 = +inf: P = exp2(s - inf) = 0 there.
         lse2 = tl.load(Lse2_bh + offs_m, mask=row_ok, other=float("inf"))
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if HAS_MASK:
@@ -352,12 +373,12 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_
             if key_edge:
                 sT = tl.where(col_ok[:, None], sT, float("-inf"))
         if BAND and WINDOW:
-            dist = offs_n[:, None] - offs_m[None, :]
+            dist = offs_n[:, None] - pos_m[None, :]
             sT = tl.where((dist <= win_after) & (dist >= -win_before), sT, float("-inf"))
         elif BAND:  # the causal diagonal only
-            sT = tl.where(offs_m[None, :] >= offs_n[:, None], sT, float("-inf"))
+            sT = tl.where(pos_m[None, :] >= offs_n[:, None], sT, float("-inf"))
         if HAS_SEG:
-            seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
+            seg_q = tl.load(SegId_b + pos_m, mask=row_ok, other=-1)
             sT = tl.where(seg_k[:, None] == seg_q[None, :], sT, float("-inf"))
         pT = tl.exp2(sT * qk_scale - lse2[None, :])
         do = tl.load(DO_bh + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd,
@@ -383,14 +404,17 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
                           stride_gb, stride_gh, stride_gs, stride_gd,
                           stride_db, stride_dh, stride_ds, stride_dd,
                           stride_ab, stride_ah, stride_as, stride_ad,
-                          Hq, Hkv, S, GROUP, qk_scale, sm_scale, win_before, win_after,
-                          S_BUCKET,
+                          Hq, Hkv, Sq, Sk, q_off, GROUP, qk_scale, sm_scale, win_before,
+                          win_after, S_BUCKET, SQ_BUCKET,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                          DQ_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          DQ_ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, S, D), both with strides stride_d*;
-    with DQ_ATOMIC also adds dQ into DQA (B, Hq, S, D) fp32 (strides stride_a*, zeroed first).
+    """Grid (cdiv(Sk, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, Sk, D), both with strides
+    stride_d*, or with ACCUMULATE adds into them (fp32 accumulators; this program owns its key
+    rows, so a plain read-add-write); with DQ_ATOMIC also adds dQ into DQA (B, Hq, Sq, D) fp32
+    (strides stride_a*, zeroed first). The Sq query rows sit at global positions q_off + r.
 
     Each program loops over the GROUP query heads of its KV head in a fixed order, so the GQA
     sum of dK/dV is deterministic (the atomic dQ sum is not). Lse2, Delta: (B, Hq, S)
@@ -403,24 +427,25 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    col_ok = offs_n < S
+    col_ok = offs_n < Sk
     ok = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(K + b * stride_kb + hk * stride_kh
                 + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=ok, other=0.0)
     v = tl.load(V + b * stride_vb + hk * stride_vh
                 + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=ok, other=0.0)
-    SegId_b = SegId + b * S
+    SegId_b = SegId + b * Sk
     seg_k = tl.zeros([BLOCK_N], tl.int32)
     if HAS_SEG:
         seg_k = tl.load(SegId_b + offs_n, mask=col_ok, other=-2)
     # Query i sees key j iff j - win_after <= i <= j + win_before (and the same segment, a
-    # symmetric relation): the band seen from the keys has its two reaches swapped.
-    last_n = tl.minimum(start_n + BLOCK_N, S) - 1
-    lo, hi = _partner_range(offs_n, col_ok, start_n, last_n, S, win_after, win_before,
-                            SegLo + b * S, SegHi + b * S, HAS_SEG)
-    lo, full_lo, full_hi, hi = _tile_ranges(start_n, last_n, lo, hi, win_after, win_before,
-                                            BLOCK_M)
-    key_edge = start_n + BLOCK_N > S
+    # symmetric relation): the band seen from the keys has its two reaches swapped. In query
+    # rows (r = i - q_off) the keys sit at j - q_off.
+    last_n = tl.minimum(start_n + BLOCK_N, Sk) - 1
+    lo, hi = _partner_range(offs_n, col_ok, start_n - q_off, last_n - q_off, Sq, win_after,
+                            win_before, SegLo + b * Sk, SegHi + b * Sk, q_off, HAS_SEG)
+    lo, full_lo, full_hi, hi = _tile_ranges(start_n - q_off, last_n - q_off, lo, hi, win_after,
+                                            win_before, BLOCK_M)
+    key_edge = start_n + BLOCK_N > Sk
     if HAS_MASK:
         keep = tl.load(Mask + b * stride_mb + offs_n * stride_ms, mask=col_ok, other=0)
         col_ok = col_ok & (keep != 0)
@@ -432,21 +457,21 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
         Q_bh = Q + b * stride_qb + h * stride_qh
         DO_bh = DOut + b * stride_gb + h * stride_gh
         DQA_bh = DQA + b * stride_ab + h * stride_ah
-        row_base = (b * Hq + h) * S
+        row_base = (b * Hq + h) * Sq
         # Seen from a key block the causal diagonal is the lower edge (query blocks
         # [lo, full_lo)) and the window's lower edge the upper one ([full_hi, hi)).
         if CAUSAL or WINDOW:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
                                           Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                           stride_qs, stride_qd, stride_gs, stride_gd,
-                                          stride_as, stride_ad, offs_d, lo, full_lo, S,
+                                          stride_as, stride_ad, offs_d, lo, full_lo, Sq, q_off,
                                           qk_scale, sm_scale, win_before, win_after, key_edge,
                                           HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
                                           DQ_ATOMIC, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
                                       Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                       stride_qs, stride_qd, stride_gs, stride_gd,
-                                      stride_as, stride_ad, offs_d, full_lo, full_hi, S,
+                                      stride_as, stride_ad, offs_d, full_lo, full_hi, Sq, q_off,
                                       qk_scale, sm_scale, win_before, win_after, key_edge,
                                       HEAD_DIM, BLOCK_M, False, WINDOW, HAS_MASK, HAS_SEG,
                                       DQ_ATOMIC, DOT_PRECISION)
@@ -454,14 +479,20 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
                                           Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                           stride_qs, stride_qd, stride_gs, stride_gd,
-                                          stride_as, stride_ad, offs_d, full_hi, hi, S,
+                                          stride_as, stride_ad, offs_d, full_hi, hi, Sq, q_off,
                                           qk_scale, sm_scale, win_before, win_after, key_edge,
                                           HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
                                           DQ_ATOMIC, DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
-    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=ok)
+    if ACCUMULATE:  # one tile at a time: the read adds no more live registers than the loop had
+        dk = dk * sm_scale + tl.load(DK + out_off, mask=ok, other=0.0)
+        tl.store(DK + out_off, dk, mask=ok)
+        dv = dv + tl.load(DV + out_off, mask=ok, other=0.0)
+        tl.store(DV + out_off, dv, mask=ok)
+    else:
+        tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
+        tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -471,7 +502,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
                        EDGE: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
                        HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi).
+    """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi); offs_m: the rows'
+    global positions; S: the number of keys.
 
     q, do: (BLOCK_M, D_PAD); lse2: (BLOCK_M,) base-2 lse with +inf for empty rows;
     delta: (BLOCK_M,); dq: (BLOCK_M, D_PAD) fp32. BAND, EDGE: the band and bound tests, as in
@@ -522,13 +554,15 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, D
                         stride_mb, stride_ms,
                         stride_gb, stride_gh, stride_gs, stride_gd,
                         stride_db, stride_dh, stride_ds, stride_dd,
-                        Hq, S, GROUP, qk_scale, sm_scale, win_before, win_after, S_BUCKET,
+                        Hq, Sq, Sk, q_off, GROUP, qk_scale, sm_scale, win_before, win_after,
+                        S_BUCKET, SQ_BUCKET,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                         WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                         DOT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B, Hq). Writes DQ (B, Hq, S, D) with strides stride_d*.
-    Visits the key blocks the forward visits, in the same stages."""
+    """Grid (cdiv(Sq, BLOCK_M), B, Hq). Writes DQ (B, Hq, Sq, D) with strides stride_d*; row r
+    at the global position q_off + r. Visits the key blocks the forward visits, in the same
+    stages."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks carry the most work: launch them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -537,51 +571,53 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, D
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    pos_m = q_off + offs_m
     offs_d = tl.arange(0, D_PAD)
-    row_ok = offs_m < S
+    row_ok = offs_m < Sq
     ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(Q + b * stride_qb + h * stride_qh
                 + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=ok, other=0.0)
     do = tl.load(DOut + b * stride_gb + h * stride_gh
                  + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
-    row_base = (b * Hq + h) * S
+    row_base = (b * Hq + h) * Sq
     lse2 = tl.load(Lse2 + row_base + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     K_bh = K + b * stride_kb + hk * stride_kh
     V_bh = V + b * stride_vb + hk * stride_vh
     Mask_b = Mask + b * stride_mb
-    SegId_b = SegId + b * S
+    SegId_b = SegId + b * Sk
     seg_q = tl.zeros([BLOCK_M], tl.int32)
     if HAS_SEG:
-        seg_q = tl.load(SegId_b + offs_m, mask=row_ok, other=-1)
+        seg_q = tl.load(SegId_b + pos_m, mask=row_ok, other=-1)
 
-    last_m = tl.minimum(start_m + BLOCK_M, S) - 1
-    lo, hi = _partner_range(offs_m, row_ok, start_m, last_m, S, win_before, win_after,
-                            SegLo + b * S, SegHi + b * S, HAS_SEG)
-    lo, full_lo, full_hi, hi = _tile_ranges(start_m, last_m, lo, hi, win_before, win_after,
+    first_m = q_off + start_m
+    last_m = q_off + tl.minimum(start_m + BLOCK_M, Sq) - 1
+    lo, hi = _partner_range(pos_m, row_ok, first_m, last_m, Sk, win_before, win_after,
+                            SegLo + b * Sk, SegHi + b * Sk, 0, HAS_SEG)
+    lo, full_lo, full_hi, hi = _tile_ranges(first_m, last_m, lo, hi, win_before, win_after,
                                             BLOCK_N)
-    inner_hi = tl.maximum(tl.minimum(full_hi, (S // BLOCK_N) * BLOCK_N), full_lo)
+    inner_hi = tl.maximum(tl.minimum(full_hi, (Sk // BLOCK_N) * BLOCK_N), full_lo)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if WINDOW:  # stages as in the forward
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b,
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
                                 SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                offs_d, lo, full_lo, S, qk_scale, win_before, win_after,
+                                offs_d, lo, full_lo, Sk, qk_scale, win_before, win_after,
                                 HEAD_DIM, BLOCK_N, True, True, WINDOW, HAS_MASK, HAS_SEG,
                                 DOT_PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b, SegId_b,
                             stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                            offs_d, full_lo, inner_hi, S, qk_scale, win_before, win_after,
+                            offs_d, full_lo, inner_hi, Sk, qk_scale, win_before, win_after,
                             HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK, HAS_SEG,
                             DOT_PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b, SegId_b,
                             stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                            offs_d, inner_hi, full_hi, S, qk_scale, win_before, win_after,
+                            offs_d, inner_hi, full_hi, Sk, qk_scale, win_before, win_after,
                             HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK, HAS_SEG,
                             DOT_PRECISION)
     if CAUSAL or WINDOW:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b,
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
                                 SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                offs_d, full_hi, hi, S, qk_scale, win_before, win_after,
+                                offs_d, full_hi, hi, Sk, qk_scale, win_before, win_after,
                                 HEAD_DIM, BLOCK_N, True, True, WINDOW, HAS_MASK, HAS_SEG,
                                 DOT_PRECISION)
     tl.store(DQ + b * stride_db + h * stride_dh
@@ -627,9 +663,10 @@ _CONFIGS = {
     ("dq", "ampere"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 8, 2),
                        _cfg(32, 32, 4, 2)],
 }
-_KEYS = {"fwd": ["HEAD_DIM", "CAUSAL", "S_BUCKET"],
-         "dkdv": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "DQ_ATOMIC"],
-         "dq": ["HEAD_DIM", "CAUSAL", "S_BUCKET"]}
+# S_BUCKET buckets the keys' length, SQ_BUCKET the query rows' (a query chunk has fewer).
+_KEYS = {"fwd": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET"],
+         "dkdv": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET", "DQ_ATOMIC", "ACCUMULATE"],
+         "dq": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET"]}
 
 
 def _smem_bytes(kind: str, c, d_pad: int, elt: int) -> int:
@@ -654,7 +691,9 @@ def _smem_bytes(kind: str, c, d_pad: int, elt: int) -> int:
 # sm_90 and sm_80 (tools/check_triton_compile.py, bf16 head_dim 128 causal, where registers
 # are tightest): every config measured to spill is dropped by the limits below, and the first
 # config kept for head_dim 64 and 128 compiles spill-free on both. Counting only the
-# accumulators (the model before) kept configs that spill 0.2-1 KB.
+# accumulators (the model before) kept configs that spill 0.2-1 KB. The dK/dV kernel's
+# ACCUMULATE epilogue (read-add-write of the fp32 accumulators, after the loop) holds dk, dv
+# and one (bn, d) fp32 tile: 3 bn d words, fewer than the loop's peak, so it is not counted.
 _REG_LIMIT = {"fwd": 120, "dkdv": 240, "dq": 160}
 
 
@@ -757,14 +796,20 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_
 @_launch.cached
 def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
               has_mask: bool, has_seg: bool, window: bool, precision: str,
-              dq_atomic: bool = False):
+              dq_atomic: bool = False, accumulate: bool = False):
     """(kernel, constexpr arguments) of one kernel for one specialization: a fixed config in
     the interpreter; with ``CKPT_EXT_AUTOTUNE=0`` the fitting candidates in order, the first
-    that launches used (no timing); else the autotuned kernel over the fitting candidates."""
+    that launches used (no timing); else the autotuned kernel over the fitting candidates.
+    dq_atomic, accumulate: the dK/dV kernel's DQ_ATOMIC and ACCUMULATE. The autotuner restores
+    the tensors these add into (DQA; DK and DV) after each timed run, so that the launch that
+    follows adds into the caller's values once."""
     meta = dict(_common_meta(head_dim, causal, dtype, precision), HAS_MASK=has_mask,
                 HAS_SEG=has_seg, WINDOW=window)
+    restore = []
     if kind == "dkdv":
         meta["DQ_ATOMIC"] = dq_atomic
+        meta["ACCUMULATE"] = accumulate
+        restore = (["DQA"] if dq_atomic else []) + (["DK", "DV"] if accumulate else [])
     configs = []
     if not _launch.INTERPRET:
         info = _launch.device_info(device)
@@ -774,8 +819,9 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
         smallest = _smallest(candidates)
         if not _launch.autotuning() and all(c is not smallest for c in configs):
             configs.append(smallest)  # the last resort
+    extra = {"restore_value": restore} if restore else {}
     return _launch.select(_KERNELS[kind], configs, key=_KEYS[kind],
-                          interpret_meta=lambda: INTERPRETER_BLOCKS[kind]), meta
+                          interpret_meta=lambda: INTERPRETER_BLOCKS[kind], **extra), meta
 
 
 def _s_bucket(S: int) -> int:
@@ -862,99 +908,129 @@ def _common_meta(D, causal, dtype, precision=None):
                 DOT_PRECISION=precision or _launch.dot_precision(dtype))
 
 
-def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, scale: float):
+def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, scale: float,
+                  q_offset: int = 0):
     """Flash attention forward.
 
-    q: (B, Hq, S, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0; key_padding_mask: None or bool
-    (B, S), True = key may be attended; segment_ids: None or int32/int64 (B, S), a query sees
-    only keys with its id; window: None or int > 0, HF's sliding window: key j is visible from
-    query i iff ``i - window < j`` (and ``j < i + window`` when not causal); causal: ``j <= i``.
-    Returns ``(out, lse)``: out (B, Hq, S, D) in q's dtype, laid out (B, S, Hq, D) in memory
-    (``out.transpose(1, 2)`` is contiguous); lse (B, Hq, S) float32 contiguous,
+    q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0; q_offset: q's rows are the
+    queries at positions q_offset..q_offset+Sq-1 of the Sk keys (0 <= q_offset,
+    q_offset + Sq <= Sk; Sq == Sk, q_offset 0 is plain self-attention), and every rule below
+    reads those global positions; key_padding_mask: None or bool (B, Sk), True = key may be
+    attended; segment_ids: None or int32/int64 (B, Sk), a query sees only keys with its id;
+    window: None or int > 0, HF's sliding window: key j is visible from query i iff
+    ``i - window < j`` (and ``j < i + window`` when not causal); causal: ``j <= i``.
+    Returns ``(out, lse)``: out (B, Hq, Sq, D) in q's dtype, laid out (B, Sq, Hq, D) in memory
+    (``out.transpose(1, 2)`` is contiguous); lse (B, Hq, Sq) float32 contiguous,
     natural-log logsumexp of the scaled masked scores, -inf for rows with nothing to attend
-    (their out is 0). Key tiles that the window or the segments rule out are not visited.
+    (their out is 0). Key tiles that the band or the segments rule out are not visited.
     """
-    B, Hq, Hkv, S, D = _checks._check_qkv("attention_fwd", q, k, v, key_padding_mask,
-                                          segment_ids, window, scale)
+    B, Hq, Hkv, Sq, Sk, D = _checks._check_qkv("attention_fwd", q, k, v,
+                                                         key_padding_mask, segment_ids, window,
+                                                         scale, q_offset)
     _kernel_rules("attention_fwd", q, D)
-    out = _empty_bshd(B, Hq, S, D, q.dtype, q.device)
-    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    if B * Hq * S == 0:
+    out = _empty_bshd(B, Hq, Sq, D, q.dtype, q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if B * Hq * Sq == 0:
         return out, lse
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
     seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
-    before, after = _band(S, causal, window)
+    before, after = _band(Sk, causal, window)
     kernel, meta = _launcher("fwd", q.device, q.dtype, D, bool(causal), has_mask, has_seg,
                              before != _NO_LIMIT, _launch.dot_precision(q.dtype))
 
     def grid(m):
-        return (_launch.cdiv(S, m["BLOCK_M"]), B, Hq)
+        return (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)
 
     with _launch.on_device(q.device):
         kernel[grid](q, k, v, mask, seg_id, seg_lo, seg_hi, out, lse,
                      *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
-                     Hq, S, Hq // Hkv, float(scale) * _LOG2E, before, after, _s_bucket(S),
-                     **meta)
+                     Hq, Sq, Sk, int(q_offset), Hq // Hkv, float(scale) * _LOG2E, before, after,
+                     _s_bucket(Sk), _s_bucket(Sq), **meta)
     return out, lse
 
 
 def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal: bool,
-                  scale: float):
+                  scale: float, q_offset: int = 0, dk_acc=None, dv_acc=None):
     """Flash attention backward, recomputing P = exp(scale * q k^T - lse) tile by tile.
 
-    dout, out: (B, Hq, S, D) in q's dtype; q: (B, Hq, S, D); k, v: (B, Hkv, S, D);
-    lse: (B, Hq, S) float32 from :func:`attention_fwd`; masks, window, causal and scale as in
-    the forward. Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v, each laid out
-    (B, S, H, D) in memory like out.
+    dout, out: (B, Hq, Sq, D) in q's dtype; q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D);
+    lse: (B, Hq, Sq) float32 from :func:`attention_fwd`; masks, window, causal, scale and
+    q_offset as in the forward. Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v,
+    each laid out (B, S, H, D) in memory like out.
+
+    dk_acc, dv_acc: None, or both float32 (B, Hkv, Sk, D) tensors of any strides (no
+    overlapping elements): this call's dK / dV (the share of q's Sq query rows) is added into
+    them in fp32, never rounded to k's dtype, and dk, dv are returned as empty (0,) tensors of
+    k's dtype. Summing the shares of query chunks that cover all the rows gives the whole
+    sequence's dK / dV.
     dk/dv of a KV head sum its query group in a fixed order (deterministic, no atomics).
     """
     name = "attention_bwd"
-    B, Hq, Hkv, S, D = _checks._check_attention_bwd(name, dout, q, k, v, out, lse,
-                                                    key_padding_mask, segment_ids, window, scale)
+    B, Hq, Hkv, Sq, Sk, D = _checks._check_attention_bwd(name, dout, q, k, v, out, lse,
+                                                         key_padding_mask, segment_ids, window,
+                                                         scale, q_offset, dk_acc, dv_acc)
     _kernel_rules(name, q, D)
+    accumulate = dk_acc is not None
 
-    dq = _empty_bshd(B, Hq, S, D, q.dtype, q.device)
-    dk = _empty_bshd(B, Hkv, S, D, k.dtype, q.device)
-    dv = _empty_bshd(B, Hkv, S, D, v.dtype, q.device)
-    if B * Hq * S == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    dq = _empty_bshd(B, Hq, Sq, D, q.dtype, q.device)
+    if accumulate:
+        dk, dv = dk_acc, dv_acc  # the kernel adds into them; the op returns placeholders
+        ret_dk = torch.empty((0,), dtype=k.dtype, device=q.device)
+        ret_dv = torch.empty((0,), dtype=v.dtype, device=q.device)
+    else:
+        dk = ret_dk = _empty_bshd(B, Hkv, Sk, D, k.dtype, q.device)
+        dv = ret_dv = _empty_bshd(B, Hkv, Sk, D, v.dtype, q.device)
+    if B * Hq * Sq == 0:  # no query rows: no share of dK / dV
+        if not accumulate:
+            dk.zero_(), dv.zero_()
+        return dq, ret_dk, ret_dv
+    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
     seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
-    before, after = _band(S, causal, window)
+    before, after = _band(Sk, causal, window)
     spec = (q.device, q.dtype, D, bool(causal), has_mask, has_seg, before != _NO_LIMIT,
             _launch.dot_precision(q.dtype))
     qk_scale = float(scale) * _LOG2E
     group = Hq // Hkv
+    q_off = int(q_offset)
+    buckets = (_s_bucket(Sk), _s_bucket(Sq))
     atomic = dq_mode() == "atomic"
     if atomic:  # fp32 sums, zeroed; for fp32 inputs dq is its own accumulator
-        dq_acc = dq if q.dtype == torch.float32 else _empty_bshd(B, Hq, S, D, torch.float32,
+        dq_acc = dq if q.dtype == torch.float32 else _empty_bshd(B, Hq, Sq, D, torch.float32,
                                                                  q.device)
         dq_acc.zero_()
     else:
         dq_acc = dq  # not written by the dK/dV kernel
 
-    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic)
+    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic, accumulate)
     with _launch.on_device(q.device):
-        _attn_bwd_preprocess_kernel[(_launch.cdiv(S, _PRE_BLOCK_M), B, Hq)](
-            out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, S,
+        _attn_bwd_preprocess_kernel[(_launch.cdiv(Sq, _PRE_BLOCK_M), B, Hq)](
+            out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, Sq,
             HEAD_DIM=D, D_PAD=dkdv_meta["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
 
-        dkdv[lambda m: (_launch.cdiv(S, m["BLOCK_N"]), B, Hkv)](
-            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv, dq_acc,
+        # The kernel writes dk and dv with one set of strides: accumulators laid out
+        # differently from each other go through a copy of dv_acc in dk_acc's layout.
+        dv_run = dv
+        if dv.stride() != dk.stride():
+            dv_run = torch.empty_strided(dk.shape, dk.stride(), dtype=dv.dtype, device=dv.device)
+            dv_run.copy_(dv)
+        dkdv[lambda m: (_launch.cdiv(Sk, m["BLOCK_N"]), B, Hkv)](
+            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv_run, dq_acc,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-            *dk.stride(), *dq_acc.stride(), Hq, Hkv, S, group, qk_scale, float(scale), before,
-            after, _s_bucket(S), **dkdv_meta)
+            *dk.stride(), *dq_acc.stride(), Hq, Hkv, Sq, Sk, q_off, group, qk_scale,
+            float(scale), before, after, *buckets, **dkdv_meta)
+        if dv_run is not dv:
+            dv.copy_(dv_run)
 
         if atomic:
             if dq_acc is not dq:
                 dq.copy_(dq_acc)  # the convert pass: fp32 sums to q's dtype, same layout
         else:
             kernel, meta = _launcher("dq", *spec)
-            kernel[lambda m: (_launch.cdiv(S, m["BLOCK_M"]), B, Hq)](
+            kernel[lambda m: (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)](
                 q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-                *dq.stride(), Hq, S, group, qk_scale, float(scale), before, after,
-                _s_bucket(S), **meta)
-    return dq, dk, dv
+                *dq.stride(), Hq, Sq, Sk, q_off, group, qk_scale, float(scale), before, after,
+                *buckets, **meta)
+    return dq, ret_dk, ret_dv

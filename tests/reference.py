@@ -317,3 +317,59 @@ def swiglu_lora_grads(args, lora, scaling, dy, dtype=None):
     y.backward(dy.to(y.dtype))
     gradient = [t.grad if t is not None else None for t in a]
     return (y.detach(), *gradient, [t.grad if t is not None else None for t in lo])
+
+
+# ---- attention over query chunks -----------------------------------------------------------
+def attention_in_chunks(fwd, bwd, q, k, v, dout, mask, causal, scale, segment_ids, window,
+                        rows, acc_dtype=torch.float32):
+    """attention_fwd / attention_bwd (``fwd``, ``bwd``: the op or a launcher) over the query
+    chunks [q0, q0 + rows) of q (q_offset = q0) against all keys: out, lse and dq concatenated
+    over the chunks, dk / dv summed into acc_dtype accumulators (dk_acc / dv_acc, here laid out
+    (B, Sk, Hkv, D) like the decoder layer's projections). Returns dict(out, lse, dq, dk, dv)."""
+    B, Hkv, Sk, D = k.shape
+    dk_acc = torch.zeros(B, Sk, Hkv, D, dtype=acc_dtype, device=q.device).transpose(1, 2)
+    dv_acc = torch.zeros_like(dk_acc)
+    outs, lses, dqs = [], [], []
+    for q0 in range(0, q.shape[2], rows):
+        qc, dc = q[:, :, q0:q0 + rows], dout[:, :, q0:q0 + rows]
+        out, lse = fwd(qc, k, v, mask, segment_ids, window, causal, scale, q0)
+        dq, dk, dv = bwd(dc, qc, k, v, out, lse, mask, segment_ids, window, causal, scale, q0,
+                         dk_acc, dv_acc)
+        assert dk.shape == (0,) and dv.shape == (0,) and dk.dtype == k.dtype, (dk.shape, dk.dtype)
+        assert out.shape == qc.shape and lse.shape == qc.shape[:3] and dq.shape == qc.shape
+        outs.append(out), lses.append(lse), dqs.append(dq)
+    return dict(out=torch.cat(outs, 2), lse=torch.cat(lses, 2), dq=torch.cat(dqs, 2),
+                dk=dk_acc, dv=dv_acc)
+
+
+def attention_abs_sums(q, k, v, dout, mask, causal, scale, segment_ids=None, window=None):
+    """The scale of the rounding of attention's sums, whatever their order: for out, dq, dk and
+    dv the largest sum of the absolute values of its terms (P |V|, |dS| |K| scale, |dS|^T |Q|
+    scale and P^T |dO|, GQA heads summed), in float64. A result with cancelling terms (dk, dv
+    summed over query chunks) rounds relative to this, not to its own magnitude."""
+    q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    kr, vr = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    allowed = allowed_matrix(B, k.shape[2], mask, causal, q.device, segment_ids, window)
+    s = (q @ kr.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = p @ vr
+    ds = p * (dout @ vr.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    group = lambda t: t.view(B, Hkv, G, *t.shape[2:]).sum(2)  # noqa: E731
+    return dict(out=magnitude(p @ vr.abs()), dq=magnitude(ds.abs() @ kr.abs() * scale),
+                dk=magnitude(group(ds.abs().transpose(-1, -2) @ q.abs() * scale)),
+                dv=magnitude(group(p.transpose(-1, -2) @ dout.abs())))
+
+
+def check_close_ulps(name, got, want, ulps, dtype=None, scale=None):
+    """|got - want| <= ulps * eps(dtype) * scale entry-wise where want is finite (the other
+    entries equal); scale defaults to magnitude(want): the tight check of two computations of
+    one result that differ only in the order of their fp sums."""
+    dtype = got.dtype if dtype is None else dtype
+    scale = magnitude(want) if scale is None else scale
+    err = max_err(got, want)
+    bound = ulps * torch.finfo(dtype).eps * max(scale, 1e-30)
+    print(f"  {name}: differs by {err:.3g} (bound {bound:.3g})")
+    assert err <= bound, f"{name}: differs by {err:.3g} > {bound:.3g} ({ulps} ulps)"

@@ -703,6 +703,13 @@ def _opcheck_samples():
             out, lse = OPS.attention_fwd(q, k, v, mask, seg, window, causal, 0.3)
             samples.append(("attention_bwd", (torch.randn_like(out), q, k, v, out, lse, mask,
                                               seg, window, causal, 0.3)))
+            qc = q[:, :, 2:4]  # a query chunk at positions 2, 3; dk / dv accumulated
+            samples.append(("attention_fwd", (*leaves(qc, k, v), mask, seg, window, causal, 0.3,
+                                              2)))
+            out, lse = OPS.attention_fwd(qc, k, v, mask, seg, window, causal, 0.3, 2)
+            samples.append(("attention_bwd", (torch.randn_like(out), qc, k, v, out, lse, mask,
+                                              seg, window, causal, 0.3, 2,
+                                              torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))))
     for bias in (False, True):
         x, ws, bs = swiglu_inputs(7, 12, 10, bias=bias)
         for gate_up in (False, True):
@@ -755,6 +762,20 @@ def _attn_args(device, **change):
             (args["q"], args["k"], args["v"], args["mask"])] + [None, None, True, 0.3]
 
 
+def _attn_bwd_args(device, q_offset=2, **change):
+    """attention_bwd arguments of a 3-row query chunk at q_offset 2 of S = 5 keys, with
+    accumulators; `change` replaces lse, dk_acc or dv_acc."""
+    q, k, v, mask = attn_inputs(2, 4, 2, 5, 8, masked=True)
+    q = q[:, :, 2:]
+    args = dict(lse=torch.zeros(2, 4, 3), dk_acc=torch.zeros(2, 2, 5, 8),
+                dv_acc=torch.zeros(2, 2, 5, 8))
+    args.update(change)
+    to = [t.to(device) if t is not None else None for t in (q, k, v, mask, args["lse"],
+                                                             args["dk_acc"], args["dv_acc"])]
+    q, k, v, mask, lse, dk_acc, dv_acc = to
+    return [q, q, k, v, q, lse, mask, None, None, True, 0.3, q_offset, dk_acc, dv_acc]
+
+
 def _swiglu_lora_args(device, change, scaling=(1.0, 0.5, 2.0), lora_len=6):
     """swiglu_fwd arguments (T 5, H 8, I 6, rank 2 on every projection), some adapters
     replaced (index into the lora list -> tensor or None)."""
@@ -773,11 +794,34 @@ ERROR_CASES = [
     ("attention_fwd", lambda d: _attn_args(d, k=torch.randn(2, 2, 5, 8, dtype=F64)), TypeError,
      "attention_fwd: k must have the dtype of q"),
     ("attention_fwd", lambda d: _attn_args(d, q=torch.randn(4, 5, 8)), ValueError,
-     r"attention_fwd: q must have 4 dims \(B, Hq, S, D\), got shape \(4, 5, 8\)"),
+     r"attention_fwd: q must have 4 dims \(B, Hq, Sq, D\), got shape \(4, 5, 8\)"),
     ("attention_fwd", lambda d: _attn_args(d, k=torch.randn(2, 3, 5, 8), v=torch.randn(2, 3, 5, 8)),
      ValueError, "attention_fwd: k must have Hkv dividing Hq=4, got Hkv=3"),
+    ("attention_fwd", lambda d: _attn_args(d, k=torch.randn(2, 2, 4, 8)), ValueError,
+     r"attention_fwd: k must have at least the sequence length of q \(Sq=5\), got 4"),
     ("attention_fwd", lambda d: _attn_args(d, k=torch.randn(2, 2, 6, 8)), ValueError,
-     "attention_fwd: k must have the sequence length of q"),
+     r"attention_fwd: v must have shape \(2, 2, 6, 8\)"),
+    ("attention_fwd", lambda d: _attn_args(d) + [1], ValueError,
+     r"attention_fwd: q_offset must satisfy 0 <= q_offset and q_offset \+ Sq <= Sk .* got "
+     r"q_offset=1 with Sq=5, Sk=5"),
+    ("attention_fwd", lambda d: _attn_args(d) + [-1], ValueError,
+     "attention_fwd: q_offset must satisfy 0 <= q_offset .* got q_offset=-1"),
+    ("attention_fwd", lambda d: _attn_args(d, q=torch.randn(2, 4, 3, 8)) + [3], ValueError,
+     "attention_fwd: q_offset must satisfy .* got q_offset=3 with Sq=3, Sk=5"),
+    ("attention_bwd", lambda d: _attn_bwd_args(d, q_offset=3), ValueError,
+     "attention_bwd: q_offset must satisfy .* got q_offset=3 with Sq=3, Sk=5"),
+    ("attention_bwd", lambda d: _attn_bwd_args(d, lse=torch.zeros(2, 4, 5, device=d)), ValueError,
+     r"attention_bwd: lse must have shape \(2, 4, 3\) \(B, Hq, Sq\)"),
+    ("attention_bwd", lambda d: _attn_bwd_args(d, dv_acc=None), ValueError,
+     "attention_bwd: dk_acc and dv_acc must be given together or both left out, got dk_acc "
+     "given and dv_acc absent"),
+    ("attention_bwd", lambda d: _attn_bwd_args(d, dk_acc=torch.zeros(2, 2, 3, 8, device=d)),
+     ValueError, r"attention_bwd: dk_acc must have shape \(2, 2, 5, 8\) \(B, Hkv, Sk, D\), got "
+     r"\(2, 2, 3, 8\)"),
+    ("attention_bwd", lambda d: _attn_bwd_args(d, dv_acc=torch.zeros(2, 2, 5, 8, device=d,
+                                                                     dtype=torch.float16)),
+     TypeError, r"attention_bwd: dv_acc must be float32 \(or float64 when q is float64\), got "
+     "float16"),
     ("attention_fwd", lambda d: _attn_args(d, v=torch.randn(2, 2, 5, 7)), ValueError,
      r"attention_fwd: v must have shape \(2, 2, 5, 8\)"),
     ("attention_fwd", lambda d: _attn_args(d, mask=torch.ones(2, 5)), TypeError,
@@ -788,7 +832,7 @@ ERROR_CASES = [
      TypeError, "attention_fwd: segment_ids must be int32 or int64, got float32"),
     ("attention_fwd", lambda d: _attn_args(d)[:4] + [torch.ones(2, 4, dtype=torch.int64,
                                                                  device=d), None, True, 0.3],
-     ValueError, r"attention_fwd: segment_ids must have shape \(2, 5\) \(B, S\), got \(2, 4\)"),
+     ValueError, r"attention_fwd: segment_ids must have shape \(2, 5\) \(B, Sk\), got \(2, 4\)"),
     ("attention_fwd", lambda d: _attn_args(d)[:4] + [None, 0, True, 0.3],
      ValueError, "attention_fwd: window must be > 0"),
     ("attention_bwd", lambda d: [torch.randn(2, 4, 5, 8, device=d), *_attn_args(d)[:3],
@@ -996,6 +1040,163 @@ def test_rms_norm_and_rope_non_unit_last_stride():
     for a, b in zip(torch.autograd.grad(got, strided, (dq, dk)),
                     torch.autograd.grad(want, plain, (dq, dk))):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Query chunks: q_offset and the dk / dv accumulators
+# ------------------------------------------------------------------------------------------
+def chunk_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed):
+    """Fresh random q (a (B, S, Hq, D) view), k, v, dout and a key padding mask: 'left' (batch
+    0 left-padded by S // 3: its first causal rows attend nothing) or 'right' (batch 0 keeps
+    2 S // 3 keys, the last batch entry keeps none: rows with nothing to attend)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64).to(dtype)
+
+    q, k, v = rnd(B, S, Hq, D).transpose(1, 2), rnd(B, Hkv, S, D), rnd(B, Hkv, S, D)
+    mask = None
+    if mask_kind != "none":
+        mask = torch.ones(B, S, dtype=torch.bool)
+        if mask_kind == "left":
+            mask[0, : S // 3] = False
+        else:
+            mask[0, 2 * S // 3:] = False
+            mask[-1] = False
+    return q, k, v, rnd(B, Hq, S, D), mask
+
+
+#                S   Hq Hkv causal mask     documents    window
+CHUNK_CASES = [(150, 4, 2, True, "left", None, None),
+               (150, 2, 2, False, "right", None, None),
+               (163, 4, 2, True, "none", [40, 1, 70], None),
+               (150, 4, 1, True, "right", None, 33),
+               (140, 2, 2, False, "none", [30, 90], 20),
+               (150, 2, 2, False, "none", None, None)]
+
+
+def _chunk_id(c):
+    S, Hq, Hkv, causal, mask, docs, window = c
+    return (f"S{S}-H{Hq}/{Hkv}-{'causal' if causal else 'full'}-{mask}"
+            f"{'-docs' if docs else ''}{f'-w{window}' if window else ''}")
+
+
+@pytest.mark.parametrize("rows", [1, 17, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, F64], ids=str)
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=[_chunk_id(c) for c in CHUNK_CASES])
+def test_attention_query_chunks(case, dtype, rows):
+    """Queries split into chunks of `rows` (q_offset = the chunk's first row) against all the
+    keys: out / lse / dq concatenated and dk / dv summed in the accumulators equal the one-call
+    result (the accumulators in fp32 within a few ulps of one chunk holding every row), pass the
+    accuracy rule against float64, and rows with nothing to attend give 0 / -inf / 0."""
+    S, Hq, Hkv, causal, mask_kind, docs, window = case
+    B, D, scale = 2, 16, 0.3
+    q, k, v, dout, mask = chunk_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed=S + rows)
+    ids = packed_segment_ids(B, S, docs) if docs else None
+    acc = F64 if dtype == F64 else torch.float32
+    args = (q, k, v, dout, mask, causal, scale, ids, window)
+    fwd, bwd = OPS.attention_fwd, OPS.attention_bwd
+    got = reference.attention_in_chunks(fwd, bwd, *args, rows, acc)
+    # The one-call results on the tiles that the chunks run on: an all-True padding mask keeps
+    # the unmasked forward off ATen's flash kernel (which serves whole sequences only).
+    tiles = torch.ones(B, S, dtype=torch.bool) if mask is None else mask
+    whole_acc = reference.attention_in_chunks(fwd, bwd, q, k, v, dout, tiles, causal, scale, ids,
+                                              window, S, acc)  # one chunk, accumulated
+    out, lse = fwd(q, k, v, tiles, ids, window, causal, scale)
+    whole = dict(out=out, lse=lse)
+    whole["dq"], whole["dk"], whole["dv"] = bwd(dout, q, k, v, out, lse, tiles, ids, window,
+                                                causal, scale)
+    # Chunked vs whole: the same sums in another order (key tiles start where a chunk's keys
+    # start), within a few ulps of the sums of their terms' absolute values. float16: out is
+    # rounded to float16 (1 ulp), and the backward's rowsum(dO * O) reads that rounded out, so
+    # dk / dv differ at float16's eps too.
+    sums = reference.attention_abs_sums(q, k, v, dout, mask, causal, scale, ids, window)
+    reference.check_close_ulps("lse", got["lse"], whole["lse"], 4)
+    ulps = 1 if dtype == torch.float16 else 8
+    for name in ("out", "dq"):
+        reference.check_close_ulps(name, got[name], whole[name], ulps, dtype, sums[name])
+    for name in ("dk", "dv"):
+        reference.check_close_ulps(name, got[name], whole_acc[name], ulps,
+                                   torch.float16 if dtype == torch.float16 else acc, sums[name])
+        assert torch.equal(whole_acc[name].to(dtype), whole[name]), name  # one chunk: same sums
+    # Against the float64 reference.
+    r = leaves(q, k, v, dtype=F64)
+    ref_out, ref_lse = attention_reference(*r, mask, causal, scale, ids, window)
+    ref_g = dict(zip(("dq", "dk", "dv"), grads(ref_out, r, dout.double())))
+    if dtype == F64:
+        check_f64("out", got["out"], ref_out)
+        check_f64("lse", got["lse"], ref_lse, dtype=torch.float32)
+        for name in ("dq", "dk", "dv"):
+            check_f64(name, got[name], ref_g[name], scale=magnitude(*ref_g.values()))
+    else:
+        b = leaves(q, k, v)
+        base_out, base_lse = attention_reference(*b, mask, causal, scale, ids, window)
+        base_g = dict(zip(("dq", "dk", "dv"), grads(base_out, b, dout)))
+        base_lse = attention_reference(*leaves(q, k, v, dtype=torch.float32), mask, causal,
+                                       scale, ids, window)[1]
+        check_vs_baseline("out", got["out"], base_out, ref_out, FACTOR_OUT, dtype)
+        check_vs_baseline("lse", got["lse"], base_lse, ref_lse, FACTOR_OUT)
+        for name in ("dq", "dk", "dv"):
+            check_vs_baseline(name, got[name], base_g[name], ref_g[name], FACTOR_GRAD, dtype,
+                              magnitude(*ref_g.values()))
+    empty = ~allowed_matrix(B, S, mask, causal, "cpu", ids, window).any(-1)  # (B, 1, S)
+    empty = empty.expand_as(got["lse"])
+    if mask_kind != "none":
+        assert empty.any()
+    assert torch.isneginf(got["lse"][empty]).all() and (got["out"][empty] == 0).all()
+    assert (got["dq"][empty] == 0).all()
+    assert not any(torch.isnan(t).any() for t in got.values())
+
+
+def test_attention_q_offset_through_ops_attention():
+    """ops.attention(q_offset=...) on a chunk: its gradients are the chunk's share."""
+    q, k, v, dout, mask = chunk_inputs(2, 4, 2, 40, 8, F64, "left", seed=3)
+    ql, kl, vl = leaves(q[:, :, 25:], k, v)
+    out = ops.attention(ql, kl, vl, key_padding_mask=mask, q_offset=25)
+    g = grads(out, (ql, kl, vl), dout[:, :, 25:])
+    ref_out = attention_reference(*leaves(q, k, v), mask, True, 8 ** -0.5)[0][:, :, 25:]
+    check_f64("out", out, ref_out)
+    r = leaves(q, k, v)
+    ref_out = attention_reference(*r, mask, True, 8 ** -0.5)[0]
+    ref_g = grads(ref_out[:, :, 25:], r, dout[:, :, 25:])
+    for name, got, ref in zip(("dq", "dk", "dv"), g, (ref_g[0][:, :, 25:], *ref_g[1:])):
+        check_f64(name, got, ref, scale=magnitude(*ref_g))
+
+
+def test_attention_query_chunks_fakes():
+    """The fakes give the chunk's shapes and the (0,) placeholders, under FakeTensorMode and
+    through torch.compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, dout, mask = chunk_inputs(2, 4, 2, 30, 8, torch.float32, "right", seed=1)
+    qc, dc = q[:, :, 10:21], dout[:, :, 10:21]
+    dk_acc, dv_acc = (torch.zeros(2, 2, 30, 8) for _ in range(2))
+    real_out, real_lse = OPS.attention_fwd(qc, k, v, mask, None, 5, True, 0.3, 10)
+    real = OPS.attention_bwd(dc, qc, k, v, real_out, real_lse, mask, None, 5, True, 0.3, 10,
+                             dk_acc.clone(), dv_acc.clone())
+    with FakeTensorMode() as mode:
+        f = [mode.from_tensor(t) for t in (qc, k, v, dc, mask, dk_acc, dv_acc)]
+        out, lse = OPS.attention_fwd(f[0], f[1], f[2], f[4], None, 5, True, 0.3, 10)
+        dq, dk, dv = OPS.attention_bwd(f[3], f[0], f[1], f[2], out, lse, f[4], None, 5, True,
+                                       0.3, 10, f[5], f[6])
+        plain = OPS.attention_bwd(f[3], f[0], f[1], f[2], out, lse, f[4], None, 5, True, 0.3, 10)
+    assert (out.shape, out.stride(), lse.shape) == (real_out.shape, real_out.stride(),
+                                                    real_lse.shape)
+    assert [t.shape for t in (dq, dk, dv)] == [t.shape for t in real] == [qc.shape, (0,), (0,)]
+    assert [t.shape for t in plain] == [qc.shape, k.shape, v.shape]
+
+    def chunk(qc, k, v, dc, dk_acc, dv_acc):
+        out, lse = OPS.attention_fwd(qc, k, v, mask, None, 5, True, 0.3, 10)
+        dq, _, _ = OPS.attention_bwd(dc, qc, k, v, out, lse, mask, None, 5, True, 0.3, 10,
+                                     dk_acc, dv_acc)
+        return out, dq
+
+    eager_acc = (dk_acc.clone(), dv_acc.clone())
+    compiled_acc = (dk_acc.clone(), dv_acc.clone())
+    want = chunk(qc, k, v, dc, *eager_acc)
+    got = torch.compile(chunk, backend="aot_eager", fullgraph=True)(qc, k, v, dc, *compiled_acc)
+    for a, b in zip((*got, *compiled_acc), (*want, *eager_acc)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])

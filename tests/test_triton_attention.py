@@ -32,7 +32,8 @@ import torch
 from ckpt_ext import config
 from ckpt_ext.kernels import attention
 
-from reference import (FACTOR_GRAD, FACTOR_OUT, attention_reference, check_vs_baseline,
+from reference import (FACTOR_GRAD, FACTOR_OUT, allowed_matrix, attention_abs_sums,
+                       attention_in_chunks, attention_reference, check_close_ulps, check_vs_baseline,
                        eager_flash_identity_grads, magnitude, packed_segment_ids)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -300,6 +301,144 @@ def test_dq_atomic_unequal_blocks(monkeypatch):
                    window=13)
 
 
+# ------------------------------------------------------------------------------------------
+# Query chunks: q_offset and the fp32 dk / dv accumulators, both dQ modes
+# ------------------------------------------------------------------------------------------
+#              dtype          B  Hq Hkv  S   D  causal mask     documents     window
+CHUNK_CASES = [(torch.float32, 2, 4, 2, 150, 16, True, "left", None, None),
+               (torch.float16, 2, 2, 2, 150, 16, False, "full", None, None),
+               (torch.float32, 1, 4, 2, 163, 16, True, "none", [40, 1, 70], None),
+               (torch.float16, 1, 4, 1, 150, 16, True, "right", None, 33),
+               (torch.float32, 1, 2, 2, 140, 16, False, "right", [30, 90], 20)]
+# (case, rows per chunk, dQ mode): every case with chunks of 17 and 129 rows, the modes
+# alternating so that each meets causal / not, GQA, padding, documents and a window. The
+# interpreter runs one program at a time, hence not the whole product.
+CHUNK_RUNS = [(c, rows, ("separate", "atomic")[(i + j) % 2]) for i, c in enumerate(CHUNK_CASES)
+              for j, rows in enumerate((17, 129))]
+
+
+def check_chunks(case, rows, seed):
+    """Queries in chunks of `rows` (q_offset = the chunk's first row) against all keys, dk / dv
+    summed in fp32 accumulators: equal to the one-call result (out / lse / dq within a few ulps
+    of q's dtype, the accumulators within a few fp32 ulps of one chunk holding every row) and
+    within the accuracy rule; rows with nothing to attend give 0 / -inf / 0."""
+    dtype, B, Hq, Hkv, S, D, causal, mask_kind, lengths, window = case
+    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed)
+    seg = packed_segment_ids(B, S, lengths, device=DEVICE) if lengths else None
+    scale = D ** -0.5
+    args = (q, k, v, dout, mask, causal, scale, seg, window)
+    fwd, bwd = attention.attention_fwd, attention.attention_bwd
+    got = attention_in_chunks(fwd, bwd, *args, rows)
+    whole_acc = attention_in_chunks(fwd, bwd, *args, S)  # one chunk, into the accumulators
+    whole = run_kernel(q, k, v, mask, causal, scale, dout, seg, window)
+    # The same sums in another order: within a few ulps of the sums of their terms' absolute
+    # values (fp32 ulps; out, dq then rounded once to q's dtype).
+    sums = attention_abs_sums(q, k, v, dout, mask, causal, scale, seg, window)
+    check_close_ulps("lse", got["lse"], whole["lse"], 4)
+    for name in ("out", "dq"):
+        ulps = 4 if dtype == torch.float32 else 1
+        check_close_ulps(name, got[name], whole[name], ulps, dtype, sums[name])
+    for name in ("dk", "dv"):  # half inputs: P and dS are rounded to q's dtype for the dots
+        if dtype == torch.float32:
+            check_close_ulps(name, got[name], whole_acc[name], 8, torch.float32, sums[name])
+        else:
+            check_close_ulps(name, got[name], whole_acc[name], 1, dtype, sums[name])
+        check_close_ulps(name + " rounded", whole_acc[name].to(dtype), whole[name], 1)
+    empty = ~allowed_matrix(B, S, mask, causal, DEVICE, seg, window).any(-1).expand_as(got["lse"])
+    if mask_kind in ("left", "full"):
+        assert empty.any()
+    assert torch.isneginf(got["lse"][empty]).all() and (got["out"][empty] == 0).all()
+    assert (got["dq"][empty] == 0).all()
+    assert not any(torch.isnan(t).any() for t in got.values())
+    base = run_eager(q, k, v, mask, causal, scale, dout, dtype, seg, window)
+    base_alt = eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, base["out"], seg,
+                                          window)
+    if dtype != torch.float32:
+        base["lse"] = run_eager(q, k, v, mask, causal, scale, dout, torch.float32, seg,
+                                window)["lse"]
+    ref = run_eager(q, k, v, mask, causal, scale, dout, torch.float64, seg, window)
+    got = dict(got, dk=got["dk"].to(dtype), dv=got["dv"].to(dtype))
+    return check_accuracy(got, base, ref, dtype, base_alt)
+
+
+@pytest.mark.parametrize("case,rows,mode", CHUNK_RUNS,
+                         ids=[f"{_seg_win_id(c)}-rows{r}-{m}" for c, r, m in CHUNK_RUNS])
+def test_query_chunks(case, rows, mode):
+    with config.patch(attention_dq=mode):
+        check_chunks(case, rows, seed=rows)
+
+
+# One-row chunks launch every kernel once per query: a small head count keeps them quick in
+# the interpreter. Causal with left padding (rows that attend nothing), documents and a window.
+ONE_ROW_CASE = (torch.float32, 1, 2, 1, 150, 16, True, "left", [60, 1, 89], 40)
+
+
+@pytest.mark.parametrize("mode", ["separate", "atomic"])
+def test_query_chunks_of_one_row(mode):
+    with config.patch(attention_dq=mode):
+        check_chunks(ONE_ROW_CASE, 1, seed=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
+def test_query_chunks_unequal_blocks(monkeypatch):
+    """BLOCK_M != BLOCK_N with chunks that start inside a key tile (skipping bounds in global
+    positions), both dQ modes."""
+    for kind, bm, bn in (("fwd", 16, 32), ("dkdv", 16, 32), ("dq", 32, 16)):
+        monkeypatch.setitem(attention.INTERPRETER_BLOCKS, kind, {"BLOCK_M": bm, "BLOCK_N": bn})
+    for mode in ("separate", "atomic"):
+        with config.patch(attention_dq=mode):
+            check_chunks((torch.float32, 2, 4, 2, 71, 16, True, "left", [9, 1, 40], 13), 23,
+                         seed=5)
+
+
+def test_query_chunk_accumulators_any_layout():
+    """dk_acc / dv_acc of different strides from each other: the same sums."""
+    q, k, v, dout, mask = make_inputs(1, 4, 2, 40, 16, torch.float32, "right", seed=2)
+    qc, dc = q[:, :, 8:30], dout[:, :, 8:30]
+    out, lse = attention.attention_fwd(qc, k, v, mask, None, 9, True, 0.25, 8)
+    plain = [torch.full((1, 2, 40, 16), 0.5, device=DEVICE) for _ in range(2)]
+    odd = [torch.full((16, 40, 2, 1), 0.5, device=DEVICE).permute(3, 2, 1, 0),
+           torch.full((1, 40, 2, 16), 0.5, device=DEVICE).transpose(1, 2)]
+    for accs in (plain, odd):
+        dq, dk, dv = attention.attention_bwd(dc, qc, k, v, out, lse, mask, None, 9, True, 0.25, 8,
+                                             *accs)
+        assert dk.shape == dv.shape == (0,)
+    for a, b in zip(plain, odd):
+        assert torch.equal(a, b)
+    _, dk, dv = attention.attention_bwd(dc, qc, k, v, out, lse, mask, None, 9, True, 0.25, 8)
+    assert torch.allclose(plain[0], dk + 0.5, rtol=0, atol=1e-6)
+    assert torch.allclose(plain[1], dv + 0.5, rtol=0, atol=1e-6)
+
+
+BAD_CHUNKS = [  # (id, q rows, q_offset, accumulators (dk, dv) builder, exception, match)
+    ("offset_neg", 8, -1, None, ValueError, "q_offset must satisfy 0 <= q_offset and "
+     r"q_offset \+ Sq <= Sk .* got q_offset=-1 with Sq=8, Sk=8"),
+    ("offset_past", 3, 6, None, ValueError, "q_offset must satisfy .* got q_offset=6 with "
+     "Sq=3, Sk=8"),
+    ("acc_alone", 3, 2, lambda z: (z(2, 2, 8, 16), None), ValueError,
+     "dk_acc and dv_acc must be given together or both left out"),
+    ("acc_shape", 3, 2, lambda z: (z(2, 2, 3, 16), z(2, 2, 8, 16)), ValueError,
+     r"dk_acc must have shape \(2, 2, 8, 16\) \(B, Hkv, Sk, D\)"),
+    ("acc_dtype", 3, 2, lambda z: (z(2, 2, 8, 16), z(2, 2, 8, 16).half()), TypeError,
+     r"dv_acc must be float32 \(or float64 when q is float64\), got float16"),
+]
+
+
+@pytest.mark.parametrize("rows,q_offset,accs,exc,match", [b[1:] for b in BAD_CHUNKS],
+                         ids=[b[0] for b in BAD_CHUNKS])
+def test_query_chunks_reject_bad_arguments(rows, q_offset, accs, exc, match):
+    q, k, v, _ = _good()
+    qc = q[:, :, :rows]
+    accs = accs(lambda *shape: torch.zeros(*shape, device=DEVICE)) if accs else (None, None)
+    lse = torch.zeros(2, 4, rows, device=DEVICE)
+    if accs == (None, None):
+        with pytest.raises(exc, match="attention_fwd: " + match):
+            attention.attention_fwd(qc, k, v, None, None, None, True, 0.25, q_offset)
+    with pytest.raises(exc, match="attention_bwd: " + match):
+        attention.attention_bwd(qc, qc, k, v, qc, lse, None, None, None, True, 0.25, q_offset,
+                                *accs)
+
+
 def test_dq_mode_rejects_unknown_values():
     with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be one of 'separate', "
                                          "'atomic', got 'fast'"):
@@ -452,7 +591,7 @@ BAD_FWD = [
     ("vshape", lambda q, k, v, m: (q, k, v[:, :, :4], m), ValueError,
      r"v must have shape \(2, 2, 8, 16\) \(the shape of k\)"),
     ("kseq", lambda q, k, v, m: (q, k[:, :, :4], v[:, :, :4], m), ValueError,
-     r"k must have the sequence length of q \(S=8\), got 4"),
+     r"k must have at least the sequence length of q \(Sq=8\), got 4"),
     ("small_d", lambda q, k, v, m: (q[..., :8], k[..., :8], v[..., :8], m), ValueError,
      "q must have head_dim D in 16..256 for the Triton kernels, got D=8"),
     ("big_d", lambda q, k, v, m: (*(torch.zeros(*t.shape[:3], 320, device=DEVICE) for t in (q, k, v)), m),
@@ -460,14 +599,14 @@ BAD_FWD = [
     ("mask_dtype", lambda q, k, v, m: (q, k, v, torch.ones(2, 8, device=DEVICE)), TypeError,
      "key_padding_mask must be bool"),
     ("mask_shape", lambda q, k, v, m: (q, k, v, torch.ones(2, 9, dtype=torch.bool, device=DEVICE)),
-     ValueError, r"key_padding_mask must have shape \(2, 8\) \(B, S\)"),
+     ValueError, r"key_padding_mask must have shape \(2, 8\) \(B, Sk\)"),
     ("device", lambda q, k, v, m: (q, k.to("meta"), v, m), RuntimeError,
      "k is on meta but q is on"),
 ]
 BAD_FWD_MASKS = [  # (id, segment_ids, window, scale, exception, match)
     ("seg_dtype", torch.ones(2, 8), None, 0.25, TypeError, "segment_ids must be int32 or int64"),
     ("seg_shape", torch.ones(2, 7, dtype=torch.int64), None, 0.25, ValueError,
-     r"segment_ids must have shape \(2, 8\) \(B, S\)"),
+     r"segment_ids must have shape \(2, 8\) \(B, Sk\)"),
     ("window_0", None, 0, 0.25, ValueError, "window must be > 0"),
     ("scale_0", None, None, 0.0, ValueError, "scale must be a finite number > 0"),
     ("scale_nan", None, None, float("nan"), ValueError, "scale must be a finite number > 0"),
@@ -502,7 +641,7 @@ def test_backward_rejects_bad_input():
         bwd(dout, q, k, v, out.double(), lse, None, None, None, True, 0.25)
     with pytest.raises(TypeError, match="lse must be float32"):
         bwd(dout, q, k, v, out, lse.double(), None, None, None, True, 0.25)
-    with pytest.raises(ValueError, match=r"lse must have shape \(2, 4, 8\) \(B, Hq, S\)"):
+    with pytest.raises(ValueError, match=r"lse must have shape \(2, 4, 8\) \(B, Hq, Sq\)"):
         bwd(dout, q, k, v, out, lse[..., :3], None, None, None, True, 0.25)
     with pytest.raises(ValueError, match="k must have Hkv dividing Hq=4, got Hkv=3"):
         kk = torch.zeros(2, 3, 8, 16, device=DEVICE)

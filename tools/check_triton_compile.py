@@ -288,7 +288,7 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
         pointers["DQA"] = "fp32"  # the fp32 dQ sums (atomic mode), else dq itself
     strides = _strides(prefixes)
     unit = {s for s in strides if s.endswith("d")}
-    div16 = {s for s in strides if not s.endswith("d")} | {"S_BUCKET"}
+    div16 = {s for s in strides if not s.endswith("d")} | {"S_BUCKET", "SQ_BUCKET"}
     if has_mask:
         unit.add("stride_ms")          # contiguous (B, S) mask; stride_mb = S, unspecialized
     else:
@@ -298,6 +298,7 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
                   BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
     if kind == "dkdv":
         consts["DQ_ATOMIC"] = dq_atomic
+        consts["ACCUMULATE"] = False  # dk / dv stored (no query-chunk accumulators)
     return make_signature(fn, pointers, unit, div16, floats, consts)
 
 
