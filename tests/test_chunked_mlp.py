@@ -123,10 +123,10 @@ def layer_grads(x, weights, pe, dy, preset):
     return y.detach(), x.grad, {n: t.grad for n, t in w.items()}
 
 
-def mlp_rows_cap(rows, dtype):
+def mlp_rows_cap(rows, dtype, intermediate=IM):
     """CKPT_EXT_CHUNK_BYTES for MLP chunks of `rows` tokens: three (rows, I) tensors at the
     compute width."""
-    return str(rows * 3 * IM * max(4, dtype.itemsize))
+    return str(rows * 3 * intermediate * max(4, dtype.itemsize))
 
 
 @pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
@@ -179,10 +179,6 @@ def test_triton_layer_backward_holds_no_token_by_intermediate_tensor(monkeypatch
     peaks = {}
     with triton_backend():
         for rows in (Tn, 32):
-            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap_for(rows, In))
+            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap(rows, torch.float32, In))
             peaks[rows] = ckpt_ext.peak_memory_bytes(step, x.clone().requires_grad_())
     assert peaks[Tn] - peaks[32] >= 0.8 * 3 * (Tn - 32) * In * 4, peaks
-
-
-def mlp_rows_cap_for(rows, intermediate):
-    return str(rows * 3 * intermediate * 4)
