@@ -40,10 +40,11 @@ Layer make_layer(const c10::List<OptTensor>& weights, const LayerTensors& tensor
   return L;
 }
 
-// The adapter's input of projection p, dropout applied (inp in the LoRA dtype).
-at::Tensor lora_input(const Layer& L, Proj p, const at::Tensor& inp) {
+// The adapter's input of projection p, dropout applied (inp in the LoRA dtype); row0: the
+// global token row of inp's first row (masks hash global rows, so chunks change none).
+at::Tensor lora_input(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0) {
   const double dp = L.dropout_p(p);
-  return dp > 0.0 ? kernel::lora_dropout(inp, *L.dropout_seed, p, dp, 0) : inp;
+  return dp > 0.0 ? kernel::lora_dropout(inp, *L.dropout_seed, p, dp, row0) : inp;
 }
 
 // ---- validation ----------------------------------------------------------------------------
@@ -167,45 +168,61 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
 // ---- projections (with optional LoRA) ------------------------------------------------------
 
 // y = inp W^T + b + scaling * (dropout(inp) A^T) B^T; inp in the compute dtype, dropout in
-// the LoRA dtype (PEFT's order).
-at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp) {
+// the LoRA dtype (PEFT's order); row0 as in lora_input.
+at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0) {
   at::Tensor y = at::linear(inp, L.cast(L.proj(p)), L.cast_opt(L.proj(p, kBias)));
   if (L.has_lora(p)) {
     const at::ScalarType ld = L.lora_dtype(p);
-    const at::Tensor u = at::linear(lora_input(L, p, inp.to(ld)), L.proj(p, kLoraA).to(ld));
+    const at::Tensor u =
+        at::linear(lora_input(L, p, inp.to(ld), row0), L.proj(p, kLoraA).to(ld));
     y.add_(at::linear(u, L.proj(p, kLoraB).to(ld)).mul_(L.lora_scale(p)).to(y.scalar_type()));
   }
   return y;
 }
 
+// A gradient summed over token chunks: the first chunk's as it is when it is the only one or
+// already float32/float64, else widened to float32 (one rounding at the end, as one GEMM).
+void accumulate(at::Tensor& sum, const at::Tensor& d, bool only_chunk) {
+  if (sum.defined()) {
+    sum.add_(d);
+  } else {
+    sum = only_chunk || d.element_size() >= 4 ? d : d.to(at::kFloat);
+  }
+}
+
+// The gradients of x and of the weight slots. A slot's gradient is summed over the token
+// chunks (accumulate) and cast to the slot's dtype at the end (finish).
 struct Grads {
+  explicit Grads(bool chunked) : chunked(chunked) {}
+  bool chunked;  // more than one token chunk
   at::Tensor dx;
   std::vector<at::Tensor> dw = std::vector<at::Tensor>(kNumSlots);
-};
 
-// The gradient of slot s, cast to the slot's dtype.
-void set_grad(Grads& g, const Layer& L, int64_t s, const at::Tensor& d) {
-  g.dw[s] = d.to(L.at(s).scalar_type());
-}
+  void add(int64_t s, const at::Tensor& d) { accumulate(dw[s], d, !chunked); }
+  void finish(const Layer& L) {
+    for (int64_t s = 0; s < kNumSlots; ++s)
+      if (dw[s].defined()) dw[s] = dw[s].to(L.at(s).scalar_type());
+  }
+};
 
 // Backward of proj_fwd: inp2 (T, in) and dy2 (T, out) in the compute dtype; weight gradients
 // only where `needs` asks for them. Returns d inp (T, in).
 at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Tensor& inp2,
-                    const std::vector<bool>& needs, Grads& g) {
+                    const std::vector<bool>& needs, Grads& g, int64_t row0) {
   const at::Tensor w = L.cast(L.proj(p));
   at::Tensor dinp = dy2.mm(w);
-  if (needs[slot(p, kWeight)]) set_grad(g, L, slot(p, kWeight), dy2.t().mm(inp2));
-  if (needs[slot(p, kBias)]) set_grad(g, L, slot(p, kBias), dy2.sum(0));
+  if (needs[slot(p, kWeight)]) g.add(slot(p, kWeight), dy2.t().mm(inp2));
+  if (needs[slot(p, kBias)]) g.add(slot(p, kBias), dy2.sum(0));
   if (L.has_lora(p)) {
     const double s = L.lora_scale(p);
     const at::ScalarType ld = L.lora_dtype(p);
     const at::Tensor a = L.proj(p, kLoraA).to(ld), b = L.proj(p, kLoraB).to(ld);
-    const at::Tensor dyl = dy2.to(ld), inpl = lora_input(L, p, inp2.to(ld));
+    const at::Tensor dyl = dy2.to(ld), inpl = lora_input(L, p, inp2.to(ld), row0);
     const at::Tensor dyb = dyl.mm(b);  // (T, r)
     // dropout is linear and its own adjoint: the input's gradient gets the forward's mask
-    dinp.add_(lora_input(L, p, dyb.mm(a).mul_(s)).to(dinp.scalar_type()));
-    if (needs[slot(p, kLoraB)]) set_grad(g, L, slot(p, kLoraB), dyl.t().mm(inpl.mm(a.t())).mul_(s));
-    if (needs[slot(p, kLoraA)]) set_grad(g, L, slot(p, kLoraA), dyb.t().mm(inpl).mul_(s));
+    dinp.add_(lora_input(L, p, dyb.mm(a).mul_(s), row0).to(dinp.scalar_type()));
+    if (needs[slot(p, kLoraB)]) g.add(slot(p, kLoraB), dyl.t().mm(inpl.mm(a.t())).mul_(s));
+    if (needs[slot(p, kLoraA)]) g.add(slot(p, kLoraA), dyb.t().mm(inpl).mul_(s));
   }
   return dinp;
 }
@@ -227,149 +244,6 @@ Residuals unpack(at::TensorList saved, const Layer& L, const char* op) {
   Residuals r;
   for (size_t i = 0; i < members.size(); ++i) r.*members[i] = saved[i];
   return r;
-}
-
-// ---- attention sublayer --------------------------------------------------------------------
-
-// (B, Hq, S, D) -> (B, S, Hq * D)
-at::Tensor merge_heads(const at::Tensor& out) {
-  return out.transpose(1, 2).reshape({out.size(0), out.size(2), out.size(1) * out.size(3)});
-}
-
-// q/k/v from the sublayer input. n: the normed input in the compute dtype; q_lin/k_lin:
-// (B, S, H*, D) projections before the optional per-head norms; q, k: (B, H*, S, D) views
-// of (B, S, H*, D) memory after norms and RoPE; v: a (B, Hkv, S, D) view of its projection.
-struct Projected {
-  at::Tensor n, q_lin, k_lin, q, k, v;
-};
-
-Projected project(const at::Tensor& x, const Layer& L) {
-  const int64_t b = x.size(0), s = x.size(1), d = L.head_dim();
-  Projected p;
-  p.n = L.cast(kernel::rms_norm_fwd(x, L.norm(kInputNorm), L.eps));
-  p.q_lin = proj_fwd(L, kQ, p.n).view({b, s, L.num_heads, d});
-  p.k_lin = proj_fwd(L, kK, p.n).view({b, s, L.num_kv_heads, d});
-  p.v = proj_fwd(L, kV, p.n).view({b, s, L.num_kv_heads, d}).transpose(1, 2);
-  const at::Tensor qh = L.qk_norm() ? kernel::rms_norm_fwd(p.q_lin, L.norm(kQNorm), L.eps) : p.q_lin;
-  const at::Tensor kh = L.qk_norm() ? kernel::rms_norm_fwd(p.k_lin, L.norm(kKNorm), L.eps) : p.k_lin;
-  // rope keeps its input's layout: q, k stay (B, H, S, D) views of (B, S, H, D) memory, the
-  // layout attention reads, and their gradients come back alike (merged with views).
-  std::tie(p.q, p.k) = kernel::rope_fwd(qh.transpose(1, 2), kh.transpose(1, 2), *L.cos, *L.sin);
-  p.q = L.cast(p.q);
-  p.k = L.cast(p.k);
-  return p;
-}
-
-// ---- HF eager attention's rows with nothing to attend ---------------------------------------
-// Eager attention adds the dtype's minimum to every masked score, so a query row that may
-// attend no key (a left-padded position) has all scores equal: it averages every value
-// uniformly (future and padded keys included) and its gradient reaches q, every k and every v.
-// The attention kernels return 0 for such rows (lse = -inf); with uniform_empty_rows these
-// corrections reproduce eager's result in O(S * D^2), with no host sync.
-
-at::Tensor empty_rows(const at::Tensor& lse) {  // (B, Hq, S, 1) float, 1 on empty rows
-  return at::isneginf(lse).unsqueeze(-1).to(at::kFloat);
-}
-
-at::Tensor per_query_head(const at::Tensor& t, int64_t groups) {  // (B, Hkv, ...) -> (B, Hq, ...)
-  return groups == 1 ? t : t.repeat_interleave(groups, 1);
-}
-
-at::Tensor per_kv_head(const at::Tensor& t, int64_t hkv) {  // (B, Hq, S, D) summed per group
-  return t.view({t.size(0), hkv, -1, t.size(2), t.size(3)}).sum(2);
-}
-
-void fix_empty_rows_forward(const Layer& L, Residuals& r) {
-  const at::Tensor vmean = per_query_head(r.v.mean(2, /*keepdim=*/true), L.num_heads / L.num_kv_heads);
-  at::Tensor fixed = at::empty_like(r.out);  // keeps out's (B, S, Hq, D) memory layout
-  at::where_out(fixed, empty_rows(r.lse).to(at::kBool), vmean.to(r.out.scalar_type()), r.out);
-  r.out = fixed;
-}
-
-void fix_empty_rows_backward(const Layer& L, const Residuals& r, const at::Tensor& dout,
-                             at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
-  const int64_t groups = L.num_heads / L.num_kv_heads, s = r.k.size(2);
-  const at::Tensor d = dout.to(at::kFloat) * empty_rows(r.lse);  // (B, Hq, S, D)
-  const at::Tensor q = r.q.to(at::kFloat);
-  const at::Tensor k = per_query_head(r.k.to(at::kFloat), groups);
-  const at::Tensor v = per_query_head(r.v.to(at::kFloat), groups);
-  const at::Tensor vmean = v.mean(2, true), kmean = k.mean(2, true);
-  const at::Tensor dvm = (d * vmean).sum(-1, true);                       // dout_i . vmean
-  // dS_ij = (dout_i . v_j - dout_i . vmean) / S on empty rows
-  const at::Tensor dq_fix = d.matmul(v.transpose(-1, -2).matmul(k)).mul_(L.scale / s)
-                                .sub_(dvm * kmean * L.scale);
-  const at::Tensor m = q.transpose(-1, -2).matmul(d);                     // sum_i q_i dout_i^T
-  const at::Tensor c = (dvm * q).sum(2, true);                            // sum_i (dout_i . vmean) q_i
-  const at::Tensor dk_fix = v.matmul(m.transpose(-1, -2)).sub_(c).mul_(L.scale / s);
-  const at::Tensor dv_fix = (d.sum(2, true) / s).expand_as(v);
-  dq = dq + dq_fix.to(dq.scalar_type());
-  dk = dk + per_kv_head(dk_fix, L.num_kv_heads).to(dk.scalar_type());
-  dv = dv + per_kv_head(dv_fix.contiguous(), L.num_kv_heads).to(dv.scalar_type());
-}
-
-// y = x + o_proj(attention(q, k, v)); fills r.q/k/v/out/lse.
-at::Tensor attention_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
-  Projected p = project(x, L);
-  r.q = p.q, r.k = p.k, r.v = p.v;
-  std::tie(r.out, r.lse) = kernel::attention_fwd(p.q, p.k, p.v, L.key_padding_mask, L.segment_ids,
-                              L.window, /*causal=*/true, L.scale, /*q_offset=*/0);
-  if (L.uniform_empty_rows) fix_empty_rows_forward(L, r);
-  // The kernels return out as a (B, Hq, S, D) view of (B, S, Hq, D) memory, so merge_heads is
-  // a view; this is a no-op for them and keeps the residual's layout fixed for any kernel.
-  r.out = r.out.transpose(1, 2).contiguous().transpose(1, 2);
-  return x + proj_fwd(L, kO, merge_heads(r.out));
-}
-
-at::Tensor attention_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
-                              Residuals r, const std::vector<bool>& needs, Grads& g) {
-  const int64_t b = x.size(0), sl = x.size(1), d = L.head_dim();
-  // Recompute what the preset did not keep. The norm is always recomputed; the projections
-  // when q/k/v were not kept, or when the per-head q/k norms need their inputs.
-  Projected p;
-  if (!r.q.defined() || L.qk_norm()) {
-    p = project(x, L);
-    if (!r.q.defined()) r.q = p.q, r.k = p.k, r.v = p.v;
-  } else {
-    p.n = L.cast(kernel::rms_norm_fwd(x, L.norm(kInputNorm), L.eps));
-  }
-  if (!r.out.defined()) {
-    std::tie(r.out, r.lse) = kernel::attention_fwd(r.q, r.k, r.v, L.key_padding_mask, L.segment_ids,
-                              L.window, /*causal=*/true, L.scale, /*q_offset=*/0);
-    if (L.uniform_empty_rows) fix_empty_rows_forward(L, r);
-  }
-
-  const at::Tensor dy2 = L.cast(flat2(dy));
-  const at::Tensor dmerged = proj_bwd(L, kO, dy2, flat2(merge_heads(r.out)), needs, g);
-  const at::Tensor dout = dmerged.view({b, sl, L.num_heads, d}).transpose(1, 2);
-  auto [dq, dk, dv] =
-      kernel::attention_bwd(dout, r.q, r.k, r.v, r.out, r.lse, L.key_padding_mask, L.segment_ids,
-                              L.window, /*causal=*/true, L.scale, /*q_offset=*/0, std::nullopt,
-                              std::nullopt);
-  if (L.uniform_empty_rows) fix_empty_rows_backward(L, r, dout, dq, dk, dv);
-  auto [dqh, dkh] = kernel::rope_bwd(dq, dk, *L.cos, *L.sin);
-  at::Tensor dq_lin = dqh.transpose(1, 2), dk_lin = dkh.transpose(1, 2);  // (B, S, H*, D)
-  if (L.qk_norm()) {
-    at::Tensor dqn, dkn;
-    const at::Tensor &wqn = L.norm(kQNorm), &wkn = L.norm(kKNorm);
-    std::tie(dq_lin, dqn) = kernel::rms_norm_bwd(
-        dq_lin.to(at::promote_types(p.q_lin.scalar_type(), wqn.scalar_type())), p.q_lin, wqn,
-        L.eps);
-    std::tie(dk_lin, dkn) = kernel::rms_norm_bwd(
-        dk_lin.to(at::promote_types(p.k_lin.scalar_type(), wkn.scalar_type())), p.k_lin, wkn,
-        L.eps);
-    if (needs[slot(kQNorm)]) set_grad(g, L, slot(kQNorm), dqn);
-    if (needs[slot(kKNorm)]) set_grad(g, L, slot(kKNorm), dkn);
-  }
-  const at::Tensor n2 = flat2(p.n);
-  at::Tensor dn = proj_bwd(L, kQ, L.cast(dq_lin.reshape({b * sl, L.num_heads * d})), n2, needs, g);
-  dn.add_(proj_bwd(L, kK, L.cast(dk_lin.reshape({b * sl, L.num_kv_heads * d})), n2, needs, g));
-  dn.add_(proj_bwd(L, kV, dv.transpose(1, 2).reshape({b * sl, L.num_kv_heads * d}), n2, needs, g));
-  const at::Tensor& wn = L.norm(kInputNorm);
-  auto [dxn, dwn] = kernel::rms_norm_bwd(
-      dn.view(x.sizes()).to(at::promote_types(x.scalar_type(), wn.scalar_type())), x, wn,
-      L.eps);
-  if (needs[slot(kInputNorm)]) set_grad(g, L, slot(kInputNorm), dwn);
-  return dy + dxn;
 }
 
 // ---- MLP sublayer --------------------------------------------------------------------------
@@ -419,9 +293,11 @@ int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
 
 // y = h + down(silu(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
 // chunk's output written in place; with `keep_gate_up` (fast, which saves the whole-sequence
-// gate/up) one chunk, filling r.gate/up. The SwiGLU ops hash LoRA dropout masks on global
-// rows (dropout_row_offset), so the chunks change no mask.
-at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r) {
+// gate/up) one chunk, filling r.gate/up. h's first row is the global token row row0: the
+// SwiGLU ops hash LoRA dropout masks on global rows (dropout_row_offset), so the chunks change
+// no mask.
+at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r,
+                       int64_t row0) {
   const MlpLora l = mlp_lora(L);
   const at::Tensor h2 = flat2(h);
   const int64_t T = h2.size(0);
@@ -434,7 +310,7 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
         mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
-        t0);
+        row0 + t0);
     if (keep_gate_up) r.gate = gate, r.up = up;
     if (tc == T) return h + y2.view(h.sizes());
     if (!out.defined())
@@ -445,22 +321,14 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
   return out.view(h.sizes());
 }
 
-// A gradient summed over token chunks: the first chunk's as it is when it is the only one or
-// already float32/float64, else widened to float32 (one rounding at the end, as one GEMM).
-void accumulate(at::Tensor& sum, const at::Tensor& d, bool only_chunk) {
-  if (sum.defined()) {
-    sum.add_(d);
-  } else {
-    sum = only_chunk || d.element_size() >= 4 ? d : d.to(at::kFloat);
-  }
-}
 
 // Backward of mlp_forward over the same token chunks: per chunk the norm is recomputed, the
 // SwiGLU backward runs (its (rows, I) work one chunk at a time; fast reads its saved gate/up
 // rows), and the chunk's dx rows are written in place; weight, bias, adapter and norm
-// gradients sum over the chunks (float32 for half-precision ones).
+// gradients sum over the chunks (Grads::add).
 at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& L,
-                        const Residuals& r, const std::vector<bool>& needs, Grads& g) {
+                        const Residuals& r, const std::vector<bool>& needs, Grads& g,
+                        int64_t row0) {
   // The ops' gradient order: weights, biases, then the adapters, as in mlp_lora.
   std::vector<int64_t> order;
   for (ProjPart part : {kWeight, kBias})
@@ -475,8 +343,8 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
   const int64_t T = h2.size(0);
   const int64_t rows = mlp_chunk_rows(L, h);
   const bool one = rows >= T;
-  std::vector<at::Tensor> sums(order.size());
-  at::Tensor dwn_sum, dx;
+  g.chunked = g.chunked || !one;
+  at::Tensor dx;
   for (int64_t t0 = 0; t0 < T; t0 += rows) {
     const int64_t tc = std::min(rows, T - t0);
     const at::Tensor hc = h2.narrow(0, t0, tc), dyc = dy2.narrow(0, t0, tc);
@@ -486,15 +354,15 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
         L.cast(dyc), mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
         L.cast(L.proj(kDown)), L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
-        t0);
+        row0 + t0);
     const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
     for (size_t j = 0; j < order.size(); ++j) {
       if (!needs[order[j]]) continue;
-      accumulate(sums[j], j < base.size() ? *base[j] : dlora[j - base.size()], one);
+      g.add(order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
     }
     auto [dhn, dwn] = kernel::rms_norm_bwd(
         dm2.to(at::promote_types(h.scalar_type(), wn.scalar_type())), hc, wn, L.eps);
-    if (needs[slot(kPostNorm)]) accumulate(dwn_sum, dwn, one);
+    if (needs[slot(kPostNorm)]) g.add(slot(kPostNorm), dwn);
     if (one) {
       dx = dy + dhn.view(h.sizes());
     } else {
@@ -504,50 +372,505 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
       at::add_out(dx_c, dyc, dhn);
     }
   }
-  for (size_t j = 0; j < order.size(); ++j)
-    if (needs[order[j]]) set_grad(g, L, order[j], sums[j]);
-  if (needs[slot(kPostNorm)]) set_grad(g, L, slot(kPostNorm), dwn_sum);
   return one ? dx : dx.view(h.sizes());
+}
+
+// ---- token chunks --------------------------------------------------------------------------
+//
+// The layer walks its tokens in chunks, so that the only sequence-sized tensors of a call are
+// x and y (and their gradients), k and v, dk and dv (float32 sums) and what the preset keeps.
+// A chunk is the batch rows [b0, b0 + nb) at the positions [s0, s0 + sc): whole sequences
+// (s0 = 0, sc = S) or a piece of one (nb = 1), so that its tokens are the consecutive rows
+// t0() .. t0() + nb * sc - 1 of x viewed as (B * S, H), the rows LoRA dropout hashes.
+struct Chunk {
+  int64_t b0, nb, s0, sc, S;
+  int64_t t0() const { return b0 * S + s0; }
+  // The chunk of t (batch on dim 0, positions on dim `dim`).
+  at::Tensor of(const at::Tensor& t, int64_t dim = 1) const {
+    return t.narrow(0, b0, nb).narrow(dim, s0, sc);
+  }
+  // The keys the chunk's queries may see (the layer is causal): positions 0 .. s0 + sc - 1.
+  at::Tensor keys(const at::Tensor& t, int64_t dim) const {
+    return t.narrow(0, b0, nb).narrow(dim, 0, s0 + sc);
+  }
+  at::Tensor keys(const OptTensor& t) const { return t ? keys(*t, 1) : at::Tensor(); }
+  // cos / sin (B or 1, S, D) at the chunk's positions.
+  at::Tensor table(const at::Tensor& t) const {
+    return t.size(0) == 1 ? t.narrow(1, s0, sc) : of(t);
+  }
+};
+
+OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// Tokens per chunk of the attention sublayer or the whole layer: the byte cap
+// (csrc/chunking.h) over the larger per-token working set of its parts, at the compute width
+// and at least float32 (the CPU kernels' precision): the attention's q, out, dout and dq
+// (4 Hq D) and, with the MLP, its three (rows, I) tensors (3 I).
+int64_t layer_chunk_rows(const Layer& L, const at::Tensor& x) {
+  int64_t width = 4 * L.proj(kQ).size(0);
+  if (has_mlp(L.part_id)) width = std::max(width, 3 * L.proj(kGate).size(0));
+  return chunking::chunk_rows(width * std::max<int64_t>(4, at::elementSize(L.act_dtype(x))));
+}
+
+std::vector<Chunk> layer_chunks(const Layer& L, const at::Tensor& x) {
+  const int64_t B = x.size(0), S = x.size(1), rows = layer_chunk_rows(L, x);
+  std::vector<Chunk> cs;
+  if (S <= rows) {
+    const int64_t nb = rows / S;
+    for (int64_t b0 = 0; b0 < B; b0 += nb) cs.push_back({b0, std::min(nb, B - b0), 0, S, S});
+  } else {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s0 = 0; s0 < S; s0 += rows) cs.push_back({b, 1, s0, std::min(rows, S - s0), S});
+  }
+  return cs;
+}
+
+// (B, S, Hn, D) memory viewed (B, Hn, S, D): the layout of q, k, v, out and their gradients.
+at::Tensor heads_buffer(const at::Tensor& x, int64_t hn, int64_t d, at::TensorOptions o) {
+  return at::empty({x.size(0), x.size(1), hn, d}, o).transpose(1, 2);
+}
+
+// ---- attention sublayer --------------------------------------------------------------------
+
+// (B, Hq, S, D) -> (B, S, Hq * D)
+at::Tensor merge_heads(const at::Tensor& out) {
+  return out.transpose(1, 2).reshape({out.size(0), out.size(2), out.size(1) * out.size(3)});
+}
+
+// RoPE (forward or backward) of q alone or of k alone: the ops rotate a (q, k) pair, so one
+// head of t stands in for the other tensor and its result is dropped.
+at::Tensor rope_one(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin,
+                    bool backward) {
+  const at::Tensor other = t.narrow(1, 0, 1);
+  return std::get<0>(backward ? kernel::rope_bwd(t, other, cos, sin)
+                              : kernel::rope_fwd(t, other, cos, sin));
+}
+
+// RoPE of q and k together, either of them absent (undefined).
+std::tuple<at::Tensor, at::Tensor> rope_pair(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& cos, const at::Tensor& sin,
+                                             bool backward) {
+  if (!q.defined()) return {at::Tensor(), rope_one(k, cos, sin, backward)};
+  if (!k.defined()) return {rope_one(q, cos, sin, backward), at::Tensor()};
+  return backward ? kernel::rope_bwd(q, k, cos, sin) : kernel::rope_fwd(q, k, cos, sin);
+}
+
+// q/k/v of a chunk from its input x (nb, sc, H). n: the normed input in the compute dtype;
+// q_lin/k_lin: (nb, sc, H*, D) projections before the optional per-head norms; q, k:
+// (nb, H*, sc, D) views of (nb, sc, H*, D) memory after norms and RoPE; v: a (nb, Hkv, sc, D)
+// view of its projection. `which` leaves out the keys or the queries.
+enum class Heads { kAll, kQueries, kKeys };
+
+struct Projected {
+  at::Tensor n, q_lin, k_lin, q, k, v;
+};
+
+Projected project(const at::Tensor& x, const Layer& L, const Chunk& c, Heads which) {
+  const int64_t b = x.size(0), s = x.size(1), d = L.head_dim(), t0 = c.t0();
+  Projected p;
+  p.n = L.cast(kernel::rms_norm_fwd(x, L.norm(kInputNorm), L.eps));
+  at::Tensor qh, kh;
+  if (which != Heads::kKeys) {
+    p.q_lin = proj_fwd(L, kQ, p.n, t0).view({b, s, L.num_heads, d});
+    qh = (L.qk_norm() ? kernel::rms_norm_fwd(p.q_lin, L.norm(kQNorm), L.eps) : p.q_lin)
+             .transpose(1, 2);
+  }
+  if (which != Heads::kQueries) {
+    p.k_lin = proj_fwd(L, kK, p.n, t0).view({b, s, L.num_kv_heads, d});
+    p.v = proj_fwd(L, kV, p.n, t0).view({b, s, L.num_kv_heads, d}).transpose(1, 2);
+    kh = (L.qk_norm() ? kernel::rms_norm_fwd(p.k_lin, L.norm(kKNorm), L.eps) : p.k_lin)
+             .transpose(1, 2);
+  }
+  // rope keeps its input's layout: q, k stay (B, H, S, D) views of (B, S, H, D) memory, the
+  // layout attention reads, and their gradients come back alike (merged with views).
+  std::tie(p.q, p.k) = rope_pair(qh, kh, c.table(*L.cos), c.table(*L.sin), /*backward=*/false);
+  if (p.q.defined()) p.q = L.cast(p.q);
+  if (p.k.defined()) p.k = L.cast(p.k);
+  return p;
+}
+
+// The attention's keys over whole sequences: k (after its norm and RoPE) and v, (B, Hkv, S, D)
+// views of (B, S, Hkv, D) memory; with per-head q/k norms, k_lin (B, S, Hkv, D), k before its
+// norm, which the norm's backward reads.
+struct Keys {
+  at::Tensor k, v, k_lin;
+};
+
+Keys allocate_keys(const at::Tensor& x, const Layer& L, bool with_k_lin) {
+  const auto act = x.options().dtype(L.act_dtype(x));
+  const int64_t d = L.head_dim();
+  Keys keys{heads_buffer(x, L.num_kv_heads, d, act), heads_buffer(x, L.num_kv_heads, d, act), {}};
+  if (with_k_lin) keys.k_lin = heads_buffer(x, L.num_kv_heads, d, act).transpose(1, 2);
+  return keys;
+}
+
+void store_keys(Keys& keys, const Chunk& c, const Projected& p) {
+  c.of(keys.k, 2).copy_(p.k);
+  c.of(keys.v, 2).copy_(p.v);
+  if (keys.k_lin.defined()) c.of(keys.k_lin).copy_(p.k_lin);
+}
+
+// Every chunk's keys, before any query needs them.
+Keys project_keys(const at::Tensor& x, const Layer& L, const std::vector<Chunk>& cs) {
+  Keys keys = allocate_keys(x, L, L.qk_norm());
+  for (const Chunk& c : cs) store_keys(keys, c, project(c.of(x), L, c, Heads::kKeys));
+  return keys;
+}
+
+// The attention of a chunk's queries q (nb, Hq, sc, D) against the keys they may see, from k
+// and v over the chunk's whole sequences: (out, lse).
+std::tuple<at::Tensor, at::Tensor> attend(const Layer& L, const Chunk& c, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v) {
+  return kernel::attention_fwd(q, c.keys(k, 2), c.keys(v, 2), opt(c.keys(L.key_padding_mask)),
+                               opt(c.keys(L.segment_ids)), L.window, /*causal=*/true, L.scale,
+                               c.s0);
+}
+
+// ---- HF eager attention's rows with nothing to attend ---------------------------------------
+// Eager attention adds the dtype's minimum to every masked score, so a query row that may
+// attend no key (a left-padded position) has all scores equal: it averages every value
+// uniformly (future and padded keys included) and its gradient reaches q, every k and every v.
+// The attention kernels return 0 for such rows (lse = -inf); with uniform_empty_rows these
+// corrections reproduce eager's result in O(S * D^2), with no host sync. They are linear in
+// sums over the empty rows, so the rows may come chunk by chunk.
+
+// (B, Hq, S, 1) of `dtype`, 1 on empty rows.
+at::Tensor empty_rows(const at::Tensor& lse, at::ScalarType dtype) {
+  return at::isneginf(lse).unsqueeze(-1).to(dtype);
+}
+
+at::Tensor per_query_head(const at::Tensor& t, int64_t groups) {  // (B, Hkv, ...) -> (B, Hq, ...)
+  return groups == 1 ? t : t.repeat_interleave(groups, 1);
+}
+
+at::Tensor per_kv_head(const at::Tensor& t, int64_t hkv) {  // (B, Hq, S, D) summed per group
+  return t.view({t.size(0), hkv, -1, t.size(2), t.size(3)}).sum(2);
+}
+
+// The mean of the values over all keys, per query head: (B, Hq, 1, D) in v's dtype.
+at::Tensor value_mean(const Layer& L, const at::Tensor& v) {
+  return per_query_head(v.mean(2, /*keepdim=*/true), L.num_heads / L.num_kv_heads);
+}
+
+// out with its empty rows set to the mean value (vmean of the chunk's sequences).
+at::Tensor fix_empty_rows_forward(const at::Tensor& out, const at::Tensor& lse,
+                                  const at::Tensor& vmean) {
+  at::Tensor fixed = at::empty_like(out);  // keeps out's (B, S, Hq, D) memory layout
+  at::where_out(fixed, at::isneginf(lse).unsqueeze(-1), vmean.to(out.scalar_type()), out);
+  return fixed;
+}
+
+// The backward's share of the empty rows. With d_i = dout_i on empty rows (0 elsewhere):
+//   dq_i += (d_i (v^T k) - (d_i . vmean) kmean) * scale / S        row by row
+//   dk_j += (v_j m^T - c) * scale / S,   dv_j += sum_i d_i / S       for every key, with
+//   m = sum_i q_i d_i^T and c = sum_i (d_i . vmean) q_i             sums over the empty rows
+// (the dS_ij = (dout_i . v_j - dout_i . vmean) / S of a uniform row). Tensors (B, Hq, ...)
+// over whole sequences, float32 (float64 for float64 inputs).
+struct EmptyRows {
+  at::Tensor vk, kmean, vmean;  // v^T k (D, D), the key and value means, per query head
+  at::Tensor m, c, dsum;        // the sums over the empty rows, added to chunk by chunk
+  int64_t groups, S;
+  at::ScalarType wide;
+
+  EmptyRows(const Layer& L, const at::Tensor& k, const at::Tensor& v)
+      : groups(L.num_heads / L.num_kv_heads),
+        S(k.size(2)),
+        wide(at::promote_types(k.scalar_type(), at::kFloat)) {
+    const at::Tensor kf = k.to(wide), vf = v.to(wide);
+    vk = per_query_head(vf.transpose(-1, -2).matmul(kf), groups);
+    kmean = per_query_head(kf.mean(2, true), groups);
+    vmean = per_query_head(vf.mean(2, true), groups);
+    const int64_t b = k.size(0), d = k.size(3);
+    const auto f = k.options().dtype(wide);
+    m = at::zeros({b, L.num_heads, d, d}, f);
+    c = at::zeros({b, L.num_heads, 1, d}, f);
+    dsum = at::zeros({b, L.num_heads, 1, d}, f);
+  }
+
+  // dq's share for a chunk's queries; adds the chunk's empty rows to the sums.
+  at::Tensor query_fix(const Layer& L, const Chunk& ch, const at::Tensor& dout,
+                       const at::Tensor& lse, const at::Tensor& q) {
+    auto rows = [&](const at::Tensor& t) { return t.narrow(0, ch.b0, ch.nb); };
+    const at::Tensor d = dout.to(wide) * empty_rows(lse, wide);  // (nb, Hq, sc, D)
+    const at::Tensor qf = q.to(wide);
+    const at::Tensor dvm = (d * rows(vmean)).sum(-1, true);    // dout_i . vmean
+    rows(m).add_(qf.transpose(-1, -2).matmul(d));
+    rows(c).add_((dvm * qf).sum(2, true));
+    rows(dsum).add_(d.sum(2, true));
+    return d.matmul(rows(vk)).mul_(L.scale / S).sub_(dvm * rows(kmean) * L.scale);
+  }
+
+  // dk's and dv's shares for a chunk's keys v (nb, Hkv, sc, D), once every empty row is in.
+  std::tuple<at::Tensor, at::Tensor> key_fix(const Layer& L, const Chunk& ch,
+                                             const at::Tensor& v) const {
+    auto rows = [&](const at::Tensor& t) { return t.narrow(0, ch.b0, ch.nb); };
+    const at::Tensor vq = per_query_head(v.to(wide), groups);
+    const at::Tensor dk = vq.matmul(rows(m).transpose(-1, -2)).sub_(rows(c)).mul_(L.scale / S);
+    const at::Tensor dv = (rows(dsum) / S).expand_as(vq).contiguous();
+    return {per_kv_head(dk, L.num_kv_heads), per_kv_head(dv, L.num_kv_heads)};
+  }
+};
+
+// ---- the attention sublayer and the layer over token chunks ---------------------------------
+
+// Part "attention": y = x + o_proj(attention(...)); part "layer": y = h + mlp(h) on top of it.
+// Chunk by chunk in order: a chunk projects its own q, k, v (k, v stored whole for the chunks
+// after it) and attends to the keys it sees. Eager's empty rows average all of v, so with
+// uniform_empty_rows every key is projected first. fast keeps the whole h and gate/up, so its
+// MLP runs after the attention over the whole sequence. Fills the kept residuals.
+at::Tensor attention_layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
+  const int64_t d = L.head_dim();
+  const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
+  const bool keep = L.preset_id != Preset::kMinMemory;  // out, lse, and for the layer h
+  const std::vector<Chunk> cs = layer_chunks(L, x);
+  const bool one = cs.size() == 1;
+  const bool keys_first = !one && L.uniform_empty_rows;
+  Keys keys;
+  at::Tensor vmean, y;
+  if (keys_first) {
+    keys = project_keys(x, L, cs);
+    vmean = value_mean(L, keys.v);
+  } else if (!one) {
+    keys = allocate_keys(x, L, false);
+  }
+  if (!one) {
+    const auto act = x.options().dtype(L.act_dtype(x));
+    if (keep) {
+      r.out = heads_buffer(x, L.num_heads, d, act);
+      r.lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
+    }
+    if (fast) r.q = heads_buffer(x, L.num_heads, d, act);
+  }
+  for (const Chunk& c : cs) {
+    const at::Tensor xc = c.of(x);
+    const Projected p = project(xc, L, c, keys_first ? Heads::kQueries : Heads::kAll);
+    if (!one && !keys_first) store_keys(keys, c, p);
+    const at::Tensor& k = one ? p.k : keys.k;
+    const at::Tensor& v = one ? p.v : keys.v;
+    auto [out, lse] = attend(L, c, p.q, k, v);
+    if (L.uniform_empty_rows) {
+      out = fix_empty_rows_forward(out, lse, one ? value_mean(L, v) : vmean.narrow(0, c.b0, c.nb));
+    }
+    // The kernels return out as a (B, Hq, S, D) view of (B, S, Hq, D) memory, so merge_heads is
+    // a view; this is a no-op for them and keeps the residual's layout fixed for any kernel.
+    out = out.transpose(1, 2).contiguous().transpose(1, 2);
+    at::Tensor h = xc + proj_fwd(L, kO, merge_heads(out), c.t0());
+    if (one) {
+      if (fast) r.q = p.q, r.k = p.k, r.v = p.v;
+      if (keep) r.out = out, r.lse = lse;
+      if (!layer) return h;
+      if (keep) r.h = h.contiguous();
+      return mlp_forward(keep ? r.h : h, L, fast, r, 0);
+    }
+    if (fast) c.of(r.q, 2).copy_(p.q);
+    if (keep) c.of(r.out, 2).copy_(out), c.of(r.lse, 2).copy_(lse);
+    if (layer && keep) {
+      if (!r.h.defined()) r.h = at::empty(x.sizes(), h.options());
+      c.of(r.h).copy_(h);
+    }
+    if (layer && !fast) h = mlp_forward(h, L, false, r, c.t0());
+    if (!layer || !fast) {
+      if (!y.defined()) y = at::empty(x.sizes(), h.options());
+      c.of(y).copy_(h);
+    }
+  }
+  if (fast) r.k = keys.k, r.v = keys.v;
+  return layer && fast ? mlp_forward(r.h, L, true, r, 0) : y;
+}
+
+// The rest of a chunk's attention backward once dq (or dk, dv) is known: RoPE's and the q/k
+// norms' backward, the projections' backward into dn (the input norm's output gradient; with
+// dn given, the keys' share is added to it). q side: dq, p.q_lin; key side: dk, dv, k_lin.
+at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected& p,
+                                const at::Tensor& dq, const at::Tensor& dk,
+                                const at::Tensor& dv, const at::Tensor& k_lin, at::Tensor dn,
+                                const std::vector<bool>& needs, Grads& g) {
+  const int64_t t0 = c.t0(), d = L.head_dim();
+  auto [dqh, dkh] = rope_pair(dq, dk, c.table(*L.cos), c.table(*L.sin), /*backward=*/true);
+  const at::Tensor n2 = flat2(p.n);
+  const int64_t rows = n2.size(0);
+  auto norm_back = [&](const at::Tensor& dh, const at::Tensor& lin, Norm which) {
+    at::Tensor dlin = dh.transpose(1, 2);  // (nb, sc, H*, D)
+    if (!L.qk_norm()) return dlin;
+    const at::Tensor& w = L.norm(which);
+    auto [dl, dw] = kernel::rms_norm_bwd(
+        dlin.to(at::promote_types(lin.scalar_type(), w.scalar_type())), lin, w, L.eps);
+    if (needs[slot(which)]) g.add(slot(which), dw);
+    return dl;
+  };
+  if (dq.defined()) {
+    const at::Tensor dq_lin = norm_back(dqh, p.q_lin, kQNorm);
+    dn = proj_bwd(L, kQ, L.cast(dq_lin.reshape({rows, L.num_heads * d})), n2, needs, g, t0);
+  }
+  if (dk.defined()) {
+    const at::Tensor dk_lin = norm_back(dkh, k_lin, kKNorm);
+    dn.add_(proj_bwd(L, kK, L.cast(dk_lin.reshape({rows, L.num_kv_heads * d})), n2, needs, g,
+                     t0));
+    dn.add_(proj_bwd(L, kV, dv.transpose(1, 2).reshape({rows, L.num_kv_heads * d}), n2, needs,
+                     g, t0));
+  }
+  return dn;
+}
+
+// The input norm's backward of a chunk: dh + d(norm input).
+at::Tensor input_norm_backward(const Layer& L, const at::Tensor& xc, const at::Tensor& dn,
+                               const at::Tensor& dh, const std::vector<bool>& needs, Grads& g) {
+  const at::Tensor& wn = L.norm(kInputNorm);
+  auto [dxn, dwn] = kernel::rms_norm_bwd(
+      dn.view(xc.sizes()).to(at::promote_types(xc.scalar_type(), wn.scalar_type())), xc, wn,
+      L.eps);
+  if (needs[slot(kInputNorm)]) g.add(slot(kInputNorm), dwn);
+  return dh + dxn;
+}
+
+// Backward of attention_layer_forward, chunk by chunk from the last. A chunk recomputes its
+// queries (and, without kept outputs, its attention and h), runs the MLP backward of its rows
+// (part "layer"), then the o projection's and the attention's backward of its queries against
+// the keys they see, adding into float32 dk / dv. The layer is causal, so once the chunks from
+// c on are done, chunk c's keys have their whole gradient: their projections' backward and the
+// input norm's follow at once, and h and dh never exist beyond one chunk. Eager's empty rows
+// see every key, so with uniform_empty_rows (and more than one chunk) the keys wait for a
+// second walk, with the q side's share of dn and dh kept whole in between.
+Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
+                               const Residuals& r, const std::vector<bool>& needs) {
+  const int64_t d = L.head_dim();
+  const bool layer = L.part_id == Part::kLayer;
+  const std::vector<Chunk> cs = layer_chunks(L, x);
+  const bool one = cs.size() == 1;
+  const bool deferred = !one && L.uniform_empty_rows;
+  Grads g(/*chunked=*/!one);
+  // The keys: kept (fast), projected here before the first chunk, or the one chunk's own.
+  Keys keys;
+  if (r.k.defined()) {
+    keys.k = r.k, keys.v = r.v;
+  } else if (!one) {
+    keys = project_keys(x, L, cs);
+  }
+  at::Tensor dk_acc, dv_acc, dn_q;
+  if (!one) {
+    const auto acc = x.options().dtype(at::promote_types(L.act_dtype(x), at::kFloat));
+    dk_acc = heads_buffer(x, L.num_kv_heads, d, acc).zero_();
+    dv_acc = heads_buffer(x, L.num_kv_heads, d, acc).zero_();
+  }
+  std::optional<EmptyRows> empty;
+  if (L.uniform_empty_rows && keys.k.defined()) empty.emplace(L, keys.k, keys.v);
+  for (auto it = cs.rbegin(); it != cs.rend(); ++it) {
+    const Chunk& c = *it;
+    const at::Tensor xc = c.of(x), dyc = c.of(dy);
+    // The queries (and, for the only chunk without kept keys, the keys): recomputed unless
+    // kept, and for their per-head norms' inputs.
+    Projected p;
+    if (!r.q.defined() || L.qk_norm()) {
+      p = project(xc, L, c, keys.k.defined() && !(r.k.defined() && L.qk_norm())
+                                ? Heads::kQueries : Heads::kAll);
+    } else {
+      p.n = L.cast(kernel::rms_norm_fwd(xc, L.norm(kInputNorm), L.eps));
+    }
+    const at::Tensor q = r.q.defined() ? c.of(r.q, 2) : p.q;
+    const at::Tensor& k = keys.k.defined() ? keys.k : p.k;
+    const at::Tensor& v = keys.v.defined() ? keys.v : p.v;
+    if (L.uniform_empty_rows && !empty) empty.emplace(L, k, v);
+    at::Tensor out, lse;
+    if (r.out.defined()) {
+      out = c.of(r.out, 2), lse = c.of(r.lse, 2).contiguous();
+    } else {
+      std::tie(out, lse) = attend(L, c, q, k, v);
+      if (empty) out = fix_empty_rows_forward(out, lse, empty->vmean.narrow(0, c.b0, c.nb));
+      out = out.transpose(1, 2).contiguous().transpose(1, 2);
+    }
+    // The chunk's h, and the MLP backward of its rows.
+    at::Tensor dh = dyc;
+    if (layer) {
+      const at::Tensor h =
+          r.h.defined() ? c.of(r.h) : xc + proj_fwd(L, kO, merge_heads(out), c.t0());
+      Residuals rc;
+      if (r.gate.defined()) {
+        rc.gate = r.gate.narrow(0, c.t0(), c.nb * c.sc);
+        rc.up = r.up.narrow(0, c.t0(), c.nb * c.sc);
+      }
+      dh = mlp_backward(dyc, h, L, rc, needs, g, c.t0());
+    }
+    // The o projection's and the attention's backward.
+    const at::Tensor dmerged =
+        proj_bwd(L, kO, L.cast(flat2(dh)), flat2(merge_heads(out)), needs, g, c.t0());
+    const at::Tensor dout = dmerged.view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2);
+    at::Tensor dq, dk, dv;
+    if (one) {
+      std::tie(dq, dk, dv) = kernel::attention_bwd(
+          dout, q, k, v, out, lse, L.key_padding_mask, L.segment_ids, L.window,
+          /*causal=*/true, L.scale, /*q_offset=*/0, std::nullopt, std::nullopt);
+    } else {
+      dq = std::get<0>(kernel::attention_bwd(
+          dout, q, c.keys(k, 2), c.keys(v, 2), out, lse, opt(c.keys(L.key_padding_mask)),
+          opt(c.keys(L.segment_ids)), L.window, /*causal=*/true, L.scale, c.s0,
+          c.keys(dk_acc, 2), c.keys(dv_acc, 2)));
+    }
+    if (empty) dq = dq + empty->query_fix(L, c, dout, lse, q).to(dq.scalar_type());
+    if (deferred) {  // the q side now, the keys after the last chunk
+      if (!dn_q.defined()) dn_q = at::empty(x.sizes(), p.n.options());
+      c.of(dn_q).copy_(
+          projections_backward(L, c, p, dq, {}, {}, {}, {}, needs, g).view(xc.sizes()));
+      if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
+      c.of(g.dx).copy_(dh);
+      continue;
+    }
+    if (one) {
+      if (empty) {
+        auto [dk_fix, dv_fix] = empty->key_fix(L, c, v);
+        dk = dk + dk_fix.to(dk.scalar_type());
+        dv = dv + dv_fix.to(dv.scalar_type());
+      }
+    } else {
+      dk = c.of(dk_acc, 2).to(k.scalar_type());
+      dv = c.of(dv_acc, 2).to(v.scalar_type());
+    }
+    const at::Tensor k_lin = !L.qk_norm() ? at::Tensor()
+                             : keys.k_lin.defined() ? c.of(keys.k_lin) : p.k_lin;
+    const at::Tensor dn = projections_backward(L, c, p, dq, dk, dv, k_lin, {}, needs, g);
+    const at::Tensor dxc = input_norm_backward(L, xc, dn, dh, needs, g);
+    if (one) {
+      g.dx = dxc;
+    } else {
+      if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dxc.options());
+      c.of(g.dx).copy_(dxc);
+    }
+  }
+  if (deferred) {  // every empty row is in: the keys' whole gradients, chunk by chunk
+    for (const Chunk& c : cs) {
+      const at::Tensor xc = c.of(x);
+      auto [dk_fix, dv_fix] = empty->key_fix(L, c, c.of(keys.v, 2));
+      const at::Tensor dk = c.of(dk_acc, 2).add_(dk_fix).to(keys.k.scalar_type());
+      const at::Tensor dv = c.of(dv_acc, 2).add_(dv_fix).to(keys.v.scalar_type());
+      Projected p;
+      at::Tensor k_lin;
+      if (L.qk_norm() && !keys.k_lin.defined()) {
+        p = project(xc, L, c, Heads::kKeys);
+        k_lin = p.k_lin;
+      } else {
+        p.n = L.cast(kernel::rms_norm_fwd(xc, L.norm(kInputNorm), L.eps));
+        if (L.qk_norm()) k_lin = c.of(keys.k_lin);
+      }
+      const at::Tensor dn = projections_backward(L, c, p, {}, dk, dv, k_lin,
+                                                 c.of(dn_q).reshape({-1, x.size(2)}), needs, g);
+      const at::Tensor dh = c.of(g.dx);
+      dh.copy_(input_norm_backward(L, xc, dn, dh, needs, g));
+    }
+  }
+  return g;
 }
 
 // ---- the whole call ------------------------------------------------------------------------
 
 at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
-  const bool fast = L.preset_id == Preset::kFast;
-  switch (L.part_id) {
-    case Part::kAttention:
-      return attention_forward(x, L, r);
-    case Part::kMlp:
-      return mlp_forward(x, L, fast, r);
-    case Part::kLayer:
-      r.h = attention_forward(x, L, r).contiguous();
-      return mlp_forward(r.h, L, fast, r);
-  }
-  TORCH_INTERNAL_ASSERT(false);
+  if (L.part_id == Part::kMlp) return mlp_forward(x, L, L.preset_id == Preset::kFast, r, 0);
+  return attention_layer_forward(x, L, r);
 }
 
-Grads layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L, Residuals r,
-                     const std::vector<bool>& needs) {
-  Grads g;
-  switch (L.part_id) {
-    case Part::kAttention:
-      g.dx = attention_backward(dy, x, L, r, needs, g);
-      break;
-    case Part::kMlp:
-      g.dx = mlp_backward(dy, x, L, r, needs, g);
-      break;
-    case Part::kLayer: {
-      if (!r.h.defined()) {  // min_memory: rebuild the MLP input, keeping what it took
-        Residuals a;
-        r.h = attention_forward(x, L, a);
-        r.q = a.q, r.k = a.k, r.v = a.v, r.out = a.out, r.lse = a.lse;
-      }
-      at::Tensor dh = mlp_backward(dy, r.h, L, r, needs, g);
-      r.h = r.gate = r.up = at::Tensor();
-      g.dx = attention_backward(dh, x, L, r, needs, g);
-      break;
-    }
-  }
+Grads layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
+                     const Residuals& r, const std::vector<bool>& needs) {
+  if (L.part_id != Part::kMlp) return attention_layer_backward(dy, x, L, r, needs);
+  Grads g(/*chunked=*/false);
+  g.dx = mlp_backward(dy, x, L, r, needs, g, 0);
   return g;
 }
 
@@ -598,13 +921,14 @@ BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARA
                    needs_grad.size());
   std::vector<bool> needs(kNumSlots);
   for (int64_t s = 0; s < kNumSlots; ++s) needs[s] = needs_grad.get(s) && L.at(s).defined();
-  Grads g;
+  Grads g(/*chunked=*/false);
   if (x.numel() == 0) {
     g.dx = at::zeros_like(x, at::MemoryFormat::Contiguous);
     for (int64_t s = 0; s < kNumSlots; ++s)
       if (needs[s]) g.dw[s] = at::zeros_like(L.at(s));
   } else {
     g = layer_backward(dy.to(x.scalar_type()), x, L, unpack(saved, L, op), needs);
+    g.finish(L);
   }
   // Slots without a gradient come back as empty (0,) tensors (a Tensor[] holds no None), one
   // each: outputs of an op must not alias each other.

@@ -153,7 +153,9 @@ def test_layer_mlp_chunks_through_triton_equal_one_chunk(monkeypatch):
         y1, dx1, g1 = layer_grads(x, weights, pe, dy, "min_memory")
         monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap(17, torch.float32))
         y, dx, g = layer_grads(x, weights, pe, dy, "min_memory")
-    torch.testing.assert_close(y, y1, rtol=2e-6, atol=2e-6)
+    # the attention's query chunks change the order of its fp32 sums too: 16 ulps of y's size
+    torch.testing.assert_close(y, y1, rtol=0, atol=16 * torch.finfo(torch.float32).eps
+                               * y1.abs().max().item())
     torch.testing.assert_close(dx, dx1, rtol=2e-5, atol=2e-5)
     for n in g1:
         scale = g1[n].abs().max().item()
