@@ -123,27 +123,37 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
     dnw = norm_weight.new_zeros((H,), dtype=acc) if want_dnw else None
     dw: Optional[Tensor] = None
     db = weight.new_zeros((V,), dtype=acc) if want_db else None
-    step = chunk_rows(hidden)
+    norm_step = step = chunk_rows(hidden)
     if want_dw and walks_vocabulary(T, V, weight.element_size()):
         step = max(T, 1)   # one piece: the head writes each weight-gradient row once
     want_dy = want_dx or want_dnw
     # dx: written chunk by chunk; in one piece, the norm's backward result itself
-    dx = torch.empty_like(hidden) if want_dx and step < T else None
+    norm_in_chunks = norm_step < T
+    dx = torch.empty_like(hidden) if want_dx and norm_in_chunks else None
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
-        x = hidden[rows]
-        y = _ops.rms_norm_fwd(x, norm_weight, eps)
+        y = _ops.rms_norm_fwd(hidden[rows], norm_weight, eps)
+        y_dtype = y.dtype
         dy, dw_c, db_c = _ops.linear_cross_entropy_bwd(
             dloss[rows], y.to(weight.dtype), weight, bias, labels[rows], lse[rows],
             ignore_index, [want_dy, want_dw, want_db])
-        if want_dy:
-            dx_c, dnw_c = _ops.rms_norm_bwd(dy.to(y.dtype), x, norm_weight, eps)
-            if want_dx and dx is None:
-                dx = dx_c
-            elif want_dx:
-                dx[rows] = dx_c
+        del y
+        if not want_dy:
+            pass
+        elif not norm_in_chunks:   # one chunk: the norm's backward result itself
+            dx_c, dnw_c = _ops.rms_norm_bwd(dy.to(y_dtype), hidden, norm_weight, eps)
+            dx = dx_c if want_dx else None
             if want_dnw:
                 dnw += dnw_c
+        else:              # the norm's backward in chunks of the cap (its fp32 work too)
+            for n0 in range(rows.start, rows.stop, norm_step):
+                n = slice(n0, min(rows.stop, n0 + norm_step))
+                dx_c, dnw_c = _ops.rms_norm_bwd(dy[n0 - t0:n.stop - t0].to(y_dtype),
+                                                hidden[n], norm_weight, eps)
+                if want_dx:
+                    dx[n] = dx_c
+                if want_dnw:
+                    dnw += dnw_c
         if want_dw:
             if dw is None:
                 one_chunk = t0 + step >= T

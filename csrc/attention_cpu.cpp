@@ -307,14 +307,38 @@ AttnMask make_mask(const AttnDims& d, const std::optional<at::Tensor>& key_paddi
 // K/V) about 3x faster than the tiles below; it serves the forward there. fp64 stays on the
 // tiles (its lse would be fp64). Its backward is not used: on rows that attend few keys its dk
 // error reached 3.2x plain PyTorch's (tests/test_ops.py), past this project's 3x bound; the
-// tiled backward below stays within it and reads the same lse. Query chunks (Sq < Sk) stay
-// on the tiles: its causal mask is j <= i for row i, and its half-precision lse measured
-// 4e-5 from the float64 one at S 150 (fp16, not causal), the tiles' 6e-7.
-bool use_aten_flash(const at::Tensor& q, const AttnMask& mask, const AttnDims& d) {
+// tiled backward below stays within it and reads the same lse.
+//
+// A causal chunk of queries at the end of its keys (q_offset + Sq == Sk, as the decoder layer
+// walks its chunks) takes it too in float32, as two calls merged by their lse: the keys before
+// the chunk, all visible (not causal), and the chunk's own keys, a causal square (its causal
+// mask is j <= i for row i, right for a square only). Other query chunks, and half-precision
+// ones, stay on the tiles: its half-precision lse measured 4e-5 from the float64 one at S 150
+// (fp16, not causal), the tiles' 6e-7.
+enum class AtenFlash { kNo, kWhole, kCausalChunk };
+
+AtenFlash use_aten_flash(const at::Tensor& q, const AttnMask& mask, const AttnDims& d,
+                         bool causal) {
   const auto dt = q.scalar_type();
-  return !mask.blocked_keys.defined() && !mask.ids.defined() &&
-         mask.before == AttnMask::kNoLimit && d.q_off == 0 && d.Sq == d.Sk &&
-         (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+  if (mask.blocked_keys.defined() || mask.ids.defined() || mask.before != AttnMask::kNoLimit)
+    return AtenFlash::kNo;
+  if (d.q_off == 0 && d.Sq == d.Sk &&
+      (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf))
+    return AtenFlash::kWhole;
+  if (causal && d.q_off + d.Sq == d.Sk && dt == at::kFloat) return AtenFlash::kCausalChunk;
+  return AtenFlash::kNo;
+}
+
+// ATen's CPU flash forward: out (a (B, H, S, D) view of (B, S, H, D) memory) and lse (fp32).
+std::tuple<at::Tensor, at::Tensor> aten_flash(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, bool causal, double scale) {
+  // That kernel reads each (B, H, S) row of D values with a unit stride, whatever the
+  // tensor's strides say: inputs with a strided last dim are copied first.
+  auto unit_d = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
+      unit_d(q), unit_d(k), unit_d(v), 0.0, causal, std::nullopt, scale);
+  // It allocates its output (B, S, H, D) and returns the (B, H, S, D) view: no copy here.
+  return {as_bshd(o), l.to(at::kFloat).contiguous()};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -331,14 +355,19 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
             at::empty({d.B, d.Hq, 0}, q.options().dtype(at::kFloat))};
   }
   const AttnMask mask = make_mask(d, key_padding_mask, segment_ids, window, causal);
-  if (use_aten_flash(q, mask, d)) {
-    // That kernel reads each (B, H, S) row of D values with a unit stride, whatever the
-    // tensor's strides say: inputs with a strided last dim are copied first.
-    auto unit_d = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
-        unit_d(q), unit_d(k), unit_d(v), 0.0, causal, std::nullopt, scale);
-    // It allocates its output (B, S, H, D) and returns the (B, H, S, D) view: no copy here.
-    return {as_bshd(o), l.to(at::kFloat).contiguous()};
+  const AtenFlash flash = use_aten_flash(q, mask, d, causal);
+  if (flash == AtenFlash::kWhole) return aten_flash(q, k, v, causal, scale);
+  if (flash == AtenFlash::kCausalChunk) {
+    const int64_t s0 = d.q_off;
+    auto [own, own_lse] = aten_flash(q, k.narrow(2, s0, d.Sq), v.narrow(2, s0, d.Sq), true, scale);
+    if (s0 == 0) return {own, own_lse};
+    auto [past, past_lse] = aten_flash(q, k.narrow(2, 0, s0), v.narrow(2, 0, s0), false, scale);
+    // softmax over both key ranges: each part weighted by its share exp(lse_part - lse)
+    at::Tensor lse = at::logaddexp(past_lse, own_lse);                           // (B, Hq, Sq)
+    at::Tensor out = empty_bshd(d.B, d.Hq, d.Sq, d.D, q.options());
+    at::mul_out(out, past, (past_lse - lse).exp_().unsqueeze(-1));
+    out.addcmul_(own, (own_lse - lse).exp_().unsqueeze(-1));
+    return {out, lse};
   }
   const at::ScalarType cdt = checks::compute_dtype(q.scalar_type());
   at::Tensor out = empty_bshd(d.B, d.Hq, d.Sq, d.D, q.options());                  // (B, Hq, Sq, D)

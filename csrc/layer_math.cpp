@@ -403,12 +403,13 @@ struct Chunk {
 OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 // Tokens per chunk of the attention sublayer or the whole layer: the byte cap
-// (csrc/chunking.h) over the larger per-token working set of its parts, at the compute width
-// and at least float32 (the CPU kernels' precision): the attention's q, out, dout and dq
-// (4 Hq D) and, with the MLP, its three (rows, I) tensors (3 I).
+// (csrc/chunking.h) over a chunk's per-token working set, at the compute width and at least
+// float32 (the CPU kernels' precision): the attention's q, out, dout and dq (4 Hq D) and,
+// with the MLP, its three (rows, I) tensors (3 I), which the MLP's backward holds while the
+// chunk's q and out wait for the attention's.
 int64_t layer_chunk_rows(const Layer& L, const at::Tensor& x) {
   int64_t width = 4 * L.proj(kQ).size(0);
-  if (has_mlp(L.part_id)) width = std::max(width, 3 * L.proj(kGate).size(0));
+  if (has_mlp(L.part_id)) width += 3 * L.proj(kGate).size(0);
   return chunking::chunk_rows(width * std::max<int64_t>(4, at::elementSize(L.act_dtype(x))));
 }
 

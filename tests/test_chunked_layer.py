@@ -28,12 +28,12 @@ def triton_backend():
 
 
 def chunk_cap(rows, dtype, weights, part="layer"):
-    """CKPT_EXT_CHUNK_BYTES for chunks of `rows` tokens: the layer sizes its chunks by the
-    larger per-token working set of its parts, the attention's 4 Hq*D (q, out, dout, dq) and
-    the MLP's 3 I, at the compute width (float32 at least)."""
+    """CKPT_EXT_CHUNK_BYTES for chunks of `rows` tokens: the layer sizes its chunks by a
+    chunk's per-token working set, the attention's 4 Hq*D (q, out, dout, dq) plus, with the
+    MLP, its 3 I, at the compute width (float32 at least)."""
     width = 4 * weights["self_attn.q_proj.weight"].shape[0]
     if part == "layer":
-        width = max(width, 3 * weights["mlp.gate_proj.weight"].shape[0])
+        width += 3 * weights["mlp.gate_proj.weight"].shape[0]
     return str(rows * width * max(4, dtype.itemsize))
 
 
@@ -205,3 +205,50 @@ def test_chunked_attention_holds_no_whole_sequence_query_tensors(monkeypatch, ba
             peaks[rows] = ckpt_ext.peak_memory_bytes(step, x)
     per_token = heads * 32 * 4
     assert peaks[Sn] - peaks[32] >= 3 * (Sn - 32) * per_token, peaks
+
+
+def plain_causal_chunk(q, k, v, s0, scale):
+    """Plain PyTorch attention of the queries at positions s0.. against keys 0..s0+Sq-1, at
+    q's dtype: (out, lse)."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    Sq, Sk = q.shape[2], k.shape[2]
+    s = (q @ k.transpose(-1, -2)) * scale
+    allowed = torch.arange(Sk)[None, :] <= s0 + torch.arange(Sq)[:, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("s0,sq", [(0, 33), (1, 1), (40, 17), (97, 64)])
+def test_fp32_causal_chunk_forward_meets_the_accuracy_rule(s0, sq):
+    """A float32 causal query chunk at the end of its keys (how the layer calls it; on the CPU
+    ATen's flash kernel in two calls, the keys before the chunk and the chunk's own, merged by
+    their lse): out and lse within 2x plain PyTorch's error against float64, GQA 8/2."""
+    g = torch.Generator().manual_seed(s0 + sq)
+    q = torch.randn(2, 8, sq, 32, generator=g)
+    k = torch.randn(2, 2, s0 + sq, 32, generator=g)
+    v = torch.randn(2, 2, s0 + sq, 32, generator=g)
+    scale = 32 ** -0.5
+    out, lse = torch.ops.ckpt_ext.attention_fwd(q, k, v, None, None, None, True, scale, s0)
+    ref = plain_causal_chunk(q.double(), k.double(), v.double(), s0, scale)
+    base = plain_causal_chunk(q, k, v, s0, scale)
+    check_vs_baseline("out", out, base[0], ref[0], FACTOR_OUT)
+    check_vs_baseline("lse", lse, base[1], ref[1], FACTOR_OUT)
+
+
+@pytest.mark.parametrize("preset", ["balanced", "min_memory"])
+def test_fp32_chunks_meet_the_accuracy_rule(monkeypatch, preset):
+    """The CPU path in float32 without masks (the attention forward on ATen's flash kernel for
+    every chunk) in chunks of 17 tokens: within 2x / 3x of the one-chunk float32 error against
+    float64."""
+    x, weights, pe, dy, kw = case("lora_dropout", torch.float32, seed=5)
+    f64 = lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t  # noqa
+    ref = run(f64(x), {n: f64(t) for n, t in weights.items()}, tuple(map(f64, pe)), f64(dy),
+              {k: f64(v) for k, v in kw.items()}, preset, "layer")
+    base = run(x, weights, pe, dy, kw, preset, "layer")
+    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", chunk_cap(17, torch.float32, weights))
+    got = run(x, weights, pe, dy, kw, preset, "layer")
+    check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)
+    check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD)
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD)

@@ -1,6 +1,6 @@
 """The decoder layer's MLP over token chunks of the byte cap (CKPT_EXT_CHUNK_BYTES): LoRA
-dropout masks hashed on global rows (the ops' row offsets), chunked results equal to the
-one-chunk result for every preset, and no (tokens, I) tensor in the Triton backward."""
+dropout masks hashed on global rows (the ops' row offsets) and no (tokens, I) tensor in the
+Triton backward."""
 import contextlib
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import blocks
 
-from reference import layer_weights_with_adapters, make_layer, rope_tables
+from reference import make_layer, rope_tables
 
 from test_lora_dropout import needs_interpreter, seed_tensor
 
@@ -96,70 +96,14 @@ def test_swiglu_row_chunks_with_offsets_equal_the_whole(backend, dtype, tol):
             OPS.swiglu_fwd(x, *w, lora, scaling, False, dropout, seed, -3)
 
 
-# ---- the decoder layer -----------------------------------------------------------------------
-
-HS, NH, NKV, IM, BS, SL = 32, 4, 2, 48, 2, 70    # 140 tokens
-DROPOUT = [0.1, 0.2, 0.3, 0.15, 0.25, 0.35, 0.4]
+# ---- the decoder layer's MLP sublayer -------------------------------------------------------
+# (The whole layer in chunks, every preset and feature: tests/test_chunked_layer.py.)
 
 
-def layer_case(dtype, seed=0, hidden=HS):
-    """hidden: 64 for the Triton kernels (head_dim 16)."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    weights = layer_weights_with_adapters(hidden, NH, NKV, IM, R, dtype, g)
-    x = torch.randn(BS, SL, hidden, generator=g, dtype=dtype)
-    dy = torch.randn(BS, SL, hidden, generator=g, dtype=dtype)
-    return x, weights, rope_tables(SL, hidden // NH, dtype=dtype), dy
-
-
-def layer_grads(x, weights, pe, dy, preset):
-    """(y, dx, {name: gradient}) with every weight and adapter trained."""
-    x = x.clone().requires_grad_()
-    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
-    y = blocks.decoder_layer(x, w, pe, num_heads=NH, num_kv_heads=NKV,
-                             lora_scaling=[0.5 + 0.1 * i for i in range(7)],
-                             lora_dropout=DROPOUT, dropout_seed=seed_tensor(4242), preset=preset)
-    y.backward(dy)
-    return y.detach(), x.grad, {n: t.grad for n, t in w.items()}
-
-
-def mlp_rows_cap(rows, dtype, intermediate=IM):
+def mlp_rows_cap(rows, dtype, intermediate):
     """CKPT_EXT_CHUNK_BYTES for MLP chunks of `rows` tokens: three (rows, I) tensors at the
     compute width."""
     return str(rows * 3 * intermediate * max(4, dtype.itemsize))
-
-
-@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
-def test_layer_mlp_chunks_equal_one_chunk(monkeypatch, preset):
-    """fp64, LoRA with dropout on every projection, two sequences: chunks of 1, 17 and 129
-    tokens of 140 give the one-chunk output and gradients."""
-    x, weights, pe, dy = layer_case(torch.float64)
-    y1, dx1, g1 = layer_grads(x, weights, pe, dy, preset)
-    for rows in (1, 17, 129):
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap(rows, torch.float64))
-        y, dx, g = layer_grads(x, weights, pe, dy, preset)
-        torch.testing.assert_close(y, y1, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx, dx1, rtol=1e-12, atol=1e-12)
-        for n in g1:
-            torch.testing.assert_close(g[n], g1[n], rtol=1e-11, atol=1e-12, msg=f"{n} {rows}")
-
-
-@needs_interpreter
-def test_layer_mlp_chunks_through_triton_equal_one_chunk(monkeypatch):
-    """The Triton kernels (interpreter, fp32): chunks of 17 tokens give the one-chunk
-    results within fp32 summation-order rounding."""
-    x, weights, pe, dy = layer_case(torch.float32, seed=1, hidden=64)
-    with triton_backend():
-        y1, dx1, g1 = layer_grads(x, weights, pe, dy, "min_memory")
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap(17, torch.float32))
-        y, dx, g = layer_grads(x, weights, pe, dy, "min_memory")
-    # the attention's query chunks change the order of its fp32 sums too: 16 ulps of y's size
-    torch.testing.assert_close(y, y1, rtol=0, atol=16 * torch.finfo(torch.float32).eps
-                               * y1.abs().max().item())
-    torch.testing.assert_close(dx, dx1, rtol=2e-5, atol=2e-5)
-    for n in g1:
-        scale = g1[n].abs().max().item()
-        torch.testing.assert_close(g[n], g1[n], rtol=2e-5, atol=2e-5 * scale, msg=n)
 
 
 @needs_interpreter

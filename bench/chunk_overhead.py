@@ -1,0 +1,77 @@
+"""Step time of the sequence-tiled layer against the same layer in one token chunk.
+
+One HF Llama from a config (the peak bench's defaults: H 512, I 1792, 8/2 heads, vocab 16384,
+4 layers, B 1, S 4096, fp32), patched with a fused preset and the fused head, trained on one
+batch. The byte cap of the token chunks (``CKPT_EXT_CHUNK_BYTES``, read at every call) is
+switched between steps: ``1024GiB`` runs every layer in one chunk (the layer as it was before
+the tiling), the others in chunks. Steps of the caps alternate (round robin), so a slow
+moment of the machine falls on all of them alike; the medians and each cap's ratio to the
+one-chunk median are printed with the load average before and after. The peak of each cap
+(the allocator's, above the step's start) is printed beside it.
+
+    python bench/chunk_overhead.py [--preset min_memory] [--caps 1024GiB 64MiB 16MiB] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import ckpt_ext
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peak as peak_bench  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="min_memory", choices=["fast", "balanced", "min_memory"])
+    p.add_argument("--caps", nargs="+", default=["1024GiB", "64MiB", "16MiB"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ns = argparse.Namespace(layers=4, hidden=512, intermediate=1792, heads=8, kv_heads=2,
+                            vocab=16384, device="cpu", dtype="float32")
+    model = peak_bench.build(ns, f"{args.preset}+fused")
+    ids = torch.randint(ns.vocab, (1, args.seq))
+    print(f"{args.preset}+fused, H {ns.hidden}, I {ns.intermediate}, {ns.heads}/{ns.kv_heads} "
+          f"heads, vocab {ns.vocab}, {ns.layers} layers, B 1, S {args.seq}, fp32, cpu, "
+          f"{torch.get_num_threads()} threads; load average before "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    old = os.environ.get("CKPT_EXT_CHUNK_BYTES")
+    times = {c: [] for c in args.caps}
+    peaks = {}
+    try:
+        for cap in args.caps:                       # warm-up, and each cap's peak
+            os.environ["CKPT_EXT_CHUNK_BYTES"] = cap
+            peak_bench.step(model, ids)
+            peaks[cap] = ckpt_ext.peak_memory_bytes(peak_bench.step, model, ids)
+        for _ in range(args.reps):
+            for cap in args.caps:
+                os.environ["CKPT_EXT_CHUNK_BYTES"] = cap
+                t0 = time.perf_counter()
+                peak_bench.step(model, ids)
+                times[cap].append(time.perf_counter() - t0)
+    finally:
+        if old is None:
+            os.environ.pop("CKPT_EXT_CHUNK_BYTES", None)
+        else:
+            os.environ["CKPT_EXT_CHUNK_BYTES"] = old
+    base = statistics.median(times[args.caps[0]])
+    for cap in args.caps:
+        med = statistics.median(times[cap])
+        print(f"cap {cap:>6}: step {med:7.3f} s median of {args.reps} ({med / base:.3f}x "
+              f"{args.caps[0]})  peak {peaks[cap] / 2**20:8.1f} MiB "
+              f"{peaks[cap] / args.seq / 1024:6.1f} KiB/token")
+    print(f"load average after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
