@@ -209,6 +209,14 @@ class StepPeak:
     phase: str      # where the peak is
 
 
+def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int) -> int:
+    """Tokens per chunk of a fused decoder layer (csrc/layer_math.cpp ``layer_chunk_rows``):
+    the byte cap over the chunk's per-token working set, the attention's q, out, dout and dq
+    (4 Hq D) and the MLP's three (rows, I) tensors, at the compute width (float32 at least)."""
+    width = 4 * d.num_heads * d.head_dim + 3 * d.intermediate_size
+    return max(1, chunk_bytes // (width * max(4, e)))
+
+
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
               path: str = "cuda", train_weights: bool = True,
               chunk_bytes: Optional[int] = None) -> StepPeak:
@@ -320,17 +328,36 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             swiglu = 3 * e * mlp_rows * I
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
             swiglu += 3 * I * H * (4 + e)     # an fp32 sum and the chunk's own
-        if preset == "min_memory":
-            mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
-            attn = e * T * (9 * H + 6 * Q + 6 * K)
-        elif preset == "balanced":
-            mlp = e * T * 3 * H + swiglu
-            attn = e * T * (9 * H + 5 * Q + 6 * K)
-        else:
-            mlp = e * T * 3 * H + swiglu
-            attn = e * T * (9 * H + 3 * Q + 3 * K)
-        if path == "cuda":
-            attn += 4 * T * Q
+        rows = layer_chunk_rows(d, e, chunk_bytes)
+        if rows >= T:        # one chunk: the layer as written out
+            if preset == "min_memory":
+                mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
+                attn = e * T * (9 * H + 6 * Q + 6 * K)
+            elif preset == "balanced":
+                mlp = e * T * 3 * H + swiglu
+                attn = e * T * (9 * H + 5 * Q + 6 * K)
+            else:
+                mlp = e * T * 3 * H + swiglu
+                attn = e * T * (9 * H + 3 * Q + 3 * K)
+            if path == "cuda":
+                attn += 4 * T * Q
+        else:                # token chunks: dy, dx, k and v (kept by fast), fp32 dk/dv sums
+            whole = e * T * 2 * H + (0 if preset == "fast" else 2 * e * T * K) + 8 * T * K
+            if path == "cpu":
+                n = 4 if preset == "fast" else 6
+                swiglu = n * 4 * I * min(rows, max(1, chunk_bytes // (n * 4 * I)))
+            else:
+                swiglu = 3 * e * rows * I
+            # the chunk's n, h, MLP input and dh, q before and after RoPE and out beside the
+            # MLP's backward; then dh, n, dn with q, out, dout, dq and dq before RoPE
+            mlp = whole + e * rows * (4 * H + 3 * Q) + swiglu
+            attn = whole + e * rows * (3 * H + 6 * Q)
+            if path == "cuda":   # the Triton dQ's fp32 accumulator
+                attn += 4 * rows * Q
+            else:                # the CPU backward's fp32 copies of a kv head's keys and
+                attn += 16 * T * K   # values and its dk, dv sums, (T, D) each, per head
+            if train_weights:   # the layer's gradients summed over the chunks in fp32
+                grads += (4 - e) * H * (2 * Q + 2 * K + 3 * I) if e < 4 else 0
         attn += grads
         layer_work = max(mlp, attn)
         phase = f"top layer backward ({'MLP' if mlp >= attn else 'attention'} part)"
