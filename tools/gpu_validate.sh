@@ -5,13 +5,16 @@
 #     OUT=$OUT bash tools/gpu_validate.sh build test      # then, in later calls:
 #     OUT=$OUT bash tools/gpu_validate.sh build block kernels
 #     OUT=$OUT bash tools/gpu_validate.sh build capacity
+#     OUT=$OUT bash tools/gpu_validate.sh build peak
 #     OUT=$OUT bash tools/gpu_validate.sh build demo bundle
 # (each call starts with build: a device machine idle for 30 s is given back, and the next
 # call gets a bare one).
 # Stages: env (always), build (CUDA extension, editable, for this GPU's architecture only),
 # test (whole suite on the GPU), block (LLaMA-7B layer, goals), kernels (attention, swiglu,
 # lm_head, rowwise), capacity (LLaMA-3.1-8B LoRA step: peak per token of every setup, the
-# longest sequence for HF checkpointing and min_memory), demo, bundle (a tar of bench/results),
+# longest sequence for HF checkpointing and min_memory), peak (the sequence-tiled layer's
+# goals: LLaMA-3-8B layer dims, 4 layers, B 1, S 32K, bf16, the step's peak per token of
+# every setup, full fine-tune and LoRA), demo, bundle (a tar of bench/results),
 # and bench (= block kernels demo bundle). Times seen on an H100 (2026-11-24): build 72-91 s,
 # test 7 min with 12 workers, block 2 min, kernels 4 min, capacity 2 min plus about 100 s per
 # search step near 128K tokens. Everything lands in at most 6 files under
@@ -91,6 +94,14 @@ for stage in "${expand[@]}"; do
           --deadline "${CAPACITY_DEADLINE:-540}" 2>&1 | tee -a "$out/gpu_bench.log" | tail -30 \
           || status=1
       ;;
+    peak)
+      log "the step's peak per token at LLaMA-3-8B layer dims, 4 layers, S 32K, bf16"
+      python3 bench/peak.py --device cuda --dtype bfloat16 --hidden 4096 --intermediate 14336 \
+          --heads 32 --kv-heads 8 --vocab 128256 --layers 4 --seq "${PEAK_SEQ:-32768}" \
+          --setups hf_gc torch+fused fast+fused balanced+fused min_memory+fused \
+          lora:hf_gc lora:torch+fused lora:min_memory+fused 2>&1 \
+          | tee -a "$out/gpu_bench.log" | tail -20 || status=1
+      ;;
     demo)
       log "demo (patched HF Llama)"
       python3 bench/demo.py 2>&1 | tee -a "$out/gpu_bench.log" | tail -30 || status=1
@@ -98,7 +109,7 @@ for stage in "${expand[@]}"; do
     bundle)
       tar czf "$out/gpu_results.tgz" bench/results && log "bench/results bundled"
       ;;
-    *) echo "unknown stage '$stage' (build, test, block, kernels, capacity, demo, bundle, bench)"
+    *) echo "unknown stage '$stage' (build, test, block, kernels, capacity, peak, demo, bundle, bench)"
        exit 2 ;;
   esac
 done
