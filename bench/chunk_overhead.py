@@ -1,8 +1,9 @@
 """Step time of the sequence-tiled layer against the same layer in one token chunk.
 
 One HF Llama from a config (the peak bench's defaults: H 512, I 1792, 8/2 heads, vocab 16384,
-4 layers, B 1, S 4096, fp32), patched with a fused preset and the fused head, trained on one
-batch. The byte cap of the token chunks (``CKPT_EXT_CHUNK_BYTES``, read at every call) is
+4 layers, B 1, S 4096, fp32; the same flags as ``bench/peak.py``), patched with a fused preset
+and the fused head (``--lora``: PEFT LoRA r16 first), trained on one batch, on the CPU or a
+GPU (``--device``). The byte cap of the token chunks (``CKPT_EXT_CHUNK_BYTES``, read at every call) is
 switched between steps: ``1024GiB`` runs every layer in one chunk (the layer as it was before
 the tiling), the others in chunks. Steps of the caps alternate (round robin), so a slow
 moment of the machine falls on all of them alike; the medians and each cap's ratio to the
@@ -33,31 +34,40 @@ def main(argv=None):
     p.add_argument("--caps", nargs="+", default=["1024GiB", "64MiB", "16MiB"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(peak_bench.DTYPES), default="float32")
+    p.add_argument("--lora", action="store_true", help="PEFT LoRA r16 on a frozen base")
+    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1792), ("heads", 8),
+                          ("kv-heads", 2), ("vocab", 16384)):
+        p.add_argument(f"--{name}", type=int, default=default)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ns = argparse.Namespace(layers=4, hidden=512, intermediate=1792, heads=8, kv_heads=2,
-                            vocab=16384, device="cpu", dtype="float32")
-    model = peak_bench.build(ns, f"{args.preset}+fused")
-    ids = torch.randint(ns.vocab, (1, args.seq))
-    print(f"{args.preset}+fused, H {ns.hidden}, I {ns.intermediate}, {ns.heads}/{ns.kv_heads} "
-          f"heads, vocab {ns.vocab}, {ns.layers} layers, B 1, S {args.seq}, fp32, cpu, "
-          f"{torch.get_num_threads()} threads; load average before "
+    setup = f"{'lora:' if args.lora else ''}{args.preset}+fused"
+    model = peak_bench.build(args, setup)
+    ids = torch.randint(args.vocab, (1, args.seq), device=args.device)
+    cuda = args.device.startswith("cuda")
+    print(f"{setup}, H {args.hidden}, I {args.intermediate}, {args.heads}/{args.kv_heads} "
+          f"heads, vocab {args.vocab}, {args.layers} layers, B 1, S {args.seq}, {args.dtype}, "
+          f"{args.device}, {torch.get_num_threads()} threads; load average before "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     old = os.environ.get("CKPT_EXT_CHUNK_BYTES")
     times = {c: [] for c in args.caps}
     peaks = {}
+
+    def step():
+        peak_bench.step(model, ids)
+        if cuda:
+            torch.cuda.synchronize()
+
     try:
         for cap in args.caps:                       # warm-up, and each cap's peak
             os.environ["CKPT_EXT_CHUNK_BYTES"] = cap
-            peak_bench.step(model, ids)
+            step()
             peaks[cap] = ckpt_ext.peak_memory_bytes(peak_bench.step, model, ids)
         for _ in range(args.reps):
             for cap in args.caps:
                 os.environ["CKPT_EXT_CHUNK_BYTES"] = cap
                 t0 = time.perf_counter()
-                peak_bench.step(model, ids)
+                step()
                 times[cap].append(time.perf_counter() - t0)
     finally:
         if old is None:

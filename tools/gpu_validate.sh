@@ -101,6 +101,11 @@ for stage in "${expand[@]}"; do
           --setups hf_gc torch+fused fast+fused balanced+fused min_memory+fused \
           lora:hf_gc lora:torch+fused lora:min_memory+fused 2>&1 \
           | tee -a "$out/gpu_bench.log" | tail -20 || status=1
+      log "the layer's token chunks: step time and peak per chunk cap (1024GiB: one chunk)"
+      python3 bench/chunk_overhead.py --device cuda --dtype bfloat16 --hidden 4096 \
+          --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --layers 4 \
+          --seq "${PEAK_SEQ:-32768}" --caps 1024GiB 64MiB 256MiB 1GiB --reps 3 2>&1 \
+          | tee -a "$out/gpu_bench.log" | tail -8 || status=1
       ;;
     demo)
       log "demo (patched HF Llama)"
