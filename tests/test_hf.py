@@ -35,9 +35,11 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
             head_dim=16, intermediate_size=172, vocab_size=128, pad_token_id=0,
             rms_norm_eps=1e-5)
 # Llama with every bias it can have (o_proj included); Qwen2 has q/k/v biases and an o_proj
-# without; Qwen3 has q_norm/k_norm; Mistral's default sliding window (4096) is longer than S.
+# without; Qwen3 has q_norm/k_norm; Mistral's default sliding window (4096) is longer than S;
+# Ministral interleaves sliding and full layers, here with a window shorter than S.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
-            "qwen3": {}}
+            "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
+                "sliding_attention", "full_attention", "sliding_attention"])}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
@@ -270,7 +272,9 @@ def test_training_forward_with_kv_cache_delegates_and_warns():
     ("mistral", dict(sliding_window=5), [5, 5, 5]),
     ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
      [None, 4, 4]),
-], ids=["mistral-all-layers", "qwen2-layers-from-1"])
+    ("ministral", dict(sliding_window=4, layer_types=["full_attention", "sliding_attention",
+                                                      "sliding_attention"]), [None, 4, 4]),
+], ids=["mistral-all-layers", "qwen2-layers-from-1", "ministral-interleaved"])
 def test_sliding_window_shorter_than_sequence_is_fused(family, overrides, windows):
     ref_model = make_model(family, "sdpa", **overrides)
     model = patch_llama(copy.deepcopy(ref_model), "balanced")

@@ -5,8 +5,8 @@
     loss = model(input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
     ckpt_ext.unpatch_llama(model)
 
-Supported: Llama, Mistral, Qwen2 and Qwen3 (``config.model_type`` ``llama``, ``mistral``,
-``qwen2``, ``qwen3``) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
+Supported: Llama, Mistral, Ministral, Qwen2 and Qwen3 (``config.model_type`` ``llama``,
+``mistral``, ``ministral``, ``qwen2``, ``qwen3``) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
 ``peft.PeftModel`` around either (patch before or after wrapping). Each decoder layer keeps its
 HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
@@ -74,7 +74,7 @@ from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer, or "auto"
@@ -333,8 +333,9 @@ _SILU = ("SiLU", "SiLUActivation")
 
 def _layer_window(config, layer: nn.Module) -> Optional[int]:
     """The layer's sliding window as transformers applies it: the config's ``sliding_window``
-    on layers that ``layer_types`` marks ``sliding_attention`` (Qwen2/Qwen3), or on every layer
-    when the config has no ``layer_types`` (Mistral); None for full attention."""
+    on layers that ``layer_types`` marks ``sliding_attention`` (Qwen2/Qwen3, Ministral's
+    interleaved layers), or on every layer when the config has no ``layer_types`` (Mistral);
+    None for full attention."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
