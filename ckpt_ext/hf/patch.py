@@ -5,8 +5,9 @@
     loss = model(input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
     ckpt_ext.unpatch_llama(model)
 
-Supported: Llama, Mistral, Ministral, Qwen2 and Qwen3 (``config.model_type`` ``llama``,
-``mistral``, ``ministral``, ``qwen2``, ``qwen3``) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
+Supported: Llama, Mistral, Ministral, Qwen2, Qwen3 and SmolLM3 (``config.model_type``
+``llama``, ``mistral``, ``ministral``, ``qwen2``, ``qwen3``, ``smollm3``: its layers without
+RoPE run the op with cos = 1, sin = 0) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
 ``peft.PeftModel`` around either (patch before or after wrapping). Each decoder layer keeps its
 HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
@@ -74,7 +75,7 @@ from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3")
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer, or "auto"
@@ -309,6 +310,7 @@ class _LayerSpec:
         self.scale = float(attn.scaling)
         self.eps = _eps(layer)
         self.window = _layer_window(config, layer)
+        self.rope = _layer_uses_rope(config, layer)
         # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
         # only the shapes that modules declare are checked against the config.
         def dims(name):
@@ -337,13 +339,29 @@ def _layer_window(config, layer: nn.Module) -> Optional[int]:
     interleaved layers), or on every layer when the config has no ``layer_types`` (Mistral);
     None for full attention."""
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if not window or getattr(config, "use_sliding_window", True) is False:
         return None
     types = getattr(config, "layer_types", None)
     if types is None:
         return int(window)
     idx = getattr(layer.self_attn, "layer_idx", None)
     return int(window) if idx is not None and types[idx] == "sliding_attention" else None
+
+
+def _layer_uses_rope(config, layer: nn.Module) -> bool:
+    """False for the layers SmolLM3's ``no_rope_layers`` marks 0 (their attention applies no
+    rotary embedding); True everywhere else."""
+    flags = getattr(config, "no_rope_layers", None)
+    idx = getattr(layer.self_attn, "layer_idx", None)
+    return flags is None or idx is None or bool(flags[idx])
+
+
+def _no_rope_tables(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
+    """cos = 1, sin = 0 at cos's shape: q * 1 + rotate_half(q) * 0 is q exactly, so a layer
+    without RoPE runs the same op. Broadcast views of one element each: nothing sequence-sized
+    is allocated or saved."""
+    one = torch.ones((1, 1, 1), dtype=cos.dtype, device=cos.device)
+    return one.expand(cos.shape), torch.zeros_like(one).expand(sin.shape)
 
 
 def _attention_dropout(layer: nn.Module, config) -> float:
@@ -636,6 +654,8 @@ class _PatchedForward:
                weights: list, scaling: list, dropout: list) -> Tensor:
         spec = self.spec
         cos, sin = position_embeddings
+        if not spec.rope:
+            cos, sin = _no_rope_tables(cos, sin)
         window = spec.window if spec.window is not None and spec.window < x.shape[1] else None
         # LoRA dropout: a fresh seed per call from torch's CPU generator (torch.manual_seed
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
