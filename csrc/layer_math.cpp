@@ -312,11 +312,11 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
         row0 + t0);
     if (keep_gate_up) r.gate = gate, r.up = up;
-    if (tc == T) return h + y2.view(h.sizes());
+    if (tc == T) return h + L.residual_scaled(y2).view(h.sizes());
     if (!out.defined())
       out = at::empty({T, h2.size(1)}, h.options().dtype(at::result_type(hc, y2)));
     at::Tensor out_c = out.narrow(0, t0, tc);
-    at::add_out(out_c, hc, y2);
+    at::add_out(out_c, hc, L.residual_scaled(y2));
   }
   return out.view(h.sizes());
 }
@@ -351,7 +351,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     OptTensor gate, up;
     if (r.gate.defined()) gate = r.gate.narrow(0, t0, tc), up = r.up.narrow(0, t0, tc);
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
-        L.cast(dyc), mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
+        L.residual_scaled(L.cast(dyc)), mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
         L.cast(L.proj(kDown)), L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
         row0 + t0);
@@ -655,7 +655,7 @@ at::Tensor attention_layer_forward(const at::Tensor& x, const Layer& L, Residual
     // The kernels return out as a (B, Hq, S, D) view of (B, S, Hq, D) memory, so merge_heads is
     // a view; this is a no-op for them and keeps the residual's layout fixed for any kernel.
     out = out.transpose(1, 2).contiguous().transpose(1, 2);
-    at::Tensor h = xc + proj_fwd(L, kO, merge_heads(out), c.t0());
+    at::Tensor h = xc + L.residual_scaled(proj_fwd(L, kO, merge_heads(out), c.t0()));
     if (one) {
       if (fast) r.q = p.q, r.k = p.k, r.v = p.v;
       if (keep) r.out = out, r.lse = lse;
@@ -783,7 +783,8 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
     at::Tensor dh = dyc;
     if (layer) {
       const at::Tensor h =
-          r.h.defined() ? c.of(r.h) : xc + proj_fwd(L, kO, merge_heads(out), c.t0());
+          r.h.defined() ? c.of(r.h)
+                        : xc + L.residual_scaled(proj_fwd(L, kO, merge_heads(out), c.t0()));
       Residuals rc;
       if (r.gate.defined()) {
         rc.gate = r.gate.narrow(0, c.t0(), c.nb * c.sc);
@@ -792,8 +793,8 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
       dh = mlp_backward(dyc, h, L, rc, needs, g, c.t0());
     }
     // The o projection's and the attention's backward.
-    const at::Tensor dmerged =
-        proj_bwd(L, kO, L.cast(flat2(dh)), flat2(merge_heads(out)), needs, g, c.t0());
+    const at::Tensor dmerged = proj_bwd(L, kO, L.residual_scaled(L.cast(flat2(dh))),
+                                        flat2(merge_heads(out)), needs, g, c.t0());
     const at::Tensor dout = dmerged.view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2);
     at::Tensor dq, dk, dv;
     if (one) {

@@ -86,6 +86,8 @@ using OptTensor = std::optional<at::Tensor>;
 //   num_heads,
 //   num_kv_heads, eps   the attention's heads; the norms' epsilon
 //   scale               the attention's softmax scale
+//   residual_scale      each sublayer's output is multiplied by it before the residual add
+//                       (Granite's residual_multiplier; 1: LLaMA)
 //   compute_dtype       the dtype of the projections and attention (None: the weights';
 //                       set from torch.autocast by the Autocast kernel)
 //   part                "layer" | "attention" | "mlp"
@@ -105,6 +107,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "int", int64_t, num_kv_heads, __VA_ARGS__)                                     \
   X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
   X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
+  X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \
   X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, __VA_ARGS__)      \
   X(OPTION, "str", c10::string_view, part, __VA_ARGS__)                                    \
   X(OPTION, "str", c10::string_view, preset, __VA_ARGS__)
@@ -300,6 +303,11 @@ struct Layer : LayerTensors, LayerOptions {
     return compute_dtype.value_or(proj(p, kLoraA).scalar_type());
   }
   bool mlp_has_lora() const { return has_lora(kGate) || has_lora(kUp) || has_lora(kDown); }
+  // A sublayer's output (or its gradient) times residual_scale: t itself when that is 1, else
+  // a new tensor (t may be a view of the caller's).
+  at::Tensor residual_scaled(const at::Tensor& t) const {
+    return residual_scale == 1.0 ? t : t.mul(residual_scale);
+  }
 };
 
 // ---- residuals -----------------------------------------------------------------------------

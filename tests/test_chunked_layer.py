@@ -53,6 +53,7 @@ CASES = {
     "window": {"window": 9},
     "padded": {"key_padding_mask": True},
     "padded_eager": {"key_padding_mask": True, "uniform_empty_rows": True},
+    "residual_scale": {"residual_scale": 0.7},
 }
 
 
@@ -71,6 +72,8 @@ def case(name, dtype, seed=0, hidden=H):
         kw["segment_ids"] = packed_segment_ids(B, S, [13, 30, 5, 41])
     if "window" in spec:
         kw["window"] = spec["window"]
+    if "residual_scale" in spec:
+        kw["residual_scale"] = spec["residual_scale"]
     if spec.get("key_padding_mask"):
         kw["key_padding_mask"] = left_padding(g)
         kw["uniform_empty_rows"] = spec.get("uniform_empty_rows", False)

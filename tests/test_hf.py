@@ -37,11 +37,13 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # Llama with every bias it can have (o_proj included); Qwen2 has q/k/v biases and an o_proj
 # without; Qwen3 has q_norm/k_norm; Mistral's default sliding window (4096) is longer than S;
 # Ministral interleaves sliding and full layers, here with a window shorter than S; SmolLM3's
-# middle layer applies no RoPE.
+# middle layer applies no RoPE; Granite scales residual branches, scores and embeddings.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
-            "smollm3": dict(no_rope_layers=[1, 0, 1])}
+            "smollm3": dict(no_rope_layers=[1, 0, 1]),
+            "granite": dict(residual_multiplier=0.6, attention_multiplier=0.2,
+                            embedding_multiplier=3.0, logits_scaling=1.0)}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
@@ -619,3 +621,17 @@ def test_one_model_in_several_threads_keeps_each_forwards_masks():
     assert not errors, errors
     assert not failures, failures
     assert sum(calls(model)) == 3 * rounds * len(batches)  # every call ran the fused op
+
+
+def test_granite_logits_scaling_keeps_hf_head_and_fuses_layers():
+    """Granite divides its logits by logits_scaling, which the fused loss does not apply: the
+    head stays HF's (with a warning naming the reason), the layers are fused, and the results
+    are the unpatched model's."""
+    ref_model = make_model("granite", "sdpa", logits_scaling=4.0)
+    with pytest.warns(UserWarning, match="logits_scaling=4.0"):
+        model = patch_llama(copy.deepcopy(ref_model), "balanced", fuse_lm_head=True)
+    ids, mask, labels = make_batch(pad=True)
+    ref, got = run(ref_model, ids, mask, labels), run(model, ids, mask, labels)
+    assert got[0].logits is not None            # HF's head ran
+    assert_same(ref, got, mask)
+    assert calls(model) == [1, 1, 1]

@@ -46,6 +46,10 @@ def head_problem(model: nn.Module) -> Optional[str]:
         return "the model has no bare .model to run before the head"
     if getattr(model, "loss_function", None) is not _hf_causal_lm_loss():
         return "the model's loss_function is not transformers' ForCausalLMLoss"
+    scaling = getattr(getattr(model, "config", None), "logits_scaling", 1.0)
+    if scaling != 1.0:
+        return (f"the model divides its logits by logits_scaling={scaling} (Granite), which the "
+                "fused loss does not apply")
     return None
 
 

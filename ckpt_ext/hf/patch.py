@@ -5,9 +5,10 @@
     loss = model(input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
     ckpt_ext.unpatch_llama(model)
 
-Supported: Llama, Mistral, Ministral, Qwen2, Qwen3 and SmolLM3 (``config.model_type``
+Supported: Llama, Mistral, Ministral, Qwen2, Qwen3, SmolLM3 and Granite (``config.model_type``
 ``llama``, ``mistral``, ``ministral``, ``qwen2``, ``qwen3``, ``smollm3``: its layers without
-RoPE run the op with cos = 1, sin = 0) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
+RoPE run the op with cos = 1, sin = 0; ``granite``: its residual multiplier is the op's
+``residual_scale``, its attention multiplier the softmax scale) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
 ``peft.PeftModel`` around either (patch before or after wrapping). Each decoder layer keeps its
 HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
@@ -75,7 +76,8 @@ from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
+                         "granite")
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer, or "auto"
@@ -311,6 +313,8 @@ class _LayerSpec:
         self.eps = _eps(layer)
         self.window = _layer_window(config, layer)
         self.rope = _layer_uses_rope(config, layer)
+        # Granite multiplies each sublayer's output before the residual add
+        self.residual_scale = float(getattr(layer, "residual_multiplier", 1.0))
         # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
         # only the shapes that modules declare are checked against the config.
         def dims(name):
@@ -667,7 +671,7 @@ class _PatchedForward:
             uniform_empty_rows=_attn_implementation(self.config) == "eager",
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
-            scale=spec.scale, preset=preset)
+            scale=spec.scale, residual_scale=spec.residual_scale, preset=preset)
 
 
 def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list, list]]:
