@@ -198,7 +198,9 @@ class DecoderLayer(nn.Module):
 
     forward(hidden_states (B, S, H), position_embeddings (cos, sin), key_padding_mask=None)
     -> (B, S, H). With a fused preset the whole layer is one C++ autograd Function that saves
-    what the preset says (``ckpt_ext.presets``).
+    what the preset says (``ckpt_ext.presets``). ``offload="cpu"`` keeps what it saves in host
+    memory until backward (``ckpt_ext.offload``; ``offload_limit``: a host byte cap, which gives
+    the layer an offloader of its own; or pass a shared ``ckpt_ext.offload.Offloader``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
