@@ -337,7 +337,8 @@ def hf_step(model, seed, **batch):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("setup", ["lora_dropout", "packed", "autocast_bf16", "padded_fast"])
+@pytest.mark.parametrize("setup", ["lora_dropout", "packed", "autocast_bf16", "padded_fast",
+                                   "hf_gradient_checkpointing"])
 def test_hf_bit_for_bit(setup):
     pytest.importorskip("transformers")
     from hf_fixtures import padded_batch, tiny_model
@@ -351,9 +352,15 @@ def test_hf_bit_for_bit(setup):
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                             "down_proj"]))
     model.train()
+    policy = preset
+    if setup == "hf_gradient_checkpointing":  # taken over: the default policy is min_memory
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = None
     other = copy.deepcopy(model)
-    ckpt_ext.patch_llama(model, preset)
-    ckpt_ext.patch_llama(other, preset, offload="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the HF checkpointing notice
+        ckpt_ext.patch_llama(model, policy)
+        ckpt_ext.patch_llama(other, policy, offload="cpu")
     if setup == "packed":
         g = torch.Generator().manual_seed(seed)
         lengths = [9, 3, 14, 6]
