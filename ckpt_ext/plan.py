@@ -776,7 +776,9 @@ def _print_offload(args, layers, V, B, S, dtype) -> None:
         row = [setup, format_bytes(p.peak), format_bytes(p.pool), format_bytes(p.host),
                f"{p.offloaded}/{len(layers)}", format_bytes(p.kept)]
         if memory is not None:
-            row.append(f"{longest_sequence_offload(setup, layers, V, B, dtype, memory, host, args.weights, path=args.path):,}")
+            longest = longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
+                                               args.weights, path=args.path)
+            row.append(f"{longest:,}")
         rows.append(row)
     print(_table(rows, header))
     print("offload: each fused layer's saved tensors go to host memory in forward and come back "
