@@ -8,8 +8,10 @@ Public API:
     ops.linear_cross_entropy                                     LM-head loss without logits
     modules.DecoderLayer / Attention / SwiGLUMLP / RMSNorm       drop-in modules, policy=
     presets.PRESETS, presets.saved_bytes                         the presets and their bytes
-    patch_llama(model, policy=None, *, activation_budget=None, fuse_lm_head=True),
+    patch_llama(model, policy=None, *, activation_budget=None, fuse_lm_head=True,
+                offload=None, offload_limit=None),
     unpatch_llama(model)                                         HF Llama/Mistral/Qwen2/Qwen3
+    offload.Offloader                                            saved layer tensors in host memory
     plan (python -m ckpt_ext.plan)                               bytes per preset, auto choice
     config.current() / config.patch(**settings)                 the kernel settings
     use_triton(device_type="cpu")                                Triton launchers in a block
@@ -17,14 +19,14 @@ Public API:
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
-from . import _backend, blocks, config, modules, ops, presets
+from . import _backend, blocks, config, modules, offload, ops, presets
 from ._backend import use_triton
 from .checkpoint import checkpoint
 from .hf import patch_llama, unpatch_llama
 from .memory import peak_memory_bytes, saved_activation_bytes
 
 __all__ = ["checkpoint", "saved_activation_bytes", "peak_memory_bytes", "patch_llama",
-           "unpatch_llama", "ops", "blocks", "modules", "presets", "config", "use_triton"]
+           "unpatch_llama", "ops", "blocks", "modules", "offload", "presets", "config", "use_triton"]
 __version__ = "0.1.0"
 
 _backend.register_from_environment()

@@ -61,7 +61,9 @@ from .presets import FUSED_PRESETS, per_token_bytes
 
 __all__ = ["LayerDims", "layer_dims_from_config", "parse_bytes", "format_bytes",
            "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
-           "StepPeak", "model_state_bytes", "longest_sequence", "main"]
+           "StepPeak", "model_state_bytes", "longest_sequence", "OffloadPeak",
+           "offload_device_bytes", "offload_split", "offload_step_peak",
+           "longest_sequence_offload", "main"]
 
 Budget = Union[int, str]
 
@@ -408,6 +410,86 @@ def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dt
     return lo
 
 
+# ---- offload (ckpt_ext.offload) ------------------------------------------------------------------
+OFFLOAD_SETUPS = ("fast", "balanced", "min_memory")
+
+
+@dataclass(frozen=True)
+class OffloadPeak:
+    """One training step with ``offload="cpu"`` (see :func:`offload_step_peak`)."""
+
+    peak: int           # device: the step's peak above its start
+    host: int           # host pool bytes held when the forward ends
+    offloaded: int      # layers whose saved tensors are in host memory
+    kept: int           # bytes of the layers past the host cap, kept on the device
+    pool: int           # the device prefetch pool
+
+
+def offload_device_bytes(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S: int,
+                         dtype, prefetch: int = 1) -> int:
+    """The device prefetch pool: ``prefetch + 1`` slots (the layer running backward and the
+    ones being copied back), each as large as the largest layer's saved bytes."""
+    sizes = sorted((layer_bytes(p, x, B, S, dtype) for p, x in zip(presets, layers)),
+                   reverse=True)
+    return sum(sizes[:prefetch + 1])
+
+
+def offload_split(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S: int, dtype,
+                  host_limit: Optional[int] = None):
+    """(layers offloaded, host bytes, device bytes kept): the layers, in forward order, move to
+    host memory while the host total stays within ``host_limit``; the rest stay (as the
+    offloader does with ``offload_limit``)."""
+    host = kept = n = 0
+    full = False
+    for p, x in zip(presets, layers):
+        b = layer_bytes(p, x, B, S, dtype)
+        if not full and (host_limit is None or host + b <= host_limit):
+            host, n = host + b, n + 1
+        else:
+            full, kept = True, kept + b
+    return n, host, kept
+
+
+def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
+                      *, path: str = "cuda", train_weights: bool = True,
+                      host_limit: Optional[int] = None, prefetch: int = 1) -> OffloadPeak:
+    """:func:`step_peak` of a fused preset with its layers' saved bytes in host memory: the
+    peak less the bytes of the offloaded layers plus the device prefetch pool (counted at
+    every phase, which overstates the head's phase, when the pool is still empty)."""
+    if setup not in OFFLOAD_SETUPS:
+        raise ValueError(f"offload_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
+                         f"(offload moves what a fused layer saves); got {setup!r}")
+    layers = list(layers)
+    presets = [setup] * len(layers)
+    base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights)
+    n, host, kept = offload_split(layers, presets, B, S, dtype, host_limit)
+    pool = offload_device_bytes(layers[:n], presets[:n], B, S, dtype, prefetch) if n else 0
+    return OffloadPeak(base.peak - host + pool, host, n, kept, pool)
+
+
+def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
+                             device_memory: int, host_memory: Optional[int], weights: str, *,
+                             path: str = "cuda", limit: int = 1 << 26) -> int:
+    """The longest S (at most ``limit``) whose offloaded step (:func:`offload_step_peak` with
+    ``host_memory`` as the host cap) fits ``device_memory`` with the model state; 0 if none."""
+    state = model_state_bytes(layers, V, dtype, weights)
+
+    def fits(s):
+        p = offload_step_peak(setup, layers, V, B, s, dtype, path=path,
+                              train_weights=weights == "full", host_limit=host_memory)
+        return state + p.peak <= device_memory
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 # ---- FLOPs ---------------------------------------------------------------------------------
 def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
     """Recompute FLOPs of one layer divided by B*S (an integer: see the module docstring)."""
@@ -565,8 +647,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--path", choices=_PATHS, default="cuda",
                     help="whose transients the peak model counts: the Triton kernels (cuda) or "
                          "the ATen kernels (cpu)")
+    ap.add_argument("--offload", action="store_true",
+                    help="also print each fused preset with offload='cpu': device peak, host "
+                         "bytes, and (with --device-memory) the longest sequence that fits")
+    ap.add_argument("--host-memory", help="with --offload: the host memory for saved layer "
+                                          "tensors (offload_limit), e.g. 256GiB")
     args = ap.parse_args(argv)
-    for name in ("budget", "device_memory"):
+    if args.host_memory is not None and not args.offload:
+        ap.error("argument --host-memory: applies with --offload only")
+    for name in ("budget", "device_memory", "host_memory"):
         if getattr(args, name) is not None:
             try:
                 parse_bytes(getattr(args, name), f"argument --{name.replace('_', '-')}")
@@ -620,6 +709,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
           "'torch' is listed for comparison and never chosen by 'auto'")
     _print_steps(args, layers, V, B, S, dtype)
+    if args.offload:
+        _print_offload(args, layers, V, B, S, dtype)
     if args.budget is not None:
         try:
             chosen = choose_presets(layers, B, S, dtype, args.budget)
@@ -664,6 +755,36 @@ def _print_steps(args, layers, V, B, S, dtype) -> None:
     if memory is not None:
         print(f"model state on the device ({args.weights}): {format_bytes(state)}; longest S: "
               f"batch {B}, the step's peak plus the model state within the device memory")
+
+
+
+def _print_offload(args, layers, V, B, S, dtype) -> None:
+    """The offload table: device peak, host bytes and the longest sequence per fused preset."""
+    train = args.weights == "full"
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    host = parse_bytes(args.host_memory) if args.host_memory is not None else None
+    header = [f"offload='cpu' ({'full fine-tune' if train else 'LoRA'}, {args.path} path)",
+              "device peak", "of it the prefetch pool", "host bytes", "layers in host",
+              "kept on device"]
+    if memory is not None:
+        header.append(f"longest S in {format_bytes(memory)}"
+                      + (f" + {format_bytes(host)} host" if host is not None else ""))
+    rows = []
+    for setup in OFFLOAD_SETUPS:
+        p = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train,
+                              host_limit=host)
+        row = [setup, format_bytes(p.peak), format_bytes(p.pool), format_bytes(p.host),
+               f"{p.offloaded}/{len(layers)}", format_bytes(p.kept)]
+        if memory is not None:
+            longest = longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
+                                               args.weights, path=args.path)
+            row.append(f"{longest:,}")
+        rows.append(row)
+    print(_table(rows, header))
+    print("offload: each fused layer's saved tensors go to host memory in forward and come back "
+          "one layer ahead in backward; the device keeps a pool of two layers' worth"
+          + ("; past --host-memory the remaining layers keep theirs on the device"
+             if host is not None else " (no --host-memory: no cap)"))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 #     OUT=$OUT bash tools/gpu_validate.sh build block kernels
 #     OUT=$OUT bash tools/gpu_validate.sh build capacity
 #     OUT=$OUT bash tools/gpu_validate.sh build peak
+#     OUT=$OUT bash tools/gpu_validate.sh build offload
 #     OUT=$OUT bash tools/gpu_validate.sh build demo bundle
 # (each call starts with build: a device machine idle for 30 s is given back, and the next
 # call gets a bare one).
@@ -14,7 +15,10 @@
 # lm_head, rowwise), capacity (LLaMA-3.1-8B LoRA step: peak per token of every setup, the
 # longest sequence for HF checkpointing and min_memory), peak (the sequence-tiled layer's
 # goals: LLaMA-3-8B layer dims, 4 layers, B 1, S 32K, bf16, the step's peak per token of
-# every setup, full fine-tune and LoRA), demo, bundle (a tar of bench/results),
+# every setup, full fine-tune and LoRA), offload (offload="cpu": tests/test_offload.py's CUDA
+# tests, pinned memory, side stream, overlap in a profiler trace, TORCH_CUDA_SANITIZER=1, then
+# step time and peak with and without offload at LLaMA-3-8B layer dims, 4 layers, S 32K,
+# bf16, min_memory and balanced), demo, bundle (a tar of bench/results),
 # and bench (= block kernels demo bundle). Times seen on an H100 (2026-11-24): build 72-91 s,
 # test 7 min with 12 workers, block 2 min, kernels 4 min, capacity 2 min plus about 100 s per
 # search step near 128K tokens. Everything lands in at most 6 files under
@@ -107,6 +111,16 @@ for stage in "${expand[@]}"; do
           --seq "${PEAK_SEQ:-32768}" --caps 1024GiB 64MiB 256MiB 1GiB --reps 3 2>&1 \
           | tee -a "$out/gpu_bench.log" | tail -8 || status=1
       ;;
+    offload)
+      log "offload='cpu': the CUDA tests (streams, events, pinned memory, overlap, sanitizer)"
+      python3 -m pytest -q -ra tests/test_offload.py 2>&1 | tee -a "$out/gpu_bench.log" \
+          | tail -15 || status=1
+      log "offload='cpu': step time and peak with and without, LLaMA-3-8B layer dims, S 32K"
+      python3 bench/offload.py --device cuda --dtype bfloat16 --hidden 4096 \
+          --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --layers 4 \
+          --seq "${OFFLOAD_SEQ:-32768}" --presets min_memory balanced --repeats 5 2>&1 \
+          | tee -a "$out/gpu_bench.log" | tail -12 || status=1
+      ;;
     demo)
       log "demo (patched HF Llama)"
       python3 bench/demo.py 2>&1 | tee -a "$out/gpu_bench.log" | tail -30 || status=1
@@ -114,7 +128,7 @@ for stage in "${expand[@]}"; do
     bundle)
       tar czf "$out/gpu_results.tgz" bench/results && log "bench/results bundled"
       ;;
-    *) echo "unknown stage '$stage' (build, test, block, kernels, capacity, peak, demo, bundle, bench)"
+    *) echo "unknown stage '$stage' (build, test, block, kernels, capacity, peak, offload, demo, bundle, bench)"
        exit 2 ;;
   esac
 done

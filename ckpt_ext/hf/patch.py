@@ -68,6 +68,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
+from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
 from .adapters import read_projection
@@ -424,9 +425,10 @@ class _Shared:
     hands each forward's layers its _ForwardState."""
 
     def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool,
-                 budget: Optional[int] = None):
+                 budget: Optional[int] = None, offloader=None):
         self.owner, self.layers, self.default_policy = owner, layers, default_policy
         self.budget = budget                   # policy="auto": the decoder layers' budget
+        self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
         self.warned: set = set()
         params = [p for p in inspect.signature(type(owner).forward).parameters.values()
@@ -436,6 +438,7 @@ class _Shared:
     def __setstate__(self, state):  # pickles of older versions kept per-forward fields
         state.pop("masks", None)
         state.pop("auto_presets", None)
+        state.setdefault("offloader", None)
         self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -474,6 +477,22 @@ class _Shared:
         """The presets for one shape, cached; a constant to torch.compile, which guards on
         the shapes it is called with (the choice depends on nothing else)."""
         key = (b, s, dtype)
+        if key not in self.auto and self.offloader is not None:
+            # With offload the device keeps only the prefetch pool, and what a preset saves
+            # crosses the host link twice per step: min_memory moves the least (fast about 11x
+            # more), so every layer takes it; the budget is checked against the pool.
+            from ..plan import LayerDims, offload_device_bytes
+            config = self.owner.config
+            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads))
+                    for layer in self.layers]
+            presets = ["min_memory"] * len(dims)
+            need = offload_device_bytes(dims, presets, b, s, dtype)
+            if need > self.budget:
+                from ..plan import format_bytes
+                raise ValueError(f"activation_budget {format_bytes(self.budget)} is below the "
+                                 f"offload prefetch pool at min_memory ({format_bytes(need)}, "
+                                 f"B={b}, S={s}); the smallest budget that fits is {need}")
+            self.auto[key] = presets
         if key not in self.auto:
             from ..plan import LayerDims, choose_presets
             config = self.owner.config
@@ -665,8 +684,10 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        return call_decoder_layer(
-            x, weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
+        return offloaded(
+            self.shared.offloader, call_decoder_layer, x,
+            [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
+            weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
             uniform_empty_rows=_attn_implementation(self.config) == "eager",
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed,
@@ -708,7 +729,8 @@ def _patched(layers) -> List[_PatchedForward]:
 
 def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                 activation_budget: Optional[Union[int, str]] = None,
-                fuse_lm_head: bool = True) -> nn.Module:
+                fuse_lm_head: bool = True, offload: Optional[str] = None,
+                offload_limit: Optional[Union[int, str]] = None) -> nn.Module:
     """Give every decoder layer of ``model`` a recompute preset; returns ``model`` (patched in
     place).
 
@@ -723,7 +745,11 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``"min_memory"`` for calls made while HF gradient checkpointing is on (it keeps what HF's
     checkpointing keeps). ``fuse_lm_head``: a ``*ForCausalLM``'s training loss runs through
     ``ckpt_ext.ops.linear_cross_entropy`` and its output's ``logits`` is None
-    (``ckpt_ext.hf.lm_head``).
+    (``ckpt_ext.hf.lm_head``). ``offload="cpu"``: what the fused layers save for backward
+    is kept in host memory and prefetched back one layer ahead in backward
+    (``ckpt_ext.offload``; one pool per model); ``offload_limit`` (bytes or "64GiB") caps the
+    host bytes, past it the remaining layers keep their tensors on the device. With
+    ``policy="auto"`` and offload every layer takes ``min_memory`` (see the README).
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""
@@ -740,6 +766,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     elif activation_budget is not None:
         raise ValueError("patch_llama: activation_budget applies to policy='auto' only, got "
                          f"policy={policy!r}")
+    offloader = resolve_offload(offload, offload_limit)
     presets = _resolve_policy("balanced" if policy is None else policy, len(layers))
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
@@ -750,7 +777,8 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
         if preset in FUSED_PRESETS or preset == "auto":
             specs[idx] = _check_fusable(layer, idx, config)
     unpatch_llama(model)
-    shared = _Shared(owner, layers, default_policy=policy is None, budget=budget)
+    shared = _Shared(owner, layers, default_policy=policy is None, budget=budget,
+                     offloader=offloader)
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if preset != "none":
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from .. import offload as _offload
 from .. import ops, plain
 from ..blocks import call_decoder_layer, pack_weights
 from ..presets import FUSED_PRESETS, check_policy
@@ -197,15 +198,21 @@ class DecoderLayer(nn.Module):
 
     forward(hidden_states (B, S, H), position_embeddings (cos, sin), key_padding_mask=None)
     -> (B, S, H). With a fused preset the whole layer is one C++ autograd Function that saves
-    what the preset says (``ckpt_ext.presets``).
+    what the preset says (``ckpt_ext.presets``). ``offload="cpu"`` keeps what it saves in host
+    memory until backward (``ckpt_ext.offload``; ``offload_limit``: a host byte cap, which gives
+    the layer an offloader of its own; or pass a shared ``ckpt_ext.offload.Offloader``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, *, head_dim: Optional[int] = None,
                  rms_norm_eps: float = 1e-6, attention_bias: bool = False,
                  mlp_bias: bool = False, o_bias: Optional[bool] = None, qk_norm: bool = False,
-                 policy: str = "balanced"):
+                 policy: str = "balanced", offload=None, offload_limit=None):
         super().__init__()
+        # offload="cpu": the fused layer's saved tensors go to host memory (ckpt_ext.offload);
+        # layers built without a cap share one process-wide offloader, so each prefetches the
+        # layer called before it.
+        self.offloader = _offload.resolve(offload, offload_limit, shared=True)
         self.config = c = LayerConfig(hidden_size, num_heads, num_kv_heads, intermediate_size,
                                       head_dim, rms_norm_eps, attention_bias, o_bias, mlp_bias,
                                       qk_norm)
@@ -232,14 +239,22 @@ class DecoderLayer(nn.Module):
 
     def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
         a = self.self_attn
-        return call_decoder_layer(
-            x, weights=pack_weights(dict(self.named_parameters())), cos=cos, sin=sin,
+        weights = pack_weights(dict(self.named_parameters()))
+        return _offload.offloaded(
+            self.offloader, call_decoder_layer, x, [*weights, cos, sin, mask],
+            weights=weights, cos=cos, sin=sin,
             key_padding_mask=mask, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
             eps=self.input_layernorm.variance_epsilon, scale=a.scaling, preset=self.policy)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
         cos, sin = _check_position_embeddings(position_embeddings)
+        if self.offloader is not None and self.policy not in FUSED_PRESETS and \
+                torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"DecoderLayer: offload='cpu' moves what a fused layer saves; policy "
+                f"{self.policy!r} is not fused. Use policy 'min_memory' (or 'balanced'/'fast') "
+                "with offload, or offload=None")
         if self.policy == "none":
             return self._plain(hidden_states, cos, sin, key_padding_mask)
         if self.policy == "torch":

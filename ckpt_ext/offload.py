@@ -1,0 +1,391 @@
+"""Saved layer tensors in host memory: copied out in forward, prefetched back in backward.
+
+A fused decoder layer (``torch.ops.ckpt_ext.decoder_layer``) saves its input and its preset's
+residuals for backward. With ``offload="cpu"`` (``ckpt_ext.modules.DecoderLayer``,
+``ckpt_ext.patch_llama``) each fused layer call runs under
+``torch.autograd.graph.saved_tensors_hooks`` installed by an :class:`Offloader`:
+
+* **forward (pack)**: every activation the layer's C++ Function saves (the input ``x`` and the
+  residuals; never the weights, nor cos/sin, masks, segment ids or the dropout seed, which the
+  call passes in and all layers share) is copied into a buffer of the offloader's *host pool*,
+  and autograd keeps only a small handle to it, so the device tensor is released. On CUDA the
+  host pool is pinned memory and the copy runs on a side stream after an event of the compute
+  stream; ``record_stream`` keeps the source alive for the allocator until the copy is done.
+* **backward (unpack)**: the first unpack of layer i's tensors fetches them (if not already
+  prefetched) into a slot of the *device pool* and then starts the copy of the layer called
+  before it (i - 1), so that copy overlaps layer i's backward. On CUDA the compute stream waits
+  on the copy's event, never the host. A device slot is reused once the layer that holds it
+  has released its saved tensors (after its backward); on CUDA the next copy into it waits on
+  an event recorded at that release.
+* **pools**: host buffers go back to the pool when autograd releases the handles (after the
+  layer's backward, or when a graph is dropped, e.g. after an exception) and are reused by the
+  next step; ``limit`` caps the host bytes in use at once: a layer whose tensors would pass it
+  keeps them (from that tensor on) on the device, as do the layers after it while the pool is
+  full.
+
+On a CPU-only machine the same code runs with the CPU as the "device": the host pool and the
+device pool are separate allocations and the copies are synchronous.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from typing import Iterable, List, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["Offloader", "resolve", "offloaded", "default_offloader", "OFFLOAD_TARGETS"]
+
+OFFLOAD_TARGETS = ("cpu",)
+_KEYS = itertools.count()
+_ALIGN = 256  # bytes; each tensor's start in a device slot
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether t's elements fill numel() consecutive slots of memory in some order (then a
+    copy keeps its strides within a buffer of its size)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Entry:
+    """One offloaded tensor: its host copy and, once fetched, its device copy."""
+    __slots__ = ("group", "host", "buf", "key", "nbytes", "size", "stride", "dtype", "device",
+                 "offset", "dev", "__weakref__")
+
+    def __init__(self, group, host, buf, key, t: Tensor):
+        self.group, self.host, self.buf, self.key = group, host, buf, key
+        self.nbytes = t.numel() * t.element_size()
+        self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
+        self.offset = 0
+        self.dev: Optional[Tensor] = None
+
+
+class _Handle:
+    """What autograd holds for an offloaded tensor; its release returns the buffers."""
+    __slots__ = ("entry", "owner", "__weakref__")
+
+    def __init__(self, entry: _Entry, owner: "Offloader"):
+        self.entry, self.owner = entry, owner
+
+    def __del__(self):
+        try:
+            self.owner._release(self.entry)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _Group:
+    """The tensors one fused layer call offloaded."""
+    __slots__ = ("gid", "entries", "live", "slot", "ready", "fetched", "nbytes", "full",
+                 "used", "__weakref__")
+
+    def __init__(self, gid: int):
+        self.gid, self.entries, self.live, self.used = gid, [], 0, False
+        self.slot, self.ready, self.fetched, self.nbytes, self.full = None, None, False, 0, False
+
+
+class _Slot:
+    __slots__ = ("buf", "owner", "free_event")
+
+    def __init__(self, buf: Tensor):
+        self.buf, self.owner, self.free_event = buf, None, None
+
+
+class Offloader:
+    """Host pool, device pool and prefetch order shared by the fused layers of one model.
+
+    ``device``: where the layers compute (a CUDA device, or ``"cpu"`` for the CPU path);
+    ``limit``: the most host bytes held at once (None: no cap); ``prefetch``: how many layers
+    ahead of the one running backward to copy back (1 or more).
+
+    ``stats()`` reports the pools; with ``record=True``, ``events`` lists in order
+    ``("pack", call)`` at a layer call's first offloaded tensor, ``("backward", call)`` at the
+    first unpack of its tensors (its backward starting), and ``("fetch" | "prefetch", call)``
+    when its copy back is started (calls are numbered in forward order).
+    """
+
+    def __init__(self, limit: Optional[int] = None, *, prefetch: int = 1, record: bool = False):
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                raise TypeError(f"offload_limit must be an int number of bytes or None, got "
+                                f"{type(limit).__name__}")
+            if limit < 0:
+                raise ValueError(f"offload_limit must be >= 0 bytes, got {limit}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"offload prefetch must be an int >= 1, got {prefetch!r}")
+        self.limit, self.prefetch, self.record = limit, prefetch, record
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._groups: "dict[int, _Group]" = {}     # alive groups in call order
+        self._free_host: "dict[tuple, List[Tensor]]" = {}
+        self._host_bytes = 0          # allocated host pool bytes
+        self._host_in_use = 0
+        self._host_allocations = 0
+        self._slots: List[_Slot] = []
+        self._streams: dict = {}      # CUDA device index -> side stream
+        self.events: list = []
+        self.key = f"offloader-{next(_KEYS)}"  # names it in the once-only compile warning
+
+    def __reduce__(self):
+        # A copy (deepcopy, pickle) gets empty pools of its own: buffers, streams and the
+        # lock are not copied.
+        return (_new_offloader, (self.limit, self.prefetch, self.record))
+
+    # ---- pools ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """host_bytes: the host pool's allocated bytes; host_in_use: held by saved tensors;
+        host_allocations: buffers allocated so far; device_pool_bytes: the device slots'
+        bytes; device_slots: their count; live_layers: layer calls with tensors held."""
+        with self._lock:
+            return dict(host_bytes=self._host_bytes, host_in_use=self._host_in_use,
+                        host_allocations=self._host_allocations,
+                        device_pool_bytes=sum(s.buf.numel() for s in self._slots),
+                        device_slots=len(self._slots), live_layers=len(self._groups))
+
+    def host_buffers(self) -> List[Tensor]:
+        """The host pool's free buffers (for tests: storage identity)."""
+        with self._lock:
+            return [b for bufs in self._free_host.values() for b in bufs]
+
+    def device_buffers(self) -> List[Tensor]:
+        with self._lock:
+            return [s.buf for s in self._slots]
+
+    def _take_host(self, nbytes: int, cuda: bool) -> Tensor:
+        key = (nbytes, cuda)
+        bufs = self._free_host.get(key)
+        if bufs:
+            return bufs.pop()
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
+        self._host_bytes += nbytes
+        self._host_allocations += 1
+        return buf
+
+    def _side(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._streams.get(idx)
+        if s is None:
+            s = self._streams[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    # ---- hooks ----------------------------------------------------------------------------
+
+    def _pack(self, group: _Group, keep: Iterable[Tensor], t: Tensor):
+        if any(t is k for k in keep) or isinstance(t, torch.nn.Parameter) or group.full:
+            return t
+        if not t.is_floating_point() or t.layout != torch.strided or t.numel() == 0:
+            return t
+        src = t if _dense(t) else t.contiguous()
+        nbytes = src.numel() * src.element_size()
+        cuda = src.is_cuda
+        with self._lock:
+            if self.limit is not None and self._host_in_use + nbytes > self.limit:
+                group.full = True
+                return t
+            buf = self._take_host(nbytes, cuda)
+            self._host_in_use += nbytes
+            if not group.entries:
+                self._groups[group.gid] = group
+                if self.record:
+                    self.events.append(("pack", group.gid))
+            host = buf.view(src.dtype).as_strided(src.size(), src.stride())
+            entry = _Entry(group, host, buf, (nbytes, cuda), src)
+            group.entries.append(entry)
+            group.live += 1
+            group.nbytes += _round(nbytes)
+        if cuda:
+            side = self._side(src.device)
+            side.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(side):
+                host.copy_(src, non_blocking=True)
+            src.record_stream(side)
+        else:
+            host.copy_(src)
+        return _Handle(entry, self)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Handle):
+            return packed
+        entry = packed.entry
+        group = entry.group
+        with self._lock:
+            if not group.used:
+                group.used = True
+                if self.record:
+                    self.events.append(("backward", group.gid))
+            if not group.fetched:
+                self._fetch(group, "fetch")
+            self._prefetch_before(group)
+            dev = entry.dev
+            ready = group.ready
+        if ready is not None:
+            torch.cuda.current_stream(dev.device).wait_event(ready)
+        return dev
+
+    def _prefetch_before(self, group: _Group) -> None:
+        ids = [g for g in self._groups if g < group.gid]
+        for gid in ids[::-1][:self.prefetch]:
+            g = self._groups[gid]
+            if not g.fetched:
+                self._fetch(g, "prefetch")
+
+    def _fetch(self, group: _Group, why: str) -> None:
+        """Copy a group's tensors into a free device slot (holding the lock)."""
+        first = group.entries[0]
+        device = first.device
+        slot = None
+        for s in self._slots:
+            if s.owner is None and s.buf.device == device:
+                slot = s
+                break
+        if slot is None:
+            slot = _Slot(torch.empty(0, dtype=torch.uint8, device=device))
+            self._slots.append(slot)
+        if slot.buf.numel() < group.nbytes:  # grow: the allocator orders the old one's frees
+            slot.buf = torch.empty(group.nbytes, dtype=torch.uint8, device=device)
+            slot.free_event = None
+        slot.owner = group
+        group.slot = slot
+        if self.record:
+            self.events.append((why, group.gid))
+        offset = 0
+        views = []
+        for e in group.entries:
+            e.offset = offset
+            views.append(slot.buf[offset:offset + e.nbytes].view(e.dtype)
+                         .as_strided(e.size, e.stride))
+            offset += _round(e.nbytes)
+        if device.type == "cuda":
+            side = self._side(device)
+            if slot.free_event is not None:
+                side.wait_event(slot.free_event)
+                slot.free_event = None
+            with torch.cuda.stream(side):
+                for e, v in zip(group.entries, views):
+                    v.copy_(e.host, non_blocking=True)
+                    e.dev = v
+                ev = torch.cuda.Event()
+                ev.record(side)
+            slot.buf.record_stream(side)
+            group.ready = ev
+        else:
+            for e, v in zip(group.entries, views):
+                v.copy_(e.host)
+                e.dev = v
+        group.fetched = True
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            group = entry.group
+            if entry.buf is None:
+                return
+            self._free_host.setdefault(entry.key, []).append(entry.buf)
+            self._host_in_use -= entry.buf.numel()
+            entry.buf = entry.host = entry.dev = None
+            group.live -= 1
+            if group.live == 0:
+                self._groups.pop(group.gid, None)
+                slot = group.slot
+                if slot is not None:
+                    slot.owner = None
+                    if slot.buf.is_cuda:
+                        ev = torch.cuda.Event()
+                        ev.record(torch.cuda.current_stream(slot.buf.device))
+                        slot.free_event = ev
+                group.slot = group.ready = None
+
+    # ---- calling a layer ------------------------------------------------------------------
+
+    def hooks(self, keep: Iterable[Tensor]):
+        """The saved-tensor hooks for one layer call; ``keep``: tensors that stay where they are
+        (weights and the inputs all layers share)."""
+        group = _Group(next(self._ids))
+        keep = [k for k in keep if isinstance(k, Tensor)]
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self._pack(group, keep, t), self._unpack)
+
+
+def _new_offloader(limit, prefetch, record) -> Offloader:
+    return Offloader(limit, prefetch=prefetch, record=record)
+
+
+_COMPILE_WARNED: set = set()
+
+
+@torch.compiler.assume_constant_result
+def _warn_compile(key: str) -> bool:
+    """The warning that offload is off in a compiled region, once per offloader. To dynamo a
+    constant: it runs while the graph is traced, with no graph break."""
+    if key not in _COMPILE_WARNED:
+        _COMPILE_WARNED.add(key)
+        warnings.warn("ckpt_ext offload: under torch.compile the fused layers keep their saved "
+                      "tensors on the device (offload='cpu' runs in eager mode only)",
+                      stacklevel=2)
+    return True
+
+
+_DEFAULT_LOCK = threading.Lock()
+_STRONG: dict = {}
+
+
+def default_offloader() -> Offloader:
+    """The process-wide offloader that ``DecoderLayer(offload="cpu")`` layers share (no cap)."""
+    with _DEFAULT_LOCK:
+        if "cpu" not in _STRONG:
+            _STRONG["cpu"] = Offloader()
+        return _STRONG["cpu"]
+
+
+def resolve(offload, offload_limit=None, what: str = "offload", *,
+            shared: bool = False) -> Optional[Offloader]:
+    """``offload`` (None, "cpu" or an Offloader) and ``offload_limit`` (bytes, a string such as
+    "64GiB", or None) checked; the Offloader to use, or None. ``shared``: "cpu" without a cap
+    gives the process-wide ``default_offloader()`` instead of a new one."""
+    if offload_limit is not None and offload is None:
+        raise ValueError(f"{what}_limit applies with {what}='cpu' only, got {what}=None")
+    if offload is None:
+        return None
+    if isinstance(offload, Offloader):
+        if offload_limit is not None:
+            raise ValueError(f"{what}_limit: give the cap to the Offloader itself")
+        return offload
+    if offload not in OFFLOAD_TARGETS:
+        raise ValueError(f"{what} must be None, 'cpu' (host memory) or a "
+                         f"ckpt_ext.offload.Offloader; got {offload!r}")
+    if offload_limit is not None:
+        from .plan import parse_bytes
+        offload_limit = parse_bytes(offload_limit, f"{what}_limit")
+        return Offloader(offload_limit)
+    return default_offloader() if shared else Offloader()
+
+
+def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tensor], **kwargs):
+    """``fn(x, **kwargs)`` (a fused layer call) with its saved tensors offloaded by
+    ``offloader``; ``keep``: tensors that must stay (weights, shared inputs). Without grad, or
+    with no offloader, a plain call. Under torch.compile the tensors stay on the device (one
+    warning); during CUDA graph capture offloading is refused."""
+    if offloader is None or not torch.is_grad_enabled():
+        return fn(x, **kwargs)
+    if torch.compiler.is_compiling():
+        _warn_compile(offloader.key)
+        return fn(x, **kwargs)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("ckpt_ext offload: CUDA graph capture is not supported with "
+                           "offload='cpu' (its copies and events are host-driven); capture the "
+                           "model with offload=None")
+    with offloader.hooks(keep):
+        return fn(x, **kwargs)
