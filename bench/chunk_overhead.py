@@ -34,12 +34,8 @@ def main(argv=None):
     p.add_argument("--caps", nargs="+", default=["1024GiB", "64MiB", "16MiB"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(peak_bench.DTYPES), default="float32")
     p.add_argument("--lora", action="store_true", help="PEFT LoRA r16 on a frozen base")
-    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1792), ("heads", 8),
-                          ("kv-heads", 2), ("vocab", 16384)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    peak_bench.add_model_args(p)
     args = p.parse_args(argv)
     setup = f"{'lora:' if args.lora else ''}{args.preset}+fused"
     model = peak_bench.build(args, setup)

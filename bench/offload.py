@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckpt_ext  # noqa: E402
-from peak import DTYPES, build, step  # noqa: E402
+from peak import add_model_args, build, step  # noqa: E402
 
 
 def main(argv=None):
@@ -39,11 +39,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1792), ("heads", 8),
-                          ("kv-heads", 2), ("vocab", 16384)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_model_args(p)
     args = p.parse_args(argv)
     if args.seq < 2 or args.batch < 1 or args.repeats < 1:
         p.error("--seq must be >= 2, --batch and --repeats >= 1")

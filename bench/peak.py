@@ -76,6 +76,16 @@ def build(args, setup: str):
     return model
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the model ``build`` makes (and its device and dtype), with this bench's
+    defaults; the other benches of a whole model take the same."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1792), ("heads", 8),
+                          ("kv-heads", 2), ("vocab", 16384)):
+        p.add_argument(f"--{name}", type=int, default=default)
+
+
 def step(model, ids):
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
@@ -87,11 +97,7 @@ def main(argv=None):
         "min_memory+fused", "lora:hf_gc", "lora:torch+fused", "lora:min_memory+fused"])
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    for name, default in (("layers", 4), ("hidden", 512), ("intermediate", 1792), ("heads", 8),
-                          ("kv-heads", 2), ("vocab", 16384)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_model_args(p)
     args = p.parse_args(argv)
     for s in args.setups:
         try:

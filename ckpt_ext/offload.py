@@ -36,6 +36,8 @@ from typing import Iterable, List, Optional
 import torch
 from torch import Tensor
 
+from . import _checks
+
 __all__ = ["Offloader", "resolve", "offloaded", "default_offloader", "OFFLOAD_TARGETS"]
 
 OFFLOAD_TARGETS = ("cpu",)
@@ -46,14 +48,7 @@ _ALIGN = 256  # bytes; each tensor's start in a device slot
 def _dense(t: Tensor) -> bool:
     """Whether t's elements fill numel() consecutive slots of memory in some order (then a
     copy keeps its strides within a buffer of its size)."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    return t.is_contiguous() or _checks._dense(t)
 
 
 def _round(n: int) -> int:

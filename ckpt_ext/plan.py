@@ -391,14 +391,9 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
     raise ValueError(f"model_state_bytes: weights must be 'full' or 'lora', got {weights!r}")
 
 
-def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
-                     device_memory: int, weights: str, *, path: str = "cuda",
-                     limit: int = 1 << 26) -> int:
-    """The longest S (at most ``limit``) whose step fits ``device_memory`` with the model
-    state of ``weights`` (:func:`model_state_bytes`), by :func:`step_peak`; 0 if none does."""
-    state = model_state_bytes(layers, V, dtype, weights)
-    fits = lambda s: state + step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
-                                       train_weights=weights == "full").peak <= device_memory
+def _longest_fitting(fits, limit: int) -> int:
+    """The largest S in [1, limit] with fits(S), fits being monotone (a bisection); 0 if even
+    S = 1 does not fit."""
     if not fits(1):
         return 0
     lo, hi = 1, limit
@@ -408,6 +403,17 @@ def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dt
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
+                     device_memory: int, weights: str, *, path: str = "cuda",
+                     limit: int = 1 << 26) -> int:
+    """The longest S (at most ``limit``) whose step fits ``device_memory`` with the model
+    state of ``weights`` (:func:`model_state_bytes`), by :func:`step_peak`; 0 if none does."""
+    state = model_state_bytes(layers, V, dtype, weights)
+    fits = lambda s: state + step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
+                                       train_weights=weights == "full").peak <= device_memory
+    return _longest_fitting(fits, limit)
 
 
 # ---- offload (ckpt_ext.offload) ------------------------------------------------------------------
@@ -479,15 +485,7 @@ def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B:
                               train_weights=weights == "full", host_limit=host_memory)
         return state + p.peak <= device_memory
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, limit
-    if fits(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return _longest_fitting(fits, limit)
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
