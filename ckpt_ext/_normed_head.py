@@ -138,14 +138,12 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
             dloss[rows], y.to(weight.dtype), weight, bias, labels[rows], lse[rows],
             ignore_index, [want_dy, want_dw, want_db])
         del y
-        if not want_dy:
-            pass
-        elif not norm_in_chunks:   # one chunk: the norm's backward result itself
+        if want_dy and not norm_in_chunks:   # one chunk: the norm's backward result itself
             dx_c, dnw_c = _ops.rms_norm_bwd(dy.to(y_dtype), hidden, norm_weight, eps)
             dx = dx_c if want_dx else None
             if want_dnw:
                 dnw += dnw_c
-        else:              # the norm's backward in chunks of the cap (its fp32 work too)
+        elif want_dy:      # the norm's backward in chunks of the cap (its fp32 work too)
             for n0 in range(rows.start, rows.stop, norm_step):
                 n = slice(n0, min(rows.stop, n0 + norm_step))
                 dx_c, dnw_c = _ops.rms_norm_bwd(dy[n0 - t0:n.stop - t0].to(y_dtype),
