@@ -278,6 +278,7 @@ def lora_rows(args, rows, model, fused_rows):
     import copy
 
     from ckpt_ext.blocks import call_decoder_layer
+    from ckpt_ext.hf.families import LLAMA
     from ckpt_ext.hf.patch import _layer_tensors
 
     lora_model = copy.deepcopy(model)
@@ -296,7 +297,7 @@ def lora_rows(args, rows, model, fused_rows):
 
     def fused(preset):
         def fwd(x, pe):
-            weights, scaling, dropout = _layer_tensors(layer)
+            weights, scaling, dropout = _layer_tensors(layer, LLAMA)
             seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
             return call_decoder_layer(
                 x, weights=weights, cos=pe[0], sin=pe[1], lora_scaling=scaling,

@@ -47,7 +47,8 @@ LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._
 # num_kv_heads, eps, scale) every call gives.
 LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
                       uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
-                      dropout_seed=None, residual_scale=1.0, compute_dtype=None, part="layer",
+                      dropout_seed=None, residual_scale=1.0, norm_offset=0.0,
+                      norm_cast_last=False, compute_dtype=None, part="layer",
                       preset="balanced")
 
 
@@ -134,6 +135,7 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   lora_scaling: Optional[Sequence[float]] = None,
                   lora_dropout: Optional[Sequence[float]] = None,
                   dropout_seed: Optional[Tensor] = None, residual_scale: float = 1.0,
+                  norm_offset: float = 0.0, norm_cast_last: bool = False,
                   compute_dtype: Optional[torch.dtype] = None, part: str = "layer",
                   preset: str = "balanced") -> Tensor:
     """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
@@ -149,7 +151,13 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     applied to the adapter's input with masks hashed from ``dropout_seed`` (a CPU int64 tensor
     with one element, e.g. ``torch.randint(2**31, ())``): the backward replays them exactly.
     residual_scale: each sublayer's output is multiplied by it before the residual add
-    (Granite's ``residual_multiplier``).
+    (Granite's ``residual_multiplier``). Norms: every norm slot is optional (absent = none);
+    ``"attention_output_norm.weight"`` / ``"mlp_output_norm.weight"`` norm a sublayer's output
+    before the residual add (Gemma 2/3's post-attention and post-feedforward norms, OLMo-2's);
+    q/k norm weights of width ``heads * head_dim`` norm the whole projection (OLMo-2), of width
+    ``head_dim`` each head (Qwen3, Gemma 3). Every norm multiplies by ``norm_offset + weight``
+    (Gemma: 1); ``norm_cast_last`` applies the weight in float32 and casts the result to the
+    input's dtype (Gemma, OLMo-2) instead of casting the normalized input first (LLaMA).
     """
     _check("decoder_layer", preset, part)
     w = pack_weights(weights)
@@ -163,6 +171,7 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         lora_scaling=list(lora_scaling or ()), lora_dropout=list(lora_dropout or ()),
         dropout_seed=dropout_seed, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
         eps=eps, scale=float(scale), residual_scale=float(residual_scale),
+        norm_offset=float(norm_offset), norm_cast_last=bool(norm_cast_last),
         compute_dtype=compute_dtype, part=part, preset=preset)
 
 

@@ -26,6 +26,12 @@ are element-wise and left out). With T = B*S tokens, causal attention (a query a
                                                         softmax tiles again in SDPA's flash
                                                         backward, as in every other row)
 
+A family that norms a sublayer's output before the residual add (Gemma 2/3, OLMo-2/3:
+``LayerDims.attention_output_norm`` / ``mlp_output_norm``) saves the same bytes and recomputes
+that output for the norm's backward: + o_proj for fast and balanced (min_memory recomputes it
+already), + gate_up + down for every fused preset (the MLP forward once more, since the down
+projection's output is needed before the SwiGLU backward starts).
+
 :func:`choose_presets` picks, per layer, one of the fused presets so that the layers' saved
 bytes fit a budget with the least total recompute. It solves this small multiple-choice
 knapsack exactly: both bytes and FLOPs are B*S times a per-token integer, so it keeps the
@@ -75,13 +81,16 @@ _CHOICES = ("fast", "balanced", "min_memory")
 
 @dataclass(frozen=True)
 class LayerDims:
-    """The shape of one decoder layer: H, Hq, Hkv, D, I."""
+    """The shape of one decoder layer: H, Hq, Hkv, D, I, and whether the family norms the
+    attention's / the MLP's output before the residual add (module docstring)."""
 
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    attention_output_norm: bool = False
+    mlp_output_norm: bool = False
 
     def __post_init__(self):
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -99,13 +108,17 @@ class LayerDims:
                     D=self.head_dim, I=self.intermediate_size)
 
     @classmethod
-    def from_hf_layer(cls, layer, num_heads: int) -> "LayerDims":
+    def from_hf_layer(cls, layer, num_heads: int, family=None) -> "LayerDims":
         """From an HF Llama-family decoder layer (``self_attn.q_proj/k_proj``, ``mlp.gate_proj``)
-        and its number of query heads, read off the projection shapes."""
+        and its number of query heads, read off the projection shapes; ``family``
+        (``ckpt_ext.hf.families``, LLaMA's when None) says which output norms it has."""
         q, k = layer.self_attn.q_proj, layer.self_attn.k_proj
         head_dim = q.out_features // num_heads
+        norms = family.norms if family is not None else {}
         return cls(q.in_features, num_heads, k.out_features // head_dim, head_dim,
-                   layer.mlp.gate_proj.out_features)
+                   layer.mlp.gate_proj.out_features,
+                   attention_output_norm="attention_output_norm" in norms,
+                   mlp_output_norm="mlp_output_norm" in norms)
 
 
 def _config_value(config, name, default=None):
@@ -137,7 +150,11 @@ def layer_dims_from_config(config) -> list:
         raise ValueError(f"config: num_attention_heads must be a positive int, got {heads}")
     kv = integer("num_key_value_heads", heads)
     D = integer("head_dim", H // heads)
-    dims = LayerDims(H, heads, kv, D, integer("intermediate_size"))
+    from .hf.families import FAMILIES, LLAMA
+    family = FAMILIES.get(_config_value(config, "model_type"), LLAMA)
+    dims = LayerDims(H, heads, kv, D, integer("intermediate_size"),
+                     attention_output_norm="attention_output_norm" in family.norms,
+                     mlp_output_norm="mlp_output_norm" in family.norms)
     layers = integer("num_hidden_layers")
     if layers <= 0:
         raise ValueError(f"config: num_hidden_layers must be a positive int, got {layers}")
@@ -498,12 +515,15 @@ def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
     o_proj = 2 * Hq * D * H
     gate_up = 4 * H * I
     down = 2 * I * H
+    # the output norms' backward reads the sublayer's output (module docstring)
+    out_norms = (d.mlp_output_norm * (gate_up + down)
+                 + (d.attention_output_norm and preset != "min_memory") * o_proj)
     if preset == "fast":
-        return scores
+        return scores + out_norms
     if preset == "balanced":
-        return scores + qkv + gate_up
+        return scores + qkv + gate_up + out_norms
     if preset == "min_memory":
-        return 2 * scores + pv + qkv + gate_up + o_proj
+        return 2 * scores + pv + qkv + gate_up + o_proj + out_norms
     if preset == "torch":
         return 2 * scores + pv + qkv + o_proj + gate_up + down
     raise ValueError(f"recompute_flops: preset must be one of 'fast', 'balanced', "

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -68,6 +69,11 @@ void check_weight(const char* op, const Layer& L, int64_t s, const at::Tensor& x
   }
 }
 
+// An optional norm over the hidden size.
+void check_norm(const char* op, const Layer& L, Norm n, const at::Tensor& x) {
+  if (L.has_norm(n)) check_weight(op, L, slot(n), x, {x.size(2)}, "to match x's hidden size");
+}
+
 void check_proj(const char* op, const Layer& L, Proj p, const at::Tensor& x, int64_t out,
                 int64_t in) {
   check_weight(op, L, slot(p, kWeight), x, {out, in}, "(out_features, in_features)");
@@ -122,16 +128,21 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
                      "self_attn.q_proj.weight must be (num_heads * head_dim, H) with num_heads=",
                      L.num_heads, ", got ", wq.defined() ? checks::shape_str(wq.sizes()) : "None");
     const int64_t d = L.head_dim();
-    check_weight(op, L, slot(kInputNorm), x, {h}, "to match x's hidden size");
+    check_norm(op, L, kInputNorm, x);
+    check_norm(op, L, kAttnOutNorm, x);
     check_proj(op, L, kQ, x, L.num_heads * d, h);
     check_proj(op, L, kK, x, L.num_kv_heads * d, h);
     check_proj(op, L, kV, x, L.num_kv_heads * d, h);
     check_proj(op, L, kO, x, h, L.num_heads * d);
     CKPT_CHECK_VALUE(L.qk_norm() == L.norm(kKNorm).defined(), op,
                      "self_attn.q_norm.weight and self_attn.k_norm.weight come together");
-    if (L.qk_norm()) {
-      check_weight(op, L, slot(kQNorm), x, {d}, "(head_dim,)");
-      check_weight(op, L, slot(kKNorm), x, {d}, "(head_dim,)");
+    if (L.qk_norm()) {  // per head, or over the whole projection (the same when heads is 1)
+      const bool whole = L.norm(kQNorm).numel() != d;
+      const char* why = whole ? "(num_heads * head_dim,), or (head_dim,) for a per-head norm "
+                                "like the other" : "(head_dim,), or the projection's width "
+                                "(heads * head_dim,) for a norm over it like the other";
+      check_weight(op, L, slot(kQNorm), x, {whole ? L.num_heads * d : d}, why);
+      check_weight(op, L, slot(kKNorm), x, {whole ? L.num_kv_heads * d : d}, why);
     }
     CKPT_CHECK_VALUE(L.cos && L.sin, op,
                      "position_embeddings (cos, sin) are required for the attention");
@@ -157,11 +168,14 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
     CKPT_CHECK_VALUE(wg.defined() && wg.dim() == 2, op,
                      "mlp.gate_proj.weight must be (intermediate_size, H)");
     const int64_t i = wg.size(0);
-    check_weight(op, L, slot(kPostNorm), x, {h}, "to match x's hidden size");
+    check_norm(op, L, kPostNorm, x);
+    check_norm(op, L, kMlpOutNorm, x);
     check_proj(op, L, kGate, x, i, h);
     check_proj(op, L, kUp, x, i, h);
     check_proj(op, L, kDown, x, h, i);
   }
+  CKPT_CHECK_VALUE(std::isfinite(L.norm_offset), op, "norm_offset must be finite, got ",
+                   L.norm_offset);
   check_dropout(op, L);
 }
 
@@ -229,6 +243,61 @@ at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Ten
 
 at::Tensor flat2(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
 
+// ---- norms ---------------------------------------------------------------------------------
+
+// The RMSNorm of slot n over x's last dim, as the family rounds it (norm_offset,
+// norm_cast_last in csrc/layer_spec.h); an absent norm is the identity.
+at::Tensor norm_fwd(const Layer& L, Norm n, const at::Tensor& x) {
+  const at::Tensor& w = L.norm(n);
+  if (!w.defined()) return x;
+  if (!L.norm_cast_last) {
+    return kernel::rms_norm_fwd(x, L.norm_offset == 0.0 ? w : w + L.norm_offset, L.eps);
+  }
+  const at::ScalarType wide = at::promote_types(x.scalar_type(), at::kFloat);
+  return kernel::rms_norm_fwd(x.to(wide), w.to(wide) + L.norm_offset, L.eps)
+      .to(x.scalar_type());
+}
+
+// Backward of norm_fwd: d x (dy itself for an absent norm); the weight's gradient is added to
+// g where `needs` asks for it.
+at::Tensor norm_bwd(const Layer& L, Norm n, const at::Tensor& dy, const at::Tensor& x,
+                    const std::vector<bool>& needs, Grads& g) {
+  const at::Tensor& w = L.norm(n);
+  if (!w.defined()) return dy;
+  at::Tensor dx, dw;
+  if (!L.norm_cast_last) {
+    std::tie(dx, dw) = kernel::rms_norm_bwd(dy.to(at::promote_types(x.scalar_type(), w.scalar_type())),
+                                            x, L.norm_offset == 0.0 ? w : w + L.norm_offset,
+                                            L.eps);
+  } else {
+    const at::ScalarType wide = at::promote_types(x.scalar_type(), at::kFloat);
+    std::tie(dx, dw) = kernel::rms_norm_bwd(dy.to(wide), x.to(wide),
+                                            w.to(wide) + L.norm_offset, L.eps);
+    dx = dx.to(x.scalar_type());
+  }
+  if (needs[slot(n)]) g.add(slot(n), dw);
+  return dx;
+}
+
+// q or k norm of lin (nb, sc, heads, D): per head for a (D,) weight, else over the whole
+// projection (heads * D,).
+bool per_head(const Layer& L, Norm n, const at::Tensor& lin) {
+  return L.norm(n).numel() == lin.size(-1);
+}
+
+at::Tensor head_norm_fwd(const Layer& L, Norm n, const at::Tensor& lin) {
+  if (!L.qk_norm()) return lin;
+  if (per_head(L, n, lin)) return norm_fwd(L, n, lin);
+  return norm_fwd(L, n, lin.flatten(2)).view(lin.sizes());
+}
+
+at::Tensor head_norm_bwd(const Layer& L, Norm n, const at::Tensor& dlin, const at::Tensor& lin,
+                         const std::vector<bool>& needs, Grads& g) {
+  if (!L.qk_norm()) return dlin;
+  if (per_head(L, n, lin)) return norm_bwd(L, n, dlin, lin, needs, g);
+  return norm_bwd(L, n, dlin.flatten(2), lin.flatten(2), needs, g).view(lin.sizes());
+}
+
 // ---- residuals -----------------------------------------------------------------------------
 
 std::vector<at::Tensor> pack(const Residuals& r, const Layer& L) {
@@ -250,7 +319,7 @@ Residuals unpack(at::TensorList saved, const Layer& L, const char* op) {
 
 // The normed MLP input, (T, H) in the compute dtype.
 at::Tensor mlp_input(const at::Tensor& h, const Layer& L) {
-  return L.cast(flat2(kernel::rms_norm_fwd(h, L.norm(kPostNorm), L.eps)));
+  return L.cast(flat2(norm_fwd(L, kPostNorm, h)));
 }
 
 // The SwiGLU ops' adapter arguments: [A_gate, B_gate, A_up, B_up, A_down, B_down] (cast to
@@ -312,6 +381,7 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
         row0 + t0);
     if (keep_gate_up) r.gate = gate, r.up = up;
+    y2 = norm_fwd(L, kMlpOutNorm, y2);
     if (tc == T) return h + L.residual_scaled(y2).view(h.sizes());
     if (!out.defined())
       out = at::empty({T, h2.size(1)}, h.options().dtype(at::result_type(hc, y2)));
@@ -338,7 +408,6 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
   c10::List<bool> wanted;
   for (int64_t s : order) wanted.push_back(needs[s]);
   const MlpLora l = mlp_lora(L);
-  const at::Tensor& wn = L.norm(kPostNorm);
   const at::Tensor h2 = flat2(h), dy2 = flat2(dy);
   const int64_t T = h2.size(0);
   const int64_t rows = mlp_chunk_rows(L, h);
@@ -350,9 +419,19 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     const at::Tensor hc = h2.narrow(0, t0, tc), dyc = dy2.narrow(0, t0, tc);
     OptTensor gate, up;
     if (r.gate.defined()) gate = r.gate.narrow(0, t0, tc), up = r.up.narrow(0, t0, tc);
+    const at::Tensor m = mlp_input(hc, L);
+    at::Tensor dmlp = L.residual_scaled(L.cast(dyc));  // d of the MLP's (normed) output
+    if (L.has_norm(kMlpOutNorm)) {  // its norm's backward reads the down projection's output
+      const at::Tensor y2 = std::get<0>(kernel::swiglu_fwd(
+          m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+          L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+          L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, false, l.dropout, l.seed,
+          row0 + t0));
+      dmlp = L.cast(norm_bwd(L, kMlpOutNorm, dmlp, y2, needs, g));
+    }
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
-        L.residual_scaled(L.cast(dyc)), mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
-        L.cast(L.proj(kDown)), L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+        dmlp, m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+        L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
         row0 + t0);
     const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
@@ -360,9 +439,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
       if (!needs[order[j]]) continue;
       g.add(order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
     }
-    auto [dhn, dwn] = kernel::rms_norm_bwd(
-        dm2.to(at::promote_types(h.scalar_type(), wn.scalar_type())), hc, wn, L.eps);
-    if (needs[slot(kPostNorm)]) g.add(slot(kPostNorm), dwn);
+    const at::Tensor dhn = norm_bwd(L, kPostNorm, dm2, hc, needs, g);
     if (one) {
       dx = dy + dhn.view(h.sizes());
     } else {
@@ -469,18 +546,16 @@ struct Projected {
 Projected project(const at::Tensor& x, const Layer& L, const Chunk& c, Heads which) {
   const int64_t b = x.size(0), s = x.size(1), d = L.head_dim(), t0 = c.t0();
   Projected p;
-  p.n = L.cast(kernel::rms_norm_fwd(x, L.norm(kInputNorm), L.eps));
+  p.n = L.cast(norm_fwd(L, kInputNorm, x));
   at::Tensor qh, kh;
   if (which != Heads::kKeys) {
     p.q_lin = proj_fwd(L, kQ, p.n, t0).view({b, s, L.num_heads, d});
-    qh = (L.qk_norm() ? kernel::rms_norm_fwd(p.q_lin, L.norm(kQNorm), L.eps) : p.q_lin)
-             .transpose(1, 2);
+    qh = head_norm_fwd(L, kQNorm, p.q_lin).transpose(1, 2);
   }
   if (which != Heads::kQueries) {
     p.k_lin = proj_fwd(L, kK, p.n, t0).view({b, s, L.num_kv_heads, d});
     p.v = proj_fwd(L, kV, p.n, t0).view({b, s, L.num_kv_heads, d}).transpose(1, 2);
-    kh = (L.qk_norm() ? kernel::rms_norm_fwd(p.k_lin, L.norm(kKNorm), L.eps) : p.k_lin)
-             .transpose(1, 2);
+    kh = head_norm_fwd(L, kKNorm, p.k_lin).transpose(1, 2);
   }
   // rope keeps its input's layout: q, k stay (B, H, S, D) views of (B, S, H, D) memory, the
   // layout attention reads, and their gradients come back alike (merged with views).
@@ -655,7 +730,8 @@ at::Tensor attention_layer_forward(const at::Tensor& x, const Layer& L, Residual
     // The kernels return out as a (B, Hq, S, D) view of (B, S, Hq, D) memory, so merge_heads is
     // a view; this is a no-op for them and keeps the residual's layout fixed for any kernel.
     out = out.transpose(1, 2).contiguous().transpose(1, 2);
-    at::Tensor h = xc + L.residual_scaled(proj_fwd(L, kO, merge_heads(out), c.t0()));
+    at::Tensor h = xc + L.residual_scaled(
+                            norm_fwd(L, kAttnOutNorm, proj_fwd(L, kO, merge_heads(out), c.t0())));
     if (one) {
       if (fast) r.q = p.q, r.k = p.k, r.v = p.v;
       if (keep) r.out = out, r.lse = lse;
@@ -691,13 +767,7 @@ at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected&
   const at::Tensor n2 = flat2(p.n);
   const int64_t rows = n2.size(0);
   auto norm_back = [&](const at::Tensor& dh, const at::Tensor& lin, Norm which) {
-    at::Tensor dlin = dh.transpose(1, 2);  // (nb, sc, H*, D)
-    if (!L.qk_norm()) return dlin;
-    const at::Tensor& w = L.norm(which);
-    auto [dl, dw] = kernel::rms_norm_bwd(
-        dlin.to(at::promote_types(lin.scalar_type(), w.scalar_type())), lin, w, L.eps);
-    if (needs[slot(which)]) g.add(slot(which), dw);
-    return dl;
+    return head_norm_bwd(L, which, dh.transpose(1, 2), lin, needs, g);  // (nb, sc, H*, D)
   };
   if (dq.defined()) {
     const at::Tensor dq_lin = norm_back(dqh, p.q_lin, kQNorm);
@@ -716,12 +786,7 @@ at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected&
 // The input norm's backward of a chunk: dh + d(norm input).
 at::Tensor input_norm_backward(const Layer& L, const at::Tensor& xc, const at::Tensor& dn,
                                const at::Tensor& dh, const std::vector<bool>& needs, Grads& g) {
-  const at::Tensor& wn = L.norm(kInputNorm);
-  auto [dxn, dwn] = kernel::rms_norm_bwd(
-      dn.view(xc.sizes()).to(at::promote_types(xc.scalar_type(), wn.scalar_type())), xc, wn,
-      L.eps);
-  if (needs[slot(kInputNorm)]) g.add(slot(kInputNorm), dwn);
-  return dh + dxn;
+  return dh + norm_bwd(L, kInputNorm, dn.view(xc.sizes()), xc, needs, g);
 }
 
 // Backward of attention_layer_forward, chunk by chunk from the last. A chunk recomputes its
@@ -765,7 +830,7 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
       p = project(xc, L, c, keys.k.defined() && !(r.k.defined() && L.qk_norm())
                                 ? Heads::kQueries : Heads::kAll);
     } else {
-      p.n = L.cast(kernel::rms_norm_fwd(xc, L.norm(kInputNorm), L.eps));
+      p.n = L.cast(norm_fwd(L, kInputNorm, xc));
     }
     const at::Tensor q = r.q.defined() ? c.of(r.q, 2) : p.q;
     const at::Tensor& k = keys.k.defined() ? keys.k : p.k;
@@ -780,11 +845,15 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
       out = out.transpose(1, 2).contiguous().transpose(1, 2);
     }
     // The chunk's h, and the MLP backward of its rows.
+    // The o projection's output: for h when it is not kept, and for the output norm's backward.
+    at::Tensor o;
+    if (L.has_norm(kAttnOutNorm) || (layer && !r.h.defined()))
+      o = proj_fwd(L, kO, merge_heads(out), c.t0());
     at::Tensor dh = dyc;
     if (layer) {
-      const at::Tensor h =
-          r.h.defined() ? c.of(r.h)
-                        : xc + L.residual_scaled(proj_fwd(L, kO, merge_heads(out), c.t0()));
+      const at::Tensor h = r.h.defined()
+                               ? c.of(r.h)
+                               : xc + L.residual_scaled(norm_fwd(L, kAttnOutNorm, o));
       Residuals rc;
       if (r.gate.defined()) {
         rc.gate = r.gate.narrow(0, c.t0(), c.nb * c.sc);
@@ -793,8 +862,11 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
       dh = mlp_backward(dyc, h, L, rc, needs, g, c.t0());
     }
     // The o projection's and the attention's backward.
-    const at::Tensor dmerged = proj_bwd(L, kO, L.residual_scaled(L.cast(flat2(dh))),
-                                        flat2(merge_heads(out)), needs, g, c.t0());
+    at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
+    if (o.defined() && L.has_norm(kAttnOutNorm))
+      d_o = L.cast(norm_bwd(L, kAttnOutNorm, d_o, flat2(o), needs, g));
+    const at::Tensor dmerged =
+        proj_bwd(L, kO, d_o, flat2(merge_heads(out)), needs, g, c.t0());
     const at::Tensor dout = dmerged.view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2);
     at::Tensor dq, dk, dv;
     if (one) {
@@ -849,7 +921,7 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
         p = project(xc, L, c, Heads::kKeys);
         k_lin = p.k_lin;
       } else {
-        p.n = L.cast(kernel::rms_norm_fwd(xc, L.norm(kInputNorm), L.eps));
+        p.n = L.cast(norm_fwd(L, kInputNorm, xc));
         if (L.qk_norm()) k_lin = c.of(keys.k_lin);
       }
       const at::Tensor dn = projections_backward(L, c, p, {}, dk, dv, k_lin,

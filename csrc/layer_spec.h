@@ -23,8 +23,14 @@
 // attention sublayer x + o_proj(attn(...)) ("attention") or the MLP sublayer
 // h + down(silu(gate) * up) ("mlp"); a sublayer keeps its share of the residuals above.
 //
-// Weights travel as one list of named slots (HF parameter names relative to the decoder
-// layer); a projection is the four slots weight, bias, lora_A, lora_B, absent ones None. A
+// A family whose sublayers norm their output before the residual add (Gemma 2/3, OLMo-2: an
+// output norm slot given) keeps the same residuals: its backward recomputes the sublayer's
+// output, which the norm's backward reads. That is the o projection from out (min_memory
+// recomputes it anyway) and the MLP's whole forward once more, since the down projection's
+// output is needed before the SwiGLU backward starts.
+//
+// Weights travel as one list of named slots (LLaMA's HF parameter names relative to the decoder
+// layer, and two output norms that LLaMA lacks, see Norm below); a projection is the four slots weight, bias, lora_A, lora_B, absent ones None. A
 // LoRA projection computes x W^T + b + scaling * (dropout(x) A^T) B^T; the dropout mask is a
 // hash of (dropout_seed, projection, element) (csrc/lora_dropout.h), so every recompute and
 // the backward see the forward's masks.
@@ -86,6 +92,12 @@ using OptTensor = std::optional<at::Tensor>;
 //   num_heads,
 //   num_kv_heads, eps   the attention's heads; the norms' epsilon
 //   scale               the attention's softmax scale
+//   norm_offset         every RMSNorm multiplies by (norm_offset + weight): 0 for LLaMA, 1 for
+//                       Gemma's (1 + w)
+//   norm_cast_last      false: the normalized input is cast to the input's dtype, then
+//                       multiplied by the weight (LLaMA; the result takes the promoted dtype);
+//                       true: the weight is applied in float32 (at least) and the result cast to
+//                       the input's dtype (Gemma, OLMo-2). Under bf16 they round differently.
 //   residual_scale      each sublayer's output is multiplied by it before the residual add
 //                       (Granite's residual_multiplier; 1: LLaMA)
 //   compute_dtype       the dtype of the projections and attention (None: the weights';
@@ -107,6 +119,8 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "int", int64_t, num_kv_heads, __VA_ARGS__)                                     \
   X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
   X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
+  X(OPTION, "float", double, norm_offset, __VA_ARGS__)                                     \
+  X(OPTION, "bool", bool, norm_cast_last, __VA_ARGS__)                                     \
   X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \
   X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, __VA_ARGS__)      \
   X(OPTION, "str", c10::string_view, part, __VA_ARGS__)                                    \
@@ -216,7 +230,15 @@ struct LayerOptions {
 
 // ---- weight slots ----------------------------------------------------------------------------
 
-enum Norm : int64_t { kInputNorm = 0, kQNorm, kKNorm, kPostNorm, kNumNorms };
+// The norms by role. kInputNorm and kPostNorm are the pre-norms of the attention and of the
+// MLP (LLaMA's input_layernorm and post_attention_layernorm); kAttnOutNorm and kMlpOutNorm norm
+// a sublayer's output before the residual add (Gemma 2/3's post_attention_layernorm and
+// post_feedforward_layernorm, OLMo-2's likewise). Every norm is optional: an absent one is the
+// identity (OLMo-2 has no pre-norms, LLaMA no output norms). q/k norms are per head, weight
+// (head_dim,) (Qwen3, Gemma 3), or over the whole projection, weight (heads * head_dim,)
+// (OLMo-2).
+enum Norm : int64_t { kInputNorm = 0, kQNorm, kKNorm, kPostNorm, kAttnOutNorm, kMlpOutNorm,
+                      kNumNorms };
 enum Proj : int64_t { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kNumProjs };
 enum ProjPart : int64_t { kWeight = 0, kBias, kLoraA, kLoraB, kNumProjParts };
 constexpr int64_t kNumSlots =
@@ -229,7 +251,7 @@ constexpr int64_t slot(Proj p, ProjPart part) {
 
 inline const std::array<const char*, kNumNorms> kNormNames = {
     "input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "post_attention_layernorm.weight"};
+    "post_attention_layernorm.weight", "attention_output_norm.weight", "mlp_output_norm.weight"};
 inline const std::array<const char*, kNumProjs> kProjNames = {
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
@@ -279,7 +301,8 @@ struct Layer : LayerTensors, LayerOptions {
   const at::Tensor& norm(Norm n) const { return w[slot(n)]; }
   const at::Tensor& proj(Proj p, ProjPart part = kWeight) const { return w[slot(p, part)]; }
   int64_t head_dim() const { return proj(kQ).size(0) / num_heads; }
-  bool qk_norm() const { return norm(kQNorm).defined(); }
+  bool has_norm(Norm n) const { return norm(n).defined(); }
+  bool qk_norm() const { return has_norm(kQNorm); }
   // t in the compute dtype (a transient copy when it differs; t itself otherwise).
   at::Tensor cast(const at::Tensor& t) const {
     return t.defined() && compute_dtype && t.scalar_type() != *compute_dtype

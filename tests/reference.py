@@ -137,21 +137,37 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
-    """p: a DecoderLayer state_dict (HF names). Computes in x's dtype."""
+def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm_offset=0.0,
+                    part="layer"):
+    """p: a DecoderLayer state_dict (HF names), or the op's weight slots by name: a norm absent
+    from p is the identity, "attention_output_norm.weight" / "mlp_output_norm.weight" norm a
+    sublayer's output before the residual add, q/k norms of width heads * head_dim norm the
+    whole projection. Norms multiply by (norm_offset + w). part: "layer", "attention" (x + the
+    attention sublayer) or "mlp" (x + the MLP sublayer). Computes in x's dtype."""
     def rms(t, w):
-        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+        if w is None:
+            return t
+        if w.shape[-1] != t.shape[-1]:  # over the whole projection (B, S, heads, D)
+            return rms(t.flatten(2), w).view(t.shape)
+        return (norm_offset + w) * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
 
     def lin(t, name):
         return F.linear(t, p[name + ".weight"], p.get(name + ".bias"))
 
+    def mlp(h):
+        m = rms(h, p.get("post_attention_layernorm.weight"))
+        y = lin(F.silu(lin(m, "mlp.gate_proj")) * lin(m, "mlp.up_proj"), "mlp.down_proj")
+        return h + rms(y, p.get("mlp_output_norm.weight"))
+
+    if part == "mlp":
+        return mlp(x)
     b, s, _ = x.shape
     d = p["self_attn.q_proj.weight"].shape[0] // hq
-    n = rms(x, p["input_layernorm.weight"])
+    n = rms(x, p.get("input_layernorm.weight"))
     q = lin(n, "self_attn.q_proj").view(b, s, hq, d)
     k = lin(n, "self_attn.k_proj").view(b, s, hkv, d)
     v = lin(n, "self_attn.v_proj").view(b, s, hkv, d).transpose(1, 2)
-    if qk_norm:
+    if qk_norm or "self_attn.q_norm.weight" in p:
         q, k = rms(q, p["self_attn.q_norm.weight"]), rms(k, p["self_attn.k_norm.weight"])
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     q, k = rope_reference(q, k, cos, sin)
@@ -162,9 +178,9 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
         allowed = allowed & mask[:, None, None, :]
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
     probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # nothing to attend -> 0
-    h = x + lin((probs @ v).transpose(1, 2).reshape(b, s, -1), "self_attn.o_proj")
-    m = rms(h, p["post_attention_layernorm.weight"])
-    return h + lin(F.silu(lin(m, "mlp.gate_proj")) * lin(m, "mlp.up_proj"), "mlp.down_proj")
+    o = lin((probs @ v).transpose(1, 2).reshape(b, s, -1), "self_attn.o_proj")
+    h = x + rms(o, p.get("attention_output_norm.weight"))
+    return h if part == "attention" else mlp(h)
 
 
 def make_layer(h, hq, hkv, i, dtype, policy="balanced", **kw):

@@ -37,13 +37,17 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # Llama with every bias it can have (o_proj included); Qwen2 has q/k/v biases and an o_proj
 # without; Qwen3 has q_norm/k_norm; Mistral's default sliding window (4096) is longer than S;
 # Ministral interleaves sliding and full layers, here with a window shorter than S; SmolLM3's
-# middle layer applies no RoPE; Granite scales residual branches, scores and embeddings.
+# middle layer applies no RoPE; Granite scales residual branches, scores and embeddings; OLMo-2
+# norms each sublayer's output instead of its input, and q/k over the whole projection; OLMo-3
+# adds interleaved sliding windows.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
             "smollm3": dict(no_rope_layers=[1, 0, 1]),
             "granite": dict(residual_multiplier=0.6, attention_multiplier=0.2,
-                            embedding_multiplier=3.0, logits_scaling=1.0)}
+                            embedding_multiplier=3.0, logits_scaling=1.0),
+            "olmo2": {}, "olmo3": dict(sliding_window=6, layer_types=[
+                "sliding_attention", "full_attention", "sliding_attention"])}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5

@@ -53,6 +53,20 @@ def test_recompute_flops_by_hand():
         plan.recompute_flops("none", d, 1, 3)
 
 
+def test_recompute_flops_with_output_norms_by_hand():
+    """The same layer with Gemma's / OLMo-2's output norms: the MLP forward again (gate/up
+    1536 + down 768) for every fused preset, o_proj (384) again for fast and balanced; the
+    torch row recomputes the whole layer anyway."""
+    base = LayerDims(8, 2, 1, 4, 16)
+    d = LayerDims(8, 2, 1, 4, 16, attention_output_norm=True, mlp_output_norm=True)
+    extra = {"fast": 2304 + 384, "balanced": 2304 + 384, "min_memory": 2304, "torch": 0}
+    for preset, more in extra.items():
+        assert plan.recompute_flops(preset, d, 1, 3) == \
+            plan.recompute_flops(preset, base, 1, 3) + more, preset
+        assert plan.layer_bytes(preset, d, 1, 3, torch.bfloat16) == \
+            plan.layer_bytes(preset, base, 1, 3, torch.bfloat16), preset
+
+
 # ---- choose_presets --------------------------------------------------------------------------
 def _cost(presets, layers, B, S, dtype=torch.bfloat16):
     used = sum(plan.layer_bytes(p, d, B, S, dtype) for p, d in zip(presets, layers))
@@ -124,6 +138,8 @@ def test_layer_dims_from_config_and_hf_layer():
     assert plan.layer_dims_from_config(cfg.to_dict()) == dims
     model = transformers.LlamaForCausalLM(cfg)
     assert LayerDims.from_hf_layer(model.model.layers[0], 4) == dims[0]
+    olmo = dict(cfg.to_dict(), model_type="olmo2")
+    assert plan.layer_dims_from_config(olmo) == [LayerDims(64, 4, 2, 16, 176, True, True)] * 3
 
 
 # ---- the LM head ----------------------------------------------------------------------------

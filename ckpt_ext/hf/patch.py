@@ -72,20 +72,20 @@ from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
 from .adapters import read_projection
+from .families import FAMILIES, LLAMA, Family, activation, norm_eps
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                         "granite")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer, or "auto"
 
 _ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_LAYER_CHILDREN = {"self_attn", "mlp"}  # and the family's norms
 _ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb"}
 _MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn"}
 # transformers 5.x installs this forward hook on layers and attentions once any output_* is
@@ -150,7 +150,7 @@ def _resolve_policy(policy: Policy, n_layers: int) -> List[str]:
 
 # ---- what the fused op needs from a layer ----------------------------------------------------
 
-def _structure_problem(layer: nn.Module, hooks: bool = False,
+def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
                        projections: bool = True) -> Optional[str]:
     """Why the fused op cannot stand in for this layer's modules, or None. Checked at patch
     time and at every training forward, where it also catches projections wrapped or switched
@@ -158,10 +158,10 @@ def _structure_problem(layer: nn.Module, hooks: bool = False,
     would not run. ``projections=False`` (patch time) leaves out what PEFT can change later
     (adapters, dropout, merging): those make a call delegate, never a patch fail."""
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
-    if attn is None or mlp is None or not {"input_layernorm",
-                                           "post_attention_layernorm"} <= set(layer._modules):
-        return "it lacks self_attn, mlp, input_layernorm or post_attention_layernorm"
-    for parent, expected, where in ((layer, _LAYER_CHILDREN, ""), (attn, _ATTN_CHILDREN,
+    needed = _LAYER_CHILDREN | family.modules
+    if attn is None or mlp is None or not needed <= set(layer._modules):
+        return f"it lacks one of {', '.join(sorted(needed))}"
+    for parent, expected, where in ((layer, needed, ""), (attn, _ATTN_CHILDREN,
                                     "self_attn."), (mlp, _MLP_CHILDREN, "mlp.")):
         extra = set(parent._modules) - expected
         if extra:
@@ -172,8 +172,8 @@ def _structure_problem(layer: nn.Module, hooks: bool = False,
             proj = read_projection(parent._modules.get(name), layer.training)
             if isinstance(proj, str):
                 return f"{where}.{name} is {proj}"
-    for name, norm in _norms(layer).items():
-        if (not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon")
+    for name, norm in _norms(layer, family).items():
+        if (not type(norm).__name__.endswith("RMSNorm") or norm_eps(norm) is None
                 or set(dict(norm.named_parameters())) != {"weight"}):
             return f"{name} is a {type(norm).__name__}, not the family's RMSNorm"
     if (attn._modules.get("q_norm") is None) != (attn._modules.get("k_norm") is None):
@@ -285,16 +285,17 @@ def _capture_inert() -> bool:
     return not (active and "attentions" in active)
 
 
-def _norms(layer: nn.Module) -> dict:
+def _norms(layer: nn.Module, family: Family) -> dict:
+    """The layer's norms by the op's slot (without ``.weight``): the family's map, then q/k
+    norms where the attention has them."""
     attn = layer._modules["self_attn"]
-    norms = {name: layer._modules.get(name) for name in ("input_layernorm",
-                                                           "post_attention_layernorm")}
+    norms = {slot: layer._modules.get(name) for slot, name in family.norms.items()}
     norms.update({f"self_attn.{name}": attn._modules.get(name) for name in ("q_norm", "k_norm")})
     return {name: norm for name, norm in norms.items() if norm is not None}
 
 
-def _eps(layer: nn.Module) -> float:
-    values = {name: float(norm.variance_epsilon) for name, norm in _norms(layer).items()}
+def _eps(layer: nn.Module, family: Family) -> float:
+    values = {name: norm_eps(norm) for name, norm in _norms(layer, family).items()}
     if len(set(values.values())) != 1:
         raise ValueError(f"the norms have different eps {values}; the fused op takes one eps "
                          "for all of them")
@@ -306,12 +307,13 @@ class _LayerSpec:
 
     def __init__(self, layer: nn.Module, config):
         attn = layer.self_attn
+        self.family = FAMILIES[config.model_type]
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(attn, "head_dim", None) or
                             config.hidden_size // config.num_attention_heads)
         self.scale = float(attn.scaling)
-        self.eps = _eps(layer)
+        self.eps = _eps(layer, self.family)
         self.window = _layer_window(config, layer)
         self.rope = _layer_uses_rope(config, layer)
         # Granite multiplies each sublayer's output before the residual add
@@ -380,7 +382,7 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
                           f"({type(layer).__name__}): {why}. Use policy 'none' or 'torch' "
                           "for it (a list or callable policy picks per layer)")
 
-    problem = _structure_problem(layer, projections=False)
+    problem = _structure_problem(layer, FAMILIES[config.model_type], projections=False)
     if problem:
         raise refuse(problem)
     impl = _attn_implementation(config)
@@ -483,7 +485,8 @@ class _Shared:
             # more), so every layer takes it; the budget is checked against the pool.
             from ..plan import LayerDims, offload_device_bytes
             config = self.owner.config
-            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads))
+            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads),
+                                            FAMILIES[config.model_type])
                     for layer in self.layers]
             presets = ["min_memory"] * len(dims)
             need = offload_device_bytes(dims, presets, b, s, dtype)
@@ -496,7 +499,8 @@ class _Shared:
         if key not in self.auto:
             from ..plan import LayerDims, choose_presets
             config = self.owner.config
-            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads))
+            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads),
+                                            FAMILIES[config.model_type])
                     for layer in self.layers]
             self.auto[key] = choose_presets(dims, b, s, dtype, self.budget)
         return self.auto[key]
@@ -593,7 +597,7 @@ class _PatchedForward:
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
         reason, masks = self._why_not_fused(hidden_states, kwargs, state)
-        tensors = _layer_tensors(self.layer) if reason is None else None
+        tensors = _layer_tensors(self.layer, self.spec.family) if reason is None else None
         if isinstance(tensors, str):
             reason = tensors
         if reason is not None:
@@ -658,7 +662,8 @@ class _PatchedForward:
             return "attention_dropout > 0 (set after patching)", BatchMasks()
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
             return "attention is not causal (is_causal=False)", BatchMasks()
-        problem = _structure_problem(layer, hooks=True, projections=False)  # read once, later
+        problem = _structure_problem(layer, spec.family, hooks=True,
+                                     projections=False)  # read once, later
         if problem:
             return problem, BatchMasks()
         pe = kwargs.get("position_embeddings")
@@ -692,19 +697,16 @@ class _PatchedForward:
             uniform_empty_rows=_attn_implementation(self.config) == "eager",
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
-            scale=spec.scale, residual_scale=spec.residual_scale, preset=preset)
+            scale=spec.scale, residual_scale=spec.residual_scale,
+            norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
+            preset=preset)
 
 
-def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list, list]]:
+def _layer_tensors(layer: nn.Module, family: Family) -> Union[str, Tuple[list, list, list]]:
     """The op's ``weights``, ``lora_scaling`` and ``lora_dropout`` lists for a layer whose
     structure was checked, or why a projection cannot be fused (its adapters are read here,
     once per call). The lists are empty without adapters / without dropout."""
-    named = {"input_layernorm.weight": layer.input_layernorm.weight,
-             "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
-    attn = layer.self_attn
-    for norm in ("q_norm", "k_norm"):
-        if attn._modules.get(norm) is not None:
-            named[f"self_attn.{norm}.weight"] = attn._modules[norm].weight
+    named = {f"{slot}.weight": norm.weight for slot, norm in _norms(layer, family).items()}
     scaling, dropout, lora = [], [], False
     for path in PROJECTIONS:
         parent, name = path.split(".")
@@ -784,7 +786,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
             _take_over_call_checkpoint(layer)
     shared.install()
-    _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared)
+    _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared, FAMILIES[config.model_type])
     gc_on = any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers)
     fused = set(presets) & set(FUSED_PRESETS)
     if gc_on and fused:
@@ -796,7 +798,8 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     return model
 
 
-def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared) -> None:
+def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared,
+                family: Family) -> None:
     if not fuse or model is owner or getattr(model, "lm_head", None) is None:
         return
     if "forward" in model.__dict__:
@@ -808,8 +811,10 @@ def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared)
         shared.warn_once("head", f"the LM head is not fused: {problem}")
         return
     model.forward = FusedHeadForward(model)
+    # The final norm runs inside the head op with LLaMA's rounding; other families keep theirs.
     norm = owner._modules.get("norm")
-    if final_norm_problem(norm) is None:
+    if family.norm_offset == LLAMA.norm_offset and family.norm_cast_last == LLAMA.norm_cast_last \
+            and final_norm_problem(norm) is None:
         norm.forward = FinalNorm(norm)
 
 

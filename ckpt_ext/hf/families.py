@@ -1,0 +1,67 @@
+"""What each supported ``model_type``'s decoder layer computes, as the fused op's options.
+
+All supported families are LLaMA-shaped decoder layers (RMSNorm, RoPE, GQA attention, a gated
+MLP); they differ along a few axes that the op takes as options:
+
+* which norms the layer has and what each one norms: ``norms`` maps the op's norm slots
+  (``ckpt_ext.blocks.WEIGHT_SLOTS`` without ``.weight``) to the layer's module names. The
+  names mean different things per family: Gemma's ``post_attention_layernorm`` norms the
+  attention's output (the op's ``attention_output_norm``), LLaMA's is the MLP's pre-norm (the
+  op's ``post_attention_layernorm``); OLMo-2 has no pre-norms at all. q/k norms
+  (``self_attn.q_norm`` / ``k_norm``) are taken wherever the layer has them; their weight's
+  width says per head (Qwen3, Gemma 3) or over the whole projection (OLMo-2);
+* how a norm rounds: ``norm_offset`` (Gemma multiplies by 1 + w) and ``norm_cast_last``
+  (Gemma and OLMo-2 apply the weight in float32 and cast the result; LLaMA casts first);
+* the gated activation, read from ``mlp.act_fn`` (SiLU, or GELU-tanh for Gemma's GeGLU).
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Optional
+
+import torch.nn as nn
+
+
+class Family(NamedTuple):
+    """A decoder layer's norm layout and rounding (module docstring)."""
+
+    norms: Mapping[str, str]     # op norm slot -> the layer's module name
+    norm_offset: float = 0.0
+    norm_cast_last: bool = False
+
+    @property
+    def modules(self) -> frozenset:
+        """The layer's own norm modules (children of the layer)."""
+        return frozenset(self.norms.values())
+
+
+LLAMA = Family({"input_layernorm": "input_layernorm",
+                "post_attention_layernorm": "post_attention_layernorm"})
+# Gemma 2/3: pre- and post-norms around both sublayers ("sandwich"), norms times (1 + w)
+GEMMA = Family({"input_layernorm": "input_layernorm",
+                "attention_output_norm": "post_attention_layernorm",
+                "post_attention_layernorm": "pre_feedforward_layernorm",
+                "mlp_output_norm": "post_feedforward_layernorm"},
+               norm_offset=1.0, norm_cast_last=True)
+# OLMo-2/3: no pre-norms; each sublayer's output is normed before the residual add
+OLMO2 = Family({"attention_output_norm": "post_attention_layernorm",
+                "mlp_output_norm": "post_feedforward_layernorm"}, norm_cast_last=True)
+
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
+            "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA,
+            "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2}
+
+# mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)
+ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh",
+               "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+               "FastGELUActivation": "gelu_tanh"}
+
+
+def activation(layer: nn.Module) -> Optional[str]:
+    """The op's name for the layer's gated activation, or None when the op has none."""
+    return ACTIVATIONS.get(type(layer.mlp._modules.get("act_fn")).__name__)
+
+
+def norm_eps(norm: nn.Module) -> Optional[float]:
+    """An RMSNorm's epsilon (``variance_epsilon``; Gemma 3's norms call it ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if eps is None else float(eps)
