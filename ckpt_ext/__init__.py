@@ -10,7 +10,8 @@ Public API:
     presets.PRESETS, presets.saved_bytes                         the presets and their bytes
     patch_llama(model, policy=None, *, activation_budget=None, fuse_lm_head=True,
                 offload=None, offload_limit=None),
-    unpatch_llama(model)                                         HF Llama/Mistral/Qwen2/Qwen3
+    patch_model (the same), unpatch_llama(model)                 HF LLaMA-style families
+    SUPPORTED_MODEL_TYPES                                        the model_types patched
     offload.Offloader                                            saved layer tensors in host memory
     plan (python -m ckpt_ext.plan)                               bytes per preset, auto choice
     config.current() / config.patch(**settings)                 the kernel settings
@@ -22,11 +23,11 @@ from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from . import _backend, blocks, config, modules, offload, ops, presets
 from ._backend import use_triton
 from .checkpoint import checkpoint
-from .hf import patch_llama, unpatch_llama
+from .hf import SUPPORTED_MODEL_TYPES, patch_llama, patch_model, unpatch_llama
 from .memory import peak_memory_bytes, saved_activation_bytes
 
 __all__ = ["checkpoint", "saved_activation_bytes", "peak_memory_bytes", "patch_llama",
-           "unpatch_llama", "ops", "blocks", "modules", "offload", "presets", "config", "use_triton"]
+           "patch_model", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "ops", "blocks", "modules", "offload", "presets", "config", "use_triton"]
 __version__ = "0.1.0"
 
 _backend.register_from_environment()

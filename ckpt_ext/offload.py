@@ -19,9 +19,9 @@ residuals for backward. With ``offload="cpu"`` (``ckpt_ext.modules.DecoderLayer`
   an event recorded at that release.
 * **pools**: host buffers go back to the pool when autograd releases the handles (after the
   layer's backward, or when a graph is dropped, e.g. after an exception) and are reused by the
-  next step; ``limit`` caps the host bytes in use at once: a layer whose tensors would pass it
-  keeps them (from that tensor on) on the device, as do the layers after it while the pool is
-  full.
+  next step; ``limit`` caps the host bytes in use at once, by whole layer calls: a layer
+  whose saved tensors (counted from the op's fakes before it runs) would pass it keeps them all
+  on the device, as ``ckpt_ext.plan.offload_split`` counts it.
 
 On a CPU-only machine the same code runs with the CPU as the "device": the host pool and the
 device pool are separate allocations and the copies are synchronous.
@@ -85,10 +85,11 @@ class _Handle:
 class _Group:
     """The tensors one fused layer call offloaded."""
     __slots__ = ("gid", "entries", "live", "slot", "ready", "fetched", "nbytes", "full",
-                 "used", "__weakref__")
+                 "used", "expected", "__weakref__")
 
-    def __init__(self, gid: int):
+    def __init__(self, gid: int, expected: Optional[int] = None):
         self.gid, self.entries, self.live, self.used = gid, [], 0, False
+        self.expected = expected  # the bytes the call will save, when known
         self.slot, self.ready, self.fetched, self.nbytes, self.full = None, None, False, 0, False
 
 
@@ -188,6 +189,10 @@ class Offloader:
         nbytes = src.numel() * src.element_size()
         cuda = src.is_cuda
         with self._lock:
+            if not group.entries and group.expected is not None and self.limit is not None \
+                    and self._host_in_use + group.expected > self.limit:
+                group.full = True  # the whole layer call stays on the device
+                return t
             if self.limit is not None and self._host_in_use + nbytes > self.limit:
                 group.full = True
                 return t
@@ -305,10 +310,11 @@ class Offloader:
 
     # ---- calling a layer ------------------------------------------------------------------
 
-    def hooks(self, keep: Iterable[Tensor]):
+    def hooks(self, keep: Iterable[Tensor], nbytes: Optional[int] = None):
         """The saved-tensor hooks for one layer call; ``keep``: tensors that stay where they are
-        (weights and the inputs all layers share)."""
-        group = _Group(next(self._ids))
+        (weights and the inputs all layers share); ``nbytes``: what the call will save, if
+        known (the limit then keeps or moves the call's tensors together)."""
+        group = _Group(next(self._ids), nbytes)
         keep = [k for k in keep if isinstance(k, Tensor)]
         return torch.autograd.graph.saved_tensors_hooks(
             lambda t: self._pack(group, keep, t), self._unpack)
@@ -382,5 +388,21 @@ def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tens
         raise RuntimeError("ckpt_ext offload: CUDA graph capture is not supported with "
                            "offload='cpu' (its copies and events are host-driven); capture the "
                            "model with offload=None")
-    with offloader.hooks(keep):
+    nbytes = _layer_saved_bytes(x, kwargs) if offloader.limit is not None else None
+    with offloader.hooks(keep, nbytes):
         return fn(x, **kwargs)
+
+
+def _layer_saved_bytes(x: Tensor, kwargs) -> int:
+    """The bytes a decoder_layer call with these arguments saves besides its shared inputs:
+    x and the preset's residuals, shaped by the op's fakes on the meta device (nothing is
+    allocated), with the autocast dtype as the compute dtype when autocast is on."""
+    from types import SimpleNamespace
+
+    from .blocks import LAYER_DEFAULTS, RESIDUALS, _residual
+    a = SimpleNamespace(**{**LAYER_DEFAULTS, **kwargs})
+    if a.compute_dtype is None and torch.is_autocast_enabled(x.device.type):
+        a.compute_dtype = torch.get_autocast_dtype(x.device.type)
+    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    saved = [meta] + [_residual(n, meta, a) for n in RESIDUALS[a.part, a.preset]]
+    return sum(t.numel() * t.element_size() for t in saved)

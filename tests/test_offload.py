@@ -290,16 +290,12 @@ def test_offload_limit_split(preset):
     gc.collect()
     n_off, host, kept = plan.offload_split(dims, [preset] * n, b, s, torch.float32, limit)
     assert n_off == 2 and kept == (n - 2) * per_layer
-    # the plan counts whole layers; the offloader may also move the first tensors of the layer
-    # that reaches the cap
-    assert host <= peak_in_use <= limit
-    # layers 0, 1 moved all they saved; layer 2 found the pool full at its first tensor that
-    # did not fit and kept the rest; later layers kept everything on the device
-    assert [r() is not None for r in inputs][:2] == [False, False]
-    assert [r() is not None for r in inputs][3:] == [True] * (n - 3)
+    # whole layers, as the plan counts them: layers 0, 1 moved all they saved; layer 2 would
+    # pass the cap, so it and the layers after it keep everything on the device
+    assert peak_in_use == host <= limit
+    assert [r() is not None for r in inputs] == [False, False] + [True] * (n - 2)
     packs = {gid for kind, gid in off.events if kind == "pack"}
-    assert {0, 1} <= packs and not packs & {3, 4}
-    assert peak_in_use <= limit
+    assert packs == {0, 1}
     h.sum().backward()
     assert off.stats()["host_in_use"] == 0
 

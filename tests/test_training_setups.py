@@ -433,6 +433,38 @@ def test_sft_trainer_lora_runs_the_fused_op(tmp_path):
     assert all(not p.requires_grad for n, p in inner.named_parameters() if "lora_" not in n)
 
 
+def test_sft_trainer_lora_with_offload_trains_as_without(tmp_path):
+    """TRL's SFTTrainer (its gradient checkpointing taken over: min_memory) with LoRA and
+    lora_dropout, patched with offload="cpu": the layer inputs went through the host pool, and
+    the logged losses and the trained adapters equal the run without offload bit for bit (on
+    the CPU the copies are exact)."""
+    peft = _peft()
+    results = {}
+    for offload in (None, "cpu"):
+        trl, data, tok, args = _sft_setup(tmp_path / str(offload))
+        model = ckpt_ext.patch_llama(make_model(), offload=offload)
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=ALL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
+                                     processing_class=tok, peft_config=config)
+            trainer.train()
+        inner = trainer.model.get_base_model()
+        assert sum(layer.forward.calls["fused"] for layer in inner.model.layers) == \
+            2 * TINY["num_hidden_layers"]
+        if offload:
+            stats = inner.model.layers[0].forward.shared.offloader.stats()
+            assert stats["host_allocations"] > 0 and stats["live_layers"] == 0, stats
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        adapters = {n: p.detach().clone() for n, p in inner.named_parameters() if "lora_" in n}
+        results[offload] = losses, adapters
+    (loss0, ad0), (loss1, ad1) = results[None], results["cpu"]
+    assert len(loss0) == 2 and loss1 == loss0
+    assert ad0.keys() == ad1.keys() and len(ad0) > 0
+    for n in ad0:
+        assert torch.equal(ad1[n], ad0[n]), n
+
+
 def test_sft_trainer_packed_patched_holds_no_more_than_unpatched(tmp_path):
     """TRL packing (padding-free: position_ids restart per document), fp32, TRL's gradient
     checkpointing on: the patched model's step peaks no higher than the unpatched one's, and

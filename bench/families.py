@@ -1,0 +1,74 @@
+"""Saved activation bytes and the step's peak of one tiny model per supported family
+(``ckpt_ext.SUPPORTED_MODEL_TYPES``), unpatched against patched presets, and proof that the
+fused op ran: every decoder layer's ``forward.calls["fused"]``.
+
+All models share one shape (hidden 128, 2 layers, 4 heads / 2 KV heads of 32, intermediate
+344, vocab 256), fp32, B 2, S 64 with one left-padded row; each family keeps what makes it
+itself (Gemma's sandwich norms and GeGLU, OLMo-2's post-norms, Phi-3's fused projections,
+SmolLM3's layers without RoPE, ...) at its transformers defaults, with the windows and
+multipliers below. The peak is ckpt_ext.peak_memory_bytes of a training step after a first one.
+CPU, a minute: python bench/families.py (prints the README table)."""
+import argparse
+import copy
+import warnings
+
+import torch
+
+import ckpt_ext
+from transformers import AutoConfig, AutoModelForCausalLM
+
+warnings.simplefilter("ignore")
+
+SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, vocab_size=256, use_cache=False,
+             pad_token_id=0)
+WINDOWED = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+OVERRIDES = {
+    "mistral": dict(sliding_window=16), "ministral": WINDOWED, "olmo3": WINDOWED,
+    "qwen2": dict(use_sliding_window=False), "smollm3": dict(no_rope_layers=[1, 0]),
+    "granite": dict(residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0),
+    "gemma2": dict(WINDOWED, query_pre_attn_scalar=32, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0),
+    "gemma3_text": dict(WINDOWED, query_pre_attn_scalar=32),
+}
+# transformers implements Gemma 2's soft-capping in eager attention only
+IMPL = {"gemma2": "eager"}
+
+
+def measured(model, ids, mask):
+    def loss():
+        return model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss().backward()
+    return (ckpt_ext.saved_activation_bytes(loss),
+            ckpt_ext.peak_memory_bytes(lambda: loss().backward()))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--families", nargs="*", default=list(ckpt_ext.SUPPORTED_MODEL_TYPES))
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, SHAPE["vocab_size"], (2, args.seq), generator=g)
+    mask = torch.ones(2, args.seq, dtype=torch.long)
+    mask[0, :8] = 0
+    print(f"B 2, S {args.seq}, fp32; saved bytes / step peak bytes; fused = layers x calls that "
+          "ran the fused op in the patched steps\n")
+    print("| family | unpatched | balanced | min_memory | min_memory saved / unpatched | fused |")
+    print("|---|---|---|---|---|---|")
+    for family in args.families:
+        cfg = AutoConfig.for_model(family, **{**SHAPE, **OVERRIDES.get(family, {})})
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(cfg, attn_implementation=IMPL.get(family, "sdpa"))
+        cells, fused = [measured(base, ids, mask)], []
+        for preset in ("balanced", "min_memory"):
+            model = ckpt_ext.patch_llama(copy.deepcopy(base), preset)
+            cells.append(measured(model, ids, mask))
+            fused.append(sum(layer.forward.calls["fused"] for layer in model.model.layers))
+        row = " | ".join(f"{s:,} / {p:,}" for s, p in cells)
+        print(f"| {family} | {row} | {cells[2][0] / cells[0][0]:.3f} | "
+              f"{'/'.join(map(str, fused))} |")
+
+
+if __name__ == "__main__":
+    main()
