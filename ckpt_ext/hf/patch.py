@@ -5,11 +5,12 @@
     loss = model(input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
     ckpt_ext.unpatch_llama(model)
 
-Supported: Llama, Mistral, Ministral, Qwen2, Qwen3, SmolLM3 and Granite (``config.model_type``
-``llama``, ``mistral``, ``ministral``, ``qwen2``, ``qwen3``, ``smollm3``: its layers without
-RoPE run the op with cos = 1, sin = 0; ``granite``: its residual multiplier is the op's
-``residual_scale``, its attention multiplier the softmax scale) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
-``peft.PeftModel`` around either (patch before or after wrapping). Each decoder layer keeps its
+Supported: the ``config.model_type``\ s of ``SUPPORTED_MODEL_TYPES`` (Llama, Mistral,
+Ministral, Qwen2, Qwen3, SmolLM3: its layers without RoPE run the op with cos = 1, sin = 0;
+Granite: its residual multiplier is the op's ``residual_scale``, its attention multiplier the
+softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; what each family's layer
+computes is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare
+``*Model``, or a ``peft.PeftModel`` around either (patch before or after wrapping). Each decoder layer keeps its
 HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
 unchanged, and ``unpatch_llama`` deletes it.
