@@ -212,19 +212,22 @@ def test_granite_logits_scaling_runs_in_the_fused_head(tied):
     check_transformed_head(ref, "logits_scaling", 4.0, 1.0)
 
 
-def gemma2_model(cap, seed=4):
-    """A tiny Gemma2ForCausalLM (eager attention: HF's SDPA has no attention soft-cap) whose
-    logits reach several units, so that a cap of 1.5 bends them."""
-    return tiny_model("gemma2", dict(
+def gemma2_model(cap, seed=4, family="gemma2"):
+    """A tiny Gemma2ForCausalLM (or Gemma3ForCausalLM: family "gemma3_text"; eager attention:
+    HF's SDPA has no attention soft-cap) whose logits reach about a unit, so that a cap of 1.5
+    bends them."""
+    return tiny_model(family, dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False,
         final_logit_softcapping=cap, sliding_window=8), impl="eager", seed=seed, perturb=True)
 
 
-def test_gemma2_final_softcap_runs_in_the_fused_head():
-    """Gemma2ForCausalLM soft-caps its logits (final_logit_softcapping): the fused head
-    applies it as the op's softcap, loss and every gradient as HF's."""
-    ref = gemma2_model(cap=1.5)
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_final_softcap_runs_in_the_fused_head(family):
+    """Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap their logits
+    (final_logit_softcapping): the fused head applies it as the op's softcap, loss and every
+    gradient as HF's."""
+    ref = gemma2_model(cap=1.5, family=family)
     check_transformed_head(ref, "final_logit_softcapping", 1.5, None)
 
 
@@ -234,12 +237,13 @@ def test_head_rules_follow_the_forward_the_model_runs():
     reason, and so does a config value the op refuses."""
     from ckpt_ext.hf.lm_head import head_problem, head_transform
 
-    assert head_transform(make_model()) == (None, 1.0, 0.0)
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, intermediate_size=48, vocab_size=V, pad_token_id=0)
+    for family in ("llama", "olmo2", "phi3"):
+        assert head_transform(tiny_model(family, small)) == (None, 1.0, 0.0), family
     assert head_transform(gemma2_model(cap=30.0)) == (None, 1.0, 30.0)
     assert head_transform(gemma2_model(cap=None)) == (None, 1.0, 0.0)
-    granite = tiny_model("granite", dict(hidden_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, intermediate_size=48,
-                                         vocab_size=V, logits_scaling=8.0))
+    granite = tiny_model("granite", dict(small, logits_scaling=8.0))
     assert head_transform(granite) == (None, 0.125, 0.0)
     granite.config.logits_scaling = 0.0
     assert "logits_scaling=0.0 is not a finite number > 0" in head_problem(granite)

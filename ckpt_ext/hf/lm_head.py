@@ -90,6 +90,8 @@ _HEAD_RULES = {
     "LlamaForCausalLM": _plain_head, "MistralForCausalLM": _plain_head,
     "MinistralForCausalLM": _plain_head, "Qwen2ForCausalLM": _plain_head,
     "Qwen3ForCausalLM": _plain_head, "SmolLM3ForCausalLM": _plain_head,
+    "GemmaForCausalLM": _plain_head, "Olmo2ForCausalLM": _plain_head,
+    "Olmo3ForCausalLM": _plain_head, "Phi3ForCausalLM": _plain_head,
     "GraniteForCausalLM": _granite_head,
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
 }
