@@ -812,6 +812,16 @@ def test_triton_logit_transform_matches_reference(transform, dtype, bias, reduct
                softcap=cap, logits_spread=spread, seed=int(torch.randint(1 << 30, ())))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_logit_transform_matches_reference_gpu(dtype):
+    """A LLaMA-2-sized vocabulary on the GPU: the autotuned tiles, bf16 included, under a
+    scale (Granite) and under a cap (Gemma 2's 30, logits spread over tens of units)."""
+    check_case("triton", (2, 129), 256, 32003, dtype, logit_scale=0.25, logits_spread=4.0)
+    check_case("triton", (1, 37), 256, 32003, dtype, bias=True, reduction="none",
+               softcap=30.0, logits_spread=8.0)
+
+
 @pytest.mark.parametrize("backend", ["aten", "triton"])
 def test_logit_transform_with_num_items_and_chunks(backend, monkeypatch):
     """num_items_in_batch, several CPU token chunks (the capped backward's chunks hold half
