@@ -7,6 +7,7 @@ Exception types, as the C++ checks raise them: ValueError for a wrong shape, siz
 TypeError for a wrong dtype; RuntimeError for tensors on different devices (TORCH_CHECK).
 """
 import math
+import numbers
 
 import torch
 
@@ -263,8 +264,9 @@ def _stat_dtype(hidden):
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
-def _check_lce(op, hidden, weight, bias, labels):
-    """hidden (T, H), weight (V, H), bias (V,), labels (T,) int64. Returns (T, H, V)."""
+def _check_lce(op, hidden, weight, bias, labels, logit_scale=1.0, softcap=0.0):
+    """hidden (T, H), weight (V, H), bias (V,), labels (T,) int64, logit_scale finite > 0,
+    softcap finite >= 0. Returns (T, H, V)."""
     _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
     _check_floating(op, "hidden", hidden)
     _check_dim(op, "weight", weight, 2, "(V, H)")
@@ -281,7 +283,19 @@ def _check_lce(op, hidden, weight, bias, labels):
     _check_dim(op, "labels", labels, 1, "(T,)")
     _check_shape(op, "labels", labels, (T,), "(T,) with T from hidden")
     _check_device_as(op, "labels", labels, "hidden", hidden)
+    _check_lce_transform(op, logit_scale, softcap)
     return T, H, V
+
+
+def _check_lce_transform(op, logit_scale, softcap):
+    """logit_scale a finite number > 0; softcap a finite number >= 0 (0: no cap)."""
+    for name, x in (("logit_scale", logit_scale), ("softcap", softcap)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            raise TypeError(f"{op}: {name} must be a number, got {type(x).__name__} {x!r}")
+    _check_positive_finite(op, "logit_scale", logit_scale)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"{op}: softcap must be a finite number > 0 (or 0: no cap), got "
+                         f"{softcap}")
 
 
 def _check_lce_stat(op, name, t, hidden, T):
@@ -355,9 +369,9 @@ def _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lor
     return T, H, I, lora
 
 
-def _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse):
+def _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse, logit_scale=1.0, softcap=0.0):
     """linear_cross_entropy_bwd's arguments; returns (T, H, V)."""
-    T, H, V = _check_lce(op, hidden, weight, bias, labels)
+    T, H, V = _check_lce(op, hidden, weight, bias, labels, logit_scale, softcap)
     _check_lce_stat(op, "dloss", dloss, hidden, T)
     _check_lce_stat(op, "lse", lse, hidden, T)
     return T, H, V

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import (_check_device_as, _check_dim, _check_floating, _check_rms, _check_shape,
-                      _dtype, _shape, _stat_dtype)
+from ._checks import (_check_device_as, _check_dim, _check_floating, _check_lce_transform,
+                      _check_rms, _check_shape, _dtype, _shape, _stat_dtype)
 
 _ops = torch.ops.ckpt_ext
 _FWD = "rms_norm_linear_cross_entropy_fwd"
@@ -60,8 +60,9 @@ def walks_vocabulary(T: int, V: int, head_element_size: int) -> bool:
     return (2 * head_element_size + 4) * T < 4 * V
 
 
-def _check(op, hidden, norm_weight, weight, bias, labels):
-    """Shapes, dtypes and devices of the op's tensors; returns (T, H, V)."""
+def _check(op, hidden, norm_weight, weight, bias, labels, logit_scale, softcap):
+    """Shapes, dtypes and devices of the op's tensors, the logits' scale and cap; returns
+    (T, H, V)."""
     _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
     _check_rms(op, hidden, norm_weight, ("hidden", "norm_weight"))
     T, H = hidden.shape
@@ -83,13 +84,15 @@ def _check(op, hidden, norm_weight, weight, bias, labels):
         raise TypeError(f"{op}: labels must be int64, got {_dtype(labels.dtype)}")
     _check_shape(op, "labels", labels, (T,), "(T,) with T from hidden")
     _check_device_as(op, "labels", labels, "hidden", hidden)
+    _check_lce_transform(op, logit_scale, softcap)
     return T, H, V
 
 
 @torch.library.custom_op(f"ckpt_ext::{_FWD}", mutates_args=())
 def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
-         bias: Optional[Tensor], labels: Tensor, ignore_index: int) -> Tuple[Tensor, Tensor]:
-    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels)
+         bias: Optional[Tensor], labels: Tensor, ignore_index: int, logit_scale: float = 1.0,
+         softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
     loss = hidden.new_empty((T,), dtype=_stat_dtype(weight))
     lse = torch.empty_like(loss)
     step = chunk_rows(hidden)
@@ -97,15 +100,16 @@ def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
         rows = slice(t0, min(T, t0 + step))
         y = _ops.rms_norm_fwd(hidden[rows], norm_weight, eps).to(weight.dtype)
         loss_c, lse_c = _ops.linear_cross_entropy_fwd(y, weight, bias, labels[rows],
-                                                      ignore_index)
+                                                      ignore_index, logit_scale, softcap)
         loss[rows] = loss_c
         lse[rows] = lse_c
     return loss, lse
 
 
 @_fwd.register_fake
-def _fwd_fake(hidden, norm_weight, eps, weight, bias, labels, ignore_index):
-    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels)
+def _fwd_fake(hidden, norm_weight, eps, weight, bias, labels, ignore_index, logit_scale=1.0,
+              softcap=0.0):
+    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
     stat = hidden.new_empty((T,), dtype=_stat_dtype(weight))
     return stat, torch.empty_like(stat)
 
@@ -113,10 +117,11 @@ def _fwd_fake(hidden, norm_weight, eps, weight, bias, labels, ignore_index):
 @torch.library.custom_op(f"ckpt_ext::{_BWD}", mutates_args=())
 def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
          bias: Optional[Tensor], labels: Tensor, lse: Tensor, ignore_index: int,
-         output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         output_mask: List[bool], logit_scale: float = 1.0,
+         softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients [dhidden, dnorm_weight, dweight, dbias] of ``sum_t dloss[t] loss[t]``; those
     output_mask leaves out are empty (0,) tensors."""
-    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels)
+    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
     want_dx, want_dnw, want_dw, want_db = (bool(m) for m in output_mask)
     want_db = want_db and bias is not None
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -136,7 +141,7 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
         y_dtype = y.dtype
         dy, dw_c, db_c = _ops.linear_cross_entropy_bwd(
             dloss[rows], y.to(weight.dtype), weight, bias, labels[rows], lse[rows],
-            ignore_index, [want_dy, want_dw, want_db])
+            ignore_index, [want_dy, want_dw, want_db], logit_scale, softcap)
         del y
         if want_dy and not norm_in_chunks:   # one chunk: the norm's backward result itself
             dx_c, dnw_c = _ops.rms_norm_bwd(dy.to(y_dtype), hidden, norm_weight, eps)
@@ -173,8 +178,8 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
 
 @_bwd.register_fake
 def _bwd_fake(dloss, hidden, norm_weight, eps, weight, bias, labels, lse, ignore_index,
-              output_mask):
-    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels)
+              output_mask, logit_scale=1.0, softcap=0.0):
+    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
     if len(output_mask) != 4:
         raise ValueError(f"{_BWD}: output_mask must have 4 entries [dhidden, dnorm_weight, "
                          f"dweight, dbias], got {len(output_mask)}")
@@ -187,13 +192,14 @@ def _bwd_fake(dloss, hidden, norm_weight, eps, weight, bias, labels, lse, ignore
 
 
 def _setup(ctx, inputs, output):
-    hidden, norm_weight, eps, weight, bias, labels, ignore_index = inputs
+    hidden, norm_weight, eps, weight, bias, labels, ignore_index, logit_scale, softcap = inputs
     _, lse = output
     ctx.mark_non_differentiable(lse)
     # The pre-norm hidden state, the labels and the per-token lse: no normed copy, nothing of
     # size (T, V).
     ctx.save_for_backward(hidden, norm_weight, weight, bias, labels, lse)
     ctx.eps, ctx.ignore_index = eps, ignore_index
+    ctx.logit_scale, ctx.softcap = logit_scale, softcap
 
 
 def _backward(ctx, dloss, dlse):
@@ -201,20 +207,24 @@ def _backward(ctx, dloss, dlse):
     want_dx, want_dnw, _, want_dw, want_db = ctx.needs_input_grad[:5]
     want_db = want_db and bias is not None
     if not (want_dx or want_dnw or want_dw or want_db):
-        return (None,) * 7
+        return (None,) * 9
     if dloss is None:
         dloss = torch.zeros_like(lse)
     dx, dnw, dw, db = _bwd(dloss, hidden, norm_weight, ctx.eps, weight, bias, labels, lse,
-                           ctx.ignore_index, [want_dx, want_dnw, want_dw, want_db])
+                           ctx.ignore_index, [want_dx, want_dnw, want_dw, want_db],
+                           ctx.logit_scale, ctx.softcap)
     return (dx if want_dx else None, dnw if want_dnw else None, None,
-            dw if want_dw else None, db if want_db else None, None, None)
+            dw if want_dw else None, db if want_db else None, None, None, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
 
 
 def normed_loss_per_token(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
-                          bias: Optional[Tensor], labels: Tensor, ignore_index: int) -> Tensor:
-    """Per-token losses (T,) of the head on ``rms_norm(hidden)``; hidden (T, H)."""
-    loss, _ = _fwd(hidden, norm_weight, float(eps), weight, bias, labels, int(ignore_index))
+                          bias: Optional[Tensor], labels: Tensor, ignore_index: int,
+                          logit_scale: float = 1.0, softcap: float = 0.0) -> Tensor:
+    """Per-token losses (T,) of the head on ``rms_norm(hidden)``; hidden (T, H); the loss
+    reads the logits scaled and capped as ``linear_cross_entropy`` does."""
+    loss, _ = _fwd(hidden, norm_weight, float(eps), weight, bias, labels, int(ignore_index),
+                   float(logit_scale), float(softcap))
     return loss

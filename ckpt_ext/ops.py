@@ -19,7 +19,7 @@ Public wrappers:
     rope(q, k, cos, sin) -> (q_out, k_out)
     linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
                          reduction="mean", num_items_in_batch=None, norm_weight=None,
-                         norm_eps=None) -> loss
+                         norm_eps=None, logit_scale=1.0, softcap=0.0) -> loss
 """
 import math
 import numbers
@@ -34,7 +34,7 @@ from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _
                       _check_row_offset,
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
-                      _check_lce_bwd)
+                      _check_lce_bwd, _check_lce_transform)
 from ._normed_head import normed_loss_per_token
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
@@ -468,17 +468,19 @@ def rope(q, k, cos, sin):
 # LM head + cross-entropy loss without (T, V) logits: checks, fakes, autograd, wrapper
 # --------------------------------------------------------------------------------------------
 @torch.library.register_fake("ckpt_ext::linear_cross_entropy_fwd")
-def _linear_cross_entropy_fwd_fake(hidden, weight, bias, labels, ignore_index):
-    T, _, _ = _check_lce("linear_cross_entropy_fwd", hidden, weight, bias, labels)
+def _linear_cross_entropy_fwd_fake(hidden, weight, bias, labels, ignore_index, logit_scale=1.0,
+                                   softcap=0.0):
+    T, _, _ = _check_lce("linear_cross_entropy_fwd", hidden, weight, bias, labels, logit_scale,
+                         softcap)
     return (hidden.new_empty((T,), dtype=_stat_dtype(hidden)),
             hidden.new_empty((T,), dtype=_stat_dtype(hidden)))
 
 
 @torch.library.register_fake("ckpt_ext::linear_cross_entropy_bwd")
 def _linear_cross_entropy_bwd_fake(dloss, hidden, weight, bias, labels, lse, ignore_index,
-                                   output_mask):
+                                   output_mask, logit_scale=1.0, softcap=0.0):
     op = "linear_cross_entropy_bwd"
-    T, H, V = _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse)
+    T, H, V = _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse, logit_scale, softcap)
     want_dh, want_dw, want_db = _check_lce_output_mask(op, output_mask)
     return (hidden.new_empty((T, H) if want_dh else (0,)),
             hidden.new_empty((V, H) if want_dw else (0,)),
@@ -494,12 +496,12 @@ def _check_lce_output_mask(op, output_mask):
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
-    hidden, weight, bias, labels, ignore_index = inputs
+    hidden, weight, bias, labels, ignore_index, logit_scale, softcap = inputs
     _, lse = output
     ctx.mark_non_differentiable(lse)
     # hidden, labels and the per-token lse: nothing of size (T, V).
     ctx.save_for_backward(hidden, weight, bias, labels, lse)
-    ctx.ignore_index = ignore_index
+    ctx.ignore_index, ctx.logit_scale, ctx.softcap = ignore_index, logit_scale, softcap
     ctx.has_bias = bias is not None
 
 
@@ -510,13 +512,14 @@ def _linear_cross_entropy_backward(ctx, dloss, dlse):
     want_dh, want_dw, want_db = ctx.needs_input_grad[:3]
     want_db = want_db and ctx.has_bias
     if not (want_dh or want_dw or want_db):
-        return None, None, None, None, None
+        return (None,) * 7
     if dloss is None:
         dloss = torch.zeros_like(lse)
     dhidden, dweight, dbias = _ops.linear_cross_entropy_bwd(
-        dloss, hidden, weight, bias, labels, lse, ctx.ignore_index, [want_dh, want_dw, want_db])
+        dloss, hidden, weight, bias, labels, lse, ctx.ignore_index, [want_dh, want_dw, want_db],
+        ctx.logit_scale, ctx.softcap)
     return (dhidden if want_dh else None, dweight if want_dw else None,
-            dbias if want_db else None, None, None)
+            dbias if want_db else None, None, None, None, None)
 
 
 torch.library.register_autograd("ckpt_ext::linear_cross_entropy_fwd",
@@ -529,11 +532,12 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
                          reduction="mean", num_items_in_batch=None, norm_weight=None,
-                         norm_eps=None):
+                         norm_eps=None, logit_scale=1.0, softcap=0.0):
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` against ``labels``, without
     the (T, V) logits: forward keeps per-token float32 statistics, backward recomputes the
     logits chunk by chunk. With ``norm_weight``, the head reads ``rms_norm(hidden)`` (a
     model's final RMSNorm, as ``rms_norm`` computes it) and the norm runs inside the op.
+    With ``logit_scale`` / ``softcap`` the loss reads transformed logits (below).
 
     Args:
         hidden: (..., H) float16 / bfloat16 / float32 (float64 on CPU), T tokens in all.
@@ -556,6 +560,13 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             pre-norm hidden: forward and backward walk the tokens in chunks of the byte cap
             ``CKPT_EXT_CHUNK_BYTES`` and recompute each chunk's normed rows, so no normed
             copy and no fp32 copy of the hidden state is kept (``ckpt_ext._normed_head``).
+        logit_scale: a finite number > 0 the logits are multiplied by (Granite's
+            ``1 / config.logits_scaling``); 1 leaves them as they are.
+        softcap: a finite number >= 0; when > 0 the loss reads ``softcap * tanh(logit_scale *
+            logits / softcap)`` (Gemma 2's ``config.final_logit_softcapping``); 0: no cap.
+            Both apply in float32 to the logits rounded to the input dtype, in the forward
+            and in the backward's recomputed tiles. Zero, negative or non-finite values (a
+            zero softcap excepted) raise a ValueError naming the argument.
 
     Returns:
         The loss in float32 (float64 for float64 inputs), as HF computes it on upcast logits.
@@ -570,6 +581,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     name = "linear_cross_entropy"
     ignore_index, num_items_in_batch = _check_lce_options(name, ignore_index, reduction,
                                                           num_items_in_batch)
+    _check_lce_transform(name, logit_scale, softcap)
+    logit_scale, softcap = float(logit_scale), float(softcap)
     if (norm_weight is None) != (norm_eps is None):
         raise ValueError(f"{name}: norm_weight and norm_eps go together (the final RMSNorm's "
                          f"weight and eps), got only "
@@ -592,10 +605,10 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     flat = hidden.reshape(T, hidden.shape[-1])
     if norm_weight is None:
         loss, _ = _ops.linear_cross_entropy_fwd(flat, weight, bias, flat_labels,
-                                                int(ignore_index))
+                                                int(ignore_index), logit_scale, softcap)
     else:
         loss = normed_loss_per_token(flat, norm_weight, norm_eps, weight, bias, flat_labels,
-                                     ignore_index)
+                                     ignore_index, logit_scale, softcap)
     if reduction == "none":
         return loss.reshape(lead)
     total = loss.sum()

@@ -107,18 +107,24 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // hidden (T, H) (tokens flattened), weight (V, H) (nn.Linear layout), bias None or (V,) of
   // weight's dtype, labels (T,) int64 in [0, V) or == ignore_index. logits = hidden weight^T +
   // bias exist only a chunk / tile at a time. float32 outputs (float64 for float64 inputs):
-  //   lse  (T,) = logsumexp_v logits[t, v]
-  //   loss (T,) = lse[t] - logits[t, labels[t]], and 0 where labels[t] == ignore_index.
+  // The loss reads z = logit_scale logits, soft-capped when softcap > 0:
+  // z = softcap tanh(logit_scale logits / softcap) (Granite passes 1 / logits_scaling, Gemma 2
+  // its final_logit_softcapping); logit_scale finite > 0, softcap finite >= 0 (0: no cap).
+  //   lse  (T,) = logsumexp_v z[t, v]
+  //   loss (T,) = lse[t] - z[t, labels[t]], and 0 where labels[t] == ignore_index.
   m.def("linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-        "int ignore_index) -> (Tensor loss, Tensor lse)");
+        "int ignore_index, float logit_scale=1., float softcap=0.) -> (Tensor loss, "
+        "Tensor lse)");
   // dloss (T,) of loss's dtype, any strides (an expanded scalar for a mean): the logits are
-  // recomputed from hidden and weight and turned into dlogits = dloss (softmax(logits) -
-  // onehot(labels)) (0 on ignored tokens), which give dhidden (T, H), dweight (V, H) and
-  // dbias (V,) (empty (0,) without bias), in hidden's dtype. output_mask [dhidden, dweight,
-  // dbias] says which to form: one not asked for is never computed and comes back empty (0,).
+  // recomputed from hidden and weight and turned into dlogits = dloss (softmax(z) -
+  // onehot(labels)) dz/dlogits (0 on ignored tokens), dz/dlogits = logit_scale (1 - tanh^2)
+  // under the cap, which give dhidden (T, H), dweight (V, H) and dbias (V,) (empty (0,)
+  // without bias), in hidden's dtype. output_mask [dhidden, dweight, dbias] says which to
+  // form: one not asked for is never computed and comes back empty (0,).
   m.def("linear_cross_entropy_bwd(Tensor dloss, Tensor hidden, Tensor weight, Tensor? bias, "
-        "Tensor labels, Tensor lse, int ignore_index, bool[3] output_mask) -> (Tensor dhidden, "
-        "Tensor dweight, Tensor dbias)");
+        "Tensor labels, Tensor lse, int ignore_index, bool[3] output_mask, "
+        "float logit_scale=1., float softcap=0.) -> (Tensor dhidden, Tensor dweight, "
+        "Tensor dbias)");
 }
 
 namespace {

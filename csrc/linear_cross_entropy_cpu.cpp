@@ -2,9 +2,11 @@
 // kernels in kernels/linear_cross_entropy.py.
 //
 //   logits = hidden weight^T + bias                              (T, V), never whole
-//   lse[t]  = logsumexp_v logits[t, v]
-//   loss[t] = lse[t] - logits[t, labels[t]]   (0 where labels[t] == ignore_index)
-//   dlogits = dloss[:, None] (exp(logits - lse[:, None]) - onehot(labels))   (0 on ignored rows)
+//   z       = s logits, or c tanh(s logits / c) with a cap     (s = logit_scale, c = softcap)
+//   lse[t]  = logsumexp_v z[t, v]
+//   loss[t] = lse[t] - z[t, labels[t]]   (0 where labels[t] == ignore_index)
+//   dlogits = dloss[:, None] (exp(z - lse[:, None]) - onehot(labels)) dz/dlogits
+//             (0 on ignored rows), dz/dlogits = s, or s (1 - tanh^2(s logits / c)) with a cap
 //   dhidden = dlogits weight,  dweight = dlogits^T hidden,  dbias = sum_t dlogits
 //
 // Shapes: hidden (T, H); weight (V, H) (nn.Linear layout); bias (V,); labels (T,) int64;
@@ -14,21 +16,24 @@
 // Memory: tokens are processed in chunks whose (rows, V) logits in the compute dtype fit the
 // byte cap CKPT_EXT_CHUNK_BYTES (csrc/chunking.h; at least one row), so that the transient
 // logits / dlogits stay bounded whatever T is: one such buffer at a time (the log-sum-exp and
-// dlogits are computed in place in it). Backward forms only the gradients output_mask
-// asks for: with a frozen weight (LoRA) there is no dweight GEMM and no (V, H) buffer; each
-// chunk's dhidden rows are written in place in the input dtype.
+// dlogits are computed in place in it). Under a soft-cap the backward keeps the tanh's
+// derivative beside it, so its chunks hold half as many rows. Backward forms only the
+// gradients output_mask asks for: with a frozen weight (LoRA) there is no dweight GEMM and no
+// (V, H) buffer; each chunk's dhidden rows are written in place in the input dtype.
 //
 // Precision: the matmuls run in the input dtype (ATen's CPU matmuls accumulate float16 /
 // bfloat16 products in float32), so the logits are rounded to the input dtype once, as an HF
-// lm_head computes them; the softmax, the log-sum-exp and the loss run in float32 (float64 for
-// float64). dlogits are rounded to the input dtype (as HF's autograd does when it converts the
-// float32 gradient of the upcast logits back); dweight is accumulated over chunks in float32
-// (float64) and rounded once; the widened dlogits of a chunk reuse its logits buffer.
+// lm_head computes them; the scale, the cap, the softmax, the log-sum-exp and the loss run in
+// float32 (float64 for float64). dlogits are rounded to the input dtype (as HF's autograd does
+// when it converts the float32 gradient of the upcast logits back); dweight is accumulated
+// over chunks in float32 (float64) and rounded once; the widened dlogits of a chunk reuse its
+// logits buffer.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -83,9 +88,26 @@ void check_stat(const char* op, const char* name, const at::Tensor& t, const at:
   check_device_as(op, name, t, "hidden", hidden);
 }
 
-// Rows per token chunk: (rows, V) logits in the compute dtype within the byte cap.
-int64_t chunk_rows(const LceDims& d, at::ScalarType cdt) {
-  return chunking::chunk_rows(d.V * static_cast<int64_t>(c10::elementSize(cdt)));
+// logit_scale finite > 0; softcap finite >= 0 (0: no cap).
+void check_transform(const char* op, double logit_scale, double softcap) {
+  checks::check_positive_finite(op, "logit_scale", logit_scale);
+  CKPT_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, op,
+                   "softcap must be a finite number > 0 (or 0: no cap), got ", softcap);
+}
+
+// Rows per token chunk: `buffers` (rows, V) tensors in the compute dtype within the byte cap.
+int64_t chunk_rows(const LceDims& d, at::ScalarType cdt, int64_t buffers = 1) {
+  return chunking::chunk_rows(buffers * d.V * static_cast<int64_t>(c10::elementSize(cdt)));
+}
+
+// z in place of the logits: logit_scale logits, or softcap tanh(logit_scale logits / softcap)
+// with a cap.
+void transform_(at::Tensor& z, double logit_scale, double softcap) {
+  if (softcap > 0) {
+    z.mul_(logit_scale / softcap).tanh_().mul_(softcap);
+  } else if (logit_scale != 1.0) {
+    z.mul_(logit_scale);
+  }
 }
 
 // (tc, V) logits of the token rows of hc, in the compute dtype (rounded to the input dtype
@@ -98,9 +120,10 @@ at::Tensor chunk_logits(const at::Tensor& hc, const at::Tensor& weight,
 
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const at::Tensor& labels, int64_t ignore_index) {
+    const at::Tensor& labels, int64_t ignore_index, double logit_scale, double softcap) {
   const char* op = "linear_cross_entropy_fwd";
   const LceDims d = check_lce(op, hidden, weight, bias, labels);
+  check_transform(op, logit_scale, softcap);
   const at::Tensor valid = labels.ne(ignore_index);                                // (T,)
   const at::Tensor bad = valid.logical_and(labels.lt(0).logical_or(labels.ge(d.V)));
   if (bad.any().item<bool>()) {
@@ -115,6 +138,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
   for (int64_t t0 = 0; t0 < d.T; t0 += step) {
     const int64_t tc = std::min(step, d.T - t0);
     at::Tensor z = chunk_logits(hidden.narrow(0, t0, tc), weight, bias, cdt);      // (tc, V)
+    transform_(z, logit_scale, softcap);
     at::Tensor vc = valid.narrow(0, t0, tc);
     at::Tensor lc = at::where(vc, labels.narrow(0, t0, tc), 0).unsqueeze(1);         // (tc, 1)
     at::Tensor target = z.gather(1, lc).squeeze(1);                                  // (tc,)
@@ -132,9 +156,10 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     const at::Tensor& dloss, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& lse,
-    int64_t ignore_index, std::array<bool, 3> output_mask) {
+    int64_t ignore_index, std::array<bool, 3> output_mask, double logit_scale, double softcap) {
   const char* op = "linear_cross_entropy_bwd";
   const LceDims d = check_lce(op, hidden, weight, bias, labels);
+  check_transform(op, logit_scale, softcap);
   check_stat(op, "dloss", dloss, hidden, d);
   check_stat(op, "lse", lse, hidden, d);
   const bool want_dh = output_mask[0], want_dw = output_mask[1];
@@ -146,10 +171,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
   at::Tensor dhidden = want_dh ? at::empty({d.T, d.H}, hidden.options()) : none();
   if (!(want_dh || want_dw || want_db)) return {dhidden, none(), none()};
   const at::Tensor valid = labels.ne(ignore_index);
-  // Per-token scale of dlogits: dloss, 0 on ignored tokens.
-  const at::Tensor scale = at::where(valid, dloss, 0);                              // (T,)
+  // Per-token scale of dlogits: dloss logit_scale, 0 on ignored tokens.
+  at::Tensor scale = at::where(valid, dloss, 0);                                    // (T,)
+  if (logit_scale != 1.0) scale = scale * logit_scale;
+  const bool capped = softcap > 0;
 
-  const int64_t step = chunk_rows(d, cdt);
+  const int64_t step = chunk_rows(d, cdt, capped ? 2 : 1);
   const bool one_chunk = d.T <= step;
   at::Tensor dweight;                                  // (V, H): input dtype, or an accumulator
   at::Tensor dbias = at::zeros({want_db ? d.V : 0}, hidden.options().dtype(cdt));
@@ -160,10 +187,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     at::Tensor lc =                                                                  // (tc, 1)
         at::where(valid.narrow(0, t0, tc), labels.narrow(0, t0, tc), 0).unsqueeze(1);
     at::Tensor sc = scale.narrow(0, t0, tc).unsqueeze(1);                            // (tc, 1)
-    // dlogits = scale (softmax - onehot), in place over the chunk's logits.
+    // dlogits = scale (softmax(z) - onehot) (1 - tanh^2), in place over the chunk's logits.
+    at::Tensor dcap;                                   // 1 - tanh^2 under a cap (tc, V)
+    if (capped) {
+      z.mul_(logit_scale / softcap).tanh_();
+      dcap = at::mul(z, z).neg_().add_(1);
+      z.mul_(softcap);
+    } else if (logit_scale != 1.0) {
+      z.mul_(logit_scale);
+    }
     z.sub_(lse.narrow(0, t0, tc).unsqueeze(1)).exp_();
     z.scatter_add_(1, lc, at::full({tc, 1}, -1, z.options()));
     z.mul_(sc);
+    if (capped) {
+      z.mul_(dcap);
+      dcap.reset();
+    }
     at::Tensor dl = z.to(dt);                         // z itself when dt is the compute dtype
     if (want_dh) {
       at::Tensor dh_c = dhidden.narrow(0, t0, tc);                                 // (tc, H)

@@ -1,8 +1,9 @@
 """Triton kernels for the LM head and its cross-entropy loss, without the (T, V) logits.
 
     logits = hidden weight^T + bias           (T, V): only ever a (BLOCK_M, BLOCK_N) tile
-    lse[t]  = logsumexp_v logits[t, v]
-    loss[t] = lse[t] - logits[t, labels[t]]   (0 where labels[t] == ignore_index)
+    z       = s logits, or c tanh(s logits / c) under a cap  (s = logit_scale, c = softcap > 0)
+    lse[t]  = logsumexp_v z[t, v]
+    loss[t] = lse[t] - z[t, labels[t]]        (0 where labels[t] == ignore_index)
 
 Shapes (tokens flattened): hidden ``(T, H)``; weight ``(V, H)`` (``nn.Linear`` layout); bias
 ``(V,)``; labels ``(T,)`` int64; loss, lse, dloss ``(T,)`` float32.
@@ -15,8 +16,9 @@ Kernels (Triton only; the autograd wiring lives in ``ckpt_ext``):
   only three (T,) fp32 partials per split; the launcher merges the splits' partials into lse
   and the per-token loss. Splitting the vocabulary keeps the GPU busy when T is small.
 * ``_bwd_kernel``: for one vocabulary chunk ``[v0, v0 + VC)`` it recomputes the logits tile by
-  tile and writes ``dlogits = dloss (exp(logits - lse) - onehot(labels))`` (0 on ignored
-  rows) in the input dtype, as HF's autograd rounds them. The launcher turns the chunk into
+  tile and writes ``dlogits = dloss (exp(z - lse) - onehot(labels)) dz/dlogits`` (0 on
+  ignored rows; dz/dlogits = s, or s (1 - tanh^2) under a cap) in the input dtype, as HF's
+  autograd rounds them. The launcher turns the chunk into
   ``dweight[v0:v0+VC] = dlogits^T hidden`` and ``dbias[v0:v0+VC]`` (complete: each vocabulary
   row lives in one chunk) and adds ``dlogits weight[v0:v0+VC]`` to an fp32 dhidden. Only a
   (T, VC) chunk of dlogits exists at a time; VC is chosen so that it is about the size of
@@ -35,7 +37,7 @@ Launch policy (``kernels/_launch.py``, shared by all kernels): under Triton's in
 (``TRITON_INTERPRET=1``) one fixed small configuration on CPU tensors; on a GPU autotuning
 over ``_GPU_CONFIGS`` keyed by (T bucket, H, V), or with ``CKPT_EXT_AUTOTUNE=0`` the first
 candidate that the device accepts, untimed. Launchers are cached per (device, dtype, fp32 dot
-precision, bias).
+precision, bias, cap).
 """
 import torch
 import triton
@@ -80,21 +82,28 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, offs_m, offs_n, T, H, V,
     return acc
 
 
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 from the sigmoid (no tanh in tl; saturates to +-1 without overflow)."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, max_ptr, sum_ptr, tgt_ptr,
-                T, H, V, V_PER_SPLIT, T_BUCKET, ignore_index,
+                T, H, V, V_PER_SPLIT, T_BUCKET, ignore_index, logit_scale, softcap,
                 stride_ht, stride_hh, stride_wv, stride_wh, stride_lt,
-                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, CAPPED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), n_split). Program (i, s) covers token rows
     [i BLOCK_M, (i+1) BLOCK_M) and vocabulary columns [s V_PER_SPLIT, (s+1) V_PER_SPLIT) ∩ [0, V)
     (V_PER_SPLIT a multiple of BLOCK_N; every split non-empty) and writes, at [s, t] of the
-    contiguous (n_split, T) fp32 partials: max_ptr the row max of its logits (base 2, i.e.
-    times log2 e), sum_ptr sum 2^(logit log2 e - max), tgt_ptr the logit of the row's label if
-    the label falls in the split (else 0). T_BUCKET only keys the autotuner."""
+    contiguous (n_split, T) fp32 partials: max_ptr the row max of its z (base 2, i.e.
+    times log2 e), sum_ptr sum 2^(z log2 e - max), tgt_ptr the z of the row's label if
+    the label falls in the split (else 0). z = logit_scale logits, soft-capped when CAPPED
+    (softcap > 0). T_BUCKET only keys the autotuner."""
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,6 +120,10 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, max_ptr, sum_ptr, tgt_ptr,
         z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_m, offs_n, T, H, V,
                          stride_ht, stride_hh, stride_wv, stride_wh,
                          HAS_BIAS, DOT_IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        if CAPPED:
+            z = softcap * _tanh(z * (logit_scale / softcap))
+        else:
+            z = z * logit_scale
         tgt += tl.sum(tl.where(offs_n[None, :] == label[:, None], z, 0.0), 1)
         z2 = tl.where((offs_n < v_hi)[None, :], z * 1.4426950408889634, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: the tile has a column below v_hi
@@ -124,15 +137,17 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, max_ptr, sum_ptr, tgt_ptr,
 
 @triton.jit
 def _bwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, dloss_ptr, dl_ptr,
-                T, H, V, v_start, VC, T_BUCKET, ignore_index,
+                T, H, V, v_start, VC, T_BUCKET, ignore_index, logit_scale, softcap,
                 stride_ht, stride_hh, stride_wv, stride_wh, stride_lt, stride_st, stride_dt,
-                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, CAPPED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr):
     """dlogits of the vocabulary chunk [v_start, v_start + VC) (v_start + VC <= V), one
     (BLOCK_M, BLOCK_N) tile per program: dl (T, VC) contiguous, dtype of hidden,
-    dl[t, j] = dloss[t] (exp(logits[t, v_start + j] - lse[t]) - [labels[t] == v_start + j]),
-    0 on rows whose label is ignore_index. lse (stride_st) and dloss (stride_dt, 0 for an
-    expanded scalar) are fp32 (T,). T_BUCKET only keys the autotuner."""
+    dl[t, j] = dloss[t] (exp(z[t, v] - lse[t]) - [labels[t] == v]) dz/dlogits[t, v] with
+    v = v_start + j (z and dz/dlogits as the module docstring says), 0 on rows whose label is
+    ignore_index. lse (stride_st) and dloss (stride_dt, 0 for an expanded scalar) are fp32
+    (T,). T_BUCKET only keys the autotuner."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), T, VC, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # column within the chunk
@@ -145,9 +160,16 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, dloss_ptr, dl_ptr,
     label = tl.load(labels_ptr + rows * stride_lt, mask=row_ok, other=ignore_index)
     lse = tl.load(lse_ptr + rows * stride_st, mask=row_ok, other=0.0)
     dloss = tl.load(dloss_ptr + rows * stride_dt, mask=row_ok, other=0.0)
-    scale = tl.where(label == ignore_index, 0.0, dloss)
+    scale = tl.where(label == ignore_index, 0.0, dloss * logit_scale)
+    if CAPPED:
+        th = _tanh(z * (logit_scale / softcap))
+        z = softcap * th
+    else:
+        z = z * logit_scale
     p = tl.exp2((z - lse[:, None]) * 1.4426950408889634)
     g = (p - tl.where(offs_n[None, :] == label[:, None], 1.0, 0.0)) * scale[:, None]
+    if CAPPED:
+        g = g * (1.0 - th * th)
     mask = row_ok[:, None] & (offs_j < VC)[None, :]
     tl.store(dl_ptr + rows[:, None] * VC + offs_j[None, :], g.to(dl_ptr.dtype.element_ty),
              mask=mask)
@@ -189,9 +211,9 @@ _N_ALIGN = (_INTERPRET_META["BLOCK_N"] if _launch.INTERPRET
 
 
 @_launch.cached
-def _launcher(kind, device, dtype, precision, has_bias):
+def _launcher(kind, device, dtype, precision, has_bias, capped):
     """(kernel, constexpr arguments) of the forward or backward for one specialization."""
-    meta = dict(HAS_BIAS=has_bias, DOT_IEEE=precision == "ieee")
+    meta = dict(HAS_BIAS=has_bias, DOT_IEEE=precision == "ieee", CAPPED=capped)
     if kind == "fwd":
         interp = {k: v for k, v in _INTERPRET_META.items() if k != "GROUP_M"}
         return _launch.select(_fwd_kernel, _FWD_CONFIGS, interpret_meta=interp,
@@ -249,9 +271,9 @@ def _vocab_chunk(T, V, H, device):
 # Validation: the op's own checks (ckpt_ext._checks, shared with the fakes), then the Triton
 # kernels' (_launch.check_operands)
 # --------------------------------------------------------------------------------------------
-def _check_inputs(op, hidden, weight, bias, labels):
+def _check_inputs(op, hidden, weight, bias, labels, logit_scale, softcap):
     """Validate the arguments shared by both launchers; returns (T, H, V)."""
-    T, H, V = _check_lce(op, hidden, weight, bias, labels)
+    T, H, V = _check_lce(op, hidden, weight, bias, labels, logit_scale, softcap)
     _launch.check_operands(op, ("hidden", hidden))
     return T, H, V
 
@@ -259,22 +281,25 @@ def _check_inputs(op, hidden, weight, bias, labels):
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int):
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int,
+                             logit_scale: float = 1.0, softcap: float = 0.0):
     """Per-token cross-entropy of the LM head.
 
     Args:
         hidden: (T, H) float16 / bfloat16 / float32, any strides.
         weight: (V, H) (nn.Linear layout); bias: None or (V,); dtype and device of hidden.
         labels: (T,) int64, each in [0, V) or equal to ignore_index.
+        logit_scale, softcap: z = logit_scale logits, or softcap tanh(logit_scale logits /
+            softcap) when softcap > 0 (finite > 0 and finite >= 0).
 
     Returns:
-        (loss, lse), both (T,) float32: lse[t] = logsumexp of row t of the logits,
-        loss[t] = lse[t] - logits[t, labels[t]], 0 on ignored tokens. A label outside [0, V)
+        (loss, lse), both (T,) float32: lse[t] = logsumexp of row t of z,
+        loss[t] = lse[t] - z[t, labels[t]], 0 on ignored tokens. A label outside [0, V)
         (and not ignore_index) raises on CPU tensors; on a GPU, where checking would cost a
         host sync, its loss is NaN.
     """
     op = "linear_cross_entropy_fwd"
-    T, H, V = _check_inputs(op, hidden, weight, bias, labels)
+    T, H, V = _check_inputs(op, hidden, weight, bias, labels, logit_scale, softcap)
     valid = labels != ignore_index
     bad = valid & ((labels < 0) | (labels >= V))
     if not hidden.is_cuda and bool(bad.any()):
@@ -290,12 +315,12 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int):
     part = torch.empty((3, n_split, T), **f32)
     row_max, row_sum, tgt = part.unbind(0)
     kernel, meta = _launcher("fwd", hidden.device, hidden.dtype,
-                             _launch.dot_precision(hidden.dtype), bias is not None)
+                             _launch.dot_precision(hidden.dtype), bias is not None, softcap > 0)
     with _launch.on_device(hidden.device):
         kernel[_grid(T, n_split, per_tile_cols=False)](
             hidden, weight, bias if bias is not None else hidden, labels, row_max, row_sum, tgt,
-            T, H, V, v_per_split, _launch.pow2_bucket(T, 16), ignore_index,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            T, H, V, v_per_split, _launch.pow2_bucket(T, 16), ignore_index, float(logit_scale),
+            float(softcap), hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             labels.stride(0), **meta)
     # Merge the splits (base-2 partials): lse = ln 2 (M + log2 sum_s l_s 2^(m_s - M)).
     if n_split == 1:
@@ -310,12 +335,14 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int):
 
 
 def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_index: int,
-                             output_mask=(True, True, True)):
+                             output_mask=(True, True, True), logit_scale: float = 1.0,
+                             softcap: float = 0.0):
     """Gradients of ``sum_t dloss[t] loss[t]`` with the logits recomputed chunk by chunk.
 
     Args:
         dloss: (T,) float32, any strides (stride 0 for an expanded scalar).
-        hidden, weight, bias, labels, ignore_index: as for ``linear_cross_entropy_fwd``.
+        hidden, weight, bias, labels, ignore_index, logit_scale, softcap: as for
+            ``linear_cross_entropy_fwd``.
         lse: (T,) float32 from ``linear_cross_entropy_fwd``.
         output_mask: [dhidden, dweight, dbias]: which gradients to form; the others are not
             computed and come back as ``hidden.new_empty((0,))``.
@@ -331,8 +358,8 @@ def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_in
     written in place (no fp32 (T, H) accumulator), and no dweight GEMM runs.
     """
     op = "linear_cross_entropy_bwd"
-    _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse)
-    T, H, V = _check_inputs(op, hidden, weight, bias, labels)
+    _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse, logit_scale, softcap)
+    T, H, V = _check_inputs(op, hidden, weight, bias, labels, logit_scale, softcap)
     if len(output_mask) != 3:
         raise ValueError(f"{op}: output_mask must have 3 entries [dhidden, dweight, dbias], "
                          f"got {len(output_mask)}")
@@ -345,7 +372,7 @@ def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_in
     if T == 0 or not (want_dh or want_dw or want_db):
         return (hidden.new_empty((0, H)) if want_dh else none(), dweight.zero_(), dbias.zero_())
     kernel, meta = _launcher("bwd", hidden.device, hidden.dtype,
-                             _launch.dot_precision(hidden.dtype), bias is not None)
+                             _launch.dot_precision(hidden.dtype), bias is not None, softcap > 0)
     t_bucket = _launch.pow2_bucket(T, 16)
 
     def dlogits(t0, tc, v0, vc, out):
@@ -354,7 +381,7 @@ def linear_cross_entropy_bwd(dloss, hidden, weight, bias, labels, lse, ignore_in
             kernel[_grid(tc, vc)](
                 hidden[t0:t0 + tc], weight, bias if bias is not None else hidden,
                 labels[t0:t0 + tc], lse[t0:t0 + tc], dloss[t0:t0 + tc], out,
-                tc, H, V, v0, vc, t_bucket, ignore_index,
+                tc, H, V, v0, vc, t_bucket, ignore_index, float(logit_scale), float(softcap),
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
                 labels.stride(0), lse.stride(0), dloss.stride(0), **meta)
 

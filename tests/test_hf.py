@@ -627,15 +627,23 @@ def test_one_model_in_several_threads_keeps_each_forwards_masks():
     assert sum(calls(model)) == 3 * rounds * len(batches)  # every call ran the fused op
 
 
-def test_granite_logits_scaling_keeps_hf_head_and_fuses_layers():
-    """Granite divides its logits by logits_scaling, which the fused loss does not apply: the
-    head stays HF's (with a warning naming the reason), the layers are fused, and the results
-    are the unpatched model's."""
+def test_granite_logits_scaling_fuses_head_and_layers():
+    """Granite divides its logits by logits_scaling: the fused head applies it (the op's
+    logit_scale), so the head is fused without a warning, the layers too, and the loss and
+    every gradient are the unpatched model's. Without the scale the loss would differ."""
     ref_model = make_model("granite", "sdpa", logits_scaling=4.0)
-    with pytest.warns(UserWarning, match="logits_scaling=4.0"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*LM head is not fused")
         model = patch_llama(copy.deepcopy(ref_model), "balanced", fuse_lm_head=True)
     ids, mask, labels = make_batch(pad=True)
-    ref, got = run(ref_model, ids, mask, labels), run(model, ids, mask, labels)
-    assert got[0].logits is not None            # HF's head ran
-    assert_same(ref, got, mask)
+    (out_r, grads_r), (out, grads) = run(ref_model, ids, mask, labels), run(model, ids, mask,
+                                                                             labels)
+    assert out.logits is None and model.forward.calls == {"fused": 1, "hf": 0}
+    torch.testing.assert_close(out.loss, out_r.loss, **TOL)
+    assert grads.keys() == grads_r.keys()
+    for name in grads_r:
+        torch.testing.assert_close(grads[name], grads_r[name], **TOL, msg=name)
     assert calls(model) == [1, 1, 1]
+    unscaled = copy.deepcopy(ref_model)
+    unscaled.config.logits_scaling = 1.0
+    assert (run(unscaled, ids, mask, labels)[0].loss - out_r.loss).abs() > 100 * TOL["atol"]

@@ -42,11 +42,17 @@ def make_inputs(lead, H, V, dtype, bias=False, ignored=0.25, seed=0, device="cpu
     return hidden, weight, b, labels.to(device)
 
 
-def hf_loss(hidden, weight, bias, labels, reduction="mean", num_items_in_batch=None):
+def hf_loss(hidden, weight, bias, labels, reduction="mean", num_items_in_batch=None,
+            logit_scale=1.0, softcap=0.0):
     """HF: logits = lm_head(hidden), upcast to float32 (float64 stays), then cross-entropy as
-    transformers' fixed_cross_entropy (sum / num_items_in_batch when it is given)."""
+    transformers' fixed_cross_entropy (sum / num_items_in_batch when it is given). With
+    logit_scale / softcap, on softcap tanh(logit_scale logits / softcap) of the upcast logits
+    (logit_scale logits without a cap)."""
     logits = F.linear(hidden, weight, bias)
     logits = logits if logits.dtype == F64 else logits.float()
+    logits = logits * logit_scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     flat, target = logits.reshape(-1, weight.shape[0]), labels.reshape(-1)
     if num_items_in_batch is not None:
         return F.cross_entropy(flat, target, ignore_index=IGNORE, reduction="sum") / \
@@ -55,9 +61,11 @@ def hf_loss(hidden, weight, bias, labels, reduction="mean", num_items_in_batch=N
     return out.reshape(labels.shape) if reduction == "none" else out
 
 
-def fused_loss(hidden, weight, bias, labels, reduction="mean", num_items_in_batch=None):
+def fused_loss(hidden, weight, bias, labels, reduction="mean", num_items_in_batch=None,
+               logit_scale=1.0, softcap=0.0):
     return ops.linear_cross_entropy(hidden, weight, labels, bias=bias, ignore_index=IGNORE,
-                                    reduction=reduction, num_items_in_batch=num_items_in_batch)
+                                    reduction=reduction, num_items_in_batch=num_items_in_batch,
+                                    logit_scale=logit_scale, softcap=softcap)
 
 
 def run(fn, hidden, weight, bias, labels, dout, **kw):
@@ -79,12 +87,15 @@ def backend_context(backend):
 
 
 def check_case(backend, lead, H, V, dtype, bias=False, reduction="mean", num_items=None,
-               ignored=0.25, seed=0):
+               ignored=0.25, seed=0, logit_scale=1.0, softcap=0.0, logits_spread=1.0):
     hidden, weight, b, labels = make_inputs(lead, H, V, dtype, bias, ignored, seed, DEVICE)
+    if logits_spread != 1.0:   # logits of tens of units, so that a soft-cap bends them
+        weight = (weight.double() * logits_spread).to(dtype)
     shape = () if reduction != "none" else labels.shape
     dout = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1), dtype=F64)
     dout = dout.to(DEVICE)
-    kw = dict(reduction=reduction, num_items_in_batch=num_items)
+    kw = dict(reduction=reduction, num_items_in_batch=num_items, logit_scale=logit_scale,
+              softcap=softcap)
     ref = run(hf_loss, *(t.double() if t is not None else None for t in (hidden, weight, b)),
               labels, dout, **kw)
     base = run(hf_loss, hidden, weight, b, labels, dout, **kw)
@@ -757,3 +768,235 @@ def test_final_norm_arguments_are_checked():
                                  norm_eps=EPS)
     with pytest.raises(TypeError, match="norm_weight must be a tensor"):
         ops.linear_cross_entropy(hidden, weight, labels, norm_weight=[1.0] * 8, norm_eps=EPS)
+
+
+# --------------------------------------------------------------------------------------------
+# Logit scale (Granite's 1 / logits_scaling) and final soft-cap (Gemma 2)
+# --------------------------------------------------------------------------------------------
+# (logit_scale, softcap, spread of the logits): a cap of 5 on logits spread over tens of units
+# saturates many of them (tanh' near 0), the scale alone divides them as Granite does.
+TRANSFORMS = [(0.25, 0.0, 4.0), (1.0, 5.0, 4.0), (0.25, 3.0, 8.0), (2.0, 30.0, 1.0)]
+T_ODD, H_ODD, V_ODD = 37, 48, 101
+
+
+def _transform_id(t):
+    return f"scale{t[0]:g}-cap{t[1]:g}"
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=_transform_id)
+@pytest.mark.parametrize("dtype,bias,reduction", [
+    (F64, True, "mean"), (F64, False, "none"), (torch.float32, True, "sum"),
+    (torch.float32, False, "none"), (torch.bfloat16, True, "mean"),
+    (torch.bfloat16, False, "sum")], ids=lambda x: str(x).replace("torch.", ""))
+def test_cpu_logit_transform_matches_reference(transform, dtype, bias, reduction):
+    """ATen kernels: loss, dhidden, dweight, dbias against F.cross_entropy on
+    softcap tanh(logit_scale logits / softcap) in float64 (tight in float64, the 2x/3x rule in
+    float32 / bfloat16), T = 37, H = 48, V = 101, a quarter of the labels ignored."""
+    if CUDA:
+        pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
+    scale, cap, spread = transform
+    check_case("aten", (T_ODD,), H_ODD, V_ODD, dtype, bias, reduction, logit_scale=scale,
+               softcap=cap, logits_spread=spread, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=_transform_id)
+@pytest.mark.parametrize("dtype,bias,reduction", [
+    (torch.float32, True, "mean"), (torch.float32, False, "none"),
+    (torch.float16, True, "sum"), (torch.float16, False, "mean")],
+    ids=lambda x: str(x).replace("torch.", ""))
+def test_triton_logit_transform_matches_reference(transform, dtype, bias, reduction):
+    """Triton launchers (the interpreter on CPU): two vocabulary splits in the forward, two
+    vocabulary chunks in the backward (V = 101 over the interpreter's 64), masked tails."""
+    scale, cap, spread = transform
+    check_case("triton", (T_ODD,), H_ODD, V_ODD, dtype, bias, reduction, logit_scale=scale,
+               softcap=cap, logits_spread=spread, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_logit_transform_matches_reference_gpu(dtype):
+    """A LLaMA-2-sized vocabulary on the GPU: the autotuned tiles, bf16 included, under a
+    scale (Granite) and under a cap (Gemma 2's 30, logits spread over tens of units)."""
+    check_case("triton", (2, 129), 256, 32003, dtype, logit_scale=0.25, logits_spread=4.0)
+    check_case("triton", (1, 37), 256, 32003, dtype, bias=True, reduction="none",
+               softcap=30.0, logits_spread=8.0)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_logit_transform_with_num_items_and_chunks(backend, monkeypatch):
+    """num_items_in_batch, several CPU token chunks (the capped backward's chunks hold half
+    the rows), and one Triton vocabulary chunk, each under a scale and a cap."""
+    if backend == "aten" and CUDA:
+        pytest.skip("the ATen kernels serve CPU tensors")
+    check_case(backend, (2, 19), H_ODD, V_ODD, torch.float32, True, num_items=31,
+               logit_scale=0.5, softcap=4.0, logits_spread=4.0)
+    if backend == "aten":
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(5 * 4 * V_ODD + 3))  # 5 / 2 rows
+    else:
+        monkeypatch.setattr(lce_kernels, "INTERPRETER_VOCAB_CHUNK", 1024)
+    check_case(backend, (T_ODD,), H_ODD, V_ODD, torch.float32, True, logit_scale=0.5,
+               softcap=4.0, logits_spread=4.0)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("frozen", list(FROZEN))
+def test_logit_transform_frozen_inputs(backend, frozen):
+    """Only dhidden (the Triton launcher's token walk), or dweight / dbias alone, under a
+    scale and a cap: the gradients asked for match the reference."""
+    if backend == "aten" and CUDA:
+        pytest.skip("the ATen kernels serve CPU tensors")
+    wants = FROZEN[frozen]
+    hidden, weight, b, labels = make_inputs((T_ODD,), H_ODD, V_ODD, torch.float32, bias=True,
+                                            seed=int(torch.randint(1 << 30, ())), device=DEVICE)
+    weight = weight * 4.0
+    dout = torch.tensor(0.9, device=DEVICE)
+    kw = dict(logit_scale=0.5, softcap=3.0)
+    hf = lambda *a: hf_loss(*a, **kw)        # noqa: E731
+    fused = lambda *a: fused_loss(*a, **kw)  # noqa: E731
+    ref = _grads_frozen(hf, hidden.double(), weight.double(), b.double(), labels, dout, wants)
+    base = _grads_frozen(hf, hidden, weight, b, labels, dout, wants)
+    with backend_context(backend):
+        got = _grads_frozen(fused, hidden, weight, b, labels, dout, wants)
+    scale = magnitude(*(r for r in ref if r is not None))
+    for name, g, bs, r, want in zip(("dhidden", "dweight", "dbias"), got, base, ref, wants):
+        assert (g is None) == (not want), name
+        if want:
+            check_vs_baseline(name, g, bs, r, FACTOR_GRAD, torch.float32, scale=scale)
+
+
+def test_cpu_logit_transform_gradcheck():
+    hidden, weight, b, labels = make_inputs((7,), 6, 13, F64, bias=True)
+    weight = weight * 4.0
+    leaves = [t.requires_grad_() for t in (hidden, weight, b)]
+    for scale, cap in ((0.3, 0.0), (1.0, 2.5), (0.7, 1.5)):
+        assert torch.autograd.gradcheck(
+            lambda h, w, bb: ops.linear_cross_entropy(h, w, labels, bias=bb, reduction="none",
+                                                      logit_scale=scale, softcap=cap), leaves)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_per_token_stats_under_a_transform(backend):
+    """The kernel op's lse is the logsumexp of the transformed logits, its loss that minus
+    the transformed target logit."""
+    hidden, weight, b, labels = make_inputs((23,), 16, 45, F64, bias=True)
+    weight = weight * 4.0
+    z = 3.0 * torch.tanh(0.5 * F.linear(hidden, weight, b) / 3.0)
+    want_lse = torch.logsumexp(z, -1)
+    want_loss = torch.where(labels != IGNORE, want_lse - z.gather(
+        1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+    cases = [((hidden, weight, b), 1e-12)] if backend == "aten" else []
+    cases.append(([t.float() for t in (hidden, weight, b)], 2e-5))
+    with backend_context(backend):
+        for (h, w, bb), tol in cases:
+            loss, lse = OPS.linear_cross_entropy_fwd(h, w, bb, labels, IGNORE, 0.5, 3.0)
+            torch.testing.assert_close(lse.double(), want_lse, rtol=tol, atol=tol)
+            torch.testing.assert_close(loss.double(), want_loss, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+def test_each_logit_transform_argument_changes_the_result(backend):
+    """A scale or a cap that the op ignored would give the untransformed loss: each changes
+    the loss and every gradient well beyond the tolerance, and together they differ from
+    either alone."""
+    if backend == "aten" and CUDA:
+        pytest.skip("the ATen kernels serve CPU tensors")
+    hidden, weight, b, labels = make_inputs((T_ODD,), H_ODD, V_ODD, torch.float32, bias=True,
+                                            device=DEVICE)
+    weight = weight * 4.0
+    dout = torch.tensor(1.0, device=DEVICE)
+    results = {}
+    with backend_context(backend):
+        for kw in ((1.0, 0.0), (0.25, 0.0), (1.0, 5.0), (0.25, 5.0)):
+            results[kw] = run(fused_loss, hidden, weight, b, labels, dout,
+                              logit_scale=kw[0], softcap=kw[1])
+    keys = list(results)
+    for i, a in enumerate(keys):
+        for c in keys[i + 1:]:
+            for name, x, y in zip(("loss", "dhidden", "dweight", "dbias"), results[a],
+                                  results[c]):
+                assert (x - y).abs().max() > 1e-2 * y.abs().max(), (a, c, name)
+
+
+BAD_TRANSFORMS = [("logit_scale", 0.0), ("logit_scale", -0.5), ("logit_scale", math.inf),
+                  ("logit_scale", math.nan), ("softcap", -1.0), ("softcap", math.inf),
+                  ("softcap", math.nan), ("softcap", -math.inf)]
+
+
+@pytest.mark.parametrize("name,value", BAD_TRANSFORMS, ids=lambda x: str(x))
+@pytest.mark.parametrize("where", ["wrapper", "aten", "meta", "triton", "normed"])
+def test_bad_logit_transform_raises_naming_it(name, value, where):
+    """Zero, negative or non-finite scale, negative or non-finite cap: a ValueError naming the
+    argument, from the wrapper, the kernel ops (ATen, fake, Triton) and the normed head."""
+    hidden, weight, b, labels = make_inputs((6,), 8, 10, torch.float32, bias=True)
+    kw = {"logit_scale": 1.0, "softcap": 0.0, name: value}
+    match = f"{name} must be a finite number > 0"
+    with pytest.raises(ValueError, match=match):
+        if where == "wrapper":
+            ops.linear_cross_entropy(hidden, weight, labels, bias=b, **kw)
+        elif where == "normed":
+            ops.linear_cross_entropy(hidden, weight, labels, bias=b, norm_weight=torch.ones(8),
+                                     norm_eps=1e-5, **kw)
+        else:
+            dev = "meta" if where == "meta" else "cpu"
+            h, w, bb, lab = (t.to(dev) for t in (hidden, weight, b, labels))
+            with backend_context("triton" if where == "triton" else "aten"):
+                OPS.linear_cross_entropy_fwd(h, w, bb, lab, IGNORE, kw["logit_scale"],
+                                             kw["softcap"])
+    if where in ("aten", "triton"):  # the backward op checks them too
+        _, lse = OPS.linear_cross_entropy_fwd(hidden, weight, b, labels, IGNORE)
+        with pytest.raises(ValueError, match=match), backend_context(where):
+            OPS.linear_cross_entropy_bwd(torch.ones(6), hidden, weight, b, labels, lse, IGNORE,
+                                         [True, True, True], kw["logit_scale"], kw["softcap"])
+
+
+def test_logit_transform_types_are_checked():
+    hidden, weight, _, labels = make_inputs((6,), 8, 10, torch.float32)
+    for kw in (dict(logit_scale="0.5"), dict(softcap=True), dict(logit_scale=torch.tensor(2.))):
+        with pytest.raises(TypeError, match=f"{next(iter(kw))} must be a number"):
+            ops.linear_cross_entropy(hidden, weight, labels, **kw)
+
+
+def _opcheck_transform_samples():
+    samples = []
+    hidden, weight, b, labels = make_inputs((7,), 12, 10, torch.float32, bias=True)
+    for scale, cap in ((0.5, 0.0), (1.0, 2.0), (0.25, 3.0)):
+        lv = [t.detach().clone().requires_grad_() for t in (hidden, weight, b)]
+        samples.append(("linear_cross_entropy_fwd", (*lv, labels, IGNORE, scale, cap)))
+        _, lse = OPS.linear_cross_entropy_fwd(hidden, weight, b, labels, IGNORE, scale, cap)
+        samples.append(("linear_cross_entropy_bwd", (torch.randn(7), hidden, weight, b, labels,
+                                                     lse, IGNORE, [True, True, True], scale,
+                                                     cap)))
+    return samples
+
+
+@pytest.mark.parametrize("sample", range(len(_opcheck_transform_samples())))
+def test_opcheck_logit_transform(sample):
+    name, args = _opcheck_transform_samples()[sample]
+    torch.library.opcheck(getattr(OPS, name).default, args)
+
+
+@pytest.mark.parametrize("backend", ["aten", "triton"])
+@pytest.mark.parametrize("rows", [None, 7], ids=["one-chunk", "rows7"])
+def test_final_norm_inside_the_head_with_logit_transform(monkeypatch, backend, rows):
+    """norm_weight with a scale and a cap: HF's norm, head, scale and cap within the accuracy
+    rule against float64, every gradient, in one chunk and in 7-row chunks."""
+    if CUDA and backend == "aten":
+        pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
+    T, H, V = T_ODD, H_ODD, V_ODD
+    if rows is not None:
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * 4))
+    tensors, labels = normed_inputs(T, H, V, torch.float32, torch.float32, True,
+                                    seed=int(torch.randint(1 << 30, ())))
+    tensors = [*tensors[:2], tensors[2] * 4.0, tensors[3]]   # logits of tens of units
+    kw = dict(logit_scale=0.5, softcap=3.0)
+    dout = torch.tensor(1.1, dtype=F64).to(DEVICE)
+    ref = run_normed(hf_normed_loss, [t.double() for t in tensors], labels, dout, **kw)
+    base = run_normed(hf_normed_loss, tensors, labels, dout, **kw)
+    with backend_context(backend):
+        got = run_normed(fused_normed_loss, tensors, labels, dout, **kw)
+    assert set(got) == set(ref)
+    scale = magnitude(*(v for k, v in ref.items() if k != "loss"))
+    for name, r in ref.items():
+        check_vs_baseline(name, got[name], base[name], r,
+                          FACTOR_OUT if name == "loss" else FACTOR_GRAD, torch.float32,
+                          scale=None if name == "loss" else scale)

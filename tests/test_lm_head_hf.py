@@ -163,3 +163,110 @@ def test_num_items_in_batch_zero_through_a_patched_model(n):
     out, grads = step(model, input_ids=ids, attention_mask=mask, labels=labels,
                       num_items_in_batch=7)
     assert out.loss.item() > 0 and any((g != 0).any() for g in grads.values())
+
+
+# ---- heads that transform the logits: Granite's logits_scaling, Gemma 2's final soft-cap ----
+def fused_head(model):
+    """The model with its head fused: through patch_llama where its family is supported,
+    else (a family patch_llama does not take yet) with the fused forward set directly, as
+    patch_llama sets it, after the same head_problem check."""
+    from ckpt_ext.hf.lm_head import FusedHeadForward, head_problem
+    from ckpt_ext.hf.patch import SUPPORTED_MODEL_TYPES
+
+    if model.config.model_type in SUPPORTED_MODEL_TYPES:
+        return ckpt_ext.patch_llama(model)
+    assert head_problem(model) is None, head_problem(model)
+    model.forward = FusedHeadForward(model)
+    return model
+
+
+def check_transformed_head(ref, name, value, none_value):
+    """ref patched (fused_head) gives ref's loss and every gradient, with the fused head run;
+    the same model with config.<name> = none_value (no transform) gives another loss, so a
+    fused head that ignored the transform would fail."""
+    model = fused_head(copy.deepcopy(ref))
+    ids, mask, labels = make_batch(seed=int(torch.randint(2**31, ())))
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    out_r, grads_r = step(ref, **inputs)
+    out, grads = step(model, **inputs)
+    assert out.logits is None and model.forward.calls == {"fused": 1, "hf": 0}
+    torch.testing.assert_close(out.loss, out_r.loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(grads_r)
+    for n, g in grads_r.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
+    plain = copy.deepcopy(ref)
+    setattr(plain.config, name, none_value)
+    assert getattr(ref.config, name) == value
+    assert (step(plain, **inputs)[0].loss - out_r.loss).abs() > 1e-3
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_granite_logits_scaling_runs_in_the_fused_head(tied):
+    """GraniteForCausalLM divides its logits by logits_scaling=4: the fused head (with the
+    final norm inside it) applies 1/4 as the op's logit_scale."""
+    ref = tiny_model("granite", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False,
+        logits_scaling=4.0, residual_multiplier=0.6, attention_multiplier=0.2,
+        embedding_multiplier=3.0, tie_word_embeddings=tied), seed=3, perturb=True)
+    check_transformed_head(ref, "logits_scaling", 4.0, 1.0)
+
+
+def gemma2_model(cap, seed=4, family="gemma2"):
+    """A tiny Gemma2ForCausalLM (or Gemma3ForCausalLM: family "gemma3_text"; eager attention:
+    HF's SDPA has no attention soft-cap) whose logits reach about a unit, so that a cap of 1.5
+    bends them."""
+    return tiny_model(family, dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False,
+        final_logit_softcapping=cap, sliding_window=8), impl="eager", seed=seed, perturb=True)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_final_softcap_runs_in_the_fused_head(family):
+    """Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap their logits
+    (final_logit_softcapping): the fused head applies it as the op's softcap, loss and every
+    gradient as HF's."""
+    ref = gemma2_model(cap=1.5, family=family)
+    check_transformed_head(ref, "final_logit_softcapping", 1.5, None)
+
+
+def test_head_rules_follow_the_forward_the_model_runs():
+    """The op's logit_scale / softcap come from the class that defines the model's forward;
+    a forward the fused head does not reproduce (a subclass's own) keeps HF's head with the
+    reason, and so does a config value the op refuses."""
+    from ckpt_ext.hf.lm_head import head_problem, head_transform
+
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, intermediate_size=48, vocab_size=V, pad_token_id=0)
+    for family in ("llama", "olmo2", "phi3"):
+        assert head_transform(tiny_model(family, small)) == (None, 1.0, 0.0), family
+    assert head_transform(gemma2_model(cap=30.0)) == (None, 1.0, 30.0)
+    assert head_transform(gemma2_model(cap=None)) == (None, 1.0, 0.0)
+    granite = tiny_model("granite", dict(small, logits_scaling=8.0))
+    assert head_transform(granite) == (None, 0.125, 0.0)
+    granite.config.logits_scaling = 0.0
+    assert "logits_scaling=0.0 is not a finite number > 0" in head_problem(granite)
+    bad_cap = gemma2_model(cap=-2.0)
+    assert "final_logit_softcapping=-2.0" in head_problem(bad_cap)
+    # A Llama whose forward a subclass replaces (here: doubling the loss): HF's head stays.
+    base = make_model()
+
+    class DoubledLoss(type(base)):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if out.loss is not None:
+                out.loss = 2 * out.loss
+            return out
+
+    model = copy.deepcopy(base)
+    model.__class__ = DoubledLoss
+    assert "the forward of " in head_problem(model) and "DoubledLoss" in head_problem(model)
+    with pytest.warns(UserWarning, match="LM head is not fused: DoubledLoss runs the forward"):
+        ckpt_ext.patch_llama(model)
+    assert "forward" not in model.__dict__
+    ids, mask, labels = make_batch()
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    want = base(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, 2 * want.loss, rtol=1e-5, atol=1e-6)

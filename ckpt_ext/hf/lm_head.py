@@ -9,6 +9,14 @@ Every other call (eval, generate, no labels, ``logits_to_keep``, a head or loss 
 not compute) runs HF's forward and returns logits as before. TRL's own fused head calls the
 bare model and its own head, so it keeps working, with the decoder layers fused underneath.
 
+What the model's forward does between its head and its loss is looked up by the transformers
+class that defines that forward (``_HEAD_RULES``), never guessed from the config alone: Llama
+and the families like it pass the logits on as they are, Granite divides them by
+``config.logits_scaling`` (the op's ``logit_scale``), Gemma 2 and Gemma 3 soft-cap them by
+``config.final_logit_softcapping`` when it is set (the op's ``softcap``). A model whose forward
+is not one of those (a subclass with a forward of its own, another family) keeps HF's head,
+with the reason.
+
 The bare model's final RMSNorm (``model.norm``) gets an instance-level forward too
 (``FinalNorm``): ``ckpt_ext.ops.rms_norm``, which keeps the pre-norm rows for backward where
 HF's norm keeps an fp32 copy of them and its normalised rows. Its output carries its input,
@@ -21,7 +29,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Optional
+import math
+import numbers
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -37,20 +47,92 @@ def _hf_causal_lm_loss():
     return ForCausalLMLoss
 
 
-def head_problem(model: nn.Module) -> Optional[str]:
-    """Why the fused head cannot stand in for this model's head and loss, or None."""
+# A head rule reads the model's config and gives (problem or None, logit_scale, softcap): what
+# the forward does to lm_head's output before its loss_function, as linear_cross_entropy's
+# arguments.
+HeadRule = Callable[[object], Tuple[Optional[str], float, float]]
+
+
+def _positive_number(x) -> bool:
+    return (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+            and x > 0)
+
+
+def _plain_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h)."""
+    return None, 1.0, 0.0
+
+
+def _granite_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) / config.logits_scaling (GraniteForCausalLM)."""
+    scaling = getattr(config, "logits_scaling", 1.0)
+    if not _positive_number(scaling):
+        return (f"config.logits_scaling={scaling!r} is not a finite number > 0", 1.0, 0.0)
+    return None, 1.0 / float(scaling), 0.0
+
+
+def _softcapped_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = cap tanh(lm_head(h) / cap) with cap = config.final_logit_softcapping, when it
+    is not None (Gemma2ForCausalLM, Gemma3ForCausalLM)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        return None, 1.0, 0.0
+    if not _positive_number(cap):
+        return (f"config.final_logit_softcapping={cap!r} is not None or a finite number > 0",
+                1.0, 0.0)
+    return None, 1.0, float(cap)
+
+
+# The transformers *ForCausalLM classes whose forward the fused head reproduces, by the name of
+# the class that defines the forward: each computes logits = lm_head(last hidden state), then
+# the rule's transform, then loss_function(logits, labels, vocab_size, **kwargs).
+_HEAD_RULES = {
+    "LlamaForCausalLM": _plain_head, "MistralForCausalLM": _plain_head,
+    "MinistralForCausalLM": _plain_head, "Qwen2ForCausalLM": _plain_head,
+    "Qwen3ForCausalLM": _plain_head, "SmolLM3ForCausalLM": _plain_head,
+    "GemmaForCausalLM": _plain_head, "Olmo2ForCausalLM": _plain_head,
+    "Olmo3ForCausalLM": _plain_head, "Phi3ForCausalLM": _plain_head,
+    "GraniteForCausalLM": _granite_head,
+    "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
+}
+
+
+def head_rule(model: nn.Module) -> Tuple[Optional[str], Optional[HeadRule]]:
+    """(problem, None) when the forward ``model`` runs is not one of ``_HEAD_RULES`` (defined
+    by transformers under that name), else (None, its rule)."""
+    owner = next((c for c in type(model).__mro__ if "forward" in vars(c)), None)
+    rule = None
+    if owner is not None and owner.__module__.startswith("transformers."):
+        rule = _HEAD_RULES.get(owner.__name__)
+    if rule is None:
+        name = "no forward" if owner is None else f"the forward of {owner.__qualname__}"
+        return (f"{type(model).__name__} runs {name}, not one of the transformers forwards "
+                f"whose head and loss the fused op reproduces ({', '.join(_HEAD_RULES)})"), None
+    return None, rule
+
+
+def head_transform(model: nn.Module,
+                   rule: Optional[HeadRule] = None) -> Tuple[Optional[str], float, float]:
+    """(why the fused head cannot stand in for this model's head and loss, or None;
+    logit_scale; softcap): the op's arguments that reproduce the model's head. ``rule``: the
+    model's head rule when already looked up (``head_rule``)."""
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear:
-        return f"lm_head is a {type(head).__name__}, not a plain nn.Linear"
+        return f"lm_head is a {type(head).__name__}, not a plain nn.Linear", 1.0, 0.0
     if not isinstance(getattr(model, "model", None), nn.Module):
-        return "the model has no bare .model to run before the head"
+        return "the model has no bare .model to run before the head", 1.0, 0.0
     if getattr(model, "loss_function", None) is not _hf_causal_lm_loss():
-        return "the model's loss_function is not transformers' ForCausalLMLoss"
-    scaling = getattr(getattr(model, "config", None), "logits_scaling", 1.0)
-    if scaling != 1.0:
-        return (f"the model divides its logits by logits_scaling={scaling} (Granite), which the "
-                "fused loss does not apply")
-    return None
+        return "the model's loss_function is not transformers' ForCausalLMLoss", 1.0, 0.0
+    if rule is None:
+        problem, rule = head_rule(model)
+        if problem:
+            return problem, 1.0, 0.0
+    return rule(getattr(model, "config", None))
+
+
+def head_problem(model: nn.Module) -> Optional[str]:
+    """Why the fused head cannot stand in for this model's head and loss, or None."""
+    return head_transform(model)[0]
 
 
 # The attribute of a FinalNorm output that holds the norm's input (set only for outputs that
@@ -116,6 +198,9 @@ class FusedHeadForward:
         self.positional = [p.name for p in params
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls = {"fused": 0, "hf": 0}
+        # The class's head rule, looked up once (the class does not change; the config values
+        # are read at each call).
+        _, self.rule = head_rule(model)
         # What inspect.signature(model.forward) reports: Trainer keeps the dataset columns
         # that the model's forward names.
         self.__signature__ = inspect.signature(self.original)
@@ -137,15 +222,17 @@ class FusedHeadForward:
         fusable = (labels is not None and torch.is_grad_enabled()
                    and not kwargs.get("use_cache") and kwargs.get("past_key_values") is None
                    and isinstance(kwargs.get("logits_to_keep", 0), int)
-                   and kwargs.get("logits_to_keep", 0) == 0
-                   and head_problem(self.model) is None)
+                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
+        if fusable:
+            problem, logit_scale, softcap = head_transform(self.model, self.rule)
+            fusable = problem is None
         if not fusable:
             self._count("hf")
             return self.original(**kwargs)
         self._count("fused")
-        return self._fused(**kwargs)
+        return self._fused(logit_scale=logit_scale, softcap=softcap, **kwargs)
 
-    def _fused(self, labels, logits_to_keep=0, **kwargs):
+    def _fused(self, labels, logits_to_keep=0, logit_scale=1.0, softcap=0.0, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         num_items = kwargs.get("num_items_in_batch")
@@ -180,7 +267,9 @@ class FusedHeadForward:
             elif not norm_args and hidden.dtype != w.dtype:
                 hidden = hidden.to(w.dtype)
             return ops.linear_cross_entropy(hidden, w, labels, bias=b, ignore_index=ignore_index,
-                                            num_items_in_batch=num_items, **norm_args)
+                                            num_items_in_batch=num_items,
+                                            logit_scale=logit_scale, softcap=softcap,
+                                            **norm_args)
 
         loss = gathered_for_head([weight, bias], hidden, loss_of)
         return CausalLMOutputWithPast(loss=loss, logits=None,
