@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "activation.h"
 #include "checks.h"
 #include "chunking.h"
 #include "kernel_ops.h"
@@ -163,6 +164,7 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
     check_proj(op, L, kDown, x, h, i);
   }
   check_dropout(op, L);
+  parse_activation(L.activation, op);
 }
 
 // ---- projections (with optional LoRA) ------------------------------------------------------
@@ -291,7 +293,7 @@ int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
   return chunking::chunk_rows(3 * I * std::max<int64_t>(4, h.element_size()));
 }
 
-// y = h + down(silu(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
+// y = h + down(act(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
 // chunk's output written in place; with `keep_gate_up` (fast, which saves the whole-sequence
 // gate/up) one chunk, filling r.gate/up. h's first row is the global token row row0: the
 // SwiGLU ops hash LoRA dropout masks on global rows (dropout_row_offset), so the chunks change
@@ -310,7 +312,7 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
         mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
-        row0 + t0);
+        row0 + t0, L.activation);
     if (keep_gate_up) r.gate = gate, r.up = up;
     if (tc == T) return h + L.residual_scaled(y2).view(h.sizes());
     if (!out.defined())
@@ -354,7 +356,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
         L.residual_scaled(L.cast(dyc)), mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)),
         L.cast(L.proj(kDown)), L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
-        row0 + t0);
+        row0 + t0, L.activation);
     const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
     for (size_t j = 0; j < order.size(); ++j) {
       if (!needs[order[j]]) continue;

@@ -199,7 +199,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="preset must be one of"):
         torch.ops.ckpt_ext.decoder_layer(torch.randn(1, 2, 32), w, None, None, None, None, None,
                                          False, [], [], None, 1, 1, 1e-6, 1.0, 1.0, None,
-                                         "mlp", "quick")
+                                         "silu", "mlp", "quick")
     with pytest.raises(ValueError, match="unknown weight names"):
         blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
 
