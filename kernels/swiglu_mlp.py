@@ -309,11 +309,12 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
         if NEED_HA:
             _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
                                   LORA_PREC)
+    # u_dact = u act'(g) = d h / d gate
     if ACTIVATION == "gelu_tanh":
         # 2c (1 + 3 * 0.044715 g^2) = 1.5957691216057308 + 0.21406444881780076 g^2
         u_dact = u * (s + act * (1.0 - s) * (1.5957691216057308 + 0.21406444881780076 * g * g))
     else:
-        u_dact = u * (s + act * (1.0 - s))     # d h / d gate
+        u_dact = u * (s + act * (1.0 - s))
     dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
                  mask=mask, other=0.0).to(tl.float32)
     if LORA_D:

@@ -536,8 +536,8 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                            persistent=True)
             # ACTIVATION="gelu_tanh" (GeGLU): the first kept bf16 configs of every kernel
             # variant, with and without LoRA (its epilogue keeps g live for the derivative).
-            for kind, lora in (("fwd", False), ("fwd", True), ("bwd_recompute", False),
-                               ("bwd_recompute", True), ("bwd_gate_up", False),
+            for kind, lora in (("bwd_recompute", False), ("fwd", False),
+                               ("bwd_recompute", True), ("fwd", True), ("bwd_gate_up", False),
                                ("bwd_gate_up", True))[:2 if quick else None]:
                 add_swiglu(kind, "bf16", *first_row(kind, "bf16", lora), lora=lora,
                            activation="gelu_tanh")
