@@ -139,6 +139,14 @@ def _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
 
 
 _SWIGLU_LORA = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
+# The gated MLP's activations (csrc/activation.h): SwiGLU's silu, GeGLU's gelu(approximate="tanh").
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _check_activation(op, activation):
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of "
+                         f"{', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
 
 
 def _check_probability(op, name, p):
@@ -341,18 +349,20 @@ def _check_attention_bwd(op, dout, q, k, v, out, lse, key_padding_mask, segment_
 
 
 def _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                      lora_dropout, dropout_seed):
+                      lora_dropout, dropout_seed, activation="silu"):
     """swiglu_fwd's arguments; returns (T, H, I, the 6 lora entries)."""
+    _check_activation(op, activation)
     T, H, I = _check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     lora = _check_swiglu_lora(op, lora, lora_scaling, lora_dropout, dropout_seed, x, H, I)
     return T, H, I, lora
 
 
 def _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
-                      lora_scaling, gate, up, needs_grad, lora_dropout, dropout_seed):
+                      lora_scaling, gate, up, needs_grad, lora_dropout, dropout_seed,
+                      activation="silu"):
     """swiglu_bwd's arguments; returns (T, H, I, the 6 lora entries)."""
     T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
-                                      lora_scaling, lora_dropout, dropout_seed)
+                                      lora_scaling, lora_dropout, dropout_seed, activation)
     _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
     if _absent(gate) != _absent(up):
         state = {True: "absent", False: "given"}

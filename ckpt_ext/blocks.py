@@ -48,7 +48,7 @@ LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._
 LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
                       uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
                       dropout_seed=None, residual_scale=1.0, norm_offset=0.0,
-                      norm_cast_last=False, compute_dtype=None, part="layer",
+                      norm_cast_last=False, compute_dtype=None, activation="silu", part="layer",
                       preset="balanced")
 
 
@@ -136,8 +136,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   lora_dropout: Optional[Sequence[float]] = None,
                   dropout_seed: Optional[Tensor] = None, residual_scale: float = 1.0,
                   norm_offset: float = 0.0, norm_cast_last: bool = False,
-                  compute_dtype: Optional[torch.dtype] = None, part: str = "layer",
-                  preset: str = "balanced") -> Tensor:
+                  compute_dtype: Optional[torch.dtype] = None, activation: str = "silu",
+                  part: str = "layer", preset: str = "balanced") -> Tensor:
     """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
 
     x: (B, S, H); weights: slot name -> tensor (``WEIGHT_SLOTS``; HF's names, e.g.
@@ -158,6 +158,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     ``head_dim`` each head (Qwen3, Gemma 3). Every norm multiplies by ``norm_offset + weight``
     (Gemma: 1); ``norm_cast_last`` applies the weight in float32 and casts the result to the
     input's dtype (Gemma, OLMo-2) instead of casting the normalized input first (LLaMA).
+    activation: the MLP's ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU,
+    ``gelu(approximate="tanh")``: Gemma's ``gelu_pytorch_tanh``).
     """
     _check("decoder_layer", preset, part)
     w = pack_weights(weights)
@@ -172,7 +174,7 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         dropout_seed=dropout_seed, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
         eps=eps, scale=float(scale), residual_scale=float(residual_scale),
         norm_offset=float(norm_offset), norm_cast_last=bool(norm_cast_last),
-        compute_dtype=compute_dtype, part=part, preset=preset)
+        compute_dtype=compute_dtype, activation=activation, part=part, preset=preset)
 
 
 def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
@@ -201,10 +203,12 @@ def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_
 
 def mlp_block(h: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
               eps: float = 1e-6, b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
-              b_down: Optional[Tensor] = None, preset: str = "balanced") -> Tensor:
-    """``h + down(silu(gate(m)) * up(m))`` with ``m = rms_norm(h)``; h: (B, S, H)."""
+              b_down: Optional[Tensor] = None, activation: str = "silu",
+              preset: str = "balanced") -> Tensor:
+    """``h + down(act(gate(m)) * up(m))`` with ``m = rms_norm(h)``; h: (B, S, H); act: silu,
+    or ``gelu(approximate="tanh")`` with ``activation="gelu_tanh"``."""
     weights = {"post_attention_layernorm.weight": norm_weight, "mlp.gate_proj.weight": w_gate,
                "mlp.up_proj.weight": w_up, "mlp.down_proj.weight": w_down,
                "mlp.gate_proj.bias": b_gate, "mlp.up_proj.bias": b_up,
                "mlp.down_proj.bias": b_down}
-    return decoder_layer(h, weights, eps=eps, part="mlp", preset=preset)
+    return decoder_layer(h, weights, eps=eps, activation=activation, part="mlp", preset=preset)

@@ -13,7 +13,8 @@ CUDA implementations are registered elsewhere. This module adds, for every kerne
 Public wrappers:
     attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
               window=None, deterministic=None) -> out
-    swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input")
+    swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input",
+               activation="silu")
     rms_norm(x, weight, eps) -> y
     add_rms_norm(x, residual, weight, eps) -> (y, s)
     rope(q, k, cos, sin) -> (q_out, k_out)
@@ -31,7 +32,7 @@ from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from . import config
 from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
                       _check_positive_finite, _check_qkv, _check_probability, _check_seed,
-                      _check_row_offset,
+                      _check_row_offset, _check_activation,
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
                       _check_lce_bwd, _check_lce_transform)
@@ -72,10 +73,11 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, 
 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
 def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-                     return_gate_up, lora_dropout=(), dropout_seed=None, dropout_row_offset=0):
+                     return_gate_up, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
+                     activation="silu"):
     _check_row_offset("swiglu_fwd", "dropout_row_offset", dropout_row_offset)
     T, H, I, _ = _check_swiglu_fwd("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                                   lora, lora_scaling, lora_dropout, dropout_seed)
+                                   lora, lora_scaling, lora_dropout, dropout_seed, activation)
     gate_up_shape = (T, I) if return_gate_up else (0,)
     return x.new_empty((T, H)), x.new_empty(gate_up_shape), x.new_empty(gate_up_shape)
 
@@ -83,11 +85,11 @@ def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_s
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                      gate, up, needs_grad, lora_dropout=(), dropout_seed=None,
-                     dropout_row_offset=0):
+                     dropout_row_offset=0, activation="silu"):
     _check_row_offset("swiglu_bwd", "dropout_row_offset", dropout_row_offset)
     T, H, I, lora = _check_swiglu_bwd("swiglu_bwd", dy, x, w_gate, w_up, w_down, b_gate, b_up,
                                       b_down, lora, lora_scaling, gate, up, needs_grad,
-                                      lora_dropout, dropout_seed)
+                                      lora_dropout, dropout_seed, activation)
 
     def grad(wanted, t, shape=None):
         """A gradient of t's shape (or `shape`) and x's dtype where computed, else (0,)."""
@@ -187,6 +189,7 @@ def _swiglu_setup(ctx, inputs, output):
     (x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up,
      lora_dropout, dropout_seed) = inputs[:12]
     ctx.dropout_row_offset = inputs[12] if len(inputs) > 12 else 0
+    ctx.activation = inputs[13] if len(inputs) > 13 else "silu"
     _, gate, up = output
     ctx.mark_non_differentiable(gate, up)
     if any(t is None for t in lora) and any(t is not None and t.requires_grad for t in lora):
@@ -219,7 +222,8 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     lora_need = [bool(f) for f in need[7]] if isinstance(need[7], (list, tuple)) else [False] * n
     needs = [bool(f) for f in need[1:7]] + (lora_need or [False] * 6)
     grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs,
-                            ctx.lora_dropout, ctx.dropout_seed, ctx.dropout_row_offset)
+                            ctx.lora_dropout, ctx.dropout_seed, ctx.dropout_row_offset,
+                            ctx.activation)
     dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora = grads
 
     def keep(flag, g):
@@ -230,10 +234,10 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     grads = (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
              keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
              dlora_out, [] if not ctx.lora_scaling else None, None, ctx.dropout_grad, None,
-             None)
+             None, None)
     # One gradient per argument the caller passed: the trailing lora_dropout / dropout_seed /
-    # dropout_row_offset may have been left to their defaults (needs_input_grad has one entry
-    # per passed one).
+    # dropout_row_offset / activation may have been left to their defaults (needs_input_grad
+    # has one entry per passed one).
     return grads[:len(need)]
 
 
@@ -416,7 +420,8 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     return out
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input"):
+def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input",
+               activation="silu"):
     """LLaMA feed-forward: ``down(silu(gate(x)) * up(x))``, weights in nn.Linear layout.
 
     Args:
@@ -424,19 +429,22 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, 
             b_down: None or (H,); all of x's dtype and device.
         save: "input" keeps only x for backward (gate and up are recomputed from x);
             "gate_up" also keeps the (T, I) pre-activations gate and up.
+        activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma's MLP:
+            ``gelu(gate(x), approximate="tanh")`` in place of silu).
 
     Returns:
         y (..., H) in x's dtype.
     """
     if save not in ("input", "gate_up"):
         raise ValueError(f"swiglu_mlp: save must be 'input' or 'gate_up', got {save!r}")
+    _check_activation("swiglu_mlp", activation)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"swiglu_mlp: x must have shape (..., H), got {got}")
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])  # (T, H)
     y, _, _ = _ops.swiglu_fwd(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, [], [],
-                              save == "gate_up")
+                              save == "gate_up", activation=activation)
     return y.reshape(*lead, y.shape[-1])
 
 

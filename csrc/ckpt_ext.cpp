@@ -65,18 +65,22 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // dropout_row_offset >= 0: x's rows are rows dropout_row_offset.. of a larger input (a token
   // chunk), and the masks are those of these global rows.
   // return_gate_up=False: gate/up are never materialised and come back empty.
+  // activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu(approximate="tanh")) in place of
+  // silu above (csrc/activation.h).
   m.def("swiglu_fwd(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, "
         "Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
         "bool return_gate_up, float[] lora_dropout=[], Tensor? dropout_seed=None, "
-        "int dropout_row_offset=0) -> (Tensor y, Tensor gate, Tensor up)");
+        "int dropout_row_offset=0, str activation=\"silu\") -> (Tensor y, Tensor gate, "
+        "Tensor up)");
   // gate/up given: use them (save="gate_up"); absent: recompute them from x (save="input").
   // needs_grad: 12 flags [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate, A_up,
   // B_up, A_down, B_down]; a gradient not wanted (or whose tensor is absent) is not computed
   // and comes back empty. dlora has 6 entries in the order of lora, each in its adapter's dtype.
+  // activation: as in swiglu_fwd (the forward's).
   m.def("swiglu_bwd(Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, "
         "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
         "Tensor? gate, Tensor? up, bool[] needs_grad, float[] lora_dropout=[], "
-        "Tensor? dropout_seed=None, int dropout_row_offset=0) -> "
+        "Tensor? dropout_seed=None, int dropout_row_offset=0, str activation=\"silu\") -> "
         "(Tensor dx, Tensor dw_gate, Tensor dw_up, Tensor dw_down, Tensor db_gate, "
         "Tensor db_up, Tensor db_down, Tensor[] dlora)");
 

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "activation.h"
 #include "checks.h"
 #include "chunking.h"
 #include "kernel_ops.h"
@@ -177,6 +178,7 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
   CKPT_CHECK_VALUE(std::isfinite(L.norm_offset), op, "norm_offset must be finite, got ",
                    L.norm_offset);
   check_dropout(op, L);
+  parse_activation(L.activation, op);
 }
 
 // ---- projections (with optional LoRA) ------------------------------------------------------
@@ -360,7 +362,7 @@ int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
   return chunking::chunk_rows(3 * I * std::max<int64_t>(4, h.element_size()));
 }
 
-// y = h + down(silu(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
+// y = h + down(act(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
 // chunk's output written in place; with `keep_gate_up` (fast, which saves the whole-sequence
 // gate/up) one chunk, filling r.gate/up. h's first row is the global token row row0: the
 // SwiGLU ops hash LoRA dropout masks on global rows (dropout_row_offset), so the chunks change
@@ -379,7 +381,7 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
         mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
-        row0 + t0);
+        row0 + t0, L.activation);
     if (keep_gate_up) r.gate = gate, r.up = up;
     y2 = norm_fwd(L, kMlpOutNorm, y2);
     if (tc == T) return h + L.residual_scaled(y2).view(h.sizes());
@@ -426,14 +428,14 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
           m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
           L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
           L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, false, l.dropout, l.seed,
-          row0 + t0));
+          row0 + t0, L.activation));
       dmlp = L.cast(norm_bwd(L, kMlpOutNorm, dmlp, y2, needs, g));
     }
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
         dmlp, m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
-        row0 + t0);
+        row0 + t0, L.activation);
     const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
     for (size_t j = 0; j < order.size(); ++j) {
       if (!needs[order[j]]) continue;

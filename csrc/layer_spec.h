@@ -21,7 +21,8 @@
 //
 // (h = x + attention output, the MLP input.) `part` selects the whole layer ("layer"), the
 // attention sublayer x + o_proj(attn(...)) ("attention") or the MLP sublayer
-// h + down(silu(gate) * up) ("mlp"); a sublayer keeps its share of the residuals above.
+// h + down(act(gate) * up) ("mlp"; act = silu, or gelu_tanh: `activation`); a sublayer keeps
+// its share of the residuals above.
 //
 // A family whose sublayers norm their output before the residual add (Gemma 2/3, OLMo-2: an
 // output norm slot given) keeps the same residuals: its backward recomputes the sublayer's
@@ -102,6 +103,8 @@ using OptTensor = std::optional<at::Tensor>;
 //                       (Granite's residual_multiplier; 1: LLaMA)
 //   compute_dtype       the dtype of the projections and attention (None: the weights';
 //                       set from torch.autocast by the Autocast kernel)
+//   activation          the MLP's gate activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU,
+//                       Gemma's gelu_pytorch_tanh), csrc/activation.h
 //   part                "layer" | "attention" | "mlp"
 //   preset              "fast" | "balanced" | "min_memory": what forward keeps
 #define CKPT_DECODER_LAYER_ARGS(X, ...)                                                  \
@@ -123,6 +126,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "bool", bool, norm_cast_last, __VA_ARGS__)                                     \
   X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \
   X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, __VA_ARGS__)      \
+  X(OPTION, "str", c10::string_view, activation, __VA_ARGS__)                              \
   X(OPTION, "str", c10::string_view, part, __VA_ARGS__)                                    \
   X(OPTION, "str", c10::string_view, preset, __VA_ARGS__)
 

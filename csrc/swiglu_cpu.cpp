@@ -1,8 +1,11 @@
 // CPU (ATen) implementation of swiglu_fwd / swiglu_bwd, the reference of the Triton kernels.
 //
 //   gate = x Wg^T + bg + s_g (x Ag^T) Bg^T,  up = x Wu^T + bu + s_u (x Au^T) Bu^T   (T, I)
-//   h    = silu(gate) * up                                                        (T, I)
+//   h    = act(gate) * up                                                         (T, I)
 //   y    = h Wd^T + bd + s_d (h Ad^T) Bd^T                                        (T, H)
+//
+// act: silu (activation="silu", SwiGLU) or gelu(approximate="tanh") ("gelu_tanh", GeGLU),
+// csrc/activation.h; ATen's silu / gelu and their backward kernels.
 //
 // Shapes: x (T, H); w_gate, w_up (I, H); w_down (H, I) (nn.Linear layout); b_gate, b_up (I,);
 // b_down (H,); all of x's dtype and device. LoRA adapters (optional, per projection) A (r, in),
@@ -10,7 +13,7 @@
 // shapes; the requested weight gradients are then zeros).
 //
 // Memory: tokens are processed in chunks whose transient (rows, I) intermediates (gate, up,
-// silu, h, dh, dgate/dup: four in forward, six in backward, two fewer where gate/up are
+// act, h, dh, dgate/dup: four in forward, six in backward, two fewer where gate/up are
 // outputs or given) together fit the byte cap CKPT_EXT_CHUNK_BYTES (csrc/chunking.h; 64 MiB
 // by default, counted at the compute dtype's width; at least one row), so they stay bounded
 // whatever T is; only the outputs (and gate/up when they are requested or given) are (T, I).
@@ -42,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "activation.h"
 #include "checks.h"
 #include "chunking.h"
 #include "lora_dropout.h"
@@ -192,10 +196,20 @@ at::Tensor with_lora(const at::Tensor& base, const at::Tensor& xc, const Adapter
   return base.to(A.dt).addmm_(xa, A.b.t(), 1.0, A.s);                          // (tc, I)
 }
 
-// silu(gate) * up in the compute dtype, rounded to `dt`. gate, up (rows, I) in a float dtype.
-at::Tensor swiglu_product(const at::Tensor& gate, const at::Tensor& up, at::ScalarType dt) {
+// act(g) and, given grad = dL/d act(g), dL/dg = grad act'(g).
+at::Tensor activate(const at::Tensor& g, Activation act) {
+  return act == Activation::kSilu ? at::silu(g) : at::gelu(g, "tanh");
+}
+at::Tensor activate_backward(const at::Tensor& grad, const at::Tensor& g, Activation act) {
+  return act == Activation::kSilu ? at::silu_backward(grad, g)
+                                  : at::gelu_backward(grad, g, "tanh");
+}
+
+// act(gate) * up in the compute dtype, rounded to `dt`. gate, up (rows, I) in a float dtype.
+at::Tensor swiglu_product(const at::Tensor& gate, const at::Tensor& up, at::ScalarType dt,
+                          Activation act) {
   const at::ScalarType cdt = at::promote_types(gate.scalar_type(), up.scalar_type());
-  return at::silu(gate.to(cdt)).mul_(up.to(cdt)).to(dt);
+  return activate(gate.to(cdt), act).mul_(up.to(cdt)).to(dt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
@@ -204,9 +218,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
     const c10::List<std::optional<at::Tensor>>& lora, c10::ArrayRef<double> lora_scaling,
     bool return_gate_up, c10::ArrayRef<double> lora_dropout,
-    const std::optional<at::Tensor>& dropout_seed, int64_t dropout_row_offset) {
+    const std::optional<at::Tensor>& dropout_seed, int64_t dropout_row_offset,
+    c10::string_view activation) {
   const char* op = "swiglu_fwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  const Activation act = parse_activation(activation, op);
   const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed,
                                  dropout_row_offset, x, d);
   const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
@@ -227,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
       if (ad[kLGate].on) gc.copy_(g), g = gc.to(cdt);
       if (ad[kLUp].on) uc.copy_(u), u = uc.to(cdt);
     }
-    at::Tensor h = swiglu_product(g, u, dt);                                         // (tc, I)
+    at::Tensor h = swiglu_product(g, u, dt, act);                                         // (tc, I)
     at::Tensor yc = y.narrow(0, t0, tc);
     linear_into(yc, h, w_down, b_down);                                              // (tc, H)
     const Adapter& D = ad[kLDown];
@@ -301,9 +317,11 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
                            const c10::List<bool>& needs_grad,
                            c10::ArrayRef<double> lora_dropout,
                            const std::optional<at::Tensor>& dropout_seed,
-                           int64_t dropout_row_offset) {
+                           int64_t dropout_row_offset,
+                           c10::string_view activation) {
   const char* op = "swiglu_bwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  const Activation act = parse_activation(activation, op);
   const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed,
                                  dropout_row_offset, x, d);
   check_like(op, "dy", dy, "x", x, {d.T, d.H}, "(T, H), the shape of x");
@@ -358,8 +376,8 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
       u = up->narrow(0, t0, tc).to(cdt);
     }
     // Pointwise part in the compute dtype, in few passes over (tc, I) (it is memory-bound):
-    // silu(g) = g s with s = sigmoid(g); dgate = (dh u) silu'(g), silu'(g) = s (1 + g (1 - s)),
-    // which is ATen's fused silu_backward; dup = dh silu(g); h = silu(g) u.
+    // dgate = (dh u) act'(g), ATen's fused silu_backward / gelu_backward (for silu, with
+    // s = sigmoid(g): silu'(g) = s (1 + g (1 - s))); dup = dh act(g); h = act(g) u.
     // One pointwise dtype: the compute dtype, or float64 when an adapter is float64.
     at::ScalarType pdt = at::promote_types(g.scalar_type(), u.scalar_type());
     if (D.on) pdt = at::promote_types(pdt, D.dt);
@@ -374,12 +392,12 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
         dh.addmm_(dyb.to(pdt), D.a.to(pdt), 1.0, D.s);
       }
     }
-    at::Tensor silu = at::silu(g);
-    at::Tensor dgate_c = at::silu_backward(dh * u, g);     // (tc, I) unrounded
-    at::Tensor dup_c = dh.mul_(silu);                      // (tc, I) unrounded
+    at::Tensor a = activate(g, act);
+    at::Tensor dgate_c = activate_backward(dh * u, g, act);  // (tc, I) unrounded
+    at::Tensor dup_c = dh.mul_(a);                         // (tc, I) unrounded
     at::Tensor dgate = dgate_c.to(dt), dup = dup_c.to(dt);
     if (n_wd || n_la[kLDown] || n_lb[kLDown]) {
-      at::Tensor h = silu.mul_(u).to(dt);                  // (tc, I), as the forward fed down
+      at::Tensor h = a.mul_(u).to(dt);                     // (tc, I), as the forward fed down
       if (n_wd) dwd.add(dyc, h);                           // dWd += dy^T h
       if (n_la[kLDown] || n_lb[kLDown]) {
         const at::Tensor hl = lora_input(D, h, t0);        // h' (dropout applied)

@@ -3,6 +3,7 @@ LoRA adapters on its three projections.
 
     gate = x Wg^T + bg + s_g (x Ag^T) Bg^T,   up = x Wu^T + bu + s_u (x Au^T) Bu^T
     y = h Wd^T + bd + s_d (h Ad^T) Bd^T,      h = silu(gate) * up
+    (activation="gelu_tanh": h = gelu(gate, approximate="tanh") * up, Gemma's GeGLU)
 
 Shapes (tokens flattened): x ``(T, H)``; w_gate, w_up ``(I, H)`` and w_down ``(H, I)`` in
 ``nn.Linear`` layout; b_gate, b_up ``(I,)``; b_down ``(H,)``; y ``(T, H)``; adapters
@@ -30,7 +31,10 @@ The launchers ``swiglu_fwd`` and ``swiglu_bwd`` own validation, shapes, strides,
 autotuning; the dense products with w_down, the weight gradients and the remaining rank-r
 products are torch matmuls, and a weight gradient that is not wanted is not computed.
 All pointwise math is fp32:  s = sigmoid(g),  silu(g) = g s,
-silu'(g) = s (1 + g (1 - s)),  dgate = dh * up * silu'(gate),  dup = dh * silu(gate).
+silu'(g) = s (1 + g (1 - s)),  dgate = dh * up * silu'(gate),  dup = dh * silu(gate); the
+activation is the constexpr ACTIVATION, and gelu_tanh takes the same form:
+s = sigmoid(2c (g + 0.044715 g^3)) with c = sqrt(2/pi), gelu(g) = g s,
+gelu'(g) = s + gelu(g) (1 - s) 2c (1 + 3 * 0.044715 g^2).
 
 Launch policy (``kernels/_launch.py``, shared by all kernels): under Triton's interpreter
 (``TRITON_INTERPRET=1``) the kernels run on CPU tensors with one fixed block configuration; on
@@ -186,8 +190,8 @@ def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_pt
                      DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                      LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
                      R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Forward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
     the kernel's."""
     pid_m, pid_n = _tile_coords(tile, T, I, BLOCK_M, BLOCK_N, GROUP_M)
@@ -208,7 +212,7 @@ def _swiglu_fwd_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_pt
         tl.store(up_ptr + out_offs, u_lo, mask=mask)
         g = g_lo.to(tl.float32)
         u = u_lo.to(tl.float32)
-    h = (g * tl.sigmoid(g) * u).to(out_dtype)
+    h = (g * _act_sigmoid(g, ACTIVATION) * u).to(out_dtype)
     tl.store(h_ptr + out_offs, h, mask=mask)
     if LORA_D:  # from the rounded h, the act the down projection reads
         hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, row0_d, offs_m, offs_n, DROP_D)
@@ -224,10 +228,12 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
                        DOT_IEEE: tl.constexpr, LORA_G: tl.constexpr, LORA_U: tl.constexpr,
                        LORA_D: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
                        R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr,
-                       PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """h (T, I) = silu(gate) * up in (BLOCK_M, BLOCK_N) tiles, one per program or, with
-    PERSISTENT, looping over tiles (_swiglu_fwd_tile does one).
+                       ACTIVATION: tl.constexpr, PERSISTENT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    """h (T, I) = act(gate) * up in (BLOCK_M, BLOCK_N) tiles, one per program or, with
+    PERSISTENT, looping over tiles (_swiglu_fwd_tile does one). act: ACTIVATION ("silu" or
+    "gelu_tanh", see _act_sigmoid).
 
     x (T, H), w_gate / w_up (I, H), biases (I,); h, gate, up share the strides
     (stride_ot, stride_oi). LORA_G / LORA_U add s (x A^T) B^T to gate / up inside the tile
@@ -248,16 +254,27 @@ def _swiglu_fwd_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr, u
                              r_u, r_d, key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt,
                              stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
                              stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
-                             LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
-                             GROUP_M)
+                             LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, ACTIVATION, BLOCK_M,
+                             BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _swiglu_fwd_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr, gate_ptr,
                          up_ptr, xag_ptr, lbg_ptr, xau_ptr, lbu_ptr, lad_ptr, ha_ptr, s_g, s_u,
                          r_g, r_u, r_d, key_d, thr_d, inv_d, row0_d, T, H, I, T_BUCKET, stride_xt,
                          stride_xh, stride_wgi, stride_wgh, stride_wui, stride_wuh, stride_ot,
                          stride_oi, HAS_BG, HAS_BU, STORE_GATE_UP, DOT_IEEE, LORA_G, LORA_U,
-                         LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
-                         GROUP_M)
+                         LORA_D, R_G, R_U, R_D, LORA_PREC, DROP_D, ACTIVATION, BLOCK_M,
+                         BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _act_sigmoid(g, ACTIVATION: tl.constexpr):
+    """s with act(g) = g s (fp32): sigmoid(g) for "silu"; for "gelu_tanh"
+    sigmoid(2c (g + 0.044715 g^3)), c = sqrt(2/pi), which is (1 + tanh(c (g + 0.044715 g^3))) / 2,
+    so g s = gelu(g, approximate="tanh") (without the cancellation of 1 + tanh for g < 0)."""
+    if ACTIVATION == "gelu_tanh":
+        return tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    else:
+        return tl.sigmoid(g)
 
 
 @triton.jit
@@ -271,26 +288,33 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
                   dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, row0_d, T, I, stride_dht,
                   stride_dhi, stride_ot, stride_oi, STORE_H: tl.constexpr,
                   LORA_D: tl.constexpr, NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr,
-                  R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr):
+                  R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr,
+                  ACTIVATION: tl.constexpr):
     """The backward's pointwise epilogue on one (rows offs_m, columns offs_n) piece of a tile,
     given its fp32 gate and up: h (when wanted), dup, dgate and the down adapter's pieces.
     Ordered to keep few fp32 values of the piece live at once: h first, then dh is read and
-    dup, dgate follow. silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s)."""
+    dup, dgate follow. With act(g) = g s (_act_sigmoid): silu'(g) = s (1 + g (1 - s)) =
+    s + silu (1 - s); gelu_tanh'(g) = s + gelu (1 - s) 2c (1 + 3 * 0.044715 g^2)."""
     mask = (offs_m < T)[:, None] & (offs_n < I)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     out_dtype = dup_ptr.dtype.element_ty
     out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
-    s = tl.sigmoid(g)
-    silu = g * s
+    s = _act_sigmoid(g, ACTIVATION)
+    act = g * s
     if STORE_H or NEED_DAD or NEED_HA:
-        h = (silu * u).to(out_dtype)
+        h = (act * u).to(out_dtype)
         if STORE_H:
             tl.store(h_ptr + out_offs, h, mask=mask)
         hd = _dropped(h.to(tl.float32), key_d, thr_d, inv_d, row0_d, offs_m, offs_n, DROP_D)
         if NEED_HA:
             _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
                                   LORA_PREC)
-    u_dsilu = u * (s + silu * (1.0 - s))       # d h / d gate
+    # u_dact = u act'(g) = d h / d gate
+    if ACTIVATION == "gelu_tanh":
+        # 2c (1 + 3 * 0.044715 g^2) = 1.5957691216057308 + 0.21406444881780076 g^2
+        u_dact = u * (s + act * (1.0 - s) * (1.5957691216057308 + 0.21406444881780076 * g * g))
+    else:
+        u_dact = u * (s + act * (1.0 - s))
     dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
                  mask=mask, other=0.0).to(tl.float32)
     if LORA_D:
@@ -307,9 +331,9 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
                      mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, columns)
         dh += _dropped(s_d * tl.dot(dyb, ad, input_precision=LORA_PREC), key_d, thr_d, inv_d,
                        row0_d, offs_m, offs_n, DROP_D)
-    dup = dh * silu
+    dup = dh * act
     tl.store(dup_ptr + out_offs, dup.to(out_dtype), mask=mask)
-    dgate = dh * u_dsilu
+    dgate = dh * u_dact
     tl.store(dgate_ptr + out_offs, dgate.to(out_dtype), mask=mask)
 
 
@@ -326,9 +350,9 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
                                LORA_D: tl.constexpr, NEED_DAD: tl.constexpr,
                                NEED_HA: tl.constexpr, R_G: tl.constexpr, R_U: tl.constexpr,
                                R_D: tl.constexpr, LORA_PREC: tl.constexpr, DROP_D: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                               EPI_N: tl.constexpr):
+                               ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               GROUP_M: tl.constexpr, EPI_N: tl.constexpr):
     """Backward of tile ``tile`` (grouped order, see _tile_coords); the arguments are
     the kernel's. The epilogue runs on EPI_N-column pieces of the tile (BLOCK_N, BLOCK_N / 2
     or BLOCK_N / 4)."""
@@ -373,7 +397,7 @@ def _swiglu_bwd_recompute_tile(tile, x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_p
         _bwd_epilogue(g_j, u_j, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_ptr,
                       dyb_ptr, dlad_ptr, ha_ptr, s_d, r_d, key_d, thr_d, inv_d, row0_d, T, I,
                       stride_dht, stride_dhi, stride_ot, stride_oi, STORE_H, LORA_D, NEED_DAD,
-                      NEED_HA, R_D, LORA_PREC, DROP_D)
+                      NEED_HA, R_D, LORA_PREC, DROP_D, ACTIVATION)
 
 
 @triton.jit(do_not_specialize=["key_d", "thr_d", "row0_d"])
@@ -389,14 +413,15 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                  LORA_G: tl.constexpr, LORA_U: tl.constexpr, LORA_D: tl.constexpr,
                                  NEED_DAD: tl.constexpr, NEED_HA: tl.constexpr, R_G: tl.constexpr,
                                  R_U: tl.constexpr, R_D: tl.constexpr, LORA_PREC: tl.constexpr,
-                                 DROP_D: tl.constexpr, PERSISTENT: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                 EPI_N: tl.constexpr):
+                                 DROP_D: tl.constexpr, ACTIVATION: tl.constexpr,
+                                 PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, EPI_N: tl.constexpr):
     """Backward in (BLOCK_M, BLOCK_N) tiles (one per program or, with PERSISTENT, looping over
     tiles; _swiglu_bwd_recompute_tile does one): dh = dy Wd (T, I) -> dgate, dup (and h when
     STORE_H), with the strides (stride_ot, stride_oi).
 
+    act (ACTIVATION) and its derivative are recomputed in the epilogue (_bwd_epilogue).
     RECOMPUTE (save="input"): gate/up are recomputed from x exactly as the forward did;
     otherwise (save="gate_up") they are read from gate/up (contiguous, the output strides).
     dgate may alias dh: each program reads its dh tile before it writes the same tile.
@@ -423,8 +448,8 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                        stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                        HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G,
                                        LORA_U, LORA_D, NEED_DAD, NEED_HA, R_G,
-                                       R_U, R_D, LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K,
-                                       GROUP_M, EPI_N)
+                                       R_U, R_D, LORA_PREC, DROP_D, ACTIVATION, BLOCK_M, BLOCK_N,
+                                       BLOCK_K, GROUP_M, EPI_N)
     else:
         _swiglu_bwd_recompute_tile(tl.program_id(0), x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr,
                                    dh_ptr, dgate_ptr, dup_ptr, h_ptr, gate_ptr, up_ptr, xag_ptr,
@@ -435,8 +460,8 @@ def _swiglu_bwd_recompute_kernel(x_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, dh_ptr, 
                                    stride_wuh, stride_dht, stride_dhi, stride_ot, stride_oi,
                                    HAS_BG, HAS_BU, DOT_IEEE, RECOMPUTE, STORE_H, LORA_G, LORA_U,
                                    LORA_D, NEED_DAD, NEED_HA, R_G, R_U, R_D,
-                                   LORA_PREC, DROP_D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                   EPI_N)
+                                   LORA_PREC, DROP_D, ACTIVATION, BLOCK_M, BLOCK_N, BLOCK_K,
+                                   GROUP_M, EPI_N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -644,25 +669,27 @@ def _kernel_for(kind, device, dtype, precision, lora_pads):
 
 @_launch.cached
 def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_pads,
-                  drop_d=False, lora_precision="tf32"):
+                  drop_d=False, lora_precision="tf32", activation="silu"):
     """(kernel, constexpr arguments) of the forward for one specialization; lora_pads: None
     or the rank pads (R_G, R_U, R_D), 0 for a projection without adapter; drop_d: the down
-    adapter's input dropout; lora_precision: the adapters' dots (``_lora_precision``)."""
+    adapter's input dropout; lora_precision: the adapters' dots (``_lora_precision``);
+    activation: "silu" or "gelu_tanh"."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
-                DROP_D=drop_d, PERSISTENT=_config.current().swiglu_grid == "persistent",
+                DROP_D=drop_d, ACTIVATION=activation, PERSISTENT=_config.current().swiglu_grid == "persistent",
                 **_lora_meta(lora_pads, lora_precision))
     return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
 
 @_launch.cached
 def _bwd_launcher(device, dtype, precision, has_bg, has_bu, recompute, store_h, needs,
-                  lora_pads, drop_d=False, lora_precision="tf32"):
+                  lora_pads, drop_d=False, lora_precision="tf32", activation="silu"):
     """(kernel, constexpr arguments) of the backward for one specialization; needs: the
     (NEED_DAD, NEED_HA) flags."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, DOT_IEEE=ieee, RECOMPUTE=recompute,
                 STORE_H=store_h, NEED_DAD=needs[0], NEED_HA=needs[1], DROP_D=drop_d,
+                ACTIVATION=activation,
                 # The LoRA backward keeps one program per tile: its tile loop spills on sm_90
                 # even at the smallest candidate tiles (AOT report).
                 PERSISTENT=_config.current().swiglu_grid == "persistent" and lora_pads is None,
@@ -811,7 +838,8 @@ def _scale(a):
 # Launchers
 # --------------------------------------------------------------------------------------------
 def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-               return_gate_up: bool, lora_dropout=(), dropout_seed=None, dropout_row_offset=0):
+               return_gate_up: bool, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
+               activation="silu"):
     """SwiGLU MLP forward with optional LoRA adapters.
 
     Args:
@@ -829,6 +857,8 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
             the same mask function applied inside the tile (stream 6).
         dropout_row_offset: x's rows are rows dropout_row_offset.. of a larger input (a token
             chunk): the masks are those of these global rows.
+        activation: "silu" (h = silu(gate) * up) or "gelu_tanh" (h = gelu(gate,
+            approximate="tanh") * up, GeGLU), in fp32 inside the tile.
 
     Returns:
         (y, gate, up): y (T, H) in the dtype of x; gate, up (T, I) pre-activations with the
@@ -846,7 +876,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     op = "swiglu_fwd"
     _check_row_offset(op, "dropout_row_offset", dropout_row_offset)
     T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
-                                      lora_scaling, lora_dropout, dropout_seed)
+                                      lora_scaling, lora_dropout, dropout_seed, activation)
     ad = _adapters(op, x, lora, lora_scaling)
     drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset)
     h = x.new_empty((T, I))
@@ -867,7 +897,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
         kernel, meta = _fwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
                                      b_gate is not None, b_up is not None,
                                      bool(return_gate_up), _lora_pads(ad), has_drop_d,
-                                     _lora_precision(x.dtype))
+                                     _lora_precision(x.dtype), activation)
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
@@ -886,7 +916,8 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
 
 
 def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
-               gate, up, needs_grad, lora_dropout=(), dropout_seed=None, dropout_row_offset=0):
+               gate, up, needs_grad, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
+               activation="silu"):
     """SwiGLU MLP backward with optional LoRA adapters.
 
     Args:
@@ -900,6 +931,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
             A_up, B_up, A_down, B_down]; a gradient not wanted is never computed.
         lora_dropout, dropout_seed, dropout_row_offset: as for ``swiglu_fwd`` (the masks are
             regenerated).
+        activation: the forward's, as for ``swiglu_fwd``; its derivative is computed in fp32
+            in the tile.
 
     Returns:
         (dx (T, H), dw_gate (I, H), dw_up (I, H), dw_down (H, I), db_gate (I,), db_up (I,),
@@ -918,7 +951,7 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     _check_row_offset(op, "dropout_row_offset", dropout_row_offset)
     T, H, I, lora = _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                       lora, lora_scaling, gate, up, needs_grad, lora_dropout,
-                                      dropout_seed)
+                                      dropout_seed, activation)
     ad = _adapters(op, x, lora, lora_scaling)
     drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset)
     recompute = _absent(gate)
@@ -957,7 +990,7 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
                                      b_gate is not None, b_up is not None, recompute, n_wd,
                                      (n_la[2], n_lb[2]), _lora_pads(ad), has_drop_d,
-                                     _lora_precision(x.dtype))
+                                     _lora_precision(x.dtype), activation)
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,

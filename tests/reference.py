@@ -119,11 +119,22 @@ def rms_norm_reference(x, weight, eps):
     return weight * h.to(dtype)
 
 
-def swiglu_reference(x, wg, wu, wd, bg=None, bu=None, bd=None):
-    """``down(silu(gate(x)) * up(x))`` in nn.Linear layout; returns (y, gate, up)."""
+def gate_activation(g, activation="silu"):
+    """The gated MLP's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, torch's
+    ``gelu(approximate="tanh")``, HF's ``gelu_pytorch_tanh``), in g's dtype."""
+    if activation == "silu":
+        return F.silu(g)
+    if activation == "gelu_tanh":
+        return F.gelu(g, approximate="tanh")
+    raise ValueError(f"gate_activation: unknown activation {activation!r}")
+
+
+def swiglu_reference(x, wg, wu, wd, bg=None, bu=None, bd=None, activation="silu"):
+    """``down(act(gate(x)) * up(x))`` in nn.Linear layout (act: gate_activation); returns
+    (y, gate, up)."""
     gate = F.linear(x, wg, bg)
     up = F.linear(x, wu, bu)
-    return F.linear(F.silu(gate) * up, wd, bd), gate, up
+    return F.linear(gate_activation(gate, activation) * up, wd, bd), gate, up
 
 
 # ---- a whole decoder layer -----------------------------------------------------------------
@@ -138,12 +149,13 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
 
 
 def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm_offset=0.0,
-                    part="layer"):
+                    part="layer", activation="silu"):
     """p: a DecoderLayer state_dict (HF names), or the op's weight slots by name: a norm absent
     from p is the identity, "attention_output_norm.weight" / "mlp_output_norm.weight" norm a
     sublayer's output before the residual add, q/k norms of width heads * head_dim norm the
     whole projection. Norms multiply by (norm_offset + w). part: "layer", "attention" (x + the
-    attention sublayer) or "mlp" (x + the MLP sublayer). Computes in x's dtype."""
+    attention sublayer) or "mlp" (x + the MLP sublayer); activation: the MLP's
+    (gate_activation). Computes in x's dtype."""
     def rms(t, w):
         if w is None:
             return t
@@ -156,7 +168,8 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm
 
     def mlp(h):
         m = rms(h, p.get("post_attention_layernorm.weight"))
-        y = lin(F.silu(lin(m, "mlp.gate_proj")) * lin(m, "mlp.up_proj"), "mlp.down_proj")
+        y = lin(gate_activation(lin(m, "mlp.gate_proj"), activation) * lin(m, "mlp.up_proj"),
+                "mlp.down_proj")
         return h + rms(y, p.get("mlp_output_norm.weight"))
 
     if part == "mlp":
@@ -269,27 +282,45 @@ SWIGLU_NEEDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down",
                 "A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
 
 
-def lora_linear(t, w, b, lora_a=None, lora_b=None, scale=0.0):
-    """PEFT's LoRA Linear: ``linear(t, w, b) + scale * lora_B(lora_A(t))`` with t converted to
-    the adapter's dtype for the low-rank path and the sum returned in t's dtype."""
+def lora_linear(t, w, b, lora_a=None, lora_b=None, scale=0.0, drop=None):
+    """PEFT's LoRA Linear: ``linear(t, w, b) + scale * lora_B(lora_A(drop(t)))`` with t
+    converted to the adapter's dtype for the low-rank path (drop, when given, applied after
+    the conversion: PEFT's dropout) and the sum returned in t's dtype."""
     y = F.linear(t, w, b)
     if lora_a is None:
         return y
-    return (y + scale * F.linear(F.linear(t.to(lora_a.dtype), lora_a), lora_b)).to(t.dtype)
+    ta = t.to(lora_a.dtype)
+    if drop is not None:
+        ta = drop(ta)
+    return (y + scale * F.linear(F.linear(ta, lora_a), lora_b)).to(t.dtype)
+
+
+def replayed_dropout(seed, stream, p, row_offset=0):
+    """The dropout the kernel ops apply to an adapter's input (stream 4 | 5 | 6 for gate, up,
+    down), as a function for lora_linear's ``drop``: the op ``lora_dropout``, whose mask is
+    the documented hash (tests/test_lora_dropout.py checks it against numpy), so a reference
+    sees the masks of the op under test. None for p = 0."""
+    if not p:
+        return None
+    return lambda t: torch.ops.ckpt_ext.lora_dropout(t, seed, stream, p, row_offset)
 
 
 def swiglu_lora_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None,
-                          lora=(), scaling=()):
-    """``down(silu(gate(x)) * up(x))`` with optional adapters, plain PyTorch, differentiable.
+                          lora=(), scaling=(), activation="silu", dropout=(), seed=None):
+    """``down(act(gate(x)) * up(x))`` with optional adapters, plain PyTorch, differentiable.
 
     lora: [] or [A_gate, B_gate, A_up, B_up, A_down, B_down] (None where a projection has no
-    adapter); scaling: [] or the 3 scales. Computes in the dtypes it is given: pass float64
-    tensors for the ground truth, the test dtypes for the eager baseline."""
+    adapter); scaling: [] or the 3 scales; activation: gate_activation's; dropout: [] or the 3
+    probabilities of the adapters' inputs, masks replayed from ``seed`` (replayed_dropout).
+    Computes in the dtypes it is given: pass float64 tensors for the ground truth, the test
+    dtypes for the eager baseline."""
     lora = list(lora) or [None] * 6
     scaling = list(scaling) or [0.0] * 3
-    gate = lora_linear(x, w_gate, b_gate, lora[0], lora[1], scaling[0])
-    up = lora_linear(x, w_up, b_up, lora[2], lora[3], scaling[1])
-    return lora_linear(F.silu(gate) * up, w_down, b_down, lora[4], lora[5], scaling[2])
+    drop = [replayed_dropout(seed, 4 + p, q) for p, q in enumerate(list(dropout) or [0.0] * 3)]
+    gate = lora_linear(x, w_gate, b_gate, lora[0], lora[1], scaling[0], drop[0])
+    up = lora_linear(x, w_up, b_up, lora[2], lora[3], scaling[1], drop[1])
+    return lora_linear(gate_activation(gate, activation) * up, w_down, b_down, lora[4], lora[5],
+                       scaling[2], drop[2])
 
 
 def make_swiglu_lora(T, H, I, dtype, lora_dtype, ranks, bias, device="cpu", seed=0):
@@ -317,11 +348,12 @@ def make_swiglu_lora(T, H, I, dtype, lora_dtype, ranks, bias, device="cpu", seed
     return args, lora, scaling, rnd(T, H)
 
 
-def swiglu_lora_grads(args, lora, scaling, dy, dtype=None):
+def swiglu_lora_grads(args, lora, scaling, dy, dtype=None, **kw):
     """y and the 12 + 1 gradients of swiglu_lora_reference by autograd, in the op's order:
     (y, dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, [dA_gate, dB_gate, dA_up, dB_up,
     dA_down, dB_down]); None where a tensor is absent. dtype: convert every tensor first (e.g.
-    torch.float64 for the ground truth)."""
+    torch.float64 for the ground truth); kw: swiglu_lora_reference's activation, dropout,
+    seed."""
     def prep(t):
         if t is None:
             return None
@@ -329,7 +361,7 @@ def swiglu_lora_grads(args, lora, scaling, dy, dtype=None):
 
     a = [prep(t) for t in args]
     lo = [prep(t) for t in lora]
-    y = swiglu_lora_reference(*a, lora=lo, scaling=scaling)
+    y = swiglu_lora_reference(*a, lora=lo, scaling=scaling, **kw)
     y.backward(dy.to(y.dtype))
     gradient = [t.grad if t is not None else None for t in a]
     return (y.detach(), *gradient, [t.grad if t is not None else None for t in lo])

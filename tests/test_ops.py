@@ -388,15 +388,16 @@ def test_swiglu_token_chunks_half(dtype, monkeypatch):
         check_vs_baseline(name, got, base, ref, FACTOR_GRAD, dtype)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("save", ["input", "gate_up"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_swiglu_gradcheck(save, bias):
+def test_swiglu_gradcheck(save, bias, activation):
     x, ws, bs = swiglu_inputs(6, 10, 7, dtype=F64, bias=bias)
     x = x.reshape(2, 3, 10)
     args = leaves(x, *ws, *[b for b in bs if b is not None])
 
     def fn(x, wg, wu, wd, *b):
-        return ops.swiglu_mlp(x, wg, wu, wd, *b, save=save)
+        return ops.swiglu_mlp(x, wg, wu, wd, *b, save=save, activation=activation)
 
     assert torch.autograd.gradcheck(fn, tuple(args))
 
@@ -728,6 +729,15 @@ def _opcheck_samples():
         _, gate, up = OPS.swiglu_fwd(*args, lora, scaling, True)
         for saved in ((None, None), (gate, up)):
             samples.append(("swiglu_bwd", (dy, *args, lora, scaling, *saved, needs)))
+    # activation="gelu_tanh" (GeGLU), with every trailing argument given
+    args, lora, scaling, dy = reference.make_swiglu_lora(7, 12, 10, torch.float32,
+                                                         torch.float32, (2, 3, 1), True)
+    drop = ([0.2, 0.0, 0.3], torch.tensor(5), 3, "gelu_tanh")
+    for gate_up in (False, True):
+        samples.append(("swiglu_fwd", (*leaves(*args), leaves(*lora), scaling, gate_up, *drop)))
+    _, gate, up = OPS.swiglu_fwd(*args, lora, scaling, True, *drop)
+    for saved in ((None, None), (gate, up)):
+        samples.append(("swiglu_bwd", (dy, *args, lora, scaling, *saved, ALL_GRADS, *drop)))
     x, w = torch.randn(2, 3, 12), torch.randn(12)
     samples.append(("rms_norm_fwd", (*leaves(x, w), 1e-6)))
     samples.append(("rms_norm_bwd", (torch.randn(2, 3, 12), x, w, 1e-6)))

@@ -27,8 +27,9 @@ Sweep (``--quick`` keeps a few entries of each part):
              bf16 configs (forward, and backward without LoRA). Backward configs carry the
              epilogue piece width the model picks (EPI_N, ``e32`` in the config column);
              the whole-tile epilogue (CKPT_EXT_SWIGLU_EPILOGUE=whole) of every candidate where
-             it differs is compiled too; and the first kept LoRA configs at rank pads 32 and
-             64.
+             it differs is compiled too; the first kept LoRA configs at rank pads 32 and
+             64; and the GeGLU variants (ACTIVATION "gelu_tanh") of the first kept bf16
+             configs, forward and both backward kinds, with and without LoRA.
 
 Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
 with 16-byte aligned data, so pointers carry ``tt.divisibility=16``, unit strides are the
@@ -303,12 +304,14 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
 
 
 def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_up=False,
-                     biases=False, dot_ieee=False, lora=False, persistent=False, rank_pad=16):
+                     biases=False, dot_ieee=False, lora=False, persistent=False, rank_pad=16,
+                     activation="silu"):
     """kind: fwd, bwd_recompute (save="input") or bwd_gate_up (the same kernel reading the
     saved gate/up). lora: adapters on all three projections (rank pad ``rank_pad``), every
     adapter gradient wanted, and the down adapter's dropout on (DROP_D, the mask hashed in the
     tile: the heaviest variant); without, the LoRA buffers are the unused fp32 placeholders.
-    persistent: the CKPT_EXT_SWIGLU_GRID=persistent variant (programs loop over tiles)."""
+    persistent: the CKPT_EXT_SWIGLU_GRID=persistent variant (programs loop over tiles).
+    activation: the ACTIVATION constexpr ("silu", or "gelu_tanh" for GeGLU)."""
     fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
     ptr_names = ["x_ptr", "wg_ptr", "wu_ptr", "bg_ptr", "bu_ptr"]
     ptr_names += (["h_ptr", "gate_ptr", "up_ptr"] if kind == "fwd"
@@ -326,7 +329,7 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
         div16.add("stride_dht")
     consts = {"HAS_BG": biases, "HAS_BU": biases, "DOT_IEEE": dot_ieee,
               "LORA_G": lora, "LORA_U": lora, "LORA_D": lora, "R_G": rank_pad, "R_U": rank_pad,
-              "R_D": rank_pad, "DROP_D": lora, "PERSISTENT": persistent,
+              "R_D": rank_pad, "DROP_D": lora, "PERSISTENT": persistent, "ACTIVATION": activation,
               # the adapters' dots as swiglu_mlp._lora_precision chooses them under torch's
               # default "highest" float32 matmul precision
               "LORA_PREC": ("ieee" if dot_ieee else "tf32") if dtype == "fp32" else "tf32x3",
@@ -457,11 +460,12 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
 
         # ---- swiglu ----------------------------------------------------------------------
         def add_swiglu(kind, dtype, cfg, est, store=False, biases=False, ieee=False,
-                       lora=False, persistent=False, rank_pad=16):
+                       lora=False, persistent=False, rank_pad=16, activation="silu"):
             meta, warps, stages = cfg.kwargs, cfg.num_warps, cfg.num_stages
             sig, consts, attrs = swiglu_signature(swiglu_mlp, kind, dtype, meta, store, biases,
-                                                  ieee, lora, persistent, rank_pad)
-            bits = ["saved_gate_up"] if kind == "bwd_gate_up" else []
+                                                  ieee, lora, persistent, rank_pad, activation)
+            bits = ["gelu_tanh"] if activation != "silu" else []
+            bits += ["saved_gate_up"] if kind == "bwd_gate_up" else []
             bits += ["persistent"] if persistent else []
             if kind == "fwd":
                 bits.append("store_gate_up" if store else "no_store")
@@ -530,6 +534,13 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
             for kind, lora in (("fwd", False), ("fwd", True), ("bwd_recompute", False)):
                 add_swiglu(kind, "bf16", *first_row(kind, "bf16", lora), lora=lora,
                            persistent=True)
+            # ACTIVATION="gelu_tanh" (GeGLU): the first kept bf16 configs of every kernel
+            # variant, with and without LoRA (its epilogue keeps g live for the derivative).
+            for kind, lora in (("bwd_recompute", False), ("fwd", False),
+                               ("bwd_recompute", True), ("fwd", True), ("bwd_gate_up", False),
+                               ("bwd_gate_up", True))[:2 if quick else None]:
+                add_swiglu(kind, "bf16", *first_row(kind, "bf16", lora), lora=lora,
+                           activation="gelu_tanh")
     return jobs
 
 

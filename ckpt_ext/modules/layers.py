@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import offload as _offload
 from .. import ops, plain
+from .._checks import _check_activation
 from ..blocks import call_decoder_layer, pack_weights
 from ..presets import FUSED_PRESETS, check_policy
 
@@ -117,18 +118,23 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    """HF ``LlamaMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; x (..., H)."""
+    """HF ``LlamaMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; x (..., H).
+    ``activation="gelu_tanh"``: Gemma's GeGLU, ``gelu(approximate="tanh")`` in place of silu."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 policy: str = "balanced"):
+                 policy: str = "balanced", activation: str = "silu"):
         super().__init__()
+        _check_activation("SwiGLUMLP", activation)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.policy = check_policy(policy)
+        self.activation = activation
 
     def _plain(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = self.gate_proj(x)
+        act = F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")
+        return self.down_proj(act * self.up_proj(x))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.policy == "none":
@@ -138,7 +144,8 @@ class SwiGLUMLP(nn.Module):
         return ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight,
                               self.down_proj.weight, self.gate_proj.bias, self.up_proj.bias,
                               self.down_proj.bias,
-                              save="gate_up" if self.policy == "fast" else "input")
+                              save="gate_up" if self.policy == "fast" else "input",
+                              activation=self.activation)
 
 
 class Attention(nn.Module):
@@ -201,13 +208,15 @@ class DecoderLayer(nn.Module):
     what the preset says (``ckpt_ext.presets``). ``offload="cpu"`` keeps what it saves in host
     memory until backward (``ckpt_ext.offload``; ``offload_limit``: a host byte cap, which gives
     the layer an offloader of its own; or pass a shared ``ckpt_ext.offload.Offloader``).
+    ``activation``: the MLP's, "silu" or "gelu_tanh" (Gemma's GeGLU; see ``SwiGLUMLP``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, *, head_dim: Optional[int] = None,
                  rms_norm_eps: float = 1e-6, attention_bias: bool = False,
                  mlp_bias: bool = False, o_bias: Optional[bool] = None, qk_norm: bool = False,
-                 policy: str = "balanced", offload=None, offload_limit=None):
+                 activation: str = "silu", policy: str = "balanced", offload=None,
+                 offload_limit=None):
         super().__init__()
         # offload="cpu": the fused layer's saved tensors go to host memory (ckpt_ext.offload);
         # layers built without a cap share one process-wide offloader, so each prefetches the
@@ -217,7 +226,7 @@ class DecoderLayer(nn.Module):
                                       head_dim, rms_norm_eps, attention_bias, o_bias, mlp_bias,
                                       qk_norm)
         self.self_attn = Attention(c, policy)
-        self.mlp = SwiGLUMLP(hidden_size, intermediate_size, mlp_bias, policy)
+        self.mlp = SwiGLUMLP(hidden_size, intermediate_size, mlp_bias, policy, activation)
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, policy)
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, policy)
         self.policy = policy
@@ -244,7 +253,8 @@ class DecoderLayer(nn.Module):
             self.offloader, call_decoder_layer, x, [*weights, cos, sin, mask],
             weights=weights, cos=cos, sin=sin,
             key_padding_mask=mask, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
-            eps=self.input_layernorm.variance_epsilon, scale=a.scaling, preset=self.policy)
+            eps=self.input_layernorm.variance_epsilon, scale=a.scaling,
+            activation=self.mlp.activation, preset=self.policy)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
