@@ -39,7 +39,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # Ministral interleaves sliding and full layers, here with a window shorter than S; SmolLM3's
 # middle layer applies no RoPE; Granite scales residual branches, scores and embeddings; OLMo-2
 # norms each sublayer's output instead of its input, and q/k over the whole projection; OLMo-3
-# adds interleaved sliding windows.
+# adds interleaved sliding windows; Gemma multiplies its norms by (1 + w) and gates with
+# GELU-tanh; Gemma 3 adds norms after both sublayers, per-head q/k norms, its own attention
+# scale and a local RoPE on its sliding layers.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -47,7 +49,10 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
             "granite": dict(residual_multiplier=0.6, attention_multiplier=0.2,
                             embedding_multiplier=3.0, logits_scaling=1.0),
             "olmo2": {}, "olmo3": dict(sliding_window=6, layer_types=[
-                "sliding_attention", "full_attention", "sliding_attention"])}
+                "sliding_attention", "full_attention", "sliding_attention"]),
+            "gemma": {}, "gemma3_text": dict(query_pre_attn_scalar=24, sliding_window=6,
+                                             layer_types=["sliding_attention", "full_attention",
+                                                          "sliding_attention"])}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
@@ -526,8 +531,8 @@ def test_refuses_other_models_and_foreign_forwards():
     with pytest.raises(ValueError, match="decoder layers of GPT2LMHeadModel"):
         patch_llama(AutoModelForCausalLM.from_config(cfg))
     model = make_model("llama", "sdpa")
-    model.config.model_type = "gemma"
-    with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
+    model.config.model_type = "falcon"
+    with pytest.raises(ValueError, match="model_type 'falcon' is not supported"):
         patch_llama(model)
     model = make_model("llama", "sdpa")
     layer = model.model.layers[2]

@@ -46,8 +46,11 @@ GEMMA = Family({"input_layernorm": "input_layernorm",
 OLMO2 = Family({"attention_output_norm": "post_attention_layernorm",
                 "mlp_output_norm": "post_feedforward_layernorm"}, norm_cast_last=True)
 
+# Gemma (1): LLaMA's pre-norms, times (1 + w)
+GEMMA1 = Family(LLAMA.norms, norm_offset=1.0, norm_cast_last=True)
+
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
-            "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA,
+            "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2}
 
 # mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)

@@ -309,6 +309,7 @@ class _LayerSpec:
     def __init__(self, layer: nn.Module, config):
         attn = layer.self_attn
         self.family = FAMILIES[config.model_type]
+        self.activation = activation(layer)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(attn, "head_dim", None) or
@@ -336,9 +337,6 @@ class _LayerSpec:
                 f"projection out/in features q ({q_out}, {q_in}), k ({k_out}, {k_in}), o "
                 f"({o_out}, {o_in}) do not match num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
-
-
-_SILU = ("SiLU", "SiLUActivation")
 
 
 def _layer_window(config, layer: nn.Module) -> Optional[int]:
@@ -396,10 +394,11 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
     if dropout > 0:
         raise refuse(f"attention_dropout={dropout}: the fused op has no dropout to replay. Set "
                      "config.attention_dropout = 0.0 ('torch' replays dropout exactly)")
-    act = type(layer.mlp._modules.get("act_fn")).__name__
-    if act not in _SILU:
+    if activation(layer) is None:
+        act = type(layer.mlp._modules.get("act_fn")).__name__
         raise refuse(f"hidden_act={getattr(config, 'hidden_act', None)!r} (mlp.act_fn is a "
-                     f"{act}): the fused MLP is SwiGLU, with a SiLU gate")
+                     f"{act}): the fused MLP gates with SiLU (SwiGLU) or tanh-approximate GELU "
+                     "(GeGLU)")
     try:
         return _LayerSpec(layer, config)
     except ValueError as e:
@@ -700,7 +699,7 @@ class _PatchedForward:
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
             scale=spec.scale, residual_scale=spec.residual_scale,
             norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
-            preset=preset)
+            activation=spec.activation, preset=preset)
 
 
 def _layer_tensors(layer: nn.Module, family: Family) -> Union[str, Tuple[list, list, list]]:
