@@ -47,8 +47,8 @@ LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._
 # num_kv_heads, eps, scale) every call gives.
 LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
                       uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
-                      dropout_seed=None, residual_scale=1.0, compute_dtype=None, part="layer",
-                      preset="balanced")
+                      dropout_seed=None, lora_streams=[], residual_scale=1.0,
+                      compute_dtype=None, part="layer", preset="balanced")
 
 
 def call_decoder_layer(x: Tensor, **args) -> Tensor:
@@ -133,7 +133,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   uniform_empty_rows: bool = False,
                   lora_scaling: Optional[Sequence[float]] = None,
                   lora_dropout: Optional[Sequence[float]] = None,
-                  dropout_seed: Optional[Tensor] = None, residual_scale: float = 1.0,
+                  dropout_seed: Optional[Tensor] = None,
+                  lora_streams: Optional[Sequence[int]] = None, residual_scale: float = 1.0,
                   compute_dtype: Optional[torch.dtype] = None, part: str = "layer",
                   preset: str = "balanced") -> Tensor:
     """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
@@ -148,6 +149,9 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     (``"<projection>.lora_A"`` / ``".lora_B"``); lora_dropout: one probability per projection,
     applied to the adapter's input with masks hashed from ``dropout_seed`` (a CPU int64 tensor
     with one element, e.g. ``torch.randint(2**31, ())``): the backward replays them exactly.
+    lora_streams: None (each projection hashes its masks with stream = its index) or one
+    stream per projection; projections given one stream share one mask (Phi-3's fused
+    qkv_proj / gate_up_proj, whose one adapter reads one dropped input).
     residual_scale: each sublayer's output is multiplied by it before the residual add
     (Granite's ``residual_multiplier``).
     """
@@ -161,7 +165,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         x, weights=w, cos=cos, sin=sin, key_padding_mask=key_padding_mask,
         segment_ids=segment_ids, window=window, uniform_empty_rows=uniform_empty_rows,
         lora_scaling=list(lora_scaling or ()), lora_dropout=list(lora_dropout or ()),
-        dropout_seed=dropout_seed, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
+        dropout_seed=dropout_seed, lora_streams=list(lora_streams or ()), num_heads=num_heads,
+        num_kv_heads=num_kv_heads or num_heads,
         eps=eps, scale=float(scale), residual_scale=float(residual_scale),
         compute_dtype=compute_dtype, part=part, preset=preset)
 
