@@ -101,7 +101,13 @@ class LayerDims:
     @classmethod
     def from_hf_layer(cls, layer, num_heads: int) -> "LayerDims":
         """From an HF Llama-family decoder layer (``self_attn.q_proj/k_proj``, ``mlp.gate_proj``)
-        and its number of query heads, read off the projection shapes."""
+        and its number of query heads, read off the projection shapes (Phi-3's fused qkv_proj
+        and gate_up_proj: their row blocks)."""
+        attn = layer.self_attn
+        if "qkv_proj" in attn._modules:
+            qkv, head_dim = attn.qkv_proj, int(attn.head_dim)
+            return cls(qkv.in_features, num_heads, (qkv.out_features // head_dim - num_heads) // 2,
+                       head_dim, layer.mlp.gate_up_proj.out_features // 2)
         q, k = layer.self_attn.q_proj, layer.self_attn.k_proj
         head_dim = q.out_features // num_heads
         return cls(q.in_features, num_heads, k.out_features // head_dim, head_dim,

@@ -5,11 +5,14 @@
     loss = model(input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
     ckpt_ext.unpatch_llama(model)
 
-Supported: Llama, Mistral, Ministral, Qwen2, Qwen3, SmolLM3 and Granite (``config.model_type``
-``llama``, ``mistral``, ``ministral``, ``qwen2``, ``qwen3``, ``smollm3``: its layers without
-RoPE run the op with cos = 1, sin = 0; ``granite``: its residual multiplier is the op's
-``residual_scale``, its attention multiplier the softmax scale) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a
-``peft.PeftModel`` around either (patch before or after wrapping). Each decoder layer keeps its
+Supported: Llama, Mistral, Ministral, Qwen2, Qwen3, SmolLM3, Granite and Phi-3 / Phi-4-mini
+(``config.model_type`` ``llama``, ``mistral``, ``ministral``, ``qwen2``, ``qwen3``,
+``smollm3``: its layers without RoPE run the op with cos = 1, sin = 0; ``granite``: its
+residual multiplier is the op's ``residual_scale``, its attention multiplier the softmax scale;
+``phi3``: its fused ``qkv_proj`` and ``gate_up_proj`` are read as row blocks
+(``ckpt_ext.hf.adapters``), its partial rotary embeddings are cos/sin narrower than a head)
+from transformers 5, as ``*ForCausalLM``, the bare ``*Model``, or a ``peft.PeftModel`` around
+either (patch before or after wrapping). Each decoder layer keeps its
 HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
 unchanged, and ``unpatch_llama`` deletes it.
@@ -71,23 +74,27 @@ from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
-from .adapters import read_projection
+from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                         "granite")
+                         "granite", "phi3")
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer, or "auto"
 
 _ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb"}
-_MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn"}
+# Phi-3: fused qkv_proj / gate_up_proj (ckpt_ext.hf.adapters), activation_fn, and residual
+# dropouts (fused while their p is 0)
+_RESID_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+                   *_RESID_DROPOUTS}
+_ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb", "qkv_proj"}
+_MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn", "activation_fn", "gate_up_proj"}
 # transformers 5.x installs this forward hook on layers and attentions once any output_* is
 # requested; it records only while its collector is active (see _capture_inert).
 _HF_CAPTURE_HOOK = "output_capturing_hook"
@@ -168,10 +175,25 @@ def _structure_problem(layer: nn.Module, hooks: bool = False,
             return ("it has submodules the fused op does not compute: "
                     f"{', '.join(where + e for e in sorted(extra))}")
     for parent, names, where in ((attn, _ATTN_LINEARS, "self_attn"), (mlp, _MLP_LINEARS, "mlp")):
-        for name in names if projections else ():
-            proj = read_projection(parent._modules.get(name), layer.training)
+        fused = [p.split(".")[1] for p in FUSED_MODULES if p.startswith(where + ".")
+                 and p.split(".")[1] in parent._modules]
+        parts = {p.split(".")[1] for f in fused for p in FUSED_MODULES[f"{where}.{f}"]}
+        missing = [n for n in names if (n in parts) == (n in parent._modules)]
+        if missing:
+            return (f"{where} has {'both' if parts & set(parent._modules) else 'neither'} "
+                    f"{', '.join(f'{where}.{n}' for n in missing)} and a fused projection "
+                    "holding them")
+    for name in _RESID_DROPOUTS:
+        drop = layer._modules.get(name)
+        if drop is not None and (type(drop) is not nn.Dropout or drop.p > 0):
+            return (f"{name} is {drop!r}: the fused op has no residual dropout (set "
+                    "config.resid_pdrop = 0.0)")
+    for path in (*PROJECTIONS, *FUSED_MODULES) if projections else ():
+        parent, name = path.split(".")
+        if name in layer._modules[parent]._modules:
+            proj = read_projection(layer._modules[parent]._modules[name], layer.training)
             if isinstance(proj, str):
-                return f"{where}.{name} is {proj}"
+                return f"{path} is {proj}"
     for name, norm in _norms(layer).items():
         if (not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon")
                 or set(dict(norm.named_parameters())) != {"weight"}):
@@ -318,8 +340,14 @@ class _LayerSpec:
         self.residual_scale = float(getattr(layer, "residual_multiplier", 1.0))
         # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
         # only the shapes that modules declare are checked against the config.
+        # Phi-3's fused projections: their row blocks (checked here), read per call as q/k/v,
+        # gate/up (ckpt_ext.hf.adapters)
+        self.fused = fused_row_sizes(layer, self.num_heads, self.num_kv_heads, self.head_dim)
+
         def dims(name):
-            mod = attn._modules[name]
+            mod = attn._modules.get(name)
+            if mod is None:  # a block of qkv_proj, checked above
+                return None, None
             return getattr(mod, "out_features", None), getattr(mod, "in_features", None)
         (q_out, q_in), (k_out, k_in), (v_out, _), (o_out, o_in) = (
             dims(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -393,7 +421,8 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
     if dropout > 0:
         raise refuse(f"attention_dropout={dropout}: the fused op has no dropout to replay. Set "
                      "config.attention_dropout = 0.0 ('torch' replays dropout exactly)")
-    act = type(layer.mlp._modules.get("act_fn")).__name__
+    mlp = layer.mlp._modules
+    act = type(mlp.get("act_fn", mlp.get("activation_fn"))).__name__
     if act not in _SILU:
         raise refuse(f"hidden_act={getattr(config, 'hidden_act', None)!r} (mlp.act_fn is a "
                      f"{act}): the fused MLP is SwiGLU, with a SiLU gate")
@@ -593,7 +622,7 @@ class _PatchedForward:
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
         reason, masks = self._why_not_fused(hidden_states, kwargs, state)
-        tensors = _layer_tensors(self.layer) if reason is None else None
+        tensors = _layer_tensors(self.layer, self.spec.fused) if reason is None else None
         if isinstance(tensors, str):
             reason = tensors
         if reason is not None:
@@ -665,7 +694,9 @@ class _PatchedForward:
         if pe is None:
             return "position_embeddings was not given", BatchMasks()
         cos, sin = pe
-        if x.dim() != 3 or cos.dim() != 3 or cos.shape[1:] != (x.shape[1], spec.head_dim) \
+        # cos/sin narrower than head_dim: partial rotary embeddings (Phi-4-mini)
+        if x.dim() != 3 or cos.dim() != 3 or cos.shape[1] != x.shape[1] \
+                or cos.shape[2] > spec.head_dim or cos.shape[2] % 2 \
                 or cos.shape[0] not in (1, x.shape[0]) or sin.shape != cos.shape:
             return (f"position_embeddings of shape {tuple(cos.shape)} do not fit hidden_states "
                     f"{tuple(x.shape)} and head_dim {spec.head_dim}"), BatchMasks()
@@ -674,7 +705,7 @@ class _PatchedForward:
         return self._masks(x, kwargs, state)
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
-               weights: list, scaling: list, dropout: list) -> Tensor:
+               weights: list, scaling: list, dropout: list, streams: list) -> Tensor:
         spec = self.spec
         cos, sin = position_embeddings
         if not spec.rope:
@@ -690,15 +721,18 @@ class _PatchedForward:
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
             uniform_empty_rows=_attn_implementation(self.config) == "eager",
-            lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed,
+            lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
             scale=spec.scale, residual_scale=spec.residual_scale, preset=preset)
 
 
-def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list, list]]:
-    """The op's ``weights``, ``lora_scaling`` and ``lora_dropout`` lists for a layer whose
-    structure was checked, or why a projection cannot be fused (its adapters are read here,
-    once per call). The lists are empty without adapters / without dropout."""
+def _layer_tensors(layer: nn.Module, fused: Optional[dict] = None
+                   ) -> Union[str, Tuple[list, list, list, list]]:
+    """The op's ``weights``, ``lora_scaling``, ``lora_dropout`` and ``lora_streams`` lists for
+    a layer whose structure was checked (``fused``: its fused projections' row blocks,
+    ``_LayerSpec.fused``), or why a projection cannot be fused (its adapters are read here,
+    once per call). The lists are empty without adapters / without dropout / without fused
+    projections' dropout."""
     named = {"input_layernorm.weight": layer.input_layernorm.weight,
              "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
     attn = layer.self_attn
@@ -706,18 +740,21 @@ def _layer_tensors(layer: nn.Module) -> Union[str, Tuple[list, list, list]]:
         if attn._modules.get(norm) is not None:
             named[f"self_attn.{norm}.weight"] = attn._modules[norm].weight
     scaling, dropout, lora = [], [], False
+    fused = fused or {}
+    read = read_layer_projections(layer, layer.training, PROJECTIONS, fused)
+    if isinstance(read, str):
+        return read
+    projs, streams = read
     for path in PROJECTIONS:
-        parent, name = path.split(".")
-        proj = read_projection(getattr(layer, parent)._modules[name], layer.training)
-        if isinstance(proj, str):
-            return f"{path} is {proj}"
+        proj = projs[path]
         named[f"{path}.weight"], named[f"{path}.bias"] = proj.weight, proj.bias
         named[f"{path}.lora_A"], named[f"{path}.lora_B"] = proj.lora_A, proj.lora_B
         scaling.append(proj.scaling)
         dropout.append(proj.dropout)
         lora = lora or proj.lora_A is not None
-    return ([named.get(slot) for slot in WEIGHT_SLOTS], scaling if lora else [],
-            dropout if any(p > 0 for p in dropout) else [])
+    dropout = dropout if any(p > 0 for p in dropout) else []
+    return ([named.get(slot) for slot in WEIGHT_SLOTS], scaling if lora else [], dropout,
+            streams if dropout and fused else [])
 
 
 def _patched(layers) -> List[_PatchedForward]:
