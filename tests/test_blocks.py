@@ -187,6 +187,10 @@ def test_errors_name_the_argument():
         layer(torch.randn(1, 5, 32), (pe[0].requires_grad_(), pe[1]))
     with pytest.raises(TypeError, match="position_embeddings must be a pair"):
         layer(torch.randn(1, 5, 32), pe[0])
+    wide = torch.randn(1, 5, 10)  # partial rotary embeddings take R <= head_dim, R even
+    with pytest.raises(ValueError, match=r"cos must be \(B or 1, S, R\) with an even rotary "
+                       r"width R <= head_dim=8, got shape \(1, 5, 10\)"):
+        layer(torch.randn(1, 5, 32), (wide, wide))
     with pytest.raises(TypeError, match="input_layernorm.weight is float32 but x is bfloat16"):
         layer(torch.randn(1, 5, 32, dtype=torch.bfloat16), pe)
     with pytest.raises(ValueError, match="mlp.down_proj.weight must have shape \\(32, 4\\)"):
@@ -198,7 +202,7 @@ def test_errors_name_the_argument():
     w = blocks.pack_weights({"post_attention_layernorm.weight": torch.ones(32)})
     with pytest.raises(ValueError, match="preset must be one of"):
         torch.ops.ckpt_ext.decoder_layer(torch.randn(1, 2, 32), w, None, None, None, None, None,
-                                         False, [], [], None, 1, 1, 1e-6, 1.0, 1.0, None,
+                                         False, [], [], None, [], 1, 1, 1e-6, 1.0, 1.0, None,
                                          "mlp", "quick")
     with pytest.raises(ValueError, match="unknown weight names"):
         blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
