@@ -297,7 +297,7 @@ def lora_rows(args, rows, model, fused_rows):
 
     def fused(preset):
         def fwd(x, pe):
-            weights, scaling, dropout = _layer_tensors(layer, LLAMA)
+            weights, scaling, dropout, _ = _layer_tensors(layer, LLAMA)  # no fused projections
             seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
             return call_decoder_layer(
                 x, weights=weights, cos=pe[0], sin=pe[1], lora_scaling=scaling,

@@ -160,6 +160,14 @@ def _check_row_offset(op, name, row_offset):
         raise ValueError(f"{op}: {name} must be an int >= 0, got {row_offset!r}")
 
 
+def _check_dropout_streams(op, streams):
+    """The SwiGLU ops' dropout_streams: [] or 3 ints >= 0 (gate, up, down)."""
+    if len(streams) not in (0, 3) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                         for t in streams):
+        raise ValueError(f"{op}: dropout_streams must be [] or have 3 entries (gate, up, down), "
+                         f"ints >= 0, got {list(streams)!r}")
+
+
 def _check_seed(op, name, seed):
     if (seed.device.type != "cpu" or seed.numel() != 1 or seed.dtype.is_floating_point
             or seed.dtype.is_complex or seed.dtype == torch.bool):
@@ -237,12 +245,16 @@ def _check_rope(op, qn, q, kn, k, cos, sin):
     _check_shape(op, kn, k, (B, k.shape[1], S, D), f"(B, Hkv, S, D) with B, S, D from {qn}")
     if D % 2 != 0:
         raise ValueError(f"{op}: {qn} must have an even head dim D, got D={D}")
-    _check_dim(op, "cos", cos, 3, "(B or 1, S, D)")
+    _check_dim(op, "cos", cos, 3, "(B or 1, S, R)")
     _check_floating(op, "cos", cos)
     _check_device_as(op, "cos", cos, qn, q)
     if cos.shape[0] not in (1, B):
         raise ValueError(f"{op}: cos must have batch size 1 or B={B}, got shape {_shape(cos)}")
-    _check_shape(op, "cos", cos, (cos.shape[0], S, D), f"(B or 1, S, D) with S, D from {qn}")
+    R = cos.shape[2]
+    if not (R <= D and R % 2 == 0):
+        raise ValueError(f"{op}: cos must be (B or 1, S, R) with an even rotary width "
+                         f"R <= D={D}, got shape {_shape(cos)}")
+    _check_shape(op, "cos", cos, (cos.shape[0], S, R), f"(B or 1, S, R) with S from {qn}")
     _check_like(op, "sin", sin, "cos", cos, cos.shape, "(the shape of cos)")
 
 

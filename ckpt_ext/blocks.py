@@ -47,7 +47,7 @@ LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._
 # num_kv_heads, eps, scale) every call gives.
 LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
                       uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
-                      dropout_seed=None, residual_scale=1.0, norm_offset=0.0,
+                      dropout_seed=None, lora_streams=[], residual_scale=1.0, norm_offset=0.0,
                       norm_cast_last=False, compute_dtype=None, activation="silu", part="layer",
                       preset="balanced")
 
@@ -134,7 +134,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   uniform_empty_rows: bool = False,
                   lora_scaling: Optional[Sequence[float]] = None,
                   lora_dropout: Optional[Sequence[float]] = None,
-                  dropout_seed: Optional[Tensor] = None, residual_scale: float = 1.0,
+                  dropout_seed: Optional[Tensor] = None,
+                  lora_streams: Optional[Sequence[int]] = None, residual_scale: float = 1.0,
                   norm_offset: float = 0.0, norm_cast_last: bool = False,
                   compute_dtype: Optional[torch.dtype] = None, activation: str = "silu",
                   part: str = "layer", preset: str = "balanced") -> Tensor:
@@ -150,6 +151,9 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     (``"<projection>.lora_A"`` / ``".lora_B"``); lora_dropout: one probability per projection,
     applied to the adapter's input with masks hashed from ``dropout_seed`` (a CPU int64 tensor
     with one element, e.g. ``torch.randint(2**31, ())``): the backward replays them exactly.
+    lora_streams: None (each projection hashes its masks with stream = its index) or one
+    stream per projection; projections given one stream share one mask (Phi-3's fused
+    qkv_proj / gate_up_proj, whose one adapter reads one dropped input).
     residual_scale: each sublayer's output is multiplied by it before the residual add
     (Granite's ``residual_multiplier``). Norms: every norm slot is optional (absent = none);
     ``"attention_output_norm.weight"`` / ``"mlp_output_norm.weight"`` norm a sublayer's output
@@ -171,7 +175,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         x, weights=w, cos=cos, sin=sin, key_padding_mask=key_padding_mask,
         segment_ids=segment_ids, window=window, uniform_empty_rows=uniform_empty_rows,
         lora_scaling=list(lora_scaling or ()), lora_dropout=list(lora_dropout or ()),
-        dropout_seed=dropout_seed, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
+        dropout_seed=dropout_seed, lora_streams=list(lora_streams or ()), num_heads=num_heads,
+        num_kv_heads=num_kv_heads or num_heads,
         eps=eps, scale=float(scale), residual_scale=float(residual_scale),
         norm_offset=float(norm_offset), norm_cast_last=bool(norm_cast_last),
         compute_dtype=compute_dtype, activation=activation, part=part, preset=preset)

@@ -32,7 +32,7 @@ from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from . import config
 from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
                       _check_positive_finite, _check_qkv, _check_probability, _check_seed,
-                      _check_row_offset, _check_activation,
+                      _check_row_offset, _check_activation, _check_dropout_streams,
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
                       _check_lce_bwd, _check_lce_transform)
@@ -74,8 +74,9 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, 
 @torch.library.register_fake("ckpt_ext::swiglu_fwd")
 def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                      return_gate_up, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
-                     activation="silu"):
+                     dropout_streams=(), activation="silu"):
     _check_row_offset("swiglu_fwd", "dropout_row_offset", dropout_row_offset)
+    _check_dropout_streams("swiglu_fwd", dropout_streams)
     T, H, I, _ = _check_swiglu_fwd("swiglu_fwd", x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                    lora, lora_scaling, lora_dropout, dropout_seed, activation)
     gate_up_shape = (T, I) if return_gate_up else (0,)
@@ -85,8 +86,9 @@ def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_s
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                      gate, up, needs_grad, lora_dropout=(), dropout_seed=None,
-                     dropout_row_offset=0, activation="silu"):
+                     dropout_row_offset=0, dropout_streams=(), activation="silu"):
     _check_row_offset("swiglu_bwd", "dropout_row_offset", dropout_row_offset)
+    _check_dropout_streams("swiglu_bwd", dropout_streams)
     T, H, I, lora = _check_swiglu_bwd("swiglu_bwd", dy, x, w_gate, w_up, w_down, b_gate, b_up,
                                       b_down, lora, lora_scaling, gate, up, needs_grad,
                                       lora_dropout, dropout_seed, activation)
@@ -223,7 +225,7 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     needs = [bool(f) for f in need[1:7]] + (lora_need or [False] * 6)
     grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs,
                             ctx.lora_dropout, ctx.dropout_seed, ctx.dropout_row_offset,
-                            ctx.activation)
+                            activation=ctx.activation)
     dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora = grads
 
     def keep(flag, g):
@@ -464,8 +466,10 @@ def add_rms_norm(x, residual, weight, eps):
 def rope(q, k, cos, sin):
     """HF apply_rotary_pos_emb: ``t * cos + rotate_half(t) * sin`` for t in (q, k).
 
-    q: (B, Hq, S, D); k: (B, Hkv, S, D); cos, sin: (B or 1, S, D) as HF's rotary embedding
-    returns them (broadcast over heads; constants for autograd). Returns (q_out, k_out),
+    q: (B, Hq, S, D); k: (B, Hkv, S, D); cos, sin: (B or 1, S, R) as HF's rotary embedding
+    returns them (broadcast over heads; constants for autograd), R = D or, for partial rotary
+    embeddings, an even R < D: then the first R dims of each head rotate (rotate_half within
+    them) and the other D - R pass through, as HF's Phi-3 / Phi-4. Returns (q_out, k_out),
     each with its input's strides when that is dense with a unit last stride (a (B, H, S, D)
     view of (B, S, H, D) memory stays one), contiguous otherwise; the gradients likewise.
     """

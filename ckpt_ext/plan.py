@@ -110,15 +110,21 @@ class LayerDims:
     @classmethod
     def from_hf_layer(cls, layer, num_heads: int, family=None) -> "LayerDims":
         """From an HF Llama-family decoder layer (``self_attn.q_proj/k_proj``, ``mlp.gate_proj``)
-        and its number of query heads, read off the projection shapes; ``family``
-        (``ckpt_ext.hf.families``, LLaMA's when None) says which output norms it has."""
-        q, k = layer.self_attn.q_proj, layer.self_attn.k_proj
-        head_dim = q.out_features // num_heads
+        and its number of query heads, read off the projection shapes (Phi-3's fused qkv_proj
+        and gate_up_proj: their row blocks); ``family`` (``ckpt_ext.hf.families``, LLaMA's when
+        None) says which output norms it has."""
         norms = family.norms if family is not None else {}
+        out_norms = dict(attention_output_norm="attention_output_norm" in norms,
+                         mlp_output_norm="mlp_output_norm" in norms)
+        attn = layer.self_attn
+        if "qkv_proj" in attn._modules:
+            qkv, head_dim = attn.qkv_proj, int(attn.head_dim)
+            return cls(qkv.in_features, num_heads, (qkv.out_features // head_dim - num_heads) // 2,
+                       head_dim, layer.mlp.gate_up_proj.out_features // 2, **out_norms)
+        q, k = attn.q_proj, attn.k_proj
+        head_dim = q.out_features // num_heads
         return cls(q.in_features, num_heads, k.out_features // head_dim, head_dim,
-                   layer.mlp.gate_proj.out_features,
-                   attention_output_norm="attention_output_norm" in norms,
-                   mlp_output_norm="mlp_output_norm" in norms)
+                   layer.mlp.gate_proj.out_features, **out_norms)
 
 
 def _config_value(config, name, default=None):

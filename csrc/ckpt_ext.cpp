@@ -63,14 +63,16 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // inputs (gate, up, down), applied as lora_dropout(input converted to the LoRA dtype,
   // dropout_seed, 4 | 5 | 6, p); dropout_seed is required when one of them is > 0;
   // dropout_row_offset >= 0: x's rows are rows dropout_row_offset.. of a larger input (a token
-  // chunk), and the masks are those of these global rows.
+  // chunk), and the masks are those of these global rows. dropout_streams: [] (streams 4, 5,
+  // 6) or the 3 streams of gate, up, down (equal streams: one mask, e.g. a fused gate_up_proj).
   // return_gate_up=False: gate/up are never materialised and come back empty.
   // activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu(approximate="tanh")) in place of
   // silu above (csrc/activation.h).
   m.def("swiglu_fwd(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, "
         "Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
         "bool return_gate_up, float[] lora_dropout=[], Tensor? dropout_seed=None, "
-        "int dropout_row_offset=0, str activation=\"silu\") -> (Tensor y, Tensor gate, "
+        "int dropout_row_offset=0, int[] dropout_streams=[], str activation=\"silu\") -> "
+        "(Tensor y, Tensor gate, "
         "Tensor up)");
   // gate/up given: use them (save="gate_up"); absent: recompute them from x (save="input").
   // needs_grad: 12 flags [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate, A_up,
@@ -80,7 +82,8 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def("swiglu_bwd(Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, "
         "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
         "Tensor? gate, Tensor? up, bool[] needs_grad, float[] lora_dropout=[], "
-        "Tensor? dropout_seed=None, int dropout_row_offset=0, str activation=\"silu\") -> "
+        "Tensor? dropout_seed=None, int dropout_row_offset=0, int[] dropout_streams=[], "
+        "str activation=\"silu\") -> "
         "(Tensor dx, Tensor dw_gate, Tensor dw_up, Tensor dw_down, Tensor db_gate, "
         "Tensor db_up, Tensor db_down, Tensor[] dlora)");
 
@@ -92,8 +95,10 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def("add_rms_norm_fwd(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor y, Tensor sum)");
 
   // ---- rotary embedding, HF apply_rotary_pos_emb semantics ----------------------------------
-  // q (B, Hq, S, D), k (B, Hkv, S, D), cos/sin (B or 1, S, D):
-  // q_out = q * cos + rotate_half(q) * sin, with rotate_half(x) = cat(-x[D/2:], x[:D/2]).
+  // q (B, Hq, S, D), k (B, Hkv, S, D), cos/sin (B or 1, S, R), R even, R <= D:
+  // q_out = q * cos + rotate_half(q) * sin, with rotate_half(x) = cat(-x[R/2:], x[:R/2]), on
+  // the first R dims of each head; the other D - R dims are copied (partial rotary embeddings,
+  // HF's partial_rotary_factor).
   m.def("rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor q_out, Tensor k_out)");
   m.def("rope_bwd(Tensor dq_out, Tensor dk_out, Tensor cos, Tensor sin) -> (Tensor dq, Tensor dk)");
 

@@ -65,16 +65,16 @@ inline const KernelOp<at::Tensor(Tensor, Tensor, int64_t, double, int64_t)> lora
 
 // (y, gate, up) = swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
 //                            lora_scaling, return_gate_up, lora_dropout, dropout_seed,
-//                            dropout_row_offset, activation)
+//                            dropout_row_offset, dropout_streams, activation)
 inline const KernelOp<T3(Tensor, Tensor, Tensor, Tensor, const OptTensor&, const OptTensor&,
                          const OptTensor&, const c10::List<OptTensor>&, c10::ArrayRef<double>,
                          bool, c10::ArrayRef<double>, const OptTensor&, int64_t,
-                         c10::string_view)>
+                         c10::ArrayRef<int64_t>, c10::string_view)>
     swiglu_fwd{"ckpt_ext::swiglu_fwd"};
 
 // (dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora) = swiglu_bwd(dy, x, w_gate,
 //     w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, gate, up, needs_grad,
-//     lora_dropout, dropout_seed, dropout_row_offset, activation)
+//     lora_dropout, dropout_seed, dropout_row_offset, dropout_streams, activation)
 using SwigluGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                at::Tensor, at::Tensor, std::vector<at::Tensor>>;
 inline const KernelOp<SwigluGrads(Tensor, Tensor, Tensor, Tensor, Tensor, const OptTensor&,
@@ -82,7 +82,7 @@ inline const KernelOp<SwigluGrads(Tensor, Tensor, Tensor, Tensor, Tensor, const 
                                   const c10::List<OptTensor>&, c10::ArrayRef<double>,
                                   const OptTensor&, const OptTensor&, const c10::List<bool>&,
                                   c10::ArrayRef<double>, const OptTensor&, int64_t,
-                                  c10::string_view)>
+                                  c10::ArrayRef<int64_t>, c10::string_view)>
     swiglu_bwd{"ckpt_ext::swiglu_bwd"};
 
 // y = rms_norm_fwd(x, weight, eps); (dx, dweight) = rms_norm_bwd(dy, x, weight, eps)

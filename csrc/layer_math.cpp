@@ -46,7 +46,7 @@ Layer make_layer(const c10::List<OptTensor>& weights, const LayerTensors& tensor
 // global token row of inp's first row (masks hash global rows, so chunks change none).
 at::Tensor lora_input(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0) {
   const double dp = L.dropout_p(p);
-  return dp > 0.0 ? kernel::lora_dropout(inp, *L.dropout_seed, p, dp, row0) : inp;
+  return dp > 0.0 ? kernel::lora_dropout(inp, *L.dropout_seed, L.stream(p), dp, row0) : inp;
 }
 
 // ---- validation ----------------------------------------------------------------------------
@@ -92,6 +92,12 @@ void check_proj(const char* op, const Layer& L, Proj p, const at::Tensor& x, int
 }
 
 void check_dropout(const char* op, const Layer& L) {
+  CKPT_CHECK_VALUE(L.lora_streams.empty() ||
+                       static_cast<int64_t>(L.lora_streams.size()) == kNumProjs,
+                   op, "lora_streams must be [] or have one entry per projection (", kNumProjs,
+                   "), got ", L.lora_streams.size());
+  for (int64_t t : L.lora_streams)
+    CKPT_CHECK_VALUE(t >= 0, op, "lora_streams must hold streams >= 0, got ", t);
   if (L.lora_dropout.empty()) return;
   CKPT_CHECK_VALUE(static_cast<int64_t>(L.lora_dropout.size()) == kNumProjs, op,
                    "lora_dropout must be [] or have one entry per projection (", kNumProjs,
@@ -148,11 +154,16 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
     CKPT_CHECK_VALUE(L.cos && L.sin, op,
                      "position_embeddings (cos, sin) are required for the attention");
     const at::Tensor &cos = *L.cos, &sin = *L.sin;
-    checks::check_dim(op, "cos", cos, 3, "(B or 1, S, head_dim)");
+    checks::check_dim(op, "cos", cos, 3, "(B or 1, S, R)");
     CKPT_CHECK_VALUE(cos.size(0) == 1 || cos.size(0) == b, op,
                      "cos must have batch size 1 or B=", b, ", got shape ",
                      checks::shape_str(cos.sizes()));
-    checks::check_shape(op, "cos", cos, {cos.size(0), s, d}, "(B or 1, S, head_dim)");
+    // partial rotary embeddings (Phi-4-mini): only the first R dims of a head rotate
+    const int64_t r = cos.size(2);
+    CKPT_CHECK_VALUE(r <= d && r % 2 == 0, op, "cos must be (B or 1, S, R) with an "
+                     "even rotary width R <= head_dim=", d, ", got shape ",
+                     checks::shape_str(cos.sizes()));
+    checks::check_shape(op, "cos", cos, {cos.size(0), s, r}, "(B or 1, S, R)");
     checks::check_shape(op, "sin", sin, cos.sizes(), "(the shape of cos)");
     CKPT_CHECK_VALUE(!cos.requires_grad() && !sin.requires_grad(), op,
                      "gradients with respect to cos/sin are not computed; pass position "
@@ -332,6 +343,7 @@ constexpr std::array<Proj, 3> kMlpProjs = {kGate, kUp, kDown};
 struct MlpLora {
   c10::List<OptTensor> lora;
   std::vector<double> scaling, dropout;
+  std::vector<int64_t> streams;  // [] or the three projections' streams (lora_streams)
   OptTensor seed;
 };
 
@@ -343,12 +355,14 @@ MlpLora mlp_lora(const Layer& L) {
     for (ProjPart part : {kLoraA, kLoraB}) l.lora.push_back(L.cast_opt(L.proj(p, part)));
     l.scaling.push_back(L.lora_scale(p));
     l.dropout.push_back(L.dropout_p(p));
+    if (!L.lora_streams.empty()) l.streams.push_back(L.stream(p));
     any_dropout = any_dropout || L.dropout_p(p) > 0.0;
   }
   if (any_dropout) {
     l.seed = L.dropout_seed;
   } else {
     l.dropout.clear();
+    l.streams.clear();
   }
   return l;
 }
@@ -381,7 +395,7 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
         mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
-        row0 + t0, L.activation);
+        row0 + t0, l.streams, L.activation);
     if (keep_gate_up) r.gate = gate, r.up = up;
     y2 = norm_fwd(L, kMlpOutNorm, y2);
     if (tc == T) return h + L.residual_scaled(y2).view(h.sizes());
@@ -428,14 +442,14 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
           m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
           L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
           L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, false, l.dropout, l.seed,
-          row0 + t0, L.activation));
+          row0 + t0, l.streams, L.activation));
       dmlp = L.cast(norm_bwd(L, kMlpOutNorm, dmlp, y2, needs, g));
     }
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
         dmlp, m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
-        row0 + t0, L.activation);
+        row0 + t0, l.streams, L.activation);
     const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
     for (size_t j = 0; j < order.size(); ++j) {
       if (!needs[order[j]]) continue;

@@ -90,6 +90,10 @@ using OptTensor = std::optional<at::Tensor>;
 //                       adapter's input (lora_dropout with stream = the projection's index)
 //   dropout_seed        required when a dropout probability is > 0 (backward replays the
 //                       forward's masks from it)
+//   lora_streams        [] (each projection hashes its masks with stream = its index) or one
+//                       stream per projection: projections of one fused module (Phi-3's
+//                       qkv_proj, gate_up_proj) share one input, one adapter and so one mask,
+//                       and are given one stream
 //   num_heads,
 //   num_kv_heads, eps   the attention's heads; the norms' epsilon
 //   scale               the attention's softmax scale
@@ -118,6 +122,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "float[]", c10::ArrayRef<double>, lora_scaling, __VA_ARGS__)                   \
   X(OPTION, "float[]", c10::ArrayRef<double>, lora_dropout, __VA_ARGS__)                   \
   X(TENSOR, "Tensor?", const OptTensor&, dropout_seed, __VA_ARGS__)                        \
+  X(OPTION, "int[]", c10::ArrayRef<int64_t>, lora_streams, __VA_ARGS__)                    \
   X(OPTION, "int", int64_t, num_heads, __VA_ARGS__)                                        \
   X(OPTION, "int", int64_t, num_kv_heads, __VA_ARGS__)                                     \
   X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
@@ -168,6 +173,7 @@ using OptTensor = std::optional<at::Tensor>;
 
 // An OPTION as it is kept once the call has returned (a list or a string is copied).
 inline std::vector<double> store(c10::ArrayRef<double> a) { return a.vec(); }
+inline std::vector<int64_t> store(c10::ArrayRef<int64_t> a) { return a.vec(); }
 inline std::string store(c10::string_view s) { return std::string(s); }
 template <class T>
 T store(const T& v) {
@@ -212,10 +218,13 @@ struct LayerOptions {
     return c10::IValue(v);
   }
   static c10::IValue to_ivalue(const std::vector<double>& v) { return c10::List<double>(v); }
+  static c10::IValue to_ivalue(const std::vector<int64_t>& v) { return c10::List<int64_t>(v); }
   template <class T>
   static T from_ivalue(const c10::IValue& v) {
     if constexpr (std::is_same_v<T, std::vector<double>>) {
       return v.toDoubleVector();
+    } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+      return v.toIntVector();
     } else if constexpr (std::is_same_v<T, std::string>) {
       return v.toStringRef();
     } else {
@@ -324,6 +333,8 @@ struct Layer : LayerTensors, LayerOptions {
     return has_lora(p) && !lora_dropout.empty() ? lora_dropout[p] : 0.0;
   }
   bool has_lora(Proj p) const { return proj(p, kLoraA).defined(); }
+  // The stream projection p's dropout masks hash (lora_streams).
+  int64_t stream(Proj p) const { return lora_streams.empty() ? int64_t{p} : lora_streams[p]; }
   // The dtype of the low-rank term: the compute dtype, or the adapter's own (PEFT keeps fp32
   // adapters on a half-precision base and computes their term in fp32).
   at::ScalarType lora_dtype(Proj p) const {

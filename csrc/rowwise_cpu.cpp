@@ -114,13 +114,16 @@ void check_rope(const char* op, const char* qn, const at::Tensor& q, const char*
   check_shape(op, kn, k, {B, k.size(1), S, D},
               "(B, Hkv, S, D) with B, S, D from " + std::string(qn));
   CKPT_CHECK_VALUE(D % 2 == 0, op, qn, " must have an even head dim D, got D=", D);
-  check_dim(op, "cos", cos, 3, "(B or 1, S, D)");
+  check_dim(op, "cos", cos, 3, "(B or 1, S, R)");
   check_floating(op, "cos", cos);
   check_device_as(op, "cos", cos, qn, q);
   CKPT_CHECK_VALUE(cos.size(0) == B || cos.size(0) == 1, op, "cos must have batch size 1 or B=",
                    B, ", got shape ", checks::shape_str(cos.sizes()));
-  check_shape(op, "cos", cos, {cos.size(0), S, D},
-              "(B or 1, S, D) with S, D from " + std::string(qn));
+  const int64_t R = cos.size(2);
+  CKPT_CHECK_VALUE(R <= D && R % 2 == 0, op, "cos must be (B or 1, S, R) with an even "
+                   "rotary width R <= D=", D, ", got shape ", checks::shape_str(cos.sizes()));
+  check_shape(op, "cos", cos, {cos.size(0), S, R},
+              "(B or 1, S, R) with S from " + std::string(qn));
   check_like(op, "sin", sin, "cos", cos, cos.sizes(), "(the shape of cos)");
 }
 
@@ -132,14 +135,19 @@ at::Tensor rotate_half(const at::Tensor& t, bool transpose) {
 }
 
 // forward:  t * cos + rotate_half(t) * sin;   backward: t * cos + rotate_half^T(t * sin).
-// t (B, H, S, D); c, s (Bc, 1, S, D) in the compute dtype. Result in t's dtype and layout
-// (checks::rope_out_like).
+// t (B, H, S, D); c, s (Bc, 1, S, R) in the compute dtype: the first R dims of t rotate (the
+// pairs i, i + R/2), the other D - R pass through (partial rotary embeddings). Result in t's
+// dtype and layout (checks::rope_out_like).
 at::Tensor rope_apply(const at::Tensor& t, const at::Tensor& c, const at::Tensor& s,
                       bool backward) {
-  at::Tensor tf = t.to(c.scalar_type());
+  const int64_t R = c.size(-1), D = t.size(-1);
+  at::Tensor tf = t.narrow(-1, 0, R).to(c.scalar_type());
   at::Tensor r = backward ? tf * c + rotate_half(tf * s, /*transpose=*/true)
                           : tf * c + rotate_half(tf, /*transpose=*/false) * s;
-  return checks::rope_out_like(t).copy_(r);
+  at::Tensor out = checks::rope_out_like(t);
+  out.narrow(-1, 0, R).copy_(r);
+  if (R < D) out.narrow(-1, R, D - R).copy_(t.narrow(-1, R, D - R));
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_cpu(const char* op, const char* qn, const at::Tensor& q,

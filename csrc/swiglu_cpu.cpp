@@ -95,7 +95,7 @@ struct Adapter {
   at::Tensor a, b;  // (r, in), (out, r) in dt
   double s = 0.0;
   double p = 0.0;                     // dropout probability of the adapter's input
-  uint32_t key = 0;                   // its dropout key (stream 4, 5, 6)
+  uint32_t key = 0;                   // its dropout key (stream 4, 5, 6, or dropout_streams)
   int64_t row0 = 0;                   // the global row of x's first row (dropout_row_offset)
   at::ScalarType dt = at::kFloat;     // LoRA (compute) dtype
   at::ScalarType own = at::kFloat;    // the adapter's own dtype (of its gradients)
@@ -107,9 +107,12 @@ using Adapters = std::array<Adapter, 3>;
 Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& lora,
                     c10::ArrayRef<double> scaling, c10::ArrayRef<double> dropout,
                     const std::optional<at::Tensor>& seed, int64_t row_offset,
-                    const at::Tensor& x, const SwigluDims& d) {
+                    const at::Tensor& x, const SwigluDims& d, c10::ArrayRef<int64_t> streams) {
   Adapters ad;
   CKPT_CHECK_VALUE(row_offset >= 0, op, "dropout_row_offset must be >= 0, got ", row_offset);
+  CKPT_CHECK_VALUE(streams.empty() || streams.size() == 3, op,
+                   "dropout_streams must be [] or have 3 entries (gate, up, down), got ",
+                   streams.size());
   CKPT_CHECK_VALUE(lora.size() == 0 || lora.size() == 6, op,
                    "lora must be [] or the 6 entries [A_gate, B_gate, A_up, B_up, A_down, "
                    "B_down], got ", lora.size(), " entries");
@@ -156,7 +159,8 @@ Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& 
       CKPT_CHECK_VALUE(!checks::absent(seed), op,
                        "dropout_seed is required when lora_dropout has a probability > 0");
       A.p = dropout[p];
-      A.key = dropout::key(dropout::read_seed(op, "dropout_seed", *seed), 4 + p);
+      A.key = dropout::key(dropout::read_seed(op, "dropout_seed", *seed),
+                           streams.empty() ? 4 + p : streams[p]);
       A.row0 = row_offset;
     }
   }
@@ -219,12 +223,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     const c10::List<std::optional<at::Tensor>>& lora, c10::ArrayRef<double> lora_scaling,
     bool return_gate_up, c10::ArrayRef<double> lora_dropout,
     const std::optional<at::Tensor>& dropout_seed, int64_t dropout_row_offset,
-    c10::string_view activation) {
+    c10::ArrayRef<int64_t> dropout_streams, c10::string_view activation) {
   const char* op = "swiglu_fwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
   const Activation act = parse_activation(activation, op);
   const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed,
-                                 dropout_row_offset, x, d);
+                                 dropout_row_offset, x, d, dropout_streams);
   const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   at::Tensor y = at::empty({d.T, d.H}, x.options());                                 // (T, H)
   at::Tensor gate = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
@@ -318,12 +322,13 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
                            c10::ArrayRef<double> lora_dropout,
                            const std::optional<at::Tensor>& dropout_seed,
                            int64_t dropout_row_offset,
+                           c10::ArrayRef<int64_t> dropout_streams,
                            c10::string_view activation) {
   const char* op = "swiglu_bwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
   const Activation act = parse_activation(activation, op);
   const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed,
-                                 dropout_row_offset, x, d);
+                                 dropout_row_offset, x, d, dropout_streams);
   check_like(op, "dy", dy, "x", x, {d.T, d.H}, "(T, H), the shape of x");
   const bool recompute = checks::absent(gate);
   CKPT_CHECK_VALUE(recompute == checks::absent(up), op,

@@ -48,7 +48,8 @@ import triton.language as tl
 
 from .. import config as _config
 from . import _launch
-from .._checks import _check_row_offset, _check_swiglu_bwd, _check_swiglu_fwd
+from .._checks import (_check_dropout_streams, _check_row_offset, _check_swiglu_bwd,
+                       _check_swiglu_fwd)
 from .dropout import dropout_key, dropout_threshold, keep_mask
 from .dropout import lora_dropout as _lora_dropout
 
@@ -736,7 +737,8 @@ def _adapters(op, x, lora, lora_scaling):
 
 
 class _Dropout:
-    """One adapter's input dropout: probability p > 0, its mask key (stream 4 | 5 | 6) and the
+    """One adapter's input dropout: probability p > 0, its mask key (stream 4 | 5 | 6 or the
+    op's dropout_streams) and the
     global row of the op's first row (the masks are those of the global rows)."""
 
     def __init__(self, p, seed, stream, row0):
@@ -744,10 +746,11 @@ class _Dropout:
         self.key = dropout_key(int(seed.item()), stream)
 
 
-def _dropouts(lora_dropout, dropout_seed, ad, row0):
+def _dropouts(lora_dropout, dropout_seed, ad, row0, streams=()):
     """The three adapters' dropouts (gate, up, down), each None or a _Dropout (the arguments
-    were checked with the op's)."""
-    return [_Dropout(float(prob), dropout_seed, 4 + p, row0)
+    were checked with the op's); streams: [] (4, 5, 6) or the op's dropout_streams."""
+    streams = list(streams) or [4, 5, 6]
+    return [_Dropout(float(prob), dropout_seed, streams[p], row0)
             if ad[p] is not None and prob != 0.0 else None
             for p, prob in enumerate(list(lora_dropout) or [0.0] * 3)]
 
@@ -839,7 +842,7 @@ def _scale(a):
 # --------------------------------------------------------------------------------------------
 def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                return_gate_up: bool, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
-               activation="silu"):
+               dropout_streams=(), activation="silu"):
     """SwiGLU MLP forward with optional LoRA adapters.
 
     Args:
@@ -857,6 +860,8 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
             the same mask function applied inside the tile (stream 6).
         dropout_row_offset: x's rows are rows dropout_row_offset.. of a larger input (a token
             chunk): the masks are those of these global rows.
+        dropout_streams: [] (4, 5, 6) or the 3 streams of gate, up and down (equal streams
+            give one mask: a fused gate_up_proj's adapter).
         activation: "silu" (h = silu(gate) * up) or "gelu_tanh" (h = gelu(gate,
             approximate="tanh") * up, GeGLU), in fp32 inside the tile.
 
@@ -875,10 +880,11 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     """
     op = "swiglu_fwd"
     _check_row_offset(op, "dropout_row_offset", dropout_row_offset)
+    _check_dropout_streams(op, dropout_streams)
     T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
                                       lora_scaling, lora_dropout, dropout_seed, activation)
     ad = _adapters(op, x, lora, lora_scaling)
-    drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset)
+    drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset, dropout_streams)
     h = x.new_empty((T, I))
     # Distinct placeholders: an op's outputs must not alias each other.
     gu_shape = (T, I) if return_gate_up else (0,)
@@ -917,7 +923,7 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
 
 def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                gate, up, needs_grad, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
-               activation="silu"):
+               dropout_streams=(), activation="silu"):
     """SwiGLU MLP backward with optional LoRA adapters.
 
     Args:
@@ -929,6 +935,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
             recomputed tile by tile from x inside the fused kernel).
         needs_grad: 12 bools [w_gate, w_up, w_down, b_gate, b_up, b_down, A_gate, B_gate,
             A_up, B_up, A_down, B_down]; a gradient not wanted is never computed.
+        lora_dropout, dropout_seed, dropout_row_offset, dropout_streams: as for
+            ``swiglu_fwd`` (the masks are regenerated).
         lora_dropout, dropout_seed, dropout_row_offset: as for ``swiglu_fwd`` (the masks are
             regenerated).
         activation: the forward's, as for ``swiglu_fwd``; its derivative is computed in fp32
@@ -949,11 +957,12 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     """
     op = "swiglu_bwd"
     _check_row_offset(op, "dropout_row_offset", dropout_row_offset)
+    _check_dropout_streams(op, dropout_streams)
     T, H, I, lora = _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                       lora, lora_scaling, gate, up, needs_grad, lora_dropout,
                                       dropout_seed, activation)
     ad = _adapters(op, x, lora, lora_scaling)
-    drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset)
+    drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset, dropout_streams)
     recompute = _absent(gate)
     needs = [bool(n) for n in needs_grad]
     n_wg, n_wu, n_wd = needs[0:3]

@@ -469,12 +469,13 @@ BAD = "activation must be one of 'silu', 'gelu_tanh', got 'gelu'"
 def test_bad_activation_raises_everywhere():
     args, lora, scaling, dy, _, _ = case(torch.float32, torch.float32, (None, None, None))
     with pytest.raises(ValueError, match=f"swiglu_fwd: {BAD}"):
-        OPS.swiglu_fwd(*args, [], [], False, [], None, 0, "gelu")
+        OPS.swiglu_fwd(*args, [], [], False, [], None, 0, activation="gelu")
     with pytest.raises(ValueError, match=f"swiglu_bwd: {BAD}"):
-        OPS.swiglu_bwd(dy, *args, [], [], None, None, ALL_GRADS, [], None, 0, "gelu")
+        OPS.swiglu_bwd(dy, *args, [], [], None, None, ALL_GRADS, [], None, 0,
+                       activation="gelu")
     meta = [t.to("meta") if t is not None else None for t in args]
     with pytest.raises(ValueError, match=f"swiglu_fwd: {BAD}"):   # the fake
-        OPS.swiglu_fwd(*meta, [], [], False, [], None, 0, "gelu")
+        OPS.swiglu_fwd(*meta, [], [], False, [], None, 0, activation="gelu")
     with pytest.raises(ValueError, match=f"swiglu_mlp: {BAD}"):
         ops.swiglu_mlp(*args, activation="gelu")
     with pytest.raises(ValueError, match="SwiGLUMLP: activation must be one of"):

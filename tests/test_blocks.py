@@ -187,6 +187,10 @@ def test_errors_name_the_argument():
         layer(torch.randn(1, 5, 32), (pe[0].requires_grad_(), pe[1]))
     with pytest.raises(TypeError, match="position_embeddings must be a pair"):
         layer(torch.randn(1, 5, 32), pe[0])
+    wide = torch.randn(1, 5, 10)  # partial rotary embeddings take R <= head_dim, R even
+    with pytest.raises(ValueError, match=r"cos must be \(B or 1, S, R\) with an even rotary "
+                       r"width R <= head_dim=8, got shape \(1, 5, 10\)"):
+        layer(torch.randn(1, 5, 32), (wide, wide))
     with pytest.raises(TypeError, match="input_layernorm.weight is float32 but x is bfloat16"):
         layer(torch.randn(1, 5, 32, dtype=torch.bfloat16), pe)
     with pytest.raises(ValueError, match="mlp.down_proj.weight must have shape \\(32, 4\\)"):

@@ -24,10 +24,17 @@ WORLD, STEPS, B, S = 2, 2, 2, 13
 TIMEOUT_S = 240  # a run takes about 20 s; a hung collective must not hang the suite
 
 
-def make_model():
-    return tiny_model("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2,
-                                    vocab_size=97, use_cache=False, pad_token_id=0))
+# phi3: fused qkv_proj / gate_up_proj (their blocks' gradients concatenated into the sharded
+# fused weights') and partial rotary embeddings
+FAMILY_CONFIG = {"llama": {}, "phi3": dict(rope_parameters=dict(
+    rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))}
+
+
+def make_model(family="llama"):
+    return tiny_model(family, dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=97, use_cache=False, pad_token_id=0,
+                                   **FAMILY_CONFIG[family]))
 
 
 def batch(rank):
@@ -39,12 +46,12 @@ def loss_of(model, rank):
     return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
-def _worker(rank, init_file, wrapper, patched, out_dir):
+def _worker(rank, init_file, wrapper, patched, out_dir, family="llama"):
     import ckpt_ext
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
-        model = make_model()
+        model = make_model(family)
         if patched:  # True, or "offload": the saved layer tensors in host memory
             ckpt_ext.patch_llama(model, "balanced",
                                  offload="cpu" if patched == "offload" else None)
@@ -90,10 +97,11 @@ def _worker(rank, init_file, wrapper, patched, out_dir):
         dist.destroy_process_group()
 
 
-def run_distributed(tmp_path, wrapper, patched):
-    out = tmp_path / f"{wrapper}-{patched}"
+def run_distributed(tmp_path, wrapper, patched, family="llama"):
+    out = tmp_path / f"{family}-{wrapper}-{patched}"
     out.mkdir()
-    ctx = mp.start_processes(_worker, args=(str(out / "init"), wrapper, patched, str(out)),
+    ctx = mp.start_processes(_worker, args=(str(out / "init"), wrapper, patched, str(out),
+                                            family),
                              nprocs=WORLD, start_method="spawn", join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=2):  # raises if a worker failed
@@ -106,9 +114,9 @@ def run_distributed(tmp_path, wrapper, patched):
     return [torch.load(out / f"{r}.pt") for r in range(WORLD)]
 
 
-def single_process_losses():
+def single_process_losses(family="llama"):
     """The ranks' losses of a single process that steps with the mean of their gradients."""
-    model = make_model()
+    model = make_model(family)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = [[] for _ in range(WORLD)]
     for _ in range(STEPS):
@@ -147,3 +155,18 @@ def test_fsdp2_per_layer_with_offload_equals_without(tmp_path):
         assert o["losses"] == k["losses"]
         assert o["fused"] == STEPS * 2
         assert o["offload"]["host_allocations"] == 2 * 4 and o["offload"]["host_in_use"] == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo workers are tested on Linux")
+def test_phi3_under_fsdp2_trains_like_unpatched(tmp_path):
+    """Phi-3 (fused projections, partial RoPE) with fully_shard per layer: fused, and the losses
+    equal the unpatched model's and the single-process run's."""
+    patched = run_distributed(tmp_path, "fsdp2", True, "phi3")
+    plain = run_distributed(tmp_path, "fsdp2", False, "phi3")
+    assert all(r["fused"] == STEPS * 2 for r in patched)
+    for p, u in zip(patched, plain):
+        torch.testing.assert_close(torch.tensor(p["losses"]), torch.tensor(u["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+    for rank, ref in enumerate(single_process_losses("phi3")):
+        torch.testing.assert_close(torch.tensor(patched[rank]["losses"]), torch.tensor(ref),
+                                   rtol=1e-5, atol=1e-6)

@@ -41,7 +41,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # norms each sublayer's output instead of its input, and q/k over the whole projection; OLMo-3
 # adds interleaved sliding windows; Gemma multiplies its norms by (1 + w) and gates with
 # GELU-tanh; Gemma 3 adds norms after both sublayers, per-head q/k norms, its own attention
-# scale and a local RoPE on its sliding layers.
+# scale and a local RoPE on its sliding layers; Phi-3 fuses q/k/v into qkv_proj and gate/up
+# into gate_up_proj, and phi3_partial (Phi-4-mini's partial_rotary_factor) rotates only the
+# first half of each head.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -52,15 +54,20 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
                 "sliding_attention", "full_attention", "sliding_attention"]),
             "gemma": {}, "gemma3_text": dict(query_pre_attn_scalar=24, sliding_window=6,
                                              layer_types=["sliding_attention", "full_attention",
-                                                          "sliding_attention"])}
+                                                          "sliding_attention"]),
+            "phi3": {},
+            "phi3_partial": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                      partial_rotary_factor=0.5))}
+# The model_type of a FAMILIES entry that is a variant of another family.
+MODEL_TYPE = {"phi3_partial": "phi3"}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
 
 
 def make_model(family="llama", impl="sdpa", cls=AutoModelForCausalLM, seed=0, **overrides):
-    return tiny_model(family, {**TINY, **FAMILIES[family], **overrides}, impl=impl, cls=cls,
-                      seed=seed, perturb=True)
+    return tiny_model(MODEL_TYPE.get(family, family), {**TINY, **FAMILIES[family], **overrides},
+                      impl=impl, cls=cls, seed=seed, perturb=True)
 
 
 def make_batch(pad: bool, seed=1, s=S):
@@ -308,7 +315,7 @@ def packed_batch(lengths, seed=3):
     return ids, pos, labels
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3_partial"])
 def test_packed_sequences_are_fused(family):
     ref_model = make_model(family, "sdpa")
     model = patch_llama(copy.deepcopy(ref_model), "min_memory")
@@ -517,7 +524,8 @@ def _eps_mismatch(model):
     (lambda: make_model("llama", "sdpa", attention_dropout=0.1), "attention_dropout=0.1"),
     (lambda: _eps_mismatch(make_model("qwen3", "sdpa")), "different eps"),
     (lambda: make_model("qwen2", "sdpa", hidden_act="gelu"), "hidden_act='gelu'"),
-], ids=["flex_attention", "dropout", "eps", "activation"])
+    (lambda: make_model("phi3", "sdpa", resid_pdrop=0.1), r"resid_pdrop = 0\.0"),
+], ids=["flex_attention", "dropout", "eps", "activation", "phi3-resid-dropout"])
 def test_refused_at_patch_time(build, match):
     model = build()
     with pytest.raises(ValueError, match=match):
@@ -652,3 +660,116 @@ def test_granite_logits_scaling_fuses_head_and_layers():
     unscaled = copy.deepcopy(ref_model)
     unscaled.config.logits_scaling = 1.0
     assert (run(unscaled, ids, mask, labels)[0].loss - out_r.loss).abs() > 100 * TOL["atol"]
+
+
+# ---- Phi-3: fused projections, LoRA on them, partial RoPE --------------------------------------
+
+def loss_and_grads(model, ids, mask, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
+                           for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_split_rows_views_and_one_gradient():
+    """The fused weight's blocks are views of it; their gradients come back as one tensor, the
+    blocks' gradients in order (a block the loss does not read: zeros)."""
+    from ckpt_ext.hf.adapters import split_rows
+    w = torch.randn(10, 3, requires_grad=True)
+    q, k, v = split_rows(w, (4, 3, 3))
+    assert [t.data_ptr() for t in (q, k, v)] == [w.data_ptr() + 4 * n * 3 for n in (0, 4, 7)]
+    dq, dv = torch.randn(4, 3), torch.randn(3, 3)
+    (g,) = torch.autograd.grad((q * dq).sum() + (v * dv).sum(), w)
+    torch.testing.assert_close(g, torch.cat([dq, torch.zeros(3, 3), dv]), rtol=0, atol=0)
+    assert type(q.grad_fn).__name__ == "SplitWithSizesBackward0"  # one node: one cat
+
+
+def test_phi3_reads_fused_projections_and_partial_rope():
+    """The spec reads qkv_proj's and gate_up_proj's row blocks; phi3_partial's cos/sin are
+    half as wide as a head, and the op takes them as they are."""
+    model = patch_llama(make_model("phi3_partial", "sdpa"), "balanced")
+    spec = model.model.layers[0].forward.spec
+    d = TINY["head_dim"]
+    assert spec.fused == {"self_attn.qkv_proj": (4 * d, 2 * d, 2 * d),
+                          "mlp.gate_up_proj": (TINY["intermediate_size"],) * 2}
+    cos, _ = model.model.rotary_emb(torch.zeros(1, 3, 64), torch.arange(3)[None])
+    assert cos.shape[-1] == d // 2
+    from ckpt_ext.plan import LayerDims  # policy="auto" reads the same blocks
+    assert LayerDims.from_hf_layer(model.model.layers[0], 4).kwargs() == dict(
+        H=64, Hq=4, Hkv=2, D=d, I=TINY["intermediate_size"])
+
+
+@pytest.mark.parametrize("preset", ["fast", "min_memory"])
+def test_phi3_peft_lora_dropout_is_one_mask_per_fused_projection(preset, monkeypatch):
+    """PEFT LoRA on qkv_proj, o_proj, gate_up_proj, down_proj with lora_dropout > 0: every layer
+    fused, and loss and adapter gradients equal the unpatched PEFT model whose dropout modules
+    apply the op's masks, ONE per fused module (the stream of its first projection: q 0, o 3,
+    gate 4, down 6). Giving q/k/v (gate/up) their own streams fails the comparison."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
+                               "(pip install -e '.[test]')")
+    from test_lora_dropout import HashDropout
+    from ckpt_ext.hf import patch as patch_module
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False,
+                          target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(make_model("phi3_partial", "sdpa"), cfg)
+    model = copy.deepcopy(ref)
+    patch_llama(model, preset)
+    ids, mask, labels = make_batch(pad=True)
+    torch.manual_seed(1234)
+    seeds = [torch.randint(2**31 - 1, (), dtype=torch.int64) for _ in range(3)]
+    streams = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 3, "mlp.gate_up_proj": 4,
+               "mlp.down_proj": 6}
+    for li, layer in enumerate(ref.get_base_model().model.layers):
+        for path, stream in streams.items():
+            parent, name = path.split(".")
+            lora = getattr(layer, parent)._modules[name]
+            lora.lora_dropout["default"] = HashDropout(seeds, li, stream, 0.2)
+    loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
+    torch.manual_seed(1234)
+    loss, grads = loss_and_grads(model, ids, mask, labels)
+    inner = model.get_base_model()
+    assert [layer.forward.calls["fused"] for layer in inner.model.layers] == [1, 1, 1]
+    torch.testing.assert_close(loss, loss_r, **TOL)
+    assert set(grads) == set(grads_r) and len(grads) == 3 * 8 and all("lora_" in n for n in grads)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+    # each projection its own stream (lora_streams=[]): other masks, another loss
+    tensors = patch_module._layer_tensors
+    monkeypatch.setattr(patch_module, "_layer_tensors",
+                        lambda *a: (*tensors(*a)[:3], []))
+    torch.manual_seed(1234)
+    loss_own, _ = loss_and_grads(model, ids, mask, labels)
+    assert (loss_own - loss_r).abs() > 1e3 * TOL["atol"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-dropout"])
+def test_phi3_compiled_has_no_graph_breaks_and_replays_eager(lora):
+    """torch.compile of a patched Phi-3 (partial RoPE; fused projections split inside the
+    graph, with or without PEFT adapters and their dropout): no graph break, and under aot_eager
+    the eager loss and gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make_model("phi3_partial", "sdpa")
+    if lora:
+        peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need "
+                                   "it (pip install -e '.[test]')")
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.3, init_lora_weights=False,
+            target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    patch_llama(model, "balanced")
+    ids, mask, labels = make_batch(pad=True)
+    explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels,
+                                           use_cache=False)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    loss_e, grads_e = loss_and_grads(model, ids, mask, labels)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(7)
+    loss_c, grads_c = loss_and_grads(compiled, ids, mask, labels)
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    assert grads_c.keys() == grads_e.keys()
+    for name, g in grads_e.items():
+        torch.testing.assert_close(grads_c[name], g, **TOL, msg=name)

@@ -192,36 +192,41 @@ def swiglu_args(dtype, bias=True, seed=0):
     return x, w, b, lora
 
 
-def swiglu_reference(x, w, b, lora, scaling, dropout, seed):
-    """Plain PyTorch: the adapters' inputs dropped with the op's masks (streams 4, 5, 6)."""
+def swiglu_reference(x, w, b, lora, scaling, dropout, seed, streams=(4, 5, 6)):
+    """Plain PyTorch: the adapters' inputs dropped with the op's masks (streams 4, 5, 6, or
+    ``streams``)."""
     def drop(t, stream, p):
         return OPS.lora_dropout(t, seed, stream, p) if p > 0 else t
 
     def lin(t, wt, bt):
         return torch.nn.functional.linear(t, wt, bt)
 
-    gate = lin(x, w[0], b[0]) + scaling[0] * lin(lin(drop(x, 4, dropout[0]), lora[0], None),
+    sg, su, sd = streams
+    gate = lin(x, w[0], b[0]) + scaling[0] * lin(lin(drop(x, sg, dropout[0]), lora[0], None),
                                                  lora[1], None)
-    up = lin(x, w[1], b[1]) + scaling[1] * lin(lin(drop(x, 5, dropout[1]), lora[2], None),
+    up = lin(x, w[1], b[1]) + scaling[1] * lin(lin(drop(x, su, dropout[1]), lora[2], None),
                                                lora[3], None)
     h = torch.nn.functional.silu(gate) * up
-    return lin(h, w[2], b[2]) + scaling[2] * lin(lin(drop(h, 6, dropout[2]), lora[4], None),
+    return lin(h, w[2], b[2]) + scaling[2] * lin(lin(drop(h, sd, dropout[2]), lora[4], None),
                                                  lora[5], None)
 
 
-def _check_swiglu(dtype, backend, rtol):
+def _check_swiglu(dtype, backend, rtol, streams=None):
+    """The ops against swiglu_reference; streams: the ops' dropout_streams (None: left out,
+    4, 5, 6)."""
     x, w, b, lora = swiglu_args(dtype)
     scaling, dropout, seed = [0.7, 1.3, 0.9], [0.3, 0.2, 0.4], seed_tensor(2024)
+    extra = () if streams is None else (0, list(streams))  # dropout_row_offset, dropout_streams
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).to(dtype)
     leaves = [t.double().requires_grad_() for t in (x, *w, *b, *lora)]
     x64, w64, b64, l64 = leaves[0], leaves[1:4], leaves[4:7], leaves[7:]
-    y64 = swiglu_reference(x64, w64, b64, l64, scaling, dropout, seed)
+    y64 = swiglu_reference(x64, w64, b64, l64, scaling, dropout, seed, streams or (4, 5, 6))
     ref = torch.autograd.grad(y64, leaves, dy.double())
     with backend():
         for save in (False, True):
-            y, gate, up = OPS.swiglu_fwd(x, *w, *b, lora, scaling, save, dropout, seed)
+            y, gate, up = OPS.swiglu_fwd(x, *w, *b, lora, scaling, save, dropout, seed, *extra)
             grads = OPS.swiglu_bwd(dy, x, *w, *b, lora, scaling, gate if save else None,
-                                   up if save else None, [True] * 12, dropout, seed)
+                                   up if save else None, [True] * 12, dropout, seed, *extra)
             torch.testing.assert_close(y.double(), y64.detach(), rtol=rtol, atol=rtol)
             got = [grads[0], *grads[1:7], *grads[7]]
             for name, g, r in zip(["x", "wg", "wu", "wd", "bg", "bu", "bd", "Ag", "Bg", "Au",
@@ -230,18 +235,24 @@ def _check_swiglu(dtype, backend, rtol):
     # another seed, also one that differs only above bit 31: another result
     with backend():
         for other in (2025, 2024 + 2**40):
-            y2 = OPS.swiglu_fwd(x, *w, *b, lora, scaling, False, dropout, seed_tensor(other))[0]
+            y2 = OPS.swiglu_fwd(x, *w, *b, lora, scaling, False, dropout, seed_tensor(other),
+                                *extra)[0]
             assert (y2.double() - y64.detach()).abs().max() > 100 * rtol, other
+        if streams is not None:  # the default streams are other masks
+            y3 = OPS.swiglu_fwd(x, *w, *b, lora, scaling, False, dropout, seed)[0]
+            assert (y3.double() - y64.detach()).abs().max() > 100 * rtol
 
 
-def test_swiglu_cpu_ops_with_dropout_match_plain_pytorch():
-    _check_swiglu(torch.float64, contextlib.nullcontext, 1e-10)
+@pytest.mark.parametrize("streams", [None, (4, 4, 9)], ids=["default", "gate-up-one-stream"])
+def test_swiglu_cpu_ops_with_dropout_match_plain_pytorch(streams):
+    _check_swiglu(torch.float64, contextlib.nullcontext, 1e-10, streams)
 
 
 @needs_interpreter
-def test_swiglu_triton_kernels_with_dropout_match_plain_pytorch():
+@pytest.mark.parametrize("streams", [None, (4, 4, 9)], ids=["default", "gate-up-one-stream"])
+def test_swiglu_triton_kernels_with_dropout_match_plain_pytorch(streams):
     from ckpt_ext import use_triton
-    _check_swiglu(torch.float32, lambda: use_triton("cpu"), 2e-4)
+    _check_swiglu(torch.float32, lambda: use_triton("cpu"), 2e-4, streams)
 
 
 def test_swiglu_dropout_errors():
@@ -252,6 +263,8 @@ def test_swiglu_dropout_errors():
         OPS.swiglu_fwd(x, *w, *b, lora, [1.0] * 3, False, [0.0, 0.0, 1.5], seed_tensor(1))
     with pytest.raises(ValueError, match="lora_dropout must be"):
         OPS.swiglu_fwd(x, *w, *b, lora, [1.0] * 3, False, [0.1], seed_tensor(1))
+    with pytest.raises(ValueError, match="dropout_streams must be"):
+        OPS.swiglu_fwd(x, *w, *b, lora, [1.0] * 3, False, [0.1] * 3, seed_tensor(1), 0, [4, 4])
 
 
 # ---- the decoder layer -----------------------------------------------------------------------
@@ -268,10 +281,10 @@ def layer_inputs(dtype=torch.float64, seed=0):
     return x, weights, (cos, sin)
 
 
-def layer_loss(x, weights, pe, dropout, seed, preset):
+def layer_loss(x, weights, pe, dropout, seed, preset, streams=None):
     y = blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV,
                              lora_scaling=[0.5 + 0.1 * i for i in range(7)], lora_dropout=dropout,
-                             dropout_seed=seed, preset=preset)
+                             dropout_seed=seed, lora_streams=streams, preset=preset)
     return (y * torch.linspace(-1, 1, HS, dtype=x.dtype)).square().sum()
 
 
@@ -305,8 +318,11 @@ def test_layer_gradient_matches_central_differences_under_one_seed(preset):
     assert abs(other - loss) > 1e-3 * abs(loss) and abs(plain - loss) > 1e-3 * abs(loss)
 
 
-def test_layer_matches_plain_pytorch_with_the_same_masks():
-    """Every projection's adapter input dropped with stream = its index, in plain PyTorch."""
+@pytest.mark.parametrize("streams", [None, [0, 0, 0, 3, 4, 4, 6]], ids=["own", "fused"])
+def test_layer_matches_plain_pytorch_with_the_same_masks(streams):
+    """Every projection's adapter input dropped with stream = its index (or lora_streams: q/k/v
+    one stream, gate/up one, as Phi-3's fused modules: one mask on their shared input), in
+    plain PyTorch."""
     x, weights, (cos, sin) = layer_inputs()
     seed = seed_tensor(99)
     scaling = [0.5 + 0.1 * i for i in range(7)]
@@ -316,7 +332,8 @@ def test_layer_matches_plain_pytorch_with_the_same_masks():
     def proj(i, t):
         path = blocks.PROJECTIONS[i]
         w = leaves
-        lora = OPS.lora_dropout(t, seed, i, DROPOUT[i]) @ w[f"{path}.lora_A"].t() \
+        stream = i if streams is None else streams[i]
+        lora = OPS.lora_dropout(t, seed, stream, DROPOUT[i]) @ w[f"{path}.lora_A"].t() \
             @ w[f"{path}.lora_B"].t()
         return t @ w[f"{path}.weight"].t() + scaling[i] * lora
 
@@ -341,11 +358,14 @@ def test_layer_matches_plain_pytorch_with_the_same_masks():
 
     leaves2 = {n: t.clone().requires_grad_() for n, t in weights.items()}
     x2 = x.clone().requires_grad_()
-    loss = layer_loss(x2, leaves2, (cos, sin), DROPOUT, seed, "balanced")
+    loss = layer_loss(x2, leaves2, (cos, sin), DROPOUT, seed, "balanced", streams)
     got = torch.autograd.grad(loss, [x2, *leaves2.values()])
     torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=0)
     for name, g, r in zip(["x", *leaves], got, ref):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12, msg=name)
+    other = [0, 0, 0, 3, 4, 4, 6] if streams is None else None  # other streams, other masks
+    assert abs(layer_loss(x, weights, (cos, sin), DROPOUT, seed, "balanced", other)
+               - loss_ref) > 1e-6 * abs(loss_ref)
 
 
 def test_layer_dropout_errors():
@@ -359,6 +379,9 @@ def test_layer_dropout_errors():
         layer_loss(x, weights, pe, [0.1], seed_tensor(1), "balanced")
     with pytest.raises(ValueError, match="dropout_seed must be a CPU integer tensor"):
         layer_loss(x, weights, pe, DROPOUT, torch.tensor(0.5), "balanced")
+    with pytest.raises(ValueError, match=r"lora_streams must be \[\] or have one entry per "
+                       r"projection \(7\), got 3"):
+        layer_loss(x, weights, pe, DROPOUT, seed_tensor(1), "balanced", [0, 0, 0])
 
 
 # ---- PEFT models with lora_dropout > 0 -------------------------------------------------------

@@ -670,6 +670,67 @@ def test_rope_half_rounds_once():
     assert torch.equal(q_out, ref_q.bfloat16()) and torch.equal(k_out, ref_k.bfloat16())
 
 
+def partial_rope_reference(q, k, cos, sin):
+    """HF Phi-3's apply_rotary_pos_emb, written out: the first R = cos.shape[-1] dims of a head
+    rotate (rotate_half within them, pairing i with i + R/2), the other D - R pass through."""
+    r = cos.shape[-1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def one(t):
+        rot, rest = t[..., :r], t[..., r:]
+        half = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], -1)
+        return torch.cat([rot * c + half * s, rest], -1)
+    return one(q), one(k)
+
+
+@pytest.mark.parametrize("D,R", [(48, 24), (48, 48), (40, 12), (6, 2), (8, 0)])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_partial_rope_vs_reference(D, R, dtype):
+    """cos/sin of width R < D (partial_rotary_factor): forward and backward against the fp64
+    plain-PyTorch reference (float64 to 1e-12, float32 by the 2x/3x rule); the last D - R dims
+    are copied exactly, gradients included."""
+    B, Hq, Hkv, S = 2, 3, 1, 11
+    q, k, cos, sin = rope_inputs(B, Hq, Hkv, S, D, 1, dtype=dtype)
+    cos, sin = cos[..., :R].contiguous(), sin[..., :R].contiguous()
+    dq_out, dk_out = torch.randn(B, Hq, S, D, dtype=dtype), torch.randn(B, Hkv, S, D, dtype=dtype)
+    ql, kl = leaves(q, k)
+    out = ops.rope(ql, kl, cos, sin)
+    g = torch.autograd.grad(out, (ql, kl), (dq_out, dk_out))
+    r = leaves(q, k, dtype=F64)
+    ref = partial_rope_reference(*r, cos.double(), sin.double())
+    ref_g = torch.autograd.grad(ref, r, (dq_out.double(), dk_out.double()))
+    for t, d in ((out[0], q), (out[1], k), (g[0], dq_out), (g[1], dk_out)):
+        assert torch.equal(t[..., R:], d[..., R:])  # passed through untouched
+    if dtype == F64:
+        for name, got, want in zip(("q_out", "k_out", "dq", "dk"), (*out, *g), (*ref, *ref_g)):
+            check_f64(name, got, want)
+        return
+    b = leaves(q, k)
+    base = partial_rope_reference(*b, cos, sin)
+    base_g = torch.autograd.grad(base, b, (dq_out, dk_out))
+    for name, got, bs, rf, f in (("q_out", out[0], base[0], ref[0], FACTOR_OUT),
+                                 ("k_out", out[1], base[1], ref[1], FACTOR_OUT),
+                                 ("dq", g[0], base_g[0], ref_g[0], FACTOR_GRAD),
+                                 ("dk", g[1], base_g[1], ref_g[1], FACTOR_GRAD)):
+        check_vs_baseline(name, got, bs, rf, f, torch.float32)
+
+
+def test_partial_rope_fake_and_errors():
+    q, k, cos, sin = rope_inputs(2, 4, 2, 5, 8, 1)
+    torch.library.opcheck(OPS.rope_fwd.default, (q, k, cos[..., :4], sin[..., :4]))
+    torch.library.opcheck(OPS.rope_bwd.default, (q, k, cos[..., :6], sin[..., :6]))
+    with pytest.raises(ValueError, match=r"rope_fwd: cos must be \(B or 1, S, R\) with an even "
+                       r"rotary width R <= D=8, got shape \(1, 5, 3\)"):
+        OPS.rope_fwd(q, k, cos[..., :3], sin[..., :3])
+    wide = torch.randn(1, 5, 10)
+    with pytest.raises(ValueError, match=r"rope_bwd: cos must be .*R <= D=8"):
+        OPS.rope_bwd(q, k, wide, wide)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    odd = [t.contiguous() for t in (q, k, cos[..., :5], sin[..., :5])]
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="even rotary width"):
+        OPS.rope_fwd(*(mode.from_tensor(t) for t in odd))
+
+
 def test_rope_cos_requiring_grad_is_an_error():
     q, k, cos, sin = rope_inputs(1, 2, 1, 3, 4, 1)
     q.requires_grad_()

@@ -8,11 +8,17 @@ A LoRA projection computes ``x W^T + b + scaling * dropout(x) A^T B^T`` (PEFT's
 PEFT's ``nn.Dropout`` module itself never runs on the fused path). Read at every call, since PEFT can wrap,
 merge, disable or switch adapters at any time; what cannot be fused comes back as a reason
 string and the layer runs HF's (and PEFT's) own forward.
+
+Phi-3 fuses projections: ``qkv_proj`` holds q, k and v, ``gate_up_proj`` gate and up, as row
+blocks of one weight. ``read_layer_projections`` hands the op's slots the blocks (views whose
+backward concatenates the blocks' gradients into the fused weight's), PEFT's one ``lora_A``
+of the fused module to each of its projections and one dropout stream (``lora_streams``), so
+that the op computes exactly what the fused module with its one adapter computes.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 from torch import Tensor
@@ -80,3 +86,80 @@ def read_projection(module: nn.Module, training: bool) -> Union[Projection, str]
         return "a LoRA layer with lora_bias=True"
     return Projection(base.weight, base.bias, a.weight, b.weight, float(module.scaling[name]),
                       p)
+
+
+# ---- fused projections (Phi-3's qkv_proj and gate_up_proj) -----------------------------------
+
+# A fused module's path (relative to the decoder layer) -> the op's projections its output rows
+# hold, in order: qkv_proj's rows are q, k, v (Hq*D, Hkv*D, Hkv*D), gate_up_proj's gate, up
+# (I, I; HF chunks its output in two).
+FUSED_MODULES = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
+                                        "self_attn.v_proj"),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def split_rows(t: Optional[Tensor], sizes: Tuple[int, ...]) -> list:
+    """``t``'s row blocks of ``sizes`` as views (Nones for t None). One ``split_with_sizes``:
+    its backward concatenates the blocks' gradients into one tensor of t's shape (zeros for a
+    block without one), where slicing each block would give each its own zero-filled gradient
+    of t's whole size to sum; torch.compile and FSDP2 see an ordinary ATen view op."""
+    if t is None:
+        return [None] * len(sizes)
+    return list(t.split(list(sizes), 0))
+
+
+def fused_row_sizes(layer: nn.Module, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> Dict[str, Tuple[int, ...]]:
+    """The fused modules of ``layer`` (``FUSED_MODULES``) -> their row blocks; a ValueError
+    when a module's out_features does not match (read from the module: a PEFT wrapper has
+    them too)."""
+    sizes = {}
+    for path in FUSED_MODULES:
+        parent, name = path.split(".")
+        mod = getattr(layer, parent)._modules.get(name)
+        if mod is None:
+            continue
+        out = getattr(mod, "out_features", None)
+        if name == "qkv_proj":
+            blocks = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        else:
+            blocks = (out // 2, out // 2) if out else (0, 0)
+        if out is None or out != sum(blocks) or 0 in blocks:
+            want = " + ".join(map(str, blocks))
+            raise ValueError(f"{path} has out_features {out}, not {want} "
+                             f"({', '.join(FUSED_MODULES[path])})")
+        sizes[path] = blocks
+    return sizes
+
+
+def read_layer_projections(layer: nn.Module, training: bool, projections: Sequence[str],
+                           fused: Dict[str, Tuple[int, ...]]
+                           ) -> Union[Tuple[Dict[str, Projection], List[int]], str]:
+    """The op's projections (``projections``: its order, ckpt_ext.blocks.PROJECTIONS) of a
+    layer, read from plain or fused modules (``fused``: ``fused_row_sizes``), and each one's
+    LoRA dropout stream; or why one cannot be fused. A fused module's projections take its
+    weight's (bias', lora_B's) row blocks through ``split_rows``, its lora_A itself (so that
+    the gradients of the shared A add up), its scaling and dropout; they share one stream,
+    that of its first projection, so that its dropout is one mask over the shared input, as
+    PEFT's single dropout module."""
+    found: Dict[str, Projection] = {}
+    streams = list(range(len(projections)))
+    for path, sizes in fused.items():
+        parent, name = path.split(".")
+        proj = read_projection(getattr(layer, parent)._modules[name], training)
+        if isinstance(proj, str):
+            return f"{path} is {proj}"
+        parts = FUSED_MODULES[path]
+        for part, w, b, lb in zip(parts, split_rows(proj.weight, sizes),
+                                  split_rows(proj.bias, sizes), split_rows(proj.lora_B, sizes)):
+            found[part] = proj._replace(weight=w, bias=b, lora_B=lb)
+            streams[projections.index(part)] = projections.index(parts[0])
+    for path in projections:
+        if path in found:
+            continue
+        parent, name = path.split(".")
+        proj = read_projection(getattr(layer, parent)._modules[name], training)
+        if isinstance(proj, str):
+            return f"{path} is {proj}"
+        found[path] = proj
+    return found, streams

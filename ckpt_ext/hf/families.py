@@ -12,7 +12,8 @@ MLP); they differ along a few axes that the op takes as options:
   width says per head (Qwen3, Gemma 3) or over the whole projection (OLMo-2);
 * how a norm rounds: ``norm_offset`` (Gemma multiplies by 1 + w) and ``norm_cast_last``
   (Gemma and OLMo-2 apply the weight in float32 and cast the result; LLaMA casts first);
-* the gated activation, read from ``mlp.act_fn`` (SiLU, or GELU-tanh for Gemma's GeGLU).
+* the gated activation, read from ``mlp.act_fn`` (Phi-3: ``mlp.activation_fn``): SiLU, or
+  GELU-tanh for Gemma's GeGLU.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ GEMMA1 = Family(LLAMA.norms, norm_offset=1.0, norm_cast_last=True)
 
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
-            "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2}
+            "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
+            "phi3": LLAMA}
 
 # mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh",
@@ -61,7 +63,8 @@ ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh"
 
 def activation(layer: nn.Module) -> Optional[str]:
     """The op's name for the layer's gated activation, or None when the op has none."""
-    return ACTIVATIONS.get(type(layer.mlp._modules.get("act_fn")).__name__)
+    mlp = layer.mlp._modules
+    return ACTIVATIONS.get(type(mlp.get("act_fn", mlp.get("activation_fn"))).__name__)
 
 
 def norm_eps(norm: nn.Module) -> Optional[float]:

@@ -8,9 +8,13 @@
 Supported: the ``config.model_type``\ s of ``SUPPORTED_MODEL_TYPES`` (Llama, Mistral,
 Ministral, Qwen2, Qwen3, SmolLM3: its layers without RoPE run the op with cos = 1, sin = 0;
 Granite: its residual multiplier is the op's ``residual_scale``, its attention multiplier the
-softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; what each family's layer
-computes is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare
-``*Model``, or a ``peft.PeftModel`` around either (patch before or after wrapping). Each decoder layer keeps its
+softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; Gemma, Gemma 2, Gemma 3
+(text): (1 + w) norms, norms around both sublayers, GeGLU; Phi-3 / Phi-4-mini: its fused
+``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
+partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
+is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare
+``*Model``, or a ``peft.PeftModel`` around either (patch before or after wrapping). Each
+decoder layer keeps its
 HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
 unchanged, and ``unpatch_llama`` deletes it.
@@ -72,7 +76,7 @@ from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
-from .adapters import read_projection
+from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
 from .families import FAMILIES, LLAMA, Family, activation, norm_eps
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
@@ -86,9 +90,12 @@ Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer,
 
 _ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-_LAYER_CHILDREN = {"self_attn", "mlp"}  # and the family's norms
-_ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb"}
-_MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn"}
+# Phi-3: fused qkv_proj / gate_up_proj (ckpt_ext.hf.adapters), activation_fn, and residual
+# dropouts (fused while their p is 0)
+_RESID_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
+_LAYER_CHILDREN = {"self_attn", "mlp", *_RESID_DROPOUTS}  # and the family's norms (needed)
+_ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb", "qkv_proj"}
+_MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn", "activation_fn", "gate_up_proj"}
 # transformers 5.x installs this forward hook on layers and attentions once any output_* is
 # requested; it records only while its collector is active (see _capture_inert).
 _HF_CAPTURE_HOOK = "output_capturing_hook"
@@ -159,20 +166,35 @@ def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
     would not run. ``projections=False`` (patch time) leaves out what PEFT can change later
     (adapters, dropout, merging): those make a call delegate, never a patch fail."""
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
-    needed = _LAYER_CHILDREN | family.modules
+    needed = {"self_attn", "mlp"} | family.modules
     if attn is None or mlp is None or not needed <= set(layer._modules):
         return f"it lacks one of {', '.join(sorted(needed))}"
-    for parent, expected, where in ((layer, needed, ""), (attn, _ATTN_CHILDREN,
+    for parent, expected, where in ((layer, _LAYER_CHILDREN | needed, ""), (attn, _ATTN_CHILDREN,
                                     "self_attn."), (mlp, _MLP_CHILDREN, "mlp.")):
         extra = set(parent._modules) - expected
         if extra:
             return ("it has submodules the fused op does not compute: "
                     f"{', '.join(where + e for e in sorted(extra))}")
     for parent, names, where in ((attn, _ATTN_LINEARS, "self_attn"), (mlp, _MLP_LINEARS, "mlp")):
-        for name in names if projections else ():
-            proj = read_projection(parent._modules.get(name), layer.training)
+        fused = [p.split(".")[1] for p in FUSED_MODULES if p.startswith(where + ".")
+                 and p.split(".")[1] in parent._modules]
+        parts = {p.split(".")[1] for f in fused for p in FUSED_MODULES[f"{where}.{f}"]}
+        missing = [n for n in names if (n in parts) == (n in parent._modules)]
+        if missing:
+            return (f"{where} has {'both' if parts & set(parent._modules) else 'neither'} "
+                    f"{', '.join(f'{where}.{n}' for n in missing)} and a fused projection "
+                    "holding them")
+    for name in _RESID_DROPOUTS:
+        drop = layer._modules.get(name)
+        if drop is not None and (type(drop) is not nn.Dropout or drop.p > 0):
+            return (f"{name} is {drop!r}: the fused op has no residual dropout (set "
+                    "config.resid_pdrop = 0.0)")
+    for path in (*PROJECTIONS, *FUSED_MODULES) if projections else ():
+        parent, name = path.split(".")
+        if name in layer._modules[parent]._modules:
+            proj = read_projection(layer._modules[parent]._modules[name], layer.training)
             if isinstance(proj, str):
-                return f"{where}.{name} is {proj}"
+                return f"{path} is {proj}"
     for name, norm in _norms(layer, family).items():
         if (not type(norm).__name__.endswith("RMSNorm") or norm_eps(norm) is None
                 or set(dict(norm.named_parameters())) != {"weight"}):
@@ -322,8 +344,14 @@ class _LayerSpec:
         self.residual_scale = float(getattr(layer, "residual_multiplier", 1.0))
         # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
         # only the shapes that modules declare are checked against the config.
+        # Phi-3's fused projections: their row blocks (checked here), read per call as q/k/v,
+        # gate/up (ckpt_ext.hf.adapters)
+        self.fused = fused_row_sizes(layer, self.num_heads, self.num_kv_heads, self.head_dim)
+
         def dims(name):
-            mod = attn._modules[name]
+            mod = attn._modules.get(name)
+            if mod is None:  # a block of qkv_proj, checked above
+                return None, None
             return getattr(mod, "out_features", None), getattr(mod, "in_features", None)
         (q_out, q_in), (k_out, k_in), (v_out, _), (o_out, o_in) = (
             dims(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -395,7 +423,8 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
         raise refuse(f"attention_dropout={dropout}: the fused op has no dropout to replay. Set "
                      "config.attention_dropout = 0.0 ('torch' replays dropout exactly)")
     if activation(layer) is None:
-        act = type(layer.mlp._modules.get("act_fn")).__name__
+        mlp = layer.mlp._modules
+        act = type(mlp.get("act_fn", mlp.get("activation_fn"))).__name__
         raise refuse(f"hidden_act={getattr(config, 'hidden_act', None)!r} (mlp.act_fn is a "
                      f"{act}): the fused MLP gates with SiLU (SwiGLU) or tanh-approximate GELU "
                      "(GeGLU)")
@@ -597,7 +626,8 @@ class _PatchedForward:
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
         reason, masks = self._why_not_fused(hidden_states, kwargs, state)
-        tensors = _layer_tensors(self.layer, self.spec.family) if reason is None else None
+        tensors = _layer_tensors(self.layer, self.spec.family, self.spec.fused) \
+            if reason is None else None
         if isinstance(tensors, str):
             reason = tensors
         if reason is not None:
@@ -670,7 +700,9 @@ class _PatchedForward:
         if pe is None:
             return "position_embeddings was not given", BatchMasks()
         cos, sin = pe
-        if x.dim() != 3 or cos.dim() != 3 or cos.shape[1:] != (x.shape[1], spec.head_dim) \
+        # cos/sin narrower than head_dim: partial rotary embeddings (Phi-4-mini)
+        if x.dim() != 3 or cos.dim() != 3 or cos.shape[1] != x.shape[1] \
+                or cos.shape[2] > spec.head_dim or cos.shape[2] % 2 \
                 or cos.shape[0] not in (1, x.shape[0]) or sin.shape != cos.shape:
             return (f"position_embeddings of shape {tuple(cos.shape)} do not fit hidden_states "
                     f"{tuple(x.shape)} and head_dim {spec.head_dim}"), BatchMasks()
@@ -679,7 +711,7 @@ class _PatchedForward:
         return self._masks(x, kwargs, state)
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
-               weights: list, scaling: list, dropout: list) -> Tensor:
+               weights: list, scaling: list, dropout: list, streams: list) -> Tensor:
         spec = self.spec
         cos, sin = position_embeddings
         if not spec.rope:
@@ -695,31 +727,37 @@ class _PatchedForward:
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
             uniform_empty_rows=_attn_implementation(self.config) == "eager",
-            lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed,
+            lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
             scale=spec.scale, residual_scale=spec.residual_scale,
             norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
             activation=spec.activation, preset=preset)
 
 
-def _layer_tensors(layer: nn.Module, family: Family) -> Union[str, Tuple[list, list, list]]:
-    """The op's ``weights``, ``lora_scaling`` and ``lora_dropout`` lists for a layer whose
-    structure was checked, or why a projection cannot be fused (its adapters are read here,
-    once per call). The lists are empty without adapters / without dropout."""
+def _layer_tensors(layer: nn.Module, family: Family, fused: Optional[dict] = None
+                   ) -> Union[str, Tuple[list, list, list, list]]:
+    """The op's ``weights``, ``lora_scaling``, ``lora_dropout`` and ``lora_streams`` lists for
+    a layer whose structure was checked (``family``: its norm map; ``fused``: its fused
+    projections' row blocks, ``_LayerSpec.fused``), or why a projection cannot be fused (its
+    adapters are read here, once per call). The lists are empty without adapters / without
+    dropout / without fused projections' dropout."""
     named = {f"{slot}.weight": norm.weight for slot, norm in _norms(layer, family).items()}
     scaling, dropout, lora = [], [], False
+    fused = fused or {}
+    read = read_layer_projections(layer, layer.training, PROJECTIONS, fused)
+    if isinstance(read, str):
+        return read
+    projs, streams = read
     for path in PROJECTIONS:
-        parent, name = path.split(".")
-        proj = read_projection(getattr(layer, parent)._modules[name], layer.training)
-        if isinstance(proj, str):
-            return f"{path} is {proj}"
+        proj = projs[path]
         named[f"{path}.weight"], named[f"{path}.bias"] = proj.weight, proj.bias
         named[f"{path}.lora_A"], named[f"{path}.lora_B"] = proj.lora_A, proj.lora_B
         scaling.append(proj.scaling)
         dropout.append(proj.dropout)
         lora = lora or proj.lora_A is not None
-    return ([named.get(slot) for slot in WEIGHT_SLOTS], scaling if lora else [],
-            dropout if any(p > 0 for p in dropout) else [])
+    dropout = dropout if any(p > 0 for p in dropout) else []
+    return ([named.get(slot) for slot in WEIGHT_SLOTS], scaling if lora else [], dropout,
+            streams if dropout and fused else [])
 
 
 def _patched(layers) -> List[_PatchedForward]:

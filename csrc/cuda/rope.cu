@@ -4,7 +4,8 @@
 // Work layout: block b handles the positions p = b, b + gridDim.x, ... of the (B * S) grid;
 // for a position it holds its cos/sin pairs in registers and applies them to every head of q
 // and then of k (heads 0 .. Hq + Hkv - 1). threadIdx.x walks the "units" of a head row (a unit
-// is W column pairs (i, i + D/2), W = 16 / sizeof(q) on the vector path, 1 otherwise);
+// is W column pairs (i, i + R/2), W = 16 / sizeof(q) on the vector path, 1 otherwise, and then,
+// with partial rotary embeddings (R < D), W of the D - R columns that are copied);
 // threadIdx.y walks the heads. A warp thus reads whole 16-byte-vector head rows.
 #include <algorithm>
 #include <climits>
@@ -58,9 +59,9 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
   const CT* __restrict__ cos = static_cast<const CT*>(a.cos);
   const CT* __restrict__ sin = static_cast<const CT*>(a.sin);
   const int64_t seq = a.seq;
-  const int64_t head_dim = a.head_dim;
-  const int half = static_cast<int>(head_dim / 2);
-  const int units = half / W;  // the vector path is only taken when W divides D / 2
+  const int half = static_cast<int>(a.rot_dim / 2);
+  const int units = half / W;  // the vector path is only taken when W divides R / 2 and D - R
+  const int pass_units = static_cast<int>(a.head_dim - a.rot_dim) / W;
   const int heads_q = static_cast<int>(a.heads_q);
   const int heads = heads_q + static_cast<int>(a.heads_k);
   const int64_t positions = a.batch * seq;
@@ -70,7 +71,24 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
     const int64_t s = pos - b * seq;
     const CT* cr = cos + b * a.cos_stride[0] + s * a.cos_stride[1];
     const CT* sr = sin + b * a.sin_stride[0] + s * a.sin_stride[1];
-    for (int u = static_cast<int>(threadIdx.x); u < units; u += static_cast<int>(blockDim.x)) {
+    for (int u = static_cast<int>(threadIdx.x); u < units + pass_units;
+         u += static_cast<int>(blockDim.x)) {
+      if (u >= units) {  // columns R.. pass through
+        const int i = 2 * half + (u - units) * W;
+        for (int hd = static_cast<int>(threadIdx.y); hd < heads;
+             hd += static_cast<int>(blockDim.y)) {
+          const bool is_q = hd < heads_q;
+          const int64_t head = is_q ? hd : hd - heads_q;
+          const int64_t* is = is_q ? a.q_stride : a.k_stride;
+          const int64_t* os = is_q ? a.q_out_stride : a.k_out_stride;
+          const T* in = (is_q ? q : k) + b * is[0] + head * is[1] + s * is[2];
+          T* out = (is_q ? q_out : k_out) + b * os[0] + head * os[1] + s * os[2];
+          float x1[W];
+          load_w<T, W, kVec>(in + i, x1);
+          store_w<T, W, kVec>(out + i, x1);
+        }
+        continue;
+      }
       const int i = u * W;  // first column of the first half; its partner is i + half
       float c1[W], c2[W], s1[W], s2[W];
       load_w<CT, W, kVec>(cr + i, c1);
@@ -121,14 +139,14 @@ bool strides_aligned(const void* p, const int64_t* strides, int count) {
 template <typename T, typename CT>
 cudaError_t launch_rope(const RopeArgs& a, bool backward, cudaStream_t stream) {
   constexpr int W = 16 / static_cast<int>(sizeof(T));
-  const int64_t half = a.head_dim / 2;
-  const bool vec = half % W == 0 && strides_aligned<T, W>(a.q, a.q_stride, 3) &&
+  const int64_t half = a.rot_dim / 2, pass = a.head_dim - a.rot_dim;
+  const bool vec = half % W == 0 && pass % W == 0 && strides_aligned<T, W>(a.q, a.q_stride, 3) &&
                    strides_aligned<T, W>(a.k, a.k_stride, 3) &&
                    strides_aligned<T, W>(a.q_out, a.q_out_stride, 3) &&
                    strides_aligned<T, W>(a.k_out, a.k_out_stride, 3) &&
                    strides_aligned<CT, W>(a.cos, a.cos_stride, 2) &&
                    strides_aligned<CT, W>(a.sin, a.sin_stride, 2);
-  const int units = static_cast<int>(vec ? half / W : half);
+  const int units = static_cast<int>(vec ? (half + pass) / W : half + pass);
   const int heads = static_cast<int>(a.heads_q + a.heads_k);
   // threadIdx.x covers a head row's units; threadIdx.y splits the heads into equal rounds
   // (e.g. 40 heads with room for 32 -> 2 rounds of 20 rather than 32 + 8).
@@ -153,7 +171,8 @@ cudaError_t launch_rope(const RopeArgs& a, bool backward, cudaStream_t stream) {
 cudaError_t rope(const RopeArgs& a, bool backward, DType qk_dtype, DType cs_dtype,
                  cudaStream_t stream) {
   if (a.batch < 0 || a.seq < 0 || a.heads_q < 0 || a.heads_k < 0 || a.head_dim < 0 ||
-      a.head_dim % 2 != 0 || a.head_dim > INT_MAX || a.heads_q + a.heads_k > INT_MAX)
+      a.head_dim % 2 != 0 || a.head_dim > INT_MAX || a.heads_q + a.heads_k > INT_MAX ||
+      a.rot_dim < 0 || a.rot_dim > a.head_dim || a.rot_dim % 2 != 0)
     return cudaErrorInvalidValue;
   if (a.batch == 0 || a.seq == 0 || a.head_dim == 0 || a.heads_q + a.heads_k == 0)
     return cudaSuccess;

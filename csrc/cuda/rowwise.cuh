@@ -58,17 +58,19 @@ cudaError_t rms_norm_bwd(const void* dy, int64_t dy_row_stride, const void* x,
 
 // ---- rotary position embedding, HF apply_rotary_pos_emb semantics ---------------------------
 // q (B, Hq, S, D) and k (B, Hkv, S, D) with arbitrary strides for the first three dims and a
-// contiguous last dim; cos/sin (Bc, S, D) with Bc in {1, B} (a batch stride of 0 broadcasts)
+// contiguous last dim; cos/sin (Bc, S, R) with Bc in {1, B} (a batch stride of 0 broadcasts)
 // and a contiguous last dim. q_out (B, Hq, S, D) and k_out (B, Hkv, S, D) likewise take any
 // strides for the first three dims with a contiguous last dim (the launcher gives them the
 // layout of q and k: checks::rope_out_like).
-// With h = D / 2 and i < h (all in float32, rounded once to q's dtype):
+// Only the first R = rot_dim dims rotate (partial rotary embeddings; R = D: all of them); the
+// other D - R are copied. With h = R / 2 and i < h (all in float32, rounded once to q's dtype):
 //   forward:  out[i]     = a[i] * cos[i]     - a[i + h] * sin[i]
 //             out[i + h] = a[i + h] * cos[i + h] + a[i] * sin[i + h]
 //   backward (the transpose, a = dout):
 //             out[i]     = a[i] * cos[i]     + a[i + h] * sin[i + h]
 //             out[i + h] = a[i + h] * cos[i + h] - a[i] * sin[i]
-// q and k share one dtype; cos and sin share one dtype (any of the three). D must be even.
+// q and k share one dtype; cos and sin share one dtype (any of the three). D and R must be
+// even, R <= D.
 struct RopeArgs {
   const void* q = nullptr;
   int64_t q_stride[3] = {0, 0, 0};  // element strides of (B, Hq, S)
@@ -83,6 +85,7 @@ struct RopeArgs {
   const void* sin = nullptr;
   int64_t sin_stride[2] = {0, 0};
   int64_t batch = 0, heads_q = 0, heads_k = 0, seq = 0, head_dim = 0;
+  int64_t rot_dim = 0;  // R: the rotated dims of a head, the first R of its D
 };
 
 cudaError_t rope(const RopeArgs& args, bool backward, DType qk_dtype, DType cs_dtype,

@@ -174,9 +174,9 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const char* op, const char* qname,
               k.sizes());
   TORCH_CHECK(D % 2 == 0, op, ": head dim D must be even, got D=", D);
   TORCH_CHECK(cos.dim() == 3 && (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == S &&
-                  cos.size(2) == D,
-              op, ": cos must be (1 or B, S, D) with B=", B, ", S=", S, ", D=", D,
-              ", got shape ", cos.sizes());
+                  cos.size(2) <= D && cos.size(2) % 2 == 0,
+              op, ": cos must be (1 or B, S, R) with B=", B, ", S=", S,
+              " and an even rotary width R <= D=", D, ", got shape ", cos.sizes());
   TORCH_CHECK(sin.sizes() == cos.sizes(), op, ": sin must have cos's shape ", cos.sizes(),
               ", got ", sin.sizes());
   const DType qd = kernel_dtype(op, qname, q);
@@ -220,6 +220,7 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(const char* op, const char* qname,
   a.heads_k = k.size(1);
   a.seq = S;
   a.head_dim = D;
+  a.rot_dim = cos.size(2);
   check_launch(op, ckpt_ext::cuda::rope(a, backward, qd, cd, current_stream()));
   return {q_out, k_out};
 }
