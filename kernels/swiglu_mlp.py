@@ -677,7 +677,8 @@ def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_
     activation: "silu" or "gelu_tanh"."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
-                DROP_D=drop_d, ACTIVATION=activation, PERSISTENT=_config.current().swiglu_grid == "persistent",
+                DROP_D=drop_d, ACTIVATION=activation,
+                PERSISTENT=_config.current().swiglu_grid == "persistent",
                 **_lora_meta(lora_pads, lora_precision))
     return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 
