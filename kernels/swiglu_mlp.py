@@ -302,6 +302,11 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
     out_offs = rows * stride_ot + offs_n[None, :] * stride_oi
     s = _act_sigmoid(g, ACTIVATION)
     act = g * s
+    # u_dact = u act'(g) = d h / d gate. gelu_tanh's needs g: formed here, so that g is not
+    # live across the h block (the LoRA backward's registers), silu's after it.
+    if ACTIVATION == "gelu_tanh":
+        # 2c (1 + 3 * 0.044715 g^2) = 1.5957691216057308 + 0.21406444881780076 g^2
+        u_dact = u * (s + act * (1.0 - s) * (1.5957691216057308 + 0.21406444881780076 * g * g))
     if STORE_H or NEED_DAD or NEED_HA:
         h = (act * u).to(out_dtype)
         if STORE_H:
@@ -310,11 +315,7 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
         if NEED_HA:
             _lora_down_accumulate(hd, lad_ptr, ha_ptr, offs_m, offs_n, T, I, r_d, R_D,
                                   LORA_PREC)
-    # u_dact = u act'(g) = d h / d gate
-    if ACTIVATION == "gelu_tanh":
-        # 2c (1 + 3 * 0.044715 g^2) = 1.5957691216057308 + 0.21406444881780076 g^2
-        u_dact = u * (s + act * (1.0 - s) * (1.5957691216057308 + 0.21406444881780076 * g * g))
-    else:
+    if ACTIVATION != "gelu_tanh":
         u_dact = u * (s + act * (1.0 - s))
     dh = tl.load(dh_ptr + rows * stride_dht + offs_n[None, :] * stride_dhi,
                  mask=mask, other=0.0).to(tl.float32)
@@ -677,7 +678,8 @@ def _fwd_launcher(device, dtype, precision, has_bg, has_bu, store_gate_up, lora_
     activation: "silu" or "gelu_tanh"."""
     ieee = precision == "ieee"
     meta = dict(HAS_BG=has_bg, HAS_BU=has_bu, STORE_GATE_UP=store_gate_up, DOT_IEEE=ieee,
-                DROP_D=drop_d, ACTIVATION=activation, PERSISTENT=_config.current().swiglu_grid == "persistent",
+                DROP_D=drop_d, ACTIVATION=activation,
+                PERSISTENT=_config.current().swiglu_grid == "persistent",
                 **_lora_meta(lora_pads, lora_precision))
     return _kernel_for("fwd", device, dtype, precision, lora_pads), meta
 

@@ -6,7 +6,9 @@
   ``rope_reference``, ``rms_norm_reference``, ``attention_reference`` (explicit S x S softmax,
   repeated K/V; from ``ckpt_ext.plain``, shared with bench/), ``swiglu_reference``, a whole
   LLaMA decoder layer
-  (``reference_layer``), SwiGLU with PEFT LoRA adapters; and the fixtures the tests share.
+  (``reference_layer``), SwiGLU with PEFT LoRA adapters (and LoRA dropout replayed with the
+  op's masks, ``replayed_dropout``), each with the gated activation ``gate_activation`` (silu,
+  or GeGLU's gelu_tanh); and the fixtures the tests share.
 """
 import math
 

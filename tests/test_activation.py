@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-import ckpt_ext  # noqa: F401
+import ckpt_ext
 from ckpt_ext import blocks, ops
 from ckpt_ext.modules import DecoderLayer, SwiGLUMLP
 
