@@ -662,6 +662,30 @@ def test_granite_logits_scaling_fuses_head_and_layers():
     assert (run(unscaled, ids, mask, labels)[0].loss - out_r.loss).abs() > 100 * TOL["atol"]
 
 
+def test_a_wrong_norm_map_fails(monkeypatch):
+    """The norm slots mean different things per family: Gemma 3's post_attention_layernorm
+    norms the attention's output, LLaMA's is the MLP's pre-norm. With two slots swapped the
+    patched model runs fused and no longer matches HF (with the family's map it does:
+    test_balanced_matches_unpatched); a map that leaves a norm out is refused at patch time,
+    never dropped silently."""
+    from ckpt_ext.hf import families
+    ref_model = make_model("gemma3_text", "sdpa")
+    ids, mask, labels = make_batch(pad=False)
+    ref = run(ref_model, ids, mask, labels)[0].loss
+    right = families.FAMILIES["gemma3_text"]
+    swapped = dict(right.norms)
+    swapped["attention_output_norm"], swapped["post_attention_layernorm"] = (
+        swapped["post_attention_layernorm"], swapped["attention_output_norm"])
+    monkeypatch.setitem(families.FAMILIES, "gemma3_text", right._replace(norms=swapped))
+    model = patch_llama(copy.deepcopy(ref_model), "balanced")
+    loss = run(model, ids, mask, labels)[0].loss
+    assert calls(model) == [1, 1, 1] and (loss - ref).abs() > 1e-3
+    llama_map = {**families.LLAMA.norms, "post_attention_layernorm": "pre_feedforward_layernorm"}
+    monkeypatch.setitem(families.FAMILIES, "gemma3_text", right._replace(norms=llama_map))
+    with pytest.raises(ValueError, match="post_feedforward_layernorm"):
+        patch_llama(copy.deepcopy(ref_model), "balanced")
+
+
 # ---- Phi-3: fused projections, LoRA on them, partial RoPE --------------------------------------
 
 def loss_and_grads(model, ids, mask, labels):

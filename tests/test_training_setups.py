@@ -76,7 +76,8 @@ def test_autocast_saved_bytes_match_the_formula(preset, amp):
 
 
 # families whose norms round differently from LLaMA's (norm_cast_last, norm_offset)
-AUTOCAST_FAMILIES = {"llama": {}, "olmo2": {}}
+AUTOCAST_FAMILIES = {"llama": {}, "olmo2": {}, "gemma": {},
+                     "gemma3_text": dict(query_pre_attn_scalar=24)}
 
 
 @pytest.mark.parametrize("family", list(AUTOCAST_FAMILIES))
