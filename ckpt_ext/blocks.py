@@ -47,8 +47,8 @@ LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._
 # num_kv_heads, eps, scale) every call gives.
 LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
                       uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
-                      dropout_seed=None, residual_scale=1.0, compute_dtype=None, part="layer",
-                      preset="balanced")
+                      dropout_seed=None, softcap=0.0, residual_scale=1.0, compute_dtype=None,
+                      part="layer", preset="balanced")
 
 
 def call_decoder_layer(x: Tensor, **args) -> Tensor:
@@ -133,9 +133,9 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   uniform_empty_rows: bool = False,
                   lora_scaling: Optional[Sequence[float]] = None,
                   lora_dropout: Optional[Sequence[float]] = None,
-                  dropout_seed: Optional[Tensor] = None, residual_scale: float = 1.0,
-                  compute_dtype: Optional[torch.dtype] = None, part: str = "layer",
-                  preset: str = "balanced") -> Tensor:
+                  dropout_seed: Optional[Tensor] = None, softcap: float = 0.0,
+                  residual_scale: float = 1.0, compute_dtype: Optional[torch.dtype] = None,
+                  part: str = "layer", preset: str = "balanced") -> Tensor:
     """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
 
     x: (B, S, H); weights: slot name -> tensor (``WEIGHT_SLOTS``; HF's names, e.g.
@@ -149,7 +149,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     applied to the adapter's input with masks hashed from ``dropout_seed`` (a CPU int64 tensor
     with one element, e.g. ``torch.randint(2**31, ())``): the backward replays them exactly.
     residual_scale: each sublayer's output is multiplied by it before the residual add
-    (Granite's ``residual_multiplier``).
+    (Granite's ``residual_multiplier``). softcap: > 0, Gemma 2's attention logit soft-capping
+    (``ckpt_ext.ops.attention``'s ``softcap``); 0, none.
     """
     _check("decoder_layer", preset, part)
     w = pack_weights(weights)
@@ -162,7 +163,7 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         segment_ids=segment_ids, window=window, uniform_empty_rows=uniform_empty_rows,
         lora_scaling=list(lora_scaling or ()), lora_dropout=list(lora_dropout or ()),
         dropout_seed=dropout_seed, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
-        eps=eps, scale=float(scale), residual_scale=float(residual_scale),
+        eps=eps, scale=float(scale), softcap=float(softcap), residual_scale=float(residual_scale),
         compute_dtype=compute_dtype, part=part, preset=preset)
 
 

@@ -86,6 +86,8 @@ using OptTensor = std::optional<at::Tensor>;
 //   num_heads,
 //   num_kv_heads, eps   the attention's heads; the norms' epsilon
 //   scale               the attention's softmax scale
+//   softcap             > 0: Gemma 2's attention logit soft-capping, each scaled score s
+//                       becomes softcap * tanh(s / softcap) (as attention_fwd); 0: none
 //   residual_scale      each sublayer's output is multiplied by it before the residual add
 //                       (Granite's residual_multiplier; 1: LLaMA)
 //   compute_dtype       the dtype of the projections and attention (None: the weights';
@@ -107,6 +109,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "int", int64_t, num_kv_heads, __VA_ARGS__)                                     \
   X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
   X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
+  X(OPTION, "float", double, softcap, __VA_ARGS__)                                         \
   X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \
   X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, __VA_ARGS__)      \
   X(OPTION, "str", c10::string_view, part, __VA_ARGS__)                                    \

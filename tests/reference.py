@@ -137,8 +137,11 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
-    """p: a DecoderLayer state_dict (HF names). Computes in x's dtype."""
+def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, softcap=0.0,
+                    part="layer"):
+    """p: a DecoderLayer state_dict (HF names). Computes in x's dtype. softcap > 0: the
+    attention's scaled scores are capped to tanh(s / softcap) * softcap (HF Gemma 2's eager
+    attention). part "attention": h, the attention sublayer's output."""
     def rms(t, w):
         return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -157,12 +160,16 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False):
     q, k = rope_reference(q, k, cos, sin)
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()[None, None]
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
     probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # nothing to attend -> 0
     h = x + lin((probs @ v).transpose(1, 2).reshape(b, s, -1), "self_attn.o_proj")
+    if part == "attention":
+        return h
     m = rms(h, p["post_attention_layernorm.weight"])
     return h + lin(F.silu(lin(m, "mlp.gate_proj")) * lin(m, "mlp.up_proj"), "mlp.down_proj")
 
@@ -226,21 +233,27 @@ def packed_segment_ids(B, S, lengths, device="cpu", dtype=torch.int64, shuffle_i
 
 
 def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out, segment_ids=None,
-                               window=None):
+                               window=None, softcap=0.0):
     """Plain PyTorch backward at q's dtype via dS = P * (dP - rowsum(dO * O)), S x S in memory.
 
     q, dout, out (B, Hq, S, D); k, v (B, Hkv, S, D). Returns dict dq, dk, dv (GQA summed).
+    softcap > 0: scores capped (tanh(s / softcap) * softcap) and dS times 1 - tanh^2.
     """
     B, Hq, S, D = q.shape
     group = Hq // k.shape[1]
     k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k_rep.transpose(-1, -2)) * scale
+    if softcap > 0:
+        t = torch.tanh(scores / softcap)
+        scores = t * softcap
     allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     p = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1), zero)
     dp = dout @ v_rep.transpose(-1, -2)
     ds = p * (dp - (dout * out).sum(dim=-1, keepdim=True))
+    if softcap > 0:
+        ds = ds * (1 - t * t)
     dq = (ds @ k_rep) * scale
     dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, -1, group, S, D).sum(dim=2)
     dv = (p.transpose(-1, -2) @ dout).view(B, -1, group, S, D).sum(dim=2)
@@ -321,20 +334,21 @@ def swiglu_lora_grads(args, lora, scaling, dy, dtype=None):
 
 # ---- attention over query chunks -----------------------------------------------------------
 def attention_in_chunks(fwd, bwd, q, k, v, dout, mask, causal, scale, segment_ids, window,
-                        rows, acc_dtype=torch.float32):
+                        rows, acc_dtype=torch.float32, softcap=0.0):
     """attention_fwd / attention_bwd (``fwd``, ``bwd``: the op or a launcher) over the query
     chunks [q0, q0 + rows) of q (q_offset = q0) against all keys: out, lse and dq concatenated
     over the chunks, dk / dv summed into acc_dtype accumulators (dk_acc / dv_acc, here laid out
-    (B, Sk, Hkv, D) like the decoder layer's projections). Returns dict(out, lse, dq, dk, dv)."""
+    (B, Sk, Hkv, D) like the decoder layer's projections); softcap passed on to both.
+    Returns dict(out, lse, dq, dk, dv)."""
     B, Hkv, Sk, D = k.shape
     dk_acc = torch.zeros(B, Sk, Hkv, D, dtype=acc_dtype, device=q.device).transpose(1, 2)
     dv_acc = torch.zeros_like(dk_acc)
     outs, lses, dqs = [], [], []
     for q0 in range(0, q.shape[2], rows):
         qc, dc = q[:, :, q0:q0 + rows], dout[:, :, q0:q0 + rows]
-        out, lse = fwd(qc, k, v, mask, segment_ids, window, causal, scale, q0)
+        out, lse = fwd(qc, k, v, mask, segment_ids, window, causal, scale, q0, softcap)
         dq, dk, dv = bwd(dc, qc, k, v, out, lse, mask, segment_ids, window, causal, scale, q0,
-                         dk_acc, dv_acc)
+                         dk_acc, dv_acc, softcap)
         assert dk.shape == (0,) and dv.shape == (0,) and dk.dtype == k.dtype, (dk.shape, dk.dtype)
         assert out.shape == qc.shape and lse.shape == qc.shape[:3] and dq.shape == qc.shape
         outs.append(out), lses.append(lse), dqs.append(dq)
