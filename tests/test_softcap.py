@@ -304,7 +304,7 @@ def test_ops_attention_autograd_passes_softcap():
 
 # ---- the decoder layer op -------------------------------------------------------------------
 
-HL, NH, NKV, IL = 48, 6, 2, 40  # hidden 48, head_dim 8
+HL, NH, NKV, IL = 96, 6, 2, 40  # hidden 96, head_dim 16 (the Triton kernels take >= 16)
 
 
 def layer_case(B, S, dtype, mask_kind, seed=0):
@@ -321,8 +321,8 @@ def layer_case(B, S, dtype, mask_kind, seed=0):
 
 
 def run_layer(weights, x, dy, pe, mask, preset, part, **kw):
-    x = x.clone().requires_grad_()
-    w = {n: t.clone().requires_grad_() for n, t in weights.items()
+    x = x.detach().clone().requires_grad_()
+    w = {n: t.detach().clone().requires_grad_() for n, t in weights.items()
          if part == "layer" or n.startswith(("self_attn.", "input_layernorm."))}
     y = blocks.decoder_layer(x, w, pe, num_heads=NH, num_kv_heads=NKV, key_padding_mask=mask,
                              preset=preset, part=part, **kw)
@@ -331,7 +331,7 @@ def run_layer(weights, x, dy, pe, mask, preset, part, **kw):
 
 
 def run_reference_layer(weights, x, dy, pe, mask, part, softcap):
-    x64 = x.double().requires_grad_()
+    x64 = x.detach().double().clone().requires_grad_()
     p64 = {n: t.detach().double().requires_grad_() for n, t in weights.items()
            if part == "layer" or n.startswith(("self_attn.", "input_layernorm."))}
     y = reference_layer(p64, x64, *(t.double() for t in pe), mask, NH, NKV, softcap=softcap,
