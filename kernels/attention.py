@@ -1007,7 +1007,8 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     before, after = _band(Sk, causal, window)
     qk_scale, cap_in, cap_out, capped = _cap_args(scale, softcap)
     kernel, meta = _launcher("fwd", q.device, q.dtype, D, bool(causal), has_mask, has_seg,
-                             before != _NO_LIMIT, _launch.dot_precision(q.dtype), softcap=capped)
+                             before != _NO_LIMIT, _launch.dot_precision(q.dtype), False, False,
+                             capped)
 
     def grid(m):
         return (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)
@@ -1099,7 +1100,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
             if dq_acc is not dq:
                 dq.copy_(dq_acc)  # the convert pass: fp32 sums to q's dtype, same layout
         else:
-            kernel, meta = _launcher("dq", *spec, softcap=capped)
+            kernel, meta = _launcher("dq", *spec, False, False, capped)
             kernel[lambda m: (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)](
                 q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
