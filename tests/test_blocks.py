@@ -197,9 +197,9 @@ def test_errors_name_the_argument():
                          torch.ones(4, 32), torch.ones(32, 4), preset="none")
     w = blocks.pack_weights({"post_attention_layernorm.weight": torch.ones(32)})
     with pytest.raises(ValueError, match="preset must be one of"):
-        torch.ops.ckpt_ext.decoder_layer(torch.randn(1, 2, 32), w, None, None, None, None, None,
-                                         False, [], [], None, 1, 1, 1e-6, 1.0, 1.0, None,
-                                         "mlp", "quick")
+        torch.ops.ckpt_ext.decoder_layer(torch.randn(1, 2, 32), **{
+            **blocks.LAYER_DEFAULTS, "weights": w, "num_heads": 1, "num_kv_heads": 1,
+            "eps": 1e-6, "scale": 1.0, "part": "mlp", "preset": "quick"})
     with pytest.raises(ValueError, match="unknown weight names"):
         blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
 
