@@ -66,10 +66,15 @@ def _check_positive_finite(op, name, x):
         raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
 
 
+def _check_softcap(op, softcap):
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"{op}: softcap must be a finite number >= 0 (0: no cap), got {softcap}")
+
+
 def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, scale=1.0,
-               q_offset=0):
+               q_offset=0, softcap=0.0):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), 0 <= q_offset, q_offset + Sq <= Sk, mask (B, Sk)
-    bool, segment_ids (B, Sk) int32/int64, window > 0, scale finite > 0.
+    bool, segment_ids (B, Sk) int32/int64, window > 0, scale finite > 0, softcap finite >= 0.
     Returns (B, Hq, Hkv, Sq, Sk, D)."""
     _check_dim(op, "q", q, 4, "(B, Hq, Sq, D)")
     _check_dim(op, "k", k, 4, "(B, Hkv, Sk, D)")
@@ -118,6 +123,7 @@ def _check_qkv(op, q, k, v, key_padding_mask, segment_ids=None, window=None, sca
         raise ValueError(f"{op}: window must be > 0 (key j is visible from query i iff "
                          f"i - window < j <= i), got {window}")
     _check_positive_finite(op, "scale", scale)
+    _check_softcap(op, softcap)
     return B, Hq, Hkv, Sq, Sk, D
 
 
@@ -340,10 +346,10 @@ def _check_accumulator(op, name, t, ref_name, ref, shape, why):
 
 
 def _check_attention_bwd(op, dout, q, k, v, out, lse, key_padding_mask, segment_ids, window,
-                         scale, q_offset=0, dk_acc=None, dv_acc=None):
+                         scale, q_offset=0, dk_acc=None, dv_acc=None, softcap=0.0):
     """attention_bwd's arguments; returns (B, Hq, Hkv, Sq, Sk, D)."""
     B, Hq, Hkv, Sq, Sk, D = _check_qkv(op, q, k, v, key_padding_mask, segment_ids, window,
-                                       scale, q_offset)
+                                       scale, q_offset, softcap)
     _check_like(op, "dout", dout, "q", q, q.shape, "(the shape of q)")
     _check_like(op, "out", out, "q", q, q.shape, "(the shape of q)")
     _check_shape(op, "lse", lse, (B, Hq, Sq), "(B, Hq, Sq)")

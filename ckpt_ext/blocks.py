@@ -47,9 +47,9 @@ LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._
 # num_kv_heads, eps, scale) every call gives.
 LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
                       uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
-                      dropout_seed=None, lora_streams=[], residual_scale=1.0, norm_offset=0.0,
-                      norm_cast_last=False, compute_dtype=None, activation="silu", part="layer",
-                      preset="balanced")
+                      dropout_seed=None, lora_streams=[], softcap=0.0, residual_scale=1.0,
+                      norm_offset=0.0, norm_cast_last=False, compute_dtype=None,
+                      activation="silu", part="layer", preset="balanced")
 
 
 def call_decoder_layer(x: Tensor, **args) -> Tensor:
@@ -135,7 +135,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   lora_scaling: Optional[Sequence[float]] = None,
                   lora_dropout: Optional[Sequence[float]] = None,
                   dropout_seed: Optional[Tensor] = None,
-                  lora_streams: Optional[Sequence[int]] = None, residual_scale: float = 1.0,
+                  lora_streams: Optional[Sequence[int]] = None, softcap: float = 0.0,
+                  residual_scale: float = 1.0,
                   norm_offset: float = 0.0, norm_cast_last: bool = False,
                   compute_dtype: Optional[torch.dtype] = None, activation: str = "silu",
                   part: str = "layer", preset: str = "balanced") -> Tensor:
@@ -164,6 +165,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     input's dtype (Gemma, OLMo-2) instead of casting the normalized input first (LLaMA).
     activation: the MLP's ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU,
     ``gelu(approximate="tanh")``: Gemma's ``gelu_pytorch_tanh``).
+    softcap: > 0, Gemma 2's attention logit soft-capping (``ckpt_ext.ops.attention``'s
+    ``softcap``); 0, none.
     """
     _check("decoder_layer", preset, part)
     w = pack_weights(weights)
@@ -177,7 +180,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         lora_scaling=list(lora_scaling or ()), lora_dropout=list(lora_dropout or ()),
         dropout_seed=dropout_seed, lora_streams=list(lora_streams or ()), num_heads=num_heads,
         num_kv_heads=num_kv_heads or num_heads,
-        eps=eps, scale=float(scale), residual_scale=float(residual_scale),
+        eps=eps, scale=float(scale), softcap=float(softcap),
+        residual_scale=float(residual_scale),
         norm_offset=float(norm_offset), norm_cast_last=bool(norm_cast_last),
         compute_dtype=compute_dtype, activation=activation, part=part, preset=preset)
 

@@ -12,7 +12,7 @@ CUDA implementations are registered elsewhere. This module adds, for every kerne
 
 Public wrappers:
     attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
-              window=None, deterministic=None) -> out
+              window=None, deterministic=None, q_offset=0, softcap=0.0) -> out
     swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, save="input",
                activation="silu")
     rms_norm(x, weight, eps) -> y
@@ -31,8 +31,8 @@ import torch
 from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from . import config
 from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _check_like,
-                      _check_positive_finite, _check_qkv, _check_probability, _check_seed,
-                      _check_row_offset, _check_activation, _check_dropout_streams,
+                      _check_positive_finite, _check_softcap, _check_qkv, _check_probability,
+                      _check_seed, _check_row_offset, _check_activation, _check_dropout_streams,
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
                       _check_lce_bwd, _check_lce_transform)
@@ -52,19 +52,19 @@ def _empty_bshd(like, B, H, S, D):
 
 @torch.library.register_fake("ckpt_ext::attention_fwd")
 def _attention_fwd_fake(q, k, v, key_padding_mask, segment_ids, window, causal, scale,
-                        q_offset=0):
+                        q_offset=0, softcap=0.0):
     B, Hq, _, Sq, _, D = _check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids,
-                                    window, scale, q_offset)
+                                    window, scale, q_offset, softcap)
     # out, dq, dk, dv: (B, H, S, D) views of (B, S, H, D) memory, as the kernels return them.
     return _empty_bshd(q, B, Hq, Sq, D), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 @torch.library.register_fake("ckpt_ext::attention_bwd")
 def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal,
-                        scale, q_offset=0, dk_acc=None, dv_acc=None):
+                        scale, q_offset=0, dk_acc=None, dv_acc=None, softcap=0.0):
     B, Hq, Hkv, Sq, Sk, D = _check_attention_bwd("attention_bwd", dout, q, k, v, out, lse,
                                                  key_padding_mask, segment_ids, window, scale,
-                                                 q_offset, dk_acc, dv_acc)
+                                                 q_offset, dk_acc, dv_acc, softcap)
     if dk_acc is not None:  # the shares went into the accumulators: (0,) placeholders
         return _empty_bshd(q, B, Hq, Sq, D), k.new_empty((0,)), v.new_empty((0,))
     return (_empty_bshd(q, B, Hq, Sq, D), _empty_bshd(q, B, Hkv, Sk, D),
@@ -172,13 +172,14 @@ def _attention_setup(ctx, inputs, output):
     ctx.window, ctx.causal, ctx.scale = window, causal, scale
     ctx.dq_mode = getattr(_dq_request, "mode", None)  # None: the setting at backward time
     ctx.q_offset = inputs[8] if len(inputs) > 8 else 0
+    ctx.softcap = inputs[9] if len(inputs) > 9 else 0.0
     ctx.num_inputs = len(inputs)
 
 
 def _attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, key_padding_mask, segment_ids = ctx.saved_tensors
     args = (dout, q, k, v, out, lse, key_padding_mask, segment_ids, ctx.window, ctx.causal,
-            ctx.scale, ctx.q_offset)
+            ctx.scale, ctx.q_offset, None, None, ctx.softcap)
     if ctx.dq_mode is None:
         dq, dk, dv = _ops.attention_bwd(*args)
     else:
@@ -350,7 +351,7 @@ _AUTOGRAD_LIB.impl("attention_bwd", _attention_bwd_autograd, "Autograd")
 # Public wrappers
 # --------------------------------------------------------------------------------------------
 def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segment_ids=None,
-              window=None, deterministic=None, q_offset=0):
+              window=None, deterministic=None, q_offset=0, softcap=0.0):
     """Scaled dot-product attention with GQA, causal, key-padding, packed-sequence and
     sliding-window masks.
 
@@ -381,6 +382,9 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
             q_offset..q_offset+Sq-1 (q_offset + Sq <= Sk), one chunk of a longer sequence. The
             rules above read those positions; masks and ids are then (B, Sk). Gradients reach
             k and v through this chunk's rows only.
+        softcap: float >= 0; > 0 caps each scaled score s to ``softcap * tanh(s / softcap)``
+            before the masks and the softmax (Gemma 2's attn_logit_softcapping, as HF's eager
+            attention computes it); 0 (default): no cap.
 
     Returns:
         out (B, Hq, Sq, D) in q's dtype, laid out (B, Sq, Hq, D) in memory (so
@@ -410,7 +414,9 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     _check_positive_finite("attention", "scale", float(scale))
     if isinstance(q_offset, bool) or not isinstance(q_offset, int):
         raise TypeError(f"attention: q_offset must be an int, got {type(q_offset).__name__}")
-    args = (q, k, v, key_padding_mask, segment_ids, window, bool(causal), float(scale), q_offset)
+    _check_softcap("attention", float(softcap))
+    args = (q, k, v, key_padding_mask, segment_ids, window, bool(causal), float(scale), q_offset,
+            float(softcap))
     if deterministic is None:
         out, _ = _ops.attention_fwd(*args)
         return out

@@ -75,20 +75,23 @@ def attention_allowed(B: int, S: int, mask: Optional[Tensor], causal: bool, devi
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
               scale: float, segment_ids: Optional[Tensor] = None,
-              window: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+              window: Optional[int] = None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
     """Plain PyTorch attention at q's dtype, differentiable: q (B, Hq, S, D), k/v (B, Hkv, S,
     D) -> out (B, Hq, S, D), lse (B, Hq, S) (float32, float64 for float64 inputs).
 
     Explicit S x S softmax over the dense mask (:func:`attention_allowed`), K/V repeated for
     GQA. Masked scores get the dtype's most negative finite value, so rows with nothing to
     attend stay finite under autograd; those rows are then set to out = 0, lse = -inf (and get
-    zero gradients through torch.where).
+    zero gradients through torch.where). softcap > 0: the scaled scores are capped first,
+    ``tanh(s / softcap) * softcap``, as HF's eager attention caps Gemma 2's logits.
     """
     B, Hq, S, _ = q.shape
     group = Hq // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # head h -> h // group
     allowed = attention_allowed(B, S, mask, causal, q.device, segment_ids, window)
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
     any_allowed = allowed.any(-1)                                  # (B, 1, S)
     out = torch.where(any_allowed[..., None], torch.softmax(s, -1) @ v, 0.0)

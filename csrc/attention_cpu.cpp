@@ -12,6 +12,11 @@
 // logsumexp of the scaled allowed scores, -inf for a row with nothing to attend (its out row
 // and its gradients are 0).
 //
+// Soft-capping (Gemma 2): with softcap > 0 each scaled score s = scale q.k becomes
+// softcap * tanh(s / softcap) before the rules above and the softmax (lse is over the capped
+// scores); the backward recomputes the capped tile and multiplies dS by the cap's derivative
+// 1 - tanh^2(s / softcap) before forming dq and dk. softcap 0: no cap.
+//
 // Accumulators: attention_bwd's dk_acc / dv_acc (B, Hkv, Sk, D), float32 (or float64 for
 // float64 inputs), any strides without overlap, given together: the chunk's dk / dv are added
 // into them in the compute dtype (never rounded to q's dtype) and dk, dv come back as empty (0,)
@@ -45,6 +50,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -88,7 +94,7 @@ struct AttnDims {
 AttnDims check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const std::optional<at::Tensor>& key_padding_mask,
                    const std::optional<at::Tensor>& segment_ids, std::optional<int64_t> window,
-                   double scale, int64_t q_offset) {
+                   double scale, int64_t q_offset, double softcap) {
   check_defined(op, "q", q);
   check_defined(op, "k", k);
   check_defined(op, "v", v);
@@ -136,6 +142,8 @@ AttnDims check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, con
                    "window must be > 0 (key j is visible from query i iff i - window < j <= i), "
                    "got ", window.value_or(0));
   checks::check_positive_finite(op, "scale", scale);
+  CKPT_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, op,
+                   "softcap must be a finite number >= 0 (0: no cap), got ", softcap);
   return d;
 }
 
@@ -228,16 +236,28 @@ at::Tensor group_rows(const at::Tensor& t, int64_t b, int64_t hk, int64_t G, int
   return t.select(0, b).narrow(0, hk * G, G).narrow(1, i0, m).transpose(0, 1);
 }
 
+// The scores of a tile, s = scale q k^T (m * G, n), capped in place when softcap > 0
+// (softcap * tanh(s / softcap)). Returns the cap's derivative 1 - tanh^2(s / softcap) when
+// `derivative` (the backward's factor on dS), else an undefined tensor.
+at::Tensor tile_scores(at::Tensor& s, double scale, double softcap, bool derivative) {
+  s.mul_(scale);
+  if (softcap <= 0) return at::Tensor();
+  s.div_(softcap).tanh_();                                      // tanh(s / softcap)
+  at::Tensor dcap = derivative ? s.square().neg_().add_(1.0) : at::Tensor();
+  s.mul_(softcap);
+  return dcap;
+}
+
 // Online softmax of one query tile against the keys of one kv head that it can see.
 //   qt (m * G, D) in the compute dtype, rows in (position, head) order, global positions
 //   [i0, i0 + m); kh, vh (Sk, D) of the kv head, any dtype (tiles are converted); vh
-//   undefined = statistics only (no output accumulation).
+//   undefined = statistics only (no output accumulation); softcap as in tile_scores.
 // Returns (acc (m * G, D) or undefined, row_max (m * G,), row_sum (m * G,)), where
 // out = acc / row_sum and lse = row_max + log(row_sum); a row with nothing allowed keeps
 // row_max = -inf, row_sum = 0, acc = 0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> online_softmax(
     const at::Tensor& qt, const at::Tensor& kh, const at::Tensor& vh, const AttnMask& mask,
-    int64_t b, int64_t i0, int64_t m, int64_t G, double scale) {
+    int64_t b, int64_t i0, int64_t m, int64_t G, double scale, double softcap) {
   const at::ScalarType cdt = qt.scalar_type();
   const int64_t rows = qt.size(0);
   at::Tensor row_max = at::full({rows}, -kInf, qt.options());
@@ -247,7 +267,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> online_softmax(
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlockN) {
     const int64_t n = std::min(kBlockN, j_end - j0);
     at::Tensor kt = kh.narrow(0, j0, n).to(cdt);                  // (n, D)
-    at::Tensor s = at::mm(qt, kt.t()).mul_(scale);                // (m * G, n)
+    at::Tensor s = at::mm(qt, kt.t());                            // (m * G, n)
+    tile_scores(s, scale, softcap, /*derivative=*/false);
     at::Tensor blocked = mask.tile(b, i0, m, j0, n);
     if (blocked.defined()) s.view({m, G, n}).masked_fill_(blocked, -kInf);
     at::Tensor new_max = at::maximum(row_max, s.amax(1));         // (m * G,)
@@ -314,13 +335,14 @@ AttnMask make_mask(const AttnDims& d, const std::optional<at::Tensor>& key_paddi
 // the chunk, all visible (not causal), and the chunk's own keys, a causal square (its causal
 // mask is j <= i for row i, right for a square only). Other query chunks, and half-precision
 // ones, stay on the tiles: its half-precision lse measured 4e-5 from the float64 one at S 150
-// (fp16, not causal), the tiles' 6e-7.
+// (fp16, not causal), the tiles' 6e-7. It cannot cap the scores: with softcap the tiles serve.
 enum class AtenFlash { kNo, kWhole, kCausalChunk };
 
 AtenFlash use_aten_flash(const at::Tensor& q, const AttnMask& mask, const AttnDims& d,
-                         bool causal) {
+                         bool causal, double softcap) {
   const auto dt = q.scalar_type();
-  if (mask.blocked_keys.defined() || mask.ids.defined() || mask.before != AttnMask::kNoLimit)
+  if (softcap > 0 || mask.blocked_keys.defined() || mask.ids.defined() ||
+      mask.before != AttnMask::kNoLimit)
     return AtenFlash::kNo;
   if (d.q_off == 0 && d.Sq == d.Sk &&
       (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf))
@@ -346,16 +368,17 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
                                                      const std::optional<at::Tensor>& key_padding_mask,
                                                      const std::optional<at::Tensor>& segment_ids,
                                                      std::optional<int64_t> window, bool causal,
-                                                     double scale, int64_t q_offset) {
+                                                     double scale, int64_t q_offset,
+                                                     double softcap) {
   const char* op = "attention_fwd";
   const AttnDims d =
-      check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale, q_offset);
+      check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale, q_offset, softcap);
   if (d.Sq == 0) {  // empty outputs, as torch's attention gives (ATen's flash kernel divides by S)
     return {empty_bshd(d.B, d.Hq, 0, d.D, q.options()),
             at::empty({d.B, d.Hq, 0}, q.options().dtype(at::kFloat))};
   }
   const AttnMask mask = make_mask(d, key_padding_mask, segment_ids, window, causal);
-  const AtenFlash flash = use_aten_flash(q, mask, d, causal);
+  const AtenFlash flash = use_aten_flash(q, mask, d, causal, softcap);
   if (flash == AtenFlash::kWhole) return aten_flash(q, k, v, causal, scale);
   if (flash == AtenFlash::kCausalChunk) {
     const int64_t s0 = d.q_off;
@@ -386,7 +409,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
       at::Tensor kh = k.select(0, b).select(0, hk);  // (Sk, D)
       at::Tensor vh = v.select(0, b).select(0, hk);  // (Sk, D)
       auto [acc, row_max, row_sum] =
-          online_softmax(qt, kh, vh, mask, b, d.q_off + i0, m, d.G, scale);
+          online_softmax(qt, kh, vh, mask, b, d.q_off + i0, m, d.G, scale, softcap);
       at::Tensor inv = row_sum.reciprocal().masked_fill_(row_sum == 0, 0.0);  // (m * G,)
       acc.mul_(inv.unsqueeze(1));
       group_rows(out, b, hk, d.G, i0, m).copy_(acc.view({m, d.G, d.D}));
@@ -402,10 +425,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
     const std::optional<at::Tensor>& segment_ids, std::optional<int64_t> window, bool causal,
     double scale, int64_t q_offset, const std::optional<at::Tensor>& dk_acc_out,
-    const std::optional<at::Tensor>& dv_acc_out) {
+    const std::optional<at::Tensor>& dv_acc_out, double softcap) {
   const char* op = "attention_bwd";
   const AttnDims d =
-      check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale, q_offset);
+      check_qkv(op, q, k, v, key_padding_mask, segment_ids, window, scale, q_offset, softcap);
   checks::check_like(op, "dout", dout, "q", q, q.sizes(), "(the shape of q)");
   checks::check_like(op, "out", out, "q", q, q.sizes(), "(the shape of q)");
   check_defined(op, "lse", lse);
@@ -455,7 +478,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
         for (int64_t i0 = 0; i0 < S; i0 += kBlockM) {
           const int64_t m = std::min(kBlockM, S - i0);
           at::Tensor qt = qg.narrow(0, i0, m).view({m * G, D});
-          auto stats = online_softmax(qt, kh, at::Tensor(), mask, b, q_off + i0, m, G, scale);
+          auto stats =
+              online_softmax(qt, kh, at::Tensor(), mask, b, q_off + i0, m, G, scale, softcap);
           lse_g.narrow(0, i0 * G, m * G)
               .copy_(lse_from_stats(std::get<1>(stats), std::get<2>(stats)));
         }
@@ -481,13 +505,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
           const int64_t r0 = i0 * G, rows = m * G;
           at::Tensor qt = q_rows.narrow(0, r0, rows);                          // (m * G, D)
           at::Tensor dot = do_rows.narrow(0, r0, rows);                        // (m * G, D)
-          at::Tensor s = at::mm(qt, kt.t()).mul_(scale);                       // (m * G, n)
+          at::Tensor s = at::mm(qt, kt.t());                                   // (m * G, n)
+          const at::Tensor dcap = tile_scores(s, scale, softcap, /*derivative=*/true);
           at::Tensor blocked = mask.tile(b, q_off + i0, m, j0, n);
           if (blocked.defined()) s.view({m, G, n}).masked_fill_(blocked, -kInf);
           at::Tensor p = s.sub_(lse_safe.narrow(0, r0, rows)).exp_();          // P (m * G, n)
           dvt.addmm_(p.t(), dot);                                              // dV += P^T dO
           at::Tensor ds = at::mm(dot, vt.t());                                 // dP = dO V^T
           ds.sub_(delta.narrow(0, r0, rows).unsqueeze(1)).mul_(p);             // dS = P (dP - D)
+          if (dcap.defined()) ds.mul_(dcap);                                   // through the cap
           dq_acc.narrow(0, r0, rows).addmm_(ds, kt, 1.0, scale);               // dQ += scale dS K
           dkt.addmm_(ds.t(), qt, 1.0, scale);                                  // dK += scale dS^T Q
         }

@@ -35,12 +35,15 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // masks are (B, Sk) and out / lse / dq have q's Sq rows. dk_acc / dv_acc (B, Hkv, Sk, D),
   // float32 (float64 accepted for float64 q), any strides, given together: the chunk's dK / dV
   // are added into them in place and dk / dv come back as empty (0,) tensors.
+  // softcap > 0: Gemma 2's logit soft-capping, each scaled score s becomes
+  // softcap * tanh(s / softcap) before the rules above and the softmax; 0: no cap (finite,
+  // >= 0).
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
-        "Tensor? segment_ids, int? window, bool causal, float scale, int q_offset=0) -> "
-        "(Tensor out, Tensor lse)");
+        "Tensor? segment_ids, int? window, bool causal, float scale, int q_offset=0, "
+        "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? key_padding_mask, Tensor? segment_ids, int? window, bool causal, float scale, "
-        "int q_offset=0, Tensor(a!)? dk_acc=None, Tensor(b!)? dv_acc=None) "
+        "int q_offset=0, Tensor(a!)? dk_acc=None, Tensor(b!)? dv_acc=None, float softcap=0.0) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
 
   // ---- LoRA dropout with a replayable mask (csrc/lora_dropout.h) ----------------------------

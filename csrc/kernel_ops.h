@@ -46,17 +46,18 @@ class KernelOp<R(A...)> {
 using Tensor = const at::Tensor&;
 
 // (out, lse) = attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal, scale,
-//                             q_offset)   (q_offset 0: q holds every query)
+//                             q_offset, softcap)
+//   (q_offset 0: q holds every query; softcap 0: no logit cap)
 inline const KernelOp<T2(Tensor, Tensor, Tensor, const OptTensor&, const OptTensor&,
-                         std::optional<int64_t>, bool, double, int64_t)>
+                         std::optional<int64_t>, bool, double, int64_t, double)>
     attention_fwd{"ckpt_ext::attention_fwd"};
 
 // (dq, dk, dv) = attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids,
-//                              window, causal, scale, q_offset, dk_acc, dv_acc)
+//                              window, causal, scale, q_offset, dk_acc, dv_acc, softcap)
 //   (dk_acc / dv_acc nullopt: dk, dv returned; given: added into them, dk, dv empty (0,))
 inline const KernelOp<T3(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const OptTensor&,
                          const OptTensor&, std::optional<int64_t>, bool, double, int64_t,
-                         const OptTensor&, const OptTensor&)>
+                         const OptTensor&, const OptTensor&, double)>
     attention_bwd{"ckpt_ext::attention_bwd"};
 
 // lora_dropout(x, seed, stream, p, row_offset)

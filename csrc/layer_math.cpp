@@ -130,6 +130,15 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
                      "num_heads and num_kv_heads must be positive, got ", L.num_heads, " and ", L.num_kv_heads);
     CKPT_CHECK_VALUE(L.num_heads % L.num_kv_heads == 0, op, "num_kv_heads must divide num_heads=", L.num_heads,
                      ", got ", L.num_kv_heads);
+    CKPT_CHECK_VALUE(std::isfinite(L.softcap) && L.softcap >= 0, op,
+                     "softcap must be a finite number >= 0 (0: no cap), got ", L.softcap);
+    // Without a padding mask no query row is empty (each sees itself), so only with one do
+    // eager's uniform rows arise; their corrections (EmptyRows) assume uncapped scores.
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !(L.softcap > 0 && L.uniform_empty_rows && L.key_padding_mask), op,
+        ": softcap with uniform_empty_rows and a key_padding_mask (HF eager's rows with no key "
+        "to attend) is not implemented; pad on the right with uniform_empty_rows=False (no "
+        "row is then empty), or use policy 'torch' for this model");
     const at::Tensor& wq = L.proj(kQ);
     CKPT_CHECK_VALUE(wq.defined() && wq.dim() == 2 && wq.size(0) % L.num_heads == 0, op,
                      "self_attn.q_proj.weight must be (num_heads * head_dim, H) with num_heads=",
@@ -615,7 +624,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const Layer& L, const Chunk& c, const 
                                           const at::Tensor& k, const at::Tensor& v) {
   return kernel::attention_fwd(q, c.keys(k, 2), c.keys(v, 2), opt(c.keys(L.key_padding_mask)),
                                opt(c.keys(L.segment_ids)), L.window, /*causal=*/true, L.scale,
-                               c.s0);
+                               c.s0, L.softcap);
 }
 
 // ---- HF eager attention's rows with nothing to attend ---------------------------------------
@@ -888,12 +897,12 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
     if (one) {
       std::tie(dq, dk, dv) = kernel::attention_bwd(
           dout, q, k, v, out, lse, L.key_padding_mask, L.segment_ids, L.window,
-          /*causal=*/true, L.scale, /*q_offset=*/0, std::nullopt, std::nullopt);
+          /*causal=*/true, L.scale, /*q_offset=*/0, std::nullopt, std::nullopt, L.softcap);
     } else {
       dq = std::get<0>(kernel::attention_bwd(
           dout, q, c.keys(k, 2), c.keys(v, 2), out, lse, opt(c.keys(L.key_padding_mask)),
           opt(c.keys(L.segment_ids)), L.window, /*causal=*/true, L.scale, c.s0,
-          c.keys(dk_acc, 2), c.keys(dv_acc, 2)));
+          c.keys(dk_acc, 2), c.keys(dv_acc, 2), L.softcap));
     }
     if (empty) dq = dq + empty->query_fix(L, c, dout, lse, q).to(dq.scalar_type());
     if (deferred) {  // the q side now, the keys after the last chunk

@@ -97,6 +97,8 @@ using OptTensor = std::optional<at::Tensor>;
 //   num_heads,
 //   num_kv_heads, eps   the attention's heads; the norms' epsilon
 //   scale               the attention's softmax scale
+//   softcap             > 0: Gemma 2's attention logit soft-capping, each scaled score s
+//                       becomes softcap * tanh(s / softcap) (as attention_fwd); 0: none
 //   norm_offset         every RMSNorm multiplies by (norm_offset + weight): 0 for LLaMA, 1 for
 //                       Gemma's (1 + w)
 //   norm_cast_last      false: the normalized input is cast to the input's dtype, then
@@ -127,6 +129,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "int", int64_t, num_kv_heads, __VA_ARGS__)                                     \
   X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
   X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
+  X(OPTION, "float", double, softcap, __VA_ARGS__)                                         \
   X(OPTION, "float", double, norm_offset, __VA_ARGS__)                                     \
   X(OPTION, "bool", bool, norm_cast_last, __VA_ARGS__)                                     \
   X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \

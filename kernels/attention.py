@@ -13,6 +13,8 @@ Shapes (every launcher checks them):
     lse:              (B, Hq, Sq)        float32, natural log; -inf where a row attends nothing
     dk_acc, dv_acc:   None or fp32 (B, Hkv, Sk, D), any strides (backward): dK / dV added
                       into them, dk / dv returned as (0,) placeholders
+    softcap:          float >= 0: > 0 caps each scaled score s to softcap * tanh(s / softcap)
+                      before the masks and the softmax (Gemma 2); 0: no cap
 Every rule and every skipped tile reads global positions (query row r is at q_offset + r).
 
 Layout: the decoder layer holds q/k/v as (B, S, H, D) projections viewed (B, H, S, D). The
@@ -48,6 +50,13 @@ in the single fused multiply-add ``s * qk_scale - m`` (forward, with the running
 per row) or ``s * qk_scale - lse2`` (backward) instead of a multiply and a bias add per score.
 The scale is folded into that FMA rather than into K or Q beforehand: pre-scaling a bf16/fp16
 tile would round it once more, for no fewer instructions.
+
+Soft-capping: with softcap > 0 the kernels are compiled with SOFTCAP (a constexpr, so the
+uncapped kernels are unchanged) and cap each score tile right after its dot, before any mask:
+``s = tanh(s * scale / softcap) * softcap * log2(e)``, already scaled and in base 2, so the
+FMA's factor (qk_scale) is 1. The backward recomputes the capped tile and multiplies dS by the
+cap's derivative ``1 - tanh^2`` (fp32) before forming dQ and dK. tanh is :func:`_tanh` (the
+interpreter has no libdevice): a Pade approximant near 0, exp2 beyond, a few fp32 ulps.
 
 The head dimension is padded to a power of two (>= 16) inside the kernels with masked loads, so
 any head_dim in 16..256 works (80 and 96 included). fp32 inputs use IEEE fp32 dot products
@@ -145,15 +154,42 @@ def _partner_range(offs, ok, first, last, P, below, above, SegLo_b, SegHi_b, shi
 
 
 # --------------------------------------------------------------------------------------------
+# Soft-capping
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    """tanh of fp32 x within a few ulps, from arithmetic and exp2 only (also what the
+    interpreter runs): the [7/6] Pade approximant of tanh (Lambert's continued fraction) for
+    |x| < 1, where it is exact to 2e-12, and (1 - e) / (1 + e) with e = exp(-2|x|) beyond,
+    where that difference no longer cancels; the sign restored last."""
+    a = tl.abs(x)
+    a2 = a * a
+    near = (a * (135135.0 + a2 * (17325.0 + a2 * (378.0 + a2)))
+            / (135135.0 + a2 * (62370.0 + a2 * (3150.0 + 28.0 * a2))))
+    e = tl.exp2(-2.8853900817779268 * a)  # exp(-2|x|), -2 log2(e) |x|
+    t = tl.where(a < 1.0, near, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _softcap_tile(s, cap_in, cap_out):
+    """(capped scores, tanh) of a raw score tile s = q k^T: t = tanh(s * cap_in) with
+    cap_in = scale / softcap, and t * cap_out with cap_out = softcap * log2(e): the capped
+    scaled score in base 2."""
+    t = _tanh(s * cap_in)
+    return t * cap_out, t
+
+
+# --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                    offs_m, offs_d, lo, hi, S, qk_scale, win_before, win_after,
+                    offs_m, offs_d, lo, hi, S, qk_scale, win_before, win_after, cap_in, cap_out,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
                     EDGE: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-                    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key blocks [lo, hi) of one query block.
 
     q: (BLOCK_M, D_PAD); acc: (BLOCK_M, D_PAD) fp32; l_i, m_i: (BLOCK_M,) fp32, m_i in base 2
@@ -162,7 +198,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
     ``-win_before <= j - i <= win_after``. EDGE: a block may reach past S and takes the bound
     test; interior blocks (not BAND, not EDGE, no padding mask) do
     no per-element masking at all. Scores stay unscaled: the max is scaled once per row and
-    ``exp2(s * qk_scale - m)`` is one fused multiply-add per element.
+    ``exp2(s * qk_scale - m)`` is one fused multiply-add per element. SOFTCAP: each tile is
+    capped right after its dot (:func:`_softcap_tile`; the launcher passes qk_scale = 1).
     """
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -179,6 +216,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                 keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
                 col_ok = col_ok & (keep != 0)
             s = tl.dot(q, kT, input_precision=DOT_PRECISION)
+            if SOFTCAP:
+                s, _ = _softcap_tile(s, cap_in, cap_out)
             s = tl.where(col_ok[None, :], s, float("-inf"))
         else:  # interior block: every key exists and is visible through the band
             kT = tl.load(K_bh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
@@ -186,6 +225,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
             v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                         mask=d_ok[None, :], other=0.0)
             s = tl.dot(q, kT, input_precision=DOT_PRECISION)
+            if SOFTCAP:
+                s, _ = _softcap_tile(s, cap_in, cap_out)
         if BAND and WINDOW:
             dist = offs_n[None, :] - offs_m[:, None]
             s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
@@ -214,11 +255,12 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      stride_mb, stride_ms,
                      stride_ob, stride_oh, stride_os, stride_od,
-                     Hq, Sq, Sk, q_off, GROUP, qk_scale, win_before, win_after, S_BUCKET,
-                     SQ_BUCKET,
+                     Hq, Sq, Sk, q_off, GROUP, qk_scale, win_before, win_after, cap_in, cap_out,
+                     S_BUCKET, SQ_BUCKET,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(Sq, BLOCK_M), B, Hq). Writes Out (B, Hq, Sq, D) with strides stride_o* and Lse
     (B, Hq, Sq) contiguous.
 
@@ -226,6 +268,7 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
     qk_scale = scale * log2(e). Key j is visible from query i iff
     ``i - win_before <= j <= i + win_after`` (causal: win_after = 0), the key is not padded and,
     with HAS_SEG, SegId[b, j] == SegId[b, i]. SegId/SegLo/SegHi: contiguous int32 (B, Sk).
+    SOFTCAP: scores capped with cap_in, cap_out (:func:`_softcap_tile`), qk_scale = 1.
     S_BUCKET, SQ_BUCKET are only autotuning keys.
     """
     pid_m = tl.program_id(0)
@@ -273,24 +316,24 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                         stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                         pos_m, offs_d, lo, full_lo, Sk, qk_scale, win_before,
-                                        win_after, HEAD_DIM, BLOCK_N, True, True, WINDOW,
-                                        HAS_MASK, HAS_SEG, DOT_PRECISION)
+                                        win_after, cap_in, cap_out, HEAD_DIM, BLOCK_N, True,
+                                        True, WINDOW, HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                     pos_m, offs_d, full_lo, inner_hi, Sk, qk_scale, win_before,
-                                    win_after, HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK,
-                                    HAS_SEG, DOT_PRECISION)
+                                    win_after, cap_in, cap_out, HEAD_DIM, BLOCK_N, False, False,
+                                    WINDOW, HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                     pos_m, offs_d, inner_hi, full_hi, Sk, qk_scale, win_before,
-                                    win_after, HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK,
-                                    HAS_SEG, DOT_PRECISION)
+                                    win_after, cap_in, cap_out, HEAD_DIM, BLOCK_N, False, True,
+                                    WINDOW, HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     if CAUSAL or WINDOW:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, seg_q, K_bh, V_bh, Mask_b, SegId_b,
                                         stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                         pos_m, offs_d, full_hi, hi, Sk, qk_scale, win_before,
-                                        win_after, HEAD_DIM, BLOCK_N, True, True, WINDOW,
-                                        HAS_MASK, HAS_SEG, DOT_PRECISION)
+                                        win_after, cap_in, cap_out, HEAD_DIM, BLOCK_N, True,
+                                        True, WINDOW, HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
 
     # Rows with nothing to attend have l = 0: out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -340,10 +383,11 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
 def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_bh, Delta_bh,
                          DQA_bh, SegId_b, stride_qs, stride_qd, stride_gs, stride_gd,
                          stride_as, stride_ad, offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
-                         win_before, win_after, key_edge,
+                         win_before, win_after, key_edge, cap_in, cap_out,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
                          WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                         DQ_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         DQ_ATOMIC: tl.constexpr, SOFTCAP: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head;
     with DQ_ATOMIC also add this key block's share of dQ (scaled) to the fp32 rows DQA_bh.
 
@@ -354,6 +398,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_
     fused multiply-add. Keys past S need no test for dK/dV (their rows are never stored, and a
     row of dK/dV depends only on its own row of P); only the dQ sum over keys does, on the
     block crossing S (key_edge). BAND: the element-wise band test, as in the forward.
+    SOFTCAP: sT is capped as in the forward and dS^T takes the cap's derivative 1 - tanh^2.
     """
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
@@ -367,6 +412,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_
         # Rows past Sq read lse2 = +inf: P = exp2(s - inf) = 0 there.
         lse2 = tl.load(Lse2_bh + offs_m, mask=row_ok, other=float("inf"))
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            sT, tT = _softcap_tile(sT, cap_in, cap_out)
         if HAS_MASK:
             sT = tl.where(col_ok[:, None], sT, float("-inf"))
         elif DQ_ATOMIC:
@@ -381,12 +428,17 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_
             seg_q = tl.load(SegId_b + pos_m, mask=row_ok, other=-1)
             sT = tl.where(seg_k[:, None] == seg_q[None, :], sT, float("-inf"))
         pT = tl.exp2(sT * qk_scale - lse2[None, :])
+        if SOFTCAP:  # P times the cap's derivative, formed at once: tanh's tile dies here
+            gT = pT * (1.0 - tT * tT)
         do = tl.load(DO_bh + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd,
                      mask=ok, other=0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(Delta_bh + offs_m, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        if SOFTCAP:
+            dsT = (gT * (dpT - delta[None, :])).to(q.dtype)
+        else:
+            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
@@ -405,11 +457,11 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
                           stride_db, stride_dh, stride_ds, stride_dd,
                           stride_ab, stride_ah, stride_as, stride_ad,
                           Hq, Hkv, Sq, Sk, q_off, GROUP, qk_scale, sm_scale, win_before,
-                          win_after, S_BUCKET, SQ_BUCKET,
+                          win_after, cap_in, cap_out, S_BUCKET, SQ_BUCKET,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                           DQ_ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr,
+                          SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(Sk, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, Sk, D), both with strides
     stride_d*, or with ACCUMULATE adds into them (fp32 accumulators; this program owns its key
@@ -466,23 +518,23 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
                                           stride_qs, stride_qd, stride_gs, stride_gd,
                                           stride_as, stride_ad, offs_d, lo, full_lo, Sq, q_off,
                                           qk_scale, sm_scale, win_before, win_after, key_edge,
-                                          HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
-                                          DQ_ATOMIC, DOT_PRECISION)
+                                          cap_in, cap_out, HEAD_DIM, BLOCK_M, True, WINDOW,
+                                          HAS_MASK, HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
                                       Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                       stride_qs, stride_qd, stride_gs, stride_gd,
                                       stride_as, stride_ad, offs_d, full_lo, full_hi, Sq, q_off,
                                       qk_scale, sm_scale, win_before, win_after, key_edge,
-                                      HEAD_DIM, BLOCK_M, False, WINDOW, HAS_MASK, HAS_SEG,
-                                      DQ_ATOMIC, DOT_PRECISION)
+                                      cap_in, cap_out, HEAD_DIM, BLOCK_M, False, WINDOW,
+                                      HAS_MASK, HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
         if WINDOW:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
                                           Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
                                           stride_qs, stride_qd, stride_gs, stride_gd,
                                           stride_as, stride_ad, offs_d, full_hi, hi, Sq, q_off,
                                           qk_scale, sm_scale, win_before, win_after, key_edge,
-                                          HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
-                                          DQ_ATOMIC, DOT_PRECISION)
+                                          cap_in, cap_out, HEAD_DIM, BLOCK_M, True, WINDOW,
+                                          HAS_MASK, HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
     if ACCUMULATE:  # one tile at a time: the read adds no more live registers than the loop had
@@ -498,16 +550,18 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b, SegId_b,
                        stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                       offs_d, lo, hi, S, qk_scale, win_before, win_after,
+                       offs_d, lo, hi, S, qk_scale, win_before, win_after, cap_in, cap_out,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
                        EDGE: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-                       HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
     """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi); offs_m: the rows'
     global positions; S: the number of keys.
 
     q, do: (BLOCK_M, D_PAD); lse2: (BLOCK_M,) base-2 lse with +inf for empty rows;
     delta: (BLOCK_M,); dq: (BLOCK_M, D_PAD) fp32. BAND, EDGE: the band and bound tests, as in
-    the forward; interior blocks do no per-element masking.
+    the forward; interior blocks do no per-element masking. SOFTCAP: capped scores and the
+    cap's derivative on dS, as in the dK/dV kernel.
     """
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -524,6 +578,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
                 keep = tl.load(Mask_b + offs_n * stride_ms, mask=col_ok, other=0)
                 col_ok = col_ok & (keep != 0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP:
+                s, t = _softcap_tile(s, cap_in, cap_out)
             s = tl.where(col_ok[None, :], s, float("-inf"))
         else:
             k = tl.load(K_bh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
@@ -531,6 +587,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
             v = tl.load(V_bh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                         mask=d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP:
+                s, t = _softcap_tile(s, cap_in, cap_out)
         if BAND and WINDOW:
             dist = offs_n[None, :] - offs_m[:, None]
             s = tl.where((dist <= win_after) & (dist >= -win_before), s, float("-inf"))
@@ -540,6 +598,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
             seg_k = tl.load(SegId_b + offs_n, mask=offs_n < S, other=-2)
             s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
         p = tl.exp2(s * qk_scale - lse2[:, None])
+        if SOFTCAP:  # only dS reads P: it carries the cap's derivative from here on
+            p = p * (1.0 - t * t)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -555,10 +615,10 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, D
                         stride_gb, stride_gh, stride_gs, stride_gd,
                         stride_db, stride_dh, stride_ds, stride_dd,
                         Hq, Sq, Sk, q_off, GROUP, qk_scale, sm_scale, win_before, win_after,
-                        S_BUCKET, SQ_BUCKET,
+                        cap_in, cap_out, S_BUCKET, SQ_BUCKET,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                         WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr,
+                        SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(Sq, BLOCK_M), B, Hq). Writes DQ (B, Hq, Sq, D) with strides stride_d*; row r
     at the global position q_off + r. Visits the key blocks the forward visits, in the same
@@ -602,24 +662,24 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, D
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
                                 SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                 offs_d, lo, full_lo, Sk, qk_scale, win_before, win_after,
-                                HEAD_DIM, BLOCK_N, True, True, WINDOW, HAS_MASK, HAS_SEG,
-                                DOT_PRECISION)
+                                cap_in, cap_out, HEAD_DIM, BLOCK_N, True, True, WINDOW,
+                                HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b, SegId_b,
                             stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                             offs_d, full_lo, inner_hi, Sk, qk_scale, win_before, win_after,
-                            HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK, HAS_SEG,
-                            DOT_PRECISION)
+                            cap_in, cap_out, HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK,
+                            HAS_SEG, SOFTCAP, DOT_PRECISION)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b, SegId_b,
                             stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                             offs_d, inner_hi, full_hi, Sk, qk_scale, win_before, win_after,
-                            HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK, HAS_SEG,
-                            DOT_PRECISION)
+                            cap_in, cap_out, HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK,
+                            HAS_SEG, SOFTCAP, DOT_PRECISION)
     if CAUSAL or WINDOW:
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
                                 SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                 offs_d, full_hi, hi, Sk, qk_scale, win_before, win_after,
-                                HEAD_DIM, BLOCK_N, True, True, WINDOW, HAS_MASK, HAS_SEG,
-                                DOT_PRECISION)
+                                cap_in, cap_out, HEAD_DIM, BLOCK_N, True, True, WINDOW,
+                                HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     tl.store(DQ + b * stride_db + h * stride_dh
              + offs_m[:, None] * stride_ds + offs_d[None, :] * stride_dd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok)
@@ -796,15 +856,15 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_
 @_launch.cached
 def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
               has_mask: bool, has_seg: bool, window: bool, precision: str,
-              dq_atomic: bool = False, accumulate: bool = False):
+              dq_atomic: bool = False, accumulate: bool = False, softcap: bool = False):
     """(kernel, constexpr arguments) of one kernel for one specialization: a fixed config in
     the interpreter; with ``CKPT_EXT_AUTOTUNE=0`` the fitting candidates in order, the first
     that launches used (no timing); else the autotuned kernel over the fitting candidates.
-    dq_atomic, accumulate: the dK/dV kernel's DQ_ATOMIC and ACCUMULATE. The autotuner restores
-    the tensors these add into (DQA; DK and DV) after each timed run, so that the launch that
-    follows adds into the caller's values once."""
+    dq_atomic, accumulate: the dK/dV kernel's DQ_ATOMIC and ACCUMULATE; softcap: SOFTCAP (the
+    capped scores). The autotuner restores the tensors these add into (DQA; DK and DV) after
+    each timed run, so that the launch that follows adds into the caller's values once."""
     meta = dict(_common_meta(head_dim, causal, dtype, precision), HAS_MASK=has_mask,
-                HAS_SEG=has_seg, WINDOW=window)
+                HAS_SEG=has_seg, WINDOW=window, SOFTCAP=softcap)
     restore = []
     if kind == "dkdv":
         meta["DQ_ATOMIC"] = dq_atomic
@@ -895,6 +955,15 @@ def _band(S, causal, window):
     return before, after
 
 
+def _cap_args(scale, softcap):
+    """(qk_scale, cap_in, cap_out, SOFTCAP) for the kernels: without a cap qk_scale folds the
+    scale and log2(e) into the FMA; with one the capped tiles come out scaled and in base 2
+    (:func:`_softcap_tile`) and qk_scale is 1."""
+    if softcap == 0.0:
+        return float(scale) * _LOG2E, 1.0, 1.0, False
+    return 1.0, float(scale) / float(softcap), float(softcap) * _LOG2E, True
+
+
 def _empty_bshd(B, H, S, D, dtype, device):
     """An uninitialised (B, H, S, D) tensor laid out as (B, S, H, D) in memory (see the module
     docstring, "Layout")."""
@@ -909,7 +978,7 @@ def _common_meta(D, causal, dtype, precision=None):
 
 
 def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, scale: float,
-                  q_offset: int = 0):
+                  q_offset: int = 0, softcap: float = 0.0):
     """Flash attention forward.
 
     q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0; q_offset: q's rows are the
@@ -918,7 +987,8 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     reads those global positions; key_padding_mask: None or bool (B, Sk), True = key may be
     attended; segment_ids: None or int32/int64 (B, Sk), a query sees only keys with its id;
     window: None or int > 0, HF's sliding window: key j is visible from query i iff
-    ``i - window < j`` (and ``j < i + window`` when not causal); causal: ``j <= i``.
+    ``i - window < j`` (and ``j < i + window`` when not causal); causal: ``j <= i``;
+    softcap > 0: each scaled score s becomes ``softcap * tanh(s / softcap)`` first (0: none).
     Returns ``(out, lse)``: out (B, Hq, Sq, D) in q's dtype, laid out (B, Sq, Hq, D) in memory
     (``out.transpose(1, 2)`` is contiguous); lse (B, Hq, Sq) float32 contiguous,
     natural-log logsumexp of the scaled masked scores, -inf for rows with nothing to attend
@@ -926,7 +996,7 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     """
     B, Hq, Hkv, Sq, Sk, D = _checks._check_qkv("attention_fwd", q, k, v,
                                                          key_padding_mask, segment_ids, window,
-                                                         scale, q_offset)
+                                                         scale, q_offset, softcap)
     _kernel_rules("attention_fwd", q, D)
     out = _empty_bshd(B, Hq, Sq, D, q.dtype, q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
@@ -935,8 +1005,10 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
     seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
     before, after = _band(Sk, causal, window)
+    qk_scale, cap_in, cap_out, capped = _cap_args(scale, softcap)
     kernel, meta = _launcher("fwd", q.device, q.dtype, D, bool(causal), has_mask, has_seg,
-                             before != _NO_LIMIT, _launch.dot_precision(q.dtype))
+                             before != _NO_LIMIT, _launch.dot_precision(q.dtype), False, False,
+                             capped)
 
     def grid(m):
         return (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)
@@ -944,19 +1016,20 @@ def attention_fwd(q, k, v, key_padding_mask, segment_ids, window, causal: bool, 
     with _launch.on_device(q.device):
         kernel[grid](q, k, v, mask, seg_id, seg_lo, seg_hi, out, lse,
                      *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *out.stride(),
-                     Hq, Sq, Sk, int(q_offset), Hq // Hkv, float(scale) * _LOG2E, before, after,
-                     _s_bucket(Sk), _s_bucket(Sq), **meta)
+                     Hq, Sq, Sk, int(q_offset), Hq // Hkv, qk_scale, before, after, cap_in,
+                     cap_out, _s_bucket(Sk), _s_bucket(Sq), **meta)
     return out, lse
 
 
 def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal: bool,
-                  scale: float, q_offset: int = 0, dk_acc=None, dv_acc=None):
+                  scale: float, q_offset: int = 0, dk_acc=None, dv_acc=None,
+                  softcap: float = 0.0):
     """Flash attention backward, recomputing P = exp(scale * q k^T - lse) tile by tile.
 
     dout, out: (B, Hq, Sq, D) in q's dtype; q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D);
-    lse: (B, Hq, Sq) float32 from :func:`attention_fwd`; masks, window, causal, scale and
-    q_offset as in the forward. Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v,
-    each laid out (B, S, H, D) in memory like out.
+    lse: (B, Hq, Sq) float32 from :func:`attention_fwd`; masks, window, causal, scale,
+    q_offset and softcap as in the forward. Returns ``(dq, dk, dv)`` with the shapes and dtype
+    of q, k, v, each laid out (B, S, H, D) in memory like out.
 
     dk_acc, dv_acc: None, or both float32 (B, Hkv, Sk, D) tensors of any strides (no
     overlapping elements): this call's dK / dV (the share of q's Sq query rows) is added into
@@ -968,7 +1041,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     name = "attention_bwd"
     B, Hq, Hkv, Sq, Sk, D = _checks._check_attention_bwd(name, dout, q, k, v, out, lse,
                                                          key_padding_mask, segment_ids, window,
-                                                         scale, q_offset, dk_acc, dv_acc)
+                                                         scale, q_offset, dk_acc, dv_acc, softcap)
     _kernel_rules(name, q, D)
     accumulate = dk_acc is not None
 
@@ -991,7 +1064,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     before, after = _band(Sk, causal, window)
     spec = (q.device, q.dtype, D, bool(causal), has_mask, has_seg, before != _NO_LIMIT,
             _launch.dot_precision(q.dtype))
-    qk_scale = float(scale) * _LOG2E
+    qk_scale, cap_in, cap_out, capped = _cap_args(scale, softcap)
     group = Hq // Hkv
     q_off = int(q_offset)
     buckets = (_s_bucket(Sk), _s_bucket(Sq))
@@ -1003,7 +1076,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     else:
         dq_acc = dq  # not written by the dK/dV kernel
 
-    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic, accumulate)
+    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic, accumulate, capped)
     with _launch.on_device(q.device):
         _attn_bwd_preprocess_kernel[(_launch.cdiv(Sq, _PRE_BLOCK_M), B, Hq)](
             out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, Sq,
@@ -1019,7 +1092,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
             q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv_run, dq_acc,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dk.stride(), *dq_acc.stride(), Hq, Hkv, Sq, Sk, q_off, group, qk_scale,
-            float(scale), before, after, *buckets, **dkdv_meta)
+            float(scale), before, after, cap_in, cap_out, *buckets, **dkdv_meta)
         if dv_run is not dv:
             dv.copy_(dv_run)
 
@@ -1027,10 +1100,10 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
             if dq_acc is not dq:
                 dq.copy_(dq_acc)  # the convert pass: fp32 sums to q's dtype, same layout
         else:
-            kernel, meta = _launcher("dq", *spec)
+            kernel, meta = _launcher("dq", *spec, False, False, capped)
             kernel[lambda m: (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)](
                 q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
                 *dq.stride(), Hq, Sq, Sk, q_off, group, qk_scale, float(scale), before, after,
-                *buckets, **meta)
+                cap_in, cap_out, *buckets, **meta)
     return dq, ret_dk, ret_dv

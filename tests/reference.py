@@ -151,13 +151,14 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
 
 
 def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm_offset=0.0,
-                    part="layer", activation="silu"):
+                    part="layer", activation="silu", softcap=0.0):
     """p: a DecoderLayer state_dict (HF names), or the op's weight slots by name: a norm absent
     from p is the identity, "attention_output_norm.weight" / "mlp_output_norm.weight" norm a
     sublayer's output before the residual add, q/k norms of width heads * head_dim norm the
     whole projection. Norms multiply by (norm_offset + w). part: "layer", "attention" (x + the
     attention sublayer) or "mlp" (x + the MLP sublayer); activation: the MLP's
-    (gate_activation). Computes in x's dtype."""
+    (gate_activation); softcap > 0: the attention's scaled scores are capped to
+    tanh(s / softcap) * softcap (HF Gemma 2's eager attention). Computes in x's dtype."""
     def rms(t, w):
         if w is None:
             return t
@@ -188,6 +189,8 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm
     q, k = rope_reference(q, k, cos, sin)
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()[None, None]
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
@@ -257,21 +260,27 @@ def packed_segment_ids(B, S, lengths, device="cpu", dtype=torch.int64, shuffle_i
 
 
 def eager_flash_identity_grads(q, k, v, mask, causal, scale, dout, out, segment_ids=None,
-                               window=None):
+                               window=None, softcap=0.0):
     """Plain PyTorch backward at q's dtype via dS = P * (dP - rowsum(dO * O)), S x S in memory.
 
     q, dout, out (B, Hq, S, D); k, v (B, Hkv, S, D). Returns dict dq, dk, dv (GQA summed).
+    softcap > 0: scores capped (tanh(s / softcap) * softcap) and dS times 1 - tanh^2.
     """
     B, Hq, S, D = q.shape
     group = Hq // k.shape[1]
     k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k_rep.transpose(-1, -2)) * scale
+    if softcap > 0:
+        t = torch.tanh(scores / softcap)
+        scores = t * softcap
     allowed = allowed_matrix(B, S, mask, causal, q.device, segment_ids, window)
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     p = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1), zero)
     dp = dout @ v_rep.transpose(-1, -2)
     ds = p * (dp - (dout * out).sum(dim=-1, keepdim=True))
+    if softcap > 0:
+        ds = ds * (1 - t * t)
     dq = (ds @ k_rep) * scale
     dk = ((ds.transpose(-1, -2) @ q) * scale).view(B, -1, group, S, D).sum(dim=2)
     dv = (p.transpose(-1, -2) @ dout).view(B, -1, group, S, D).sum(dim=2)
@@ -371,20 +380,21 @@ def swiglu_lora_grads(args, lora, scaling, dy, dtype=None, **kw):
 
 # ---- attention over query chunks -----------------------------------------------------------
 def attention_in_chunks(fwd, bwd, q, k, v, dout, mask, causal, scale, segment_ids, window,
-                        rows, acc_dtype=torch.float32):
+                        rows, acc_dtype=torch.float32, softcap=0.0):
     """attention_fwd / attention_bwd (``fwd``, ``bwd``: the op or a launcher) over the query
     chunks [q0, q0 + rows) of q (q_offset = q0) against all keys: out, lse and dq concatenated
     over the chunks, dk / dv summed into acc_dtype accumulators (dk_acc / dv_acc, here laid out
-    (B, Sk, Hkv, D) like the decoder layer's projections). Returns dict(out, lse, dq, dk, dv)."""
+    (B, Sk, Hkv, D) like the decoder layer's projections); softcap passed on to both.
+    Returns dict(out, lse, dq, dk, dv)."""
     B, Hkv, Sk, D = k.shape
     dk_acc = torch.zeros(B, Sk, Hkv, D, dtype=acc_dtype, device=q.device).transpose(1, 2)
     dv_acc = torch.zeros_like(dk_acc)
     outs, lses, dqs = [], [], []
     for q0 in range(0, q.shape[2], rows):
         qc, dc = q[:, :, q0:q0 + rows], dout[:, :, q0:q0 + rows]
-        out, lse = fwd(qc, k, v, mask, segment_ids, window, causal, scale, q0)
+        out, lse = fwd(qc, k, v, mask, segment_ids, window, causal, scale, q0, softcap)
         dq, dk, dv = bwd(dc, qc, k, v, out, lse, mask, segment_ids, window, causal, scale, q0,
-                         dk_acc, dv_acc)
+                         dk_acc, dv_acc, softcap)
         assert dk.shape == (0,) and dv.shape == (0,) and dk.dtype == k.dtype, (dk.shape, dk.dtype)
         assert out.shape == qc.shape and lse.shape == qc.shape[:3] and dq.shape == qc.shape
         outs.append(out), lses.append(lse), dqs.append(dq)

@@ -18,6 +18,9 @@ Sweep (``--quick`` keeps a few entries of each part):
              CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32, HEAD_DIM 16/80/256, key padding mask,
              plus the corner fp32 + HEAD_DIM 256 + mask; the D = rowsum(dO * O) pre-pass once
              per (dtype, HEAD_DIM).
+  softcap    (only when named with --part) the attention kernels with SOFTCAP, causal: bf16
+             every candidate at HEAD_DIM 128 and 64; the first kept config of fp16 / fp32
+             HEAD_DIM 128 and bf16 HEAD_DIM 256; the atomic-dQ dK/dV kernel (bf16, 128).
   swiglu     bf16, every candidate of swiglu_mlp.launch_configs: forward (STORE_GATE_UP
              False/True) and the recompute backward, no biases, DOT_IEEE False, and both with
              LoRA adapters on every projection (rank pad 16); with the first kept config (what
@@ -260,9 +263,11 @@ def _strides(prefixes, dims="bhsd"):
 
 
 def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal: bool,
-                        has_mask: bool, meta: dict, dq_atomic: bool = False):
+                        has_mask: bool, meta: dict, dq_atomic: bool = False,
+                        softcap: bool = False):
     """(signature, constexprs, attrs) of an attention kernel as its launcher passes them
-    (dq_atomic: the dK/dV kernel of CKPT_EXT_ATTN_DQ=atomic)."""
+    (dq_atomic: the dK/dV kernel of CKPT_EXT_ATTN_DQ=atomic; softcap: SOFTCAP, the capped
+    scores)."""
     import torch
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -294,8 +299,8 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
         unit.add("stride_ms")          # contiguous (B, S) mask; stride_mb = S, unspecialized
     else:
         div16 |= {"stride_mb", "stride_ms"}   # both 0 when there is no mask
-    floats = {"qk_scale"} if kind == "fwd" else {"qk_scale", "sm_scale"}
-    consts = dict(common, HAS_MASK=has_mask, HAS_SEG=False, WINDOW=False,
+    floats = {"qk_scale", "cap_in", "cap_out"} | (set() if kind == "fwd" else {"sm_scale"})
+    consts = dict(common, HAS_MASK=has_mask, HAS_SEG=False, WINDOW=False, SOFTCAP=softcap,
                   BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
     if kind == "dkdv":
         consts["DQ_ATOMIC"] = dq_atomic
@@ -404,14 +409,16 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                 options={"num_warps": JIT_DEFAULT_WARPS, "num_stages": JIT_DEFAULT_STAGES},
                 cost=head_dim)
 
-        def add_attn(kind, cfg, est, dtype, head_dim, causal, has_mask, part, dq_atomic=False):
+        def add_attn(kind, cfg, est, dtype, head_dim, causal, has_mask, part, dq_atomic=False,
+                     softcap=False):
             sig, consts, attrs = attention_signature(attention, kind, dtype, head_dim, causal,
-                                                     has_mask, cfg.kwargs, dq_atomic)
+                                                     has_mask, cfg.kwargs, dq_atomic, softcap)
             d_pad = consts["D_PAD"]
             spec = f"D{head_dim}" + (f"(pad{d_pad})" if d_pad != head_dim else "")
             spec += " causal" if causal else " full"
             spec += " mask" if has_mask else ""
             spec += " atomic-dq" if dq_atomic else ""
+            spec += " softcap" if softcap else ""
             pr = model_verdict(est)
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
             add(module="attention", kernel=ATTN_KERNEL[kind], short=f"attn_{kind}", arch=arch,
@@ -457,6 +464,29 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
             for causal in causals:
                 add_attn("dkdv", *first, dtype, head_dim, causal, False,
                          "attention-specializations", dq_atomic=True)
+        # softcap > 0 (SOFTCAP): bf16 causal, every candidate at HEAD_DIM 128 and 64 (the
+        # model does not count the cap's tiles), the first kept one of the other dtypes and of
+        # HEAD_DIM 256, and the atomic-dQ dK/dV kernel
+        if "softcap" in parts:
+            capped = [("bf16", 128, None), ("bf16", 64, None), ("fp16", 128, 1),
+                      ("fp32", 128, 1), ("bf16", 256, 1)]
+            if quick:
+                capped = [("bf16", 128, 1)]
+            for dtype, head_dim, count in capped:
+                for kind in ("fwd", "dkdv", "dq"):
+                    rows = attention.launch_configs(kind, family, head_dim, torch_dtype[dtype],
+                                                    budget)
+                    if count is not None:
+                        rows = [next((c, est) for c, est in rows
+                                     if est["kept"] or est["fallback"])]
+                    for cfg, est in rows:
+                        add_attn(kind, cfg, est, dtype, head_dim, True, False,
+                                 "attention-softcap", softcap=True)
+            rows = attention.launch_configs("dkdv", family, 128, torch.bfloat16, budget,
+                                            dq_atomic=True)
+            first = next((c, est) for c, est in rows if est["kept"] or est["fallback"])
+            add_attn("dkdv", *first, "bf16", 128, True, False, "attention-softcap",
+                     dq_atomic=True, softcap=True)
 
         # ---- swiglu ----------------------------------------------------------------------
         def add_swiglu(kind, dtype, cfg, est, store=False, biases=False, ieee=False,
@@ -717,8 +747,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small sweep")
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (1 or 2, default 2)")
-    parser.add_argument("--part", choices=["attention", "swiglu"], nargs="+",
-                        default=["attention", "swiglu"], help="kernel families to compile")
+    parser.add_argument("--part", choices=["attention", "swiglu", "softcap"], nargs="+",
+                        default=["attention", "swiglu"],
+                        help="kernel families to compile (softcap: the attention kernels with "
+                             "SOFTCAP, only when named)")
     parser.add_argument("--allow-spills", action="store_true",
                         help="report kept bf16/fp16 configs that spill without failing")
     parser.add_argument("--kernels-from-path", action="store_true",
@@ -802,6 +834,7 @@ def main(argv=None) -> int:
                         ("attention-specializations",
                          "attention: specializations with the first pruned config, and the "
                          "rowsum pre-pass"),
+                        ("attention-softcap", "attention with softcap (SOFTCAP), causal"),
                         ("swiglu", "swiglu")):
         part_rows = [(j, r) for j, r in rows if j["part"] == part
                      or (part == "attention-specializations" and j["short"] == "attn_pre")]
