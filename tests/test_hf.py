@@ -43,7 +43,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # GELU-tanh; Gemma 3 adds norms after both sublayers, per-head q/k norms, its own attention
 # scale and a local RoPE on its sliding layers; Phi-3 fuses q/k/v into qkv_proj and gate/up
 # into gate_up_proj, and phi3_partial (Phi-4-mini's partial_rotary_factor) rotates only the
-# first half of each head.
+# first half of each head; Gemma 2 soft-caps its attention scores (eager attention only).
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -55,9 +55,16 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
             "gemma": {}, "gemma3_text": dict(query_pre_attn_scalar=24, sliding_window=6,
                                              layer_types=["sliding_attention", "full_attention",
                                                           "sliding_attention"]),
+            "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                           final_logit_softcapping=3.0, sliding_window=6,
+                           layer_types=["sliding_attention", "full_attention",
+                                        "sliding_attention"]),
             "phi3": {},
             "phi3_partial": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                       partial_rotary_factor=0.5))}
+# transformers runs these with eager attention only (Gemma 2: its soft-capping); make_model
+# builds them eager whatever impl is asked.
+EAGER_ONLY = {"gemma2"}
 # The model_type of a FAMILIES entry that is a variant of another family.
 MODEL_TYPE = {"phi3_partial": "phi3"}
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -67,7 +74,8 @@ B, S, PAD = 2, 17, 5
 
 def make_model(family="llama", impl="sdpa", cls=AutoModelForCausalLM, seed=0, **overrides):
     return tiny_model(MODEL_TYPE.get(family, family), {**TINY, **FAMILIES[family], **overrides},
-                      impl=impl, cls=cls, seed=seed, perturb=True)
+                      impl="eager" if family in EAGER_ONLY else impl, cls=cls, seed=seed,
+                      perturb=True)
 
 
 def make_batch(pad: bool, seed=1, s=S):
@@ -107,9 +115,18 @@ def calls(model, key="fused"):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_balanced_matches_unpatched(family, impl, pad):
+    if family in EAGER_ONLY and impl != "eager":
+        pytest.skip(f"transformers runs {family} with eager attention only: the eager case "
+                    "covers it")
     ref_model = make_model(family, impl)
     model = patch_llama(copy.deepcopy(ref_model), "balanced")
     ids, mask, labels = make_batch(pad)
+    if family == "gemma2" and pad:  # left padding under capped eager attention: HF's forward
+        with pytest.warns(UserWarning, match="nothing to attend"):
+            got = run(model, ids, mask, labels)
+        assert_same(run(ref_model, ids, mask, labels), got, mask)
+        assert calls(model) == [0, 0, 0]
+        return
     assert_same(run(ref_model, ids, mask, labels), run(model, ids, mask, labels), mask)
     assert calls(model) == [1, 1, 1]  # every layer went through the fused op
 
@@ -660,6 +677,28 @@ def test_granite_logits_scaling_fuses_head_and_layers():
     unscaled = copy.deepcopy(ref_model)
     unscaled.config.logits_scaling = 1.0
     assert (run(unscaled, ids, mask, labels)[0].loss - out_r.loss).abs() > 100 * TOL["atol"]
+
+
+@pytest.mark.parametrize("policy", ["fast", "min_memory"])
+def test_gemma2_right_padding_is_fused(policy):
+    """Right padding under Gemma 2's capped eager attention leaves no row with nothing to attend
+    (every padded row sees real keys within its window of 6): the layers are fused and match
+    HF; padding longer than the window leaves rows empty, and those calls run HF's forward."""
+    ref_model = make_model("gemma2")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, TINY["vocab_size"], (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, -4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    model = patch_llama(copy.deepcopy(ref_model), policy)
+    assert_same(run(ref_model, ids, mask, labels), run(model, ids, mask, labels), mask)
+    assert calls(model) == [1, 1, 1]
+    mask[0, -9:] = 0  # 9 padded keys: the last rows of the windowed layers see none
+    labels = ids.masked_fill(mask == 0, -100)
+    with pytest.warns(UserWarning, match="nothing to attend"):
+        got = run(model, ids, mask, labels)
+    assert_same(run(ref_model, ids, mask, labels), got, mask)
+    assert calls(model) == [1, 2, 1]  # the full-attention layer stays fused
 
 
 def test_a_wrong_norm_map_fails(monkeypatch):

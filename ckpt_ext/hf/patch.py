@@ -1,4 +1,4 @@
-"""Put ckpt_ext's recompute into a Hugging Face LLaMA-family model, in place.
+r"""Put ckpt_ext's recompute into a Hugging Face LLaMA-family model, in place.
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
     ckpt_ext.patch_llama(model, policy="balanced")
@@ -337,6 +337,8 @@ class _LayerSpec:
         self.head_dim = int(getattr(attn, "head_dim", None) or
                             config.hidden_size // config.num_attention_heads)
         self.scale = float(attn.scaling)
+        # Gemma 2's attention logit soft-capping (0: none)
+        self.softcap = float(getattr(attn, "attn_logit_softcapping", None) or 0.0)
         self.eps = _eps(layer, self.family)
         self.window = _layer_window(config, layer)
         self.rope = _layer_uses_rope(config, layer)
@@ -396,6 +398,32 @@ def _no_rope_tables(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
     is allocated or saved."""
     one = torch.ones((1, 1, 1), dtype=cos.dtype, device=cos.device)
     return one.expand(cos.shape), torch.zeros_like(one).expand(sin.shape)
+
+
+def _window(spec: "_LayerSpec", x: Tensor) -> Optional[int]:
+    """The layer's window for this call (None when it covers the whole sequence)."""
+    return spec.window if spec.window is not None and spec.window < x.shape[1] else None
+
+
+_CAPPED_EMPTY_ROWS = (
+    "rows with nothing to attend (left padding, or padding longer than the sliding window) "
+    "under soft-capped eager attention: HF averages all values there, and that row's capped "
+    "gradient is not a sum the fused op computes. Pad on the right (then the fused op runs), "
+    "or use policy 'torch' for this model")
+
+
+def _may_have_empty_rows(key_padding_mask: Optional[Tensor], window: Optional[int]) -> bool:
+    """Whether some query row may attend no key: a causal row i sees keys
+    max(0, i - window + 1) .. i, so it is empty when all of those are padding. One host sync
+    (a bool of B*S elements); under torch.compile every padded batch counts as one that may."""
+    if key_padding_mask is None:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    real = key_padding_mask.to(torch.int32).cumsum(1)
+    if window is not None:
+        real = real - torch.nn.functional.pad(real, (window, 0))[:, :real.shape[1]]
+    return bool((real == 0).any())
 
 
 def _attention_dropout(layer: nn.Module, config) -> float:
@@ -708,7 +736,11 @@ class _PatchedForward:
                     f"{tuple(x.shape)} and head_dim {spec.head_dim}"), BatchMasks()
         if cos.requires_grad or sin.requires_grad:
             return "cos/sin require grad", BatchMasks()
-        return self._masks(x, kwargs, state)
+        reason, masks = self._masks(x, kwargs, state)
+        if reason is None and spec.softcap and impl == "eager" and \
+                _may_have_empty_rows(masks.key_padding_mask, _window(spec, x)):
+            reason = _CAPPED_EMPTY_ROWS
+        return reason, masks
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list, streams: list) -> Tensor:
@@ -716,7 +748,7 @@ class _PatchedForward:
         cos, sin = position_embeddings
         if not spec.rope:
             cos, sin = _no_rope_tables(cos, sin)
-        window = spec.window if spec.window is not None and spec.window < x.shape[1] else None
+        window = _window(spec, x)
         # LoRA dropout: a fresh seed per call from torch's CPU generator (torch.manual_seed
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
@@ -726,10 +758,11 @@ class _PatchedForward:
             [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
-            uniform_empty_rows=_attn_implementation(self.config) == "eager",
+            # capped layers reach here only without empty rows (_why_not_fused)
+            uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
-            scale=spec.scale, residual_scale=spec.residual_scale,
+            scale=spec.scale, softcap=spec.softcap, residual_scale=spec.residual_scale,
             norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
             activation=spec.activation, preset=preset)
 
