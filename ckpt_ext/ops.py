@@ -192,7 +192,8 @@ def _swiglu_setup(ctx, inputs, output):
     (x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, return_gate_up,
      lora_dropout, dropout_seed) = inputs[:12]
     ctx.dropout_row_offset = inputs[12] if len(inputs) > 12 else 0
-    ctx.activation = inputs[13] if len(inputs) > 13 else "silu"
+    ctx.dropout_streams = inputs[13] if len(inputs) > 13 else []
+    ctx.activation = inputs[14] if len(inputs) > 14 else "silu"
     _, gate, up = output
     ctx.mark_non_differentiable(gate, up)
     if any(t is None for t in lora) and any(t is not None and t.requires_grad for t in lora):
@@ -226,7 +227,7 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     needs = [bool(f) for f in need[1:7]] + (lora_need or [False] * 6)
     grads = _ops.swiglu_bwd(dy, *saved[:7], lora, ctx.lora_scaling, gate, up, needs,
                             ctx.lora_dropout, ctx.dropout_seed, ctx.dropout_row_offset,
-                            activation=ctx.activation)
+                            ctx.dropout_streams, ctx.activation)
     dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora = grads
 
     def keep(flag, g):
@@ -237,10 +238,10 @@ def _swiglu_backward(ctx, dy, dgate, dup):
     grads = (dx, keep(need[1], dw_gate), keep(need[2], dw_up), keep(need[3], dw_down),
              keep(need[4], db_gate), keep(need[5], db_up), keep(need[6], db_down),
              dlora_out, [] if not ctx.lora_scaling else None, None, ctx.dropout_grad, None,
-             None, None)
+             None, [] if not ctx.dropout_streams else None, None)
     # One gradient per argument the caller passed: the trailing lora_dropout / dropout_seed /
-    # dropout_row_offset / activation may have been left to their defaults (needs_input_grad
-    # has one entry per passed one).
+    # dropout_row_offset / dropout_streams / activation may have been left to their defaults
+    # (needs_input_grad has one entry per passed one).
     return grads[:len(need)]
 
 

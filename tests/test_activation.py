@@ -63,9 +63,11 @@ def run_ops(fwd, bwd, args, lora, scaling, dy, drop, save, activation=GELU, row0
             needs=ALL_GRADS):
     """The 14 results (y, dx, dW, db, dA_gate ... dB_down) of a forward / backward pair (the
     dispatcher's ops or the Triton launchers)."""
-    y, gate, up = fwd(*args, lora, scaling, save == "gate_up", *drop, row0, activation)
+    y, gate, up = fwd(*args, lora, scaling, save == "gate_up", *drop, row0,
+                      activation=activation)
     saved = (gate, up) if save == "gate_up" else (None, None)
-    *g, dlora = bwd(dy, *args, lora, scaling, *saved, needs, *drop, row0, activation)
+    *g, dlora = bwd(dy, *args, lora, scaling, *saved, needs, *drop, row0,
+                     activation=activation)
     assert len(dlora) == 6
     return (y, *g, *dlora)
 

@@ -559,6 +559,9 @@ def test_refuses_other_models_and_foreign_forwards():
     model.config.model_type = "falcon"
     with pytest.raises(ValueError, match="model_type 'falcon' is not supported"):
         patch_llama(model)
+    model.config.model_type = "gemma3"
+    with pytest.raises(ValueError, match="bidirectionally.*Gemma3ForCausalLM"):
+        patch_llama(model)
     model = make_model("llama", "sdpa")
     layer = model.model.layers[2]
     layer.forward = lambda *a, **k: type(layer).forward(layer, *a, **k)

@@ -790,10 +790,11 @@ def _opcheck_samples():
         _, gate, up = OPS.swiglu_fwd(*args, lora, scaling, True)
         for saved in ((None, None), (gate, up)):
             samples.append(("swiglu_bwd", (dy, *args, lora, scaling, *saved, needs)))
-    # activation="gelu_tanh" (GeGLU), with every trailing argument given
+    # activation="gelu_tanh" (GeGLU), with every trailing argument given (gate and up share a
+    # dropout stream, as a fused gate_up_proj)
     args, lora, scaling, dy = reference.make_swiglu_lora(7, 12, 10, torch.float32,
                                                          torch.float32, (2, 3, 1), True)
-    drop = ([0.2, 0.0, 0.3], torch.tensor(5), 3, "gelu_tanh")
+    drop = ([0.2, 0.0, 0.3], torch.tensor(5), 3, [4, 4, 6], "gelu_tanh")
     for gate_up in (False, True):
         samples.append(("swiglu_fwd", (*leaves(*args), leaves(*lora), scaling, gate_up, *drop)))
     _, gate, up = OPS.swiglu_fwd(*args, lora, scaling, True, *drop)

@@ -53,10 +53,11 @@ loss's forward and backward (``ckpt_ext.hf.zero``); ZeRO-2 needs nothing.
 
 What can never be fused is refused by ``patch_llama`` with a ``ValueError``: other model
 types, attention implementations the fused op does not replace, attention dropout, activations
-other than SiLU, norms with different eps. Rope variants are not refused: these four layer
-classes all apply ``q * cos + rotate_half(q) * sin`` with the cos/sin the model computes outside
-the layers (rope scaling types change only those), and the fused op applies the same formula
-to the same cos/sin.
+other than SiLU and tanh-approximate GELU, norms with different eps. Rope variants are not
+refused: these layer classes all apply ``q * cos + rotate_half(q) * sin`` with the cos/sin the
+model computes outside the layers (rope scaling types change only those; Phi-4-mini's partial
+rotary embeddings are narrower cos/sin), and the fused op applies the same formula to the same
+cos/sin.
 """
 from __future__ import annotations
 
@@ -128,11 +129,16 @@ def _model_config(model: nn.Module):
         raise ValueError(f"patch_llama: {type(model).__name__} has no .config; pass a "
                          "transformers model (LlamaForCausalLM, Qwen2Model, ...)")
     model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3":
+        raise ValueError(
+            "patch_llama: model_type 'gemma3' (Gemma3ForConditionalGeneration) is not supported: "
+            "its image tokens attend bidirectionally, and the fused op is causal. For text, load "
+            "the text stack as Gemma3ForCausalLM (model_type 'gemma3_text'), which is supported")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"patch_llama: model_type {model_type!r} is not supported; supported are "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (the fused op implements exactly their "
-            "decoder layer: RMSNorm, RoPE, GQA causal attention, SwiGLU)")
+            "decoder layer: RMSNorm, RoPE, GQA causal attention, a gated MLP)")
     return config
 
 
@@ -807,7 +813,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     """Give every decoder layer of ``model`` a recompute preset; returns ``model`` (patched in
     place).
 
-    ``model``: a transformers Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or ``*Model``, or a
+    ``model``: a transformers ``*ForCausalLM`` or ``*Model`` of ``SUPPORTED_MODEL_TYPES``, or a
     ``peft.PeftModel`` around one. ``policy``: a preset name for every layer, a list with one
     per layer, a callable ``(layer_idx) -> preset`` (presets: ``ckpt_ext.presets.PRESETS``), or
     ``"auto"`` with ``activation_budget`` (bytes, or a string such as ``"20GiB"``): at each
