@@ -3,11 +3,11 @@
 fused op ran: every decoder layer's ``forward.calls["fused"]``.
 
 All models share one shape (hidden 128, 2 layers, 4 heads / 2 KV heads of 32, intermediate
-344, vocab 256), fp32, B 2, S 64 with one left-padded row; each family keeps what makes it
-itself (Gemma's sandwich norms and GeGLU, OLMo-2's post-norms, Phi-3's fused projections,
-SmolLM3's layers without RoPE, ...) at its transformers defaults, with the windows and
-multipliers below. The peak is ckpt_ext.peak_memory_bytes of a training step after a first one.
-CPU, a minute: python bench/families.py (prints the README table)."""
+344, vocab 256), fp32, B 2, S 64 with one right-padded row (8 pads). Each family keeps what
+makes it itself (Gemma's sandwich norms and GeGLU, OLMo-2's post-norms, Phi-3's fused
+projections, SmolLM3's layers without RoPE, ...) at its transformers defaults, with the
+windows and multipliers below. The peak is ckpt_ext.peak_memory_bytes of a training step
+after a first one. CPU, a minute: python bench/families.py (prints the README table)."""
 import argparse
 import copy
 import warnings
@@ -51,7 +51,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, SHAPE["vocab_size"], (2, args.seq), generator=g)
     mask = torch.ones(2, args.seq, dtype=torch.long)
-    mask[0, :8] = 0
+    mask[0, -8:] = 0  # right padding, as training batches are padded
     print(f"B 2, S {args.seq}, fp32; saved bytes / step peak bytes; fused = layers x calls that "
           "ran the fused op in the patched steps\n")
     print("| family | unpatched | balanced | min_memory | min_memory saved / unpatched | fused |")
