@@ -418,10 +418,13 @@ def test_sft_trainer_with_its_gradient_checkpointing_runs_min_memory(tmp_path):
     assert fused_calls(model) == 2 * TINY["num_hidden_layers"]
 
 
-def test_sft_trainer_lora_runs_the_fused_op(tmp_path):
+def _sft_lora_train(tmp_path, sft_config=None, **patch_kwargs):
+    """Two SFTTrainer steps of a patched tiny model with LoRA r 4 (dropout 0.05) on every
+    projection; returns (trainer, the transformers model inside PEFT), its layers fused in
+    both steps."""
     peft = _peft()
-    trl, data, tok, args = _sft_setup(tmp_path, bf16=True)
-    model = ckpt_ext.patch_llama(make_model())
+    trl, data, tok, args = _sft_setup(tmp_path, **(sft_config or {}))
+    model = ckpt_ext.patch_llama(make_model(), **patch_kwargs)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=ALL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -431,6 +434,11 @@ def test_sft_trainer_lora_runs_the_fused_op(tmp_path):
     inner = trainer.model.get_base_model()
     assert sum(layer.forward.calls["fused"] for layer in inner.model.layers) == \
         2 * TINY["num_hidden_layers"]
+    return trainer, inner
+
+
+def test_sft_trainer_lora_runs_the_fused_op(tmp_path):
+    _, inner = _sft_lora_train(tmp_path, dict(bf16=True))
     assert all(not p.requires_grad for n, p in inner.named_parameters() if "lora_" not in n)
 
 
@@ -439,20 +447,9 @@ def test_sft_trainer_lora_with_offload_trains_as_without(tmp_path):
     lora_dropout, patched with offload="cpu": the layer inputs went through the host pool, and
     the logged losses and the trained adapters equal the run without offload bit for bit (on
     the CPU the copies are exact)."""
-    peft = _peft()
     results = {}
     for offload in (None, "cpu"):
-        trl, data, tok, args = _sft_setup(tmp_path / str(offload))
-        model = ckpt_ext.patch_llama(make_model(), offload=offload)
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=ALL)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
-                                     processing_class=tok, peft_config=config)
-            trainer.train()
-        inner = trainer.model.get_base_model()
-        assert sum(layer.forward.calls["fused"] for layer in inner.model.layers) == \
-            2 * TINY["num_hidden_layers"]
+        trainer, inner = _sft_lora_train(tmp_path / str(offload), offload=offload)
         if offload:
             stats = inner.model.layers[0].forward.shared.offloader.stats()
             assert stats["host_allocations"] > 0 and stats["live_layers"] == 0, stats

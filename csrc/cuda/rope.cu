@@ -65,6 +65,15 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
   const int heads_q = static_cast<int>(a.heads_q);
   const int heads = heads_q + static_cast<int>(a.heads_k);
   const int64_t positions = a.batch * seq;
+  // Row (b, s) of head hd, counting q's heads first and then k's: its input and output.
+  auto head_rows = [&](int hd, int64_t b, int64_t s, const T*& in, T*& out) {
+    const bool is_q = hd < heads_q;
+    const int64_t head = is_q ? hd : hd - heads_q;
+    const int64_t* is = is_q ? a.q_stride : a.k_stride;
+    const int64_t* os = is_q ? a.q_out_stride : a.k_out_stride;
+    in = (is_q ? q : k) + b * is[0] + head * is[1] + s * is[2];
+    out = (is_q ? q_out : k_out) + b * os[0] + head * os[1] + s * os[2];
+  };
 
   for (int64_t pos = blockIdx.x; pos < positions; pos += gridDim.x) {
     const int64_t b = pos / seq;
@@ -77,12 +86,9 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
         const int i = 2 * half + (u - units) * W;
         for (int hd = static_cast<int>(threadIdx.y); hd < heads;
              hd += static_cast<int>(blockDim.y)) {
-          const bool is_q = hd < heads_q;
-          const int64_t head = is_q ? hd : hd - heads_q;
-          const int64_t* is = is_q ? a.q_stride : a.k_stride;
-          const int64_t* os = is_q ? a.q_out_stride : a.k_out_stride;
-          const T* in = (is_q ? q : k) + b * is[0] + head * is[1] + s * is[2];
-          T* out = (is_q ? q_out : k_out) + b * os[0] + head * os[1] + s * os[2];
+          const T* in;
+          T* out;
+          head_rows(hd, b, s, in, out);
           float x1[W];
           load_w<T, W, kVec>(in + i, x1);
           store_w<T, W, kVec>(out + i, x1);
@@ -96,12 +102,9 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
       load_w<CT, W, kVec>(sr + i, s1);
       load_w<CT, W, kVec>(sr + half + i, s2);
       for (int hd = static_cast<int>(threadIdx.y); hd < heads; hd += static_cast<int>(blockDim.y)) {
-        const bool is_q = hd < heads_q;
-        const int64_t head = is_q ? hd : hd - heads_q;
-        const int64_t* is = is_q ? a.q_stride : a.k_stride;
-        const int64_t* os = is_q ? a.q_out_stride : a.k_out_stride;
-        const T* in = (is_q ? q : k) + b * is[0] + head * is[1] + s * is[2];
-        T* out = (is_q ? q_out : k_out) + b * os[0] + head * os[1] + s * os[2];
+        const T* in;
+        T* out;
+        head_rows(hd, b, s, in, out);
         float x1[W], x2[W], o1[W], o2[W];
         load_w<T, W, kVec>(in + i, x1);
         load_w<T, W, kVec>(in + half + i, x2);
