@@ -332,14 +332,17 @@ def packed_batch(lengths, seed=3):
     return ids, pos, labels
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3_partial"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3_partial", "olmo2", "gemma3_text",
+                                    "gemma2"])
 def test_packed_sequences_are_fused(family):
     ref_model = make_model(family, "sdpa")
     model = patch_llama(copy.deepcopy(ref_model), "min_memory")
     ids, pos, labels = packed_batch([7, 1, 12, 3])
     ref = run(ref_model, ids, None, labels, position_ids=pos)
     got = run(model, ids, None, labels, position_ids=pos)
-    assert_same(ref, got, None, STRICT)
+    # Gemma's sqrt(H) embedding scale and (1 + w) norms make its activations several times
+    # larger, and its fp32 rounding differences with them: the default tolerance there
+    assert_same(ref, got, None, TOL if family.startswith("gemma") else STRICT)
     assert calls(model) == [1, 1, 1]
     # the documents are independent: each alone gives the same logits as in the pack
     alone = ref_model(input_ids=ids[:, 8:20], use_cache=False).logits

@@ -208,11 +208,12 @@ def test_inductor_layer_keeps_the_preset():
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "olmo2", "gemma3_text"])
 @pytest.mark.parametrize("preset", ["balanced", "min_memory"])
-def test_compiled_hf_model_has_no_graph_breaks_and_keeps_the_preset(preset):
+def test_compiled_hf_model_has_no_graph_breaks_and_keeps_the_preset(preset, family):
     torch._dynamo.reset()
     ids, mask, labels = make_batch()
-    model = ckpt_ext.patch_llama(make_model(), preset)
+    model = ckpt_ext.patch_llama(make_model(family, **AUTOCAST_FAMILIES[family]), preset)
     eager_bytes = model_saved_bytes(model, ids, mask, labels)
     loss_e, grads_e = loss_and_grads(model, ids, mask, labels)
     explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels)
@@ -295,7 +296,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 @pytest.mark.parametrize("family,targets", [("llama", ALL), ("qwen2", ["q_proj", "v_proj"]),
-                                            ("qwen3", ALL)])
+                                            ("qwen3", ALL), ("olmo2", ALL),
+                                            ("gemma3_text", ALL)])
 @pytest.mark.parametrize("order", ["wrap-then-patch", "patch-then-wrap"])
 @pytest.mark.parametrize("preset", ["fast", "min_memory"])
 def test_lora_is_fused_with_exact_gradients(family, targets, order, preset):
