@@ -359,6 +359,28 @@ def make_swiglu_lora(T, H, I, dtype, lora_dtype, ranks, bias, device="cpu", seed
     return args, lora, scaling, rnd(T, H)
 
 
+# The 14 results of swiglu_fwd / swiglu_bwd, in the ops' order.
+SWIGLU_OUT_NAMES = ("y", "dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down",
+                    "dA_gate", "dB_gate", "dA_up", "dB_up", "dA_down", "dB_down")
+
+
+def check_swiglu_lora(out, base, ref, needs=(True,) * 12, exact=False):
+    """exact: float64 run, tight check; else the 2x / 3x baseline rule. Gradients not wanted
+    or not applicable must be the empty placeholder."""
+    grad_scale = magnitude(*[r for r in ref[1:] if r is not None])
+    for name, want, o, b, r in zip(SWIGLU_OUT_NAMES, [True, True, *needs], out, base, ref):
+        if r is None or not want:
+            assert o.shape == (0,), f"{name}: expected an empty placeholder, got {o.shape}"
+            continue
+        assert o.shape == r.shape and o.dtype == b.dtype, (name, o.shape, o.dtype)
+        scale = None if name == "y" else grad_scale
+        if exact:
+            check_f64(name, o, r, scale=scale)
+        else:
+            check_vs_baseline(name, o, b, r, FACTOR_OUT if name == "y" else FACTOR_GRAD,
+                              o.dtype, scale=scale)
+
+
 def swiglu_lora_grads(args, lora, scaling, dy, dtype=None, **kw):
     """y and the 12 + 1 gradients of swiglu_lora_reference by autograd, in the op's order:
     (y, dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, [dA_gate, dB_gate, dA_up, dB_up,

@@ -22,8 +22,8 @@ from ckpt_ext import blocks, ops
 from ckpt_ext.modules import DecoderLayer, SwiGLUMLP
 
 import reference
-from reference import (FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline, magnitude,
-                       make_layer, make_swiglu_lora, rms_norm_reference, rope_tables,
+from reference import (FACTOR_GRAD, FACTOR_OUT, check_f64, check_swiglu_lora, check_vs_baseline,
+                       magnitude, make_layer, make_swiglu_lora, rms_norm_reference, rope_tables,
                        swiglu_lora_grads)
 
 OPS = torch.ops.ckpt_ext
@@ -31,8 +31,7 @@ F64 = torch.float64
 GELU = "gelu_tanh"
 T, H, I = 37, 48, 80
 ALL_GRADS = [True] * 12
-NAMES = ("y", "dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down",
-         "dA_gate", "dB_gate", "dA_up", "dB_up", "dA_down", "dB_down")
+NAMES = reference.SWIGLU_OUT_NAMES
 DROPOUT = [0.3, 0.2, 0.4]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,23 +77,6 @@ def ref_results(args, lora, scaling, dy, kw, dtype=None, activation=GELU):
     return (y, *g, *dlora)
 
 
-def check(out, base, ref, exact=False):
-    """float64 results tight (check_f64), others under the 2x / 3x rule; the gradients share
-    one floor scale (their largest magnitude). Absent tensors: empty placeholders."""
-    grad_scale = magnitude(*[r for r in ref[1:] if r is not None])
-    for name, o, b, r in zip(NAMES, out, base, ref):
-        if r is None:
-            assert o.numel() == 0, f"{name}: expected an empty placeholder"
-            continue
-        assert o.shape == r.shape and o.dtype == b.dtype, (name, o.shape, o.dtype)
-        scale = None if name == "y" else grad_scale
-        if exact:
-            check_f64(name, o, r, scale=scale)
-        else:
-            check_vs_baseline(name, o, b, r, FACTOR_OUT if name == "y" else FACTOR_GRAD,
-                              o.dtype, scale=scale)
-
-
 # ---- the CPU kernel ops --------------------------------------------------------------------
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
@@ -105,7 +87,7 @@ def check(out, base, ref, exact=False):
 def test_cpu_ops_fp64(bias, ranks, dropout, save):
     args, lora, scaling, dy, kw, drop = case(F64, F64, ranks, bias, dropout)
     out = run_ops(OPS.swiglu_fwd, OPS.swiglu_bwd, args, lora, scaling, dy, drop, save)
-    check(out, out, ref_results(args, lora, scaling, dy, kw), exact=True)
+    check_swiglu_lora(out, out, ref_results(args, lora, scaling, dy, kw), exact=True)
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
@@ -115,15 +97,17 @@ def test_cpu_ops_fp64(bias, ranks, dropout, save):
                          ids=["f32", "bf16-a32", "bf16"])
 def test_cpu_ops_low_precision(dtype, lora_dtype, save):
     args, lora, scaling, dy, kw, drop = case(dtype, lora_dtype, (8, 4, 2), True, DROPOUT)
-    check(run_ops(OPS.swiglu_fwd, OPS.swiglu_bwd, args, lora, scaling, dy, drop, save),
-          ref_results(args, lora, scaling, dy, kw), ref_results(args, lora, scaling, dy, kw, F64))
+    check_swiglu_lora(
+        run_ops(OPS.swiglu_fwd, OPS.swiglu_bwd, args, lora, scaling, dy, drop, save),
+        ref_results(args, lora, scaling, dy, kw), ref_results(args, lora, scaling, dy, kw, F64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_cpu_ops_low_precision_without_adapters(dtype):
     args, lora, scaling, dy, kw, drop = case(dtype, dtype, (None, None, None), True)
-    check(run_ops(OPS.swiglu_fwd, OPS.swiglu_bwd, [*args], [], [], dy, drop, "input"),
-          ref_results(args, lora, scaling, dy, kw), ref_results(args, lora, scaling, dy, kw, F64))
+    check_swiglu_lora(
+        run_ops(OPS.swiglu_fwd, OPS.swiglu_bwd, [*args], [], [], dy, drop, "input"),
+        ref_results(args, lora, scaling, dy, kw), ref_results(args, lora, scaling, dy, kw, F64))
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
@@ -134,7 +118,7 @@ def test_cpu_ops_in_token_chunks(save, monkeypatch):
     monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(6 * I * 8 * 8))
     args, lora, scaling, dy, kw, drop = case(F64, F64, (4, 2, 3), True, DROPOUT)
     out = run_ops(OPS.swiglu_fwd, OPS.swiglu_bwd, args, lora, scaling, dy, drop, save)
-    check(out, out, ref_results(args, lora, scaling, dy, kw), exact=True)
+    check_swiglu_lora(out, out, ref_results(args, lora, scaling, dy, kw), exact=True)
 
 
 BACKENDS = [pytest.param("cpu", id="cpu"),
@@ -183,8 +167,9 @@ def run_triton(args, lora, scaling, dy, drop, save, activation=GELU):
 def check_triton_case(dtype, lora_dtype, ranks, bias, dropout, save):
     args, lora, scaling, dy, kw, drop = case(dtype, lora_dtype, ranks, bias, dropout,
                                              device=DEVICE)
-    check(run_triton(args, lora, scaling, dy, drop, save),
-          ref_results(args, lora, scaling, dy, kw), ref_results(args, lora, scaling, dy, kw, F64))
+    check_swiglu_lora(
+        run_triton(args, lora, scaling, dy, drop, save),
+        ref_results(args, lora, scaling, dy, kw), ref_results(args, lora, scaling, dy, kw, F64))
 
 
 @needs_triton

@@ -20,9 +20,10 @@ import ckpt_ext  # noqa: F401
 import ckpt_ext.ops as ops
 import reference
 
-from reference import (F64, FACTOR_GRAD, FACTOR_OUT, allowed_matrix, attention_reference,
-                       check_f64, check_vs_baseline, magnitude, packed_segment_ids,
-                       rms_norm_reference, rope_reference, swiglu_reference)
+from reference import (F64, FACTOR_GRAD, FACTOR_OUT, SWIGLU_OUT_NAMES, allowed_matrix,
+                       attention_reference, check_f64, check_swiglu_lora, check_vs_baseline,
+                       magnitude, packed_segment_ids, rms_norm_reference, rope_reference,
+                       swiglu_reference)
 
 OPS = torch.ops.ckpt_ext
 ALL_GRADS = [True] * 12  # swiglu_bwd needs_grad: every gradient
@@ -420,8 +421,6 @@ def test_swiglu_bad_save():
 
 
 # ---- SwiGLU with LoRA adapters and needs_grad (reference: tests/reference.py) -------------
-SWIGLU_OUT_NAMES = ("y", "dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down",
-                    "dA_gate", "dB_gate", "dA_up", "dB_up", "dA_down", "dB_down")
 
 
 def run_swiglu_lora(args, lora, scaling, dy, save, needs=ALL_GRADS):
@@ -436,23 +435,6 @@ def run_swiglu_lora(args, lora, scaling, dy, save, needs=ALL_GRADS):
 def swiglu_lora_ref(args, lora, scaling, dy, dtype=None):
     y, *g, dlora = reference.swiglu_lora_grads(args, lora, scaling, dy, dtype)
     return (y, *g, *dlora)
-
-
-def check_swiglu_lora(out, base, ref, needs=ALL_GRADS, exact=False):
-    """exact: float64 run, tight check; else the 2x / 3x baseline rule. Gradients not wanted
-    or not applicable must be the empty placeholder."""
-    grad_scale = magnitude(*[r for r in ref[1:] if r is not None])
-    for name, want, o, b, r in zip(SWIGLU_OUT_NAMES, [True, True, *needs], out, base, ref):
-        if r is None or not want:
-            assert o.shape == (0,), f"{name}: expected an empty placeholder, got {o.shape}"
-            continue
-        assert o.shape == r.shape and o.dtype == b.dtype, (name, o.shape, o.dtype)
-        scale = None if name == "y" else grad_scale
-        if exact:
-            check_f64(name, o, r, scale=scale)
-        else:
-            check_vs_baseline(name, o, b, r, FACTOR_OUT if name == "y" else FACTOR_GRAD,
-                              o.dtype, scale=scale)
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])
