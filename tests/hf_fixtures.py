@@ -1,7 +1,8 @@
 """The tiny Hugging Face models and batches that the HF tests build (transformers required).
 
 Each test module keeps its own config values and names them here: ``tiny_model`` makes a model
-of a family from them, seeded; ``padded_batch`` a left-padded batch with its labels.
+of a family from them, seeded; ``padded_batch`` a left-padded batch with its labels;
+``assert_compiled_replays_eager`` the torch.compile check of a patched model.
 """
 import pytest
 import torch
@@ -47,3 +48,25 @@ def padded_batch(vocab, b, s, *, pad_row=0, pad=5, seed=1, shift=True):
     if shift:
         labels[:, 1:][mask[:, :-1] == 0] = -100  # predicted from a padded position
     return ids.masked_fill(mask == 0, 0), mask, labels
+
+
+def assert_compiled_replays_eager(model, loss_and_grads, batch, loss_tol, grad_tol, **call):
+    """torch.compile of a patched model: no graph break (dynamo's explain of a forward with
+    ``batch`` = (ids, mask, labels) and the keywords ``call``), and under aot_eager the eager
+    loss (``loss_tol``) and every gradient (``grad_tol``) for the same torch.manual_seed (LoRA
+    dropout seeds are drawn from it). ``loss_and_grads(model, ids, mask, labels)`` -> (loss,
+    {name: grad}) with compile's "_orig_mod." prefix removed."""
+    ids, mask, labels = batch
+    explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels,
+                                           **call)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    loss_e, grads_e = loss_and_grads(model, ids, mask, labels)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(7)
+    loss_c, grads_c = loss_and_grads(compiled, ids, mask, labels)
+    torch.testing.assert_close(loss_c, loss_e, **loss_tol)
+    assert grads_c.keys() == grads_e.keys()
+    for name, g in grads_e.items():
+        torch.testing.assert_close(grads_c[name], g, **grad_tol, msg=name)

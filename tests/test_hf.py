@@ -20,7 +20,7 @@ transformers = pytest.importorskip(
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import ckpt_ext  # noqa: E402
-from hf_fixtures import padded_batch, tiny_model  # noqa: E402
+from hf_fixtures import assert_compiled_replays_eager, padded_batch, tiny_model  # noqa: E402
 from ckpt_ext.hf.masks import padding_mask_from_4d as _padding_mask_from  # noqa: E402
 from ckpt_ext.hf.patch import patch_llama as _patch_llama, unpatch_llama  # noqa: E402
 
@@ -828,17 +828,5 @@ def test_phi3_compiled_has_no_graph_breaks_and_replays_eager(lora):
             r=4, lora_alpha=8, lora_dropout=0.3, init_lora_weights=False,
             target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
     patch_llama(model, "balanced")
-    ids, mask, labels = make_batch(pad=True)
-    explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels,
-                                           use_cache=False)
-    assert explain.graph_break_count == 0, explain.break_reasons
-    torch._dynamo.reset()
-    torch.manual_seed(7)
-    loss_e, grads_e = loss_and_grads(model, ids, mask, labels)
-    compiled = torch.compile(model, backend="aot_eager")
-    torch.manual_seed(7)
-    loss_c, grads_c = loss_and_grads(compiled, ids, mask, labels)
-    torch.testing.assert_close(loss_c, loss_e, **TOL)
-    assert grads_c.keys() == grads_e.keys()
-    for name, g in grads_e.items():
-        torch.testing.assert_close(grads_c[name], g, **TOL, msg=name)
+    assert_compiled_replays_eager(model, loss_and_grads, make_batch(pad=True), TOL, TOL,
+                                  use_cache=False)

@@ -404,6 +404,7 @@ def test_peft_lora_dropout_is_fused_with_the_reference_masks(preset):
     masks (the fused forward draws one seed per layer call from torch's CPU generator)."""
     peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
                                "(pip install -e '.[test]')")
+    from hf_fixtures import assert_compiled_replays_eager
     from test_training_setups import ALL, loss_and_grads, make_batch, make_model
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=ALL,
                           init_lora_weights=False)
@@ -446,24 +447,15 @@ def test_compiled_peft_lora_dropout_has_no_graph_breaks_and_replays_eager():
     eager for the same torch.manual_seed."""
     peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
                                "(pip install -e '.[test]')")
+    from hf_fixtures import assert_compiled_replays_eager
     from test_training_setups import ALL, loss_and_grads, make_batch, make_model
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = peft.get_peft_model(make_model("llama"), peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.3, target_modules=ALL, init_lora_weights=False))
     ckpt_ext.patch_llama(model, "balanced")
-    ids, mask, labels = make_batch()
-    explain = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=labels)
-    assert explain.graph_break_count == 0, explain.break_reasons
-    torch._dynamo.reset()
-    torch.manual_seed(7)
-    loss_e, grads_e = loss_and_grads(model, ids, mask, labels)
-    compiled = torch.compile(model, backend="aot_eager")
-    torch.manual_seed(7)
-    loss_c, grads_c = loss_and_grads(compiled, ids, mask, labels)
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-    for name, g in grads_e.items():
-        torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert_compiled_replays_eager(model, loss_and_grads, make_batch(), dict(rtol=1e-5, atol=1e-6),
+                                  dict(rtol=1e-4, atol=1e-6))
 
 
 @pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
@@ -489,6 +481,7 @@ def test_hf_gradient_checkpointing_replays_the_seed():
     checkpointing under the same torch.manual_seed."""
     peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
                                "(pip install -e '.[test]')")
+    from hf_fixtures import assert_compiled_replays_eager
     from test_training_setups import ALL, loss_and_grads, make_batch, make_model
     torch.manual_seed(0)
     model = peft.get_peft_model(make_model("llama"), peft.LoraConfig(
