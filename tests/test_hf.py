@@ -777,7 +777,7 @@ def test_phi3_peft_lora_dropout_is_one_mask_per_fused_projection(preset, monkeyp
     gate 4, down 6). Giving q/k/v (gate/up) their own streams fails the comparison."""
     peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
                                "(pip install -e '.[test]')")
-    from test_lora_dropout import HashDropout
+    from test_lora_dropout import replay_fused_dropout
     from ckpt_ext.hf import patch as patch_module
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False,
                           target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
@@ -786,15 +786,8 @@ def test_phi3_peft_lora_dropout_is_one_mask_per_fused_projection(preset, monkeyp
     model = copy.deepcopy(ref)
     patch_llama(model, preset)
     ids, mask, labels = make_batch(pad=True)
-    torch.manual_seed(1234)
-    seeds = [torch.randint(2**31 - 1, (), dtype=torch.int64) for _ in range(3)]
-    streams = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 3, "mlp.gate_up_proj": 4,
-               "mlp.down_proj": 6}
-    for li, layer in enumerate(ref.get_base_model().model.layers):
-        for path, stream in streams.items():
-            parent, name = path.split(".")
-            lora = getattr(layer, parent)._modules[name]
-            lora.lora_dropout["default"] = HashDropout(seeds, li, stream, 0.2)
+    replay_fused_dropout(ref, {"self_attn.qkv_proj": 0, "self_attn.o_proj": 3,
+                               "mlp.gate_up_proj": 4, "mlp.down_proj": 6}, 0.2)
     loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
     torch.manual_seed(1234)
     loss, grads = loss_and_grads(model, ids, mask, labels)

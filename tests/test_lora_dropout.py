@@ -397,6 +397,20 @@ class HashDropout(torch.nn.Module):
         return OPS.lora_dropout(x, self.seeds[self.layer], self.stream, self.p)
 
 
+def replay_fused_dropout(peft_model, streams, p):
+    """Give the unpatched PEFT model's adapters the masks a patched model's fused layers draw
+    after torch.manual_seed(1234): one seed per layer call from torch's CPU generator, the
+    stream of each adapted module (``streams``: module path in the layer -> stream)."""
+    layers = peft_model.get_base_model().model.layers
+    torch.manual_seed(1234)
+    seeds = [torch.randint(2**31 - 1, (), dtype=torch.int64) for _ in range(len(layers))]
+    for li, layer in enumerate(layers):
+        for path, stream in streams.items():
+            parent, name = path.split(".")
+            lora = getattr(layer, parent)._modules[name]
+            lora.lora_dropout["default"] = HashDropout(seeds, li, stream, p)
+
+
 @pytest.mark.parametrize("preset", ["balanced", "min_memory"])
 def test_peft_lora_dropout_is_fused_with_the_reference_masks(preset):
     """patch_llama(peft model with lora_dropout=0.2): every layer fused, and the loss and the
@@ -413,13 +427,7 @@ def test_peft_lora_dropout_is_fused_with_the_reference_masks(preset):
     model = copy.deepcopy(ref)
     ckpt_ext.patch_llama(model, preset)
     ids, mask, labels = make_batch()
-    torch.manual_seed(1234)
-    seeds = [torch.randint(2**31 - 1, (), dtype=torch.int64) for _ in range(2)]
-    for li, layer in enumerate(ref.get_base_model().model.layers):
-        for stream, path in enumerate(blocks.PROJECTIONS):
-            parent, name = path.split(".")
-            lora = getattr(layer, parent)._modules[name]
-            lora.lora_dropout["default"] = HashDropout(seeds, li, stream, 0.2)
+    replay_fused_dropout(ref, {path: i for i, path in enumerate(blocks.PROJECTIONS)}, 0.2)
     loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
     torch.manual_seed(1234)
     loss, grads = loss_and_grads(model, ids, mask, labels)
