@@ -324,6 +324,18 @@ def _check_lce_transform(op, logit_scale, softcap):
                          f"{softcap}")
 
 
+def _check_norm_rounding(op, offset, cast_last, names=("norm_offset", "norm_cast_last")):
+    """An RMSNorm's rounding: the offset a finite number, cast_last a bool; ``names`` are the
+    caller's argument names."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real) \
+            or not math.isfinite(offset):
+        raise TypeError(f"{op}: {names[0]} must be a finite number (Gemma: 1.0), got "
+                        f"{offset!r}")
+    if not isinstance(cast_last, bool):
+        raise TypeError(f"{op}: {names[1]} must be a bool, got {type(cast_last).__name__} "
+                        f"{cast_last!r}")
+
+
 def _check_lce_stat(op, name, t, hidden, T):
     _check_dim(op, name, t, 1, "(T,)")
     _check_shape(op, name, t, (T,), "(T,) with T from hidden")

@@ -29,6 +29,10 @@ the gradient itself (that fp32 accumulator, or each chunk's gradient beside the 
 H``) and hands them to the head in one call, which on a GPU walks vocabulary chunks and
 writes each chunk of the weight gradient once (with an fp32 ``(T, H)`` dhidden accumulator).
 
+The norm rounds as the model's family does (``norm_offset``: Gemma multiplies by 1 + w;
+``norm_cast_last``: Gemma and OLMo-2 apply the weight in float32 and cast the product, LLaMA
+casts the normalised rows first), as the decoder layer op's norms do (``norm_rows``).
+
 Both halves are ``torch.library`` custom ops built from the kernel ops (``rms_norm_fwd`` /
 ``_bwd``, ``linear_cross_entropy_fwd`` / ``_bwd``), so they run wherever those do (CPU, the
 Triton launchers) and stay opaque to ``torch.compile``.
@@ -40,11 +44,40 @@ from torch import Tensor
 
 from . import _C
 from ._checks import (_check_device_as, _check_dim, _check_floating, _check_lce_transform,
-                      _check_rms, _check_shape, _dtype, _shape, _stat_dtype)
+                      _check_norm_rounding, _check_rms, _check_shape, _dtype, _shape,
+                      _stat_dtype)
 
 _ops = torch.ops.ckpt_ext
 _FWD = "rms_norm_linear_cross_entropy_fwd"
 _BWD = "rms_norm_linear_cross_entropy_bwd"
+
+
+def _offset(weight: Tensor, offset: float) -> Tensor:
+    """offset + weight; the weight itself for 0 (no copy for autograd to keep)."""
+    return weight if offset == 0.0 else weight + offset
+
+
+def norm_rows(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
+              cast_last: bool = False) -> Tensor:
+    """RMSNorm of x's rows with a family's rounding: ``rms_norm_fwd`` on ``offset + weight``;
+    with ``cast_last`` in float32 (float64 stays), cast to x's dtype at the end. Built from
+    the kernel op, so autograd and the fakes come with it."""
+    if not cast_last:
+        return _ops.rms_norm_fwd(x, _offset(weight, offset), eps)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return _ops.rms_norm_fwd(x.to(wide), _offset(weight.to(wide), offset), eps).to(x.dtype)
+
+
+def norm_rows_bwd(dy: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float,
+                  cast_last: bool) -> Tuple[Tensor, Tensor]:
+    """(dx, dweight) of ``norm_rows``; dx in x's dtype, dweight in the norm's compute dtype
+    (the caller sums it in float32)."""
+    if not cast_last:
+        return _ops.rms_norm_bwd(dy.to(torch.promote_types(x.dtype, weight.dtype)), x,
+                                 _offset(weight, offset), eps)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    dx, dw = _ops.rms_norm_bwd(dy.to(wide), x.to(wide), _offset(weight.to(wide), offset), eps)
+    return dx.to(x.dtype), dw
 
 
 def chunk_rows(hidden: Tensor) -> int:
@@ -60,9 +93,10 @@ def walks_vocabulary(T: int, V: int, head_element_size: int) -> bool:
     return (2 * head_element_size + 4) * T < 4 * V
 
 
-def _check(op, hidden, norm_weight, weight, bias, labels, logit_scale, softcap):
-    """Shapes, dtypes and devices of the op's tensors, the logits' scale and cap; returns
-    (T, H, V)."""
+def _check(op, hidden, norm_weight, weight, bias, labels, logit_scale, softcap,
+           norm_offset=0.0, norm_cast_last=False):
+    """Shapes, dtypes and devices of the op's tensors, the norm's rounding, the logits' scale
+    and cap; returns (T, H, V)."""
     _check_dim(op, "hidden", hidden, 2, "(T, H) (tokens flattened)")
     _check_rms(op, hidden, norm_weight, ("hidden", "norm_weight"))
     T, H = hidden.shape
@@ -85,20 +119,24 @@ def _check(op, hidden, norm_weight, weight, bias, labels, logit_scale, softcap):
     _check_shape(op, "labels", labels, (T,), "(T,) with T from hidden")
     _check_device_as(op, "labels", labels, "hidden", hidden)
     _check_lce_transform(op, logit_scale, softcap)
+    _check_norm_rounding(op, norm_offset, norm_cast_last)
     return T, H, V
 
 
 @torch.library.custom_op(f"ckpt_ext::{_FWD}", mutates_args=())
 def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
          bias: Optional[Tensor], labels: Tensor, ignore_index: int, logit_scale: float = 1.0,
-         softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
-    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
+         softcap: float = 0.0, norm_offset: float = 0.0,
+         norm_cast_last: bool = False) -> Tuple[Tensor, Tensor]:
+    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap,
+                     norm_offset, norm_cast_last)
     loss = hidden.new_empty((T,), dtype=_stat_dtype(weight))
     lse = torch.empty_like(loss)
     step = chunk_rows(hidden)
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
-        y = _ops.rms_norm_fwd(hidden[rows], norm_weight, eps).to(weight.dtype)
+        y = norm_rows(hidden[rows], norm_weight, eps, norm_offset,
+                      norm_cast_last).to(weight.dtype)
         loss_c, lse_c = _ops.linear_cross_entropy_fwd(y, weight, bias, labels[rows],
                                                       ignore_index, logit_scale, softcap)
         loss[rows] = loss_c
@@ -108,8 +146,9 @@ def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
 
 @_fwd.register_fake
 def _fwd_fake(hidden, norm_weight, eps, weight, bias, labels, ignore_index, logit_scale=1.0,
-              softcap=0.0):
-    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
+              softcap=0.0, norm_offset=0.0, norm_cast_last=False):
+    T, _, _ = _check(_FWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap,
+                     norm_offset, norm_cast_last)
     stat = hidden.new_empty((T,), dtype=_stat_dtype(weight))
     return stat, torch.empty_like(stat)
 
@@ -117,11 +156,14 @@ def _fwd_fake(hidden, norm_weight, eps, weight, bias, labels, ignore_index, logi
 @torch.library.custom_op(f"ckpt_ext::{_BWD}", mutates_args=())
 def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
          bias: Optional[Tensor], labels: Tensor, lse: Tensor, ignore_index: int,
-         output_mask: List[bool], logit_scale: float = 1.0,
-         softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         output_mask: List[bool], logit_scale: float = 1.0, softcap: float = 0.0,
+         norm_offset: float = 0.0,
+         norm_cast_last: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients [dhidden, dnorm_weight, dweight, dbias] of ``sum_t dloss[t] loss[t]``; those
     output_mask leaves out are empty (0,) tensors."""
-    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
+    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap,
+                     norm_offset, norm_cast_last)
+    norm = (eps, norm_offset, norm_cast_last)
     want_dx, want_dnw, want_dw, want_db = (bool(m) for m in output_mask)
     want_db = want_db and bias is not None
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -137,22 +179,21 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
     dx = torch.empty_like(hidden) if want_dx and norm_in_chunks else None
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
-        y = _ops.rms_norm_fwd(hidden[rows], norm_weight, eps)
-        y_dtype = y.dtype
+        y = norm_rows(hidden[rows], norm_weight, *norm)
         dy, dw_c, db_c = _ops.linear_cross_entropy_bwd(
             dloss[rows], y.to(weight.dtype), weight, bias, labels[rows], lse[rows],
             ignore_index, [want_dy, want_dw, want_db], logit_scale, softcap)
         del y
         if want_dy and not norm_in_chunks:   # one chunk: the norm's backward result itself
-            dx_c, dnw_c = _ops.rms_norm_bwd(dy.to(y_dtype), hidden, norm_weight, eps)
+            dx_c, dnw_c = norm_rows_bwd(dy, hidden, norm_weight, *norm)
             dx = dx_c if want_dx else None
             if want_dnw:
                 dnw += dnw_c
         elif want_dy:      # the norm's backward in chunks of the cap (its fp32 work too)
             for n0 in range(rows.start, rows.stop, norm_step):
                 n = slice(n0, min(rows.stop, n0 + norm_step))
-                dx_c, dnw_c = _ops.rms_norm_bwd(dy[n0 - t0:n.stop - t0].to(y_dtype),
-                                                hidden[n], norm_weight, eps)
+                dx_c, dnw_c = norm_rows_bwd(dy[n0 - t0:n.stop - t0], hidden[n], norm_weight,
+                                            *norm)
                 if want_dx:
                     dx[n] = dx_c
                 if want_dnw:
@@ -178,8 +219,9 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
 
 @_bwd.register_fake
 def _bwd_fake(dloss, hidden, norm_weight, eps, weight, bias, labels, lse, ignore_index,
-              output_mask, logit_scale=1.0, softcap=0.0):
-    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap)
+              output_mask, logit_scale=1.0, softcap=0.0, norm_offset=0.0, norm_cast_last=False):
+    T, H, V = _check(_BWD, hidden, norm_weight, weight, bias, labels, logit_scale, softcap,
+                     norm_offset, norm_cast_last)
     if len(output_mask) != 4:
         raise ValueError(f"{_BWD}: output_mask must have 4 entries [dhidden, dnorm_weight, "
                          f"dweight, dbias], got {len(output_mask)}")
@@ -192,7 +234,8 @@ def _bwd_fake(dloss, hidden, norm_weight, eps, weight, bias, labels, lse, ignore
 
 
 def _setup(ctx, inputs, output):
-    hidden, norm_weight, eps, weight, bias, labels, ignore_index, logit_scale, softcap = inputs
+    (hidden, norm_weight, eps, weight, bias, labels, ignore_index, logit_scale, softcap,
+     norm_offset, norm_cast_last) = inputs
     _, lse = output
     ctx.mark_non_differentiable(lse)
     # The pre-norm hidden state, the labels and the per-token lse: no normed copy, nothing of
@@ -200,6 +243,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(hidden, norm_weight, weight, bias, labels, lse)
     ctx.eps, ctx.ignore_index = eps, ignore_index
     ctx.logit_scale, ctx.softcap = logit_scale, softcap
+    ctx.norm_offset, ctx.norm_cast_last = norm_offset, norm_cast_last
 
 
 def _backward(ctx, dloss, dlse):
@@ -207,14 +251,14 @@ def _backward(ctx, dloss, dlse):
     want_dx, want_dnw, _, want_dw, want_db = ctx.needs_input_grad[:5]
     want_db = want_db and bias is not None
     if not (want_dx or want_dnw or want_dw or want_db):
-        return (None,) * 9
+        return (None,) * 11
     if dloss is None:
         dloss = torch.zeros_like(lse)
     dx, dnw, dw, db = _bwd(dloss, hidden, norm_weight, ctx.eps, weight, bias, labels, lse,
                            ctx.ignore_index, [want_dx, want_dnw, want_dw, want_db],
-                           ctx.logit_scale, ctx.softcap)
+                           ctx.logit_scale, ctx.softcap, ctx.norm_offset, ctx.norm_cast_last)
     return (dx if want_dx else None, dnw if want_dnw else None, None,
-            dw if want_dw else None, db if want_db else None, None, None, None, None)
+            dw if want_dw else None, db if want_db else None) + (None,) * 6
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
@@ -222,9 +266,10 @@ _fwd.register_autograd(_backward, setup_context=_setup)
 
 def normed_loss_per_token(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
                           bias: Optional[Tensor], labels: Tensor, ignore_index: int,
-                          logit_scale: float = 1.0, softcap: float = 0.0) -> Tensor:
-    """Per-token losses (T,) of the head on ``rms_norm(hidden)``; hidden (T, H); the loss
+                          logit_scale: float = 1.0, softcap: float = 0.0,
+                          norm_offset: float = 0.0, norm_cast_last: bool = False) -> Tensor:
+    """Per-token losses (T,) of the head on ``norm_rows(hidden)``; hidden (T, H); the loss
     reads the logits scaled and capped as ``linear_cross_entropy`` does."""
     loss, _ = _fwd(hidden, norm_weight, float(eps), weight, bias, labels, int(ignore_index),
-                   float(logit_scale), float(softcap))
+                   float(logit_scale), float(softcap), norm_offset, norm_cast_last)
     return loss

@@ -35,8 +35,8 @@ from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _
                       _check_seed, _check_row_offset, _check_activation, _check_dropout_streams,
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
-                      _check_lce_bwd, _check_lce_transform)
-from ._normed_head import normed_loss_per_token
+                      _check_lce_bwd, _check_lce_transform, _check_norm_rounding)
+from ._normed_head import norm_rows, normed_loss_per_token
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
 
@@ -457,12 +457,20 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, 
     return y.reshape(*lead, y.shape[-1])
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, *, offset=0.0, cast_last=False):
     """HF LlamaRMSNorm: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
 
     x: (..., N); weight: (N,). Returns (..., N) of dtype promote_types(x, weight). Saves x.
+
+    ``offset`` and ``cast_last`` give the other families' RMSNorms: the weight is
+    ``offset + weight`` (Gemma: 1.0), and with ``cast_last`` the weight multiplies the float32
+    normalised rows and the product is cast to x's dtype (Gemma, OLMo-2: the result has x's
+    dtype; backward then also keeps a float32 copy of x).
     """
-    return _ops.rms_norm_fwd(x, weight, float(eps))
+    _check_norm_rounding("rms_norm", offset, cast_last, ("offset", "cast_last"))
+    if offset == 0.0 and not cast_last:
+        return _ops.rms_norm_fwd(x, weight, float(eps))
+    return norm_rows(x, weight, float(eps), float(offset), cast_last)
 
 
 def add_rms_norm(x, residual, weight, eps):
@@ -551,7 +559,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
                          reduction="mean", num_items_in_batch=None, norm_weight=None,
-                         norm_eps=None, logit_scale=1.0, softcap=0.0):
+                         norm_eps=None, norm_offset=0.0, norm_cast_last=False,
+                         logit_scale=1.0, softcap=0.0):
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` against ``labels``, without
     the (T, V) logits: forward keeps per-token float32 statistics, backward recomputes the
     logits chunk by chunk. With ``norm_weight``, the head reads ``rms_norm(hidden)`` (a
@@ -579,6 +588,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             pre-norm hidden: forward and backward walk the tokens in chunks of the byte cap
             ``CKPT_EXT_CHUNK_BYTES`` and recompute each chunk's normed rows, so no normed
             copy and no fp32 copy of the hidden state is kept (``ckpt_ext._normed_head``).
+        norm_offset, norm_cast_last: the final norm's rounding, as ``rms_norm``'s ``offset``
+            and ``cast_last`` (Gemma: 1.0 and True; OLMo-2: 0.0 and True). Only with
+            norm_weight.
         logit_scale: a finite number > 0 the logits are multiplied by (Granite's
             ``1 / config.logits_scaling``); 1 leaves them as they are.
         softcap: a finite number >= 0; when > 0 the loss reads ``softcap * tanh(logit_scale *
@@ -611,6 +623,10 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             raise TypeError(f"{name}: norm_weight must be a tensor (H,), got "
                             f"{type(norm_weight).__name__}")
         _check_positive_finite(name, "norm_eps", norm_eps)
+    _check_norm_rounding(name, norm_offset, norm_cast_last)
+    if norm_weight is None and (norm_offset != 0.0 or norm_cast_last):
+        raise ValueError(f"{name}: norm_offset and norm_cast_last describe the final norm; "
+                         f"pass them with norm_weight and norm_eps")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise ValueError(f"{name}: hidden must have shape (..., H), got {got}")
@@ -627,7 +643,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
                                                 int(ignore_index), logit_scale, softcap)
     else:
         loss = normed_loss_per_token(flat, norm_weight, norm_eps, weight, bias, flat_labels,
-                                     ignore_index, logit_scale, softcap)
+                                     ignore_index, logit_scale, softcap, float(norm_offset),
+                                     norm_cast_last)
     if reduction == "none":
         return loss.reshape(lead)
     total = loss.sum()

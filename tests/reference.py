@@ -121,6 +121,17 @@ def rms_norm_reference(x, weight, eps):
     return weight * h.to(dtype)
 
 
+def family_rms_norm_reference(x, weight, eps, offset, cast_last):
+    """The other families' RMSNorms as HF writes them: Gemma's ``(x_n * (1.0 +
+    w.float())).type_as(x)`` (offset 1, cast last), OLMo-2's ``(w * x_n).to(x.dtype)``
+    (offset 0, cast last); without cast_last, LLaMA's rounding times ``offset + w``."""
+    if not cast_last:
+        return rms_norm_reference(x, weight + offset, eps)
+    h = x.to(torch.float32) if x.dtype != F64 else x
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (offset + weight.to(h.dtype))).to(x.dtype)
+
+
 def gate_activation(g, activation="silu"):
     """The gated MLP's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, torch's
     ``gelu(approximate="tanh")``, HF's ``gelu_pytorch_tanh``), in g's dtype."""

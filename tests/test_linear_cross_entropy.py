@@ -17,7 +17,8 @@ import ckpt_ext
 import ckpt_ext.ops as ops
 from ckpt_ext import use_triton
 from ckpt_ext.kernels import linear_cross_entropy as lce_kernels
-from reference import FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline, magnitude
+from reference import (FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline,
+                       family_rms_norm_reference, magnitude)
 
 OPS = torch.ops.ckpt_ext
 F64 = torch.float64
@@ -756,6 +757,71 @@ def test_final_norm_trained_head_sums_no_weight_gradient_over_token_chunks(monke
     assert peaks[2048] >= dw + 4 * V * H, peaks
 
 
+# (norm_offset, norm_cast_last): Gemma, OLMo-2, an offset with LLaMA's rounding
+FAMILY_ROUNDINGS = [(1.0, True), (0.0, True), (1.0, False)]
+
+
+def hf_family_normed_loss(hidden, norm_weight, weight, bias, labels, norm_offset=0.0,
+                          norm_cast_last=False, **kw):
+    y = family_rms_norm_reference(hidden, norm_weight, EPS, norm_offset, norm_cast_last)
+    return hf_loss(y.to(weight.dtype), weight, bias, labels, **kw)
+
+
+@pytest.mark.parametrize("rounding", FAMILY_ROUNDINGS, ids=["gemma", "olmo2", "offset"])
+@pytest.mark.parametrize("case", [NORMED_CASES[i] for i in (0, 1, 2, 4)],
+                         ids=lambda c: f"{c[0]}-{str(c[4])[6:]}-{str(c[5])[6:]}")
+@pytest.mark.parametrize("rows", [None, 7], ids=["one-chunk", "rows7"])
+def test_final_norm_family_rounding_inside_the_head(monkeypatch, rounding, case, rows):
+    """norm_offset / norm_cast_last: the family's norm then the head, within the accuracy rule
+    against float64, every gradient, in one chunk and in 7-row chunks; in bf16 the loss
+    with the other rounding differs (the option reaches the loss)."""
+    backend, T, H, V, dtype, head_dtype, bias = case
+    if CUDA and backend == "aten":
+        pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
+    offset, cast_last = rounding
+    if rows is not None:
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * 4))
+    tensors, labels = normed_inputs(T, H, V, dtype, head_dtype, bias,
+                                    seed=int(torch.randint(1 << 30, ())))
+    tensors = [tensors[0], (tensors[1].double() - offset).to(dtype), *tensors[2:]]
+    kw = dict(norm_offset=offset, norm_cast_last=cast_last)
+    dout = torch.randn((), dtype=F64).to(DEVICE)
+    ref = run_normed(hf_family_normed_loss, [None if t is None else t.double()
+                                             for t in tensors], labels, dout, **kw)
+    base = run_normed(hf_family_normed_loss, tensors, labels, dout, **kw)
+    with backend_context(backend):
+        got = run_normed(fused_normed_loss, tensors, labels, dout, **kw)
+        if dtype == torch.bfloat16 and cast_last:   # the rounding reaches the loss
+            other = run_normed(fused_normed_loss, tensors, labels, dout,
+                               norm_offset=offset, norm_cast_last=False)
+            assert not torch.equal(other["loss"], got["loss"])
+    assert set(got) == set(ref)
+    scale = magnitude(*(v for k, v in ref.items() if k != "loss"))
+    for name, r in ref.items():
+        check_vs_baseline(name, got[name], base[name], r,
+                          FACTOR_OUT if name == "loss" else FACTOR_GRAD,
+                          torch.promote_types(dtype, head_dtype) if name == "loss"
+                          else head_dtype if name in ("weight", "bias") else dtype,
+                          scale=None if name == "loss" else scale)
+
+
+@pytest.mark.parametrize("rounding", [(0.0, False)] + FAMILY_ROUNDINGS,
+                         ids=["llama", "gemma", "olmo2", "offset"])
+def test_opcheck_normed_head(rounding):
+    """The normed head's two custom ops (schema, fakes, autograd registration), with each
+    rounding."""
+    tensors, labels = normed_inputs(9, 16, 23, torch.float32, torch.float32, True, seed=8)
+    hidden, norm_weight, weight, bias = (t.detach().clone().requires_grad_() for t in tensors)
+    args = (hidden, norm_weight, EPS, weight, bias, labels, IGNORE, 1.0, 0.0, *rounding)
+    torch.library.opcheck(torch.ops.ckpt_ext.rms_norm_linear_cross_entropy_fwd.default, args)
+    _, lse = torch.ops.ckpt_ext.rms_norm_linear_cross_entropy_fwd(*args)
+    # the backward op has no backward of its own: plain tensors
+    hidden, norm_weight, weight, bias = (t.detach() for t in (hidden, norm_weight, weight, bias))
+    torch.library.opcheck(torch.ops.ckpt_ext.rms_norm_linear_cross_entropy_bwd.default,
+                          (torch.randn(9).to(DEVICE), hidden, norm_weight, EPS, weight, bias,
+                           labels, lse, IGNORE, [True] * 4, 1.0, 0.0, *rounding))
+
+
 def test_final_norm_arguments_are_checked():
     tensors, labels = normed_inputs(5, 8, 11, torch.float32, torch.float32, False, seed=6)
     hidden, norm_weight, weight, _ = tensors
@@ -768,6 +834,16 @@ def test_final_norm_arguments_are_checked():
                                  norm_eps=EPS)
     with pytest.raises(TypeError, match="norm_weight must be a tensor"):
         ops.linear_cross_entropy(hidden, weight, labels, norm_weight=[1.0] * 8, norm_eps=EPS)
+    with pytest.raises(ValueError, match="norm_offset and norm_cast_last describe the final"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_offset=1.0)
+    with pytest.raises(ValueError, match="norm_offset and norm_cast_last describe the final"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_cast_last=True)
+    with pytest.raises(TypeError, match="norm_offset must be a finite number"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_weight=norm_weight, norm_eps=EPS,
+                                 norm_offset=float("inf"))
+    with pytest.raises(TypeError, match="norm_cast_last must be a bool"):
+        ops.linear_cross_entropy(hidden, weight, labels, norm_weight=norm_weight, norm_eps=EPS,
+                                 norm_cast_last="yes")
 
 
 # --------------------------------------------------------------------------------------------

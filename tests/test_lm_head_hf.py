@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ckpt_ext
+from ckpt_ext.hf.lm_head import FinalNorm
 from ckpt_ext.presets import per_token_bytes
 
 transformers = pytest.importorskip(
@@ -84,13 +85,25 @@ def test_no_logits_sized_tensor_is_saved():
     assert fused < plain
 
 
-def test_final_norm_runs_inside_the_head_and_keeps_only_its_input():
+def family_model(family, seed=0):
+    """make_model's tiny shape in another family (Gemma 2: eager attention, its soft-cap)."""
+    return tiny_model(family, dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False),
+        impl="eager" if family == "gemma2" else "sdpa", seed=seed, perturb=True)
+
+
+# Gemma's final norm multiplies by 1 + w in float32 and casts last, OLMo-2's by w and casts
+# last: the norm runs inside the head with the family's rounding
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma2", "gemma3_text", "olmo2"])
+def test_final_norm_runs_inside_the_head_and_keeps_only_its_input(family):
     """The bare model's final RMSNorm runs inside the head op: the step keeps the pre-norm
     hidden state only, where HF's norm before the fused head keeps it, its normalised rows and
     the normed rows the head reads. Same loss and gradients; unpatching restores HF's norm."""
-    ref = make_model()
+    ref = make_model() if family == "llama" else family_model(family)
     ids, mask, labels = make_batch()
     model = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory")
+    assert isinstance(model.model.norm.__dict__.get("forward"), FinalNorm)
     run = lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss  # noqa: E731
     with torch.profiler.profile() as prof:
         out, grads = step(model, input_ids=ids, attention_mask=mask, labels=labels)
@@ -102,6 +115,13 @@ def test_final_norm_runs_inside_the_head_and_keeps_only_its_input():
     assert set(grads) == set(grads_r)
     for name, g in grads_r.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    # Gemma's offset matters: the norm with LLaMA's rounding gives another loss (OLMo-2's cast
+    # order shows only in half precision: test_linear_cross_entropy's bf16 cases)
+    if family.startswith("gemma"):
+        llama_rounding = copy.deepcopy(model)
+        final = llama_rounding.model.norm.forward
+        final.offset, final.cast_last = 0.0, False
+        assert (run(llama_rounding) - out_r.loss).abs() > 1e-4
 
     inside = ckpt_ext.saved_activation_bytes(run, model)
     outside = copy.deepcopy(model)

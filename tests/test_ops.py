@@ -10,6 +10,7 @@ rounding).
 Every op also gets torch.library.opcheck (schema, fake, autograd registration, AOT dispatch),
 float64 gradcheck of the Python wrappers, and error-message tests naming the argument.
 """
+import copy
 import math
 
 import pytest
@@ -576,6 +577,78 @@ def test_rms_norm_gradcheck():
     assert torch.autograd.gradcheck(lambda x, w: ops.rms_norm(x, w, 1e-6), (x, w))
     x1 = leaves(torch.randn(10, dtype=F64))[0]  # rank 1
     assert torch.autograd.gradcheck(lambda x, w: ops.rms_norm(x, w, 1e-6), (x1, w))
+
+
+ROUNDINGS = [(1.0, True), (0.0, True), (1.0, False)]   # Gemma, OLMo-2, offset alone
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS, ids=["gemma", "olmo2", "offset"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)],
+                         ids=["f32", "bf16", "bf16-w32"])
+def test_rms_norm_family_rounding_matches_hf_exactly(rounding, dtypes):
+    """offset / cast_last: bit for bit the families' own formulas, and bf16 rounding that the
+    other rounding misses (so neither option is a no-op)."""
+    offset, cast_last = rounding
+    x_dtype, w_dtype = dtypes
+    x = torch.randn(3, 5, 96, dtype=x_dtype) * 2
+    w = (0.3 * torch.randn(96)).to(w_dtype)
+    y = ops.rms_norm(x, w, 1e-6, offset=offset, cast_last=cast_last)
+    ref = reference.family_rms_norm_reference(x, w, 1e-6, offset, cast_last)
+    assert y.dtype == ref.dtype
+    assert torch.equal(y, ref)
+    if x_dtype == torch.bfloat16:
+        other = reference.family_rms_norm_reference(x, w, 1e-6, offset, not cast_last)
+        assert not torch.equal(y.to(other.dtype), other)
+        assert not torch.equal(y, reference.family_rms_norm_reference(x, w, 1e-6, 1 - offset,
+                                                                       cast_last))
+
+
+def test_rms_norm_family_rounding_matches_transformers_modules():
+    """Against the transformers modules themselves (Gemma: 1 + w cast last; OLMo-2: w cast
+    last): forward bit for bit in bf16 and fp32, gradients within the rule against the module
+    in fp64."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    for cls, offset in ((GemmaRMSNorm, 1.0), (Olmo2RMSNorm, 0.0)):
+        norm = cls(80, eps=1e-6)
+        with torch.no_grad():   # Gemma stores w - 1 (zeros at init), OLMo-2 w
+            norm.weight.copy_(0.2 * torch.randn(80) + (1.0 - offset))
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(4, 9, 80) * 3).to(dtype)
+            assert torch.equal(ops.rms_norm(x, norm.weight, 1e-6, offset=offset,
+                                            cast_last=True), norm(x)), (cls.__name__, dtype)
+        x, dy = torch.randn(4, 9, 80) * 3, torch.randn(4, 9, 80, dtype=F64)
+        xl, wl = leaves(x, norm.weight.detach())
+        g = grads(ops.rms_norm(xl, wl, 1e-6, offset=offset, cast_last=True), (xl, wl),
+                  dy.float())
+        results = {}
+        for dt in (torch.float32, F64):
+            module = copy.deepcopy(norm).to(dt)
+            xm = x.to(dt).requires_grad_()
+            results[dt] = grads(module(xm), (xm, module.weight), dy.to(dt))
+        for name, got, base, ref in zip(("dx", "dweight"), g, results[torch.float32],
+                                        results[F64]):
+            check_vs_baseline(name, got, base, ref, FACTOR_GRAD, torch.float32)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS, ids=["gemma", "olmo2", "offset"])
+def test_rms_norm_family_rounding_gradcheck(rounding):
+    offset, cast_last = rounding
+    x, w = leaves(torch.randn(2, 3, 10, dtype=F64), torch.randn(10, dtype=F64))
+    assert torch.autograd.gradcheck(
+        lambda x, w: ops.rms_norm(x, w, 1e-6, offset=offset, cast_last=cast_last), (x, w))
+
+
+def test_rms_norm_rounding_arguments_are_checked():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(TypeError, match="rms_norm: offset must be a finite number"):
+        ops.rms_norm(x, w, 1e-6, offset=float("nan"))
+    with pytest.raises(TypeError, match="rms_norm: offset must be a finite number"):
+        ops.rms_norm(x, w, 1e-6, offset=True)
+    with pytest.raises(TypeError, match="rms_norm: cast_last must be a bool"):
+        ops.rms_norm(x, w, 1e-6, cast_last=1)
 
 
 def test_add_rms_norm_gradcheck():

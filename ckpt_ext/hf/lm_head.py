@@ -18,7 +18,8 @@ is not one of those (a subclass with a forward of its own, another family) keeps
 with the reason.
 
 The bare model's final RMSNorm (``model.norm``) gets an instance-level forward too
-(``FinalNorm``): ``ckpt_ext.ops.rms_norm``, which keeps the pre-norm rows for backward where
+(``FinalNorm``): ``ckpt_ext.ops.rms_norm`` with the family's rounding (Gemma's 1 + w, Gemma's
+and OLMo-2's float32 product cast last), which keeps the pre-norm rows for backward where
 HF's norm keeps an fp32 copy of them and its normalised rows. Its output carries its input,
 and a fused training forward hands that pre-norm hidden state to ``linear_cross_entropy`` with
 the norm's weight: the norm then runs inside the head op, chunk by chunk, and the step keeps
@@ -38,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from .families import Family, norm_eps
 from .zero import gathered_for_head, raw_parameter
 
 
@@ -144,7 +146,7 @@ def final_norm_problem(norm: Optional[nn.Module]) -> Optional[str]:
     """Why ``norm`` cannot run as ``ckpt_ext.ops.rms_norm``, or None."""
     if norm is None:
         return "the bare model has no .norm"
-    if (not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon")
+    if (not type(norm).__name__.endswith("RMSNorm") or norm_eps(norm) is None
             or set(dict(norm.named_parameters())) != {"weight"}):
         return f"model.norm is a {type(norm).__name__}, not the family's RMSNorm"
     if "forward" in norm.__dict__:
@@ -153,11 +155,14 @@ def final_norm_problem(norm: Optional[nn.Module]) -> Optional[str]:
 
 
 class FinalNorm:
-    """The instance-level ``forward`` of a patched model's final RMSNorm (module docstring).
-    A norm with forward hooks of its own runs HF's forward."""
+    """The instance-level ``forward`` of a patched model's final RMSNorm (module docstring),
+    rounding as the model's ``family`` does. A norm with forward hooks of its own runs HF's
+    forward."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, family: Family):
         self.norm = norm
+        self.eps = norm_eps(norm)
+        self.offset, self.cast_last = family.norm_offset, family.norm_cast_last
         self.__signature__ = inspect.signature(self.original)
 
     @property
@@ -172,10 +177,16 @@ class FinalNorm:
         if norm._forward_hooks or norm._forward_pre_hooks or not isinstance(hidden_states,
                                                                              torch.Tensor):
             return self.original(hidden_states)
-        out = ops.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+        out = ops.rms_norm(hidden_states, norm.weight, self.eps, offset=self.offset,
+                           cast_last=self.cast_last)
         if torch.is_grad_enabled():
             setattr(out, _PRENORM, hidden_states)
         return out
+
+    def head_args(self) -> dict:
+        """The norm as ``linear_cross_entropy``'s arguments."""
+        return dict(norm_weight=self.norm.weight, norm_eps=self.eps,
+                    norm_offset=self.offset, norm_cast_last=self.cast_last)
 
 
 def take_prenorm(hidden: torch.Tensor) -> Optional[torch.Tensor]:
@@ -253,7 +264,7 @@ class FusedHeadForward:
         norm_args = {}
         if prenorm is not None:  # the final norm inside the head op, on the pre-norm rows
             hidden = prenorm     # (a ZeRO-3 norm has DeepSpeed's hooks: it ran as HF's)
-            norm_args = dict(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
+            norm_args = norm.forward.head_args()
 
         def loss_of(hidden):
             w, b = weight, bias

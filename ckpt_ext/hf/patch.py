@@ -888,11 +888,10 @@ def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared,
         shared.warn_once("head", f"the LM head is not fused: {problem}")
         return
     model.forward = FusedHeadForward(model)
-    # The final norm runs inside the head op with LLaMA's rounding; other families keep theirs.
+    # The final norm runs inside the head op, rounding as the family's norms do.
     norm = owner._modules.get("norm")
-    if family.norm_offset == LLAMA.norm_offset and family.norm_cast_last == LLAMA.norm_cast_last \
-            and final_norm_problem(norm) is None:
-        norm.forward = FinalNorm(norm)
+    if final_norm_problem(norm) is None:
+        norm.forward = FinalNorm(norm, family)
 
 
 def unpatch_llama(model: nn.Module) -> nn.Module:
