@@ -686,10 +686,16 @@ def test_granite_logits_scaling_fuses_head_and_layers():
 
 
 @pytest.mark.parametrize("policy", ["fast", "min_memory"])
-def test_gemma2_right_padding_is_fused(policy):
+def test_gemma2_right_padding_is_fused(policy, monkeypatch):
     """Right padding under Gemma 2's capped eager attention leaves no row with nothing to attend
     (every padded row sees real keys within its window of 6): the layers are fused and match
-    HF; padding longer than the window leaves rows empty, and those calls run HF's forward."""
+    HF; padding longer than the window leaves rows empty, and those calls run HF's forward.
+    The check syncs once per forward and window (two windows: 6 and full), not per layer."""
+    from ckpt_ext.hf import patch as patch_module
+    checked = []
+    real_check = patch_module._may_have_empty_rows
+    monkeypatch.setattr(patch_module, "_may_have_empty_rows",
+                        lambda kpm, window: checked.append(window) or real_check(kpm, window))
     ref_model = make_model("gemma2")
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, TINY["vocab_size"], (B, S), generator=g)
@@ -699,6 +705,7 @@ def test_gemma2_right_padding_is_fused(policy):
     model = patch_llama(copy.deepcopy(ref_model), policy)
     assert_same(run(ref_model, ids, mask, labels), run(model, ids, mask, labels), mask)
     assert calls(model) == [1, 1, 1]
+    assert sorted(checked, key=str) == [6, None], checked   # layers 0 and 2 share window 6
     mask[0, -9:] = 0  # 9 padded keys: the last rows of the windowed layers see none
     labels = ids.masked_fill(mask == 0, -100)
     with pytest.warns(UserWarning, match="nothing to attend"):

@@ -65,7 +65,7 @@ import collections
 import functools
 import inspect
 import warnings
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -478,6 +478,9 @@ class _ForwardState(NamedTuple):
 
     masks: BatchMasks
     presets: Optional[List[str]]
+    # _may_have_empty_rows of the forward's padding mask, per sliding window (None: full
+    # causal): one host sync per window and forward, not per layer call
+    empty_rows: Dict[Optional[int], bool]
 
 
 # The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
@@ -522,7 +525,7 @@ class _Shared:
         masks = describe(named.get("attention_mask"), named.get("position_ids"),
                          torch.compiler.is_compiling())
         presets = self.choose(named) if self.budget is not None else None
-        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets)}
+        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {})}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
@@ -743,9 +746,13 @@ class _PatchedForward:
         if cos.requires_grad or sin.requires_grad:
             return "cos/sin require grad", BatchMasks()
         reason, masks = self._masks(x, kwargs, state)
-        if reason is None and spec.softcap and impl == "eager" and \
-                _may_have_empty_rows(masks.key_padding_mask, _window(spec, x)):
-            reason = _CAPPED_EMPTY_ROWS
+        if reason is None and spec.softcap and impl == "eager":
+            window = _window(spec, x)
+            cache = state.empty_rows if state is not None and state.masks is masks else {}
+            if window not in cache:
+                cache[window] = _may_have_empty_rows(masks.key_padding_mask, window)
+            if cache[window]:
+                reason = _CAPPED_EMPTY_ROWS
         return reason, masks
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
