@@ -43,7 +43,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # GELU-tanh; Gemma 3 adds norms after both sublayers, per-head q/k norms, its own attention
 # scale and a local RoPE on its sliding layers; Phi-3 fuses q/k/v into qkv_proj and gate/up
 # into gate_up_proj, and phi3_partial (Phi-4-mini's partial_rotary_factor) rotates only the
-# first half of each head; Gemma 2 soft-caps its attention scores (eager attention only).
+# first half of each head, and phi3_longrope (Phi-3-128k's LongRoPE, S past its original 8
+# positions: the long factors and a cos/sin scale of sqrt(2)) rescales the rotary frequencies;
+# Gemma 2 soft-caps its attention scores (eager attention only).
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -61,12 +63,18 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
                                         "sliding_attention"]),
             "phi3": {},
             "phi3_partial": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                      partial_rotary_factor=0.5))}
+                                                      partial_rotary_factor=0.5)),
+            "phi3_longrope": dict(max_position_embeddings=64, original_max_position_embeddings=8,
+                                  rope_parameters=dict(
+                                      rope_type="longrope", rope_theta=10000.0,
+                                      original_max_position_embeddings=8,
+                                      short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                      long_factor=[1.5 + 0.2 * i for i in range(8)]))}
 # transformers runs these with eager attention only (Gemma 2: its soft-capping); make_model
 # builds them eager whatever impl is asked.
 EAGER_ONLY = {"gemma2"}
 # The model_type of a FAMILIES entry that is a variant of another family.
-MODEL_TYPE = {"phi3_partial": "phi3"}
+MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3"}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
