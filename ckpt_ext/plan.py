@@ -29,8 +29,9 @@ are element-wise and left out). With T = B*S tokens, causal attention (a query a
 A family that norms a sublayer's output before the residual add (Gemma 2/3, OLMo-2/3:
 ``LayerDims.attention_output_norm`` / ``mlp_output_norm``) saves the same bytes and recomputes
 that output for the norm's backward: + o_proj for fast and balanced (min_memory recomputes it
-already), + gate_up + down for every fused preset (the MLP forward once more, since the down
-projection's output is needed before the SwiGLU backward starts).
+already); + gate_up + down for balanced and min_memory (the MLP forward once more, since the
+down projection's output is needed before the SwiGLU backward starts), + down alone for fast
+(from its saved gate/up).
 
 :func:`choose_presets` picks, per layer, one of the fused presets so that the layers' saved
 bytes fit a budget with the least total recompute. It solves this small multiple-choice
@@ -522,7 +523,7 @@ def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
     gate_up = 4 * H * I
     down = 2 * I * H
     # the output norms' backward reads the sublayer's output (module docstring)
-    out_norms = (d.mlp_output_norm * (gate_up + down)
+    out_norms = (d.mlp_output_norm * (down if preset == "fast" else gate_up + down)
                  + (d.attention_output_norm and preset != "min_memory") * o_proj)
     if preset == "fast":
         return scores + out_norms

@@ -6,6 +6,7 @@
 // Both are computed in the compute dtype (float32; float64 for float64), as ATen's silu / gelu.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/string_view.h>
 
 #include <string>
@@ -21,6 +22,23 @@ inline Activation parse_activation(c10::string_view name, const char* op) {
   if (name == "gelu_tanh") return Activation::kGeluTanh;
   CKPT_CHECK_VALUE(false, op, "activation must be one of 'silu', 'gelu_tanh', got '",
                    std::string(name), "'");
+}
+
+// act(g) and, given grad = dL/d act(g), dL/dg = grad act'(g) (ATen's kernels).
+inline at::Tensor activate(const at::Tensor& g, Activation act) {
+  return act == Activation::kSilu ? at::silu(g) : at::gelu(g, "tanh");
+}
+inline at::Tensor activate_backward(const at::Tensor& grad, const at::Tensor& g, Activation act) {
+  return act == Activation::kSilu ? at::silu_backward(grad, g)
+                                  : at::gelu_backward(grad, g, "tanh");
+}
+
+// act(gate) * up in the compute dtype (the wider of gate's and up's), rounded to `dt`: the
+// SwiGLU product that the down projection reads. gate, up (rows, I) in a float dtype.
+inline at::Tensor swiglu_product(const at::Tensor& gate, const at::Tensor& up, at::ScalarType dt,
+                                 Activation act) {
+  const at::ScalarType cdt = at::promote_types(gate.scalar_type(), up.scalar_type());
+  return activate(gate.to(cdt), act).mul_(up.to(cdt)).to(dt);
 }
 
 }  // namespace ckpt_ext

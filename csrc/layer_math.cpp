@@ -417,6 +417,26 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
 }
 
 
+// The MLP's output before its output norm, for token rows starting at the global row row0,
+// from fast's saved gate/up rows: down(act(gate) * up) (+ the down adapter's term) as
+// swiglu_fwd computes it (the product in the compute dtype, rounded once; the adapter's term
+// in its LoRA dtype with the forward's dropout mask, added in place), without the gate/up
+// GEMMs a full SwiGLU forward would redo.
+at::Tensor mlp_down_from_gate_up(const Layer& L, const at::Tensor& gate, const at::Tensor& up,
+                                 int64_t row0) {
+  const at::ScalarType dt = gate.scalar_type(), cdt = checks::compute_dtype(dt);
+  const at::Tensor h = swiglu_product(gate.to(cdt), up.to(cdt), dt,
+                                      parse_activation(L.activation, "decoder_layer"));
+  at::Tensor y = at::linear(h, L.cast(L.proj(kDown)), L.cast_opt(L.proj(kDown, kBias)));
+  if (L.has_lora(kDown)) {
+    const at::Tensor a = L.cast(L.proj(kDown, kLoraA)), b = L.cast(L.proj(kDown, kLoraB));
+    const at::ScalarType ld = at::promote_types(cdt, checks::compute_dtype(a.scalar_type()));
+    const at::Tensor u = lora_input(L, kDown, h.to(ld), row0).mm(a.to(ld).t());  // (T, r)
+    y.add_(u.mm(b.to(ld).t()).mul_(L.lora_scale(kDown)));
+  }
+  return y;
+}
+
 // Backward of mlp_forward over the same token chunks: per chunk the norm is recomputed, the
 // SwiGLU backward runs (its (rows, I) work one chunk at a time; fast reads its saved gate/up
 // rows), and the chunk's dx rows are written in place; weight, bias, adapter and norm
@@ -447,11 +467,13 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     const at::Tensor m = mlp_input(hc, L);
     at::Tensor dmlp = L.residual_scaled(L.cast(dyc));  // d of the MLP's (normed) output
     if (L.has_norm(kMlpOutNorm)) {  // its norm's backward reads the down projection's output
-      const at::Tensor y2 = std::get<0>(kernel::swiglu_fwd(
-          m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
-          L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-          L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, false, l.dropout, l.seed,
-          row0 + t0, l.streams, L.activation));
+      const at::Tensor y2 =
+          gate ? mlp_down_from_gate_up(L, *gate, *up, row0 + t0)
+               : std::get<0>(kernel::swiglu_fwd(
+                     m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+                     L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+                     L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, false, l.dropout,
+                     l.seed, row0 + t0, l.streams, L.activation));
       dmlp = L.cast(norm_bwd(L, kMlpOutNorm, dmlp, y2, needs, g));
     }
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(

@@ -200,22 +200,6 @@ at::Tensor with_lora(const at::Tensor& base, const at::Tensor& xc, const Adapter
   return base.to(A.dt).addmm_(xa, A.b.t(), 1.0, A.s);                          // (tc, I)
 }
 
-// act(g) and, given grad = dL/d act(g), dL/dg = grad act'(g).
-at::Tensor activate(const at::Tensor& g, Activation act) {
-  return act == Activation::kSilu ? at::silu(g) : at::gelu(g, "tanh");
-}
-at::Tensor activate_backward(const at::Tensor& grad, const at::Tensor& g, Activation act) {
-  return act == Activation::kSilu ? at::silu_backward(grad, g)
-                                  : at::gelu_backward(grad, g, "tanh");
-}
-
-// act(gate) * up in the compute dtype, rounded to `dt`. gate, up (rows, I) in a float dtype.
-at::Tensor swiglu_product(const at::Tensor& gate, const at::Tensor& up, at::ScalarType dt,
-                          Activation act) {
-  const at::ScalarType cdt = at::promote_types(gate.scalar_type(), up.scalar_type());
-  return activate(gate.to(cdt), act).mul_(up.to(cdt)).to(dt);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
     const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
     const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,

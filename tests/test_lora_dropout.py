@@ -281,10 +281,10 @@ def layer_inputs(dtype=torch.float64, seed=0):
     return x, weights, (cos, sin)
 
 
-def layer_loss(x, weights, pe, dropout, seed, preset, streams=None):
+def layer_loss(x, weights, pe, dropout, seed, preset, streams=None, **kw):
     y = blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV,
                              lora_scaling=[0.5 + 0.1 * i for i in range(7)], lora_dropout=dropout,
-                             dropout_seed=seed, lora_streams=streams, preset=preset)
+                             dropout_seed=seed, lora_streams=streams, preset=preset, **kw)
     return (y * torch.linspace(-1, 1, HS, dtype=x.dtype)).square().sum()
 
 
@@ -319,11 +319,22 @@ def test_layer_gradient_matches_central_differences_under_one_seed(preset):
 
 
 @pytest.mark.parametrize("streams", [None, [0, 0, 0, 3, 4, 4, 6]], ids=["own", "fused"])
-def test_layer_matches_plain_pytorch_with_the_same_masks(streams):
+@pytest.mark.parametrize("layout", ["llama", "sandwich"])
+@pytest.mark.parametrize("preset", ["balanced", "fast"])
+def test_layer_matches_plain_pytorch_with_the_same_masks(monkeypatch, streams, layout, preset):
     """Every projection's adapter input dropped with stream = its index (or lora_streams: q/k/v
     one stream, gate/up one, as Phi-3's fused modules: one mask on their shared input), in
-    plain PyTorch."""
+    plain PyTorch. "sandwich": Gemma 2's output norms (times 1 + w) after both sublayers,
+    whose backward recomputes the sublayer's output with the forward's masks (fast: the down
+    projection from its saved gate/up), in MLP chunks of 5 tokens."""
     x, weights, (cos, sin) = layer_inputs()
+    kw, offset = {}, 0.0
+    if layout == "sandwich":
+        g = torch.Generator().manual_seed(4)
+        for slot in ("attention_output_norm", "mlp_output_norm"):
+            weights[f"{slot}.weight"] = 0.3 * torch.randn(HS, generator=g, dtype=x.dtype)
+        kw, offset = dict(norm_offset=1.0), 1.0
+        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(5 * 3 * IM * 8))
     seed = seed_tensor(99)
     scaling = [0.5 + 0.1 * i for i in range(7)]
     leaves = {n: t.clone().requires_grad_() for n, t in weights.items()}
@@ -338,7 +349,10 @@ def test_layer_matches_plain_pytorch_with_the_same_masks(streams):
         return t @ w[f"{path}.weight"].t() + scaling[i] * lora
 
     def norm(t, wt):
-        return wt * t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)
+        return (offset + wt) * t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)
+
+    def out_norm(t, slot):
+        return norm(t, leaves[f"{slot}.weight"]) if layout == "sandwich" else t
 
     def rot(t):
         return torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1)
@@ -350,21 +364,23 @@ def test_layer_matches_plain_pytorch_with_the_same_masks(streams):
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
     a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                          enable_gqa=True)
-    h = xr + proj(3, a.transpose(1, 2).reshape(BS, SL, NH * D))
+    h = xr + out_norm(proj(3, a.transpose(1, 2).reshape(BS, SL, NH * D)),
+                      "attention_output_norm")
     m = norm(h, leaves["post_attention_layernorm.weight"])
-    y_ref = h + proj(6, torch.nn.functional.silu(proj(4, m)) * proj(5, m))
+    y_ref = h + out_norm(proj(6, torch.nn.functional.silu(proj(4, m)) * proj(5, m)),
+                         "mlp_output_norm")
     loss_ref = (y_ref * torch.linspace(-1, 1, HS, dtype=x.dtype)).square().sum()
     ref = torch.autograd.grad(loss_ref, [xr, *leaves.values()])
 
     leaves2 = {n: t.clone().requires_grad_() for n, t in weights.items()}
     x2 = x.clone().requires_grad_()
-    loss = layer_loss(x2, leaves2, (cos, sin), DROPOUT, seed, "balanced", streams)
+    loss = layer_loss(x2, leaves2, (cos, sin), DROPOUT, seed, preset, streams, **kw)
     got = torch.autograd.grad(loss, [x2, *leaves2.values()])
     torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=0)
     for name, g, r in zip(["x", *leaves], got, ref):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12, msg=name)
     other = [0, 0, 0, 3, 4, 4, 6] if streams is None else None  # other streams, other masks
-    assert abs(layer_loss(x, weights, (cos, sin), DROPOUT, seed, "balanced", other)
+    assert abs(layer_loss(x, weights, (cos, sin), DROPOUT, seed, preset, other, **kw)
                - loss_ref) > 1e-6 * abs(loss_ref)
 
 

@@ -255,3 +255,32 @@ def test_gradcheck_fp64(variant):
         return blocks.decoder_layer(x, ws, pe, num_heads=NH, num_kv_heads=NKV,
                                     norm_offset=offset, preset="min_memory")
     assert torch.autograd.gradcheck(fn, tuple(inputs), atol=1e-7)
+
+
+def _backward_ops(w, preset, **kw):
+    """Names and GEMM count (aten::mm / addmm) of the ops a layer's backward runs on CPU."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 13, H, generator=g, dtype=torch.float64).requires_grad_()
+    pe = rope_tables(13, D, torch.float64)
+    w = {n: t.detach().requires_grad_() for n, t in w.items()}
+    y = blocks.decoder_layer(x, w, pe, num_heads=NH, num_kv_heads=NKV, preset=preset, **kw)
+    with torch.profiler.profile() as prof:
+        y.backward(torch.ones_like(y))
+    names = [e.name for e in prof.events()]
+    return set(names), sum(n in ("aten::mm", "aten::addmm") for n in names)
+
+
+def test_fast_recomputes_only_the_down_projection_for_the_mlp_output_norm():
+    """fast keeps gate/up: the MLP output norm's backward recomputes the down projection from
+    them (one GEMM), not the SwiGLU forward (three); the attention output norm's reruns o_proj
+    (one more). The other presets keep no gate/up and rerun the SwiGLU forward."""
+    g = torch.Generator().manual_seed(2)
+    sandwich = weights_for("gemma", torch.float64, g)
+    plain = {n: t for n, t in sandwich.items()
+             if not n.startswith(("attention_output_norm", "mlp_output_norm"))}
+    names, gemms = _backward_ops(sandwich, "fast", norm_offset=1.0)
+    _, gemms_plain = _backward_ops(plain, "fast", norm_offset=1.0)
+    assert "ckpt_ext::swiglu_fwd" not in names
+    assert gemms - gemms_plain == 2, (gemms, gemms_plain)
+    names, _ = _backward_ops(sandwich, "balanced", norm_offset=1.0)
+    assert "ckpt_ext::swiglu_fwd" in names
