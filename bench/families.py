@@ -1,5 +1,5 @@
-"""Saved activation bytes and the step's peak of one tiny model per supported family
-(``ckpt_ext.SUPPORTED_MODEL_TYPES``), unpatched against patched presets, and proof that the
+"""Saved activation bytes and the step's peak of one tiny model per supported text family
+(``ckpt_ext.hf.families.FAMILIES``), unpatched against patched presets, and proof that the
 fused op ran: every decoder layer's ``forward.calls["fused"]``; beside them, what a user would
 otherwise run: HF gradient checkpointing with the fused loss (no logits).
 
@@ -16,6 +16,7 @@ import warnings
 import torch
 
 import ckpt_ext
+from ckpt_ext.hf.families import FAMILIES
 from transformers import AutoConfig, AutoModelForCausalLM
 
 warnings.simplefilter("ignore")
@@ -47,7 +48,8 @@ def measured(model, ids, mask):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--families", nargs="*", default=list(ckpt_ext.SUPPORTED_MODEL_TYPES))
+    # the text families (a multimodal model_type runs one of them: gemma3 is gemma3_text)
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, SHAPE["vocab_size"], (2, args.seq), generator=g)

@@ -570,8 +570,8 @@ def test_refuses_other_models_and_foreign_forwards():
     model.config.model_type = "falcon"
     with pytest.raises(ValueError, match="model_type 'falcon' is not supported"):
         patch_llama(model)
-    model.config.model_type = "gemma3"
-    with pytest.raises(ValueError, match="bidirectionally.*Gemma3ForCausalLM"):
+    model.config.model_type = "gemma3"   # multimodal, but its text config is not gemma3_text
+    with pytest.raises(ValueError, match="text config of model_type 'gemma3' is not supported"):
         patch_llama(model)
     model = make_model("llama", "sdpa")
     layer = model.model.layers[2]

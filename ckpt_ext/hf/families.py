@@ -55,6 +55,11 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
             "phi3": LLAMA}
 
+# Multimodal model_types whose text stack is one of FAMILIES: the decoder layers are the
+# language model's (``model.model.language_model.layers``), and a batch with images runs
+# HF's forward (image tokens attend bidirectionally; the fused op is causal).
+MULTIMODAL = {"gemma3": "gemma3_text"}
+
 # mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh",
                "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",

@@ -85,6 +85,17 @@ def _softcapped_head(config) -> Tuple[Optional[str], float, float]:
     return None, 1.0, float(cap)
 
 
+def _uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) (Gemma3ForConditionalGeneration, whose forward applies no final
+    soft-cap); a text config that sets one is refused (another transformers version's forward
+    may apply it)."""
+    cap = getattr(config.get_text_config(), "final_logit_softcapping", None)
+    if cap is not None:
+        return (f"text_config.final_logit_softcapping={cap!r} is set, and whether this "
+                "forward applies it depends on the transformers version", 1.0, 0.0)
+    return None, 1.0, 0.0
+
+
 # The transformers *ForCausalLM classes whose forward the fused head reproduces, by the name of
 # the class that defines the forward: each computes logits = lm_head(last hidden state), then
 # the rule's transform, then loss_function(logits, labels, vocab_size, **kwargs).
@@ -96,6 +107,7 @@ _HEAD_RULES = {
     "Olmo3ForCausalLM": _plain_head, "Phi3ForCausalLM": _plain_head,
     "GraniteForCausalLM": _granite_head,
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
+    "Gemma3ForConditionalGeneration": _uncapped_text_head,
 }
 
 
@@ -201,10 +213,12 @@ def take_prenorm(hidden: torch.Tensor) -> Optional[torch.Tensor]:
 
 class FusedHeadForward:
     """The instance-level ``forward`` of a patched ``*ForCausalLM``. ``calls`` counts
-    ``fused`` and ``hf`` calls (outside compilation)."""
+    ``fused`` and ``hf`` calls (outside compilation). ``owner``: the text model whose final
+    norm may run inside the head (``model.model``, or a multimodal model's language model)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, owner: Optional[nn.Module] = None):
         self.model = model
+        self.owner = owner
         params = inspect.signature(type(model).forward).parameters.values()
         self.positional = [p.name for p in params
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
@@ -252,7 +266,7 @@ class FusedHeadForward:
         bare = self.model.model
         outputs = bare(**kwargs)
         hidden = outputs.last_hidden_state
-        norm = bare._modules.get("norm")
+        norm = (getattr(self, "owner", None) or bare)._modules.get("norm")
         prenorm = take_prenorm(hidden)
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]

@@ -13,9 +13,11 @@ softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; Gemma, Gemma
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
 is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare
-``*Model``, or a ``peft.PeftModel`` around either (patch before or after wrapping). Each
-decoder layer keeps its
-HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
+``*Model``, or a ``peft.PeftModel`` around either (patch before or after wrapping); and Gemma 3's
+multimodal ``Gemma3ForConditionalGeneration`` (``families.MULTIMODAL``), whose language
+model's layers are patched: its pre-hook sits on the multimodal bare model, which receives the
+batch's 2-D mask, and a batch with image tokens (they attend bidirectionally) runs HF's layers
+(``_image_inputs``). Each decoder layer keeps its HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
 unchanged, and ``unpatch_llama`` deletes it.
 
@@ -78,13 +80,13 @@ from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
 from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
-from .families import FAMILIES, LLAMA, Family, activation, norm_eps
+from .families import FAMILIES, LLAMA, MULTIMODAL, Family, activation, norm_eps
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES) + tuple(MULTIMODAL)
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 Policy = Union[str, Sequence[str], Callable[[int], str]]  # a preset, per layer, or "auto"
@@ -107,14 +109,47 @@ _HF_CAPTURE_HOOK = "output_capturing_hook"
 def _decoder_layers(model: nn.Module) -> Tuple[nn.Module, nn.ModuleList]:
     """``(owner, layers)``: the bare ``*Model`` and its ``layers``."""
     model = _unwrap_peft(model)
-    for owner in (getattr(model, "base_model", None), getattr(model, "model", None), model):
+    bare = getattr(model, "model", None)
+    for owner in (getattr(model, "base_model", None), bare, model,
+                  getattr(bare, "language_model", None), getattr(model, "language_model", None)):
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return owner, layers
     raise ValueError(
         f"patch_llama: could not find the decoder layers of {type(model).__name__} (looked for "
-        "model.model.layers and model.layers); pass a transformers *ForCausalLM or *Model of "
-        f"the families {', '.join(SUPPORTED_MODEL_TYPES)}")
+        "model.model.layers, model.layers and a language_model's layers); pass a transformers "
+        f"*ForCausalLM or *Model of the families {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def _mask_owner(model: nn.Module, owner: nn.Module) -> nn.Module:
+    """The module whose call receives the batch's 2-D attention mask: the multimodal bare model
+    around a language model ``owner`` (which receives 4-D masks built from it), else
+    ``owner`` itself."""
+    model = _unwrap_peft(model)
+    for outer in (getattr(model, "model", None), model):
+        if outer is not None and outer is not owner and \
+                getattr(outer, "language_model", None) is owner:
+            return outer
+    return owner
+
+
+def _image_inputs(named: dict, compiling: bool) -> Optional[str]:
+    """Why a multimodal model's call cannot run the causal fused layers (its batch has image
+    tokens, which attend bidirectionally), or None for a text-only call."""
+    if named.get("pixel_values") is not None or named.get("mm_encoder_outputs"):
+        return ("the batch has images (pixel_values): image tokens attend bidirectionally, "
+                "which the causal fused op does not compute")
+    types = named.get("token_type_ids")
+    if types is None:
+        return None
+    if compiling:
+        return ("token_type_ids was given under torch.compile, where whether it marks image "
+                "tokens is not known before the run; pass token_type_ids=None for text-only "
+                "batches")
+    if bool((types == 1).any()):
+        return ("token_type_ids marks image tokens, which attend bidirectionally; the causal "
+                "fused op does not compute that")
+    return None
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:
@@ -129,11 +164,14 @@ def _model_config(model: nn.Module):
         raise ValueError(f"patch_llama: {type(model).__name__} has no .config; pass a "
                          "transformers model (LlamaForCausalLM, Qwen2Model, ...)")
     model_type = getattr(config, "model_type", None)
-    if model_type == "gemma3":
-        raise ValueError(
-            "patch_llama: model_type 'gemma3' (Gemma3ForConditionalGeneration) is not supported: "
-            "its image tokens attend bidirectionally, and the fused op is causal. For text, load "
-            "the text stack as Gemma3ForCausalLM (model_type 'gemma3_text'), which is supported")
+    if model_type in MULTIMODAL:  # the text stack's config
+        text = config.get_text_config()
+        if getattr(text, "model_type", None) != MULTIMODAL[model_type]:
+            raise ValueError(
+                f"patch_llama: model_type {model_type!r} with a text config of model_type "
+                f"{getattr(text, 'model_type', None)!r} is not supported (expected "
+                f"{MULTIMODAL[model_type]!r})")
+        return text
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"patch_llama: model_type {model_type!r} is not supported; supported are "
@@ -493,13 +531,17 @@ class _Shared:
     hands each forward's layers its _ForwardState."""
 
     def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool,
-                 budget: Optional[int] = None, offloader=None):
+                 budget: Optional[int] = None, offloader=None,
+                 hook_owner: Optional[nn.Module] = None):
         self.owner, self.layers, self.default_policy = owner, layers, default_policy
+        # The module whose pre-hook reads the batch's masks: the bare model, or the multimodal
+        # model around its language model (owner), which receives them 2-D (_mask_owner)
+        self.hook_owner = owner if hook_owner is None else hook_owner
         self.budget = budget                   # policy="auto": the decoder layers' budget
         self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
         self.warned: set = set()
-        params = [p for p in inspect.signature(type(owner).forward).parameters.values()
+        params = [p for p in inspect.signature(type(self.hook_owner).forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.positional = [p.name for p in params]
 
@@ -507,6 +549,7 @@ class _Shared:
         state.pop("masks", None)
         state.pop("auto_presets", None)
         state.setdefault("offloader", None)
+        state.setdefault("hook_owner", state["owner"])
         self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -522,8 +565,12 @@ class _Shared:
             # then gather all of each fused layer's parameters (ckpt_ext.hf.zero).
             zero.make_leaves(self.fused_layers())
         named = dict(zip(self.positional, args), **kwargs)
-        masks = describe(named.get("attention_mask"), named.get("position_ids"),
-                         torch.compiler.is_compiling())
+        compiling = torch.compiler.is_compiling()
+        masks = describe(named.get("attention_mask"), named.get("position_ids"), compiling)
+        if self.hook_owner is not self.owner and masks.custom is None:
+            images = _image_inputs(named, compiling)
+            if images is not None:
+                masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.budget is not None else None
         return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {})}
 
@@ -576,12 +623,12 @@ class _Shared:
         return [f.layer for f in _patched(self.layers) if f.preset != "torch"]
 
     def install(self) -> None:
-        self.owner.register_forward_pre_hook(self.before_model, with_kwargs=True)
+        self.hook_owner.register_forward_pre_hook(self.before_model, with_kwargs=True)
 
     def remove(self) -> None:
         """Remove this object's hooks from the bare model (found by owner, so that this also
         works in a deepcopy or unpickled copy of a patched model)."""
-        owner = self.owner
+        owner = self.hook_owner
         for hooks, extras in ((owner._forward_pre_hooks, (owner._forward_pre_hooks_with_kwargs,)),
                               (owner._forward_hooks, (owner._forward_hooks_with_kwargs,
                                                       owner._forward_hooks_always_called))):
@@ -864,7 +911,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
             specs[idx] = _check_fusable(layer, idx, config)
     unpatch_llama(model)
     shared = _Shared(owner, layers, default_policy=policy is None, budget=budget,
-                     offloader=offloader)
+                     offloader=offloader, hook_owner=_mask_owner(model, owner))
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if preset != "none":
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
@@ -894,7 +941,7 @@ def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared,
     if problem:
         shared.warn_once("head", f"the LM head is not fused: {problem}")
         return
-    model.forward = FusedHeadForward(model)
+    model.forward = FusedHeadForward(model, owner)
     # The final norm runs inside the head op, rounding as the family's norms do.
     norm = owner._modules.get("norm")
     if final_norm_problem(norm) is None:
@@ -904,7 +951,7 @@ def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared,
 def unpatch_llama(model: nn.Module) -> nn.Module:
     """Undo ``patch_llama``: every layer gets HF's forward back. Returns ``model``; a model
     that is not patched is unchanged."""
-    _, layers = _decoder_layers(model)
+    owner, layers = _decoder_layers(model)
     for patched in _patched(layers):
         patched.shared.remove()
         del patched.layer.__dict__["forward"]
@@ -914,7 +961,7 @@ def unpatch_llama(model: nn.Module) -> nn.Module:
     inner = _unwrap_peft(model)
     if isinstance(inner.__dict__.get("forward"), FusedHeadForward):
         del inner.__dict__["forward"]
-    norm = getattr(getattr(inner, "model", inner), "_modules", {}).get("norm")
+    norm = owner._modules.get("norm")
     if norm is not None and isinstance(norm.__dict__.get("forward"), FinalNorm):
         del norm.__dict__["forward"]
     return model

@@ -1,0 +1,198 @@
+"""Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``, model_type "gemma3":
+gemma-3-4b/12b/27b) patched for text training: the decoder layers are the language model's,
+text-only batches run the fused layers and the fused head, and a batch with image tokens (which
+attend bidirectionally) runs HF's layers, with the reason. Compared with the same tiny model
+unpatched: loss and every gradient."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import ckpt_ext
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: these tests need it "
+    "(pip install -e '.[test]')")
+Gemma3Config = getattr(transformers, "Gemma3Config", None)
+if Gemma3Config is None:
+    pytest.skip(f"transformers {transformers.__version__} has no Gemma 3", allow_module_level=True)
+from transformers import Gemma3ForConditionalGeneration  # noqa: E402
+
+from hf_fixtures import assert_compiled_replays_eager  # noqa: E402
+
+V, IMAGE, B, S = 300, 299, 2, 17
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def make_model(seed=0, impl="sdpa", **text):
+    """A tiny Gemma3ForConditionalGeneration (a 1-layer SigLIP tower, 4 tokens per image), its
+    weights moved off their init so every norm and projection matters."""
+    cfg = Gemma3Config(
+        text_config=dict(dict(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=96, vocab_size=V, pad_token_id=0,
+            query_pre_attn_scalar=24, sliding_window=6, rms_norm_eps=1e-5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]), **text),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=7),
+        mm_tokens_per_image=4, image_token_id=IMAGE, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation=impl)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(0.3 * noise) if "norm" in name else p.add_(0.05 * noise)
+    return model
+
+
+def text_batch(seed=1, pad=5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 290, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask, ids.masked_fill(mask == 0, -100)
+
+
+def image_batch(seed=2):
+    """One row with an image: 4 image tokens (token_type_ids 1) at positions 3-6."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 290, (1, S), generator=g)
+    ids[0, 3:7] = IMAGE
+    return dict(input_ids=ids, pixel_values=torch.randn(1, 3, 28, 28, generator=g),
+                token_type_ids=(ids == IMAGE).long(), labels=ids.masked_fill(ids == IMAGE, -100))
+
+
+def step(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(got, want):
+    (out, grads), (out_r, grads_r) = got, want
+    torch.testing.assert_close(out.loss, out_r.loss, **TOL)
+    assert set(grads) == set(grads_r)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+
+
+def layer_calls(model, key="fused"):
+    return [layer.forward.calls[key] for layer in model.model.language_model.layers]
+
+
+def test_gemma3_is_a_supported_model_type():
+    assert "gemma3" in ckpt_ext.SUPPORTED_MODEL_TYPES
+
+
+@pytest.mark.parametrize("types", [None, "zeros"], ids=["no-token-types", "text-token-types"])
+@pytest.mark.parametrize("policy", ["fast", "balanced", "min_memory"])
+def test_text_batches_run_fused_layers_and_head(policy, types):
+    """Left-padded text, with or without the all-zero token_type_ids a processor gives text:
+    every layer and the head run fused, and the loss and every gradient (the vision tower's
+    get none) equal the unpatched model's; the step keeps less."""
+    ref = make_model()
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), policy)
+    ids, mask, labels = text_batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if types == "zeros":
+        inputs["token_type_ids"] = torch.zeros_like(ids)
+    got = step(model, **inputs)
+    assert got[0].logits is None and model.forward.calls == {"fused": 1, "hf": 0}
+    assert layer_calls(model) == [1, 1, 1]
+    assert_same(got, step(ref, **inputs))
+    run = lambda m: m(**inputs).loss  # noqa: E731
+    assert ckpt_ext.saved_activation_bytes(run, model) < \
+        0.5 * ckpt_ext.saved_activation_bytes(run, ref)
+
+
+def test_image_batches_run_hf_layers_with_the_reason():
+    """Image tokens attend bidirectionally: a batch with pixel_values, or with token_type_ids
+    that mark image tokens, runs HF's layers (warned, with the reason) and equals HF; the
+    next text batch is fused again."""
+    ref = make_model()
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    inputs = image_batch()
+    with pytest.warns(UserWarning, match="the batch has images"):
+        got = step(model, **inputs)
+    assert_same(got, step(ref, **inputs))
+    assert layer_calls(model) == [0, 0, 0]
+    no_pixels = {k: v for k, v in inputs.items() if k != "pixel_values"}
+    with pytest.warns(UserWarning, match="token_type_ids marks image tokens"):
+        got = step(model, **no_pixels)
+    assert_same(got, step(ref, **no_pixels))
+    assert layer_calls(model) == [0, 0, 0]
+    ids, mask, labels = text_batch()
+    assert_same(step(model, input_ids=ids, attention_mask=mask, labels=labels),
+                step(ref, input_ids=ids, attention_mask=mask, labels=labels))
+    assert layer_calls(model) == [1, 1, 1]
+
+
+def test_eval_generation_and_unpatch():
+    """Eval and generation run HF's head and return logits as HF's; unpatching removes the
+    hook from the multimodal model, the layers' and the final norm's forwards."""
+    ref = make_model()
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory")
+    ids, mask, _ = text_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   ref(input_ids=ids, attention_mask=mask).logits, **TOL)
+    assert torch.equal(model.generate(ids[1:, :6], max_new_tokens=3, do_sample=False),
+                       ref.generate(ids[1:, :6], max_new_tokens=3, do_sample=False))
+    assert model.model._forward_pre_hooks
+    ckpt_ext.unpatch_llama(model)
+    assert not model.model._forward_pre_hooks
+    assert "forward" not in model.__dict__
+    assert "forward" not in model.model.language_model.norm.__dict__
+    assert all("forward" not in layer.__dict__ for layer in model.model.language_model.layers)
+
+
+def test_a_final_softcap_in_the_text_config_keeps_hf_head():
+    """This forward applies no final soft-cap; a text config that sets one keeps HF's head
+    (whether the forward applies it depends on the transformers version), layers fused."""
+    ref = make_model(final_logit_softcapping=2.0)
+    with pytest.warns(UserWarning, match="LM head is not fused: text_config.final_logit_"):
+        model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    ids, mask, labels = text_batch()
+    got = step(model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert got[0].logits is not None and layer_calls(model) == [1, 1, 1]
+    assert_same(got, step(ref, input_ids=ids, attention_mask=mask, labels=labels))
+
+
+def test_peft_lora_on_the_language_model_is_fused_and_exact():
+    """PEFT LoRA on the language model's projections (the usual text fine-tune of a Gemma 3
+    checkpoint): fused, and the adapters' gradients equal the unpatched PEFT model's."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    ref = peft.get_peft_model(make_model(), lora)
+    with torch.no_grad():   # B starts at zero: move it so that A's gradient is not zero
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    ids, mask, labels = text_batch()
+    got = step(model, input_ids=ids, attention_mask=mask, labels=labels)
+    want = step(ref, input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(got[1]) == 2 * 7 * 3   # A and B of 7 projections in 3 layers, nothing else
+    assert_same(got, want)
+    assert [layer.forward.calls["fused"]
+            for layer in model.base_model.model.model.language_model.layers] == [1, 1, 1]
+
+
+def test_compiled_text_batches_have_no_graph_breaks():
+    model = ckpt_ext.patch_llama(make_model(), "balanced")
+
+    def loss_and_grads(m, ids, mask, labels):
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
+                               for n, p in m.named_parameters() if p.grad is not None}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_compiled_replays_eager(model, loss_and_grads, text_batch(),
+                                      dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
