@@ -55,10 +55,18 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
             "phi3": LLAMA}
 
-# Multimodal model_types whose text stack is one of FAMILIES: the decoder layers are the
-# language model's (``model.model.language_model.layers``), and a batch with images runs
-# HF's forward (image tokens attend bidirectionally; the fused op is causal).
-MULTIMODAL = {"gemma3": "gemma3_text"}
+class Multimodal(NamedTuple):
+    """A multimodal model_type whose text stack is one of FAMILIES: its decoder layers are its
+    language model's (``model.model.language_model.layers``)."""
+
+    text_types: Optional[frozenset]  # the text config's model_types; None: any of FAMILIES
+    # image tokens attend bidirectionally (Gemma 3): a batch with images runs HF's layers;
+    # otherwise images are embeddings merged into the causal text stream (LLaVA, Mistral 3)
+    bidirectional_images: bool
+
+
+MULTIMODAL = {"gemma3": Multimodal(frozenset({"gemma3_text"}), True),
+              "llava": Multimodal(None, False), "mistral3": Multimodal(None, False)}
 
 # mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh",

@@ -108,6 +108,7 @@ _HEAD_RULES = {
     "GraniteForCausalLM": _granite_head,
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
     "Gemma3ForConditionalGeneration": _uncapped_text_head,
+    "LlavaForConditionalGeneration": _plain_head, "Mistral3ForConditionalGeneration": _plain_head,
 }
 
 

@@ -14,10 +14,11 @@ softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; Gemma, Gemma
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
 is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare
 ``*Model``, or a ``peft.PeftModel`` around either (patch before or after wrapping); and Gemma 3's
-multimodal ``Gemma3ForConditionalGeneration`` (``families.MULTIMODAL``), whose language
-model's layers are patched: its pre-hook sits on the multimodal bare model, which receives the
-batch's 2-D mask, and a batch with image tokens (they attend bidirectionally) runs HF's layers
-(``_image_inputs``). Each decoder layer keeps its HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
+multimodal ``Gemma3ForConditionalGeneration``, LLaVA and Mistral 3 (``families.MULTIMODAL``),
+whose language model's layers are patched: the pre-hook sits on the multimodal bare model,
+which receives the batch's 2-D mask; LLaVA's and Mistral 3's images are embeddings in the
+causal text stream (fused), Gemma 3's image tokens attend bidirectionally, so a batch with them
+runs HF's layers (``_image_inputs``). Each decoder layer keeps its HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
 unchanged, and ``unpatch_llama`` deletes it.
 
@@ -166,11 +167,12 @@ def _model_config(model: nn.Module):
     model_type = getattr(config, "model_type", None)
     if model_type in MULTIMODAL:  # the text stack's config
         text = config.get_text_config()
-        if getattr(text, "model_type", None) != MULTIMODAL[model_type]:
+        allowed = MULTIMODAL[model_type].text_types or frozenset(FAMILIES)
+        if text is config or getattr(text, "model_type", None) not in allowed:
             raise ValueError(
                 f"patch_llama: model_type {model_type!r} with a text config of model_type "
-                f"{getattr(text, 'model_type', None)!r} is not supported (expected "
-                f"{MULTIMODAL[model_type]!r})")
+                f"{getattr(text, 'model_type', None)!r} is not supported (supported: "
+                f"{', '.join(sorted(allowed))})")
         return text
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -532,11 +534,12 @@ class _Shared:
 
     def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool,
                  budget: Optional[int] = None, offloader=None,
-                 hook_owner: Optional[nn.Module] = None):
+                 hook_owner: Optional[nn.Module] = None, bidirectional_images: bool = False):
         self.owner, self.layers, self.default_policy = owner, layers, default_policy
         # The module whose pre-hook reads the batch's masks: the bare model, or the multimodal
         # model around its language model (owner), which receives them 2-D (_mask_owner)
         self.hook_owner = owner if hook_owner is None else hook_owner
+        self.bidirectional_images = bidirectional_images  # batches with images run HF's
         self.budget = budget                   # policy="auto": the decoder layers' budget
         self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
@@ -550,6 +553,7 @@ class _Shared:
         state.pop("auto_presets", None)
         state.setdefault("offloader", None)
         state.setdefault("hook_owner", state["owner"])
+        state.setdefault("bidirectional_images", False)
         self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -567,7 +571,7 @@ class _Shared:
         named = dict(zip(self.positional, args), **kwargs)
         compiling = torch.compiler.is_compiling()
         masks = describe(named.get("attention_mask"), named.get("position_ids"), compiling)
-        if self.hook_owner is not self.owner and masks.custom is None:
+        if self.bidirectional_images and masks.custom is None:
             images = _image_inputs(named, compiling)
             if images is not None:
                 masks = BatchMasks(custom=images)
@@ -910,8 +914,11 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
         if preset in FUSED_PRESETS or preset == "auto":
             specs[idx] = _check_fusable(layer, idx, config)
     unpatch_llama(model)
+    multimodal = MULTIMODAL.get(getattr(_unwrap_peft(model).config, "model_type", None))
     shared = _Shared(owner, layers, default_policy=policy is None, budget=budget,
-                     offloader=offloader, hook_owner=_mask_owner(model, owner))
+                     offloader=offloader, hook_owner=_mask_owner(model, owner),
+                     bidirectional_images=multimodal is not None and
+                     multimodal.bidirectional_images)
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if preset != "none":
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)

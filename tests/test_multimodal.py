@@ -1,8 +1,9 @@
-"""Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``, model_type "gemma3":
-gemma-3-4b/12b/27b) patched for text training: the decoder layers are the language model's,
-text-only batches run the fused layers and the fused head, and a batch with image tokens (which
-attend bidirectionally) runs HF's layers, with the reason. Compared with the same tiny model
-unpatched: loss and every gradient."""
+"""Multimodal models whose language model is a supported family, patched: the decoder layers
+are the language model's. Gemma 3 (``Gemma3ForConditionalGeneration``, the gemma-3-4b/12b/27b
+checkpoints): text-only batches run the fused layers and head, a batch with image tokens (which
+attend bidirectionally) runs HF's layers, with the reason. LLaVA and Mistral 3: images are
+embeddings in the causal text stream, so batches with images run fused too. Compared with the
+same tiny model unpatched: loss and every gradient."""
 import copy
 import warnings
 
@@ -17,7 +18,9 @@ transformers = pytest.importorskip(
 Gemma3Config = getattr(transformers, "Gemma3Config", None)
 if Gemma3Config is None:
     pytest.skip(f"transformers {transformers.__version__} has no Gemma 3", allow_module_level=True)
-from transformers import Gemma3ForConditionalGeneration  # noqa: E402
+from transformers import (Gemma3ForConditionalGeneration, LlavaConfig,  # noqa: E402
+                          LlavaForConditionalGeneration, Mistral3Config,
+                          Mistral3ForConditionalGeneration)
 
 from hf_fixtures import assert_compiled_replays_eager  # noqa: E402
 
@@ -83,8 +86,8 @@ def layer_calls(model, key="fused"):
     return [layer.forward.calls[key] for layer in model.model.language_model.layers]
 
 
-def test_gemma3_is_a_supported_model_type():
-    assert "gemma3" in ckpt_ext.SUPPORTED_MODEL_TYPES
+def test_multimodal_model_types_are_supported():
+    assert {"gemma3", "llava", "mistral3"} <= set(ckpt_ext.SUPPORTED_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("types", [None, "zeros"], ids=["no-token-types", "text-token-types"])
@@ -196,3 +199,80 @@ def test_compiled_text_batches_have_no_graph_breaks():
         warnings.simplefilter("ignore")
         assert_compiled_replays_eager(model, loss_and_grads, text_batch(),
                                       dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
+
+
+# ---- LLaVA and Mistral 3: images in the causal stream -------------------------------------------
+TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=96, vocab_size=V, pad_token_id=0, rms_norm_eps=1e-5,
+            use_cache=False)
+
+
+def causal_vlm(kind, text_type, seed=0):
+    """A tiny LLaVA (CLIP tower, 4 patches per 28-pixel image) or Mistral 3 (Pixtral tower,
+    16 patches merged 2x2 into 4 tokens) around a ``text_type`` language model."""
+    text = dict(TEXT, model_type=text_type)
+    if kind == "llava":
+        cls, cfg = LlavaForConditionalGeneration, LlavaConfig(
+            text_config=text, vision_config=dict(
+                model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
+                num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                projection_dim=32), image_token_index=IMAGE, vision_feature_layer=-1)
+    else:
+        cls, cfg = Mistral3ForConditionalGeneration, Mistral3Config(
+            text_config=text, vision_config=dict(
+                model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                num_attention_heads=2, image_size=28, patch_size=7, head_dim=16),
+            image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1)
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * noise) if "norm" in name else p.add_(0.05 * noise)
+    return model
+
+
+def causal_vlm_batch(kind, seed=3):
+    """Two rows: the first with an image (4 image tokens at 3-6) and right padding, the second
+    text only; labels ignore the image tokens and the padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 290, (2, S), generator=g)
+    ids[0, 3:7] = IMAGE
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[0, -3:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    inputs = dict(input_ids=ids, attention_mask=mask, use_cache=False,
+                  pixel_values=torch.randn(1, 3, 28, 28, generator=g),
+                  labels=ids.masked_fill((ids == IMAGE) | (mask == 0), -100))
+    if kind == "mistral3":
+        inputs["image_sizes"] = torch.tensor([[28, 28]])
+    return inputs
+
+
+@pytest.mark.parametrize("policy", ["fast", "min_memory"])
+@pytest.mark.parametrize("kind,text_type", [("llava", "llama"), ("llava", "qwen2"),
+                                            ("mistral3", "mistral")])
+def test_causal_vlm_batches_with_images_run_fused(kind, text_type, policy):
+    """The vision tower runs as HF's; the language model's layers and the head are fused on a
+    batch with an image and padding, and the loss and every gradient (the tower's included)
+    equal the unpatched model's; unpatching restores HF's forwards."""
+    ref = causal_vlm(kind, text_type)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), policy)
+    inputs = causal_vlm_batch(kind)
+    got = step(model, **inputs)
+    assert got[0].logits is None and model.forward.calls == {"fused": 1, "hf": 0}
+    assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [1, 1]
+    want = step(ref, **inputs)
+    assert any("vision_tower" in name for name in want[1])
+    assert_same(got, want)
+    ckpt_ext.unpatch_llama(model)
+    assert not model.model._forward_pre_hooks and "forward" not in model.__dict__
+
+
+def test_multimodal_text_stack_must_be_a_supported_family():
+    model = causal_vlm("llava", "llama")
+    model.config.text_config.model_type = "falcon"
+    with pytest.raises(ValueError, match="text config of model_type 'falcon' is not supported"):
+        ckpt_ext.patch_llama(model)
+    assert "forward" not in model.__dict__
