@@ -276,3 +276,15 @@ def test_multimodal_text_stack_must_be_a_supported_family():
     with pytest.raises(ValueError, match="text config of model_type 'falcon' is not supported"):
         ckpt_ext.patch_llama(model)
     assert "forward" not in model.__dict__
+
+
+def test_a_cache_on_the_text_config_names_it():
+    """transformers fills a KV cache when the text config says use_cache: the layers run HF's
+    forward, and the warning names the config that decides it."""
+    model = causal_vlm("llava", "llama")
+    model.config.text_config.use_cache = True
+    ckpt_ext.patch_llama(model, "balanced")
+    inputs = {k: v for k, v in causal_vlm_batch("llava").items() if k != "use_cache"}
+    with pytest.warns(UserWarning, match=r"model.config.text_config.use_cache"):
+        model(**inputs)
+    assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [0, 0]

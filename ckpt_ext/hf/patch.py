@@ -644,7 +644,8 @@ class _Shared:
 
 _CACHE = ("use_cache=True or past_key_values was given: the KV cache must be filled, so HF's "
           "forward runs. transformers defaults to use_cache=True even for training forwards: "
-          "pass use_cache=False to the model, or set model.config.use_cache = False")
+          "pass use_cache=False to the model, or set model.config.use_cache = False (a "
+          "multimodal model's: model.config.text_config.use_cache)")
 _HF_GC_DEFAULT = ("HF gradient checkpointing is enabled: fused layers with the default policy "
                   "use 'min_memory', which keeps only each layer's input, as HF's "
                   "checkpointing does, and recomputes less; HF's checkpoint is skipped for them")
