@@ -35,7 +35,7 @@ def make_model(seed=0, impl="sdpa", **text):
         text_config=dict(dict(
             hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=96, vocab_size=V, pad_token_id=0,
-            query_pre_attn_scalar=24, sliding_window=6, rms_norm_eps=1e-5,
+            query_pre_attn_scalar=24, sliding_window=6, rms_norm_eps=1e-5, use_cache=False,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"]), **text),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=7),
