@@ -288,3 +288,86 @@ def test_a_cache_on_the_text_config_names_it():
     with pytest.warns(UserWarning, match=r"model.config.text_config.use_cache"):
         model(**inputs)
     assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [0, 0]
+
+
+# ---- Qwen2-VL and Qwen2.5-VL: M-RoPE, images in the causal stream ------------------------------
+def qwen_vl(kind, seed=0):
+    """A tiny Qwen2-VL / Qwen2.5-VL: a 1-block vision tower, 16 patches of a 56-pixel image
+    merged 2x2 into 4 tokens; M-RoPE sections 2/3/3 of the 8 rotary pairs of a 16-dim head."""
+    text = dict(TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                           mrope_section=[2, 3, 3]))
+    text.pop("head_dim")
+    ids = dict(image_token_id=IMAGE, video_token_id=298, vision_start_token_id=297,
+               vision_end_token_id=296)
+    if kind == "qwen2_5_vl":
+        cls, cfg = transformers.Qwen2_5_VLForConditionalGeneration, transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=dict(
+                depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
+                spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=64,
+                fullatt_block_indexes=[0]), **ids)
+    else:
+        cls, cfg = transformers.Qwen2VLForConditionalGeneration, transformers.Qwen2VLConfig(
+            text_config=text, vision_config=dict(
+                depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                spatial_merge_size=2, temporal_patch_size=2), **ids)
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * noise) if "norm" in name else p.add_(0.05 * noise)
+    return model
+
+
+def qwen_vl_batch(seed=4):
+    """Row 0: vision start, 4 image tokens, vision end; row 1 left-padded text."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 290, (2, S), generator=g)
+    ids[0, 2], ids[0, 3:7], ids[0, 7] = 297, IMAGE, 296
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return dict(input_ids=ids, attention_mask=mask, use_cache=False,
+                pixel_values=torch.randn(16, 3 * 2 * 14 * 14, generator=g),
+                image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == IMAGE).int(),
+                labels=ids.masked_fill((ids >= 296) | (mask == 0), -100))
+
+
+@pytest.mark.parametrize("policy", ["fast", "min_memory"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_batches_with_images_run_fused(kind, policy):
+    """M-RoPE's per-token cos/sin (the image tokens' positions follow their grid) reach the
+    fused layers as the rotary embedding composes them; loss and every gradient as HF's."""
+    if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen2.5-VL")
+    ref = qwen_vl(kind)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), policy)
+    inputs = qwen_vl_batch()
+    got = step(model, **inputs)
+    assert got[0].logits is None and model.forward.calls == {"fused": 1, "hf": 0}
+    assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [1, 1]
+    assert_same(got, step(ref, **inputs))
+
+
+@pytest.mark.parametrize("rows", [4, 2], ids=["text-row", "2d"])
+def test_qwen_vl_packed_positions_follow_transformers(rows):
+    """Without an attention mask, transformers reads packed sequences from the text positions
+    (row 0 of (4, B, S) position_ids) and from nothing else: 2-D position_ids that restart are
+    one causal sequence to it. The fused layers read them the same way (segments or none)."""
+    if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen2.5-VL")
+    ref = qwen_vl("qwen2_5_vl")
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 290, (1, S), generator=g)
+    text = torch.cat([torch.arange(7), torch.arange(S - 7)])[None]   # two documents
+    position_ids = text.expand(4, 1, S) if rows == 4 else text
+    inputs = dict(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False)
+    got, want = step(model, **inputs), step(ref, **inputs)
+    assert_same(got, want)
+    assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [1, 1]
+    one = step(ref, input_ids=ids, labels=ids, use_cache=False,
+               position_ids=text.expand(4, 1, S) if rows == 2 else text)
+    # the two readings differ, so the comparison above can fail
+    assert (one[0].loss - want[0].loss).abs() > 1e-4

@@ -50,10 +50,16 @@ OLMO2 = Family({"attention_output_norm": "post_attention_layernorm",
 # Gemma (1): LLaMA's pre-norms, times (1 + w)
 GEMMA1 = Family(LLAMA.norms, norm_offset=1.0, norm_cast_last=True)
 
+# Qwen2-VL / Qwen2.5-VL's language models: Qwen2 layers whose multimodal RoPE (M-RoPE) is
+# composed into ordinary (B, S, D) cos/sin tables by the rotary embedding before the layers.
+# Their position_ids are (3 or 4, B, S); only a 4-row tensor carries text positions, from
+# which transformers reads packed sequences (row 0), as the fused layers do.
+MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text"})
+
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
-            "phi3": LLAMA}
+            "phi3": LLAMA, **{t: LLAMA for t in sorted(MROPE)}}
 
 class Multimodal(NamedTuple):
     """A multimodal model_type whose text stack is one of FAMILIES: its decoder layers are its
@@ -66,7 +72,19 @@ class Multimodal(NamedTuple):
 
 
 MULTIMODAL = {"gemma3": Multimodal(frozenset({"gemma3_text"}), True),
-              "llava": Multimodal(None, False), "mistral3": Multimodal(None, False)}
+              "llava": Multimodal(None, False), "mistral3": Multimodal(None, False),
+              "qwen2_vl": Multimodal(frozenset({"qwen2_vl_text"}), False),
+              "qwen2_5_vl": Multimodal(frozenset({"qwen2_5_vl_text"}), False)}
+
+
+def text_positions(model_type: str, position_ids):
+    """The position_ids from which a model_type's masks read packed sequences: as given, or for
+    the M-RoPE language models (MROPE) row 0 of a (4, B, S) tensor and nothing otherwise."""
+    if model_type not in MROPE:
+        return position_ids
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    return None
 
 # mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh",

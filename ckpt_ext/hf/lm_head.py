@@ -109,6 +109,8 @@ _HEAD_RULES = {
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
     "Gemma3ForConditionalGeneration": _uncapped_text_head,
     "LlavaForConditionalGeneration": _plain_head, "Mistral3ForConditionalGeneration": _plain_head,
+    "Qwen2VLForConditionalGeneration": _plain_head,
+    "Qwen2_5_VLForConditionalGeneration": _plain_head,
 }
 
 

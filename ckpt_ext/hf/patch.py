@@ -12,13 +12,15 @@ softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; Gemma, Gemma
 (text): (1 + w) norms, norms around both sublayers, GeGLU; Phi-3 / Phi-4-mini: its fused
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
-is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare
-``*Model``, or a ``peft.PeftModel`` around either (patch before or after wrapping); and Gemma 3's
-multimodal ``Gemma3ForConditionalGeneration``, LLaVA and Mistral 3 (``families.MULTIMODAL``),
+is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``,
+or a ``peft.PeftModel`` around either (patch before or after wrapping); and Gemma 3's
+multimodal ``Gemma3ForConditionalGeneration``, LLaVA, Mistral 3, Qwen2-VL and Qwen2.5-VL
+(``families.MULTIMODAL``; the Qwen language models' M-RoPE tables reach the layers composed),
 whose language model's layers are patched: the pre-hook sits on the multimodal bare model,
-which receives the batch's 2-D mask; LLaVA's and Mistral 3's images are embeddings in the
-causal text stream (fused), Gemma 3's image tokens attend bidirectionally, so a batch with them
-runs HF's layers (``_image_inputs``). Each decoder layer keeps its HF class and parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
+which receives the batch's 2-D mask; LLaVA's, Mistral 3's and Qwen-VL's images are embeddings
+in the causal text stream (fused), Gemma 3's image tokens attend bidirectionally, so a batch
+with them runs HF's layers (``_image_inputs``). Each decoder layer keeps its HF class and
+parameters; only an instance-level ``forward`` is set (a ``_PatchedForward``), so
 ``isinstance`` checks, hooks on the layer, ``output_hidden_states`` and ``state_dict`` are
 unchanged, and ``unpatch_llama`` deletes it.
 
@@ -81,7 +83,8 @@ from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
 from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
-from .families import FAMILIES, LLAMA, MULTIMODAL, Family, activation, norm_eps
+from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, norm_eps,
+                       text_positions)
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
@@ -570,7 +573,8 @@ class _Shared:
             zero.make_leaves(self.fused_layers())
         named = dict(zip(self.positional, args), **kwargs)
         compiling = torch.compiler.is_compiling()
-        masks = describe(named.get("attention_mask"), named.get("position_ids"), compiling)
+        positions = text_positions(self.owner.config.model_type, named.get("position_ids"))
+        masks = describe(named.get("attention_mask"), positions, compiling)
         if self.bidirectional_images and masks.custom is None:
             images = _image_inputs(named, compiling)
             if images is not None:
