@@ -292,14 +292,24 @@ def test_a_cache_on_the_text_config_names_it():
 
 # ---- Qwen2-VL and Qwen2.5-VL: M-RoPE, images in the causal stream ------------------------------
 def qwen_vl(kind, seed=0):
-    """A tiny Qwen2-VL / Qwen2.5-VL: a 1-block vision tower, 16 patches of a 56-pixel image
-    merged 2x2 into 4 tokens; M-RoPE sections 2/3/3 of the 8 rotary pairs of a 16-dim head."""
+    """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL: a small vision tower, 16 patches of a
+    56-pixel image merged 2x2 into 4 tokens; M-RoPE sections 2/3/3 of the 8 rotary pairs of a
+    16-dim head (Qwen3-VL: interleaved, and deepstack features from both vision blocks added
+    after the first two text layers)."""
     text = dict(TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                           mrope_section=[2, 3, 3]))
-    text.pop("head_dim")
+                                           mrope_section=[2, 3, 3],
+                                           mrope_interleaved=kind == "qwen3_vl"))
+    if kind != "qwen3_vl":
+        text.pop("head_dim")
     ids = dict(image_token_id=IMAGE, video_token_id=298, vision_start_token_id=297,
                vision_end_token_id=296)
-    if kind == "qwen2_5_vl":
+    if kind == "qwen3_vl":
+        cls, cfg = transformers.Qwen3VLForConditionalGeneration, transformers.Qwen3VLConfig(
+            text_config=text, vision_config=dict(
+                depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
+                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                num_position_embeddings=16, deepstack_visual_indexes=[0, 1]), **ids)
+    elif kind == "qwen2_5_vl":
         cls, cfg = transformers.Qwen2_5_VLForConditionalGeneration, transformers.Qwen2_5_VLConfig(
             text_config=text, vision_config=dict(
                 depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
@@ -335,12 +345,12 @@ def qwen_vl_batch(seed=4):
 
 
 @pytest.mark.parametrize("policy", ["fast", "min_memory"])
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen_vl_batches_with_images_run_fused(kind, policy):
     """M-RoPE's per-token cos/sin (the image tokens' positions follow their grid) reach the
     fused layers as the rotary embedding composes them; loss and every gradient as HF's."""
-    if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
-        pytest.skip(f"transformers {transformers.__version__} has no Qwen2.5-VL")
+    if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3-VL")
     ref = qwen_vl(kind)
     model = ckpt_ext.patch_llama(copy.deepcopy(ref), policy)
     inputs = qwen_vl_batch()

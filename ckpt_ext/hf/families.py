@@ -50,11 +50,13 @@ OLMO2 = Family({"attention_output_norm": "post_attention_layernorm",
 # Gemma (1): LLaMA's pre-norms, times (1 + w)
 GEMMA1 = Family(LLAMA.norms, norm_offset=1.0, norm_cast_last=True)
 
-# Qwen2-VL / Qwen2.5-VL's language models: Qwen2 layers whose multimodal RoPE (M-RoPE) is
-# composed into ordinary (B, S, D) cos/sin tables by the rotary embedding before the layers.
+# Qwen2-VL / Qwen2.5-VL / Qwen3-VL's language models: Qwen2 (Qwen3: with q/k norms) layers
+# whose multimodal RoPE (M-RoPE) is composed into ordinary (B, S, D) cos/sin tables by the
+# rotary embedding before the layers (Qwen3-VL's deepstack adds visual features to the hidden
+# state between layers, outside them).
 # Their position_ids are (3 or 4, B, S); only a 4-row tensor carries text positions, from
 # which transformers reads packed sequences (row 0), as the fused layers do.
-MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text"})
+MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
 
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
@@ -74,7 +76,8 @@ class Multimodal(NamedTuple):
 MULTIMODAL = {"gemma3": Multimodal(frozenset({"gemma3_text"}), True),
               "llava": Multimodal(None, False), "mistral3": Multimodal(None, False),
               "qwen2_vl": Multimodal(frozenset({"qwen2_vl_text"}), False),
-              "qwen2_5_vl": Multimodal(frozenset({"qwen2_5_vl_text"}), False)}
+              "qwen2_5_vl": Multimodal(frozenset({"qwen2_5_vl_text"}), False),
+              "qwen3_vl": Multimodal(frozenset({"qwen3_vl_text"}), False)}
 
 
 def text_positions(model_type: str, position_ids):

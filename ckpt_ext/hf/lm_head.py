@@ -111,6 +111,7 @@ _HEAD_RULES = {
     "LlavaForConditionalGeneration": _plain_head, "Mistral3ForConditionalGeneration": _plain_head,
     "Qwen2VLForConditionalGeneration": _plain_head,
     "Qwen2_5_VLForConditionalGeneration": _plain_head,
+    "Qwen3VLForConditionalGeneration": _plain_head,
 }
 
 

@@ -14,7 +14,7 @@ softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; Gemma, Gemma
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
 is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``,
 or a ``peft.PeftModel`` around either (patch before or after wrapping); and Gemma 3's
-multimodal ``Gemma3ForConditionalGeneration``, LLaVA, Mistral 3, Qwen2-VL and Qwen2.5-VL
+multimodal ``Gemma3ForConditionalGeneration``, LLaVA, Mistral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL
 (``families.MULTIMODAL``; the Qwen language models' M-RoPE tables reach the layers composed),
 whose language model's layers are patched: the pre-hook sits on the multimodal bare model,
 which receives the batch's 2-D mask; LLaVA's, Mistral 3's and Qwen-VL's images are embeddings
