@@ -381,3 +381,18 @@ def test_qwen_vl_packed_positions_follow_transformers(rows):
                position_ids=text.expand(4, 1, S) if rows == 2 else text)
     # the two readings differ, so the comparison above can fail
     assert (one[0].loss - want[0].loss).abs() > 1e-4
+
+
+@pytest.mark.parametrize("options", [dict(policy="auto", activation_budget="1GiB"),
+                                     dict(policy="min_memory", offload="cpu")],
+                         ids=["auto", "offload"])
+def test_auto_policy_and_offload_read_the_language_model(options):
+    """policy="auto" sizes the language model's layers from its own config; offload keeps
+    their saved tensors in host memory; both fused and exact on a batch with an image."""
+    ref = qwen_vl("qwen3_vl") if hasattr(transformers, "Qwen3VLForConditionalGeneration") \
+        else causal_vlm("llava", "llama")
+    inputs = qwen_vl_batch() if hasattr(transformers, "Qwen3VLForConditionalGeneration") \
+        else causal_vlm_batch("llava")
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), **options)
+    assert_same(step(model, **inputs), step(ref, **inputs))
+    assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [1, 1]
