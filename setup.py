@@ -102,9 +102,29 @@ def extensions():
     return [ext]
 
 
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension, compiling into one object folder for every kind of install.
+
+    A wheel build (``pip install .``) compiles into ``build/temp.<platform>-<python>`` in the
+    source tree, but setuptools' PEP 660 editable build (``pip install -e .``) compiles into a
+    throwaway temporary folder, so every install recompiled every source. Both now use the
+    wheel build's folder: ninja then recompiles only what changed (a source, a header it
+    includes, or the compile command itself) and reuses the other objects. ``--build-temp``
+    still overrides it.
+    """
+
+    def finalize_options(self):
+        if self.build_temp is None:
+            build = self.get_finalized_command("build")
+            self.build_temp = os.path.join(
+                build.build_base, f"temp.{build.plat_name}-{sys.implementation.cache_tag}")
+            _log(f"objects in {self.build_temp}")
+        super().finalize_options()
+
+
 setup(
     packages=["ckpt_ext", "ckpt_ext.hf", "ckpt_ext.modules", "ckpt_ext.kernels"],
     package_dir={"ckpt_ext": "ckpt_ext", "ckpt_ext.kernels": "kernels"},
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
 )
