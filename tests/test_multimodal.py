@@ -28,6 +28,20 @@ V, IMAGE, B, S = 300, 299, 2, 17
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
+def seeded(cls, cfg, seed, norm_center=1.0, impl="sdpa"):
+    """``cls`` from ``cfg`` with its init seeded, its weights moved off that init so every norm
+    and projection matters: norms ``norm_center`` + 0.3 noise (Gemma stores w - 1, so 0), the
+    rest + 0.05 noise."""
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg, attn_implementation=impl)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(norm_center + 0.3 * noise) if "norm" in name else p.add_(0.05 * noise)
+    return model
+
+
 def make_model(seed=0, impl="sdpa", **text):
     """A tiny Gemma3ForConditionalGeneration (a 1-layer SigLIP tower, 4 tokens per image), its
     weights moved off their init so every norm and projection matters."""
@@ -40,14 +54,7 @@ def make_model(seed=0, impl="sdpa", **text):
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=7),
         mm_tokens_per_image=4, image_token_id=IMAGE, boi_token_index=297, eoi_token_index=298)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation=impl)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(0.3 * noise) if "norm" in name else p.add_(0.05 * noise)
-    return model
+    return seeded(Gemma3ForConditionalGeneration, cfg, seed, norm_center=0.0, impl=impl)
 
 
 def text_batch(seed=1, pad=5):
@@ -223,14 +230,7 @@ def causal_vlm(kind, text_type, seed=0):
                 model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                 num_attention_heads=2, image_size=28, patch_size=7, head_dim=16),
             image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1)
-    torch.manual_seed(seed)
-    model = cls._from_config(cfg, attn_implementation="sdpa")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.3 * noise) if "norm" in name else p.add_(0.05 * noise)
-    return model
+    return seeded(cls, cfg, seed)
 
 
 def causal_vlm_batch(kind, seed=3):
@@ -320,14 +320,7 @@ def qwen_vl(kind, seed=0):
             text_config=text, vision_config=dict(
                 depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
                 spatial_merge_size=2, temporal_patch_size=2), **ids)
-    torch.manual_seed(seed)
-    model = cls._from_config(cfg, attn_implementation="sdpa")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.3 * noise) if "norm" in name else p.add_(0.05 * noise)
-    return model
+    return seeded(cls, cfg, seed)
 
 
 def qwen_vl_batch(seed=4):
