@@ -2,8 +2,9 @@
 are the language model's. Gemma 3 (``Gemma3ForConditionalGeneration``, the gemma-3-4b/12b/27b
 checkpoints): text-only batches run the fused layers and head, a batch with image tokens (which
 attend bidirectionally) runs HF's layers, with the reason. LLaVA and Mistral 3: images are
-embeddings in the causal text stream, so batches with images run fused too. Compared with the
-same tiny model unpatched: loss and every gradient."""
+embeddings in the causal text stream, so batches with images run fused too; so are Qwen2-VL's,
+Qwen2.5-VL's and Qwen3-VL's, whose M-RoPE reaches the layers as composed cos/sin tables.
+Compared with the same tiny model unpatched: loss and every gradient."""
 import copy
 import warnings
 
@@ -94,7 +95,8 @@ def layer_calls(model, key="fused"):
 
 
 def test_multimodal_model_types_are_supported():
-    assert {"gemma3", "llava", "mistral3"} <= set(ckpt_ext.SUPPORTED_MODEL_TYPES)
+    assert {"gemma3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"} <= \
+        set(ckpt_ext.SUPPORTED_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("types", [None, "zeros"], ids=["no-token-types", "text-token-types"])
@@ -290,7 +292,12 @@ def test_a_cache_on_the_text_config_names_it():
     assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [0, 0]
 
 
-# ---- Qwen2-VL and Qwen2.5-VL: M-RoPE, images in the causal stream ------------------------------
+# ---- Qwen2-VL, Qwen2.5-VL and Qwen3-VL: M-RoPE, images in the causal stream ----------------------
+QWEN_VL = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+           "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+
+
 def qwen_vl(kind, seed=0):
     """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL: a small vision tower, 16 patches of a
     56-pixel image merged 2x2 into 4 tokens; M-RoPE sections 2/3/3 of the 8 rotary pairs of a
@@ -342,8 +349,9 @@ def qwen_vl_batch(seed=4):
 def test_qwen_vl_batches_with_images_run_fused(kind, policy):
     """M-RoPE's per-token cos/sin (the image tokens' positions follow their grid) reach the
     fused layers as the rotary embedding composes them; loss and every gradient as HF's."""
-    if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
-        pytest.skip(f"transformers {transformers.__version__} has no Qwen3-VL")
+    cls = QWEN_VL[kind]
+    if not hasattr(transformers, cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls}")
     ref = qwen_vl(kind)
     model = ckpt_ext.patch_llama(copy.deepcopy(ref), policy)
     inputs = qwen_vl_batch()
@@ -358,7 +366,7 @@ def test_qwen_vl_packed_positions_follow_transformers(rows):
     """Without an attention mask, transformers reads packed sequences from the text positions
     (row 0 of (4, B, S) position_ids) and from nothing else: 2-D position_ids that restart are
     one causal sequence to it. The fused layers read them the same way (segments or none)."""
-    if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
+    if not hasattr(transformers, QWEN_VL["qwen2_5_vl"]):
         pytest.skip(f"transformers {transformers.__version__} has no Qwen2.5-VL")
     ref = qwen_vl("qwen2_5_vl")
     model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
@@ -382,10 +390,15 @@ def test_qwen_vl_packed_positions_follow_transformers(rows):
 def test_auto_policy_and_offload_read_the_language_model(options):
     """policy="auto" sizes the language model's layers from its own config; offload keeps
     their saved tensors in host memory; both fused and exact on a batch with an image."""
-    ref = qwen_vl("qwen3_vl") if hasattr(transformers, "Qwen3VLForConditionalGeneration") \
-        else causal_vlm("llava", "llama")
-    inputs = qwen_vl_batch() if hasattr(transformers, "Qwen3VLForConditionalGeneration") \
-        else causal_vlm_batch("llava")
+    qwen3 = hasattr(transformers, QWEN_VL["qwen3_vl"])
+    ref = qwen_vl("qwen3_vl") if qwen3 else causal_vlm("llava", "llama")
+    inputs = qwen_vl_batch() if qwen3 else causal_vlm_batch("llava")
     model = ckpt_ext.patch_llama(copy.deepcopy(ref), **options)
     assert_same(step(model, **inputs), step(ref, **inputs))
-    assert [layer.forward.calls["fused"] for layer in model.model.language_model.layers] == [1, 1]
+    layers = model.model.language_model.layers
+    assert [layer.forward.calls["fused"] for layer in layers] == [1, 1]
+    off = layers[0].forward.shared.offloader
+    if "offload" in options:   # the saved tensors went through the host pool and came back
+        assert off.stats()["host_allocations"] > 0 and off.stats()["host_in_use"] == 0
+    else:
+        assert off is None

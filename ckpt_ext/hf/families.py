@@ -63,6 +63,7 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
             "phi3": LLAMA, **{t: LLAMA for t in sorted(MROPE)}}
 
+
 class Multimodal(NamedTuple):
     """A multimodal model_type whose text stack is one of FAMILIES: its decoder layers are its
     language model's (``model.model.language_model.layers``)."""
