@@ -27,6 +27,7 @@ SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_at
 WINDOWED = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
 OVERRIDES = {
     "mistral": dict(sliding_window=16), "ministral": WINDOWED, "olmo3": WINDOWED,
+    "exaone4": WINDOWED,
     "qwen2": dict(use_sliding_window=False), "smollm3": dict(no_rope_layers=[1, 0]),
     "granite": dict(residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0),
     "gemma2": dict(WINDOWED, query_pre_attn_scalar=32, attn_logit_softcapping=50.0,

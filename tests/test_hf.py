@@ -45,7 +45,10 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # into gate_up_proj, and phi3_partial (Phi-4-mini's partial_rotary_factor) rotates only the
 # first half of each head, and phi3_longrope (Phi-3-128k's LongRoPE, S past its original 8
 # positions: the long factors and a cos/sin scale of sqrt(2)) rescales the rotary frequencies;
-# Gemma 2 soft-caps its attention scores (eager attention only).
+# Gemma 2 soft-caps its attention scores (eager attention only); EXAONE 4.0 norms each
+# sublayer's output (LLaMA's rounding) and q/k per head, and a hybrid one (a sliding window)
+# applies no RoPE on its full-attention layers (exaone4; exaone4_global: no window, RoPE on
+# every layer).
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -69,12 +72,15 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
                                       rope_type="longrope", rope_theta=10000.0,
                                       original_max_position_embeddings=8,
                                       short_factor=[1.0 + 0.1 * i for i in range(8)],
-                                      long_factor=[1.5 + 0.2 * i for i in range(8)]))}
+                                      long_factor=[1.5 + 0.2 * i for i in range(8)])),
+            "exaone4": dict(sliding_window=6, layer_types=[
+                "sliding_attention", "full_attention", "sliding_attention"]),
+            "exaone4_global": dict(sliding_window=None, layer_types=["full_attention"] * 3)}
 # transformers runs these with eager attention only (Gemma 2: its soft-capping); make_model
 # builds them eager whatever impl is asked.
 EAGER_ONLY = {"gemma2"}
 # The model_type of a FAMILIES entry that is a variant of another family.
-MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3"}
+MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3", "exaone4_global": "exaone4"}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
@@ -744,6 +750,32 @@ def test_a_wrong_norm_map_fails(monkeypatch):
     monkeypatch.setitem(families.FAMILIES, "gemma3_text", right._replace(norms=llama_map))
     with pytest.raises(ValueError, match="post_feedforward_layernorm"):
         patch_llama(copy.deepcopy(ref_model), "balanced")
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MODEL_TYPE])
+def test_family_rounding_is_the_hf_norms(family):
+    """Every norm of the family (the layer's, its q/k norms, the final norm) computed as the
+    fused op computes it, with the family's norm_offset and norm_cast_last, equals HF's norm
+    module bit for bit in bf16; the other cast order differs (so the comparison can fail)."""
+    from ckpt_ext.hf.families import FAMILIES as MAP
+    from ckpt_ext.hf.patch import _norms
+    model = make_model(family, "sdpa").to(torch.bfloat16)
+    fam = MAP[MODEL_TYPE.get(family, family)]
+    norms = {**_norms(model.model.layers[0], fam), "norm": model.model.norm}
+    g = torch.Generator().manual_seed(7)
+    other_differs = False
+    for name, norm in norms.items():
+        x = torch.randn(3, 5, norm.weight.shape[0], generator=g).mul(4).to(torch.bfloat16)
+        eps = ckpt_ext.hf.families.norm_eps(norm)
+        with torch.no_grad():
+            want = norm(x)
+            got = ckpt_ext.ops.rms_norm(x, norm.weight, eps, offset=fam.norm_offset,
+                                        cast_last=fam.norm_cast_last)
+            other = ckpt_ext.ops.rms_norm(x, norm.weight, eps, offset=fam.norm_offset,
+                                          cast_last=not fam.norm_cast_last)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        other_differs |= not torch.equal(other, want)
+    assert other_differs
 
 
 # ---- Phi-3: fused projections, LoRA on them, partial RoPE --------------------------------------

@@ -76,13 +76,16 @@ def test_autocast_saved_bytes_match_the_formula(preset, amp):
                               dtype=torch.float32, compute_dtype=amp)
 
 
-# families whose norms round differently from LLaMA's (norm_cast_last, norm_offset)
+# families whose norms round differently from LLaMA's (norm_cast_last, norm_offset) or sit
+# elsewhere (post-norms: OLMo-2, EXAONE 4.0; sandwich norms: Gemma 2/3)
 AUTOCAST_FAMILIES = {"llama": {}, "olmo2": {}, "gemma": {},
                      "gemma3_text": dict(query_pre_attn_scalar=24),
                      "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                     final_logit_softcapping=3.0, sliding_window=6,
                                     layer_types=["sliding_attention", "full_attention"]),
-                     "phi3": {}}
+                     "phi3": {},
+                     "exaone4": dict(sliding_window=6,
+                                     layer_types=["sliding_attention", "full_attention"])}
 
 
 @pytest.mark.parametrize("family", list(AUTOCAST_FAMILIES))

@@ -49,6 +49,9 @@ OLMO2 = Family({"attention_output_norm": "post_attention_layernorm",
 
 # Gemma (1): LLaMA's pre-norms, times (1 + w)
 GEMMA1 = Family(LLAMA.norms, norm_offset=1.0, norm_cast_last=True)
+# EXAONE 4.0: OLMo-2's post-norms with LLaMA's rounding (cast, then w), per-head q/k norms; a
+# hybrid model's full-attention layers apply no RoPE (uses_rope)
+EXAONE4 = Family(OLMO2.norms)
 
 # Qwen2-VL / Qwen2.5-VL / Qwen3-VL's language models: Qwen2 (Qwen3: with q/k norms) layers
 # whose multimodal RoPE (M-RoPE) is composed into ordinary (B, S, D) cos/sin tables by the
@@ -61,7 +64,7 @@ MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
-            "phi3": LLAMA, **{t: LLAMA for t in sorted(MROPE)}}
+            "phi3": LLAMA, "exaone4": EXAONE4, **{t: LLAMA for t in sorted(MROPE)}}
 
 
 class Multimodal(NamedTuple):
@@ -89,6 +92,23 @@ def text_positions(model_type: str, position_ids):
     if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
         return position_ids[0]
     return None
+
+
+def uses_rope(config, layer_idx: Optional[int]) -> bool:
+    """Whether decoder layer ``layer_idx`` rotates q and k, as its attention's forward decides:
+    not where SmolLM3's ``no_rope_layers`` marks 0, nor on a hybrid EXAONE 4.0's full-attention
+    layers (those of a config with a ``sliding_window``: "global NoPE"); True everywhere else
+    (and for a layer whose index is not known)."""
+    if layer_idx is None:
+        return True
+    flags = getattr(config, "no_rope_layers", None)
+    if flags is not None:
+        return bool(flags[layer_idx])
+    if getattr(config, "model_type", None) == "exaone4" and \
+            getattr(config, "sliding_window", None) is not None:
+        return config.layer_types[layer_idx] == "sliding_attention"
+    return True
+
 
 # mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh",

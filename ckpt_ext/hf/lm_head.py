@@ -105,6 +105,7 @@ _HEAD_RULES = {
     "Qwen3ForCausalLM": _plain_head, "SmolLM3ForCausalLM": _plain_head,
     "GemmaForCausalLM": _plain_head, "Olmo2ForCausalLM": _plain_head,
     "Olmo3ForCausalLM": _plain_head, "Phi3ForCausalLM": _plain_head,
+    "Exaone4ForCausalLM": _plain_head,
     "GraniteForCausalLM": _granite_head,
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
     "Gemma3ForConditionalGeneration": _uncapped_text_head,

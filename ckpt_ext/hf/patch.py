@@ -8,7 +8,8 @@ r"""Put ckpt_ext's recompute into a Hugging Face LLaMA-family model, in place.
 Supported: the ``config.model_type``\ s of ``SUPPORTED_MODEL_TYPES`` (Llama, Mistral,
 Ministral, Qwen2, Qwen3, SmolLM3: its layers without RoPE run the op with cos = 1, sin = 0;
 Granite: its residual multiplier is the op's ``residual_scale``, its attention multiplier the
-softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; Gemma, Gemma 2, Gemma 3
+softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; EXAONE 4.0: post-norms,
+per-head q/k norms, no RoPE on a hybrid model's full-attention layers; Gemma, Gemma 2, Gemma 3
 (text): (1 + w) norms, norms around both sublayers, GeGLU; Phi-3 / Phi-4-mini: its fused
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
@@ -84,7 +85,7 @@ from ..presets import FUSED_PRESETS, check_policy
 from . import zero
 from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
 from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, norm_eps,
-                       text_positions)
+                       text_positions, uses_rope)
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
@@ -434,11 +435,9 @@ def _layer_window(config, layer: nn.Module) -> Optional[int]:
 
 
 def _layer_uses_rope(config, layer: nn.Module) -> bool:
-    """False for the layers SmolLM3's ``no_rope_layers`` marks 0 (their attention applies no
-    rotary embedding); True everywhere else."""
-    flags = getattr(config, "no_rope_layers", None)
-    idx = getattr(layer.self_attn, "layer_idx", None)
-    return flags is None or idx is None or bool(flags[idx])
+    """Whether the layer's attention applies the rotary embedding (``families.uses_rope``:
+    not SmolLM3's ``no_rope_layers``, nor a hybrid EXAONE 4.0's full-attention layers)."""
+    return uses_rope(config, getattr(layer.self_attn, "layer_idx", None))
 
 
 def _no_rope_tables(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
