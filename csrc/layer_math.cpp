@@ -571,10 +571,43 @@ at::Tensor rope_one(const at::Tensor& t, const at::Tensor& cos, const at::Tensor
                               : kernel::rope_fwd(t, other, cos, sin));
 }
 
-// RoPE of q and k together, either of them absent (undefined).
+// Interleaved RoPE (rope_interleaved: the first R dims rotate in pairs (2i, 2i + 1) by the
+// angle of the tables' column i) is the kernels' half-split rotation between two permutations
+// of the head dims: rope_il(t) = P^T rope(P t), where P t lists the even dims of the first R,
+// then their odd dims, then the dims past R (which pass through). P is orthogonal and RoPE
+// linear, so the backward is P^T rope_bwd(P dt) alike; the rope kernels stay as they are, at the
+// cost of two copies of q and k. Both keep t's layout (checks::rope_out_like).
+at::Tensor half_split_dims(const at::Tensor& t, int64_t R) {  // P t
+  at::Tensor out = checks::rope_out_like(t);
+  const int64_t h = R / 2, D = t.size(-1);
+  out.narrow(-1, 0, h).copy_(t.slice(-1, 0, R, 2));
+  out.narrow(-1, h, h).copy_(t.slice(-1, 1, R, 2));
+  if (R < D) out.narrow(-1, R, D - R).copy_(t.narrow(-1, R, D - R));
+  return out;
+}
+at::Tensor interleave_dims(const at::Tensor& t, int64_t R) {  // P^T t
+  at::Tensor out = checks::rope_out_like(t);
+  const int64_t h = R / 2, D = t.size(-1);
+  out.slice(-1, 0, R, 2).copy_(t.narrow(-1, 0, h));
+  out.slice(-1, 1, R, 2).copy_(t.narrow(-1, h, h));
+  if (R < D) out.narrow(-1, R, D - R).copy_(t.narrow(-1, R, D - R));
+  return out;
+}
+
+// RoPE of q and k together, either of them absent (undefined); `interleaved`: the pairs
+// (2i, 2i + 1) rotate instead of (i, i + R/2).
 std::tuple<at::Tensor, at::Tensor> rope_pair(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& cos, const at::Tensor& sin,
-                                             bool backward) {
+                                             bool backward, bool interleaved) {
+  if (interleaved) {
+    const int64_t R = cos.size(-1);
+    auto map = [R](const at::Tensor& t, bool to_half_split) {
+      if (!t.defined()) return t;
+      return to_half_split ? half_split_dims(t, R) : interleave_dims(t, R);
+    };
+    auto [qr, kr] = rope_pair(map(q, true), map(k, true), cos, sin, backward, false);
+    return {map(qr, false), map(kr, false)};
+  }
   if (!q.defined()) return {at::Tensor(), rope_one(k, cos, sin, backward)};
   if (!k.defined()) return {rope_one(q, cos, sin, backward), at::Tensor()};
   return backward ? kernel::rope_bwd(q, k, cos, sin) : kernel::rope_fwd(q, k, cos, sin);
@@ -606,7 +639,8 @@ Projected project(const at::Tensor& x, const Layer& L, const Chunk& c, Heads whi
   }
   // rope keeps its input's layout: q, k stay (B, H, S, D) views of (B, S, H, D) memory, the
   // layout attention reads, and their gradients come back alike (merged with views).
-  std::tie(p.q, p.k) = rope_pair(qh, kh, c.table(*L.cos), c.table(*L.sin), /*backward=*/false);
+  std::tie(p.q, p.k) = rope_pair(qh, kh, c.table(*L.cos), c.table(*L.sin), /*backward=*/false,
+                                 L.rope_interleaved);
   if (p.q.defined()) p.q = L.cast(p.q);
   if (p.k.defined()) p.k = L.cast(p.k);
   return p;
@@ -810,7 +844,8 @@ at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected&
                                 const at::Tensor& dv, const at::Tensor& k_lin, at::Tensor dn,
                                 const std::vector<bool>& needs, Grads& g) {
   const int64_t t0 = c.t0(), d = L.head_dim();
-  auto [dqh, dkh] = rope_pair(dq, dk, c.table(*L.cos), c.table(*L.sin), /*backward=*/true);
+  auto [dqh, dkh] = rope_pair(dq, dk, c.table(*L.cos), c.table(*L.sin), /*backward=*/true,
+                              L.rope_interleaved);
   const at::Tensor n2 = flat2(p.n);
   const int64_t rows = n2.size(0);
   auto norm_back = [&](const at::Tensor& dh, const at::Tensor& lin, Norm which) {

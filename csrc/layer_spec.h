@@ -99,6 +99,10 @@ using OptTensor = std::optional<at::Tensor>;
 //   scale               the attention's softmax scale
 //   softcap             > 0: Gemma 2's attention logit soft-capping, each scaled score s
 //                       becomes softcap * tanh(s / softcap) (as attention_fwd); 0: none
+//   rope_interleaved    false: RoPE rotates the pairs (i, i + R/2) of the first R dims (LLaMA's
+//                       rotate_half); true: the pairs (2i, 2i + 1) (GLM, Helium, ERNIE 4.5),
+//                       by the angle of the tables' column i either way (cos/sin keep HF's
+//                       half-split layout, (B or 1, S, R))
 //   norm_offset         every RMSNorm multiplies by (norm_offset + weight): 0 for LLaMA, 1 for
 //                       Gemma's (1 + w)
 //   norm_cast_last      false: the normalized input is cast to the input's dtype, then
@@ -130,6 +134,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
   X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
   X(OPTION, "float", double, softcap, __VA_ARGS__)                                         \
+  X(OPTION, "bool", bool, rope_interleaved, __VA_ARGS__)                                   \
   X(OPTION, "float", double, norm_offset, __VA_ARGS__)                                     \
   X(OPTION, "bool", bool, norm_cast_last, __VA_ARGS__)                                     \
   X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \

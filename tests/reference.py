@@ -112,6 +112,22 @@ def rope_reference(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def rope_interleaved_reference(q, k, cos, sin):
+    """HF's interleaved apply_rotary_pos_emb (GLM-4, Helium, ERNIE 4.5): the tables keep the
+    half-split layout of width R <= D; their first half, each column repeated twice, rotates
+    the pairs (2i, 2i + 1) of the first R dims; the dims past R pass through."""
+    R = cos.shape[-1]
+    cos = cos[..., :R // 2].repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = sin[..., :R // 2].repeat_interleave(2, dim=-1).unsqueeze(1)
+
+    def rotate(t):
+        rot, rest = t[..., :R], t[..., R:]
+        pairs = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat((rot * cos + pairs * sin, rest), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
 def rms_norm_reference(x, weight, eps):
     """HF LlamaRMSNorm.forward, verbatim semantics: x upcast to float32 (float64 stays),
     normalised, cast back to x's dtype, times weight (the result in the promoted dtype)."""
@@ -162,14 +178,15 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
 
 
 def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm_offset=0.0,
-                    part="layer", activation="silu", softcap=0.0):
+                    part="layer", activation="silu", softcap=0.0, rope_interleaved=False):
     """p: a DecoderLayer state_dict (HF names), or the op's weight slots by name: a norm absent
     from p is the identity, "attention_output_norm.weight" / "mlp_output_norm.weight" norm a
     sublayer's output before the residual add, q/k norms of width heads * head_dim norm the
     whole projection. Norms multiply by (norm_offset + w). part: "layer", "attention" (x + the
     attention sublayer) or "mlp" (x + the MLP sublayer); activation: the MLP's
     (gate_activation); softcap > 0: the attention's scaled scores are capped to
-    tanh(s / softcap) * softcap (HF Gemma 2's eager attention). Computes in x's dtype."""
+    tanh(s / softcap) * softcap (HF Gemma 2's eager attention); rope_interleaved: RoPE as
+    rope_interleaved_reference (tables of width R <= D). Computes in x's dtype."""
     def rms(t, w):
         if w is None:
             return t
@@ -197,7 +214,7 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm
     if qk_norm or "self_attn.q_norm.weight" in p:
         q, k = rms(q, p["self_attn.q_norm.weight"]), rms(k, p["self_attn.k_norm.weight"])
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q, k = rope_reference(q, k, cos, sin)
+    q, k = (rope_interleaved_reference if rope_interleaved else rope_reference)(q, k, cos, sin)
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
     if softcap > 0:
