@@ -48,7 +48,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # Gemma 2 soft-caps its attention scores (eager attention only); EXAONE 4.0 norms each
 # sublayer's output (LLaMA's rounding) and q/k per head, and a hybrid one (a sliding window)
 # applies no RoPE on its full-attention layers (exaone4; exaone4_global: no window, RoPE on
-# every layer).
+# every layer); GLM, GLM-4 and Helium rotate interleaved pairs (GLM: the first half of each
+# head, glm_full_rotary all of it), GLM-4 norms both sublayers' inputs and outputs, and
+# GLM's MLP is one gate_up_proj.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -75,12 +77,16 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
                                       long_factor=[1.5 + 0.2 * i for i in range(8)])),
             "exaone4": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
-            "exaone4_global": dict(sliding_window=None, layer_types=["full_attention"] * 3)}
+            "exaone4_global": dict(sliding_window=None, layer_types=["full_attention"] * 3),
+            "glm": {}, "glm4": {}, "helium": dict(attention_bias=True, mlp_bias=True),
+            "glm_full_rotary": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                         partial_rotary_factor=1.0))}
 # transformers runs these with eager attention only (Gemma 2: its soft-capping); make_model
 # builds them eager whatever impl is asked.
 EAGER_ONLY = {"gemma2"}
 # The model_type of a FAMILIES entry that is a variant of another family.
-MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3", "exaone4_global": "exaone4"}
+MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3", "exaone4_global": "exaone4",
+              "glm_full_rotary": "glm"}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
@@ -868,5 +874,43 @@ def test_phi3_compiled_has_no_graph_breaks_and_replays_eager(lora):
             r=4, lora_alpha=8, lora_dropout=0.3, init_lora_weights=False,
             target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
     patch_llama(model, "balanced")
+    assert_compiled_replays_eager(model, loss_and_grads, make_batch(pad=True), TOL, TOL,
+                                  use_cache=False)
+
+
+# ---- GLM-4: interleaved partial RoPE, one gate_up_proj, norms around both sublayers ----------
+
+@pytest.mark.parametrize("preset", ["fast", "min_memory"])
+def test_glm4_peft_lora_dropout_is_exact(preset):
+    """PEFT LoRA with dropout on q/k/v, o_proj, the fused gate_up_proj and down_proj of GLM-4:
+    every layer fused, and loss and adapter gradients equal the unpatched PEFT model replaying
+    the op's masks (gate_up_proj's one adapter reads one dropped input: stream 4)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
+                               "(pip install -e '.[test]')")
+    from test_lora_dropout import replay_fused_dropout
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                          "gate_up_proj", "down_proj"])
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(make_model("glm4", "sdpa"), cfg)
+    model = patch_llama(copy.deepcopy(ref), preset)
+    ids, mask, labels = make_batch(pad=True)
+    replay_fused_dropout(ref, {"self_attn.q_proj": 0, "self_attn.k_proj": 1,
+                               "self_attn.v_proj": 2, "self_attn.o_proj": 3,
+                               "mlp.gate_up_proj": 4, "mlp.down_proj": 6}, 0.2)
+    loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
+    torch.manual_seed(1234)
+    loss, grads = loss_and_grads(model, ids, mask, labels)
+    inner = model.get_base_model()
+    assert [layer.forward.calls["fused"] for layer in inner.model.layers] == [1, 1, 1]
+    torch.testing.assert_close(loss, loss_r, **TOL)
+    assert set(grads) == set(grads_r) and len(grads) == 3 * 12 and all("lora_" in n for n in grads)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+
+
+def test_glm4_compiled_has_no_graph_breaks_and_replays_eager():
+    torch._dynamo.reset()
+    model = patch_llama(make_model("glm4", "sdpa"), "balanced")
     assert_compiled_replays_eager(model, loss_and_grads, make_batch(pad=True), TOL, TOL,
                                   use_cache=False)

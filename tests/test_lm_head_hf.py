@@ -94,9 +94,10 @@ def family_model(family, seed=0):
 
 
 # Gemma's final norm multiplies by 1 + w in float32 and casts last, OLMo-2's by w and casts
-# last, EXAONE 4.0's as LLaMA's: the norm runs inside the head with the family's rounding
+# last, EXAONE 4.0's as LLaMA's, Helium's as OLMo-2's: the norm runs inside the head with the
+# family's rounding
 @pytest.mark.parametrize("family", ["llama", "gemma", "gemma2", "gemma3_text", "olmo2",
-                                    "exaone4"])
+                                    "exaone4", "helium"])
 def test_final_norm_runs_inside_the_head_and_keeps_only_its_input(family):
     """The bare model's final RMSNorm runs inside the head op: the step keeps the pre-norm
     hidden state only, where HF's norm before the fused head keeps it, its normalised rows and

@@ -12,8 +12,10 @@ MLP); they differ along a few axes that the op takes as options:
   width says per head (Qwen3, Gemma 3) or over the whole projection (OLMo-2);
 * how a norm rounds: ``norm_offset`` (Gemma multiplies by 1 + w) and ``norm_cast_last``
   (Gemma and OLMo-2 apply the weight in float32 and cast the result; LLaMA casts first);
-* the gated activation, read from ``mlp.act_fn`` (Phi-3: ``mlp.activation_fn``): SiLU, or
-  GELU-tanh for Gemma's GeGLU.
+* the gated activation, read from ``mlp.act_fn`` (Phi-3, GLM: ``mlp.activation_fn``): SiLU,
+  or GELU-tanh for Gemma's GeGLU;
+* which dims RoPE pairs: ``rope_interleaved`` (GLM, GLM-4, Helium: (2i, 2i + 1); LLaMA:
+  (i, i + R/2)).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class Family(NamedTuple):
     norms: Mapping[str, str]     # op norm slot -> the layer's module name
     norm_offset: float = 0.0
     norm_cast_last: bool = False
+    rope_interleaved: bool = False
 
     @property
     def modules(self) -> frozenset:
@@ -52,6 +55,15 @@ GEMMA1 = Family(LLAMA.norms, norm_offset=1.0, norm_cast_last=True)
 # EXAONE 4.0: OLMo-2's post-norms with LLaMA's rounding (cast, then w), per-head q/k norms; a
 # hybrid model's full-attention layers apply no RoPE (uses_rope)
 EXAONE4 = Family(OLMO2.norms)
+# GLM (glm-4-9b) and Helium: LLaMA's layout, RoPE on interleaved pairs (GLM's partial: the
+# first half of each head); Helium's norms apply w in float32 and cast last
+GLM = Family(LLAMA.norms, rope_interleaved=True)
+HELIUM = Family(LLAMA.norms, norm_cast_last=True, rope_interleaved=True)
+# GLM-4-0414: norms around both sublayers (as Gemma 2, with its own names), LLaMA's rounding
+GLM4 = Family({"input_layernorm": "input_layernorm",
+               "attention_output_norm": "post_self_attn_layernorm",
+               "post_attention_layernorm": "post_attention_layernorm",
+               "mlp_output_norm": "post_mlp_layernorm"}, rope_interleaved=True)
 
 # Qwen2-VL / Qwen2.5-VL / Qwen3-VL's language models: Qwen2 (Qwen3: with q/k norms) layers
 # whose multimodal RoPE (M-RoPE) is composed into ordinary (B, S, D) cos/sin tables by the
@@ -64,7 +76,8 @@ MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
-            "phi3": LLAMA, "exaone4": EXAONE4, **{t: LLAMA for t in sorted(MROPE)}}
+            "phi3": LLAMA, "exaone4": EXAONE4, "glm": GLM, "glm4": GLM4, "helium": HELIUM,
+            **{t: LLAMA for t in sorted(MROPE)}}
 
 
 class Multimodal(NamedTuple):

@@ -9,7 +9,9 @@ Supported: the ``config.model_type``\ s of ``SUPPORTED_MODEL_TYPES`` (Llama, Mis
 Ministral, Qwen2, Qwen3, SmolLM3: its layers without RoPE run the op with cos = 1, sin = 0;
 Granite: its residual multiplier is the op's ``residual_scale``, its attention multiplier the
 softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; EXAONE 4.0: post-norms,
-per-head q/k norms, no RoPE on a hybrid model's full-attention layers; Gemma, Gemma 2, Gemma 3
+per-head q/k norms, no RoPE on a hybrid model's full-attention layers; GLM, GLM-4, Helium: RoPE
+on interleaved pairs (the op's ``rope_interleaved``), GLM-4's norms around both sublayers;
+Gemma, Gemma 2, Gemma 3
 (text): (1 + w) norms, norms around both sublayers, GeGLU; Phi-3 / Phi-4-mini: its fused
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
@@ -830,7 +832,8 @@ class _PatchedForward:
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
-            scale=spec.scale, softcap=spec.softcap, residual_scale=spec.residual_scale,
+            scale=spec.scale, softcap=spec.softcap,
+            rope_interleaved=spec.family.rope_interleaved, residual_scale=spec.residual_scale,
             norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
             activation=spec.activation, preset=preset)
 
