@@ -33,9 +33,11 @@ OVERRIDES = {
     "gemma2": dict(WINDOWED, query_pre_attn_scalar=32, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0),
     "gemma3_text": dict(WINDOWED, query_pre_attn_scalar=32),
+    "vaultgemma": dict(WINDOWED, query_pre_attn_scalar=32, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0),
 }
-# transformers implements Gemma 2's soft-capping in eager attention only
-IMPL = {"gemma2": "eager"}
+# transformers implements Gemma 2's (and VaultGemma's) soft-capping in eager attention only
+IMPL = {"gemma2": "eager", "vaultgemma": "eager"}
 
 
 def measured(model, ids, mask):

@@ -50,7 +50,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # applies no RoPE on its full-attention layers (exaone4; exaone4_global: no window, RoPE on
 # every layer); GLM, GLM-4 and Helium rotate interleaved pairs (GLM: the first half of each
 # head, glm_full_rotary all of it), GLM-4 norms both sublayers' inputs and outputs, and
-# GLM's MLP is one gate_up_proj.
+# GLM's MLP is one gate_up_proj; VaultGemma is Gemma 2 without its output norms.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -80,10 +80,14 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
             "exaone4_global": dict(sliding_window=None, layer_types=["full_attention"] * 3),
             "glm": {}, "glm4": {}, "helium": dict(attention_bias=True, mlp_bias=True),
             "glm_full_rotary": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                         partial_rotary_factor=1.0))}
+                                                         partial_rotary_factor=1.0)),
+            "vaultgemma": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                               final_logit_softcapping=3.0, sliding_window=6,
+                               layer_types=["sliding_attention", "full_attention",
+                                            "sliding_attention"])}
 # transformers runs these with eager attention only (Gemma 2: its soft-capping); make_model
 # builds them eager whatever impl is asked.
-EAGER_ONLY = {"gemma2"}
+EAGER_ONLY = {"gemma2", "vaultgemma"}
 # The model_type of a FAMILIES entry that is a variant of another family.
 MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3", "exaone4_global": "exaone4",
               "glm_full_rotary": "glm"}
@@ -141,7 +145,7 @@ def test_balanced_matches_unpatched(family, impl, pad):
     ref_model = make_model(family, impl)
     model = patch_llama(copy.deepcopy(ref_model), "balanced")
     ids, mask, labels = make_batch(pad)
-    if family == "gemma2" and pad:  # left padding under capped eager attention: HF's forward
+    if family in EAGER_ONLY and pad:  # left padding under capped eager attention: HF's forward
         with pytest.warns(UserWarning, match="nothing to attend"):
             got = run(model, ids, mask, labels)
         assert_same(run(ref_model, ids, mask, labels), got, mask)

@@ -52,6 +52,10 @@ OLMO2 = Family({"attention_output_norm": "post_attention_layernorm",
 
 # Gemma (1): LLaMA's pre-norms, times (1 + w)
 GEMMA1 = Family(LLAMA.norms, norm_offset=1.0, norm_cast_last=True)
+# VaultGemma: Gemma 2 without the output norms (its MLP pre-norm keeps Gemma 2's name)
+VAULTGEMMA = Family({"input_layernorm": "input_layernorm",
+                     "post_attention_layernorm": "pre_feedforward_layernorm"},
+                    norm_offset=1.0, norm_cast_last=True)
 # EXAONE 4.0: OLMo-2's post-norms with LLaMA's rounding (cast, then w), per-head q/k norms; a
 # hybrid model's full-attention layers apply no RoPE (uses_rope)
 EXAONE4 = Family(OLMO2.norms)
@@ -77,6 +81,7 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
             "phi3": LLAMA, "exaone4": EXAONE4, "glm": GLM, "glm4": GLM4, "helium": HELIUM,
+            "vaultgemma": VAULTGEMMA,
             **{t: LLAMA for t in sorted(MROPE)}}
 
 

@@ -75,7 +75,7 @@ def _granite_head(config) -> Tuple[Optional[str], float, float]:
 
 def _softcapped_head(config) -> Tuple[Optional[str], float, float]:
     """logits = cap tanh(lm_head(h) / cap) with cap = config.final_logit_softcapping, when it
-    is not None (Gemma2ForCausalLM, Gemma3ForCausalLM)."""
+    is not None (Gemma2ForCausalLM, Gemma3ForCausalLM, VaultGemmaForCausalLM)."""
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is None:
         return None, 1.0, 0.0
@@ -109,6 +109,7 @@ _HEAD_RULES = {
     "Glm4ForCausalLM": _plain_head, "HeliumForCausalLM": _plain_head,
     "GraniteForCausalLM": _granite_head,
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
+    "VaultGemmaForCausalLM": _softcapped_head,
     "Gemma3ForConditionalGeneration": _uncapped_text_head,
     "LlavaForConditionalGeneration": _plain_head, "Mistral3ForConditionalGeneration": _plain_head,
     "Qwen2VLForConditionalGeneration": _plain_head,
