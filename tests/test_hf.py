@@ -788,6 +788,34 @@ def test_family_rounding_is_the_hf_norms(family):
     assert other_differs
 
 
+def assert_peft_dropout_exact(family, preset, streams):
+    """PEFT LoRA with dropout 0.2 on the modules of ``streams`` (path in the layer -> the
+    stream of the op's mask for it): every layer of the patched model fused, and its loss and
+    adapter gradients equal the unpatched PEFT model's that replays the op's masks. Returns
+    (the patched model, its batch, the reference loss)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
+                               "(pip install -e '.[test]')")
+    from test_lora_dropout import replay_fused_dropout
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False,
+                          target_modules=[path.split(".")[1] for path in streams])
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(make_model(family, "sdpa"), cfg)
+    model = patch_llama(copy.deepcopy(ref), preset)
+    batch = make_batch(pad=True)
+    replay_fused_dropout(ref, streams, 0.2)
+    loss_r, grads_r = loss_and_grads(ref, *batch)
+    torch.manual_seed(1234)
+    loss, grads = loss_and_grads(model, *batch)
+    inner = model.get_base_model()
+    assert [layer.forward.calls["fused"] for layer in inner.model.layers] == [1, 1, 1]
+    torch.testing.assert_close(loss, loss_r, **TOL)
+    assert set(grads) == set(grads_r) and all("lora_" in n for n in grads)
+    assert len(grads) == 3 * 2 * len(streams)   # A and B of each adapted module, 3 layers
+    for name, g in grads_r.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+    return model, batch, loss_r
+
+
 # ---- Phi-3: fused projections, LoRA on them, partial RoPE --------------------------------------
 
 def loss_and_grads(model, ids, mask, labels):
@@ -832,34 +860,16 @@ def test_phi3_peft_lora_dropout_is_one_mask_per_fused_projection(preset, monkeyp
     fused, and loss and adapter gradients equal the unpatched PEFT model whose dropout modules
     apply the op's masks, ONE per fused module (the stream of its first projection: q 0, o 3,
     gate 4, down 6). Giving q/k/v (gate/up) their own streams fails the comparison."""
-    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
-                               "(pip install -e '.[test]')")
-    from test_lora_dropout import replay_fused_dropout
     from ckpt_ext.hf import patch as patch_module
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False,
-                          target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
-    torch.manual_seed(0)
-    ref = peft.get_peft_model(make_model("phi3_partial", "sdpa"), cfg)
-    model = copy.deepcopy(ref)
-    patch_llama(model, preset)
-    ids, mask, labels = make_batch(pad=True)
-    replay_fused_dropout(ref, {"self_attn.qkv_proj": 0, "self_attn.o_proj": 3,
-                               "mlp.gate_up_proj": 4, "mlp.down_proj": 6}, 0.2)
-    loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
-    torch.manual_seed(1234)
-    loss, grads = loss_and_grads(model, ids, mask, labels)
-    inner = model.get_base_model()
-    assert [layer.forward.calls["fused"] for layer in inner.model.layers] == [1, 1, 1]
-    torch.testing.assert_close(loss, loss_r, **TOL)
-    assert set(grads) == set(grads_r) and len(grads) == 3 * 8 and all("lora_" in n for n in grads)
-    for name, g in grads_r.items():
-        torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+    model, batch, loss_r = assert_peft_dropout_exact(
+        "phi3_partial", preset, {"self_attn.qkv_proj": 0, "self_attn.o_proj": 3,
+                                 "mlp.gate_up_proj": 4, "mlp.down_proj": 6})
     # each projection its own stream (lora_streams=[]): other masks, another loss
     tensors = patch_module._layer_tensors
     monkeypatch.setattr(patch_module, "_layer_tensors",
                         lambda *a: (*tensors(*a)[:3], []))
     torch.manual_seed(1234)
-    loss_own, _ = loss_and_grads(model, ids, mask, labels)
+    loss_own, _ = loss_and_grads(model, *batch)
     assert (loss_own - loss_r).abs() > 1e3 * TOL["atol"]
 
 
@@ -889,28 +899,9 @@ def test_glm4_peft_lora_dropout_is_exact(preset):
     """PEFT LoRA with dropout on q/k/v, o_proj, the fused gate_up_proj and down_proj of GLM-4:
     every layer fused, and loss and adapter gradients equal the unpatched PEFT model replaying
     the op's masks (gate_up_proj's one adapter reads one dropped input: stream 4)."""
-    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
-                               "(pip install -e '.[test]')")
-    from test_lora_dropout import replay_fused_dropout
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                          "gate_up_proj", "down_proj"])
-    torch.manual_seed(0)
-    ref = peft.get_peft_model(make_model("glm4", "sdpa"), cfg)
-    model = patch_llama(copy.deepcopy(ref), preset)
-    ids, mask, labels = make_batch(pad=True)
-    replay_fused_dropout(ref, {"self_attn.q_proj": 0, "self_attn.k_proj": 1,
-                               "self_attn.v_proj": 2, "self_attn.o_proj": 3,
-                               "mlp.gate_up_proj": 4, "mlp.down_proj": 6}, 0.2)
-    loss_r, grads_r = loss_and_grads(ref, ids, mask, labels)
-    torch.manual_seed(1234)
-    loss, grads = loss_and_grads(model, ids, mask, labels)
-    inner = model.get_base_model()
-    assert [layer.forward.calls["fused"] for layer in inner.model.layers] == [1, 1, 1]
-    torch.testing.assert_close(loss, loss_r, **TOL)
-    assert set(grads) == set(grads_r) and len(grads) == 3 * 12 and all("lora_" in n for n in grads)
-    for name, g in grads_r.items():
-        torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+    assert_peft_dropout_exact("glm4", preset, {
+        "self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v_proj": 2,
+        "self_attn.o_proj": 3, "mlp.gate_up_proj": 4, "mlp.down_proj": 6})
 
 
 def test_glm4_compiled_has_no_graph_breaks_and_replays_eager():
