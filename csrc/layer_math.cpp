@@ -177,11 +177,17 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
     CKPT_CHECK_VALUE(!cos.requires_grad() && !sin.requires_grad(), op,
                      "gradients with respect to cos/sin are not computed; pass position "
                      "embeddings that do not require grad (detach them)");
+    checks::check_dtype_as(op, "sin", sin, "cos", cos);
     if (!L.compute_dtype) {
-      CKPT_CHECK_TYPE(cos.scalar_type() == x.scalar_type(), op, "cos is ",
+      // float32 tables for a half-precision input: ERNIE 4.5 keeps its position embeddings in
+      // full precision; RoPE computes in float32 either way
+      const bool wide = cos.scalar_type() == at::kFloat &&
+                        at::isReducedFloatingType(x.scalar_type());
+      CKPT_CHECK_TYPE(cos.scalar_type() == x.scalar_type() || wide, op, "cos is ",
                       checks::dtype_str(cos.scalar_type()), " but x is ",
                       checks::dtype_str(x.scalar_type()),
-                      "; outside autocast position embeddings share the input's dtype");
+                      "; outside autocast position embeddings share the input's dtype (or are "
+                      "float32 for a float16/bfloat16 input)");
     }
   }
   if (has_mlp(L.part_id)) {

@@ -193,6 +193,17 @@ def test_errors_name_the_argument():
         layer(torch.randn(1, 5, 32), (wide, wide))
     with pytest.raises(TypeError, match="input_layernorm.weight is float32 but x is bfloat16"):
         layer(torch.randn(1, 5, 32, dtype=torch.bfloat16), pe)
+    # position embeddings: x's dtype, or float32 for a half-precision x (ERNIE 4.5's)
+    half = make_layer(32, 4, 2, 48, torch.bfloat16)
+    xh = torch.randn(1, 5, 32, dtype=torch.bfloat16)
+    pe32 = rope_tables(5, 8, torch.float32)   # pe[0] requires grad now
+    torch.testing.assert_close(half(xh, pe32), half(xh, tuple(t.bfloat16() for t in pe32)),
+                               rtol=2e-2, atol=2e-2)
+    with pytest.raises(TypeError, match="cos is float64 but x is bfloat16; outside autocast"):
+        half(xh, tuple(t.double() for t in pe32))
+    with pytest.raises(TypeError,
+                       match=r"sin must have the dtype of cos \(float32\), got bfloat16"):
+        half(xh, (pe32[0], pe32[1].bfloat16()))
     with pytest.raises(ValueError, match="mlp.down_proj.weight must have shape \\(32, 4\\)"):
         blocks.mlp_block(torch.randn(1, 2, 32), torch.ones(32), torch.ones(4, 32),
                          torch.ones(4, 32), torch.ones(32, 5))

@@ -14,8 +14,8 @@ MLP); they differ along a few axes that the op takes as options:
   (Gemma and OLMo-2 apply the weight in float32 and cast the result; LLaMA casts first);
 * the gated activation, read from ``mlp.act_fn`` (Phi-3, GLM: ``mlp.activation_fn``): SiLU,
   or GELU-tanh for Gemma's GeGLU;
-* which dims RoPE pairs: ``rope_interleaved`` (GLM, GLM-4, Helium: (2i, 2i + 1); LLaMA:
-  (i, i + R/2)).
+* which dims RoPE pairs: ``rope_interleaved`` (GLM, GLM-4, Helium, ERNIE 4.5: (2i, 2i + 1);
+  LLaMA: (i, i + R/2)).
 """
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ VAULTGEMMA = Family({"input_layernorm": "input_layernorm",
 # EXAONE 4.0: OLMo-2's post-norms with LLaMA's rounding (cast, then w), per-head q/k norms; a
 # hybrid model's full-attention layers apply no RoPE (uses_rope)
 EXAONE4 = Family(OLMO2.norms)
-# GLM (glm-4-9b) and Helium: LLaMA's layout, RoPE on interleaved pairs (GLM's partial: the
-# first half of each head); Helium's norms apply w in float32 and cast last
+# GLM (glm-4-9b), Helium and ERNIE 4.5: LLaMA's layout, RoPE on interleaved pairs (GLM's
+# partial: the first half of each head; ERNIE's tables stay float32); Helium's norms apply w
+# in float32 and cast last
 GLM = Family(LLAMA.norms, rope_interleaved=True)
 HELIUM = Family(LLAMA.norms, norm_cast_last=True, rope_interleaved=True)
 # GLM-4-0414: norms around both sublayers (as Gemma 2, with its own names), LLaMA's rounding
@@ -81,7 +82,7 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
             "phi3": LLAMA, "exaone4": EXAONE4, "glm": GLM, "glm4": GLM4, "helium": HELIUM,
-            "vaultgemma": VAULTGEMMA,
+            "vaultgemma": VAULTGEMMA, "ernie4_5": GLM,
             **{t: LLAMA for t in sorted(MROPE)}}
 
 

@@ -9,8 +9,9 @@ Supported: the ``config.model_type``\ s of ``SUPPORTED_MODEL_TYPES`` (Llama, Mis
 Ministral, Qwen2, Qwen3, SmolLM3: its layers without RoPE run the op with cos = 1, sin = 0;
 Granite: its residual multiplier is the op's ``residual_scale``, its attention multiplier the
 softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; EXAONE 4.0: post-norms,
-per-head q/k norms, no RoPE on a hybrid model's full-attention layers; GLM, GLM-4, Helium: RoPE
-on interleaved pairs (the op's ``rope_interleaved``), GLM-4's norms around both sublayers;
+per-head q/k norms, no RoPE on a hybrid model's full-attention layers; GLM, GLM-4, Helium,
+ERNIE 4.5: RoPE on interleaved pairs (the op's ``rope_interleaved``), GLM-4's norms around both
+sublayers, ERNIE's float32 cos/sin as they come;
 Gemma, Gemma 2, Gemma 3
 (text): (1 + w) norms, norms around both sublayers, GeGLU; Phi-3 / Phi-4-mini: its fused
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
