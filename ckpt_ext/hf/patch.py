@@ -11,9 +11,8 @@ Granite: its residual multiplier is the op's ``residual_scale``, its attention m
 softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; EXAONE 4.0: post-norms,
 per-head q/k norms, no RoPE on a hybrid model's full-attention layers; GLM, GLM-4, Helium,
 ERNIE 4.5: RoPE on interleaved pairs (the op's ``rope_interleaved``), GLM-4's norms around both
-sublayers, ERNIE's float32 cos/sin as they come;
-Gemma, Gemma 2, Gemma 3
-(text): (1 + w) norms, norms around both sublayers, GeGLU; Phi-3 / Phi-4-mini: its fused
+sublayers, ERNIE's float32 cos/sin as they come; Gemma, Gemma 2, Gemma 3 (text), VaultGemma:
+(1 + w) norms, norms around both sublayers (not VaultGemma), GeGLU; Phi-3 / Phi-4-mini: its fused
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
 is in ``ckpt_ext.hf.families``) from transformers 5, as ``*ForCausalLM``, the bare ``*Model``,
