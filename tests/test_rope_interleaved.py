@@ -2,6 +2,8 @@
 ERNIE 4.5 rotate the pairs (2i, 2i + 1) of a head's first R dims, LLaMA the pairs
 (i, i + R/2)), against the plain-PyTorch fp64 reference written as HF writes it, with full and
 partial rotary tables, GQA, q/k norms, padding and token chunks, for every preset."""
+import contextlib
+
 import pytest
 import torch
 
@@ -14,23 +16,24 @@ D = H // NH
 EPS = 1e-6
 
 
-def layer_case(seed, qk_norm, dtype=torch.float64):
-    """Random weights (biases on q/k/v, non-trivial norms), x, dy."""
+def layer_case(seed, qk_norm, dtype=torch.float64, h=H):
+    """Random weights (biases on q/k/v, non-trivial norms), x, dy; hidden size h, NH heads."""
     g = torch.Generator().manual_seed(seed)
+    d = h // NH
 
     def rand(*shape, scale=0.3):
         return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
 
-    w = {"input_layernorm.weight": 1 + rand(H), "post_attention_layernorm.weight": 1 + rand(H),
-         "self_attn.q_proj.weight": rand(NH * D, H), "self_attn.q_proj.bias": rand(NH * D),
-         "self_attn.k_proj.weight": rand(NKV * D, H), "self_attn.k_proj.bias": rand(NKV * D),
-         "self_attn.v_proj.weight": rand(NKV * D, H), "self_attn.v_proj.bias": rand(NKV * D),
-         "self_attn.o_proj.weight": rand(H, NH * D), "mlp.gate_proj.weight": rand(IM, H),
-         "mlp.up_proj.weight": rand(IM, H), "mlp.down_proj.weight": rand(H, IM)}
+    w = {"input_layernorm.weight": 1 + rand(h), "post_attention_layernorm.weight": 1 + rand(h),
+         "self_attn.q_proj.weight": rand(NH * d, h), "self_attn.q_proj.bias": rand(NH * d),
+         "self_attn.k_proj.weight": rand(NKV * d, h), "self_attn.k_proj.bias": rand(NKV * d),
+         "self_attn.v_proj.weight": rand(NKV * d, h), "self_attn.v_proj.bias": rand(NKV * d),
+         "self_attn.o_proj.weight": rand(h, NH * d), "mlp.gate_proj.weight": rand(IM, h),
+         "mlp.up_proj.weight": rand(IM, h), "mlp.down_proj.weight": rand(h, IM)}
     if qk_norm:
-        w["self_attn.q_norm.weight"] = 1 + rand(D)
-        w["self_attn.k_norm.weight"] = 1 + rand(D)
-    return w, rand(B, S, H, scale=1.0), rand(B, S, H, scale=1.0)
+        w["self_attn.q_norm.weight"] = 1 + rand(d)
+        w["self_attn.k_norm.weight"] = 1 + rand(d)
+    return w, rand(B, S, h, scale=1.0), rand(B, S, h, scale=1.0)
 
 
 def tables(rotary, dtype=torch.float64):
@@ -121,3 +124,49 @@ def test_bf16_under_autocast_is_close_to_fp64():
         errs.append((y.double() - want).abs().max().item())
     scale = want.abs().max().item()
     assert errs[0] < 0.05 * scale < errs[1], errs
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_through_triton_meets_the_fp64_reference(preset):
+    """The fused path through the Triton launchers (the interpreter on CPU, fp32; a GPU's
+    kernels and its CUDA rope when there is one): partial interleaved RoPE, q/k norms, GQA,
+    padding."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+    from ckpt_ext import use_triton
+    w, x, dy = layer_case(4, qk_norm=True, h=80)      # head_dim 20 (Triton: 16..256), R 10
+    pe, mask = tables(10), make_mask("left_pad", B, S)
+    want = grads(lambda xx, ww: reference_layer(ww, xx, *pe, mask, NH, NKV, eps=EPS,
+                                                rope_interleaved=True), x, w, dy)
+    on = dict(device=DEVICE, dtype=torch.float32)
+    w32 = {n: t.to(**on) for n, t in w.items()}
+    pe32 = tuple(t.to(**on) for t in pe)
+    with use_triton(DEVICE) if DEVICE == "cpu" else contextlib.nullcontext():
+        got = grads(fused(pe32, mask.to(DEVICE), preset, "layer"), x.to(**on), w32, dy.to(**on))
+    got = (got[0].double().cpu(), got[1].double().cpu(),
+           {n: t.double().cpu() for n, t in got[2].items()})
+    assert_same(got, want, 2e-4, f"triton {preset}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: bf16 through the Triton interpreter is wrong "
+                           "(tl.dot), and the CPU path is covered by the autocast test above")
+def test_bf16_with_float32_tables_on_the_gpu():
+    """bf16 weights and input without autocast, float32 cos/sin (ERNIE 4.5's), on the GPU's
+    kernels (the CUDA rope with float32 tables beside bf16 q/k): as the same call with bf16
+    tables, within bf16 rounding, and closer to the fp64 reference."""
+    w, x, dy = layer_case(5, qk_norm=False, h=128)    # head_dim 32
+    pe = tables(32)
+    want = reference_layer(w, x, *pe, None, NH, NKV, eps=EPS, rope_interleaved=True)
+    on = dict(device="cuda", dtype=torch.bfloat16)
+    wb = {n: t.to(**on) for n, t in w.items()}
+    with torch.no_grad():
+        y32 = fused(tuple(t.to("cuda", torch.float32) for t in pe), None, "balanced",
+                    "layer")(x.to(**on), wb)
+        y16 = fused(tuple(t.to(**on) for t in pe), None, "balanced", "layer")(x.to(**on), wb)
+    scale = want.abs().max().item()
+    err32 = (y32.double().cpu() - want).abs().max().item()
+    err16 = (y16.double().cpu() - want).abs().max().item()
+    assert err32 < 0.05 * scale and err16 < 0.05 * scale, (err32, err16, scale)
