@@ -48,7 +48,7 @@ LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._
 LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
                       uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
                       dropout_seed=None, lora_streams=[], softcap=0.0,
-                      rope_interleaved=False, residual_scale=1.0,
+                      rope_interleaved=False, qk_norm_after_rope=False, residual_scale=1.0,
                       norm_offset=0.0, norm_cast_last=False, compute_dtype=None,
                       activation="silu", part="layer", preset="balanced")
 
@@ -137,7 +137,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
                   lora_dropout: Optional[Sequence[float]] = None,
                   dropout_seed: Optional[Tensor] = None,
                   lora_streams: Optional[Sequence[int]] = None, softcap: float = 0.0,
-                  rope_interleaved: bool = False, residual_scale: float = 1.0,
+                  rope_interleaved: bool = False, qk_norm_after_rope: bool = False,
+                  residual_scale: float = 1.0,
                   norm_offset: float = 0.0, norm_cast_last: bool = False,
                   compute_dtype: Optional[torch.dtype] = None, activation: str = "silu",
                   part: str = "layer", preset: str = "balanced") -> Tensor:
@@ -169,7 +170,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
     softcap: > 0, Gemma 2's attention logit soft-capping (``ckpt_ext.ops.attention``'s
     ``softcap``); 0, none. rope_interleaved: RoPE rotates the pairs (2i, 2i + 1) of the first
     R dims (GLM, Helium, ERNIE 4.5) instead of (i, i + R/2) (LLaMA), each by the angle of
-    column i of cos/sin, which keep HF's half-split layout (width R).
+    column i of cos/sin, which keep HF's half-split layout (width R). qk_norm_after_rope: the
+    q/k norms norm the rotated projections (Hunyuan) instead of being rotated (Qwen3).
     """
     _check("decoder_layer", preset, part)
     w = pack_weights(weights)
@@ -184,7 +186,8 @@ def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
         dropout_seed=dropout_seed, lora_streams=list(lora_streams or ()), num_heads=num_heads,
         num_kv_heads=num_kv_heads or num_heads,
         eps=eps, scale=float(scale), softcap=float(softcap),
-        rope_interleaved=bool(rope_interleaved), residual_scale=float(residual_scale),
+        rope_interleaved=bool(rope_interleaved), qk_norm_after_rope=bool(qk_norm_after_rope),
+        residual_scale=float(residual_scale),
         norm_offset=float(norm_offset), norm_cast_last=bool(norm_cast_last),
         compute_dtype=compute_dtype, activation=activation, part=part, preset=preset)
 

@@ -620,33 +620,46 @@ std::tuple<at::Tensor, at::Tensor> rope_pair(const at::Tensor& q, const at::Tens
 }
 
 // q/k/v of a chunk from its input x (nb, sc, H). n: the normed input in the compute dtype;
-// q_lin/k_lin: (nb, sc, H*, D) projections before the optional per-head norms; q, k:
-// (nb, H*, sc, D) views of (nb, sc, H*, D) memory after norms and RoPE; v: a (nb, Hkv, sc, D)
-// view of its projection. `which` leaves out the keys or the queries.
+// q_lin/k_lin: (nb, sc, H*, D) inputs of the optional q/k norms, the projections (or, with
+// qk_norm_after_rope, the projections after RoPE); q, k: (nb, H*, sc, D) views of
+// (nb, sc, H*, D) memory after norms and RoPE; v: a (nb, Hkv, sc, D) view of its projection.
+// `which` leaves out the keys or the queries.
 enum class Heads { kAll, kQueries, kKeys };
 
 struct Projected {
   at::Tensor n, q_lin, k_lin, q, k, v;
 };
 
+// RoPE rotates the projections before their norms (qk_norm_after_rope with q/k norms).
+bool rope_before_norm(const Layer& L) { return L.qk_norm_after_rope && L.qk_norm(); }
+
+// (nb, sc, H*, D) <-> (nb, H*, sc, D) views; an undefined tensor stays undefined.
+at::Tensor swap_heads(const at::Tensor& t) { return t.defined() ? t.transpose(1, 2) : t; }
+
 Projected project(const at::Tensor& x, const Layer& L, const Chunk& c, Heads which) {
   const int64_t b = x.size(0), s = x.size(1), d = L.head_dim(), t0 = c.t0();
+  const bool rope_first = rope_before_norm(L);
   Projected p;
   p.n = L.cast(norm_fwd(L, kInputNorm, x));
   at::Tensor qh, kh;
-  if (which != Heads::kKeys) {
-    p.q_lin = proj_fwd(L, kQ, p.n, t0).view({b, s, L.num_heads, d});
-    qh = head_norm_fwd(L, kQNorm, p.q_lin).transpose(1, 2);
-  }
+  if (which != Heads::kKeys) p.q_lin = proj_fwd(L, kQ, p.n, t0).view({b, s, L.num_heads, d});
   if (which != Heads::kQueries) {
     p.k_lin = proj_fwd(L, kK, p.n, t0).view({b, s, L.num_kv_heads, d});
     p.v = proj_fwd(L, kV, p.n, t0).view({b, s, L.num_kv_heads, d}).transpose(1, 2);
-    kh = head_norm_fwd(L, kKNorm, p.k_lin).transpose(1, 2);
   }
   // rope keeps its input's layout: q, k stay (B, H, S, D) views of (B, S, H, D) memory, the
   // layout attention reads, and their gradients come back alike (merged with views).
-  std::tie(p.q, p.k) = rope_pair(qh, kh, c.table(*L.cos), c.table(*L.sin), /*backward=*/false,
-                                 L.rope_interleaved);
+  auto rope = [&](const at::Tensor& q, const at::Tensor& k) {
+    return rope_pair(q, k, c.table(*L.cos), c.table(*L.sin), /*backward=*/false,
+                     L.rope_interleaved);
+  };
+  if (rope_first) {  // the norms' inputs are the rotated projections, (nb, sc, H*, D)
+    auto [qr, kr] = rope(swap_heads(p.q_lin), swap_heads(p.k_lin));
+    p.q_lin = swap_heads(qr), p.k_lin = swap_heads(kr);
+  }
+  if (p.q_lin.defined()) qh = head_norm_fwd(L, kQNorm, p.q_lin).transpose(1, 2);
+  if (p.k_lin.defined()) kh = head_norm_fwd(L, kKNorm, p.k_lin).transpose(1, 2);
+  std::tie(p.q, p.k) = rope_first ? std::make_tuple(qh, kh) : rope(qh, kh);
   if (p.q.defined()) p.q = L.cast(p.q);
   if (p.k.defined()) p.k = L.cast(p.k);
   return p;
@@ -850,19 +863,31 @@ at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected&
                                 const at::Tensor& dv, const at::Tensor& k_lin, at::Tensor dn,
                                 const std::vector<bool>& needs, Grads& g) {
   const int64_t t0 = c.t0(), d = L.head_dim();
-  auto [dqh, dkh] = rope_pair(dq, dk, c.table(*L.cos), c.table(*L.sin), /*backward=*/true,
-                              L.rope_interleaved);
+  auto rope_back = [&](const at::Tensor& q, const at::Tensor& k) {
+    return rope_pair(q, k, c.table(*L.cos), c.table(*L.sin), /*backward=*/true,
+                     L.rope_interleaved);
+  };
   const at::Tensor n2 = flat2(p.n);
   const int64_t rows = n2.size(0);
   auto norm_back = [&](const at::Tensor& dh, const at::Tensor& lin, Norm which) {
     return head_norm_bwd(L, which, dh.transpose(1, 2), lin, needs, g);  // (nb, sc, H*, D)
   };
+  // (dq_lin, dk_lin), (nb, sc, H*, D): through RoPE then the norms, or (qk_norm_after_rope)
+  // through the norms, whose inputs q_lin/k_lin are the rotated projections, then RoPE
+  at::Tensor dq_lin, dk_lin;
+  if (rope_before_norm(L)) {
+    auto [dqr, dkr] = rope_back(dq.defined() ? swap_heads(norm_back(dq, p.q_lin, kQNorm)) : dq,
+                                dk.defined() ? swap_heads(norm_back(dk, k_lin, kKNorm)) : dk);
+    dq_lin = swap_heads(dqr), dk_lin = swap_heads(dkr);
+  } else {
+    auto [dqh, dkh] = rope_back(dq, dk);
+    if (dq.defined()) dq_lin = norm_back(dqh, p.q_lin, kQNorm);
+    if (dk.defined()) dk_lin = norm_back(dkh, k_lin, kKNorm);
+  }
   if (dq.defined()) {
-    const at::Tensor dq_lin = norm_back(dqh, p.q_lin, kQNorm);
     dn = proj_bwd(L, kQ, L.cast(dq_lin.reshape({rows, L.num_heads * d})), n2, needs, g, t0);
   }
   if (dk.defined()) {
-    const at::Tensor dk_lin = norm_back(dkh, k_lin, kKNorm);
     dn.add_(proj_bwd(L, kK, L.cast(dk_lin.reshape({rows, L.num_kv_heads * d})), n2, needs, g,
                      t0));
     dn.add_(proj_bwd(L, kV, dv.transpose(1, 2).reshape({rows, L.num_kv_heads * d}), n2, needs,

@@ -103,6 +103,9 @@ using OptTensor = std::optional<at::Tensor>;
 //                       rotate_half); true: the pairs (2i, 2i + 1) (GLM, Helium, ERNIE 4.5),
 //                       by the angle of the tables' column i either way (cos/sin keep HF's
 //                       half-split layout, (B or 1, S, R))
+//   qk_norm_after_rope  false: the q/k norms norm the projections and RoPE rotates their
+//                       output (Qwen3, Gemma 3, OLMo-2); true: RoPE rotates the projections and
+//                       the norms norm that (Hunyuan); no effect without q/k norms
 //   norm_offset         every RMSNorm multiplies by (norm_offset + weight): 0 for LLaMA, 1 for
 //                       Gemma's (1 + w)
 //   norm_cast_last      false: the normalized input is cast to the input's dtype, then
@@ -135,6 +138,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
   X(OPTION, "float", double, softcap, __VA_ARGS__)                                         \
   X(OPTION, "bool", bool, rope_interleaved, __VA_ARGS__)                                   \
+  X(OPTION, "bool", bool, qk_norm_after_rope, __VA_ARGS__)                                 \
   X(OPTION, "float", double, norm_offset, __VA_ARGS__)                                     \
   X(OPTION, "bool", bool, norm_cast_last, __VA_ARGS__)                                     \
   X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \

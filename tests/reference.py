@@ -178,7 +178,8 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
 
 
 def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm_offset=0.0,
-                    part="layer", activation="silu", softcap=0.0, rope_interleaved=False):
+                    part="layer", activation="silu", softcap=0.0, rope_interleaved=False,
+                    qk_norm_after_rope=False):
     """p: a DecoderLayer state_dict (HF names), or the op's weight slots by name: a norm absent
     from p is the identity, "attention_output_norm.weight" / "mlp_output_norm.weight" norm a
     sublayer's output before the residual add, q/k norms of width heads * head_dim norm the
@@ -186,7 +187,8 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm
     attention sublayer) or "mlp" (x + the MLP sublayer); activation: the MLP's
     (gate_activation); softcap > 0: the attention's scaled scores are capped to
     tanh(s / softcap) * softcap (HF Gemma 2's eager attention); rope_interleaved: RoPE as
-    rope_interleaved_reference (tables of width R <= D). Computes in x's dtype."""
+    rope_interleaved_reference (tables of width R <= D); qk_norm_after_rope: the q/k norms
+    norm the rotated projections (Hunyuan). Computes in x's dtype."""
     def rms(t, w):
         if w is None:
             return t
@@ -211,10 +213,16 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm
     q = lin(n, "self_attn.q_proj").view(b, s, hq, d)
     k = lin(n, "self_attn.k_proj").view(b, s, hkv, d)
     v = lin(n, "self_attn.v_proj").view(b, s, hkv, d).transpose(1, 2)
-    if qk_norm or "self_attn.q_norm.weight" in p:
+    with_norms = qk_norm or "self_attn.q_norm.weight" in p
+    rope = rope_interleaved_reference if rope_interleaved else rope_reference
+    if qk_norm_after_rope:
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if with_norms:
         q, k = rms(q, p["self_attn.q_norm.weight"]), rms(k, p["self_attn.k_norm.weight"])
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q, k = (rope_interleaved_reference if rope_interleaved else rope_reference)(q, k, cos, sin)
+    if not qk_norm_after_rope:
+        q, k = rope(q, k, cos, sin)
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
     if softcap > 0:

@@ -1,7 +1,9 @@
-"""Interleaved RoPE in the fused decoder layer (``rope_interleaved``: GLM, GLM-4, Helium and
+"""RoPE variants of the fused decoder layer, against the plain-PyTorch fp64 reference written
+as HF writes them, with full and partial rotary tables, GQA, q/k norms, padding and token
+chunks, for every preset: interleaved pairs (``rope_interleaved``: GLM, GLM-4, Helium and
 ERNIE 4.5 rotate the pairs (2i, 2i + 1) of a head's first R dims, LLaMA the pairs
-(i, i + R/2)), against the plain-PyTorch fp64 reference written as HF writes it, with full and
-partial rotary tables, GQA, q/k norms, padding and token chunks, for every preset."""
+(i, i + R/2)), and q/k norms after RoPE (``qk_norm_after_rope``: Hunyuan norms the rotated
+projections, Qwen3 rotates the normed ones)."""
 import contextlib
 
 import pytest
@@ -49,10 +51,10 @@ def grads(fn, x, w, dy):
     return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
 
 
-def fused(pe, mask, preset, part, interleaved=True):
+def fused(pe, mask, preset, part, interleaved=True, after=False):
     return lambda x, w: blocks.decoder_layer(
         x, w, pe, num_heads=NH, num_kv_heads=NKV, eps=EPS, key_padding_mask=mask,
-        rope_interleaved=interleaved, preset=preset, part=part)
+        rope_interleaved=interleaved, qk_norm_after_rope=after, preset=preset, part=part)
 
 
 def assert_same(got, want, tol, what):
@@ -170,3 +172,41 @@ def test_bf16_with_float32_tables_on_the_gpu():
     err32 = (y32.double().cpu() - want).abs().max().item()
     err16 = (y16.double().cpu() - want).abs().max().item()
     assert err32 < 0.05 * scale and err16 < 0.05 * scale, (err32, err16, scale)
+
+
+@pytest.mark.parametrize("part", ["layer", "attention"])
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+@pytest.mark.parametrize("interleaved,rotary", [(False, D), (True, D // 2)],
+                         ids=["half-split", "interleaved-partial"])
+def test_qk_norm_after_rope_matches_the_fp64_reference(preset, part, interleaved, rotary):
+    """q/k norms of the rotated projections (Hunyuan's order), in every preset's forward and
+    backward; the other order gives another output (so the check can fail)."""
+    w, x, dy = layer_case(6, qk_norm=True)
+    if part == "attention":
+        w = {n: t for n, t in w.items() if n.startswith(("self_attn.", "input_layernorm."))}
+    pe, mask = tables(rotary), make_mask("left_pad", B, S)
+    want = grads(lambda xx, ww: reference_layer(
+        ww, xx, *pe, mask, NH, NKV, eps=EPS, part=part, rope_interleaved=interleaved,
+        qk_norm_after_rope=True), x, w, dy)
+    got = grads(fused(pe, mask, preset, part, interleaved, after=True), x, w, dy)
+    assert_same(got, want, 1e-10, f"{preset} {part}")
+    real = mask[:, :, None].double()
+    other = grads(fused(pe, mask, preset, part, interleaved, after=False), x, w, dy)[0]
+    assert ((other - want[0]) * real).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_qk_norm_after_rope_in_chunks_and_without_norms(monkeypatch, preset):
+    """Token chunks give the one-chunk result; without q/k norms the option changes nothing."""
+    w, x, dy = layer_case(7, qk_norm=True)
+    pe = tables(D)
+    monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES", raising=False)
+    whole = grads(fused(pe, None, preset, "layer", False, after=True), x, w, dy)
+    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(4 * (4 * NH * D + 3 * IM) * 8))
+    assert_same(grads(fused(pe, None, preset, "layer", False, after=True), x, w, dy), whole,
+                1e-12, "chunks of 4")
+    monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES")
+    plain = {n: t for n, t in w.items() if "_norm." not in n}
+    assert_same(grads(fused(pe, None, preset, "layer", False, after=True), x, plain, dy),
+                grads(fused(pe, None, preset, "layer", False, after=False), x, plain, dy),
+                0.0, "no q/k norms")
