@@ -51,7 +51,8 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # every layer); GLM, GLM-4 and Helium rotate interleaved pairs (GLM: the first half of each
 # head, glm_full_rotary all of it), GLM-4 norms both sublayers' inputs and outputs, and
 # GLM's MLP is one gate_up_proj; ERNIE 4.5 rotates interleaved pairs too, from float32
-# tables, with biases on every projection; VaultGemma is Gemma 2 without its output norms.
+# tables, with biases on every projection; Hunyuan norms q and k per head after RoPE;
+# VaultGemma is Gemma 2 without its output norms.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
                 "sliding_attention", "full_attention", "sliding_attention"]),
@@ -83,6 +84,7 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
             "glm_full_rotary": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                          partial_rotary_factor=1.0)),
             "ernie4_5": dict(use_bias=True),
+            "hunyuan_v1_dense": dict(attention_bias=True),
             "vaultgemma": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                final_logit_softcapping=3.0, sliding_window=6,
                                layer_types=["sliding_attention", "full_attention",

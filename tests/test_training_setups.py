@@ -78,7 +78,8 @@ def test_autocast_saved_bytes_match_the_formula(preset, amp):
 
 # families whose norms round differently from LLaMA's (norm_cast_last, norm_offset) or sit
 # elsewhere (post-norms: OLMo-2, EXAONE 4.0; sandwich norms: Gemma 2/3, GLM-4), and RoPE on
-# interleaved pairs (GLM-4, Helium, ERNIE 4.5: from float32 tables)
+# interleaved pairs (GLM-4, Helium, ERNIE 4.5: from float32 tables), q/k norms after RoPE
+# (Hunyuan)
 AUTOCAST_FAMILIES = {"llama": {}, "olmo2": {}, "gemma": {},
                      "gemma3_text": dict(query_pre_attn_scalar=24),
                      "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
@@ -87,7 +88,7 @@ AUTOCAST_FAMILIES = {"llama": {}, "olmo2": {}, "gemma": {},
                      "phi3": {},
                      "exaone4": dict(sliding_window=6,
                                      layer_types=["sliding_attention", "full_attention"]),
-                     "glm4": {}, "helium": {}, "ernie4_5": {}}
+                     "glm4": {}, "helium": {}, "ernie4_5": {}, "hunyuan_v1_dense": {}}
 
 
 @pytest.mark.parametrize("family", list(AUTOCAST_FAMILIES))

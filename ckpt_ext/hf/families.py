@@ -15,11 +15,13 @@ MLP); they differ along a few axes that the op takes as options:
 * the gated activation, read from ``mlp.act_fn`` (Phi-3, GLM: ``mlp.activation_fn``): SiLU,
   or GELU-tanh for Gemma's GeGLU;
 * which dims RoPE pairs: ``rope_interleaved`` (GLM, GLM-4, Helium, ERNIE 4.5: (2i, 2i + 1);
-  LLaMA: (i, i + R/2)).
+  LLaMA: (i, i + R/2));
+* the q/k norms' module names (``qk_norms``; Hunyuan: ``query_layernorm`` / ``key_layernorm``)
+  and their place: ``qk_norm_after_rope`` (Hunyuan norms the rotated projections).
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional, Tuple
 
 import torch.nn as nn
 
@@ -31,6 +33,8 @@ class Family(NamedTuple):
     norm_offset: float = 0.0
     norm_cast_last: bool = False
     rope_interleaved: bool = False
+    qk_norms: Tuple[str, str] = ("q_norm", "k_norm")  # self_attn's q/k norm modules, if any
+    qk_norm_after_rope: bool = False
 
     @property
     def modules(self) -> frozenset:
@@ -64,6 +68,9 @@ EXAONE4 = Family(OLMO2.norms)
 # in float32 and cast last
 GLM = Family(LLAMA.norms, rope_interleaved=True)
 HELIUM = Family(LLAMA.norms, norm_cast_last=True, rope_interleaved=True)
+# Hunyuan (dense): LLaMA's layout, per-head q/k norms (their own names) of the rotated q/k
+HUNYUAN = Family(LLAMA.norms, qk_norms=("query_layernorm", "key_layernorm"),
+                 qk_norm_after_rope=True)
 # GLM-4-0414: norms around both sublayers (as Gemma 2, with its own names), LLaMA's rounding
 GLM4 = Family({"input_layernorm": "input_layernorm",
                "attention_output_norm": "post_self_attn_layernorm",
@@ -82,7 +89,7 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
             "phi3": LLAMA, "exaone4": EXAONE4, "glm": GLM, "glm4": GLM4, "helium": HELIUM,
-            "vaultgemma": VAULTGEMMA, "ernie4_5": GLM,
+            "vaultgemma": VAULTGEMMA, "ernie4_5": GLM, "hunyuan_v1_dense": HUNYUAN,
             **{t: LLAMA for t in sorted(MROPE)}}
 
 

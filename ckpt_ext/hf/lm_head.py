@@ -107,7 +107,7 @@ _HEAD_RULES = {
     "Olmo3ForCausalLM": _plain_head, "Phi3ForCausalLM": _plain_head,
     "Exaone4ForCausalLM": _plain_head, "GlmForCausalLM": _plain_head,
     "Glm4ForCausalLM": _plain_head, "HeliumForCausalLM": _plain_head,
-    "Ernie4_5ForCausalLM": _plain_head,
+    "Ernie4_5ForCausalLM": _plain_head, "HunYuanDenseV1ForCausalLM": _plain_head,
     "GraniteForCausalLM": _granite_head,
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
     "VaultGemmaForCausalLM": _softcapped_head,

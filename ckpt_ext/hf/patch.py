@@ -11,7 +11,8 @@ Granite: its residual multiplier is the op's ``residual_scale``, its attention m
 softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; EXAONE 4.0: post-norms,
 per-head q/k norms, no RoPE on a hybrid model's full-attention layers; GLM, GLM-4, Helium,
 ERNIE 4.5: RoPE on interleaved pairs (the op's ``rope_interleaved``), GLM-4's norms around both
-sublayers, ERNIE's float32 cos/sin as they come; Gemma, Gemma 2, Gemma 3 (text), VaultGemma:
+sublayers, ERNIE's float32 cos/sin as they come; Hunyuan (dense): q/k norms after RoPE (the
+op's ``qk_norm_after_rope``); Gemma, Gemma 2, Gemma 3 (text), VaultGemma:
 (1 + w) norms, norms around both sublayers (not VaultGemma), GeGLU; Phi-3 / Phi-4-mini: its fused
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
@@ -104,7 +105,7 @@ _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 # dropouts (fused while their p is 0)
 _RESID_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
 _LAYER_CHILDREN = {"self_attn", "mlp", *_RESID_DROPOUTS}  # and the family's norms (needed)
-_ATTN_CHILDREN = set(_ATTN_LINEARS) | {"q_norm", "k_norm", "rotary_emb", "qkv_proj"}
+_ATTN_CHILDREN = set(_ATTN_LINEARS) | {"rotary_emb", "qkv_proj"}  # and the family's q/k norms
 _MLP_CHILDREN = set(_MLP_LINEARS) | {"act_fn", "activation_fn", "gate_up_proj"}
 # transformers 5.x installs this forward hook on layers and attentions once any output_* is
 # requested; it records only while its collector is active (see _capture_inert).
@@ -221,8 +222,9 @@ def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
     needed = {"self_attn", "mlp"} | family.modules
     if attn is None or mlp is None or not needed <= set(layer._modules):
         return f"it lacks one of {', '.join(sorted(needed))}"
-    for parent, expected, where in ((layer, _LAYER_CHILDREN | needed, ""), (attn, _ATTN_CHILDREN,
-                                    "self_attn."), (mlp, _MLP_CHILDREN, "mlp.")):
+    for parent, expected, where in ((layer, _LAYER_CHILDREN | needed, ""),
+                                    (attn, _ATTN_CHILDREN | set(family.qk_norms), "self_attn."),
+                                    (mlp, _MLP_CHILDREN, "mlp.")):
         extra = set(parent._modules) - expected
         if extra:
             return ("it has submodules the fused op does not compute: "
@@ -251,8 +253,9 @@ def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
         if (not type(norm).__name__.endswith("RMSNorm") or norm_eps(norm) is None
                 or set(dict(norm.named_parameters())) != {"weight"}):
             return f"{name} is a {type(norm).__name__}, not the family's RMSNorm"
-    if (attn._modules.get("q_norm") is None) != (attn._modules.get("k_norm") is None):
-        return "self_attn has only one of q_norm/k_norm"
+    q_norm, k_norm = family.qk_norms
+    if (attn._modules.get(q_norm) is None) != (attn._modules.get(k_norm) is None):
+        return f"self_attn has only one of {q_norm}/{k_norm}"
     for name, mod in layer.named_modules():
         if not name:
             continue
@@ -362,10 +365,11 @@ def _capture_inert() -> bool:
 
 def _norms(layer: nn.Module, family: Family) -> dict:
     """The layer's norms by the op's slot (without ``.weight``): the family's map, then q/k
-    norms where the attention has them."""
+    norms where the attention has them (``family.qk_norms``: their module names)."""
     attn = layer._modules["self_attn"]
     norms = {slot: layer._modules.get(name) for slot, name in family.norms.items()}
-    norms.update({f"self_attn.{name}": attn._modules.get(name) for name in ("q_norm", "k_norm")})
+    norms.update({f"self_attn.{slot}": attn._modules.get(name)
+                  for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)})
     return {name: norm for name, norm in norms.items() if norm is not None}
 
 
@@ -833,7 +837,9 @@ class _PatchedForward:
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
             scale=spec.scale, softcap=spec.softcap,
-            rope_interleaved=spec.family.rope_interleaved, residual_scale=spec.residual_scale,
+            rope_interleaved=spec.family.rope_interleaved,
+            qk_norm_after_rope=spec.family.qk_norm_after_rope,
+            residual_scale=spec.residual_scale,
             norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
             activation=spec.activation, preset=preset)
 
