@@ -111,21 +111,29 @@ class LayerDims:
     @classmethod
     def from_hf_layer(cls, layer, num_heads: int, family=None) -> "LayerDims":
         """From an HF Llama-family decoder layer (``self_attn.q_proj/k_proj``, ``mlp.gate_proj``)
-        and its number of query heads, read off the projection shapes (Phi-3's fused qkv_proj
-        and gate_up_proj: their row blocks); ``family`` (``ckpt_ext.hf.families``, LLaMA's when
-        None) says which output norms it has."""
+        and its number of query heads, read off the projection shapes (Phi-3's fused qkv_proj,
+        Phi-3's and GLM's fused gate_up_proj: their row blocks); ``family``
+        (``ckpt_ext.hf.families``, LLaMA's when None) says which output norms it may have, and
+        the layer whether they are there (an nn.Identity in a norm's place is none)."""
         norms = family.norms if family is not None else {}
-        out_norms = dict(attention_output_norm="attention_output_norm" in norms,
-                         mlp_output_norm="mlp_output_norm" in norms)
-        attn = layer.self_attn
+
+        def present(slot):
+            module = layer._modules.get(norms[slot]) if slot in norms else None
+            return module is not None and type(module).__name__ != "Identity"
+
+        out_norms = dict(attention_output_norm=present("attention_output_norm"),
+                         mlp_output_norm=present("mlp_output_norm"))
+        attn, mlp = layer.self_attn, layer.mlp
+        inter = (mlp.gate_up_proj.out_features // 2 if "gate_up_proj" in mlp._modules
+                 else mlp.gate_proj.out_features)
         if "qkv_proj" in attn._modules:
             qkv, head_dim = attn.qkv_proj, int(attn.head_dim)
             return cls(qkv.in_features, num_heads, (qkv.out_features // head_dim - num_heads) // 2,
-                       head_dim, layer.mlp.gate_up_proj.out_features // 2, **out_norms)
+                       head_dim, inter, **out_norms)
         q, k = attn.q_proj, attn.k_proj
         head_dim = q.out_features // num_heads
-        return cls(q.in_features, num_heads, k.out_features // head_dim, head_dim,
-                   layer.mlp.gate_proj.out_features, **out_norms)
+        return cls(q.in_features, num_heads, k.out_features // head_dim, head_dim, inter,
+                   **out_norms)
 
 
 def _config_value(config, name, default=None):
@@ -159,9 +167,11 @@ def layer_dims_from_config(config) -> list:
     D = integer("head_dim", H // heads)
     from .hf.families import FAMILIES, LLAMA
     family = FAMILIES.get(_config_value(config, "model_type"), LLAMA)
+    # HyperCLOVA X's use_post_norm=False leaves its output norms out (nn.Identity)
+    out_norms = _config_value(config, "use_post_norm", True) is not False
     dims = LayerDims(H, heads, kv, D, integer("intermediate_size"),
-                     attention_output_norm="attention_output_norm" in family.norms,
-                     mlp_output_norm="mlp_output_norm" in family.norms)
+                     attention_output_norm=out_norms and "attention_output_norm" in family.norms,
+                     mlp_output_norm=out_norms and "mlp_output_norm" in family.norms)
     layers = integer("num_hidden_layers")
     if layers <= 0:
         raise ValueError(f"config: num_hidden_layers must be a positive int, got {layers}")

@@ -52,6 +52,8 @@ TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
 # head, glm_full_rotary all of it), GLM-4 norms both sublayers' inputs and outputs, and
 # GLM's MLP is one gate_up_proj; ERNIE 4.5 rotates interleaved pairs too, from float32
 # tables, with biases on every projection; Hunyuan norms q and k per head after RoPE;
+# HyperCLOVA X norms both sublayers' inputs and outputs (Peri-LN; without use_post_norm its
+# output norms are nn.Identity) with Granite's multipliers; CWM interleaves sliding layers;
 # VaultGemma is Gemma 2 without its output norms.
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
             "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
@@ -85,6 +87,11 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
                                                          partial_rotary_factor=1.0)),
             "ernie4_5": dict(use_bias=True),
             "hunyuan_v1_dense": dict(attention_bias=True),
+            "hyperclovax": dict(residual_multiplier=0.6, attention_multiplier=0.2,
+                                embedding_multiplier=3.0, logits_scaling=0.5),
+            "hyperclovax_no_post_norm": dict(use_post_norm=False, residual_multiplier=0.6),
+            "cwm": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention",
+                                                       "sliding_attention"]),
             "vaultgemma": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                final_logit_softcapping=3.0, sliding_window=6,
                                layer_types=["sliding_attention", "full_attention",
@@ -94,7 +101,7 @@ FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "q
 EAGER_ONLY = {"gemma2", "vaultgemma"}
 # The model_type of a FAMILIES entry that is a variant of another family.
 MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3", "exaone4_global": "exaone4",
-              "glm_full_rotary": "glm"}
+              "glm_full_rotary": "glm", "hyperclovax_no_post_norm": "hyperclovax"}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
 B, S, PAD = 2, 17, 5
@@ -742,6 +749,21 @@ def test_gemma2_right_padding_is_fused(policy, monkeypatch):
     assert calls(model) == [1, 2, 1]  # the full-attention layer stays fused
 
 
+@pytest.mark.parametrize("where", ["self_attn", "mlp", ""])
+def test_a_parameter_outside_the_op_is_refused(where):
+    """A tensor the fused op would leave out of the math, registered directly on the layer,
+    its attention (e.g. GPT-OSS-style attention sinks) or its MLP, is refused at patch time
+    with its name, never dropped silently."""
+    model = make_model("llama", "sdpa")
+    owner = model.model.layers[1]
+    owner = owner.get_submodule(where) if where else owner
+    owner.register_parameter("sinks", nn.Parameter(torch.zeros(4)))
+    name = f"{where}.sinks" if where else "sinks"
+    with pytest.raises(ValueError, match=rf"decoder layer 1 .*parameters the fused op does not "
+                                         rf"compute with: {name}"):
+        patch_llama(model, "balanced")
+
+
 def test_a_wrong_norm_map_fails(monkeypatch):
     """The norm slots mean different things per family: Gemma 3's post_attention_layernorm
     norms the attention's output, LLaMA's is the MLP's pre-norm. With two slots swapped the
@@ -913,3 +935,20 @@ def test_glm4_compiled_has_no_graph_breaks_and_replays_eager():
     model = patch_llama(make_model("glm4", "sdpa"), "balanced")
     assert_compiled_replays_eager(model, loss_and_grads, make_batch(pad=True), TOL, TOL,
                                   use_cache=False)
+
+
+@pytest.mark.parametrize("family", ["glm4", "hyperclovax_no_post_norm", "hunyuan_v1_dense"])
+def test_auto_policy_and_offload_read_the_new_families(family):
+    """policy="auto" sizes each layer from its modules (GLM-4's one gate_up_proj, HyperCLOVA
+    X's nn.Identity output norms) and offload keeps their saved tensors in host memory: both
+    fused, with HF's loss and gradients."""
+    ref = make_model(family, "sdpa")
+    batch = make_batch(pad=True)
+    want = run(ref, *batch)
+    for options in (dict(policy="auto", activation_budget="1GiB"),
+                    dict(policy="min_memory", offload="cpu")):
+        model = patch_llama(copy.deepcopy(ref), **options)
+        assert_same(want, run(model, *batch), batch[1])
+        assert calls(model) == [1, 1, 1], options
+        off = model.model.layers[0].forward.shared.offloader
+        assert (off is not None and off.stats()["host_allocations"] > 0) == ("offload" in options)

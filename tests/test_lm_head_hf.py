@@ -234,6 +234,19 @@ def test_granite_logits_scaling_runs_in_the_fused_head(tied):
     check_transformed_head(ref, "logits_scaling", 4.0, 1.0)
 
 
+@pytest.mark.parametrize("use_post_norm", [True, False], ids=["peri-ln", "no-post-norm"])
+def test_hyperclovax_logits_scaling_multiplies_in_the_fused_head(use_post_norm):
+    """HyperCLOVAXForCausalLM multiplies its logits by logits_scaling (muP; Granite divides):
+    the fused head applies 0.25 as the op's logit_scale, its layers fused with Peri-LN or,
+    with use_post_norm off, the nn.Identity output norms left out."""
+    ref = tiny_model("hyperclovax", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False,
+        logits_scaling=0.25, residual_multiplier=0.6, attention_multiplier=0.2,
+        embedding_multiplier=3.0, use_post_norm=use_post_norm), seed=5, perturb=True)
+    check_transformed_head(ref, "logits_scaling", 0.25, 1.0)
+
+
 def gemma2_model(cap, seed=4, family="gemma2"):
     """A tiny Gemma2ForCausalLM (or Gemma3ForCausalLM: family "gemma3_text"; eager attention:
     HF's SDPA has no attention soft-cap) whose logits reach about a unit, so that a cap of 1.5
@@ -269,6 +282,10 @@ def test_head_rules_follow_the_forward_the_model_runs():
     assert head_transform(granite) == (None, 0.125, 0.0)
     granite.config.logits_scaling = 0.0
     assert "logits_scaling=0.0 is not a finite number > 0" in head_problem(granite)
+    clova = tiny_model("hyperclovax", dict(small, logits_scaling=8.0))
+    assert head_transform(clova) == (None, 8.0, 0.0)
+    clova.config.logits_scaling = float("inf")
+    assert "logits_scaling=inf is not a finite number > 0" in head_problem(clova)
     bad_cap = gemma2_model(cap=-2.0)
     assert "final_logit_softcapping=-2.0" in head_problem(bad_cap)
     # A Llama whose forward a subclass replaces (here: doubling the loss): HF's head stays.

@@ -141,6 +141,21 @@ def test_layer_dims_from_config_and_hf_layer():
     assert LayerDims.from_hf_layer(model.model.layers[0], 4) == dims[0]
     olmo = dict(cfg.to_dict(), model_type="olmo2")
     assert plan.layer_dims_from_config(olmo) == [LayerDims(64, 4, 2, 16, 176, True, True)] * 3
+    # GLM-4's one gate_up_proj and output norms; HyperCLOVA X with and without its Peri-LN
+    from ckpt_ext.hf.families import FAMILIES
+    small = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+                 pad_token_id=0)
+    glm4 = transformers.Glm4ForCausalLM(transformers.Glm4Config(**small))
+    assert LayerDims.from_hf_layer(glm4.model.layers[0], 4, FAMILIES["glm4"]) == \
+        LayerDims(64, 4, 2, 16, 176, True, True) == \
+        plan.layer_dims_from_config(glm4.config)[0]
+    for post in (True, False):
+        clova = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model("hyperclovax", use_post_norm=post, **small))
+        want = LayerDims(64, 4, 2, 16, 176, post, post)
+        assert LayerDims.from_hf_layer(clova.model.layers[0], 4, FAMILIES["hyperclovax"]) == want
+        assert plan.layer_dims_from_config(clova.config) == [want]
 
 
 # ---- the LM head ----------------------------------------------------------------------------

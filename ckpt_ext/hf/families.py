@@ -68,6 +68,11 @@ EXAONE4 = Family(OLMO2.norms)
 # in float32 and cast last
 GLM = Family(LLAMA.norms, rope_interleaved=True)
 HELIUM = Family(LLAMA.norms, norm_cast_last=True, rope_interleaved=True)
+# HyperCLOVA X: Peri-LN, a pre-norm and an output norm around both sublayers (the output
+# norms are nn.Identity, no norm, when the config's use_post_norm is off); Granite's multipliers
+HYPERCLOVAX = Family({"input_layernorm": "input_layernorm", "attention_output_norm": "post_norm1",
+                      "post_attention_layernorm": "post_attention_layernorm",
+                      "mlp_output_norm": "post_norm2"})
 # Hunyuan (dense): LLaMA's layout, per-head q/k norms (their own names) of the rotated q/k
 HUNYUAN = Family(LLAMA.norms, qk_norms=("query_layernorm", "key_layernorm"),
                  qk_norm_after_rope=True)
@@ -90,6 +95,7 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
             "phi3": LLAMA, "exaone4": EXAONE4, "glm": GLM, "glm4": GLM4, "helium": HELIUM,
             "vaultgemma": VAULTGEMMA, "ernie4_5": GLM, "hunyuan_v1_dense": HUNYUAN,
+            "hyperclovax": HYPERCLOVAX, "cwm": LLAMA,
             **{t: LLAMA for t in sorted(MROPE)}}
 
 

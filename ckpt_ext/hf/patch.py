@@ -12,7 +12,9 @@ softmax scale; OLMo-2/3: post-norms and whole-projection q/k norms; EXAONE 4.0: 
 per-head q/k norms, no RoPE on a hybrid model's full-attention layers; GLM, GLM-4, Helium,
 ERNIE 4.5: RoPE on interleaved pairs (the op's ``rope_interleaved``), GLM-4's norms around both
 sublayers, ERNIE's float32 cos/sin as they come; Hunyuan (dense): q/k norms after RoPE (the
-op's ``qk_norm_after_rope``); Gemma, Gemma 2, Gemma 3 (text), VaultGemma:
+op's ``qk_norm_after_rope``); HyperCLOVA X: Peri-LN (output norms, or none where the
+config's use_post_norm is off) and Granite's multipliers; CWM: sliding layers as Ministral's;
+Gemma, Gemma 2, Gemma 3 (text), VaultGemma:
 (1 + w) norms, norms around both sublayers (not VaultGemma), GeGLU; Phi-3 / Phi-4-mini: its fused
 ``qkv_proj`` and ``gate_up_proj`` are read as row blocks (``ckpt_ext.hf.adapters``), its
 partial rotary embeddings are cos/sin narrower than a head; what each family's layer computes
@@ -229,6 +231,11 @@ def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
         if extra:
             return ("it has submodules the fused op does not compute: "
                     f"{', '.join(where + e for e in sorted(extra))}")
+    for parent, where in ((layer, ""), (attn, "self_attn."), (mlp, "mlp.")):
+        own = [name for name, _ in parent.named_parameters(recurse=False)]
+        if own:   # e.g. attention sinks: tensors the fused op would leave out of the math
+            return ("it has parameters the fused op does not compute with: "
+                    f"{', '.join(where + n for n in own)}")
     for parent, names, where in ((attn, _ATTN_LINEARS, "self_attn"), (mlp, _MLP_LINEARS, "mlp")):
         fused = [p.split(".")[1] for p in FUSED_MODULES if p.startswith(where + ".")
                  and p.split(".")[1] in parent._modules]
@@ -370,7 +377,9 @@ def _norms(layer: nn.Module, family: Family) -> dict:
     norms = {slot: layer._modules.get(name) for slot, name in family.norms.items()}
     norms.update({f"self_attn.{slot}": attn._modules.get(name)
                   for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)})
-    return {name: norm for name, norm in norms.items() if norm is not None}
+    # an nn.Identity in a norm's place (HyperCLOVA X without use_post_norm) is no norm
+    return {name: norm for name, norm in norms.items()
+            if norm is not None and type(norm) is not nn.Identity}
 
 
 def _eps(layer: nn.Module, family: Family) -> float:
