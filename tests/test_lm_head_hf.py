@@ -222,29 +222,23 @@ def check_transformed_head(ref, name, value, none_value):
     assert (step(plain, **inputs)[0].loss - out_r.loss).abs() > 1e-3
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_granite_logits_scaling_runs_in_the_fused_head(tied):
-    """GraniteForCausalLM divides its logits by logits_scaling=4: the fused head (with the
-    final norm inside it) applies 1/4 as the op's logit_scale."""
-    ref = tiny_model("granite", dict(
+@pytest.mark.parametrize("family,scaling,extra", [
+    ("granite", 4.0, dict(tie_word_embeddings=False)),
+    ("granite", 4.0, dict(tie_word_embeddings=True)),
+    ("hyperclovax", 0.25, dict(use_post_norm=True)),
+    ("hyperclovax", 0.25, dict(use_post_norm=False))],
+    ids=["granite-untied", "granite-tied", "hyperclovax-peri-ln", "hyperclovax-no-post-norm"])
+def test_logits_scaling_runs_in_the_fused_head(family, scaling, extra):
+    """GraniteForCausalLM divides its logits by logits_scaling, HyperCLOVAXForCausalLM
+    multiplies them by it (muP): the fused head (with the final norm inside it) applies 1/4
+    and 0.25 as the op's logit_scale; HyperCLOVA X's layers fused with Peri-LN or, with
+    use_post_norm off, the nn.Identity output norms left out."""
+    ref = tiny_model(family, dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False,
-        logits_scaling=4.0, residual_multiplier=0.6, attention_multiplier=0.2,
-        embedding_multiplier=3.0, tie_word_embeddings=tied), seed=3, perturb=True)
-    check_transformed_head(ref, "logits_scaling", 4.0, 1.0)
-
-
-@pytest.mark.parametrize("use_post_norm", [True, False], ids=["peri-ln", "no-post-norm"])
-def test_hyperclovax_logits_scaling_multiplies_in_the_fused_head(use_post_norm):
-    """HyperCLOVAXForCausalLM multiplies its logits by logits_scaling (muP; Granite divides):
-    the fused head applies 0.25 as the op's logit_scale, its layers fused with Peri-LN or,
-    with use_post_norm off, the nn.Identity output norms left out."""
-    ref = tiny_model("hyperclovax", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, vocab_size=V, pad_token_id=0, use_cache=False,
-        logits_scaling=0.25, residual_multiplier=0.6, attention_multiplier=0.2,
-        embedding_multiplier=3.0, use_post_norm=use_post_norm), seed=5, perturb=True)
-    check_transformed_head(ref, "logits_scaling", 0.25, 1.0)
+        logits_scaling=scaling, residual_multiplier=0.6, attention_multiplier=0.2,
+        embedding_multiplier=3.0, **extra), seed=3, perturb=True)
+    check_transformed_head(ref, "logits_scaling", scaling, 1.0)
 
 
 def gemma2_model(cap, seed=4, family="gemma2"):
