@@ -115,14 +115,10 @@ class LayerDims:
         Phi-3's and GLM's fused gate_up_proj: their row blocks); ``family``
         (``ckpt_ext.hf.families``, LLaMA's when None) says which output norms it may have, and
         the layer whether they are there (an nn.Identity in a norm's place is none)."""
-        norms = family.norms if family is not None else {}
-
-        def present(slot):
-            module = layer._modules.get(norms[slot]) if slot in norms else None
-            return module is not None and type(module).__name__ != "Identity"
-
-        out_norms = dict(attention_output_norm=present("attention_output_norm"),
-                         mlp_output_norm=present("mlp_output_norm"))
+        from .hf.families import LLAMA, layer_norms
+        norms = layer_norms(layer, family or LLAMA)
+        out_norms = dict(attention_output_norm="attention_output_norm" in norms,
+                         mlp_output_norm="mlp_output_norm" in norms)
         attn, mlp = layer.self_attn, layer.mlp
         inter = (mlp.gate_up_proj.out_features // 2 if "gate_up_proj" in mlp._modules
                  else mlp.gate_proj.out_features)
@@ -167,8 +163,8 @@ def layer_dims_from_config(config) -> list:
     D = integer("head_dim", H // heads)
     from .hf.families import FAMILIES, LLAMA
     family = FAMILIES.get(_config_value(config, "model_type"), LLAMA)
-    # HyperCLOVA X's use_post_norm=False leaves its output norms out (nn.Identity)
-    out_norms = _config_value(config, "use_post_norm", True) is not False
+    flag = family.output_norms_flag  # HyperCLOVA X's use_post_norm
+    out_norms = flag is None or _config_value(config, flag, True) is not False
     dims = LayerDims(H, heads, kv, D, integer("intermediate_size"),
                      attention_output_norm=out_norms and "attention_output_norm" in family.norms,
                      mlp_output_norm=out_norms and "mlp_output_norm" in family.norms)

@@ -582,20 +582,17 @@ at::Tensor rope_one(const at::Tensor& t, const at::Tensor& cos, const at::Tensor
 // of the head dims: rope_il(t) = P^T rope(P t), where P t lists the even dims of the first R,
 // then their odd dims, then the dims past R (which pass through). P is orthogonal and RoPE
 // linear, so the backward is P^T rope_bwd(P dt) alike; the rope kernels stay as they are, at the
-// cost of two copies of q and k. Both keep t's layout (checks::rope_out_like).
-at::Tensor half_split_dims(const at::Tensor& t, int64_t R) {  // P t
+// cost of two copies of q and k. P t (to_half_split) or P^T t, in t's layout
+// (checks::rope_out_like).
+at::Tensor permute_rotary_dims(const at::Tensor& t, int64_t R, bool to_half_split) {
   at::Tensor out = checks::rope_out_like(t);
   const int64_t h = R / 2, D = t.size(-1);
-  out.narrow(-1, 0, h).copy_(t.slice(-1, 0, R, 2));
-  out.narrow(-1, h, h).copy_(t.slice(-1, 1, R, 2));
-  if (R < D) out.narrow(-1, R, D - R).copy_(t.narrow(-1, R, D - R));
-  return out;
-}
-at::Tensor interleave_dims(const at::Tensor& t, int64_t R) {  // P^T t
-  at::Tensor out = checks::rope_out_like(t);
-  const int64_t h = R / 2, D = t.size(-1);
-  out.slice(-1, 0, R, 2).copy_(t.narrow(-1, 0, h));
-  out.slice(-1, 1, R, 2).copy_(t.narrow(-1, h, h));
+  for (int64_t parity = 0; parity < 2; ++parity) {  // even dims <-> first half, odd <-> second
+    auto interleaved = [&](const at::Tensor& u) { return u.slice(-1, parity, R, 2); };
+    auto half = [&](const at::Tensor& u) { return u.narrow(-1, parity * h, h); };
+    if (to_half_split) half(out).copy_(interleaved(t));
+    else interleaved(out).copy_(half(t));
+  }
   if (R < D) out.narrow(-1, R, D - R).copy_(t.narrow(-1, R, D - R));
   return out;
 }
@@ -608,8 +605,7 @@ std::tuple<at::Tensor, at::Tensor> rope_pair(const at::Tensor& q, const at::Tens
   if (interleaved) {
     const int64_t R = cos.size(-1);
     auto map = [R](const at::Tensor& t, bool to_half_split) {
-      if (!t.defined()) return t;
-      return to_half_split ? half_split_dims(t, R) : interleave_dims(t, R);
+      return t.defined() ? permute_rotary_dims(t, R, to_half_split) : t;
     };
     auto [qr, kr] = rope_pair(map(q, true), map(k, true), cos, sin, backward, false);
     return {map(qr, false), map(kr, false)};

@@ -794,10 +794,10 @@ def test_family_rounding_is_the_hf_norms(family):
     fused op computes it, with the family's norm_offset and norm_cast_last, equals HF's norm
     module bit for bit in bf16; the other cast order differs (so the comparison can fail)."""
     from ckpt_ext.hf.families import FAMILIES as MAP
-    from ckpt_ext.hf.patch import _norms
+    from ckpt_ext.hf.families import layer_norms
     model = make_model(family, "sdpa").to(torch.bfloat16)
     fam = MAP[MODEL_TYPE.get(family, family)]
-    norms = {**_norms(model.model.layers[0], fam), "norm": model.model.norm}
+    norms = {**layer_norms(model.model.layers[0], fam), "norm": model.model.norm}
     g = torch.Generator().manual_seed(7)
     other_differs = False
     for name, norm in norms.items():

@@ -35,6 +35,11 @@ class Family(NamedTuple):
     rope_interleaved: bool = False
     qk_norms: Tuple[str, str] = ("q_norm", "k_norm")  # self_attn's q/k norm modules, if any
     qk_norm_after_rope: bool = False
+    # a model with a sliding window applies no RoPE on its full-attention layers (EXAONE 4.0)
+    full_layers_nope: bool = False
+    # the config flag that, when False, leaves the output norms out (nn.Identity in their
+    # place: HyperCLOVA X's use_post_norm)
+    output_norms_flag: Optional[str] = None
 
     @property
     def modules(self) -> frozenset:
@@ -62,7 +67,7 @@ VAULTGEMMA = Family({"input_layernorm": "input_layernorm",
                     norm_offset=1.0, norm_cast_last=True)
 # EXAONE 4.0: OLMo-2's post-norms with LLaMA's rounding (cast, then w), per-head q/k norms; a
 # hybrid model's full-attention layers apply no RoPE (uses_rope)
-EXAONE4 = Family(OLMO2.norms)
+EXAONE4 = Family(OLMO2.norms, full_layers_nope=True)
 # GLM (glm-4-9b), Helium and ERNIE 4.5: LLaMA's layout, RoPE on interleaved pairs (GLM's
 # partial: the first half of each head; ERNIE's tables stay float32); Helium's norms apply w
 # in float32 and cast last
@@ -72,7 +77,7 @@ HELIUM = Family(LLAMA.norms, norm_cast_last=True, rope_interleaved=True)
 # norms are nn.Identity, no norm, when the config's use_post_norm is off); Granite's multipliers
 HYPERCLOVAX = Family({"input_layernorm": "input_layernorm", "attention_output_norm": "post_norm1",
                       "post_attention_layernorm": "post_attention_layernorm",
-                      "mlp_output_norm": "post_norm2"})
+                      "mlp_output_norm": "post_norm2"}, output_norms_flag="use_post_norm")
 # Hunyuan (dense): LLaMA's layout, per-head q/k norms (their own names) of the rotated q/k
 HUNYUAN = Family(LLAMA.norms, qk_norms=("query_layernorm", "key_layernorm"),
                  qk_norm_after_rope=True)
@@ -126,20 +131,31 @@ def text_positions(model_type: str, position_ids):
     return None
 
 
-def uses_rope(config, layer_idx: Optional[int]) -> bool:
+def uses_rope(config, family: Family, layer_idx: Optional[int]) -> bool:
     """Whether decoder layer ``layer_idx`` rotates q and k, as its attention's forward decides:
-    not where SmolLM3's ``no_rope_layers`` marks 0, nor on a hybrid EXAONE 4.0's full-attention
-    layers (those of a config with a ``sliding_window``: "global NoPE"); True everywhere else
-    (and for a layer whose index is not known)."""
+    not where SmolLM3's ``no_rope_layers`` marks 0, nor on the full-attention layers of a
+    ``family.full_layers_nope`` model with a ``sliding_window`` (EXAONE 4.0's "global NoPE");
+    True everywhere else (and for a layer whose index is not known)."""
     if layer_idx is None:
         return True
     flags = getattr(config, "no_rope_layers", None)
     if flags is not None:
         return bool(flags[layer_idx])
-    if getattr(config, "model_type", None) == "exaone4" and \
-            getattr(config, "sliding_window", None) is not None:
+    if family.full_layers_nope and getattr(config, "sliding_window", None) is not None:
         return config.layer_types[layer_idx] == "sliding_attention"
     return True
+
+
+def layer_norms(layer: nn.Module, family: Family) -> dict:
+    """The layer's norms by the op's slot (without ``.weight``): the family's map, then q/k
+    norms where the attention has them (``family.qk_norms``: their module names). An
+    nn.Identity in a norm's place (HyperCLOVA X without use_post_norm) is no norm."""
+    attn = layer._modules["self_attn"]
+    norms = {slot: layer._modules.get(name) for slot, name in family.norms.items()}
+    norms.update({f"self_attn.{slot}": attn._modules.get(name)
+                  for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)})
+    return {name: norm for name, norm in norms.items()
+            if norm is not None and type(norm) is not nn.Identity}
 
 
 # mlp.act_fn classes -> the op's activation (tanh-approximate GELUs are one function)

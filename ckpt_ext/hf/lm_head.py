@@ -65,20 +65,13 @@ def _plain_head(config) -> Tuple[Optional[str], float, float]:
     return None, 1.0, 0.0
 
 
-def _granite_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h) / config.logits_scaling (GraniteForCausalLM)."""
+def _scaled_head(config, divide: bool) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) / config.logits_scaling (``divide``: GraniteForCausalLM) or
+    lm_head(h) * config.logits_scaling (HyperCLOVAXForCausalLM, as muP)."""
     scaling = getattr(config, "logits_scaling", 1.0)
     if not _positive_number(scaling):
         return (f"config.logits_scaling={scaling!r} is not a finite number > 0", 1.0, 0.0)
-    return None, 1.0 / float(scaling), 0.0
-
-
-def _multiplied_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h) * config.logits_scaling (HyperCLOVAXForCausalLM)."""
-    scaling = getattr(config, "logits_scaling", 1.0)
-    if not _positive_number(scaling):
-        return (f"config.logits_scaling={scaling!r} is not a finite number > 0", 1.0, 0.0)
-    return None, float(scaling), 0.0
+    return None, (1.0 / float(scaling) if divide else float(scaling)), 0.0
 
 
 def _softcapped_head(config) -> Tuple[Optional[str], float, float]:
@@ -116,7 +109,8 @@ _HEAD_RULES = {
     "Exaone4ForCausalLM": _plain_head, "GlmForCausalLM": _plain_head,
     "Glm4ForCausalLM": _plain_head, "HeliumForCausalLM": _plain_head,
     "Ernie4_5ForCausalLM": _plain_head, "HunYuanDenseV1ForCausalLM": _plain_head,
-    "GraniteForCausalLM": _granite_head, "HyperCLOVAXForCausalLM": _multiplied_head,
+    "GraniteForCausalLM": functools.partial(_scaled_head, divide=True),
+    "HyperCLOVAXForCausalLM": functools.partial(_scaled_head, divide=False),
     "CwmForCausalLM": _plain_head,
     "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
     "VaultGemmaForCausalLM": _softcapped_head,

@@ -89,8 +89,8 @@ from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
 from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
-from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, norm_eps,
-                       text_positions, uses_rope)
+from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, layer_norms,
+                       norm_eps, text_positions, uses_rope)
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 
@@ -256,7 +256,7 @@ def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
             proj = read_projection(layer._modules[parent]._modules[name], layer.training)
             if isinstance(proj, str):
                 return f"{path} is {proj}"
-    for name, norm in _norms(layer, family).items():
+    for name, norm in layer_norms(layer, family).items():
         if (not type(norm).__name__.endswith("RMSNorm") or norm_eps(norm) is None
                 or set(dict(norm.named_parameters())) != {"weight"}):
             return f"{name} is a {type(norm).__name__}, not the family's RMSNorm"
@@ -370,20 +370,8 @@ def _capture_inert() -> bool:
     return not (active and "attentions" in active)
 
 
-def _norms(layer: nn.Module, family: Family) -> dict:
-    """The layer's norms by the op's slot (without ``.weight``): the family's map, then q/k
-    norms where the attention has them (``family.qk_norms``: their module names)."""
-    attn = layer._modules["self_attn"]
-    norms = {slot: layer._modules.get(name) for slot, name in family.norms.items()}
-    norms.update({f"self_attn.{slot}": attn._modules.get(name)
-                  for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)})
-    # an nn.Identity in a norm's place (HyperCLOVA X without use_post_norm) is no norm
-    return {name: norm for name, norm in norms.items()
-            if norm is not None and type(norm) is not nn.Identity}
-
-
 def _eps(layer: nn.Module, family: Family) -> float:
-    values = {name: norm_eps(norm) for name, norm in _norms(layer, family).items()}
+    values = {name: norm_eps(norm) for name, norm in layer_norms(layer, family).items()}
     if len(set(values.values())) != 1:
         raise ValueError(f"the norms have different eps {values}; the fused op takes one eps "
                          "for all of them")
@@ -406,7 +394,7 @@ class _LayerSpec:
         self.softcap = float(getattr(attn, "attn_logit_softcapping", None) or 0.0)
         self.eps = _eps(layer, self.family)
         self.window = _layer_window(config, layer)
-        self.rope = _layer_uses_rope(config, layer)
+        self.rope = uses_rope(config, self.family, getattr(attn, "layer_idx", None))
         # Granite multiplies each sublayer's output before the residual add
         self.residual_scale = float(getattr(layer, "residual_multiplier", 1.0))
         # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
@@ -447,12 +435,6 @@ def _layer_window(config, layer: nn.Module) -> Optional[int]:
         return int(window)
     idx = getattr(layer.self_attn, "layer_idx", None)
     return int(window) if idx is not None and types[idx] == "sliding_attention" else None
-
-
-def _layer_uses_rope(config, layer: nn.Module) -> bool:
-    """Whether the layer's attention applies the rotary embedding (``families.uses_rope``:
-    not SmolLM3's ``no_rope_layers``, nor a hybrid EXAONE 4.0's full-attention layers)."""
-    return uses_rope(config, getattr(layer.self_attn, "layer_idx", None))
 
 
 def _no_rope_tables(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
@@ -860,7 +842,7 @@ def _layer_tensors(layer: nn.Module, family: Family, fused: Optional[dict] = Non
     projections' row blocks, ``_LayerSpec.fused``), or why a projection cannot be fused (its
     adapters are read here, once per call). The lists are empty without adapters / without
     dropout / without fused projections' dropout."""
-    named = {f"{slot}.weight": norm.weight for slot, norm in _norms(layer, family).items()}
+    named = {f"{slot}.weight": norm.weight for slot, norm in layer_norms(layer, family).items()}
     scaling, dropout, lora = [], [], False
     fused = fused or {}
     read = read_layer_projections(layer, layer.training, PROJECTIONS, fused)
