@@ -61,6 +61,14 @@ def _absent(t):
     return t is None or (t.dim() == 1 and t.numel() == 0)
 
 
+def _check_bool(op, name, x, allow_none=False):
+    """``x`` is True or False (or None where ``allow_none``): a flag is never read by
+    truthiness, so None, 0 or "no" cannot pass for a setting they do not name."""
+    if not (isinstance(x, bool) or (allow_none and x is None)):
+        allowed = "None, True or False" if allow_none else "a bool (True or False)"
+        raise TypeError(f"{op}: {name} must be {allowed}, got {type(x).__name__} {x!r}")
+
+
 def _check_positive_finite(op, name, x):
     if not math.isfinite(x) or x <= 0:
         raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
@@ -331,9 +339,7 @@ def _check_norm_rounding(op, offset, cast_last, names=("norm_offset", "norm_cast
             or not math.isfinite(offset):
         raise TypeError(f"{op}: {names[0]} must be a finite number (Gemma: 1.0), got "
                         f"{offset!r}")
-    if not isinstance(cast_last, bool):
-        raise TypeError(f"{op}: {names[1]} must be a bool, got {type(cast_last).__name__} "
-                        f"{cast_last!r}")
+    _check_bool(op, names[1], cast_last)
 
 
 def _check_lce_stat(op, name, t, hidden, T):

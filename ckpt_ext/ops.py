@@ -35,7 +35,8 @@ from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _
                       _check_seed, _check_row_offset, _check_activation, _check_dropout_streams,
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
-                      _check_lce_bwd, _check_lce_transform, _check_norm_rounding)
+                      _check_lce_bwd, _check_lce_transform, _check_norm_rounding,
+                      _check_bool)
 from ._normed_head import norm_rows, normed_loss_per_token
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
@@ -401,9 +402,8 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     if window is not None and window <= 0:
         raise ValueError(f"attention: window must be > 0 (key j is visible from query i iff "
                          f"i - window < j <= i), got {window}")
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise TypeError(f"attention: deterministic must be None, True or False, got "
-                        f"{type(deterministic).__name__}")
+    _check_bool("attention", "causal", causal)
+    _check_bool("attention", "deterministic", deterministic, allow_none=True)
     if deterministic is not None and torch.compiler.is_compiling():
         raise NotImplementedError(
             "attention: deterministic= is not supported under torch.compile (the compiled "
@@ -416,7 +416,7 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     if isinstance(q_offset, bool) or not isinstance(q_offset, int):
         raise TypeError(f"attention: q_offset must be an int, got {type(q_offset).__name__}")
     _check_softcap("attention", float(softcap))
-    args = (q, k, v, key_padding_mask, segment_ids, window, bool(causal), float(scale), q_offset,
+    args = (q, k, v, key_padding_mask, segment_ids, window, causal, float(scale), q_offset,
             float(softcap))
     if deterministic is None:
         out, _ = _ops.attention_fwd(*args)

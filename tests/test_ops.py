@@ -1375,3 +1375,12 @@ def test_attention_bad_window(window, exc, match):
     q, k, v, _ = attn_inputs(1, 2, 2, 5, 8)
     with pytest.raises(exc, match=match):
         ops.attention(q, k, v, window=window)
+
+
+@pytest.mark.parametrize("causal", [None, 0, 1, "yes", torch.tensor(True)])
+def test_attention_causal_must_be_a_bool(causal):
+    """Only True and False name a masking rule: None (which SDPA refuses) ran non-causal."""
+    q, k, v, _ = attn_inputs(1, 2, 2, 5, 8)
+    with pytest.raises(TypeError, match="attention: causal must be a bool \\(True or False\\), "
+                                        "got"):
+        ops.attention(q, k, v, causal=causal)
