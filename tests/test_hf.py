@@ -20,7 +20,8 @@ transformers = pytest.importorskip(
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import ckpt_ext  # noqa: E402
-from hf_fixtures import assert_compiled_replays_eager, padded_batch, tiny_model  # noqa: E402
+from hf_fixtures import (B, EAGER_ONLY, FAMILIES, MODEL_TYPE, S, TINY,  # noqa: E402
+                         assert_compiled_replays_eager, make_batch, make_model)
 from ckpt_ext.hf.masks import padding_mask_from_4d as _padding_mask_from  # noqa: E402
 from ckpt_ext.hf.patch import patch_llama as _patch_llama, unpatch_llama  # noqa: E402
 
@@ -31,94 +32,8 @@ def patch_llama(model, *args, **kwargs):
     kwargs.setdefault("fuse_lm_head", False)
     return _patch_llama(model, *args, **kwargs)
 
-TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=172, vocab_size=128, pad_token_id=0,
-            rms_norm_eps=1e-5)
-# Llama with every bias it can have (o_proj included); Qwen2 has q/k/v biases and an o_proj
-# without; Qwen3 has q_norm/k_norm; Mistral's default sliding window (4096) is longer than S;
-# Ministral interleaves sliding and full layers, here with a window shorter than S; SmolLM3's
-# middle layer applies no RoPE; Granite scales residual branches, scores and embeddings; OLMo-2
-# norms each sublayer's output instead of its input, and q/k over the whole projection; OLMo-3
-# adds interleaved sliding windows; Gemma multiplies its norms by (1 + w) and gates with
-# GELU-tanh; Gemma 3 adds norms after both sublayers, per-head q/k norms, its own attention
-# scale and a local RoPE on its sliding layers; Phi-3 fuses q/k/v into qkv_proj and gate/up
-# into gate_up_proj, and phi3_partial (Phi-4-mini's partial_rotary_factor) rotates only the
-# first half of each head, and phi3_longrope (Phi-3-128k's LongRoPE, S past its original 8
-# positions: the long factors and a cos/sin scale of sqrt(2)) rescales the rotary frequencies;
-# Gemma 2 soft-caps its attention scores (eager attention only); EXAONE 4.0 norms each
-# sublayer's output (LLaMA's rounding) and q/k per head, and a hybrid one (a sliding window)
-# applies no RoPE on its full-attention layers (exaone4; exaone4_global: no window, RoPE on
-# every layer); GLM, GLM-4 and Helium rotate interleaved pairs (GLM: the first half of each
-# head, glm_full_rotary all of it), GLM-4 norms both sublayers' inputs and outputs, and
-# GLM's MLP is one gate_up_proj; ERNIE 4.5 rotates interleaved pairs too, from float32
-# tables, with biases on every projection; Hunyuan norms q and k per head after RoPE;
-# HyperCLOVA X norms both sublayers' inputs and outputs (Peri-LN; without use_post_norm its
-# output norms are nn.Identity) with Granite's multipliers; CWM interleaves sliding layers;
-# VaultGemma is Gemma 2 without its output norms.
-FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": {}, "qwen2": {},
-            "qwen3": {}, "ministral": dict(sliding_window=6, layer_types=[
-                "sliding_attention", "full_attention", "sliding_attention"]),
-            "smollm3": dict(no_rope_layers=[1, 0, 1]),
-            "granite": dict(residual_multiplier=0.6, attention_multiplier=0.2,
-                            embedding_multiplier=3.0, logits_scaling=1.0),
-            "olmo2": {}, "olmo3": dict(sliding_window=6, layer_types=[
-                "sliding_attention", "full_attention", "sliding_attention"]),
-            "gemma": {}, "gemma3_text": dict(query_pre_attn_scalar=24, sliding_window=6,
-                                             layer_types=["sliding_attention", "full_attention",
-                                                          "sliding_attention"]),
-            "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                           final_logit_softcapping=3.0, sliding_window=6,
-                           layer_types=["sliding_attention", "full_attention",
-                                        "sliding_attention"]),
-            "phi3": {},
-            "phi3_partial": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                      partial_rotary_factor=0.5)),
-            "phi3_longrope": dict(max_position_embeddings=64, original_max_position_embeddings=8,
-                                  rope_parameters=dict(
-                                      rope_type="longrope", rope_theta=10000.0,
-                                      original_max_position_embeddings=8,
-                                      short_factor=[1.0 + 0.1 * i for i in range(8)],
-                                      long_factor=[1.5 + 0.2 * i for i in range(8)])),
-            "exaone4": dict(sliding_window=6, layer_types=[
-                "sliding_attention", "full_attention", "sliding_attention"]),
-            "exaone4_global": dict(sliding_window=None, layer_types=["full_attention"] * 3),
-            "glm": {}, "glm4": {}, "helium": dict(attention_bias=True, mlp_bias=True),
-            "glm_full_rotary": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                         partial_rotary_factor=1.0)),
-            "ernie4_5": dict(use_bias=True),
-            "hunyuan_v1_dense": dict(attention_bias=True),
-            "hyperclovax": dict(residual_multiplier=0.6, attention_multiplier=0.2,
-                                embedding_multiplier=3.0, logits_scaling=0.5),
-            "hyperclovax_no_post_norm": dict(use_post_norm=False, residual_multiplier=0.6),
-            "cwm": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention",
-                                                       "sliding_attention"]),
-            "vaultgemma": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                               final_logit_softcapping=3.0, sliding_window=6,
-                               layer_types=["sliding_attention", "full_attention",
-                                            "sliding_attention"])}
-# transformers runs these with eager attention only (Gemma 2: its soft-capping); make_model
-# builds them eager whatever impl is asked.
-EAGER_ONLY = {"gemma2", "vaultgemma"}
-# The model_type of a FAMILIES entry that is a variant of another family.
-MODEL_TYPE = {"phi3_partial": "phi3", "phi3_longrope": "phi3", "exaone4_global": "exaone4",
-              "glm_full_rotary": "glm", "hyperclovax_no_post_norm": "hyperclovax"}
 TOL = dict(rtol=1e-4, atol=1e-5)
 STRICT = dict(rtol=1e-5, atol=1e-6)  # packed, windowed and eager-padding parity
-B, S, PAD = 2, 17, 5
-
-
-def make_model(family="llama", impl="sdpa", cls=AutoModelForCausalLM, seed=0, **overrides):
-    return tiny_model(MODEL_TYPE.get(family, family), {**TINY, **FAMILIES[family], **overrides},
-                      impl="eager" if family in EAGER_ONLY else impl, cls=cls, seed=seed,
-                      perturb=True)
-
-
-def make_batch(pad: bool, seed=1, s=S):
-    if not pad:
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(1, TINY["vocab_size"], (B, s), generator=g)
-        return ids, None, ids.clone()
-    return padded_batch(TINY["vocab_size"], B, s, pad=PAD, seed=seed)
 
 
 def run(model, ids, mask, labels, **kwargs):

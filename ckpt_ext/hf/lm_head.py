@@ -4,7 +4,8 @@ In a training forward (grad enabled, ``labels`` given, no KV cache, all position
 patched forward runs the bare model, then ``ckpt_ext.ops.linear_cross_entropy`` on its last
 hidden state with HF's label shift (or the ``shift_labels`` given), ``ignore_index`` and
 ``num_items_in_batch`` (a tensor stays a tensor: no host sync). It returns HF's
-``CausalLMOutputWithPast`` with ``logits=None``: the ``(B, S, V)`` logits are never formed.
+``CausalLMOutputWithPast`` with ``logits=None``: the ``(B, S, V)`` logits are never formed
+(with ``return_dict=False``, HF's tuple of the fields that are not None: the loss first).
 Every other call (eval, generate, no labels, ``logits_to_keep``, a head or loss the op does
 not compute) runs HF's forward and returns logits as before. TRL's own fused head calls the
 bare model and its own head, so it keeps working, with the decoder layers fused underneath.
@@ -39,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from .cache import causal_lm_output, uses_cache
 from .families import Family, norm_eps
 from .zero import gathered_for_head, raw_parameter
 
@@ -255,8 +257,7 @@ class FusedHeadForward:
     def __call__(self, *args, **kwargs):
         kwargs.update(zip(self.positional, args))
         labels = kwargs.get("labels")
-        fusable = (labels is not None and torch.is_grad_enabled()
-                   and not kwargs.get("use_cache") and kwargs.get("past_key_values") is None
+        fusable = (labels is not None and torch.is_grad_enabled() and not uses_cache(kwargs)
                    and isinstance(kwargs.get("logits_to_keep", 0), int)
                    and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
         if fusable:
@@ -268,14 +269,18 @@ class FusedHeadForward:
         self._count("fused")
         return self._fused(logit_scale=logit_scale, softcap=softcap, **kwargs)
 
-    def _fused(self, labels, logits_to_keep=0, logit_scale=1.0, softcap=0.0, **kwargs):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
+    def _fused(self, labels, logits_to_keep=0, logit_scale=1.0, softcap=0.0, return_dict=None,
+               **kwargs):
+        # return_dict as transformers' can_return_tuple reads it: the argument, else the
+        # config's. The bare model always returns its output object here (it is read by
+        # name); a tuple is made at the end, as HF's forward makes one.
+        if return_dict is None:
+            return_dict = getattr(self.model.config, "return_dict", True)
         num_items = kwargs.get("num_items_in_batch")
         ignore_index = kwargs.get("ignore_index", -100)
         shift_labels = kwargs.get("shift_labels")
         bare = self.model.model
-        outputs = bare(**kwargs)
+        outputs = bare(**kwargs, return_dict=True)
         hidden = outputs.last_hidden_state
         norm = (getattr(self, "owner", None) or bare)._modules.get("norm")
         prenorm = take_prenorm(hidden)
@@ -308,7 +313,7 @@ class FusedHeadForward:
                                             **norm_args)
 
         loss = gathered_for_head([weight, bias], hidden, loss_of)
-        return CausalLMOutputWithPast(loss=loss, logits=None,
-                                      past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states,
-                                      attentions=outputs.attentions)
+        out = causal_lm_output(loss=loss, outputs=outputs)
+        # HF's tuple drops the None fields: with no logits formed, the loss is first and the
+        # fields after it (cache, hidden states, attentions) follow when the call asked for them
+        return out if return_dict else out.to_tuple()

@@ -88,6 +88,7 @@ from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
+from .cache import uses_cache
 from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
 from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, layer_norms,
                        norm_eps, text_positions, uses_rope)
@@ -642,8 +643,8 @@ class _Shared:
                     extra.pop(key, None)
 
 
-_CACHE = ("use_cache=True or past_key_values was given: the KV cache must be filled, so HF's "
-          "forward runs. transformers defaults to use_cache=True even for training forwards: "
+_CACHE = ("use_cache=True or a KV cache (cache= / past_key_values=) was given: the cache must "
+          "be filled, so HF's forward runs. transformers defaults to use_cache=True even for training forwards: "
           "pass use_cache=False to the model, or set model.config.use_cache = False (a "
           "multimodal model's: model.config.text_config.use_cache)")
 _HF_GC_DEFAULT = ("HF gradient checkpointing is enabled: fused layers with the default policy "
@@ -692,7 +693,7 @@ class _PatchedForward:
             kwargs.update(zip(self.positional, args))
         if not torch.is_grad_enabled():
             return self._delegate("grad is disabled (inference)", hidden_states, kwargs)
-        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+        if uses_cache(kwargs):
             return self._delegate(_CACHE, hidden_states, kwargs, warn=self.layer.training)
         hf_checkpointing = self.layer.training and bool(
             getattr(self.layer, "gradient_checkpointing", False))
