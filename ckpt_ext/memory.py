@@ -2,6 +2,7 @@
 held for backward) and ``peak_memory_bytes`` (the most a call allocates at once)."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterable
 
 import torch
@@ -80,23 +81,79 @@ def _compute_device(fn: Callable, args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cpu")
 
 
+class _CpuMeter:
+    """One CPU measurement's running total and peak of allocated bytes, above its start."""
+
+    def __init__(self):
+        self.total = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.total += nbytes
+        self.peak = max(self.peak, self.total)
+
+
+# The CPU measurements in progress, outermost first. torch.profiler runs one session per
+# process, so nested measurements share it: each inner call ends the session that is running,
+# hands its events to every open measurement, and runs one of its own; when it returns, a new
+# session carries the outer measurements on.
+_open_meters: list = []
+_meter_lock = threading.Lock()
+
+
+def _cpu_session():
+    from torch.profiler import ProfilerActivity, profile
+    session = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    session.start()
+    return session
+
+
+def _close_session(session) -> None:
+    """Stop ``session`` and add its CPU memory events, in time order, to every open meter."""
+    session.stop()
+    events = [(e.start_ns(), i, e.nbytes())
+              for i, e in enumerate(session.profiler.kineto_results.events())
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    for _, _, nbytes in sorted(events):
+        for meter in _open_meters:
+            meter.add(nbytes)
+
+
+_session = None  # the profiler session of the open meters (None when there are none)
+
+
 def _cpu_peak(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, int]:
     """(fn's result, peak CPU bytes above the start), from the CPU allocator's reports that
     ``torch.profiler`` records as memory events: each allocation and free, in time order,
     moves a running total, whose maximum is the peak. Memory freed that was allocated before
-    the call counts as negative."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    the call counts as negative. Calls nest (see ``_open_meters``); a profiler that someone
+    else started is left running and the call is refused (it would have to end that one)."""
+    global _session
+    with _meter_lock:
+        if _session is None and torch.autograd._profiler_enabled():
+            raise RuntimeError(
+                "peak_memory_bytes: a torch profiler is already running in this process; on "
+                "the CPU the peak is read from a profiler session of its own, which would end "
+                "yours. Measure outside your profiler (or read the memory events of your own "
+                "profile with profile_memory=True)")
+        if _session is not None:
+            _close_session(_session)
+        meter = _CpuMeter()
+        _open_meters.append(meter)
+        _session = _cpu_session()
+    try:
         out = fn(*args, **kwargs)
-    events = [(e.start_ns(), i, e.nbytes())
-              for i, e in enumerate(prof.profiler.kineto_results.events())
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    total = peak = 0
-    for _, _, nbytes in sorted(events):
-        total += nbytes
-        peak = max(peak, total)
-    return out, peak
+    finally:
+        with _meter_lock:
+            _close_session(_session)
+            _open_meters.remove(meter)
+            _session = _cpu_session() if _open_meters else None
+    return out, meter.peak
+
+
+# The CUDA measurements in progress: [device, highest allocated bytes seen before the last
+# reset of the device's peak]. A nested call resets the peak statistics, so it first folds the
+# peak so far into every open measurement on its device.
+_open_cuda: list = []
 
 
 def _cuda_peak(fn: Callable, args: tuple, kwargs: dict,
@@ -104,11 +161,21 @@ def _cuda_peak(fn: Callable, args: tuple, kwargs: dict,
     """(fn's result, peak bytes of the caching allocator on ``device`` above the start)."""
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
+    with _meter_lock:
+        for entry in _open_cuda:
+            if entry[0] == device:
+                entry[1] = max(entry[1], torch.cuda.max_memory_allocated(device))
+        mine = [device, base]
+        _open_cuda.append(mine)
     # The reset is global to the device: the peak is read relative to `base`, not to zero.
     torch.cuda.reset_peak_memory_stats(device)
-    out = fn(*args, **kwargs)
-    torch.cuda.synchronize(device)
-    return out, max(0, torch.cuda.max_memory_allocated(device) - base)
+    try:
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize(device)
+    finally:
+        with _meter_lock:
+            _open_cuda.remove(mine)
+    return out, max(0, max(mine[1], torch.cuda.max_memory_allocated(device)) - base)
 
 
 def peak_memory_bytes(fn: Callable, *args: Any, **kwargs: Any) -> int:
@@ -129,7 +196,8 @@ def peak_memory_bytes(fn: Callable, *args: Any, **kwargs: Any) -> int:
 
     * CUDA: the caching allocator's statistics: ``torch.cuda.memory_allocated`` before the
       call, ``torch.cuda.reset_peak_memory_stats`` (which resets the device's peak for every
-      other reader too), ``torch.cuda.max_memory_allocated`` after it, less the start.
+      other reader too), ``torch.cuda.max_memory_allocated`` after it, less the start. Calls
+      nest: an inner call's reset keeps the outer call's peak so far.
     * CPU: the CPU allocator's reports of each allocation and free, recorded by
       ``torch.profiler.profile(profile_memory=True)`` around the call, summed in time order.
       The profiler records every operator too, which slows the call down: do not time it.
@@ -137,7 +205,10 @@ def peak_memory_bytes(fn: Callable, *args: Any, **kwargs: Any) -> int:
       The profiler cannot size a block allocated before it started, so on CPU a free of
       memory older than the call is not seen: the peak is then that of the call's own
       allocations, above what CUDA would report (in a training step, where the gradients are
-      cleared before the call, nothing older is freed).
+      cleared before the call, nothing older is freed). Calls nest: a call inside ``fn``
+      measures its own part, and the outer call still sees all of it. A torch profiler
+      that the caller started is left running, and the call raises a RuntimeError instead
+      (the measurement would need a profiler session of its own).
     """
     device = _compute_device(fn, args, kwargs)
     if device.type == "cuda":

@@ -179,3 +179,38 @@ def test_cuda_peak_is_relative_to_the_start():
     peak = ckpt_ext.peak_memory_bytes(frees_first, box, n=held + a)
     # (held + a) rounded up to 512, less held rounded up: a, give or take one rounding
     assert a - 512 < peak < a + 512, (peak, a)
+
+
+def test_nested_peaks_each_see_their_own_part():
+    """A peak_memory_bytes inside the measured function measures its part, and the outer call
+    still sees everything (it returned 0 when the inner call ended the profiler session)."""
+    a, b, c = _fresh_bytes(4), _fresh_bytes(8), _fresh_bytes(4)
+    inner = []
+
+    def part():
+        y = _floats(b)
+        del y
+
+    def fn():
+        x = _floats(a)            # held across the inner measurement
+        inner.append(ckpt_ext.peak_memory_bytes(part))
+        z = _floats(c)            # after it: the outer session must have gone on
+        del x, z
+
+    peak = ckpt_ext.peak_memory_bytes(fn)
+    assert b <= inner[0] <= b + TOL, (inner, b)
+    want = a + max(b, c)
+    assert want <= peak <= want + TOL, (peak, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path is the one that profiles")
+def test_a_running_profiler_of_the_callers_survives_a_refusal():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with pytest.raises(RuntimeError, match="peak_memory_bytes: a torch profiler is already "
+                                               "running"):
+            ckpt_ext.peak_memory_bytes(lambda: _floats(1024))
+        assert torch.autograd._profiler_enabled()
+        torch.mm(torch.ones(3, 3), torch.ones(3, 3))  # recorded by the caller's profiler
+    assert any(e.name == "aten::mm" for e in prof.events())
