@@ -3,6 +3,7 @@ supported family (``hf_fixtures.FAMILIES``), each against the same model unpatch
 
 * a training step on a padded batch (the fused layers and the fused head): loss and gradients;
 * ``return_dict=False`` with labels: HF's tuple, the loss first;
+* ``policy="auto"``, which sizes the layers from their modules;
 * a grad-enabled training-mode forward handed a KV cache (under the keyword this transformers
   version uses, with and without ``use_cache``): the cache is filled in HF's format and length,
   and the next token's logits read from it are HF's;
@@ -77,6 +78,21 @@ def test_padded_training_step_matches_hf(family):
     _, loss_r, grads_r = loss_and_grads(ref.train(), **call)
     out, loss, grads = loss_and_grads(model.train(), **call)
     assert model.forward.calls["fused"] == 1 and out.logits is None  # the fused head ran
+    assert layer_calls(model, "fused") == TINY["num_hidden_layers"]
+    torch.testing.assert_close(loss, loss_r, **TOL)
+    assert_same_grads(grads, grads_r)
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_auto_policy_trains_every_family(family):
+    """policy="auto" reads each layer's dtype and shape from the layer (post-norm families
+    such as OLMo-2 and EXAONE 4.0 have no input norm to read it from)."""
+    ref = make_model(family, "sdpa")
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "auto", activation_budget="1GiB")
+    ids, mask, labels = padded(family)
+    call = dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    _, loss_r, grads_r = loss_and_grads(ref.train(), **call)
+    _, loss, grads = loss_and_grads(model.train(), **call)
     assert layer_calls(model, "fused") == TINY["num_hidden_layers"]
     torch.testing.assert_close(loss, loss_r, **TOL)
     assert_same_grads(grads, grads_r)

@@ -585,7 +585,9 @@ class _Shared:
         x = named.get("inputs_embeds") if x is None else x
         if x is None or x.dim() < 2:
             return None
-        weight = self.layers[0].input_layernorm.weight
+        # Any floating parameter of the first layer gives the dtype and device (post-norm
+        # families such as OLMo-2 and EXAONE 4.0 have no input norm)
+        weight = next(p for p in self.layers[0].parameters() if p.is_floating_point())
         device = weight.device.type
         dtype = weight.dtype
         if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
