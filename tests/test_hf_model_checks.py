@@ -3,7 +3,7 @@ supported family (``hf_fixtures.FAMILIES``), each against the same model unpatch
 
 * a training step on a padded batch (the fused layers and the fused head): loss and gradients;
 * ``return_dict=False`` with labels: HF's tuple, the loss first;
-* ``policy="auto"``, which sizes the layers from their modules;
+* ``policy="auto"``, which sizes the layers from their modules, and a float64 model;
 * a grad-enabled training-mode forward handed a KV cache (under the keyword this transformers
   version uses, with and without ``use_cache``): the cache is filled in HF's format and length,
   and the next token's logits read from it are HF's;
@@ -95,6 +95,23 @@ def test_auto_policy_trains_every_family(family):
     _, loss, grads = loss_and_grads(model.train(), **call)
     assert layer_calls(model, "fused") == TINY["num_hidden_layers"]
     torch.testing.assert_close(loss, loss_r, **TOL)
+    assert_same_grads(grads, grads_r)
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_float64_training_step_matches_hf(family):
+    """A float64 model trains fused (OLMo-2, OLMo-3 and ERNIE 4.5 hand their layers float32
+    rotary tables, which HF's RoPE promotes)."""
+    ref = make_model(family, "sdpa").double()
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref))
+    ids, mask, labels = padded(family)
+    call = dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    _, loss_r, grads_r = loss_and_grads(ref.train(), **call)
+    _, loss, grads = loss_and_grads(model.train(), **call)
+    assert layer_calls(model, "fused") == TINY["num_hidden_layers"]
+    # HF's loss function casts the logits with .float(): its loss is float32; the fused head
+    # keeps float64
+    torch.testing.assert_close(loss, loss_r.double(), **TOL)
     assert_same_grads(grads, grads_r)
 
 

@@ -446,6 +446,16 @@ def _no_rope_tables(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
     return one.expand(cos.shape), torch.zeros_like(one).expand(sin.shape)
 
 
+def _tables_for(x: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
+    """The rotary tables as the op takes them for ``x``. OLMo-2, OLMo-3 and ERNIE 4.5 hand
+    their layers float32 tables whatever the model's dtype; for a float64 model HF's RoPE
+    promotes them to float64 (exactly), so they are widened here. (A float16/bfloat16 input
+    takes float32 tables as they are: the op's RoPE computes in float32.)"""
+    if x.dtype == torch.float64 and cos.dtype != x.dtype:
+        return cos.to(x.dtype), sin.to(x.dtype)
+    return cos, sin
+
+
 def _window(spec: "_LayerSpec", x: Tensor) -> Optional[int]:
     """The layer's window for this call (None when it covers the whole sequence)."""
     return spec.window if spec.window is not None and spec.window < x.shape[1] else None
@@ -813,7 +823,7 @@ class _PatchedForward:
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list, streams: list) -> Tensor:
         spec = self.spec
-        cos, sin = position_embeddings
+        cos, sin = _tables_for(x, *position_embeddings)
         if not spec.rope:
             cos, sin = _no_rope_tables(cos, sin)
         window = _window(spec, x)
