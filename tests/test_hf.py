@@ -183,6 +183,29 @@ def test_isinstance_state_dict_and_unpatch():
     assert [layer.forward.preset for layer in model.model.layers] == ["min_memory"] * 3
 
 
+@pytest.mark.parametrize("policy", ["none", "balanced"])
+def test_patch_unpatch_cycles_leave_no_hook_behind(policy):
+    """policy="none" fuses no layer but installs the model's pre-hook all the same: unpatching
+    must remove it (one more hook per cycle was left, and unpatched layers kept receiving the
+    hook's keyword)."""
+    model = make_model("llama", "sdpa")
+    bare = model.model
+    before = (len(bare._forward_pre_hooks), len(bare._forward_hooks))
+    seen = []
+    layer = model.model.layers[0]
+    layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(sorted(kwargs)),
+                                     with_kwargs=True)
+    for _ in range(3):
+        patch_llama(model, policy)
+        assert len(bare._forward_pre_hooks) == before[0] + 1
+        unpatch_llama(model)
+    assert (len(bare._forward_pre_hooks), len(bare._forward_hooks)) == before
+    ids, mask, labels = make_batch(pad=True)
+    seen.clear()
+    run(model, ids, mask, labels)
+    assert seen and not any("ckpt_ext_forward" in kw for kw in seen), seen
+
+
 def test_hooks_hidden_states_and_attentions():
     ref_model = make_model("llama", "eager")
     model = patch_llama(copy.deepcopy(ref_model), "balanced")

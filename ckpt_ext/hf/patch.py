@@ -642,14 +642,17 @@ class _Shared:
     def install(self) -> None:
         self.hook_owner.register_forward_pre_hook(self.before_model, with_kwargs=True)
 
-    def remove(self) -> None:
-        """Remove this object's hooks from the bare model (found by owner, so that this also
-        works in a deepcopy or unpickled copy of a patched model)."""
-        owner = self.hook_owner
-        for hooks, extras in ((owner._forward_pre_hooks, (owner._forward_pre_hooks_with_kwargs,)),
-                              (owner._forward_hooks, (owner._forward_hooks_with_kwargs,
-                                                      owner._forward_hooks_always_called))):
-            for key in [k for k, h in hooks.items() if getattr(h, "__self__", None) is self]:
+    @staticmethod
+    def remove_from(module: nn.Module) -> None:
+        """Remove every hook of a ``_Shared`` from ``module`` (found by the hook's owner, so
+        that this also works in a deepcopy or unpickled copy of a patched model, and after a
+        patch that fused no layer: policy="none" installs the hook all the same)."""
+        for hooks, extras in ((module._forward_pre_hooks,
+                               (module._forward_pre_hooks_with_kwargs,)),
+                              (module._forward_hooks, (module._forward_hooks_with_kwargs,
+                                                       module._forward_hooks_always_called))):
+            for key in [k for k, h in hooks.items()
+                        if isinstance(getattr(h, "__self__", None), _Shared)]:
                 del hooks[key]
                 for extra in extras:
                     extra.pop(key, None)
@@ -976,8 +979,9 @@ def unpatch_llama(model: nn.Module) -> nn.Module:
     """Undo ``patch_llama``: every layer gets HF's forward back. Returns ``model``; a model
     that is not patched is unchanged."""
     owner, layers = _decoder_layers(model)
+    for module in {id(m): m for m in (owner, _mask_owner(model, owner))}.values():
+        _Shared.remove_from(module)
     for patched in _patched(layers):
-        patched.shared.remove()
         del patched.layer.__dict__["forward"]
         call = patched.layer.__dict__.get("_gradient_checkpointing_func")
         if isinstance(call, _CallThrough):
