@@ -2,11 +2,11 @@
 
 Three markers, HTML comments that Markdown and mkdocs leave out of the rendered page:
 
-``<!-- src FILE :: REGEX -->FIGURE`` (optionally ``:: KiB``, ``:: MiB`` or ``:: GiB`` after the
-    regex): FILE is a path under bench/results/; REGEX (Python ``re``, multiline) must match
+``<!-- src FILE :: REGEX -->FIGURE`` (optionally a unit after the regex, ``:: KiB``, ``:: MiB``,
+    ``:: GiB``, ``:: ms`` or ``:: us``): FILE is a path under bench/results/; REGEX (Python ``re``, multiline) must match
     FILE exactly once, and its first group is the value. The figure is the first number after
-    the marker (``**`` or spaces may sit between). With a unit, the value is bytes and is
-    divided by 1024, 1024**2 or 1024**3. The value, rounded to as many decimals as the figure
+    the marker (``**`` or spaces may sit between). With a unit, the value is bytes divided by
+    1024, 1024**2 or 1024**3, or seconds shown in ms or us. The value, rounded to as many decimals as the figure
     shows, must equal the figure (thousands separators ignored).
 ``<!-- src-table FILE -->`` on the line before a Markdown table or a fenced code block: every
     line of that block must be a line of FILE (ends stripped). A table may quote some rows.
@@ -36,7 +36,7 @@ def doc_files():
 
 MARKER = re.compile(r"<!--\s*(src-table|src|calc)\s+(.*?)\s*-->", re.S)
 FIGURE = re.compile(r"[\s*~]*(-?\d[\d,]*(?:\.\d+)?)")
-UNITS = {"KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
+UNITS = {"KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3, "ms": 1e-3, "us": 1e-6}
 # A number with a unit that says "measured" (memory, time, a ratio, a rate).
 MEASURED = re.compile(
     r"(?<![\w.,/-])(\d[\d,]*(?:\.\d+)?)(?:\s?(?:KiB/token|KiB|MiB|GiB|TiB|TFLOP/s|ms|us)\b"
