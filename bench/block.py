@@ -19,7 +19,7 @@ Rows, all measured in one run on the same weights and inputs:
   P = 0; with P > 0 the two draw different masks and the column says ``nan``.
 
 For each row: saved bytes (``ckpt_ext.saved_activation_bytes``) and, for the fused presets and
-``torch``, the README formula; the peak memory a forward+backward step allocates above what
+``torch``, the preset's formula (docs/presets.md); the peak memory a forward+backward step allocates above what
 was resident before it (``ckpt_ext.peak_memory_bytes``: the CUDA allocator's statistics, on CPU
 the profiler's memory events, in an untimed step of its own); the step time as a ratio to
 ``none`` and to ``torch`` (median of interleaved repetitions, so that drift in the machine's

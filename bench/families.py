@@ -8,7 +8,7 @@ All models share one shape (hidden 128, 2 layers, 4 heads / 2 KV heads of 32, in
 makes it itself (Gemma's sandwich norms and GeGLU, OLMo-2's post-norms, Phi-3's fused
 projections, SmolLM3's layers without RoPE, ...) at its transformers defaults, with the
 windows and multipliers below. The peak is ckpt_ext.peak_memory_bytes of a training step
-after a first one. CPU, a minute: python bench/families.py (prints the README table)."""
+after a first one. CPU, a minute: python bench/families.py (prints the table in docs/results.md)."""
 import argparse
 import copy
 import warnings

@@ -2,7 +2,7 @@
 with: fp32, autocast (fp32 master weights), HF gradient checkpointing, torch.compile, PEFT LoRA
 (with and without lora_dropout), packed sequences; unpatched vs patched presets. The peak is
 ckpt_ext.peak_memory_bytes of a training step after a first one (its gradients present).
-CPU, seconds to run: python bench/training_setups.py (prints the README table)."""
+CPU, a minute: python bench/training_setups.py (prints the table in docs/hf.md; bench/results/training_setups_cpu.txt)."""
 import copy, torch, warnings
 warnings.simplefilter("ignore")
 import ckpt_ext
