@@ -17,7 +17,7 @@ preset         saved for backward (per layer)                  recomputed in bac
 =============  ==============================================  ==================================
 
 ``saved_bytes`` gives the exact count ``saved_activation_bytes`` measures for one fused or
-``torch`` layer; ``README.md`` carries the same formulas.
+``torch`` layer; ``README.md`` and ``docs/presets.md`` carry the same formulas.
 """
 from __future__ import annotations
 

@@ -906,7 +906,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     is kept in host memory and prefetched back one layer ahead in backward
     (``ckpt_ext.offload``; one pool per model); ``offload_limit`` (bytes or "64GiB") caps the
     host bytes, past it the remaining layers keep their tensors on the device. With
-    ``policy="auto"`` and offload every layer takes ``min_memory`` (see the README).
+    ``policy="auto"`` and offload every layer takes ``min_memory`` (see docs/offload.md).
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""
