@@ -69,6 +69,20 @@ def _check_bool(op, name, x, allow_none=False):
         raise TypeError(f"{op}: {name} must be {allowed}, got {type(x).__name__} {x!r}")
 
 
+def _check_number(op, name, x):
+    """``x`` is a real number (not a bool, not None): a number argument is never read by
+    coercion, so True cannot pass for 1.0."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a number, got {type(x).__name__} {x!r}")
+
+
+def _check_eps(op, name, eps):
+    """An RMSNorm's eps: a finite number >= 0."""
+    _check_number(op, name, eps)
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{op}: {name} must be a finite number >= 0, got {eps}")
+
+
 def _check_positive_finite(op, name, x):
     if not math.isfinite(x) or x <= 0:
         raise ValueError(f"{op}: {name} must be a finite number > 0, got {x}")
@@ -324,8 +338,7 @@ def _check_lce(op, hidden, weight, bias, labels, logit_scale=1.0, softcap=0.0):
 def _check_lce_transform(op, logit_scale, softcap):
     """logit_scale a finite number > 0; softcap a finite number >= 0 (0: no cap)."""
     for name, x in (("logit_scale", logit_scale), ("softcap", softcap)):
-        if isinstance(x, bool) or not isinstance(x, numbers.Real):
-            raise TypeError(f"{op}: {name} must be a number, got {type(x).__name__} {x!r}")
+        _check_number(op, name, x)
     _check_positive_finite(op, "logit_scale", logit_scale)
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"{op}: softcap must be a finite number > 0 (or 0: no cap), got "

@@ -36,7 +36,7 @@ from ._checks import (_dtype, _check_floating, _check_shape, _check_device_as, _
                       _check_rms, _check_rope, _rope_out_like, _stat_dtype, _check_lce,
                       _check_attention_bwd, _check_swiglu_fwd, _check_swiglu_bwd,
                       _check_lce_bwd, _check_lce_transform, _check_norm_rounding,
-                      _check_bool)
+                      _check_bool, _check_eps, _check_number)
 from ._normed_head import norm_rows, normed_loss_per_token
 
 __all__ = ["attention", "swiglu_mlp", "rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"]
@@ -412,7 +412,9 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     if scale is None:
         D = q.shape[-1] if q.dim() == 4 else 0
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 / wrong rank: the op says why
+    _check_number("attention", "scale", scale)
     _check_positive_finite("attention", "scale", float(scale))
+    _check_number("attention", "softcap", softcap)
     if isinstance(q_offset, bool) or not isinstance(q_offset, int):
         raise TypeError(f"attention: q_offset must be an int, got {type(q_offset).__name__}")
     _check_softcap("attention", float(softcap))
@@ -468,6 +470,7 @@ def rms_norm(x, weight, eps, *, offset=0.0, cast_last=False):
     dtype; backward then also keeps a float32 copy of x).
     """
     _check_norm_rounding("rms_norm", offset, cast_last, ("offset", "cast_last"))
+    _check_eps("rms_norm", "eps", eps)
     if offset == 0.0 and not cast_last:
         return _ops.rms_norm_fwd(x, weight, float(eps))
     return norm_rows(x, weight, float(eps), float(offset), cast_last)
@@ -475,6 +478,7 @@ def rms_norm(x, weight, eps, *, offset=0.0, cast_last=False):
 
 def add_rms_norm(x, residual, weight, eps):
     """s = x + residual; returns (rms_norm(s, weight, eps), s). x, residual: (..., N)."""
+    _check_eps("add_rms_norm", "eps", eps)
     return _ops.add_rms_norm_fwd(x, residual, weight, float(eps))
 
 
@@ -622,6 +626,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         if not isinstance(norm_weight, torch.Tensor):
             raise TypeError(f"{name}: norm_weight must be a tensor (H,), got "
                             f"{type(norm_weight).__name__}")
+        _check_number(name, "norm_eps", norm_eps)
         _check_positive_finite(name, "norm_eps", norm_eps)
     _check_norm_rounding(name, norm_offset, norm_cast_last)
     if norm_weight is None and (norm_offset != 0.0 or norm_cast_last):

@@ -1384,3 +1384,30 @@ def test_attention_causal_must_be_a_bool(causal):
     with pytest.raises(TypeError, match="attention: causal must be a bool \\(True or False\\), "
                                         "got"):
         ops.attention(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("arg, value, exc, match", [
+    ("scale", True, TypeError, "attention: scale must be a number, got bool"),
+    ("scale", "0.5", TypeError, "attention: scale must be a number, got str"),
+    ("softcap", None, TypeError, "attention: softcap must be a number, got NoneType"),
+    ("softcap", True, TypeError, "attention: softcap must be a number, got bool")])
+def test_attention_numbers_are_not_coerced(arg, value, exc, match):
+    q, k, v, _ = attn_inputs(1, 2, 2, 5, 8)
+    with pytest.raises(exc, match=match):
+        ops.attention(q, k, v, **{arg: value})
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("eps, exc, match", [
+    (-1e-6, ValueError, "eps must be a finite number >= 0, got -1e-06"),
+    (math.nan, ValueError, "eps must be a finite number >= 0, got nan"),
+    (math.inf, ValueError, "eps must be a finite number >= 0"),
+    (None, TypeError, "eps must be a number, got NoneType"),
+    (True, TypeError, "eps must be a number, got bool")])
+def test_rms_norm_eps_is_validated(op, eps, exc, match):
+    """A negative or NaN eps made NaN rows silently; None failed inside float()."""
+    x, w = torch.randn(3, 8), torch.rand(8)
+    call = (lambda: ops.rms_norm(x, w, eps)) if op == "rms_norm" else \
+        (lambda: ops.add_rms_norm(x, x.clone(), w, eps))
+    with pytest.raises(exc, match=f"{op}: {match}"):
+        call()
