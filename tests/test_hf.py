@@ -482,7 +482,11 @@ def test_policy_errors():
         patch_llama(model, lambda i: "fast" if i < 2 else None)
     with pytest.raises(TypeError, match="policy must be a preset name"):
         patch_llama(model, 3)
+    for flag in ("no", None, 0):  # "no" fused the head: a flag is never read by truthiness
+        with pytest.raises(TypeError, match="patch_llama: fuse_lm_head must be a bool"):
+            patch_llama(model, fuse_lm_head=flag)
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert "forward" not in model.__dict__
 
 
 def _lora_like(model):

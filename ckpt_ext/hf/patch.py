@@ -84,6 +84,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
+from .._checks import _check_bool
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
@@ -910,6 +911,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""
+    _check_bool("patch_llama", "fuse_lm_head", fuse_lm_head)
     owner, layers = _decoder_layers(model)
     config = _model_config(model)
     budget = None
