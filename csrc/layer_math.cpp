@@ -203,6 +203,8 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
   }
   CKPT_CHECK_VALUE(std::isfinite(L.norm_offset), op, "norm_offset must be finite, got ",
                    L.norm_offset);
+  CKPT_CHECK_VALUE(std::isfinite(L.eps) && L.eps >= 0, op,
+                   "eps must be a finite number >= 0, got ", L.eps);
   check_dropout(op, L);
   parse_activation(L.activation, op);
 }

@@ -220,6 +220,32 @@ def test_errors_name_the_argument():
 
 
 @pytest.mark.parametrize("preset", FUSED_PRESETS)
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(rms_norm_eps=-1.0), ValueError, "rms_norm_eps must be a finite number >= 0, got -1.0"),
+    (dict(rms_norm_eps=float("nan")), ValueError, "rms_norm_eps must be a finite number >= 0"),
+    (dict(attention_bias="yes"), TypeError, "attention_bias must be a bool"),
+    (dict(mlp_bias=None), TypeError, "mlp_bias must be a bool"),
+    (dict(head_dim=0), ValueError, "head_dim must be positive, got 0"),
+    (dict(head_dim=8.0), TypeError, "head_dim must be an int, got float"),
+])
+def test_layer_config_refuses_what_it_would_misread(kwargs, exc, match):
+    """A negative eps gave NaN rows, "yes" switched biases on, head_dim=0 meant the default."""
+    with pytest.raises(exc, match=match):
+        DecoderLayer(32, 4, 2, 48, **kwargs)
+
+
+def test_the_layer_op_refuses_a_bad_eps():
+    w = blocks.pack_weights({"post_attention_layernorm.weight": torch.ones(32),
+                             "mlp.gate_proj.weight": torch.ones(4, 32),
+                             "mlp.up_proj.weight": torch.ones(4, 32),
+                             "mlp.down_proj.weight": torch.ones(32, 4)})
+    for eps in (-1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            blocks.call_decoder_layer(torch.randn(1, 2, 32), weights=w, num_heads=1,
+                                      num_kv_heads=1, eps=eps, scale=1.0, part="mlp",
+                                      preset="balanced")
+
+
 @pytest.mark.parametrize("shape", [(0, 5), (2, 0)], ids=["B=0", "S=0"])
 def test_empty_input_gives_empty_output(preset, shape):
     layer = make_layer(32, 4, 2, 48, torch.float32, policy=preset)

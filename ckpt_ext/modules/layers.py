@@ -15,6 +15,7 @@ Attention is causal.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -26,7 +27,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import offload as _offload
 from .. import ops, plain
-from .._checks import _check_activation
+from .._checks import _check_activation, _check_bool, _check_eps
 from ..blocks import call_decoder_layer, pack_weights
 from ..presets import FUSED_PRESETS, check_policy
 
@@ -51,9 +52,18 @@ class LayerConfig:
     qk_norm: bool = False                 # Qwen3's per-head RMSNorm on q and k
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
+                     "head_dim"):
+            value = getattr(self, name)
+            if value is None and name == "head_dim":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("attention_bias", "mlp_bias", "qk_norm", "o_bias"):
+            _check_bool("LayerConfig", name, getattr(self, name), allow_none=name == "o_bias")
+        _check_eps("LayerConfig", "rms_norm_eps", self.rms_norm_eps)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got "
                              f"{self.num_kv_heads}")
