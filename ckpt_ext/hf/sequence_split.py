@@ -40,8 +40,8 @@ and it runs at the model forward's entry, before any collective of that forward.
 whose ranks run the same code therefore raises on all of them at the same point. The decision
 is not reduced over a process group: that would add a collective and a host sync to every
 training forward of every distributed run, and would deadlock pipeline-parallel stages, whose
-forwards do not run in step; and a rank whose model is patched differently, or not at all,
-could not take part in such a reduction anyway.
+forwards do not run in step; and a rank whose model is not patched has no hook to take part
+in such a reduction anyway.
 """
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ __all__ = ["split_attention", "refuse_split_attention"]
 
 # torch's own SDPA: torch.nn.functional re-exports the C function (with a docstring added)
 _TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
-# Where context_parallel keeps the functions it installed (wrapper -> (name, original)); it can
-# be active only once this module is imported, so it is looked up, never imported.
-_CONTEXT_PARALLEL = "torch.distributed.tensor.experimental._context_parallel._attention"
+# The package of context_parallel (its module has moved between torch releases: experimental.
+# _attention, experimental._context_parallel._attention); that module keeps the functions it
+# installed in _replaced_functions (wrapper -> (name, original)).
+_CONTEXT_PARALLEL = "torch.distributed.tensor.experimental."
 
 
 def _name(fn) -> str:
@@ -71,8 +72,10 @@ def _context_parallel_sdpa() -> bool:
     sdpa = F.scaled_dot_product_attention
     if sdpa is _TORCH_SDPA:
         return False
-    cp = sys.modules.get(_CONTEXT_PARALLEL)
-    return cp is not None and sdpa in getattr(cp, "_replaced_functions", {})
+    module = getattr(sdpa, "__module__", None) or ""  # where the wrapper was defined
+    if not module.startswith(_CONTEXT_PARALLEL):
+        return False
+    return sdpa in getattr(sys.modules.get(module), "_replaced_functions", {})
 
 
 def _registered_attention(impl: str):
