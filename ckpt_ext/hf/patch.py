@@ -95,6 +95,7 @@ from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, layer_no
                        norm_eps, text_positions, uses_rope)
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
+from .sequence_split import refuse_split_attention
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
@@ -573,6 +574,12 @@ class _Shared:
             warnings.warn(f"ckpt_ext.patch_llama: {message}", stacklevel=4)
 
     def before_model(self, owner, args, kwargs):
+        # Sequence parallelism replaced the attention that fused layers would bypass: refuse
+        # (ckpt_ext.hf.sequence_split; other attn_implementations make the layers delegate).
+        impl = _attn_implementation(self.owner.config)
+        refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)
+                                              if f.preset != "torch"]
+                               if impl in SUPPORTED_ATTENTION else [])
         if not torch.compiler.is_compiling():  # HF checkpointing turned on after patching
             for patched in _patched(self.layers):
                 _take_over_call_checkpoint(patched.layer)
