@@ -219,7 +219,6 @@ def test_errors_name_the_argument():
         blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
 
 
-@pytest.mark.parametrize("preset", FUSED_PRESETS)
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(rms_norm_eps=-1.0), ValueError, "rms_norm_eps must be a finite number >= 0, got -1.0"),
     (dict(rms_norm_eps=float("nan")), ValueError, "rms_norm_eps must be a finite number >= 0"),
@@ -246,6 +245,7 @@ def test_the_layer_op_refuses_a_bad_eps():
                                       preset="balanced")
 
 
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
 @pytest.mark.parametrize("shape", [(0, 5), (2, 0)], ids=["B=0", "S=0"])
 def test_empty_input_gives_empty_output(preset, shape):
     layer = make_layer(32, 4, 2, 48, torch.float32, policy=preset)
