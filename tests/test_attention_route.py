@@ -663,3 +663,14 @@ def _table(table):
             route._tables.clear()
             route._tables.update(self.saved)
     return Block()
+
+
+def test_cuda_registration_goes_through_the_router():
+    """The CUDA implementations registered by ckpt_ext._backend: attention through this
+    module's router, the other ops their Triton launchers."""
+    from ckpt_ext import _backend
+    assert _backend._cuda_impl("attention_fwd") is route.attention_fwd
+    assert _backend._cuda_impl("attention_bwd") is route.attention_bwd
+    assert _backend._cuda_impl("swiglu_fwd").__name__ == "swiglu_fwd"
+    assert route.CUDA_ROUTER.fallback_fwd is route._triton_fwd
+    assert route.CUDA_ROUTER.adapters is route.ADAPTERS
