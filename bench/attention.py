@@ -381,10 +381,10 @@ def visible_pairs(Sq, Sk, q_offset, causal):
     return Sq * q_offset + Sq * (Sq + 1) / 2
 
 
-def backend_fns(backend, q, k, v, dout, causal, scale, q_offset, accumulate):
-    """fwd / bwd / fwd+bwd of torch.ops.ckpt_ext's attention (merges included) with the
-    attention_backend setting ``backend`` around each call; chunk calls (``accumulate``) add
-    dK / dV into fp32 accumulators as the layer does."""
+def backend_fns(q, k, v, dout, causal, scale, q_offset, accumulate):
+    """fwd / bwd / fwd+bwd of torch.ops.ckpt_ext's attention (merges included), served by the
+    attention_backend setting in effect when they run; chunk calls (``accumulate``) add dK / dV
+    into fp32 accumulators as the layer does."""
     ops = torch.ops.ckpt_ext
     B, Hkv, Sk, D = k.shape
     acc = [torch.zeros(B, Sk, Hkv, D, device=q.device, dtype=torch.float32).transpose(1, 2)
@@ -392,16 +392,14 @@ def backend_fns(backend, q, k, v, dout, causal, scale, q_offset, accumulate):
     saved = {}
 
     def fwd():
-        with config.patch(attention_backend=backend):
-            return ops.attention_fwd(q, k, v, None, None, None, causal, scale, q_offset)
+        return ops.attention_fwd(q, k, v, None, None, None, causal, scale, q_offset)
 
     def prepare_bwd():
         saved["out"], saved["lse"] = fwd()
 
     def bwd():
-        with config.patch(attention_backend=backend):
-            return ops.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], None, None, None,
-                                     causal, scale, q_offset, *acc)
+        return ops.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], None, None, None,
+                                 causal, scale, q_offset, *acc)
 
     def fwd_bwd():
         prepare_bwd()
@@ -425,23 +423,25 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
         dout = torch.randn(B, Sq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
         flops = 4.0 * B * Hq * D * visible_pairs(Sq, Sk, q_offset, causal)
         for backend in backends:
-            note, served = "", ""
+            note, served = "", {}
             results = {m: float("nan") for m in MODES}
             if device != "cuda" and (backend != "triton" or Sq < Sk):
                 note = "needs CUDA"   # the CPU smoke run: Triton on whole sequences only
             else:
                 try:
                     if device == "cuda":
-                        fns, prepare = backend_fns(backend, q, k, v, dout, causal, D ** -0.5,
-                                                   q_offset, Sq < Sk)
+                        fns, prepare = backend_fns(q, k, v, dout, causal, D ** -0.5, q_offset,
+                                                   Sq < Sk)
                     else:  # the interpreter smoke run: the Triton launchers directly
                         fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5)
-                    for mode in MODES:
-                        if mode == "bwd":
-                            prepare()
-                        results[mode] = time_ms(fns[mode], warmup, reps, device)
-                    served = (attention_route.CUDA_ROUTER.last or "" if device == "cuda"
-                              else "triton")
+                    with config.patch(attention_backend=backend):
+                        for mode in MODES:
+                            if mode == "bwd":
+                                prepare()
+                            results[mode] = time_ms(fns[mode], warmup, reps, device)
+                            # the backend of the mode's last call (fwd+bwd: the backward's)
+                            served[mode] = (attention_route.CUDA_ROUTER.last or ""
+                                            if device == "cuda" else "triton")
                 except torch.cuda.OutOfMemoryError:
                     note = "OOM"
                 except (RuntimeError, ValueError) as exc:
@@ -451,7 +451,7 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
                         torch.cuda.empty_cache()
             for mode in MODES:
                 ms = results[mode]
-                rows.append(dict(backend=backend, served_by=served, mode=mode, batch=B, hq=Hq,
+                rows.append(dict(backend=backend, served_by=served.get(mode, ""), mode=mode, batch=B, hq=Hq,
                                  hkv=Hkv, head_dim=D, sq=Sq, sk=Sk, q_offset=q_offset,
                                  dtype=str(dtype).replace("torch.", ""), causal=causal, ms=ms,
                                  tflops=flops * MODE_FLOP_FACTOR[mode] / (ms * 1e-3) / 1e12,
