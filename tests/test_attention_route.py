@@ -635,17 +635,27 @@ def test_gpu_default_is_triton_and_auto_follows_a_table(tmp_path):
 
 
 @pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
-def test_gpu_efficient_deterministic_backward_is_bitwise_repeatable():
-    if "efficient" not in _gpu_backends():
-        pytest.skip("efficient is not available on this GPU / torch")
+@pytest.mark.parametrize("backend", ["efficient", "flash"])
+def test_gpu_deterministic_backward_is_bitwise_repeatable(backend):
+    """What the determinism rule assumes: efficient's backward with num_splits_key=1, and
+    flash's under torch.use_deterministic_algorithms(True), repeat bit for bit (a check, not a
+    proof: a nondeterministic sum can repeat by chance)."""
+    if backend not in _gpu_backends():
+        pytest.skip(f"{backend} is not available on this GPU / torch")
     torch.manual_seed(1)
-    q, k, v, dout = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v, dout = (torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
     ops = torch.ops.ckpt_ext
-    with config.patch(attention_backend="efficient", attention_dq="separate"):
-        out, lse = ops.attention_fwd(q, k, v, None, None, None, True, 0.1)
-        runs = [ops.attention_bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1)
-                for _ in range(3)]
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(backend == "flash")
+        with config.patch(attention_backend=backend, attention_dq="separate"):
+            out, lse = ops.attention_fwd(q, k, v, None, None, None, True, 0.1)
+            runs = [ops.attention_bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1)
+                    for _ in range(5)]
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     for r in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r, runs[0]))
 
