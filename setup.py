@@ -125,6 +125,7 @@ class BuildExt(BuildExtension.with_options(use_ninja=True)):
 setup(
     packages=["ckpt_ext", "ckpt_ext.hf", "ckpt_ext.modules", "ckpt_ext.kernels"],
     package_dir={"ckpt_ext": "ckpt_ext", "ckpt_ext.kernels": "kernels"},
+    package_data={"ckpt_ext": ["attention_backends.json"]},  # the attention choice table
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExt},
 )

@@ -15,6 +15,13 @@ triton versions, the command and the date.
 FLOPs (FlashAttention convention): forward 4 * B * Hq * S^2 * D, halved when causal (masked
 rows: 4 * Hq * D * visible pairs); backward 2.5x forward; forward+backward 3.5x forward.
 
+``--backend-rows`` times the op itself (``torch.ops.ckpt_ext.attention_fwd`` / ``_bwd``, any
+merge of a query chunk included) with each attention backend pinned (triton, flash, cudnn,
+efficient, and auto: the choice table) at the decoder layer's call shapes: whole sequences and
+query chunks (Sq = chunk rows, Sk = the keys they see, dK / dV into fp32 accumulators), and
+writes ``bench/results/attention_backends_<device>.csv``; ``--write-table FILE`` turns the
+times into a choice table for ``CKPT_EXT_ATTN_TABLE``.
+
 Without a GPU the script runs the kernels under the Triton interpreter at a tiny size, labels
 the run "CPU interpreter run: NOT a performance figure", and writes
 ``bench/results/attention_cpu_smoke.csv``; it exists so that CI exercises this script.
@@ -23,6 +30,7 @@ the run "CPU interpreter run: NOT a performance figure", and writes
     python bench/attention.py --seqlens 2048 --head-dims 128 --reps 10
     python bench/attention.py --cpu-size 1,2,64,16    # CPU smoke size B,H,S,D
     python bench/attention.py --mask-seqlen 16384 --packed-doc 2048 --window 4096
+    python bench/attention.py --backend-rows --write-table attention_backends_h100.json
 """
 import argparse
 import math
@@ -74,6 +82,28 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (GPU 30, CPU 3)")
     p.add_argument("--cpu-size", default="1,2,64,16", help="B,H,S,D of the CPU interpreter smoke run")
     p.add_argument("--out", default=None, help="CSV path (default bench/results/attention_<device>.csv)")
+    # Rows per attention backend at the decoder layer's own call shapes (instead of the sweep).
+    p.add_argument("--backend-rows", action="store_true",
+                   help="time ckpt_ext's attention op with each backend pinned (--backends) at "
+                        "whole sequences (--backend-seqlens) and at the sequence-tiled layer's "
+                        "query chunks (--chunk-rows x --chunk-keys), instead of the sweep; "
+                        "writes bench/results/attention_backends_<device>.csv")
+    p.add_argument("--backends", default="triton,flash,cudnn,efficient,auto",
+                   help="attention_backend values timed by --backend-rows ('auto': the table)")
+    p.add_argument("--backend-shape", default="1,32,8,128",
+                   help="B,Hq,Hkv,D of the --backend-rows calls (default LLaMA-3-8B heads)")
+    p.add_argument("--backend-seqlens", default="8192,32768",
+                   help="whole-sequence lengths of --backend-rows (Sq = Sk = S)")
+    p.add_argument("--chunk-rows", default="282,1056",
+                   help="query rows per chunk of --backend-rows (Sq; 282: the default 64 MiB "
+                        "chunk cap at LLaMA-3-8B dims, 1056: two waves of 128-row programs on "
+                        "132 SMs at 32 heads)")
+    p.add_argument("--chunk-keys", default="8192,32768",
+                   help="keys each chunk sees (Sk; the chunk is the last rows: q_offset = "
+                        "Sk - Sq)")
+    p.add_argument("--write-table", default=None, metavar="FILE",
+                   help="with --backend-rows: write an attention backend choice table from the "
+                        "measured times (CKPT_EXT_ATTN_TABLE=FILE makes 'auto' read it)")
     return p.parse_args(argv)
 
 
@@ -323,8 +353,212 @@ CSV_FIELDS = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "m
               "causal", "ms", "tflops", "note"]
 
 
+# ------------------------------------------------------------------------------------------
+# Backend rows: the op with each attention backend pinned, at the layer's call shapes
+# ------------------------------------------------------------------------------------------
+BACKEND_FIELDS = ["backend", "served_by", "mode", "batch", "hq", "hkv", "head_dim", "sq", "sk",
+                  "q_offset", "dtype", "causal", "ms", "tflops", "note"]
+
+
+def layer_call_shapes(args):
+    """(Sq, Sk, q_offset) of the calls timed: whole sequences, then each chunk size against
+    each key count (the chunk holds the last Sq of the Sk positions, as the layer's chunk
+    does when its keys end at the chunk's end)."""
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    shapes = [(S, S, 0) for S in ints(args.backend_seqlens)]
+    shapes += [(rows, keys, keys - rows) for keys in ints(args.chunk_keys)
+               for rows in ints(args.chunk_rows) if rows < keys]
+    return shapes
+
+
+def visible_pairs(Sq, Sk, q_offset, causal):
+    """(query, key) pairs a call computes: the FLOP count's base (4 * B * Hq * D each forward).
+    Whole causal sequences count S^2 / 2, as the sweep does."""
+    if not causal:
+        return Sq * Sk
+    if q_offset == 0 and Sq == Sk:
+        return Sq * Sq / 2
+    return Sq * q_offset + Sq * (Sq + 1) / 2
+
+
+def backend_fns(q, k, v, dout, causal, scale, q_offset, accumulate):
+    """fwd / bwd / fwd+bwd of torch.ops.ckpt_ext's attention (merges included), served by the
+    attention_backend setting in effect when they run; chunk calls (``accumulate``) add dK / dV
+    into fp32 accumulators as the layer does."""
+    ops = torch.ops.ckpt_ext
+    B, Hkv, Sk, D = k.shape
+    acc = [torch.zeros(B, Sk, Hkv, D, device=q.device, dtype=torch.float32).transpose(1, 2)
+           for _ in range(2)] if accumulate else [None, None]
+    saved = {}
+
+    def fwd():
+        return ops.attention_fwd(q, k, v, None, None, None, causal, scale, q_offset)
+
+    def prepare_bwd():
+        saved["out"], saved["lse"] = fwd()
+
+    def bwd():
+        return ops.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], None, None, None,
+                                 causal, scale, q_offset, *acc)
+
+    def fwd_bwd():
+        prepare_bwd()
+        return bwd()
+
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
+
+
+def bench_backends(args, device, dtype, warmup, reps, causal):
+    """Rows for every backend and mode at every shape of layer_call_shapes."""
+    from ckpt_ext import attention_route
+
+    B, Hq, Hkv, D = (int(x) for x in args.backend_shape.split(","))
+    backends = [b for b in args.backends.split(",") if b]
+    rows = []
+    for Sq, Sk, q_offset in layer_call_shapes(args):
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(B, Sq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
+        k, v = (torch.randn(B, Sk, Hkv, D, device=device, dtype=dtype, generator=gen)
+                .transpose(1, 2) for _ in range(2))
+        dout = torch.randn(B, Sq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
+        flops = 4.0 * B * Hq * D * visible_pairs(Sq, Sk, q_offset, causal)
+        for backend in backends:
+            note, served = "", {}
+            results = {m: float("nan") for m in MODES}
+            if device != "cuda" and (backend != "triton" or Sq < Sk):
+                note = "needs CUDA"   # the CPU smoke run: Triton on whole sequences only
+            else:
+                try:
+                    if device == "cuda":
+                        fns, prepare = backend_fns(q, k, v, dout, causal, D ** -0.5, q_offset,
+                                                   Sq < Sk)
+                    else:  # the interpreter smoke run: the Triton launchers directly
+                        fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5)
+                    with config.patch(attention_backend=backend):
+                        for mode in MODES:
+                            if mode == "bwd":
+                                prepare()
+                            results[mode] = time_ms(fns[mode], warmup, reps, device)
+                            # the backend of the mode's last call (fwd+bwd: the backward's)
+                            served[mode] = (attention_route.CUDA_ROUTER.last or ""
+                                            if device == "cuda" else "triton")
+                except torch.cuda.OutOfMemoryError:
+                    note = "OOM"
+                except (RuntimeError, ValueError) as exc:
+                    note = f"error: {str(exc).splitlines()[0][:120]}"
+                finally:
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+            for mode in MODES:
+                ms = results[mode]
+                rows.append(dict(backend=backend, served_by=served.get(mode, ""), mode=mode, batch=B, hq=Hq,
+                                 hkv=Hkv, head_dim=D, sq=Sq, sk=Sk, q_offset=q_offset,
+                                 dtype=str(dtype).replace("torch.", ""), causal=causal, ms=ms,
+                                 tflops=flops * MODE_FLOP_FACTOR[mode] / (ms * 1e-3) / 1e12,
+                                 note=note))
+            print(f"  {backend:>9} Sq={Sq} Sk={Sk} q_offset={q_offset}: "
+                  + (note or ", ".join(f"{x['mode']} {x['ms']:.3g} ms ({x['tflops']:.0f} TFLOP/s)"
+                                       for x in rows[-3:])), flush=True)
+    return rows
+
+
+def choice_table(rows, arch, header):
+    """The attention backend choice table the measured rows say: per phase (forward: the
+    "fwd" times, backward: the "bwd" times) and shape, the pinned backends that ran, fastest
+    first, cut after Triton (the fallback). Shapes become rules on (chunk, sq, keys) with
+    ``_max`` bounds at the measured sizes (the largest unbounded), ascending, so that a call
+    takes the rule of the smallest measured shape that contains it."""
+    from ckpt_ext import attention_route
+
+    measured = {}
+    for r in rows:
+        if r["backend"] == "auto" or r["mode"] not in ("fwd", "bwd") or r["ms"] != r["ms"]:
+            continue
+        keys = r["q_offset"] + r["sq"] if r["causal"] else r["sk"]
+        key = (r["dtype"], r["head_dim"], bool(r["causal"]), r["q_offset"] > 0, r["mode"])
+        measured.setdefault(key, {}).setdefault((r["sq"], keys), []).append(
+            (r["ms"], r["backend"]))
+    names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    rules = []
+    for (dtype, D, causal, chunk, phase), by_shape in sorted(measured.items()):
+        sqs = sorted({s for s, _ in by_shape})
+        keyss = sorted({k for _, k in by_shape})
+        for sq, keys in sorted(by_shape):
+            order = [b for _, b in sorted(by_shape[(sq, keys)])]
+            if "triton" in order:
+                order = order[:order.index("triton") + 1]
+            rule = {"arch": arch, "dtype": names.get(dtype, dtype), "head_dim": D,
+                    "causal": causal, "chunk": chunk, "phase": phase}
+            if sq != sqs[-1]:
+                rule["sq_max"] = sq
+            if keys != keyss[-1]:
+                rule["keys_max"] = keys
+            rule["backends"] = order
+            rules.append(rule)
+    table = {"format": attention_route.TABLE_FORMAT,
+             "note": "written by bench/attention.py --backend-rows --write-table from the "
+                     "times below; first matching rule wins, its backends tried in order",
+             "measured": header, "default": "triton", "rules": rules}
+    attention_route.Table.from_dict(table, "the written table")   # the reader accepts it
+    return table
+
+
+def main_backend_rows(args, cuda, causal):
+    if cuda:
+        dtype = DTYPES[args.dtype]
+        warmup = 5 if args.warmup is None else args.warmup
+        reps = 30 if args.reps is None else args.reps
+        device = "cuda"
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm{major}{minor}"
+        note = ""
+    else:
+        print("CPU interpreter run: NOT a performance figure (Triton rows only, whole sequences)")
+        dtype, warmup, reps, device, arch = torch.float32, 1, 2, "cpu", "cpu"
+        note = "CPU (Triton interpreter) run: NOT a performance figure"
+    rows = bench_backends(args, device, dtype, warmup, reps, causal)
+    header = provenance(device, note) + [
+        f"config: dtype {str(dtype).replace('torch.', '')}, causal {causal}, warmup {warmup}, "
+        f"reps {reps}, B,Hq,Hkv,D {args.backend_shape}",
+        "calls: torch.ops.ckpt_ext.attention_fwd / attention_bwd with attention_backend pinned "
+        "(merges included); chunk rows (Sq < Sk, q_offset = Sk - Sq) add dK/dV into fp32 "
+        "accumulators; served_by: the backend that ran",
+        "flops: 4*B*Hq*D*(visible pairs) forward (whole causal: S^2/2 pairs); bwd = 2.5x fwd; "
+        "fwd+bwd = 3.5x fwd"]
+    print_backend_rows(rows)
+    out = (pathlib.Path(args.out) if args.out
+           else RESULTS / f"attention_backends_{device_tag()}.csv")
+    write_csv(out, header, BACKEND_FIELDS, rows)
+    if args.write_table:
+        import json
+        table = choice_table(rows, arch, header)
+        pathlib.Path(args.write_table).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {args.write_table} ({len(table['rules'])} rules)")
+
+
+def print_backend_rows(rows):
+    print("TFLOP/s (fwd / bwd / fwd+bwd) per backend at the layer's call shapes")
+    shapes = []
+    for r in rows:
+        if (r["sq"], r["sk"]) not in shapes:
+            shapes.append((r["sq"], r["sk"]))
+    for sq, sk in shapes:
+        line = f"  Sq={sq:>6} Sk={sk:>6} |"
+        for r in rows:
+            if (r["sq"], r["sk"]) == (sq, sk) and r["mode"] == "fwd":
+                trio = [x["tflops"] for x in rows if (x["sq"], x["sk"], x["backend"])
+                        == (sq, sk, r["backend"])]
+                text = r["note"][:20] if r["note"] else "/".join(f"{t:.0f}" for t in trio)
+                line += f" {r['backend']} {text} |"
+        print(line)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.backend_rows:
+        return main_backend_rows(args, torch.cuda.is_available(), not args.no_causal)
+    if args.write_table:
+        sys.exit("bench/attention.py: --write-table needs --backend-rows")
     providers = [p for p in args.providers.split(",") if p]
     unknown = set(providers) - {"triton", "triton_atomic", "sdpa", "eager"}
     if unknown:

@@ -2,9 +2,10 @@
 
 * CPU: the ATen reference kernels of ``csrc/*_cpu.cpp`` (always built).
 * CUDA: the Triton launchers of ``ckpt_ext.kernels`` for attention and SwiGLU, registered here
-  through ``torch.library`` when torch has CUDA; the CUDA C++ row-wise kernels (RMSNorm, RoPE)
-  of ``csrc/cuda`` in a CUDA build, or the plain-PyTorch ones of ``ckpt_ext.plain``
-  registered here when the extension was built without CUDA.
+  through ``torch.library`` when torch has CUDA (attention through ``ckpt_ext.attention_route``,
+  which may hand a call to one of torch's SDPA aten ops instead); the CUDA C++ row-wise
+  kernels (RMSNorm, RoPE) of ``csrc/cuda`` in a CUDA build, or the plain-PyTorch ones of
+  ``ckpt_ext.plain`` registered here when the extension was built without CUDA.
 * The ``backend`` setting ``"triton"`` (``CKPT_EXT_BACKEND=triton`` or
   ``ckpt_ext.config.patch(backend="triton")``, with ``TRITON_INTERPRET=1``) also puts the Triton
   launchers on CPU tensors, so the whole fused path runs through Triton in CPU tests;
@@ -61,6 +62,16 @@ def _lazy(op: str, interpreter: bool = False) -> Callable:
     return launcher
 
 
+def _cuda_impl(op: str) -> Callable:
+    """The CUDA implementation of ``op``: its Triton launcher, except attention, whose calls
+    go through ``ckpt_ext.attention_route`` (the Triton launcher, or an SDPA aten op where the
+    ``attention_backend`` setting and its choice table say so)."""
+    if op in ("attention_fwd", "attention_bwd"):
+        from . import attention_route
+        return getattr(attention_route, op)
+    return _lazy(op)
+
+
 def register_triton(device_type: str) -> torch.library.Library:
     """Register the Triton launchers for ``device_type`` ("cuda", or "cpu" under the Triton
     interpreter). Returns the ``torch.library.Library`` holding the registrations; they last
@@ -77,7 +88,8 @@ def register_triton(device_type: str) -> torch.library.Library:
         # On CPU the launchers replace the ATen kernels on purpose; torch warns about that.
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for op in TRITON_OPS:
-            lib.impl(op, _lazy(op, device_type == "cpu"), device_type.upper())
+            lib.impl(op, _cuda_impl(op) if device_type == "cuda" else _lazy(op, True),
+                     device_type.upper())
     return lib
 
 

@@ -10,7 +10,9 @@ settings change only through :func:`patch` (a block, or a decorated function) or
 :func:`reload` (read the environment again). Whatever depends on a setting follows it:
 the Triton launcher caches are emptied when ``autotune`` or a SwiGLU setting changes,
 the attention backward reads ``attention_dq`` at each launch (it is part of the launcher's
-cache key), and ``backend`` registers or removes the Triton launchers for CPU tensors.
+cache key), ``backend`` registers or removes the Triton launchers for CPU tensors, and the
+CUDA attention reads ``attention_backend`` and ``attention_table`` at each call
+(``ckpt_ext.attention_route``).
 
 ``CKPT_EXT_CHUNK_BYTES`` (the CPU kernels' chunk cap) is not a field: the C++ kernels read it
 at each call (``csrc/chunking.h``, ``ckpt_ext._C.chunk_bytes()``).
@@ -48,6 +50,13 @@ class KernelConfig:
     # "auto": the ATen kernels on CPU tensors, Triton on CUDA; "triton": the Triton launchers
     # on CPU tensors too (needs TRITON_INTERPRET=1 before triton is imported).
     backend: str = "auto"
+    # Which kernel serves attention on CUDA tensors: "auto" (the choice table, see
+    # ckpt_ext.attention_route), or pinned to "triton", "flash", "cudnn" or "efficient" (a
+    # pinned SDPA backend that cannot serve a call raises, naming the rule it lacks).
+    attention_backend: str = "auto"
+    # The choice table "auto" reads: "" for the one shipped with the package, else the path
+    # of a table file.
+    attention_table: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +66,12 @@ class Setting:
 
     field: str
     env: str
-    values: dict
+    values: dict   # None: a free value, checked by ``free`` (a file path)
+    free: Callable = None
 
     def parse(self, text: str):
+        if self.values is None:
+            return self.free(self.env, text)
         if text not in self.values:
             raise ValueError(f"{self.env} must be one of {self._allowed(self.values)}, got "
                              f"{text!r}")
@@ -68,6 +80,11 @@ class Setting:
     def check(self, value):
         """A value given to :func:`patch`: one of the field's values (bools only for a bool
         field, so that 0 / 1 are not taken for False / True)."""
+        if self.values is None:
+            if not isinstance(value, str):
+                raise ValueError(f"ckpt_ext.config: {self.field} ({self.env}) must be a str, "
+                                 f"got {value!r}")
+            return self.free(f"ckpt_ext.config: {self.field} ({self.env})", value)
         allowed = list(self.values.values())
         if not any(type(value) is type(a) and value == a for a in allowed):
             raise ValueError(f"ckpt_ext.config: {self.field} ({self.env}) must be one of "
@@ -79,6 +96,15 @@ class Setting:
         return ", ".join(repr(v) for v in values)
 
 
+def _table_path(name: str, text: str) -> str:
+    """The attention_table setting: "" (the shipped table) or the path of an existing file
+    (its contents are checked when attention first reads it)."""
+    if text and not os.path.isfile(text):
+        raise ValueError(f"{name} must be '' (the shipped table) or the path of an existing "
+                         f"file, got {text!r}")
+    return text
+
+
 SETTINGS = {s.field: s for s in (
     Setting("autotune", "CKPT_EXT_AUTOTUNE", {"0": False, "1": True}),
     Setting("attention_dq", "CKPT_EXT_ATTN_DQ", {"separate": "separate", "atomic": "atomic"}),
@@ -87,6 +113,9 @@ SETTINGS = {s.field: s for s in (
     Setting("swiglu_epilogue", "CKPT_EXT_SWIGLU_EPILOGUE", {"subtiled": "subtiled",
                                                             "whole": "whole"}),
     Setting("backend", "CKPT_EXT_BACKEND", {"auto": "auto", "triton": "triton"}),
+    Setting("attention_backend", "CKPT_EXT_ATTN_BACKEND",
+            {b: b for b in ("auto", "triton", "flash", "cudnn", "efficient")}),
+    Setting("attention_table", "CKPT_EXT_ATTN_TABLE", None, _table_path),
 )}
 
 _lock = threading.RLock()

@@ -17,22 +17,27 @@ interpreter_only = pytest.mark.skipif(CUDA, reason="the Triton interpreter on CP
 ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ": "'separate', 'atomic'",
            "CKPT_EXT_SWIGLU_GRID": "'tiles', 'persistent'",
            "CKPT_EXT_SWIGLU_EPILOGUE": "'subtiled', 'whole'",
-           "CKPT_EXT_BACKEND": "'auto', 'triton'"}
+           "CKPT_EXT_BACKEND": "'auto', 'triton'",
+           "CKPT_EXT_ATTN_BACKEND": "'auto', 'triton', 'flash', 'cudnn', 'efficient'"}
+# Settings whose value is free text, checked otherwise (tests/test_attention_route.py).
+FREE = {"CKPT_EXT_ATTN_TABLE"}
 
 
 # ---- reading the environment -----------------------------------------------------------------
 def test_every_setting_has_a_variable_and_a_default():
-    assert {s.env for s in config.SETTINGS.values()} == set(ALLOWED)
+    assert {s.env for s in config.SETTINGS.values()} == set(ALLOWED) | FREE
     defaults = config.from_environment({})
     assert defaults == config.KernelConfig()
     assert (defaults.autotune, defaults.attention_dq, defaults.swiglu_grid,
-            defaults.swiglu_epilogue, defaults.backend) == (True, "separate", "persistent",
-                                                            "subtiled", "auto")
+            defaults.swiglu_epilogue, defaults.backend, defaults.attention_backend,
+            defaults.attention_table) == (True, "separate", "persistent", "subtiled", "auto",
+                                          "auto", "")
     got = config.from_environment({"CKPT_EXT_AUTOTUNE": "0", "CKPT_EXT_ATTN_DQ": "atomic",
                                    "CKPT_EXT_SWIGLU_GRID": "tiles",
                                    "CKPT_EXT_SWIGLU_EPILOGUE": "whole",
-                                   "CKPT_EXT_BACKEND": "triton"})
-    assert got == config.KernelConfig(False, "atomic", "tiles", "whole", "triton")
+                                   "CKPT_EXT_BACKEND": "triton",
+                                   "CKPT_EXT_ATTN_BACKEND": "flash"})
+    assert got == config.KernelConfig(False, "atomic", "tiles", "whole", "triton", "flash")
 
 
 @pytest.mark.parametrize("env", sorted(ALLOWED))
@@ -111,7 +116,10 @@ def test_patch_as_decorator():
     ({"autotune": 1}, r"autotune \(CKPT_EXT_AUTOTUNE\) must be one of False, True, got 1"),
     ({"autotune": "0"}, r"autotune \(CKPT_EXT_AUTOTUNE\) must be one of False, True"),
     ({"swiglu_grid": None}, r"swiglu_grid \(CKPT_EXT_SWIGLU_GRID\) must be one of 'tiles'"),
-    ({"backend": "cuda"}, r"backend \(CKPT_EXT_BACKEND\) must be one of 'auto', 'triton'")])
+    ({"backend": "cuda"}, r"backend \(CKPT_EXT_BACKEND\) must be one of 'auto', 'triton'"),
+    ({"attention_backend": "sdpa"},
+     r"attention_backend \(CKPT_EXT_ATTN_BACKEND\) must be one of 'auto', 'triton', 'flash'"),
+    ({"attention_table": 3}, r"attention_table \(CKPT_EXT_ATTN_TABLE\) must be a str")])
 def test_patch_rejects_bad_values(changes, match):
     before = config.current()
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,686 @@
+"""ckpt_ext.attention_route: which kernel serves a CUDA attention call, and the SDPA plumbing.
+
+* The chunk split and the merge by lse, exact in float64 on the CPU: ATen's CPU flash kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu``, top-left aligned) stands in for the
+  CUDA ops, once as a top-left backend (a query chunk becomes two calls merged by lse, each
+  piece's backward given the merged out and lse) and once made bottom-right (one call), run
+  through the same router the CUDA registration uses, over query chunks whose dK / dV add into
+  fp32 (here fp64) accumulators; compared with the plain-PyTorch fp64 reference. In bfloat16
+  the merged results meet the suite's 2x / 3x rule.
+* The rules (dtype, head_dim, masks, softcap, window, rows that see nothing, determinism of a
+  backward, pinned backends raising with the rule they lack) on described calls.
+* The choice table: the shipped one sends every call to Triton; a file overrides it.
+* The arguments handed to the CUDA aten ops, with fake CUDA tensors (FakeTensorMode): shapes,
+  strides, dtypes, the causal alignment, lse layouts, GQA expansion and the results' layout.
+* On a GPU (skipped here with the reason): every available SDPA backend, pinned, against the
+  Triton kernels and float64 through the registered op.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import ckpt_ext  # noqa: F401  (registers the ops)
+from ckpt_ext import attention_route as route
+from ckpt_ext import config
+
+from reference import (F64, FACTOR_GRAD, FACTOR_OUT, attention_in_chunks, attention_reference,
+                       check_f64, check_vs_baseline, magnitude)
+
+aten = torch.ops.aten
+cpu_ops = torch.ops.ckpt_ext
+
+
+# ---- ATen's CPU flash kernel standing in for the CUDA ops -------------------------------------
+class CpuFlashTopLeft:
+    """A vendor adapter over the CPU flash kernel: causal aligned top-left, as cuDNN's; GQA
+    K/V unexpanded (the kernel reads head h // group)."""
+
+    name = "cpu-flash"
+    bottom_right = False
+
+    def fwd(self, q, k, v, causal, scale, window=None):
+        assert window is None
+        assert not causal or q.shape[2] == k.shape[2], "top-left causal asked for Sq < Sk"
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                    scale=scale)
+        return out, lse
+
+    def bwd(self, dout, q, k, v, out, lse, causal, scale, window=None, deterministic=False):
+        assert not causal or q.shape[2] == k.shape[2]
+        Hkv = k.shape[1]
+        # The CPU kernel reads lse in its own layout, (B, S, H) in memory.
+        lse_cpu = lse.transpose(1, 2).contiguous().transpose(1, 2)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, k, v, out.contiguous(), lse_cpu, 0.0, causal, scale=scale)
+        return dq, route._group_sum(dk, Hkv), route._group_sum(dv, Hkv)
+
+
+class CpuFlashBottomRight(CpuFlashTopLeft):
+    """The same kernel made bottom-right aligned: Sk - Sq zero query rows in front, a
+    top-left call on the square, the last Sq rows kept (zero rows with zero dout add
+    nothing to the gradients)."""
+
+    name = "cpu-flash-br"
+    bottom_right = True
+
+    @staticmethod
+    def _pad(t, Sk):
+        B, H, Sq, D = t.shape
+        return torch.cat([t.new_zeros(B, H, Sk - Sq, D), t], 2)
+
+    def fwd(self, q, k, v, causal, scale, window=None):
+        Sq, Sk = q.shape[2], k.shape[2]
+        if not causal or Sq == Sk:
+            return super().fwd(q, k, v, causal, scale, window)
+        out, lse = super().fwd(self._pad(q, Sk), k, v, True, scale)
+        return out[:, :, Sk - Sq:], lse[:, :, Sk - Sq:]
+
+    def bwd(self, dout, q, k, v, out, lse, causal, scale, window=None, deterministic=False):
+        Sq, Sk = q.shape[2], k.shape[2]
+        if not causal or Sq == Sk:
+            return super().bwd(dout, q, k, v, out, lse, causal, scale, window, deterministic)
+        B, H = q.shape[:2]
+        lse_pad = torch.cat([lse.new_zeros(B, H, Sk - Sq), lse], 2)
+        dq, dk, dv = super().bwd(self._pad(dout, Sk), self._pad(q, Sk), k, v,
+                                 self._pad(out, Sk), lse_pad, True, scale)
+        return dq[:, :, Sk - Sq:], dk, dv
+
+
+ALL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def cpu_caps(**kw):
+    """Capabilities of a pretend device whose "flash" is the bottom-right stand-in and whose
+    "cudnn" the top-left one (both take every dtype, so that float64 runs through them)."""
+    base = dict(arch="cpu", backends=frozenset(("flash", "cudnn")),
+                dtypes={"flash": ALL_DTYPES, "cudnn": ALL_DTYPES, "efficient": ALL_DTYPES},
+                max_head_dim={"flash": 256, "cudnn": 256, "efficient": 256},
+                bottom_right=frozenset(("flash",)))
+    base.update(kw)
+    return route.Capabilities(**base)
+
+
+def cpu_router(caps=None):
+    caps = caps or cpu_caps()
+    return route.Router(capabilities=lambda device: caps,
+                        adapters={"flash": CpuFlashBottomRight(), "cudnn": CpuFlashTopLeft()},
+                        fallback_fwd=cpu_ops.attention_fwd, fallback_bwd=cpu_ops.attention_bwd)
+
+
+def vendor_ops(adapter):
+    """attention_fwd / attention_bwd signatures over route.vendor_fwd / vendor_bwd (no masks)."""
+    def fwd(q, k, v, mask, seg, window, causal, scale, q_offset=0, softcap=0.0):
+        assert mask is None and seg is None and window is None and softcap == 0.0
+        return route.vendor_fwd(adapter, q, k, v, causal, scale, q_offset)
+
+    def bwd(dout, q, k, v, out, lse, mask, seg, window, causal, scale, q_offset=0, dk_acc=None,
+            dv_acc=None, softcap=0.0):
+        return route.vendor_bwd(adapter, dout, q, k, v, out, lse, causal, scale, q_offset, None,
+                                dk_acc, dv_acc)
+    return fwd, bwd
+
+
+def rand_qkv(B, Hq, Hkv, S, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(B, H, S, D, generator=g, dtype=F64).to(dtype)
+                     for H in (Hq, Hkv, Hkv, Hq))
+    return q, k, v, dout
+
+
+def reference_grads(q, k, v, dout, causal, scale, window=None):
+    """out, lse, dq, dk, dv of the plain-PyTorch reference at q's dtype (float64 for the
+    ground truth)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = attention_reference(q, k, v, None, causal, scale, None, window)
+    out.backward(dout.to(out.dtype))
+    return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+# ---- the split and the merge, exact in float64 -------------------------------------------------
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])          # split / one bottom-right call
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rows", [5, 8, 24])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_chunks_exact_in_float64(backend, causal, rows, heads):
+    """Query chunks of ``rows`` rows (q_offset = the chunk's start) through the vendor path
+    (the router's vendor_fwd / vendor_bwd, lse kept in fp64: the op hands fp32 lse on), dK / dV
+    summed in fp64 accumulators over the chunks: out, lse, dq, dk, dv of the whole sequence
+    equal the float64 reference to 1e-12."""
+    B, S, D, scale = 2, 24, 16, 0.3
+    q, k, v, dout = rand_qkv(B, *heads, S, D, F64)
+    want = reference_grads(q, k, v, dout, causal, scale)
+    adapter = cpu_router().adapters[backend]
+    got = attention_in_chunks(*vendor_ops(adapter), q, k, v, dout, None, causal, scale,
+                              None, None, rows, acc_dtype=F64)
+    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        check_f64(name, got[name], want[name],
+                  scale=None if name in ("out", "lse") else grad_scale)
+
+
+def test_split_is_two_calls_merged_and_each_backward_sees_the_merged_out():
+    """The top-left backend serves a chunk after the first keys with a non-causal call on the
+    earlier keys and a causal one on its own, and both backward pieces receive the merged out
+    and lse (not their own): with a piece's own out the gradients would be wrong."""
+    calls = []
+
+    class Recording(CpuFlashTopLeft):
+        def fwd(self, q, k, v, causal, scale, window=None):
+            calls.append(("fwd", k.shape[2], causal))
+            return super().fwd(q, k, v, causal, scale, window)
+
+        def bwd(self, dout, q, k, v, out, lse, causal, scale, window=None,
+                deterministic=False):
+            calls.append(("bwd", k.shape[2], causal, out.clone(), lse.clone()))
+            return super().bwd(dout, q, k, v, out, lse, causal, scale, window, deterministic)
+
+    q, k, v, dout = rand_qkv(1, 2, 1, 20, 16, F64)
+    qc, dc = q[:, :, 12:18], dout[:, :, 12:18]
+    out, lse = route.vendor_fwd(Recording(), qc, k, v, True, 0.25, q_offset=12)
+    dq, dk, dv = route.vendor_bwd(Recording(), dc, qc, k, v, out, lse, True, 0.25, q_offset=12)
+    assert [c[:3] for c in calls] == [("fwd", 12, False), ("fwd", 6, True), ("bwd", 12, False),
+                                      ("bwd", 6, True)]
+    for c in calls[2:]:
+        assert torch.equal(c[3], out) and torch.equal(c[4], lse)
+    # keys 18, 19 are seen by no row of the chunk: zero gradients; the others match fp64.
+    assert dk[:, :, 18:].abs().max() == 0 and dv[:, :, 18:].abs().max() == 0
+    dfull = torch.zeros_like(dout)
+    dfull[:, :, 12:18] = dc
+    want = reference_grads(q, k, v, dfull, True, 0.25)
+    check_f64("out", out, want["out"][:, :, 12:18])
+    check_f64("dq", dq, want["dq"][:, :, 12:18])
+    check_f64("dk", dk, want["dk"])
+    check_f64("dv", dv, want["dv"])
+
+
+def test_merge_is_the_attention_over_both_key_sets():
+    """merge() of two disjoint key sets' (out, lse) equals one call over their union."""
+    q, k, v, _ = rand_qkv(2, 3, 3, 10, 8, F64, seed=3)
+    ad = CpuFlashTopLeft()
+    whole = ad.fwd(q, k, v, False, 0.5)
+    a = ad.fwd(q, k[:, :, :4], v[:, :, :4], False, 0.5)
+    b = ad.fwd(q, k[:, :, 4:], v[:, :, 4:], False, 0.5)
+    out, lse = route.merge(*a, *b, F64)
+    check_f64("out", out, whole[0])
+    check_f64("lse", lse, whole[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merged_half_precision_meets_the_accuracy_rule(dtype):
+    """bf16 / fp16 chunks through the split (each piece's out rounded to the dtype, merged in
+    fp32): out within 2x and the gradients within 3x plain PyTorch's error at the dtype."""
+    B, Hq, Hkv, S, D = 1, 4, 2, 48, 32
+    scale = D ** -0.5
+    q, k, v, dout = rand_qkv(B, Hq, Hkv, S, D, dtype, seed=5)
+    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale)
+    base = reference_grads(q, k, v, dout, True, scale)
+    router = cpu_router()
+    with config.patch(attention_backend="cudnn"):
+        got = attention_in_chunks(router.fwd, router.bwd, q, k, v, dout, None, True, scale,
+                                  None, None, 16)
+    assert got["out"].dtype == dtype and got["lse"].dtype == torch.float32
+    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
+    for name in ("dq", "dk", "dv"):
+        check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD, dtype,
+                          scale=grad_scale)
+
+
+# ---- routing through the router: settings, fallbacks ------------------------------------------
+def test_masked_and_capped_calls_fall_back_and_rows_that_see_nothing_stay_exact():
+    """Under "auto" with a table preferring the stand-in, calls with a padding mask, segment
+    ids or a softcap go to the fallback (here the ATen CPU op): a fully padded row gives out 0,
+    lse -inf and zero gradients, never NaN."""
+    q, k, v, dout = rand_qkv(2, 2, 2, 12, 16, F64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1] = False   # batch row 1 sees nothing
+    table = route.Table(rules=({"backends": ("cudnn",)},))
+    router = cpu_router()
+    with config.patch(attention_backend="auto"), _table(table):
+        out, lse = router.fwd(q, k, v, None, None, None, True, 0.25)
+        assert router.last == "cudnn"
+        out, lse = router.fwd(q, k, v, mask, None, None, True, 0.25)
+        assert router.last == "triton"
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.equal(lse[1], torch.full_like(lse[1], -math.inf))
+        dq, dk, dv = router.bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.25)
+        assert router.last == "triton" and not any(t.isnan().any() for t in (dq, dk, dv))
+        assert dq[1].abs().max() == 0 and dk[1].abs().max() == 0 and dv[1].abs().max() == 0
+        seg = torch.zeros(2, 12, dtype=torch.int64)
+        router.fwd(q, k, v, None, seg, None, True, 0.25)
+        assert router.last == "triton"
+        router.fwd(q, k, v, None, None, None, True, 0.25, 0, 30.0)
+        assert router.last == "triton"
+
+
+def test_pinned_backend_raises_with_the_rule_it_lacks():
+    q, k, v, _ = rand_qkv(1, 2, 2, 8, 16, F64)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    router = cpu_router()
+    with config.patch(attention_backend="cudnn"):
+        with pytest.raises(route.BackendRefused, match="key_padding_mask"):
+            router.fwd(q, k, v, mask, None, None, True, 0.25)
+        with pytest.raises(route.BackendRefused, match="window: cudnn has no causal"):
+            router.fwd(q, k, v, None, None, 3, True, 0.25)
+        with pytest.raises(route.BackendRefused, match="softcap"):
+            router.fwd(q, k, v, None, None, None, True, 0.25, 0, 5.0)
+        router.fwd(q, k, v, None, None, 8, True, 0.25)   # window >= S hides nothing: served
+        assert router.last == "cudnn"
+    with config.patch(attention_backend="efficient"):
+        with pytest.raises(route.BackendRefused, match="availability: efficient"):
+            router.fwd(q, k, v, None, None, None, True, 0.25)
+
+
+def test_default_settings_route_every_call_to_triton():
+    """The shipped table holds no measurement: with the default settings every call, whatever
+    the device offers, goes to the fallback (the Triton launchers on CUDA)."""
+    assert config.KernelConfig().attention_backend == "auto"
+    assert config.KernelConfig().attention_table == ""
+    shipped = route.load_table(route.SHIPPED_TABLE)
+    assert shipped.always_triton and shipped.rules == ()
+    q, k, v, dout = rand_qkv(1, 4, 2, 16, 16, torch.float32)
+    router = cpu_router()
+    with config.patch(attention_backend="auto", attention_table=""):
+        assert route.current_table() == shipped
+        out, lse = router.fwd(q, k, v, None, None, None, True, 0.25)
+        assert router.last == "triton"
+        ref = cpu_ops.attention_fwd(q, k, v, None, None, None, True, 0.25)
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    call = route.Call("fwd", torch.bfloat16, 1, 32, 8, 282, 4096, 128, True, 3814)
+    assert route.choose(call, _sm90(), "auto", shipped) == "triton"
+
+
+# ---- the rules on described calls --------------------------------------------------------------
+def _sm90(**kw):
+    base = dict(arch="sm90", backends=frozenset(route.VENDOR),
+                dtypes={"flash": route._HALF, "cudnn": route._HALF,
+                        "efficient": frozenset((torch.float16, torch.bfloat16, torch.float32))},
+                max_head_dim={"flash": 256, "cudnn": 128, "efficient": 256},
+                window=frozenset(("flash",)))
+    base.update(kw)
+    return route.Capabilities(**base)
+
+
+def _call(**kw):
+    base = dict(phase="fwd", dtype=torch.bfloat16, B=1, Hq=32, Hkv=8, Sq=1024, Sk=1024, D=128,
+                causal=True)
+    base.update(kw)
+    return route.Call(**base)
+
+
+@pytest.mark.parametrize("change, backend, rule", [
+    (dict(dtype=torch.float32), "flash", "dtype: flash takes bf16, fp16"),
+    (dict(dtype=torch.float32), "cudnn", "dtype: cudnn"),
+    (dict(dtype=torch.float64), "efficient", "dtype: efficient"),
+    (dict(D=256), "cudnn", "head_dim: cudnn takes multiples of 8 up to 128"),
+    (dict(D=72 + 4), "flash", "head_dim: flash"),
+    (dict(D=288), "flash", "head_dim"),
+    (dict(masked=True), "flash", "key_padding_mask"),
+    (dict(segments=True), "efficient", "segment_ids"),
+    (dict(softcap=50.0), "flash", "softcap"),
+    (dict(window=128), "cudnn", "window: cudnn has no causal"),
+    (dict(window=128), "efficient", "window"),
+    (dict(window=128, causal=False), "flash", "window: flash has no non-causal"),
+    (dict(Sq=0, Sk=0, causal=False), "flash", None),   # nothing to compute: Triton, no raise
+    (dict(Sq=4096, Sk=1 << 20, q_offset=(1 << 20) - 4096), "efficient", "gqa: efficient"),
+])
+def test_each_rule_excludes_the_backend(change, backend, rule):
+    call = _call(**change)
+    lacking = route.refusals(backend, call, _sm90())
+    if rule is None:
+        assert route.choose(call, _sm90(), backend) == "triton"
+        return
+    assert any(rule in r for r in lacking), lacking
+    with pytest.raises(route.BackendRefused, match=rule.split(":")[0]):
+        route.choose(call, _sm90(), backend)
+    table = route.Table(rules=({"backends": (backend, "triton")},))
+    assert route.choose(call, _sm90(), "auto", table) == "triton"
+
+
+def test_served_calls():
+    caps = _sm90()
+    for backend in route.VENDOR:
+        assert route.refusals(backend, _call(), caps) == []
+        assert route.refusals(backend, _call(q_offset=3000, Sq=282, Sk=3282), caps) == []
+    assert route.refusals("flash", _call(window=512), caps) == []     # causal window: flash
+    assert route.refusals("cudnn", _call(window=1024), caps) == []    # window >= keys: none
+    assert route.refusals("efficient", _call(dtype=torch.float32, D=84), caps) == []
+    # rows that see nothing: a call with no keys
+    assert any("empty rows" in r for r in route.refusals(
+        "flash", _call(Sk=0, causal=False, Sq=4), caps))
+    assert route.refusals("flash", _call(), _sm90(backends=frozenset()))[0].startswith(
+        "availability")
+
+
+def test_backward_determinism():
+    """A vendor backward serves by default (attention_dq "separate") only if deterministic:
+    efficient (num_splits_key=1); flash only under torch's deterministic flag; cudnn never.
+    "atomic" or a pin allows any."""
+    caps = _sm90()
+    bwd = _call(phase="bwd")
+    table = route.Table(rules=({"phase": "bwd", "backends": ("cudnn", "flash", "efficient")},
+                               {"backends": ("cudnn",)}))
+    assert route.choose(_call(), caps, "auto", table, "separate") == "cudnn"   # forward
+    assert route.choose(bwd, caps, "auto", table, "separate") == "efficient"
+    assert route.choose(bwd, caps, "auto", table, "atomic") == "cudnn"
+    assert route.choose(bwd, caps, "cudnn", None, "separate") == "cudnn"        # pinned
+    only_flash = route.Table(rules=({"backends": ("flash",)},))
+    assert route.choose(bwd, caps, "auto", only_flash, "separate") == "triton"
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert route.choose(bwd, caps, "auto", only_flash, "separate") == "flash"
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert route.choose(bwd, caps, "auto", only_flash, "separate") == "triton"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+# ---- the table -----------------------------------------------------------------------------------
+def test_table_rules_match_buckets(tmp_path):
+    data = {"format": route.TABLE_FORMAT, "default": "triton", "rules": [
+        {"arch": "sm90", "phase": "fwd", "chunk": True, "sq_max": 2048, "backends": "flash"},
+        {"arch": "sm90", "dtype": "bf16", "keys_min": 8192, "backends": ["cudnn", "flash"]},
+    ]}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    table = route.load_table(path)
+    assert table.lookup(_call(q_offset=1000, Sk=2024), "sm90") == ("flash",)
+    assert table.lookup(_call(q_offset=1000, Sk=2024), "sm80") == ("triton",)
+    assert table.lookup(_call(Sq=8192, Sk=8192), "sm90") == ("cudnn", "flash")
+    assert table.lookup(_call(phase="bwd", q_offset=1000, Sk=2024), "sm90") == ("triton",)
+    with config.patch(attention_table=str(path)):
+        assert route.current_table() == table
+    route.forget_tables()
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"rules": []}, "format"),
+    ({"format": route.TABLE_FORMAT, "rules": [{"backends": "sdpa"}]}, "backends"),
+    ({"format": route.TABLE_FORMAT, "rules": [{"seq": 4, "backends": "flash"}]}, "unknown key"),
+    ({"format": route.TABLE_FORMAT, "rules": [{"causal": 1, "backends": "flash"}]}, "bool"),
+    ({"format": route.TABLE_FORMAT, "rules": [{"sq_min": "4", "backends": "flash"}]}, "int"),
+])
+def test_bad_tables_name_the_file(tmp_path, data, match):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match) as info:
+        route.load_table(path)
+    assert str(path) in str(info.value)
+
+
+def test_settings_read_from_the_environment(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": route.TABLE_FORMAT}))
+    got = config.from_environment({"CKPT_EXT_ATTN_BACKEND": "cudnn",
+                                   "CKPT_EXT_ATTN_TABLE": str(path)})
+    assert (got.attention_backend, got.attention_table) == ("cudnn", str(path))
+    with pytest.raises(ValueError, match="CKPT_EXT_ATTN_BACKEND must be one of 'auto', "
+                                         "'triton', 'flash', 'cudnn', 'efficient'"):
+        config.from_environment({"CKPT_EXT_ATTN_BACKEND": "sdpa"})
+    with pytest.raises(ValueError, match="CKPT_EXT_ATTN_TABLE must be '' .* existing file"):
+        config.from_environment({"CKPT_EXT_ATTN_TABLE": str(tmp_path / "missing.json")})
+    with pytest.raises(ValueError, match="attention_table"):
+        with config.patch(attention_table=str(tmp_path / "missing.json")):
+            pass
+
+
+# ---- the CUDA plumbing with fake CUDA tensors ---------------------------------------------------
+class Recorder:
+    """Stands for torch.ops.aten inside attention_route: records every call's name and
+    arguments, then runs the op (on fake tensors: its shape function). The efficient backward's
+    shape function in torch 2.13 lacks the ``out`` argument, so it is served here with
+    the results it documents: gradients shaped like query, key, value."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        op = getattr(aten, name)
+
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name == "_efficient_attention_backward":
+                _, q, k, v = args[:4]
+                return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                        torch.empty((), device=q.device))
+            return op(*args, **kwargs)
+        return call
+
+    def named(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+def _bshd_laid(t):
+    return t.transpose(1, 2).is_contiguous()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    recorder = Recorder()
+    monkeypatch.setattr(route, "aten", recorder)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield recorder
+
+
+def _fake_inputs(B, Hq, Hkv, Sq, Sk, D, dtype=torch.bfloat16):
+    """q (B, Hq, Sq, D) and k, v (B, Hkv, Sk, D) views of (B, S, H, D) projections, as the
+    layer holds them; dout likewise; fp32 accumulators (B, Hkv, Sk, D) laid out (B, Sk, Hkv, D)."""
+    def proj(S, H):
+        return torch.empty(B, S, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+    acc = torch.zeros(B, Sk, Hkv, D, device="cuda", dtype=torch.float32).transpose(1, 2)
+    return proj(Sq, Hq), proj(Sk, Hkv), proj(Sk, Hkv), proj(Sq, Hq), acc, acc.clone()
+
+
+def _check_results(out, lse, dq, B, Hq, Sq, D, dtype):
+    assert out.shape == (B, Hq, Sq, D) and out.dtype == dtype and _bshd_laid(out)
+    assert lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert dq.shape == (B, Hq, Sq, D) and dq.dtype == dtype and _bshd_laid(dq)
+
+
+def _fake_router():
+    return route.Router(capabilities=lambda device: _sm90())
+
+
+def test_flash_plumbing_on_fake_cuda(fake_cuda):
+    """A query chunk (282 rows after 3,000 keys, GQA 32/8) in one bottom-right causal flash
+    call: (B, S, H, D) operands with a unit last stride, K/V unexpanded and cut at the chunk's
+    end, lse (B, Hq, Sq); the causal window as window_size_left."""
+    B, Hq, Hkv, Sq, off, D = 2, 32, 8, 282, 3000, 128
+    q, k, v, dout, dk_acc, dv_acc = _fake_inputs(B, Hq, Hkv, Sq, off + Sq + 50, D)
+    router = _fake_router()
+    with config.patch(attention_backend="flash"):
+        out, lse = router.fwd(q, k, v, None, None, None, True, 0.1, off)
+        dq, dk, dv = router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off,
+                                dk_acc, dv_acc)
+        router.fwd(q, k, v, None, None, 1024, True, 0.1, off)
+    _check_results(out, lse, dq, B, Hq, Sq, D, torch.bfloat16)
+    assert dk.shape == (0,) and dv.shape == (0,)
+    (_, fa, fkw), (_, wa, wkw) = fake_cuda.named("_flash_attention_forward")
+    for t, shape in zip(fa[:3], ((B, Sq, Hq, D), (B, off + Sq, Hkv, D), (B, off + Sq, Hkv, D))):
+        assert t.shape == shape and t.stride(-1) == 1
+    assert fa[3:10] == (None, None, Sq, off + Sq, 0.0, True, False) and fkw == {"scale": 0.1}
+    assert wkw == {"scale": 0.1, "window_size_left": 1023, "window_size_right": 0}
+    (_, ba, bkw), = fake_cuda.named("_flash_attention_backward")
+    assert ba[0].shape == (B, Sq, Hq, D) and ba[5].shape == (B, Hq, Sq)
+    assert ba[6:12] == (None, None, Sq, off + Sq, 0.0, True)
+
+
+def test_cudnn_plumbing_on_fake_cuda(fake_cuda):
+    """cuDNN is top-left aligned: a chunk is a non-causal call on the earlier keys and a
+    causal one on its own keys; lse comes as (B, H, S, 1) and goes back so; dK / dV of the two
+    pieces land in their slices of the accumulators."""
+    B, Hq, Hkv, Sq, off, D = 1, 8, 2, 96, 160, 64
+    q, k, v, dout, dk_acc, dv_acc = _fake_inputs(B, Hq, Hkv, Sq, off + Sq, D)
+    router = _fake_router()
+    with config.patch(attention_backend="cudnn"):
+        out, lse = router.fwd(q, k, v, None, None, None, True, 0.1, off)
+        dq, _, _ = router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off,
+                              dk_acc, dv_acc)
+        # whole sequence, no accumulators: dk / dv returned in k's dtype and layout
+        q2, k2, v2, d2, _, _ = _fake_inputs(B, Hq, Hkv, 64, 64, D)
+        o2, l2 = router.fwd(q2, k2, v2, None, None, None, True, 0.1)
+        _, dk2, dv2 = router.bwd(d2, q2, k2, v2, o2, l2, None, None, None, True, 0.1)
+    _check_results(out, lse, dq, B, Hq, Sq, D, torch.bfloat16)
+    assert dk2.shape == k2.shape and dk2.dtype == k2.dtype and _bshd_laid(dk2)
+    fwds = fake_cuda.named("_scaled_dot_product_cudnn_attention")
+    assert [(a[1].shape[2], a[6]) for _, a, _ in fwds] == [(off, False), (Sq, True), (64, True)]
+    for _, a, _ in fwds:
+        assert a[0].shape == (B, Hq, Sq if a[0].shape[2] == Sq else 64, D)
+        assert a[1].shape[1] == Hkv and a[4] is True and all(t.stride(-1) == 1 for t in a[:3])
+    bwds = fake_cuda.named("_scaled_dot_product_cudnn_attention_backward")
+    assert [(a[2].shape[2], a[14]) for _, a, _ in bwds] == [(off, False), (Sq, True), (64, True)]
+    assert bwds[0][1][5].shape == (B, Hq, Sq, 1)
+    # both pieces get the same (merged) out and lse
+    assert bwds[0][1][4] is not None and bwds[0][1][4].shape == bwds[1][1][4].shape
+
+
+def test_efficient_plumbing_on_fake_cuda(fake_cuda):
+    """efficient: K/V expanded to Hq heads, causal mask type 2 (bottom-right), lse sliced from
+    its 32-row padding and padded back for the backward, num_splits_key=1 under the default
+    deterministic setting and left to torch under "atomic"; dK / dV summed back to Hkv."""
+    B, Hq, Hkv, Sq, off, D = 1, 8, 2, 100, 60, 64
+    q, k, v, dout, dk_acc, dv_acc = _fake_inputs(B, Hq, Hkv, Sq, off + Sq, D, torch.float32)
+    router = _fake_router()
+    with config.patch(attention_backend="efficient"):
+        out, lse = router.fwd(q, k, v, None, None, None, True, 0.1, off)
+        dq, dk, dv = router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off)
+        with config.patch(attention_dq="atomic"):
+            router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off)
+    _check_results(out, lse, dq, B, Hq, Sq, D, torch.float32)
+    assert dk.shape == k.shape and _bshd_laid(dk)
+    (_, fa, fkw), = fake_cuda.named("_efficient_attention_forward")
+    assert fa[1].shape == (B, off + Sq, Hq, D) and fa[9:11] == (2, True)
+    (_, b1, k1), (_, b2, k2) = fake_cuda.named("_efficient_attention_backward")
+    assert b1[10].shape == (B, Hq, 128) and b1[14] == 2
+    assert k1["num_splits_key"] == 1 and k2["num_splits_key"] is None
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+def test_fake_non_causal_chunk_and_fp32_rules(fake_cuda, backend):
+    """A non-causal chunk sees every key (one call on all of them); fp32 reaches only
+    efficient."""
+    q, k, v, *_ = _fake_inputs(1, 4, 4, 32, 96, 64, torch.bfloat16)
+    router = _fake_router()
+    with config.patch(attention_backend=backend):
+        out, lse = router.fwd(q, k, v, None, None, None, False, 0.1, 40)
+        assert out.shape == q.shape and lse.shape == q.shape[:3]
+        q32, k32, v32, *_ = _fake_inputs(1, 4, 4, 32, 96, 64, torch.float32)
+        if backend == "efficient":
+            router.fwd(q32, k32, v32, None, None, None, False, 0.1, 40)
+        else:
+            with pytest.raises(route.BackendRefused, match="dtype"):
+                router.fwd(q32, k32, v32, None, None, None, False, 0.1, 40)
+    keys = [c[1][1].shape[1 if backend != "cudnn" else 2] for c in fake_cuda.calls
+            if "backward" not in c[0]]
+    assert keys and all(n == 96 for n in keys)
+
+
+# ---- on a GPU: each backend through the registered op ------------------------------------------
+def _gpu_backends():
+    if not torch.cuda.is_available():
+        return []
+    return sorted(route.cuda_capabilities(torch.device("cuda")).backends)
+
+
+@pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_gpu_backend_matches_fp64_in_chunks(backend, window):
+    """bf16, GQA 8/2, hd 128: whole sequence and query chunks (dK / dV into fp32 accumulators)
+    through torch.ops.ckpt_ext with the backend pinned: within 2x / 3x plain PyTorch's error
+    against float64, as the Triton kernels are."""
+    if backend not in _gpu_backends():
+        pytest.skip(f"{backend} is not available on this GPU / torch")
+    if window is not None and backend != "flash":
+        pytest.skip(f"{backend} serves no window (refused by rule)")
+    torch.manual_seed(0)
+    B, Hq, Hkv, S, D, scale = 2, 8, 2, 250, 128, 128 ** -0.5   # odd lengths: 250, 96, 58
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+                     for H in (Hq, Hkv, Hkv, Hq))
+    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale, window)
+    base = reference_grads(q, k, v, dout, True, scale, window)
+    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    ops = torch.ops.ckpt_ext
+    with config.patch(attention_backend=backend):
+        for rows in (S, 96):
+            got = attention_in_chunks(ops.attention_fwd, ops.attention_bwd, q, k, v, dout, None,
+                                      True, scale, None, window, rows)
+            assert route.CUDA_ROUTER.last == backend
+            check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
+            for name in ("dq", "dk", "dv"):
+                check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD,
+                                  scale=grad_scale)
+
+
+@pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
+def test_gpu_default_is_triton_and_auto_follows_a_table(tmp_path):
+    if not _gpu_backends():
+        pytest.skip("no SDPA backend available on this GPU / torch")
+    q, k, v = (torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    torch.ops.ckpt_ext.attention_fwd(q, k, v, None, None, None, True, 0.125)
+    assert route.CUDA_ROUTER.last == "triton"
+    backend = _gpu_backends()[0]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": route.TABLE_FORMAT, "rules": [
+        {"phase": "fwd", "backends": [backend]}]}))
+    with config.patch(attention_table=str(path)):
+        torch.ops.ckpt_ext.attention_fwd(q, k, v, None, None, None, True, 0.125)
+        assert route.CUDA_ROUTER.last == backend
+    route.forget_tables()
+
+
+@pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
+@pytest.mark.parametrize("backend", ["efficient", "flash"])
+def test_gpu_deterministic_backward_is_bitwise_repeatable(backend):
+    """What the determinism rule assumes: efficient's backward with num_splits_key=1, and
+    flash's under torch.use_deterministic_algorithms(True), repeat bit for bit (a check, not a
+    proof: a nondeterministic sum can repeat by chance)."""
+    if backend not in _gpu_backends():
+        pytest.skip(f"{backend} is not available on this GPU / torch")
+    torch.manual_seed(1)
+    q, k, v, dout = (torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    ops = torch.ops.ckpt_ext
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(backend == "flash")
+        with config.patch(attention_backend=backend, attention_dq="separate"):
+            out, lse = ops.attention_fwd(q, k, v, None, None, None, True, 0.1)
+            runs = [ops.attention_bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1)
+                    for _ in range(5)]
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, runs[0]))
+
+
+def _table(table):
+    """A block in which current_table() returns ``table``."""
+    class Block:
+        def __enter__(self):
+            self.saved = dict(route._tables)
+            route._tables.clear()
+            path = config.current().attention_table or str(route.SHIPPED_TABLE)
+            route._tables[path] = table
+
+        def __exit__(self, *exc):
+            route._tables.clear()
+            route._tables.update(self.saved)
+    return Block()
+
+
+def test_cuda_registration_goes_through_the_router():
+    """The CUDA implementations registered by ckpt_ext._backend: attention through this
+    module's router, the other ops their Triton launchers."""
+    from ckpt_ext import _backend
+    assert _backend._cuda_impl("attention_fwd") is route.attention_fwd
+    assert _backend._cuda_impl("attention_bwd") is route.attention_bwd
+    assert _backend._cuda_impl("swiglu_fwd").__name__ == "swiglu_fwd"
+    assert route.CUDA_ROUTER.fallback_fwd is route._triton_fwd
+    assert route.CUDA_ROUTER.adapters is route.ADAPTERS
