@@ -160,7 +160,7 @@ def main(argv=None):
             measured, extra = peak, ""
         flops, recompute = step_flops(args, preset)
         per_layer_1m = t / args.layers * (2**20 / args.seq) ** 2 * 32
-        print(f"{name:<22} peak {gib(measured)} GiB / modelled {gib(modelled)} "
+        print(f"{name:<22} peak {gib(measured)} GiB / modelled {gib(modelled)} GiB "
               f"= {measured / modelled:.3f} ({measured / T / 1024:.1f} / "
               f"{modelled / T / 1024:.1f} KiB/token){extra}", flush=True)
         print(f"{name:<22} step {t:8.2f} s (first {first:.2f} s)  {flops / 1e12:.4g} TFLOP "
