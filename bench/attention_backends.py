@@ -1,8 +1,8 @@
 """Attention per backend at the attention issue's shapes, the layer's own chunk calls included.
 
 Rows (GPU defaults: bf16, D 128, Hq/Hkv 32/8, causal, B 1): whole sequences S 32K and 8K
-(``--seqs``; the first runs first, the others last), and the layer's query chunks against all their keys (``--chunks Sq:Sk``): the
-chunk rows ``plan.layer_chunk_rows`` gives at LLaMA-3-8B dims under the kernels' byte cap
+(``--seqs``; the first runs first, the others last), and the layer's query chunks against
+all their keys (``--chunks Sq:Sk``): the chunk rows ``plan.layer_chunk_rows`` gives at LLaMA-3-8B dims under the kernels' byte cap
 (282 at 64 MiB), and 1056 rows (two waves of 128-row programs for 32 heads on 132 SMs), each
 the last chunk of S 32K (and of S 128K for the 282 rows), i.e. causal aligned to the bottom
 right (query i at position Sk - Sq + i).

@@ -35,15 +35,13 @@ always exits 0 (it reports; the tests check). Sizes: B 2, Hq 4, Hkv 2, D 128, S 
 from __future__ import annotations
 
 import argparse
+import datetime
 import inspect
 import math
-import os
+import platform
 import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import provenance  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 aten = torch.ops.aten
@@ -287,8 +285,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
     tol = 1e-3 if dtype == torch.float32 else 2e-2
-    for line in provenance(a.device):
-        print(f"# {line}")
+    # provenance without importing ckpt_ext (bench/_harness.py does): this part has 15 s
+    dev = (f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+           if a.device.startswith("cuda") else f"CPU ({platform.machine()})")
+    print(f"# device: {dev}")
+    print(f"# versions: torch {torch.__version__}, python {platform.python_version()}")
+    print(f"# command: python {' '.join(sys.argv)}")
+    print(f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     print(f"# B 2, Hq 4, Hkv 2 (gqa), D {a.head_dim}, S {a.seq}, {dtype}, {a.device}; "
           f"tolerance {tol:g}")
     for name in a.ops:
