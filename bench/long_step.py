@@ -17,10 +17,12 @@ the device at a time. Per setup:
   or ``plan.offload_step_peak`` (with: the model counts the device pool at every phase, so the
   measured figure compared is the peak plus the pool the first step allocated, or the peak
   alone when the pool grew inside the measured step, after a shorter first step); the
-  host pool beside the plan's host bytes; the step's FLOPs (the dense matmuls 6 N T, the
-  attention's forward and backward 3.5 x 4 Hq D pairs per layer, and
-  ``plan.recompute_flops``), the achieved TFLOP/s and, by S^2, the time of 32 such layers at
-  S 1M (the step time over the layers, head included, so an upper bound).
+  host pool beside the plan's host bytes; the step's FLOPs (``plan.step_flops`` where the
+  plan has it, else the dense matmuls 6 N T, the attention's forward and backward 3.5 x 4 Hq D
+  pairs per layer, and ``plan.recompute_flops``), the achieved TFLOP/s and, by S^2, the time
+  of 32 such layers at S 1M (the step time over the layers, head included, so an upper
+  bound); where the plan has ``step_time_estimate``, the step time / the plan's estimate
+  (which leaves the host link out) and the plan's 32-layer step at S 1M.
 
 Ends with the offload/none step-time ratio for each preset measured both ways.
 
@@ -160,12 +162,25 @@ def main(argv=None):
             measured, extra = peak, ""
         flops, recompute = step_flops(args, preset)
         per_layer_1m = t / args.layers * (2**20 / args.seq) ** 2 * 32
+        plan_flops = getattr(plan, "step_flops", None)
+        if plan_flops is not None:     # the plan's own count, where this commit has it
+            flops = sum(plan_flops(preset, dims, args.vocab, args.batch, args.seq).values())
+        estimate = getattr(plan, "step_time_estimate", None)
+        if estimate is not None:
+            est = estimate(preset, dims, args.vocab, args.batch, args.seq)
+            est_1m = estimate(preset, dims[:1] * 32, args.vocab, args.batch, 2**20)
+            time_text = (f"step {t:.3g} s / modelled {est:.3g} s = {t / est:.3g} "
+                         f"(plan.step_time_estimate{', no host link' if offload else ''}; "
+                         f"at S 1M, 32 layers: {est_1m / 60:.1f} min)")
+        else:
+            time_text = "no time model in this commit's ckpt_ext.plan (step_time_estimate)"
         print(f"{name:<22} peak {gib(measured)} GiB / modelled {gib(modelled)} GiB "
               f"= {measured / modelled:.3f} ({measured / T / 1024:.1f} / "
               f"{modelled / T / 1024:.1f} KiB/token){extra}", flush=True)
         print(f"{name:<22} step {t:8.2f} s (first {first:.2f} s)  {flops / 1e12:.4g} TFLOP "
               f"({recompute / 1e12:.4g} recompute) = {flops / t / 1e12:.3g} TFLOP/s  32 "
               f"layers at S 1M by S^2: {per_layer_1m / 60:.1f} min", flush=True)
+        print(f"{name:<22} {time_text}", flush=True)
     for preset in FUSED:
         a, b = times.get(preset), times.get(f"{preset}+offload")
         if a and b:
