@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # GPU validation for a session that is lent a device machine (see the GPU validation issue).
-# Run on the device machine from the repository root, one stage or several per call (each call
-# is limited to 10 minutes):
+# The one prepared call (build, then the issue's parts a-g each under its own timeout, about
+# 450 s after the build, at most 8 files under $OUT, a one-screen summary last):
+#     OUT=$OUT bash tools/gpu_validate.sh quick
+#     bash tools/gpu_validate.sh quick --dry-run    # CPU, tiny sizes (tests/test_gpu_validate.py)
+# (tools/gpu_quick.sh, which `quick` runs, says what each part does.)
+# The older stages, one or several per call (each call is limited to 10 minutes):
 #     OUT=$OUT bash tools/gpu_validate.sh build test      # then, in later calls:
 #     OUT=$OUT bash tools/gpu_validate.sh build block kernels
 #     OUT=$OUT bash tools/gpu_validate.sh build capacity
@@ -26,6 +30,10 @@
 # gpu_bench.log and gpu_results.tgz (bench/results/*). Without $OUT, under bench/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = quick ]; then
+  shift
+  exec bash tools/gpu_quick.sh "$@"
+fi
 out="${OUT:-bench/results}"
 mkdir -p "$out"
 log() { echo "[gpu_validate $(date -u +%H:%M:%S)] $*"; }
@@ -128,7 +136,7 @@ for stage in "${expand[@]}"; do
     bundle)
       tar czf "$out/gpu_results.tgz" bench/results && log "bench/results bundled"
       ;;
-    *) echo "unknown stage '$stage' (build, test, block, kernels, capacity, peak, offload, demo, bundle, bench)"
+    *) echo "unknown stage '$stage' (quick [--dry-run] alone, or: build, test, block, kernels, capacity, peak, offload, demo, bundle, bench)"
        exit 2 ;;
   esac
 done

@@ -1,0 +1,186 @@
+"""The GPU run's prepared call (``tools/gpu_validate.sh quick``) dry-run on the CPU.
+
+A lent GPU comes for 15 minutes, one call of at most 10; a typo, a renamed flag or entry point
+in that call would waste it. ``quick --dry-run`` runs every part with the GPU's own arguments
+followed by tiny sizes (argparse takes the last, so a flag that no longer exists still fails),
+on the CPU: the probe's aten calls on meta tensors and the CPU flash kernel, the GPU-marked
+and offload CUDA tests (which skip here with their reasons), the long step and its plan
+figures, the attention backends, the LoRA profile, the layer at "256K", the demo. These tests
+check that every part ran to the end and left what the GPU run's reader needs: the files
+(8 at most, each with device, versions, command and date), the probe's one line per op and
+question, measured / modelled beside each other, the summary.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "gpu_validate.sh"
+FILES = {"quick_0_summary.txt", "quick_a_sdpa_probe.txt", "quick_b_gpu_tests.txt",
+         "quick_cf_long_step.txt", "quick_d_attention.txt", "quick_e_lora_profile.txt",
+         "quick_g_demo.txt", "quick_g_demo.png"}
+PROBE_OPS = ("flash", "cudnn", "efficient", "flash_varlen", "efficient_varlen", "varlen_attn",
+             "cpu_flash")
+QUESTIONS = ("meta", "mha", "gqa", "gqa_bwd", "causal_sq<sk", "empty_rows", "fp32")
+
+
+def _env(out):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    env.update(OUT=str(out), PYTHON=sys.executable)
+    return env
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_quick")
+    try:
+        proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run"], cwd=ROOT,
+                              env=_env(out), capture_output=True, text=True, timeout=1200)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the dry run did not end in 20 minutes; its output so far:\n"
+                    f"{(exc.stdout or b'')[-4000:]}")
+    return proc, out
+
+
+def _read(out, name):
+    return (out / name).read_text()
+
+
+def test_unknown_argument_refused(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dryrun"], cwd=ROOT,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unknown argument '--dryrun'" in proc.stdout
+
+
+def test_every_part_runs_to_the_end(dry_run):
+    proc, out = dry_run
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
+    for part in "abcdefg":
+        assert re.search(rf"^{part} ok ", summary, re.M), f"part {part} not ok:\n{summary}"
+    assert "build skipped (dry run" in proc.stdout
+    # the summary is also the last thing in quick_0_summary.txt
+    assert _read(out, "quick_0_summary.txt").rstrip().endswith(summary.rstrip().splitlines()[-1])
+
+
+def test_files_at_most_eight_each_with_provenance(dry_run):
+    proc, out = dry_run
+    names = {p.name for p in out.iterdir()}
+    assert len(names) <= 8, names
+    expected = set(FILES)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib not importable: the demo writes no plot, so quick_g_demo.png is "
+              "not expected")
+        expected.discard("quick_g_demo.png")
+    assert names == expected, proc.stdout[-3000:]
+    for name in sorted(names - {"quick_g_demo.png"}):
+        text = _read(out, name)
+        assert text.startswith("# device: CPU dry run"), (name, text[:300])
+        for field in ("# versions: torch ", "# git: ", "# command: ", "# date: 20"):
+            assert field in text, (name, field)
+    # parts c and f share a file: two headers, two commands
+    cf = _read(out, "quick_cf_long_step.txt")
+    assert cf.count("# command: ") >= 2 and "# part c:" in cf and "# part f:" in cf
+
+
+def test_probe_one_line_per_op_and_question(dry_run):
+    _, out = dry_run
+    text = _read(out, "quick_a_sdpa_probe.txt")
+    for op in PROBE_OPS:
+        for q in QUESTIONS:
+            lines = re.findall(rf"^{re.escape(op)} +{re.escape(q)} +(.+)$", text, re.M)
+            assert len(lines) == 1, (op, q, lines)
+    # the CUDA ops' calls as the probe makes them, checked by their meta kernels here
+    for op in ("flash", "cudnn", "efficient", "flash_varlen", "efficient_varlen"):
+        line = re.search(rf"^{op} +meta +(.+)$", text, re.M).group(1)
+        assert line.startswith("meta kernel: out (2, 4, 32, 16), lse ("), (op, line)
+    # and the CPU flash kernel answers every question: its alignment is top-left
+    assert re.search(r"^cpu_flash +causal_sq<sk +top-left ", text, re.M), text
+    assert re.search(r"^cpu_flash +gqa +accepted, right", text, re.M), text
+    assert re.search(r"^cpu_flash +mha +ok .*lse \(2, 4, 32\) float32, natural log", text,
+                     re.M), text
+
+
+def test_gpu_tests_collected_and_skipped_with_reasons(dry_run):
+    _, out = dry_run
+    text = _read(out, "quick_b_gpu_tests.txt")
+    # both runs collected tests (a renamed marker or file would collect none: exit 5)
+    ends = re.findall(r"^=*\s*(\d+) skipped.* in [\d.]+s", text, re.M)
+    assert len(ends) == 2 and all(int(n) > 0 for n in ends), text[-2000:]
+    assert "needs a CUDA GPU" in text
+    assert "tests/test_offload.py" in text
+
+
+def test_long_step_measured_beside_modelled(dry_run):
+    _, out = dry_run
+    text = _read(out, "quick_cf_long_step.txt")
+    for setup in ("min_memory", "min_memory+offload"):
+        assert re.search(rf"^{re.escape(setup)} +peak [\d.e+-]+ GiB / modelled [\d.e+-]+ GiB = "
+                         rf"[\d.]+ ", text, re.M), (setup, text)
+        assert re.search(rf"^{re.escape(setup)} +step +[\d.]+ s \(first", text, re.M), setup
+    assert re.search(r"host [\d.e+-]+ GiB / modelled [\d.e+-]+ = [\d.]+", text)
+    assert "min_memory: step time offload/none" in text
+    # part f: one layer
+    assert "1 layers, B 1, S 256" in text and "2 layers, B 1, S 128" in text
+    assert "OOM" not in text
+
+
+def test_attention_backends_rows(dry_run):
+    _, out = dry_run
+    text = _read(out, "quick_d_attention.txt")
+    assert "CKPT_EXT_AUTOTUNE=1" in text
+    if '"--backend-rows"' in (ROOT / "bench" / "attention.py").read_text():
+        # the routing's bench: the op with each backend pinned, then its CSV and choice table
+        assert "bench/attention.py --backend-rows" in text
+        assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0: fwd [\d.]+ ms", text, re.M), text
+        for backend in ("flash", "cudnn", "efficient"):
+            assert re.search(rf"^ +{backend} Sq=16 Sk=64 q_offset=48: ", text, re.M), backend
+        assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), text
+        assert '"rules"' in text
+        return
+    assert "bench/attention_backends.py" in text
+    shapes = re.findall(r"^shape Sq/Sk (\d+)/(\d+): ops ([^,]+), (.+)$", text, re.M)
+    assert [(a, b) for a, b, *_ in shapes] == [("64", "64"), ("16", "64")], text
+    for _, _, ops_rate, rest in shapes:
+        assert ops_rate != "nan", text
+        for name in ("flash", "cudnn", "efficient", "cpu_flash"):
+            assert f"{name} " in rest
+    # the error column tells a top-left kernel from the bottom-right chunk call
+    cpu = dict((f"{a}/{b}", float(re.search(r"cpu_flash [^ ]+ \(err ([^)]+)\)", rest).group(1)))
+               for a, b, _, rest in shapes)
+    assert cpu["64/64"] < 1e-3 and cpu["16/64"] > 0.1, cpu
+
+
+def test_lora_profile_every_row(dry_run):
+    _, out = dry_run
+    text = _read(out, "quick_e_lora_profile.txt")
+    for row in ("none", "fast", "balanced", "min_memory", "hf", "hf@lora", "fast@lora",
+                "balanced@lora", "min_memory@lora"):
+        assert re.search(rf"^== {re.escape(row)}: step [\d.]+ ms", text, re.M), row
+    for preset in ("fast", "balanced", "min_memory"):
+        assert re.search(rf"^LoRA increment {preset} ", text, re.M), preset
+    assert "goal fast@lora <= hf@lora" in text
+    assert "Self CPU time total" in text        # the profiler's tables
+
+
+def test_demo_ran_and_left_bench_results_alone(dry_run):
+    _, out = dry_run
+    text = _read(out, "quick_g_demo.txt")
+    assert re.search(r"^min_memory,", text, re.M), text[-2000:]   # its CSV, appended
+    # the dry run writes the demo's files to a folder of its own: bench/results keeps the
+    # committed demo_cpu.* untouched
+    status = subprocess.run(["git", "status", "--porcelain", "bench/results"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if status.returncode != 0:
+        print(f"git status failed ({status.stderr.strip()}): bench/results not checked")
+        return
+    assert "demo_cpu" not in status.stdout, status.stdout

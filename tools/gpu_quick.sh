@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# The GPU issue's one prepared call: build for this GPU's architecture only, then each part
+# under its own timeout, in this order (seconds: the issue's table; QUICK_T_<PART> overrides):
+#   a  15  bench/sdpa_probe.py: per aten SDPA op, GQA unexpanded, Sq < Sk causal alignment, lse
+#   b 120  the GPU-only tests (-m gpu) and the offload CUDA tests, with xdist workers
+#   c 100  bench/long_step.py: LLaMA-3-8B dims, 4 layers, S 128K, min_memory with and without
+#          offload: peak and time, measured / modelled by ckpt_ext.plan
+#   d  60  bench/attention_backends.py: ops / flash / cuDNN / efficient at S 8K, 32K and the
+#          layer's chunk shapes (CKPT_EXT_AUTOTUNE=1 here only)
+#   e  60  bench/lora_profile.py: LLaMA-3-8B layer, PEFT LoRA r 16, bf16, S 4096, one profiled
+#          step per fused preset and HF's layer, top kernels
+#   f  45  bench/long_step.py: one layer at S 256K, min_memory with offload
+#   g  30  bench/demo.py with its defaults
+#   h  20  reserve (not run: Triton compiles on a fresh machine overrun the parts; the
+#          issue's table gives a 10 s and h 25 s: importing torch and starting CUDA and cuDNN
+#          take a few seconds of a's)
+# CKPT_EXT_AUTOTUNE=0 except in part d. Files under $OUT (8 at most; each starts with device,
+# versions, git commit, command and date): quick_0_summary.txt (environment, build log, the
+# summary), quick_a_sdpa_probe.txt, quick_b_gpu_tests.txt, quick_cf_long_step.txt (c and f),
+# quick_d_attention.txt, quick_e_lora_profile.txt, quick_g_demo.txt, quick_g_demo.png. The
+# one-screen summary is printed last.
+#
+#   OUT=$OUT bash tools/gpu_validate.sh quick              # on the device machine
+#   bash tools/gpu_validate.sh quick --dry-run             # on the CPU: tiny sizes, no build
+#   (GPU_VALIDATE_DRY=1 does the same as --dry-run; tests/test_gpu_validate.py runs it)
+#
+# The dry run runs every part's own entry points at tiny sizes on the CPU (ATen kernels; the
+# tests' Triton interpreter setting), skips the CUDA build (the installed package is used) and
+# leaves bench/results alone. Exit status: 0 when every part ran to the end, 1 otherwise
+# (a part's status is in the summary: ok, FAILED rc N, TIMEOUT, SKIPPED). QUICK_DEADLINE
+# (575 s after the start) caps the last parts' timeouts, so that the summary prints inside the
+# device tool's 600 s; the call's timeout_s should be 600.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dry="${GPU_VALIDATE_DRY:-0}"
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry=1 ;;
+    *) echo "gpu_quick: unknown argument '$arg' (only --dry-run)"; exit 2 ;;
+  esac
+done
+[ "$dry" = 0 ] || dry=1
+py="${PYTHON:-python3}"
+out="${OUT:-bench/results/quick_$(date -u +%Y%m%d_%H%M)}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 CKPT_EXT_AUTOTUNE=0
+start=$SECONDS
+deadline="${QUICK_DEADLINE:-575}"   # seconds after the start; the dry run: none to speak of
+[ "$dry" = 1 ] && deadline="${QUICK_DEADLINE:-100000}"
+log() { echo "[gpu_quick $(date -u +%H:%M:%S) +$((SECONDS - start))s] $*"; }
+
+if [ "$dry" = 1 ]; then
+  export CUDA_VISIBLE_DEVICES=""          # the CPU paths, even on a machine with a GPU
+  export TRITON_INTERPRET=1               # as tests/conftest.py sets it without a GPU
+  device="CPU dry run ($(uname -m), $(nproc) cores): tiny sizes, NOT figures"
+else
+  device="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 \
+            | head -1)"
+fi
+versions="$($py -c "
+import sys, platform, torch
+out = ['torch ' + torch.__version__, 'cuda ' + str(torch.version.cuda)]
+for name in ('triton', 'transformers', 'peft'):
+    try:
+        out.append(name + ' ' + __import__(name).__version__)
+    except Exception as exc:
+        out.append(name + ' missing (' + type(exc).__name__ + ')')
+print(', '.join(out + ['python ' + platform.python_version()]))
+" 2>&1 | tail -1)"
+# the device machine's copy of the tree may have no .git: QUICK_COMMIT=<hash> names it there
+if [ -n "${QUICK_COMMIT:-}" ]; then
+  commit="$QUICK_COMMIT (as the caller said)"
+elif commit="$(git rev-parse --short HEAD 2>/dev/null)"; then
+  git diff --quiet HEAD 2>/dev/null || commit="$commit+uncommitted changes"
+else
+  commit="unknown (no git here)"
+fi
+
+header() {   # header COMMAND...: the provenance lines each file starts with
+  echo "# device: $device"
+  echo "# versions: $versions"
+  echo "# git: $commit"
+  echo "# command: $*"
+  echo "# date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+}
+
+summary_file="$out/quick_0_summary.txt"
+{ header "bash tools/gpu_validate.sh quick$([ "$dry" = 1 ] && echo ' --dry-run')"
+  echo "# OUT=$out CKPT_EXT_AUTOTUNE=0 (part d: 1)"
+  [ "$dry" = 1 ] || nvidia-smi 2>&1
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  echo "load average: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"
+} > "$summary_file"
+cat "$summary_file"
+
+# ---- build ---------------------------------------------------------------------------------
+if [ "$dry" = 1 ]; then
+  log "build skipped (dry run: no CUDA build on the CPU; the installed package is used)"
+  $py -c "import ckpt_ext, ckpt_ext._C as C; print('ckpt_ext from', ckpt_ext.__file__, '| with_cuda', C.with_cuda)" \
+      >> "$summary_file" 2>&1 || { log "ckpt_ext does not import"; exit 1; }
+else
+  arch=$($py -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  log "build (CUDA extension, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch})"
+  t0=$SECONDS
+  echo "== build: TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}" >> "$summary_file"
+  if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" MAX_JOBS="${MAX_JOBS:-16}" \
+      $py -m pip install --no-build-isolation --no-deps -e . >> "$summary_file" 2>&1; then
+    tail -40 "$summary_file"; log "build FAILED"; exit 1
+  fi
+  $py -c "import ckpt_ext; assert ckpt_ext._C.with_cuda, 'not a CUDA build'; print('CUDA build loaded')" \
+      >> "$summary_file" 2>&1 || { tail -5 "$summary_file"; log "build does not load"; exit 1; }
+  log "build done in $((SECONDS - t0)) s"
+fi
+parts_start=$SECONDS
+
+# ---- the parts -----------------------------------------------------------------------------
+declare -a status_lines=()
+failed=0
+part() {   # part ID SECONDS FILE TITLE SCRIPT: SCRIPT (bash) under `timeout SECONDS`
+  local id=$1 secs=$2 file="$out/$3" title=$4 script=$5 rc t0=$SECONDS
+  local var="QUICK_T_${id^^}"
+  secs="${!var:-$secs}"
+  # the dry run: the same timeouts would measure the CPU's load, not the script
+  [ "$dry" = 1 ] && secs="${QUICK_DRY_TIMEOUT:-150}"
+  # the call's own deadline (the device tool stops a command at 600 s): a slow build or an
+  # overrun shortens the last parts, and the summary still prints
+  local left=$(( deadline - (SECONDS - start) - 20 ))
+  if [ "$left" -lt 5 ]; then
+    status_lines+=("$(printf '%s %-9s %4d/%3d s  %-40s %s' "$id" "SKIPPED" 0 "$secs" "$title" \
+                      "(deadline: ${deadline} s after the start)")")
+    log "part $id skipped: the ${deadline} s deadline is near"; failed=1; return
+  fi
+  [ "$secs" -gt "$left" ] && secs=$left
+  log "part $id ($secs s): $title"
+  [ -s "$file" ] && echo >> "$file"
+  { header "$script"; echo "# part $id: $title (timeout $secs s)"; } >> "$file"
+  timeout -k 10 "$secs" bash -c "$script" >> "$file" 2>&1
+  rc=$?
+  local what="ok"
+  if [ $rc = 124 ] || [ $rc = 137 ]; then what="TIMEOUT"; failed=1
+  elif [ $rc != 0 ]; then what="FAILED rc $rc"; failed=1; fi
+  echo "# part $id: $what after $((SECONDS - t0)) s" >> "$file"
+  status_lines+=("$(printf '%s %-9s %4d/%3d s  %-40s %s' "$id" "$what" $((SECONDS - t0)) "$secs" \
+                    "$title" "$(basename "$file")")")
+  log "part $id: $what after $((SECONDS - t0)) s"
+}
+
+# The GPU's arguments; the dry run passes the same ones with tiny sizes after them (argparse
+# takes the last), so that a renamed or mistyped flag fails here on the CPU too.
+long_model="--device cuda --dtype bfloat16 --hidden 4096 --intermediate 14336 --heads 32"
+long_model="$long_model --kv-heads 8 --vocab 128256 --warmup-seq 4096"
+c_args="$long_model --layers 4 --seq ${LONG_SEQ:-131072} --setups min_memory min_memory+offload"
+f_args="$long_model --layers 1 --seq ${LAYER_SEQ:-262144} --setups min_memory+offload"
+probe_args="" d_args="" e_args="" demo_args=""
+workers=""
+$py -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-8}"
+if [ "$dry" = 1 ]; then
+  workers=""
+  tiny_model="--device cpu --dtype float32 --hidden 64 --intermediate 128 --heads 4"
+  tiny_model="$tiny_model --kv-heads 2 --vocab 256"
+  probe_args="--seq 32 --head-dim 16"
+  c_args="$c_args $tiny_model --layers 2 --seq 128 --warmup-seq 32"
+  f_args="$f_args $tiny_model --seq 256 --warmup-seq 32"
+  d_args="--device cpu --dtype float32 --heads 4:2 --head-dim 16 --seqs 64 --chunks 16:64"
+  d_args="$d_args --warmup 0 --reps 1"
+  e_args="--hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --seq 32 --lora 4"
+  e_args="$e_args --warmup 0 --reps 1 --top 5"
+fi
+# The demo: its defaults on the GPU, its outputs into a folder of this run (then into $OUT);
+# its flags change (the front-door issue): the dry run passes the tiny sizes it lists in --help.
+demo_dir=$(mktemp -d)
+grep -q -- '"--out"' bench/demo.py && demo_args="--out $demo_dir"
+if [ "$dry" = 1 ]; then
+  demo_help=$($py bench/demo.py --help 2>&1)
+  for pair in "--device cpu" "--layers 2" "--hidden 32" "--heads 4" "--kv-heads 2" \
+              "--intermediate 64" "--vocab 128" "--seq 32" "--seqs 24,40" "--batch 1" \
+              "--steps 1" "--warmup 1" "--presets none min_memory"; do
+    grep -qE -- "(^|[^a-z-])${pair%% *}([ ,=]|\$)" <<<"$demo_help" && demo_args="$demo_args $pair"
+  done
+fi
+gpu_files=$(grep -l "mark\.gpu" tests/test_*.py | tr '\n' ' ')
+stamp=$(mktemp)
+
+part a 15 quick_a_sdpa_probe.txt "probe: aten SDPA ops (GQA, Sq<Sk, lse)" \
+  "$py bench/sdpa_probe.py $probe_args"
+part b 120 quick_b_gpu_tests.txt "GPU-only tests and offload CUDA tests" \
+  "r=0; timeout ${QUICK_T_B_GPU:-85} $py -m pytest -v -ra -p no:cacheprovider $workers -m gpu $gpu_files || r=\$?
+   echo '# offload CUDA tests'
+   timeout ${QUICK_T_B_OFFLOAD:-30} $py -m pytest -v -ra -p no:cacheprovider tests/test_offload.py -k cuda || r=\$?
+   exit \$r"
+part c 100 quick_cf_long_step.txt "LLaMA-3-8B x4, S 128K, min_memory +-offl." \
+  "$py bench/long_step.py $c_args"
+att_dir=$(mktemp -d)
+if grep -q -- '"--backend-rows"' bench/attention.py; then
+  # the attention routing's own bench: ckpt_ext's op with each backend pinned (merges
+  # included) at the layer's call shapes, and the choice table the times give
+  d_script="$py bench/attention.py --backend-rows --backends triton,flash,cudnn,efficient \
+    --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 282,1056 --chunk-keys 32768 \
+    --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
+  [ "$dry" = 1 ] && d_script="$d_script --backend-shape 1,4,2,16 --backend-seqlens 64 \
+    --chunk-rows 16 --chunk-keys 64 --warmup 0 --reps 1"
+  d_script="$d_script; r=\$?; cat $att_dir/attention_backends.csv $att_dir/table.json; exit \$r"
+else
+  d_script="$py bench/attention_backends.py $d_args"
+fi
+part d 60 quick_d_attention.txt "attention per backend, whole and chunks" \
+  "export CKPT_EXT_AUTOTUNE=1; $d_script"
+part e 60 quick_e_lora_profile.txt "LoRA profile: LLaMA-3-8B layer, r 16" \
+  "$py bench/lora_profile.py $e_args"
+part f 45 quick_cf_long_step.txt "one layer, S 256K, min_memory+offload" \
+  "$py bench/long_step.py $f_args"
+part g 30 quick_g_demo.txt "demo (its defaults)" \
+  "$py bench/demo.py $demo_args; r=\$?
+   for f in \$(find $demo_dir -maxdepth 1 -name 'demo_*.csv' -newer $stamp); do echo \"# \$f\"; cat \"\$f\"; done
+   exit \$r"
+png=$(find "$demo_dir" -maxdepth 1 -name 'demo_*.png' -newer "$stamp" 2>/dev/null | head -1)
+[ -n "$png" ] && cp "$png" "$out/quick_g_demo.png"
+rm -rf "$demo_dir"
+rm -rf "$stamp" "$att_dir"
+
+# ---- the summary: one screen ---------------------------------------------------------------
+{
+  echo
+  echo "================ gpu_validate quick: summary ($device; $commit)"
+  echo "parts took $((SECONDS - parts_start)) s after the build (budget 450 s); all $((SECONDS - start)) s"
+  printf '%s\n' "${status_lines[@]}"
+  echo "-- a: GQA unexpanded / Sq<Sk causal alignment"
+  grep -E "^(flash|cudnn|efficient|flash_varlen|efficient_varlen|varlen_attn) +(gqa|causal_sq<sk) " \
+      "$out/quick_a_sdpa_probe.txt" | cut -c1-110
+  echo "-- b: tests"
+  grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" \
+      "$out/quick_b_gpu_tests.txt" | cut -c1-110
+  grep -E "^(FAILED|ERROR) " "$out/quick_b_gpu_tests.txt" | head -8 | cut -c1-150
+  echo "-- c/f: measured / modelled"
+  grep -E "(peak|step) .*(modelled|TFLOP/s)|OOM|offload/none" "$out/quick_cf_long_step.txt" | cut -c1-150
+  echo "-- d: f+b TFLOP/s per shape (rel err vs ops)"
+  grep -E "^shape " "$out/quick_d_attention.txt" | cut -c1-150
+  echo "-- e: LoRA"
+  grep -E "^(step ms|LoRA increment|goal)" "$out/quick_e_lora_profile.txt" | cut -c1-150
+  echo "-- g: demo"
+  grep -v "^#" "$out/quick_g_demo.txt" | tail -7 | cut -c1-150
+  echo "files: $(cd "$out" && ls | tr '\n' ' ')"
+} > "$out/.summary"
+cat "$out/.summary" >> "$summary_file"
+cat "$out/.summary"
+rm -f "$out/.summary"
+exit $failed
