@@ -6,7 +6,12 @@
 // Both are computed in the compute dtype (float32; float64 for float64), as ATen's silu / gelu.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
+#include <ATen/ops/promote_types.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/silu_backward.h>
 #include <c10/util/string_view.h>
 
 #include <string>

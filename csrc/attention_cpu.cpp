@@ -45,8 +45,23 @@
 // Parallelism: at::parallel_for over (batch, kv head, query tile) in forward and over
 // (batch, kv head) in backward, for problems of at least kParallelMinWork; each work item
 // writes a disjoint part of the outputs. ATen ops inside a work item run single-threaded.
-#include <ATen/ATen.h>
+// Per-operator headers only (<ATen/ops/*.h>, which torch installs): with these two macros,
+// <ATen/Functions.h> (every operator, the bulk of a compile) is a compile error here.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/logaddexp.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>

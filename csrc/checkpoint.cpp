@@ -35,15 +35,20 @@
 // twice. When backward runs with grad mode on (create_graph=True) the gradient is taken with
 // create_graph and each SegmentInput is then connected to its input, so the gradient's own
 // graph reaches the original tensors.
-#include <torch/extension.h>
-
+// Not <torch/extension.h> (the whole C++ frontend: nn, optim, data, serialization): the
+// autograd Function's headers and torch's pybind11 casters for tensors.
+#include <ATen/Context.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
 #include <c10/util/Type.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <mutex>

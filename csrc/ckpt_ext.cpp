@@ -16,6 +16,11 @@
 //   * SwiGLU ops take tokens flattened to x (T, H); weights in nn.Linear layout
 //     (w_gate, w_up: (I, H); w_down: (H, I));
 //   * an output that does not apply (no bias, gate/up not requested) is an empty (0,) tensor.
+// Per-operator headers only (<ATen/ops/*.h>, which torch installs): with these two macros,
+// <ATen/Functions.h> (every operator, the bulk of a compile) is a compile error here.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>

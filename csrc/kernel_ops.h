@@ -4,8 +4,10 @@
 // for these tensors (CPU ATen, Triton from Python, CUDA C++).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/string_view.h>
 
 #include <mutex>
 #include <optional>

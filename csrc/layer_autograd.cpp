@@ -1,10 +1,12 @@
 // decoder_layer: the C++ autograd Function over decoder_layer_fwd / decoder_layer_bwd, its
 // Autocast and below-autograd kernels, their registrations, and what Python reads of the
 // layer's spec (csrc/layer_spec.h): the weight slots and the residuals of each part and preset.
-#include <ATen/ATen.h>
+// <ATen/autocast_mode.h> brings in <ATen/ATen.h> (every operator), so this file cannot take
+// the per-operator headers' guard; the autograd Function needs only custom_function.h.
 #include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <string>

@@ -1,9 +1,25 @@
 // The fused decoder layer's math: the ops decoder_layer_fwd and decoder_layer_bwd (their
 // arguments, slots and residuals: csrc/layer_spec.h). The kernels are called through the
 // dispatcher (csrc/kernel_ops.h), so each runs on the backend registered for its tensors.
+// Per-operator headers only (<ATen/ops/*.h>, which torch installs): with these two macros,
+// <ATen/Functions.h> (every operator, the bulk of a compile) is a compile error here.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "layer_spec.h"
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/isneginf.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/promote_types.h>
+#include <ATen/ops/result_type.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <array>
 #include <cmath>

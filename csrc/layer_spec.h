@@ -46,8 +46,11 @@
 // nn.Linear layout.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/string_view.h>
 
 #include <array>
 #include <optional>
@@ -207,15 +210,19 @@ struct LayerOptions {
   CKPT_LAYER_EACH(OPTION, CKPT_LAYER_FIELD_)
 #undef CKPT_LAYER_FIELD_
 
-  // Into / out of an autograd context's saved_data, one entry per option, by name.
-  void save(torch::autograd::AutogradContext* ctx) const {
+  // Into / out of an autograd context's saved_data, one entry per option, by name. Context is
+  // torch::autograd::AutogradContext, a template parameter so that this header, which every
+  // file of the layer includes, does not pull in the autograd headers.
+  template <class Context>
+  void save(Context* ctx) const {
     auto& d = ctx->saved_data;
 #define CKPT_LAYER_SAVE_(param, name) d[#name] = to_ivalue(name);
     CKPT_LAYER_EACH(OPTION, CKPT_LAYER_SAVE_)
 #undef CKPT_LAYER_SAVE_
   }
 
-  static LayerOptions load(torch::autograd::AutogradContext* ctx) {
+  template <class Context>
+  static LayerOptions load(Context* ctx) {
     auto& d = ctx->saved_data;
     LayerOptions o;
 #define CKPT_LAYER_LOAD_(param, name) o.name = from_ivalue<decltype(o.name)>(d[#name]);

@@ -15,7 +15,7 @@
 // be made there too (tests/test_lora_dropout.py compares the two bit for bit).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -1,7 +1,13 @@
 // CPU implementation of lora_dropout (see csrc/lora_dropout.h for the mask).
+// Per-operator headers only (<ATen/ops/*.h>, which torch installs): with these two macros,
+// <ATen/Functions.h> (every operator, the bulk of a compile) is a compile error here.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "lora_dropout.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

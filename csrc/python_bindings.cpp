@@ -1,7 +1,15 @@
 // The Python module ckpt_ext._C: loading it registers every TORCH_LIBRARY block of the
 // extension; the functions bound here are the pieces that cannot go through the dispatcher
 // (the segment checkpoint takes a Python callable).
-#include <torch/extension.h>
+//
+// It binds no tensor, so it needs pybind11 alone (and its STL casters), not
+// <torch/extension.h>, which alone took minutes of a two-core build.
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
 
 #include "chunking.h"
 

@@ -12,7 +12,17 @@
 // and rounded once to t's dtype.
 //
 // Every output is a new contiguous tensor.
-#include <ATen/ATen.h>
+// Per-operator headers only (<ATen/ops/*.h>, which torch installs): with these two macros,
+// <ATen/Functions.h> (every operator, the bulk of a compile) is a compile error here.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/promote_types.h>
+#include <ATen/ops/rsqrt.h>
 #include <torch/library.h>
 
 #include <string>

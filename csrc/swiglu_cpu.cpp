@@ -33,7 +33,18 @@
 // adapter's input after its conversion to the LoRA dtype (PEFT's order); backward regenerates
 // the mask from dropout_seed (csrc/lora_dropout.h) and masks the input gradient's LoRA part
 // with it.
-#include <ATen/ATen.h>
+// Per-operator headers only (<ATen/ops/*.h>, which torch installs): with these two macros,
+// <ATen/Functions.h> (every operator, the bulk of a compile) is a compile error here.
+#define AT_PER_OPERATOR_HEADERS
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/promote_types.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
