@@ -258,6 +258,7 @@ class BuildExt(BuildExtension.with_options(use_ninja=True)):
         finally:
             progress.finish(ok)
 
+
 if __name__ == "__main__":
     setup(
         packages=["ckpt_ext", "ckpt_ext.hf", "ckpt_ext.modules", "ckpt_ext.kernels"],
