@@ -174,6 +174,29 @@ def test_double_backward_raises_and_the_advice_holds():
                 fn(t), t, create_graph=True)[0], (x,))
 
 
+def test_policy_is_validated_once_where_it_is_set(monkeypatch):
+    """A DecoderLayer checks the policy it is given once (not again in each submodule), and
+    setting it checks the new value once and gives it to every submodule."""
+    from ckpt_ext.modules import layers
+    checked = []
+    real = layers.check_policy
+
+    def spy(policy, *args):
+        checked.append(policy)
+        return real(policy, *args)
+
+    monkeypatch.setattr(layers, "check_policy", spy)
+    layer = DecoderLayer(32, 4, 2, 48, qk_norm=True, policy="fast")
+    assert checked.count("fast") == 1
+    checked.clear()
+    layer.policy = "min_memory"
+    assert checked == ["min_memory"]
+    assert {m.policy for m in layer.modules() if hasattr(m, "policy")} == {"min_memory"}
+    with pytest.raises(ValueError, match="policy"):
+        layer.policy = "fastest"
+    assert layer.self_attn.q_norm.policy == "min_memory"
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="policy"):
         DecoderLayer(32, 4, 2, 48, policy="fastest")
