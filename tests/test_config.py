@@ -160,7 +160,7 @@ def test_autotune_change_rebuilds_launchers():
         with config.patch(autotune=False):
             kernel = swiglu_mlp._fwd_launcher(dev, torch.float16, "tf32", False, False, False,
                                               None)[0]
-            assert isinstance(kernel, _launch.FirstThatFits)
+            assert isinstance(kernel, _launch.Pruned) and not kernel.autotune
 
 
 @pytest.fixture
