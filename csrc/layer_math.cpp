@@ -39,6 +39,12 @@ Layer make_layer(const c10::List<OptTensor>& weights, const LayerTensors& tensor
   for (const OptTensor& t : weights) L.w.push_back(checks::absent(t) ? at::Tensor() : *t);
   L.part_id = parse_part(L.part, op);
   L.preset_id = parse_preset(L.preset, op);
+  L.num_kv_heads = options.num_kv_heads.value_or(L.num_heads);
+  const at::Tensor& wq = L.proj(kQ);
+  L.scale = options.scale ? *options.scale
+            : wq.defined() && wq.dim() == 2 && L.num_heads > 0
+                ? 1.0 / std::sqrt(static_cast<double>(wq.size(0) / L.num_heads))
+                : 1.0;
   return L;
 }
 

@@ -235,9 +235,9 @@ def test_errors_name_the_argument():
                          torch.ones(4, 32), torch.ones(32, 4), preset="none")
     w = blocks.pack_weights({"post_attention_layernorm.weight": torch.ones(32)})
     with pytest.raises(ValueError, match="preset must be one of"):
-        blocks.call_decoder_layer(torch.randn(1, 2, 32), weights=w, num_heads=1,
-                                  num_kv_heads=1, eps=1e-6, scale=1.0, part="mlp",
-                                  preset="quick")  # straight to the C++ op's own check
+        blocks.decoder_layer(torch.randn(1, 2, 32), blocks.LayerOptions(
+            weights=w, num_heads=1, num_kv_heads=1, eps=1e-6, scale=1.0, part="mlp",
+            preset="quick"))  # straight to the C++ op's own check
     with pytest.raises(ValueError, match="unknown weight names"):
         blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
 
@@ -302,7 +302,7 @@ _PART_WEIGHTS = {"layer": ("",), "attention": ("input_layernorm.", "self_attn.")
 
 
 def _layer_call(dtype, compute_dtype=None, b=2, s=5, requires_grad=False, part="layer"):
-    """x and call_decoder_layer's arguments (but preset) for a small GQA layer's ``part``,
+    """x and decoder_layer's arguments (but preset) for a small GQA layer's ``part``,
     given the weights of that part alone (as blocks.attention_block and mlp_block do)."""
     layer = make_layer(32, 4, 2, 48, dtype)
     weights = blocks.pack_weights({n: t.detach().requires_grad_(requires_grad)
@@ -315,9 +315,8 @@ def _layer_call(dtype, compute_dtype=None, b=2, s=5, requires_grad=False, part="
 
 
 def _op_args(args):
-    """The layer ops' positional arguments after x, from call_decoder_layer's by name."""
-    full = {**blocks.LAYER_DEFAULTS, **args}
-    return [full[n] for n in blocks.LAYER_ARGS]
+    """The layer ops' positional arguments after x, from decoder_layer's by name."""
+    return blocks.LayerOptions(**args).op_args()
 
 
 @pytest.mark.parametrize("dtype,compute_dtype", [(torch.float32, None), (torch.float64, None),
@@ -348,10 +347,41 @@ def test_saved_residuals_follow_the_spec_and_the_formula(dtype, compute_dtype, p
 
 def test_call_decoder_layer_names_its_arguments():
     assert blocks.LAYER_ARGS[0] == "weights" and blocks.LAYER_ARGS[-2:] == ("part", "preset")
-    assert set(blocks.LAYER_DEFAULTS) < set(blocks.LAYER_ARGS)
     x, args = _layer_call(torch.float32)
     with pytest.raises(TypeError, match="unknown arguments \\['heads'\\]"):
         blocks.call_decoder_layer(x, heads=4, **args)
+    with pytest.raises(TypeError, match="heads"):
+        blocks.LayerOptions(heads=4, **args)
+
+
+def test_options_record_is_the_registered_schema():
+    """LayerOptions has one field per argument of the registered op after x, in its order,
+    each with the schema's default (a list default as a tuple), and those without one are
+    required; the op called with the record's defaults is the op called with its own."""
+    import dataclasses
+    schema = torch.ops.ckpt_ext.decoder_layer.default._schema.arguments[1:]
+    fields = dataclasses.fields(blocks.LayerOptions)
+    assert [f.name for f in fields] == [a.name for a in schema] == list(blocks.LAYER_ARGS)
+    for f, a in zip(fields, schema):
+        if a.has_default_value():
+            d = a.default_value
+            assert f.default == (tuple(d) if isinstance(d, list) else d), f.name
+        else:
+            assert f.default is dataclasses.MISSING, f.name
+    assert [f.name for f in fields if f.default is dataclasses.MISSING] == ["weights"]
+    x, args = _layer_call(torch.float32)
+    args.pop("scale")  # the op's default: 1 / sqrt(head_dim), here 8 ** -0.5 exactly
+    explicit = blocks.decoder_layer(x, blocks.LayerOptions(**args, scale=8 ** -0.5))
+    by_op = torch.ops.ckpt_ext.decoder_layer(x, **args)  # the op's own defaults
+    torch.testing.assert_close(blocks.decoder_layer(x, blocks.LayerOptions(**args)), explicit,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(by_op, explicit, rtol=0, atol=0)
+    mha = dict(args, num_kv_heads=None, weights=None)
+    w = make_layer(32, 4, 4, 48, torch.float32)
+    mha["weights"] = blocks.pack_weights(dict(w.named_parameters()))
+    torch.testing.assert_close(blocks.decoder_layer(x, blocks.LayerOptions(**mha)),
+                               blocks.decoder_layer(x, blocks.LayerOptions(**mha)
+                                                    .replace(num_kv_heads=4)), rtol=0, atol=0)
 
 
 def _layer_opcheck_samples():

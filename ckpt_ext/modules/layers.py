@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import offload as _offload
 from .. import ops, plain
 from .._checks import _check_activation
-from ..blocks import call_decoder_layer, pack_weights
+from ..blocks import LayerOptions, decoder_layer
 from ..presets import FUSED_PRESETS, check_policy
 
 __all__ = ["LayerConfig", "RMSNorm", "SwiGLUMLP", "Attention", "DecoderLayer"]
@@ -254,13 +254,13 @@ class DecoderLayer(_WithPolicy):
 
     def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
         a = self.self_attn
-        weights = pack_weights(dict(self.named_parameters()))
-        return _offload.offloaded(
-            self.offloader, call_decoder_layer, x, [*weights, cos, sin, mask],
-            weights=weights, cos=cos, sin=sin,
-            key_padding_mask=mask, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+        options = LayerOptions(
+            weights=dict(self.named_parameters()), cos=cos, sin=sin, key_padding_mask=mask,
+            num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
             eps=self.input_layernorm.variance_epsilon, scale=a.scaling,
             activation=self.mlp.activation, preset=self.policy)
+        return _offload.offloaded(self.offloader, decoder_layer, x,
+                                  [*options.weights, cos, sin, mask], options)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
