@@ -146,7 +146,8 @@ def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **change
     x: (B, S, H); options: the op's other arguments as one ``LayerOptions`` record (weights by
     slot name, e.g. ``LayerOptions(weights=dict(hf_layer.named_parameters()), cos=cos,
     sin=sin, num_heads=32, num_kv_heads=8)``); changes: fields to set on it (or the fields of a
-    new record when ``options`` is None).
+    new record when ``options`` is None). A sublayer's part ignores the other part's weights
+    (they get no gradient), so a whole layer's weights serve every ``part``.
     """
     if options is None or changes:
         unknown = set(changes) - set(LAYER_ARGS)

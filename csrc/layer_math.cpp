@@ -1109,7 +1109,8 @@ BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARA
                    "needs_grad must have one entry per weight slot (", kNumSlots, "), got ",
                    needs_grad.size());
   std::vector<bool> needs(kNumSlots);
-  for (int64_t s = 0; s < kNumSlots; ++s) needs[s] = needs_grad.get(s) && L.at(s).defined();
+  for (int64_t s = 0; s < kNumSlots; ++s)
+    needs[s] = needs_grad.get(s) && L.at(s).defined() && uses_slot(L.part_id, s);
   Grads g(/*chunked=*/false);
   if (x.numel() == 0) {
     g.dx = at::zeros_like(x, at::MemoryFormat::Contiguous);

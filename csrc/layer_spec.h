@@ -320,6 +320,15 @@ inline Part parse_part(c10::string_view name, const char* op) {
 inline bool has_attention(Part p) { return p != Part::kMlp; }
 inline bool has_mlp(Part p) { return p != Part::kAttention; }
 
+// Whether part p reads weight slot s: a sublayer ignores the other sublayer's slots (given a
+// whole layer's weights, those get no gradient).
+inline bool uses_slot(Part p, int64_t s) {
+  if (p == Part::kLayer) return true;
+  const bool mlp_slot = s == slot(kPostNorm) || s == slot(kMlpOutNorm) ||
+                        (s >= slot(kGate, kWeight) && s < slot(kDown, kWeight) + kNumProjParts);
+  return mlp_slot == (p == Part::kMlp);
+}
+
 // ---- one call ------------------------------------------------------------------------------
 
 // Everything of a call but x and the residuals: the arguments (TENSOR ones absent = nullopt),

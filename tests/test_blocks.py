@@ -384,6 +384,37 @@ def test_options_record_is_the_registered_schema():
                                                     .replace(num_kv_heads=4)), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("part", ["attention", "mlp"])
+def test_part_given_a_whole_layer_ignores_the_other_weights(part):
+    """decoder_layer(part=...) given a whole layer's weights computes what it computes with its
+    own part's weights alone, and the other part's weights get no gradient (before: an
+    internal autograd error in backward)."""
+    layer = make_layer(32, 4, 2, 48, torch.float32)
+    cos, sin = rope_tables(5, 8, torch.float32)
+    x = torch.randn(2, 5, 32)
+
+    def grads(names):
+        w = {n: t.detach().clone().requires_grad_() for n, t in layer.named_parameters()
+             if n in names}
+        xx = x.clone().requires_grad_()
+        y = blocks.decoder_layer(xx, blocks.LayerOptions(
+            weights=w, cos=cos, sin=sin, num_heads=4, num_kv_heads=2, part=part))
+        y.backward(torch.ones_like(y))
+        return y, xx.grad, {n: t.grad for n, t in w.items()}
+
+    every = [n for n, _ in layer.named_parameters()]
+    own = [n for n in every if n.startswith(_PART_WEIGHTS[part])]
+    y, dx, g = grads(every)
+    y1, dx1, g1 = grads(own)
+    torch.testing.assert_close(y, y1, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dx1, rtol=0, atol=0)
+    for n in every:
+        if n in own:
+            torch.testing.assert_close(g[n], g1[n], rtol=0, atol=0, msg=n)
+        else:
+            assert g[n] is None, n
+
+
 def _layer_opcheck_samples():
     samples = []
     for part in blocks.PARTS:
