@@ -284,7 +284,7 @@ def layer_inputs(dtype=torch.float64, seed=0):
 def layer_loss(x, weights, pe, dropout, seed, preset, streams=None, **kw):
     y = blocks.decoder_layer(x, blocks.LayerOptions(
         weights=weights, **rope_args(pe), num_heads=NH, num_kv_heads=NKV,
-        lora_scaling=[0.5 + 0.1 * i for i in range(7)], lora_dropout=dropout, dropout_seed=seed,
+        lora_scaling=[0.5 + 0.1 * i for i in range(7)], lora_dropout=dropout or (), dropout_seed=seed,
         lora_streams=streams or (), preset=preset, **kw))
     return (y * torch.linspace(-1, 1, HS, dtype=x.dtype)).square().sum()
 

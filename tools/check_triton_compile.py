@@ -777,8 +777,8 @@ def main(argv=None) -> int:
         "other strides / H / I multiples of 16, S and T unspecialized",
         "columns:   shared = metadata.shared (dynamic, bytes); regs/stack/local from cuobjdump; "
         "spill st/ld = ptxas -v spill store/load bytes;",
-        "           fits = what the launcher keeps (kernels/_launch.py fits: no local memory, "
-        "shared <= per-block budget);",
+        "           fits = what the launcher keeps (kernels/_launch.py fits: no spills, i.e. "
+        "stack + local = 0, and shared <= per-block budget);",
         "           launch = the candidate CKPT_EXT_AUTOTUNE=0 launches (the first that fits, "
         "in order); s = compile s",
     ]
