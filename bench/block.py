@@ -277,7 +277,7 @@ def lora_rows(args, rows, model, fused_rows):
         return
     import copy
 
-    from ckpt_ext.blocks import call_decoder_layer
+    from ckpt_ext.blocks import LayerOptions, decoder_layer
     from ckpt_ext.hf.families import LLAMA
     from ckpt_ext.hf.patch import _layer_tensors
 
@@ -299,10 +299,10 @@ def lora_rows(args, rows, model, fused_rows):
         def fwd(x, pe):
             weights, scaling, dropout, _ = _layer_tensors(layer, LLAMA)  # no fused projections
             seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-            return call_decoder_layer(
-                x, weights=weights, cos=pe[0], sin=pe[1], lora_scaling=scaling,
+            return decoder_layer(x, LayerOptions(
+                weights=weights, cos=pe[0], sin=pe[1], lora_scaling=scaling,
                 lora_dropout=dropout, dropout_seed=seed, num_heads=hq, num_kv_heads=hkv,
-                eps=eps, scale=attn.scaling, preset=preset)
+                eps=eps, scale=attn.scaling, preset=preset))
         return fwd
     for name in fused_rows:
         rows[f"{name}@lora"] = (fused(name), params, lambda: None, "")

@@ -9,16 +9,17 @@ the residuals the preset names.
 A layer's tensors travel as one list in the order of ``WEIGHT_SLOTS``: HF parameter names
 relative to the decoder layer (``"input_layernorm.weight"``, ``"self_attn.q_proj.weight"``,
 ``"self_attn.q_proj.bias"``, ``"self_attn.q_proj.lora_A"``, ...), ``None`` where absent.
-The op's arguments after ``x`` are spelled once, in ``csrc/layer_spec.h``; ``LAYER_ARGS`` reads
-their names from its schema, and ``call_decoder_layer`` passes them by name (``ckpt_ext.modules``
-and ``ckpt_ext.patch_llama`` call the op so). The wrappers at the end are for users who hold
-the weights themselves.
+The op's arguments after ``x`` are spelled once, with their defaults, in ``csrc/layer_spec.h``;
+``LayerOptions`` is the record built from the registered schema at import (one field per
+argument, the schema's default, ``weights`` required), and ``decoder_layer(x, options)`` calls
+the op with one record (``ckpt_ext.modules`` and ``ckpt_ext.patch_llama`` call it so). The
+wrappers at the end are for users who hold the weights themselves.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 from types import SimpleNamespace
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -26,8 +27,8 @@ from torch import Tensor
 from . import _C
 from .presets import FUSED_PRESETS
 
-__all__ = ["WEIGHT_SLOTS", "PROJECTIONS", "LAYER_ARGS", "RESIDUALS", "pack_weights",
-           "call_decoder_layer", "decoder_layer", "attention_block", "mlp_block"]
+__all__ = ["WEIGHT_SLOTS", "PROJECTIONS", "LAYER_ARGS", "LayerOptions", "RESIDUALS",
+           "pack_weights", "decoder_layer", "call_decoder_layer", "attention_block", "mlp_block"]
 
 _ops = torch.ops.ckpt_ext
 
@@ -41,26 +42,44 @@ PARTS = ("layer", "attention", "mlp")
 RESIDUALS = {(part, preset): tuple(_C.layer_residuals(part, preset))
              for part in PARTS for preset in FUSED_PRESETS}
 
-# The op's arguments after x, in its order (its schema, generated from csrc/layer_spec.h).
-LAYER_ARGS: Tuple[str, ...] = tuple(a.name for a in _ops.decoder_layer.default._schema.arguments[1:])
-# The value of an argument that a call_decoder_layer leaves out. The others (weights, num_heads,
-# num_kv_heads, eps, scale) every call gives.
-LAYER_DEFAULTS = dict(cos=None, sin=None, key_padding_mask=None, segment_ids=None, window=None,
-                      uniform_empty_rows=False, lora_scaling=[], lora_dropout=[],
-                      dropout_seed=None, lora_streams=[], softcap=0.0,
-                      rope_interleaved=False, qk_norm_after_rope=False, residual_scale=1.0,
-                      norm_offset=0.0, norm_cast_last=False, compute_dtype=None,
-                      activation="silu", part="layer", preset="balanced")
+
+def _field(arg) -> Tuple[str, str, dataclasses.Field]:
+    """One schema argument as a record field: its default from the schema (a list default
+    becomes a tuple, so that the record holds no shared mutable value), or required."""
+    if not arg.has_default_value():
+        return arg.name, str(arg.type), dataclasses.field()
+    value = arg.default_value
+    return arg.name, str(arg.type), dataclasses.field(
+        default=tuple(value) if isinstance(value, list) else value)
 
 
-def call_decoder_layer(x: Tensor, **args) -> Tensor:
-    """``torch.ops.ckpt_ext.decoder_layer(x, ...)`` with its arguments by name (``LAYER_ARGS``),
-    ``LAYER_DEFAULTS`` for those left out; x: (B, S, H), weights: the ``WEIGHT_SLOTS`` list."""
-    unknown = set(args) - set(LAYER_ARGS)
-    if unknown:
-        raise TypeError(f"decoder_layer: unknown arguments {sorted(unknown)}; the op takes "
-                        f"ckpt_ext.blocks.LAYER_ARGS")
-    return _ops.decoder_layer(x, **{**LAYER_DEFAULTS, **args})
+def _post_init(self) -> None:
+    if isinstance(self.weights, Mapping):  # slot name -> tensor: the op's slot list
+        object.__setattr__(self, "weights", pack_weights(self.weights))
+
+
+def _op_args(self) -> list:
+    """The op's arguments after x, in its order."""
+    return [getattr(self, name) for name in LAYER_ARGS]
+
+
+# The op's arguments after x as one record, built from the registered schema (generated from
+# csrc/layer_spec.h, whose rows carry the defaults): one field per argument, in the op's order.
+LayerOptions = dataclasses.make_dataclass(
+    "LayerOptions", [_field(a) for a in _ops.decoder_layer.default._schema.arguments[1:]],
+    kw_only=True, frozen=True,
+    namespace={"__post_init__": _post_init, "op_args": _op_args, "replace": dataclasses.replace})
+LayerOptions.__module__ = __name__
+LayerOptions.__doc__ = """The arguments of ``torch.ops.ckpt_ext.decoder_layer`` after x, by
+name, with the op's own defaults (each argument is described in ``csrc/layer_spec.h``).
+``weights`` (required) is the ``WEIGHT_SLOTS`` list or a mapping of slot names to tensors (HF's
+names, e.g. ``dict(hf_layer.named_parameters())``), packed on construction;
+``o.replace(**changes)``: a copy with some fields changed; ``o.op_args()``: the values in the
+op's order."""
+# The op's arguments after x, in its order.
+LAYER_ARGS: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LayerOptions))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LayerOptions)
+             if f.default is not dataclasses.MISSING}
 
 
 def pack_weights(named: Mapping[str, Optional[Tensor]]) -> list:
@@ -76,8 +95,9 @@ def pack_weights(named: Mapping[str, Optional[Tensor]]) -> list:
 # ---- fakes (what torch.compile and meta tensors see) -----------------------------------------
 
 def _bind(names, args, kwargs) -> SimpleNamespace:
-    """A fake's arguments by name, whether the dispatcher passed them by position or name."""
-    return SimpleNamespace(**dict(zip(names, args)), **kwargs)
+    """A fake's arguments by name, whether the dispatcher passed them by position or name (the
+    schema's defaults for those left out)."""
+    return SimpleNamespace(**{**_DEFAULTS, **dict(zip(names, args)), **kwargs})
 
 
 def _residual(name: str, x, a) -> Tensor:
@@ -92,7 +112,8 @@ def _residual(name: str, x, a) -> Tensor:
         i = a.weights[_SLOT_INDEX["mlp.gate_proj.weight"]].shape[0]
         return x.new_empty(b * s, i, dtype=act)
     d = a.weights[_SLOT_INDEX["self_attn.q_proj.weight"]].shape[0] // a.num_heads
-    heads = a.num_heads if name in ("q", "out") else a.num_kv_heads
+    kv_heads = a.num_heads if a.num_kv_heads is None else a.num_kv_heads
+    heads = a.num_heads if name in ("q", "out") else kv_heads
     return x.new_empty(b, s, heads, d, dtype=act).transpose(1, 2)  # (B, H*, S, D)
 
 
@@ -119,77 +140,26 @@ def _decoder_layer_bwd_fake(dy, x, *args, **kwargs):
 
 # ---- functional entry points -----------------------------------------------------------------
 
-def _check(op: str, preset: str, part: str) -> None:
-    if preset not in FUSED_PRESETS:
-        raise ValueError(f"{op}: preset must be one of {', '.join(map(repr, FUSED_PRESETS))}, "
-                         f"got {preset!r}")
-    if part not in PARTS:
-        raise ValueError(f"{op}: part must be one of {', '.join(map(repr, PARTS))}, got {part!r}")
-
-
-def decoder_layer(x: Tensor, weights: Mapping[str, Optional[Tensor]],
-                  position_embeddings: Optional[Tuple[Tensor, Tensor]] = None, *,
-                  num_heads: int = 1, num_kv_heads: Optional[int] = None, eps: float = 1e-6,
-                  scale: Optional[float] = None, key_padding_mask: Optional[Tensor] = None,
-                  segment_ids: Optional[Tensor] = None, window: Optional[int] = None,
-                  uniform_empty_rows: bool = False,
-                  lora_scaling: Optional[Sequence[float]] = None,
-                  lora_dropout: Optional[Sequence[float]] = None,
-                  dropout_seed: Optional[Tensor] = None,
-                  lora_streams: Optional[Sequence[int]] = None, softcap: float = 0.0,
-                  rope_interleaved: bool = False, qk_norm_after_rope: bool = False,
-                  residual_scale: float = 1.0,
-                  norm_offset: float = 0.0, norm_cast_last: bool = False,
-                  compute_dtype: Optional[torch.dtype] = None, activation: str = "silu",
-                  part: str = "layer", preset: str = "balanced") -> Tensor:
+def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **changes) -> Tensor:
     """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
 
-    x: (B, S, H); weights: slot name -> tensor (``WEIGHT_SLOTS``; HF's names, e.g.
-    ``dict(hf_layer.named_parameters())``); position_embeddings: (cos, sin), each
-    (1 or B, S, head_dim), required unless ``part="mlp"``; key_padding_mask: bool (B, S), True
-    = real token; segment_ids (B, S) int and window: as in ``ckpt_ext.ops.attention``;
-    uniform_empty_rows: a query row with no key to attend averages all values (HF eager
-    attention's result) instead of being 0. ``scale`` defaults to ``head_dim ** -0.5``.
-    lora_scaling: one factor per projection (``PROJECTIONS``) when ``weights`` has adapters
-    (``"<projection>.lora_A"`` / ``".lora_B"``); lora_dropout: one probability per projection,
-    applied to the adapter's input with masks hashed from ``dropout_seed`` (a CPU int64 tensor
-    with one element, e.g. ``torch.randint(2**31, ())``): the backward replays them exactly.
-    lora_streams: None (each projection hashes its masks with stream = its index) or one
-    stream per projection; projections given one stream share one mask (Phi-3's fused
-    qkv_proj / gate_up_proj, whose one adapter reads one dropped input).
-    residual_scale: each sublayer's output is multiplied by it before the residual add
-    (Granite's ``residual_multiplier``). Norms: every norm slot is optional (absent = none);
-    ``"attention_output_norm.weight"`` / ``"mlp_output_norm.weight"`` norm a sublayer's output
-    before the residual add (Gemma 2/3's post-attention and post-feedforward norms, OLMo-2's);
-    q/k norm weights of width ``heads * head_dim`` norm the whole projection (OLMo-2), of width
-    ``head_dim`` each head (Qwen3, Gemma 3). Every norm multiplies by ``norm_offset + weight``
-    (Gemma: 1); ``norm_cast_last`` applies the weight in float32 and casts the result to the
-    input's dtype (Gemma, OLMo-2) instead of casting the normalized input first (LLaMA).
-    activation: the MLP's ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU,
-    ``gelu(approximate="tanh")``: Gemma's ``gelu_pytorch_tanh``).
-    softcap: > 0, Gemma 2's attention logit soft-capping (``ckpt_ext.ops.attention``'s
-    ``softcap``); 0, none. rope_interleaved: RoPE rotates the pairs (2i, 2i + 1) of the first
-    R dims (GLM, Helium, ERNIE 4.5) instead of (i, i + R/2) (LLaMA), each by the angle of
-    column i of cos/sin, which keep HF's half-split layout (width R). qk_norm_after_rope: the
-    q/k norms norm the rotated projections (Hunyuan) instead of being rotated (Qwen3).
+    x: (B, S, H); options: the op's other arguments as one ``LayerOptions`` record (weights by
+    slot name, e.g. ``LayerOptions(weights=dict(hf_layer.named_parameters()), cos=cos,
+    sin=sin, num_heads=32, num_kv_heads=8)``); changes: fields to set on it (or the fields of a
+    new record when ``options`` is None). A sublayer's part ignores the other part's weights
+    (they get no gradient), so a whole layer's weights serve every ``part``.
     """
-    _check("decoder_layer", preset, part)
-    w = pack_weights(weights)
-    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-    if scale is None:
-        wq = w[_SLOT_INDEX["self_attn.q_proj.weight"]]
-        scale = 1.0 / math.sqrt(wq.shape[0] // num_heads) if wq is not None else 1.0
-    return call_decoder_layer(
-        x, weights=w, cos=cos, sin=sin, key_padding_mask=key_padding_mask,
-        segment_ids=segment_ids, window=window, uniform_empty_rows=uniform_empty_rows,
-        lora_scaling=list(lora_scaling or ()), lora_dropout=list(lora_dropout or ()),
-        dropout_seed=dropout_seed, lora_streams=list(lora_streams or ()), num_heads=num_heads,
-        num_kv_heads=num_kv_heads or num_heads,
-        eps=eps, scale=float(scale), softcap=float(softcap),
-        rope_interleaved=bool(rope_interleaved), qk_norm_after_rope=bool(qk_norm_after_rope),
-        residual_scale=float(residual_scale),
-        norm_offset=float(norm_offset), norm_cast_last=bool(norm_cast_last),
-        compute_dtype=compute_dtype, activation=activation, part=part, preset=preset)
+    if options is None or changes:
+        unknown = set(changes) - set(LAYER_ARGS)
+        if unknown:
+            raise TypeError(f"decoder_layer: unknown arguments {sorted(unknown)}; the op takes "
+                            f"ckpt_ext.blocks.LAYER_ARGS")
+        options = LayerOptions(**changes) if options is None else options.replace(**changes)
+    return _ops.decoder_layer(x, *options.op_args())
+
+
+# hf/patch.py's name for it (it passes the fields by name).
+call_decoder_layer = decoder_layer
 
 
 def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
@@ -211,9 +181,11 @@ def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_
                a + "q_proj.bias": b_q, a + "k_proj.bias": b_k, a + "v_proj.bias": b_v,
                a + "o_proj.bias": b_o, a + "q_norm.weight": q_norm_weight,
                a + "k_norm.weight": k_norm_weight}
-    return decoder_layer(x, weights, position_embeddings, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, eps=eps, scale=scale,
-                         key_padding_mask=key_padding_mask, part="attention", preset=preset)
+    cos, sin = position_embeddings
+    return decoder_layer(x, LayerOptions(
+        weights=weights, cos=cos, sin=sin, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        eps=eps, scale=scale, key_padding_mask=key_padding_mask, part="attention",
+        preset=preset))
 
 
 def mlp_block(h: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
@@ -226,4 +198,5 @@ def mlp_block(h: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_do
                "mlp.up_proj.weight": w_up, "mlp.down_proj.weight": w_down,
                "mlp.gate_proj.bias": b_gate, "mlp.up_proj.bias": b_up,
                "mlp.down_proj.bias": b_down}
-    return decoder_layer(h, weights, eps=eps, activation=activation, part="mlp", preset=preset)
+    return decoder_layer(h, LayerOptions(weights=weights, eps=eps, activation=activation,
+                                         part="mlp", preset=preset))

@@ -16,9 +16,6 @@ CUDA attention reads ``attention_backend`` and ``attention_table`` at each call
 
 ``CKPT_EXT_CHUNK_BYTES`` (the CPU kernels' chunk cap) is not a field: the C++ kernels read it
 at each call (``csrc/chunking.h``, ``ckpt_ext._C.chunk_bytes()``).
-
-``use_triton(device_type)`` (``ckpt_ext._backend``) is exported here as well: a ``with``
-block in which the Triton launchers implement the kernel ops on ``device_type``.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ import os
 import threading
 from typing import Callable, Iterator
 
-__all__ = ["KernelConfig", "SETTINGS", "current", "patch", "reload", "use_triton"]
+__all__ = ["KernelConfig", "SETTINGS", "current", "patch", "reload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,11 +208,3 @@ def reload() -> KernelConfig:
     _set(config)
     return config
 
-
-def __getattr__(name):
-    # use_triton lives with the backend registrations; exported here lazily, since
-    # ckpt_ext._backend itself reads this module.
-    if name == "use_triton":
-        from ._backend import use_triton
-        return use_triton
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

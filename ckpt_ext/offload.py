@@ -374,35 +374,41 @@ def resolve(offload, offload_limit=None, what: str = "offload", *,
     return default_offloader() if shared else Offloader()
 
 
-def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tensor], **kwargs):
-    """``fn(x, **kwargs)`` (a fused layer call) with its saved tensors offloaded by
-    ``offloader``; ``keep``: tensors that must stay (weights, shared inputs). Without grad, or
-    with no offloader, a plain call. Under torch.compile the tensors stay on the device (one
-    warning); during CUDA graph capture offloading is refused."""
+def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tensor],
+              options=None, /, **fields):
+    """``fn(x, options)`` (a fused layer call: ``options`` a ``blocks.LayerOptions``, or its
+    fields by name) with its saved tensors offloaded by ``offloader``; ``keep``: tensors that
+    must stay (weights, shared inputs). Without grad, or with no offloader, a plain call.
+    Under torch.compile the tensors stay on the device (one warning); during CUDA graph
+    capture offloading is refused."""
+    if options is None:
+        from .blocks import LayerOptions
+        options = LayerOptions(**fields)
+    elif fields:
+        options = options.replace(**fields)
     if offloader is None or not torch.is_grad_enabled():
-        return fn(x, **kwargs)
+        return fn(x, options)
     if torch.compiler.is_compiling():
         _warn_compile(offloader.key)
-        return fn(x, **kwargs)
+        return fn(x, options)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("ckpt_ext offload: CUDA graph capture is not supported with "
                            "offload='cpu' (its copies and events are host-driven); capture the "
                            "model with offload=None")
-    nbytes = _layer_saved_bytes(x, kwargs) if offloader.limit is not None else None
+    nbytes = _layer_saved_bytes(x, options) if offloader.limit is not None else None
     with offloader.hooks(keep, nbytes):
-        return fn(x, **kwargs)
+        return fn(x, options)
 
 
-def _layer_saved_bytes(x: Tensor, kwargs) -> int:
-    """The bytes a decoder_layer call with these arguments saves besides its shared inputs:
-    x and the preset's residuals, shaped by the op's fakes on the meta device (nothing is
-    allocated), with the autocast dtype as the compute dtype when autocast is on."""
-    from types import SimpleNamespace
-
-    from .blocks import LAYER_DEFAULTS, RESIDUALS, _residual
-    a = SimpleNamespace(**{**LAYER_DEFAULTS, **kwargs})
+def _layer_saved_bytes(x: Tensor, options) -> int:
+    """The bytes a decoder_layer call with these arguments (a ``blocks.LayerOptions``) saves
+    besides its shared inputs: x and the preset's residuals, shaped by the op's fakes on the
+    meta device (nothing is allocated), with the autocast dtype as the compute dtype when
+    autocast is on."""
+    from .blocks import RESIDUALS, _residual
+    a = options
     if a.compute_dtype is None and torch.is_autocast_enabled(x.device.type):
-        a.compute_dtype = torch.get_autocast_dtype(x.device.type)
+        a = a.replace(compute_dtype=torch.get_autocast_dtype(x.device.type))
     meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
     saved = [meta] + [_residual(n, meta, a) for n in RESIDUALS[a.part, a.preset]]
     return sum(t.numel() * t.element_size() for t in saved)

@@ -117,7 +117,7 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // forward returns the preset's residuals, the backward recomputes the rest. needs_grad: one
   // flag per weight slot; slots without a gradient come back as empty (0,) tensors.
   m.def("decoder_layer_fwd(Tensor x" LAYER_SCHEMA ") -> (Tensor y, Tensor[] saved)");
-  m.def("decoder_layer_bwd(Tensor dy, Tensor x" LAYER_SCHEMA
+  m.def("decoder_layer_bwd(Tensor dy, Tensor x" LAYER_SCHEMA_REQUIRED
         ", Tensor[] saved, bool[] needs_grad) -> (Tensor dx, Tensor[] dweights)");
 
   // ---- LM head + cross-entropy loss, never holding the (T, V) logits ------------------------

@@ -87,9 +87,12 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     const int64_t n = static_cast<int64_t>(present.size());
     const at::TensorList w(v.data() + kSavedWeights, n);
     const at::TensorList saved(v.data() + kSavedWeights + n, v.size() - kSavedWeights - n);
+    // A slot that o.part does not read gets no gradient (None).
+    const Part part = parse_part(o.part, "decoder_layer");
     c10::List<bool> needs;
     for (int64_t s = 0; s < kNumSlots; ++s) needs.push_back(false);
-    for (int64_t j = 0; j < n; ++j) needs.set(present[j], ctx->needs_input_grad(1 + j));
+    for (int64_t j = 0; j < n; ++j)
+      needs.set(present[j], ctx->needs_input_grad(1 + j) && uses_slot(part, present[j]));
     auto [dx, dw] = bwd_op(grad_outputs[0], v[kSavedX] LAYER_ARGS_OF(as_list(w, present), t, o),
                            saved, needs);
     variable_list grads = {dx};

@@ -55,6 +55,12 @@ Layer make_layer(const c10::List<OptTensor>& weights, const LayerTensors& tensor
   for (const OptTensor& t : weights) L.w.push_back(checks::absent(t) ? at::Tensor() : *t);
   L.part_id = parse_part(L.part, op);
   L.preset_id = parse_preset(L.preset, op);
+  L.num_kv_heads = options.num_kv_heads.value_or(L.num_heads);
+  const at::Tensor& wq = L.proj(kQ);
+  L.scale = options.scale ? *options.scale
+            : wq.defined() && wq.dim() == 2 && L.num_heads > 0
+                ? 1.0 / std::sqrt(static_cast<double>(wq.size(0) / L.num_heads))
+                : 1.0;
   return L;
 }
 
@@ -1121,7 +1127,8 @@ BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARA
                    "needs_grad must have one entry per weight slot (", kNumSlots, "), got ",
                    needs_grad.size());
   std::vector<bool> needs(kNumSlots);
-  for (int64_t s = 0; s < kNumSlots; ++s) needs[s] = needs_grad.get(s) && L.at(s).defined();
+  for (int64_t s = 0; s < kNumSlots; ++s)
+    needs[s] = needs_grad.get(s) && L.at(s).defined() && uses_slot(L.part_id, s);
   Grads g(/*chunked=*/false);
   if (x.numel() == 0) {
     g.dx = at::zeros_like(x, at::MemoryFormat::Contiguous);

@@ -70,14 +70,16 @@ using OptTensor = std::optional<at::Tensor>;
 // ---- the op's arguments, spelled once ------------------------------------------------------
 //
 // decoder_layer(Tensor x, <the list below>) -> Tensor, in this order. Each row is
-// X(KIND, schema type, C++ parameter type, name); KIND says how the autograd Function carries
-// the argument from forward to backward:
+// X(KIND, schema type, C++ parameter type, name, default); KIND says how the autograd Function
+// carries the argument from forward to backward:
 //   WEIGHTS  the slot list (its given tensors are the Function's differentiable inputs)
 //   TENSOR   an optional tensor without a gradient, saved with save_for_backward
 //   OPTION   a value, kept in the autograd context's saved_data
-// A new argument is its row (with its line below), its use in csrc/layer_math.cpp, its default
-// in ckpt_ext.blocks.LAYER_DEFAULTS, and the caller that sets it; the schemas, the kernels'
-// signatures, the autograd Function and the Python fakes follow from the list.
+// default is the schema's "=value" ("" for none), so the registered schema carries it; Python
+// builds its record of the arguments (ckpt_ext.blocks.LayerOptions) from that schema. A new
+// argument is its row (with its line below), its use in csrc/layer_math.cpp, and the caller
+// that sets it; the schemas, the kernels' signatures, the autograd Function, the Python record
+// and the fakes follow from the list.
 //
 //   weights             the layer's tensors in the named slots below (kNumSlots)
 //                       (ckpt_ext.blocks.WEIGHT_SLOTS), None where absent
@@ -98,8 +100,9 @@ using OptTensor = std::optional<at::Tensor>;
 //                       qkv_proj, gate_up_proj) share one input, one adapter and so one mask,
 //                       and are given one stream
 //   num_heads,
-//   num_kv_heads, eps   the attention's heads; the norms' epsilon
-//   scale               the attention's softmax scale
+//   num_kv_heads, eps   the attention's heads (num_kv_heads None: num_heads); the norms'
+//                       epsilon
+//   scale               the attention's softmax scale (None: 1 / sqrt(head_dim))
 //   softcap             > 0: Gemma 2's attention logit soft-capping, each scaled score s
 //                       becomes softcap * tanh(s / softcap) (as attention_fwd); 0: none
 //   rope_interleaved    false: RoPE rotates the pairs (i, i + R/2) of the first R dims (LLaMA's
@@ -124,35 +127,37 @@ using OptTensor = std::optional<at::Tensor>;
 //   part                "layer" | "attention" | "mlp"
 //   preset              "fast" | "balanced" | "min_memory": what forward keeps
 #define CKPT_DECODER_LAYER_ARGS(X, ...)                                                  \
-  X(WEIGHTS, "Tensor?[]", const c10::List<OptTensor>&, weights, __VA_ARGS__)               \
-  X(TENSOR, "Tensor?", const OptTensor&, cos, __VA_ARGS__)                                 \
-  X(TENSOR, "Tensor?", const OptTensor&, sin, __VA_ARGS__)                                 \
-  X(TENSOR, "Tensor?", const OptTensor&, key_padding_mask, __VA_ARGS__)                    \
-  X(TENSOR, "Tensor?", const OptTensor&, segment_ids, __VA_ARGS__)                         \
-  X(OPTION, "int?", std::optional<int64_t>, window, __VA_ARGS__)                           \
-  X(OPTION, "bool", bool, uniform_empty_rows, __VA_ARGS__)                                 \
-  X(OPTION, "float[]", c10::ArrayRef<double>, lora_scaling, __VA_ARGS__)                   \
-  X(OPTION, "float[]", c10::ArrayRef<double>, lora_dropout, __VA_ARGS__)                   \
-  X(TENSOR, "Tensor?", const OptTensor&, dropout_seed, __VA_ARGS__)                        \
-  X(OPTION, "int[]", c10::ArrayRef<int64_t>, lora_streams, __VA_ARGS__)                    \
-  X(OPTION, "int", int64_t, num_heads, __VA_ARGS__)                                        \
-  X(OPTION, "int", int64_t, num_kv_heads, __VA_ARGS__)                                     \
-  X(OPTION, "float", double, eps, __VA_ARGS__)                                             \
-  X(OPTION, "float", double, scale, __VA_ARGS__)                                           \
-  X(OPTION, "float", double, softcap, __VA_ARGS__)                                         \
-  X(OPTION, "bool", bool, rope_interleaved, __VA_ARGS__)                                   \
-  X(OPTION, "bool", bool, qk_norm_after_rope, __VA_ARGS__)                                 \
-  X(OPTION, "float", double, norm_offset, __VA_ARGS__)                                     \
-  X(OPTION, "bool", bool, norm_cast_last, __VA_ARGS__)                                     \
-  X(OPTION, "float", double, residual_scale, __VA_ARGS__)                                  \
-  X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, __VA_ARGS__)      \
-  X(OPTION, "str", c10::string_view, activation, __VA_ARGS__)                              \
-  X(OPTION, "str", c10::string_view, part, __VA_ARGS__)                                    \
-  X(OPTION, "str", c10::string_view, preset, __VA_ARGS__)
+  X(WEIGHTS, "Tensor?[]", const c10::List<OptTensor>&, weights, "", __VA_ARGS__)            \
+  X(TENSOR, "Tensor?", const OptTensor&, cos, "=None", __VA_ARGS__)                         \
+  X(TENSOR, "Tensor?", const OptTensor&, sin, "=None", __VA_ARGS__)                         \
+  X(TENSOR, "Tensor?", const OptTensor&, key_padding_mask, "=None", __VA_ARGS__)            \
+  X(TENSOR, "Tensor?", const OptTensor&, segment_ids, "=None", __VA_ARGS__)                 \
+  X(OPTION, "int?", std::optional<int64_t>, window, "=None", __VA_ARGS__)                   \
+  X(OPTION, "bool", bool, uniform_empty_rows, "=False", __VA_ARGS__)                        \
+  X(OPTION, "float[]", c10::ArrayRef<double>, lora_scaling, "=[]", __VA_ARGS__)             \
+  X(OPTION, "float[]", c10::ArrayRef<double>, lora_dropout, "=[]", __VA_ARGS__)             \
+  X(TENSOR, "Tensor?", const OptTensor&, dropout_seed, "=None", __VA_ARGS__)                \
+  X(OPTION, "int[]", c10::ArrayRef<int64_t>, lora_streams, "=[]", __VA_ARGS__)              \
+  X(OPTION, "int", int64_t, num_heads, "=1", __VA_ARGS__)                                   \
+  X(OPTION, "int?", std::optional<int64_t>, num_kv_heads, "=None", __VA_ARGS__)             \
+  X(OPTION, "float", double, eps, "=1e-06", __VA_ARGS__)                                    \
+  X(OPTION, "float?", std::optional<double>, scale, "=None", __VA_ARGS__)                   \
+  X(OPTION, "float", double, softcap, "=0.", __VA_ARGS__)                                   \
+  X(OPTION, "bool", bool, rope_interleaved, "=False", __VA_ARGS__)                          \
+  X(OPTION, "bool", bool, qk_norm_after_rope, "=False", __VA_ARGS__)                        \
+  X(OPTION, "float", double, norm_offset, "=0.", __VA_ARGS__)                               \
+  X(OPTION, "bool", bool, norm_cast_last, "=False", __VA_ARGS__)                            \
+  X(OPTION, "float", double, residual_scale, "=1.", __VA_ARGS__)                            \
+  X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, "=None", __VA_ARGS__)\
+  X(OPTION, "str", c10::string_view, activation, "=\"silu\"", __VA_ARGS__)                  \
+  X(OPTION, "str", c10::string_view, part, "=\"layer\"", __VA_ARGS__)                       \
+  X(OPTION, "str", c10::string_view, preset, "=\"balanced\"", __VA_ARGS__)
 
-// What the list generates. The first four start each argument with a comma, to follow x
+// What the list generates. The first five start each argument with a comma, to follow x
 // (or dy, x):
-//   "decoder_layer(Tensor x" LAYER_SCHEMA ") -> Tensor"     the schema text
+//   "decoder_layer(Tensor x" LAYER_SCHEMA ") -> Tensor"     the schema text, with the defaults
+//   LAYER_SCHEMA_REQUIRED                                   the same without defaults (for an
+//                                                           op whose arguments go on after them)
 //   f(const at::Tensor& x LAYER_PARAMS)                     a kernel's parameters
 //   op.call(x LAYER_ARGS)                                   passing them on
 //   T(const at::Tensor& LAYER_SIG)                          the C++ signature
@@ -161,22 +166,24 @@ using OptTensor = std::optional<at::Tensor>;
 //                                                           LayerOptions o
 //   CKPT_LAYER_EACH(TENSOR | OPTION, F)                     F(param type, name) for each
 //                                                           argument of that kind
-#define CKPT_LAYER_SCHEMA_(kind, schema, param, name, ...) ", " schema " " #name
-#define CKPT_LAYER_PARAM_(kind, schema, param, name, ...) , param name
-#define CKPT_LAYER_ARG_(kind, schema, param, name, ...) , name
-#define CKPT_LAYER_TYPE_(kind, schema, param, name, ...) , param
+#define CKPT_LAYER_SCHEMA_(kind, schema, param, name, dflt, ...) ", " schema " " #name dflt
+#define CKPT_LAYER_PARAM_(kind, schema, param, name, dflt, ...) , param name
+#define CKPT_LAYER_ARG_(kind, schema, param, name, dflt, ...) , name
+#define CKPT_LAYER_TYPE_(kind, schema, param, name, dflt, ...) , param
+#define CKPT_LAYER_SCHEMA_REQUIRED_(kind, schema, param, name, dflt, ...) ", " schema " " #name
 #define LAYER_SCHEMA CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_SCHEMA_, )
+#define LAYER_SCHEMA_REQUIRED CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_SCHEMA_REQUIRED_, )
 #define LAYER_PARAMS CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_PARAM_, )
 #define LAYER_ARGS CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_ARG_, )
 #define LAYER_SIG CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_TYPE_, )
 
-#define CKPT_LAYER_OF_(kind, schema, param, name, w, t, o) , CKPT_LAYER_OF_##kind(name, w, t, o)
+#define CKPT_LAYER_OF_(kind, schema, param, name, dflt, w, t, o) , CKPT_LAYER_OF_##kind(name, w, t, o)
 #define CKPT_LAYER_OF_WEIGHTS(name, w, t, o) w
 #define CKPT_LAYER_OF_TENSOR(name, w, t, o) t.name
 #define CKPT_LAYER_OF_OPTION(name, w, t, o) o.name
 #define LAYER_ARGS_OF(w, t, o) CKPT_DECODER_LAYER_ARGS(CKPT_LAYER_OF_, w, t, o)
 
-#define CKPT_LAYER_PICK_(kind, schema, param, name, want, f) \
+#define CKPT_LAYER_PICK_(kind, schema, param, name, dflt, want, f) \
   CKPT_LAYER_PICK_##want##_##kind(f, param, name)
 #define CKPT_LAYER_PICK_TENSOR_WEIGHTS(f, param, name)
 #define CKPT_LAYER_PICK_TENSOR_TENSOR(f, param, name) f(param, name)
@@ -320,6 +327,15 @@ inline Part parse_part(c10::string_view name, const char* op) {
 inline bool has_attention(Part p) { return p != Part::kMlp; }
 inline bool has_mlp(Part p) { return p != Part::kAttention; }
 
+// Whether part p reads weight slot s: a sublayer ignores the other sublayer's slots (given a
+// whole layer's weights, those get no gradient).
+inline bool uses_slot(Part p, int64_t s) {
+  if (p == Part::kLayer) return true;
+  const bool mlp_slot = s == slot(kPostNorm) || s == slot(kMlpOutNorm) ||
+                        (s >= slot(kGate, kWeight) && s < slot(kDown, kWeight) + kNumProjParts);
+  return mlp_slot == (p == Part::kMlp);
+}
+
 // ---- one call ------------------------------------------------------------------------------
 
 // Everything of a call but x and the residuals: the arguments (TENSOR ones absent = nullopt),
@@ -328,6 +344,10 @@ struct Layer : LayerTensors, LayerOptions {
   std::vector<at::Tensor> w;  // kNumSlots, undefined = absent
   Part part_id;
   Preset preset_id;
+  // The options given as None, resolved (these hide LayerOptions' optional fields of the same
+  // names): num_kv_heads = num_heads; scale = 1 / sqrt(head_dim), 1 without a q projection.
+  int64_t num_kv_heads;
+  double scale;
 
   const at::Tensor& at(int64_t s) const { return w[s]; }
   const at::Tensor& norm(Norm n) const { return w[slot(n)]; }

@@ -9,9 +9,8 @@ One module decides, for all kernel families (attention, SwiGLU, LM-head loss):
   is at the first Triton launch: ``ckpt_ext`` imports the kernels lazily).
 * **Settings.** Autotuning and the SwiGLU variants are settings of ``ckpt_ext.config`` (the
   README's "Kernel settings" table), read when a launcher is built: :func:`autotuning` (off
-  in the interpreter) decides between ``triton.autotune`` over the candidates and
-  :class:`FirstThatFits` (the first candidate the kernel's resource model keeps, untimed,
-  the next one if the device refuses it); ``swiglu_grid`` and ``swiglu_epilogue`` pick the
+  in the interpreter) decides between ``triton.autotune`` over the kept candidates and
+  the first kept candidate, untimed; ``swiglu_grid`` and ``swiglu_epilogue`` pick the
   SwiGLU kernels' variants. A change of any of them (``config.patch``, ``config.reload``)
   empties every launcher cache, so the next launch follows it; :func:`reload_policy` reads
   the environment again and empties the caches in any case (tests, benchmarks). The
@@ -34,16 +33,25 @@ One module decides, for all kernel families (attention, SwiGLU, LM-head loss):
   kernel call.
 * **Device.** :func:`on_device` makes a CUDA tensor's device current for the launch (Triton
   launches on the current device), and is free when it already is.
+* **Pruning by what the compiler reports.** A kernel module lists its candidates in order of
+  preference; on a GPU, :class:`Pruned` compiles them at the first launch of a cache key
+  (for that launch's arguments, without running them) and keeps those whose compiled kernel
+  spills no registers and fits the device's shared memory (:func:`fits`, on the
+  :class:`Resources` the driver reports, as Inductor reads them: ``n_regs``, ``n_spills``,
+  ``metadata.shared``). With autotuning off it compiles in order and stops at the first that
+  fits. No hand-fitted register or shared-memory model is involved; ``tools/
+  check_triton_compile.py`` applies the same :func:`prune` to ahead-of-time compiles.
 
 Kernel modules use :func:`select` to turn a candidate list into the launcher of one key, and
-expose their candidates and resource models through public functions (``launch_configs``)
-that ``tools/check_triton_compile.py`` reads.
+expose their candidates through public functions that ``tools/check_triton_compile.py``
+reads.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import triton
@@ -54,7 +62,7 @@ from .. import config
 __all__ = ["INTERPRET", "autotuning", "reload_policy",
            "dot_precision", "cached", "DeviceInfo", "arch_family", "smem_budget_for",
            "device_info", "on_device", "placeholder", "check_operands", "FirstThatFits", "Fixed",
-           "select", "cdiv", "next_pow2", "pow2_bucket"]
+           "Resources", "fits", "prune", "Pruned", "select", "cdiv", "next_pow2", "pow2_bucket"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,19 +290,126 @@ class FirstThatFits:
         return launch
 
 
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What the compiler reports for one compiled kernel, as the driver gives it: registers
+    per thread, spilled 32-bit words per thread (its local memory / 4) and shared memory bytes.
+    ``tools/check_triton_compile.py`` builds the same from an ahead-of-time compile."""
+
+    regs: int
+    spills: int
+    shared: int
+
+    @classmethod
+    def of(cls, compiled) -> "Resources":
+        """Of a triton ``CompiledKernel``, loaded on the current device (loading is where the
+        driver reports registers and spills; it raises OutOfResources when the kernel does
+        not fit the device at all)."""
+        compiled._init_handles()
+        return cls(int(compiled.n_regs), int(compiled.n_spills), int(compiled.metadata.shared))
+
+
+def fits(resources: Optional[Resources], smem_budget: int) -> bool:
+    """Whether a compiled candidate is kept: it loaded (``resources`` is not None), spills
+    nothing, and its shared memory is within the device's per-block budget."""
+    return (resources is not None and resources.spills == 0
+            and resources.shared <= smem_budget)
+
+
+def prune(configs: Sequence, resources: Sequence, smem_budget: int,
+          group: Optional[Callable] = None) -> list:
+    """The candidates to launch, in their order: those whose compiled kernel ``fits`` (with
+    ``group``, a function of a config: only the first that fits of each group, e.g. the widest
+    epilogue piece of one tile). When none does, the one that spills least among those within
+    shared memory (the less shared memory on a tie), so that something runs; [] when none
+    even loads. ``resources``: one :class:`Resources` (or None: did not load) per config."""
+    kept, groups = [], set()
+    for c, r in zip(configs, resources):
+        g = group(c) if group is not None else id(c)
+        if fits(r, smem_budget) and g not in groups:
+            kept.append(c)
+            groups.add(g)
+    if kept:
+        return kept
+    loadable = [(r.spills, r.shared, i) for i, r in enumerate(resources)
+                if r is not None and r.shared <= smem_budget]
+    return [configs[min(loadable)[2]]] if loadable else []
+
+
+class Pruned:
+    """The launcher of one cache key on a GPU: at its first launch it compiles the candidates
+    for that launch's arguments (``warmup``: compiled, not run), keeps what :func:`prune`
+    keeps of them, and from then on launches the first kept one untimed (autotuning off: the
+    candidates are compiled in order only until one fits) or ``triton.autotune`` over the
+    kept ones; ``group``: as for :func:`prune` (a config whose group already fits is not
+    compiled). ``report``: (config, Resources or None) for each candidate compiled."""
+
+    def __init__(self, kernel, configs: Sequence, smem_budget: int, autotune: bool,
+                 key: Sequence[str], autotune_kwargs: dict, group: Optional[Callable] = None):
+        if not configs:
+            raise ValueError("Pruned: configs must not be empty")
+        self.kernel, self.configs, self.smem_budget = kernel, list(configs), smem_budget
+        self.autotune, self.key, self.autotune_kwargs = autotune, list(key), autotune_kwargs
+        self.group = group
+        self.kept: Optional[list] = None
+        self.report: list = []
+        self._launcher = None
+
+    def _resources(self, config, grid, args, kwargs) -> Optional[Resources]:
+        try:
+            compiled = self.kernel.warmup(*args, grid=grid, **kwargs, **_config_kwargs(config))
+            return Resources.of(compiled)
+        except OutOfResources:
+            return None
+
+    def _build(self, grid, args, kwargs):
+        fitted = set()
+        for c in self.configs:
+            g = self.group(c) if self.group is not None else id(c)
+            if g in fitted:
+                continue
+            self.report.append((c, self._resources(c, grid, args, kwargs)))
+            if fits(self.report[-1][1], self.smem_budget):
+                if not self.autotune:
+                    break
+                fitted.add(g)
+        configs, resources = zip(*self.report)
+        self.kept = prune(configs, resources, self.smem_budget, self.group)
+        if not self.kept:
+            raise RuntimeError(f"{getattr(self.kernel, '__name__', 'kernel')}: no candidate "
+                               f"configuration loads on this device: {self.report}")
+        if self.autotune and len(self.kept) > 1:
+            return triton.autotune(configs=self.kept, key=self.key,
+                                   **self.autotune_kwargs)(self.kernel)
+        return FirstThatFits(self.kernel, self.kept)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if self._launcher is None:
+                self._launcher = self._build(grid, args, kwargs)
+            return self._launcher[grid](*args, **kwargs)
+
+        return launch
+
+
 def select(kernel, configs: Sequence, *, interpret_meta, key: Sequence[str],
+           smem_budget: Optional[int] = None, group: Optional[Callable] = None,
            **autotune_kwargs):
     """The launcher of one cache key, following the policy.
 
     kernel: the ``@triton.jit`` function; configs: its candidates for this key, in order of
-    preference, already cut to those the kernel's resource model keeps (the first is what
-    is launched with autotuning off); interpret_meta: the fixed block sizes of interpreter
-    runs (a mapping or a zero-argument callable); key, autotune_kwargs: ``triton.autotune``'s
-    key and its other arguments (``reset_to_zero``, ``restore_value``). Returns an object
-    launched as ``launcher[grid](*args, **constexprs)``.
+    preference; interpret_meta: the fixed block sizes of interpreter runs (a mapping or a
+    zero-argument callable); smem_budget: the device's per-block shared memory, to prune the
+    candidates by their compiled resources (:class:`Pruned`); None: launched as given (the
+    first with autotuning off); group: see :func:`prune`; key, autotune_kwargs:
+    ``triton.autotune``'s key and its other
+    arguments (``reset_to_zero``, ``restore_value``). Returns an object launched as
+    ``launcher[grid](*args, **constexprs)``.
     """
     if INTERPRET:
         return Fixed(kernel, interpret_meta)
+    if smem_budget is not None:
+        return Pruned(kernel, configs, smem_budget, autotuning(), key, autotune_kwargs, group)
     if not autotuning():
         return FirstThatFits(kernel, configs)
     return triton.autotune(configs=list(configs), key=list(key), **autotune_kwargs)(kernel)

@@ -80,8 +80,7 @@ from .. import _checks
 from .. import config as _config
 from . import _launch
 
-__all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs",
-           "attention_candidate_configs", "launch_configs", "estimate_resources"]
+__all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs", "pre_config"]
 
 _LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the kernels
 
@@ -695,14 +694,12 @@ def _cfg(block_m, block_n, warps, stages):
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and architecture family, in
 # order of preference (larger tiles first). Forward and dQ hold a query tile and stream keys
-# (large BLOCK_M); dK/dV hold a key tile and stream queries (large BLOCK_N). The resource model
-# below drops, per head_dim and dtype, the configs that would not fit shared memory or would
-# spill registers, so the first one kept is the largest spill-free tile.
-#
-# The smallest tile of each list is the last resort (launched when nothing else fits); those
-# of head_dim 256 are spill-free: 32x32 (fwd, dq) and 16x16 (dK/dV). On Ampere the dQ kernel
-# keeps 8 warps for 64-row tiles: with 4 warps it spilled at head_dim 64 (causal) and 128
-# although the register model counts fewer words per thread than for fitting 8-warp tiles.
+# (large BLOCK_M); dK/dV hold a key tile and stream queries (large BLOCK_N). On a GPU the
+# launcher compiles them for the specialization at hand and keeps those whose compiled kernel
+# neither spills registers nor exceeds the device's shared memory (kernels/_launch.py,
+# "Pruning by what the compiler reports"), so the first one kept is the largest tile that
+# fits. The smallest tile of each list is the last resort: 32x32 (fwd, dq) and 16x16 (dK/dV)
+# compile spill-free at head_dim 256 (tools/check_triton_compile.py).
 _CONFIGS = {
     ("fwd", "hopper"): [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2),
                         _cfg(128, 32, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
@@ -729,73 +726,6 @@ _KEYS = {"fwd": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET"],
          "dq": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET"]}
 
 
-def _smem_bytes(kind: str, c, d_pad: int, elt: int) -> int:
-    """Shared memory a config needs: two streamed tiles (K and V, or Q and dO) per pipeline
-    stage, plus the resident tiles (q for fwd; q and dO for dq; k and v for dK/dV), plus 2 KiB
-    of lse/delta rows in the backward. Checked against Triton's own allocation by AOT compiles
-    for sm_90 and sm_80 (tools/check_triton_compile.py): exact for fwd and dq, 1 KiB over for
-    the large dK/dV tiles and more for the smallest, never under."""
-    bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
-    resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
-    resident_tiles, rows = (1, 0) if kind == "fwd" else (2, 2048)
-    return (stages * 2 * streamed + resident_tiles * resident) * d_pad * elt + rows
-
-
-# Register model. The fp32 words a config keeps live at the peak of its inner loop: the
-# accumulators (fp32), the resident tiles and the streamed tiles used as dot operands (input
-# dtype: a 16-bit element is half a 32-bit register), and one step's score-sized tiles (fp32
-# S/P and dP, P or dS in the input dtype), per thread. For dK/dV, whose tiles have BLOCK_N
-# rows, only BLOCK_N / 16 warps share them (the MMA row granularity): more warps split the
-# columns but do not relieve the row-wise state, and AOT compiles show that 64-row tiles on 8
-# warps spill where 128-row ones do not. Calibrated against AOT compiles of these kernels for
-# sm_90 and sm_80 (tools/check_triton_compile.py, bf16 head_dim 128 causal, where registers
-# are tightest): every config measured to spill is dropped by the limits below, and the first
-# config kept for head_dim 64 and 128 compiles spill-free on both. Counting only the
-# accumulators (the model before) kept configs that spill 0.2-1 KB. The dK/dV kernel's
-# ACCUMULATE epilogue (read-add-write of the fp32 accumulators, after the loop) holds dk, dv
-# and one (bn, d) fp32 tile: 3 bn d words, fewer than the loop's peak, so it is not counted.
-_REG_LIMIT = {"fwd": 120, "dkdv": 240, "dq": 160}
-
-
-def _tile_words(kind: str, bm: int, bn: int, d_pad: int, elt: int, dq_atomic: bool) -> float:
-    """fp32 words a (bm, bn) tile pair keeps live (see "Register model")."""
-    half = elt / 4
-    if kind == "fwd":  # acc (bm, d) fp32; q (bm, d); S (bm, bn) fp32, P (bm, bn)
-        return bm * d_pad * (1 + half) + bm * bn * (1 + half)
-    if kind == "dq":   # dq (bm, d) fp32; q, dO (bm, d); S/P, dP (bm, bn) fp32, dS (bm, bn)
-        return bm * d_pad * (1 + 2 * half) + bm * bn * (2 + half)
-    # dkdv: dk, dv (bn, d) fp32; k, v (bn, d); q, dO (bm, d); S^T, P^T, dP^T, dS^T (bn, bm)
-    # fp32 and dS^T in the input dtype; with atomic dQ the (bm, d) fp32 dQ tile of each step
-    # and its re-layout for the atomics (measured: about 10 words per element).
-    return (2 * bn * d_pad * (1 + half) + 2 * bm * d_pad * half + bm * bn * (4 + half)
-            + (10 * bm * d_pad if dq_atomic else 0))
-
-
-def estimate_resources(kind: str, config, d_pad: int, elt: int, dq_atomic: bool = False):
-    """(shared memory bytes, fp32 registers per thread) that an attention kernel needs with
-    ``config``: kind "fwd", "dkdv" or "dq"; d_pad: the padded head dim (a power of two >= 16);
-    elt: bytes per input element; dq_atomic: the dK/dV kernel of ``CKPT_EXT_ATTN_DQ=atomic``."""
-    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    smem = _smem_bytes(kind, config, d_pad, elt)
-    if kind == "dkdv" and dq_atomic:  # the atomics' dQ tile, re-laid out through shared memory
-        smem += max(4 * bm, 3 * bn) * d_pad
-    warps = min(config.num_warps, max(bn // 16, 1)) if kind == "dkdv" else config.num_warps
-    threads = 32 * warps
-    return smem, _tile_words(kind, bm, bn, d_pad, elt, dq_atomic) / threads
-
-
-def _fits(kind, c, d_pad, elt, budget, dq_atomic=False) -> bool:
-    smem, regs = estimate_resources(kind, c, d_pad, elt, dq_atomic)
-    return smem <= budget and regs <= _REG_LIMIT[kind]
-
-
-def _prune(kind: str, configs, d_pad: int, elt: int, budget: int, dq_atomic: bool = False) -> list:
-    """The configs whose tiles fit in shared memory and, by the register model, in registers
-    without spilling, in their order (at least the smallest one, so that something runs)."""
-    kept = [c for c in configs if _fits(kind, c, d_pad, elt, budget, dq_atomic)]
-    return kept or [_smallest(configs)]
-
-
 def attention_configs(kind: str, family: str) -> list:
     """Every launch candidate (``triton.Config`` with BLOCK_M, BLOCK_N) of kernel ``kind``
     ("fwd", "dkdv", "dq") for the architecture ``family`` ("hopper": sm_90 and newer,
@@ -806,48 +736,9 @@ def attention_configs(kind: str, family: str) -> list:
     return list(_CONFIGS[(kind, family)])
 
 
-def attention_candidate_configs(kind: str, family: str, head_dim: int, dtype: torch.dtype,
-                                smem_budget: int, dq_atomic: bool = False) -> list:
-    """The candidates that the launchers keep for one specialization, in order: those that fit
-    ``smem_budget`` bytes of shared memory and the register model (see ``estimate_resources``);
-    the first is what ``CKPT_EXT_AUTOTUNE=0`` launches. Never empty (the smallest tile when
-    nothing fits)."""
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    elt = torch.empty((), dtype=dtype).element_size()
-    return _prune(kind, attention_configs(kind, family), d_pad, elt, smem_budget, dq_atomic)
-
-
-def _smallest(configs):
-    """The config with the smallest tile: kept when nothing else fits."""
-    return min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
-
-
-def launch_configs(kind: str, arch: str, head_dim: int, dtype: torch.dtype,
-                   smem_budget: int | None = None, dq_atomic: bool = False) -> list:
-    """Every candidate of an attention kernel with the pruner's verdict, in order.
-
-    kind: "fwd", "dkdv", "dq" or "pre" (the rowsum pre-pass, one fixed config); arch: "hopper"
-    or "ampere"; smem_budget: the device's per-block shared memory (default: the family's);
-    dq_atomic: the dK/dV kernel of ``CKPT_EXT_ATTN_DQ=atomic``. Returns ``(config, {"smem":
-    est, "regs": est, "kept": bool, "fallback": bool})`` entries (``estimate_resources``);
-    "kept": on its merits, "fallback": only as the last resort when nothing fits.
-    """
-    if kind == "pre":
-        return [(triton.Config({"BLOCK_M": _PRE_BLOCK_M}, num_warps=4, num_stages=3),
-                 {"smem": 0, "regs": 0, "kept": True, "fallback": False})]
-    if smem_budget is None:
-        smem_budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
-    d_pad, elt = max(16, triton.next_power_of_2(head_dim)), dtype.itemsize
-    configs = attention_configs(kind, arch)
-    kept = _prune(kind, configs, d_pad, elt, smem_budget, dq_atomic)
-    rows = []
-    for c in configs:
-        smem, regs = estimate_resources(kind, c, d_pad, elt, dq_atomic)
-        fits = _fits(kind, c, d_pad, elt, smem_budget, dq_atomic)
-        launched = any(k is c for k in kept)
-        rows.append((c, {"smem": smem, "regs": regs, "kept": launched and fits,
-                         "fallback": launched and not fits}))
-    return rows
+def pre_config():
+    """The rowsum pre-pass's one config (not pruned: a row-wise kernel)."""
+    return triton.Config({"BLOCK_M": _PRE_BLOCK_M}, num_warps=4, num_stages=3)
 
 
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
@@ -858,8 +749,9 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
               has_mask: bool, has_seg: bool, window: bool, precision: str,
               dq_atomic: bool = False, accumulate: bool = False, softcap: bool = False):
     """(kernel, constexpr arguments) of one kernel for one specialization: a fixed config in
-    the interpreter; with ``CKPT_EXT_AUTOTUNE=0`` the fitting candidates in order, the first
-    that launches used (no timing); else the autotuned kernel over the fitting candidates.
+    the interpreter; on a GPU the candidates pruned by their compiled resources
+    (``_launch.Pruned``): with ``CKPT_EXT_AUTOTUNE=0`` the first that fits (no timing), else
+    the autotuned kernel over those that fit.
     dq_atomic, accumulate: the dK/dV kernel's DQ_ATOMIC and ACCUMULATE; softcap: SOFTCAP (the
     capped scores). The autotuner restores the tensors these add into (DQA; DK and DV) after
     each timed run, so that the launch that follows adds into the caller's values once."""
@@ -870,17 +762,12 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
         meta["DQ_ATOMIC"] = dq_atomic
         meta["ACCUMULATE"] = accumulate
         restore = (["DQA"] if dq_atomic else []) + (["DK", "DV"] if accumulate else [])
-    configs = []
+    configs, budget = [], None
     if not _launch.INTERPRET:
         info = _launch.device_info(device)
-        candidates = _CONFIGS[(kind, info.arch)]
-        configs = _prune(kind, candidates, meta["D_PAD"], dtype.itemsize, info.smem_budget,
-                         dq_atomic)
-        smallest = _smallest(candidates)
-        if not _launch.autotuning() and all(c is not smallest for c in configs):
-            configs.append(smallest)  # the last resort
+        configs, budget = _CONFIGS[(kind, info.arch)], info.smem_budget
     extra = {"restore_value": restore} if restore else {}
-    return _launch.select(_KERNELS[kind], configs, key=_KEYS[kind],
+    return _launch.select(_KERNELS[kind], configs, key=_KEYS[kind], smem_budget=budget,
                           interpret_meta=lambda: INTERPRETER_BLOCKS[kind], **extra), meta
 
 

@@ -38,9 +38,9 @@ gelu'(g) = s + gelu(g) (1 - s) 2c (1 + 3 * 0.044715 g^2).
 
 Launch policy (``kernels/_launch.py``, shared by all kernels): under Triton's interpreter
 (``TRITON_INTERPRET=1``) the kernels run on CPU tensors with one fixed block configuration; on
-a GPU they autotune over the candidates that the resource model (``launch_configs``) keeps for
-the device, dtype and adapters, or with ``CKPT_EXT_AUTOTUNE=0`` launch the first of them
-untimed. Launchers are cached per (device, dtype, fp32 dot precision, flags, adapter ranks).
+a GPU they autotune over the candidates (``candidate_configs``) whose compiled kernel fits
+the device (no register spills, shared memory within the budget: ``_launch.Pruned``), or with
+``CKPT_EXT_AUTOTUNE=0`` launch the first of them untimed. Launchers are cached per (device, dtype, fp32 dot precision, flags, adapter ranks).
 """
 import torch
 import triton
@@ -474,12 +474,13 @@ def _cfg(bm, bn, bk, warps, stages, group=8):
                          num_warps=warps, num_stages=stages)
 
 
-# Candidates, in order of preference; the resource model below keeps those that neither spill
-# registers nor exceed the device's shared memory for a kernel variant, and the first kept one
-# is what CKPT_EXT_AUTOTUNE=0 launches. The fused tiles keep two fp32 accumulators: a 128x64
-# tile loads as many bytes per FLOP as a 128x128 plain GEMM tile, a 128x128 tile holds the
-# registers of a 128x256 one. The last two serve the LoRA backward, whose epilogue is the
-# heaviest (see _regs_estimate).
+# Candidates, in order of preference; on a GPU the launcher compiles them for the kernel
+# variant at hand and keeps those that neither spill registers nor exceed the device's shared
+# memory (_launch.Pruned), and the first kept one is what CKPT_EXT_AUTOTUNE=0 launches. The
+# fused tiles keep two fp32 accumulators: a 128x64 tile loads as many bytes per FLOP as a
+# 128x128 plain GEMM tile, a 128x128 tile holds the registers of a 128x256 one. The last two
+# serve the LoRA backward, whose epilogue is the heaviest. A backward candidate is tried with
+# each epilogue piece width, widest first (candidate_configs).
 _CANDIDATES = [
     _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 4), _cfg(256, 64, 64, 8, 3),
     _cfg(128, 64, 64, 4, 4), _cfg(128, 64, 64, 8, 4), _cfg(64, 128, 64, 8, 4),
@@ -493,7 +494,6 @@ _INTERPRET_META = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
 _INTERPRET_EPI_N = {"subtiled": 16, "whole": 64}
 _TUNE_KEY = ["T_BUCKET", "H", "I"]
 _KINDS = ("fwd", "bwd")
-_REG_LIMIT = 176     # estimated fp32 values per thread that stay clear of ptxas's 255 registers
 _EPI_MIN = 16        # narrowest epilogue piece (tl.dot needs 16 columns for the LoRA products)
 
 
@@ -502,63 +502,6 @@ def _interpret_meta(kind):
     if kind == "fwd":
         return dict(_INTERPRET_META)
     return dict(_INTERPRET_META, EPI_N=_INTERPRET_EPI_N[_config.current().swiglu_epilogue])
-
-
-def _wgmma(config, arch, ieee):
-    """Whether Triton lowers the tile's dots to Hopper's wgmma (operands read from shared
-    memory, BLOCK_M >= 64 per warp group) rather than to mma with register operands (or, for
-    IEEE fp32, to FMAs)."""
-    return (arch == "hopper" and not ieee and config.kwargs["BLOCK_M"] >= 64
-            and config.num_warps % 4 == 0)
-
-
-def _smem_estimate(config, arch, elt, ieee):
-    """Shared memory of the pipelined x, w_gate, w_up tiles: num_stages buffers with wgmma,
-    num_stages - 1 otherwise; equal to Triton's allocation in the AOT reports."""
-    m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-    buffers = config.num_stages if _wgmma(config, arch, ieee) else max(config.num_stages - 1, 1)
-    return buffers * (m * bk + 2 * bk * bn) * elt
-
-
-def _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad, epi_n=None):
-    """Estimated 32-bit registers per thread that decide whether ptxas spills, fitted to the
-    AOT compile reports (tools/check_triton_compile.py, bf16, sm_90 and sm_80).
-
-    With ``tile`` = BLOCK_M * BLOCK_N / threads (one fp32 tile): the forward holds its two
-    accumulators plus the epilogue (2.5 tiles); the backward holds the two accumulators while
-    its epilogue keeps 2.5 fp32 values per element of the piece it works on, ``piece`` =
-    BLOCK_M * epi_n / threads (epi_n = BLOCK_N for the whole tile, BLOCK_N / 2 or / 4
-    subtiled); mma (Ampere, and Hopper below 64 rows) adds the register operands of one
-    x / w k-step. LoRA adds the rank-r tiles. In the backward (the down adapter's products
-    in the epilogue, the gate/up rank-r terms in the recompute) the AOT reports fit a rule
-    rather than a sum: at rank pad 16 a config is spill-free when BLOCK_N <= 64 and tile +
-    piece <= 48 values (wgmma) or, with mma, BLOCK_M <= 64 and tile + piece <= 40 (sm_80:
-    128-row tiles spill at every piece width, 64x64 w4 in 16-column pieces does not); at
-    rank pads 32 and 64 only BLOCK_N <= 32 with tile <= 8 values is (64x64 and 32x64 tiles
-    spill there at some piece width). A config outside the rule returns a value over the
-    limit."""
-    m, bn, bk = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-    threads = 32 * config.num_warps
-    tile = m * bn / threads
-    operands = 0 if _wgmma(config, arch, ieee) else (m * bk + bk * bn) * elt / (4 * threads)
-    if kind == "fwd":
-        regs = 2.5 * tile + operands
-    else:
-        piece = m * (epi_n or bn) / threads
-        regs = 2.0 * tile + 2.5 * piece + operands
-    if lora:
-        rank_tile = rank_pad * bn / threads
-        if kind == "fwd":
-            regs += 8 * rank_tile + 40
-        else:
-            wgmma = _wgmma(config, arch, ieee)
-            if rank_pad <= 16:
-                fits = (bn <= 64 and (wgmma or m <= 64)
-                        and tile + piece <= (48 if wgmma else 40))
-            else:
-                fits = bn <= 32 and tile <= 8
-            regs = max(regs, _REG_LIMIT) if fits else max(regs, 2 * _REG_LIMIT)
-    return regs
 
 
 def _epilogue_widths(kind, config, epilogue):
@@ -573,98 +516,48 @@ def _epilogue_widths(kind, config, epilogue):
     return tuple(w for w in (bn, bn // 2, bn // 4) if w >= min(_EPI_MIN, bn))
 
 
-def estimate_resources(kind, config, arch, dtype, *, precision="ieee", lora=False,
-                       rank_pad=16, epi_n=None):
-    """The resource model's estimates for one config of a SwiGLU kernel: ``{"regs": estimated
-    fp32 values per thread, "smem": shared-memory bytes, "spill_free": regs within the limit
-    that keeps ptxas clear of spills}``. kind, arch, dtype, precision, lora, rank_pad: as for
-    :func:`launch_configs`; epi_n: the backward's epilogue piece width (default: the config's
-    ``EPI_N``, else the whole tile)."""
+def candidate_configs(kind, epilogue=None):
+    """Every launch candidate of a SwiGLU kernel, in the order they are tried: kind "fwd"
+    (``_swiglu_fwd_kernel``) or "bwd" (``_swiglu_bwd_recompute_kernel``, the recompute and
+    the save="gate_up" variants); a backward candidate once per epilogue piece width
+    (``EPI_N``), widest first: the whole tile, then (epilogue "subtiled", the default of the
+    ``swiglu_epilogue`` setting) its halves and quarters."""
     if kind not in _KINDS:
-        raise ValueError(f"estimate_resources: kind must be one of {_KINDS}, got {kind!r}")
-    elt = dtype.itemsize
-    ieee = dtype == torch.float32 and precision == "ieee"
-    if kind == "bwd" and epi_n is None:
-        epi_n = config.kwargs.get("EPI_N", config.kwargs["BLOCK_N"])
-    regs = _regs_estimate(kind, config, arch, elt, ieee, lora, rank_pad,
-                          epi_n if kind == "bwd" else None)
-    return {"regs": regs, "smem": _smem_estimate(config, arch, elt, ieee),
-            "spill_free": regs <= _REG_LIMIT}
-
-
-def launch_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
-                   smem_budget=None, epilogue=None):
-    """Every candidate of a SwiGLU kernel with the resource model's verdict, in order.
-
-    kind: "fwd" (``_swiglu_fwd_kernel``) or "bwd" (``_swiglu_bwd_recompute_kernel``, the
-    recompute and the save="gate_up" variants); arch: "hopper" or "ampere"; dtype: the
-    torch dtype of x; precision: ``_launch.dot_precision(dtype)`` (fp32: "ieee" or "tf32");
-    lora: adapters present (rank padded to ``rank_pad``); smem_budget: the device's per-block
-    shared memory (default: the family's, see ``_launch.smem_budget_for``); epilogue: the
-    backward's epilogue, "subtiled" or "whole" (default: the ``swiglu_epilogue`` setting). The
-    register model is fitted to bf16 compiles (fp16 allocates alike); fp32 is estimated alike
-    but not checked against spills (IEEE fp32 dots run on FMAs and spill on sm_80 at every
-    size). Returns a list of ``(config, {"regs": est, "smem": est, "kept": bool})``; a
-    backward config carries ``EPI_N``, the widest epilogue piece the model keeps (subtiled),
-    else the whole tile. When no config is kept the smallest tile is marked kept, so that
-    something launches.
-    """
-    if kind not in _KINDS:
-        raise ValueError(f"launch_configs: kind must be one of {_KINDS}, got {kind!r}")
+        raise ValueError(f"candidate_configs: kind must be one of {_KINDS}, got {kind!r}")
     epilogue = _config.current().swiglu_epilogue if epilogue is None else epilogue
     if epilogue not in ("subtiled", "whole"):
-        raise ValueError(f"launch_configs: epilogue must be 'subtiled' or 'whole', got "
+        raise ValueError(f"candidate_configs: epilogue must be 'subtiled' or 'whole', got "
                          f"{epilogue!r}")
-    if smem_budget is None:
-        smem_budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
-    rows = []
-    for c in _CANDIDATES:
-        widths = _epilogue_widths(kind, c, epilogue)
-        ests = [estimate_resources(kind, c, arch, dtype, precision=precision, lora=lora,
-                                   rank_pad=rank_pad, epi_n=w) for w in widths]
-        # the widest piece that fits, else the narrowest (marked not kept)
-        pick = next((i for i, e in enumerate(ests) if e["spill_free"]), len(widths) - 1)
-        if widths[pick] is not None:
-            c = triton.Config({**c.kwargs, "EPI_N": widths[pick]}, num_warps=c.num_warps,
-                              num_stages=c.num_stages)
-        est = ests[pick]
-        rows.append((c, {"regs": est["regs"], "smem": est["smem"],
-                         "kept": est["spill_free"] and est["smem"] <= smem_budget}))
-    if not any(est["kept"] for _, est in rows):
-        smallest = min(range(len(rows)), key=lambda i: (
-            rows[i][0].kwargs["BLOCK_M"] * rows[i][0].kwargs["BLOCK_N"], rows[i][1]["smem"]))
-        rows[smallest][1]["kept"] = True
-    return rows
+    if kind == "fwd":
+        return list(_CANDIDATES)
+    return [triton.Config({**c.kwargs, "EPI_N": w}, num_warps=c.num_warps,
+                          num_stages=c.num_stages)
+            for c in _CANDIDATES for w in _epilogue_widths(kind, c, epilogue)]
 
 
-def kept_configs(kind, arch, dtype, *, precision="ieee", lora=False, rank_pad=16,
-                 smem_budget=None, epilogue=None):
-    """The configs :func:`launch_configs` keeps, in order: the autotuner's candidates, and the
-    first one is what ``CKPT_EXT_AUTOTUNE=0`` launches."""
-    return [c for c, est in launch_configs(kind, arch, dtype, precision=precision, lora=lora,
-                                           rank_pad=rank_pad, smem_budget=smem_budget,
-                                           epilogue=epilogue)
-            if est["kept"]]
+def tile_of(config):
+    """A candidate's tile and pipeline, without its epilogue piece width: the launcher keeps
+    the widest piece that fits of each (``_launch.prune``'s group)."""
+    return (tuple(sorted((k, v) for k, v in config.kwargs.items() if k != "EPI_N")),
+            config.num_warps, config.num_stages)
 
 
 def _kernel_for(kind, device, dtype, precision, lora_pads):
     """The launcher of one kernel for a device, dtype and adapters (rank pads or None)."""
-    if _launch.INTERPRET:
-        configs = []
-    else:
-        info = _launch.device_info(device)
-        configs = kept_configs(kind, info.arch, dtype, precision=precision,
-                               lora=lora_pads is not None,
-                               rank_pad=max(lora_pads or (16,)), smem_budget=info.smem_budget)
+    configs, budget = [], None
+    if not _launch.INTERPRET:
+        configs = candidate_configs(kind)
+        budget = _launch.device_info(device).smem_budget
     if kind == "fwd":
         # ha is accumulated atomically: tuning runs must start it from zero.
-        return _launch.select(_swiglu_fwd_kernel, configs,
+        return _launch.select(_swiglu_fwd_kernel, configs, smem_budget=budget,
                               interpret_meta=lambda: _interpret_meta("fwd"),
                               key=_TUNE_KEY, reset_to_zero=["ha_ptr"])
     # dgate is written over dh in place, so tuning runs must restore dh between trials; the
     # LoRA accumulators start from zero.
-    return _launch.select(_swiglu_bwd_recompute_kernel, configs,
-                          interpret_meta=lambda: _interpret_meta("bwd"), key=_TUNE_KEY,
+    return _launch.select(_swiglu_bwd_recompute_kernel, configs, smem_budget=budget,
+                          group=tile_of, interpret_meta=lambda: _interpret_meta("bwd"),
+                          key=_TUNE_KEY,
                           restore_value=["dh_ptr"],
                           reset_to_zero=["dlad_ptr", "ha_ptr"])
 

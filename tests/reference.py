@@ -167,6 +167,11 @@ def swiglu_reference(x, wg, wu, wd, bg=None, bu=None, bd=None, activation="silu"
 
 
 # ---- a whole decoder layer -----------------------------------------------------------------
+def rope_args(pe):
+    """The layer op's cos= / sin= from a (cos, sin) pair, none for None (an MLP sublayer)."""
+    return {} if pe is None else dict(cos=pe[0], sin=pe[1])
+
+
 def rope_tables(s, d, dtype, batch=1, offset=None):
     pos = torch.arange(s, dtype=torch.float64)[None].repeat(batch, 1)
     if offset is not None:

@@ -22,7 +22,7 @@ from ckpt_ext import blocks, ops
 from ckpt_ext.modules import DecoderLayer, SwiGLUMLP
 
 import reference
-from reference import (FACTOR_GRAD, FACTOR_OUT, check_f64, check_swiglu_lora, check_vs_baseline,
+from reference import (rope_args, FACTOR_GRAD, FACTOR_OUT, check_f64, check_swiglu_lora, check_vs_baseline,
                        magnitude, make_layer, make_swiglu_lora, rms_norm_reference, rope_tables,
                        swiglu_lora_grads)
 
@@ -386,10 +386,11 @@ def part_weights(weights, part):
 
 
 def run_layer(part, preset, activation=GELU, dropout=None, seed=None):
-    return lambda x, w: blocks.decoder_layer(
-        x, w, pe_of(x), num_heads=HQ, num_kv_heads=HKV, activation=activation, part=part,
-        preset=preset, lora_scaling=SCALING if "mlp.gate_proj.lora_A" in w else None,
-        lora_dropout=dropout, dropout_seed=seed)
+    return lambda x, w: blocks.decoder_layer(x, blocks.LayerOptions(
+        weights=w, cos=pe_of(x)[0], sin=pe_of(x)[1], num_heads=HQ, num_kv_heads=HKV,
+        activation=activation, part=part, preset=preset,
+        lora_scaling=SCALING if "mlp.gate_proj.lora_A" in w else (),
+        lora_dropout=dropout or (), dropout_seed=seed))
 
 
 def pe_of(x):
@@ -434,9 +435,9 @@ def test_layer_op_through_triton(preset, part):
     weights = part_weights(weights, part)
     dev = {n: t.to(DEVICE) for n, t in weights.items()}
     with backend_context("triton"):
-        got = layer_grads(lambda x, w: blocks.decoder_layer(
-            x, w, tuple(t.to(DEVICE) for t in pe), num_heads=HQ, num_kv_heads=HKV,
-            activation=GELU, part=part, preset=preset), x.to(DEVICE), dev)
+        got = layer_grads(lambda x, w: blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=w, cos=pe[0].to(DEVICE), sin=pe[1].to(DEVICE), num_heads=HQ,
+            num_kv_heads=HKV, activation=GELU, part=part, preset=preset)), x.to(DEVICE), dev)
     base = layer_grads(lambda x, w: layer_reference(x, w, pe, part), x, weights)
     ref = layer_grads(lambda x, w: layer_reference(x, w, tuple(t.double() for t in pe), part),
                       x.double(), {n: t.double() for n, t in weights.items()})
@@ -472,8 +473,9 @@ def test_bad_activation_raises_everywhere():
     x, weights, pe = layer_case(torch.float32)
     for part in ("layer", "mlp", "attention"):
         with pytest.raises(ValueError, match=f"decoder_layer.*{BAD}"):
-            blocks.decoder_layer(x, weights, pe, num_heads=HQ, num_kv_heads=HKV,
-                                 activation="gelu", part=part)
+            blocks.decoder_layer(x, blocks.LayerOptions(
+                weights=weights, **rope_args(pe), num_heads=HQ, num_kv_heads=HKV,
+                activation="gelu", part=part))
 
 
 @needs_triton

@@ -28,143 +28,243 @@ def test_switch_rejects_other_values(value):
         config.from_environment({"CKPT_EXT_AUTOTUNE": value})
 
 
-def smem_and_regs(kind, c, d_pad, elt):
-    """Shared memory (bytes): two streamed tiles per stage, the resident tiles and (backward)
-    2 KiB of lse/delta rows; and the register model's fp32 words per thread, restated from its
-    description (accumulators, resident tiles, one step's score tiles)."""
-    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-    resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
-    tiles = max(c.num_stages, 1) * 2 * streamed + (1 if kind == "fwd" else 2) * resident
-    smem = tiles * d_pad * elt + (0 if kind == "fwd" else 2048)
-    half = elt / 4
-    words = {"fwd": bm * d_pad * (1 + half) + bm * bn * (1 + half),
-             "dq": bm * d_pad * (1 + 2 * half) + bm * bn * (2 + half),
-             "dkdv": (2 * bn * d_pad * (1 + half) + 2 * bm * d_pad * half
-                      + bm * bn * (4 + half))}[kind]
-    warps = min(c.num_warps, bn // 16) if kind == "dkdv" else c.num_warps
-    return smem, words / (32 * warps)
+# ------------------------------------------------------------------------------------------
+# Pruning by what the compiler reports (kernels/_launch.py)
+# ------------------------------------------------------------------------------------------
+R = _launch.Resources
+BUDGET = 227 * 1024
 
 
-# Triton's own shared-memory allocation (bytes) for bf16, head_dim 128, found by AOT compiles
-# for sm_90 with tools/check_triton_compile.py (triton 3.6 and 3.9 agree).
-MEASURED_SM90_D128_BF16 = {
-    ("fwd", 128, 128, 3): 229376, ("fwd", 64, 32, 2): 49152,
-    ("dq", 128, 64, 3): 163840, ("dq", 64, 64, 3): 131072,
-    ("dkdv", 64, 128, 3): 164864, ("dkdv", 32, 64, 3): 82944, ("dkdv", 16, 32, 2): 25728,
-}
+def test_prune_keeps_what_compiled_without_spills_within_shared_memory():
+    cfgs = [attention._cfg(128, 128, 8, 3), attention._cfg(128, 64, 8, 3),
+            attention._cfg(64, 64, 4, 3), attention._cfg(32, 32, 4, 2)]
+    res = [R(255, 4, 200000), R(168, 0, 240000), R(160, 0, 98304), R(90, 0, 24576)]
+    # spills, over the budget, fits, fits: the fitting ones, in order
+    assert _launch.prune(cfgs, res, BUDGET) == cfgs[2:]
+    assert not _launch.fits(res[0], BUDGET) and not _launch.fits(res[1], BUDGET)
+    assert _launch.fits(res[1], 240000)
+    assert _launch.prune(cfgs, res, 240000) == cfgs[1:]
+    # nothing fits: the one that spills least within shared memory (less shared on a tie)
+    spilling = [R(255, 8, 1000), R(255, 2, 300000), R(255, 2, 9000), R(255, 2, 5000)]
+    assert _launch.prune(cfgs, spilling, BUDGET) == [cfgs[3]]
+    # a config that did not load (None) is never kept; none loads: nothing
+    assert _launch.prune(cfgs, [None, None, R(1, 0, 1), None], BUDGET) == [cfgs[2]]
+    assert _launch.prune(cfgs, [None] * 4, BUDGET) == []
+    assert not _launch.fits(None, BUDGET)
 
 
-def test_shared_memory_model_never_under_triton():
-    for (kind, bm, bn, stages), real in MEASURED_SM90_D128_BF16.items():
-        est = attention._smem_bytes(kind, attention._cfg(bm, bn, 4, stages), 128, 2)
-        assert real <= est <= 1.4 * real, (kind, bm, bn, stages, real, est)
-    # head_dim 256 dq, 64x64, 3 stages: Triton allocates 262144 B, over Hopper's 232448 B
-    assert attention._smem_bytes("dq", attention._cfg(64, 64, 4, 3), 256, 2) >= 262144
+def test_prune_keeps_the_first_fitting_of_each_group():
+    from ckpt_ext.kernels import swiglu_mlp
+
+    cands = swiglu_mlp.candidate_configs("bwd", "subtiled")[:6]
+    # the 128x128 tile in pieces of 128, 64, 32; the next tile in 128, 64, 32
+    assert [c.kwargs["EPI_N"] for c in cands] == [128, 64, 32, 128, 64, 32]
+    res = [R(255, 6, 1), R(200, 0, 1), R(180, 0, 1), R(255, 9, 1), R(255, 1, 1), R(190, 0, 1)]
+    kept = _launch.prune(cands, res, BUDGET, swiglu_mlp.tile_of)
+    assert kept == [cands[1], cands[5]]
+    assert _launch.prune(cands, res, BUDGET) == [cands[1], cands[2], cands[5]]
 
 
-@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
-@pytest.mark.parametrize("arch, budget", [("hopper", 227 * 1024), ("ampere", 163 * 1024),
-                                          ("ampere", 99 * 1024)])
-@pytest.mark.parametrize("d_pad", [16, 64, 128, 256])
-def test_pruned_attention_configs_fit(kind, arch, budget, d_pad):
-    """CKPT_EXT_AUTOTUNE=0 launches the first of these; every one fits the device, in the
-    candidates' order; with no room at all the smallest tile is still offered."""
-    configs = attention._CONFIGS[(kind, arch)]
-    kept = attention._prune(kind, configs, d_pad, 2, budget)
-    assert all(attention.estimate_resources(kind, c, d_pad, 2) == smem_and_regs(kind, c, d_pad, 2)
-               for c in configs)
-    limit = attention._REG_LIMIT[kind]
-    fitting = [c for c in configs
-               if (lambda m, r: m <= budget and r <= limit)(*smem_and_regs(kind, c, d_pad, 2))]
-    smallest = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
-    assert kept == (fitting or [smallest])
-    if d_pad <= 128 and arch == "hopper":
-        assert fitting, "Hopper must fit a tuned tile up to head_dim 128"
-    assert attention._prune(kind, configs, d_pad, 2, 1024) == [smallest]
+class FakeCompiled:
+    def __init__(self, resources):
+        self.resources, self.loaded = resources, False
+
+    def _init_handles(self):
+        from triton.runtime.errors import OutOfResources
+
+        if self.resources is None:
+            raise OutOfResources(300000, 232448, "shared memory")
+        self.loaded = True
+        self.n_regs, self.n_spills = self.resources.regs, self.resources.spills
+        self.metadata = type("Meta", (), {"shared": self.resources.shared})
 
 
-# Spill-store bytes that ptxas reports for the attention kernels (tools/check_triton_compile.py,
-# triton 3.9, bf16, causal unless marked "full"; "atomic": the dK/dV kernel of
-# CKPT_EXT_ATTN_DQ=atomic): (arch, kind, head_dim, BLOCK_M, BLOCK_N, warps, stages) -> bytes.
-MEASURED_SPILLS = {
-    ("hopper", "fwd", 128, 128, 64, 8, 3): 16, ("hopper", "fwd", 128, 128, 32, 4, 3): 104,
-    ("hopper", "fwd", 128, 128, 32, 8, 3): 0, ("hopper", "fwd", 128, 64, 64, 4, 3): 16,
-    ("hopper", "fwd", 128, 64, 32, 4, 2): 0, ("hopper", "fwd", 64, 128, 64, 8, 3): 0,
-    ("hopper", "dkdv", 128, 32, 128, 8, 2): 132, ("hopper", "dkdv", 128, 64, 64, 8, 2): 376,
-    ("hopper", "dkdv", 128, 32, 64, 8, 2): 16, ("hopper", "dkdv", 128, 32, 64, 4, 2): 364,
-    ("hopper", "dkdv", 128, 16, 64, 4, 2): 80, ("hopper", "dkdv", 128, 16, 128, 8, 2): 0,
-    ("hopper", "dkdv", 64, 64, 128, 8, 3): 12, ("hopper", "dkdv", 64, 32, 128, 8, 3): 0,
-    ("hopper", "dkdv atomic", 128, 64, 64, 8, 2): 524,
-    ("hopper", "dkdv atomic", 128, 32, 64, 8, 2): 132,
-    ("hopper", "dkdv atomic", 128, 16, 64, 4, 2): 284,
-    ("hopper", "dkdv atomic", 128, 16, 32, 4, 2): 0,
-    ("hopper", "dkdv atomic", 64, 64, 128, 8, 3): 224,
-    ("hopper", "dkdv atomic", 64, 16, 128, 8, 2): 0,
-    ("hopper", "dq", 128, 128, 64, 8, 2): 8, ("hopper", "dq", 128, 128, 32, 8, 2): 0,
-    ("hopper", "dq", 128, 64, 64, 8, 2): 0, ("hopper", "dq", 64, 128, 64, 8, 3): 0,
-    ("ampere", "fwd", 128, 128, 64, 8, 2): 104, ("ampere", "fwd", 128, 128, 32, 8, 3): 0,
-    ("ampere", "fwd", 64, 128, 64, 8, 2): 0,
-    ("ampere", "dkdv", 128, 32, 128, 8, 2): 120, ("ampere", "dkdv", 128, 64, 64, 8, 2): 8,
-    ("ampere", "dkdv", 128, 32, 64, 4, 2): 84, ("ampere", "dkdv", 128, 16, 64, 4, 2): 36,
-    ("ampere", "dkdv", 128, 16, 128, 8, 2): 0, ("ampere", "dkdv", 64, 32, 128, 8, 2): 0,
-    ("ampere", "dkdv atomic", 128, 64, 64, 8, 2): 304,
-    ("ampere", "dkdv atomic", 128, 32, 64, 8, 2): 32,
-    ("ampere", "dkdv atomic", 128, 16, 64, 4, 2): 236,
-    ("ampere", "dkdv atomic", 64, 32, 128, 8, 2): 80,
-    ("ampere", "dkdv atomic", 64, 16, 128, 8, 2): 0,
-    ("ampere", "dkdv atomic", 128, 16, 32, 4, 2): 32,
-    ("ampere", "dkdv atomic", 128, 16, 16, 4, 2): 0,
-    ("ampere", "dq", 128, 128, 64, 8, 2): 68, ("ampere", "dq", 128, 128, 32, 8, 2): 20,
-    ("ampere", "dq", 128, 64, 64, 8, 2): 0, ("ampere", "dq", 64, 128, 32, 8, 2): 0,
-    # the full sweep (bench/results/triton_compile_attention_sm90_sm80_triton3.9.txt) and the
-    # head_dim 256 / 16x16 tiles added after it
-    ("ampere", "dq", 64, 64, 64, 4, 2): 24, ("ampere", "dq", 64, 64, 32, 4, 2): 12,
-    ("ampere", "dq", 128, 64, 64, 4, 2): 4, ("ampere", "dq", 64, 64, 32, 8, 2): 0,
-    ("ampere", "dq", 128, 64, 32, 8, 2): 0, ("ampere", "dq", 256, 64, 32, 8, 2): 0,
-    ("ampere", "dq", 256, 64, 32, 4, 2): 32, ("ampere", "dq", 256, 32, 32, 4, 2): 0,
-    ("hopper", "dq", 256, 64, 32, 8, 2): 76, ("hopper", "dq", 256, 64, 32, 4, 2): 40,
-    ("hopper", "dq", 256, 32, 32, 4, 2): 0,
-    ("hopper", "fwd", 256, 64, 32, 4, 2): 60, ("hopper", "fwd", 256, 64, 32, 8, 2): 0,
-    ("hopper", "fwd", 256, 32, 32, 4, 2): 0,
-    ("ampere", "fwd", 256, 64, 32, 4, 2): 52, ("ampere", "fwd", 256, 64, 32, 8, 2): 0,
-    ("ampere", "fwd", 256, 32, 32, 4, 2): 0,
-    ("hopper", "dkdv", 256, 16, 32, 4, 2): 128, ("hopper", "dkdv", 256, 16, 16, 4, 2): 0,
-    ("ampere", "dkdv", 256, 16, 16, 4, 2): 0,
-    ("hopper", "dkdv atomic", 128, 16, 16, 4, 2): 0, ("hopper", "dkdv atomic", 64, 16, 16, 4, 2): 0,
-}
+class CompilingStub:
+    """A kernel whose ``warmup`` reports the given resources per BLOCK_M, or per (BLOCK_M,
+    BLOCK_N, num_warps, num_stages) (None: the driver refuses to load it) and whose launches
+    are recorded."""
+
+    def __init__(self, resources):
+        self.resources, self.compiled, self.launched = resources, [], []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.compiled.append((kwargs["BLOCK_M"], args, kwargs.get("HEAD_DIM")))
+        full = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"])
+        return FakeCompiled(self.resources[full if full in self.resources
+                                           else kwargs["BLOCK_M"]])
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launched.append((grid, args, kwargs))
+        return run
 
 
-def test_register_model_drops_every_measured_spill():
-    """The register model keeps a config only if its AOT compile did not spill, and the first
-    config launched for head_dim 64, 128 and 256 (what CKPT_EXT_AUTOTUNE=0 launches: kept on
-    its merits, or the last resort when nothing is) was measured spill-free on its
-    architecture. Atomic dQ at head_dim 128 and dK/dV at 256 launch the last resort, 16x16."""
-    def signature(c):
-        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+def test_pruned_launcher_compiles_in_order_and_launches_the_first_that_fits():
+    cfgs = [attention._cfg(128, 64, 8, 3), attention._cfg(64, 64, 4, 3),
+            attention._cfg(32, 32, 4, 2), attention._cfg(16, 16, 4, 2)]
+    stub = CompilingStub({128: R(255, 3, 1000), 64: None, 32: R(100, 0, 1000),
+                          16: R(60, 0, 500)})
+    launch = _launch.Pruned(stub, cfgs, BUDGET, autotune=False, key=["HEAD_DIM"],
+                            autotune_kwargs={})
+    launch["grid"](1, 2, HEAD_DIM=128)
+    # autotuning off: compiled in order up to the first that fits, for the launch's arguments
+    assert [m for m, _, _ in stub.compiled] == [128, 64, 32]
+    assert all(args == (1, 2) and d == 128 for _, args, d in stub.compiled)
+    assert launch.kept == [cfgs[2]]
+    assert [(c, r) for c, r in launch.report] == [(cfgs[0], R(255, 3, 1000)), (cfgs[1], None),
+                                                  (cfgs[2], R(100, 0, 1000))]
+    assert stub.launched[0][2]["BLOCK_M"] == 32 and stub.launched[0][1] == (1, 2)
+    launch["grid"](3, HEAD_DIM=128)  # decided once per launcher (one cache key)
+    assert len(stub.compiled) == 3 and len(stub.launched) == 2
 
-    checked = 0
-    for (family, kind, d, bm, bn, warps, stages), spill in MEASURED_SPILLS.items():
-        atomic = kind.endswith("atomic")
-        kind = kind.split()[0]
-        if (bm, bn, warps, stages) not in map(signature, attention.attention_configs(kind, family)):
-            continue  # no longer a candidate there (e.g. the 4-warp 64-row dQ tiles on Ampere)
-        checked += 1
-        cfg = attention._cfg(bm, bn, warps, stages)
-        kept = attention._prune(kind, [cfg, attention._cfg(16, 16, 4, 1)], d, 2, 227 * 1024,
-                                atomic)
-        assert (cfg in kept) <= (spill == 0), (family, kind, d, bm, bn, warps, stages, atomic)
-    assert checked >= 50, checked
-    for family in ("hopper", "ampere"):
-        for d in (64, 128, 256):
-            for kind, atomic in (("fwd", False), ("dkdv", False), ("dkdv", True), ("dq", False)):
-                if atomic and d == 256:
-                    continue
-                budget = _launch.smem_budget_for((9, 0) if family == "hopper" else (8, 0))
-                first = attention.attention_candidate_configs(kind, family, d, torch.bfloat16,
-                                                              budget, atomic)[0]
-                key = (family, kind + (" atomic" if atomic else ""), d, first.kwargs["BLOCK_M"],
-                       first.kwargs["BLOCK_N"], first.num_warps, first.num_stages)
-                assert MEASURED_SPILLS.get(key) == 0, key
+    # autotuning on: every candidate compiled, the autotuner gets those that fit
+    tuned = []
+    stub = CompilingStub({128: R(255, 3, 1000), 64: R(128, 0, 1000), 32: R(100, 0, 1000),
+                          16: R(60, 0, 300000)})
+    launch = _launch.Pruned(stub, cfgs, BUDGET, autotune=True, key=["HEAD_DIM"],
+                            autotune_kwargs={"reset_to_zero": ["DQ"]})
+
+    def fake_autotune(configs, key, **kw):
+        tuned.append((configs, key, kw))
+        return lambda kernel: kernel
+    import triton
+    real, triton.autotune = triton.autotune, fake_autotune
+    try:
+        launch["grid"](1, HEAD_DIM=64)
+    finally:
+        triton.autotune = real
+    assert [m for m, _, _ in stub.compiled] == [128, 64, 32, 16]
+    assert tuned == [([cfgs[1], cfgs[2]], ["HEAD_DIM"], {"reset_to_zero": ["DQ"]})]
+
+    nothing = _launch.Pruned(CompilingStub({m: None for m in (128, 64, 32, 16)}), cfgs,
+                             BUDGET, autotune=False, key=[], autotune_kwargs={})
+    with pytest.raises(RuntimeError, match="no candidate configuration loads"):
+        nothing["grid"](1)
+
+
+def test_launchers_prune_every_candidate_on_a_gpu_only(monkeypatch):
+    """On a GPU the launchers hand the kernel's whole candidate list and the device's shared
+    memory to the pruning launcher; in the interpreter they launch the fixed blocks as
+    before (nothing compiled, nothing pruned)."""
+    from ckpt_ext.kernels import swiglu_mlp
+
+    seen = {}
+
+    def spy(kernel, configs, **kw):
+        seen[kernel] = (list(configs), kw.get("smem_budget"), kw.get("group"))
+        return real(kernel, configs, **kw)
+    real = _launch.select
+    monkeypatch.setattr(_launch, "select", spy)
+    _launch.reload_policy()
+    dev = torch.device("cuda" if CUDA else "cpu")
+    swiglu_mlp._bwd_launcher(dev, torch.bfloat16 if CUDA else torch.float32, "tf32", False,
+                             False, True, True, (False, False), None)
+    attention._launcher("fwd", dev, torch.float32, 64, True, False, False, False, "tf32")
+    _launch.reload_policy()
+    (bwd_cfgs, bwd_budget, group), = [v for k, v in seen.items()
+                                      if k is swiglu_mlp._swiglu_bwd_recompute_kernel]
+    fwd_cfgs, fwd_budget, _ = seen[attention._attn_fwd_kernel]
+    if not CUDA:
+        assert _launch.INTERPRET, "the CPU runs the kernels through the interpreter only"
+        assert bwd_cfgs == fwd_cfgs == [] and bwd_budget is None and fwd_budget is None
+        return
+    info = _launch.device_info(dev)
+    assert bwd_cfgs == swiglu_mlp.candidate_configs("bwd") and group is swiglu_mlp.tile_of
+    assert fwd_cfgs == attention.attention_configs("fwd", info.arch)
+    assert bwd_budget == fwd_budget == info.smem_budget
+
+
+def test_candidate_lists():
+    from ckpt_ext.kernels import swiglu_mlp
+
+    fwd = swiglu_mlp.candidate_configs("fwd")
+    assert fwd and all("EPI_N" not in c.kwargs for c in fwd)
+    sub = swiglu_mlp.candidate_configs("bwd", "subtiled")
+    whole = swiglu_mlp.candidate_configs("bwd", "whole")
+    assert [swiglu_mlp.tile_of(c) for c in whole] == [swiglu_mlp.tile_of(c) for c in fwd]
+    assert all(c.kwargs["EPI_N"] == c.kwargs["BLOCK_N"] for c in whole)
+    assert all(c.kwargs["BLOCK_N"] % c.kwargs["EPI_N"] == 0 and c.kwargs["EPI_N"] >= 16
+               for c in sub)
+    assert len(sub) > len(whole)
+    with pytest.raises(ValueError, match="epilogue must be 'subtiled' or 'whole'"):
+        swiglu_mlp.candidate_configs("bwd", "halves")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        swiglu_mlp.candidate_configs("bwd_dx")
+    for kind in ("fwd", "dkdv", "dq"):
+        for family in ("hopper", "ampere"):
+            cands = attention.attention_configs(kind, family)
+            smallest = min(cands, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+            assert cands[-1] is smallest  # the last resort is tried last
+
+
+# A few attention forward candidates, bf16, head_dim 128, causal, compiled ahead of time for
+# sm_90 by tools/check_triton_compile.py's machinery (what the driver would report: registers,
+# local memory / 4 as spills, shared memory).
+_AOT_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import check_triton_compile as t
+t._prepare_environment()
+attention, _, _ = t.load_kernel_modules(False)
+t._MODULES["attention"] = attention
+cuobjdump = t.find_cuobjdump()
+out = []
+for bm, bn, w, s in json.loads(sys.argv[2]):
+    cfg = attention._cfg(bm, bn, w, s)
+    sig, consts, attrs = t.attention_signature(attention, "fwd", "bf16", 128, True, False,
+                                               cfg.kwargs)
+    res = t.compile_job(dict(module="attention", kernel=t.ATTN_KERNEL["fwd"], arch=90,
+                             signature=sig, constexprs=consts, attrs=attrs,
+                             options={"num_warps": w, "num_stages": s}), cuobjdump)
+    r = t.aot_resources(res)
+    out.append(None if r is None else [r.regs, r.spills, r.shared, res.get("spill_stores")])
+print("AOT" + json.dumps(out))
+"""
+
+
+def test_aot_compiled_candidates_are_pruned_by_their_reported_resources():
+    """Compiles a few sm_90 candidates ahead of time (no GPU: triton's bundled ptxas) and checks
+    the pruning decision on what the compiler reported for them: exactly those without
+    spills and within Hopper's shared memory are kept, in order, and the first of them is what
+    CKPT_EXT_AUTOTUNE=0 launches; at least one candidate is dropped for its spills."""
+    import json
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    # 128x64 w8 and 128x32 w4 spilled on sm_90 with triton 3.6 and 3.9; 128x32 w8 did not
+    shapes = [(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (32, 32, 4, 2)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tools),
+                               json.dumps(shapes)], env=env, capture_output=True, text=True,
+                              timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.skip("the ahead-of-time compile took over 15 minutes")
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AOT")), None)
+    if proc.returncode != 0 or line is None:
+        reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        print(f"AOT compile for sm_90 unavailable: {reason[0]}")
+        pytest.skip(f"AOT compile for sm_90 unavailable: {reason[0]}")
+    found = json.loads(line[3:])
+    if any(r is None for r in found):
+        print(f"AOT compile for sm_90 gave no resources for some candidates: {found}")
+        pytest.skip("cuobjdump gave no resource line (AOT resources unavailable)")
+    resources = [R(*r[:3]) for r in found]
+    print("sm_90 bf16 D128 causal fwd:", dict(zip(shapes, resources)),
+          "ptxas spill stores:", [r[3] for r in found])
+    # the driver's count (local memory) and ptxas's log agree on which ones spill
+    assert all((r.spills > 0) == bool(f[3]) for r, f in zip(resources, found)
+               if f[3] is not None), found
+    cfgs = [attention._cfg(*c) for c in shapes]
+    kept = _launch.prune(cfgs, resources, BUDGET)
+    assert kept == [c for c, r in zip(cfgs, resources) if r.spills == 0 and r.shared <= BUDGET]
+    assert kept, resources
+    assert any(r.spills for r in resources), "no candidate spilled: nothing was pruned"
+    assert all(r.regs <= 255 for r in resources)
+    stub = CompilingStub(dict(zip(shapes, resources)))
+    first = _launch.Pruned(stub, cfgs, BUDGET, autotune=False, key=[], autotune_kwargs={})
+    first["grid"](0)
+    assert first.kept == kept[:1]
 
 
 class StubKernel:
@@ -284,167 +384,3 @@ def test_launchers_are_cached_per_specialization():
     assert b is not a and b[1]["DOT_IEEE"] is False and a[1]["DOT_IEEE"] is True
     _launch.reload_policy()
     assert swiglu_mlp._fwd_launcher(dev, torch.float32, "ieee", False, False, False, None) is not a
-
-
-# Spill bytes ptxas reported for SwiGLU configs (tools/check_triton_compile.py, triton 3.9, bf16;
-# bench/results/triton_compile_swiglu_sm90_sm80_triton3.9.txt, and runs for former candidates
-# and for backward epilogue widths and adapter ranks the launcher does not pick):
-# (kind, arch, lora, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_N) -> spill stores;
-# lora: False or the adapters' rank pad (LoRA on all three projections, every gradient, the
-# down adapter's dropout); EPI_N: the backward's epilogue piece (BLOCK_N: the whole tile), None
-# for the forward. The LoRA backward rows are those of the kernel that leaves the gate/up
-# adapters' gradient pieces to the launcher.
-MEASURED_SWIGLU_SPILLS = {
-    ("fwd", "ampere", False, 128, 128, 64, 8, 3, None): 196,
-    ("fwd", "ampere", False, 256, 64, 64, 8, 3, None): 32,
-    ("fwd", "ampere", False, 128, 64, 64, 4, 4, None): 340,
-    ("fwd", "ampere", False, 128, 64, 64, 8, 4, None): 0,
-    ("fwd", "hopper", False, 128, 128, 64, 8, 3, None): 0,
-    ("fwd", "hopper", 16, 128, 64, 64, 8, 4, None): 0,
-    ("fwd", "ampere", 16, 64, 128, 64, 8, 4, None): 8,
-    ("fwd", "ampere", 16, 128, 128, 64, 8, 3, None): 9736,
-    ("fwd", "ampere", 16, 128, 64, 64, 8, 4, None): 0,
-    ("fwd", "hopper", 32, 64, 32, 64, 8, 3, None): 0, ("fwd", "ampere", 32, 64, 32, 64, 8, 3, None): 0,
-    ("fwd", "hopper", 64, 64, 32, 64, 8, 3, None): 0, ("fwd", "ampere", 64, 64, 32, 64, 8, 3, None): 0,
-    # backward, whole-tile epilogue
-    ("bwd", "hopper", False, 128, 128, 64, 8, 3, 128): 24,
-    ("bwd", "hopper", False, 256, 64, 64, 8, 3, 64): 36,
-    ("bwd", "hopper", False, 128, 64, 64, 4, 4, 64): 64,
-    ("bwd", "hopper", False, 128, 64, 64, 8, 4, 64): 0,
-    ("bwd", "hopper", False, 128, 128, 32, 8, 4, 128): 24,
-    ("bwd", "ampere", False, 128, 128, 32, 8, 4, 128): 188,
-    ("bwd", "ampere", False, 128, 64, 64, 8, 4, 64): 0,
-    ("bwd", "ampere", False, 64, 64, 64, 4, 4, 64): 0,
-    # backward, subtiled epilogue
-    ("bwd", "hopper", False, 128, 128, 64, 8, 3, 64): 0,
-    ("bwd", "hopper", False, 128, 128, 64, 8, 3, 32): 0,
-    ("bwd", "hopper", False, 128, 128, 64, 8, 4, 32): 0,
-    ("bwd", "hopper", False, 256, 64, 64, 8, 3, 16): 0,
-    ("bwd", "hopper", False, 128, 64, 64, 4, 4, 16): 0,
-    ("bwd", "hopper", False, 128, 128, 32, 8, 4, 32): 0,
-    ("bwd", "ampere", False, 128, 128, 64, 8, 3, 64): 272,
-    ("bwd", "ampere", False, 128, 128, 64, 8, 3, 32): 8068,
-    ("bwd", "ampere", False, 128, 64, 64, 4, 4, 32): 192,
-    ("bwd", "ampere", False, 128, 64, 64, 4, 4, 16): 280,
-    ("bwd", "ampere", False, 128, 128, 32, 8, 4, 64): 144,
-    ("bwd", "ampere", False, 128, 128, 32, 8, 4, 32): 184,
-    # LoRA backward, rank pad 16
-    ("bwd", "hopper", 16, 128, 128, 64, 8, 3, 32): 1148,
-    ("bwd", "hopper", 16, 256, 64, 64, 8, 3, 16): 1168,
-    ("bwd", "hopper", 16, 128, 64, 64, 4, 4, 16): 844,
-    ("bwd", "hopper", 16, 128, 64, 64, 8, 4, 64): 72,
-    ("bwd", "hopper", 16, 128, 64, 64, 8, 4, 32): 0,
-    ("bwd", "hopper", 16, 64, 128, 64, 8, 4, 32): 88,
-    ("bwd", "hopper", 16, 128, 64, 32, 8, 4, 64): 80,
-    ("bwd", "hopper", 16, 128, 64, 32, 8, 4, 32): 0,
-    ("bwd", "hopper", 16, 64, 64, 64, 4, 4, 64): 36,
-    ("bwd", "hopper", 16, 64, 64, 64, 4, 4, 32): 0,
-    ("bwd", "hopper", 16, 32, 64, 128, 4, 3, 64): 0,
-    ("bwd", "hopper", 16, 64, 32, 64, 8, 3, 32): 0,
-    ("bwd", "hopper", 16, 32, 32, 64, 4, 3, 32): 0,
-    ("bwd", "ampere", 16, 128, 64, 64, 8, 4, 16): 80,
-    ("bwd", "ampere", 16, 128, 64, 64, 8, 4, 32): 152,
-    ("bwd", "ampere", 16, 128, 64, 32, 8, 4, 16): 80,
-    ("bwd", "ampere", 16, 64, 128, 64, 8, 4, 32): 568,
-    ("bwd", "ampere", 16, 64, 64, 64, 4, 4, 32): 44,
-    ("bwd", "ampere", 16, 64, 64, 64, 4, 4, 16): 0,
-    ("bwd", "ampere", 16, 32, 64, 128, 4, 3, 64): 0,
-    ("bwd", "ampere", 16, 64, 32, 64, 8, 3, 32): 0,
-    ("bwd", "ampere", 16, 32, 32, 64, 4, 3, 32): 0,
-    # LoRA backward, rank pads 32 and 64
-    ("bwd", "hopper", 32, 32, 64, 128, 4, 3, 16): 32,
-    ("bwd", "hopper", 32, 32, 64, 128, 4, 3, 32): 76,
-    ("bwd", "hopper", 32, 64, 64, 64, 4, 4, 16): 180,
-    ("bwd", "ampere", 32, 64, 64, 64, 4, 4, 16): 104,
-    ("bwd", "hopper", 64, 32, 64, 128, 4, 3, 64): 0,
-    ("bwd", "ampere", 64, 32, 64, 128, 4, 3, 64): 56,
-    ("bwd", "hopper", 32, 64, 32, 64, 8, 3, 32): 0, ("bwd", "ampere", 32, 64, 32, 64, 8, 3, 32): 0,
-    ("bwd", "hopper", 64, 64, 32, 64, 8, 3, 32): 0, ("bwd", "ampere", 64, 64, 32, 64, 8, 3, 32): 0,
-    ("bwd", "hopper", 32, 32, 32, 64, 4, 3, 32): 0, ("bwd", "ampere", 32, 32, 32, 64, 4, 3, 32): 0,
-    ("bwd", "hopper", 64, 32, 32, 64, 4, 3, 32): 0, ("bwd", "ampere", 64, 32, 32, 64, 4, 3, 32): 0,
-}
-# Shared memory Triton allocated (bytes, bf16): (arch, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-MEASURED_SWIGLU_SMEM = {
-    ("hopper", 128, 128, 64, 8, 3): 147456, ("ampere", 128, 128, 64, 8, 3): 98304,
-    ("hopper", 128, 64, 64, 8, 4): 131072, ("ampere", 128, 64, 64, 8, 4): 98304,
-    ("hopper", 32, 64, 128, 4, 3): 81920, ("ampere", 64, 64, 64, 4, 4): 73728,
-    ("hopper", 64, 32, 64, 8, 3): 49152, ("ampere", 64, 32, 64, 8, 3): 32768,
-}
-
-
-def _config(bm, bn, bk, w, s, epi):
-    """The SwiGLU config of a MEASURED_SWIGLU_SPILLS key (EPI_N only for the backward)."""
-    import triton
-
-    extra = {} if epi is None else {"EPI_N": epi}
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, **extra},
-                         num_warps=w, num_stages=s)
-
-
-def test_swiglu_model_flags_every_measured_spill():
-    from ckpt_ext.kernels import swiglu_mlp
-
-    for (kind, arch, lora, *cfg), spill in MEASURED_SWIGLU_SPILLS.items():
-        est = swiglu_mlp.estimate_resources(kind, _config(*cfg), arch, torch.bfloat16,
-                                            lora=bool(lora), rank_pad=lora or 16)
-        assert not (spill and est["spill_free"]), (kind, arch, lora, cfg, spill, est)
-
-
-def test_swiglu_smem_model_matches_triton():
-    from ckpt_ext.kernels import swiglu_mlp
-
-    for (arch, *cfg), real in MEASURED_SWIGLU_SMEM.items():
-        est = swiglu_mlp.estimate_resources("fwd", _config(*cfg, None), arch, torch.bfloat16)
-        assert est["smem"] == real, (arch, cfg, real, est)
-
-
-@pytest.mark.parametrize("epilogue", ["subtiled", "whole"])
-@pytest.mark.parametrize("arch", ["hopper", "ampere"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind, lora", [("fwd", False), ("fwd", 16), ("fwd", 32), ("fwd", 64),
-                                        ("bwd", False), ("bwd", 16), ("bwd", 32), ("bwd", 64)])
-def test_swiglu_first_kept_config_is_measured_spill_free(kind, arch, dtype, lora, epilogue):
-    """What CKPT_EXT_AUTOTUNE=0 launches was compiled without spills (bf16 figures; fp16 has
-    the same register allocation), every kept LoRA backward config too (their rule is fitted,
-    not summed), and every kept config fits the family's shared memory."""
-    from ckpt_ext.kernels import swiglu_mlp
-
-    rows = swiglu_mlp.launch_configs(kind, arch, dtype, lora=bool(lora),
-                                     rank_pad=lora or 16, epilogue=epilogue)
-    kept = [(c, est) for c, est in rows if est["kept"]]
-    assert kept
-    if kind == "bwd" and lora and epilogue == "subtiled":
-        for c, _ in kept:
-            key = (kind, arch, lora, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
-                   c.kwargs["BLOCK_K"], c.num_warps, c.num_stages, c.kwargs["EPI_N"])
-            assert MEASURED_SWIGLU_SPILLS.get(key) == 0, key
-    c = kept[0][0]
-    key = (kind, arch, lora, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
-           c.num_warps, c.num_stages, c.kwargs.get("EPI_N"))
-    assert MEASURED_SWIGLU_SPILLS.get(key) == 0, key
-    budget = _launch.smem_budget_for((9, 0) if arch == "hopper" else (8, 0))
-    assert all(est["smem"] <= budget for _, est in kept)
-    if kind == "bwd":
-        assert all(c.kwargs["BLOCK_N"] % c.kwargs["EPI_N"] == 0 for c, _ in rows)
-        if epilogue == "whole":
-            assert all(c.kwargs["EPI_N"] == c.kwargs["BLOCK_N"] for c, _ in rows)
-    else:
-        assert all("EPI_N" not in c.kwargs for c, _ in rows)
-    # a device with little shared memory still gets a config
-    assert swiglu_mlp.kept_configs(kind, arch, dtype, lora=lora, smem_budget=16384,
-                                   epilogue=epilogue)
-
-
-def test_subtiled_epilogue_keeps_the_largest_hopper_tile():
-    """The subtiled backward keeps the 128x128 tile on sm_90 (whole, it spills 24 B), in the
-    widest piece the model calls spill-free; whole-tile epilogues keep the old first choice."""
-    from ckpt_ext.kernels import swiglu_mlp
-
-    sub = swiglu_mlp.kept_configs("bwd", "hopper", torch.bfloat16)[0]
-    whole = swiglu_mlp.kept_configs("bwd", "hopper", torch.bfloat16, epilogue="whole")[0]
-    assert (sub.kwargs["BLOCK_M"], sub.kwargs["BLOCK_N"], sub.kwargs["EPI_N"]) == (128, 128, 32)
-    assert (whole.kwargs["BLOCK_M"], whole.kwargs["BLOCK_N"], whole.kwargs["EPI_N"]) == (128, 64, 64)
-    with pytest.raises(ValueError, match="epilogue must be 'subtiled' or 'whole'"):
-        swiglu_mlp.launch_configs("bwd", "hopper", torch.bfloat16, epilogue="halves")
-    with pytest.raises(ValueError, match="kind must be one of"):
-        swiglu_mlp.estimate_resources("bwd_dx", sub, "hopper", torch.bfloat16)

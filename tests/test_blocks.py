@@ -174,6 +174,29 @@ def test_double_backward_raises_and_the_advice_holds():
                 fn(t), t, create_graph=True)[0], (x,))
 
 
+def test_policy_is_validated_once_where_it_is_set(monkeypatch):
+    """A DecoderLayer checks the policy it is given once (not again in each submodule), and
+    setting it checks the new value once and gives it to every submodule."""
+    from ckpt_ext.modules import layers
+    checked = []
+    real = layers.check_policy
+
+    def spy(policy, *args):
+        checked.append(policy)
+        return real(policy, *args)
+
+    monkeypatch.setattr(layers, "check_policy", spy)
+    layer = DecoderLayer(32, 4, 2, 48, qk_norm=True, policy="fast")
+    assert checked.count("fast") == 1
+    checked.clear()
+    layer.policy = "min_memory"
+    assert checked == ["min_memory"]
+    assert {m.policy for m in layer.modules() if hasattr(m, "policy")} == {"min_memory"}
+    with pytest.raises(ValueError, match="policy"):
+        layer.policy = "fastest"
+    assert layer.self_attn.q_norm.policy == "min_memory"
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="policy"):
         DecoderLayer(32, 4, 2, 48, policy="fastest")
@@ -212,9 +235,9 @@ def test_errors_name_the_argument():
                          torch.ones(4, 32), torch.ones(32, 4), preset="none")
     w = blocks.pack_weights({"post_attention_layernorm.weight": torch.ones(32)})
     with pytest.raises(ValueError, match="preset must be one of"):
-        blocks.call_decoder_layer(torch.randn(1, 2, 32), weights=w, num_heads=1,
-                                  num_kv_heads=1, eps=1e-6, scale=1.0, part="mlp",
-                                  preset="quick")  # straight to the C++ op's own check
+        blocks.decoder_layer(torch.randn(1, 2, 32), blocks.LayerOptions(
+            weights=w, num_heads=1, num_kv_heads=1, eps=1e-6, scale=1.0, part="mlp",
+            preset="quick"))  # straight to the C++ op's own check
     with pytest.raises(ValueError, match="unknown weight names"):
         blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
 
@@ -305,7 +328,7 @@ _PART_WEIGHTS = {"layer": ("",), "attention": ("input_layernorm.", "self_attn.")
 
 
 def _layer_call(dtype, compute_dtype=None, b=2, s=5, requires_grad=False, part="layer"):
-    """x and call_decoder_layer's arguments (but preset) for a small GQA layer's ``part``,
+    """x and decoder_layer's arguments (but preset) for a small GQA layer's ``part``,
     given the weights of that part alone (as blocks.attention_block and mlp_block do)."""
     layer = make_layer(32, 4, 2, 48, dtype)
     weights = blocks.pack_weights({n: t.detach().requires_grad_(requires_grad)
@@ -318,9 +341,8 @@ def _layer_call(dtype, compute_dtype=None, b=2, s=5, requires_grad=False, part="
 
 
 def _op_args(args):
-    """The layer ops' positional arguments after x, from call_decoder_layer's by name."""
-    full = {**blocks.LAYER_DEFAULTS, **args}
-    return [full[n] for n in blocks.LAYER_ARGS]
+    """The layer ops' positional arguments after x, from decoder_layer's by name."""
+    return blocks.LayerOptions(**args).op_args()
 
 
 @pytest.mark.parametrize("dtype,compute_dtype", [(torch.float32, None), (torch.float64, None),
@@ -351,10 +373,72 @@ def test_saved_residuals_follow_the_spec_and_the_formula(dtype, compute_dtype, p
 
 def test_call_decoder_layer_names_its_arguments():
     assert blocks.LAYER_ARGS[0] == "weights" and blocks.LAYER_ARGS[-2:] == ("part", "preset")
-    assert set(blocks.LAYER_DEFAULTS) < set(blocks.LAYER_ARGS)
     x, args = _layer_call(torch.float32)
     with pytest.raises(TypeError, match="unknown arguments \\['heads'\\]"):
         blocks.call_decoder_layer(x, heads=4, **args)
+    with pytest.raises(TypeError, match="heads"):
+        blocks.LayerOptions(heads=4, **args)
+
+
+def test_options_record_is_the_registered_schema():
+    """LayerOptions has one field per argument of the registered op after x, in its order,
+    each with the schema's default (a list default as a tuple), and those without one are
+    required; the op called with the record's defaults is the op called with its own."""
+    import dataclasses
+    schema = torch.ops.ckpt_ext.decoder_layer.default._schema.arguments[1:]
+    fields = dataclasses.fields(blocks.LayerOptions)
+    assert [f.name for f in fields] == [a.name for a in schema] == list(blocks.LAYER_ARGS)
+    for f, a in zip(fields, schema):
+        if a.has_default_value():
+            d = a.default_value
+            assert f.default == (tuple(d) if isinstance(d, list) else d), f.name
+        else:
+            assert f.default is dataclasses.MISSING, f.name
+    assert [f.name for f in fields if f.default is dataclasses.MISSING] == ["weights"]
+    x, args = _layer_call(torch.float32)
+    args.pop("scale")  # the op's default: 1 / sqrt(head_dim), here 8 ** -0.5 exactly
+    explicit = blocks.decoder_layer(x, blocks.LayerOptions(**args, scale=8 ** -0.5))
+    by_op = torch.ops.ckpt_ext.decoder_layer(x, **args)  # the op's own defaults
+    torch.testing.assert_close(blocks.decoder_layer(x, blocks.LayerOptions(**args)), explicit,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(by_op, explicit, rtol=0, atol=0)
+    mha = dict(args, num_kv_heads=None, weights=None)
+    w = make_layer(32, 4, 4, 48, torch.float32)
+    mha["weights"] = blocks.pack_weights(dict(w.named_parameters()))
+    torch.testing.assert_close(blocks.decoder_layer(x, blocks.LayerOptions(**mha)),
+                               blocks.decoder_layer(x, blocks.LayerOptions(**mha)
+                                                    .replace(num_kv_heads=4)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("part", ["attention", "mlp"])
+def test_part_given_a_whole_layer_ignores_the_other_weights(part):
+    """decoder_layer(part=...) given a whole layer's weights computes what it computes with its
+    own part's weights alone, and the other part's weights get no gradient (before: an
+    internal autograd error in backward)."""
+    layer = make_layer(32, 4, 2, 48, torch.float32)
+    cos, sin = rope_tables(5, 8, torch.float32)
+    x = torch.randn(2, 5, 32)
+
+    def grads(names):
+        w = {n: t.detach().clone().requires_grad_() for n, t in layer.named_parameters()
+             if n in names}
+        xx = x.clone().requires_grad_()
+        y = blocks.decoder_layer(xx, blocks.LayerOptions(
+            weights=w, cos=cos, sin=sin, num_heads=4, num_kv_heads=2, part=part))
+        y.backward(torch.ones_like(y))
+        return y, xx.grad, {n: t.grad for n, t in w.items()}
+
+    every = [n for n, _ in layer.named_parameters()]
+    own = [n for n in every if n.startswith(_PART_WEIGHTS[part])]
+    y, dx, g = grads(every)
+    y1, dx1, g1 = grads(own)
+    torch.testing.assert_close(y, y1, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dx1, rtol=0, atol=0)
+    for n in every:
+        if n in own:
+            torch.testing.assert_close(g[n], g1[n], rtol=0, atol=0, msg=n)
+        else:
+            assert g[n] is None, n
 
 
 def _layer_opcheck_samples():

@@ -12,7 +12,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import blocks
 
-from reference import (FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, layer_weights_with_adapters,
+from reference import (rope_args, FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, layer_weights_with_adapters,
                        make_layer, packed_segment_ids, rope_tables)
 
 from test_lora_dropout import needs_interpreter, seed_tensor
@@ -90,7 +90,8 @@ def run(x, weights, pe, dy, kw, preset, part, autocast=None, fn=blocks.decoder_l
     ctx = (torch.autocast("cpu", dtype=autocast) if autocast is not None
            else contextlib.nullcontext())
     with ctx:
-        y = fn(x, w, pe, preset=preset, part=part, **kw)
+        y = fn(x, blocks.LayerOptions(weights=w, **rope_args(pe), preset=preset,
+                                      part=part, **kw))
     y.backward(dy)
     return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
 
@@ -196,8 +197,9 @@ def test_chunked_attention_holds_no_whole_sequence_query_tensors(monkeypatch, ba
     pe = rope_tables(Sn, 32, dtype=torch.float32)
 
     def step(xx):
-        blocks.decoder_layer(xx, weights, pe, num_heads=heads, num_kv_heads=4, part="attention",
-                             preset="min_memory").sum().backward()
+        blocks.decoder_layer(xx, blocks.LayerOptions(
+            weights=weights, **rope_args(pe), num_heads=heads, num_kv_heads=4,
+            part="attention", preset="min_memory")).sum().backward()
 
     peaks = {}
     with backend():

@@ -9,7 +9,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import blocks
 
-from reference import make_layer, rope_tables
+from reference import rope_args, make_layer, rope_tables
 
 from test_lora_dropout import needs_interpreter, seed_tensor
 
@@ -119,8 +119,9 @@ def test_triton_layer_backward_holds_no_token_by_intermediate_tensor(monkeypatch
     pe = rope_tables(Tn, Hn // 4, dtype=torch.float32)
 
     def step(xx):
-        blocks.decoder_layer(xx, weights, pe, num_heads=4, num_kv_heads=2, part="mlp",
-                             preset="balanced").sum().backward()
+        blocks.decoder_layer(xx, blocks.LayerOptions(
+            weights=weights, **rope_args(pe), num_heads=4, num_kv_heads=2, part="mlp",
+            preset="balanced")).sum().backward()
 
     peaks = {}
     with triton_backend():

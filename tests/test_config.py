@@ -168,7 +168,7 @@ def test_autotune_change_rebuilds_launchers():
         with config.patch(autotune=False):
             kernel = swiglu_mlp._fwd_launcher(dev, torch.float16, "tf32", False, False, False,
                                               None)[0]
-            assert isinstance(kernel, _launch.FirstThatFits)
+            assert isinstance(kernel, _launch.Pruned) and not kernel.autotune
 
 
 @pytest.fixture
@@ -280,8 +280,20 @@ def test_attention_deterministic_must_be_a_bool(value):
 # ---- backend and use_triton ----------------------------------------------------------------------
 def test_use_triton_is_public():
     assert ckpt_ext.use_triton is _backend.use_triton
-    assert config.use_triton is _backend.use_triton
-    assert "use_triton" in ckpt_ext.__all__ and "use_triton" in config.__all__
+    assert "use_triton" in ckpt_ext.__all__
+
+
+def test_config_does_not_import_the_backend():
+    """config is read by _backend (its settings), never the other way round: no import of
+    _backend in config's source, and no re-export of what _backend defines."""
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(config))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                for a in n.names} | {n.module for n in ast.walk(tree)
+                                     if isinstance(n, ast.ImportFrom) and n.module}
+    assert "_backend" not in imported
+    assert not hasattr(config, "use_triton") and "use_triton" not in config.__all__
 
 
 @interpreter_only

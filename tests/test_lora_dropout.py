@@ -12,7 +12,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import blocks
 
-from reference import layer_weights_with_adapters, rope_tables
+from reference import rope_args, layer_weights_with_adapters, rope_tables
 
 OPS = torch.ops.ckpt_ext
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -282,9 +282,10 @@ def layer_inputs(dtype=torch.float64, seed=0):
 
 
 def layer_loss(x, weights, pe, dropout, seed, preset, streams=None, **kw):
-    y = blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV,
-                             lora_scaling=[0.5 + 0.1 * i for i in range(7)], lora_dropout=dropout,
-                             dropout_seed=seed, lora_streams=streams, preset=preset, **kw)
+    y = blocks.decoder_layer(x, blocks.LayerOptions(
+        weights=weights, **rope_args(pe), num_heads=NH, num_kv_heads=NKV,
+        lora_scaling=[0.5 + 0.1 * i for i in range(7)], lora_dropout=dropout or (), dropout_seed=seed,
+        lora_streams=streams or (), preset=preset, **kw))
     return (y * torch.linspace(-1, 1, HS, dtype=x.dtype)).square().sum()
 
 

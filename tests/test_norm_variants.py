@@ -8,7 +8,7 @@ import torch
 
 from ckpt_ext import blocks
 
-from reference import (FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, make_mask, packed_segment_ids,
+from reference import (rope_args, FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, make_mask, packed_segment_ids,
                        reference_layer, rope_tables)
 
 from test_chunked_layer import chunk_cap, triton_backend
@@ -54,7 +54,8 @@ def weights_for(variant, dtype, g, part="layer"):
 def run(x, w, pe, dy, **kw):
     x = x.clone().requires_grad_()
     w = {n: t.clone().requires_grad_() for n, t in w.items()}
-    y = blocks.decoder_layer(x, w, pe, num_heads=NH, num_kv_heads=NKV, **kw)
+    y = blocks.decoder_layer(x, blocks.LayerOptions(weights=w, **rope_args(pe),
+                                                    num_heads=NH, num_kv_heads=NKV, **kw))
     y.backward(dy)
     return y.detach(), {"x": x.grad, **{n: t.grad for n, t in w.items()}}
 
@@ -105,8 +106,9 @@ def test_each_norm_changes_the_result():
     pe = rope_tables(9, D, torch.float64)
 
     def y(weights, **kw):
-        return blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV,
-                                    norm_offset=kw.pop("norm_offset", 1.0), **kw)
+        return blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=weights, **rope_args(pe), num_heads=NH, num_kv_heads=NKV,
+            norm_offset=kw.pop("norm_offset", 1.0), **kw))
 
     base = y(w)
     for name in ("input_layernorm", "attention_output_norm", "post_attention_layernorm",
@@ -207,8 +209,8 @@ def test_cast_last_rounds_as_gemma_and_olmo_under_bf16():
         gemma = (xhat * (wn.float() + offset)).to(torch.bfloat16)
         assert not torch.equal(llama, gemma)
         for cast_last, want in ((False, llama), (True, gemma)):
-            y = blocks.decoder_layer(h, w, part="mlp", norm_offset=offset,
-                                     norm_cast_last=cast_last)
+            y = blocks.decoder_layer(h, blocks.LayerOptions(
+                weights=w, part="mlp", norm_offset=offset, norm_cast_last=cast_last))
             torch.testing.assert_close(y, h + want, rtol=0, atol=0,
                                        msg=f"offset {offset} cast_last {cast_last}")
 
@@ -220,7 +222,8 @@ def test_bad_norm_weights_raise():
     w = weights_for("olmo", torch.float64, g)
 
     def call(weights, **kw):
-        return blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV, **kw)
+        return blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=weights, **rope_args(pe), num_heads=NH, num_kv_heads=NKV, **kw))
 
     bad = dict(w, **{"self_attn.k_norm.weight": w["self_attn.k_norm.weight"][:D]})
     with pytest.raises(ValueError, match="self_attn.k_norm.weight"):
@@ -252,8 +255,9 @@ def test_gradcheck_fp64(variant):
 
     def fn(x, *ts):
         ws = dict(w, **dict(zip([n for n in picked[1:] if n in w], ts)))
-        return blocks.decoder_layer(x, ws, pe, num_heads=NH, num_kv_heads=NKV,
-                                    norm_offset=offset, preset="min_memory")
+        return blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=ws, **rope_args(pe), num_heads=NH, num_kv_heads=NKV,
+            norm_offset=offset, preset="min_memory"))
     assert torch.autograd.gradcheck(fn, tuple(inputs), atol=1e-7)
 
 
@@ -263,7 +267,9 @@ def _backward_ops(w, preset, **kw):
     x = torch.randn(2, 13, H, generator=g, dtype=torch.float64).requires_grad_()
     pe = rope_tables(13, D, torch.float64)
     w = {n: t.detach().requires_grad_() for n, t in w.items()}
-    y = blocks.decoder_layer(x, w, pe, num_heads=NH, num_kv_heads=NKV, preset=preset, **kw)
+    y = blocks.decoder_layer(x, blocks.LayerOptions(weights=w, **rope_args(pe),
+                                                    num_heads=NH, num_kv_heads=NKV,
+                                                    preset=preset, **kw))
     with torch.profiler.profile() as prof:
         y.backward(torch.ones_like(y))
     names = [e.name for e in prof.events()]

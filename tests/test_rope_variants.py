@@ -11,7 +11,7 @@ import torch
 
 from ckpt_ext import blocks
 from ckpt_ext.presets import FUSED_PRESETS
-from reference import make_mask, reference_layer, rope_interleaved_reference, rope_tables
+from reference import rope_args, make_mask, reference_layer, rope_interleaved_reference, rope_tables
 
 H, NH, NKV, IM, B, S = 48, 4, 2, 40, 2, 11     # head_dim 12: R = 12 or 6 (R/2 odd)
 D = H // NH
@@ -52,9 +52,10 @@ def grads(fn, x, w, dy):
 
 
 def fused(pe, mask, preset, part, interleaved=True, after=False):
-    return lambda x, w: blocks.decoder_layer(
-        x, w, pe, num_heads=NH, num_kv_heads=NKV, eps=EPS, key_padding_mask=mask,
-        rope_interleaved=interleaved, qk_norm_after_rope=after, preset=preset, part=part)
+    return lambda x, w: blocks.decoder_layer(x, blocks.LayerOptions(
+        weights=w, **rope_args(pe), num_heads=NH, num_kv_heads=NKV, eps=EPS,
+        key_padding_mask=mask, rope_interleaved=interleaved, qk_norm_after_rope=after,
+        preset=preset, part=part))
 
 
 def assert_same(got, want, tol, what):

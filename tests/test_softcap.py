@@ -18,7 +18,7 @@ import torch
 from ckpt_ext import blocks, config, ops
 from ckpt_ext.presets import FUSED_PRESETS
 
-from reference import (allowed_matrix, attention_in_chunks, attention_reference, check_f64,
+from reference import (rope_args, allowed_matrix, attention_in_chunks, attention_reference, check_f64,
                        eager_flash_identity_grads, make_layer, reference_layer, rope_tables,
                        packed_segment_ids)
 
@@ -324,8 +324,9 @@ def run_layer(weights, x, dy, pe, mask, preset, part, **kw):
     x = x.detach().clone().requires_grad_()
     w = {n: t.detach().clone().requires_grad_() for n, t in weights.items()
          if part == "layer" or n.startswith(("self_attn.", "input_layernorm."))}
-    y = blocks.decoder_layer(x, w, pe, num_heads=NH, num_kv_heads=NKV, key_padding_mask=mask,
-                             preset=preset, part=part, **kw)
+    y = blocks.decoder_layer(x, blocks.LayerOptions(
+        weights=w, **rope_args(pe), num_heads=NH, num_kv_heads=NKV, key_padding_mask=mask,
+        preset=preset, part=part, **kw))
     y.backward(dy)
     return y.detach(), {"x": x.grad, **{n: t.grad for n, t in w.items()}}
 
@@ -392,7 +393,9 @@ def test_layer_rejects_bad_softcap():
     weights, x, dy, pe, mask = layer_case(1, 5, torch.float32, "none")
     for cap in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="softcap"):
-            blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV, softcap=cap)
+            blocks.decoder_layer(x, blocks.LayerOptions(
+                weights=weights, **rope_args(pe), num_heads=NH, num_kv_heads=NKV,
+                softcap=cap))
 
 
 def test_layer_softcap_with_uniform_empty_rows():
@@ -402,8 +405,9 @@ def test_layer_softcap_with_uniform_empty_rows():
     weights, x, dy, pe, mask = layer_case(2, 9, torch.float64, "left")
     mask[0, :3] = False  # left padding: rows with nothing to attend
     with pytest.raises(NotImplementedError, match="softcap.*(right|policy 'torch')"):
-        blocks.decoder_layer(x, weights, pe, num_heads=NH, num_kv_heads=NKV,
-                             key_padding_mask=mask, uniform_empty_rows=True, softcap=5.0)
+        blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=weights, **rope_args(pe), num_heads=NH, num_kv_heads=NKV,
+            key_padding_mask=mask, uniform_empty_rows=True, softcap=5.0))
     got = run_layer(weights, x, dy, pe, None, "balanced", "layer", softcap=5.0,
                     uniform_empty_rows=True)
     ref = run_reference_layer(weights, x, dy, pe, None, "layer", 5.0)

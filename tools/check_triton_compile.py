@@ -6,32 +6,32 @@ compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32
 launch configurations the launchers can pick, and the resources of each cubin are reported:
 dynamic shared memory (``metadata.shared``), registers / stack / static shared / local memory
 (``cuobjdump --dump-resource-usage``) and spill bytes (the ``ptxas -v`` log that Triton prints
-with ``TRITON_DUMP_PTXAS_LOG=1``). The real shared memory is checked against the per-block
-budget of the device (227 KiB H100, 163 KiB A100), and every compile is compared with the
-verdict of the kernel's resource model, read through the kernel modules' public
-``launch_configs`` functions (keep / fallback / drop, with the model's estimates).
+with ``TRITON_DUMP_PTXAS_LOG=1``). Each compile is judged as the launchers judge it on a GPU
+(``kernels/_launch.py``: ``fits`` on the ``Resources`` the driver would report: registers,
+local memory / 4 as spills, shared memory against the per-block budget, 227 KiB H100,
+163 KiB A100), so the report says which candidate each specialization launches.
 
 Sweep (``--quick`` keeps a few entries of each part):
   attention  bf16, HEAD_DIM 128 and 64, CAUSAL False/True, no mask: every candidate config of
              the arch family (90 -> hopper, 80 -> ampere) for fwd, dkdv and dq;
-             one axis at a time with the first config the pruner keeps (what
-             CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32, HEAD_DIM 16/80/256, key padding mask,
+             one axis at a time, the candidates compiled in order up to the first that fits
+             (what CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32, HEAD_DIM 16/80/256, key padding
+             mask,
              plus the corner fp32 + HEAD_DIM 256 + mask; the D = rowsum(dO * O) pre-pass once
              per (dtype, HEAD_DIM).
   softcap    (only when named with --part) the attention kernels with SOFTCAP, causal: bf16
-             every candidate at HEAD_DIM 128 and 64; the first kept config of fp16 / fp32
+             every candidate at HEAD_DIM 128 and 64; the first fitting config of fp16 / fp32
              HEAD_DIM 128 and bf16 HEAD_DIM 256; the atomic-dQ dK/dV kernel (bf16, 128).
-  swiglu     bf16, every candidate of swiglu_mlp.launch_configs: forward (STORE_GATE_UP
+  swiglu     bf16, every candidate of swiglu_mlp.candidate_configs: forward (STORE_GATE_UP
              False/True) and the recompute backward, no biases, DOT_IEEE False, and both with
-             LoRA adapters on every projection (rank pad 16); with the first kept config (what
+             LoRA adapters on every projection (rank pad 16); with the first fitting config (what
              CKPT_EXT_AUTOTUNE=0 launches): fp16, fp32 with DOT_IEEE True and both biases, and
              the save="gate_up" backward (RECOMPUTE False) per dtype and with LoRA; the
-             persistent-grid variants (CKPT_EXT_SWIGLU_GRID=persistent) of the first kept
-             bf16 configs (forward, and backward without LoRA). Backward configs carry the
-             epilogue piece width the model picks (EPI_N, ``e32`` in the config column);
-             the whole-tile epilogue (CKPT_EXT_SWIGLU_EPILOGUE=whole) of every candidate where
-             it differs is compiled too; the first kept LoRA configs at rank pads 32 and
-             64; and the GeGLU variants (ACTIVATION "gelu_tanh") of the first kept bf16
+             persistent-grid variants (CKPT_EXT_SWIGLU_GRID=persistent) of the first fitting
+             bf16 configs (forward, and backward without LoRA). Backward candidates are one per
+             epilogue piece width (EPI_N, ``e32`` in the config column), widest first; the
+             first fitting LoRA configs at rank pads 32 and
+             64; and the GeGLU variants (ACTIVATION "gelu_tanh") of the first fitting bf16
              configs, forward and both backward kinds, with and without LoRA.
 
 Specialization model (what Triton's JIT would derive at a typical launch): contiguous tensors
@@ -48,9 +48,8 @@ where ckpt_ext is not installed or its extension does not load) they are loaded 
 this checkout's ``kernels/`` as the package ``ckpt_ext_kernels_aot.kernels``;
 ``--kernels-from-path`` forces the latter. Triton compiles into a fresh temporary cache directory (removed at the end)
 so that every kernel really goes through ptxas and its log is seen. Exit status 1 when any
-compile fails or when a config the resource model keeps spills registers in bf16/fp16
-(``--allow-spills`` reports those without failing); fp32 spills and model disagreements about
-shared memory are reported but do not fail the run. ``--part`` limits the sweep to attention or
+compile fails or when a bf16/fp16 specialization has no candidate that fits (the launcher then
+falls back to the one that spills least; ``--allow-spills`` reports those without failing). ``--part`` limits the sweep to attention or
 swiglu.
 """
 from __future__ import annotations
@@ -215,8 +214,40 @@ def compile_job(job: dict, cuobjdump: str) -> dict:
     return res
 
 
+def _launch_module():
+    """kernels/_launch.py as the loaded kernel modules import it."""
+    if "attention" not in _MODULES:
+        _MODULES["attention"], _MODULES["swiglu_mlp"], _ = load_kernel_modules(False)
+    return _MODULES["attention"]._launch
+
+
+def aot_resources(res: dict):
+    """What the driver would report for a compile (``_launch.Resources``): registers, and
+    spills as the driver's n_spills counts them (its per-thread local memory, which holds
+    ptxas's stack frame, / 4) from cuobjdump; shared memory from the metadata. None when the
+    compile or cuobjdump failed."""
+    if not res.get("ok") or "regs" not in res:
+        return None
+    return _launch_module().Resources(res["regs"], (res["stack"] + res["local"]) // 4,
+                                      res["shared"])
+
+
+def aot_fits(job: dict, res: dict) -> bool:
+    """Whether the launcher keeps this compile (``_launch.fits``)."""
+    return _launch_module().fits(aot_resources(res), job["budget"])
+
+
 def _run_job(job: dict, cuobjdump: str) -> dict:
-    return compile_job(job, cuobjdump)
+    """One compile, or a chain: its candidates compiled in order up to the first that fits
+    (what CKPT_EXT_AUTOTUNE=0 launches)."""
+    if "chain" not in job:
+        return compile_job(job, cuobjdump)
+    done = []
+    for sub in job["chain"]:
+        done.append(compile_job(sub, cuobjdump))
+        if aot_fits(sub, done[-1]):
+            break
+    return {"ok": all(r.get("ok") for r in done), "chain": done}
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,22 +379,6 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
 
 
 # --------------------------------------------------------------------------------------------
-# Pruner
-# --------------------------------------------------------------------------------------------
-def model_verdict(est: dict) -> dict:
-    """The resource model's verdict on a config from a ``launch_configs`` entry: keep (on its
-    merits), fallback (only as the last resort when nothing fits) or drop."""
-    verdict = "fallback" if est.get("fallback") else ("keep" if est["kept"] else "drop")
-    return {"verdict": verdict, "est_shared": est["smem"],
-            "est_regs": est.get("regs", est.get("acc_regs"))}
-
-
-def first_kept(rows):
-    """The config CKPT_EXT_AUTOTUNE=0 launches first: the first kept entry of launch_configs."""
-    return next(c for c, est in rows if est["kept"] or est.get("fallback"))
-
-
-# --------------------------------------------------------------------------------------------
 # Job list
 # --------------------------------------------------------------------------------------------
 def _cfg_text(meta: dict, warps: int, stages: int) -> str:
@@ -377,14 +392,17 @@ def _cfg_text(meta: dict, warps: int, stages: int) -> str:
 
 
 def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "swiglu")) -> list:
-    import torch
-
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     jobs = []
 
     def add(**job):
         job["id"] = len(jobs)
         jobs.append(job)
+
+    def chain(subjobs):
+        """Candidates compiled in order up to the first that fits (one job for the pool)."""
+        add(chain=subjobs, short=subjobs[0]["short"], arch=subjobs[0]["arch"],
+            dtype=subjobs[0]["dtype"], spec=subjobs[0]["spec"], config="(in order)",
+            part=subjobs[0]["part"], cost=sum(j["cost"] for j in subjobs))
 
     for arch in archs:
         family = ARCH_FAMILY[arch]
@@ -397,9 +415,7 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
             if (dtype, head_dim) in pre_done:
                 return
             pre_done.add((dtype, head_dim))
-            pre = first_kept(attention.launch_configs("pre", family, head_dim,
-                                                      torch_dtype[dtype]))
-            meta = dict(pre.kwargs)
+            meta = dict(attention.pre_config().kwargs)
             sig, consts, attrs = attention_signature(attention, "pre", dtype, head_dim, False,
                                                      False, meta)
             add(module="attention", kernel=ATTN_KERNEL["pre"], short="attn_pre", arch=arch,
@@ -409,7 +425,7 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                 options={"num_warps": JIT_DEFAULT_WARPS, "num_stages": JIT_DEFAULT_STAGES},
                 cost=head_dim)
 
-        def add_attn(kind, cfg, est, dtype, head_dim, causal, has_mask, part, dq_atomic=False,
+        def attn_job(kind, cfg, dtype, head_dim, causal, has_mask, part, dq_atomic=False,
                      softcap=False):
             sig, consts, attrs = attention_signature(attention, kind, dtype, head_dim, causal,
                                                      has_mask, cfg.kwargs, dq_atomic, softcap)
@@ -419,28 +435,32 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
             spec += " mask" if has_mask else ""
             spec += " atomic-dq" if dq_atomic else ""
             spec += " softcap" if softcap else ""
-            pr = model_verdict(est)
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-            add(module="attention", kernel=ATTN_KERNEL[kind], short=f"attn_{kind}", arch=arch,
-                dtype=dtype, spec=spec, config=_cfg_text(cfg.kwargs, cfg.num_warps,
-                                                         cfg.num_stages),
-                part=part, signature=sig, constexprs=consts, attrs=attrs,
-                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-                budget=budget, pruner=pr, head_dim=head_dim, causal=causal,
-                # fp32 (IEEE) dots are lowered to FMAs: far longer ptxas runs than bf16 tiles.
-                cost=bm * bn * d_pad * (16 if dtype == "fp32" else 1)
-                * (2 if kind != "fwd" else 1))
+            return dict(module="attention", kernel=ATTN_KERNEL[kind], short=f"attn_{kind}",
+                        arch=arch, dtype=dtype, spec=spec,
+                        config=_cfg_text(cfg.kwargs, cfg.num_warps, cfg.num_stages),
+                        part=part, signature=sig, constexprs=consts, attrs=attrs,
+                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                        budget=budget, head_dim=head_dim, causal=causal,
+                        # fp32 (IEEE) dots are lowered to FMAs: far longer ptxas runs than
+                        # bf16 tiles.
+                        cost=bm * bn * d_pad * (16 if dtype == "fp32" else 1)
+                        * (2 if kind != "fwd" else 1))
+
+        def attn_first(kind, *spec, **flags):
+            chain([attn_job(kind, c, *spec, **flags)
+                   for c in attention.attention_configs(kind, family)])
 
         head_dims = [128] if quick else [128, 64]
         causals = [True] if quick else [False, True]
         for head_dim in (head_dims if "attention" in parts else []):
             add_pre("bf16", head_dim)
             for kind in ("fwd", "dkdv", "dq"):
-                rows = attention.launch_configs(kind, family, head_dim, torch.bfloat16, budget)
-                for cfg, est in (rows[:2] if quick else rows):
+                cands = attention.attention_configs(kind, family)
+                for cfg in (cands[:2] if quick else cands):
                     for causal in causals:
-                        add_attn(kind, cfg, est, "bf16", head_dim, causal, False,
-                                 "attention-configs")
+                        add(**attn_job(kind, cfg, "bf16", head_dim, causal, False,
+                                       "attention-configs"))
 
         variants = [("fp16", 128, False), ("fp32", 128, False), ("bf16", 16, False),
                     ("bf16", 80, False), ("bf16", 256, False), ("bf16", 128, True),
@@ -450,47 +470,36 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
         for dtype, head_dim, has_mask in (variants if "attention" in parts else []):
             add_pre(dtype, head_dim)
             for kind in ("fwd", "dkdv", "dq"):
-                rows = attention.launch_configs(kind, family, head_dim, torch_dtype[dtype],
-                                                budget)
-                first = next((c, est) for c, est in rows if est["kept"] or est["fallback"])
                 for causal in causals:
-                    add_attn(kind, *first, dtype, head_dim, causal, has_mask,
-                             "attention-specializations")
+                    attn_first(kind, dtype, head_dim, causal, has_mask,
+                               "attention-specializations")
         # CKPT_EXT_ATTN_DQ=atomic: the dK/dV kernel that also adds dQ with atomics
         for dtype, head_dim in ((("bf16", 128), ("bf16", 64)) if "attention" in parts else ()):
-            rows = attention.launch_configs("dkdv", family, head_dim, torch_dtype[dtype], budget,
-                                            dq_atomic=True)
-            first = next((c, est) for c, est in rows if est["kept"] or est["fallback"])
             for causal in causals:
-                add_attn("dkdv", *first, dtype, head_dim, causal, False,
-                         "attention-specializations", dq_atomic=True)
-        # softcap > 0 (SOFTCAP): bf16 causal, every candidate at HEAD_DIM 128 and 64 (the
-        # model does not count the cap's tiles), the first kept one of the other dtypes and of
-        # HEAD_DIM 256, and the atomic-dQ dK/dV kernel
+                attn_first("dkdv", dtype, head_dim, causal, False, "attention-specializations",
+                           dq_atomic=True)
+        # softcap > 0 (SOFTCAP): bf16 causal, every candidate at HEAD_DIM 128 and 64, the first
+        # fitting one of the other dtypes and of HEAD_DIM 256, and the atomic-dQ dK/dV kernel
         if "softcap" in parts:
-            capped = [("bf16", 128, None), ("bf16", 64, None), ("fp16", 128, 1),
-                      ("fp32", 128, 1), ("bf16", 256, 1)]
+            capped = [("bf16", 128, True), ("bf16", 64, True), ("fp16", 128, False),
+                      ("fp32", 128, False), ("bf16", 256, False)]
             if quick:
-                capped = [("bf16", 128, 1)]
-            for dtype, head_dim, count in capped:
+                capped = [("bf16", 128, False)]
+            for dtype, head_dim, every in capped:
                 for kind in ("fwd", "dkdv", "dq"):
-                    rows = attention.launch_configs(kind, family, head_dim, torch_dtype[dtype],
-                                                    budget)
-                    if count is not None:
-                        rows = [next((c, est) for c, est in rows
-                                     if est["kept"] or est["fallback"])]
-                    for cfg, est in rows:
-                        add_attn(kind, cfg, est, dtype, head_dim, True, False,
-                                 "attention-softcap", softcap=True)
-            rows = attention.launch_configs("dkdv", family, 128, torch.bfloat16, budget,
-                                            dq_atomic=True)
-            first = next((c, est) for c, est in rows if est["kept"] or est["fallback"])
-            add_attn("dkdv", *first, "bf16", 128, True, False, "attention-softcap",
-                     dq_atomic=True, softcap=True)
+                    if every:
+                        for cfg in attention.attention_configs(kind, family):
+                            add(**attn_job(kind, cfg, dtype, head_dim, True, False,
+                                           "attention-softcap", softcap=True))
+                    else:
+                        attn_first(kind, dtype, head_dim, True, False, "attention-softcap",
+                                   softcap=True)
+            attn_first("dkdv", "bf16", 128, True, False, "attention-softcap", dq_atomic=True,
+                       softcap=True)
 
         # ---- swiglu ----------------------------------------------------------------------
-        def add_swiglu(kind, dtype, cfg, est, store=False, biases=False, ieee=False,
-                       lora=False, persistent=False, rank_pad=16, activation="silu"):
+        def swiglu_job(kind, dtype, cfg, store=False, biases=False, ieee=False, lora=False,
+                       persistent=False, rank_pad=16, activation="silu"):
             meta, warps, stages = cfg.kwargs, cfg.num_warps, cfg.num_stages
             sig, consts, attrs = swiglu_signature(swiglu_mlp, kind, dtype, meta, store, biases,
                                                   ieee, lora, persistent, rank_pad, activation)
@@ -505,72 +514,55 @@ def build_jobs(attention, swiglu_mlp, archs, quick: bool, parts=("attention", "s
                 bits.append("lora+drop" + (f" r{rank_pad}" if rank_pad != 16 else ""))
             cost = (meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1) * meta.get("BLOCK_K", 1)
                     * ELT_SIZE[dtype] * (8 if lora else 1))
-            add(module="swiglu_mlp", kernel=SWIGLU_KERNEL[kind], short=f"swiglu_{kind}",
-                arch=arch, dtype=dtype, spec=" ".join(bits) or "-",
-                config=_cfg_text(meta, warps, stages), part="swiglu", signature=sig,
-                constexprs=consts, attrs=attrs,
-                options={"num_warps": warps, "num_stages": stages}, cost=cost,
-                budget=budget, pruner=model_verdict(est))
+            return dict(module="swiglu_mlp", kernel=SWIGLU_KERNEL[kind], short=f"swiglu_{kind}",
+                        arch=arch, dtype=dtype, spec=" ".join(bits) or "-",
+                        config=_cfg_text(meta, warps, stages), part="swiglu", signature=sig,
+                        constexprs=consts, attrs=attrs,
+                        options={"num_warps": warps, "num_stages": stages}, cost=cost,
+                        budget=budget)
 
-        def swiglu_rows(kind, dtype, lora=False, epilogue="subtiled", rank_pad=16):
-            model_kind = "fwd" if kind == "fwd" else "bwd"
-            # fp32 as the launcher sees it under torch's default "highest" matmul precision
-            return swiglu_mlp.launch_configs(model_kind, family, torch_dtype[dtype],
-                                             precision="ieee", lora=lora, rank_pad=rank_pad,
-                                             smem_budget=budget, epilogue=epilogue)
+        def candidates(kind, epilogue="subtiled"):
+            return swiglu_mlp.candidate_configs("fwd" if kind == "fwd" else "bwd", epilogue)
 
-        def first_row(kind, dtype, lora=False, rank_pad=16):
-            return next((c, est) for c, est in swiglu_rows(kind, dtype, lora,
-                                                           rank_pad=rank_pad) if est["kept"])
+        def swiglu_first(kind, dtype, **flags):
+            # the launcher keeps the widest epilogue piece that fits of each tile; in order,
+            # the first that fits is the first it launches
+            chain([swiglu_job(kind, dtype, c, **flags) for c in candidates(kind)])
 
         if "swiglu" in parts:
             for lora in (False, True):
                 for kind, store in (("fwd", False), ("fwd", True), ("bwd_recompute", False)):
                     if lora and store:
                         continue
-                    rows = swiglu_rows(kind, "bf16", lora)
-                    for cfg, est in (rows[:2] if quick else rows):
-                        add_swiglu(kind, "bf16", cfg, est, store=store, lora=lora)
-                    if kind == "bwd_recompute" and not lora:
-                        # CKPT_EXT_SWIGLU_EPILOGUE=whole: the candidates whose whole-tile
-                        # epilogue differs from the subtiled pick
-                        whole = swiglu_rows(kind, "bf16", lora, epilogue="whole")
-                        for (cfg, est), (sub, _) in list(zip(whole, rows))[:2 if quick else None]:
-                            if cfg.kwargs["EPI_N"] != sub.kwargs["EPI_N"]:
-                                add_swiglu(kind, "bf16", cfg, est, lora=lora)
+                    cands = candidates(kind)
+                    for cfg in (cands[:2] if quick else cands):
+                        add(**swiglu_job(kind, "bf16", cfg, store=store, lora=lora))
             for dtype in (["fp32"] if quick else ["fp16", "fp32"]):
                 half = dtype != "fp32"
                 for store in (False, True):
-                    add_swiglu("fwd", dtype, *first_row("fwd", dtype), store=store,
-                               biases=not half, ieee=not half)
-                add_swiglu("bwd_recompute", dtype, *first_row("bwd_recompute", dtype),
-                           biases=not half, ieee=not half)
+                    swiglu_first("fwd", dtype, store=store, biases=not half, ieee=not half)
+                swiglu_first("bwd_recompute", dtype, biases=not half, ieee=not half)
                 if half:
-                    add_swiglu("fwd", dtype, *first_row("fwd", dtype, True), lora=True)
-                    add_swiglu("bwd_recompute", dtype, *first_row("bwd_recompute", dtype, True),
-                               lora=True)
+                    swiglu_first("fwd", dtype, lora=True)
+                    swiglu_first("bwd_recompute", dtype, lora=True)
             # save="gate_up": the same backward kernel reading the saved gate/up.
             for dtype in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
-                add_swiglu("bwd_gate_up", dtype, *first_row("bwd_gate_up", dtype),
-                           ieee=dtype == "fp32")
-            add_swiglu("bwd_gate_up", "bf16", *first_row("bwd_gate_up", "bf16", True), lora=True)
-            # larger adapter ranks (rank pads 32 and 64): the first kept configs
+                swiglu_first("bwd_gate_up", dtype, ieee=dtype == "fp32")
+            swiglu_first("bwd_gate_up", "bf16", lora=True)
+            # larger adapter ranks (rank pads 32 and 64)
             for rank_pad in (() if quick else (32, 64)):
                 for kind in ("fwd", "bwd_recompute"):
-                    add_swiglu(kind, "bf16", *first_row(kind, "bf16", True, rank_pad),
-                               lora=True, rank_pad=rank_pad)
-            # CKPT_EXT_SWIGLU_GRID=persistent: the first kept configs with the tile loop (the
-            # LoRA backward keeps one program per tile: its loop spills on sm_90).
+                    swiglu_first(kind, "bf16", lora=True, rank_pad=rank_pad)
+            # CKPT_EXT_SWIGLU_GRID=persistent (the LoRA backward keeps one program per tile: its
+            # loop spills on sm_90).
             for kind, lora in (("fwd", False), ("fwd", True), ("bwd_recompute", False)):
-                add_swiglu(kind, "bf16", *first_row(kind, "bf16", lora), lora=lora,
-                           persistent=True)
-            # ACTIVATION="gelu_tanh" (GeGLU): the first kept bf16 configs of every kernel
-            # variant, with and without LoRA (its epilogue keeps g live for the derivative).
+                swiglu_first(kind, "bf16", lora=lora, persistent=True)
+            # ACTIVATION="gelu_tanh" (GeGLU), with and without LoRA (its epilogue keeps g live
+            # for the derivative).
             for kind, lora in (("bwd_recompute", False), ("fwd", False),
                                ("bwd_recompute", True), ("fwd", True), ("bwd_gate_up", False),
                                ("bwd_gate_up", True))[:2 if quick else None]:
-                add_swiglu(kind, "bf16", *first_row(kind, "bf16", lora), lora=lora,
-                           activation="gelu_tanh")
+                swiglu_first(kind, "bf16", lora=lora, activation="gelu_tanh")
     return jobs
 
 
@@ -595,22 +587,37 @@ def format_table(rows) -> list:
             ("specialization", 26, False), ("config", 22, False), ("ok", 4, False),
             ("shared", 7, True), ("regs", 4, True), ("spill st/ld", 11, True),
             ("stack", 5, True), ("local", 5, True), ("fits", 4, False),
-            ("model", 8, False), ("est.sh", 7, True), ("est.rg", 6, True), ("s", 5, True)]
+            ("launch", 6, False), ("s", 5, True)]
     head = " ".join(_fmt(n, w, r) for n, w, r in cols)
     lines = [head, "-" * len(head)]
     for j, r in rows:
-        pr = j.get("pruner")
         fits = None
         if r.get("ok") and "budget" in j:
-            fits = "yes" if r["shared"] <= j["budget"] else "NO"
+            fits = "yes" if aot_fits(j, r) else "NO"
         vals = [j["kernel"], f"sm{j['arch']}", j["dtype"], j["spec"], j["config"],
                 "ok" if r.get("ok") else "FAIL", r.get("shared"), r.get("regs"),
                 _spill_text(r), r.get("stack"), r.get("local"), fits,
-                pr["verdict"] if pr else None, pr["est_shared"] if pr else None,
-                f"{pr['est_regs']:.0f}" if pr and pr.get("est_regs") is not None else None,
-                f"{r.get('seconds', 0):.1f}"]
+                "first" if j.get("first") else None, f"{r.get('seconds', 0):.1f}"]
         lines.append(" ".join(_fmt(v, w, rt) for v, (_, w, rt) in zip(vals, cols)))
     return lines
+
+
+def mark_launched(rows) -> list:
+    """Mark (``first``) the row each specialization launches with CKPT_EXT_AUTOTUNE=0: the
+    first of its candidates, in order, that fits (every earlier one was compiled: a whole
+    sweep or a chain); returns the bf16/fp16 specializations where none fits."""
+    groups = {}
+    for j, r in rows:
+        if "budget" in j:
+            groups.setdefault((j["kernel"], j["arch"], j["dtype"], j["spec"]), []).append((j, r))
+    none_fits = []
+    for key, members in groups.items():
+        first = next((j for j, r in members if r.get("ok") and aot_fits(j, r)), None)
+        if first is not None:
+            first["first"] = True
+        elif key[2] in HALF:
+            none_fits.append(key)
+    return none_fits
 
 
 def _spills(r) -> bool:
@@ -652,47 +659,22 @@ def summarize(rows, allow_spills: bool = False) -> tuple:
         lines.append(f"  (no ptxas log for {len(unknown)} compiles; spills unknown there)")
 
     over = [(j, r) for j, r in rows if r.get("ok") and "budget" in j and r["shared"] > j["budget"]]
-    kept_spills = [(j, r) for j, r in rows if r.get("ok") and _spills(r) and j["dtype"] in HALF
-                   and j.get("pruner") and j["pruner"]["verdict"] in ("keep", "fallback")]
+    none_fits = mark_launched(rows)
     lines.append("")
-    lines.append(f"kept bf16/fp16 configs that spill (the resource model keeps them; "
+    lines.append(f"bf16/fp16 specializations with no candidate that fits (the launcher falls "
+                 f"back to the least spilling one; "
                  f"{'reported only, --allow-spills' if allow_spills else 'these fail the run'}):"
-                 f" {len(kept_spills)}")
-    for j, r in kept_spills:
-        lines.append(f"  {j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}] "
-                     f"({j['pruner']['verdict']}): spill {_spill_text(r)} B, regs {r.get('regs')}"
-                     f", estimate {j['pruner']['est_regs']:.0f}")
+                 f" {len(none_fits)}")
+    for kernel, arch, dtype, spec in none_fits:
+        lines.append(f"  {kernel} sm{arch} {dtype} {spec}")
 
     lines.append("")
-    lines.append(f"configs over the shared-memory budget "
+    lines.append(f"configs over the shared-memory budget (dropped) "
                  f"(sm90 {SMEM_BUDGET[90]} B, sm80 {SMEM_BUDGET[80]} B): {len(over)}")
     for j, r in over:
         lines.append(f"  {j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]: "
-                     f"shared {r['shared']} B > {j['budget']} B (pruner: {j['pruner']['verdict']})")
-
-    disagree = []
-    for j, r in rows:
-        pr = j.get("pruner")
-        if not pr or not r.get("ok"):
-            continue
-        fits = r["shared"] <= j["budget"]
-        kept = pr["verdict"] in ("keep", "fallback")
-        where = f"{j['kernel']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]"
-        if kept and not fits:
-            disagree.append(f"  KEPT ({pr['verdict']}) but does not fit: {where}: shared "
-                            f"{r['shared']} B > {j['budget']} B (estimate {pr['est_shared']} B)")
-        elif not kept and fits and not _spills(r):
-            reason = ("register estimate"
-                      if pr["est_shared"] <= j["budget"] else
-                      f"shared estimate {pr['est_shared']} B > {j['budget']} B")
-            disagree.append(f"  DROPPED though it fits and does not spill: {where}: shared "
-                            f"{r['shared']} B <= {j['budget']} B; dropped by the {reason}; "
-                            f"real regs {r.get('regs')}")
-    lines.append("")
-    lines.append(f"model disagreements (a kept config that does not fit, or a dropped one that "
-                 f"fits without spilling: conservative): {len(disagree)}")
-    lines.extend(disagree)
-    return lines, len(failures), (0 if allow_spills else len(kept_spills))
+                     f"shared {r['shared']} B > {j['budget']} B")
+    return lines, len(failures), (0 if allow_spills else len(none_fits))
 
 
 def _tool_version(path: str) -> str:
@@ -752,7 +734,8 @@ def main(argv=None) -> int:
                         help="kernel families to compile (softcap: the attention kernels with "
                              "SOFTCAP, only when named)")
     parser.add_argument("--allow-spills", action="store_true",
-                        help="report kept bf16/fp16 configs that spill without failing")
+                        help="report bf16/fp16 specializations with no fitting candidate "
+                             "without failing")
     parser.add_argument("--kernels-from-path", action="store_true",
                         help=f"load kernels/ by path (as {FALLBACK_PACKAGE}) even when "
                              "ckpt_ext.kernels imports")
@@ -765,6 +748,7 @@ def main(argv=None) -> int:
     import triton
 
     attention, swiglu_mlp, source = load_kernel_modules(args.kernels_from_path)
+    _MODULES["attention"], _MODULES["swiglu_mlp"] = attention, swiglu_mlp
     cuobjdump = find_cuobjdump()
     archs = list(dict.fromkeys(args.arch))
     jobs = build_jobs(attention, swiglu_mlp, archs, args.quick, tuple(args.part))
@@ -793,10 +777,10 @@ def main(argv=None) -> int:
         "other strides / H / I multiples of 16, S and T unspecialized",
         "columns:   shared = metadata.shared (dynamic, bytes); regs/stack/local from cuobjdump; "
         "spill st/ld = ptxas -v spill store/load bytes;",
-        "           fits = shared <= per-block budget; model = the kernel's launch_configs verdict "
-        "on the arch's candidates (keep / drop / fallback);",
-        "           est.sh / est.rg = the model's shared-memory and register estimates "
-        "(attention: fp32 accumulator values per thread); s = compile s",
+        "           fits = what the launcher keeps (kernels/_launch.py fits: no spills, i.e. "
+        "stack + local = 0, and shared <= per-block budget);",
+        "           launch = the candidate CKPT_EXT_AUTOTUNE=0 launches (the first that fits, "
+        "in order); s = compile s",
     ]
     if interp is not None:
         header.append(f"note:      TRITON_INTERPRET={interp!r} was set and has been removed")
@@ -821,6 +805,8 @@ def main(argv=None) -> int:
                          "error_detail": ""}
                 results[j["id"]] = r
                 status = "ok" if r.get("ok") else "FAIL " + r.get("error", "")[:100]
+                if "chain" in r:
+                    status += f" ({len(r['chain'])} of the candidates compiled)"
                 print(f"[{done}/{len(jobs)} {time.perf_counter() - t_start:6.0f}s] "
                       f"{j['short']} sm{j['arch']} {j['dtype']} {j['spec']} [{j['config']}]: "
                       f"{status}", file=sys.stderr, flush=True)
@@ -828,12 +814,19 @@ def main(argv=None) -> int:
         shutil.rmtree(cache_dir, ignore_errors=True)
     wall = time.perf_counter() - t_start
 
-    rows = [(j, results[j["id"]]) for j in jobs]
+    rows = []
+    for j in jobs:
+        r = results[j["id"]]
+        if "chain" in j and "chain" in r:
+            rows.extend(zip(j["chain"], r["chain"]))
+        else:
+            rows.append((j, r))
+    mark_launched(rows)
     report = []
     for part, title in (("attention-configs", "attention: every candidate config (bf16)"),
                         ("attention-specializations",
-                         "attention: specializations with the first pruned config, and the "
-                         "rowsum pre-pass"),
+                         "attention: specializations, candidates in order up to the first that "
+                         "fits, and the rowsum pre-pass"),
                         ("attention-softcap", "attention with softcap (SOFTCAP), causal"),
                         ("swiglu", "swiglu")):
         part_rows = [(j, r) for j, r in rows if j["part"] == part
@@ -845,15 +838,17 @@ def main(argv=None) -> int:
         report.append(f"== {title}")
         report.extend(format_table(part_rows))
         report.append("")
-    summary, n_failed, n_spilled = summarize(rows, args.allow_spills)
+    summary, n_failed, n_spilled = summarize(rows, args.allow_spills)  # marks "first" too
     report.append("== summary")
     report.extend(summary)
     report.append("")
     report.append(f"wall time: {wall:.0f} s for {len(jobs)} compiles with {jobs_n} worker(s)")
     problems = ([f"{n_failed} compile failures"] if n_failed else []) + (
-        [f"{n_spilled} kept bf16/fp16 configs spill"] if n_spilled else [])
+        [f"{n_spilled} bf16/fp16 specializations without a fitting candidate"]
+        if n_spilled else [])
     report.append("RESULT: " + (f"FAILED ({', '.join(problems)})" if problems else
-                                "all compiled; no kept bf16/fp16 config spills"))
+                                "all compiled; every bf16/fp16 specialization has a candidate "
+                                "that fits"))
     for line in report:
         print(line)
     sys.stdout.flush()

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import offload as _offload
 from .. import ops, plain
 from .._checks import _check_activation, _check_bool, _check_eps
-from ..blocks import call_decoder_layer, pack_weights
+from ..blocks import LayerOptions, decoder_layer
 from ..presets import FUSED_PRESETS, check_policy
 
 __all__ = ["LayerConfig", "RMSNorm", "SwiGLUMLP", "Attention", "DecoderLayer"]
@@ -109,14 +109,31 @@ def _check_position_embeddings(position_embeddings) -> PositionEmbeddings:
 
 # ---- modules -------------------------------------------------------------------------------
 
-class RMSNorm(nn.Module):
+class _WithPolicy(nn.Module):
+    """A module with a ``policy`` (``ckpt_ext.presets``), validated where it is set, once:
+    setting it on a module sets it on every module inside that has one (a DecoderLayer's
+    attention, MLP and norms), unchecked. Constructors set it last, after their children."""
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: str) -> None:
+        value = check_policy(value)
+        for m in self.modules():
+            if isinstance(m, _WithPolicy):
+                m.__dict__["_policy"] = value
+
+
+class RMSNorm(_WithPolicy):
     """HF ``LlamaRMSNorm``: ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, policy: str = "balanced"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
-        self.policy = check_policy(policy)
+        self.policy = policy
 
     def forward(self, x: Tensor) -> Tensor:
         if self.policy in FUSED_PRESETS:
@@ -127,7 +144,7 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, policy={self.policy!r}"
 
 
-class SwiGLUMLP(nn.Module):
+class SwiGLUMLP(_WithPolicy):
     """HF ``LlamaMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; x (..., H).
     ``activation="gelu_tanh"``: Gemma's GeGLU, ``gelu(approximate="tanh")`` in place of silu."""
 
@@ -138,7 +155,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.policy = check_policy(policy)
+        self.policy = policy
         self.activation = activation
 
     def _plain(self, x: Tensor) -> Tensor:
@@ -158,7 +175,7 @@ class SwiGLUMLP(nn.Module):
                               activation=self.activation)
 
 
-class Attention(nn.Module):
+class Attention(_WithPolicy):
     """HF ``LlamaAttention`` (causal, GQA, RoPE; optional q/k/v/o biases and Qwen3 q/k norms).
 
     forward(hidden_states (B, S, H) already normed, position_embeddings, key_padding_mask)
@@ -176,11 +193,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=o_bias)
         if c.qk_norm:
-            self.q_norm = RMSNorm(d, c.rms_norm_eps, policy)
-            self.k_norm = RMSNorm(d, c.rms_norm_eps, policy)
+            self.q_norm = RMSNorm(d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.policy = check_policy(policy)
+        self.policy = policy
 
     def _heads(self, x: Tensor, proj: nn.Linear, heads: int, norm: Optional[RMSNorm]) -> Tensor:
         t = proj(x).view(*x.shape[:-1], heads, self.head_dim)
@@ -210,7 +227,7 @@ class Attention(nn.Module):
         return self._attend(hidden_states, position_embeddings, key_padding_mask)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_WithPolicy):
     """HF ``LlamaDecoderLayer``: ``h = x + attn(norm(x)); y = h + mlp(norm(h))``.
 
     forward(hidden_states (B, S, H), position_embeddings (cos, sin), key_padding_mask=None)
@@ -235,22 +252,11 @@ class DecoderLayer(nn.Module):
         self.config = c = LayerConfig(hidden_size, num_heads, num_kv_heads, intermediate_size,
                                       head_dim, rms_norm_eps, attention_bias, o_bias, mlp_bias,
                                       qk_norm)
-        self.self_attn = Attention(c, policy)
-        self.mlp = SwiGLUMLP(hidden_size, intermediate_size, mlp_bias, policy, activation)
-        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, policy)
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, policy)
+        self.self_attn = Attention(c)
+        self.mlp = SwiGLUMLP(hidden_size, intermediate_size, mlp_bias, activation=activation)
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.policy = policy
-
-    @property
-    def policy(self) -> str:
-        return self._policy
-
-    @policy.setter
-    def policy(self, value: str) -> None:
-        self._policy = check_policy(value)
-        for m in self.modules():
-            if m is not self and hasattr(m, "policy"):
-                m.policy = value
 
     def _plain(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
         h = x + self.self_attn._attend(self.input_layernorm(x), (cos, sin), mask)
@@ -258,13 +264,13 @@ class DecoderLayer(nn.Module):
 
     def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
         a = self.self_attn
-        weights = pack_weights(dict(self.named_parameters()))
-        return _offload.offloaded(
-            self.offloader, call_decoder_layer, x, [*weights, cos, sin, mask],
-            weights=weights, cos=cos, sin=sin,
-            key_padding_mask=mask, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+        options = LayerOptions(
+            weights=dict(self.named_parameters()), cos=cos, sin=sin, key_padding_mask=mask,
+            num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
             eps=self.input_layernorm.variance_epsilon, scale=a.scaling,
             activation=self.mlp.activation, preset=self.policy)
+        return _offload.offloaded(self.offloader, decoder_layer, x,
+                                  [*options.weights, cos, sin, mask], options)
 
     def forward(self, hidden_states: Tensor, position_embeddings: PositionEmbeddings,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
