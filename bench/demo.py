@@ -339,7 +339,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     a = parse_args(argv)
     device = torch.device(a.device)
-    started, load0 = time.time(), load_average()
+    started, load0, code = time.time(), load_average(), commit()   # before any output is written
     model = build(a, device)
     n = sum(p.numel() for p in model.parameters())
     shape = (f"{a.layers} layers, H {a.hidden}, {a.heads}/{a.kv_heads} heads, I "
@@ -399,7 +399,7 @@ def main(argv=None) -> None:
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"demo_{device_tag(device=device)}")
     header = provenance(device) + [
-        f"commit: {commit()}",
+        f"commit: {code}",
         f"load average (1/5/15 min): {load0} at the start, {load1} at the end; wall {wall:.0f} s",
         f"model: transformers LlamaForCausalLM, {shape}",
         "setups: hf_gc+fused = gradient_checkpointing_enable() + patch_llama(model, 'torch'); "
@@ -411,7 +411,7 @@ def main(argv=None) -> None:
                                       "plan_over_measured", "loss", "loss_minus_hf_gc",
                                       "step_s", "load_average"], rows)
     picture(stem + ".png", a, rows, device,
-            f"{shape}\n{device_name(device)}, commit {commit()}")
+            f"{shape}\n{device_name(device)}, commit {code}")
 
 
 if __name__ == "__main__":

@@ -291,8 +291,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       chunk's dx) and, training the head, its weight gradient (e*V*H), over several token
       chunks with an fp32 sum (4*V*H more) unless the rows are few enough to be normalised in
       one piece (``_normed_head.walks_vocabulary``: (2e + 4)*T < 4*V); in HF's head, dx and the
-      gradients of the fp32 log-softmax and of the logits (T*V*(4 + e)), or the logits'
-      gradient with the weight gradient when that is more;
+      fp32 gradients of nll_loss and of the log-softmax's input (8*T*V, fp32 whatever the
+      logits' dtype), or the logits' gradient in the model dtype with the weight gradient
+      when that is more;
     * the top layer's backward (the layers below still hold what they saved), the larger of
       its MLP part and its attention part. Counted from the allocator at the peak (CPU, every
       preset, ``tests/test_plan.py``), besides the saved bytes: the torch preset re-runs HF's
