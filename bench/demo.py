@@ -21,7 +21,10 @@ engine exists for, in two panels of one picture:
    backward) above what was allocated before it, with the gradients of an earlier step
    present (the CPU allocator's events from the profiler; the CUDA allocator's statistics on
    a GPU). The lines through them are the plan's model of the same step
-   (``ckpt_ext.plan.step_peak``): filled markers are measured, lines are the plan.
+   (``ckpt_ext.plan.step_peak``): filled markers are measured (labelled with the peak),
+   lines are the plan. The panel plots the peak per token (the peak divided by S), where
+   the setups' differences show at every length: at short sequences HF checkpointing peaks
+   lowest, past about a thousand tokens here ``min_memory`` does.
 2. **Extrapolated by the plan, not measured here:** LLaMA-3.1-8B with LoRA (bf16, B 1, the
    GPU path) on an 80 GB H100: the device memory a step needs (model state + step peak)
    against S, for HF checkpointing with HF's loss and with the fused loss, ``balanced``,
@@ -220,28 +223,34 @@ def picture(path, a, rows, device, title):
                              a.intermediate)] * a.layers
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.6))
 
-    # left: measured here, with the plan's curves through the points
-    seqs = np.unique(np.geomspace(min(a.seqs) / 2, max(a.seqs) * 2, 60).astype(int))
+    # left: measured here, with the plan's curves through the points. Per token, so that
+    # the setups' differences show at every length (the peak itself is this times S).
+    seqs = np.unique(np.geomspace(min(a.seqs) / 2, max(a.seqs) * 2, 80).astype(int))
     unit, uname = (2**30, "GiB") if gpu else (2**20, "MiB")
     for setup in SETUPS:
         model = [plan.step_peak(setup, layers, a.vocab, 1, int(s), dtype,
-                                path="cuda" if gpu else "cpu").peak / unit for s in seqs]
+                                path="cuda" if gpu else "cpu").peak / s / 1024 for s in seqs]
         left.plot(seqs, model, color=COLORS[setup], lw=1.6, label=f"{NAMES[setup]} (plan)")
         pts = [r for r in rows if r["setup"] == setup]
-        left.scatter([r["seq"] for r in pts], [r["peak_bytes"] / unit for r in pts], s=55,
-                     color=COLORS[setup], edgecolor="black", zorder=3,
+        left.scatter([r["seq"] for r in pts], [r["peak_bytes"] / r["seq"] / 1024 for r in pts],
+                     s=55, color=COLORS[setup], edgecolor="black", zorder=3,
                      label=f"{NAMES[setup]} (measured)")
+        for r in pts:
+            left.annotate(f"{r['peak_bytes'] / unit:.1f} {uname}",
+                          (r["seq"], r["peak_bytes"] / r["seq"] / 1024),
+                          textcoords="offset points", xytext=(7, -3), fontsize=7,
+                          color=COLORS[setup])
     left.set_xscale("log", base=2)
-    left.set_yscale("log", base=2)
-    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}")
     left.xaxis.set_major_formatter(plain)
-    left.yaxis.set_major_formatter(plain)
     left.set_xticks(sorted(set(a.seqs) | {min(a.seqs) // 2, max(a.seqs) * 2}))
+    left.set_ylim(bottom=0)
     left.set_xlabel("sequence length S (tokens, batch 1)")
-    left.set_ylabel(f"peak memory of a training step ({uname}, log scale)")
+    left.set_ylabel("peak memory of a training step per token (KiB)\n(the peak is this x S; "
+                    "labels: the measured peak)")
     left.set_title(f"Measured on this machine: {title}", fontsize=9)
     left.grid(alpha=0.3, which="both")
-    left.legend(fontsize=7.5, loc="upper left")
+    left.legend(fontsize=7.5, loc="upper right")
 
     # right: the plan's extrapolation to LLaMA-3.1-8B LoRA on an H100 80GB
     big = [plan.LayerDims(4096, 32, 8, 128, 14336)] * 32
