@@ -235,11 +235,12 @@ def picture(path, a, rows, device, title):
         left.scatter([r["seq"] for r in pts], [r["peak_bytes"] / r["seq"] / 1024 for r in pts],
                      s=55, color=COLORS[setup], edgecolor="black", zorder=3,
                      label=f"{NAMES[setup]} (measured)")
-        for r in pts:
+        for r in pts:   # HF checkpointing's labels on the left, the others' on the right
             left.annotate(f"{r['peak_bytes'] / unit:.1f} {uname}",
                           (r["seq"], r["peak_bytes"] / r["seq"] / 1024),
-                          textcoords="offset points", xytext=(7, -3), fontsize=7,
-                          color=COLORS[setup])
+                          textcoords="offset points", fontsize=7, color=COLORS[setup],
+                          xytext=(-8, -3) if setup == "hf_gc+fused" else (7, -3),
+                          ha="right" if setup == "hf_gc+fused" else "left")
     left.set_xscale("log", base=2)
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}")
     left.xaxis.set_major_formatter(plain)
@@ -339,6 +340,12 @@ def parse_args(argv=None):
             p.error(f"argument --{name.replace('_', '-')}: must be a positive int")
     if min(a.seqs) < 2:
         p.error("argument --seqs: each length must be at least 2")
+    try:   # before minutes of measuring: the results folder must be writable
+        os.makedirs(a.out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=a.out):
+            pass
+    except OSError as e:
+        p.error(f"argument --out: cannot write to {a.out!r}: {e.strerror or e}")
     if a.hidden % a.heads or a.heads % a.kv_heads:
         p.error(f"argument --hidden: {a.hidden} must be divisible by --heads {a.heads}, and "
                 f"--heads by --kv-heads {a.kv_heads}")
@@ -411,7 +418,8 @@ def main(argv=None) -> None:
         f"commit: {code}",
         f"load average (1/5/15 min): {load0} at the start, {load1} at the end; wall {wall:.0f} s",
         f"model: transformers LlamaForCausalLM, {shape}",
-        "setups: hf_gc+fused = gradient_checkpointing_enable() + patch_llama(model, 'torch'); "
+        "setups: hf_gc+fused = activation_checkpointing_enable() (gradient_checkpointing_enable() "
+        "before transformers 5.24) + patch_llama(model, 'torch'); "
         "balanced / min_memory = patch_llama(model, preset)",
         "peak_bytes: ckpt_ext.peak_memory_bytes of one forward+backward step, gradients of the "
         "step before present; plan_peak_bytes: ckpt_ext.plan.step_peak of the same step; "

@@ -52,9 +52,12 @@ def test_default_results_folder_is_ignored_by_git():
 
 
 def test_demo_bad_arguments_name_them(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
     for args, name in ((["--seqs", "8,x"], "argument --seqs"),
-                       (["--hidden", "30"], "argument --hidden")):
-        r = subprocess.run([sys.executable, str(ROOT / "bench" / "demo.py"), *TINY, *args,
-                            "--out", str(tmp_path)], capture_output=True, text=True,
+                       (["--hidden", "30"], "argument --hidden"),
+                       (["--out", str(blocked / "sub")], "argument --out")):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "demo.py"), *TINY,
+                            "--out", str(tmp_path), *args], capture_output=True, text=True,
                            timeout=300, env=dict(os.environ))
         assert r.returncode == 2 and name in r.stderr, r.stderr
