@@ -78,7 +78,7 @@ SIZES = {  # device kind -> the measured model
     "cpu": dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=1024, vocab=2048,
                 seqs="128,1024,4096", dtype="float32"),
     "cuda": dict(layers=4, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
-                 seqs="4096,16384,32768", dtype="bfloat16"),
+                 seqs="4096,8192,16384", dtype="bfloat16"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The extrapolation: LLaMA-3.1-8B LoRA on an H100 80GB (nvidia-smi: 81559 MiB)
