@@ -1,414 +1,434 @@
-"""The main demo: one LLaMA-style model trained one step at a time under every preset.
+"""The demo: the peak memory of a training step against sequence length, where ckpt_ext matters.
 
-For each preset (none / torch / fast / balanced / min_memory by default) on the same weights
-and the same batch, it measures
+    python bench/demo.py [--out demo_results]        # about 3-4 minutes on two idle CPU cores
 
-* the peak memory of a training step above what was allocated before it
-  (``ckpt_ext.peak_memory_bytes``: the CUDA allocator's statistics on a GPU, the profiler's
-  memory events on a CPU, in an untimed step) and the bytes the forward leaves saved for
-  backward (``ckpt_ext.saved_activation_bytes``);
-* the step time (forward + backward after ``--warmup`` steps: the median of ``--steps``
-  steps, CUDA events on a GPU, ``time.perf_counter`` on a CPU), as a ratio to ``none``;
-* agreement with ``none``: the loss and every parameter gradient (max abs error, and max over
-  parameters of ``max|g - g_none| / max|g_none|``).
+Activation memory grows with the number of tokens; at a few hundred tokens a small model's
+step is dominated by its weights, gradients and fixed-size buffers, and every setup looks
+alike (``torch.utils.checkpoint`` even peaks lowest there). This demo shows the regime the
+engine exists for, in two panels of one picture:
 
-The model is an HF ``LlamaForCausalLM`` built from a config and patched with
-``ckpt_ext.hf.patch_llama`` (``none`` is HF's own layer, untouched) -- the way users meet the
-project. Without transformers (``--model auto`` falls back, or ``--model ckpt_ext``) it is a
-stack of ``ckpt_ext.modules.DecoderLayer`` with an embedding and an LM head, where ``none`` is
-the plain PyTorch layer. Sizes follow the device found:
+1. **Measured, on this machine.** A small LLaMA-style model (transformers
+   ``LlamaForCausalLM`` from a config: 4 layers, H 256, 4/2 heads, I 1024, vocab 2048, fp32 on
+   a CPU) trains one step at each of three sequence lengths (128, 1024, 4096 tokens, batch 1)
+   under three setups on the same weights and tokens:
 
-* GPU: LLaMA-7B-shaped layers (H 4096, 32 heads, I 11008), S 4096, batch 1, bf16, 4 layers;
-* CPU: H 256, 8 heads, I 688, S 256, batch 2, fp32, 4 layers (a couple of minutes on 2 cores).
+   * ``HF checkpointing + fused loss``: ``model.gradient_checkpointing_enable()`` with
+     ``patch_llama(model, "torch")`` (HF's layer re-run in backward, ckpt_ext's fused LM
+     head and loss) -- what a user has today, plus the fused loss;
+   * ``balanced`` and ``min_memory``: ``patch_llama(model, preset)``.
 
-Setups people train with, on the HF model: ``--amp bfloat16`` runs every step under
-``torch.autocast`` with fp32 master weights; ``--compile`` runs the model under
-``torch.compile`` (inductor on a GPU, aot_eager on a CPU); ``--lora`` wraps it in a PEFT LoRA
-model (rank 8 on every projection, base frozen). The output files get the setup in their name.
+   Each point is ``ckpt_ext.peak_memory_bytes`` of one training step (forward with labels,
+   backward) above what was allocated before it, with the gradients of an earlier step
+   present (the CPU allocator's events from the profiler; the CUDA allocator's statistics on
+   a GPU). The lines through them are the plan's model of the same step
+   (``ckpt_ext.plan.step_peak``): filled markers are measured (labelled with the peak),
+   lines are the plan. The panel plots the peak per token (the peak divided by S), where
+   the setups' differences show at every length: at short sequences HF checkpointing peaks
+   lowest, past about a thousand tokens here ``min_memory`` does.
+2. **Extrapolated by the plan, not measured here:** LLaMA-3.1-8B with LoRA (bf16, B 1, the
+   GPU path) on an 80 GB H100: the device memory a step needs (model state + step peak)
+   against S, for HF checkpointing with HF's loss and with the fused loss, ``balanced``,
+   ``min_memory``, and ``balanced`` / ``min_memory`` with ``offload="cpu"`` (256 GiB of host
+   memory a GPU: 2 TiB shared by 8). The horizontal lines are the H100's 81,559 MiB and what
+   is left after the plan's headroom for the CUDA context and fragmentation
+   (``python -m ckpt_ext.plan --help``); crosses are the committed H100 measurements
+   (bench/results/gpu_h100_2026-11-24/capacity_*.csv). On a CPU, offload moves memory to
+   itself and shows nothing, which is why offload appears only in this panel.
 
-Prints a table, writes ``bench/results/demo_<device>.csv`` (device, versions, command and date
-in its header) and a Pareto plot of the step's peak memory against step time,
-``demo_<device>.png``.
+It also prints each setup's loss against HF checkpointing's (the same model and tokens: they
+agree to float32 rounding) and the step times of an untimed-by-the-profiler step. The times
+are of the CPU kernels (ckpt_ext's ATen path on a CPU, not the Triton kernels) at the load
+average printed beside them: they say nothing about GPU speed.
 
-    python bench/demo.py [--layers 8] [--seq 2048] [--presets none balanced] [--steps 5] ...
+Outputs go to ``--out`` (default ``demo_results/``, ignored by git): ``demo_<device>.csv``
+(the measured points, with the command, commit, machine, load and date in its header) and
+``demo_<device>.png``. ``--seqs``, ``--layers``, ``--hidden`` ... change the measured model.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# The CPU profiler behind peak_memory_bytes logs every start and stop ("USDT: ...
+# profiler_start"): keep kineto quiet before torch loads it (and filter what still comes).
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
-import ckpt_ext
-from ckpt_ext.modules import DecoderLayer, RMSNorm
-from ckpt_ext.presets import FUSED_PRESETS, PRESETS
+import torch  # noqa: E402
+
+import ckpt_ext  # noqa: E402
+from ckpt_ext import plan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (Clock, device_name, device_tag, median, print_table,  # noqa: E402
-                      provenance, write_csv)
+from _harness import device_name, device_tag, provenance, write_csv  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SIZES = {  # device kind -> defaults
-    "cuda": dict(hidden=4096, heads=32, kv_heads=32, intermediate=11008, layers=4, vocab=32000,
-                 seq=4096, batch=1, dtype="bfloat16", steps=10, warmup=2),
-    "cpu": dict(hidden=256, heads=8, kv_heads=8, intermediate=688, layers=4, vocab=1024,
-                seq=256, batch=2, dtype="float32", steps=5, warmup=1),
+H100_DIR = os.path.join(RESULTS, "gpu_h100_2026-11-24")
+SETUPS = ("hf_gc+fused", "balanced", "min_memory")
+NAMES = {"hf_gc": "HF checkpointing, HF loss", "hf_gc+fused": "HF checkpointing + fused loss",
+         "balanced": "balanced", "min_memory": "min_memory", "fast": "fast"}
+COLORS = {"hf_gc": "tab:gray", "hf_gc+fused": "tab:red", "balanced": "tab:orange",
+          "min_memory": "tab:blue", "fast": "tab:purple"}
+SIZES = {  # device kind -> the measured model
+    "cpu": dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=1024, vocab=2048,
+                seqs="128,1024,4096", dtype="float32"),
+    "cuda": dict(layers=4, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+                 seqs="4096,8192,16384", dtype="bfloat16"),
 }
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The extrapolation: LLaMA-3.1-8B LoRA on an H100 80GB (nvidia-smi: 81559 MiB)
+LLAMA31_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
+                  vocab=128256)
+H100_BYTES = 81559 * 2**20
+HOST_PER_GPU = 256 * 2**30
 
 
-# ---- the two models ---------------------------------------------------------------------------
-
-class CkptExtLlama(nn.Module):
-    """Embedding, ``ckpt_ext.modules.DecoderLayer`` stack, final RMSNorm, LM head."""
-
-    def __init__(self, a):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab, a.hidden)
-        self.layers = nn.ModuleList(
-            DecoderLayer(a.hidden, a.heads, a.kv_heads, a.intermediate, rms_norm_eps=1e-5,
-                         policy="none") for _ in range(a.layers))
-        self.norm = RMSNorm(a.hidden, 1e-5, policy="none")
-        self.lm_head = nn.Linear(a.hidden, a.vocab, bias=False)
-        self.head_dim = a.hidden // a.heads
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-
-    def set_policy(self, preset: str) -> None:
-        for layer in self.layers:
-            layer.policy = preset
-
-    def loss(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(ids)
-        d = self.head_dim  # rotary cos/sin as HF's LlamaRotaryEmbedding computes them
-        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=ids.device).float() / d)
-        freqs = torch.arange(ids.shape[1], device=ids.device)[:, None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[None]
-        pe = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
-        for layer in self.layers:
-            x = layer(x, pe)
-        logits = self.lm_head(self.norm(x)).float()
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+# ---- quiet profiling ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_fds():
+    """Route what C++ writes to fds 1 and 2 into a file while the block runs, then pass on
+    every line but kineto's USDT/profiler logging."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        try:
+            for fd in (1, 2):
+                os.dup2(tmp.fileno(), fd)
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, old in saved.items():
+                os.dup2(old, fd)
+                os.close(old)
+            tmp.seek(0)
+            keep = [x for x in tmp.read().decode(errors="replace").splitlines()
+                    if not re.match(r"^(USDT|STAGE|INFO|WARNING):|.*ActivityProfiler", x)]
+            if keep:
+                print("\n".join(keep), file=sys.stderr)
 
 
-class HFLlama(nn.Module):
-    """A transformers ``LlamaForCausalLM`` from a config, patched per preset."""
+# ---- the measured model -------------------------------------------------------------------------
+def build(a, device):
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    def __init__(self, a):
-        super().__init__()
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        cfg = LlamaConfig(hidden_size=a.hidden, num_attention_heads=a.heads,
-                          num_key_value_heads=a.kv_heads, intermediate_size=a.intermediate,
-                          num_hidden_layers=a.layers, vocab_size=a.vocab,
-                          max_position_embeddings=max(a.seq, 2048), rms_norm_eps=1e-5,
-                          use_cache=False)
-        dtype = DTYPES[a.dtype]
-        self.model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
-                                                      dtype=dtype)
-        if a.lora:
-            import peft
-            self.model = peft.get_peft_model(self.model, peft.LoraConfig(
-                r=8, lora_alpha=16, lora_dropout=0.05, target_modules=[
-                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        self.amp = DTYPES[a.amp] if a.amp else None
-        self.compile = a.compile
-        self.forward_fn = self.model
-
-    def set_policy(self, preset: str) -> None:
-        from ckpt_ext.hf import patch_llama
-
-        patch_llama(self.model, preset)
-        if self.compile:
-            torch._dynamo.reset()
-            backend = "inductor" if next(self.model.parameters()).is_cuda else "aot_eager"
-            self.forward_fn = torch.compile(self.model, backend=backend)
-
-    def loss(self, ids: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(ids.device.type, dtype=self.amp or torch.bfloat16,
-                            enabled=self.amp is not None):
-            return self.forward_fn(input_ids=ids, labels=ids, use_cache=False).loss
-
-    def _layers(self):
-        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") \
-            else self.model
-        return inner.model.layers
-
-    def fused_layers(self) -> int:
-        """Layers whose forwards so far (since patching) all ran the fused op (not counted
-        under torch.compile)."""
-        return sum(1 for layer in self._layers()
-                   if set(getattr(layer.forward, "calls", {})) == {"fused"})
-
-
-def build_model(a, device, dtype) -> nn.Module:
+    cfg = LlamaConfig(hidden_size=a.hidden, num_attention_heads=a.heads,
+                      num_key_value_heads=a.kv_heads, intermediate_size=a.intermediate,
+                      num_hidden_layers=a.layers, vocab_size=a.vocab, rms_norm_eps=1e-5,
+                      max_position_embeddings=max(a.seqs), use_cache=False,
+                      tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):
-        if a.model == "hf":
-            return HFLlama(a).train()  # built in dtype: HF keeps its rotary inv_freq in fp32
-        return CkptExtLlama(a).to(dtype).train()
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
+                                                 dtype=DTYPES[a.dtype])
+    return model.train()
 
 
-# ---- measuring --------------------------------------------------------------------------------
-
-class Progress:
-    """tqdm if installed, else a one-line counter on stderr."""
-
-    def __init__(self, total: int):
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="demo", unit="step", file=sys.stderr)
-        except ImportError:
-            self.bar, self.n, self.total = None, 0, total
-
-    def update(self, what: str) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(what)
-            self.bar.update(1)
-            return
-        self.n += 1
-        done = int(30 * self.n / self.total)
-        sys.stderr.write(f"\rdemo [{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} "
-                         f"{what:<24}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+def set_setup(model, setup):
+    ckpt_ext.unpatch_llama(model)
+    if setup == "hf_gc+fused":
+        if hasattr(model, "activation_checkpointing_enable"):   # its name from transformers 5.24
+            model.activation_checkpointing_enable({"use_reentrant": False})
         else:
-            sys.stderr.write("\n")
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        ckpt_ext.patch_llama(model, "torch")
+    else:
+        (getattr(model, "activation_checkpointing_disable", None) or
+         model.gradient_checkpointing_disable)()
+        ckpt_ext.patch_llama(model, setup)
 
 
-def step(model, ids) -> float:
+def measure(model, ids, device):
+    """(loss, step seconds, peak bytes): one timed step (it leaves the gradients a training
+    run has), then one step under peak_memory_bytes (not timed: the profiler slows it)."""
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
     for p in model.parameters():
         p.grad = None
-    loss = model.loss(ids)
-    loss.backward()
-    return loss.item()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = step().item()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    with _quiet_fds():
+        peak = ckpt_ext.peak_memory_bytes(step)
+    return loss, seconds, peak
 
 
-def check(model, preset, ids, reference):
-    """Saved bytes, and the loss and gradients of one step compared with ``reference`` (the
-    ``none`` run's ``(loss, grads)``; None for that run itself). Returns the row and
-    ``(loss, grads)``."""
-    model.set_policy(preset)
-    row = {"preset": preset}
-    row["saved_bytes"] = ckpt_ext.saved_activation_bytes(model.loss, ids)
-    row["loss"] = loss = step(model, ids)
-    grads = [p.grad.detach().float().cpu() for p in model.parameters() if p.grad is not None]
-    # the step's peak above what is resident before it (weights, ids; gradients cleared): the
-    # CUDA allocator's statistics, on CPU the profiler's memory events (an untimed step)
-    for p in model.parameters():
-        p.grad = None
-    row["peak_bytes"] = ckpt_ext.peak_memory_bytes(step, model, ids)
-    if hasattr(model, "fused_layers"):
-        row["fused_layers"] = model.fused_layers()
-    if reference is not None:
-        ref_loss, ref_grads = reference
-        row["loss_abs_err"] = abs(loss - ref_loss)
-        row["grad_max_abs_err"] = max((g - r).abs().max().item()
-                                      for g, r in zip(grads, ref_grads))
-        row["grad_max_rel_err"] = max(
-            ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-            for g, r in zip(grads, ref_grads))
-    return row, (loss, grads)
+def load_average() -> str:
+    try:
+        return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
-def time_presets(model, rows, ids, device, a, progress) -> None:
-    """Step times of every preset, taking the presets in turn step after step so that a change
-    in the machine's load hits them all alike."""
-    times = {r["preset"]: [] for r in rows}
-    for i in range(a.warmup - 1 + a.steps):
-        for r in rows:
-            preset = r["preset"]
-            model.set_policy(preset)
-            for p in model.parameters():
-                p.grad = None
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            clock = Clock(device)
-            clock.mark()
-            step(model, ids)
-            clock.mark()
-            if i >= a.warmup - 1:
-                times[preset].append(clock.elapsed_ms(0, 1) / 1e3)
-            progress.update(f"{preset}: {'warmup' if i < a.warmup - 1 else 'step'}")
-    for r in rows:
-        r["step_s"] = median(times[r["preset"]])
+def commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                             capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, text=True, capture_output=True, timeout=10).stdout
+        return (sha or "unknown") + (" (with uncommitted changes)" if dirty.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
-# ---- reporting --------------------------------------------------------------------------------
-
-def mib(n) -> str:
-    return "" if n is None else f"{n / 2**20:.1f}"
-
-
-def print_results(rows, device) -> None:
-    head = ["preset", "peak MiB", "x none", "saved MiB", "x none", "step ms", "x none", "loss",
-            "|dloss|", "grad abs err", "grad rel err"]
-    lines = []
-    for r in rows:
-        cells = [r["preset"], mib(r["peak_bytes"]), f"{r['peak_ratio']:.3f}",
-                 mib(r["saved_bytes"]), f"{r['saved_ratio']:.3f}"]
-        cells += [f"{1e3 * r['step_s']:.1f}", f"{r['time_ratio']:.2f}", f"{r['loss']:.6f}"]
-        cells += [f"{r[k]:.2e}" if k in r else "(ref)" for k in
-                  ("loss_abs_err", "grad_max_abs_err", "grad_max_rel_err")]
-        lines.append(cells)
-    print_table(head, lines, rule=True)
-
-
-CSV_FIELDS = ["preset", "saved_bytes", "saved_ratio", "peak_bytes", "peak_ratio", "step_s",
-              "time_ratio", "loss", "loss_abs_err", "grad_max_abs_err", "grad_max_rel_err",
-              "fused_layers"]
+# ---- the picture ----------------------------------------------------------------------------------
+def h100_points():
+    """The committed H100 measurements of LLaMA-3.1-8B LoRA: (setup, S, device bytes, note)."""
+    import csv
+    out = []
+    for name in ("capacity_peak.csv", "capacity_min_memory_128k.csv"):
+        path = os.path.join(H100_DIR, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            rows = csv.DictReader(x for x in f if not x.startswith("#"))
+            for r in rows:
+                setup = {"hf_gc+fused_loss": "hf_gc+fused"}.get(r["setup"], r["setup"])
+                if r["kind"] in ("point", "trial") and r["peak_bytes"] and \
+                        setup in ("hf_gc", "hf_gc+fused", "min_memory") and \
+                        int(r["seq"]) >= 16384:
+                    out.append((setup, int(r["seq"]),
+                                int(r["base_bytes"]) + int(r["peak_bytes"])))
+    return out
 
 
-def pareto_plot(path, rows, device, title) -> None:
+def picture(path, a, rows, device, title):
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        print("matplotlib is not installed: no picture (pip install matplotlib)")
         return
+    import numpy as np
+
+    dtype = DTYPES[a.dtype]
     gpu = device.type == "cuda"
-    key, label = "peak_bytes", f"peak memory of a step ({'GiB' if gpu else 'MiB'})"
-    scale = 2**30 if gpu else 2**20
-    pts = [(r["time_ratio"], r[key] / scale, r["preset"]) for r in rows]
-    frontier = sorted(p for p in pts if not any(
-        q[0] <= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in pts))
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    ax.step([p[0] for p in frontier], [p[1] for p in frontier], where="post", color="0.6",
-            lw=1, zorder=1, label="Pareto frontier")
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-    labeled, seen_kinds = [], set()
-    for t, m, name in pts:
-        fused = name in FUSED_PRESETS
-        kind = "fused (ckpt_ext)" if fused else "unfused (HF layer / torch.utils.checkpoint)"
-        ax.scatter([t], [m], s=60, zorder=2, marker="o" if fused else "s",
-                   color="tab:blue" if fused else "tab:gray",
-                   label=None if kind in seen_kinds else kind)
-        seen_kinds.add(kind)
-        crowded = any(abs(t - u) < 0.12 * dx and abs(m - v) < 0.08 * dy for u, v in labeled)
-        ax.annotate(name, (t, m), textcoords="offset points",
-                    xytext=(6, -14) if crowded else (6, 4))
-        labeled.append((t, m))
-    ax.set_xlabel("step time / step time of 'none'")
-    ax.set_ylabel(label)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+    layers = [plan.LayerDims(a.hidden, a.heads, a.kv_heads, a.hidden // a.heads,
+                             a.intermediate)] * a.layers
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.6))
+
+    # left: measured here, with the plan's curves through the points. Per token, so that
+    # the setups' differences show at every length (the peak itself is this times S).
+    seqs = np.unique(np.geomspace(min(a.seqs) / 2, max(a.seqs) * 2, 80).astype(int))
+    unit, uname = (2**30, "GiB") if gpu else (2**20, "MiB")
+    for setup in SETUPS:
+        model = [plan.step_peak(setup, layers, a.vocab, 1, int(s), dtype,
+                                path="cuda" if gpu else "cpu").peak / s / 1024 for s in seqs]
+        left.plot(seqs, model, color=COLORS[setup], lw=1.6, label=f"{NAMES[setup]} (plan)")
+        pts = [r for r in rows if r["setup"] == setup]
+        left.scatter([r["seq"] for r in pts], [r["peak_bytes"] / r["seq"] / 1024 for r in pts],
+                     s=55, color=COLORS[setup], edgecolor="black", zorder=3,
+                     label=f"{NAMES[setup]} (measured)")
+        for r in pts:   # HF checkpointing's labels on the left, the others' on the right
+            left.annotate(f"{r['peak_bytes'] / unit:.1f} {uname}",
+                          (r["seq"], r["peak_bytes"] / r["seq"] / 1024),
+                          textcoords="offset points", fontsize=7, color=COLORS[setup],
+                          xytext=(-8, -3) if setup == "hf_gc+fused" else (7, -3),
+                          ha="right" if setup == "hf_gc+fused" else "left")
+    left.set_xscale("log", base=2)
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}")
+    left.xaxis.set_major_formatter(plain)
+    left.set_xticks(sorted(set(a.seqs) | {min(a.seqs) // 2, max(a.seqs) * 2}))
+    left.set_ylim(bottom=0)
+    left.set_xlabel("sequence length S (tokens, batch 1)")
+    left.set_ylabel("peak memory of a training step per token (KiB)\n(the peak is this x S; "
+                    "labels: the measured peak)")
+    left.set_title(f"Measured on this machine: {title}", fontsize=9)
+    left.grid(alpha=0.3, which="both")
+    left.legend(fontsize=7.5, loc="upper right")
+
+    # right: the plan's extrapolation to LLaMA-3.1-8B LoRA on an H100 80GB
+    big = [plan.LayerDims(4096, 32, 8, 128, 14336)] * 32
+    V = LLAMA31_8B["vocab"]
+    state = plan.model_state_bytes(big, V, "bf16", "lora")
+    kept = plan.headroom_bytes(H100_BYTES)
+    usable = H100_BYTES - kept
+    S = np.linspace(1024, 320 * 1024, 140).astype(int)
+    gib = 2**30
+    for setup in ("hf_gc", "hf_gc+fused", "balanced", "min_memory"):
+        y = [(state + plan.step_peak(setup, big, V, 1, int(s), "bf16",
+                                     train_weights=False).peak) / gib for s in S]
+        longest = plan.longest_sequence(setup, big, V, 1, "bf16", H100_BYTES, "lora",
+                                        headroom=kept)
+        right.plot(S / 1024, y, color=COLORS[setup], lw=1.6,
+                   label=f"{NAMES[setup]}: up to {longest / 1024:.0f}K")
+    for setup in ("balanced", "min_memory"):
+        y = [(state + plan.offload_step_peak(setup, big, V, 1, int(s), "bf16",
+                                             train_weights=False,
+                                             host_limit=HOST_PER_GPU).peak) / gib for s in S]
+        longest = plan.longest_sequence_offload(setup, big, V, 1, "bf16", H100_BYTES,
+                                                HOST_PER_GPU, "lora", headroom=kept)
+        right.plot(S / 1024, y, color=COLORS[setup], lw=1.6, ls="--",
+                   label=f"{NAMES[setup]} + offload: up to {longest / 1024:.0f}K")
+    right.axhline(H100_BYTES / gib, color="black", lw=1.2)
+    right.text(4, H100_BYTES / gib + 1.2, "H100 80GB: 79.6 GiB", fontsize=8)
+    right.axhline(usable / gib, color="black", lw=0.8, ls=":")
+    right.text(318, usable / gib - 4.5, f"usable: {usable / gib:.1f} GiB ({kept / gib:.1f} GiB "
+               "kept for the CUDA context and fragmentation)", fontsize=8, ha="right")
+    right.axhline(state / gib, color="0.5", lw=0.8, ls=":")
+    right.text(318, state / gib - 4.0, f"model state (bf16 base + LoRA): {state / gib:.1f} GiB",
+               fontsize=8, color="0.35", ha="right")
+    right.scatter([], [], marker="X", s=70, color="white", edgecolor="black",
+                  label="measured on an H100, 2026-11-24")
+    for setup, s, total in h100_points():
+        right.scatter([s / 1024], [total / gib], marker="X", s=70, color=COLORS[setup],
+                      edgecolor="black", zorder=3)
+        if setup == "min_memory" and s > 100_000:
+            right.annotate("min_memory measured before the\nsequence-tiled layer (54b2d2f): "
+                           "today's\ncode keeps less, by the plan", (s / 1024, total / gib),
+                           textcoords="offset points", xytext=(8, -30), fontsize=7.5)
+    right.set_xlim(0, 320)
+    right.set_ylim(0, 110)
+    right.set_xlabel("sequence length S (K tokens, batch 1)")
+    right.set_ylabel("device memory of a training step (GiB): model state + step peak")
+    right.set_title("Extrapolated by ckpt_ext.plan (not measured here): LLaMA-3.1-8B, LoRA r16, "
+                    "bf16,\non one H100 80GB; offload with 256 GiB of host memory a GPU",
+                    fontsize=9)
+    right.grid(alpha=0.3)
+    right.legend(fontsize=7.5, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {os.path.relpath(path)}")
 
 
-# ---- main -------------------------------------------------------------------------------------
-
+# ---- main ---------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto",
-                   help="auto (cuda if available, the default), cuda or cpu")
-    p.add_argument("--model", choices=("auto", "hf", "ckpt_ext"), default="auto",
-                   help="hf: LlamaForCausalLM patched with patch_llama; ckpt_ext: a "
-                        "DecoderLayer stack; auto (default): hf if transformers imports")
-    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS,
-                   metavar="PRESET", help=f"presets to compare (default: all of {PRESETS}); "
-                   "'none' always runs, first: it is the reference")
-    for name in ("hidden", "heads", "kv_heads", "intermediate", "layers", "vocab", "seq",
-                 "batch", "steps", "warmup", "dtype"):
-        gpu, cpu = SIZES["cuda"][name], SIZES["cpu"][name]
-        p.add_argument(f"--{name.replace('_', '-')}", default=None,
-                       type=str if name == "dtype" else int,
-                       choices=sorted(DTYPES) if name == "dtype" else None,
-                       help=f"default: {gpu} on a GPU, {cpu} on a CPU")
-    p.add_argument("--amp", choices=["bfloat16", "float16"],
-                   help="HF model: every step under torch.autocast (fp32 master weights)")
-    p.add_argument("--compile", action="store_true", help="HF model: under torch.compile")
-    p.add_argument("--lora", action="store_true",
-                   help="HF model: wrapped in a PEFT LoRA model (rank 8, every projection, "
-                        "lora_dropout 0.05)")
-    p.add_argument("--out", default=RESULTS, help="folder for the CSV and the plot "
-                   "(default: bench/results)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__[__doc__.index("Activation memory"):],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="demo_results",
+                   help="folder for the CSV and the picture (default demo_results/, ignored "
+                        "by git)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--seqs", help="measured sequence lengths, comma-separated (default "
+                                  f"{SIZES['cpu']['seqs']} on a CPU, {SIZES['cuda']['seqs']} "
+                                  "on a GPU)")
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int,
+                       help=f"default {SIZES['cpu'][name]} on a CPU, {SIZES['cuda'][name]} "
+                            "on a GPU")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    for k, v in SIZES["cuda" if a.device.startswith("cuda") else "cpu"].items():
-        if getattr(a, k) is None:
+    kind = "cuda" if a.device.startswith("cuda") else "cpu"
+    for k, v in SIZES[kind].items():
+        if getattr(a, k, None) is None:
             setattr(a, k, v)
-    if a.model == "auto":
-        try:
-            import transformers  # noqa: F401
-            a.model = "hf"
-        except ImportError:
-            a.model = "ckpt_ext"
-    a.presets = ["none"] + [x for x in dict.fromkeys(a.presets) if x != "none"]
-    if (a.amp or a.compile or a.lora) and a.model != "hf":
-        p.error("--amp, --compile and --lora apply to the HF model (--model hf)")
-    if a.amp and a.dtype != "float32":
-        p.error("--amp keeps fp32 master weights: use it with --dtype float32")
-    a.warmup = max(a.warmup, 1)
+    try:
+        a.seqs = sorted({int(x) for x in str(a.seqs).split(",")})
+    except ValueError:
+        p.error(f"argument --seqs: comma-separated ints, got {a.seqs!r}")
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
+        if getattr(a, name) < 1:
+            p.error(f"argument --{name.replace('_', '-')}: must be a positive int")
+    if min(a.seqs) < 2:
+        p.error("argument --seqs: each length must be at least 2")
+    try:   # before minutes of measuring: the results folder must be writable
+        os.makedirs(a.out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=a.out):
+            pass
+    except OSError as e:
+        p.error(f"argument --out: cannot write to {a.out!r}: {e.strerror or e}")
     if a.hidden % a.heads or a.heads % a.kv_heads:
-        p.error(f"--hidden {a.hidden} must be divisible by --heads {a.heads}, and --heads by "
-                f"--kv-heads {a.kv_heads}")
+        p.error(f"argument --hidden: {a.hidden} must be divisible by --heads {a.heads}, and "
+                f"--heads by --kv-heads {a.kv_heads}")
     return a
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    device, dtype = torch.device(a.device), DTYPES[a.dtype]
-    model = build_model(a, device, dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    shape = (f"{a.layers} layers, H {a.hidden}, {a.heads}/{a.kv_heads} heads, I {a.intermediate},"
-             f" vocab {a.vocab}, B {a.batch}, S {a.seq}, {a.dtype}, {n_params / 1e6:.1f}M params"
-             + (f", autocast {a.amp}" if a.amp else "") + (", compiled" if a.compile else "")
-             + (", LoRA r8 (dropout 0.05)" if a.lora else ""))
-    model_desc = ("transformers LlamaForCausalLM + ckpt_ext.hf.patch_llama" if a.model == "hf"
-                  else "ckpt_ext.modules.DecoderLayer stack")
-    print(f"device: {device_name(device)}; torch {torch.__version__}")
-    print(f"model: {model_desc}: {shape}")
+    device = torch.device(a.device)
+    started, load0, code = time.time(), load_average(), commit()   # before any output is written
+    model = build(a, device)
+    n = sum(p.numel() for p in model.parameters())
+    shape = (f"{a.layers} layers, H {a.hidden}, {a.heads}/{a.kv_heads} heads, I "
+             f"{a.intermediate}, vocab {a.vocab}, {a.dtype}, {n / 1e6:.1f}M params, batch 1")
+    print(f"device: {device_name(device)}; torch {torch.__version__}; load average {load0}")
+    print(f"model: transformers LlamaForCausalLM, {shape}")
+    print(f"measuring {len(SETUPS)} setups x S {', '.join(map(str, a.seqs))}: a timed step, then "
+          "a step under the memory profiler, per point")
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(device)
+    ids_all = torch.randint(0, a.vocab, (1, max(a.seqs)), generator=g).to(device)
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=len(SETUPS) * len(a.seqs), desc="demo", unit="point", file=sys.stderr)
+    except ImportError:
+        bar = None
+    rows = []
+    for S in a.seqs:
+        ids = ids_all[:, :S]
+        for setup in SETUPS:
+            if bar is not None:
+                bar.set_postfix_str(f"S {S} {setup}")
+            set_setup(model, setup)
+            loss, seconds, peak = measure(model, ids, device)
+            plan_peak = plan.step_peak(
+                setup, [plan.LayerDims(a.hidden, a.heads, a.kv_heads, a.hidden // a.heads,
+                                       a.intermediate)] * a.layers, a.vocab, 1, S,
+                DTYPES[a.dtype], path="cuda" if device.type == "cuda" else "cpu").peak
+            rows.append(dict(setup=setup, seq=S, peak_bytes=peak, plan_peak_bytes=plan_peak,
+                             plan_over_measured=plan_peak / peak, loss=loss, step_s=seconds,
+                             load_average=load_average()))
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    ckpt_ext.unpatch_llama(model)
+    load1 = load_average()
 
-    progress = Progress(len(a.presets) * (1 + a.warmup - 1 + a.steps))
-    rows, reference = [], None
-    for preset in a.presets:  # 'none' first: the reference
-        row, result = check(model, preset, ids, reference)
-        reference = reference or result
-        rows.append(row)
-        progress.update(f"{preset}: check")
-    time_presets(model, rows, ids, device, a, progress)
-    progress.close()
-    base = rows[0]
-    for r in rows:
-        r["saved_ratio"] = r["saved_bytes"] / base["saved_bytes"]
-        r["time_ratio"] = r["step_s"] / base["step_s"]
-        r["peak_ratio"] = r["peak_bytes"] / max(base["peak_bytes"], 1)
+    unit, uname = (2**30, "GiB") if device.type == "cuda" else (2**20, "MiB")
     print()
-    print_results(rows, device)
-    if a.model == "hf" and not a.compile:
-        for r in rows:
-            if r["preset"] in FUSED_PRESETS and r.get("fused_layers") != a.layers:
-                print(f"warning: with preset {r['preset']!r} only {r.get('fused_layers')} of "
-                      f"{a.layers} layers ran the fused op")
+    head = f"{'S':>6}  {'setup':<30} {'peak ' + uname:>10} {'plan':>8} {'plan/meas':>9} " \
+           f"{'loss - HF ckpt':>14} {'step s':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ref = next(x for x in rows if x["seq"] == r["seq"] and x["setup"] == "hf_gc+fused")
+        r["loss_minus_hf_gc"] = r["loss"] - ref["loss"]
+        print(f"{r['seq']:>6}  {NAMES[r['setup']]:<30} {r['peak_bytes'] / unit:>10.1f} "
+              f"{r['plan_peak_bytes'] / unit:>8.1f} {r['plan_over_measured']:>9.3f} "
+              f"{r['loss_minus_hf_gc']:>14.2e} {r['step_s']:>7.2f}")
+    wall = time.time() - started
+    kernels = ("the Triton kernels" if device.type == "cuda" else
+               "ckpt_ext's CPU (ATen) kernels, not the GPU ones")
+    print(f"step s: one step each, run by {kernels}; load average {load0} before, {load1} "
+          f"after (1/5/15 min) -- CPU times say nothing about GPU speed")
+    print(f"demo wall time {wall:.0f} s")
 
     os.makedirs(a.out, exist_ok=True)
-    slug = device_tag(device=device) + "".join(
-        f"_{tag}" for tag, on in (("amp", a.amp), ("compiled", a.compile), ("lora", a.lora)) if on)
-    stem = os.path.join(a.out, f"demo_{slug}")
+    stem = os.path.join(a.out, f"demo_{device_tag(device=device)}")
     header = provenance(device) + [
-        f"model: {model_desc}: {shape}",
-        "saved_bytes: ckpt_ext.saved_activation_bytes of the loss forward; peak_bytes: "
-        "ckpt_ext.peak_memory_bytes of a step (allocated above the weights and the batch; CUDA "
-        "allocator statistics, on CPU the profiler's memory events); step_s: forward+backward, "
-        f"median of {a.steps} steps after {a.warmup} warmup; errors vs 'none'"]
-    write_csv(stem + ".csv", header, CSV_FIELDS, rows)
-    pareto_plot(stem + ".png", rows, device,
-                f"{model_desc}\n{shape}\n{device_name(device)}")
+        f"commit: {code}",
+        f"load average (1/5/15 min): {load0} at the start, {load1} at the end; wall {wall:.0f} s",
+        f"model: transformers LlamaForCausalLM, {shape}",
+        "setups: hf_gc+fused = activation_checkpointing_enable() (gradient_checkpointing_enable() "
+        "before transformers 5.24) + patch_llama(model, 'torch'); "
+        "balanced / min_memory = patch_llama(model, preset)",
+        "peak_bytes: ckpt_ext.peak_memory_bytes of one forward+backward step, gradients of the "
+        "step before present; plan_peak_bytes: ckpt_ext.plan.step_peak of the same step; "
+        f"step_s: one step's wall time ({kernels})"]
+    write_csv(stem + ".csv", header, ["setup", "seq", "peak_bytes", "plan_peak_bytes",
+                                      "plan_over_measured", "loss", "loss_minus_hf_gc",
+                                      "step_s", "load_average"], rows)
+    picture(stem + ".png", a, rows, device,
+            f"{shape}\n{device_name(device)}, commit {code}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,22 @@ scalar; it also returns the (B, S, V) logits in the model dtype, alive as long a
 is. ``ckpt_ext.ops.linear_cross_entropy`` keeps the input, the labels and a float32 lse per
 token (e*H + 12 per token).
 
-CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]``.
+Will a run fit (``--device-memory``): per setup, the step's peak (:func:`step_peak`) plus the
+model state (:func:`model_state_bytes`, per GPU under ``--shard``) plus the memory kept free
+(:func:`headroom_bytes`: the CUDA context and the allocator's fragmentation) against the
+device memory; the longest S that fits; and a step time ESTIMATED from FLOPs
+(:func:`step_time_estimate`). The HF-checkpointing rows were recalibrated against the H100
+measurement of LLaMA-3.1-8B LoRA (bench/results/gpu_h100_2026-11-24/capacity_peak.csv):
+HF's bf16 norms keep fp32 copies of their inputs, PEFT's fp32 adapters keep fp32 copies of
+each projection's input, and HF's loss keeps fp32 gradients of the logits; the test holds the
+model within 10% of every measured peak there.
+
+Sums are Python ints: at absurd sizes (S 1e14) they pass 2**63, where int64 wraps silently.
+The CLI bounds its inputs (S up to 2**32, B up to 2**20, bytes up to 1 EiB) with a usage error.
+
+CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
+[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]``
+(``--help`` says what each means).
 """
 from __future__ import annotations
 
@@ -59,7 +74,6 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from . import _C
@@ -277,8 +291,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       chunk's dx) and, training the head, its weight gradient (e*V*H), over several token
       chunks with an fp32 sum (4*V*H more) unless the rows are few enough to be normalised in
       one piece (``_normed_head.walks_vocabulary``: (2e + 4)*T < 4*V); in HF's head, dx and the
-      gradients of the fp32 log-softmax and of the logits (T*V*(4 + e)), or the logits'
-      gradient with the weight gradient when that is more;
+      fp32 gradients of nll_loss and of the log-softmax's input (8*T*V, fp32 whatever the
+      logits' dtype), or the logits' gradient in the model dtype with the weight gradient
+      when that is more;
     * the top layer's backward (the layers below still hold what they saved), the larger of
       its MLP part and its attention part. Counted from the allocator at the peak (CPU, every
       preset, ``tests/test_plan.py``), besides the saved bytes: the torch preset re-runs HF's
@@ -292,6 +307,13 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       part 9 (T, H), 5 (T, Q) and 6 (T, K) tensors (``fast``: 3 and 3, its q/k/v are saved;
       ``min_memory``: one more (T, Q), out) and, training the weights, the layer's weight
       gradients; the Triton dQ adds an fp32 (T, Q) accumulator.
+
+    In a low-precision model HF's re-run layer also keeps its two RMSNorms' fp32 input
+    copies ((8 - e)*H a token beyond the fp32 count) and, under LoRA (``train_weights``
+    False, PEFT's fp32 adapters), each adapted projection's input cast to fp32
+    (4*(5H + Q + I) in place of e*(2H + I)); HF's loss keeps fp32 (T, V) gradients (8*T*V at
+    its log-softmax's backward) whatever the logits' dtype. These terms were recalibrated
+    against the H100 measurement of LLaMA-3.1-8B LoRA (``tests/test_plan.py`` reads it).
 
     The sequence-sized terms are what the sequence-tiled layer removes; the model is kept
     in step with the code by the test that measures it.
@@ -341,14 +363,28 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         forward = e * T * H + e * rows * H + fwd_logits
         backward = e * T * H + 2 * e * rows * H + bwd_logits + dw + dw_sum
         head_work = max(forward, backward)
-    else:
-        head_work = e * T * H + max(T * V * (4 + e), T * V * e + dw)
+    else:            # the loss's gradients are fp32 whatever the logits' dtype: nll_loss's
+        # (T, V) and log_softmax's input gradient beside it, 8*T*V; then the logits' gradient
+        # in the model dtype with the weight gradient
+        head_work = e * T * H + max(8 * T * V, T * V * e + dw)
     head_peak = saved + head_work
 
     # the top layer's backward
     grads = e * H * (2 * Q + 2 * K + 3 * I) if train_weights else 0
     if preset == "torch":
         layer_work = e * T * (6 * H + 2 * Q + 2 * K + 6 * I) + lse
+        if e < 4:
+            # HF's RMSNorm upcasts its input and keeps the fp32 copy for backward: the input
+            # norm's 4H beside the checkpointed input, the post-attention norm's 4H in place
+            # of h (e*H); the fp32 count above cannot see either
+            layer_work += T * (8 - e) * H
+            if not train_weights:
+                # PEFT's adapters in fp32 (its default autocast_adapter_dtype=True) on a
+                # low-precision base: each adapted projection casts its input to fp32 and
+                # lora_A keeps that copy (q, k, v, gate, up: 4H each; o_proj 4Q; down 4I), in
+                # place of the normed rows (2 e*H) and the SwiGLU product (e*I) that the
+                # weights' gradients would keep
+                layer_work += T * (4 * (5 * H + Q + I) - e * (2 * H + I))
         phase = "top layer backward (HF's layer re-run)"
     else:
         # The MLP walks token chunks of the cap (three (rows, I) tensors at the compute width)
@@ -400,25 +436,53 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
 
 
 def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
-                      lora_rank: int = 16, tied: bool = False) -> int:
-    """Bytes the model and its optimizer hold outside the step: ``weights="full"``, a full
-    fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
+                      lora_rank: int = 16, tied: bool = False, shard: int = 1) -> int:
+    """Bytes the model and its optimizer hold outside the step, per GPU: ``weights="full"``, a
+    full fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
     rank-``lora_rank`` adapters on every projection (fp32, AdamW: 16 bytes an adapter
-    parameter)."""
+    parameter). ``shard``: the sharding degree of FSDP / ZeRO-3 (each GPU holds 1/shard of
+    it, and the gathered parameters of two units in ``dtype``, the one running and the one
+    prefetched, the larger of a decoder layer and the embedding or head)."""
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
+        raise ValueError(f"model_state_bytes: shard must be a positive int, got {shard!r}")
     e = _dtype(dtype).itemsize
-    base = V * layers[0].hidden_size * (1 if tied else 2) + layers[0].hidden_size
+    H0 = layers[0].hidden_size
+    base = V * H0 * (1 if tied else 2) + H0
     adapters = 0
+    unit = V * H0
     for x in layers:
         H, Q, K, I = (x.hidden_size, x.num_heads * x.head_dim, x.num_kv_heads * x.head_dim,
                       x.intermediate_size)
         base += H * (2 * Q + 2 * K + 3 * I) + 2 * H
+        unit = max(unit, H * (2 * Q + 2 * K + 3 * I) + 2 * H)
         adapters += lora_rank * ((H + Q) + 2 * (H + K) + (Q + H) + 2 * (H + I) + (I + H))
     if weights == "full":
-        return 16 * base
-    if weights == "lora":
-        return e * base + 16 * adapters
-    raise ValueError(f"model_state_bytes: weights must be 'full' or 'lora', got {weights!r}")
+        state = 16 * base
+    elif weights == "lora":
+        state = e * base + 16 * adapters
+    else:
+        raise ValueError(f"model_state_bytes: weights must be 'full' or 'lora', got {weights!r}")
+    if shard == 1:
+        return state
+    return -(-state // shard) + 2 * e * unit
+
+
+# ---- headroom: what the device holds outside the allocator's count --------------------------
+# The CUDA context (the driver's, cuBLAS/cuDNN handles and workspaces, loaded kernels: about
+# 0.5-1 GiB under torch on an H100) and the caching allocator's fragmentation (blocks reserved
+# but not allocated). The H100 capacity search (bench/results/gpu_h100_2026-11-24/) bracketed
+# what these took on an 80 GB card between 2.0 GiB (36,864 tokens of HF checkpointing failed)
+# and 9.0 GiB (32,768 ran); 1 GiB + 5% of 79.6 GiB is 5.0 GiB.
+CUDA_CONTEXT_BYTES = 1 << 30
+FRAGMENTATION = 0.05
+
+
+def headroom_bytes(device_memory: int, cuda_context: int = CUDA_CONTEXT_BYTES,
+                   fragmentation: float = FRAGMENTATION) -> int:
+    """The device memory a plan keeps free: ``cuda_context`` bytes plus ``fragmentation``
+    times the device memory."""
+    return cuda_context + int(fragmentation * device_memory)
 
 
 def _longest_fitting(fits, limit: int) -> int:
@@ -437,12 +501,13 @@ def _longest_fitting(fits, limit: int) -> int:
 
 def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                      device_memory: int, weights: str, *, path: str = "cuda",
-                     limit: int = 1 << 26) -> int:
-    """The longest S (at most ``limit``) whose step fits ``device_memory`` with the model
-    state of ``weights`` (:func:`model_state_bytes`), by :func:`step_peak`; 0 if none does."""
-    state = model_state_bytes(layers, V, dtype, weights)
-    fits = lambda s: state + step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
-                                       train_weights=weights == "full").peak <= device_memory
+                     limit: int = 1 << 26, headroom: int = 0, shard: int = 1) -> int:
+    """The longest S (at most ``limit``) whose step fits ``device_memory`` less ``headroom``
+    (:func:`headroom_bytes`) with the model state of ``weights`` (:func:`model_state_bytes`,
+    sharded ``shard`` ways), by :func:`step_peak`; 0 if none does."""
+    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard)
+    fits = lambda s: step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
+                               train_weights=weights == "full").peak <= room
     return _longest_fitting(fits, limit)
 
 
@@ -505,22 +570,25 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
 
 def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                              device_memory: int, host_memory: Optional[int], weights: str, *,
-                             path: str = "cuda", limit: int = 1 << 26) -> int:
+                             path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
+                             shard: int = 1) -> int:
     """The longest S (at most ``limit``) whose offloaded step (:func:`offload_step_peak` with
-    ``host_memory`` as the host cap) fits ``device_memory`` with the model state; 0 if none."""
-    state = model_state_bytes(layers, V, dtype, weights)
+    ``host_memory`` as the host cap, None for none) fits ``device_memory`` less ``headroom``
+    with the model state; 0 if none."""
+    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard)
 
     def fits(s):
         p = offload_step_peak(setup, layers, V, B, s, dtype, path=path,
                               train_weights=weights == "full", host_limit=host_memory)
-        return state + p.peak <= device_memory
+        return p.peak <= room
 
     return _longest_fitting(fits, limit)
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
-def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
-    """Recompute FLOPs of one layer divided by B*S (an integer: see the module docstring)."""
+def _flops_parts(preset: str, d: LayerDims, S: int):
+    """Recompute FLOPs of one layer divided by B*S, as (attention, matmul): the attention's
+    score and P V products, and the projections (module docstring). Integers."""
     H, Hq, Hkv, D, I = (d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim,
                         d.intermediate_size)
     scores = pv = Hq * D * (S + 1)
@@ -532,20 +600,79 @@ def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
     out_norms = (d.mlp_output_norm * (down if preset == "fast" else gate_up + down)
                  + (d.attention_output_norm and preset != "min_memory") * o_proj)
     if preset == "fast":
-        return scores + out_norms
+        return scores, out_norms
     if preset == "balanced":
-        return scores + qkv + gate_up + out_norms
+        return scores, qkv + gate_up + out_norms
     if preset == "min_memory":
-        return 2 * scores + pv + qkv + gate_up + o_proj + out_norms
+        return 2 * scores + pv, qkv + gate_up + o_proj + out_norms
     if preset == "torch":
-        return 2 * scores + pv + qkv + o_proj + gate_up + down
+        return 2 * scores + pv, qkv + o_proj + gate_up + down
     raise ValueError(f"recompute_flops: preset must be one of 'fast', 'balanced', "
                      f"'min_memory', 'torch'; got {preset!r}")
+
+
+def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
+    """Recompute FLOPs of one layer divided by B*S (an integer: see the module docstring)."""
+    return sum(_flops_parts(preset, d, S))
 
 
 def recompute_flops(preset: str, dims: LayerDims, B: int, S: int) -> int:
     """Forward FLOPs that ``preset`` recomputes in one layer's backward (module docstring)."""
     return B * S * _flops_per_token(preset, dims, S)
+
+
+# ---- the step's time (an estimate) -------------------------------------------------------------
+# Rates on an H100 80GB (bench/results/gpu_h100_2026-11-24/attention_nvidia_h100_80gb_hbm3.csv,
+# D 128, causal, bf16): the Triton attention forward ran 329-372 TFLOP/s and its backward
+# 151-180 TFLOP/s (FLOPs counted as there: backward 2.5x forward); the LM head's bf16 GEMMs
+# about 410 TFLOP/s forward (lm_head_nvidia_h100_80gb_hbm3.csv, V 128256, H 4096).
+ATTENTION_FWD_TFLOPS = 350.0
+ATTENTION_BWD_TFLOPS = 170.0
+MATMUL_TFLOPS = 400.0
+
+
+def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,
+               train_weights: bool = True) -> dict:
+    """The FLOPs of one training step of ``setup`` (:data:`PEAK_SETUPS`), Python ints, in
+    three parts: ``attention_forward`` (the causal scores and P V of every layer's forward,
+    and again where the setup re-runs the attention forward in backward: ``min_memory`` and
+    HF checkpointing), ``attention_backward`` (2.5 times the forward: dV, dP, dQ, dK and the
+    score tiles rebuilt, as the attention benchmark counts them) and ``matmul`` (every
+    projection and the head, 2 FLOPs a multiply-add: forward; backward once for the input
+    gradients and, with ``train_weights``, once more for the weight gradients (LoRA: a frozen
+    base, the rank-r adapters left out); the projections each preset recomputes
+    (:func:`recompute_flops`) and, with the fused head, its logits once more)."""
+    if setup not in PEAK_SETUPS:
+        raise ValueError(f"step_flops: setup must be one of {', '.join(PEAK_SETUPS)}; got "
+                         f"{setup!r}")
+    _check_shape_args(B, S)
+    T = B * S
+    preset = "torch" if setup.startswith("hf_gc") else setup
+    reruns = 1 if preset in ("min_memory", "torch") else 0
+    fwd = bwd = matmul = 0
+    passes = 3 if train_weights else 2
+    for d in layers:
+        attn = 2 * d.num_heads * d.head_dim * (S + 1)       # scores and P V, per token
+        fwd += T * attn * (1 + reruns)
+        bwd += T * attn * 5 // 2
+        matmul += T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1])
+    head = 2 * T * layers[0].hidden_size * V
+    matmul += head * passes + (head if setup != "hf_gc" else 0)
+    return {"attention_forward": fwd, "attention_backward": bwd, "matmul": matmul}
+
+
+def step_time_estimate(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,
+                       train_weights: bool = True,
+                       attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                       attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                       matmul_tflops: float = MATMUL_TFLOPS) -> float:
+    """Seconds for one training step, ESTIMATED from :func:`step_flops` at fixed rates (H100
+    figures by default); memory-bound work (norms, RoPE, SwiGLU, the optimizer), copies and
+    launch gaps are left out."""
+    f = step_flops(setup, layers, V, B, S, train_weights=train_weights)
+    return (f["attention_forward"] / (attention_fwd_tflops * 1e12)
+            + f["attention_backward"] / (attention_bwd_tflops * 1e12)
+            + f["matmul"] / (matmul_tflops * 1e12))
 
 
 # ---- the chooser ---------------------------------------------------------------------------
@@ -572,11 +699,11 @@ def choose_presets(layers: Sequence[LayerDims], B: int, S: int, dtype,
     if not layers:
         return []
     dt = _dtype(dtype)
-    ptb = np.array([[per_token_bytes(p, dtype=dt, **d.kwargs()) for p in _CHOICES]
-                    for d in layers], dtype=np.int64)                      # (L, 3)
-    ptf = np.array([[_flops_per_token(p, d, S) for p in _CHOICES] for d in layers],
-                   dtype=np.int64)                                          # (L, 3)
-    smallest = B * S * int(ptb[:, 2].sum())
+    # Python ints throughout: at long sequences the FLOP sums pass 2**63 (S 1e14 at LLaMA-3-8B
+    # shapes), where int64 arrays wrap around silently.
+    ptb = [[per_token_bytes(p, dtype=dt, **d.kwargs()) for p in _CHOICES] for d in layers]
+    ptf = [[_flops_per_token(p, d, S) for p in _CHOICES] for d in layers]
+    smallest = B * S * sum(row[2] for row in ptb)
     if budget < smallest:
         raise ValueError(
             f"activation_budget of {budget} bytes ({format_bytes(budget)}) is below the "
@@ -584,34 +711,84 @@ def choose_presets(layers: Sequence[LayerDims], B: int, S: int, dtype,
             f"{len(layers)} decoder layers 'min_memory', at B={B}, S={S}, {str(dt)[6:]}. Raise the "
             f"budget or shorten the batch")
     cap = budget // (B * S)                       # per-token budget: ptb sums are integers
-    tail_min = np.concatenate([np.cumsum(ptb[::-1, 2])[::-1][1:], [0]])   # later layers' min
-    bytes_, flops = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    tail_min = [0] * len(layers)                  # the later layers' least bytes
+    for i in range(len(layers) - 2, -1, -1):
+        tail_min[i] = tail_min[i + 1] + ptb[i + 1][2]
+    front = [(0, 0)]                              # (bytes, FLOPs) per token of each state
     parents, options = [], []
     for i in range(len(layers)):
-        cb = (bytes_[:, None] + ptb[i][None, :]).ravel()                  # state-major
-        cf = (flops[:, None] + ptf[i][None, :]).ravel()
-        idx = np.flatnonzero(cb + tail_min[i] <= cap)
-        order = idx[np.lexsort((idx, cf[idx], cb[idx]))]   # bytes, then FLOPs, then index
-        f_sorted = cf[order]
+        cand = [(b + ptb[i][o], f + ptf[i][o], 3 * s + o)          # state-major index
+                for s, (b, f) in enumerate(front) for o in range(3)
+                if b + ptb[i][o] + tail_min[i] <= cap]
+        cand.sort()                                # bytes, then FLOPs, then index
         # Pareto front: keep a state only if it recomputes less than every cheaper one.
-        prev_min = np.minimum.accumulate(np.concatenate([[np.iinfo(np.int64).max],
-                                                         f_sorted[:-1]]))
-        keep = order[f_sorted < prev_min]
-        bytes_, flops = cb[keep], cf[keep]
-        parents.append(keep // 3)
-        options.append(keep % 3)
-    state = int(np.argmin(flops))       # fewest FLOPs; the front's bytes fall as FLOPs rise
+        kept, least = [], None
+        for b, f, idx in cand:
+            if least is None or f < least:
+                kept.append((b, f, idx))
+                least = f
+        front = [(b, f) for b, f, _ in kept]
+        parents.append([idx // 3 for _, _, idx in kept])
+        options.append([idx % 3 for _, _, idx in kept])
+    # fewest FLOPs (the first such: the front's bytes fall as FLOPs rise)
+    state = min(range(len(front)), key=lambda k: (front[k][1], k))
     chosen = []
     for i in range(len(layers) - 1, -1, -1):
-        chosen.append(_CHOICES[int(options[i][state])])
-        state = int(parents[i][state])
+        chosen.append(_CHOICES[options[i][state]])
+        state = parents[i][state]
     return chosen[::-1]
 
 
 # ---- CLI -----------------------------------------------------------------------------------
+# Bounds of the CLI's inputs: far past any real run (a billion-token sequence, an exabyte), and
+# what keeps every figure printable.
+_MAX = {"seq": 1 << 32, "batch": 1 << 20, "dim": 1 << 24, "layers": 1 << 16,
+        "vocab": 1 << 32, "shard": 1 << 20, "gpus": 1 << 10}
+_MAX_BYTES = 1 << 60
+
+
+def _hf_hub_cache() -> str:
+    """The local Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub (read at each call)."""
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                  "huggingface"), "hub")
+
+
+def _hf_cache_config(model_id: str) -> Optional[str]:
+    """The cached config.json of ``model_id`` (its ``main`` revision) in the local Hugging Face
+    cache, or None; nothing is downloaded."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        try_to_load_from_cache = None
+    if try_to_load_from_cache is not None:
+        try:
+            found = try_to_load_from_cache(model_id, "config.json", cache_dir=_hf_hub_cache())
+        except Exception:    # a malformed id: not in the cache
+            return None
+        return found if isinstance(found, str) else None
+    repo = os.path.join(_hf_hub_cache(), "models--" + model_id.replace("/", "--"))
+    try:
+        with open(os.path.join(repo, "refs", "main")) as f:
+            path = os.path.join(repo, "snapshots", f.read().strip(), "config.json")
+    except OSError:
+        return None
+    return path if os.path.isfile(path) else None
+
+
 def _read_config(path: str) -> dict:
-    """The config at ``path`` (a config.json or a model directory); ValueError naming the file
-    when it cannot be read or is not a JSON object."""
+    """The config at ``path`` (a config.json, a model directory, or the id of a model in the
+    local Hugging Face cache); ValueError naming the file when it cannot be found or read or
+    is not a JSON object."""
+    if not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        cached = _hf_cache_config(path)
+        if cached is None:
+            raise ValueError(
+                f"{path!r} is neither a file nor a model in the local Hugging Face cache "
+                f"(HF_HUB_CACHE); fetch its config with `hf download {path} config.json`, or "
+                f"give a config.json path")
+        path = cached
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
@@ -629,14 +806,42 @@ def _read_config(path: str) -> dict:
     return config
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse names the option in its error)."""
+def _bounded_int(limit: int):
+    """argparse type: an int in [1, limit] (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be at most {limit:,}, got {text}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+_positive_int = _bounded_int(_MAX["dim"])
+
+
+def _positive_float(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"must be a positive number below 1e9, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
     return value
 
 
@@ -644,55 +849,132 @@ def _table(rows, header):
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in
-                               enumerate(zip(r, widths))) for r in cells)
+                               enumerate(zip(r, widths))).rstrip() for r in cells)
 
 
 def _tflop(n: int) -> str:
     return f"{n / 1e12:.3f}"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def host_ram_bytes() -> Optional[int]:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+_WEIGHTS_HELP = (
+    "what the device holds besides the step (with --device-memory): 'full' (default), a full "
+    "fine-tune: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes a "
+    "parameter (Trainer(bf16=True) / autocast), about 120 GiB for an 8B model, so it needs "
+    "--shard on an 80 GB GPU; 'lora', a frozen base in --dtype (2 bytes a parameter in bf16) "
+    "plus rank-16 adapters on every projection trained in fp32 with AdamW (PEFT's default)")
+
+_EPILOG = """\
+Will my run fit? Give the model, --batch, --seq and --device-memory (and --weights lora for
+LoRA). For each setup it prints "fits" or "does not fit" at the S asked, the longest S that
+fits, and an estimated step time. The device memory a plan keeps free: --cuda-context (1 GiB:
+the CUDA context, cuBLAS workspaces and loaded kernels) plus --fragmentation (5%% of the
+device: the caching allocator's reserved-but-unused blocks); the H100 capacity search in
+bench/results/gpu_h100_2026-11-24/ bracketed the real figure between 2.0 and 9.0 GiB on an
+80 GB card. An H100 "80GB" has 81559MiB (79.6 GiB). Step times are ESTIMATES: FLOPs (matmuls
+and attention, forward, backward, recompute) at H100 rates, --attention-fwd-tflops 350 and
+--attention-bwd-tflops 170 (the Triton attention kernels ran 329-372 and 151-180 TFLOP/s) and
+--matmul-tflops 400 (the LM head's GEMMs ran about 410); memory-bound work and the optimizer
+step are left out. On the H100 they came to 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps.
+
+examples:
+  python -m ckpt_ext.plan meta-llama/Llama-3.1-8B --batch 1 --seq 131072 \\
+      --device-memory 80GiB --weights lora --offload --host-memory 200GiB
+  python -m ckpt_ext.plan config.json --batch 1 --seq 8192 --device-memory 80GiB --shard 8
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m ckpt_ext.plan",
+        prog="python -m ckpt_ext.plan", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Saved-activation bytes of each ckpt_ext preset, recompute FLOPs, the LM "
-                    "head with and without the fused loss, and the 'auto' choice for a budget.")
-    ap.add_argument("config", nargs="?", help="an HF config.json (or a model directory)")
-    ap.add_argument("--hidden-size", type=_positive_int)
-    ap.add_argument("--heads", type=_positive_int, help="num_attention_heads")
-    ap.add_argument("--kv-heads", type=_positive_int, help="num_key_value_heads (default: --heads)")
-    ap.add_argument("--head-dim", type=_positive_int, help="default hidden_size // heads")
-    ap.add_argument("--intermediate-size", type=_positive_int)
-    ap.add_argument("--layers", type=_positive_int, help="num_hidden_layers")
-    ap.add_argument("--vocab-size", type=_positive_int)
-    ap.add_argument("--batch", type=_positive_int, required=True)
-    ap.add_argument("--seq", type=_positive_int, required=True)
+                    "head with and without the fused loss, the step's peak memory, whether a "
+                    "step fits a device, and the 'auto' choice for a budget.")
+    ap.add_argument("config", nargs="?",
+                    help="an HF config.json, a model directory, or a model id in the local "
+                         "Hugging Face cache (e.g. meta-llama/Llama-3.1-8B; nothing is "
+                         "downloaded); or give the dimensions below")
+    dim = _positive_int
+    ap.add_argument("--hidden-size", type=dim)
+    ap.add_argument("--heads", type=dim, help="num_attention_heads")
+    ap.add_argument("--kv-heads", type=dim, help="num_key_value_heads (default: --heads)")
+    ap.add_argument("--head-dim", type=dim, help="default hidden_size // heads")
+    ap.add_argument("--intermediate-size", type=dim)
+    ap.add_argument("--layers", type=_bounded_int(_MAX["layers"]), help="num_hidden_layers")
+    ap.add_argument("--vocab-size", type=_bounded_int(_MAX["vocab"]))
+    ap.add_argument("--batch", type=_bounded_int(_MAX["batch"]), required=True,
+                    help="sequences per step on one GPU")
+    ap.add_argument("--seq", type=_bounded_int(_MAX["seq"]), required=True,
+                    help="tokens per sequence, S")
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     ap.add_argument("--budget", help="bytes for the decoder layers' saved activations, e.g. "
                                      "20GiB or 512MB: prints the 'auto' choice")
-    ap.add_argument("--device-memory", help="a device's memory, e.g. 80GiB: prints the longest "
-                                            "sequence whose step fits it, per setup")
-    ap.add_argument("--weights", choices=("full", "lora"), default="full",
-                    help="what the device also holds (with --device-memory): 'full', fp32 "
-                         "weights, gradients and AdamW moments (16 B a parameter); 'lora', the "
-                         "frozen base in --dtype plus rank-16 adapters on every projection")
+    ap.add_argument("--device-memory", help="one GPU's memory, e.g. 80GiB or 81559MiB: prints "
+                                            "per setup whether the step fits at --seq, and the "
+                                            "longest S that fits")
+    ap.add_argument("--weights", choices=("full", "lora"), default="full", help=_WEIGHTS_HELP)
+    ap.add_argument("--shard", type=_bounded_int(_MAX["shard"]), default=1,
+                    help="the sharding degree of FSDP / ZeRO-3 (default 1: none): the model "
+                         "state per GPU is 1/N of it plus two gathered units (a layer or the "
+                         "head) in --dtype")
     ap.add_argument("--path", choices=_PATHS, default="cuda",
                     help="whose transients the peak model counts: the Triton kernels (cuda) or "
                          "the ATen kernels (cpu)")
     ap.add_argument("--offload", action="store_true",
-                    help="also print each fused preset with offload='cpu': device peak, host "
-                         "bytes, and (with --device-memory) the longest sequence that fits")
-    ap.add_argument("--host-memory", help="with --offload: the host memory for saved layer "
-                                          "tensors (offload_limit), e.g. 256GiB")
+                    help="also plan each fused preset with offload='cpu' (saved layer tensors "
+                         "in host memory): device peak, host bytes, fits or not")
+    ap.add_argument("--host-memory", help="with --offload: host memory for one GPU's saved "
+                                          "tensors (offload_limit), e.g. 200GiB; default this "
+                                          "machine's RAM / --gpus-per-node")
+    ap.add_argument("--gpus-per-node", type=_bounded_int(_MAX["gpus"]), default=1,
+                    help="GPUs sharing one host's RAM (default 1): divides the default "
+                         "--host-memory")
+    ap.add_argument("--cuda-context", default="1GiB",
+                    help="device memory kept for the CUDA context (default 1GiB)")
+    ap.add_argument("--fragmentation", type=_fraction, default=FRAGMENTATION,
+                    help="fraction of the device memory kept for the allocator's "
+                         "fragmentation (default 0.05)")
+    ap.add_argument("--attention-fwd-tflops", type=_positive_float,
+                    default=ATTENTION_FWD_TFLOPS, help="attention forward rate for the step "
+                    "time estimate (default 350: the Triton kernel on an H100)")
+    ap.add_argument("--attention-bwd-tflops", type=_positive_float,
+                    default=ATTENTION_BWD_TFLOPS, help="attention backward rate (default 170: "
+                    "the Triton kernel on an H100)")
+    ap.add_argument("--matmul-tflops", type=_positive_float, default=MATMUL_TFLOPS,
+                    help="matmul rate for the step time estimate (default 400, an H100)")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.host_memory is not None and not args.offload:
         ap.error("argument --host-memory: applies with --offload only")
-    for name in ("budget", "device_memory", "host_memory"):
+    for name in ("budget", "device_memory", "host_memory", "cuda_context"):
         if getattr(args, name) is not None:
+            flag = f"argument --{name.replace('_', '-')}"
             try:
-                parse_bytes(getattr(args, name), f"argument --{name.replace('_', '-')}")
+                value = parse_bytes(getattr(args, name), flag)
             except (TypeError, ValueError) as e:
                 ap.error(str(e))
+            if value > _MAX_BYTES:
+                ap.error(f"{flag}: must be at most 1 EiB ({_MAX_BYTES:,} bytes), got "
+                         f"{getattr(args, name)!r}")
+            setattr(args, name, value)
 
+    if args.offload:
+        try:
+            _host_memory(args)
+        except ValueError as e:
+            ap.error(str(e))
     try:
         config = _read_config(args.config) if args.config else {}
     except ValueError as e:
@@ -713,13 +995,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     V = config["vocab_size"]
     if isinstance(V, bool) or not isinstance(V, int) or V < 1:
         ap.error(f"vocab_size must be a positive int (in the config or --vocab-size), got {V!r}")
+    for name, value, limit in (("hidden_size", layers[0].hidden_size, _MAX["dim"]),
+                               ("intermediate_size", layers[0].intermediate_size, _MAX["dim"]),
+                               ("num_attention_heads", layers[0].num_heads, _MAX["dim"]),
+                               ("head_dim", layers[0].head_dim, _MAX["dim"]),
+                               ("num_hidden_layers", len(layers), _MAX["layers"]),
+                               ("vocab_size", V, _MAX["vocab"])):
+        if value > limit:
+            ap.error(f"config: {name} must be at most {limit:,}, got {value:,}")
     B, S, dtype = args.batch, args.seq, _DTYPES[args.dtype]
     d = layers[0]
     L, T = len(layers), B * S
     head_hf = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=False)
     head_fused = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=True)
     print(f"{L} layers, H {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads}, head_dim "
-          f"{d.head_dim}, I {d.intermediate_size}, V {V}; B {B}, S {S} ({T} tokens), "
+          f"{d.head_dim}, I {d.intermediate_size}, V {V}; B {B}, S {S:,} ({T:,} tokens), "
           f"{str(dtype).replace('torch.', '')}")
     rows = []
     for preset in ("fast", "balanced", "min_memory", "torch"):
@@ -734,15 +1024,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     e = dtype.itemsize
     print(f"LM head + loss, saved for backward: HF {format_bytes(head_hf)} (per token: hidden "
           f"{e}*H + fp32 log-softmax 4*V + labels 8 = {e * d.hidden_size + 4 * V + 8:,} B; "
-          f"it also returns the {T} x {V} logits, {format_bytes(T * V * e)}); fused "
+          f"it also returns the {T:,} x {V:,} logits, {format_bytes(T * V * e)}); fused "
           f"{format_bytes(head_fused)} (hidden + labels + fp32 lse = "
           f"{e * d.hidden_size + 12:,} B/token)")
     print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
           "'torch' is listed for comparison and never chosen by 'auto'")
+    print()
     _print_steps(args, layers, V, B, S, dtype)
     if args.offload:
+        print()
         _print_offload(args, layers, V, B, S, dtype)
+    if args.device_memory is not None:
+        print()
+        _print_verdict(args, layers, V, B, S, dtype)
     if args.budget is not None:
+        print()
         try:
             chosen = choose_presets(layers, B, S, dtype, args.budget)
         except ValueError as err:
@@ -751,7 +1047,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         used = sum(layer_bytes(p, x, B, S, dtype) for p, x in zip(chosen, layers))
         flops = sum(recompute_flops(p, x, B, S) for p, x in zip(chosen, layers))
         counts = ", ".join(f"{chosen.count(p)} x {p}" for p in FUSED_PRESETS if p in chosen)
-        print(f"auto for a budget of {format_bytes(parse_bytes(args.budget))}: {counts}; "
+        print(f"auto for a budget of {format_bytes(args.budget)}: {counts}; "
               f"layers keep {format_bytes(used)} ({format_bytes(used + head_fused)} with the "
               f"fused head), recompute {_tflop(flops)} TFLOP")
         print("per layer: " + " ".join(p for p in chosen))
@@ -762,60 +1058,149 @@ _SETUP_NAMES = {"hf_gc": "HF checkpointing, HF head", "hf_gc+fused": "HF checkpo
                 "fast": "fast", "balanced": "balanced", "min_memory": "min_memory"}
 
 
+def _weights_words(args) -> str:
+    words = "full fine-tune" if args.weights == "full" else "LoRA"
+    return words + (f", sharded {args.shard} ways" if args.shard > 1 else "")
+
+
 def _print_steps(args, layers, V, B, S, dtype) -> None:
-    """The step table: saved bytes and peak per setup (and the longest sequence that fits)."""
+    """The step table: saved bytes and peak per setup."""
     train = args.weights == "full"
-    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    header = ["step (" + ("full fine-tune" if train else "LoRA") + f", {args.path} path)",
-              "saved", "peak", "peak KiB/token", "peak is in"]
-    if memory is not None:
-        state = model_state_bytes(layers, V, dtype, args.weights)
-        header.append(f"longest S in {format_bytes(memory)}")
+    header = [f"step ({_weights_words(args)}, {args.path} path)", "saved", "peak",
+              "peak KiB/token", "peak is in"]
     rows = []
     for setup in PEAK_SETUPS:
         p = step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train)
-        row = [_SETUP_NAMES[setup], format_bytes(p.saved), format_bytes(p.peak),
-               f"{p.peak / (B * S) / 1024:,.1f}", p.phase]
-        if memory is not None:
-            row.append(f"{longest_sequence(setup, layers, V, B, dtype, memory, args.weights, path=args.path):,}")
-        rows.append(row)
+        rows.append([_SETUP_NAMES[setup], format_bytes(p.saved), format_bytes(p.peak),
+                     f"{p.peak / (B * S) / 1024:,.1f}", p.phase])
     print(_table(rows, header))
     print("peak: the most a training step allocates at once above its start, gradients of an "
           "earlier step present (ckpt_ext.plan.step_peak); the fused presets use the fused "
           "head and final norm")
-    if memory is not None:
-        print(f"model state on the device ({args.weights}): {format_bytes(state)}; longest S: "
-              f"batch {B}, the step's peak plus the model state within the device memory")
 
+
+def _host_memory(args):
+    """(host bytes for one GPU's offloaded tensors, how it was chosen)."""
+    if args.host_memory is not None:
+        return args.host_memory, "--host-memory"
+    ram = host_ram_bytes()
+    if ram is None:
+        raise ValueError("argument --host-memory: this OS does not report its RAM; give "
+                         "--host-memory (offload never assumes unlimited host memory)")
+    return ram // args.gpus_per_node, (f"this machine's RAM {format_bytes(ram)} / "
+                                       f"--gpus-per-node {args.gpus_per_node}; give "
+                                       f"--host-memory for the training host's")
 
 
 def _print_offload(args, layers, V, B, S, dtype) -> None:
-    """The offload table: device peak, host bytes and the longest sequence per fused preset."""
+    """The offload table: device peak, host bytes and copy volume per fused preset."""
     train = args.weights == "full"
-    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    host = parse_bytes(args.host_memory) if args.host_memory is not None else None
-    header = [f"offload='cpu' ({'full fine-tune' if train else 'LoRA'}, {args.path} path)",
-              "device peak", "of it the prefetch pool", "host bytes", "layers in host",
-              "kept on device"]
-    if memory is not None:
-        header.append(f"longest S in {format_bytes(memory)}"
-                      + (f" + {format_bytes(host)} host" if host is not None else ""))
+    host, how = _host_memory(args)
+    print(f"host memory for offloaded tensors: "
+          f"{format_bytes(host) if host is not None else 'no cap'} ({how})")
+    header = [f"offload='cpu' ({_weights_words(args)}, {args.path} path)", "device peak",
+              "of it the prefetch pool", "host bytes", "layers in host", "kept on device"]
     rows = []
     for setup in OFFLOAD_SETUPS:
         p = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train,
                               host_limit=host)
-        row = [setup, format_bytes(p.peak), format_bytes(p.pool), format_bytes(p.host),
-               f"{p.offloaded}/{len(layers)}", format_bytes(p.kept)]
-        if memory is not None:
-            longest = longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
-                                               args.weights, path=args.path)
-            row.append(f"{longest:,}")
-        rows.append(row)
+        rows.append([setup, format_bytes(p.peak), format_bytes(p.pool), format_bytes(p.host),
+                     f"{p.offloaded}/{len(layers)}", format_bytes(p.kept)])
     print(_table(rows, header))
     print("offload: each fused layer's saved tensors go to host memory in forward and come back "
-          "one layer ahead in backward; the device keeps a pool of two layers' worth"
-          + ("; past --host-memory the remaining layers keep theirs on the device"
-             if host is not None else " (no --host-memory: no cap)"))
+          "one layer ahead in backward; the device keeps a pool of two layers' worth; past the "
+          "host memory the remaining layers keep theirs on the device")
+
+
+def _longest_text(n: int, limit: int = 1 << 26) -> str:
+    if n == 0:
+        return "none"
+    return f">= {n:,}" if n >= limit else f"{n:,}"
+
+
+def _print_verdict(args, layers, V, B, S, dtype) -> None:
+    """Fits / does not fit per setup at the S asked, the longest S, the step time estimate."""
+    train = args.weights == "full"
+    memory = args.device_memory
+    headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
+    usable = memory - headroom
+    state = model_state_bytes(layers, V, dtype, args.weights, shard=args.shard)
+    room = usable - state
+    print(f"will it fit: {_weights_words(args)}, B {B}, S {S:,}, {args.path} path, on "
+          f"{format_bytes(memory)} of device memory")
+    print(f"  kept free: CUDA context {format_bytes(args.cuda_context)} + allocator "
+          f"fragmentation {args.fragmentation:.0%} of the device "
+          f"({format_bytes(int(args.fragmentation * memory))}) = {format_bytes(headroom)}; "
+          f"usable {format_bytes(usable)}")
+    whole = model_state_bytes(layers, V, dtype, args.weights)
+    if args.shard > 1:
+        print(f"  model state per GPU ({args.weights}): {format_bytes(state)} = 1/{args.shard} "
+              f"of {format_bytes(whole)} + two gathered units in {args.dtype} "
+              f"({format_bytes(state - -(-whole // args.shard))})")
+    else:
+        print(f"  model state ({args.weights}): {format_bytes(state)}")
+    print(f"  left for the step: {format_bytes(room) if room > 0 else 'nothing'}")
+    host = _host_memory(args)[0] if args.offload else None
+    rates = dict(attention_fwd_tflops=args.attention_fwd_tflops,
+                 attention_bwd_tflops=args.attention_bwd_tflops,
+                 matmul_tflops=args.matmul_tflops)
+    cases = [(setup, False) for setup in PEAK_SETUPS]
+    if args.offload:
+        cases += [(setup, True) for setup in OFFLOAD_SETUPS]
+    rows = []
+    for setup, offload in cases:
+        if offload:
+            peak = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path,
+                                     train_weights=train, host_limit=host).peak
+        else:
+            peak = step_peak(setup, layers, V, B, S, dtype, path=args.path,
+                             train_weights=train).peak
+        total = state + peak + headroom
+        if room <= 0:
+            verdict, longest = "does not fit (model state)", "none"
+        else:
+            verdict = "fits" if peak <= room else "does not fit"
+            kw = dict(path=args.path, headroom=headroom, shard=args.shard)
+            longest = _longest_text(
+                longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
+                                         args.weights, **kw) if offload else
+                longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
+        secs = step_time_estimate(setup, layers, V, B, S, train_weights=train, **rates)
+        rows.append([_SETUP_NAMES[setup] + (" + offload" if offload else ""),
+                     format_bytes(peak), format_bytes(total), verdict, longest, f"{secs:,.2f}"])
+    print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
+                        "longest S", "step s (estimate)"]))
+    if room <= 0:
+        print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
+              f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
+              f"{format_bytes(headroom)} kept free)"
+              + ("; a full fine-tune keeps 16 B a parameter" if args.weights == "full" else ""))
+        need = _smallest_shard(layers, V, B, S, dtype, args, headroom)
+        if need:
+            print(f"  sharded (--shard N, FSDP / ZeRO-3): min_memory fits S {S:,} from --shard "
+                  f"{need}, where the state is "
+                  f"{format_bytes(model_state_bytes(layers, V, dtype, args.weights, shard=need))}"
+                  f" per GPU; rerun with --shard {need} for the per-GPU figures")
+        else:
+            print("  no sharding degree up to 4096 makes room: the gathered units alone are "
+                  "too large")
+    print(f"step s: an ESTIMATE from FLOPs (forward, backward, recompute; ckpt_ext.plan."
+          f"step_flops) at {args.attention_fwd_tflops:g} / {args.attention_bwd_tflops:g} "
+          f"TFLOP/s for the attention forward / backward and {args.matmul_tflops:g} for "
+          f"matmuls (H100 figures: 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps at S 8K-16K); "
+          f"norms, SwiGLU, the optimizer" + (", the offload copies" if args.offload else "")
+          + " and launch gaps are left out")
+
+
+def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:
+    """The smallest sharding degree (up to 4096) at which min_memory fits S, or 0."""
+    peak = step_peak("min_memory", layers, V, B, S, dtype, path=args.path,
+                     train_weights=args.weights == "full").peak
+    for n in range(1, 4097):
+        if model_state_bytes(layers, V, dtype, args.weights, shard=n) + peak + headroom <= \
+                args.device_memory:
+            return n
+    return 0
 
 
 if __name__ == "__main__":
