@@ -10,19 +10,17 @@ import datetime
 import importlib.util
 import os
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers", reason="transformers is not installed: these tests need it "
                     "(pip install -e '.[test]')")
 if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
-from test_distributed import TIMEOUT_S, WORLD, make_model  # noqa: E402
+from test_distributed import TIMEOUT_S, WORLD, make_model, spawn_ranks  # noqa: E402
 
 B, S, V = 2, 14, 97
 REFUSED = "ckpt_ext.patch_llama: "  # how the refusal's message starts
@@ -140,22 +138,11 @@ def _worker(rank, init_file, out_dir, run):
 
 
 def run_workers(tmp_path, run):
-    """Each rank's results; fails (after killing them) when the workers do not finish within
-    TIMEOUT_S, as a rank left waiting in a collective would not (tests/test_distributed.py's
-    pattern)."""
+    """Each rank's results (tests/test_distributed.py's spawn_ranks: a rank left waiting in a
+    collective fails the test instead of hanging it)."""
     out = tmp_path / run
     out.mkdir()
-    ctx = mp.start_processes(_worker, args=(str(out / "init"), str(out), run), nprocs=WORLD,
-                             start_method="spawn", join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=2):  # raises if a worker failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            done = sorted(f.name for f in out.glob("*.pt"))
-            pytest.fail(f"{run} workers did not finish within {TIMEOUT_S} s (results written: "
-                        f"{done or 'none'}); killed")
-    return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, (str(out / "init"), str(out), run), out, run)
 
 
 # ---- the tests --------------------------------------------------------------------------------
