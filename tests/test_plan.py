@@ -237,20 +237,26 @@ def test_cli_errors(capsys):
     assert "missing" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag,value", [("--seq", "0"), ("--batch", "-1"), ("--seq", "x"),
-                                        ("--batch", "2.5"), ("--hidden-size", "0"),
-                                        ("--vocab-size", "-3"), ("--budget", "3 parsecs"),
-                                        ("--device-memory", "lots"), ("--weights", "qlora"),
-                                        ("--path", "tpu")])
-def test_cli_bad_argument_is_a_usage_error(flag, value, capsys):
+def assert_usage_error(flag, value, extra=()):
+    """The CLI with DIMS_ARGS, ``flag`` set to ``value`` (and ``extra``), exits with argparse's
+    usage status 2."""
     args = list(DIMS_ARGS)
     if flag in args:
         args[args.index(flag) + 1] = value
     else:
         args += [flag, value]
     with pytest.raises(SystemExit) as exc:
-        plan.main(args)
+        plan.main(args + list(extra))
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("flag,value", [("--seq", "0"), ("--batch", "-1"), ("--seq", "x"),
+                                        ("--batch", "2.5"), ("--hidden-size", "0"),
+                                        ("--vocab-size", "-3"), ("--budget", "3 parsecs"),
+                                        ("--device-memory", "lots"), ("--weights", "qlora"),
+                                        ("--path", "tpu")])
+def test_cli_bad_argument_is_a_usage_error(flag, value, capsys):
+    assert_usage_error(flag, value)
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and value in err, err
     assert "Traceback" not in err
@@ -428,14 +434,7 @@ def test_choose_presets_exact_past_int64():
                                         ("--budget", "2000000TiB"),
                                         ("--device-memory", str(2**61))])
 def test_cli_absurd_inputs_are_usage_errors(flag, value, capsys):
-    args = list(DIMS_ARGS)
-    if flag in args:
-        args[args.index(flag) + 1] = value
-    else:
-        args += [flag, value]
-    with pytest.raises(SystemExit) as exc:
-        plan.main(args + (["--budget", "1TiB"] if flag != "--budget" else []))
-    assert exc.value.code == 2
+    assert_usage_error(flag, value, [] if flag == "--budget" else ["--budget", "1TiB"])
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and "at most" in err, err
 
