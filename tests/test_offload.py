@@ -468,10 +468,12 @@ def test_plan_cli_offload(capsys):
                     "--batch", "1", "--seq", "131072", "--weights", "lora", "--offload",
                     "--device-memory", "80GiB", "--host-memory", "256GiB"])
     out = capsys.readouterr().out
-    assert rc == 0 and "offload='cpu'" in out and "+ 256.00 GiB host" in out
-    row = next(line for line in out.splitlines() if line.startswith("min_memory")
-               and "32/32" in line)
-    longest = int(row.split()[-1].replace(",", ""))
+    assert rc == 0 and "offload='cpu'" in out
+    assert "host memory for offloaded tensors: 256.00 GiB (--host-memory)" in out
+    assert next(line for line in out.splitlines() if line.startswith("min_memory")
+                and "32/32" in line)  # every layer's saved tensors in host memory at S 131,072
+    row = next(line for line in out.splitlines() if line.startswith("min_memory + offload"))
+    longest = int(row.split()[-2].replace(",", ""))  # the verdict's longest S, then step s
     # 8B LoRA, 80 GiB device, 256 GiB host: the host holds 1M tokens of layer inputs
     # (32 * 8 KiB per token) and the search stops at the host cap
     assert longest >= 1_000_000
