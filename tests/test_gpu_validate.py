@@ -138,26 +138,13 @@ def test_attention_backends_rows(dry_run):
     _, out = dry_run
     text = _read(out, "quick_d_attention.txt")
     assert "CKPT_EXT_AUTOTUNE=1" in text
-    if '"--backend-rows"' in (ROOT / "bench" / "attention.py").read_text():
-        # the routing's bench: the op with each backend pinned, then its CSV and choice table
-        assert "bench/attention.py --backend-rows" in text
-        assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0: fwd [\d.]+ ms", text, re.M), text
-        for backend in ("flash", "cudnn", "efficient"):
-            assert re.search(rf"^ +{backend} Sq=16 Sk=64 q_offset=48: ", text, re.M), backend
-        assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), text
-        assert '"rules"' in text
-        return
-    assert "bench/attention_backends.py" in text
-    shapes = re.findall(r"^shape Sq/Sk (\d+)/(\d+): ops ([^,]+), (.+)$", text, re.M)
-    assert [(a, b) for a, b, *_ in shapes] == [("64", "64"), ("16", "64")], text
-    for _, _, ops_rate, rest in shapes:
-        assert ops_rate != "nan", text
-        for name in ("flash", "cudnn", "efficient", "cpu_flash"):
-            assert f"{name} " in rest
-    # the error column tells a top-left kernel from the bottom-right chunk call
-    cpu = dict((f"{a}/{b}", float(re.search(r"cpu_flash [^ ]+ \(err ([^)]+)\)", rest).group(1)))
-               for a, b, _, rest in shapes)
-    assert cpu["64/64"] < 1e-3 and cpu["16/64"] > 0.1, cpu
+    # the routing's bench: the op with each backend pinned, then its CSV and choice table
+    assert "bench/attention.py --backend-rows" in text
+    assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0: fwd [\d.]+ ms", text, re.M), text
+    for backend in ("flash", "cudnn", "efficient"):
+        assert re.search(rf"^ +{backend} Sq=16 Sk=64 q_offset=48: ", text, re.M), backend
+    assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), text
+    assert '"rules"' in text
 
 
 def test_lora_profile_every_row(dry_run):

@@ -5,8 +5,9 @@
 #   b 120  the GPU-only tests (-m gpu) and the offload CUDA tests, with xdist workers
 #   c 100  bench/long_step.py: LLaMA-3-8B dims, 4 layers, S 128K, min_memory with and without
 #          offload: peak and time, measured / modelled by ckpt_ext.plan
-#   d  60  bench/attention_backends.py: ops / flash / cuDNN / efficient at S 8K, 32K and the
-#          layer's chunk shapes (CKPT_EXT_AUTOTUNE=1 here only)
+#   d  60  bench/attention.py --backend-rows: ckpt_ext's attention op with each backend pinned
+#          (triton / flash / cuDNN / efficient) at S 32K and the layer's chunk shapes, and the
+#          choice table the times give (CKPT_EXT_AUTOTUNE=1 here only)
 #   e  60  bench/lora_profile.py: LLaMA-3-8B layer, PEFT LoRA r 16, bf16, S 4096, one profiled
 #          step per fused preset and HF's layer, top kernels
 #   f  45  bench/long_step.py: one layer at S 256K, min_memory with offload
@@ -151,7 +152,7 @@ long_model="--device cuda --dtype bfloat16 --hidden 4096 --intermediate 14336 --
 long_model="$long_model --kv-heads 8 --vocab 128256 --warmup-seq 4096"
 c_args="$long_model --layers 4 --seq ${LONG_SEQ:-131072} --setups min_memory min_memory+offload"
 f_args="$long_model --layers 1 --seq ${LAYER_SEQ:-262144} --setups min_memory+offload"
-probe_args="" d_args="" e_args="" demo_args=""
+probe_args="" e_args="" demo_args=""
 workers=""
 $py -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-8}"
 if [ "$dry" = 1 ]; then
@@ -161,8 +162,6 @@ if [ "$dry" = 1 ]; then
   probe_args="--seq 32 --head-dim 16"
   c_args="$c_args $tiny_model --layers 2 --seq 128 --warmup-seq 32"
   f_args="$f_args $tiny_model --seq 256 --warmup-seq 32"
-  d_args="--device cpu --dtype float32 --heads 4:2 --head-dim 16 --seqs 64 --chunks 16:64"
-  d_args="$d_args --warmup 0 --reps 1"
   e_args="--hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --seq 32 --lora 4"
   e_args="$e_args --warmup 0 --reps 1 --top 5"
 fi
@@ -191,18 +190,14 @@ part b 120 quick_b_gpu_tests.txt "GPU-only tests and offload CUDA tests" \
 part c 100 quick_cf_long_step.txt "LLaMA-3-8B x4, S 128K, min_memory +-offl." \
   "$py bench/long_step.py $c_args"
 att_dir=$(mktemp -d)
-if grep -q -- '"--backend-rows"' bench/attention.py; then
-  # the attention routing's own bench: ckpt_ext's op with each backend pinned (merges
-  # included) at the layer's call shapes, and the choice table the times give
-  d_script="$py bench/attention.py --backend-rows --backends triton,flash,cudnn,efficient \
-    --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 282,1056 --chunk-keys 32768 \
-    --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
-  [ "$dry" = 1 ] && d_script="$d_script --backend-shape 1,4,2,16 --backend-seqlens 64 \
-    --chunk-rows 16 --chunk-keys 64 --warmup 0 --reps 1"
-  d_script="$d_script; r=\$?; cat $att_dir/attention_backends.csv $att_dir/table.json; exit \$r"
-else
-  d_script="$py bench/attention_backends.py $d_args"
-fi
+# the attention routing's own bench: ckpt_ext's op with each backend pinned (merges included)
+# at the layer's call shapes, and the choice table the times give
+d_script="$py bench/attention.py --backend-rows --backends triton,flash,cudnn,efficient \
+  --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 282,1056 --chunk-keys 32768 \
+  --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
+[ "$dry" = 1 ] && d_script="$d_script --backend-shape 1,4,2,16 --backend-seqlens 64 \
+  --chunk-rows 16 --chunk-keys 64 --warmup 0 --reps 1"
+d_script="$d_script; r=\$?; cat $att_dir/attention_backends.csv $att_dir/table.json; exit \$r"
 part d 60 quick_d_attention.txt "attention per backend, whole and chunks" \
   "export CKPT_EXT_AUTOTUNE=1; $d_script"
 part e 60 quick_e_lora_profile.txt "LoRA profile: LLaMA-3-8B layer, r 16" \
