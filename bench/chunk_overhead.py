@@ -3,8 +3,8 @@
 One HF Llama from a config (the peak bench's defaults: H 512, I 1792, 8/2 heads, vocab 16384,
 4 layers, B 1, S 4096, fp32; the same flags as ``bench/peak.py``), patched with a fused preset
 and the fused head (``--lora``: PEFT LoRA r16 first), trained on one batch, on the CPU or a
-GPU (``--device``). The byte cap of the token chunks (``CKPT_EXT_CHUNK_BYTES``, read at every call) is
-switched between steps: ``1024GiB`` runs every layer in one chunk (the layer as it was before
+GPU (``--device``). The byte cap of the token chunks (``ckpt_ext.config``'s ``chunk_bytes``)
+is switched between steps: ``1024GiB`` runs every layer in one chunk (the layer as it was before
 the tiling), the others in chunks. Steps of the caps alternate (round robin), so a slow
 moment of the machine falls on all of them alike; the medians and each cap's ratio to the
 one-chunk median are printed with the load average before and after. The peak of each cap
@@ -45,7 +45,6 @@ def main(argv=None):
           f"heads, vocab {args.vocab}, {args.layers} layers, B 1, S {args.seq}, {args.dtype}, "
           f"{args.device}, {torch.get_num_threads()} threads; load average before "
           f"{os.getloadavg()[0]:.2f}", flush=True)
-    old = os.environ.get("CKPT_EXT_CHUNK_BYTES")
     times = {c: [] for c in args.caps}
     peaks = {}
 
@@ -54,22 +53,16 @@ def main(argv=None):
         if cuda:
             torch.cuda.synchronize()
 
-    try:
-        for cap in args.caps:                       # warm-up, and each cap's peak
-            os.environ["CKPT_EXT_CHUNK_BYTES"] = cap
+    for cap in args.caps:                           # warm-up, and each cap's peak
+        with ckpt_ext.config.patch(chunk_bytes=cap):
             step()
             peaks[cap] = ckpt_ext.peak_memory_bytes(peak_bench.step, model, ids)
-        for _ in range(args.reps):
-            for cap in args.caps:
-                os.environ["CKPT_EXT_CHUNK_BYTES"] = cap
+    for _ in range(args.reps):
+        for cap in args.caps:
+            with ckpt_ext.config.patch(chunk_bytes=cap):
                 t0 = time.perf_counter()
                 step()
                 times[cap].append(time.perf_counter() - t0)
-    finally:
-        if old is None:
-            os.environ.pop("CKPT_EXT_CHUNK_BYTES", None)
-        else:
-            os.environ["CKPT_EXT_CHUNK_BYTES"] = old
     base = statistics.median(times[args.caps[0]])
     for cap in args.caps:
         med = statistics.median(times[cap])

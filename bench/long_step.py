@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ckpt_ext  # noqa: E402
-from ckpt_ext import _C, plan  # noqa: E402
+from ckpt_ext import config, plan  # noqa: E402
 from _harness import provenance, sync  # noqa: E402
 from peak import DTYPES, add_model_args, build, step  # noqa: E402
 
@@ -111,7 +111,7 @@ def main(argv=None):
     print(f"H {args.hidden}, I {args.intermediate}, {args.heads}/{args.kv_heads} heads, vocab "
           f"{args.vocab}, {args.layers} layers, B {args.batch}, S {args.seq}, {args.dtype}, "
           f"{args.device}; layer chunk rows (plan.layer_chunk_rows at the kernels' cap) "
-          f"{plan.layer_chunk_rows(dims[0], dtype.itemsize, _C.chunk_bytes())}",
+          f"{plan.layer_chunk_rows(dims[0], dtype.itemsize, config.current().chunk_bytes)}",
           flush=True)
     times = {}
     for (preset, offload), name in zip(setups, args.setups):

@@ -151,11 +151,20 @@ def _follow_backend(old: config.KernelConfig, new: config.KernelConfig) -> None:
             _cpu_triton.pop()._destroy()
 
 
+def _follow_chunk_bytes(old: config.KernelConfig, new: config.KernelConfig) -> None:
+    """Hand the ``chunk_bytes`` setting to the C++ kernels (csrc/chunking.h)."""
+    if new.chunk_bytes != old.chunk_bytes:
+        _C.set_chunk_bytes(new.chunk_bytes)
+
+
 def register_from_environment() -> None:
-    """Called once by ``import ckpt_ext``: the CUDA registrations, and the Triton launchers
+    """Called once by ``import ckpt_ext``: the CUDA registrations, the Triton launchers
     for CPU tensors while the ``backend`` setting (read from the environment here, with the
-    other kernel settings) is "triton"."""
-    backend = config.current().backend
+    other kernel settings) is "triton", and the chunk cap handed to the C++ kernels."""
+    settings = config.current()
+    _C.set_chunk_bytes(settings.chunk_bytes)
+    config.on_change(_follow_chunk_bytes)
+    backend = settings.backend
     if torch.version.cuda is not None:  # torch built with CUDA; no device is queried
         _persistent.append(register_triton("cuda"))
         if not _C.with_cuda:

@@ -11,7 +11,7 @@ state and the per-token log-sum-exp:
                                   backward; dx and the norm weight's gradient from the norm's
 
 The chunk is sized from the byte cap that bounds every token chunk of the CPU kernels
-(``CKPT_EXT_CHUNK_BYTES``, 64 MiB by default; ``ckpt_ext._C.chunk_bytes()``): a chunk's rows in
+(``ckpt_ext.config``'s ``chunk_bytes``, 64 MiB by default): a chunk's rows in
 fp32 fit it, so y, dy and the norm's fp32 work exist one chunk at a time, and each chunk's dx
 rows are written into the result in place. The head's own logits chunks come from the same
 cap inside ``linear_cross_entropy_fwd`` / ``_bwd``. Recompute: the norm once more in backward
@@ -42,7 +42,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _C
+from . import config
 from ._checks import (_check_device_as, _check_dim, _check_floating, _check_lce_transform,
                       _check_norm_rounding, _check_rms, _check_shape, _dtype, _shape,
                       _stat_dtype)
@@ -83,7 +83,7 @@ def norm_rows_bwd(dy: Tensor, x: Tensor, weight: Tensor, eps: float, offset: flo
 def chunk_rows(hidden: Tensor) -> int:
     """Rows per chunk: the chunk's rows in fp32 (fp64 for fp64) within the byte cap."""
     row = hidden.shape[1] * max(4, hidden.element_size())
-    return max(1, _C.chunk_bytes() // max(1, row))
+    return max(1, config.current().chunk_bytes // max(1, row))
 
 
 def walks_vocabulary(T: int, V: int, head_element_size: int) -> bool:

@@ -28,7 +28,7 @@ from . import _C
 from .presets import FUSED_PRESETS
 
 __all__ = ["WEIGHT_SLOTS", "PROJECTIONS", "LAYER_ARGS", "LayerOptions", "RESIDUALS",
-           "pack_weights", "decoder_layer", "call_decoder_layer", "attention_block", "mlp_block"]
+           "pack_weights", "decoder_layer", "attention_block", "mlp_block"]
 
 _ops = torch.ops.ckpt_ext
 
@@ -157,9 +157,6 @@ def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **change
         options = LayerOptions(**changes) if options is None else options.replace(**changes)
     return _ops.decoder_layer(x, *options.op_args())
 
-
-# hf/patch.py's name for it (it passes the fields by name).
-call_decoder_layer = decoder_layer
 
 
 def attention_block(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,

@@ -6,26 +6,54 @@ selects.
 
 The environment is read once, at the first use (``import ckpt_ext`` asks for ``backend``);
 a bad value raises ValueError naming the variable and its allowed values. After that the
-settings change only through :func:`patch` (a block, or a decorated function) or
-:func:`reload` (read the environment again). Whatever depends on a setting follows it:
-the Triton launcher caches are emptied when ``autotune`` or a SwiGLU setting changes,
+settings change only through :func:`patch` (a block, or a decorated function),
+:func:`update` (until changed again) or :func:`reload` (read the environment again).
+Whatever depends on a setting follows it: the Triton launcher caches are emptied when ``autotune`` or a SwiGLU setting changes,
 the attention backward reads ``attention_dq`` at each launch (it is part of the launcher's
 cache key), ``backend`` registers or removes the Triton launchers for CPU tensors, and the
 CUDA attention reads ``attention_backend`` and ``attention_table`` at each call
 (``ckpt_ext.attention_route``).
 
-``CKPT_EXT_CHUNK_BYTES`` (the CPU kernels' chunk cap) is not a field: the C++ kernels read it
-at each call (``csrc/chunking.h``, ``ckpt_ext._C.chunk_bytes()``).
+``chunk_bytes`` (``CKPT_EXT_CHUNK_BYTES``), the byte cap of the kernels' token chunks, is
+parsed here once (:func:`parse_bytes`, the one byte parser of the package) and handed to the
+C++ kernels (``ckpt_ext._C.set_chunk_bytes``), which read it at each call; the planner
+(``ckpt_ext.plan``) reads the same field.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
+import re
 import threading
 from typing import Callable, Iterator
 
-__all__ = ["KernelConfig", "SETTINGS", "current", "patch", "reload"]
+__all__ = ["KernelConfig", "SETTINGS", "current", "patch", "update", "reload", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, what: str = "activation_budget") -> int:
+    """Bytes from an int or a string such as "20GiB", "512MB", "1.5 GiB", "4096" (KB/MB/GB/TB
+    are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; case-insensitive). ``what`` names the
+    argument in the errors (TypeError for another type, ValueError for a negative int or text
+    that is not bytes)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a string such as '20GiB', got a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what} must be non-negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be an int or a string such as '20GiB', got "
+                        f"{type(value).__name__}")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{what}: cannot read {value!r} as bytes; use an int or a number with "
+                         f"one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +82,9 @@ class KernelConfig:
     # The choice table "auto" reads: "" for the one shipped with the package, else the path
     # of a table file.
     attention_table: str = ""
+    # The byte cap of one token chunk's transient (the fused layer's working set, the LM-head
+    # loss's logits, the CPU SwiGLU backward): a positive number of bytes, at most 1 TiB.
+    chunk_bytes: int = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +106,10 @@ class Setting:
         return self.values[text]
 
     def check(self, value):
-        """A value given to :func:`patch`: one of the field's values (bools only for a bool
-        field, so that 0 / 1 are not taken for False / True)."""
+        """A value given to :func:`patch`, as the field holds it: one of the field's values
+        (bools only for a bool field, so that 0 / 1 are not taken for False / True), or what
+        ``free`` makes of it."""
         if self.values is None:
-            if not isinstance(value, str):
-                raise ValueError(f"ckpt_ext.config: {self.field} ({self.env}) must be a str, "
-                                 f"got {value!r}")
             return self.free(f"ckpt_ext.config: {self.field} ({self.env})", value)
         allowed = list(self.values.values())
         if not any(type(value) is type(a) and value == a for a in allowed):
@@ -96,10 +125,31 @@ class Setting:
 def _table_path(name: str, text: str) -> str:
     """The attention_table setting: "" (the shipped table) or the path of an existing file
     (its contents are checked when attention first reads it)."""
+    if not isinstance(text, str):  # the settings' errors are ValueErrors
+        raise ValueError(f"{name} must be a str, got {text!r}")  # noqa: TRY004
     if text and not os.path.isfile(text):
         raise ValueError(f"{name} must be '' (the shipped table) or the path of an existing "
                          f"file, got {text!r}")
     return text
+
+
+_MAX_CHUNK_BYTES = 1 << 40
+
+
+def _byte_cap(name: str, value) -> int:
+    """The chunk_bytes setting: an int or a string :func:`parse_bytes` reads ("16777216",
+    "16MiB", "64 MB", "1.5GiB"), positive and at most 1 TiB; "" is the default (an empty
+    variable is unset)."""
+    if value == "":
+        return KernelConfig.chunk_bytes
+    try:
+        n = parse_bytes(value, name)
+    except (TypeError, ValueError):
+        n = 0
+    if not 0 < n <= _MAX_CHUNK_BYTES:
+        raise ValueError(f"{name} must be a positive number of bytes (e.g. 16777216 or 16MiB, "
+                         f"at most 1 TiB), got {value!r}")
+    return n
 
 
 SETTINGS = {s.field: s for s in (
@@ -113,6 +163,7 @@ SETTINGS = {s.field: s for s in (
     Setting("attention_backend", "CKPT_EXT_ATTN_BACKEND",
             {b: b for b in ("auto", "triton", "flash", "cudnn", "efficient")}),
     Setting("attention_table", "CKPT_EXT_ATTN_TABLE", None, _table_path),
+    Setting("chunk_bytes", "CKPT_EXT_CHUNK_BYTES", None, _byte_cap),
 )}
 
 _lock = threading.RLock()
@@ -172,12 +223,12 @@ def _set(new: KernelConfig) -> None:
 
 
 def _validated(changes: dict) -> dict:
-    for name, value in changes.items():
+    """The changes checked, as the fields hold them."""
+    for name in changes:
         if name not in SETTINGS:
             raise TypeError(f"ckpt_ext.config: no setting named {name!r}; the settings are "
                             f"{', '.join(SETTINGS)}")
-        SETTINGS[name].check(value)
-    return changes
+    return {name: SETTINGS[name].check(value) for name, value in changes.items()}
 
 
 @contextlib.contextmanager
@@ -191,7 +242,7 @@ def patch(**changes) -> Iterator[KernelConfig]:
     checked as the environment's are (ValueError naming the variable and its values); an
     unknown name is a TypeError. Yields the settings in effect inside the block. The settings
     are process-wide (as the environment is), not per thread."""
-    _validated(changes)
+    changes = _validated(changes)
     with _lock:
         before = current()
         _set(dataclasses.replace(before, **changes))
@@ -199,6 +250,15 @@ def patch(**changes) -> Iterator[KernelConfig]:
         yield current()
     finally:
         _set(before)
+
+
+def update(**changes) -> KernelConfig:
+    """Change settings until they are changed again (checked as :func:`patch` checks them):
+    for a script or a test that sets one for the rest of its run. Returns the settings."""
+    changes = _validated(changes)
+    with _lock:
+        _set(dataclasses.replace(current(), **changes))
+        return current()
 
 
 def reload() -> KernelConfig:

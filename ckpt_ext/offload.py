@@ -21,7 +21,7 @@ residuals for backward. With ``offload="cpu"`` (``ckpt_ext.modules.DecoderLayer`
   layer's backward, or when a graph is dropped, e.g. after an exception) and are reused by the
   next step; ``limit`` caps the host bytes in use at once, by whole layer calls: a layer
   whose saved tensors (counted from the op's fakes before it runs) would pass it keeps them all
-  on the device, as ``ckpt_ext.plan.offload_split`` counts it.
+  on the device (:func:`admits`, the rule ``ckpt_ext.plan.offload_split`` reads too).
 
 On a CPU-only machine the same code runs with the CPU as the "device": the host pool and the
 device pool are separate allocations and the copies are synchronous.
@@ -38,11 +38,20 @@ from torch import Tensor
 
 from . import _checks
 
-__all__ = ["Offloader", "resolve", "offloaded", "default_offloader", "OFFLOAD_TARGETS"]
+__all__ = ["Offloader", "resolve", "offloaded", "default_offloader", "admits",
+           "OFFLOAD_TARGETS"]
 
 OFFLOAD_TARGETS = ("cpu",)
 _KEYS = itertools.count()
 _ALIGN = 256  # bytes; each tensor's start in a device slot
+
+
+def admits(in_use: int, nbytes: int, limit: int | None) -> bool:
+    """The offload limit's rule: a layer call's saved tensors (``nbytes``) go to host memory
+    when the host bytes already in use plus theirs stay within ``limit`` (None: no cap);
+    otherwise the call keeps all of them on the device. The one definition: the
+    :class:`Offloader` applies it per call, ``ckpt_ext.plan.offload_split`` layer by layer."""
+    return limit is None or in_use + nbytes <= limit
 
 
 def _dense(t: Tensor) -> bool:
@@ -189,11 +198,11 @@ class Offloader:
         nbytes = src.numel() * src.element_size()
         cuda = src.is_cuda
         with self._lock:
-            if not group.entries and group.expected is not None and self.limit is not None \
-                    and self._host_in_use + group.expected > self.limit:
+            if not group.entries and group.expected is not None and \
+                    not admits(self._host_in_use, group.expected, self.limit):
                 group.full = True  # the whole layer call stays on the device
                 return t
-            if self.limit is not None and self._host_in_use + nbytes > self.limit:
+            if not admits(self._host_in_use, nbytes, self.limit):
                 group.full = True
                 return t
             buf = self._take_host(nbytes, cuda)
@@ -368,24 +377,18 @@ def resolve(offload, offload_limit=None, what: str = "offload", *,
         raise ValueError(f"{what} must be None, 'cpu' (host memory) or a "
                          f"ckpt_ext.offload.Offloader; got {offload!r}")
     if offload_limit is not None:
-        from .plan import parse_bytes
+        from .config import parse_bytes
         offload_limit = parse_bytes(offload_limit, f"{what}_limit")
         return Offloader(offload_limit)
     return default_offloader() if shared else Offloader()
 
 
-def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tensor],
-              options=None, /, **fields):
-    """``fn(x, options)`` (a fused layer call: ``options`` a ``blocks.LayerOptions``, or its
-    fields by name) with its saved tensors offloaded by ``offloader``; ``keep``: tensors that
-    must stay (weights, shared inputs). Without grad, or with no offloader, a plain call.
-    Under torch.compile the tensors stay on the device (one warning); during CUDA graph
-    capture offloading is refused."""
-    if options is None:
-        from .blocks import LayerOptions
-        options = LayerOptions(**fields)
-    elif fields:
-        options = options.replace(**fields)
+def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tensor], options):
+    """``fn(x, options)`` (a fused layer call: ``options`` a ``blocks.LayerOptions``, e.g. a
+    ``LayerRecord.options(...)``) with its saved tensors offloaded by ``offloader``; ``keep``:
+    tensors that must stay (weights, shared inputs). Without grad, or with no offloader, a
+    plain call. Under torch.compile the tensors stay on the device (one warning); during CUDA
+    graph capture offloading is refused."""
     if offloader is None or not torch.is_grad_enabled():
         return fn(x, options)
     if torch.compiler.is_compiling():
@@ -402,13 +405,23 @@ def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tens
 
 def _layer_saved_bytes(x: Tensor, options) -> int:
     """The bytes a decoder_layer call with these arguments (a ``blocks.LayerOptions``) saves
-    besides its shared inputs: x and the preset's residuals, shaped by the op's fakes on the
-    meta device (nothing is allocated), with the autocast dtype as the compute dtype when
-    autocast is on."""
-    from .blocks import RESIDUALS, _residual
+    besides its shared inputs: B*S times ``presets.per_token_bytes`` of its part and preset
+    (x and the residuals the engine keeps), at the shapes its weights give, with the autocast
+    dtype as the compute dtype when autocast is on."""
+    from .blocks import _SLOT_INDEX
+    from .presets import per_token_bytes
     a = options
-    if a.compute_dtype is None and torch.is_autocast_enabled(x.device.type):
-        a = a.replace(compute_dtype=torch.get_autocast_dtype(x.device.type))
-    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-    saved = [meta] + [_residual(n, meta, a) for n in RESIDUALS[a.part, a.preset]]
-    return sum(t.numel() * t.element_size() for t in saved)
+    compute = a.compute_dtype
+    if compute is None and torch.is_autocast_enabled(x.device.type):
+        compute = torch.get_autocast_dtype(x.device.type)
+
+    def rows(slot: str) -> int:
+        w = a.weights[_SLOT_INDEX[slot]]
+        return 0 if w is None else w.shape[0]
+    heads = a.num_heads
+    kv_heads = heads if a.num_kv_heads is None else a.num_kv_heads
+    D = rows("self_attn.q_proj.weight") // heads if heads else 0
+    b, s, H = x.shape
+    return b * s * per_token_bytes(a.preset, H=H, Hq=heads, Hkv=kv_heads, D=D,
+                                   I=rows("mlp.gate_proj.weight"), dtype=x.dtype,
+                                   compute_dtype=compute, part=a.part)

@@ -57,34 +57,35 @@ each projection's input, and HF's loss keeps fp32 gradients of the logits; the t
 model within 10% of every measured peak there.
 
 Sums are Python ints: at absurd sizes (S 1e14) they pass 2**63, where int64 wraps silently.
-The CLI bounds its inputs (S up to 2**32, B up to 2**20, bytes up to 1 EiB) with a usage error.
+
+The planner reads layer shapes (``ckpt_ext.layer_record.LayerDims``) and nothing of the HF
+integration; the engine's own numbers it reads from the engine: the chunk rows
+(``ckpt_ext._C.layer_chunk_rows``), the residual layout (``presets.per_token_bytes``), the
+offload rule (``ckpt_ext.offload.admits``) and the chunk cap (``ckpt_ext.config``).
 
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
 [--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]``
-(``--help`` says what each means).
+(``--help`` says what each means; ``ckpt_ext.plan_cli``, which reads HF configs).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import operator
-import os
-import re
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _C
+from . import _C, config, offload
 from ._normed_head import walks_vocabulary
-from .presets import FUSED_PRESETS, per_token_bytes
+from .config import parse_bytes
+from .layer_record import LayerDims
+from .presets import per_token_bytes
 
-__all__ = ["LayerDims", "layer_dims_from_config", "parse_bytes", "format_bytes",
+__all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
            "StepPeak", "model_state_bytes", "longest_sequence", "OffloadPeak",
            "offload_device_bytes", "offload_split", "offload_step_peak",
-           "longest_sequence_offload", "main"]
+           "longest_sequence_offload"]
 
 Budget = Union[int, str]
 
@@ -94,125 +95,7 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 _CHOICES = ("fast", "balanced", "min_memory")
 
 
-@dataclass(frozen=True)
-class LayerDims:
-    """The shape of one decoder layer: H, Hq, Hkv, D, I, and whether the family norms the
-    attention's / the MLP's output before the residual add (module docstring)."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    attention_output_norm: bool = False
-    mlp_output_norm: bool = False
-
-    def __post_init__(self):
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LayerDims: {name} must be a positive int, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"LayerDims: num_kv_heads must divide num_heads={self.num_heads}, "
-                             f"got {self.num_kv_heads}")
-
-    def kwargs(self) -> dict:
-        """The keyword arguments of ``presets.per_token_bytes``."""
-        return dict(H=self.hidden_size, Hq=self.num_heads, Hkv=self.num_kv_heads,
-                    D=self.head_dim, I=self.intermediate_size)
-
-    @classmethod
-    def from_hf_layer(cls, layer, num_heads: int, family=None) -> "LayerDims":
-        """From an HF Llama-family decoder layer (``self_attn.q_proj/k_proj``, ``mlp.gate_proj``)
-        and its number of query heads, read off the projection shapes (Phi-3's fused qkv_proj,
-        Phi-3's and GLM's fused gate_up_proj: their row blocks); ``family``
-        (``ckpt_ext.hf.families``, LLaMA's when None) says which output norms it may have, and
-        the layer whether they are there (an nn.Identity in a norm's place is none)."""
-        from .hf.families import LLAMA, layer_norms
-        norms = layer_norms(layer, family or LLAMA)
-        out_norms = dict(attention_output_norm="attention_output_norm" in norms,
-                         mlp_output_norm="mlp_output_norm" in norms)
-        attn, mlp = layer.self_attn, layer.mlp
-        inter = (mlp.gate_up_proj.out_features // 2 if "gate_up_proj" in mlp._modules
-                 else mlp.gate_proj.out_features)
-        if "qkv_proj" in attn._modules:
-            qkv, head_dim = attn.qkv_proj, int(attn.head_dim)
-            return cls(qkv.in_features, num_heads, (qkv.out_features // head_dim - num_heads) // 2,
-                       head_dim, inter, **out_norms)
-        q, k = attn.q_proj, attn.k_proj
-        head_dim = q.out_features // num_heads
-        return cls(q.in_features, num_heads, k.out_features // head_dim, head_dim, inter,
-                   **out_norms)
-
-
-def _config_value(config, name, default=None):
-    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name,
-                                                                               default)
-    return default if value is None else value
-
-
-def layer_dims_from_config(config) -> list:
-    """One LayerDims per decoder layer of an HF config (object or dict): hidden_size,
-    num_attention_heads, num_key_value_heads (default: the heads), head_dim (default
-    hidden_size // heads), intermediate_size, num_hidden_layers."""
-    missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size",
-                           "num_hidden_layers") if _config_value(config, n) is None]
-    if missing:
-        raise ValueError(f"config: missing {', '.join(missing)}")
-    def integer(name, default=None):
-        value = _config_value(config, name, default)
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            return operator.index(value)
-        except TypeError:
-            raise ValueError(f"config: {name} must be an int, got {value!r}") from None
-
-    H = integer("hidden_size")
-    heads = integer("num_attention_heads")
-    if heads <= 0:
-        raise ValueError(f"config: num_attention_heads must be a positive int, got {heads}")
-    kv = integer("num_key_value_heads", heads)
-    D = integer("head_dim", H // heads)
-    from .hf.families import FAMILIES, LLAMA
-    family = FAMILIES.get(_config_value(config, "model_type"), LLAMA)
-    flag = family.output_norms_flag  # HyperCLOVA X's use_post_norm
-    out_norms = flag is None or _config_value(config, flag, True) is not False
-    dims = LayerDims(H, heads, kv, D, integer("intermediate_size"),
-                     attention_output_norm=out_norms and "attention_output_norm" in family.norms,
-                     mlp_output_norm=out_norms and "mlp_output_norm" in family.norms)
-    layers = integer("num_hidden_layers")
-    if layers <= 0:
-        raise ValueError(f"config: num_hidden_layers must be a positive int, got {layers}")
-    return [dims] * layers
-
-
 # ---- bytes ---------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: Budget, what: str = "activation_budget") -> int:
-    """Bytes from an int or a string such as "20GiB", "512MB", "1.5 GiB", "4096" (KB/MB/GB/TB
-    are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; case-insensitive)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int or a string such as '20GiB', got a bool")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} must be non-negative, got {value}")
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be an int or a string such as '20GiB', got "
-                        f"{type(value).__name__}")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{what}: cannot read {value!r} as bytes; use an int or a number with "
-                         f"one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
 def format_bytes(n: int) -> str:
     """Bytes in binary units with 2 decimals: "20.00 GiB"."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -256,11 +139,10 @@ class StepPeak:
 
 
 def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int) -> int:
-    """Tokens per chunk of a fused decoder layer (csrc/layer_math.cpp ``layer_chunk_rows``):
-    the byte cap over the chunk's per-token working set, the attention's q, out, dout and dq
-    (4 Hq D) and the MLP's three (rows, I) tensors, at the compute width (float32 at least)."""
-    width = 4 * d.num_heads * d.head_dim + 3 * d.intermediate_size
-    return max(1, chunk_bytes // (width * max(4, e)))
+    """Tokens per chunk of a fused decoder layer at element size ``e`` and byte cap
+    ``chunk_bytes``: the engine's own rule (csrc/chunking.h ``layer_chunk_rows``, through
+    ``ckpt_ext._C``)."""
+    return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes)
 
 
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
@@ -278,7 +160,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     top layer's and the head's weight gradients exist as new tensors before they are added
     to ``.grad``); False for LoRA on a frozen base (the adapters' gradients are negligible).
     ``chunk_bytes``: the byte cap of the token chunks, by default the one the kernels read
-    (``CKPT_EXT_CHUNK_BYTES``, 64 MiB unless set).
+    (``ckpt_ext.config``'s ``chunk_bytes``, 64 MiB unless set).
 
     The peak is the larger of two moments (T = B*S tokens, e the element size, Q = Hq*D,
     K = Hkv*D):
@@ -330,7 +212,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     e = _dtype(dtype).itemsize
     T = B * S
     if chunk_bytes is None:
-        chunk_bytes = _C.chunk_bytes()
+        chunk_bytes = config.current().chunk_bytes
     d = max(layers, key=lambda x: x.hidden_size * x.intermediate_size)
     H, Hq, D, I = d.hidden_size, d.num_heads, d.head_dim, d.intermediate_size
     Q, K = Hq * D, d.num_kv_heads * D
@@ -388,7 +270,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         phase = "top layer backward (HF's layer re-run)"
     else:
         # The MLP walks token chunks of the cap (three (rows, I) tensors at the compute width)
-        mlp_rows = min(T, max(1, chunk_bytes // (3 * max(4, e) * I)))
+        mlp_rows = min(T, _C.mlp_chunk_rows(I, e, chunk_bytes))
         if path == "cpu":   # (rows, I) fp32 buffers within the cap: six, or four with the
             n = 4 if preset == "fast" else 6        # gate/up that fast saves
             swiglu = n * 4 * I * min(T, max(1, chunk_bytes // (n * 4 * I)))
@@ -530,25 +412,35 @@ def offload_device_bytes(layers: Sequence[LayerDims], presets: Sequence[str], B:
                          dtype, prefetch: int = 1) -> int:
     """The device prefetch pool: ``prefetch + 1`` slots (the layer running backward and the
     ones being copied back), each as large as the largest layer's saved bytes."""
-    sizes = sorted((layer_bytes(p, x, B, S, dtype) for p, x in zip(presets, layers)),
-                   reverse=True)
-    return sum(sizes[:prefetch + 1])
+    return _pool([layer_bytes(p, x, B, S, dtype) for p, x in zip(presets, layers)], prefetch)
+
+
+def _pool(sizes, prefetch: int) -> int:
+    """The prefetch pool of layers saving ``sizes`` bytes: the prefetch + 1 largest."""
+    return sum(sorted(sizes, reverse=True)[:prefetch + 1])
+
+
+def _offload_split(layers, presets, B, S, dtype, host_limit):
+    """(the saved bytes of the layers offloaded, host bytes, device bytes kept), in forward
+    order by the offloader's rule (``ckpt_ext.offload.admits``)."""
+    moved, host, kept = [], 0, 0
+    for p, x in zip(presets, layers):
+        b = layer_bytes(p, x, B, S, dtype)
+        if offload.admits(host, b, host_limit):
+            moved.append(b)
+            host += b
+        else:
+            kept += b
+    return moved, host, kept
 
 
 def offload_split(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S: int, dtype,
                   host_limit: Optional[int] = None):
-    """(layers offloaded, host bytes, device bytes kept): the layers, in forward order, move to
-    host memory while the host total stays within ``host_limit``; the rest stay (as the
-    offloader does with ``offload_limit``)."""
-    host = kept = n = 0
-    full = False
-    for p, x in zip(presets, layers):
-        b = layer_bytes(p, x, B, S, dtype)
-        if not full and (host_limit is None or host + b <= host_limit):
-            host, n = host + b, n + 1
-        else:
-            full, kept = True, kept + b
-    return n, host, kept
+    """(layers offloaded, host bytes, device bytes kept): each layer, in forward order, moves
+    to host memory when the host total stays within ``host_limit``, else stays on the device
+    (the offloader's rule with ``offload_limit``, ``ckpt_ext.offload.admits``)."""
+    moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit)
+    return len(moved), host, kept
 
 
 def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
@@ -563,9 +455,9 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
     layers = list(layers)
     presets = [setup] * len(layers)
     base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights)
-    n, host, kept = offload_split(layers, presets, B, S, dtype, host_limit)
-    pool = offload_device_bytes(layers[:n], presets[:n], B, S, dtype, prefetch) if n else 0
-    return OffloadPeak(base.peak - host + pool, host, n, kept, pool)
+    moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit)
+    pool = _pool(moved, prefetch)
+    return OffloadPeak(base.peak - host + pool, host, len(moved), kept, pool)
 
 
 def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
@@ -739,469 +631,6 @@ def choose_presets(layers: Sequence[LayerDims], B: int, S: int, dtype,
     return chosen[::-1]
 
 
-# ---- CLI -----------------------------------------------------------------------------------
-# Bounds of the CLI's inputs: far past any real run (a billion-token sequence, an exabyte), and
-# what keeps every figure printable.
-_MAX = {"seq": 1 << 32, "batch": 1 << 20, "dim": 1 << 24, "layers": 1 << 16,
-        "vocab": 1 << 32, "shard": 1 << 20, "gpus": 1 << 10}
-_MAX_BYTES = 1 << 60
-
-
-def _hf_hub_cache() -> str:
-    """The local Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else
-    ~/.cache/huggingface/hub (read at each call)."""
-    return os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                  "huggingface"), "hub")
-
-
-def _hf_cache_config(model_id: str) -> Optional[str]:
-    """The cached config.json of ``model_id`` (its ``main`` revision) in the local Hugging Face
-    cache, or None; nothing is downloaded."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        try_to_load_from_cache = None
-    if try_to_load_from_cache is not None:
-        try:
-            found = try_to_load_from_cache(model_id, "config.json", cache_dir=_hf_hub_cache())
-        except Exception:    # a malformed id: not in the cache
-            return None
-        return found if isinstance(found, str) else None
-    repo = os.path.join(_hf_hub_cache(), "models--" + model_id.replace("/", "--"))
-    try:
-        with open(os.path.join(repo, "refs", "main")) as f:
-            path = os.path.join(repo, "snapshots", f.read().strip(), "config.json")
-    except OSError:
-        return None
-    return path if os.path.isfile(path) else None
-
-
-def _read_config(path: str) -> dict:
-    """The config at ``path`` (a config.json, a model directory, or the id of a model in the
-    local Hugging Face cache); ValueError naming the file when it cannot be found or read or
-    is not a JSON object."""
-    if not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
-        cached = _hf_cache_config(path)
-        if cached is None:
-            raise ValueError(
-                f"{path!r} is neither a file nor a model in the local Hugging Face cache "
-                f"(HF_HUB_CACHE); fetch its config with `hf download {path} config.json`, or "
-                f"give a config.json path")
-        path = cached
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if isinstance(config, dict) and "hidden_size" not in config:
-        config = config.get("text_config", config)
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object (an HF config), got "
-                         f"{type(config).__name__}")
-    return config
-
-
-def _bounded_int(limit: int):
-    """argparse type: an int in [1, limit] (argparse names the option in its error)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
-        if value > limit:
-            raise argparse.ArgumentTypeError(f"must be at most {limit:,}, got {text}")
-        return value
-    parse.__name__ = "int"
-    return parse
-
-
-_positive_int = _bounded_int(_MAX["dim"])
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not 0 < value < 1e9:
-        raise argparse.ArgumentTypeError(f"must be a positive number below 1e9, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
-    return value
-
-
-def _table(rows, header):
-    cells = [header] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in
-                               enumerate(zip(r, widths))).rstrip() for r in cells)
-
-
-def _tflop(n: int) -> str:
-    return f"{n / 1e12:.3f}"
-
-
-def host_ram_bytes() -> Optional[int]:
-    """This machine's physical memory (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-_WEIGHTS_HELP = (
-    "what the device holds besides the step (with --device-memory): 'full' (default), a full "
-    "fine-tune: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes a "
-    "parameter (Trainer(bf16=True) / autocast), about 120 GiB for an 8B model, so it needs "
-    "--shard on an 80 GB GPU; 'lora', a frozen base in --dtype (2 bytes a parameter in bf16) "
-    "plus rank-16 adapters on every projection trained in fp32 with AdamW (PEFT's default)")
-
-_EPILOG = """\
-Will my run fit? Give the model, --batch, --seq and --device-memory (and --weights lora for
-LoRA). For each setup it prints "fits" or "does not fit" at the S asked, the longest S that
-fits, and an estimated step time. The device memory a plan keeps free: --cuda-context (1 GiB:
-the CUDA context, cuBLAS workspaces and loaded kernels) plus --fragmentation (5%% of the
-device: the caching allocator's reserved-but-unused blocks); the H100 capacity search in
-bench/results/gpu_h100_2026-11-24/ bracketed the real figure between 2.0 and 9.0 GiB on an
-80 GB card. An H100 "80GB" has 81559MiB (79.6 GiB). Step times are ESTIMATES: FLOPs (matmuls
-and attention, forward, backward, recompute) at H100 rates, --attention-fwd-tflops 350 and
---attention-bwd-tflops 170 (the Triton attention kernels ran 329-372 and 151-180 TFLOP/s) and
---matmul-tflops 400 (the LM head's GEMMs ran about 410); memory-bound work and the optimizer
-step are left out. On the H100 they came to 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps.
-
-examples:
-  python -m ckpt_ext.plan meta-llama/Llama-3.1-8B --batch 1 --seq 131072 \\
-      --device-memory 80GiB --weights lora --offload --host-memory 200GiB
-  python -m ckpt_ext.plan config.json --batch 1 --seq 8192 --device-memory 80GiB --shard 8
-"""
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m ckpt_ext.plan", epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Saved-activation bytes of each ckpt_ext preset, recompute FLOPs, the LM "
-                    "head with and without the fused loss, the step's peak memory, whether a "
-                    "step fits a device, and the 'auto' choice for a budget.")
-    ap.add_argument("config", nargs="?",
-                    help="an HF config.json, a model directory, or a model id in the local "
-                         "Hugging Face cache (e.g. meta-llama/Llama-3.1-8B; nothing is "
-                         "downloaded); or give the dimensions below")
-    dim = _positive_int
-    ap.add_argument("--hidden-size", type=dim)
-    ap.add_argument("--heads", type=dim, help="num_attention_heads")
-    ap.add_argument("--kv-heads", type=dim, help="num_key_value_heads (default: --heads)")
-    ap.add_argument("--head-dim", type=dim, help="default hidden_size // heads")
-    ap.add_argument("--intermediate-size", type=dim)
-    ap.add_argument("--layers", type=_bounded_int(_MAX["layers"]), help="num_hidden_layers")
-    ap.add_argument("--vocab-size", type=_bounded_int(_MAX["vocab"]))
-    ap.add_argument("--batch", type=_bounded_int(_MAX["batch"]), required=True,
-                    help="sequences per step on one GPU")
-    ap.add_argument("--seq", type=_bounded_int(_MAX["seq"]), required=True,
-                    help="tokens per sequence, S")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
-    ap.add_argument("--budget", help="bytes for the decoder layers' saved activations, e.g. "
-                                     "20GiB or 512MB: prints the 'auto' choice")
-    ap.add_argument("--device-memory", help="one GPU's memory, e.g. 80GiB or 81559MiB: prints "
-                                            "per setup whether the step fits at --seq, and the "
-                                            "longest S that fits")
-    ap.add_argument("--weights", choices=("full", "lora"), default="full", help=_WEIGHTS_HELP)
-    ap.add_argument("--shard", type=_bounded_int(_MAX["shard"]), default=1,
-                    help="the sharding degree of FSDP / ZeRO-3 (default 1: none): the model "
-                         "state per GPU is 1/N of it plus two gathered units (a layer or the "
-                         "head) in --dtype")
-    ap.add_argument("--path", choices=_PATHS, default="cuda",
-                    help="whose transients the peak model counts: the Triton kernels (cuda) or "
-                         "the ATen kernels (cpu)")
-    ap.add_argument("--offload", action="store_true",
-                    help="also plan each fused preset with offload='cpu' (saved layer tensors "
-                         "in host memory): device peak, host bytes, fits or not")
-    ap.add_argument("--host-memory", help="with --offload: host memory for one GPU's saved "
-                                          "tensors (offload_limit), e.g. 200GiB; default this "
-                                          "machine's RAM / --gpus-per-node")
-    ap.add_argument("--gpus-per-node", type=_bounded_int(_MAX["gpus"]), default=1,
-                    help="GPUs sharing one host's RAM (default 1): divides the default "
-                         "--host-memory")
-    ap.add_argument("--cuda-context", default="1GiB",
-                    help="device memory kept for the CUDA context (default 1GiB)")
-    ap.add_argument("--fragmentation", type=_fraction, default=FRAGMENTATION,
-                    help="fraction of the device memory kept for the allocator's "
-                         "fragmentation (default 0.05)")
-    ap.add_argument("--attention-fwd-tflops", type=_positive_float,
-                    default=ATTENTION_FWD_TFLOPS, help="attention forward rate for the step "
-                    "time estimate (default 350: the Triton kernel on an H100)")
-    ap.add_argument("--attention-bwd-tflops", type=_positive_float,
-                    default=ATTENTION_BWD_TFLOPS, help="attention backward rate (default 170: "
-                    "the Triton kernel on an H100)")
-    ap.add_argument("--matmul-tflops", type=_positive_float, default=MATMUL_TFLOPS,
-                    help="matmul rate for the step time estimate (default 400, an H100)")
-    return ap
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = _parser()
-    args = ap.parse_args(argv)
-    if args.host_memory is not None and not args.offload:
-        ap.error("argument --host-memory: applies with --offload only")
-    for name in ("budget", "device_memory", "host_memory", "cuda_context"):
-        if getattr(args, name) is not None:
-            flag = f"argument --{name.replace('_', '-')}"
-            try:
-                value = parse_bytes(getattr(args, name), flag)
-            except (TypeError, ValueError) as e:
-                ap.error(str(e))
-            if value > _MAX_BYTES:
-                ap.error(f"{flag}: must be at most 1 EiB ({_MAX_BYTES:,} bytes), got "
-                         f"{getattr(args, name)!r}")
-            setattr(args, name, value)
-
-    if args.offload:
-        try:
-            _host_memory(args)
-        except ValueError as e:
-            ap.error(str(e))
-    try:
-        config = _read_config(args.config) if args.config else {}
-    except ValueError as e:
-        ap.error(f"argument config: {e}")
-    for key, arg in (("hidden_size", "hidden_size"), ("num_attention_heads", "heads"),
-                     ("num_key_value_heads", "kv_heads"), ("head_dim", "head_dim"),
-                     ("intermediate_size", "intermediate_size"),
-                     ("num_hidden_layers", "layers"), ("vocab_size", "vocab_size")):
-        if getattr(args, arg) is not None:
-            config[key] = getattr(args, arg)
-    try:
-        layers = layer_dims_from_config(config)
-    except ValueError as e:
-        ap.error(f"{e} (give a config.json or --hidden-size/--heads/--intermediate-size/"
-                 f"--layers)")
-    if "vocab_size" not in config:
-        ap.error("missing vocab_size (in the config or --vocab-size)")
-    V = config["vocab_size"]
-    if isinstance(V, bool) or not isinstance(V, int) or V < 1:
-        ap.error(f"vocab_size must be a positive int (in the config or --vocab-size), got {V!r}")
-    for name, value, limit in (("hidden_size", layers[0].hidden_size, _MAX["dim"]),
-                               ("intermediate_size", layers[0].intermediate_size, _MAX["dim"]),
-                               ("num_attention_heads", layers[0].num_heads, _MAX["dim"]),
-                               ("head_dim", layers[0].head_dim, _MAX["dim"]),
-                               ("num_hidden_layers", len(layers), _MAX["layers"]),
-                               ("vocab_size", V, _MAX["vocab"])):
-        if value > limit:
-            ap.error(f"config: {name} must be at most {limit:,}, got {value:,}")
-    B, S, dtype = args.batch, args.seq, _DTYPES[args.dtype]
-    d = layers[0]
-    L, T = len(layers), B * S
-    head_hf = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=False)
-    head_fused = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=True)
-    print(f"{L} layers, H {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads}, head_dim "
-          f"{d.head_dim}, I {d.intermediate_size}, V {V}; B {B}, S {S:,} ({T:,} tokens), "
-          f"{str(dtype).replace('torch.', '')}")
-    rows = []
-    for preset in ("fast", "balanced", "min_memory", "torch"):
-        ptb = sum(per_token_bytes(preset, dtype=dtype, **x.kwargs()) for x in layers)
-        model = B * S * ptb
-        flops = sum(recompute_flops(preset, x, B, S) for x in layers)
-        rows.append([preset, f"{ptb // L:,}", format_bytes(model // L), format_bytes(model),
-                     format_bytes(model + head_hf), format_bytes(model + head_fused),
-                     _tflop(flops // L), _tflop(flops)])
-    print(_table(rows, ["preset", "B/token/layer", "per layer", "layers", "+ HF head",
-                        "+ fused head", "recompute TFLOP/layer", "recompute TFLOP"]))
-    e = dtype.itemsize
-    print(f"LM head + loss, saved for backward: HF {format_bytes(head_hf)} (per token: hidden "
-          f"{e}*H + fp32 log-softmax 4*V + labels 8 = {e * d.hidden_size + 4 * V + 8:,} B; "
-          f"it also returns the {T:,} x {V:,} logits, {format_bytes(T * V * e)}); fused "
-          f"{format_bytes(head_fused)} (hidden + labels + fp32 lse = "
-          f"{e * d.hidden_size + 12:,} B/token)")
-    print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
-          "'torch' is listed for comparison and never chosen by 'auto'")
-    print()
-    _print_steps(args, layers, V, B, S, dtype)
-    if args.offload:
-        print()
-        _print_offload(args, layers, V, B, S, dtype)
-    if args.device_memory is not None:
-        print()
-        _print_verdict(args, layers, V, B, S, dtype)
-    if args.budget is not None:
-        print()
-        try:
-            chosen = choose_presets(layers, B, S, dtype, args.budget)
-        except ValueError as err:
-            print(f"auto: {err}", file=sys.stderr)
-            return 2
-        used = sum(layer_bytes(p, x, B, S, dtype) for p, x in zip(chosen, layers))
-        flops = sum(recompute_flops(p, x, B, S) for p, x in zip(chosen, layers))
-        counts = ", ".join(f"{chosen.count(p)} x {p}" for p in FUSED_PRESETS if p in chosen)
-        print(f"auto for a budget of {format_bytes(args.budget)}: {counts}; "
-              f"layers keep {format_bytes(used)} ({format_bytes(used + head_fused)} with the "
-              f"fused head), recompute {_tflop(flops)} TFLOP")
-        print("per layer: " + " ".join(p for p in chosen))
-    return 0
-
-
-_SETUP_NAMES = {"hf_gc": "HF checkpointing, HF head", "hf_gc+fused": "HF checkpointing, fused loss",
-                "fast": "fast", "balanced": "balanced", "min_memory": "min_memory"}
-
-
-def _weights_words(args) -> str:
-    words = "full fine-tune" if args.weights == "full" else "LoRA"
-    return words + (f", sharded {args.shard} ways" if args.shard > 1 else "")
-
-
-def _print_steps(args, layers, V, B, S, dtype) -> None:
-    """The step table: saved bytes and peak per setup."""
-    train = args.weights == "full"
-    header = [f"step ({_weights_words(args)}, {args.path} path)", "saved", "peak",
-              "peak KiB/token", "peak is in"]
-    rows = []
-    for setup in PEAK_SETUPS:
-        p = step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train)
-        rows.append([_SETUP_NAMES[setup], format_bytes(p.saved), format_bytes(p.peak),
-                     f"{p.peak / (B * S) / 1024:,.1f}", p.phase])
-    print(_table(rows, header))
-    print("peak: the most a training step allocates at once above its start, gradients of an "
-          "earlier step present (ckpt_ext.plan.step_peak); the fused presets use the fused "
-          "head and final norm")
-
-
-def _host_memory(args):
-    """(host bytes for one GPU's offloaded tensors, how it was chosen)."""
-    if args.host_memory is not None:
-        return args.host_memory, "--host-memory"
-    ram = host_ram_bytes()
-    if ram is None:
-        raise ValueError("argument --host-memory: this OS does not report its RAM; give "
-                         "--host-memory (offload never assumes unlimited host memory)")
-    return ram // args.gpus_per_node, (f"this machine's RAM {format_bytes(ram)} / "
-                                       f"--gpus-per-node {args.gpus_per_node}; give "
-                                       f"--host-memory for the training host's")
-
-
-def _print_offload(args, layers, V, B, S, dtype) -> None:
-    """The offload table: device peak, host bytes and copy volume per fused preset."""
-    train = args.weights == "full"
-    host, how = _host_memory(args)
-    print(f"host memory for offloaded tensors: "
-          f"{format_bytes(host) if host is not None else 'no cap'} ({how})")
-    header = [f"offload='cpu' ({_weights_words(args)}, {args.path} path)", "device peak",
-              "of it the prefetch pool", "host bytes", "layers in host", "kept on device"]
-    rows = []
-    for setup in OFFLOAD_SETUPS:
-        p = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train,
-                              host_limit=host)
-        rows.append([setup, format_bytes(p.peak), format_bytes(p.pool), format_bytes(p.host),
-                     f"{p.offloaded}/{len(layers)}", format_bytes(p.kept)])
-    print(_table(rows, header))
-    print("offload: each fused layer's saved tensors go to host memory in forward and come back "
-          "one layer ahead in backward; the device keeps a pool of two layers' worth; past the "
-          "host memory the remaining layers keep theirs on the device")
-
-
-def _longest_text(n: int, limit: int = 1 << 26) -> str:
-    if n == 0:
-        return "none"
-    return f">= {n:,}" if n >= limit else f"{n:,}"
-
-
-def _print_verdict(args, layers, V, B, S, dtype) -> None:
-    """Fits / does not fit per setup at the S asked, the longest S, the step time estimate."""
-    train = args.weights == "full"
-    memory = args.device_memory
-    headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
-    usable = memory - headroom
-    state = model_state_bytes(layers, V, dtype, args.weights, shard=args.shard)
-    room = usable - state
-    print(f"will it fit: {_weights_words(args)}, B {B}, S {S:,}, {args.path} path, on "
-          f"{format_bytes(memory)} of device memory")
-    print(f"  kept free: CUDA context {format_bytes(args.cuda_context)} + allocator "
-          f"fragmentation {args.fragmentation:.0%} of the device "
-          f"({format_bytes(int(args.fragmentation * memory))}) = {format_bytes(headroom)}; "
-          f"usable {format_bytes(usable)}")
-    whole = model_state_bytes(layers, V, dtype, args.weights)
-    if args.shard > 1:
-        print(f"  model state per GPU ({args.weights}): {format_bytes(state)} = 1/{args.shard} "
-              f"of {format_bytes(whole)} + two gathered units in {args.dtype} "
-              f"({format_bytes(state - -(-whole // args.shard))})")
-    else:
-        print(f"  model state ({args.weights}): {format_bytes(state)}")
-    print(f"  left for the step: {format_bytes(room) if room > 0 else 'nothing'}")
-    host = _host_memory(args)[0] if args.offload else None
-    rates = dict(attention_fwd_tflops=args.attention_fwd_tflops,
-                 attention_bwd_tflops=args.attention_bwd_tflops,
-                 matmul_tflops=args.matmul_tflops)
-    cases = [(setup, False) for setup in PEAK_SETUPS]
-    if args.offload:
-        cases += [(setup, True) for setup in OFFLOAD_SETUPS]
-    rows = []
-    for setup, offload in cases:
-        if offload:
-            peak = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path,
-                                     train_weights=train, host_limit=host).peak
-        else:
-            peak = step_peak(setup, layers, V, B, S, dtype, path=args.path,
-                             train_weights=train).peak
-        total = state + peak + headroom
-        if room <= 0:
-            verdict, longest = "does not fit (model state)", "none"
-        else:
-            verdict = "fits" if peak <= room else "does not fit"
-            kw = dict(path=args.path, headroom=headroom, shard=args.shard)
-            longest = _longest_text(
-                longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
-                                         args.weights, **kw) if offload else
-                longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
-        secs = step_time_estimate(setup, layers, V, B, S, train_weights=train, **rates)
-        rows.append([_SETUP_NAMES[setup] + (" + offload" if offload else ""),
-                     format_bytes(peak), format_bytes(total), verdict, longest, f"{secs:,.2f}"])
-    print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
-                        "longest S", "step s (estimate)"]))
-    if room <= 0:
-        print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
-              f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
-              f"{format_bytes(headroom)} kept free)"
-              + ("; a full fine-tune keeps 16 B a parameter" if args.weights == "full" else ""))
-        need = _smallest_shard(layers, V, B, S, dtype, args, headroom)
-        if need:
-            print(f"  sharded (--shard N, FSDP / ZeRO-3): min_memory fits S {S:,} from --shard "
-                  f"{need}, where the state is "
-                  f"{format_bytes(model_state_bytes(layers, V, dtype, args.weights, shard=need))}"
-                  f" per GPU; rerun with --shard {need} for the per-GPU figures")
-        else:
-            print("  no sharding degree up to 4096 makes room: the gathered units alone are "
-                  "too large")
-    print(f"step s: an ESTIMATE from FLOPs (forward, backward, recompute; ckpt_ext.plan."
-          f"step_flops) at {args.attention_fwd_tflops:g} / {args.attention_bwd_tflops:g} "
-          f"TFLOP/s for the attention forward / backward and {args.matmul_tflops:g} for "
-          f"matmuls (H100 figures: 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps at S 8K-16K); "
-          f"norms, SwiGLU, the optimizer" + (", the offload copies" if args.offload else "")
-          + " and launch gaps are left out")
-
-
-def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:
-    """The smallest sharding degree (up to 4096) at which min_memory fits S, or 0."""
-    peak = step_peak("min_memory", layers, V, B, S, dtype, path=args.path,
-                     train_weights=args.weights == "full").peak
-    for n in range(1, 4097):
-        if model_state_bytes(layers, V, dtype, args.weights, shard=n) + peak + headroom <= \
-                args.device_memory:
-            return n
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":   # python -m ckpt_ext.plan: the CLI (ckpt_ext.plan_cli)
+    from ckpt_ext.plan_cli import main
     sys.exit(main())

@@ -21,7 +21,11 @@ preset         saved for backward (per layer)                  recomputed in bac
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from . import _C
 
 __all__ = ["PRESETS", "FUSED_PRESETS", "check_policy", "saved_bytes", "per_token_bytes"]
 
@@ -35,22 +39,49 @@ def check_policy(policy: str, what: str = "policy") -> str:
     return policy
 
 
+# What one token of each residual decoder_layer_fwd keeps (the names and which preset keeps
+# which: ckpt_ext._C.layer_residuals, from the engine) takes, as (dtype, width): "x" the
+# residual stream's dtype, "c" the compute dtype, "f32" float32; widths in H, Hq, Hkv, D, I.
+# The one definition of a residual slot's bytes: per_token_bytes (the plan, the docs' tables)
+# and the offloader's per-call count (ckpt_ext.offload) read it.
+RESIDUAL_WIDTHS = {
+    "q": ("c", lambda H, Hq, Hkv, D, I: Hq * D),
+    "k": ("c", lambda H, Hq, Hkv, D, I: Hkv * D),
+    "v": ("c", lambda H, Hq, Hkv, D, I: Hkv * D),
+    "out": ("c", lambda H, Hq, Hkv, D, I: Hq * D),
+    "lse": ("f32", lambda H, Hq, Hkv, D, I: Hq),
+    "h": ("x", lambda H, Hq, Hkv, D, I: H),
+    "gate": ("c", lambda H, Hq, Hkv, D, I: I),
+    "up": ("c", lambda H, Hq, Hkv, D, I: I),
+}
+
+
+@functools.cache
+def _residuals(part: str, preset: str) -> tuple:
+    """The engine's residual names of (part, preset)."""
+    return tuple(_C.layer_residuals(part, preset))
+
+
 def per_token_bytes(preset: str, *, H: int, Hq: int, Hkv: int, D: int, I: int,
-                    dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> int:
-    """Bytes one token leaves saved in one layer. ``dtype``: the residual stream's (the layer
-    input x and h); ``compute_dtype``: the projections' and attention's (q, k, v, out, gate,
-    up), which is the autocast dtype under ``torch.autocast`` and ``dtype`` otherwise; lse is
-    fp32."""
+                    dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
+                    part: str = "layer") -> int:
+    """Bytes one token leaves saved in one layer (or sublayer ``part``): its input x and the
+    preset's residuals (``RESIDUAL_WIDTHS`` of the engine's ``layer_residuals``). ``dtype``:
+    the residual stream's (the layer input x and h); ``compute_dtype``: the projections' and
+    attention's (q, k, v, out, gate, up), which is the autocast dtype under ``torch.autocast``
+    and ``dtype`` otherwise; lse is fp32. ``torch`` keeps x alone."""
     e = torch.empty((), dtype=dtype).element_size()
-    c = torch.empty((), dtype=compute_dtype or dtype).element_size()
-    if preset == "fast":  # x, q, k, v, out, lse, h, gate, up
-        return 2 * e * H + c * (2 * Hq * D + 2 * Hkv * D + 2 * I) + 4 * Hq
-    if preset == "balanced":  # x, out, lse, h
-        return 2 * e * H + c * Hq * D + 4 * Hq
-    if preset in ("min_memory", "torch"):  # x
+    if preset == "torch":
         return e * H
-    raise ValueError(f"per_token_bytes: no closed form for preset {preset!r} (measure it with "
-                     "ckpt_ext.saved_activation_bytes)")
+    if preset not in FUSED_PRESETS:
+        raise ValueError(f"per_token_bytes: no closed form for preset {preset!r} (measure it "
+                         "with ckpt_ext.saved_activation_bytes)")
+    size = {"x": e, "c": torch.empty((), dtype=compute_dtype or dtype).element_size(), "f32": 4}
+    total = e * H
+    for name in _residuals(part, preset):
+        kind, width = RESIDUAL_WIDTHS[name]
+        total += size[kind] * width(H, Hq, Hkv, D, I)
+    return total
 
 
 def saved_bytes(preset: str, *, B: int, S: int, H: int, Hq: int, Hkv: int, D: int, I: int,

@@ -1,56 +1,64 @@
-// The byte cap of the CPU kernels' transient chunks.
+// The byte cap of the kernels' transient token chunks, and the fused layer's rows per chunk.
 //
 // Kernels that walk tokens in chunks to bound a (rows, N) intermediate (the LM head's (rows, V)
-// logits) size their chunks from one setting, the environment variable CKPT_EXT_CHUNK_BYTES:
-// the most bytes one such intermediate may take (default 64 MiB; a plain integer, or with a
-// KiB / MiB / GiB suffix). It is read at each call, so a test or a run can change it between
-// steps. A chunk has at least one row, so a row wider than the cap still runs, one row at a
-// time. The default keeps the CPU LM head's speed: each chunk re-reads the whole (V, H) weight
-// three times, so fewer rows per chunk cost time (T 512, H 256, fp32, 2 cores: fwd+bwd at
-// V 32000 took 1.03 / 0.76 / 0.70 s with 16 / 32 / 64 MiB, at V 128256 6.6 / 4.7 / 3.6 s).
+// logits, the layer's working set) size their chunks from one setting, the cap: the most bytes
+// one such intermediate may take. Its value is the typed setting `chunk_bytes` of
+// ckpt_ext.config (environment variable CKPT_EXT_CHUNK_BYTES, parsed there, once), which
+// Python hands over with set_chunk_bytes whenever it changes; read at each call. A chunk has
+// at least one row, so a row wider than the cap still runs, one row at a time. The default
+// (64 MiB, until Python sets one) keeps the CPU LM head's speed: each chunk re-reads the whole
+// (V, H) weight three times, so fewer rows per chunk cost time (T 512, H 256, fp32, 2 cores:
+// fwd+bwd at V 32000 took 1.03 / 0.76 / 0.70 s with 16 / 32 / 64 MiB, at V 128256 6.6 / 4.7 /
+// 3.6 s).
+//
+// The rows of the fused decoder layer's chunks are defined here once (layer_chunk_rows,
+// mlp_chunk_rows); ckpt_ext.plan reads the same functions through ckpt_ext._C.
 #pragma once
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 namespace ckpt_ext {
 namespace chunking {
 
 constexpr int64_t kDefaultChunkBytes = int64_t{64} << 20;
-constexpr const char* kChunkBytesVar = "CKPT_EXT_CHUNK_BYTES";
 
-// The cap in bytes: CKPT_EXT_CHUNK_BYTES, or kDefaultChunkBytes when unset or empty.
-inline int64_t chunk_bytes() {
-  const char* raw = std::getenv(kChunkBytesVar);
-  if (raw == nullptr || *raw == '\0') return kDefaultChunkBytes;
-  const std::string text(raw);
-  size_t used = 0;
-  long long value = -1;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  std::string unit = text.substr(used);
-  unit.erase(0, unit.find_first_not_of(' '));
-  int64_t scale = 1;
-  if (unit == "KiB") scale = int64_t{1} << 10;
-  else if (unit == "MiB") scale = int64_t{1} << 20;
-  else if (unit == "GiB") scale = int64_t{1} << 30;
-  else if (!unit.empty()) used = 0;
-  TORCH_CHECK_VALUE(used > 0 && value > 0 && value <= (int64_t{1} << 40) / scale,
-                    kChunkBytesVar, " must be a positive number of bytes (e.g. 16777216 or "
-                    "16MiB, at most 1 TiB), got '", text, "'");
-  return static_cast<int64_t>(value) * scale;
+inline std::atomic<int64_t>& cap_setting() {
+  static std::atomic<int64_t> cap{kDefaultChunkBytes};
+  return cap;
 }
 
-// Rows per chunk for rows of row_bytes bytes each: as many as fit the cap, at least 1.
-inline int64_t chunk_rows(int64_t row_bytes) {
-  return std::max<int64_t>(1, chunk_bytes() / std::max<int64_t>(1, row_bytes));
+// The cap in bytes (ckpt_ext.config's chunk_bytes).
+inline int64_t chunk_bytes() { return cap_setting().load(std::memory_order_relaxed); }
+
+// Set by ckpt_ext.config (a positive number of bytes, checked there).
+inline void set_chunk_bytes(int64_t bytes) {
+  cap_setting().store(std::max<int64_t>(1, bytes), std::memory_order_relaxed);
+}
+
+// Rows per chunk for rows of row_bytes bytes each within `cap`: as many as fit, at least 1.
+inline int64_t rows_within(int64_t cap, int64_t row_bytes) {
+  return std::max<int64_t>(1, cap / std::max<int64_t>(1, row_bytes));
+}
+
+// Rows per chunk within the current cap.
+inline int64_t chunk_rows(int64_t row_bytes) { return rows_within(chunk_bytes(), row_bytes); }
+
+// Tokens per chunk of the fused layer's attention sublayer or whole layer: a chunk's
+// per-token working set at the compute width and at least float32 (the CPU kernels'
+// precision): the attention's q, out, dout and dq (4 Hq D, q_width = Hq D) and, with the MLP
+// (intermediate = I, else 0), its three (rows, I) tensors, which the MLP's backward holds
+// while the chunk's q and out wait for the attention's.
+inline int64_t layer_chunk_rows(int64_t q_width, int64_t intermediate, int64_t element_size,
+                                int64_t cap) {
+  return rows_within(cap, (4 * q_width + 3 * intermediate) * std::max<int64_t>(4, element_size));
+}
+
+// Tokens per chunk of the layer's MLP: the SwiGLU intermediates of a chunk, three (rows, I)
+// tensors at the compute width (at least float32).
+inline int64_t mlp_chunk_rows(int64_t intermediate, int64_t element_size, int64_t cap) {
+  return rows_within(cap, 3 * intermediate * std::max<int64_t>(4, element_size));
 }
 
 }  // namespace chunking

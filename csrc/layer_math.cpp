@@ -408,11 +408,11 @@ MlpLora mlp_lora(const Layer& L) {
 
 // Rows per token chunk of the MLP: the SwiGLU intermediates of a chunk, three (rows, I)
 // tensors at the compute width (the Triton backward's dh, dgate and dup; the CPU kernels
-// chunk further within the same cap), within the byte cap CKPT_EXT_CHUNK_BYTES. A sequence
+// chunk further within the same cap), within the byte cap (csrc/chunking.h). A sequence
 // that fits is one chunk, computed exactly as written out.
 int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
-  const int64_t I = L.proj(kGate).size(0);
-  return chunking::chunk_rows(3 * I * std::max<int64_t>(4, h.element_size()));
+  return chunking::mlp_chunk_rows(L.proj(kGate).size(0), h.element_size(),
+                                 chunking::chunk_bytes());
 }
 
 // y = h + down(act(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
@@ -562,9 +562,9 @@ OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nu
 // with the MLP, its three (rows, I) tensors (3 I), which the MLP's backward holds while the
 // chunk's q and out wait for the attention's.
 int64_t layer_chunk_rows(const Layer& L, const at::Tensor& x) {
-  int64_t width = 4 * L.proj(kQ).size(0);
-  if (has_mlp(L.part_id)) width += 3 * L.proj(kGate).size(0);
-  return chunking::chunk_rows(width * std::max<int64_t>(4, at::elementSize(L.act_dtype(x))));
+  return chunking::layer_chunk_rows(L.proj(kQ).size(0),
+                                   has_mlp(L.part_id) ? L.proj(kGate).size(0) : 0,
+                                   at::elementSize(L.act_dtype(x)), chunking::chunk_bytes());
 }
 
 std::vector<Chunk> layer_chunks(const Layer& L, const at::Tensor& x) {

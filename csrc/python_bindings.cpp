@@ -4,7 +4,6 @@
 //
 // It binds no tensor, so it needs pybind11 alone (and its STL casters), not
 // <torch/extension.h>, which alone took minutes of a two-core build.
-#include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -29,17 +28,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ckpt_ext::bind_checkpoint(m);
   m.def("layer_weight_slots", &ckpt_ext::layer_weight_slots,
         "The slot names of decoder_layer's weights list, in order");
-  m.def(
-      "chunk_bytes",
-      [] {
-        try {
-          return ckpt_ext::chunking::chunk_bytes();
-        } catch (const c10::ValueError& e) {
-          throw pybind11::value_error(e.what_without_backtrace());
-        }
-      },
-      "The byte cap of one token chunk's transient (CKPT_EXT_CHUNK_BYTES, read at each call; "
-      "64 MiB by default)");
+  m.def("chunk_bytes", &ckpt_ext::chunking::chunk_bytes,
+        "The byte cap of one token chunk's transient (ckpt_ext.config's chunk_bytes)");
+  m.def("set_chunk_bytes", &ckpt_ext::chunking::set_chunk_bytes, pybind11::arg("bytes"),
+        "Set the byte cap (ckpt_ext.config does, at each change of chunk_bytes)");
+  m.def("layer_chunk_rows", &ckpt_ext::chunking::layer_chunk_rows, pybind11::arg("q_width"),
+        pybind11::arg("intermediate"), pybind11::arg("element_size"), pybind11::arg("cap"),
+        "Tokens per chunk of the fused layer (intermediate 0: the attention sublayer)");
+  m.def("mlp_chunk_rows", &ckpt_ext::chunking::mlp_chunk_rows, pybind11::arg("intermediate"),
+        pybind11::arg("element_size"), pybind11::arg("cap"),
+        "Tokens per chunk of the fused layer's MLP");
   m.def("layer_residuals", &ckpt_ext::layer_residuals, pybind11::arg("part"),
         pybind11::arg("preset"),
         "The names of the residuals decoder_layer_fwd returns for (part, preset), in order");

@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before triton is first imported, hence here. On a G
 kernels launch untimed fixed configurations (CKPT_EXT_AUTOTUNE=0) unless the environment says
 otherwise.
 """
+import dataclasses
 import os
 
 import torch
@@ -41,6 +42,18 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _kernel_settings():
+    """The kernel settings a test changed with ckpt_ext.config.update (the chunk cap) come
+    back after it."""
+    from ckpt_ext import config
+    before = config.current()
+    yield
+    if config.current() != before:
+        config.update(**{f.name: getattr(before, f.name)
+                         for f in dataclasses.fields(before)})
 
 
 def pytest_report_header(config):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import blocks, ops
+from ckpt_ext import blocks, config, ops
 from ckpt_ext.modules import DecoderLayer, SwiGLUMLP
 
 import reference
@@ -115,7 +115,7 @@ def test_cpu_ops_in_token_chunks(save, monkeypatch):
     """A byte cap that cuts the CPU kernels' T = 37 rows into chunks of 8 (backward) and 12
     (forward): adapter gradients and weight gradients summed over chunks, masks of the chunks'
     global rows."""
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(6 * I * 8 * 8))
+    config.update(chunk_bytes=str(6 * I * 8 * 8))
     args, lora, scaling, dy, kw, drop = case(F64, F64, (4, 2, 3), True, DROPOUT)
     out = run_ops(OPS.swiglu_fwd, OPS.swiglu_bwd, args, lora, scaling, dy, drop, save)
     check_swiglu_lora(out, out, ref_results(args, lora, scaling, dy, kw), exact=True)
@@ -415,7 +415,7 @@ def test_layer_op_mlp_with_lora_dropout(preset, chunked, monkeypatch):
     one token chunk or (a byte cap of 8 rows of the MLP's three (rows, I) fp64 tensors) five:
     the layer passes the activation and the global row offsets to every chunk's ops."""
     if chunked:
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(3 * I * 8 * 8))
+        config.update(chunk_bytes=str(3 * I * 8 * 8))
     x, weights, pe = layer_case(adapters=True)
     weights = part_weights(weights, "mlp")
     seed = seed_tensor(77)

@@ -263,9 +263,9 @@ def test_the_layer_op_refuses_a_bad_eps():
                              "mlp.down_proj.weight": torch.ones(32, 4)})
     for eps in (-1e-6, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
-            blocks.call_decoder_layer(torch.randn(1, 2, 32), weights=w, num_heads=1,
-                                      num_kv_heads=1, eps=eps, scale=1.0, part="mlp",
-                                      preset="balanced")
+            blocks.decoder_layer(torch.randn(1, 2, 32), weights=w, num_heads=1,
+                                 num_kv_heads=1, eps=eps, scale=1.0, part="mlp",
+                                 preset="balanced")
 
 
 @pytest.mark.parametrize("preset", FUSED_PRESETS)
@@ -369,13 +369,23 @@ def test_saved_residuals_follow_the_spec_and_the_formula(dtype, compute_dtype, p
     expected = b * s * per_token_bytes(preset, H=32, Hq=4, Hkv=2, D=8, I=48, dtype=dtype,
                                        compute_dtype=compute_dtype)
     assert x.numel() * x.element_size() + saved_bytes == expected
+    # every part's bytes, as the formula and the offloader's per-call count give them
+    from ckpt_ext.offload import _layer_saved_bytes
+    for part, saved in per_part.items():
+        got = x.numel() * x.element_size() + sum(t.numel() * t.element_size()
+                                                 for t in saved.values())
+        assert got == b * s * per_token_bytes(preset, H=32, Hq=4, Hkv=2, D=8, I=48,
+                                              dtype=dtype, compute_dtype=compute_dtype,
+                                              part=part), part
+        options = blocks.LayerOptions(**{**args, "part": part, "preset": preset})
+        assert _layer_saved_bytes(x, options) == got, part
 
 
-def test_call_decoder_layer_names_its_arguments():
+def test_decoder_layer_names_its_arguments():
     assert blocks.LAYER_ARGS[0] == "weights" and blocks.LAYER_ARGS[-2:] == ("part", "preset")
     x, args = _layer_call(torch.float32)
     with pytest.raises(TypeError, match="unknown arguments \\['heads'\\]"):
-        blocks.call_decoder_layer(x, heads=4, **args)
+        blocks.decoder_layer(x, heads=4, **args)
     with pytest.raises(TypeError, match="heads"):
         blocks.LayerOptions(heads=4, **args)
 

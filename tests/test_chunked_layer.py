@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import blocks
+from ckpt_ext import blocks, config
 
 from reference import (rope_args, FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, layer_weights_with_adapters,
                        make_layer, packed_segment_ids, rope_tables)
@@ -115,10 +115,10 @@ def test_chunks_equal_one_chunk_fp64(monkeypatch, preset, name):
     output and every gradient to 1e-12."""
     x, weights, pe, dy, kw = case(name, torch.float64)
     for part in ("layer", "attention"):
-        monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES", raising=False)
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
         whole = run(x, weights, pe, dy, kw, preset, part)
         for rows in CHUNKS:
-            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", chunk_cap(rows, torch.float64, weights,
+            config.update(chunk_bytes=chunk_cap(rows, torch.float64, weights,
                                                                  part))
             got = run(x, weights, pe, dy, kw, preset, part)
             assert_same(got, whole, 1e-11, 1e-12, f"{part} {rows} rows")
@@ -134,7 +134,7 @@ def test_chunks_under_autocast(monkeypatch, preset):
     eager rows are handled alike."""
     x, weights, pe, dy, kw = case("padded_eager", torch.float32, seed=2)
     whole = run(x, weights, pe, dy, kw, preset, "layer", autocast=torch.bfloat16)
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", chunk_cap(17, torch.float32, weights))
+    config.update(chunk_bytes=chunk_cap(17, torch.float32, weights))
     got = run(x, weights, pe, dy, kw, preset, "layer", autocast=torch.bfloat16)
     assert got[0].dtype == whole[0].dtype == torch.float32
     assert_same(got, whole, 0, 3 * torch.finfo(torch.bfloat16).eps, "autocast")
@@ -145,7 +145,7 @@ def test_chunked_layer_compiles_without_graph_breaks(monkeypatch):
     and gives the eager chunked results."""
     torch._dynamo.reset()
     x, weights, pe, dy, kw = case("packed", torch.float32, seed=3)
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", chunk_cap(17, torch.float32, weights))
+    config.update(chunk_bytes=chunk_cap(17, torch.float32, weights))
     eager = run(x, weights, pe, dy, kw, "min_memory", "layer")
     counts = torch._dynamo.utils.counters
     counts.clear()
@@ -168,7 +168,7 @@ def test_triton_chunks_meet_the_accuracy_rule(monkeypatch, name, preset):
     ref = run(f64(x), {n: f64(t) for n, t in weights.items()}, tuple(map(f64, pe)), f64(dy),
               kw64, preset, "layer")
     base = run(x, weights, pe, dy, kw, preset, "layer")
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", chunk_cap(17, torch.float32, weights))
+    config.update(chunk_bytes=chunk_cap(17, torch.float32, weights))
     with triton_backend():
         got = run(x, weights, pe, dy, kw, preset, "layer")
     check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)
@@ -204,8 +204,7 @@ def test_chunked_attention_holds_no_whole_sequence_query_tensors(monkeypatch, ba
     peaks = {}
     with backend():
         for rows in (Sn, 32):
-            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES",
-                               chunk_cap(rows, torch.float32, weights, "attention"))
+            config.update(chunk_bytes=chunk_cap(rows, torch.float32, weights, "attention"))
             x = torch.randn(1, Sn, Hn, requires_grad=True)
             peaks[rows] = ckpt_ext.peak_memory_bytes(step, x)
     per_token = heads * 32 * 4
@@ -251,7 +250,7 @@ def test_fp32_chunks_meet_the_accuracy_rule(monkeypatch, preset):
     ref = run(f64(x), {n: f64(t) for n, t in weights.items()}, tuple(map(f64, pe)), f64(dy),
               {k: f64(v) for k, v in kw.items()}, preset, "layer")
     base = run(x, weights, pe, dy, kw, preset, "layer")
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", chunk_cap(17, torch.float32, weights))
+    config.update(chunk_bytes=chunk_cap(17, torch.float32, weights))
     got = run(x, weights, pe, dy, kw, preset, "layer")
     check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)
     check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import blocks
+from ckpt_ext import blocks, config
 
 from reference import rope_args, make_layer, rope_tables
 
@@ -126,6 +126,6 @@ def test_triton_layer_backward_holds_no_token_by_intermediate_tensor(monkeypatch
     peaks = {}
     with triton_backend():
         for rows in (Tn, 32):
-            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", mlp_rows_cap(rows, torch.float32, In))
+            config.update(chunk_bytes=mlp_rows_cap(rows, torch.float32, In))
             peaks[rows] = ckpt_ext.peak_memory_bytes(step, x.clone().requires_grad_())
     assert peaks[Tn] - peaks[32] >= 0.8 * 3 * (Tn - 32) * In * 4, peaks

@@ -19,8 +19,9 @@ ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ": "'separate', 'at
            "CKPT_EXT_SWIGLU_EPILOGUE": "'subtiled', 'whole'",
            "CKPT_EXT_BACKEND": "'auto', 'triton'",
            "CKPT_EXT_ATTN_BACKEND": "'auto', 'triton', 'flash', 'cudnn', 'efficient'"}
-# Settings whose value is free text, checked otherwise (tests/test_attention_route.py).
-FREE = {"CKPT_EXT_ATTN_TABLE"}
+# Settings whose value is free text, checked otherwise (tests/test_attention_route.py; the
+# chunk cap below).
+FREE = {"CKPT_EXT_ATTN_TABLE", "CKPT_EXT_CHUNK_BYTES"}
 
 
 # ---- reading the environment -----------------------------------------------------------------
@@ -327,3 +328,30 @@ def test_kernels_folder_still_imports_as_top_level_package():
     res = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+# ---- the chunk cap -----------------------------------------------------------------------------
+@pytest.mark.parametrize("text, value", [("", 64 << 20), ("4096", 4096), ("16MiB", 16 << 20),
+                                         ("64 MB", 64 * 10**6), ("1.5GiB", 3 << 29),
+                                         ("1TiB", 1 << 40), ("2kb", 2000)])
+def test_chunk_bytes_is_parsed_once_and_reaches_the_kernels(text, value):
+    """CKPT_EXT_CHUNK_BYTES is read by the package's one byte parser (config.parse_bytes, the
+    plan's too) and the C++ kernels read the parsed value (ckpt_ext._C.chunk_bytes)."""
+    assert config.from_environment({"CKPT_EXT_CHUNK_BYTES": text}).chunk_bytes == value
+    assert config.parse_bytes(text or "64MiB", "x") == value
+    with config.patch(chunk_bytes=text) as settings:
+        assert settings.chunk_bytes == value == ckpt_ext._C.chunk_bytes()
+    assert ckpt_ext._C.chunk_bytes() == config.current().chunk_bytes
+    config.update(chunk_bytes=value)   # the conftest restores it after the test
+    assert ckpt_ext._C.chunk_bytes() == value
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "1 PiB", "1.5 TiB", "lots", 0, -3, 1.0, True])
+def test_bad_chunk_bytes_name_the_setting(bad):
+    with pytest.raises(ValueError, match=r"chunk_bytes \(CKPT_EXT_CHUNK_BYTES\) must be a "
+                                         r"positive number of bytes"):
+        config.patch(chunk_bytes=bad).__enter__()
+    if isinstance(bad, str):
+        with pytest.raises(ValueError, match="^CKPT_EXT_CHUNK_BYTES must be a positive"):
+            config.from_environment({"CKPT_EXT_CHUNK_BYTES": bad})
+    assert ckpt_ext._C.chunk_bytes() == config.current().chunk_bytes

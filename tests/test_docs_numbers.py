@@ -327,12 +327,13 @@ def test_slug_follows_mkdocs():
 
 
 def load_presets():
-    """ckpt_ext/presets.py by path: it needs torch only, not the built extension."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_presets", ROOT / "ckpt_ext" / "presets.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """ckpt_ext.presets: its per-token bytes read the engine's residual layout
+    (ckpt_ext._C.layer_residuals), so the built extension is needed (the reason is printed)."""
+    try:
+        from ckpt_ext import presets
+    except ImportError as e:
+        pytest.skip(f"the package's formula reads the built extension: {e}")
+    return presets
 
 
 def formula_rows(path):

@@ -817,8 +817,10 @@ def test_phi3_reads_fused_projections_and_partial_rope():
                           "mlp.gate_up_proj": (TINY["intermediate_size"],) * 2}
     cos, _ = model.model.rotary_emb(torch.zeros(1, 3, 64), torch.arange(3)[None])
     assert cos.shape[-1] == d // 2
-    from ckpt_ext.plan import LayerDims  # policy="auto" reads the same blocks
-    assert LayerDims.from_hf_layer(model.model.layers[0], 4).kwargs() == dict(
+    # policy="auto" reads the same blocks, and the layer's record carries them
+    from ckpt_ext.hf import families
+    assert spec.dims == families.layer_dims(model.model.layers[0], 4)
+    assert families.layer_dims(model.model.layers[0], 4).kwargs() == dict(
         H=64, Hq=4, Hkv=2, D=d, I=TINY["intermediate_size"])
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import ckpt_ext
 import ckpt_ext.ops as ops
-from ckpt_ext import use_triton
+from ckpt_ext import config, use_triton
 from ckpt_ext.kernels import linear_cross_entropy as lce_kernels
 from reference import (FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline,
                        family_rms_norm_reference, magnitude)
@@ -478,20 +478,21 @@ def test_frozen_head_backward_peak_has_no_weight_sized_buffer():
 # --------------------------------------------------------------------------------------------
 def test_cpu_chunk_byte_cap(monkeypatch):
     """A small cap: many one- and few-row chunks, the same results; the backward's peak
-    follows the cap; a bad value is refused naming the variable."""
+    follows the cap; a bad value is refused naming the variable (set in the environment or
+    by ckpt_ext.config.update)."""
     if CUDA:
         pytest.skip("CPU kernels")
     V = 131
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(3 * 4 * V + 5))   # 3 rows per chunk
+    config.update(chunk_bytes=str(3 * 4 * V + 5))   # 3 rows per chunk
     check_case("aten", (2, 17), 24, V, torch.float32, bias=True)
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", "1")                   # one row at a time
+    config.update(chunk_bytes="1")                   # one row at a time
     check_case("aten", (2, 17), 24, V, torch.bfloat16, bias=True, reduction="sum")
 
     T, H, V = 512, 64, 4096
     hidden, weight, _, labels = make_inputs((T,), H, V, torch.float32)
     peaks = {}
     for cap in ("64KiB", "4MiB"):
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", cap)
+        config.update(chunk_bytes=cap)
         h = hidden.clone().requires_grad_()
         loss = fused_loss(h, weight, None, labels)
         peaks[cap] = ckpt_ext.peak_memory_bytes(lambda t: t.backward(), loss)
@@ -499,10 +500,12 @@ def test_cpu_chunk_byte_cap(monkeypatch):
     assert peaks["4MiB"] >= 4 * 2**20, peaks
     assert peaks["64KiB"] <= 4 * T * H + 2 * 64 * 1024 + 128 * 1024, peaks
 
-    for bad in ("0", "-5", "lots", "12 PiB", "2GB"):
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", bad)
-        with pytest.raises(ValueError, match="CKPT_EXT_CHUNK_BYTES must be a positive"):
-            fused_loss(hidden, weight, None, labels)
+    for bad in ("0", "-5", "lots", "12 PiB", "2TiB", 0, True):
+        with pytest.raises(ValueError, match=r"CKPT_EXT_CHUNK_BYTES\)? must be a positive"):
+            config.update(chunk_bytes=bad)
+        if isinstance(bad, str):
+            with pytest.raises(ValueError, match="CKPT_EXT_CHUNK_BYTES must be a positive"):
+                config.from_environment({"CKPT_EXT_CHUNK_BYTES": bad})
 
 
 @pytest.mark.parametrize("backend", ["aten", "triton"])
@@ -639,7 +642,7 @@ def test_final_norm_inside_the_head_matches_hf(monkeypatch, case, rows):
     if CUDA and backend == "aten":
         pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
     if rows is not None:  # the op's chunk: `rows` fp32 rows of H (fp64: 8 bytes an element)
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * max(4, dtype.itemsize)))
+        config.update(chunk_bytes=str(rows * H * max(4, dtype.itemsize)))
     tensors, labels = normed_inputs(T, H, V, dtype, head_dtype, bias, seed=T)
     dout = torch.randn((), dtype=F64).to(DEVICE)
     ref = run_normed(hf_normed_loss, [None if t is None else t.double() for t in tensors],
@@ -672,7 +675,7 @@ def test_final_norm_chunks_change_nothing_in_fp32(monkeypatch):
     dout = torch.tensor(0.7)
     one = run_normed(fused_normed_loss, tensors, labels, dout)
     for rows in (1, 7, 60):
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * 24 * 4))
+        config.update(chunk_bytes=str(rows * 24 * 4))
         got = run_normed(fused_normed_loss, tensors, labels, dout)
         for name, g in one.items():
             torch.testing.assert_close(got[name], g, rtol=2e-6, atol=1e-7, msg=name)
@@ -711,7 +714,7 @@ def test_final_norm_keeps_only_the_prenorm_rows(monkeypatch):
     assert saved == 4 * T * H + 8 * T + 4 * T + 8 + 1, saved
     peaks = {}
     for cap in ("1MiB", "32KiB"):
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", cap)
+        config.update(chunk_bytes=cap)
         h = hidden.clone().requires_grad_()
         loss = fused_normed_loss(h, norm_weight, weight, None, labels)
         peaks[cap] = ckpt_ext.peak_memory_bytes(lambda t: t.backward(), loss)
@@ -739,13 +742,13 @@ def test_final_norm_trained_head_sums_no_weight_gradient_over_token_chunks(monke
         tensors, labels = normed_inputs(T, H, V, torch.float32, head_dtype, False, seed=T)
         hidden, norm_weight, weight, _ = tensors
         weight = torch.nn.Parameter(weight)
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * 4))   # chunks of `rows`
+        config.update(chunk_bytes=str(rows * H * 4))   # chunks of `rows`
         h = hidden.clone().requires_grad_()
         loss = fused_normed_loss(h, norm_weight, weight, None, labels)
         peaks[T] = ckpt_ext.peak_memory_bytes(lambda t: t.backward(), loss)
         grads[T] = (h.grad, weight.grad)
         if T == 96:   # against the same op with one chunk (the cap above all rows)
-            monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(T * H * 8))
+            config.update(chunk_bytes=str(T * H * 8))
             h1, w1 = hidden.clone().requires_grad_(), weight.detach().clone().requires_grad_()
             fused_normed_loss(h1, norm_weight, w1, None, labels).backward()
             # the same sums in another order (the CPU kernel's row chunks follow the cap)
@@ -780,7 +783,7 @@ def test_final_norm_family_rounding_inside_the_head(monkeypatch, rounding, case,
         pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
     offset, cast_last = rounding
     if rows is not None:
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * 4))
+        config.update(chunk_bytes=str(rows * H * 4))
     tensors, labels = normed_inputs(T, H, V, dtype, head_dtype, bias,
                                     seed=int(torch.randint(1 << 30, ())))
     tensors = [tensors[0], (tensors[1].double() - offset).to(dtype), *tensors[2:]]
@@ -907,7 +910,7 @@ def test_logit_transform_with_num_items_and_chunks(backend, monkeypatch):
     check_case(backend, (2, 19), H_ODD, V_ODD, torch.float32, True, num_items=31,
                logit_scale=0.5, softcap=4.0, logits_spread=4.0)
     if backend == "aten":
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(5 * 4 * V_ODD + 3))  # 5 / 2 rows
+        config.update(chunk_bytes=str(5 * 4 * V_ODD + 3))  # 5 / 2 rows
     else:
         monkeypatch.setattr(lce_kernels, "INTERPRETER_VOCAB_CHUNK", 1024)
     check_case(backend, (T_ODD,), H_ODD, V_ODD, torch.float32, True, logit_scale=0.5,
@@ -1060,7 +1063,7 @@ def test_final_norm_inside_the_head_with_logit_transform(monkeypatch, backend, r
         pytest.skip("the ATen kernels serve CPU tensors; the GPU runs the Triton cases")
     T, H, V = T_ODD, H_ODD, V_ODD
     if rows is not None:
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(rows * H * 4))
+        config.update(chunk_bytes=str(rows * H * 4))
     tensors, labels = normed_inputs(T, H, V, torch.float32, torch.float32, True,
                                     seed=int(torch.randint(1 << 30, ())))
     tensors = [*tensors[:2], tensors[2] * 4.0, tensors[3]]   # logits of tens of units

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import blocks
+from ckpt_ext import blocks, config
 
 from reference import rope_args, layer_weights_with_adapters, rope_tables
 
@@ -335,7 +335,7 @@ def test_layer_matches_plain_pytorch_with_the_same_masks(monkeypatch, streams, l
         for slot in ("attention_output_norm", "mlp_output_norm"):
             weights[f"{slot}.weight"] = 0.3 * torch.randn(HS, generator=g, dtype=x.dtype)
         kw, offset = dict(norm_offset=1.0), 1.0
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(5 * 3 * IM * 8))
+        config.update(chunk_bytes=str(5 * 3 * IM * 8))
     seed = seed_tensor(99)
     scaling = [0.5 + 0.1 * i for i in range(7)]
     leaves = {n: t.clone().requires_grad_() for n, t in weights.items()}

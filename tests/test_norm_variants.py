@@ -6,7 +6,7 @@ and the errors for malformed norm weights."""
 import pytest
 import torch
 
-from ckpt_ext import blocks
+from ckpt_ext import blocks, config
 
 from reference import (rope_args, FACTOR_GRAD, FACTOR_OUT, check_vs_baseline, make_mask, packed_segment_ids,
                        reference_layer, rope_tables)
@@ -149,11 +149,10 @@ def test_chunks_equal_one_chunk_fp64(monkeypatch, variant, preset):
     for part in ("layer", "attention"):
         w = weights_for(variant, torch.float64, g, part)
         for kw in masks:
-            monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES", raising=False)
+            config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
             whole = run(x, w, pe, dy, norm_offset=offset, preset=preset, part=part, **kw)
             for rows in (5, 17):
-                monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES",
-                                   chunk_cap(rows, torch.float64, w, part))
+                config.update(chunk_bytes=chunk_cap(rows, torch.float64, w, part))
                 got = run(x, w, pe, dy, norm_offset=offset, preset=preset, part=part, **kw)
                 assert_close(got, (whole[0].double(), {n: t.double() for n, t in whole[1].items()}),
                              1e-12, 1e-12, f"{part} rows={rows} {sorted(kw)}")

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import plan
+from ckpt_ext import plan, plan_cli
+from ckpt_ext.hf import families
 from ckpt_ext.modules import DecoderLayer
 from ckpt_ext.offload import Offloader
 
@@ -396,7 +397,7 @@ def test_auto_with_offload_takes_min_memory():
     from hf_fixtures import tiny_model
     model = tiny_model("llama", TINY)
     b, s = 2, 16
-    dims = [plan.LayerDims.from_hf_layer(layer, TINY["num_attention_heads"])
+    dims = [families.layer_dims(layer, TINY["num_attention_heads"])
             for layer in model.model.layers]
     pool = plan.offload_device_bytes(dims, ["min_memory"] * 3, b, s, torch.float32)
     # a budget that would give 'fast' to every layer without offload
@@ -463,7 +464,7 @@ def test_plan_offload_peak_is_independent_of_layer_count():
 
 
 def test_plan_cli_offload(capsys):
-    rc = plan.main(["--hidden-size", "4096", "--heads", "32", "--kv-heads", "8",
+    rc = plan_cli.main(["--hidden-size", "4096", "--heads", "32", "--kv-heads", "8",
                     "--intermediate-size", "14336", "--layers", "32", "--vocab-size", "128256",
                     "--batch", "1", "--seq", "131072", "--weights", "lora", "--offload",
                     "--device-memory", "80GiB", "--host-memory", "256GiB"])
@@ -482,7 +483,7 @@ def test_plan_cli_offload(capsys):
                                        torch.bfloat16, 256 * 2**30)
     assert n < 32  # one more token and a layer would stay on the device
     with pytest.raises(SystemExit):
-        plan.main(["--hidden-size", "64", "--heads", "4", "--intermediate-size", "96",
+        plan_cli.main(["--hidden-size", "64", "--heads", "4", "--intermediate-size", "96",
                    "--layers", "2", "--vocab-size", "10", "--batch", "1", "--seq", "8",
                    "--host-memory", "1GiB"])
 

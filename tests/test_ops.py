@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ckpt_ext  # noqa: F401
 import ckpt_ext.ops as ops
+from ckpt_ext import config
 import reference
 
 from reference import (F64, FACTOR_GRAD, FACTOR_OUT, SWIGLU_OUT_NAMES, allowed_matrix,
@@ -353,7 +354,7 @@ def swiglu_chunk_cap(monkeypatch, I, width, rows=64):
     """A byte cap (CKPT_EXT_CHUNK_BYTES) under which the CPU SwiGLU backward's six (rows, I)
     buffers of `width` bytes an element make chunks of `rows` rows (the forward's four: 1.5x
     that)."""
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(6 * I * width * rows))
+    config.update(chunk_bytes=str(6 * I * width * rows))
 
 
 @pytest.mark.parametrize("save", ["input", "gate_up"])

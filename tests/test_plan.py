@@ -6,12 +6,14 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import plan
+from ckpt_ext import config, plan, plan_cli
+from ckpt_ext.hf import families
 from ckpt_ext.plan import LayerDims, choose_presets, parse_bytes
 from ckpt_ext.presets import saved_bytes
 
@@ -137,28 +139,28 @@ def test_layer_dims_from_config_and_hf_layer():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
-    dims = plan.layer_dims_from_config(cfg)
+    dims = families.layer_dims_from_config(cfg)
     assert dims == [LayerDims(64, 4, 2, 16, 176)] * 3
-    assert plan.layer_dims_from_config(cfg.to_dict()) == dims
+    assert families.layer_dims_from_config(cfg.to_dict()) == dims
     model = transformers.LlamaForCausalLM(cfg)
-    assert LayerDims.from_hf_layer(model.model.layers[0], 4) == dims[0]
+    assert families.layer_dims(model.model.layers[0], 4) == dims[0]
     olmo = dict(cfg.to_dict(), model_type="olmo2")
-    assert plan.layer_dims_from_config(olmo) == [LayerDims(64, 4, 2, 16, 176, True, True)] * 3
+    assert families.layer_dims_from_config(olmo) == [LayerDims(64, 4, 2, 16, 176, True, True)] * 3
     # GLM-4's one gate_up_proj and output norms; HyperCLOVA X with and without its Peri-LN
     from ckpt_ext.hf.families import FAMILIES
     small = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=1,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
                  pad_token_id=0)
     glm4 = transformers.Glm4ForCausalLM(transformers.Glm4Config(**small))
-    assert LayerDims.from_hf_layer(glm4.model.layers[0], 4, FAMILIES["glm4"]) == \
+    assert families.layer_dims(glm4.model.layers[0], 4, FAMILIES["glm4"]) == \
         LayerDims(64, 4, 2, 16, 176, True, True) == \
-        plan.layer_dims_from_config(glm4.config)[0]
+        families.layer_dims_from_config(glm4.config)[0]
     for post in (True, False):
         clova = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.for_model("hyperclovax", use_post_norm=post, **small))
         want = LayerDims(64, 4, 2, 16, 176, post, post)
-        assert LayerDims.from_hf_layer(clova.model.layers[0], 4, FAMILIES["hyperclovax"]) == want
-        assert plan.layer_dims_from_config(clova.config) == [want]
+        assert families.layer_dims(clova.model.layers[0], 4, FAMILIES["hyperclovax"]) == want
+        assert families.layer_dims_from_config(clova.config) == [want]
 
 
 # ---- the LM head ----------------------------------------------------------------------------
@@ -200,9 +202,9 @@ def test_cli_on_a_config(tmp_path, capsys):
         assert word in out, out
     want = choose_presets([LayerDims(64, 4, 2, 16, 176)] * 4, 2, 128, "bf16", "300KiB")
     assert "per layer: " + " ".join(want) in out
-    assert plan.main(DIMS_ARGS + ["--budget", "300KiB"]) == 0
+    assert plan_cli.main(DIMS_ARGS + ["--budget", "300KiB"]) == 0
     assert capsys.readouterr().out == out
-    assert plan.main([str(tmp_path), "--batch", "2", "--seq", "128", "--budget", "300KiB"]) == 0
+    assert plan_cli.main([str(tmp_path), "--batch", "2", "--seq", "128", "--budget", "300KiB"]) == 0
     assert capsys.readouterr().out == out
 
 
@@ -210,7 +212,7 @@ def test_cli_step_table_and_longest_sequence(capsys):
     """The step table: saved and peak per setup as step_peak models them; with
     --device-memory the verdict table's longest sequence per setup, with the memory kept free
     (1 MiB of context and 10% here)."""
-    assert plan.main(DIMS_ARGS + ["--device-memory", "2GiB", "--weights", "lora",
+    assert plan_cli.main(DIMS_ARGS + ["--device-memory", "2GiB", "--weights", "lora",
                                   "--path", "cpu", "--cuda-context", "1MiB",
                                   "--fragmentation", "0.1"]) == 0
     out = capsys.readouterr().out
@@ -219,7 +221,7 @@ def test_cli_step_table_and_longest_sequence(capsys):
     layers = [LayerDims(64, 4, 2, 16, 176)] * 4
     kept = 2**20 + int(0.1 * 2 * 2**30)
     assert f"= {plan.format_bytes(kept)};" in verdict
-    for setup, name in plan._SETUP_NAMES.items():
+    for setup, name in plan_cli._SETUP_NAMES.items():
         line = next(x for x in table.splitlines() if x.startswith(name + " "))
         p = plan.step_peak(setup, layers, 1000, 2, 128, "bf16", path="cpu", train_weights=False)
         assert plan.format_bytes(p.peak) in line, line
@@ -230,10 +232,10 @@ def test_cli_step_table_and_longest_sequence(capsys):
 
 
 def test_cli_errors(capsys):
-    assert plan.main(DIMS_ARGS + ["--budget", "1KiB"]) == 2
+    assert plan_cli.main(DIMS_ARGS + ["--budget", "1KiB"]) == 2
     assert "smallest that fits: 131072 bytes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        plan.main(["--batch", "2", "--seq", "128"])
+        plan_cli.main(["--batch", "2", "--seq", "128"])
     assert "missing" in capsys.readouterr().err
 
 
@@ -246,7 +248,7 @@ def assert_usage_error(flag, value, extra=()):
     else:
         args += [flag, value]
     with pytest.raises(SystemExit) as exc:
-        plan.main(args + list(extra))
+        plan_cli.main(args + list(extra))
     assert exc.value.code == 2
 
 
@@ -279,7 +281,7 @@ def test_cli_bad_config_is_a_usage_error(tmp_path, content, why, capsys):
     elif content is not None:
         path.write_text(content)
     with pytest.raises(SystemExit) as exc:
-        plan.main([str(path), "--batch", "2", "--seq", "8"])
+        plan_cli.main([str(path), "--batch", "2", "--seq", "8"])
     assert exc.value.code == 2
     out, err = capsys.readouterr()
     assert why in err and out == "", (out, err)
@@ -315,7 +317,7 @@ def _measured_peak(case, setup, monkeypatch):
                                        "the peak is measured on an HF model")
     c = PEAK_CASES[case]
     if "cap" in c:
-        monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(c["cap"]))
+        config.update(chunk_bytes=str(c["cap"]))
     cfg = transformers.LlamaConfig(
         hidden_size=c["H"], intermediate_size=c["I"], num_hidden_layers=c["L"],
         num_attention_heads=c["heads"], num_key_value_heads=c["kv"], head_dim=c["D"],
@@ -453,7 +455,7 @@ def test_cli_absurd_config_dims_are_usage_errors(tmp_path, capsys):
                num_attention_heads=4, vocab_size=1000)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit) as exc:
-        plan.main([str(tmp_path / "config.json"), "--batch", "1", "--seq", "8"])
+        plan_cli.main([str(tmp_path / "config.json"), "--batch", "1", "--seq", "8"])
     assert exc.value.code == 2
     assert "hidden_size must be at most" in capsys.readouterr().err
 
@@ -594,7 +596,7 @@ def test_cli_verdict_llama31_8b_lora_128k(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
     args = [str(tmp_path / "config.json"), "--batch", "1", "--seq", "131072",
             "--device-memory", "80GiB", "--weights", "lora"]
-    assert plan.main(args) == 0
+    assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
     verdict = out[out.index("will it fit"):]
     assert "kept free: CUDA context 1.00 GiB + allocator fragmentation 5% of the device " \
@@ -603,7 +605,7 @@ def test_cli_verdict_llama31_8b_lora_128k(tmp_path, capsys):
     assert " does not fit " in _row(verdict, "HF checkpointing, HF head")
     assert " fits " in _row(verdict, "min_memory")
     assert "ESTIMATE" in verdict
-    assert plan.main(args + ["--offload", "--host-memory", "200GiB"]) == 0
+    assert plan_cli.main(args + ["--offload", "--host-memory", "200GiB"]) == 0
     out = capsys.readouterr().out
     assert "host memory for offloaded tensors: 200.00 GiB (--host-memory)" in out
     assert " fits " in _row(out[out.index("will it fit"):], "min_memory + offload")
@@ -612,14 +614,14 @@ def test_cli_verdict_llama31_8b_lora_128k(tmp_path, capsys):
 def test_cli_offload_host_memory_defaults_to_ram_per_gpu(monkeypatch, capsys):
     """--offload without --host-memory caps the host at this machine's RAM / --gpus-per-node,
     printed as such (never unlimited)."""
-    monkeypatch.setattr(plan, "host_ram_bytes", lambda: 64 * 2**30)
-    assert plan.main(DIMS_ARGS + ["--offload", "--gpus-per-node", "4"]) == 0
+    monkeypatch.setattr(plan_cli, "host_ram_bytes", lambda: 64 * 2**30)
+    assert plan_cli.main(DIMS_ARGS + ["--offload", "--gpus-per-node", "4"]) == 0
     out = capsys.readouterr().out
     assert "host memory for offloaded tensors: 16.00 GiB (this machine's RAM 64.00 GiB / " \
            "--gpus-per-node 4" in out
-    monkeypatch.setattr(plan, "host_ram_bytes", lambda: None)
+    monkeypatch.setattr(plan_cli, "host_ram_bytes", lambda: None)
     with pytest.raises(SystemExit):
-        plan.main(DIMS_ARGS + ["--offload"])
+        plan_cli.main(DIMS_ARGS + ["--offload"])
     assert "argument --host-memory" in capsys.readouterr().err
 
 
@@ -627,7 +629,7 @@ def test_cli_offload_host_cap_applies(monkeypatch, capsys):
     """A small host: the layers past it stay on the device, in the table and the verdict."""
     layers = [LayerDims(64, 4, 2, 16, 176)] * 4
     one = plan.layer_bytes("fast", layers[0], 2, 128, "bf16")
-    assert plan.main(DIMS_ARGS + ["--offload", "--host-memory", str(2 * one)]) == 0
+    assert plan_cli.main(DIMS_ARGS + ["--offload", "--host-memory", str(2 * one)]) == 0
     out = capsys.readouterr().out
     line = _row(out[out.index("offload='cpu'"):], "fast")
     assert " 2/4 " in line and plan.format_bytes(2 * one) in line, line
@@ -640,7 +642,7 @@ def test_cli_full_finetune_that_cannot_fit_says_why(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
     args = [str(tmp_path / "config.json"), "--batch", "1", "--seq", "8192",
             "--device-memory", "80GiB"]
-    assert plan.main(args) == 0
+    assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
     layers, V = [LLAMA3_8B] * 32, 128256
     state = plan.model_state_bytes(layers, V, "bf16", "full")
@@ -652,7 +654,7 @@ def test_cli_full_finetune_that_cannot_fit_says_why(tmp_path, capsys):
     fits = lambda n: plan.model_state_bytes(layers, V, "bf16", "full", shard=n) + peak + \
         plan.headroom_bytes(80 * 2**30) <= 80 * 2**30  # noqa: E731
     assert fits(shard) and not fits(shard - 1), shard
-    assert plan.main(args + ["--shard", "8"]) == 0
+    assert plan_cli.main(args + ["--shard", "8"]) == 0
     out = capsys.readouterr().out
     per_gpu = plan.model_state_bytes(layers, V, "bf16", "full", shard=8)
     assert f"model state per GPU (full): {plan.format_bytes(per_gpu)} = 1/8 of " \
@@ -671,12 +673,12 @@ def test_cli_model_id_from_the_local_hf_cache(tmp_path, monkeypatch, capsys):
                num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
     (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(cfg))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert plan.main(["acme/tiny", "--batch", "2", "--seq", "128"]) == 0
+    assert plan_cli.main(["acme/tiny", "--batch", "2", "--seq", "128"]) == 0
     by_id = capsys.readouterr().out
-    assert plan.main(DIMS_ARGS) == 0
+    assert plan_cli.main(DIMS_ARGS) == 0
     assert capsys.readouterr().out == by_id
     with pytest.raises(SystemExit) as exc:
-        plan.main(["acme/absent", "--batch", "2", "--seq", "128"])
+        plan_cli.main(["acme/absent", "--batch", "2", "--seq", "128"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument config" in err and "hf download acme/absent config.json" in err, err
@@ -684,8 +686,77 @@ def test_cli_model_id_from_the_local_hf_cache(tmp_path, monkeypatch, capsys):
 
 def test_cli_help_says_what_weights_mean(capsys):
     with pytest.raises(SystemExit):
-        plan.main(["--help"])
+        plan_cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     for words in ("16 bytes a parameter", "frozen base", "rank-16 adapters", "--shard",
                   "fragmentation", "ESTIMATES", "81559MiB"):
         assert words in out, words
+
+
+# ---- each formula once: the plan reads the engine's (or the one Python) definition ------------
+def test_plan_chunk_rows_are_the_engines():
+    """plan.layer_chunk_rows is the engine's rule (csrc/chunking.h through ckpt_ext._C): at a
+    cap of r tokens' working set it gives r rows, one fewer byte r - 1; and step_peak reads
+    it, so a different rule changes the plan's peak."""
+    d = LayerDims(64, 4, 2, 16, 176)
+    for e in (2, 4, 8):
+        width = (4 * 4 * 16 + 3 * 176) * max(4, e)
+        for rows in (1, 17, 129):
+            assert plan.layer_chunk_rows(d, e, rows * width) == rows
+            assert plan.layer_chunk_rows(d, e, rows * width - 1) == max(1, rows - 1)
+            assert ckpt_ext._C.layer_chunk_rows(64, 176, e, rows * width) == rows
+    layers = [d] * 4
+    kw = dict(path="cpu", chunk_bytes=17 * (4 * 64 + 3 * 176) * 4)
+    base = plan.step_peak("balanced", layers, 1000, 1, 4096, torch.float32, **kw)
+    real = plan._C
+    try:
+        plan._C = types.SimpleNamespace(
+            layer_chunk_rows=lambda *a: 2 * real.layer_chunk_rows(*a),
+            mlp_chunk_rows=real.mlp_chunk_rows)
+        assert plan.step_peak("balanced", layers, 1000, 1, 4096, torch.float32, **kw) != base
+    finally:
+        plan._C = real
+
+
+def test_plan_saved_bytes_read_the_residual_table(monkeypatch):
+    """The bytes per residual slot are defined once (presets.RESIDUAL_WIDTHS of the engine's
+    residual names): the plan, the per-token formula and the offloader's count all change
+    with it."""
+    from ckpt_ext import blocks, offload, presets
+    d = LayerDims(64, 4, 2, 16, 176)
+    before = plan.layer_bytes("fast", d, 2, 8, torch.float32)
+    weights = {"self_attn.q_proj.weight": torch.empty(64, 64),
+               "mlp.gate_proj.weight": torch.empty(176, 64)}
+    options = blocks.LayerOptions(weights=weights, num_heads=4, num_kv_heads=2, preset="fast")
+    x = torch.empty(2, 8, 64)
+    assert offload._layer_saved_bytes(x, options) == before
+    kind, _ = presets.RESIDUAL_WIDTHS["lse"]
+    monkeypatch.setitem(presets.RESIDUAL_WIDTHS, "lse", (kind, lambda H, Hq, Hkv, D, I: 2 * Hq))
+    after = plan.layer_bytes("fast", d, 2, 8, torch.float32)
+    assert after == before + 2 * 8 * 4 * 4
+    assert offload._layer_saved_bytes(x, options) == after
+
+
+def test_plan_offload_split_reads_the_offloaders_rule(monkeypatch):
+    """plan.offload_split applies ckpt_ext.offload.admits, the rule the Offloader packs by
+    (tests/test_offload.py checks the two against each other on real layers)."""
+    from ckpt_ext import offload
+    d = LayerDims(64, 4, 2, 16, 176)
+    one = plan.layer_bytes("balanced", d, 1, 16, torch.float32)
+    assert plan.offload_split([d] * 4, ["balanced"] * 4, 1, 16, torch.float32,
+                              2 * one) == (2, 2 * one, 2 * one)
+    monkeypatch.setattr(offload, "admits", lambda in_use, nbytes, limit: in_use == 0)
+    assert plan.offload_split([d] * 4, ["balanced"] * 4, 1, 16, torch.float32,
+                              2 * one) == (1, one, 3 * one)
+    off = offload.Offloader(10 * one)   # room for both calls by the real rule
+    first = off._pack(offload._Group(0, one), [], torch.ones(3))
+    assert isinstance(first, offload._Handle)
+    second = torch.ones(3)
+    assert off._pack(offload._Group(1, one), [], second) is second   # refused by the rule
+    assert off.stats()["live_layers"] == 1
+
+
+def test_plan_parses_bytes_with_the_settings_parser():
+    """One byte parser: the plan's is ckpt_ext.config.parse_bytes, which reads the chunk cap
+    handed to the engine (tests/test_config.py)."""
+    assert plan.parse_bytes is config.parse_bytes

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from ckpt_ext import blocks
+from ckpt_ext import blocks, config
 from ckpt_ext.presets import FUSED_PRESETS
 from reference import rope_args, make_mask, reference_layer, rope_interleaved_reference, rope_tables
 
@@ -105,10 +105,10 @@ def test_chunks_equal_one_chunk(monkeypatch, preset):
     """Token chunks (each rotates its own rows of the tables) give the one-chunk result."""
     w, x, dy = layer_case(2, qk_norm=True)
     pe = tables(D // 2)
-    monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES", raising=False)
+    config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
     whole = grads(fused(pe, None, preset, "layer"), x, w, dy)
     # 4 rows a chunk: the layer sizes chunks by (4 Hq D + 3 I) fp64 values per token
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(4 * (4 * NH * D + 3 * IM) * 8))
+    config.update(chunk_bytes=str(4 * (4 * NH * D + 3 * IM) * 8))
     assert_same(grads(fused(pe, None, preset, "layer"), x, w, dy), whole, 1e-12, "chunks of 4")
 
 
@@ -201,12 +201,12 @@ def test_qk_norm_after_rope_in_chunks_and_without_norms(monkeypatch, preset):
     """Token chunks give the one-chunk result; without q/k norms the option changes nothing."""
     w, x, dy = layer_case(7, qk_norm=True)
     pe = tables(D)
-    monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES", raising=False)
+    config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
     whole = grads(fused(pe, None, preset, "layer", False, after=True), x, w, dy)
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(4 * (4 * NH * D + 3 * IM) * 8))
+    config.update(chunk_bytes=str(4 * (4 * NH * D + 3 * IM) * 8))
     assert_same(grads(fused(pe, None, preset, "layer", False, after=True), x, w, dy), whole,
                 1e-12, "chunks of 4")
-    monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES")
+    config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
     plain = {n: t for n, t in w.items() if "_norm." not in n}
     assert_same(grads(fused(pe, None, preset, "layer", False, after=True), x, plain, dy),
                 grads(fused(pe, None, preset, "layer", False, after=False), x, plain, dy),

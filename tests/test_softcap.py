@@ -359,11 +359,11 @@ def test_layer_fp64_matches_reference(monkeypatch, preset, part, mask_kind):
     tokens (q_offset and the dk / dv accumulators); and the result differs from softcap 0."""
     weights, x, dy, pe, mask = layer_case(2, 23, torch.float64, mask_kind)
     ref = run_reference_layer(weights, x, dy, pe, mask, part, 2.5)
-    monkeypatch.delenv("CKPT_EXT_CHUNK_BYTES", raising=False)
+    config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
     got = run_layer(weights, x, dy, pe, mask, preset, part, softcap=2.5)
     assert_layer_close(got, ref, 1e-10, 1e-10, f"{preset} {part}")
     width = 4 * NH * (HL // NH) + (3 * IL if part == "layer" else 0)
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(7 * width * 8))
+    config.update(chunk_bytes=str(7 * width * 8))
     assert_layer_close(run_layer(weights, x, dy, pe, mask, preset, part, softcap=2.5), ref,
                        1e-10, 1e-10, f"{preset} {part} chunks of 7")
     uncapped = run_reference_layer(weights, x, dy, pe, mask, part, 0.0)
@@ -381,7 +381,7 @@ def test_layer_triton_meets_the_rule(monkeypatch, preset, part):
     ref = run_reference_layer(weights, x, dy, pe, mask, part, 2.5)
     base = run_layer(weights, x, dy, pe, mask, preset, part, softcap=2.5)
     width = 4 * NH * (HL // NH) + (3 * IL if part == "layer" else 0)
-    monkeypatch.setenv("CKPT_EXT_CHUNK_BYTES", str(7 * width * 4))
+    config.update(chunk_bytes=str(7 * width * 4))
     with use_triton("cpu"):
         got = run_layer(weights, x, dy, pe, mask, preset, part, softcap=2.5)
     check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)

@@ -18,12 +18,26 @@ MLP); they differ along a few axes that the op takes as options:
   LLaMA: (i, i + R/2));
 * the q/k norms' module names (``qk_norms``; Hunyuan: ``query_layernorm`` / ``key_layernorm``)
   and their place: ``qk_norm_after_rope`` (Hunyuan norms the rotated projections).
+
+This module is the only reader of an HF decoder layer: :func:`layer_record` builds the one
+``ckpt_ext.layer_record.LayerRecord`` per layer that the patch, the planner and the offloader
+read (:func:`layer_dims`: its shape alone; :func:`layer_dims_from_config`: the shapes from a
+config, for the plan's CLI). The head rules (``HEAD_RULES``: what a model's forward does
+between its head and its loss, by the transformers class that defines the forward) are family
+knowledge too and live here.
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional, Tuple
+import functools
+import math
+import numbers
+import operator
+from typing import Callable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch.nn as nn
+
+from ..layer_record import LayerDims, LayerRecord
+from .adapters import fused_row_sizes
 
 
 class Family(NamedTuple):
@@ -174,3 +188,240 @@ def norm_eps(norm: nn.Module) -> Optional[float]:
     """An RMSNorm's epsilon (``variance_epsilon``; Gemma 3's norms call it ``eps``)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     return None if eps is None else float(eps)
+
+
+# ---- the layer record ---------------------------------------------------------------------------
+
+def layer_dims(layer: nn.Module, num_heads: int, family: Optional[Family] = None) -> LayerDims:
+    """The shape of an HF Llama-family decoder layer (``self_attn.q_proj/k_proj``,
+    ``mlp.gate_proj``) with ``num_heads`` query heads, read off the projection shapes
+    (Phi-3's fused qkv_proj, Phi-3's and GLM's fused gate_up_proj: their row blocks);
+    ``family`` (LLaMA's when None) says which output norms it may have, and the layer whether
+    they are there (an nn.Identity in a norm's place is none)."""
+    norms = layer_norms(layer, family or LLAMA)
+    out_norms = dict(attention_output_norm="attention_output_norm" in norms,
+                     mlp_output_norm="mlp_output_norm" in norms)
+    attn, mlp = layer.self_attn, layer.mlp
+    inter = (mlp.gate_up_proj.out_features // 2 if "gate_up_proj" in mlp._modules
+             else mlp.gate_proj.out_features)
+    if "qkv_proj" in attn._modules:
+        qkv, head_dim = attn.qkv_proj, int(attn.head_dim)
+        return LayerDims(qkv.in_features, num_heads,
+                         (qkv.out_features // head_dim - num_heads) // 2, head_dim, inter,
+                         **out_norms)
+    q, k = attn.q_proj, attn.k_proj
+    head_dim = q.out_features // num_heads
+    return LayerDims(q.in_features, num_heads, k.out_features // head_dim, head_dim, inter,
+                     **out_norms)
+
+
+def layer_window(config, layer: nn.Module) -> Optional[int]:
+    """The layer's sliding window as transformers applies it: the config's ``sliding_window``
+    on layers that ``layer_types`` marks ``sliding_attention`` (Qwen2/Qwen3, Ministral's
+    interleaved layers), or on every layer when the config has no ``layer_types`` (Mistral);
+    None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return int(window)
+    idx = getattr(layer.self_attn, "layer_idx", None)
+    return int(window) if idx is not None and types[idx] == "sliding_attention" else None
+
+
+def layer_eps(layer: nn.Module, family: Family) -> float:
+    """The one epsilon of the layer's norms (the op takes one); ValueError if they differ."""
+    values = {name: norm_eps(norm) for name, norm in layer_norms(layer, family).items()}
+    if len(set(values.values())) != 1:
+        raise ValueError(f"the norms have different eps {values}; the fused op takes one eps "
+                         "for all of them")
+    return next(iter(values.values()))
+
+
+def layer_record(layer: nn.Module, config) -> LayerRecord:
+    """The record of one HF decoder layer of a ``FAMILIES`` model (``config``: its text
+    config): shape, norms, the op's per-layer options, window, RoPE, fused projections' row
+    blocks; ``source`` is its :class:`Family`. ValueError when the projections' shapes do not
+    match the config's heads."""
+    attn = layer.self_attn
+    family = FAMILIES[config.model_type]
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(attn, "head_dim", None) or
+                   config.hidden_size // config.num_attention_heads)
+    # Phi-3's fused projections: their row blocks (checked here), read per call as q/k/v,
+    # gate/up (ckpt_ext.hf.adapters); projections PEFT or others wrapped are read per call,
+    # here only the shapes that modules declare are checked against the config.
+    fused = fused_row_sizes(layer, num_heads, num_kv_heads, head_dim)
+
+    def dims(name):
+        mod = attn._modules.get(name)
+        if mod is None:  # a block of qkv_proj, checked above
+            return None, None
+        return getattr(mod, "out_features", None), getattr(mod, "in_features", None)
+    (q_out, q_in), (k_out, k_in), (v_out, _), (o_out, o_in) = (
+        dims(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    shapes_ok = (q_out in (None, num_heads * head_dim)
+                 and k_out in (None, num_kv_heads * head_dim)
+                 and v_out in (None, num_kv_heads * head_dim)
+                 and o_in in (None, num_heads * head_dim)
+                 and num_heads % num_kv_heads == 0 and head_dim % 2 == 0)
+    if not shapes_ok:
+        raise ValueError(
+            f"projection out/in features q ({q_out}, {q_in}), k ({k_out}, {k_in}), o "
+            f"({o_out}, {o_in}) do not match num_heads={num_heads}, "
+            f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
+    fields = dict(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, eps=layer_eps(layer, family),
+        scale=float(attn.scaling),
+        # Gemma 2's attention logit soft-capping (0: none)
+        softcap=float(getattr(attn, "attn_logit_softcapping", None) or 0.0),
+        rope_interleaved=family.rope_interleaved, qk_norm_after_rope=family.qk_norm_after_rope,
+        # Granite multiplies each sublayer's output before the residual add
+        residual_scale=float(getattr(layer, "residual_multiplier", 1.0)),
+        norm_offset=family.norm_offset, norm_cast_last=family.norm_cast_last,
+        activation=activation(layer))
+    present = layer_norms(layer, family)
+    names = {**family.norms, **{f"self_attn.{slot}": f"self_attn.{name}"
+                                for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)}}
+    return LayerRecord(
+        dims=layer_dims(layer, num_heads, family),
+        norms={slot: names[slot] for slot in present}, fields=fields,
+        window=layer_window(config, layer),
+        rope=uses_rope(config, family, getattr(attn, "layer_idx", None)), fused=fused,
+        source=family)
+
+
+def _config_value(config, name, default=None):
+    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name,
+                                                                               default)
+    return default if value is None else value
+
+
+def layer_dims_from_config(config) -> List[LayerDims]:
+    """One LayerDims per decoder layer of an HF config (object or dict): hidden_size,
+    num_attention_heads, num_key_value_heads (default: the heads), head_dim (default
+    hidden_size // heads), intermediate_size, num_hidden_layers; the output norms of its
+    model_type's family (LLaMA's for a model_type not in ``FAMILIES``). ValueError naming
+    what is missing or not an int."""
+    missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size",
+                           "num_hidden_layers") if _config_value(config, n) is None]
+    if missing:
+        raise ValueError(f"config: missing {', '.join(missing)}")
+
+    def integer(name, default=None):
+        value = _config_value(config, name, default)
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            return operator.index(value)
+        except TypeError:
+            raise ValueError(f"config: {name} must be an int, got {value!r}") from None
+
+    H = integer("hidden_size")
+    heads = integer("num_attention_heads")
+    if heads <= 0:
+        raise ValueError(f"config: num_attention_heads must be a positive int, got {heads}")
+    kv = integer("num_key_value_heads", heads)
+    D = integer("head_dim", H // heads)
+    family = FAMILIES.get(_config_value(config, "model_type"), LLAMA)
+    flag = family.output_norms_flag  # HyperCLOVA X's use_post_norm
+    out_norms = flag is None or _config_value(config, flag, True) is not False
+    dims = LayerDims(H, heads, kv, D, integer("intermediate_size"),
+                     attention_output_norm=out_norms and "attention_output_norm" in family.norms,
+                     mlp_output_norm=out_norms and "mlp_output_norm" in family.norms)
+    layers = integer("num_hidden_layers")
+    if layers <= 0:
+        raise ValueError(f"config: num_hidden_layers must be a positive int, got {layers}")
+    return [dims] * layers
+
+
+# ---- the head rules ------------------------------------------------------------------------------
+# A head rule reads the model's config and gives (problem or None, logit_scale, softcap): what
+# the forward does to lm_head's output before its loss_function, as linear_cross_entropy's
+# arguments.
+HeadRule = Callable[[object], Tuple[Optional[str], float, float]]
+
+
+def _positive_number(x) -> bool:
+    return (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+            and x > 0)
+
+
+def plain_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h)."""
+    return None, 1.0, 0.0
+
+
+def scaled_head(config, divide: bool) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) / config.logits_scaling (``divide``: GraniteForCausalLM) or
+    lm_head(h) * config.logits_scaling (HyperCLOVAXForCausalLM, as muP)."""
+    scaling = getattr(config, "logits_scaling", 1.0)
+    if not _positive_number(scaling):
+        return (f"config.logits_scaling={scaling!r} is not a finite number > 0", 1.0, 0.0)
+    return None, (1.0 / float(scaling) if divide else float(scaling)), 0.0
+
+
+def softcapped_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = cap tanh(lm_head(h) / cap) with cap = config.final_logit_softcapping, when it
+    is not None (Gemma2ForCausalLM, Gemma3ForCausalLM, VaultGemmaForCausalLM)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        return None, 1.0, 0.0
+    if not _positive_number(cap):
+        return (f"config.final_logit_softcapping={cap!r} is not None or a finite number > 0",
+                1.0, 0.0)
+    return None, 1.0, float(cap)
+
+
+def uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) (Gemma3ForConditionalGeneration, whose forward applies no final
+    soft-cap); a text config that sets one is refused (another transformers version's forward
+    may apply it)."""
+    cap = getattr(config.get_text_config(), "final_logit_softcapping", None)
+    if cap is not None:
+        return (f"text_config.final_logit_softcapping={cap!r} is set, and whether this "
+                "forward applies it depends on the transformers version", 1.0, 0.0)
+    return None, 1.0, 0.0
+
+
+# The transformers *ForCausalLM classes whose forward the fused head reproduces, by the name of
+# the class that defines the forward: each computes logits = lm_head(last hidden state), then
+# the rule's transform, then loss_function(logits, labels, vocab_size, **kwargs).
+HEAD_RULES = {
+    "LlamaForCausalLM": plain_head, "MistralForCausalLM": plain_head,
+    "MinistralForCausalLM": plain_head, "Qwen2ForCausalLM": plain_head,
+    "Qwen3ForCausalLM": plain_head, "SmolLM3ForCausalLM": plain_head,
+    "GemmaForCausalLM": plain_head, "Olmo2ForCausalLM": plain_head,
+    "Olmo3ForCausalLM": plain_head, "Phi3ForCausalLM": plain_head,
+    "Exaone4ForCausalLM": plain_head, "GlmForCausalLM": plain_head,
+    "Glm4ForCausalLM": plain_head, "HeliumForCausalLM": plain_head,
+    "Ernie4_5ForCausalLM": plain_head, "HunYuanDenseV1ForCausalLM": plain_head,
+    "GraniteForCausalLM": functools.partial(scaled_head, divide=True),
+    "HyperCLOVAXForCausalLM": functools.partial(scaled_head, divide=False),
+    "CwmForCausalLM": plain_head,
+    "Gemma2ForCausalLM": softcapped_head, "Gemma3ForCausalLM": softcapped_head,
+    "VaultGemmaForCausalLM": softcapped_head,
+    "Gemma3ForConditionalGeneration": uncapped_text_head,
+    "LlavaForConditionalGeneration": plain_head, "Mistral3ForConditionalGeneration": plain_head,
+    "Qwen2VLForConditionalGeneration": plain_head,
+    "Qwen2_5_VLForConditionalGeneration": plain_head,
+    "Qwen3VLForConditionalGeneration": plain_head,
+}
+
+
+def head_rule(model: nn.Module) -> Tuple[Optional[str], Optional[HeadRule]]:
+    """(problem, None) when the forward ``model`` runs is not one of ``HEAD_RULES`` (defined
+    by transformers under that name), else (None, its rule). Deliberately keyed by the class
+    that defines ``forward``, not the config: a subclass with a forward of its own keeps HF's
+    head."""
+    owner = next((c for c in type(model).__mro__ if "forward" in vars(c)), None)
+    rule = None
+    if owner is not None and owner.__module__.startswith("transformers."):
+        rule = HEAD_RULES.get(owner.__name__)
+    if rule is None:
+        name = "no forward" if owner is None else f"the forward of {owner.__qualname__}"
+        return (f"{type(model).__name__} runs {name}, not one of the transformers forwards "
+                f"whose head and loss the fused op reproduces ({', '.join(HEAD_RULES)})"), None
+    return None, rule

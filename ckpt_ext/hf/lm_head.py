@@ -11,8 +11,8 @@ not compute) runs HF's forward and returns logits as before. TRL's own fused hea
 bare model and its own head, so it keeps working, with the decoder layers fused underneath.
 
 What the model's forward does between its head and its loss is looked up by the transformers
-class that defines that forward (``_HEAD_RULES``), never guessed from the config alone: Llama
-and the families like it pass the logits on as they are, Granite divides them by
+class that defines that forward (``families.HEAD_RULES``), never guessed from the config alone:
+Llama and the families like it pass the logits on as they are, Granite divides them by
 ``config.logits_scaling`` (the op's ``logit_scale``), Gemma 2 and Gemma 3 soft-cap them by
 ``config.final_logit_softcapping`` when it is set (the op's ``softcap``). A model whose forward
 is not one of those (a subclass with a forward of its own, another family) keeps HF's head,
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
-import numbers
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -41,7 +39,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .cache import causal_lm_output, uses_cache
-from .families import Family, norm_eps
+from .families import Family, HeadRule, head_rule, norm_eps
 from .zero import gathered_for_head, raw_parameter
 
 
@@ -49,93 +47,6 @@ from .zero import gathered_for_head, raw_parameter
 def _hf_causal_lm_loss():
     from transformers.loss.loss_utils import ForCausalLMLoss
     return ForCausalLMLoss
-
-
-# A head rule reads the model's config and gives (problem or None, logit_scale, softcap): what
-# the forward does to lm_head's output before its loss_function, as linear_cross_entropy's
-# arguments.
-HeadRule = Callable[[object], Tuple[Optional[str], float, float]]
-
-
-def _positive_number(x) -> bool:
-    return (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-            and x > 0)
-
-
-def _plain_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h)."""
-    return None, 1.0, 0.0
-
-
-def _scaled_head(config, divide: bool) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h) / config.logits_scaling (``divide``: GraniteForCausalLM) or
-    lm_head(h) * config.logits_scaling (HyperCLOVAXForCausalLM, as muP)."""
-    scaling = getattr(config, "logits_scaling", 1.0)
-    if not _positive_number(scaling):
-        return (f"config.logits_scaling={scaling!r} is not a finite number > 0", 1.0, 0.0)
-    return None, (1.0 / float(scaling) if divide else float(scaling)), 0.0
-
-
-def _softcapped_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = cap tanh(lm_head(h) / cap) with cap = config.final_logit_softcapping, when it
-    is not None (Gemma2ForCausalLM, Gemma3ForCausalLM, VaultGemmaForCausalLM)."""
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is None:
-        return None, 1.0, 0.0
-    if not _positive_number(cap):
-        return (f"config.final_logit_softcapping={cap!r} is not None or a finite number > 0",
-                1.0, 0.0)
-    return None, 1.0, float(cap)
-
-
-def _uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h) (Gemma3ForConditionalGeneration, whose forward applies no final
-    soft-cap); a text config that sets one is refused (another transformers version's forward
-    may apply it)."""
-    cap = getattr(config.get_text_config(), "final_logit_softcapping", None)
-    if cap is not None:
-        return (f"text_config.final_logit_softcapping={cap!r} is set, and whether this "
-                "forward applies it depends on the transformers version", 1.0, 0.0)
-    return None, 1.0, 0.0
-
-
-# The transformers *ForCausalLM classes whose forward the fused head reproduces, by the name of
-# the class that defines the forward: each computes logits = lm_head(last hidden state), then
-# the rule's transform, then loss_function(logits, labels, vocab_size, **kwargs).
-_HEAD_RULES = {
-    "LlamaForCausalLM": _plain_head, "MistralForCausalLM": _plain_head,
-    "MinistralForCausalLM": _plain_head, "Qwen2ForCausalLM": _plain_head,
-    "Qwen3ForCausalLM": _plain_head, "SmolLM3ForCausalLM": _plain_head,
-    "GemmaForCausalLM": _plain_head, "Olmo2ForCausalLM": _plain_head,
-    "Olmo3ForCausalLM": _plain_head, "Phi3ForCausalLM": _plain_head,
-    "Exaone4ForCausalLM": _plain_head, "GlmForCausalLM": _plain_head,
-    "Glm4ForCausalLM": _plain_head, "HeliumForCausalLM": _plain_head,
-    "Ernie4_5ForCausalLM": _plain_head, "HunYuanDenseV1ForCausalLM": _plain_head,
-    "GraniteForCausalLM": functools.partial(_scaled_head, divide=True),
-    "HyperCLOVAXForCausalLM": functools.partial(_scaled_head, divide=False),
-    "CwmForCausalLM": _plain_head,
-    "Gemma2ForCausalLM": _softcapped_head, "Gemma3ForCausalLM": _softcapped_head,
-    "VaultGemmaForCausalLM": _softcapped_head,
-    "Gemma3ForConditionalGeneration": _uncapped_text_head,
-    "LlavaForConditionalGeneration": _plain_head, "Mistral3ForConditionalGeneration": _plain_head,
-    "Qwen2VLForConditionalGeneration": _plain_head,
-    "Qwen2_5_VLForConditionalGeneration": _plain_head,
-    "Qwen3VLForConditionalGeneration": _plain_head,
-}
-
-
-def head_rule(model: nn.Module) -> Tuple[Optional[str], Optional[HeadRule]]:
-    """(problem, None) when the forward ``model`` runs is not one of ``_HEAD_RULES`` (defined
-    by transformers under that name), else (None, its rule)."""
-    owner = next((c for c in type(model).__mro__ if "forward" in vars(c)), None)
-    rule = None
-    if owner is not None and owner.__module__.startswith("transformers."):
-        rule = _HEAD_RULES.get(owner.__name__)
-    if rule is None:
-        name = "no forward" if owner is None else f"the forward of {owner.__qualname__}"
-        return (f"{type(model).__name__} runs {name}, not one of the transformers forwards "
-                f"whose head and loss the fused op reproduces ({', '.join(_HEAD_RULES)})"), None
-    return None, rule
 
 
 def head_transform(model: nn.Module,

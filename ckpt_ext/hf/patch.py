@@ -85,14 +85,15 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from .._checks import _check_bool
-from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
+from ..blocks import PROJECTIONS, WEIGHT_SLOTS, decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import zero
 from .cache import uses_cache
-from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
-from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, layer_norms,
-                       norm_eps, text_positions, uses_rope)
+from ..layer_record import LayerDims, LayerRecord
+from .adapters import FUSED_MODULES, read_layer_projections, read_projection
+from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
+                       layer_norms, layer_record, norm_eps, text_positions)
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 from .sequence_split import refuse_split_attention
@@ -373,73 +374,6 @@ def _capture_inert() -> bool:
     return not (active and "attentions" in active)
 
 
-def _eps(layer: nn.Module, family: Family) -> float:
-    values = {name: norm_eps(norm) for name, norm in layer_norms(layer, family).items()}
-    if len(set(values.values())) != 1:
-        raise ValueError(f"the norms have different eps {values}; the fused op takes one eps "
-                         "for all of them")
-    return next(iter(values.values()))
-
-
-class _LayerSpec:
-    """What one fused layer passes to the op besides tensors."""
-
-    def __init__(self, layer: nn.Module, config):
-        attn = layer.self_attn
-        self.family = FAMILIES[config.model_type]
-        self.activation = activation(layer)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(attn, "head_dim", None) or
-                            config.hidden_size // config.num_attention_heads)
-        self.scale = float(attn.scaling)
-        # Gemma 2's attention logit soft-capping (0: none)
-        self.softcap = float(getattr(attn, "attn_logit_softcapping", None) or 0.0)
-        self.eps = _eps(layer, self.family)
-        self.window = _layer_window(config, layer)
-        self.rope = uses_rope(config, self.family, getattr(attn, "layer_idx", None))
-        # Granite multiplies each sublayer's output before the residual add
-        self.residual_scale = float(getattr(layer, "residual_multiplier", 1.0))
-        # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
-        # only the shapes that modules declare are checked against the config.
-        # Phi-3's fused projections: their row blocks (checked here), read per call as q/k/v,
-        # gate/up (ckpt_ext.hf.adapters)
-        self.fused = fused_row_sizes(layer, self.num_heads, self.num_kv_heads, self.head_dim)
-
-        def dims(name):
-            mod = attn._modules.get(name)
-            if mod is None:  # a block of qkv_proj, checked above
-                return None, None
-            return getattr(mod, "out_features", None), getattr(mod, "in_features", None)
-        (q_out, q_in), (k_out, k_in), (v_out, _), (o_out, o_in) = (
-            dims(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        shapes_ok = (q_out in (None, self.num_heads * self.head_dim)
-                     and k_out in (None, self.num_kv_heads * self.head_dim)
-                     and v_out in (None, self.num_kv_heads * self.head_dim)
-                     and o_in in (None, self.num_heads * self.head_dim)
-                     and self.num_heads % self.num_kv_heads == 0 and self.head_dim % 2 == 0)
-        if not shapes_ok:
-            raise ValueError(
-                f"projection out/in features q ({q_out}, {q_in}), k ({k_out}, {k_in}), o "
-                f"({o_out}, {o_in}) do not match num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
-
-
-def _layer_window(config, layer: nn.Module) -> Optional[int]:
-    """The layer's sliding window as transformers applies it: the config's ``sliding_window``
-    on layers that ``layer_types`` marks ``sliding_attention`` (Qwen2/Qwen3, Ministral's
-    interleaved layers), or on every layer when the config has no ``layer_types`` (Mistral);
-    None for full attention."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return int(window)
-    idx = getattr(layer.self_attn, "layer_idx", None)
-    return int(window) if idx is not None and types[idx] == "sliding_attention" else None
-
-
 def _no_rope_tables(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
     """cos = 1, sin = 0 at cos's shape: q * 1 + rotate_half(q) * 0 is q exactly, so a layer
     without RoPE runs the same op. Broadcast views of one element each: nothing sequence-sized
@@ -458,7 +392,7 @@ def _tables_for(x: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
     return cos, sin
 
 
-def _window(spec: "_LayerSpec", x: Tensor) -> Optional[int]:
+def _window(spec: LayerRecord, x: Tensor) -> Optional[int]:
     """The layer's window for this call (None when it covers the whole sequence)."""
     return spec.window if spec.window is not None and spec.window < x.shape[1] else None
 
@@ -489,7 +423,7 @@ def _attention_dropout(layer: nn.Module, config) -> float:
                          getattr(config, "attention_dropout", 0.0)) or 0.0)
 
 
-def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
+def _check_fusable(layer: nn.Module, idx: int, config) -> LayerRecord:
     def refuse(why: str) -> ValueError:
         return ValueError(f"patch_llama: cannot fuse decoder layer {idx} "
                           f"({type(layer).__name__}): {why}. Use policy 'none' or 'torch' "
@@ -515,7 +449,7 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> _LayerSpec:
                      f"{act}): the fused MLP gates with SiLU (SwiGLU) or tanh-approximate GELU "
                      "(GeGLU)")
     try:
-        return _LayerSpec(layer, config)
+        return layer_record(layer, config)
     except ValueError as e:
         raise refuse(str(e)) from None
 
@@ -621,11 +555,8 @@ class _Shared:
             # With offload the device keeps only the prefetch pool, and what a preset saves
             # crosses the host link twice per step: min_memory moves the least (fast about 11x
             # more), so every layer takes it; the budget is checked against the pool.
-            from ..plan import LayerDims, offload_device_bytes
-            config = self.owner.config
-            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads),
-                                            FAMILIES[config.model_type])
-                    for layer in self.layers]
+            from ..plan import offload_device_bytes
+            dims = self.layer_dims()
             presets = ["min_memory"] * len(dims)
             need = offload_device_bytes(dims, presets, b, s, dtype)
             if need > self.budget:
@@ -635,13 +566,15 @@ class _Shared:
                                  f"B={b}, S={s}); the smallest budget that fits is {need}")
             self.auto[key] = presets
         if key not in self.auto:
-            from ..plan import LayerDims, choose_presets
-            config = self.owner.config
-            dims = [LayerDims.from_hf_layer(layer, int(config.num_attention_heads),
-                                            FAMILIES[config.model_type])
-                    for layer in self.layers]
-            self.auto[key] = choose_presets(dims, b, s, dtype, self.budget)
+            from ..plan import choose_presets
+            self.auto[key] = choose_presets(self.layer_dims(), b, s, dtype, self.budget)
         return self.auto[key]
+
+    def layer_dims(self) -> List[LayerDims]:
+        """The layers' shapes (their records' dims, as families.layer_dims reads them)."""
+        config = self.owner.config
+        return [layer_dims(layer, int(config.num_attention_heads),
+                           FAMILIES[config.model_type]) for layer in self.layers]
 
     def fused_layers(self) -> List[nn.Module]:
         """The layers whose training forward can be the fused op."""
@@ -683,7 +616,7 @@ class _PatchedForward:
     """The instance-level ``forward`` of a patched decoder layer (see the module docstring).
     ``calls`` counts the calls by path: ``fused``, ``torch``, ``delegated: <reason>``."""
 
-    def __init__(self, layer: nn.Module, idx: int, preset: str, spec: Optional[_LayerSpec],
+    def __init__(self, layer: nn.Module, idx: int, preset: str, spec: Optional[LayerRecord],
                  shared: _Shared, config):
         self.layer, self.idx, self.preset, self.spec = layer, idx, preset, spec
         self.shared, self.config = shared, config
@@ -739,7 +672,7 @@ class _PatchedForward:
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
         reason, masks = self._why_not_fused(hidden_states, kwargs, state)
-        tensors = _layer_tensors(self.layer, self.spec.family, self.spec.fused) \
+        tensors = _layer_tensors(self.layer, self.spec.source, self.spec.fused) \
             if reason is None else None
         if isinstance(tensors, str):
             reason = tensors
@@ -805,7 +738,7 @@ class _PatchedForward:
             return "attention_dropout > 0 (set after patching)", BatchMasks()
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
             return "attention is not causal (is_causal=False)", BatchMasks()
-        problem = _structure_problem(layer, spec.family, hooks=True,
+        problem = _structure_problem(layer, spec.source, hooks=True,
                                      projections=False)  # read once, later
         if problem:
             return problem, BatchMasks()
@@ -815,10 +748,10 @@ class _PatchedForward:
         cos, sin = pe
         # cos/sin narrower than head_dim: partial rotary embeddings (Phi-4-mini)
         if x.dim() != 3 or cos.dim() != 3 or cos.shape[1] != x.shape[1] \
-                or cos.shape[2] > spec.head_dim or cos.shape[2] % 2 \
+                or cos.shape[2] > spec.dims.head_dim or cos.shape[2] % 2 \
                 or cos.shape[0] not in (1, x.shape[0]) or sin.shape != cos.shape:
             return (f"position_embeddings of shape {tuple(cos.shape)} do not fit hidden_states "
-                    f"{tuple(x.shape)} and head_dim {spec.head_dim}"), BatchMasks()
+                    f"{tuple(x.shape)} and head_dim {spec.dims.head_dim}"), BatchMasks()
         if cos.requires_grad or sin.requires_grad:
             return "cos/sin require grad", BatchMasks()
         reason, masks = self._masks(x, kwargs, state)
@@ -842,28 +775,23 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        return offloaded(
-            self.shared.offloader, call_decoder_layer, x,
-            [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
+        options = spec.options(
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
             # capped layers reach here only without empty rows (_why_not_fused)
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
-            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
-            scale=spec.scale, softcap=spec.softcap,
-            rope_interleaved=spec.family.rope_interleaved,
-            qk_norm_after_rope=spec.family.qk_norm_after_rope,
-            residual_scale=spec.residual_scale,
-            norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
-            activation=spec.activation, preset=preset)
+            preset=preset)
+        return offloaded(self.shared.offloader, decoder_layer, x,
+                         [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
+                         options)
 
 
 def _layer_tensors(layer: nn.Module, family: Family, fused: Optional[dict] = None
                    ) -> Union[str, Tuple[list, list, list, list]]:
     """The op's ``weights``, ``lora_scaling``, ``lora_dropout`` and ``lora_streams`` lists for
     a layer whose structure was checked (``family``: its norm map; ``fused``: its fused
-    projections' row blocks, ``_LayerSpec.fused``), or why a projection cannot be fused (its
+    projections' row blocks, ``LayerRecord.fused``), or why a projection cannot be fused (its
     adapters are read here, once per call). The lists are empty without adapters / without
     dropout / without fused projections' dropout."""
     named = {f"{slot}.weight": norm.weight for slot, norm in layer_norms(layer, family).items()}

@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import offload as _offload
 from .. import ops, plain
 from .._checks import _check_activation, _check_bool, _check_eps
-from ..blocks import LayerOptions, decoder_layer
+from ..blocks import decoder_layer
+from ..layer_record import LayerDims, LayerRecord
 from ..presets import FUSED_PRESETS, check_policy
 
 __all__ = ["LayerConfig", "RMSNorm", "SwiGLUMLP", "Attention", "DecoderLayer"]
@@ -76,6 +77,12 @@ class LayerConfig:
     @property
     def dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def dims(self) -> LayerDims:
+        """The layer's shape as the planner and the offloader read it."""
+        return LayerDims(self.hidden_size, self.num_heads, self.num_kv_heads, self.dim,
+                         self.intermediate_size)
 
 
 # ---- plain PyTorch math (presets "none" / "torch") -----------------------------------------
@@ -262,13 +269,20 @@ class DecoderLayer(_WithPolicy):
         h = x + self.self_attn._attend(self.input_layernorm(x), (cos, sin), mask)
         return h + self.mlp._plain(self.post_attention_layernorm(h))
 
-    def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
+    @property
+    def record(self) -> LayerRecord:
+        """The layer as the op and the planner read it (``ckpt_ext.layer_record``)."""
         a = self.self_attn
-        options = LayerOptions(
-            weights=dict(self.named_parameters()), cos=cos, sin=sin, key_padding_mask=mask,
+        norms = ("input_layernorm", "post_attention_layernorm") + (
+            ("self_attn.q_norm", "self_attn.k_norm") if self.config.qk_norm else ())
+        return LayerRecord(self.config.dims, norms={n: n for n in norms}, fields=dict(
             num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
             eps=self.input_layernorm.variance_epsilon, scale=a.scaling,
-            activation=self.mlp.activation, preset=self.policy)
+            activation=self.mlp.activation))
+
+    def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
+        options = self.record.options(weights=dict(self.named_parameters()), cos=cos, sin=sin,
+                                      key_padding_mask=mask, preset=self.policy)
         return _offload.offloaded(self.offloader, decoder_layer, x,
                                   [*options.weights, cos, sin, mask], options)
 
