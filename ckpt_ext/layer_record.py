@@ -17,9 +17,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Tuple
 
-from .blocks import LayerOptions
+from .blocks import LAYER_ARGS, LayerOptions
 
 __all__ = ["LayerDims", "LayerRecord"]
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LayerOptions)
+             if f.default is not dataclasses.MISSING}
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,6 @@ class LayerDims:
                     D=self.head_dim, I=self.intermediate_size)
 
 
-# The op's options a record carries (fixed per layer); the others (weights, cos/sin, masks,
-# window, LoRA lists, preset) are the call's.
-LAYER_FIELDS = ("num_heads", "num_kv_heads", "eps", "scale", "softcap", "rope_interleaved",
-                "qk_norm_after_rope", "residual_scale", "norm_offset", "norm_cast_last",
-                "activation")
 
 
 @dataclass(frozen=True)
@@ -77,16 +75,17 @@ class LayerRecord:
     source: Any = None
 
     def __post_init__(self):
-        unknown = set(self.fields) - set(LAYER_FIELDS)
+        unknown = set(self.fields) - set(LAYER_ARGS)
         if unknown:
-            raise ValueError(f"LayerRecord: fields {sorted(unknown)} are not per-layer options "
-                             f"of the op (ckpt_ext.layer_record.LAYER_FIELDS)")
+            raise ValueError(f"LayerRecord: fields {sorted(unknown)} are not arguments of the op "
+                             f"(ckpt_ext.blocks.LAYER_ARGS)")
 
     def __getattr__(self, name: str):
-        # the op's options by name: record.num_heads, record.eps, ...
-        fields = self.__dict__.get("fields", {})
-        if name in LAYER_FIELDS and name in fields:
-            return fields[name]
+        # the op's options by name: record.num_heads, record.eps, ... (the schema's default
+        # where the record leaves one out)
+        if name in LAYER_ARGS and name != "weights":
+            fields = self.__dict__.get("fields", {})
+            return fields[name] if name in fields else _DEFAULTS[name]
         raise AttributeError(name)
 
     @property

@@ -36,12 +36,63 @@ from typing import Callable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch.nn as nn
 
+from ..blocks import LAYER_ARGS
 from ..layer_record import LayerDims, LayerRecord
 from .adapters import fused_row_sizes
 
 
+# ---- the head rules ------------------------------------------------------------------------------
+# A head rule reads the model's config and gives (problem or None, logit_scale, softcap): what
+# the forward does to lm_head's output before its loss_function, as linear_cross_entropy's
+# arguments.
+HeadRule = Callable[[object], Tuple[Optional[str], float, float]]
+
+
+def _positive_number(x) -> bool:
+    return (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+            and x > 0)
+
+
+def plain_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h)."""
+    return None, 1.0, 0.0
+
+
+def scaled_head(config, divide: bool) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) / config.logits_scaling (``divide``: GraniteForCausalLM) or
+    lm_head(h) * config.logits_scaling (HyperCLOVAXForCausalLM, as muP)."""
+    scaling = getattr(config, "logits_scaling", 1.0)
+    if not _positive_number(scaling):
+        return (f"config.logits_scaling={scaling!r} is not a finite number > 0", 1.0, 0.0)
+    return None, (1.0 / float(scaling) if divide else float(scaling)), 0.0
+
+
+def softcapped_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = cap tanh(lm_head(h) / cap) with cap = config.final_logit_softcapping, when it
+    is not None (Gemma2ForCausalLM, Gemma3ForCausalLM, VaultGemmaForCausalLM)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        return None, 1.0, 0.0
+    if not _positive_number(cap):
+        return (f"config.final_logit_softcapping={cap!r} is not None or a finite number > 0",
+                1.0, 0.0)
+    return None, 1.0, float(cap)
+
+
+def uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) (Gemma3ForConditionalGeneration, whose forward applies no final
+    soft-cap); a text config that sets one is refused (another transformers version's forward
+    may apply it)."""
+    cap = getattr(config.get_text_config(), "final_logit_softcapping", None)
+    if cap is not None:
+        return (f"text_config.final_logit_softcapping={cap!r} is set, and whether this "
+                "forward applies it depends on the transformers version", 1.0, 0.0)
+    return None, 1.0, 0.0
+
+
 class Family(NamedTuple):
-    """A decoder layer's norm layout and rounding (module docstring)."""
+    """A decoder layer's norm layout and rounding (module docstring); a field named as an
+    argument of the op (``ckpt_ext.blocks.LAYER_ARGS``) is passed to it as it is."""
 
     norms: Mapping[str, str]     # op norm slot -> the layer's module name
     norm_offset: float = 0.0
@@ -54,6 +105,14 @@ class Family(NamedTuple):
     # the config flag that, when False, leaves the output norms out (nn.Identity in their
     # place: HyperCLOVA X's use_post_norm)
     output_norms_flag: Optional[str] = None
+    # (transformers class whose forward computes the head and loss, its head rule): set per
+    # model_type in FAMILIES with .head()
+    heads: Tuple[Tuple[str, HeadRule], ...] = ()
+
+    def head(self, cls: str, rule: Optional[HeadRule] = None) -> "Family":
+        """This layout with the head of the transformers class ``cls`` (the one defining the
+        forward; ``rule``: what it does to the logits, ``plain_head`` when None)."""
+        return self._replace(heads=self.heads + ((cls, rule or plain_head),))
 
     @property
     def modules(self) -> frozenset:
@@ -109,13 +168,27 @@ GLM4 = Family({"input_layernorm": "input_layernorm",
 # which transformers reads packed sequences (row 0), as the fused layers do.
 MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
 
-FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA,
-            "qwen3": LLAMA, "smollm3": LLAMA, "granite": LLAMA, "gemma": GEMMA1,
-            "gemma2": GEMMA, "gemma3_text": GEMMA, "olmo2": OLMO2, "olmo3": OLMO2,
-            "phi3": LLAMA, "exaone4": EXAONE4, "glm": GLM, "glm4": GLM4, "helium": HELIUM,
-            "vaultgemma": VAULTGEMMA, "ernie4_5": GLM, "hunyuan_v1_dense": HUNYUAN,
-            "hyperclovax": HYPERCLOVAX, "cwm": LLAMA,
-            **{t: LLAMA for t in sorted(MROPE)}}
+# model_type -> its layer's Family with its head (HEAD_RULES)
+FAMILIES = {
+    "llama": LLAMA.head("LlamaForCausalLM"), "mistral": LLAMA.head("MistralForCausalLM"),
+    "ministral": LLAMA.head("MinistralForCausalLM"), "qwen2": LLAMA.head("Qwen2ForCausalLM"),
+    "qwen3": LLAMA.head("Qwen3ForCausalLM"), "smollm3": LLAMA.head("SmolLM3ForCausalLM"),
+    "granite": LLAMA.head("GraniteForCausalLM", functools.partial(scaled_head, divide=True)),
+    "gemma": GEMMA1.head("GemmaForCausalLM"),
+    "gemma2": GEMMA.head("Gemma2ForCausalLM", softcapped_head),
+    "gemma3_text": GEMMA.head("Gemma3ForCausalLM", softcapped_head),
+    "olmo2": OLMO2.head("Olmo2ForCausalLM"), "olmo3": OLMO2.head("Olmo3ForCausalLM"),
+    "phi3": LLAMA.head("Phi3ForCausalLM"), "exaone4": EXAONE4.head("Exaone4ForCausalLM"),
+    "glm": GLM.head("GlmForCausalLM"), "glm4": GLM4.head("Glm4ForCausalLM"),
+    "helium": HELIUM.head("HeliumForCausalLM"),
+    "vaultgemma": VAULTGEMMA.head("VaultGemmaForCausalLM", softcapped_head),
+    "ernie4_5": GLM.head("Ernie4_5ForCausalLM"),
+    "hunyuan_v1_dense": HUNYUAN.head("HunYuanDenseV1ForCausalLM"),
+    "hyperclovax": HYPERCLOVAX.head("HyperCLOVAXForCausalLM",
+                                    functools.partial(scaled_head, divide=False)),
+    "cwm": LLAMA.head("CwmForCausalLM"),
+    # the M-RoPE language models: their heads are their multimodal models' (MULTIMODAL)
+    **{t: LLAMA for t in sorted(MROPE)}}
 
 
 class Multimodal(NamedTuple):
@@ -126,13 +199,28 @@ class Multimodal(NamedTuple):
     # image tokens attend bidirectionally (Gemma 3): a batch with images runs HF's layers;
     # otherwise images are embeddings merged into the causal text stream (LLaVA, Mistral 3)
     bidirectional_images: bool
+    # (transformers class whose forward computes the head and loss, its head rule)
+    head: Tuple[str, HeadRule] = ("", plain_head)
 
 
-MULTIMODAL = {"gemma3": Multimodal(frozenset({"gemma3_text"}), True),
-              "llava": Multimodal(None, False), "mistral3": Multimodal(None, False),
-              "qwen2_vl": Multimodal(frozenset({"qwen2_vl_text"}), False),
-              "qwen2_5_vl": Multimodal(frozenset({"qwen2_5_vl_text"}), False),
-              "qwen3_vl": Multimodal(frozenset({"qwen3_vl_text"}), False)}
+MULTIMODAL = {
+    "gemma3": Multimodal(frozenset({"gemma3_text"}), True,
+                         ("Gemma3ForConditionalGeneration", uncapped_text_head)),
+    "llava": Multimodal(None, False, ("LlavaForConditionalGeneration", plain_head)),
+    "mistral3": Multimodal(None, False, ("Mistral3ForConditionalGeneration", plain_head)),
+    "qwen2_vl": Multimodal(frozenset({"qwen2_vl_text"}), False,
+                           ("Qwen2VLForConditionalGeneration", plain_head)),
+    "qwen2_5_vl": Multimodal(frozenset({"qwen2_5_vl_text"}), False,
+                             ("Qwen2_5_VLForConditionalGeneration", plain_head)),
+    "qwen3_vl": Multimodal(frozenset({"qwen3_vl_text"}), False,
+                           ("Qwen3VLForConditionalGeneration", plain_head))}
+
+# The transformers classes whose forward the fused head reproduces, by the name of the class
+# that defines the forward (from FAMILIES and MULTIMODAL): each computes logits = lm_head(last
+# hidden state), then the rule's transform, then loss_function(logits, labels, vocab_size,
+# **kwargs).
+HEAD_RULES = {**{cls: rule for family in FAMILIES.values() for cls, rule in family.heads},
+              **dict(m.head for m in MULTIMODAL.values())}
 
 
 def text_positions(model_type: str, position_ids):
@@ -273,14 +361,14 @@ def layer_record(layer: nn.Module, config) -> LayerRecord:
             f"({o_out}, {o_in}) do not match num_heads={num_heads}, "
             f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
     fields = dict(
+        # the family's options that are the op's (its rounding, RoPE pairs, q/k norm place)
+        **{name: getattr(family, name) for name in family._fields if name in LAYER_ARGS},
         num_heads=num_heads, num_kv_heads=num_kv_heads, eps=layer_eps(layer, family),
         scale=float(attn.scaling),
         # Gemma 2's attention logit soft-capping (0: none)
         softcap=float(getattr(attn, "attn_logit_softcapping", None) or 0.0),
-        rope_interleaved=family.rope_interleaved, qk_norm_after_rope=family.qk_norm_after_rope,
         # Granite multiplies each sublayer's output before the residual add
         residual_scale=float(getattr(layer, "residual_multiplier", 1.0)),
-        norm_offset=family.norm_offset, norm_cast_last=family.norm_cast_last,
         activation=activation(layer))
     present = layer_norms(layer, family)
     names = {**family.norms, **{f"self_attn.{slot}": f"self_attn.{name}"
@@ -335,80 +423,6 @@ def layer_dims_from_config(config) -> List[LayerDims]:
     if layers <= 0:
         raise ValueError(f"config: num_hidden_layers must be a positive int, got {layers}")
     return [dims] * layers
-
-
-# ---- the head rules ------------------------------------------------------------------------------
-# A head rule reads the model's config and gives (problem or None, logit_scale, softcap): what
-# the forward does to lm_head's output before its loss_function, as linear_cross_entropy's
-# arguments.
-HeadRule = Callable[[object], Tuple[Optional[str], float, float]]
-
-
-def _positive_number(x) -> bool:
-    return (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-            and x > 0)
-
-
-def plain_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h)."""
-    return None, 1.0, 0.0
-
-
-def scaled_head(config, divide: bool) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h) / config.logits_scaling (``divide``: GraniteForCausalLM) or
-    lm_head(h) * config.logits_scaling (HyperCLOVAXForCausalLM, as muP)."""
-    scaling = getattr(config, "logits_scaling", 1.0)
-    if not _positive_number(scaling):
-        return (f"config.logits_scaling={scaling!r} is not a finite number > 0", 1.0, 0.0)
-    return None, (1.0 / float(scaling) if divide else float(scaling)), 0.0
-
-
-def softcapped_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = cap tanh(lm_head(h) / cap) with cap = config.final_logit_softcapping, when it
-    is not None (Gemma2ForCausalLM, Gemma3ForCausalLM, VaultGemmaForCausalLM)."""
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is None:
-        return None, 1.0, 0.0
-    if not _positive_number(cap):
-        return (f"config.final_logit_softcapping={cap!r} is not None or a finite number > 0",
-                1.0, 0.0)
-    return None, 1.0, float(cap)
-
-
-def uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
-    """logits = lm_head(h) (Gemma3ForConditionalGeneration, whose forward applies no final
-    soft-cap); a text config that sets one is refused (another transformers version's forward
-    may apply it)."""
-    cap = getattr(config.get_text_config(), "final_logit_softcapping", None)
-    if cap is not None:
-        return (f"text_config.final_logit_softcapping={cap!r} is set, and whether this "
-                "forward applies it depends on the transformers version", 1.0, 0.0)
-    return None, 1.0, 0.0
-
-
-# The transformers *ForCausalLM classes whose forward the fused head reproduces, by the name of
-# the class that defines the forward: each computes logits = lm_head(last hidden state), then
-# the rule's transform, then loss_function(logits, labels, vocab_size, **kwargs).
-HEAD_RULES = {
-    "LlamaForCausalLM": plain_head, "MistralForCausalLM": plain_head,
-    "MinistralForCausalLM": plain_head, "Qwen2ForCausalLM": plain_head,
-    "Qwen3ForCausalLM": plain_head, "SmolLM3ForCausalLM": plain_head,
-    "GemmaForCausalLM": plain_head, "Olmo2ForCausalLM": plain_head,
-    "Olmo3ForCausalLM": plain_head, "Phi3ForCausalLM": plain_head,
-    "Exaone4ForCausalLM": plain_head, "GlmForCausalLM": plain_head,
-    "Glm4ForCausalLM": plain_head, "HeliumForCausalLM": plain_head,
-    "Ernie4_5ForCausalLM": plain_head, "HunYuanDenseV1ForCausalLM": plain_head,
-    "GraniteForCausalLM": functools.partial(scaled_head, divide=True),
-    "HyperCLOVAXForCausalLM": functools.partial(scaled_head, divide=False),
-    "CwmForCausalLM": plain_head,
-    "Gemma2ForCausalLM": softcapped_head, "Gemma3ForCausalLM": softcapped_head,
-    "VaultGemmaForCausalLM": softcapped_head,
-    "Gemma3ForConditionalGeneration": uncapped_text_head,
-    "LlavaForConditionalGeneration": plain_head, "Mistral3ForConditionalGeneration": plain_head,
-    "Qwen2VLForConditionalGeneration": plain_head,
-    "Qwen2_5_VLForConditionalGeneration": plain_head,
-    "Qwen3VLForConditionalGeneration": plain_head,
-}
 
 
 def head_rule(model: nn.Module) -> Tuple[Optional[str], Optional[HeadRule]]:
