@@ -82,8 +82,14 @@ def norm_rows_bwd(dy: Tensor, x: Tensor, weight: Tensor, eps: float, offset: flo
 
 def chunk_rows(hidden: Tensor) -> int:
     """Rows per chunk: the chunk's rows in fp32 (fp64 for fp64) within the byte cap."""
-    row = hidden.shape[1] * max(4, hidden.element_size())
-    return max(1, config.current().chunk_bytes // max(1, row))
+    return rows_within_cap(hidden.shape[1], hidden.element_size(),
+                           config.current().chunk_bytes)
+
+
+def rows_within_cap(H: int, element_size: int, cap: int) -> int:
+    """Rows per chunk of the normed head at width H: rows at the compute width (fp32, fp64
+    for fp64) within ``cap``, at least one (the planner reads it too)."""
+    return max(1, cap // max(1, H * max(4, element_size)))
 
 
 def walks_vocabulary(T: int, V: int, head_element_size: int) -> bool:

@@ -76,7 +76,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _C, config, offload
-from ._normed_head import walks_vocabulary
+from ._normed_head import rows_within_cap, walks_vocabulary
 from .config import parse_bytes
 from .layer_record import LayerDims
 from .presets import per_token_bytes
@@ -231,7 +231,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     # the head, forward (the logits buffers) or backward (the gradients)
     dw = e * V * H if train_weights else 0
     if fused_head:
-        rows = min(T, max(1, chunk_bytes // (4 * H)))
+        rows = min(T, rows_within_cap(H, e, chunk_bytes))   # the normed head's chunks
         if train_weights and walks_vocabulary(T, V, e):
             rows = T       # its backward normalises the rows in one piece
         # training the weight over several token chunks: an fp32 accumulator, or each

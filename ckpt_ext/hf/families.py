@@ -286,9 +286,7 @@ def layer_dims(layer: nn.Module, num_heads: int, family: Optional[Family] = None
     (Phi-3's fused qkv_proj, Phi-3's and GLM's fused gate_up_proj: their row blocks);
     ``family`` (LLaMA's when None) says which output norms it may have, and the layer whether
     they are there (an nn.Identity in a norm's place is none)."""
-    norms = layer_norms(layer, family or LLAMA)
-    out_norms = dict(attention_output_norm="attention_output_norm" in norms,
-                     mlp_output_norm="mlp_output_norm" in norms)
+    out_norms = _output_norms(layer, family or LLAMA)
     attn, mlp = layer.self_attn, layer.mlp
     inter = (mlp.gate_up_proj.out_features // 2 if "gate_up_proj" in mlp._modules
              else mlp.gate_proj.out_features)
@@ -301,6 +299,13 @@ def layer_dims(layer: nn.Module, num_heads: int, family: Optional[Family] = None
     head_dim = q.out_features // num_heads
     return LayerDims(q.in_features, num_heads, k.out_features // head_dim, head_dim, inter,
                      **out_norms)
+
+
+def _output_norms(layer: nn.Module, family: Family) -> dict:
+    """LayerDims' output-norm flags: which of the family's output norms the layer has."""
+    norms = layer_norms(layer, family)
+    return dict(attention_output_norm="attention_output_norm" in norms,
+                mlp_output_norm="mlp_output_norm" in norms)
 
 
 def layer_window(config, layer: nn.Module) -> Optional[int]:
@@ -373,8 +378,15 @@ def layer_record(layer: nn.Module, config) -> LayerRecord:
     present = layer_norms(layer, family)
     names = {**family.norms, **{f"self_attn.{slot}": f"self_attn.{name}"
                                 for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)}}
+    # the shape from the config and what the modules declare (a projection another library
+    # wrapped may declare nothing; it is read per call, or refused then)
+    mlp = layer.mlp._modules
+    gate_up = getattr(mlp.get("gate_up_proj"), "out_features", None)
+    inter = gate_up // 2 if gate_up else getattr(mlp.get("gate_proj"), "out_features", None)
+    dims = LayerDims(int(config.hidden_size), num_heads, num_kv_heads, head_dim,
+                     int(inter or config.intermediate_size), **_output_norms(layer, family))
     return LayerRecord(
-        dims=layer_dims(layer, num_heads, family),
+        dims=dims,
         norms={slot: names[slot] for slot in present}, fields=fields,
         window=layer_window(config, layer),
         rope=uses_rope(config, family, getattr(attn, "layer_idx", None)), fused=fused,
