@@ -54,6 +54,9 @@ class KernelConfig:
     # The choice table "auto" reads: "" for the one shipped with the package, else the path
     # of a table file.
     attention_table: str = ""
+    # The attention backward's launch configurations (kernels/attention_tuning.py): "" for the
+    # winners file shipped with the package, else the path of one a GPU sweep wrote.
+    attention_bwd_configs: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +116,7 @@ SETTINGS = {s.field: s for s in (
     Setting("attention_backend", "CKPT_EXT_ATTN_BACKEND",
             {b: b for b in ("auto", "triton", "flash", "cudnn", "efficient")}),
     Setting("attention_table", "CKPT_EXT_ATTN_TABLE", None, _table_path),
+    Setting("attention_bwd_configs", "CKPT_EXT_ATTN_BWD_CONFIGS", None, _table_path),
 )}
 
 _lock = threading.RLock()

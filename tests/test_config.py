@@ -20,7 +20,7 @@ ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ": "'separate', 'at
            "CKPT_EXT_BACKEND": "'auto', 'triton'",
            "CKPT_EXT_ATTN_BACKEND": "'auto', 'triton', 'flash', 'cudnn', 'efficient'"}
 # Settings whose value is free text, checked otherwise (tests/test_attention_route.py).
-FREE = {"CKPT_EXT_ATTN_TABLE"}
+FREE = {"CKPT_EXT_ATTN_TABLE", "CKPT_EXT_ATTN_BWD_CONFIGS"}
 
 
 # ---- reading the environment -----------------------------------------------------------------
