@@ -227,7 +227,14 @@ def check_operands(op: str, *named, uses_dot: bool = True) -> None:
 # Launchers
 # --------------------------------------------------------------------------------------------
 def _config_kwargs(c) -> dict:
-    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    """A config's launch arguments: its meta-parameters, warps and stages, and the CUDA
+    backend's register cap (``maxnreg``) and cluster size (``num_ctas``) where it sets them."""
+    kw = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    if getattr(c, "maxnreg", None) is not None:
+        kw["maxnreg"] = c.maxnreg
+    if getattr(c, "num_ctas", 1) != 1:
+        kw["num_ctas"] = c.num_ctas
+    return kw
 
 
 class Fixed:

@@ -158,7 +158,7 @@ def sweep_candidates(kind: str, *, block_m: Optional[Sequence[int]] = None,
     BLOCK_M 64, 128 x BLOCK_N 32..128). A product point is dropped when a thread would hold
     fewer than ``min_per_thread`` elements of the BLOCK_M x BLOCK_N score tile (warps that have
     nothing to do) or when a cluster would split a tile below 16 rows. Duplicates are kept
-    once, where they first appear; ``limit``: at most that many (the baseline counts).
+    once, where they first appear; ``limit``: at most that many after the baseline.
     """
     if kind not in _TILES:
         raise ValueError(f"sweep_candidates: kind must be one of {list(_TILES)}, got {kind!r}")
@@ -177,6 +177,7 @@ def sweep_candidates(kind: str, *, block_m: Optional[Sequence[int]] = None,
 
     for c in baseline:
         add(c if isinstance(c, Candidate) else Candidate.of_config(c))
+    n_base = len(out)
     # larger tiles first; among equal areas the larger held dimension first
     held = "block_n" if kind == "dkdv" else "block_m"
     tiles = sorted(itertools.product(bms, bns),
@@ -190,7 +191,7 @@ def sweep_candidates(kind: str, *, block_m: Optional[Sequence[int]] = None,
         if ctas > 1 and (bm if held == "block_m" else bn) // ctas < 16:
             continue
         add(Candidate(bm, bn, w, s, r, ctas))
-    return out[:limit] if limit is not None else out
+    return out[:n_base + limit] if limit is not None else out
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,11 @@ def test_candidate_config_round_trip_and_checks():
     assert (cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.num_ctas) == (8, 3, 168, 1)
     assert C.of_config(cfg) == c and C.of_config(C(32, 64, 4, 2).to_config()).maxnreg is None
     assert C.from_dict(c.as_dict()) == c
+    # what the untimed and pruning launchers pass at launch: the cap and cluster too
+    assert _launch._config_kwargs(cfg) == {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8,
+                                           "num_stages": 3, "maxnreg": 168}
+    assert _launch._config_kwargs(C(64, 64, 4, 2, None, 2).to_config())["num_ctas"] == 2
+    assert "maxnreg" not in _launch._config_kwargs(C(64, 64, 4, 2).to_config())
     assert c.label == "64x128 w8 s3 r168" and C(64, 64, 4, 2, None, 2).label == "64x64 w4 s2 c2"
     for bad, match in ((dict(block_m=48), "block_m must be a power of two"),
                        (dict(num_warps=2), "num_warps must be 4, 8 or 16"),
@@ -72,6 +77,8 @@ def test_sweep_candidates_options_filters_and_errors():
         num_ctas=[4])
     assert not tuning.sweep_candidates("dq", block_m=[64], block_n=[32], warps=[8])
     assert len(tuning.sweep_candidates("dkdv", limit=5)) == 5
+    base = attention.attention_configs("dq", "hopper")
+    assert len(tuning.sweep_candidates("dq", limit=2, baseline=base)) == len(base) + 2
     # the order does not depend on the order the axes are given in
     assert (tuning.sweep_candidates("dkdv", warps=[8, 4], stages=[4, 2, 3])
             == tuning.sweep_candidates("dkdv", warps=[4, 8], stages=[2, 3, 4]))
