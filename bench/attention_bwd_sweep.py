@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--shape", default="1,32,8,128", help="B,Hq,Hkv,D (LLaMA-3-8B heads)")
-    p.add_argument("--buckets", default="16384:16384,1056:32768",
+    p.add_argument("--buckets", default="32768:32768,1056:32768,282:32768",
                    help="SQ:SK shape buckets, comma-separated; SQ < SK: a query chunk (the "
                         "last SQ positions, dK/dV into fp32 accumulators)")
     p.add_argument("--kernels", default="dkdv,dq")
@@ -87,6 +87,13 @@ def ints(text):
 
 def caps(text):
     return [None if x.strip().lower() == "none" else int(x) for x in text.split(",") if x]
+
+
+def twin(n):
+    """A small length that Triton's JIT specializes as it does n (its remainder mod 16, and
+    whether it is 1): a compile worker's kernels are those the main process launches, in a
+    launch that takes microseconds off the GPU the main process is timing on."""
+    return n if n <= 64 else 64 + n % 16
 
 
 def buckets_of(text):
@@ -121,6 +128,9 @@ class Bucket:
         from ckpt_ext.kernels import attention
 
         B, Hq, Hkv, D = ints(args.shape)
+        if not measure:   # a compile worker: a small twin of the same specialization
+            sq, off = twin(sq), twin(sk - sq)
+            sk = sq + off
         self.sq, self.sk, self.offset = sq, sk, sk - sq
         self.dims = (B, Hq, Hkv, D)
         dtype = getattr(torch, DTYPES[args.dtype])
@@ -232,7 +242,8 @@ def _worker_compile(kind, cand, index):
         with tuning.force(**{kind: cand}):
             _W["buckets"][index].run()
         sync(_W["args"].device)
-        return None
+        r = tuning.launch_reports().get((kind, cand))
+        return None if r is None else (r.regs, r.spills, r.shared)
     except Exception as exc:   # reported by the main process when it runs the same
         return f"{type(exc).__name__}: {exc}"
 
@@ -334,8 +345,13 @@ def main(argv=None):
                     stopped = True
                     break
                 fut = futures.get((k, c, bi))
-                if fut is not None:
-                    fut.result()
+                ahead = fut.result() if fut is not None else None
+                if isinstance(ahead, tuple) and not _launch.fits(_launch.Resources(*ahead),
+                                                                 budget):
+                    # the worker's compile of the same specialization: not launched here
+                    print(f"{k} {bucket.label} {c.label}: pruned (regs {ahead[0]} spills "
+                          f"{ahead[1]} smem {ahead[2]})")
+                    continue
                 note = ""
                 try:
                     with tuning.force(**{k: c}):

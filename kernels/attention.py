@@ -67,7 +67,9 @@ accumulation.
 Launch policy (``kernels/_launch.py``, shared by all kernels): on a GPU the block sizes are
 autotuned per architecture family (Hopper, Ampere) with the key (HEAD_DIM, CAUSAL, S_BUCKET,
 SQ_BUCKET: the keys' and the query rows' lengths bucketed; dK/dV also DQ_ATOMIC, ACCUMULATE);
-with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is launched untimed. Under
+with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is launched untimed. The backward's
+kernels put first the configuration a GPU sweep measured for the launch's shape bucket, when
+the winners file names one (``kernels/attention_tuning.py``). Under
 ``TRITON_INTERPRET=1`` a single fixed configuration from ``INTERPRETER_BLOCKS`` is used so that
 CPU tests stay fast. Launchers are cached per (kernel, device, dtype, head_dim, causal, mask
 kind, window, fp32 dot precision, and for dK/dV the dQ mode and accumulation).

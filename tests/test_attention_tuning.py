@@ -3,6 +3,10 @@ candidates, the winners file and its reader, the launcher reading it, a forced c
 computing the same gradients; and ahead-of-time register / spill reports of a few sweep
 candidates for sm_90."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -319,3 +323,96 @@ def test_forced_blocks_give_the_reference_gradients(dkdv, dq, monkeypatch):
     o.backward(dout * mask)
     for got, want in zip(accs, (leaves[1].grad, leaves[2].grad)):
         assert (got.double() - want).norm() / want.norm() < 1e-5
+
+
+# ---- ahead-of-time register / spill reports for sm_90 -----------------------------------------
+_AOT_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import check_triton_compile as t
+t._prepare_environment()
+import triton
+attention, _, _ = t.load_kernel_modules(False)
+t._MODULES["attention"] = attention
+cuobjdump = t.find_cuobjdump()
+out = []
+for kind, bm, bn, w, s, cap in json.loads(sys.argv[2]):
+    sig, consts, attrs = t.attention_signature(attention, kind, "bf16", 128, True, False,
+                                               {"BLOCK_M": bm, "BLOCK_N": bn})
+    options = {"num_warps": w, "num_stages": s}
+    if cap is not None:
+        options["maxnreg"] = cap
+    res = t.compile_job(dict(module="attention", kernel=t.ATTN_KERNEL[kind], arch=90,
+                             signature=sig, constexprs=consts, attrs=attrs, options=options),
+                        cuobjdump)
+    r = t.aot_resources(res)
+    out.append(None if r is None else [r.regs, r.spills, r.shared, res.get("spill_stores")])
+print("TRITON " + triton.__version__)
+print("AOT" + json.dumps(out))
+"""
+
+# Another triton to compile with, besides the one installed here: a directory holding it
+# (``pip install --no-deps --target DIR triton==3.6.0``, the GPU image's version).
+_OTHER_TRITON = os.environ.get("CKPT_EXT_AOT_TRITON", "")
+
+
+@pytest.mark.parametrize("site", ["installed"] + ([_OTHER_TRITON] if _OTHER_TRITON else []))
+def test_aot_sweep_candidates_report_registers_and_spills_for_sm_90(site):
+    """A few sweep candidates of both backward kernels (bf16, head_dim 128, causal), register
+    capped and not, compiled for sm_90 ahead of time by tools/check_triton_compile.py's
+    machinery (no GPU: triton's bundled ptxas; what the driver would report: registers, local
+    memory / 4 as spills, shared memory). With the triton installed here (3.9.0 in this
+    project's CPU environment; the GPU image has 3.6.0, which CKPT_EXT_AOT_TRITON=DIR adds as a
+    second run): the cap holds (registers <= maxnreg) and, on a tile that wanted more
+    registers, spills at least as much; ptxas's spill stores and the driver's count agree; the
+    launchers' pruning keeps exactly the spill-free ones within Hopper's shared memory."""
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    # the first built-in dK/dV candidate, the same capped at 168 (both spilled under triton
+    # 3.6 and 3.9, capped more), the first built-in dQ candidate capped (spilled), and a dQ
+    # tile that compiled spill-free under 3.6 (3.9: 16 words of spills)
+    cands = [C(64, 128, 8, 3), C(64, 128, 8, 3, 168), C(128, 64, 8, 3, 168), C(64, 64, 4, 3)]
+    kinds = ["dkdv", "dkdv", "dq", "dq"]
+    job = [[k, c.block_m, c.block_n, c.num_warps, c.num_stages, c.maxnreg]
+           for k, c in zip(kinds, cands)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if site != "installed":
+        env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tools), json.dumps(job)],
+                              env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.skip("the ahead-of-time compile took over 15 minutes")
+    version = next((ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("TRITON ")), "?")
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AOT")), None)
+    if proc.returncode != 0 or line is None:
+        reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        print(f"AOT compile for sm_90 unavailable (triton {version}): {reason[0]}")
+        pytest.skip(f"AOT compile for sm_90 unavailable: {reason[0]}")
+    found = json.loads(line[3:])
+    if any(r is None for r in found):
+        print(f"AOT compile for sm_90 gave no resources for some candidates: {found}")
+        pytest.skip("cuobjdump gave no resource line (AOT resources unavailable)")
+    res = [_launch.Resources(*r[:3]) for r in found]
+    print(f"triton {version} ({'installed here' if site == 'installed' else site}), sm_90, "
+          f"bf16 D128 causal:",
+          {f"{k} {c.label}": f"regs {r.regs} spills {r.spills} smem {r.shared}"
+           for k, c, r in zip(kinds, cands, res)})
+    if site != "installed":
+        assert version.startswith("3.6"), f"CKPT_EXT_AOT_TRITON: expected triton 3.6, got {version}"
+    assert all(r.regs <= 255 for r in res)
+    for c, r in zip(cands, res):
+        if c.maxnreg is not None:
+            assert r.regs <= c.maxnreg, (c, r)
+    if res[0].regs > 168:   # the uncapped tile wanted more than the cap gives
+        assert res[1].spills >= res[0].spills, res[:2]
+    # the driver's count (local memory) and ptxas's log agree on which ones spill
+    assert all((r.spills > 0) == bool(f[3]) for r, f in zip(res, found) if f[3] is not None)
+    budget = 227 * 1024
+    for kind in ("dkdv", "dq"):
+        pairs = [(c.to_config(), r) for k, c, r in zip(kinds, cands, res) if k == kind]
+        kept = _launch.prune([p[0] for p in pairs], [p[1] for p in pairs], budget)
+        fitting = [cfg for cfg, r in pairs if r.spills == 0 and r.shared <= budget]
+        if fitting:
+            assert kept == fitting, (kind, pairs)
+        else:   # none fits: the one that spills least, so that something runs
+            assert kept == [min(pairs, key=lambda p: (p[1].spills, p[1].shared))[0]], pairs

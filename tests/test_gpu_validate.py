@@ -144,6 +144,13 @@ def test_attention_backends_rows(dry_run):
     for backend in ("flash", "cudnn", "efficient"):
         assert re.search(rf"^ +{backend} Sq=16 Sk=64 q_offset=48: ", text, re.M), backend
     assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), text
+    # the layer's own calls (6 rows per chunk at the dry run's tiny dims and 16 KiB cap):
+    # its first, middle and last chunk, each against the keys it sees
+    for sq, sk, off in ((6, 6, 0), (6, 36, 30), (4, 64, 60)):
+        assert re.search(rf"^ +triton Sq={sq} Sk={sk} q_offset={off}: fwd [\d.]+ ms", text,
+                         re.M), (sq, sk, text)
+        assert re.search(rf"^triton,triton,fwd\+bwd,1,4,2,16,{sq},{sk},{off},.*,layer S 64: "
+                         rf"chunk \d+/11 of 6 rows", text, re.M), (sq, sk)
     assert '"rules"' in text
 
 

@@ -6,8 +6,10 @@
 #   c 100  bench/long_step.py: LLaMA-3-8B dims, 4 layers, S 128K, min_memory with and without
 #          offload: peak and time, measured / modelled by ckpt_ext.plan
 #   d  60  bench/attention.py --backend-rows: ckpt_ext's attention op with each backend pinned
-#          (triton / flash / cuDNN / efficient) at S 32K and the layer's chunk shapes, and the
-#          choice table the times give (CKPT_EXT_AUTOTUNE=1 here only)
+#          (triton / flash / cuDNN / efficient) at S 32K and the layer's chunk shapes (the
+#          first, a middle and the last chunk of LLaMA-3-8B's tiled layer at S 32K, its own
+#          chunk rows; and 1,056 rows against 32K keys), and the choice table the times give
+#          (CKPT_EXT_AUTOTUNE=1 here only)
 #   e  60  bench/lora_profile.py: LLaMA-3-8B layer, PEFT LoRA r 16, bf16, S 4096, one profiled
 #          step per fused preset and HF's layer, top kernels
 #   f  45  bench/long_step.py: one layer at S 256K, min_memory with offload
@@ -18,8 +20,9 @@
 #   s 150  (not in the default list: a part that waits for a second call, --parts s, on the
 #          still-warm machine right after the first) bench/attention_bwd_sweep.py: the Triton
 #          attention backward's launch configurations (tiles, warps, stages, register cap),
-#          per kernel (dK/dV, dQ) at S 16K and at the layer's chunk shape (1,056 rows against
-#          32K keys), compiled by 16 workers while the main process times them, the winners
+#          per kernel (dK/dV, dQ) at B 1, S 32K and at the layer's chunk shapes (282 and 1,056
+#          rows against 32K keys), compiled by 16 workers (on small twins of the shapes: the
+#          same kernels, off the timed GPU) while the main process times them, the winners
 #          written as a winners file (kernels/attention_bwd_configs.json's format) and checked
 #          together at B 1, S 32K. Its own --budget stops it 25 s before the part's timeout
 #          with what it found. Device time: about 150 s plus the call's start-up (the build is
@@ -222,10 +225,11 @@ att_dir=$(mktemp -d)
 # the attention routing's own bench: ckpt_ext's op with each backend pinned (merges included)
 # at the layer's call shapes, and the choice table the times give
 d_script="$py bench/attention.py --backend-rows --backends triton,flash,cudnn,efficient \
-  --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 282,1056 --chunk-keys 32768 \
-  --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
+  --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 1056 --chunk-keys 32768 \
+  --layer-dims 4096,32,8,128,14336 --layer-seqlens 32768 --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
 [ "$dry" = 1 ] && d_script="$d_script --backend-shape 1,4,2,16 --backend-seqlens 64 \
-  --chunk-rows 16 --chunk-keys 64 --warmup 0 --reps 1"
+  --chunk-rows 16 --chunk-keys 64 --layer-dims 64,4,2,16,128 --layer-seqlens 64 \
+  --chunk-bytes 16384 --warmup 0 --reps 1"
 d_script="$d_script; r=\$?; cat $att_dir/attention_backends.csv $att_dir/table.json; exit \$r"
 part d 60 quick_d_attention.txt "attention per backend, whole and chunks" \
   "export CKPT_EXT_AUTOTUNE=1; $d_script"
@@ -242,7 +246,7 @@ part g 30 quick_g_demo.txt "demo (its defaults)" \
 s_json="$out/quick_s_attention_bwd_configs.json"
 s_args="--out $s_json --commit '${commit}'"
 [ "$dry" = 1 ] && s_args="$s_args --device cpu --dtype fp32 --shape 1,2,1,16 --buckets 48:48,16:48 \
-  --block-m 32 --block-n 32,64 --warps 4 --limit 2 --reps 1 --top 2 --check-seq 40"
+  --block-m 32 --block-n 32,64 --warps 4 --limit 2 --reps 1 --top 2 --check-seq 40 --jobs 1"
 part s 150 quick_s_attention_bwd.txt "attention backward sweep (tiles, warps...)" \
   "$py bench/attention_bwd_sweep.py --budget \$((PART_SECS - 25)) $s_args"
 png=$(find "$demo_dir" -maxdepth 1 -name 'demo_*.png' -newer "$stamp" 2>/dev/null | head -1)
