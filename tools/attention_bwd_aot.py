@@ -19,7 +19,6 @@ import argparse
 import concurrent.futures as cf
 import datetime
 import multiprocessing
-import os
 import shlex
 import subprocess
 import sys
