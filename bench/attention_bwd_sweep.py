@@ -10,7 +10,10 @@ is launched alone through ``ckpt_ext.kernels.attention.attention_bwd`` under
 
 1. compiled (``--jobs`` worker processes compile ahead into Triton's cache while the main
    process measures), and skipped when the compiler reports spills or too much shared memory
-   (the launchers would prune it: ``kernels/_launch.py``);
+   (the launchers would prune it: ``kernels/_launch.py``); ``--max-spills`` words per thread
+   are let through and timed, to see whether a tile that spills a little beats the spill-free
+   smaller ones (a winner that spills is written with its ``spills``, which the launcher then
+   allows);
 2. checked: its dQ / dK / dV against the usual launch's, relative error (norm) under 1e-2
    (half precision; fp32 1e-4), no NaN: a wrong or racy config never wins;
 3. timed: the whole backward (pre-pass, dK/dV, dQ), CUDA events, the median of ``--reps``;
@@ -62,9 +65,13 @@ def parse_args(argv=None):
     p.add_argument("--block-m", default="", help="BLOCK_M values (default: per kernel)")
     p.add_argument("--block-n", default="", help="BLOCK_N values (default: per kernel)")
     p.add_argument("--warps", default="4,8")
-    p.add_argument("--stages", default="2,3,4")
+    p.add_argument("--stages", default="1,2,3,4")
     p.add_argument("--maxnreg", default="none,168", help="register caps; 'none': no cap")
     p.add_argument("--num-ctas", default="1", help="cluster sizes (sm_90); 1: no cluster")
+    p.add_argument("--max-spills", type=int, default=32,
+                   help="time candidates that spill at most this many words per thread too "
+                        "(the launchers keep none that spill unless a winner was measured "
+                        "with spills; 0: spill-free ones only)")
     p.add_argument("--limit", type=int, default=None,
                    help="at most N candidates per kernel after its built-in ones")
     p.add_argument("--reps", type=int, default=3)
@@ -340,6 +347,7 @@ def main(argv=None):
         for k in kinds:
             rows = []   # (ms, candidate)
             baseline = None
+            spills = {}
             for c in cands[k]:
                 if over_budget():
                     stopped = True
@@ -347,7 +355,7 @@ def main(argv=None):
                 fut = futures.get((k, c, bi))
                 ahead = fut.result() if fut is not None else None
                 if isinstance(ahead, tuple) and not _launch.fits(_launch.Resources(*ahead),
-                                                                 budget):
+                                                                 budget, args.max_spills):
                     # the worker's compile of the same specialization: not launched here
                     print(f"{k} {bucket.label} {c.label}: pruned (regs {ahead[0]} spills "
                           f"{ahead[1]} smem {ahead[2]})")
@@ -360,7 +368,8 @@ def main(argv=None):
                         res = tuning.launch_reports().get((k, c))
                         fits = True
                         if cuda:
-                            fits = _launch.fits(res, budget)
+                            fits = _launch.fits(res, budget, args.max_spills)
+                        spills[c] = res.spills if res is not None else 0
                         if res is not None:
                             note = f"regs {res.regs} spills {res.spills} smem {res.shared}"
                         if not fits:
@@ -376,7 +385,7 @@ def main(argv=None):
                     print(f"{k} {bucket.label} {c.label}: FAILED {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160]}")
                     continue
-                is_base = baseline is None and c in builtin[k]
+                is_base = baseline is None and c in builtin[k] and not spills.get(c)
                 if is_base:
                     baseline = (ms, c)
                 rows.append((ms, c))
@@ -408,7 +417,8 @@ def main(argv=None):
                 accumulate=bucket.chunk if k == "dkdv" else None,
                 ms=sig(final[win]), baseline_ms=sig(base_ms) if base_ms else None,
                 tflops=sig(bucket.flops() / final[win] / 1e9),
-                baseline=baseline[1].label if baseline is not None else None)
+                baseline=baseline[1].label if baseline is not None else None,
+                spills=spills.get(win, 0))
             entries.append(entry)
             combined.setdefault(bi, {})[k] = (win, baseline[1] if baseline else None)
             tuning.write_winners(out_path, headers, entries,

@@ -751,7 +751,7 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_
 def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
               has_mask: bool, has_seg: bool, window: bool, precision: str,
               dq_atomic: bool = False, accumulate: bool = False, softcap: bool = False,
-              first=None, only: bool = False):
+              first=None, only: bool = False, max_spills: int = 0):
     """(kernel, constexpr arguments) of one kernel for one specialization: a fixed config in
     the interpreter; on a GPU the candidates pruned by their compiled resources
     (``_launch.Pruned``): with ``CKPT_EXT_AUTOTUNE=0`` the first that fits (no timing), else
@@ -761,7 +761,8 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
     each timed run, so that the launch that follows adds into the caller's values once.
     first: an ``attention_tuning.Candidate`` put before the built-in candidates (the winners
     file's), or with ``only`` launched alone (``attention_tuning.force``; in the interpreter
-    its block sizes)."""
+    its block sizes); max_spills: the spill words per thread a kept config may have (a
+    measured winner's own)."""
     meta = dict(_common_meta(head_dim, causal, dtype, precision), HAS_MASK=has_mask,
                 HAS_SEG=has_seg, WINDOW=window, SOFTCAP=softcap)
     restore = []
@@ -780,23 +781,24 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
                       else first.blocks())
     extra = {"restore_value": restore} if restore else {}
     return _launch.select(_KERNELS[kind], configs, key=_KEYS[kind], smem_budget=budget,
-                          interpret_meta=interpret_meta, **extra), meta
+                          interpret_meta=interpret_meta, max_spills=max_spills, **extra), meta
 
 
 def _bwd_choice(kind, device, dtype, head_dim, causal, sq_bucket, sk_bucket, dq_atomic,
                 accumulate, softcap):
-    """(first, only) for :func:`_launcher` of a backward kernel: a forced configuration
-    (``attention_tuning.force``), else on a GPU the winners file's for this bucket (not for
-    soft-capped kernels), else none."""
+    """(first, only, max_spills) for :func:`_launcher` of a backward kernel: a forced
+    configuration (``attention_tuning.force``), else on a GPU the winners file's for this
+    bucket with the spills it was measured with (not for soft-capped kernels), else none."""
     pinned = _tuning.forced(kind)
     if pinned is not None:
-        return pinned, True
+        return pinned, True, 0
     if _launch.INTERPRET or softcap:
-        return None, False
+        return None, False, 0
     cap = _launch.device_info(device).capability
-    return _tuning.winner(kind, cap, dtype, head_dim, causal, sq_bucket, sk_bucket,
-                          dq_atomic if kind == "dkdv" else None,
-                          accumulate if kind == "dkdv" else None), False
+    found = _tuning.winner(kind, cap, dtype, head_dim, causal, sq_bucket, sk_bucket,
+                           dq_atomic if kind == "dkdv" else None,
+                           accumulate if kind == "dkdv" else None)
+    return (None, False, 0) if found is None else (found[0], False, found[1])
 
 
 def _s_bucket(S: int) -> int:

@@ -24,7 +24,9 @@ that every program is made of whole warpgroups (the unit of sm_90's ``wgmma``).
   those, its (sq, sk) is nearest to the launch's in log2 distance (ties: the larger shape).
   The winner goes first in the kernel's candidate list; the launchers still prune by the
   compiler's report (``kernels/_launch.py``), so a winner that spills under this device's
-  Triton falls back to the built-in order. Soft-capped kernels (another register budget) and
+  Triton falls back to the built-in order. An entry may record ``spills`` (words per thread):
+  the sweep found that config faster than every spill-free one although it spills that much,
+  and the launcher then keeps candidates with at most as many spills. Soft-capped kernels (another register budget) and
   the Triton interpreter do not read the file.
 * :func:`force` pins one configuration per kernel for the duration of a block (the sweep
   itself; tests), in the interpreter too (there only the block sizes count).
@@ -145,7 +147,7 @@ _TILES = {"dkdv": {"block_m": (16, 32, 64, 128), "block_n": (64, 128)},
 
 def sweep_candidates(kind: str, *, block_m: Optional[Sequence[int]] = None,
                      block_n: Optional[Sequence[int]] = None,
-                     warps: Sequence[int] = (4, 8), stages: Sequence[int] = (2, 3, 4),
+                     warps: Sequence[int] = (4, 8), stages: Sequence[int] = (1, 2, 3, 4),
                      maxnreg: Sequence[Optional[int]] = (None, 168),
                      num_ctas: Sequence[int] = (1,), min_per_thread: int = 16,
                      baseline: Iterable = (), limit: Optional[int] = None) -> list:
@@ -220,6 +222,7 @@ class Entry:
     baseline_ms: Optional[float] = None
     tflops: Optional[float] = None
     baseline: Optional[str] = None
+    spills: int = 0
 
     def as_dict(self) -> dict:
         d = {"kernel": self.kernel, "arch": self.arch, "dtype": self.dtype,
@@ -228,6 +231,8 @@ class Entry:
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         d["config"] = self.config.as_dict()
+        if self.spills:
+            d["spills"] = self.spills
         for key in _NUMBERS + ("baseline",):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
@@ -263,12 +268,16 @@ def _entry(data, i: int, bad) -> Entry:
             if type(data[key]) not in (int, float) or not data[key] > 0:
                 raise bad(f"entry {i}: {key} must be a positive number, got {data[key]!r}")
             fields[key] = float(data[key])
+    if "spills" in data:
+        if type(data["spills"]) is not int or data["spills"] < 0:
+            raise bad(f"entry {i}: spills must be an int >= 0, got {data['spills']!r}")
+        fields["spills"] = data["spills"]
     if "baseline" in data:
         if not isinstance(data["baseline"], str):
             raise bad(f"entry {i}: baseline must be a string, got {data['baseline']!r}")
         fields["baseline"] = data["baseline"]
     known = set(_EXACT) | set(_OPTIONAL_EXACT) | set(_NUMBERS) | {"sq", "sk", "config",
-                                                                  "baseline"}
+                                                                  "baseline", "spills"}
     unknown = set(data) - known
     if unknown:
         raise bad(f"entry {i}: unknown key(s) {sorted(unknown)} (keys: {sorted(known)})")
@@ -400,16 +409,18 @@ def dtype_name(dtype) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _winner(winners: Winners, kernel, arch, dtype, head_dim, causal, sq, sk, dq_atomic,
-            accumulate) -> Optional[Candidate]:
+            accumulate) -> Optional[tuple]:
     e = winners.lookup(kernel, arch, dtype, head_dim, causal, sq, sk, dq_atomic, accumulate)
-    return None if e is None else e.config
+    return None if e is None else (e.config, e.spills)
 
 
 def winner(kernel: str, capability: tuple, dtype, head_dim: int, causal: bool, sq: int,
            sk: int, dq_atomic: Optional[bool] = None,
-           accumulate: Optional[bool] = None) -> Optional[Candidate]:
-    """The winning configuration of the current winners file for a launch (sq, sk: the
-    launch's query rows and keys; pass bucketed values to keep the cache small), or None."""
+           accumulate: Optional[bool] = None) -> Optional[tuple]:
+    """(config, spills) of the current winners file's entry for a launch, or None (sq, sk:
+    the launch's query rows and keys; pass bucketed values to keep the cache small).
+    ``spills``: the spill words per thread the winner was measured with (0 for most); the
+    launcher keeps candidates with at most that many (``_launch.fits``)."""
     arch = f"sm_{capability[0]}{capability[1]}"
     return _winner(current_winners(), kernel, arch, dtype_name(dtype), head_dim, bool(causal),
                    sq, sk, dq_atomic, accumulate)

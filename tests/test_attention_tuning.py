@@ -62,7 +62,7 @@ def test_sweep_candidates_baseline_first_then_the_axes_in_order(kind):
     # every point of the axes that passes the filter, once: tiles x warps x stages x caps
     tiles = {"dkdv": [(m, n) for m in (16, 32, 64, 128) for n in (64, 128)],
              "dq": [(m, n) for m in (64, 128) for n in (32, 64, 128)]}[kind]
-    expected = {C(m, n, w, s, r) for m, n in tiles for w in (4, 8) for s in (2, 3, 4)
+    expected = {C(m, n, w, s, r) for m, n in tiles for w in (4, 8) for s in (1, 2, 3, 4)
                 for r in (None, 168) if m * n >= 16 * 32 * w}
     assert set(tuning.sweep_candidates(kind)) == expected
     assert set(rest) == expected - set(cands[:len(base)])
@@ -84,8 +84,8 @@ def test_sweep_candidates_options_filters_and_errors():
     base = attention.attention_configs("dq", "hopper")
     assert len(tuning.sweep_candidates("dq", limit=2, baseline=base)) == len(base) + 2
     # the order does not depend on the order the axes are given in
-    assert (tuning.sweep_candidates("dkdv", warps=[8, 4], stages=[4, 2, 3])
-            == tuning.sweep_candidates("dkdv", warps=[4, 8], stages=[2, 3, 4]))
+    assert (tuning.sweep_candidates("dkdv", warps=[8, 4], stages=[4, 1, 2, 3])
+            == tuning.sweep_candidates("dkdv", warps=[4, 8], stages=[1, 2, 3, 4]))
     with pytest.raises(ValueError, match="kind must be one of"):
         tuning.sweep_candidates("fwd")
     with pytest.raises(ValueError, match="limit must be None or >= 1"):
@@ -172,6 +172,8 @@ MALFORMED = [
      "entry 1: config: Candidate: block_m must be a power of two"),
     ("unknown", _broken(lambda d: d["entries"][0].update(speed=1)),
      r"entry 0: unknown key\(s\) \['speed'\]"),
+    ("spills", _broken(lambda d: d["entries"][0].update(spills=-1)),
+     "entry 0: spills must be an int >= 0"),
     ("duplicate", _broken(lambda d: d["entries"].append(dict(d["entries"][0]))),
      "two entries have the same bucket"),
 ]
@@ -227,22 +229,22 @@ def test_launcher_puts_the_winner_first(tmp_path, as_if_on_hopper):
     spec = (dev, torch.bfloat16, 128, True, False, False, False, "tf32")
     builtin = attention.attention_configs("dkdv", "hopper")
     # the shipped file: no entry, the built-in order
-    first, only = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768, 32768,
-                                        False, False, False)
-    assert (first, only) == (None, False)
+    first, only, spills = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768,
+                                                32768, False, False, False)
+    assert (first, only, spills) == (None, False, 0)
     launcher, _ = attention._launcher("dkdv", *spec, False, False, False, first, only)
     assert [C.of_config(c) for c in launcher.configs] == [C.of_config(c) for c in builtin]
     with config.patch(attention_bwd_configs=str(path)):
-        first, only = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768,
-                                            32768, False, False, False)
-        assert (first, only) == (win, False)
+        first, only, spills = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True,
+                                                    32768, 32768, False, False, False)
+        assert (first, only, spills) == (win, False, 0)
         launcher, _ = attention._launcher("dkdv", *spec, False, False, False, first, only)
         got = [C.of_config(c) for c in launcher.configs]
         assert got[0] == win and got[1:] == [C.of_config(c) for c in builtin]
         assert launcher.configs[0].maxnreg == 168
         # a winner that is a built-in candidate moves to the front, not twice
-        dq_first, _ = attention._bwd_choice("dq", dev, torch.bfloat16, 128, True, 4096, 32768,
-                                            None, None, False)
+        dq_first, _, _ = attention._bwd_choice("dq", dev, torch.bfloat16, 128, True, 4096,
+                                               32768, None, None, False)
         assert dq_first == C(64, 64, 8, 2)
         launcher, _ = attention._launcher("dq", *spec, False, False, False, dq_first, False)
         got = [C.of_config(c) for c in launcher.configs]
@@ -251,17 +253,41 @@ def test_launcher_puts_the_winner_first(tmp_path, as_if_on_hopper):
             [C.of_config(c) for c in attention.attention_configs("dq", "hopper")], key=repr)
         # another dtype, an sm_80 device or a soft-capped kernel: no entry, no file read
         assert attention._bwd_choice("dkdv", dev, torch.float16, 128, True, 32768, 32768,
-                                     False, False, False) == (None, False)
+                                     False, False, False) == (None, False, 0)
         assert attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768, 32768,
-                                     False, False, True) == (None, False)
+                                     False, False, True) == (None, False, 0)
         # forced: that one alone, whatever the file says
         with tuning.force(dkdv=C(16, 64, 4, 2)):
-            first, only = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768,
-                                                32768, False, False, True)
+            first, only, _ = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True,
+                                                   32768, 32768, False, False, True)
             assert (first, only) == (C(16, 64, 4, 2), True)
             launcher, _ = attention._launcher("dkdv", *spec, False, False, False, first, only)
             assert [C.of_config(c) for c in launcher.configs] == [C(16, 64, 4, 2)]
         assert tuning.forced("dkdv") is None
+
+
+def test_a_winner_measured_with_spills_lets_the_launcher_keep_that_many(tmp_path,
+                                                                         as_if_on_hopper):
+    dev = as_if_on_hopper
+    win = C(32, 128, 8, 2)
+    path = tmp_path / "w.json"
+    tuning.write_winners(path, HEADERS, [entry(cfg=win, spills=24)])
+    assert tuning.load_winners(path).entries[0].spills == 24
+    spec = (dev, torch.bfloat16, 128, True, False, False, False, "tf32")
+    with config.patch(attention_bwd_configs=str(path)):
+        choice = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768, 32768,
+                                       False, False, False)
+        assert choice == (win, False, 24)
+        launcher, _ = attention._launcher("dkdv", *spec, False, False, False, *choice)
+        assert launcher.max_spills == 24 and C.of_config(launcher.configs[0]) == win
+    # what the launcher keeps with that allowance: 24 spilled words pass, 25 do not
+    R = _launch.Resources
+    cfgs = [win.to_config(), C(16, 128, 8, 2).to_config()]
+    assert _launch.prune(cfgs, [R(255, 24, 98560), R(246, 0, 82048)], 227 * 1024,
+                         max_spills=24) == cfgs
+    assert _launch.prune(cfgs, [R(255, 25, 98560), R(246, 0, 82048)], 227 * 1024,
+                         max_spills=24) == cfgs[1:]
+    assert _launch.prune(cfgs, [R(255, 24, 98560), R(246, 0, 82048)], 227 * 1024) == cfgs[1:]
 
 
 def test_force_rejects_unknown_kernels_and_values():
