@@ -166,8 +166,8 @@ def sweep_candidates(kind: str, *, block_m: Optional[Sequence[int]] = None,
         raise ValueError(f"sweep_candidates: kind must be one of {list(_TILES)}, got {kind!r}")
     if min_per_thread < 1:
         raise ValueError(f"sweep_candidates: min_per_thread must be >= 1, got {min_per_thread}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"sweep_candidates: limit must be None or >= 1, got {limit}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"sweep_candidates: limit must be None or >= 0, got {limit}")
     bms = sorted(set(block_m or _TILES[kind]["block_m"]), reverse=True)
     bns = sorted(set(block_n or _TILES[kind]["block_n"]), reverse=True)
     out, seen = [], set()

@@ -88,8 +88,10 @@ def test_sweep_candidates_options_filters_and_errors():
             == tuning.sweep_candidates("dkdv", warps=[4, 8], stages=[1, 2, 3, 4]))
     with pytest.raises(ValueError, match="kind must be one of"):
         tuning.sweep_candidates("fwd")
-    with pytest.raises(ValueError, match="limit must be None or >= 1"):
-        tuning.sweep_candidates("dq", limit=0)
+    assert tuning.sweep_candidates("dq", limit=0, baseline=base) == [C.of_config(c)
+                                                                     for c in base]
+    with pytest.raises(ValueError, match="limit must be None or >= 0"):
+        tuning.sweep_candidates("dq", limit=-1)
 
 
 # ---- the winners file ------------------------------------------------------------------------

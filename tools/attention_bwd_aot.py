@@ -57,7 +57,8 @@ def main(argv=None):
              f"# triton: {triton.__version__} ({Path(triton.__file__).parent})",
              f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC",
              "# bf16, head_dim 128, causal, no mask, dK/dV stored; spills = (stack + local) / 4 "
-             f"as the driver counts them; fits: no spills and shared <= {budget} B"]
+             f"as the driver counts them; fits: no spills and shared <= {budget} B; HGMMA / "
+             "HMMA: sm_90's warpgroup MMA / the warp MMA instructions in the SASS"]
     jobs = []
     for kind in [k for k in args.kernels.split(",") if k]:
         base = attention.attention_configs(kind, family)
@@ -72,7 +73,8 @@ def main(argv=None):
             builtin = c in {tuning.Candidate.of_config(b) for b in base}
             jobs.append((kind, c, builtin,
                          dict(module="attention", kernel=t.ATTN_KERNEL[kind], arch=args.arch,
-                              signature=sig, constexprs=consts, attrs=attrs, options=options)))
+                              signature=sig, constexprs=consts, attrs=attrs, options=options,
+                              sass=True)))
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(max(1, args.jobs), mp_context=ctx, initializer=t._worker_init,
                                 initargs=(False,)) as pool:
@@ -87,7 +89,9 @@ def main(argv=None):
         s["fit"] += fits
         if builtin and fits and s["launched"] is None:
             s["launched"] = c.label
-        what = (f"regs {r.regs:3d} spills {r.spills:4d} smem {r.shared:6d}" if r is not None
+        what = (f"regs {r.regs:3d} spills {r.spills:4d} smem {r.shared:6d} "
+                f"HGMMA {res.get('hgmma', '?'):>3} HMMA {res.get('hmma', '?'):>3}"
+                if r is not None
                 else f"no resources ({res.get('error') or res.get('cuobjdump_error')})")
         lines.append(f"{kind:4} {c.label:22} {'built-in' if builtin else 'sweep':8} {what} "
                      f"{'fits' if fits else 'pruned'}")
