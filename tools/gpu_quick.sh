@@ -122,7 +122,7 @@ if [ "$dry" = 1 ]; then
   log "build skipped (dry run: no CUDA build on the CPU; the installed package is used)"
   $py -c "import ckpt_ext, ckpt_ext._C as C; print('ckpt_ext from', ckpt_ext.__file__, '| with_cuda', C.with_cuda)" \
       >> "$summary_file" 2>&1 || { log "ckpt_ext does not import"; exit 1; }
-elif src_hash="$(cat setup.py csrc/* 2>/dev/null | sha256sum | cut -c1-16)"; \
+elif src_hash="$(find setup.py csrc -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"; \
      [ "${QUICK_BUILD:-auto}" = auto ] && [ -f build/quick_cuda_build.sha ] \
      && [ "$(cat build/quick_cuda_build.sha)" = "$src_hash" ] \
      && $py -c "import ckpt_ext; assert ckpt_ext._C.with_cuda" >/dev/null 2>&1; then
