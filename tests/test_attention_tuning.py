@@ -444,3 +444,30 @@ def test_aot_sweep_candidates_report_registers_and_spills_for_sm_90(site):
             assert kept == fitting, (kind, pairs)
         else:   # none fits: the one that spills least, so that something runs
             assert kept == [min(pairs, key=lambda p: (p[1].spills, p[1].shared))[0]], pairs
+
+
+def test_winners_file_ships_with_the_package():
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert '"ckpt_ext.kernels": ["attention_bwd_configs.json"]' in setup
+    assert tuning.SHIPPED.name == "attention_bwd_configs.json" and tuning.SHIPPED.is_file()
+
+
+def test_sweep_workers_compile_twins_of_the_same_specialization():
+    """The sweep's compile workers run small twins of each bucket: every length Triton's JIT
+    specializes (query rows, keys, the chunk's offset) keeps its remainder mod 16 and
+    whether it is 1, so the twin compiles the kernel the main process launches."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "attention_bwd_sweep.py"
+    spec = importlib.util.spec_from_file_location("attention_bwd_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = sweep.parse_args(["--out", "x.json", "--device", "cpu", "--dtype", "fp32",
+                             "--shape", "1,2,1,16"])
+    for sq, sk in [(32768, 32768), (1056, 32768), (282, 32768), (56, 32768), (1, 4097),
+                   (17, 17), (100, 131)]:
+        b = sweep.Bucket(args, sq, sk, 0, measure=False)
+        assert b.sq <= 80 and b.offset <= 80
+        for got, want in ((b.sq, sq), (b.sk, sk), (b.offset, sk - sq)):
+            assert got % 16 == want % 16 and (got == 1) == (want == 1), (sq, sk, got, want)
+        assert b.chunk == (sq < sk)
