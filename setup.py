@@ -263,7 +263,9 @@ if __name__ == "__main__":
     setup(
         packages=["ckpt_ext", "ckpt_ext.hf", "ckpt_ext.modules", "ckpt_ext.kernels"],
         package_dir={"ckpt_ext": "ckpt_ext", "ckpt_ext.kernels": "kernels"},
-        package_data={"ckpt_ext": ["attention_backends.json"]},  # the attention choice table
+        # the attention choice table; the attention backward's measured launch configurations
+        package_data={"ckpt_ext": ["attention_backends.json"],
+                      "ckpt_ext.kernels": ["attention_bwd_configs.json"]},
         ext_modules=extensions(),
         cmdclass={"build_ext": BuildExt},
     )

@@ -101,6 +101,18 @@ def parse_args(argv=None):
     p.add_argument("--chunk-keys", default="8192,32768",
                    help="keys each chunk sees (Sk; the chunk is the last rows: q_offset = "
                         "Sk - Sq)")
+    p.add_argument("--layer-dims", default="", metavar="H,HQ,HKV,D,I",
+                   help="with --backend-rows: also the calls the sequence-tiled decoder layer "
+                        "of these dims makes at each --layer-seqlens S (its own chunk rows, "
+                        "ckpt_ext.plan.layer_chunk_rows at --chunk-bytes; each chunk's Sk = "
+                        "the keys it sees, s0 + rows): the first, a middle and the last chunk "
+                        "(e.g. 4096,32,8,128,14336 for LLaMA-3-8B; its heads and head dim must "
+                        "be --backend-shape's)")
+    p.add_argument("--layer-seqlens", default="32768",
+                   help="sequence lengths S of the --layer-dims calls")
+    p.add_argument("--chunk-bytes", default=None,
+                   help="the layer's chunk byte cap for --layer-dims (bytes or KiB/MiB/GiB; "
+                        "default: the kernels' own, CKPT_EXT_CHUNK_BYTES, 64 MiB unless set)")
     p.add_argument("--write-table", default=None, metavar="FILE",
                    help="with --backend-rows: write an attention backend choice table from the "
                         "measured times (CKPT_EXT_ATTN_TABLE=FILE makes 'auto' read it)")
@@ -182,24 +194,31 @@ def with_dq_mode(mode, fn):
     return call
 
 
-def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None, dq_mode=None):
-    """dq_mode: None (the attention_dq setting, CKPT_EXT_ATTN_DQ) or "separate" / "atomic"."""
+def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None, dq_mode=None,
+               q_offset=0, accumulate=False):
+    """dq_mode: None (the attention_dq setting, CKPT_EXT_ATTN_DQ) or "separate" / "atomic";
+    q_offset, accumulate: a query chunk, its dK/dV added into fp32 accumulators (the layer's
+    call)."""
     saved = {}
     masks = (None, segment_ids, window)
+    B, Hkv, Sk, D = k.shape
+    acc = [torch.zeros(B, Sk, Hkv, D, device=q.device, dtype=torch.float32).transpose(1, 2)
+           for _ in range(2)] if accumulate else [None, None]
 
     def fwd():
-        return attention.attention_fwd(q, k, v, *masks, causal, scale)
+        return attention.attention_fwd(q, k, v, *masks, causal, scale, q_offset)
 
     def prepare_bwd():
         saved["out"], saved["lse"] = fwd()
 
     def bwd():
         return attention.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], *masks, causal,
-                                       scale)
+                                       scale, q_offset, *acc)
 
     def fwd_bwd():
-        out, lse = attention.attention_fwd(q, k, v, *masks, causal, scale)
-        return attention.attention_bwd(dout, q, k, v, out, lse, *masks, causal, scale)
+        out, lse = attention.attention_fwd(q, k, v, *masks, causal, scale, q_offset)
+        return attention.attention_bwd(dout, q, k, v, out, lse, *masks, causal, scale, q_offset,
+                                       *acc)
 
     if dq_mode is not None:
         bwd, fwd_bwd = with_dq_mode(dq_mode, bwd), with_dq_mode(dq_mode, fwd_bwd)
@@ -357,18 +376,53 @@ CSV_FIELDS = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "m
 # Backend rows: the op with each attention backend pinned, at the layer's call shapes
 # ------------------------------------------------------------------------------------------
 BACKEND_FIELDS = ["backend", "served_by", "mode", "batch", "hq", "hkv", "head_dim", "sq", "sk",
-                  "q_offset", "dtype", "causal", "ms", "tflops", "note"]
+                  "q_offset", "dtype", "causal", "ms", "tflops", "call", "note"]
 
 
-def layer_call_shapes(args):
-    """(Sq, Sk, q_offset) of the calls timed: whole sequences, then each chunk size against
-    each key count (the chunk holds the last Sq of the Sk positions, as the layer's chunk
-    does when its keys end at the chunk's end)."""
+def layer_call_shapes(args, elem_bytes=2):
+    """(Sq, Sk, q_offset) of the calls timed, each once: whole sequences, then each chunk size
+    against each key count (the chunk holds the last Sq of the Sk positions, as the layer's
+    chunk does when its keys end at the chunk's end), then with --layer-dims the layer's own
+    calls (:func:`layer_chunk_calls`; ``elem_bytes``: the activations' element size)."""
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     shapes = [(S, S, 0) for S in ints(args.backend_seqlens)]
     shapes += [(rows, keys, keys - rows) for keys in ints(args.chunk_keys)
                for rows in ints(args.chunk_rows) if rows < keys]
-    return shapes
+    shapes += [c[:3] for c in layer_chunk_calls(args, elem_bytes)]
+    return list(dict.fromkeys(shapes))
+
+
+def layer_chunk_calls(args, elem_bytes=2):
+    """The attention calls of the sequence-tiled decoder layer of --layer-dims at each
+    --layer-seqlens S, as (Sq, Sk, q_offset, label): its chunk rows are
+    ``ckpt_ext.plan.layer_chunk_rows`` (the C++ layer's formula) at --chunk-bytes; chunk i
+    holds rows [s0, s0 + Sq) with s0 = i * rows and sees the keys [0, s0 + Sq) (Sk = s0 + Sq,
+    q_offset = s0, dK/dV added into fp32 accumulators); the first, a middle and the last chunk
+    (which holds S - s0 rows). A sequence within one chunk is one whole call (Sq = Sk = S)."""
+    if not args.layer_dims:
+        return []
+    from ckpt_ext import plan
+
+    H, Hq, Hkv, D, I = (int(x) for x in args.layer_dims.split(","))
+    shape = [int(x) for x in args.backend_shape.split(",")]
+    if (Hq, Hkv, D) != tuple(shape[1:]):
+        raise SystemExit(f"--layer-dims: heads and head dim (Hq {Hq}, Hkv {Hkv}, D {D}) must "
+                         f"be --backend-shape's {tuple(shape[1:])}")
+    cap = (config.parse_bytes(args.chunk_bytes, "--chunk-bytes") if args.chunk_bytes
+           else config.current().chunk_bytes)
+    rows = plan.layer_chunk_rows(plan.LayerDims(H, Hq, Hkv, D, I), elem_bytes, cap)
+    calls = []
+    for S in (int(x) for x in args.layer_seqlens.split(",") if x):
+        if S <= rows:
+            calls.append((S, S, 0, f"layer S {S}: one chunk"))
+            continue
+        n = -(-S // rows)
+        for i in sorted({0, n // 2, n - 1}):
+            s0 = i * rows
+            sq = min(rows, S - s0)
+            calls.append((sq, s0 + sq, s0,
+                          f"layer S {S}: chunk {i + 1}/{n} of {rows} rows (cap {cap} B)"))
+    return calls
 
 
 def visible_pairs(Sq, Sk, q_offset, causal):
@@ -415,7 +469,8 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
     B, Hq, Hkv, D = (int(x) for x in args.backend_shape.split(","))
     backends = [b for b in args.backends.split(",") if b]
     rows = []
-    for Sq, Sk, q_offset in layer_call_shapes(args):
+    labels = {c[:3]: c[3] for c in layer_chunk_calls(args, dtype.itemsize)}
+    for Sq, Sk, q_offset in layer_call_shapes(args, dtype.itemsize):
         gen = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(B, Sq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
         k, v = (torch.randn(B, Sk, Hkv, D, device=device, dtype=dtype, generator=gen)
@@ -425,15 +480,16 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
         for backend in backends:
             note, served = "", {}
             results = {m: float("nan") for m in MODES}
-            if device != "cuda" and (backend != "triton" or Sq < Sk):
-                note = "needs CUDA"   # the CPU smoke run: Triton on whole sequences only
+            if device != "cuda" and backend != "triton":
+                note = "needs CUDA"   # the CPU smoke run: the Triton kernels only
             else:
                 try:
                     if device == "cuda":
                         fns, prepare = backend_fns(q, k, v, dout, causal, D ** -0.5, q_offset,
                                                    Sq < Sk)
                     else:  # the interpreter smoke run: the Triton launchers directly
-                        fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5)
+                        fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5,
+                                                  q_offset=q_offset, accumulate=Sq < Sk)
                     with config.patch(attention_backend=backend):
                         for mode in MODES:
                             if mode == "bwd":
@@ -455,6 +511,8 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
                                  hkv=Hkv, head_dim=D, sq=Sq, sk=Sk, q_offset=q_offset,
                                  dtype=str(dtype).replace("torch.", ""), causal=causal, ms=ms,
                                  tflops=flops * MODE_FLOP_FACTOR[mode] / (ms * 1e-3) / 1e12,
+                                 call=labels.get((Sq, Sk, q_offset), "whole" if Sq == Sk
+                                                 else "query chunk"),
                                  note=note))
             print(f"  {backend:>9} Sq={Sq} Sk={Sk} q_offset={q_offset}: "
                   + (note or ", ".join(f"{x['mode']} {x['ms']:.3g} ms ({x['tflops']:.0f} TFLOP/s)"
@@ -513,7 +571,7 @@ def main_backend_rows(args, cuda, causal):
         arch = f"sm{major}{minor}"
         note = ""
     else:
-        print("CPU interpreter run: NOT a performance figure (Triton rows only, whole sequences)")
+        print("CPU interpreter run: NOT a performance figure (Triton rows only)")
         dtype, warmup, reps, device, arch = torch.float32, 1, 2, "cpu", "cpu"
         note = "CPU (Triton interpreter) run: NOT a performance figure"
     rows = bench_backends(args, device, dtype, warmup, reps, causal)

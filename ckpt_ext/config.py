@@ -85,6 +85,9 @@ class KernelConfig:
     # The byte cap of one token chunk's transient (the fused layer's working set, the LM-head
     # loss's logits, the CPU SwiGLU backward): a positive number of bytes, at most 1 TiB.
     chunk_bytes: int = 64 << 20
+    # The attention backward's launch configurations (kernels/attention_tuning.py): "" for the
+    # winners file shipped with the package, else the path of one a GPU sweep wrote.
+    attention_bwd_configs: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +167,7 @@ SETTINGS = {s.field: s for s in (
             {b: b for b in ("auto", "triton", "flash", "cudnn", "efficient")}),
     Setting("attention_table", "CKPT_EXT_ATTN_TABLE", None, _table_path),
     Setting("chunk_bytes", "CKPT_EXT_CHUNK_BYTES", None, _byte_cap),
+    Setting("attention_bwd_configs", "CKPT_EXT_ATTN_BWD_CONFIGS", None, _table_path),
 )}
 
 _lock = threading.RLock()

@@ -227,7 +227,14 @@ def check_operands(op: str, *named, uses_dot: bool = True) -> None:
 # Launchers
 # --------------------------------------------------------------------------------------------
 def _config_kwargs(c) -> dict:
-    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    """A config's launch arguments: its meta-parameters, warps and stages, and the CUDA
+    backend's register cap (``maxnreg``) and cluster size (``num_ctas``) where it sets them."""
+    kw = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    if getattr(c, "maxnreg", None) is not None:
+        kw["maxnreg"] = c.maxnreg
+    if getattr(c, "num_ctas", 1) != 1:
+        kw["num_ctas"] = c.num_ctas
+    return kw
 
 
 class Fixed:
@@ -309,15 +316,16 @@ class Resources:
         return cls(int(compiled.n_regs), int(compiled.n_spills), int(compiled.metadata.shared))
 
 
-def fits(resources: Optional[Resources], smem_budget: int) -> bool:
+def fits(resources: Optional[Resources], smem_budget: int, max_spills: int = 0) -> bool:
     """Whether a compiled candidate is kept: it loaded (``resources`` is not None), spills
-    nothing, and its shared memory is within the device's per-block budget."""
-    return (resources is not None and resources.spills == 0
+    nothing (at most ``max_spills`` words per thread, where a measurement found such a
+    config faster), and its shared memory is within the device's per-block budget."""
+    return (resources is not None and resources.spills <= max_spills
             and resources.shared <= smem_budget)
 
 
 def prune(configs: Sequence, resources: Sequence, smem_budget: int,
-          group: Optional[Callable] = None) -> list:
+          group: Optional[Callable] = None, max_spills: int = 0) -> list:
     """The candidates to launch, in their order: those whose compiled kernel ``fits`` (with
     ``group``, a function of a config: only the first that fits of each group, e.g. the widest
     epilogue piece of one tile). When none does, the one that spills least among those within
@@ -326,7 +334,7 @@ def prune(configs: Sequence, resources: Sequence, smem_budget: int,
     kept, groups = [], set()
     for c, r in zip(configs, resources):
         g = group(c) if group is not None else id(c)
-        if fits(r, smem_budget) and g not in groups:
+        if fits(r, smem_budget, max_spills) and g not in groups:
             kept.append(c)
             groups.add(g)
     if kept:
@@ -345,12 +353,13 @@ class Pruned:
     compiled). ``report``: (config, Resources or None) for each candidate compiled."""
 
     def __init__(self, kernel, configs: Sequence, smem_budget: int, autotune: bool,
-                 key: Sequence[str], autotune_kwargs: dict, group: Optional[Callable] = None):
+                 key: Sequence[str], autotune_kwargs: dict, group: Optional[Callable] = None,
+                 max_spills: int = 0):
         if not configs:
             raise ValueError("Pruned: configs must not be empty")
         self.kernel, self.configs, self.smem_budget = kernel, list(configs), smem_budget
         self.autotune, self.key, self.autotune_kwargs = autotune, list(key), autotune_kwargs
-        self.group = group
+        self.group, self.max_spills = group, max_spills
         self.kept: Optional[list] = None
         self.report: list = []
         self._launcher = None
@@ -369,12 +378,12 @@ class Pruned:
             if g in fitted:
                 continue
             self.report.append((c, self._resources(c, grid, args, kwargs)))
-            if fits(self.report[-1][1], self.smem_budget):
+            if fits(self.report[-1][1], self.smem_budget, self.max_spills):
                 if not self.autotune:
                     break
                 fitted.add(g)
         configs, resources = zip(*self.report)
-        self.kept = prune(configs, resources, self.smem_budget, self.group)
+        self.kept = prune(configs, resources, self.smem_budget, self.group, self.max_spills)
         if not self.kept:
             raise RuntimeError(f"{getattr(self.kernel, '__name__', 'kernel')}: no candidate "
                                f"configuration loads on this device: {self.report}")
@@ -394,14 +403,14 @@ class Pruned:
 
 def select(kernel, configs: Sequence, *, interpret_meta, key: Sequence[str],
            smem_budget: Optional[int] = None, group: Optional[Callable] = None,
-           **autotune_kwargs):
+           max_spills: int = 0, **autotune_kwargs):
     """The launcher of one cache key, following the policy.
 
     kernel: the ``@triton.jit`` function; configs: its candidates for this key, in order of
     preference; interpret_meta: the fixed block sizes of interpreter runs (a mapping or a
     zero-argument callable); smem_budget: the device's per-block shared memory, to prune the
     candidates by their compiled resources (:class:`Pruned`); None: launched as given (the
-    first with autotuning off); group: see :func:`prune`; key, autotune_kwargs:
+    first with autotuning off); group, max_spills: see :func:`prune`; key, autotune_kwargs:
     ``triton.autotune``'s key and its other
     arguments (``reset_to_zero``, ``restore_value``). Returns an object launched as
     ``launcher[grid](*args, **constexprs)``.
@@ -409,7 +418,8 @@ def select(kernel, configs: Sequence, *, interpret_meta, key: Sequence[str],
     if INTERPRET:
         return Fixed(kernel, interpret_meta)
     if smem_budget is not None:
-        return Pruned(kernel, configs, smem_budget, autotuning(), key, autotune_kwargs, group)
+        return Pruned(kernel, configs, smem_budget, autotuning(), key, autotune_kwargs, group,
+                      max_spills)
     if not autotuning():
         return FirstThatFits(kernel, configs)
     return triton.autotune(configs=list(configs), key=list(key), **autotune_kwargs)(kernel)

@@ -67,7 +67,9 @@ accumulation.
 Launch policy (``kernels/_launch.py``, shared by all kernels): on a GPU the block sizes are
 autotuned per architecture family (Hopper, Ampere) with the key (HEAD_DIM, CAUSAL, S_BUCKET,
 SQ_BUCKET: the keys' and the query rows' lengths bucketed; dK/dV also DQ_ATOMIC, ACCUMULATE);
-with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is launched untimed. Under
+with ``CKPT_EXT_AUTOTUNE=0`` the first candidate that fits is launched untimed. The backward's
+kernels put first the configuration a GPU sweep measured for the launch's shape bucket, when
+the winners file names one (``kernels/attention_tuning.py``). Under
 ``TRITON_INTERPRET=1`` a single fixed configuration from ``INTERPRETER_BLOCKS`` is used so that
 CPU tests stay fast. Launchers are cached per (kernel, device, dtype, head_dim, causal, mask
 kind, window, fp32 dot precision, and for dK/dV the dQ mode and accumulation).
@@ -79,6 +81,7 @@ import triton.language as tl
 from .. import _checks
 from .. import config as _config
 from . import _launch
+from . import attention_tuning as _tuning
 
 __all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs", "pre_config"]
 
@@ -747,14 +750,19 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_
 @_launch.cached
 def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
               has_mask: bool, has_seg: bool, window: bool, precision: str,
-              dq_atomic: bool = False, accumulate: bool = False, softcap: bool = False):
+              dq_atomic: bool = False, accumulate: bool = False, softcap: bool = False,
+              first=None, only: bool = False, max_spills: int = 0):
     """(kernel, constexpr arguments) of one kernel for one specialization: a fixed config in
     the interpreter; on a GPU the candidates pruned by their compiled resources
     (``_launch.Pruned``): with ``CKPT_EXT_AUTOTUNE=0`` the first that fits (no timing), else
     the autotuned kernel over those that fit.
     dq_atomic, accumulate: the dK/dV kernel's DQ_ATOMIC and ACCUMULATE; softcap: SOFTCAP (the
     capped scores). The autotuner restores the tensors these add into (DQA; DK and DV) after
-    each timed run, so that the launch that follows adds into the caller's values once."""
+    each timed run, so that the launch that follows adds into the caller's values once.
+    first: an ``attention_tuning.Candidate`` put before the built-in candidates (the winners
+    file's), or with ``only`` launched alone (``attention_tuning.force``; in the interpreter
+    its block sizes); max_spills: the spill words per thread a kept config may have (a
+    measured winner's own)."""
     meta = dict(_common_meta(head_dim, causal, dtype, precision), HAS_MASK=has_mask,
                 HAS_SEG=has_seg, WINDOW=window, SOFTCAP=softcap)
     restore = []
@@ -766,9 +774,31 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
     if not _launch.INTERPRET:
         info = _launch.device_info(device)
         configs, budget = _CONFIGS[(kind, info.arch)], info.smem_budget
+        if first is not None:
+            configs = [first.to_config()] + ([] if only else [
+                c for c in configs if _tuning.Candidate.of_config(c) != first])
+    interpret_meta = ((lambda: INTERPRETER_BLOCKS[kind]) if first is None or not only
+                      else first.blocks())
     extra = {"restore_value": restore} if restore else {}
     return _launch.select(_KERNELS[kind], configs, key=_KEYS[kind], smem_budget=budget,
-                          interpret_meta=lambda: INTERPRETER_BLOCKS[kind], **extra), meta
+                          interpret_meta=interpret_meta, max_spills=max_spills, **extra), meta
+
+
+def _bwd_choice(kind, device, dtype, head_dim, causal, sq_bucket, sk_bucket, dq_atomic,
+                accumulate, softcap):
+    """(first, only, max_spills) for :func:`_launcher` of a backward kernel: a forced
+    configuration (``attention_tuning.force``), else on a GPU the winners file's for this
+    bucket with the spills it was measured with (not for soft-capped kernels), else none."""
+    pinned = _tuning.forced(kind)
+    if pinned is not None:
+        return pinned, True, 0
+    if _launch.INTERPRET or softcap:
+        return None, False, 0
+    cap = _launch.device_info(device).capability
+    found = _tuning.winner(kind, cap, dtype, head_dim, causal, sq_bucket, sk_bucket,
+                           dq_atomic if kind == "dkdv" else None,
+                           accumulate if kind == "dkdv" else None)
+    return (None, False, 0) if found is None else (found[0], False, found[1])
 
 
 def _s_bucket(S: int) -> int:
@@ -963,7 +993,9 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     else:
         dq_acc = dq  # not written by the dK/dV kernel
 
-    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic, accumulate, capped)
+    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic, accumulate, capped,
+                                *_bwd_choice("dkdv", q.device, q.dtype, D, causal, *buckets[::-1],
+                                             atomic, accumulate, capped))
     with _launch.on_device(q.device):
         _attn_bwd_preprocess_kernel[(_launch.cdiv(Sq, _PRE_BLOCK_M), B, Hq)](
             out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, Sq,
@@ -980,6 +1012,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
             *dk.stride(), *dq_acc.stride(), Hq, Hkv, Sq, Sk, q_off, group, qk_scale,
             float(scale), before, after, cap_in, cap_out, *buckets, **dkdv_meta)
+        _tuning.note_launch("dkdv", dkdv)
         if dv_run is not dv:
             dv.copy_(dv_run)
 
@@ -987,10 +1020,13 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
             if dq_acc is not dq:
                 dq.copy_(dq_acc)  # the convert pass: fp32 sums to q's dtype, same layout
         else:
-            kernel, meta = _launcher("dq", *spec, False, False, capped)
+            kernel, meta = _launcher("dq", *spec, False, False, capped,
+                                     *_bwd_choice("dq", q.device, q.dtype, D, causal,
+                                                  *buckets[::-1], False, False, capped))
             kernel[lambda m: (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)](
                 q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
                 *dq.stride(), Hq, Sq, Sk, q_off, group, qk_scale, float(scale), before, after,
                 cap_in, cap_out, *buckets, **meta)
+            _tuning.note_launch("dq", kernel)
     return dq, ret_dk, ret_dv

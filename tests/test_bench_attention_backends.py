@@ -33,6 +33,55 @@ def test_layer_call_shapes_and_pairs():
     assert bench.visible_pairs(3, 8, 5, False) == 24
 
 
+def test_layer_chunk_calls_follow_the_layers_chunk_rows():
+    """--layer-dims: the calls the sequence-tiled layer makes, its chunk rows from the
+    layer's own formula (ckpt_ext.plan.layer_chunk_rows), each chunk seeing the keys up to
+    its end; the last chunk holds what is left."""
+    from ckpt_ext import plan
+
+    args = bench.parse_args(["--backend-rows", "--backend-seqlens", "32768", "--chunk-rows",
+                             "1056", "--chunk-keys", "32768", "--layer-dims",
+                             "4096,32,8,128,14336", "--layer-seqlens", "32768,200",
+                             "--chunk-bytes", "64MiB"])
+    rows = plan.layer_chunk_rows(plan.LayerDims(4096, 32, 8, 128, 14336), 2, 64 * 2**20)
+    assert rows == 282   # the attention issue's figure at LLaMA-3-8B dims
+    n = -(-32768 // rows)
+    calls = bench.layer_chunk_calls(args)
+    assert [c[:3] for c in calls] == [
+        (rows, rows, 0), (rows, (n // 2 + 1) * rows, n // 2 * rows),
+        (32768 - (n - 1) * rows, 32768, (n - 1) * rows), (200, 200, 0)]
+    assert calls[2][3] == f"layer S 32768: chunk {n}/{n} of {rows} rows (cap {64 * 2**20} B)"
+    assert calls[3][3] == "layer S 200: one chunk"
+    # merged after the given shapes, each shape once
+    shapes = bench.layer_call_shapes(args)
+    assert shapes[:2] == [(32768, 32768, 0), (1056, 32768, 31712)]
+    assert shapes[2:] == [c[:3] for c in calls]
+    # the cap the kernels read when none is given; heads must match --backend-shape
+    from ckpt_ext import _C
+    default = bench.parse_args(["--layer-dims", "4096,32,8,128,14336"])
+    assert bench.layer_chunk_calls(default)[0][0] == plan.layer_chunk_rows(
+        plan.LayerDims(4096, 32, 8, 128, 14336), 2, _C.chunk_bytes())
+    with pytest.raises(SystemExit, match="must be --backend-shape's"):
+        bench.layer_chunk_calls(bench.parse_args(["--layer-dims", "4096,32,32,128,14336"]))
+
+
+def test_cpu_layer_chunk_rows_run(tmp_path):
+    """The CPU smoke run at the layer's own tiny call shapes: Triton (interpreter) at each
+    chunk, the layer's label in the CSV."""
+    out = tmp_path / "rows.csv"
+    bench.main(["--backend-rows", "--backends", "triton", "--backend-shape", "1,2,1,16",
+                "--backend-seqlens", "", "--chunk-rows", "", "--layer-dims", "32,2,1,16,64",
+                "--layer-seqlens", "40", "--chunk-bytes", "8192", "--out", str(out)])
+    lines = [line for line in out.read_text().splitlines() if not line.startswith("#")]
+    rows = [r for r in csv.DictReader(lines) if r["mode"] == "fwd+bwd"]
+    # width 4*2*16 + 3*64 = 320 per row at 4 bytes: 6 rows per chunk of 8 KiB; 7 chunks
+    assert [(int(r["sq"]), int(r["sk"]), int(r["q_offset"])) for r in rows] == [
+        (6, 6, 0), (6, 24, 18), (4, 40, 36)]
+    assert [r["call"] for r in rows] == [f"layer S 40: chunk {i}/7 of 6 rows (cap 8192 B)"
+                                         for i in (1, 4, 7)]
+    assert all(float(r["ms"]) > 0 and float(r["tflops"]) > 0 and not r["note"] for r in rows)
+
+
 def _rows(times):
     """Bench rows from {(sq, sk, backend): (fwd ms, bwd ms)}."""
     out = []
@@ -76,10 +125,12 @@ def test_cpu_backend_rows_run_and_write_a_table(tmp_path):
     lines = [line for line in out.read_text().splitlines() if not line.startswith("#")]
     rows = list(csv.DictReader(lines))
     assert {r["backend"] for r in rows} == {"triton", "flash", "cudnn", "efficient", "auto"}
-    assert all(r["note"] == "needs CUDA" for r in rows
-               if r["backend"] != "triton" or r["sq"] != r["sk"])
-    triton = [r for r in rows if r["backend"] == "triton" and r["sq"] == r["sk"]]
-    assert len(triton) == 3 and all(float(r["ms"]) > 0 for r in triton)
+    assert all(r["note"] == "needs CUDA" for r in rows if r["backend"] != "triton")
+    # Triton: the whole sequence and the query chunk (dK/dV into accumulators) both timed
+    triton = [r for r in rows if r["backend"] == "triton"]
+    assert len(triton) == 6 and all(float(r["ms"]) > 0 and not r["note"] for r in triton)
+    assert {(r["sq"], r["sk"], r["call"]) for r in triton} == {("32", "32", "whole"),
+                                                               ("8", "32", "query chunk")}
     loaded = route.load_table(table)
     assert json.loads(table.read_text())["measured"][0].startswith("device: CPU")
     call = route.Call("fwd", torch.float32, 1, 2, 2, 32, 32, 16, True)

@@ -19,9 +19,9 @@ ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ": "'separate', 'at
            "CKPT_EXT_SWIGLU_EPILOGUE": "'subtiled', 'whole'",
            "CKPT_EXT_BACKEND": "'auto', 'triton'",
            "CKPT_EXT_ATTN_BACKEND": "'auto', 'triton', 'flash', 'cudnn', 'efficient'"}
-# Settings whose value is free text, checked otherwise (tests/test_attention_route.py; the
-# chunk cap below).
-FREE = {"CKPT_EXT_ATTN_TABLE", "CKPT_EXT_CHUNK_BYTES"}
+# Settings whose value is free text, checked otherwise (tests/test_attention_route.py,
+# tests/test_attention_tuning.py; the chunk cap below).
+FREE = {"CKPT_EXT_ATTN_TABLE", "CKPT_EXT_ATTN_BWD_CONFIGS", "CKPT_EXT_CHUNK_BYTES"}
 
 
 # ---- reading the environment -----------------------------------------------------------------

@@ -144,6 +144,13 @@ def test_attention_backends_rows(dry_run):
     for backend in ("flash", "cudnn", "efficient"):
         assert re.search(rf"^ +{backend} Sq=16 Sk=64 q_offset=48: ", text, re.M), backend
     assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), text
+    # the layer's own calls (6 rows per chunk at the dry run's tiny dims and 16 KiB cap):
+    # its first, middle and last chunk, each against the keys it sees
+    for sq, sk, off in ((6, 6, 0), (6, 36, 30), (4, 64, 60)):
+        assert re.search(rf"^ +triton Sq={sq} Sk={sk} q_offset={off}: fwd [\d.]+ ms", text,
+                         re.M), (sq, sk, text)
+        assert re.search(rf"^triton,triton,fwd\+bwd,1,4,2,16,{sq},{sk},{off},.*,layer S 64: "
+                         rf"chunk \d+/11 of 6 rows", text, re.M), (sq, sk)
     assert '"rules"' in text
 
 
@@ -171,3 +178,58 @@ def test_demo_ran_and_left_bench_results_alone(dry_run):
         print(f"git status failed ({status.stderr.strip()}): bench/results not checked")
         return
     assert "demo_cpu" not in status.stdout, status.stdout
+
+
+# ---- part s: the attention backward sweep, the second call's part (--parts s) -----------------
+@pytest.fixture(scope="module")
+def sweep_dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_quick_s")
+    try:
+        proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "s"],
+                              cwd=ROOT, env=_env(out), capture_output=True, text=True,
+                              timeout=600)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the part s dry run did not end in 10 minutes; its output so far:\n"
+                    f"{(exc.stdout or b'')[-4000:]}")
+    return proc, out
+
+
+def test_parts_argument_refuses_other_letters(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "ax"],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--parts takes letters among abcdefgs, got 'ax'" in proc.stdout
+
+
+def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
+    from ckpt_ext.kernels import attention_tuning as tuning
+
+    proc, out = sweep_dry_run
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
+    assert re.search(r"^s ok ", summary, re.M), summary
+    # only part s ran: no other part's line or section
+    assert not re.search(r"^[abcdefg] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    assert "-- a:" not in summary and "-- s: attention backward sweep" in summary
+    names = {p.name for p in out.iterdir()}
+    assert names == {"quick_0_summary.txt", "quick_s_attention_bwd.txt",
+                     "quick_s_attention_bwd_configs.json"}, names
+    log = _read(out, "quick_s_attention_bwd.txt")
+    assert log.startswith("# device: CPU dry run") and "--parts s" in _read(
+        out, "quick_0_summary.txt")
+    # the winners file: the reader's format, provenance headers, one entry per kernel and
+    # bucket (the whole 48 and the chunk 16 of 48, dK/dV accumulated there)
+    w = tuning.load_winners(out / "quick_s_attention_bwd_configs.json")
+    assert "bench/attention_bwd_sweep.py" in w.headers["command"]
+    assert "Triton interpreter" in w.headers["machine"] and w.headers["date"].startswith("20")
+    got = {(e.kernel, e.sq, e.sk, e.accumulate) for e in w.entries}
+    assert got == {("dkdv", 48, 48, False), ("dq", 48, 48, None), ("dkdv", 16, 48, True),
+                   ("dq", 16, 48, None)}, got
+    for e in w.entries:
+        assert e.ms > 0 and e.baseline_ms > 0 and e.dtype == "fp32" and e.head_dim == 16
+        assert re.search(rf"^winner {e.kernel} Sq={e.sq} Sk={e.sk}.*: {e.config.label} ", log,
+                         re.M), (e, log[-3000:])
+    # every timed candidate was checked against the usual launch, none wrong
+    assert re.findall(r"max rel err ([\d.e+-]+)", log) and "WRONG" not in log
+    assert re.search(r"^check Sq=40 Sk=40: winners / baseline = [\d.]+$", log, re.M), log

@@ -211,7 +211,26 @@ def compile_job(job: dict, cuobjdump: str) -> dict:
         res["spill_stores"], res["spill_loads"] = int(frame.group(2)), int(frame.group(3))
     if regs:
         res["ptxas_regs"] = int(regs.group(1))
+    if job.get("sass"):   # which matrix instructions the cubin uses (sm_90: HGMMA = wgmma)
+        res.update(_sass_mma_counts(compiled.asm["cubin"], cuobjdump))
     return res
+
+
+def _sass_mma_counts(cubin: bytes, cuobjdump: str) -> dict:
+    """Counts of HGMMA (sm_90's warpgroup MMA), HMMA (the older warp MMA) and LDL / STL
+    (local memory: spills) instructions in a cubin's SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        proc = subprocess.run([cuobjdump, "--dump-sass", path], capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        os.unlink(path)
+    if proc.returncode != 0:
+        return {"sass_error": _first_line(proc.stderr or proc.stdout) or "cuobjdump failed"}
+    return {op.lower(): len(re.findall(rf"\b{op}\b", proc.stdout))
+            for op in ("HGMMA", "HMMA", "LDL", "STL")}
 
 
 def _launch_module():

@@ -6,8 +6,10 @@
 #   c 100  bench/long_step.py: LLaMA-3-8B dims, 4 layers, S 128K, min_memory with and without
 #          offload: peak and time, measured / modelled by ckpt_ext.plan
 #   d  60  bench/attention.py --backend-rows: ckpt_ext's attention op with each backend pinned
-#          (triton / flash / cuDNN / efficient) at S 32K and the layer's chunk shapes, and the
-#          choice table the times give (CKPT_EXT_AUTOTUNE=1 here only)
+#          (triton / flash / cuDNN / efficient) at S 32K and the layer's chunk shapes (the
+#          first, a middle and the last chunk of LLaMA-3-8B's tiled layer at S 32K, its own
+#          chunk rows; and 1,056 rows against 32K keys), and the choice table the times give
+#          (CKPT_EXT_AUTOTUNE=1 here only)
 #   e  60  bench/lora_profile.py: LLaMA-3-8B layer, PEFT LoRA r 16, bf16, S 4096, one profiled
 #          step per fused preset and HF's layer, top kernels
 #   f  45  bench/long_step.py: one layer at S 256K, min_memory with offload
@@ -15,14 +17,27 @@
 #   h  20  reserve (not run: Triton compiles on a fresh machine overrun the parts; the
 #          issue's table gives a 10 s and h 25 s: importing torch and starting CUDA and cuDNN
 #          take a few seconds of a's)
+#   s 150  (not in the default list: a part that waits for a second call, --parts s, on the
+#          still-warm machine right after the first) bench/attention_bwd_sweep.py: the Triton
+#          attention backward's launch configurations (tiles, warps, stages, register cap),
+#          per kernel (dK/dV, dQ) at B 1, S 32K and at the layer's chunk shapes (282 and 1,056
+#          rows against 32K keys), compiled by 16 workers (on small twins of the shapes: the
+#          same kernels, off the timed GPU) while the main process times them, the winners
+#          written as a winners file (kernels/attention_bwd_configs.json's format) and checked
+#          together at B 1, S 32K. Its own --budget stops it 25 s before the part's timeout
+#          with what it found. Device time: about 150 s plus the call's start-up (the build is
+#          skipped when the tree's C++ sources are those of the CUDA build already there).
 # CKPT_EXT_AUTOTUNE=0 except in part d. Files under $OUT (8 at most; each starts with device,
 # versions, git commit, command and date): quick_0_summary.txt (environment, build log, the
 # summary), quick_a_sdpa_probe.txt, quick_b_gpu_tests.txt, quick_cf_long_step.txt (c and f),
-# quick_d_attention.txt, quick_e_lora_profile.txt, quick_g_demo.txt, quick_g_demo.png. The
-# one-screen summary is printed last.
+# quick_d_attention.txt, quick_e_lora_profile.txt, quick_g_demo.txt, quick_g_demo.png (part s:
+# quick_s_attention_bwd.txt, quick_s_attention_bwd_configs.json). The one-screen summary is
+# printed last.
 #
 #   OUT=$OUT bash tools/gpu_validate.sh quick              # on the device machine
+#   OUT=$OUT bash tools/gpu_validate.sh quick --parts s    # the second call: the sweep
 #   bash tools/gpu_validate.sh quick --dry-run             # on the CPU: tiny sizes, no build
+#   (--parts LETTERS: those parts only, e.g. --parts bd to rerun two that broke; default abcdefg)
 #   (GPU_VALIDATE_DRY=1 does the same as --dry-run; tests/test_gpu_validate.py runs it)
 #
 # The dry run runs every part's own entry points at tiny sizes on the CPU (ATen kernels; the
@@ -34,11 +49,19 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry="${GPU_VALIDATE_DRY:-0}"
-for arg in "$@"; do
-  case "$arg" in
+parts="abcdefg"
+given="$*"
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) dry=1 ;;
-    *) echo "gpu_quick: unknown argument '$arg' (only --dry-run)"; exit 2 ;;
+    --parts)
+      parts="${2:-}"; shift
+      if ! [[ "$parts" =~ ^[abcdefgs]+$ ]]; then
+        echo "gpu_quick: --parts takes letters among abcdefgs, got '$parts'"; exit 2
+      fi ;;
+    *) echo "gpu_quick: unknown argument '$1' (only --dry-run, --parts LETTERS)"; exit 2 ;;
   esac
+  shift
 done
 [ "$dry" = 0 ] || dry=1
 py="${PYTHON:-python3}"
@@ -86,7 +109,7 @@ header() {   # header COMMAND...: the provenance lines each file starts with
 }
 
 summary_file="$out/quick_0_summary.txt"
-{ header "bash tools/gpu_validate.sh quick$([ "$dry" = 1 ] && echo ' --dry-run')"
+{ header "bash tools/gpu_validate.sh quick${given:+ $given}$([ "$dry" = 1 ] && [[ "$given" != *--dry-run* ]] && echo ' --dry-run')"
   echo "# OUT=$out CKPT_EXT_AUTOTUNE=0 (part d: 1)"
   [ "$dry" = 1 ] || nvidia-smi 2>&1
   command -v nvcc >/dev/null && nvcc --version | tail -2
@@ -99,6 +122,13 @@ if [ "$dry" = 1 ]; then
   log "build skipped (dry run: no CUDA build on the CPU; the installed package is used)"
   $py -c "import ckpt_ext, ckpt_ext._C as C; print('ckpt_ext from', ckpt_ext.__file__, '| with_cuda', C.with_cuda)" \
       >> "$summary_file" 2>&1 || { log "ckpt_ext does not import"; exit 1; }
+elif src_hash="$(find setup.py csrc -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"; \
+     [ "${QUICK_BUILD:-auto}" = auto ] && [ -f build/quick_cuda_build.sha ] \
+     && [ "$(cat build/quick_cuda_build.sha)" = "$src_hash" ] \
+     && $py -c "import ckpt_ext; assert ckpt_ext._C.with_cuda" >/dev/null 2>&1; then
+  # a warm machine's second call: the CUDA build of these very sources is already installed
+  log "build skipped: the CUDA build of these C++ sources ($src_hash) is already installed"
+  echo "== build skipped: the CUDA build of these sources ($src_hash) loads" >> "$summary_file"
 else
   arch=$($py -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
   log "build (CUDA extension, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch})"
@@ -110,6 +140,7 @@ else
   fi
   $py -c "import ckpt_ext; assert ckpt_ext._C.with_cuda, 'not a CUDA build'; print('CUDA build loaded')" \
       >> "$summary_file" 2>&1 || { tail -5 "$summary_file"; log "build does not load"; exit 1; }
+  mkdir -p build && echo "$src_hash" > build/quick_cuda_build.sha
   log "build done in $((SECONDS - t0)) s"
 fi
 parts_start=$SECONDS
@@ -119,6 +150,7 @@ declare -a status_lines=()
 failed=0
 part() {   # part ID SECONDS FILE TITLE SCRIPT: SCRIPT (bash) under `timeout SECONDS`
   local id=$1 secs=$2 file="$out/$3" title=$4 script=$5 rc t0=$SECONDS
+  [[ "$parts" == *"$id"* ]] || return 0    # not among --parts
   local var="QUICK_T_${id^^}"
   secs="${!var:-$secs}"
   # the dry run: the same timeouts would measure the CPU's load, not the script
@@ -135,7 +167,7 @@ part() {   # part ID SECONDS FILE TITLE SCRIPT: SCRIPT (bash) under `timeout SEC
   log "part $id ($secs s): $title"
   [ -s "$file" ] && echo >> "$file"
   { header "$script"; echo "# part $id: $title (timeout $secs s)"; } >> "$file"
-  timeout -k 10 "$secs" bash -c "$script" >> "$file" 2>&1
+  PART_SECS=$secs timeout -k 10 "$secs" bash -c "$script" >> "$file" 2>&1
   rc=$?
   local what="ok"
   if [ $rc = 124 ] || [ $rc = 137 ]; then what="TIMEOUT"; failed=1
@@ -193,10 +225,11 @@ att_dir=$(mktemp -d)
 # the attention routing's own bench: ckpt_ext's op with each backend pinned (merges included)
 # at the layer's call shapes, and the choice table the times give
 d_script="$py bench/attention.py --backend-rows --backends triton,flash,cudnn,efficient \
-  --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 282,1056 --chunk-keys 32768 \
-  --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
+  --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 1056 --chunk-keys 32768 \
+  --layer-dims 4096,32,8,128,14336 --layer-seqlens 32768 --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
 [ "$dry" = 1 ] && d_script="$d_script --backend-shape 1,4,2,16 --backend-seqlens 64 \
-  --chunk-rows 16 --chunk-keys 64 --warmup 0 --reps 1"
+  --chunk-rows 16 --chunk-keys 64 --layer-dims 64,4,2,16,128 --layer-seqlens 64 \
+  --chunk-bytes 16384 --warmup 0 --reps 1"
 d_script="$d_script; r=\$?; cat $att_dir/attention_backends.csv $att_dir/table.json; exit \$r"
 part d 60 quick_d_attention.txt "attention per backend, whole and chunks" \
   "export CKPT_EXT_AUTOTUNE=1; $d_script"
@@ -208,6 +241,14 @@ part g 30 quick_g_demo.txt "demo (its defaults)" \
   "$py bench/demo.py $demo_args; r=\$?
    for f in \$(find $demo_dir -maxdepth 1 -name 'demo_*.csv' -newer $stamp); do echo \"# \$f\"; cat \"\$f\"; done
    exit \$r"
+# s: the attention backward sweep (the second call's part); its --budget ends it 25 s before
+# the part's timeout ($PART_SECS), with the winners found so far written
+s_json="$out/quick_s_attention_bwd_configs.json"
+s_args="--out $s_json --commit '${commit}'"
+[ "$dry" = 1 ] && s_args="$s_args --device cpu --dtype fp32 --shape 1,2,1,16 --buckets 48:48,16:48 \
+  --block-m 32 --block-n 32,64 --warps 4 --limit 2 --reps 1 --top 2 --check-seq 40 --jobs 1"
+part s 150 quick_s_attention_bwd.txt "attention backward sweep (tiles, warps...)" \
+  "$py bench/attention_bwd_sweep.py --budget \$((PART_SECS - 25)) $s_args"
 png=$(find "$demo_dir" -maxdepth 1 -name 'demo_*.png' -newer "$stamp" 2>/dev/null | head -1)
 [ -n "$png" ] && cp "$png" "$out/quick_g_demo.png"
 rm -rf "$demo_dir"
@@ -219,21 +260,40 @@ rm -rf "$stamp" "$att_dir"
   echo "================ gpu_validate quick: summary ($device; $commit)"
   echo "parts took $((SECONDS - parts_start)) s after the build (budget 450 s); all $((SECONDS - start)) s"
   printf '%s\n' "${status_lines[@]}"
-  echo "-- a: GQA unexpanded / Sq<Sk causal alignment"
-  grep -E "^(flash|cudnn|efficient|flash_varlen|efficient_varlen|varlen_attn) +(gqa|causal_sq<sk) " \
-      "$out/quick_a_sdpa_probe.txt" | cut -c1-110
-  echo "-- b: tests"
-  grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" \
-      "$out/quick_b_gpu_tests.txt" | cut -c1-110
-  grep -E "^(FAILED|ERROR) " "$out/quick_b_gpu_tests.txt" | head -8 | cut -c1-150
-  echo "-- c/f: measured / modelled"
-  grep -E "(peak|step) .*(modelled|TFLOP/s)|OOM|offload/none" "$out/quick_cf_long_step.txt" | cut -c1-150
-  echo "-- d: f+b TFLOP/s per shape (rel err vs ops)"
-  grep -E "^shape " "$out/quick_d_attention.txt" | cut -c1-150
-  echo "-- e: LoRA"
-  grep -E "^(step ms|LoRA increment|goal)" "$out/quick_e_lora_profile.txt" | cut -c1-150
-  echo "-- g: demo"
-  grep -v "^#" "$out/quick_g_demo.txt" | tail -7 | cut -c1-150
+  has() { [[ "$parts" == *"$1"* ]]; }   # a part among --parts
+  if has a; then
+    echo "-- a: GQA unexpanded / Sq<Sk causal alignment"
+    grep -E "^(flash|cudnn|efficient|flash_varlen|efficient_varlen|varlen_attn) +(gqa|causal_sq<sk) " \
+        "$out/quick_a_sdpa_probe.txt" | cut -c1-110
+  fi
+  if has b; then
+    echo "-- b: tests"
+    grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" \
+        "$out/quick_b_gpu_tests.txt" | cut -c1-110
+    grep -E "^(FAILED|ERROR) " "$out/quick_b_gpu_tests.txt" | head -8 | cut -c1-150
+  fi
+  if has c || has f; then
+    echo "-- c/f: measured / modelled"
+    grep -E "(peak|step) .*(modelled|TFLOP/s)|OOM|offload/none" "$out/quick_cf_long_step.txt" \
+        | cut -c1-150
+  fi
+  if has d; then
+    echo "-- d: f+b TFLOP/s per shape (rel err vs ops)"
+    grep -E "^shape " "$out/quick_d_attention.txt" | cut -c1-150
+  fi
+  if has e; then
+    echo "-- e: LoRA"
+    grep -E "^(step ms|LoRA increment|goal)" "$out/quick_e_lora_profile.txt" | cut -c1-150
+  fi
+  if has g; then
+    echo "-- g: demo"
+    grep -v "^#" "$out/quick_g_demo.txt" | tail -7 | cut -c1-150
+  fi
+  if has s; then
+    echo "-- s: attention backward sweep (winner / baseline; check at B 1, whole S)"
+    grep -E "^(winner|check .*(winners|=)|budget|wrote) " "$out/quick_s_attention_bwd.txt" \
+      | cut -c1-150
+  fi
   echo "files: $(cd "$out" && ls | tr '\n' ' ')"
 } > "$out/.summary"
 cat "$out/.summary" >> "$summary_file"
