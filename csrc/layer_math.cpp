@@ -19,6 +19,7 @@
 #include <ATen/ops/result_type.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <array>
@@ -33,6 +34,7 @@
 #include "chunking.h"
 #include "kernel_ops.h"
 #include "lora_dropout.h"
+#include "ulysses.h"
 
 namespace ckpt_ext {
 namespace layer {
@@ -137,6 +139,26 @@ void check_dropout(const char* op, const Layer& L) {
   dropout::read_seed(op, "dropout_seed", *L.dropout_seed);
 }
 
+// sequence_parallel: the heads split over the group, the per-token tensors of this rank's
+// tokens. The options are the same on every rank, so each of these refuses on every rank.
+void check_sequence_parallel(const char* op, const at::Tensor& x, const Layer& L) {
+  const ulysses::Group g = ulysses::resolve(L.sequence_parallel, op);
+  const int64_t n = g.size;
+  CKPT_CHECK_VALUE(L.num_heads % n == 0, op, "num_heads=", L.num_heads,
+                   " must be divisible by the sequence_parallel group's size ", n,
+                   " (each rank attends with num_heads / N query heads)");
+  CKPT_CHECK_VALUE(L.num_kv_heads % n == 0 || n % L.num_kv_heads == 0, op, "num_kv_heads=",
+                   L.num_kv_heads, " must be a multiple or a divisor of the sequence_parallel "
+                   "group's size ", n, " (KV heads are split over the ranks, or repeated)");
+  for (const auto& [name, t] : {std::pair<const char*, const OptTensor&>{"key_padding_mask",
+                                                                         L.key_padding_mask},
+                                {"segment_ids", L.segment_ids}}) {
+    if (!t) continue;
+    checks::check_shape(op, name, *t, {x.size(0), x.size(1)},
+                        "(B, S): this rank's tokens under sequence_parallel");
+  }
+}
+
 void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
   checks::check_defined(op, "x", x);
   checks::check_dim(op, "x", x, 3, "(B, S, H)");
@@ -161,6 +183,7 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
         ": softcap with uniform_empty_rows and a key_padding_mask (HF eager's rows with no key "
         "to attend) is not implemented; pad on the right with uniform_empty_rows=False (no "
         "row is then empty), or use policy 'torch' for this model");
+    if (!L.sequence_parallel.empty()) check_sequence_parallel(op, x, L);
     const at::Tensor& wq = L.proj(kQ);
     CKPT_CHECK_VALUE(wq.defined() && wq.dim() == 2 && wq.size(0) % L.num_heads == 0, op,
                      "self_attn.q_proj.weight must be (num_heads * head_dim, H) with num_heads=",
@@ -227,6 +250,10 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
                    L.norm_offset);
   CKPT_CHECK_VALUE(std::isfinite(L.eps) && L.eps >= 0, op,
                    "eps must be a finite number >= 0, got ", L.eps);
+  TORCH_CHECK_NOT_IMPLEMENTED(L.sequence_parallel.empty() || has_attention(L.part_id), op,
+                              ": sequence_parallel with part 'mlp' is not implemented (the MLP "
+                              "is token-local: run it inside part 'layer', or without "
+                              "sequence_parallel)");
   check_dropout(op, L);
   parse_activation(L.activation, op);
 }
@@ -538,7 +565,12 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
 // t0() .. t0() + nb * sc - 1 of x viewed as (B * S, H), the rows LoRA dropout hashes.
 struct Chunk {
   int64_t b0, nb, s0, sc, S;
+  // Under sequence_parallel (nb = 1) the global token row of position 0 of sequence b0 is
+  // b0 * row_stride + row_base; 0: the local rows.
+  int64_t row_stride = 0, row_base = 0;
   int64_t t0() const { return b0 * S + s0; }
+  // The token row LoRA dropout hashes for the chunk's first token: t0(), or the global row.
+  int64_t row() const { return row_stride == 0 ? t0() : b0 * row_stride + row_base + s0; }
   // The chunk of t (batch on dim 0, positions on dim `dim`).
   at::Tensor of(const at::Tensor& t, int64_t dim = 1) const {
     return t.narrow(0, b0, nb).narrow(dim, s0, sc);
@@ -657,7 +689,7 @@ bool rope_before_norm(const Layer& L) { return L.qk_norm_after_rope && L.qk_norm
 at::Tensor swap_heads(const at::Tensor& t) { return t.defined() ? t.transpose(1, 2) : t; }
 
 Projected project(const at::Tensor& x, const Layer& L, const Chunk& c, Heads which) {
-  const int64_t b = x.size(0), s = x.size(1), d = L.head_dim(), t0 = c.t0();
+  const int64_t b = x.size(0), s = x.size(1), d = L.head_dim(), t0 = c.row();
   const bool rope_first = rope_before_norm(L);
   Projected p;
   p.n = L.cast(norm_fwd(L, kInputNorm, x));
@@ -882,7 +914,7 @@ at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected&
                                 const at::Tensor& dq, const at::Tensor& dk,
                                 const at::Tensor& dv, const at::Tensor& k_lin, at::Tensor dn,
                                 const std::vector<bool>& needs, Grads& g) {
-  const int64_t t0 = c.t0(), d = L.head_dim();
+  const int64_t t0 = c.row(), d = L.head_dim();
   auto rope_back = [&](const at::Tensor& q, const at::Tensor& k) {
     return rope_pair(q, k, c.table(*L.cos), c.table(*L.sin), /*backward=*/true,
                      L.rope_interleaved);
@@ -1066,15 +1098,219 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
   return g;
 }
 
+// ---- Ulysses sequence parallelism (sequence_parallel; the exchanges in csrc/ulysses.h) ------
+//
+// Each rank holds S of the N*S positions of every sequence. Forward: the rank's tokens are
+// projected chunk by chunk (q, k, v after norms and RoPE at its global positions), q/k/v go
+// through one all-to-all each to (B, Hq/N, N*S, D) (this rank's heads over the whole sequence),
+// the attention runs over the gathered sequence (causal, the masks gathered), its output
+// comes back by a fourth all-to-all, and the o projection, residual and MLP run chunk by chunk
+// on the rank's tokens. The residuals keep the local layout (the shapes of a call without
+// sequence_parallel), so the backward repeats the q/k/v exchanges (and, given kept out/lse,
+// exchanges those; min_memory recomputes the attention and exchanges its output back), then:
+// per chunk the MLP's and the o projection's backward into dout, one all-to-all of dout, the
+// attention's backward over the gathered sequence, three all-to-alls of dq/dk/dv back, and per
+// chunk the projections' and input norm's backward. Weight gradients are this rank's tokens'
+// share: the caller sums them over the group. Chunks are single sequence rows (nb = 1), so
+// LoRA dropout hashes global rows (Chunk::row). The attention itself is not chunked here: the
+// exchanged q, k, v, out and their gradients are whole (B, H/N, N*S, D) tensors, each the size
+// of the rank's own (B, H, S, D).
+
+struct SpContext {
+  ulysses::Group g;
+  int64_t rep;           // KV head repeats before the exchange (ulysses::kv_repeats)
+  Layer heads;           // L with this rank's heads and the gathered masks
+  std::vector<Chunk> cs; // the rank's local chunks, nb = 1, global dropout rows
+};
+
+SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op, bool check_shapes) {
+  SpContext sp;
+  sp.g = ulysses::resolve(L.sequence_parallel, op);
+  const int64_t N = sp.g.size, B = x.size(0), S = x.size(1);
+  if (check_shapes) {  // every rank's (B, S, H) must agree, or the exchanges cannot pair up
+    const at::Tensor mine = at::tensor({B, S, x.size(2)}, at::kLong);
+    const at::Tensor all = ulysses::all_gather(sp.g, mine).view({N, 3});
+    std::string shapes;
+    for (int64_t i = 0; i < N; ++i)
+      shapes += (i ? ", " : "") + checks::shape_str(c10::IntArrayRef(all[i].data_ptr<int64_t>(), 3));
+    CKPT_CHECK_VALUE(all.eq(mine.unsqueeze(0)).all().item<bool>(), op,
+                     "under sequence_parallel every rank passes x of the same shape (B, S, H) "
+                     "(S: its share of the sequence); the ranks passed ", shapes);
+  }
+  sp.rep = ulysses::kv_repeats(sp.g, L.num_kv_heads);
+  sp.heads = L;
+  sp.heads.num_heads = L.num_heads / N;
+  sp.heads.num_kv_heads = L.num_kv_heads * sp.rep / N;
+  if (L.key_padding_mask) sp.heads.key_padding_mask = ulysses::gather_tokens(sp.g, *L.key_padding_mask);
+  if (L.segment_ids) sp.heads.segment_ids = ulysses::gather_tokens(sp.g, *L.segment_ids);
+  const int64_t rows = layer_chunk_rows(L, x);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s0 = 0; s0 < S; s0 += rows)
+      sp.cs.push_back({b, 1, s0, std::min(rows, S - s0), S, N * S, sp.g.rank * S});
+  return sp;
+}
+
+// The rank's q, k, v (B, H*, S, D) over its tokens, projected chunk by chunk.
+struct LocalQkv {
+  at::Tensor q, k, v;
+};
+
+LocalQkv sp_project(const at::Tensor& x, const Layer& L, const SpContext& sp) {
+  const int64_t d = L.head_dim();
+  const auto act = x.options().dtype(L.act_dtype(x));
+  LocalQkv t{heads_buffer(x, L.num_heads, d, act), heads_buffer(x, L.num_kv_heads, d, act),
+             heads_buffer(x, L.num_kv_heads, d, act)};
+  for (const Chunk& c : sp.cs) {
+    const Projected p = project(c.of(x), L, c, Heads::kAll);
+    c.of(t.q, 2).copy_(p.q), c.of(t.k, 2).copy_(p.k), c.of(t.v, 2).copy_(p.v);
+  }
+  return t;
+}
+
+// The exchanged q, k, v: (B, H*/N, N*S, D), this rank's heads over the whole sequence.
+LocalQkv sp_exchange(const LocalQkv& t, const SpContext& sp) {
+  return {ulysses::to_heads(sp.g, t.q), ulysses::to_heads(sp.g, ulysses::repeat_kv(t.k, sp.rep)),
+          ulysses::to_heads(sp.g, ulysses::repeat_kv(t.v, sp.rep))};
+}
+
+// The attention over the whole sequence for this rank's heads: (out, lse), exchanged layout.
+std::tuple<at::Tensor, at::Tensor> sp_attend(const SpContext& sp, const LocalQkv& e) {
+  const Layer& H = sp.heads;
+  const int64_t Sg = e.q.size(2);
+  const Chunk all{0, e.q.size(0), 0, Sg, Sg};
+  auto [out, lse] = attend(H, all, e.q, e.k, e.v);
+  if (H.uniform_empty_rows) out = fix_empty_rows_forward(out, lse, value_mean(H, e.v));
+  return {out, lse};
+}
+
+at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
+  const SpContext sp = sp_context(x, L, "decoder_layer", /*check_shapes=*/true);
+  const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
+  const bool keep = L.preset_id != Preset::kMinMemory;
+  const LocalQkv local = sp_project(x, L, sp);
+  auto [out_g, lse_g] = sp_attend(sp, sp_exchange(local, sp));
+  const at::Tensor out = ulysses::to_tokens(sp.g, out_g);  // (B, Hq, S, D), (B, S, Hq, D) memory
+  if (keep) r.out = out, r.lse = ulysses::lse_to_tokens(sp.g, lse_g);
+  if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
+  at::Tensor y;
+  for (const Chunk& c : sp.cs) {
+    const at::Tensor xc = c.of(x);
+    at::Tensor h = xc + L.residual_scaled(norm_fwd(
+                            L, kAttnOutNorm, proj_fwd(L, kO, merge_heads(c.of(out, 2)), c.row())));
+    if (layer) {
+      if (keep) {
+        if (!r.h.defined()) r.h = at::empty(x.sizes(), h.options());
+        c.of(r.h).copy_(h);
+      }
+      Residuals rc;
+      h = mlp_forward(h, L, fast, rc, c.row());
+      if (fast) {
+        if (!r.gate.defined()) {
+          r.gate = at::empty({x.size(0) * x.size(1), rc.gate.size(1)}, rc.gate.options());
+          r.up = at::empty_like(r.gate);
+        }
+        r.gate.narrow(0, c.t0(), c.sc).copy_(rc.gate);
+        r.up.narrow(0, c.t0(), c.sc).copy_(rc.up);
+      }
+    }
+    if (!y.defined()) y = at::empty(x.sizes(), h.options());
+    c.of(y).copy_(h);
+  }
+  return y;
+}
+
+Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
+                  const Residuals& r, const std::vector<bool>& needs) {
+  const SpContext sp = sp_context(x, L, "decoder_layer_bwd", /*check_shapes=*/false);
+  const Layer& H = sp.heads;
+  const int64_t d = L.head_dim();
+  const bool layer = L.part_id == Part::kLayer;
+  Grads g(/*chunked=*/sp.cs.size() > 1);
+  // q, k, v: kept (fast) or projected again; exchanged again either way
+  const LocalQkv local = r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp);
+  const LocalQkv e = sp_exchange(local, sp);
+  at::Tensor out, out_g, lse_g;
+  if (r.out.defined()) {
+    out = r.out;
+    out_g = ulysses::to_heads(sp.g, out);
+    lse_g = ulysses::lse_to_heads(sp.g, r.lse);
+  } else {  // min_memory: the forward's attention and its exchange back
+    std::tie(out_g, lse_g) = sp_attend(sp, e);
+    out = ulysses::to_tokens(sp.g, out_g);
+  }
+  // Per chunk: h, the MLP's backward, the o projection's backward into dout.
+  const auto act = x.options().dtype(L.act_dtype(x));
+  const at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  for (const Chunk& c : sp.cs) {
+    const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
+    at::Tensor o;
+    if (L.has_norm(kAttnOutNorm) || (layer && !r.h.defined()))
+      o = proj_fwd(L, kO, merge_heads(outc), c.row());
+    at::Tensor dh = dyc;
+    if (layer) {
+      const at::Tensor h = r.h.defined() ? c.of(r.h)
+                                         : xc + L.residual_scaled(norm_fwd(L, kAttnOutNorm, o));
+      Residuals rc;
+      if (r.gate.defined()) {
+        rc.gate = r.gate.narrow(0, c.t0(), c.sc);
+        rc.up = r.up.narrow(0, c.t0(), c.sc);
+      }
+      dh = mlp_backward(dyc, h, L, rc, needs, g, c.row());
+    }
+    at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
+    if (o.defined() && L.has_norm(kAttnOutNorm))
+      d_o = L.cast(norm_bwd(L, kAttnOutNorm, d_o, flat2(o), needs, g));
+    const at::Tensor dmerged = proj_bwd(L, kO, d_o, flat2(merge_heads(outc)), needs, g, c.row());
+    c.of(dout, 2).copy_(dmerged.view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2));
+    if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
+    c.of(g.dx).copy_(dh);
+  }
+  // The attention's backward over the whole sequence for this rank's heads.
+  const at::Tensor dout_g = ulysses::to_heads(sp.g, dout);
+  auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
+      dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
+      /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
+  if (H.uniform_empty_rows) {
+    const int64_t Sg = e.q.size(2);
+    const Chunk all{0, e.q.size(0), 0, Sg, Sg};
+    EmptyRows empty(H, e.k, e.v);
+    dq_g = dq_g + empty.query_fix(H, all, dout_g, lse_g, e.q).to(dq_g.scalar_type());
+    auto [dk_fix, dv_fix] = empty.key_fix(H, all, e.v);
+    dk_g = dk_g + dk_fix.to(dk_g.scalar_type());
+    dv_g = dv_g + dv_fix.to(dv_g.scalar_type());
+  }
+  const at::Tensor dq = ulysses::to_tokens(sp.g, dq_g);
+  const at::Tensor dk = ulysses::sum_kv(ulysses::to_tokens(sp.g, dk_g), sp.rep);
+  const at::Tensor dv = ulysses::sum_kv(ulysses::to_tokens(sp.g, dv_g), sp.rep);
+  // Per chunk: the projections' and the input norm's backward.
+  for (const Chunk& c : sp.cs) {
+    const at::Tensor xc = c.of(x);
+    Projected p;
+    if (L.qk_norm()) {
+      p = project(xc, L, c, Heads::kAll);  // the norms' inputs q_lin, k_lin
+    } else {
+      p.n = L.cast(norm_fwd(L, kInputNorm, xc));
+    }
+    const at::Tensor dn = projections_backward(L, c, p, c.of(dq, 2), c.of(dk, 2), c.of(dv, 2),
+                                               p.k_lin, {}, needs, g);
+    const at::Tensor dh = c.of(g.dx);
+    dh.copy_(input_norm_backward(L, xc, dn, dh, needs, g));
+  }
+  return g;
+}
+
 // ---- the whole call ------------------------------------------------------------------------
 
 at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   if (L.part_id == Part::kMlp) return mlp_forward(x, L, L.preset_id == Preset::kFast, r, 0);
+  if (!L.sequence_parallel.empty()) return sp_forward(x, L, r);
   return attention_layer_forward(x, L, r);
 }
 
 Grads layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
                      const Residuals& r, const std::vector<bool>& needs) {
+  if (L.part_id != Part::kMlp && !L.sequence_parallel.empty())
+    return sp_backward(dy, x, L, r, needs);
   if (L.part_id != Part::kMlp) return attention_layer_backward(dy, x, L, r, needs);
   Grads g(/*chunked=*/false);
   g.dx = mlp_backward(dy, x, L, r, needs, g, 0);

@@ -1,0 +1,191 @@
+"""Ulysses sequence parallelism inside the fused layer op (the option ``sequence_parallel``):
+2 and 4 processes on gloo (CPU), each holding S/N positions of every sequence, give the
+single-process op's output on the whole sequence and its gradients (x's, concatenated; the
+weights' and adapters', summed over the group): fp64 within 1e-10, fp32 within the accuracy
+rule's bound. Every preset, the whole layer and the attention sublayer, GQA with fewer and with
+as many KV heads as ranks (repeated / split), per-head q/k norms, LoRA dropout (global rows),
+left padding with and without HF eager's uniform empty rows, packed sequences, a sliding
+window, several local chunks. Bad input refuses on every rank.
+
+One spawned group runs every case of a world size (the cases travel in one file)."""
+import datetime
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+if not dist.is_available():
+    pytest.skip("torch was built without torch.distributed", allow_module_level=True)
+
+from reference import (
+    layer_weights_with_adapters,
+    packed_segment_ids,
+    rope_args,
+    rope_tables,
+)
+from test_distributed import TIMEOUT_S, spawn_ranks
+
+from ckpt_ext import blocks
+
+linux_only = pytest.mark.skipif(sys.platform != "linux",
+                                reason="spawned gloo workers are tested on Linux")
+
+H, IM, R, B = 32, 48, 3, 2
+DROPOUT = [0.1, 0.2, 0.3, 0.15, 0.25, 0.35, 0.4]
+
+
+def make_case(seed, dtype=torch.float64, hq=4, hkv=2, s=24, preset="balanced", part="layer",
+              qk_norm=False, padded=False, eager=False, packed=False, window=None,
+              chunk_rows=None, hidden=H):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    weights = layer_weights_with_adapters(hidden, hq, hkv, IM, R, dtype, g)
+    d = hidden // hq
+    if qk_norm:
+        weights["self_attn.q_norm.weight"] = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+        weights["self_attn.k_norm.weight"] = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    kw = dict(num_heads=hq, num_kv_heads=hkv, lora_scaling=[0.5 + 0.1 * i for i in range(7)],
+              lora_dropout=DROPOUT, dropout_seed=torch.tensor(4242 + seed), window=window,
+              preset=preset, part=part)
+    if padded:  # left padding: row 0 by 5 (inside rank 0's share), row 1 by 15 (past it)
+        mask = torch.ones(B, s, dtype=torch.bool)
+        mask[0, :5] = False
+        mask[1, :15] = False
+        kw.update(key_padding_mask=mask, uniform_empty_rows=eager)
+    if packed:
+        kw["segment_ids"] = packed_segment_ids(B, s, [7, 10, 3])
+    cos, sin = rope_tables(s, d, dtype=dtype)
+    chunk = None
+    if chunk_rows is not None:  # the layer's per-token working set (tests/test_chunked_layer.py)
+        width = 4 * hq * d + (3 * IM if part == "layer" else 0)
+        chunk = str(chunk_rows * width * max(4, dtype.itemsize))
+    return dict(x=torch.randn(B, s, hidden, generator=g, dtype=dtype),
+                dy=torch.randn(B, s, hidden, generator=g, dtype=dtype),
+                weights=weights, cos=cos, sin=sin, kw=kw, chunk=chunk)
+
+
+def run(c, rank=0, world=1, group=""):
+    """(y, dx, {name: gradient}) of rank's share of the sequence (all of it for world 1)."""
+    s = c["x"].shape[1] // world
+    share = lambda t: t[:, rank * s:(rank + 1) * s] if t is not None else None
+    x = share(c["x"]).clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in c["weights"].items()}
+    kw = dict(c["kw"])
+    for name in ("key_padding_mask", "segment_ids"):
+        if name in kw:
+            kw[name] = share(kw[name])
+    if c["chunk"] is not None:
+        os.environ["CKPT_EXT_CHUNK_BYTES"] = c["chunk"]
+    try:
+        y = blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=w, **rope_args((share(c["cos"]), share(c["sin"]))), sequence_parallel=group,
+            **kw))
+        y.backward(share(c["dy"]))
+    finally:
+        os.environ.pop("CKPT_EXT_CHUNK_BYTES", None)
+    return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
+
+
+def outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the test compares what was raised
+        return ("raised", type(e).__name__, str(e))
+
+
+def _worker(rank, world, init_file, cases_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        torch.set_num_threads(1)
+        cases = torch.load(cases_file, weights_only=False)
+        group = dist.group.WORLD.group_name
+        results = {}
+        for key, c in cases.items():
+            if c.get("bad_shape") and rank == 1:  # this rank passes one position less
+                c = dict(c, x=c["x"][:, :-world], dy=c["dy"][:, :-world], cos=c["cos"][:, :-world],
+                         sin=c["sin"][:, :-world])
+            results[key] = outcome(lambda c=c: run(c, rank, world, c.get("group", group)))
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(tmp_path, world, cases):
+    out = tmp_path / f"world{world}"
+    out.mkdir()
+    torch.save(cases, out / "cases.pt")
+    return spawn_ranks(_worker, (world, str(out / "init"), str(out / "cases.pt"), str(out)), out,
+                       f"sequence-parallel world {world}", world=world)
+
+
+def assert_matches(key, c, ranks, rtol, atol):
+    ref_y, ref_dx, ref_g = run(c)
+    for r, res in enumerate(ranks):
+        assert res[key][0] == "ok", f"{key}: rank {r} raised {res[key][1:]}"
+    ys, dxs, gs = zip(*(res[key][1] for res in ranks))
+    scale = lambda t: max(1.0, t.abs().max().item())
+    torch.testing.assert_close(torch.cat(ys, 1), ref_y, rtol=rtol, atol=atol * scale(ref_y),
+                               msg=lambda m: f"{key} y: {m}")
+    torch.testing.assert_close(torch.cat(dxs, 1), ref_dx, rtol=rtol, atol=atol * scale(ref_dx),
+                               msg=lambda m: f"{key} dx: {m}")
+    assert gs[0].keys() == ref_g.keys(), key
+    for n, want in ref_g.items():
+        got = sum(g[n] for g in gs)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol * scale(want),
+                                   msg=lambda m, n=n: f"{key} {n}: {m}")
+
+
+CASES_2 = {
+    # GQA, KV heads split (Hkv 2 = N), LoRA dropout, left padding, two sequences
+    **{f"{p}-gqa-padded": make_case(1, preset=p, padded=True)
+       for p in ("fast", "balanced", "min_memory")},
+    # KV heads repeated (Hkv 1 < N), per-head q/k norms, packed sequences
+    **{f"{p}-mqa-qknorm-packed": make_case(2, preset=p, hkv=1, qk_norm=True, packed=True)
+       for p in ("fast", "min_memory")},
+    "balanced-eager-empty-rows": make_case(3, padded=True, eager=True),
+    # several chunks of each rank's 12 tokens (5, 5, 2), a sliding window, the sublayer alone
+    "balanced-chunks-window": make_case(4, chunk_rows=5, window=7),
+    "min_memory-attention-chunks": make_case(5, preset="min_memory", part="attention",
+                                             chunk_rows=5, hkv=4),
+}
+FP32_2 = {"fp32-balanced": make_case(6, dtype=torch.float32, padded=True),
+          "fp32-fast-mqa": make_case(7, dtype=torch.float32, preset="fast", hkv=1)}
+BAD_2 = {"bad-heads": make_case(8, hq=3, hkv=3, hidden=48),
+         "bad-kv-heads": make_case(9, hq=6, hkv=3, hidden=48),
+         "bad-shape": dict(make_case(10), bad_shape=True),
+         "bad-group": dict(make_case(11), group="no-such-group")}
+CASES_4 = {
+    "min_memory-hkv2-repeated": make_case(12, preset="min_memory", s=28, padded=True),
+    "fast-hkv4-split": make_case(13, preset="fast", hkv=4, s=28, qk_norm=True, packed=True),
+}
+
+
+@linux_only
+def test_two_ranks_equal_one_process(tmp_path):
+    """fp64: 1e-10 (scaled by the reference's magnitude where above 1); fp32 within 1e-5 of
+    the fp32 single-process op (the same kernels on a different split of the work); bad input
+    refused on both ranks with the error naming the argument."""
+    ranks = run_world(tmp_path, 2, {**CASES_2, **FP32_2, **BAD_2})
+    for key, c in CASES_2.items():
+        assert_matches(key, c, ranks, 1e-10, 1e-10)
+    for key, c in FP32_2.items():
+        assert_matches(key, c, ranks, 1e-5, 1e-5)
+    expect = {"bad-heads": "num_heads=3 must be divisible",
+              "bad-kv-heads": "num_kv_heads=3 must be a multiple or a divisor",
+              "bad-shape": "every rank passes x of the same shape",
+              "bad-group": "sequence_parallel='no-such-group' is not a registered"}
+    for key, needle in expect.items():
+        for r, res in enumerate(ranks):
+            assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
+            assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
+
+
+@linux_only
+def test_four_ranks_equal_one_process(tmp_path):
+    ranks = run_world(tmp_path, 4, CASES_4)
+    for key, c in CASES_4.items():
+        assert_matches(key, c, ranks, 1e-10, 1e-10)
