@@ -189,3 +189,126 @@ def test_four_ranks_equal_one_process(tmp_path):
     ranks = run_world(tmp_path, 4, CASES_4)
     for key, c in CASES_4.items():
         assert_matches(key, c, ranks, 1e-10, 1e-10)
+
+
+# ---- a patched HF model: patch_llama(sequence_parallel=group) and shard_batch ----------------
+
+HF_S = 14  # 7 tokens per rank
+
+
+def hf_model(lora_dropout=None):
+    pytest.importorskip("transformers")
+    from test_distributed import make_model
+    model = make_model().double()
+    if lora_dropout is not None:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=lora_dropout,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"]))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # B off zero, as after some training
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def hf_batch(kind):
+    from hf_fixtures import padded_batch
+    ids, mask, labels = padded_batch(97, 2, HF_S, pad_row=1, pad=9, seed=21)
+    if kind == "padded":  # row 1 left-padded past rank 0's share
+        return dict(input_ids=ids, attention_mask=mask, labels=labels)
+    # packed: documents of 5, 6 and 3 tokens in row 0, 9 and 5 in row 1, no mask
+    pos = torch.tensor([list(range(5)) + list(range(6)) + list(range(3)),
+                        list(range(9)) + list(range(5))])
+    return dict(input_ids=ids.clamp(min=1), position_ids=pos, labels=ids.clamp(min=1))
+
+
+HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
+    "balanced-padded": ("balanced", None, "padded"),
+    "min_memory-lora-dropout-packed": ("min_memory", 0.3, "packed"),
+    "fast-lora-dropout-padded": ("fast", 0.2, "padded"),
+}
+
+
+def hf_step(model, batch, seed=77):
+    """Loss and gradients of one training step (the LoRA dropout seeds drawn after
+    torch.manual_seed(seed))."""
+    torch.manual_seed(seed)
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def _hf_worker(rank, world, init_file, out_dir):
+    import ckpt_ext
+    from ckpt_ext.hf import sequence_parallel as sp
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        torch.set_num_threads(1)
+        group = dist.group.WORLD
+        results = {}
+        for key, (policy, dropout, kind) in HF_CASES.items():
+            def case(policy=policy, dropout=dropout, kind=kind):
+                model = hf_model(dropout)
+                ckpt_ext.patch_llama(model, policy, sequence_parallel=group)
+                # rank 0 draws the single process's seeds; the other ranks' draws are not used
+                loss, grads = hf_step(model, sp.shard_batch(hf_batch(kind), group),
+                                      seed=77 + 1000 * rank)
+                sp.all_reduce_grads(model, group)
+                return loss, {n: p.grad for n, p in model.named_parameters()
+                              if p.grad is not None}, grads
+            results[key] = outcome(case)
+        results["torch-policy"] = outcome(
+            lambda: ckpt_ext.patch_llama(hf_model(), "torch", sequence_parallel=group))
+        results["odd-length"] = outcome(lambda: sp.shard_batch(
+            {k: v[:, :-1] for k, v in hf_batch("padded").items()}, group))
+        results["not-a-group"] = outcome(
+            lambda: ckpt_ext.patch_llama(hf_model(), sequence_parallel="0"))
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@linux_only
+def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
+    """A tiny fp64 HF LLaMA patched with sequence_parallel=group on 2 gloo ranks, its batch cut
+    by shard_batch: the ranks' losses sum to the single-process loss of the whole batch and the
+    gradients summed over the group equal its gradients (1e-10), with left padding past rank
+    0's share, packed documents across the ranks' boundary, PEFT LoRA with dropout (one seed
+    per layer call on every rank, masks on global rows). Bad input refuses on every rank."""
+    import ckpt_ext
+    out = tmp_path / "hf"
+    out.mkdir()
+    ranks = spawn_ranks(_hf_worker, (2, str(out / "init"), str(out)), out,
+                        "sequence-parallel HF model", world=2)
+    for key, (policy, dropout, kind) in HF_CASES.items():
+        model = hf_model(dropout)
+        ckpt_ext.patch_llama(model, policy)
+        want_loss, want = hf_step(model, hf_batch(kind))
+        for r, res in enumerate(ranks):
+            assert res[key][0] == "ok", f"{key}: rank {r} raised {res[key][1:]}"
+        losses = [res[key][1][0] for res in ranks]
+        torch.testing.assert_close(sum(losses), want_loss, rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, key=key: f"{key} loss: {m}")
+        assert not torch.allclose(losses[0], want_loss)  # each rank holds a share only
+        for r, res in enumerate(ranks):
+            got, own = res[key][1][1], res[key][1][2]
+            assert got.keys() == want.keys(), key
+            for n, w in want.items():
+                torch.testing.assert_close(got[n], w, rtol=1e-10, atol=1e-10,
+                                           msg=lambda m, n=n, key=key: f"{key} {n}: {m}")
+            if r == 0:  # the sum is needed: one rank's own gradients are its share only
+                n = next(n for n in own if "q_proj" in n)
+                assert not torch.allclose(own[n], want[n]), key
+    expect = {"torch-policy": "sequence_parallel needs every decoder layer fused",
+              "odd-length": "sequence length 13 of input_ids is not divisible",
+              "not-a-group": "sequence_parallel must be a torch.distributed ProcessGroup"}
+    for key, needle in expect.items():
+        for r, res in enumerate(ranks):
+            assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
+            assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
