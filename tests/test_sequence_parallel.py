@@ -242,6 +242,21 @@ def hf_step(model, batch, seed=77):
                            if p.grad is not None}
 
 
+def context_parallel_step(group):
+    """A training step of a model patched with sequence_parallel= inside torch's
+    context_parallel (which splits the sequence a second time): refused."""
+    import ckpt_ext
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    model = hf_model()
+    ckpt_ext.patch_llama(model, sequence_parallel=group)
+    batch = hf_batch("packed")
+    ids, pos = batch["input_ids"].clone(), batch["position_ids"].clone()
+    with context_parallel(init_device_mesh("cpu", (dist.get_world_size(),)),
+                          buffers=[ids, pos], buffer_seq_dims=[1, 1]):
+        return hf_step(model, dict(input_ids=ids, position_ids=pos, labels=ids))
+
+
 def _hf_worker(rank, world, init_file, out_dir):
     import ckpt_ext
     from ckpt_ext.hf import sequence_parallel as sp
@@ -262,6 +277,7 @@ def _hf_worker(rank, world, init_file, out_dir):
                 return loss, {n: p.grad for n, p in model.named_parameters()
                               if p.grad is not None}, grads
             results[key] = outcome(case)
+        results["context-parallel"] = outcome(lambda: context_parallel_step(group))
         results["torch-policy"] = outcome(
             lambda: ckpt_ext.patch_llama(hf_model(), "torch", sequence_parallel=group))
         results["odd-length"] = outcome(lambda: sp.shard_batch(
@@ -306,6 +322,7 @@ def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
                 n = next(n for n in own if "q_proj" in n)
                 assert not torch.allclose(own[n], want[n]), key
     expect = {"torch-policy": "sequence_parallel needs every decoder layer fused",
+              "context-parallel": "torch's context_parallel is active as well",
               "odd-length": "sequence length 13 of input_ids is not divisible",
               "not-a-group": "sequence_parallel must be a torch.distributed ProcessGroup"}
     for key, needle in expect.items():
