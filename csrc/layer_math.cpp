@@ -1187,11 +1187,20 @@ at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   const SpContext sp = sp_context(x, L, "decoder_layer", /*check_shapes=*/true);
   const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
   const bool keep = L.preset_id != Preset::kMinMemory;
-  const LocalQkv local = sp_project(x, L, sp);
-  auto [out_g, lse_g] = sp_attend(sp, sp_exchange(local, sp));
-  const at::Tensor out = ulysses::to_tokens(sp.g, out_g);  // (B, Hq, S, D), (B, S, Hq, D) memory
-  if (keep) r.out = out, r.lse = ulysses::lse_to_tokens(sp.g, lse_g);
-  if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
+  // Each whole tensor is released as soon as the next step has read it.
+  at::Tensor out;  // (B, Hq, S, D), (B, S, Hq, D) memory
+  {
+    LocalQkv exchanged;
+    {
+      const LocalQkv local = sp_project(x, L, sp);
+      exchanged = sp_exchange(local, sp);
+      if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
+    }
+    auto [out_g, lse_g] = sp_attend(sp, exchanged);
+    exchanged = LocalQkv{};
+    out = ulysses::to_tokens(sp.g, out_g);
+    if (keep) r.out = out, r.lse = ulysses::lse_to_tokens(sp.g, lse_g);
+  }
   at::Tensor y;
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x);
@@ -1227,8 +1236,8 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   const bool layer = L.part_id == Part::kLayer;
   Grads g(/*chunked=*/sp.cs.size() > 1);
   // q, k, v: kept (fast) or projected again; exchanged again either way
-  const LocalQkv local = r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp);
-  const LocalQkv e = sp_exchange(local, sp);
+  // Each whole tensor is released as soon as the next step has read it.
+  LocalQkv e = sp_exchange(r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp), sp);
   at::Tensor out, out_g, lse_g;
   if (r.out.defined()) {
     out = r.out;
@@ -1240,7 +1249,7 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   }
   // Per chunk: h, the MLP's backward, the o projection's backward into dout.
   const auto act = x.options().dtype(L.act_dtype(x));
-  const at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
     at::Tensor o;
@@ -1266,7 +1275,9 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     c.of(g.dx).copy_(dh);
   }
   // The attention's backward over the whole sequence for this rank's heads.
-  const at::Tensor dout_g = ulysses::to_heads(sp.g, dout);
+  out = at::Tensor();
+  at::Tensor dout_g = ulysses::to_heads(sp.g, dout);
+  dout = at::Tensor();
   auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
       dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
       /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
@@ -1279,9 +1290,13 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     dk_g = dk_g + dk_fix.to(dk_g.scalar_type());
     dv_g = dv_g + dv_fix.to(dv_g.scalar_type());
   }
+  e = LocalQkv{}, out_g = dout_g = lse_g = at::Tensor();
   const at::Tensor dq = ulysses::to_tokens(sp.g, dq_g);
+  dq_g = at::Tensor();
   const at::Tensor dk = ulysses::sum_kv(ulysses::to_tokens(sp.g, dk_g), sp.rep);
+  dk_g = at::Tensor();
   const at::Tensor dv = ulysses::sum_kv(ulysses::to_tokens(sp.g, dv_g), sp.rep);
+  dv_g = at::Tensor();
   // Per chunk: the projections' and the input norm's backward.
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x);
