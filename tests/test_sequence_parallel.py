@@ -5,7 +5,7 @@ weights' and adapters', summed over the group): fp64 within 1e-10, fp32 within t
 rule's bound. Every preset, the whole layer and the attention sublayer, GQA with fewer and with
 as many KV heads as ranks (repeated / split), per-head q/k norms, LoRA dropout (global rows),
 left padding with and without HF eager's uniform empty rows, packed sequences, a sliding
-window, several local chunks. Bad input refuses on every rank.
+window, several local chunks, torch.compile(fullgraph=True). Bad input refuses on every rank.
 
 One spawned group runs every case of a world size (the cases travel in one file)."""
 import datetime
@@ -69,7 +69,7 @@ def make_case(seed, dtype=torch.float64, hq=4, hkv=2, s=24, preset="balanced", p
                 weights=weights, cos=cos, sin=sin, kw=kw, chunk=chunk)
 
 
-def run(c, rank=0, world=1, group=""):
+def run(c, rank=0, world=1, group="", fn=blocks.decoder_layer):
     """(y, dx, {name: gradient}) of rank's share of the sequence (all of it for world 1)."""
     s = c["x"].shape[1] // world
     share = lambda t: t[:, rank * s:(rank + 1) * s] if t is not None else None
@@ -82,7 +82,7 @@ def run(c, rank=0, world=1, group=""):
     if c["chunk"] is not None:
         os.environ["CKPT_EXT_CHUNK_BYTES"] = c["chunk"]
     try:
-        y = blocks.decoder_layer(x, blocks.LayerOptions(
+        y = fn(x, blocks.LayerOptions(
             weights=w, **rope_args((share(c["cos"]), share(c["sin"]))), sequence_parallel=group,
             **kw))
         y.backward(share(c["dy"]))
@@ -110,7 +110,12 @@ def _worker(rank, world, init_file, cases_file, out_dir):
             if c.get("bad_shape") and rank == 1:  # this rank passes one position less
                 c = dict(c, x=c["x"][:, :-world], dy=c["dy"][:, :-world], cos=c["cos"][:, :-world],
                          sin=c["sin"][:, :-world])
-            results[key] = outcome(lambda c=c: run(c, rank, world, c.get("group", group)))
+            # torch.compile(fullgraph=True): no graph break around the op and its exchanges
+            # (aot_eager: AOTAutograd traces the op's fakes; inductor's compile adds only time)
+            fn = torch.compile(blocks.decoder_layer, fullgraph=True, backend="aot_eager") \
+                if c.get("compile") else blocks.decoder_layer
+            results[key] = outcome(lambda c=c, fn=fn: run(c, rank, world, c.get("group", group),
+                                                          fn))
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
         dist.barrier()
     finally:
@@ -174,6 +179,8 @@ CASES_2 = {
     "balanced-chunks-window": make_case(4, chunk_rows=5, window=7),
     "min_memory-attention-chunks": make_case(5, preset="min_memory", part="attention",
                                              chunk_rows=5, hkv=4),
+    "compiled-balanced-chunks-padded": dict(make_case(14, chunk_rows=5, padded=True),
+                                            compile=True),
 }
 FP32_2 = {"fp32-balanced": make_case(6, dtype=torch.float32, padded=True),
           "fp32-fast-mqa": make_case(7, dtype=torch.float32, preset="fast", hkv=1)}
