@@ -257,6 +257,7 @@ def hf_batch(kind):
 
 HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
     "balanced-padded": ("balanced", None, "padded"),
+    "balanced-offload-packed": ("balanced", None, "packed"),
     "min_memory-lora-dropout-packed": ("min_memory", 0.3, "packed"),
     "fast-lora-dropout-padded": ("fast", 0.2, "padded"),
 }
@@ -297,15 +298,18 @@ def _hf_worker(rank, world, init_file, out_dir):
         group = dist.group.WORLD
         results = {}
         for key, (policy, dropout, kind) in HF_CASES.items():
-            def case(policy=policy, dropout=dropout, kind=kind):
+            def case(policy=policy, dropout=dropout, kind=kind, key=key):
                 model = hf_model(dropout)
-                ckpt_ext.patch_llama(model, policy, sequence_parallel=group)
+                ckpt_ext.patch_llama(model, policy, sequence_parallel=group,
+                                     offload="cpu" if "offload" in key else None)
                 # rank 0 draws the single process's seeds; the other ranks' draws are not used
                 loss, grads = hf_step(model, sp.shard_batch(hf_batch(kind), group),
                                       seed=77 + 1000 * rank)
                 sp.all_reduce_grads(model, group)
+                layers = (model.base_model.model if dropout is not None else model).model.layers
+                off = layers[0].forward.shared.offloader
                 return loss, {n: p.grad for n, p in model.named_parameters()
-                              if p.grad is not None}, grads
+                              if p.grad is not None}, grads, off and off.stats()
             results[key] = outcome(case)
         results["context-parallel"] = outcome(lambda: context_parallel_step(group))
         results["torch-policy"] = outcome(
@@ -325,8 +329,9 @@ def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
     """A tiny fp64 HF LLaMA patched with sequence_parallel=group on 2 gloo ranks, its batch cut
     by shard_batch: the ranks' losses sum to the single-process loss of the whole batch and the
     gradients summed over the group equal its gradients (1e-10), with left padding past rank
-    0's share, packed documents across the ranks' boundary, PEFT LoRA with dropout (one seed
-    per layer call on every rank, masks on global rows). Bad input refuses on every rank."""
+    0's share, packed documents across the ranks' boundary, offload="cpu", PEFT LoRA with
+    dropout (each rank seeded differently: the group's first rank's seed per layer call on
+    every rank, masks on global rows). Bad input refuses on every rank."""
     import ckpt_ext
     out = tmp_path / "hf"
     out.mkdir()
@@ -343,7 +348,9 @@ def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
                                    msg=lambda m, key=key: f"{key} loss: {m}")
         assert not torch.allclose(losses[0], want_loss)  # each rank holds a share only
         for r, res in enumerate(ranks):
-            got, own = res[key][1][1], res[key][1][2]
+            got, own, off = res[key][1][1:]
+            if "offload" in key:  # the saved layer tensors went through the host pool
+                assert off["host_allocations"] > 0, off
             assert got.keys() == want.keys(), key
             for n, w in want.items():
                 torch.testing.assert_close(got[n], w, rtol=1e-10, atol=1e-10,
