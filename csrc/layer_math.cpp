@@ -1101,27 +1101,44 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
 // ---- Ulysses sequence parallelism (sequence_parallel; the exchanges in csrc/ulysses.h) ------
 //
 // Each rank holds S of the N*S positions of every sequence. Forward: the rank's tokens are
-// projected chunk by chunk (q, k, v after norms and RoPE at its global positions), q/k/v go
-// through one all-to-all each to (B, Hq/N, N*S, D) (this rank's heads over the whole sequence),
-// the attention runs over the gathered sequence (causal, the masks gathered), its output
-// comes back by a fourth all-to-all, and the o projection, residual and MLP run chunk by chunk
-// on the rank's tokens. The residuals keep the local layout (the shapes of a call without
-// sequence_parallel), so the backward repeats the q/k/v exchanges (and, given kept out/lse,
-// exchanges those; min_memory recomputes the attention and exchanges its output back), then:
-// per chunk the MLP's and the o projection's backward into dout, one all-to-all of dout, the
-// attention's backward over the gathered sequence, three all-to-alls of dq/dk/dv back, and per
-// chunk the projections' and input norm's backward. Weight gradients are this rank's tokens'
-// share: the caller sums them over the group. Chunks are single sequence rows (nb = 1), so
-// LoRA dropout hashes global rows (Chunk::row). The attention itself is not chunked here: the
-// exchanged q, k, v, out and their gradients are whole (B, H/N, N*S, D) tensors, each the size
-// of the rank's own (B, H, S, D).
+// projected chunk by chunk (q, k, v after norms and RoPE at its global positions); then, in
+// head rounds (sp_round_kv_heads: as many heads at a time as the byte cap allows), the
+// round's q, k, v go through one all-to-all each to (B, heads/N, N*S, D) (this rank's share of
+// the round's heads over the whole sequence), the attention runs over the gathered sequence
+// (causal, the masks gathered once), and its out and lse come back by all-to-all into the
+// rank's (B, Hq, S, D) out; the o projection, residual and MLP then run chunk by chunk on the
+// rank's tokens. The residuals keep the local layout (the shapes of a call without
+// sequence_parallel). Backward: q, k, v kept (fast) or projected again, and out/lse kept or
+// (min_memory) recomputed by the forward's rounds and exchanges; per chunk the MLP's and the o
+// projection's backward into dout; per round q, k, v, out, lse and dout go out and dq, dk, dv
+// come back (KV heads repeated for the exchange summed back); per chunk the projections' and
+// input norm's backward. Weight gradients are this rank's tokens' share: the caller sums them
+// over the group. Chunks are single sequence rows (nb = 1), so LoRA dropout hashes global rows
+// (Chunk::row). Whole local tensors: q, k, v, out, lse, dout, dq, dk, dv (and x, y, dy, dx);
+// a round's exchanged tensors are within the byte cap (at least one KV head per rank).
 
 struct SpContext {
   ulysses::Group g;
   int64_t rep;           // KV head repeats before the exchange (ulysses::kv_repeats)
-  Layer heads;           // L with this rank's heads and the gathered masks
+  int64_t rounds;        // head rounds (sp_rounds)
+  Layer heads;           // L with one round's heads on this rank and the gathered masks
   std::vector<Chunk> cs; // the rank's local chunks, nb = 1, global dropout rows
 };
+
+// The attention over the gathered sequence runs in head rounds: round j exchanges the KV
+// heads [j*N*r, (j+1)*N*r) (of the KV heads as exchanged, repeated when fewer than N) and their
+// query heads, so that each rank holds r KV heads and their query heads at a time. r is the
+// most (a divisor of the KV heads per rank) whose round fits the byte cap
+// (csrc/chunking.h): per KV head, its query heads' q, out, dout and dq and its k, v, dk, dv
+// over the gathered sequence, at the compute width (float32 at least). Returns r.
+int64_t sp_round_kv_heads(const Layer& L, const at::Tensor& x, int64_t n, int64_t rep) {
+  const int64_t kv = L.num_kv_heads * rep / n, g = L.num_heads / (L.num_kv_heads * rep);
+  const int64_t bytes = x.size(0) * x.size(1) * n * L.head_dim() * (4 * g + 4) *
+                        std::max<int64_t>(4, at::elementSize(L.act_dtype(x)));
+  int64_t r = kv;
+  while (r > 1 && (kv % r != 0 || r * bytes > chunking::chunk_bytes())) --r;
+  return r;
+}
 
 SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op, bool check_shapes) {
   SpContext sp;
@@ -1138,9 +1155,11 @@ SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op, bool c
                      "(S: its share of the sequence); the ranks passed ", shapes);
   }
   sp.rep = ulysses::kv_repeats(sp.g, L.num_kv_heads);
+  const int64_t r = sp_round_kv_heads(L, x, N, sp.rep);
+  sp.rounds = L.num_kv_heads * sp.rep / (N * r);
   sp.heads = L;
-  sp.heads.num_heads = L.num_heads / N;
-  sp.heads.num_kv_heads = L.num_kv_heads * sp.rep / N;
+  sp.heads.num_kv_heads = r;
+  sp.heads.num_heads = r * (L.num_heads / (L.num_kv_heads * sp.rep));
   if (L.key_padding_mask) sp.heads.key_padding_mask = ulysses::gather_tokens(sp.g, *L.key_padding_mask);
   if (L.segment_ids) sp.heads.segment_ids = ulysses::gather_tokens(sp.g, *L.segment_ids);
   const int64_t rows = layer_chunk_rows(L, x);
@@ -1150,7 +1169,8 @@ SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op, bool c
   return sp;
 }
 
-// The rank's q, k, v (B, H*, S, D) over its tokens, projected chunk by chunk.
+// The rank's q, k, v (B, H*, S, D) over its tokens (k, v with the KV heads repeated as
+// exchanged), projected chunk by chunk.
 struct LocalQkv {
   at::Tensor q, k, v;
 };
@@ -1167,39 +1187,63 @@ LocalQkv sp_project(const at::Tensor& x, const Layer& L, const SpContext& sp) {
   return t;
 }
 
-// The exchanged q, k, v: (B, H*/N, N*S, D), this rank's heads over the whole sequence.
-LocalQkv sp_exchange(const LocalQkv& t, const SpContext& sp) {
-  return {ulysses::to_heads(sp.g, t.q), ulysses::to_heads(sp.g, ulysses::repeat_kv(t.k, sp.rep)),
-          ulysses::to_heads(sp.g, ulysses::repeat_kv(t.v, sp.rep))};
+// Round j's query heads (dim 1 of a (B, Hq, S, ...) tensor) and KV heads (as exchanged).
+at::Tensor round_q(const SpContext& sp, const at::Tensor& t, int64_t j) {
+  const int64_t n = sp.g.size * sp.heads.num_heads;
+  return t.narrow(1, j * n, n);
+}
+at::Tensor round_kv(const SpContext& sp, const at::Tensor& t, int64_t j) {
+  const int64_t n = sp.g.size * sp.heads.num_kv_heads;
+  return t.narrow(1, j * n, n);
 }
 
-// The attention over the whole sequence for this rank's heads: (out, lse), exchanged layout.
-std::tuple<at::Tensor, at::Tensor> sp_attend(const SpContext& sp, const LocalQkv& e) {
+// Round j's q, k, v exchanged: (B, heads of the round on this rank, N*S, D).
+LocalQkv sp_exchange(const LocalQkv& t, const SpContext& sp, int64_t j) {
+  return {ulysses::to_heads(sp.g, round_q(sp, t.q, j)),
+          ulysses::to_heads(sp.g, round_kv(sp, t.k, j)),
+          ulysses::to_heads(sp.g, round_kv(sp, t.v, j))};
+}
+
+// The attention of every round, its out and lse exchanged back: (out, lse) in the local
+// layout, (B, Hq, S, D) of (B, S, Hq, D) memory and (B, Hq, S).
+std::tuple<at::Tensor, at::Tensor> sp_attention(const at::Tensor& x, const Layer& L,
+                                                const SpContext& sp, const LocalQkv& local) {
   const Layer& H = sp.heads;
-  const int64_t Sg = e.q.size(2);
-  const Chunk all{0, e.q.size(0), 0, Sg, Sg};
-  auto [out, lse] = attend(H, all, e.q, e.k, e.v);
-  if (H.uniform_empty_rows) out = fix_empty_rows_forward(out, lse, value_mean(H, e.v));
+  const auto act = x.options().dtype(L.act_dtype(x));
+  at::Tensor out = heads_buffer(x, L.num_heads, L.head_dim(), act);
+  at::Tensor lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
+  for (int64_t j = 0; j < sp.rounds; ++j) {
+    const LocalQkv e = sp_exchange(local, sp, j);
+    const int64_t Sg = e.q.size(2);
+    auto [out_g, lse_g] = attend(H, Chunk{0, e.q.size(0), 0, Sg, Sg}, e.q, e.k, e.v);
+    if (H.uniform_empty_rows) out_g = fix_empty_rows_forward(out_g, lse_g, value_mean(H, e.v));
+    round_q(sp, out, j).copy_(ulysses::to_tokens(sp.g, out_g));
+    round_q(sp, lse, j).copy_(ulysses::lse_to_tokens(sp.g, lse_g));
+  }
   return {out, lse};
+}
+
+LocalQkv sp_local_qkv(const at::Tensor& x, const Layer& L, const SpContext& sp,
+                      const Residuals& r) {
+  LocalQkv t = r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp);
+  t.k = ulysses::repeat_kv(t.k, sp.rep);
+  t.v = ulysses::repeat_kv(t.v, sp.rep);
+  return t;
 }
 
 at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   const SpContext sp = sp_context(x, L, "decoder_layer", /*check_shapes=*/true);
   const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
   const bool keep = L.preset_id != Preset::kMinMemory;
-  // Each whole tensor is released as soon as the next step has read it.
   at::Tensor out;  // (B, Hq, S, D), (B, S, Hq, D) memory
   {
-    LocalQkv exchanged;
-    {
-      const LocalQkv local = sp_project(x, L, sp);
-      exchanged = sp_exchange(local, sp);
-      if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
-    }
-    auto [out_g, lse_g] = sp_attend(sp, exchanged);
-    exchanged = LocalQkv{};
-    out = ulysses::to_tokens(sp.g, out_g);
-    if (keep) r.out = out, r.lse = ulysses::lse_to_tokens(sp.g, lse_g);
+    LocalQkv local = sp_project(x, L, sp);
+    if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
+    local.k = ulysses::repeat_kv(local.k, sp.rep);
+    local.v = ulysses::repeat_kv(local.v, sp.rep);
+    at::Tensor lse;
+    std::tie(out, lse) = sp_attention(x, L, sp, local);
+    if (keep) r.out = out, r.lse = lse;
   }
   at::Tensor y;
   for (const Chunk& c : sp.cs) {
@@ -1235,21 +1279,17 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   const int64_t d = L.head_dim();
   const bool layer = L.part_id == Part::kLayer;
   Grads g(/*chunked=*/sp.cs.size() > 1);
-  // q, k, v: kept (fast) or projected again; exchanged again either way
-  // Each whole tensor is released as soon as the next step has read it.
-  LocalQkv e = sp_exchange(r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp), sp);
-  at::Tensor out, out_g, lse_g;
+  // q, k, v of the rank's tokens: kept (fast) or projected again
+  const LocalQkv local = sp_local_qkv(x, L, sp, r);
+  at::Tensor out, lse;
   if (r.out.defined()) {
-    out = r.out;
-    out_g = ulysses::to_heads(sp.g, out);
-    lse_g = ulysses::lse_to_heads(sp.g, r.lse);
-  } else {  // min_memory: the forward's attention and its exchange back
-    std::tie(out_g, lse_g) = sp_attend(sp, e);
-    out = ulysses::to_tokens(sp.g, out_g);
+    out = r.out, lse = r.lse;
+  } else {  // min_memory: the forward's attention rounds and their exchanges
+    std::tie(out, lse) = sp_attention(x, L, sp, local);
   }
   // Per chunk: h, the MLP's backward, the o projection's backward into dout.
   const auto act = x.options().dtype(L.act_dtype(x));
-  at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  const at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
     at::Tensor o;
@@ -1274,29 +1314,34 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
     c.of(g.dx).copy_(dh);
   }
-  // The attention's backward over the whole sequence for this rank's heads.
-  out = at::Tensor();
-  at::Tensor dout_g = ulysses::to_heads(sp.g, dout);
-  dout = at::Tensor();
-  auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
-      dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
-      /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
-  if (H.uniform_empty_rows) {
-    const int64_t Sg = e.q.size(2);
-    const Chunk all{0, e.q.size(0), 0, Sg, Sg};
-    EmptyRows empty(H, e.k, e.v);
-    dq_g = dq_g + empty.query_fix(H, all, dout_g, lse_g, e.q).to(dq_g.scalar_type());
-    auto [dk_fix, dv_fix] = empty.key_fix(H, all, e.v);
-    dk_g = dk_g + dk_fix.to(dk_g.scalar_type());
-    dv_g = dv_g + dv_fix.to(dv_g.scalar_type());
+  // The attention's backward round by round: q, k, v, out, lse and dout go out, dq, dk, dv
+  // (of the KV heads as exchanged) come back.
+  const at::Tensor dq = heads_buffer(x, L.num_heads, d, act);
+  const at::Tensor dk_rep = heads_buffer(x, local.k.size(1), d, act);
+  const at::Tensor dv_rep = heads_buffer(x, local.k.size(1), d, act);
+  for (int64_t j = 0; j < sp.rounds; ++j) {
+    const LocalQkv e = sp_exchange(local, sp, j);
+    const at::Tensor out_g = ulysses::to_heads(sp.g, round_q(sp, out, j));
+    const at::Tensor lse_g = ulysses::lse_to_heads(sp.g, round_q(sp, lse, j));
+    const at::Tensor dout_g = ulysses::to_heads(sp.g, round_q(sp, dout, j));
+    auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
+        dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
+        /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
+    if (H.uniform_empty_rows) {
+      const int64_t Sg = e.q.size(2);
+      const Chunk all{0, e.q.size(0), 0, Sg, Sg};
+      EmptyRows empty(H, e.k, e.v);
+      dq_g = dq_g + empty.query_fix(H, all, dout_g, lse_g, e.q).to(dq_g.scalar_type());
+      auto [dk_fix, dv_fix] = empty.key_fix(H, all, e.v);
+      dk_g = dk_g + dk_fix.to(dk_g.scalar_type());
+      dv_g = dv_g + dv_fix.to(dv_g.scalar_type());
+    }
+    round_q(sp, dq, j).copy_(ulysses::to_tokens(sp.g, dq_g));
+    round_kv(sp, dk_rep, j).copy_(ulysses::to_tokens(sp.g, dk_g));
+    round_kv(sp, dv_rep, j).copy_(ulysses::to_tokens(sp.g, dv_g));
   }
-  e = LocalQkv{}, out_g = dout_g = lse_g = at::Tensor();
-  const at::Tensor dq = ulysses::to_tokens(sp.g, dq_g);
-  dq_g = at::Tensor();
-  const at::Tensor dk = ulysses::sum_kv(ulysses::to_tokens(sp.g, dk_g), sp.rep);
-  dk_g = at::Tensor();
-  const at::Tensor dv = ulysses::sum_kv(ulysses::to_tokens(sp.g, dv_g), sp.rep);
-  dv_g = at::Tensor();
+  const at::Tensor dk = ulysses::sum_kv(dk_rep, sp.rep);
+  const at::Tensor dv = ulysses::sum_kv(dv_rep, sp.rep);
   // Per chunk: the projections' and the input norm's backward.
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x);

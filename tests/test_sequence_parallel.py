@@ -5,7 +5,8 @@ weights' and adapters', summed over the group): fp64 within 1e-10, fp32 within t
 rule's bound. Every preset, the whole layer and the attention sublayer, GQA with fewer and with
 as many KV heads as ranks (repeated / split), per-head q/k norms, LoRA dropout (global rows),
 left padding with and without HF eager's uniform empty rows, packed sequences, a sliding
-window, several local chunks, torch.compile(fullgraph=True). Bad input refuses on every rank.
+window, several local chunks, head rounds, torch.compile(fullgraph=True). Bad input refuses
+on every rank.
 
 One spawned group runs every case of a world size (the cases travel in one file)."""
 import datetime
@@ -179,6 +180,13 @@ CASES_2 = {
     "balanced-chunks-window": make_case(4, chunk_rows=5, window=7),
     "min_memory-attention-chunks": make_case(5, preset="min_memory", part="attention",
                                              chunk_rows=5, hkv=4),
+    # head rounds: 2 KV heads per rank, exchanged one at a time under the small byte cap
+    "balanced-rounds-padded": make_case(15, hq=8, hkv=4, chunk_rows=5, padded=True),
+    "min_memory-rounds-mha-qknorm-eager": make_case(16, preset="min_memory", hq=4, hkv=4,
+                                                    chunk_rows=5, qk_norm=True, padded=True,
+                                                    eager=True),
+    "fast-rounds-packed-window": make_case(17, preset="fast", hq=8, hkv=4, chunk_rows=5,
+                                           packed=True, window=9),
     "compiled-balanced-chunks-padded": dict(make_case(14, chunk_rows=5, padded=True),
                                             compile=True),
 }
