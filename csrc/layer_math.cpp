@@ -1149,7 +1149,8 @@ SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op, bool c
     const at::Tensor all = ulysses::all_gather(sp.g, mine).view({N, 3});
     std::string shapes;
     for (int64_t i = 0; i < N; ++i)
-      shapes += (i ? ", " : "") + checks::shape_str(c10::IntArrayRef(all[i].data_ptr<int64_t>(), 3));
+      shapes += (i ? ", " : "") +
+                checks::shape_str(c10::IntArrayRef(all[i].data_ptr<int64_t>(), 3));
     CKPT_CHECK_VALUE(all.eq(mine.unsqueeze(0)).all().item<bool>(), op,
                      "under sequence_parallel every rank passes x of the same shape (B, S, H) "
                      "(S: its share of the sequence); the ranks passed ", shapes);
@@ -1160,7 +1161,8 @@ SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op, bool c
   sp.heads = L;
   sp.heads.num_kv_heads = r;
   sp.heads.num_heads = r * (L.num_heads / (L.num_kv_heads * sp.rep));
-  if (L.key_padding_mask) sp.heads.key_padding_mask = ulysses::gather_tokens(sp.g, *L.key_padding_mask);
+  if (L.key_padding_mask)
+    sp.heads.key_padding_mask = ulysses::gather_tokens(sp.g, *L.key_padding_mask);
   if (L.segment_ids) sp.heads.segment_ids = ulysses::gather_tokens(sp.g, *L.segment_ids);
   const int64_t rows = layer_chunk_rows(L, x);
   for (int64_t b = 0; b < B; ++b)

@@ -100,7 +100,8 @@ inline int64_t kv_repeats(const Group& g, int64_t hkv) {
 inline at::Tensor repeat_kv(const at::Tensor& t, int64_t rep) {  // (B, Hkv, S, D)
   return rep == 1 ? t : t.repeat_interleave(rep, 1);
 }
-inline at::Tensor sum_kv(const at::Tensor& t, int64_t rep) {  // (B, Hkv * rep, S, D) -> (B, Hkv, ..)
+// (B, Hkv * rep, S, D) -> (B, Hkv, S, D), a view of (B, S, Hkv, D) memory
+inline at::Tensor sum_kv(const at::Tensor& t, int64_t rep) {
   if (rep == 1) return t;
   const at::Tensor s = t.reshape({t.size(0), t.size(1) / rep, rep, t.size(2), t.size(3)}).sum(2);
   at::Tensor out = at::empty({s.size(0), s.size(2), s.size(1), s.size(3)}, s.options());

@@ -10,6 +10,7 @@ on every rank.
 
 One spawned group runs every case of a world size (the cases travel in one file)."""
 import datetime
+import gc
 import os
 import sys
 
@@ -268,6 +269,8 @@ HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
     "balanced-offload-packed": ("balanced", None, "packed"),
     "min_memory-lora-dropout-packed": ("min_memory", 0.3, "packed"),
     "fast-lora-dropout-padded": ("fast", 0.2, "padded"),
+    # DDP over the group: it averages the gradients, so the loss is multiplied by N
+    "ddp-balanced-padded": ("balanced", None, "padded"),
 }
 
 
@@ -310,10 +313,18 @@ def _hf_worker(rank, world, init_file, out_dir):
                 model = hf_model(dropout)
                 ckpt_ext.patch_llama(model, policy, sequence_parallel=group,
                                      offload="cpu" if "offload" in key else None)
-                # rank 0 draws the single process's seeds; the other ranks' draws are not used
-                loss, grads = hf_step(model, sp.shard_batch(hf_batch(kind), group),
-                                      seed=77 + 1000 * rank)
-                sp.all_reduce_grads(model, group)
+                batch = sp.shard_batch(hf_batch(kind), group)
+                if "ddp" in key:
+                    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+                    loss = ddp(**batch, use_cache=False).loss
+                    (loss * world).backward()
+                    loss, grads = loss.detach(), {}
+                    del ddp  # its reducer freed while the group lives (tests/test_distributed.py)
+                    gc.collect()
+                else:
+                    # rank 0 draws the single process's seeds; the other ranks' draws are unused
+                    loss, grads = hf_step(model, batch, seed=77 + 1000 * rank)
+                    sp.all_reduce_grads(model, group)
                 layers = (model.base_model.model if dropout is not None else model).model.layers
                 off = layers[0].forward.shared.offloader
                 return loss, {n: p.grad for n, p in model.named_parameters()
@@ -363,7 +374,7 @@ def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
             for n, w in want.items():
                 torch.testing.assert_close(got[n], w, rtol=1e-10, atol=1e-10,
                                            msg=lambda m, n=n, key=key: f"{key} {n}: {m}")
-            if r == 0:  # the sum is needed: one rank's own gradients are its share only
+            if r == 0 and own:  # the sum is needed: a rank's own gradients are its share only
                 n = next(n for n in own if "q_proj" in n)
                 assert not torch.allclose(own[n], want[n]), key
     expect = {"torch-policy": "sequence_parallel needs every decoder layer fused",
