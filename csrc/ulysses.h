@@ -67,8 +67,10 @@ inline at::Tensor all_gather(const Group& g, const at::Tensor& t) {
 // tokens, a view of (B, N*S, H/N, D) memory (the attention's layout).
 inline at::Tensor to_heads(const Group& g, const at::Tensor& t) {
   const int64_t N = g.size, B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3);
-  const at::Tensor send = t.reshape({B, N, H / N, S, D}).transpose(0, 1);  // (N, B, H/N, S, D)
-  const at::Tensor recv = all_to_all(g, send);                              // block i: rank i's
+  // (N, B, H/N, S, D), block j: head block j; one copy into the send buffer
+  at::Tensor send = at::empty({N, B, H / N, S, D}, t.options());
+  send.copy_(t.unflatten(1, {N, H / N}).transpose(0, 1));
+  const at::Tensor recv = all_to_all(g, send);  // block i: rank i's tokens
   at::Tensor out = at::empty({B, N * S, H / N, D}, t.options());
   out.view({B, N, S, H / N, D}).copy_(recv.permute({1, 0, 3, 2, 4}));
   return out.transpose(1, 2);
@@ -77,7 +79,9 @@ inline at::Tensor to_heads(const Group& g, const at::Tensor& t) {
 // The inverse of to_heads: (B, H/N, N*S, D) -> (B, H, S, D), a view of (B, S, H, D) memory.
 inline at::Tensor to_tokens(const Group& g, const at::Tensor& t) {
   const int64_t N = g.size, B = t.size(0), Hn = t.size(1), S = t.size(2) / N, D = t.size(3);
-  const at::Tensor send = t.reshape({B, Hn, N, S, D}).permute({2, 0, 1, 3, 4});  // (N, B, Hn, S, D)
+  // (N, B, Hn, S, D), block i: the tokens of rank i; one copy into the send buffer
+  at::Tensor send = at::empty({N, B, Hn, S, D}, t.options());
+  send.copy_(t.unflatten(2, {N, S}).permute({2, 0, 1, 3, 4}));
   const at::Tensor recv = all_to_all(g, send);  // block j: heads j*Hn.. of this rank's tokens
   at::Tensor out = at::empty({B, S, N * Hn, D}, t.options());
   out.view({B, S, N, Hn, D}).copy_(recv.permute({1, 3, 0, 2, 4}));
