@@ -287,9 +287,10 @@ def hf_step(model, batch, seed=77):
 def context_parallel_step(group):
     """A training step of a model patched with sequence_parallel= inside torch's
     context_parallel (which splits the sequence a second time): refused."""
-    import ckpt_ext
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+
+    import ckpt_ext
     model = hf_model()
     ckpt_ext.patch_llama(model, sequence_parallel=group)
     batch = hf_batch("packed")
