@@ -1317,10 +1317,12 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     c.of(g.dx).copy_(dh);
   }
   // The attention's backward round by round: q, k, v, out, lse and dout go out, dq, dk, dv
-  // (of the KV heads as exchanged) come back.
-  const at::Tensor dq = heads_buffer(x, L.num_heads, d, act);
-  const at::Tensor dk_rep = heads_buffer(x, local.k.size(1), d, act);
-  const at::Tensor dv_rep = heads_buffer(x, local.k.size(1), d, act);
+  // (of the KV heads as exchanged) come back. A round reads only its heads, so dq, dk, dv
+  // overwrite q, k, v where those were computed here (not kept residuals, which stay intact).
+  const bool own = !r.q.defined();
+  const at::Tensor dq = own ? local.q : heads_buffer(x, L.num_heads, d, act);
+  const at::Tensor dk_rep = own || sp.rep > 1 ? local.k : heads_buffer(x, local.k.size(1), d, act);
+  const at::Tensor dv_rep = own || sp.rep > 1 ? local.v : heads_buffer(x, local.k.size(1), d, act);
   for (int64_t j = 0; j < sp.rounds; ++j) {
     const LocalQkv e = sp_exchange(local, sp, j);
     const at::Tensor out_g = ulysses::to_heads(sp.g, round_q(sp, out, j));
