@@ -24,6 +24,7 @@
 
 #include <array>
 #include <cmath>
+#include <exception>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -1140,21 +1141,10 @@ int64_t sp_round_kv_heads(const Layer& L, const at::Tensor& x, int64_t n, int64_
   return r;
 }
 
-SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op, bool check_shapes) {
+SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op) {
   SpContext sp;
   sp.g = ulysses::resolve(L.sequence_parallel, op);
   const int64_t N = sp.g.size, B = x.size(0), S = x.size(1);
-  if (check_shapes) {  // every rank's (B, S, H) must agree, or the exchanges cannot pair up
-    const at::Tensor mine = at::tensor({B, S, x.size(2)}, at::kLong);
-    const at::Tensor all = ulysses::all_gather(sp.g, mine).view({N, 3});
-    std::string shapes;
-    for (int64_t i = 0; i < N; ++i)
-      shapes += (i ? ", " : "") +
-                checks::shape_str(c10::IntArrayRef(all[i].data_ptr<int64_t>(), 3));
-    CKPT_CHECK_VALUE(all.eq(mine.unsqueeze(0)).all().item<bool>(), op,
-                     "under sequence_parallel every rank passes x of the same shape (B, S, H) "
-                     "(S: its share of the sequence); the ranks passed ", shapes);
-  }
   sp.rep = ulysses::kv_repeats(sp.g, L.num_kv_heads);
   const int64_t r = sp_round_kv_heads(L, x, N, sp.rep);
   sp.rounds = L.num_kv_heads * sp.rep / (N * r);
@@ -1234,7 +1224,7 @@ LocalQkv sp_local_qkv(const at::Tensor& x, const Layer& L, const SpContext& sp,
 }
 
 at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
-  const SpContext sp = sp_context(x, L, "decoder_layer", /*check_shapes=*/true);
+  const SpContext sp = sp_context(x, L, "decoder_layer");
   const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
   const bool keep = L.preset_id != Preset::kMinMemory;
   at::Tensor out;  // (B, Hq, S, D), (B, S, Hq, D) memory
@@ -1276,7 +1266,7 @@ at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
 
 Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
                   const Residuals& r, const std::vector<bool>& needs) {
-  const SpContext sp = sp_context(x, L, "decoder_layer_bwd", /*check_shapes=*/false);
+  const SpContext sp = sp_context(x, L, "decoder_layer_bwd");
   const Layer& H = sp.heads;
   const int64_t d = L.head_dim();
   const bool layer = L.part_id == Part::kLayer;
@@ -1402,14 +1392,79 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
   return r;
 }
 
+// What every rank of the sequence_parallel group must pass alike for the exchanges to pair
+// up (each field's count fixed; zeros where this rank's layer could not be built).
+std::vector<ulysses::Field> sp_fields(const at::Tensor& x, const Layer* L,
+                                      const ulysses::Group& g) {
+  const bool x3 = x.defined() && x.dim() == 3;
+  auto dtype = [](const OptTensor& t) {
+    return t ? static_cast<int64_t>(t->scalar_type()) + 1 : int64_t{0};
+  };
+  std::vector<ulysses::Field> f = {
+      {"x of the same shape (B, S, H) (S: its share of the sequence)",
+       {x3 ? x.size(0) : -1, x3 ? x.size(1) : -1, x3 ? x.size(2) : -1}},
+      {"x of the same dtype and device type (codes)",
+       {x.defined() ? static_cast<int64_t>(x.scalar_type()) : -1,
+        x.defined() ? static_cast<int64_t>(x.device().type()) : -1}}};
+  if (!L || !x3) {
+    f.push_back({"the same num_heads, num_kv_heads, head_dim, part, preset, compute dtype and "
+                 "head rounds", std::vector<int64_t>(7, 0)});
+    f.push_back({"the same kinds of masks (key_padding_mask and segment_ids: present, dtype)",
+                 {0, 0}});
+    return f;
+  }
+  const int64_t rep = ulysses::kv_repeats(g, L->num_kv_heads);
+  const int64_t kv = L->num_kv_heads * rep / g.size;
+  const int64_t rounds = kv > 0 ? kv / sp_round_kv_heads(*L, x, g.size, rep) : 0;
+  f.push_back({"the same num_heads, num_kv_heads, head_dim, part, preset, compute dtype and "
+               "head rounds (the head rounds follow CKPT_EXT_CHUNK_BYTES, which must then "
+               "be the same on every rank)",
+               {L->num_heads, L->num_kv_heads, L->head_dim(), static_cast<int64_t>(L->part_id),
+                static_cast<int64_t>(L->preset_id), static_cast<int64_t>(L->act_dtype(x)),
+                rounds}});
+  f.push_back({"the same kinds of masks (key_padding_mask and segment_ids: present, dtype code)",
+               {dtype(L->key_padding_mask), dtype(L->segment_ids)}});
+  return f;
+}
+
+// make_layer and the checks (check_layer, then `more`). Under sequence_parallel every rank's
+// verdict is agreed first (ulysses::agree: one all-gather of a small record), so bad input on
+// one rank refuses on every rank before any exchange. A group name that does not resolve
+// refuses on the ranks that passed it (there is no group to tell the others through).
+template <class Make, class More>
+Layer checked_layer(const char* op, const at::Tensor& x, c10::string_view sequence_parallel,
+                    const Make& make, const More& more) {
+  if (sequence_parallel.empty()) {
+    Layer L = make();
+    check_layer(op, x, L);
+    more(L);
+    return L;
+  }
+  const ulysses::Group g = ulysses::resolve(sequence_parallel, op);
+  std::optional<Layer> L;
+  std::exception_ptr error;
+  try {
+    L.emplace(make());
+    check_layer(op, x, *L);
+    more(*L);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  ulysses::agree(g, op, x.defined() ? x.device() : c10::Device(c10::kCPU), error,
+                 sp_fields(x, error ? nullptr : &*L, g));
+  return std::move(*L);
+}
+
 }  // namespace
 
 // ---- ops -----------------------------------------------------------------------------------
 
 FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS) {
   const char* op = "decoder_layer";
-  const Layer L = make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op);
-  check_layer(op, x, L);
+  const Layer L = checked_layer(
+      op, x, sequence_parallel,
+      [&] { return make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op); },
+      [](const Layer&) {});
   if (x.numel() == 0) return {at::empty_like(x, at::MemoryFormat::Contiguous),
                               pack(empty_residuals(x, L), L)};
   Residuals r;
@@ -1420,12 +1475,15 @@ FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS) {
 BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
                             at::TensorList saved, const c10::List<bool>& needs_grad) {
   const char* op = "decoder_layer_bwd";
-  const Layer L = make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op);
-  check_layer(op, x, L);
-  checks::check_shape(op, "dy", dy, x.sizes(), "(the shape of x)");
-  CKPT_CHECK_VALUE(static_cast<int64_t>(needs_grad.size()) == kNumSlots, op,
-                   "needs_grad must have one entry per weight slot (", kNumSlots, "), got ",
-                   needs_grad.size());
+  const Layer L = checked_layer(
+      op, x, sequence_parallel,
+      [&] { return make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op); },
+      [&](const Layer&) {
+        checks::check_shape(op, "dy", dy, x.sizes(), "(the shape of x)");
+        CKPT_CHECK_VALUE(static_cast<int64_t>(needs_grad.size()) == kNumSlots, op,
+                         "needs_grad must have one entry per weight slot (", kNumSlots,
+                         "), got ", needs_grad.size());
+      });
   std::vector<bool> needs(kNumSlots);
   for (int64_t s = 0; s < kNumSlots; ++s)
     needs[s] = needs_grad.get(s) && L.at(s).defined() && uses_slot(L.part_id, s);

@@ -20,6 +20,7 @@
 #include <c10/util/string_view.h>
 #include <ATen/ops/empty.h>
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,23 @@ struct Group {
 // The registered group `name` (the op's sequence_parallel), its rank and size
 // (csrc/ulysses.cpp).
 Group resolve(c10::string_view name, const char* op);
+
+// One field of a call that every rank of the group must pass alike (a fixed number of
+// values, zeros where the rank could not read them): `what` names it in the error.
+struct Field {
+  const char* what;
+  std::vector<int64_t> values;
+};
+
+// Every rank's verdict on a call, agreed by one all-gather before the call's first exchange,
+// so that a refusal on one rank is a refusal on every rank (no rank left waiting in an
+// exchange): `error` is what this rank's checks threw (null: none), `fields` what must match
+// over the group (the same names and counts on every rank). Throws on every rank: the first
+// refusing rank's error (its type and message, the rank named), or, when none refused, a
+// ValueError naming the first field that differs and each rank's values (csrc/ulysses.cpp).
+// `device`: the call's (the group's backend works on it).
+void agree(const Group& g, const char* op, c10::Device device, std::exception_ptr error,
+           const std::vector<Field>& fields);
 
 // One functional collective, called boxed; its result waited for.
 inline at::Tensor call(const char* name, std::vector<c10::IValue> args) {

@@ -81,7 +81,14 @@ def run(c, rank=0, world=1, group="", fn=blocks.decoder_layer):
     for name in ("key_padding_mask", "segment_ids"):
         if name in kw:
             kw[name] = share(kw[name])
-    if c["chunk"] is not None:
+    bad = c.get("bad_rank1") if rank == 1 else None  # only this rank's input is bad
+    if bad == "mask":  # one position short
+        kw["key_padding_mask"] = kw["key_padding_mask"][:, :-1]
+    if bad == "segment_dtype":  # int32 where rank 0 passes int64: the gathers would not pair
+        kw["segment_ids"] = kw["segment_ids"].int()
+    if bad == "lora_scaling":  # one entry short
+        kw["lora_scaling"] = kw["lora_scaling"][:-1]
+    if c["chunk"] is not None and bad != "chunk":  # rank 1 without the byte cap: more rounds
         os.environ["CKPT_EXT_CHUNK_BYTES"] = c["chunk"]
     try:
         y = fn(x, blocks.LayerOptions(
@@ -196,7 +203,12 @@ FP32_2 = {"fp32-balanced": make_case(6, dtype=torch.float32, padded=True),
 BAD_2 = {"bad-heads": make_case(8, hq=3, hkv=3, hidden=48),
          "bad-kv-heads": make_case(9, hq=6, hkv=3, hidden=48),
          "bad-shape": dict(make_case(10), bad_shape=True),
-         "bad-group": dict(make_case(11), group="no-such-group")}
+         "bad-group": dict(make_case(11), group="no-such-group"),
+         # only rank 1's input is bad: both ranks raise, at once (no rank left in an exchange)
+         "bad-mask-rank1": dict(make_case(18, padded=True), bad_rank1="mask"),
+         "bad-segment-dtype-rank1": dict(make_case(19, packed=True), bad_rank1="segment_dtype"),
+         "bad-lora-scaling-rank1": dict(make_case(20), bad_rank1="lora_scaling"),
+         "bad-rounds-rank1": dict(make_case(21, hq=8, hkv=4, chunk_rows=5), bad_rank1="chunk")}
 CASES_4 = {
     "min_memory-hkv2-repeated": make_case(12, preset="min_memory", s=28, padded=True),
     "fast-hkv4-split": make_case(13, preset="fast", hkv=4, s=28, qk_norm=True, packed=True),
@@ -216,11 +228,18 @@ def test_two_ranks_equal_one_process(tmp_path):
     expect = {"bad-heads": "num_heads=3 must be divisible",
               "bad-kv-heads": "num_kv_heads=3 must be a multiple or a divisor",
               "bad-shape": "every rank passes x of the same shape",
-              "bad-group": "sequence_parallel='no-such-group' is not a registered"}
+              "bad-group": "sequence_parallel='no-such-group' is not a registered",
+              "bad-mask-rank1": "key_padding_mask must have shape (2, 12)",
+              "bad-segment-dtype-rank1": "every rank passes the same kinds of masks",
+              "bad-lora-scaling-rank1": "lora_scaling",
+              "bad-rounds-rank1": "head rounds (the head rounds follow CKPT_EXT_CHUNK_BYTES"}
+    refused_on_1 = ("bad-mask-rank1", "bad-lora-scaling-rank1")
     for key, needle in expect.items():
         for r, res in enumerate(ranks):
             assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
             assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
+            if key in refused_on_1:  # rank 0 names the rank whose input was bad
+                assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]
 
 
 @linux_only
@@ -274,11 +293,15 @@ HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
 }
 
 
+ONE_RANK_BAD = {"no-position-ids-rank1": "no-position-ids", "mask-shape-rank1": "mask-shape",
+                "cache-rank1": "cache"}
+
+
 def hf_step(model, batch, seed=77):
     """Loss and gradients of one training step (the LoRA dropout seeds drawn after
     torch.manual_seed(seed))."""
     torch.manual_seed(seed)
-    loss = model(**batch, use_cache=False).loss
+    loss = model(**{"use_cache": False, **batch}).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                            if p.grad is not None}
@@ -331,6 +354,22 @@ def _hf_worker(rank, world, init_file, out_dir):
                 return loss, {n: p.grad for n, p in model.named_parameters()
                               if p.grad is not None}, grads, off and off.stats()
             results[key] = outcome(case)
+        # only rank 1's input is bad: both ranks raise at the same point (no rank left waiting
+        # in an exchange until the timeout)
+        for key, bad in ONE_RANK_BAD.items():
+            def one_bad(bad=bad):
+                model = hf_model()
+                ckpt_ext.patch_llama(model, sequence_parallel=group)
+                batch = sp.shard_batch(hf_batch("padded"), group)
+                extra = {}
+                if rank == 1 and bad == "no-position-ids":
+                    del batch["position_ids"]
+                if rank == 1 and bad == "mask-shape":
+                    batch["attention_mask"] = batch["attention_mask"][:, :-1]
+                if rank == 1 and bad == "cache":
+                    extra["use_cache"] = True
+                return hf_step(model, {**batch, **extra})
+            results[key] = outcome(one_bad)
         results["context-parallel"] = outcome(lambda: context_parallel_step(group))
         results["torch-policy"] = outcome(
             lambda: ckpt_ext.patch_llama(hf_model(), "torch", sequence_parallel=group))
@@ -381,8 +420,13 @@ def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
     expect = {"torch-policy": "sequence_parallel needs every decoder layer fused",
               "context-parallel": "torch's context_parallel is active as well",
               "odd-length": "sequence length 13 of input_ids is not divisible",
-              "not-a-group": "sequence_parallel must be a torch.distributed ProcessGroup"}
+              "not-a-group": "sequence_parallel must be a torch.distributed ProcessGroup",
+              "no-position-ids-rank1": "the model needs position_ids",
+              "mask-shape-rank1": "every rank passes attention_mask of the same shape",
+              "cache-rank1": "decoder layer 0 cannot run the fused op"}
     for key, needle in expect.items():
         for r, res in enumerate(ranks):
             assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
             assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
+            if key in ("no-position-ids-rank1", "cache-rank1"):
+                assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]

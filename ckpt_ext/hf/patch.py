@@ -755,10 +755,11 @@ class _PatchedForward:
         return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False):
-        if self.shared.sequence_parallel:
-            raise RuntimeError(f"ckpt_ext.patch_llama(sequence_parallel=...): decoder layer "
-                               f"{self.idx} cannot run the fused op ({reason}), and HF's "
-                               "forward would attend over this rank's tokens only")
+        if self.shared.sequence_parallel:  # on every rank (the others at their same_seed)
+            _sp.refuse(self.shared.sequence_parallel, RuntimeError(
+                f"ckpt_ext.patch_llama(sequence_parallel=...): decoder layer {self.idx} cannot "
+                f"run the fused op ({reason}), and HF's forward would attend over this rank's "
+                "tokens only"))
         self._count(f"delegated: {reason}")
         if warn:
             self.shared.warn_once(reason, f"a training forward of decoder layer {self.idx} "

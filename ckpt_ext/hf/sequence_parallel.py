@@ -32,7 +32,8 @@ from torch import Tensor
 
 from .masks import BatchMasks, describe, packed_segment_ids
 
-__all__ = ["group_name", "shard_batch", "all_reduce_grads", "masks", "same_seed"]
+__all__ = ["group_name", "shard_batch", "all_reduce_grads", "masks", "same_seed", "agree",
+           "refuse"]
 
 
 def _dist():
@@ -72,15 +73,112 @@ def _gather_tokens(t: Tensor, name: str) -> Tensor:
     return out.t()
 
 
+# ---- one verdict for the group ----------------------------------------------------------------
+#
+# A check that fails on one rank only must fail on every rank: the others would otherwise wait
+# in the next exchange until the group's timeout. Each refusal point below runs one all-gather
+# of a small record (an error kind, the fields that must match over the group, the refusing
+# rank's message) and every rank raises the same error. The op does the same inside
+# (csrc/ulysses.h, ulysses::agree).
+
+_KINDS = (None, ValueError, TypeError, NotImplementedError, RuntimeError)
+# Every record is 128 int64 words whatever the point (the op's too), so that two ranks at
+# different points still exchange the same bytes: kind, value, fields, zeros, then the message.
+_WORDS, _MESSAGE_BYTES = 128, 768
+_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+           torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _dtype_code(t) -> int:
+    return _DTYPES.index(t.dtype) + 1 if isinstance(t, Tensor) and t.dtype in _DTYPES else 0
+
+
+def _device(name: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) \
+        if _dist().get_backend(_group(name)) == "nccl" else torch.device("cpu")
+
+
+def agree(name: str, error: Optional[BaseException] = None,
+          fields: Optional[Mapping[str, tuple]] = None, value: int = 0) -> int:
+    """Every rank of group ``name`` at the same refusal point: one all-gather of this rank's
+    ``error`` (None: it found none), its ``fields`` (what must match over the group: the same
+    names and counts on every rank) and ``value``. Raises on every rank the first refusing
+    rank's error (its type, its message, the rank named), or, when none refused, a ValueError
+    naming the first field that differs and each rank's values. Returns rank 0's ``value``."""
+    fields = dict(fields or {})
+    kind = 0 if error is None else next(
+        (i for i, k in enumerate(_KINDS) if k is not None and isinstance(error, k)), 4)
+    flat = [kind, int(value)] + [int(v) for vs in fields.values() for v in vs]
+    text = b"" if error is None else str(error).encode()[:_MESSAGE_BYTES - 4]
+    at_message = _WORDS - _MESSAGE_BYTES // 8
+    if len(flat) > at_message:
+        raise ValueError(f"sequence_parallel.agree: at most {at_message - 2} field values")
+    record = torch.zeros(_WORDS, dtype=torch.int64)
+    record[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
+    if text:
+        record.view(torch.uint8)[8 * at_message:8 * at_message + len(text)] = \
+            torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    g = _group(name)
+    n = g.size()
+    out = record.new_empty(n * record.numel(), device=_device(name))
+    _dist().all_gather_into_tensor(out, record.to(out.device), group=g)
+    every = out.cpu().view(n, -1)
+    for r in range(n):
+        k = int(every[r, 0])
+        if k:
+            msg = bytes(every[r, at_message:].contiguous().view(torch.uint8).tolist())
+            msg = msg.rstrip(b"\0").decode(errors="replace")
+            raise _KINDS[k](f"{msg} [sequence_parallel: refused on rank {r} of the group's "
+                            f"{n} ranks; every rank raises this]")
+    at = 2
+    for what, vs in fields.items():
+        cols = every[:, at:at + len(vs)]
+        if not bool((cols == cols[0]).all()):
+            ranks = "; ".join(f"rank {r} {tuple(cols[r].tolist())}" for r in range(n))
+            raise ValueError(f"patch_llama(sequence_parallel=...): every rank passes {what}; "
+                             f"the ranks passed {ranks}")
+        at += len(vs)
+    return int(every[0, 1])
+
+
+def refuse(name: str, error: BaseException):
+    """Raise ``error`` on every rank of group ``name`` (the others, at their next refusal
+    point, raise it too)."""
+    agree(name, error)
+    raise error  # not reached: agree raised
+
+
+def _shape(t, dims: int = 4) -> tuple:
+    """A fixed-length record of an optional tensor: (present, its dims, its sizes padded)."""
+    if not isinstance(t, Tensor):
+        return (0 if t is None else -1,) + (0,) * (dims + 1)
+    sizes = tuple(t.shape)[:dims]
+    return (1, t.dim()) + sizes + (0,) * (dims - len(sizes))
+
+
 def masks(name: str, attention_mask, position_ids) -> BatchMasks:
     """The masks of a forward under sequence_parallel (group ``name``): as ``describe`` would
     give for the whole batch, this rank's share. position_ids are required (the global
-    positions of the rank's tokens: without them HF numbers each rank's tokens from 0)."""
-    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2:
-        raise ValueError("patch_llama(sequence_parallel=...): the model needs position_ids "
-                         "(B, S/N), the global positions of this rank's tokens "
-                         "(ckpt_ext.hf.sequence_parallel.shard_batch gives them); got "
-                         f"{None if position_ids is None else tuple(position_ids.shape)}")
+    positions of the rank's tokens: without them HF numbers each rank's tokens from 0).
+    torch's context_parallel active as well is refused (it would split the sequence twice).
+    Every rank's verdict is agreed first (``agree``)."""
+    from .sequence_split import _context_parallel_sdpa
+    error = None
+    if _context_parallel_sdpa():
+        error = RuntimeError(
+            "ckpt_ext.patch_llama: the model was patched with sequence_parallel= (Ulysses "
+            "inside the fused layers) and torch's context_parallel is active as well; use "
+            "one of them: sequence_parallel= with the batch cut by "
+            "ckpt_ext.hf.sequence_parallel.shard_batch, outside context_parallel")
+    elif not isinstance(position_ids, Tensor) or position_ids.dim() != 2:
+        error = ValueError("patch_llama(sequence_parallel=...): the model needs position_ids "
+                           "(B, S/N), the global positions of this rank's tokens "
+                           "(ckpt_ext.hf.sequence_parallel.shard_batch gives them); got "
+                           f"{None if position_ids is None else tuple(position_ids.shape)}")
+    agree(name, error, {
+        "attention_mask of the same shape (present, dims, sizes)": _shape(attention_mask),
+        "position_ids of the same shape and dtype (present, dims, sizes, dtype code)":
+            _shape(position_ids) + (_dtype_code(position_ids),)})
     s = position_ids.shape[1]
     rank = _group(name).rank()
     share = slice(rank * s, (rank + 1) * s)
@@ -99,16 +197,11 @@ def masks(name: str, attention_mask, position_ids) -> BatchMasks:
 
 
 def same_seed(seed: Optional[Tensor], name: str) -> Optional[Tensor]:
-    """The LoRA dropout seed of the group's first rank, on every rank (one broadcast)."""
-    if seed is None:
-        return None
-    dist = _dist()
-    g = _group(name)
-    dev = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(g) == "nccl" else torch.device("cpu")
-    t = seed.to(dev)
-    dist.broadcast(t, group_src=0, group=g)
-    return t.cpu()
+    """A decoder layer's refusal point (``agree``; every layer call of every rank comes here,
+    or to ``refuse``): the LoRA dropout seed of the group's first rank, on every rank."""
+    first = agree(name, None, {"LoRA dropout (a seed drawn or not)": (seed is not None,)},
+                  value=0 if seed is None else int(seed))
+    return None if seed is None else torch.tensor(first, dtype=seed.dtype)
 
 
 def shard_batch(batch: Mapping, group, *, ignore_index: int = -100,

@@ -17,8 +17,8 @@ attention inside one op and calls neither: under sequence parallelism it would a
 own rank's tokens only and train on wrong losses without a word. Unless the model was
 patched with ``sequence_parallel=group`` (the fused layers then run Ulysses themselves,
 ``ckpt_ext.hf.sequence_parallel``), ``refuse_split_attention`` raises instead, naming what
-replaced the attention and what to do: ``policy="torch"`` (HF's layers under ``torch.utils.checkpoint``) or
-``policy="none"`` / ``unpatch_llama``, whose layers call the replaced function and keep
+replaced the attention and what to do: ``policy="torch"`` (HF's layers under
+``torch.utils.checkpoint``) or ``policy="none"`` / ``unpatch_llama``, whose layers call the replaced function and keep
 working, as do forwards without grad (the fused layers run HF's forward there); or train
 without sequence parallelism.
 
@@ -115,17 +115,12 @@ def refuse_split_attention(impl: str, fused_layers: Callable[[], Sequence[int]],
     ``fused_layers()`` (their indices; asked only when needed) run the fused op would bypass an
     attention function that sequence parallelism replaced (``split_attention``).
     ``sequence_parallel``: the model was patched with ``sequence_parallel=`` (its fused layers
-    run Ulysses themselves): a registered attention function is then not theirs to call, and
-    only an active context_parallel is refused (the two would split the sequence twice)."""
+    run Ulysses themselves): a registered attention function is then not theirs to call; an
+    active context_parallel (the two would split the sequence twice) is refused by
+    ``sequence_parallel.masks``, on every rank of the group at once."""
     if not torch.is_grad_enabled():
         return
-    if sequence_parallel:
-        if impl == "sdpa" and _context_parallel_sdpa():
-            raise RuntimeError(
-                "ckpt_ext.patch_llama: the model was patched with sequence_parallel= (Ulysses "
-                "inside the fused layers) and torch's context_parallel is active as well; use "
-                "one of them: sequence_parallel= with the batch cut by "
-                "ckpt_ext.hf.sequence_parallel.shard_batch, outside context_parallel")
+    if sequence_parallel:  # context_parallel refused by sequence_parallel.masks, on every rank
         return
     what = split_attention(impl)
     if what is None:
