@@ -19,10 +19,12 @@
 #include <ATen/ops/result_type.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <array>
 #include <cmath>
+#include <exception>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -33,6 +35,7 @@
 #include "chunking.h"
 #include "kernel_ops.h"
 #include "lora_dropout.h"
+#include "ulysses.h"
 
 namespace ckpt_ext {
 namespace layer {
@@ -137,6 +140,26 @@ void check_dropout(const char* op, const Layer& L) {
   dropout::read_seed(op, "dropout_seed", *L.dropout_seed);
 }
 
+// sequence_parallel: the heads split over the group, the per-token tensors of this rank's
+// tokens. The options are the same on every rank, so each of these refuses on every rank.
+void check_sequence_parallel(const char* op, const at::Tensor& x, const Layer& L) {
+  const ulysses::Group g = ulysses::resolve(L.sequence_parallel, op);
+  const int64_t n = g.size;
+  CKPT_CHECK_VALUE(L.num_heads % n == 0, op, "num_heads=", L.num_heads,
+                   " must be divisible by the sequence_parallel group's size ", n,
+                   " (each rank attends with num_heads / N query heads)");
+  CKPT_CHECK_VALUE(L.num_kv_heads % n == 0 || n % L.num_kv_heads == 0, op, "num_kv_heads=",
+                   L.num_kv_heads, " must be a multiple or a divisor of the sequence_parallel "
+                   "group's size ", n, " (KV heads are split over the ranks, or repeated)");
+  for (const auto& [name, t] : {std::pair<const char*, const OptTensor&>{"key_padding_mask",
+                                                                         L.key_padding_mask},
+                                {"segment_ids", L.segment_ids}}) {
+    if (!t) continue;
+    checks::check_shape(op, name, *t, {x.size(0), x.size(1)},
+                        "(B, S): this rank's tokens under sequence_parallel");
+  }
+}
+
 void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
   checks::check_defined(op, "x", x);
   checks::check_dim(op, "x", x, 3, "(B, S, H)");
@@ -161,6 +184,7 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
         ": softcap with uniform_empty_rows and a key_padding_mask (HF eager's rows with no key "
         "to attend) is not implemented; pad on the right with uniform_empty_rows=False (no "
         "row is then empty), or use policy 'torch' for this model");
+    if (!L.sequence_parallel.empty()) check_sequence_parallel(op, x, L);
     const at::Tensor& wq = L.proj(kQ);
     CKPT_CHECK_VALUE(wq.defined() && wq.dim() == 2 && wq.size(0) % L.num_heads == 0, op,
                      "self_attn.q_proj.weight must be (num_heads * head_dim, H) with num_heads=",
@@ -227,6 +251,10 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
                    L.norm_offset);
   CKPT_CHECK_VALUE(std::isfinite(L.eps) && L.eps >= 0, op,
                    "eps must be a finite number >= 0, got ", L.eps);
+  TORCH_CHECK_NOT_IMPLEMENTED(L.sequence_parallel.empty() || has_attention(L.part_id), op,
+                              ": sequence_parallel with part 'mlp' is not implemented (the MLP "
+                              "is token-local: run it inside part 'layer', or without "
+                              "sequence_parallel)");
   check_dropout(op, L);
   parse_activation(L.activation, op);
 }
@@ -538,7 +566,12 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
 // t0() .. t0() + nb * sc - 1 of x viewed as (B * S, H), the rows LoRA dropout hashes.
 struct Chunk {
   int64_t b0, nb, s0, sc, S;
+  // Under sequence_parallel (nb = 1) the global token row of position 0 of sequence b0 is
+  // b0 * row_stride + row_base; 0: the local rows.
+  int64_t row_stride = 0, row_base = 0;
   int64_t t0() const { return b0 * S + s0; }
+  // The token row LoRA dropout hashes for the chunk's first token: t0(), or the global row.
+  int64_t row() const { return row_stride == 0 ? t0() : b0 * row_stride + row_base + s0; }
   // The chunk of t (batch on dim 0, positions on dim `dim`).
   at::Tensor of(const at::Tensor& t, int64_t dim = 1) const {
     return t.narrow(0, b0, nb).narrow(dim, s0, sc);
@@ -657,7 +690,7 @@ bool rope_before_norm(const Layer& L) { return L.qk_norm_after_rope && L.qk_norm
 at::Tensor swap_heads(const at::Tensor& t) { return t.defined() ? t.transpose(1, 2) : t; }
 
 Projected project(const at::Tensor& x, const Layer& L, const Chunk& c, Heads which) {
-  const int64_t b = x.size(0), s = x.size(1), d = L.head_dim(), t0 = c.t0();
+  const int64_t b = x.size(0), s = x.size(1), d = L.head_dim(), t0 = c.row();
   const bool rope_first = rope_before_norm(L);
   Projected p;
   p.n = L.cast(norm_fwd(L, kInputNorm, x));
@@ -882,7 +915,7 @@ at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected&
                                 const at::Tensor& dq, const at::Tensor& dk,
                                 const at::Tensor& dv, const at::Tensor& k_lin, at::Tensor dn,
                                 const std::vector<bool>& needs, Grads& g) {
-  const int64_t t0 = c.t0(), d = L.head_dim();
+  const int64_t t0 = c.row(), d = L.head_dim();
   auto rope_back = [&](const at::Tensor& q, const at::Tensor& k) {
     return rope_pair(q, k, c.table(*L.cos), c.table(*L.sin), /*backward=*/true,
                      L.rope_interleaved);
@@ -1066,15 +1099,272 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
   return g;
 }
 
+// ---- Ulysses sequence parallelism (sequence_parallel; the exchanges in csrc/ulysses.h) ------
+//
+// Each rank holds S of the N*S positions of every sequence. Forward: the rank's tokens are
+// projected chunk by chunk (q, k, v after norms and RoPE at its global positions); then, in
+// head rounds (sp_round_kv_heads: as many heads at a time as the byte cap allows), the
+// round's q, k, v go through one all-to-all each to (B, heads/N, N*S, D) (this rank's share of
+// the round's heads over the whole sequence), the attention runs over the gathered sequence
+// (causal, the masks gathered once), and its out and lse come back by all-to-all into the
+// rank's (B, Hq, S, D) out; the o projection, residual and MLP then run chunk by chunk on the
+// rank's tokens. The residuals keep the local layout (the shapes of a call without
+// sequence_parallel). Backward: q, k, v kept (fast) or projected again, and out/lse kept or
+// (min_memory) recomputed by the forward's rounds and exchanges; per chunk the MLP's and the o
+// projection's backward into dout; per round q, k, v, out, lse and dout go out and dq, dk, dv
+// come back (KV heads repeated for the exchange summed back); per chunk the projections' and
+// input norm's backward. Weight gradients are this rank's tokens' share: the caller sums them
+// over the group. Chunks are single sequence rows (nb = 1), so LoRA dropout hashes global rows
+// (Chunk::row). Whole local tensors: q, k, v, out, lse, dout, dq, dk, dv (and x, y, dy, dx);
+// a round's exchanged tensors are within the byte cap (at least one KV head per rank).
+
+struct SpContext {
+  ulysses::Group g;
+  int64_t rep;           // KV head repeats before the exchange (ulysses::kv_repeats)
+  int64_t rounds;        // head rounds (sp_rounds)
+  Layer heads;           // L with one round's heads on this rank and the gathered masks
+  std::vector<Chunk> cs; // the rank's local chunks, nb = 1, global dropout rows
+};
+
+// The attention over the gathered sequence runs in head rounds: round j exchanges the KV
+// heads [j*N*r, (j+1)*N*r) (of the KV heads as exchanged, repeated when fewer than N) and their
+// query heads, so that each rank holds r KV heads and their query heads at a time. r is the
+// most (a divisor of the KV heads per rank) whose round fits the byte cap
+// (csrc/chunking.h): per KV head, its query heads' q, out, dout and dq and its k, v, dk, dv
+// over the gathered sequence, at the compute width (float32 at least). Returns r.
+int64_t sp_round_kv_heads(const Layer& L, const at::Tensor& x, int64_t n, int64_t rep) {
+  const int64_t kv = L.num_kv_heads * rep / n, g = L.num_heads / (L.num_kv_heads * rep);
+  const int64_t bytes = x.size(0) * x.size(1) * n * L.head_dim() * (4 * g + 4) *
+                        std::max<int64_t>(4, at::elementSize(L.act_dtype(x)));
+  int64_t r = kv;
+  while (r > 1 && (kv % r != 0 || r * bytes > chunking::chunk_bytes())) --r;
+  return r;
+}
+
+SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op) {
+  SpContext sp;
+  sp.g = ulysses::resolve(L.sequence_parallel, op);
+  const int64_t N = sp.g.size, B = x.size(0), S = x.size(1);
+  sp.rep = ulysses::kv_repeats(sp.g, L.num_kv_heads);
+  const int64_t r = sp_round_kv_heads(L, x, N, sp.rep);
+  sp.rounds = L.num_kv_heads * sp.rep / (N * r);
+  sp.heads = L;
+  sp.heads.num_kv_heads = r;
+  sp.heads.num_heads = r * (L.num_heads / (L.num_kv_heads * sp.rep));
+  if (L.key_padding_mask)
+    sp.heads.key_padding_mask = ulysses::gather_tokens(sp.g, *L.key_padding_mask);
+  if (L.segment_ids) sp.heads.segment_ids = ulysses::gather_tokens(sp.g, *L.segment_ids);
+  const int64_t rows = layer_chunk_rows(L, x);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s0 = 0; s0 < S; s0 += rows)
+      sp.cs.push_back({b, 1, s0, std::min(rows, S - s0), S, N * S, sp.g.rank * S});
+  return sp;
+}
+
+// The rank's q, k, v (B, H*, S, D) over its tokens (k, v with the KV heads repeated as
+// exchanged), projected chunk by chunk.
+struct LocalQkv {
+  at::Tensor q, k, v;
+};
+
+LocalQkv sp_project(const at::Tensor& x, const Layer& L, const SpContext& sp) {
+  const int64_t d = L.head_dim();
+  const auto act = x.options().dtype(L.act_dtype(x));
+  LocalQkv t{heads_buffer(x, L.num_heads, d, act), heads_buffer(x, L.num_kv_heads, d, act),
+             heads_buffer(x, L.num_kv_heads, d, act)};
+  for (const Chunk& c : sp.cs) {
+    const Projected p = project(c.of(x), L, c, Heads::kAll);
+    c.of(t.q, 2).copy_(p.q), c.of(t.k, 2).copy_(p.k), c.of(t.v, 2).copy_(p.v);
+  }
+  return t;
+}
+
+// Round j's query heads (dim 1 of a (B, Hq, S, ...) tensor) and KV heads (as exchanged).
+at::Tensor round_q(const SpContext& sp, const at::Tensor& t, int64_t j) {
+  const int64_t n = sp.g.size * sp.heads.num_heads;
+  return t.narrow(1, j * n, n);
+}
+at::Tensor round_kv(const SpContext& sp, const at::Tensor& t, int64_t j) {
+  const int64_t n = sp.g.size * sp.heads.num_kv_heads;
+  return t.narrow(1, j * n, n);
+}
+
+// Round j's q, k, v exchanged: (B, heads of the round on this rank, N*S, D).
+LocalQkv sp_exchange(const LocalQkv& t, const SpContext& sp, int64_t j) {
+  return {ulysses::to_heads(sp.g, round_q(sp, t.q, j)),
+          ulysses::to_heads(sp.g, round_kv(sp, t.k, j)),
+          ulysses::to_heads(sp.g, round_kv(sp, t.v, j))};
+}
+
+// The attention of every round, its out and lse exchanged back: (out, lse) in the local
+// layout, (B, Hq, S, D) of (B, S, Hq, D) memory and (B, Hq, S).
+std::tuple<at::Tensor, at::Tensor> sp_attention(const at::Tensor& x, const Layer& L,
+                                                const SpContext& sp, const LocalQkv& local) {
+  const Layer& H = sp.heads;
+  const auto act = x.options().dtype(L.act_dtype(x));
+  at::Tensor out = heads_buffer(x, L.num_heads, L.head_dim(), act);
+  at::Tensor lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
+  for (int64_t j = 0; j < sp.rounds; ++j) {
+    const LocalQkv e = sp_exchange(local, sp, j);
+    const int64_t Sg = e.q.size(2);
+    auto [out_g, lse_g] = attend(H, Chunk{0, e.q.size(0), 0, Sg, Sg}, e.q, e.k, e.v);
+    if (H.uniform_empty_rows) out_g = fix_empty_rows_forward(out_g, lse_g, value_mean(H, e.v));
+    round_q(sp, out, j).copy_(ulysses::to_tokens(sp.g, out_g));
+    round_q(sp, lse, j).copy_(ulysses::lse_to_tokens(sp.g, lse_g));
+  }
+  return {out, lse};
+}
+
+LocalQkv sp_local_qkv(const at::Tensor& x, const Layer& L, const SpContext& sp,
+                      const Residuals& r) {
+  LocalQkv t = r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp);
+  t.k = ulysses::repeat_kv(t.k, sp.rep);
+  t.v = ulysses::repeat_kv(t.v, sp.rep);
+  return t;
+}
+
+at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
+  const SpContext sp = sp_context(x, L, "decoder_layer");
+  const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
+  const bool keep = L.preset_id != Preset::kMinMemory;
+  at::Tensor out;  // (B, Hq, S, D), (B, S, Hq, D) memory
+  {
+    LocalQkv local = sp_project(x, L, sp);
+    if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
+    local.k = ulysses::repeat_kv(local.k, sp.rep);
+    local.v = ulysses::repeat_kv(local.v, sp.rep);
+    at::Tensor lse;
+    std::tie(out, lse) = sp_attention(x, L, sp, local);
+    if (keep) r.out = out, r.lse = lse;
+  }
+  at::Tensor y;
+  for (const Chunk& c : sp.cs) {
+    const at::Tensor xc = c.of(x);
+    at::Tensor h = xc + L.residual_scaled(norm_fwd(
+                            L, kAttnOutNorm, proj_fwd(L, kO, merge_heads(c.of(out, 2)), c.row())));
+    if (layer) {
+      if (keep) {
+        if (!r.h.defined()) r.h = at::empty(x.sizes(), h.options());
+        c.of(r.h).copy_(h);
+      }
+      Residuals rc;
+      h = mlp_forward(h, L, fast, rc, c.row());
+      if (fast) {
+        if (!r.gate.defined()) {
+          r.gate = at::empty({x.size(0) * x.size(1), rc.gate.size(1)}, rc.gate.options());
+          r.up = at::empty_like(r.gate);
+        }
+        r.gate.narrow(0, c.t0(), c.sc).copy_(rc.gate);
+        r.up.narrow(0, c.t0(), c.sc).copy_(rc.up);
+      }
+    }
+    if (!y.defined()) y = at::empty(x.sizes(), h.options());
+    c.of(y).copy_(h);
+  }
+  return y;
+}
+
+Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
+                  const Residuals& r, const std::vector<bool>& needs) {
+  const SpContext sp = sp_context(x, L, "decoder_layer_bwd");
+  const Layer& H = sp.heads;
+  const int64_t d = L.head_dim();
+  const bool layer = L.part_id == Part::kLayer;
+  Grads g(/*chunked=*/sp.cs.size() > 1);
+  // q, k, v of the rank's tokens: kept (fast) or projected again
+  const LocalQkv local = sp_local_qkv(x, L, sp, r);
+  at::Tensor out, lse;
+  if (r.out.defined()) {
+    out = r.out, lse = r.lse;
+  } else {  // min_memory: the forward's attention rounds and their exchanges
+    std::tie(out, lse) = sp_attention(x, L, sp, local);
+  }
+  // Per chunk: h, the MLP's backward, the o projection's backward into dout.
+  const auto act = x.options().dtype(L.act_dtype(x));
+  const at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  for (const Chunk& c : sp.cs) {
+    const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
+    at::Tensor o;
+    if (L.has_norm(kAttnOutNorm) || (layer && !r.h.defined()))
+      o = proj_fwd(L, kO, merge_heads(outc), c.row());
+    at::Tensor dh = dyc;
+    if (layer) {
+      const at::Tensor h = r.h.defined() ? c.of(r.h)
+                                         : xc + L.residual_scaled(norm_fwd(L, kAttnOutNorm, o));
+      Residuals rc;
+      if (r.gate.defined()) {
+        rc.gate = r.gate.narrow(0, c.t0(), c.sc);
+        rc.up = r.up.narrow(0, c.t0(), c.sc);
+      }
+      dh = mlp_backward(dyc, h, L, rc, needs, g, c.row());
+    }
+    at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
+    if (o.defined() && L.has_norm(kAttnOutNorm))
+      d_o = L.cast(norm_bwd(L, kAttnOutNorm, d_o, flat2(o), needs, g));
+    const at::Tensor dmerged = proj_bwd(L, kO, d_o, flat2(merge_heads(outc)), needs, g, c.row());
+    c.of(dout, 2).copy_(dmerged.view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2));
+    if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
+    c.of(g.dx).copy_(dh);
+  }
+  // The attention's backward round by round: q, k, v, out, lse and dout go out, dq, dk, dv
+  // (of the KV heads as exchanged) come back. A round reads only its heads, so dq, dk, dv
+  // overwrite q, k, v where those were computed here (not kept residuals, which stay intact).
+  const bool own = !r.q.defined();
+  const at::Tensor dq = own ? local.q : heads_buffer(x, L.num_heads, d, act);
+  const at::Tensor dk_rep = own || sp.rep > 1 ? local.k : heads_buffer(x, local.k.size(1), d, act);
+  const at::Tensor dv_rep = own || sp.rep > 1 ? local.v : heads_buffer(x, local.k.size(1), d, act);
+  for (int64_t j = 0; j < sp.rounds; ++j) {
+    const LocalQkv e = sp_exchange(local, sp, j);
+    const at::Tensor out_g = ulysses::to_heads(sp.g, round_q(sp, out, j));
+    const at::Tensor lse_g = ulysses::lse_to_heads(sp.g, round_q(sp, lse, j));
+    const at::Tensor dout_g = ulysses::to_heads(sp.g, round_q(sp, dout, j));
+    auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
+        dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
+        /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
+    if (H.uniform_empty_rows) {
+      const int64_t Sg = e.q.size(2);
+      const Chunk all{0, e.q.size(0), 0, Sg, Sg};
+      EmptyRows empty(H, e.k, e.v);
+      dq_g = dq_g + empty.query_fix(H, all, dout_g, lse_g, e.q).to(dq_g.scalar_type());
+      auto [dk_fix, dv_fix] = empty.key_fix(H, all, e.v);
+      dk_g = dk_g + dk_fix.to(dk_g.scalar_type());
+      dv_g = dv_g + dv_fix.to(dv_g.scalar_type());
+    }
+    round_q(sp, dq, j).copy_(ulysses::to_tokens(sp.g, dq_g));
+    round_kv(sp, dk_rep, j).copy_(ulysses::to_tokens(sp.g, dk_g));
+    round_kv(sp, dv_rep, j).copy_(ulysses::to_tokens(sp.g, dv_g));
+  }
+  const at::Tensor dk = ulysses::sum_kv(dk_rep, sp.rep);
+  const at::Tensor dv = ulysses::sum_kv(dv_rep, sp.rep);
+  // Per chunk: the projections' and the input norm's backward.
+  for (const Chunk& c : sp.cs) {
+    const at::Tensor xc = c.of(x);
+    Projected p;
+    if (L.qk_norm()) {
+      p = project(xc, L, c, Heads::kAll);  // the norms' inputs q_lin, k_lin
+    } else {
+      p.n = L.cast(norm_fwd(L, kInputNorm, xc));
+    }
+    const at::Tensor dn = projections_backward(L, c, p, c.of(dq, 2), c.of(dk, 2), c.of(dv, 2),
+                                               p.k_lin, {}, needs, g);
+    const at::Tensor dh = c.of(g.dx);
+    dh.copy_(input_norm_backward(L, xc, dn, dh, needs, g));
+  }
+  return g;
+}
+
 // ---- the whole call ------------------------------------------------------------------------
 
 at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   if (L.part_id == Part::kMlp) return mlp_forward(x, L, L.preset_id == Preset::kFast, r, 0);
+  if (!L.sequence_parallel.empty()) return sp_forward(x, L, r);
   return attention_layer_forward(x, L, r);
 }
 
 Grads layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
                      const Residuals& r, const std::vector<bool>& needs) {
+  if (L.part_id != Part::kMlp && !L.sequence_parallel.empty())
+    return sp_backward(dy, x, L, r, needs);
   if (L.part_id != Part::kMlp) return attention_layer_backward(dy, x, L, r, needs);
   Grads g(/*chunked=*/false);
   g.dx = mlp_backward(dy, x, L, r, needs, g, 0);
@@ -1102,14 +1392,79 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
   return r;
 }
 
+// What every rank of the sequence_parallel group must pass alike for the exchanges to pair
+// up (each field's count fixed; zeros where this rank's layer could not be built).
+std::vector<ulysses::Field> sp_fields(const at::Tensor& x, const Layer* L,
+                                      const ulysses::Group& g) {
+  const bool x3 = x.defined() && x.dim() == 3;
+  auto dtype = [](const OptTensor& t) {
+    return t ? static_cast<int64_t>(t->scalar_type()) + 1 : int64_t{0};
+  };
+  std::vector<ulysses::Field> f = {
+      {"x of the same shape (B, S, H) (S: its share of the sequence)",
+       {x3 ? x.size(0) : -1, x3 ? x.size(1) : -1, x3 ? x.size(2) : -1}},
+      {"x of the same dtype and device type (codes)",
+       {x.defined() ? static_cast<int64_t>(x.scalar_type()) : -1,
+        x.defined() ? static_cast<int64_t>(x.device().type()) : -1}}};
+  if (!L || !x3) {
+    f.push_back({"the same num_heads, num_kv_heads, head_dim, part, preset, compute dtype and "
+                 "head rounds", std::vector<int64_t>(7, 0)});
+    f.push_back({"the same kinds of masks (key_padding_mask and segment_ids: present, dtype)",
+                 {0, 0}});
+    return f;
+  }
+  const int64_t rep = ulysses::kv_repeats(g, L->num_kv_heads);
+  const int64_t kv = L->num_kv_heads * rep / g.size;
+  const int64_t rounds = kv > 0 ? kv / sp_round_kv_heads(*L, x, g.size, rep) : 0;
+  f.push_back({"the same num_heads, num_kv_heads, head_dim, part, preset, compute dtype and "
+               "head rounds (the head rounds follow CKPT_EXT_CHUNK_BYTES, which must then "
+               "be the same on every rank)",
+               {L->num_heads, L->num_kv_heads, L->head_dim(), static_cast<int64_t>(L->part_id),
+                static_cast<int64_t>(L->preset_id), static_cast<int64_t>(L->act_dtype(x)),
+                rounds}});
+  f.push_back({"the same kinds of masks (key_padding_mask and segment_ids: present, dtype code)",
+               {dtype(L->key_padding_mask), dtype(L->segment_ids)}});
+  return f;
+}
+
+// make_layer and the checks (check_layer, then `more`). Under sequence_parallel every rank's
+// verdict is agreed first (ulysses::agree: one all-gather of a small record), so bad input on
+// one rank refuses on every rank before any exchange. A group name that does not resolve
+// refuses on the ranks that passed it (there is no group to tell the others through).
+template <class Make, class More>
+Layer checked_layer(const char* op, const at::Tensor& x, c10::string_view sequence_parallel,
+                    const Make& make, const More& more) {
+  if (sequence_parallel.empty()) {
+    Layer L = make();
+    check_layer(op, x, L);
+    more(L);
+    return L;
+  }
+  const ulysses::Group g = ulysses::resolve(sequence_parallel, op);
+  std::optional<Layer> L;
+  std::exception_ptr error;
+  try {
+    L.emplace(make());
+    check_layer(op, x, *L);
+    more(*L);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  ulysses::agree(g, op, x.defined() ? x.device() : c10::Device(c10::kCPU), error,
+                 sp_fields(x, error ? nullptr : &*L, g));
+  return std::move(*L);
+}
+
 }  // namespace
 
 // ---- ops -----------------------------------------------------------------------------------
 
 FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS) {
   const char* op = "decoder_layer";
-  const Layer L = make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op);
-  check_layer(op, x, L);
+  const Layer L = checked_layer(
+      op, x, sequence_parallel,
+      [&] { return make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op); },
+      [](const Layer&) {});
   if (x.numel() == 0) return {at::empty_like(x, at::MemoryFormat::Contiguous),
                               pack(empty_residuals(x, L), L)};
   Residuals r;
@@ -1120,12 +1475,15 @@ FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS) {
 BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
                             at::TensorList saved, const c10::List<bool>& needs_grad) {
   const char* op = "decoder_layer_bwd";
-  const Layer L = make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op);
-  check_layer(op, x, L);
-  checks::check_shape(op, "dy", dy, x.sizes(), "(the shape of x)");
-  CKPT_CHECK_VALUE(static_cast<int64_t>(needs_grad.size()) == kNumSlots, op,
-                   "needs_grad must have one entry per weight slot (", kNumSlots, "), got ",
-                   needs_grad.size());
+  const Layer L = checked_layer(
+      op, x, sequence_parallel,
+      [&] { return make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op); },
+      [&](const Layer&) {
+        checks::check_shape(op, "dy", dy, x.sizes(), "(the shape of x)");
+        CKPT_CHECK_VALUE(static_cast<int64_t>(needs_grad.size()) == kNumSlots, op,
+                         "needs_grad must have one entry per weight slot (", kNumSlots,
+                         "), got ", needs_grad.size());
+      });
   std::vector<bool> needs(kNumSlots);
   for (int64_t s = 0; s < kNumSlots; ++s)
     needs[s] = needs_grad.get(s) && L.at(s).defined() && uses_slot(L.part_id, s);

@@ -105,6 +105,13 @@ using OptTensor = std::optional<at::Tensor>;
 //   scale               the attention's softmax scale (None: 1 / sqrt(head_dim))
 //   softcap             > 0: Gemma 2's attention logit soft-capping, each scaled score s
 //                       becomes softcap * tanh(s / softcap) (as attention_fwd); 0: none
+//   sequence_parallel   "" (none), or the registered name of a torch.distributed group
+//                       (ProcessGroup.group_name) of N ranks over which every sequence is
+//                       split: this rank holds positions rank*S .. rank*S + S - 1 of each
+//                       (cos/sin at those positions, key_padding_mask / segment_ids (B, S) of
+//                       its tokens) and the attention runs Ulysses-style, q/k/v exchanged by
+//                       all-to-all (csrc/ulysses.h); every rank passes the same shapes and
+//                       options. LoRA dropout hashes the global row b*N*S + rank*S + s
 //   rope_interleaved    false: RoPE rotates the pairs (i, i + R/2) of the first R dims (LLaMA's
 //                       rotate_half); true: the pairs (2i, 2i + 1) (GLM, Helium, ERNIE 4.5),
 //                       by the angle of the tables' column i either way (cos/sin keep HF's
@@ -143,6 +150,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "float", double, eps, "=1e-06", __VA_ARGS__)                                    \
   X(OPTION, "float?", std::optional<double>, scale, "=None", __VA_ARGS__)                   \
   X(OPTION, "float", double, softcap, "=0.", __VA_ARGS__)                                   \
+  X(OPTION, "str", c10::string_view, sequence_parallel, "=\"\"", __VA_ARGS__)               \
   X(OPTION, "bool", bool, rope_interleaved, "=False", __VA_ARGS__)                          \
   X(OPTION, "bool", bool, qk_norm_after_rope, "=False", __VA_ARGS__)                        \
   X(OPTION, "float", double, norm_offset, "=0.", __VA_ARGS__)                               \

@@ -97,11 +97,11 @@ def _worker(rank, init_file, wrapper, patched, out_dir, family="llama"):
         dist.destroy_process_group()
 
 
-def spawn_ranks(worker, args, out, label):
-    """Run ``worker(rank, *args)`` on WORLD spawned processes and return each rank's
+def spawn_ranks(worker, args, out, label, world=WORLD):
+    """Run ``worker(rank, *args)`` on ``world`` spawned processes and return each rank's
     ``out/<rank>.pt``; fails (after killing them) when the workers do not finish within
     TIMEOUT_S, as a rank left waiting in a collective would not."""
-    ctx = mp.start_processes(worker, args=args, nprocs=WORLD, start_method="spawn", join=False)
+    ctx = mp.start_processes(worker, args=args, nprocs=world, start_method="spawn", join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=2):  # raises if a worker failed
         if time.monotonic() > deadline:
@@ -110,7 +110,7 @@ def spawn_ranks(worker, args, out, label):
             done = sorted(f.name for f in out.glob("*.pt"))
             pytest.fail(f"{label} workers did not finish within {TIMEOUT_S} s (results "
                         f"written: {done or 'none'}); killed")
-    return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+    return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(world)]
 
 
 def run_distributed(tmp_path, wrapper, patched, family="llama"):

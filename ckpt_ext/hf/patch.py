@@ -96,6 +96,7 @@ from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
                        layer_norms, layer_record, norm_eps, text_positions)
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
+from . import sequence_parallel as _sp
 from .sequence_split import refuse_split_attention
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
@@ -494,6 +495,8 @@ class _Shared:
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.positional = [p.name for p in params]
 
+    sequence_parallel = ""  # patch_llama's group, by name (ckpt_ext.hf.sequence_parallel)
+
     def __setstate__(self, state):  # pickles of older versions kept per-forward fields
         state.pop("masks", None)
         state.pop("auto_presets", None)
@@ -513,7 +516,8 @@ class _Shared:
         impl = _attn_implementation(self.owner.config)
         refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)
                                               if f.preset != "torch"]
-                               if impl in SUPPORTED_ATTENTION else [])
+                               if impl in SUPPORTED_ATTENTION else [],
+                               sequence_parallel=bool(self.sequence_parallel))
         if not torch.compiler.is_compiling():  # HF checkpointing turned on after patching
             for patched in _patched(self.layers):
                 _take_over_call_checkpoint(patched.layer)
@@ -523,7 +527,9 @@ class _Shared:
         named = dict(zip(self.positional, args), **kwargs)
         compiling = torch.compiler.is_compiling()
         positions = text_positions(self.owner.config.model_type, named.get("position_ids"))
-        masks = describe(named.get("attention_mask"), positions, compiling)
+        masks = describe(named.get("attention_mask"), positions, compiling) \
+            if not self.sequence_parallel else \
+            _sp.masks(self.sequence_parallel, named.get("attention_mask"), positions)
         if self.bidirectional_images and masks.custom is None:
             images = _image_inputs(named, compiling)
             if images is not None:
@@ -647,7 +653,7 @@ class _PatchedForward:
                 raise TypeError(f"{type(self.layer).__name__}.forward takes at most "
                                 f"{len(self.positional) + 1} positional arguments")
             kwargs.update(zip(self.positional, args))
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and not self.shared.sequence_parallel:
             return self._delegate("grad is disabled (inference)", hidden_states, kwargs)
         if uses_cache(kwargs):
             return self._delegate(_CACHE, hidden_states, kwargs, warn=self.layer.training)
@@ -682,6 +688,11 @@ class _PatchedForward:
         return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False):
+        if self.shared.sequence_parallel:  # on every rank (the others at their same_seed)
+            _sp.refuse(self.shared.sequence_parallel, RuntimeError(
+                f"ckpt_ext.patch_llama(sequence_parallel=...): decoder layer {self.idx} cannot "
+                f"run the fused op ({reason}), and HF's forward would attend over this rank's "
+                "tokens only"))
         self._count(f"delegated: {reason}")
         if warn:
             self.shared.warn_once(reason, f"a training forward of decoder layer {self.idx} "
@@ -775,13 +786,15 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
+        if self.shared.sequence_parallel:  # one seed for the group: masks hash global rows
+            seed = _sp.same_seed(seed, self.shared.sequence_parallel)
         options = spec.options(
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
             # capped layers reach here only without empty rows (_why_not_fused)
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
-            preset=preset)
+            preset=preset, sequence_parallel=self.shared.sequence_parallel)
         return offloaded(self.shared.offloader, decoder_layer, x,
                          [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
                          options)
@@ -823,7 +836,8 @@ def _patched(layers) -> List[_PatchedForward]:
 def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                 activation_budget: Optional[Union[int, str]] = None,
                 fuse_lm_head: bool = True, offload: Optional[str] = None,
-                offload_limit: Optional[Union[int, str]] = None) -> nn.Module:
+                offload_limit: Optional[Union[int, str]] = None,
+                sequence_parallel=None) -> nn.Module:
     """Give every decoder layer of ``model`` a recompute preset; returns ``model`` (patched in
     place).
 
@@ -843,6 +857,9 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     (``ckpt_ext.offload``; one pool per model); ``offload_limit`` (bytes or "64GiB") caps the
     host bytes, past it the remaining layers keep their tensors on the device. With
     ``policy="auto"`` and offload every layer takes ``min_memory`` (see docs/offload.md).
+    ``sequence_parallel``: a ``torch.distributed`` group over which every sequence is split
+    (Ulysses, inside the fused layers: ``ckpt_ext.hf.sequence_parallel``, whose
+    ``shard_batch`` cuts the batch); every layer must be fused.
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""
@@ -870,6 +887,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                              "would drop")
         if preset in FUSED_PRESETS or preset == "auto":
             specs[idx] = _check_fusable(layer, idx, config)
+    sp_name = _sp.check_patch(sequence_parallel, presets)
     unpatch_llama(model)
     multimodal = MULTIMODAL.get(getattr(_unwrap_peft(model).config, "model_type", None))
     shared = _Shared(owner, layers, default_policy=policy is None, budget=budget,
@@ -880,6 +898,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
         if preset != "none":
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
             _take_over_call_checkpoint(layer)
+    shared.sequence_parallel = sp_name
     shared.install()
     _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared, FAMILIES[config.model_type])
     gc_on = any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers)

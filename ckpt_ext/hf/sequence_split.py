@@ -14,10 +14,11 @@ the whole sequence:
 
 A fused layer (the presets ``fast``, ``balanced``, ``min_memory`` and ``auto``) computes its
 attention inside one op and calls neither: under sequence parallelism it would attend over its
-own rank's tokens only and train on wrong losses without a word. Until the fused op takes part
-in sequence parallelism, ``refuse_split_attention`` raises instead, naming what replaced the
-attention and what to do: ``policy="torch"`` (HF's layers under ``torch.utils.checkpoint``) or
-``policy="none"`` / ``unpatch_llama``, whose layers call the replaced function and keep
+own rank's tokens only and train on wrong losses without a word. Unless the model was
+patched with ``sequence_parallel=group`` (the fused layers then run Ulysses themselves,
+``ckpt_ext.hf.sequence_parallel``), ``refuse_split_attention`` raises instead, naming what
+replaced the attention and what to do: ``policy="torch"`` (HF's layers under
+``torch.utils.checkpoint``) or ``policy="none"`` / ``unpatch_llama``, whose layers call the replaced function and keep
 working, as do forwards without grad (the fused layers run HF's forward there); or train
 without sequence parallelism.
 
@@ -108,11 +109,18 @@ def split_attention(impl: str) -> Optional[str]:
     return None
 
 
-def refuse_split_attention(impl: str, fused_layers: Callable[[], Sequence[int]]) -> None:
+def refuse_split_attention(impl: str, fused_layers: Callable[[], Sequence[int]],
+                           sequence_parallel: bool = False) -> None:
     """Raise a RuntimeError when a training forward (grad enabled) of a model whose layers
     ``fused_layers()`` (their indices; asked only when needed) run the fused op would bypass an
-    attention function that sequence parallelism replaced (``split_attention``)."""
+    attention function that sequence parallelism replaced (``split_attention``).
+    ``sequence_parallel``: the model was patched with ``sequence_parallel=`` (its fused layers
+    run Ulysses themselves): a registered attention function is then not theirs to call; an
+    active context_parallel (the two would split the sequence twice) is refused by
+    ``sequence_parallel.masks``, on every rank of the group at once."""
     if not torch.is_grad_enabled():
+        return
+    if sequence_parallel:  # context_parallel refused by sequence_parallel.masks, on every rank
         return
     what = split_attention(impl)
     if what is None:
@@ -123,8 +131,10 @@ def refuse_split_attention(impl: str, fused_layers: Callable[[], Sequence[int]])
     raise RuntimeError(
         f"ckpt_ext.patch_llama: {what}. The patched model's decoder layers "
         f"{', '.join(map(str, fused))} run the fused op, which computes attention itself over "
-        "this rank's tokens only, so its training would be silently wrong. ckpt_ext's fused "
-        "layers do not take part in sequence parallelism yet: patch with policy='torch' "
-        "(HF's layers under activation checkpointing) or policy='none', or call "
-        "ckpt_ext.unpatch_llama(model), to train with sequence parallelism; or keep the fused "
-        "layers and train without it")
+        "this rank's tokens only, so its training would be silently wrong. The fused layers "
+        "take part in sequence parallelism through their own route: "
+        "patch_llama(model, ..., sequence_parallel=group), Ulysses inside the fused op, with "
+        "the batch cut by ckpt_ext.hf.sequence_parallel.shard_batch (torch's ring attention "
+        "inside the fused op is not built). Or patch with policy='torch' (HF's layers under "
+        "activation checkpointing) or policy='none', or call ckpt_ext.unpatch_llama(model), "
+        "to keep this sequence parallelism")

@@ -1,0 +1,432 @@
+"""Ulysses sequence parallelism inside the fused layer op (the option ``sequence_parallel``):
+2 and 4 processes on gloo (CPU), each holding S/N positions of every sequence, give the
+single-process op's output on the whole sequence and its gradients (x's, concatenated; the
+weights' and adapters', summed over the group): fp64 within 1e-10, fp32 within the accuracy
+rule's bound. Every preset, the whole layer and the attention sublayer, GQA with fewer and with
+as many KV heads as ranks (repeated / split), per-head q/k norms, LoRA dropout (global rows),
+left padding with and without HF eager's uniform empty rows, packed sequences, a sliding
+window, several local chunks, head rounds, torch.compile(fullgraph=True). Bad input refuses
+on every rank.
+
+One spawned group runs every case of a world size (the cases travel in one file)."""
+import datetime
+import gc
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+if not dist.is_available():
+    pytest.skip("torch was built without torch.distributed", allow_module_level=True)
+
+from reference import (
+    FACTOR_GRAD,
+    FACTOR_OUT,
+    check_vs_baseline,
+    layer_weights_with_adapters,
+    packed_segment_ids,
+    rope_args,
+    rope_tables,
+)
+from test_distributed import TIMEOUT_S, spawn_ranks
+
+from ckpt_ext import blocks
+
+linux_only = pytest.mark.skipif(sys.platform != "linux",
+                                reason="spawned gloo workers are tested on Linux")
+
+H, IM, R, B = 32, 48, 3, 2
+DROPOUT = [0.1, 0.2, 0.3, 0.15, 0.25, 0.35, 0.4]
+
+
+def make_case(seed, dtype=torch.float64, hq=4, hkv=2, s=24, preset="balanced", part="layer",
+              qk_norm=False, padded=False, eager=False, packed=False, window=None,
+              chunk_rows=None, hidden=H):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    weights = layer_weights_with_adapters(hidden, hq, hkv, IM, R, dtype, g)
+    d = hidden // hq
+    if qk_norm:
+        weights["self_attn.q_norm.weight"] = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+        weights["self_attn.k_norm.weight"] = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    kw = dict(num_heads=hq, num_kv_heads=hkv, lora_scaling=[0.5 + 0.1 * i for i in range(7)],
+              lora_dropout=DROPOUT, dropout_seed=torch.tensor(4242 + seed), window=window,
+              preset=preset, part=part)
+    if padded:  # left padding: row 0 by 5 (inside rank 0's share), row 1 by 15 (past it)
+        mask = torch.ones(B, s, dtype=torch.bool)
+        mask[0, :5] = False
+        mask[1, :15] = False
+        kw.update(key_padding_mask=mask, uniform_empty_rows=eager)
+    if packed:
+        kw["segment_ids"] = packed_segment_ids(B, s, [7, 10, 3])
+    cos, sin = rope_tables(s, d, dtype=dtype)
+    chunk = None
+    if chunk_rows is not None:  # the layer's per-token working set (tests/test_chunked_layer.py)
+        width = 4 * hq * d + (3 * IM if part == "layer" else 0)
+        chunk = str(chunk_rows * width * max(4, dtype.itemsize))
+    return dict(x=torch.randn(B, s, hidden, generator=g, dtype=dtype),
+                dy=torch.randn(B, s, hidden, generator=g, dtype=dtype),
+                weights=weights, cos=cos, sin=sin, kw=kw, chunk=chunk)
+
+
+def run(c, rank=0, world=1, group="", fn=blocks.decoder_layer):
+    """(y, dx, {name: gradient}) of rank's share of the sequence (all of it for world 1)."""
+    s = c["x"].shape[1] // world
+    share = lambda t: t[:, rank * s:(rank + 1) * s] if t is not None else None
+    x = share(c["x"]).clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in c["weights"].items()}
+    kw = dict(c["kw"])
+    for name in ("key_padding_mask", "segment_ids"):
+        if name in kw:
+            kw[name] = share(kw[name])
+    bad = c.get("bad_rank1") if rank == 1 else None  # only this rank's input is bad
+    if bad == "mask":  # one position short
+        kw["key_padding_mask"] = kw["key_padding_mask"][:, :-1]
+    if bad == "segment_dtype":  # int32 where rank 0 passes int64: the gathers would not pair
+        kw["segment_ids"] = kw["segment_ids"].int()
+    if bad == "lora_scaling":  # one entry short
+        kw["lora_scaling"] = kw["lora_scaling"][:-1]
+    if c["chunk"] is not None and bad != "chunk":  # rank 1 without the byte cap: more rounds
+        os.environ["CKPT_EXT_CHUNK_BYTES"] = c["chunk"]
+    try:
+        y = fn(x, blocks.LayerOptions(
+            weights=w, **rope_args((share(c["cos"]), share(c["sin"]))), sequence_parallel=group,
+            **kw))
+        y.backward(share(c["dy"]))
+    finally:
+        os.environ.pop("CKPT_EXT_CHUNK_BYTES", None)
+    return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
+
+
+def outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the test compares what was raised
+        return ("raised", type(e).__name__, str(e))
+
+
+def _worker(rank, world, init_file, cases_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        torch.set_num_threads(1)
+        cases = torch.load(cases_file, weights_only=False)
+        group = dist.group.WORLD.group_name
+        results = {}
+        for key, c in cases.items():
+            if c.get("bad_shape") and rank == 1:  # this rank passes one position less
+                c = dict(c, x=c["x"][:, :-world], dy=c["dy"][:, :-world], cos=c["cos"][:, :-world],
+                         sin=c["sin"][:, :-world])
+            # torch.compile(fullgraph=True): no graph break around the op and its exchanges
+            # (aot_eager: AOTAutograd traces the op's fakes; inductor's compile adds only time)
+            fn = torch.compile(blocks.decoder_layer, fullgraph=True, backend="aot_eager") \
+                if c.get("compile") else blocks.decoder_layer
+            results[key] = outcome(lambda c=c, fn=fn: run(c, rank, world, c.get("group", group),
+                                                          fn))
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(tmp_path, world, cases):
+    out = tmp_path / f"world{world}"
+    out.mkdir()
+    torch.save(cases, out / "cases.pt")
+    return spawn_ranks(_worker, (world, str(out / "init"), str(out / "cases.pt"), str(out)), out,
+                       f"sequence-parallel world {world}", world=world)
+
+
+def assert_matches(key, c, ranks, rtol, atol):
+    ref_y, ref_dx, ref_g = run(c)
+    for r, res in enumerate(ranks):
+        assert res[key][0] == "ok", f"{key}: rank {r} raised {res[key][1:]}"
+    ys, dxs, gs = zip(*(res[key][1] for res in ranks))
+    scale = lambda t: max(1.0, t.abs().max().item())
+    torch.testing.assert_close(torch.cat(ys, 1), ref_y, rtol=rtol, atol=atol * scale(ref_y),
+                               msg=lambda m: f"{key} y: {m}")
+    torch.testing.assert_close(torch.cat(dxs, 1), ref_dx, rtol=rtol, atol=atol * scale(ref_dx),
+                               msg=lambda m: f"{key} dx: {m}")
+    assert gs[0].keys() == ref_g.keys(), key
+    for n, want in ref_g.items():
+        got = sum(g[n] for g in gs)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol * scale(want),
+                                   msg=lambda m, n=n: f"{key} {n}: {m}")
+
+
+def as_f64(c):
+    """The case with its floating tensors in float64 (the same values)."""
+    up = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return dict(c, x=up(c["x"]), dy=up(c["dy"]), cos=up(c["cos"]), sin=up(c["sin"]),
+                weights={n: up(t) for n, t in c["weights"].items()})
+
+
+def assert_accuracy_rule(key, c, ranks):
+    """float32: the sequence-parallel result's error against the float64 op on the same values
+    within the accuracy rule's factor of the single-process float32 op's."""
+    base_y, base_dx, base_g = run(c)
+    ref_y, ref_dx, ref_g = run(as_f64(c))
+    assert all(res[key][0] == "ok" for res in ranks), [res[key][1:] for res in ranks]
+    ys, dxs, gs = zip(*(res[key][1] for res in ranks))
+    check_vs_baseline(f"{key} y", torch.cat(ys, 1), base_y, ref_y, FACTOR_OUT)
+    check_vs_baseline(f"{key} dx", torch.cat(dxs, 1), base_dx, ref_dx, FACTOR_GRAD)
+    for n, want in ref_g.items():
+        check_vs_baseline(f"{key} {n}", sum(g[n] for g in gs), base_g[n], want, FACTOR_GRAD)
+
+
+CASES_2 = {
+    # GQA, KV heads split (Hkv 2 = N), LoRA dropout, left padding, two sequences
+    **{f"{p}-gqa-padded": make_case(1, preset=p, padded=True)
+       for p in ("fast", "balanced", "min_memory")},
+    # KV heads repeated (Hkv 1 < N), per-head q/k norms, packed sequences
+    **{f"{p}-mqa-qknorm-packed": make_case(2, preset=p, hkv=1, qk_norm=True, packed=True)
+       for p in ("fast", "min_memory")},
+    "balanced-eager-empty-rows": make_case(3, padded=True, eager=True),
+    # several chunks of each rank's 12 tokens (5, 5, 2), a sliding window, the sublayer alone
+    "balanced-chunks-window": make_case(4, chunk_rows=5, window=7),
+    "min_memory-attention-chunks": make_case(5, preset="min_memory", part="attention",
+                                             chunk_rows=5, hkv=4),
+    # head rounds: 2 KV heads per rank, exchanged one at a time under the small byte cap
+    "balanced-rounds-padded": make_case(15, hq=8, hkv=4, chunk_rows=5, padded=True),
+    "min_memory-rounds-mha-qknorm-eager": make_case(16, preset="min_memory", hq=4, hkv=4,
+                                                    chunk_rows=5, qk_norm=True, padded=True,
+                                                    eager=True),
+    "fast-rounds-packed-window": make_case(17, preset="fast", hq=8, hkv=4, chunk_rows=5,
+                                           packed=True, window=9),
+    "compiled-balanced-chunks-padded": dict(make_case(14, chunk_rows=5, padded=True),
+                                            compile=True),
+}
+FP32_2 = {"fp32-balanced": make_case(6, dtype=torch.float32, padded=True),
+          "fp32-fast-mqa": make_case(7, dtype=torch.float32, preset="fast", hkv=1)}
+BAD_2 = {"bad-heads": make_case(8, hq=3, hkv=3, hidden=48),
+         "bad-kv-heads": make_case(9, hq=6, hkv=3, hidden=48),
+         "bad-shape": dict(make_case(10), bad_shape=True),
+         "bad-group": dict(make_case(11), group="no-such-group"),
+         # only rank 1's input is bad: both ranks raise, at once (no rank left in an exchange)
+         "bad-mask-rank1": dict(make_case(18, padded=True), bad_rank1="mask"),
+         "bad-segment-dtype-rank1": dict(make_case(19, packed=True), bad_rank1="segment_dtype"),
+         "bad-lora-scaling-rank1": dict(make_case(20), bad_rank1="lora_scaling"),
+         "bad-rounds-rank1": dict(make_case(21, hq=8, hkv=4, chunk_rows=5), bad_rank1="chunk")}
+CASES_4 = {
+    "min_memory-hkv2-repeated": make_case(12, preset="min_memory", s=28, padded=True),
+    "fast-hkv4-split": make_case(13, preset="fast", hkv=4, s=28, qk_norm=True, packed=True),
+}
+
+
+@linux_only
+def test_two_ranks_equal_one_process(tmp_path):
+    """fp64: 1e-10 (scaled by the reference's magnitude where above 1); fp32: the accuracy
+    rule against the float64 op, with the single-process float32 op as the baseline; bad input
+    refused on both ranks with the error naming the argument."""
+    ranks = run_world(tmp_path, 2, {**CASES_2, **FP32_2, **BAD_2})
+    for key, c in CASES_2.items():
+        assert_matches(key, c, ranks, 1e-10, 1e-10)
+    for key, c in FP32_2.items():
+        assert_accuracy_rule(key, c, ranks)
+    expect = {"bad-heads": "num_heads=3 must be divisible",
+              "bad-kv-heads": "num_kv_heads=3 must be a multiple or a divisor",
+              "bad-shape": "every rank passes x of the same shape",
+              "bad-group": "sequence_parallel='no-such-group' is not a registered",
+              "bad-mask-rank1": "key_padding_mask must have shape (2, 12)",
+              "bad-segment-dtype-rank1": "every rank passes the same kinds of masks",
+              "bad-lora-scaling-rank1": "lora_scaling",
+              "bad-rounds-rank1": "head rounds (the head rounds follow CKPT_EXT_CHUNK_BYTES"}
+    refused_on_1 = ("bad-mask-rank1", "bad-lora-scaling-rank1")
+    for key, needle in expect.items():
+        for r, res in enumerate(ranks):
+            assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
+            assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
+            if key in refused_on_1:  # rank 0 names the rank whose input was bad
+                assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]
+
+
+@linux_only
+def test_four_ranks_equal_one_process(tmp_path):
+    ranks = run_world(tmp_path, 4, CASES_4)
+    for key, c in CASES_4.items():
+        assert_matches(key, c, ranks, 1e-10, 1e-10)
+
+
+# ---- a patched HF model: patch_llama(sequence_parallel=group) and shard_batch ----------------
+
+HF_S = 14  # 7 tokens per rank
+
+
+def hf_model(lora_dropout=None):
+    pytest.importorskip("transformers")
+    from test_distributed import make_model
+    model = make_model().double()
+    if lora_dropout is not None:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=lora_dropout,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"]))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # B off zero, as after some training
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def hf_batch(kind):
+    from hf_fixtures import padded_batch
+    ids, mask, labels = padded_batch(97, 2, HF_S, pad_row=1, pad=9, seed=21)
+    if kind == "padded":  # row 1 left-padded past rank 0's share
+        return dict(input_ids=ids, attention_mask=mask, labels=labels)
+    # packed: documents of 5, 6 and 3 tokens in row 0, 9 and 5 in row 1, no mask
+    pos = torch.tensor([list(range(5)) + list(range(6)) + list(range(3)),
+                        list(range(9)) + list(range(5))])
+    return dict(input_ids=ids.clamp(min=1), position_ids=pos, labels=ids.clamp(min=1))
+
+
+HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
+    "balanced-padded": ("balanced", None, "padded"),
+    "balanced-offload-packed": ("balanced", None, "packed"),
+    "min_memory-lora-dropout-packed": ("min_memory", 0.3, "packed"),
+    "fast-lora-dropout-padded": ("fast", 0.2, "padded"),
+    # DDP over the group: it averages the gradients, so the loss is multiplied by N
+    "ddp-balanced-padded": ("balanced", None, "padded"),
+}
+
+
+ONE_RANK_BAD = {"no-position-ids-rank1": "no-position-ids", "mask-shape-rank1": "mask-shape",
+                "cache-rank1": "cache"}
+
+
+def hf_step(model, batch, seed=77):
+    """Loss and gradients of one training step (the LoRA dropout seeds drawn after
+    torch.manual_seed(seed))."""
+    torch.manual_seed(seed)
+    loss = model(**{"use_cache": False, **batch}).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def context_parallel_step(group):
+    """A training step of a model patched with sequence_parallel= inside torch's
+    context_parallel (which splits the sequence a second time): refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    import ckpt_ext
+    model = hf_model()
+    ckpt_ext.patch_llama(model, sequence_parallel=group)
+    batch = hf_batch("packed")
+    ids, pos = batch["input_ids"].clone(), batch["position_ids"].clone()
+    with context_parallel(init_device_mesh("cpu", (dist.get_world_size(),)),
+                          buffers=[ids, pos], buffer_seq_dims=[1, 1]):
+        return hf_step(model, dict(input_ids=ids, position_ids=pos, labels=ids))
+
+
+def _hf_worker(rank, world, init_file, out_dir):
+    import ckpt_ext
+    from ckpt_ext.hf import sequence_parallel as sp
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        torch.set_num_threads(1)
+        group = dist.group.WORLD
+        results = {}
+        for key, (policy, dropout, kind) in HF_CASES.items():
+            def case(policy=policy, dropout=dropout, kind=kind, key=key):
+                model = hf_model(dropout)
+                ckpt_ext.patch_llama(model, policy, sequence_parallel=group,
+                                     offload="cpu" if "offload" in key else None)
+                batch = sp.shard_batch(hf_batch(kind), group)
+                if "ddp" in key:
+                    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+                    loss = ddp(**batch, use_cache=False).loss
+                    (loss * world).backward()
+                    loss, grads = loss.detach(), {}
+                    del ddp  # its reducer freed while the group lives (tests/test_distributed.py)
+                    gc.collect()
+                else:
+                    # rank 0 draws the single process's seeds; the other ranks' draws are unused
+                    loss, grads = hf_step(model, batch, seed=77 + 1000 * rank)
+                    sp.all_reduce_grads(model, group)
+                layers = (model.base_model.model if dropout is not None else model).model.layers
+                off = layers[0].forward.shared.offloader
+                return loss, {n: p.grad for n, p in model.named_parameters()
+                              if p.grad is not None}, grads, off and off.stats()
+            results[key] = outcome(case)
+        # only rank 1's input is bad: both ranks raise at the same point (no rank left waiting
+        # in an exchange until the timeout)
+        for key, bad in ONE_RANK_BAD.items():
+            def one_bad(bad=bad):
+                model = hf_model()
+                ckpt_ext.patch_llama(model, sequence_parallel=group)
+                batch = sp.shard_batch(hf_batch("padded"), group)
+                extra = {}
+                if rank == 1 and bad == "no-position-ids":
+                    del batch["position_ids"]
+                if rank == 1 and bad == "mask-shape":
+                    batch["attention_mask"] = batch["attention_mask"][:, :-1]
+                if rank == 1 and bad == "cache":
+                    extra["use_cache"] = True
+                return hf_step(model, {**batch, **extra})
+            results[key] = outcome(one_bad)
+        results["context-parallel"] = outcome(lambda: context_parallel_step(group))
+        results["torch-policy"] = outcome(
+            lambda: ckpt_ext.patch_llama(hf_model(), "torch", sequence_parallel=group))
+        results["odd-length"] = outcome(lambda: sp.shard_batch(
+            {k: v[:, :-1] for k, v in hf_batch("padded").items()}, group))
+        results["not-a-group"] = outcome(
+            lambda: ckpt_ext.patch_llama(hf_model(), sequence_parallel="0"))
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@linux_only
+def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
+    """A tiny fp64 HF LLaMA patched with sequence_parallel=group on 2 gloo ranks, its batch cut
+    by shard_batch: the ranks' losses sum to the single-process loss of the whole batch and the
+    gradients summed over the group equal its gradients (1e-10), with left padding past rank
+    0's share, packed documents across the ranks' boundary, offload="cpu", PEFT LoRA with
+    dropout (each rank seeded differently: the group's first rank's seed per layer call on
+    every rank, masks on global rows). Bad input refuses on every rank."""
+    import ckpt_ext
+    out = tmp_path / "hf"
+    out.mkdir()
+    ranks = spawn_ranks(_hf_worker, (2, str(out / "init"), str(out)), out,
+                        "sequence-parallel HF model", world=2)
+    for key, (policy, dropout, kind) in HF_CASES.items():
+        model = hf_model(dropout)
+        ckpt_ext.patch_llama(model, policy)
+        want_loss, want = hf_step(model, hf_batch(kind))
+        for r, res in enumerate(ranks):
+            assert res[key][0] == "ok", f"{key}: rank {r} raised {res[key][1:]}"
+        losses = [res[key][1][0] for res in ranks]
+        torch.testing.assert_close(sum(losses), want_loss, rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, key=key: f"{key} loss: {m}")
+        assert not torch.allclose(losses[0], want_loss)  # each rank holds a share only
+        for r, res in enumerate(ranks):
+            got, own, off = res[key][1][1:]
+            if "offload" in key:  # the saved layer tensors went through the host pool
+                assert off["host_allocations"] > 0, off
+            assert got.keys() == want.keys(), key
+            for n, w in want.items():
+                torch.testing.assert_close(got[n], w, rtol=1e-10, atol=1e-10,
+                                           msg=lambda m, n=n, key=key: f"{key} {n}: {m}")
+            if r == 0 and own:  # the sum is needed: a rank's own gradients are its share only
+                n = next(n for n in own if "q_proj" in n)
+                assert not torch.allclose(own[n], want[n]), key
+    expect = {"torch-policy": "sequence_parallel needs every decoder layer fused",
+              "context-parallel": "torch's context_parallel is active as well",
+              "odd-length": "sequence length 13 of input_ids is not divisible",
+              "not-a-group": "sequence_parallel must be a torch.distributed ProcessGroup",
+              "no-position-ids-rank1": "the model needs position_ids",
+              "mask-shape-rank1": "every rank passes attention_mask of the same shape",
+              "cache-rank1": "decoder layer 0 cannot run the fused op"}
+    for key, needle in expect.items():
+        for r, res in enumerate(ranks):
+            assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
+            assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
+            if key in ("no-position-ids-rank1", "cache-rank1"):
+                assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]
