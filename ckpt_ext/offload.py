@@ -405,10 +405,10 @@ def _layer_saved_bytes(x: Tensor, options) -> int:
     besides its shared inputs: x and the preset's residuals, shaped by the op's fakes on the
     meta device (nothing is allocated), with the autocast dtype as the compute dtype when
     autocast is on."""
-    from .blocks import RESIDUALS, _residual
+    from .blocks import _residual, residual_names
     a = options
     if a.compute_dtype is None and torch.is_autocast_enabled(x.device.type):
         a = a.replace(compute_dtype=torch.get_autocast_dtype(x.device.type))
     meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-    saved = [meta] + [_residual(n, meta, a) for n in RESIDUALS[a.part, a.preset]]
+    saved = [meta] + [_residual(n, meta, a) for n in residual_names(a)]
     return sum(t.numel() * t.element_size() for t in saved)

@@ -16,7 +16,8 @@
 namespace ckpt_ext {
 void bind_checkpoint(pybind11::module& m);
 std::vector<std::string> layer_weight_slots();
-std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset);
+std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset,
+                                         bool moe);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -41,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The byte cap of one token chunk's transient (CKPT_EXT_CHUNK_BYTES, read at each call; "
       "64 MiB by default)");
   m.def("layer_residuals", &ckpt_ext::layer_residuals, pybind11::arg("part"),
-        pybind11::arg("preset"),
-        "The names of the residuals decoder_layer_fwd returns for (part, preset), in order");
+        pybind11::arg("preset"), pybind11::arg("moe") = false,
+        "The names of the residuals decoder_layer_fwd returns for (part, preset), in order "
+        "(moe: for a mixture-of-experts MLP, num_experts_per_tok > 0)");
 }
