@@ -101,6 +101,8 @@ FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA
             "phi3": LLAMA, "exaone4": EXAONE4, "glm": GLM, "glm4": GLM4, "helium": HELIUM,
             "vaultgemma": VAULTGEMMA, "ernie4_5": GLM, "hunyuan_v1_dense": HUNYUAN,
             "hyperclovax": HYPERCLOVAX, "cwm": LLAMA,
+            # mixture-of-experts MLPs (ckpt_ext.hf.moe); OLMoE's q/k norms span the projection
+            "qwen3_moe": LLAMA, "qwen2_moe": LLAMA, "mixtral": LLAMA, "olmoe": LLAMA,
             **{t: LLAMA for t in sorted(MROPE)}}
 
 
@@ -167,6 +169,8 @@ ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh"
 def activation(layer: nn.Module) -> Optional[str]:
     """The op's name for the layer's gated activation, or None when the op has none."""
     mlp = layer.mlp._modules
+    if "experts" in mlp:  # an MoE block: its experts' activation (ckpt_ext.hf.moe)
+        mlp = mlp["experts"]._modules
     return ACTIVATIONS.get(type(mlp.get("act_fn", mlp.get("activation_fn"))).__name__)
 
 

@@ -88,7 +88,7 @@ from .._checks import _check_bool
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS, call_decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
-from . import zero
+from . import moe, zero
 from .cache import uses_cache
 from .adapters import FUSED_MODULES, fused_row_sizes, read_layer_projections, read_projection
 from .families import (FAMILIES, LLAMA, MULTIMODAL, Family, activation, layer_norms,
@@ -186,6 +186,8 @@ def _model_config(model: nn.Module):
                 f"{getattr(text, 'model_type', None)!r} is not supported (supported: "
                 f"{', '.join(sorted(allowed))})")
         return text
+    if moe.refusal(model_type):  # MoE families the op does not compute, with the reason
+        raise NotImplementedError(f"patch_llama: {moe.refusal(model_type)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"patch_llama: model_type {model_type!r} is not supported; supported are "
@@ -223,6 +225,8 @@ def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
     after patching (PEFT) and, with ``hooks``, forward hooks on submodules that the fused op
     would not run. ``projections=False`` (patch time) leaves out what PEFT can change later
     (adapters, dropout, merging): those make a call delegate, never a patch fail."""
+    if moe.is_moe_layer(layer):  # its MoE block checked there, the rest as a dense layer
+        return moe.structure_problem(layer, family, hooks, projections)
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
     needed = {"self_attn", "mlp"} | family.modules
     if attn is None or mlp is None or not needed <= set(layer._modules):
@@ -400,6 +404,7 @@ class _LayerSpec:
         self.rope = uses_rope(config, self.family, getattr(attn, "layer_idx", None))
         # Granite multiplies each sublayer's output before the residual add
         self.residual_scale = float(getattr(layer, "residual_multiplier", 1.0))
+        self.moe = moe.layer_options(layer, config)  # the MoE MLP's options ({}: dense)
         # Projections PEFT or others wrapped are read per call (ckpt_ext.hf.adapters); here
         # only the shapes that modules declare are checked against the config.
         # Phi-3's fused projections: their row blocks (checked here), read per call as q/k/v,
@@ -739,8 +744,8 @@ class _PatchedForward:
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
         reason, masks = self._why_not_fused(hidden_states, kwargs, state)
-        tensors = _layer_tensors(self.layer, self.spec.family, self.spec.fused) \
-            if reason is None else None
+        read = moe.layer_tensors if self.spec.moe else _layer_tensors
+        tensors = read(self.layer, self.spec.family, self.spec.fused) if reason is None else None
         if isinstance(tensors, str):
             reason = tensors
         if reason is not None:
@@ -856,7 +861,7 @@ class _PatchedForward:
             qk_norm_after_rope=spec.family.qk_norm_after_rope,
             residual_scale=spec.residual_scale,
             norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
-            activation=spec.activation, preset=preset)
+            activation=spec.activation, preset=preset, **spec.moe)
 
 
 def _layer_tensors(layer: nn.Module, family: Family, fused: Optional[dict] = None
