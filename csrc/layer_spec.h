@@ -19,7 +19,10 @@
 //   balanced     out, lse, h                                  + q/k/v and RoPE, gate/up tile-wise
 //   min_memory   nothing                                      + attention forward and o_proj
 //
-// (h = x + attention output, the MLP input.) `part` selects the whole layer ("layer"), the
+// (h = x + attention output, the MLP input.) A mixture-of-experts MLP (num_experts_per_tok > 0)
+// keeps its routing decision (topk_idx, topk_w: 8 k bytes per token) in every preset, min_memory
+// included, and no gate/up (fast neither): its backward recomputes each chunk's expert gate/up.
+// `part` selects the whole layer ("layer"), the
 // attention sublayer x + o_proj(attn(...)) ("attention") or the MLP sublayer
 // h + down(act(gate) * up) ("mlp"; act = silu, or gelu_tanh: `activation`); a sublayer keeps
 // its share of the residuals above.
