@@ -169,6 +169,14 @@ def layer_dims_from_config(config) -> list:
         except TypeError:
             raise ValueError(f"config: {name} must be an int, got {value!r}") from None
 
+    experts = _config_value(config, "num_experts", 0) or \
+        _config_value(config, "num_local_experts", 0)
+    if experts:  # intermediate_size is not the experts' width: refuse rather than misplan
+        raise NotImplementedError(
+            f"config: a mixture-of-experts model ({experts} experts, model_type "
+            f"{_config_value(config, 'model_type')!r}); the plan does not model routed experts "
+            "yet (patch_llama fuses qwen3_moe, qwen2_moe, mixtral and olmoe with a given "
+            "preset; bench/moe.py measures their step peak)")
     H = integer("hidden_size")
     heads = integer("num_attention_heads")
     if heads <= 0:
@@ -987,6 +995,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config[key] = getattr(args, arg)
     try:
         layers = layer_dims_from_config(config)
+    except NotImplementedError as e:
+        ap.error(str(e))
     except ValueError as e:
         ap.error(f"{e} (give a config.json or --hidden-size/--heads/--intermediate-size/"
                  f"--layers)")

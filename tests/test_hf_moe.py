@@ -82,6 +82,7 @@ def test_presets_and_the_fused_head(policy):
     data = batch(True)
     assert_same(loss_and_grads(ref, *data), loss_and_grads(model, *data))
     assert fused_calls(model) == [1, 1, 1]
+    assert model.forward.calls["fused"] == 1  # the head and loss too
 
 
 def test_token_chunks(monkeypatch):
@@ -190,3 +191,15 @@ def test_other_moe_families_are_refused_by_name(model_type):
     with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' is a "
                        "mixture-of-experts model"):
         ckpt_ext.patch_llama(Model())
+
+
+def test_auto_policy_and_the_plan_refuse_moe():
+    """The planner does not model routed experts: policy='auto' and the plan refuse an MoE
+    model by name rather than plan it as a dense one."""
+    from ckpt_ext.plan import layer_dims_from_config
+    model = make("olmoe")
+    with pytest.raises(NotImplementedError, match="policy='auto' is not implemented for "
+                       "mixture-of-experts"):
+        ckpt_ext.patch_llama(model, "auto", activation_budget="1GiB")
+    with pytest.raises(NotImplementedError, match="mixture-of-experts model \\(8 experts"):
+        layer_dims_from_config(model.config)

@@ -99,6 +99,16 @@ def _uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
     return None, 1.0, 0.0
 
 
+def _moe_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
+    OlmoeForCausalLM: with output_router_logits their forward adds the router's load-balancing
+    loss, which the fused head does not compute: refused; asked per call, HF's head runs)."""
+    if getattr(config, "output_router_logits", False):
+        return ("config.output_router_logits=True: the forward adds the router's load-balancing "
+                "loss", 1.0, 0.0)
+    return None, 1.0, 0.0
+
+
 # The transformers *ForCausalLM classes whose forward the fused head reproduces, by the name of
 # the class that defines the forward: each computes logits = lm_head(last hidden state), then
 # the rule's transform, then loss_function(logits, labels, vocab_size, **kwargs).
@@ -121,6 +131,8 @@ _HEAD_RULES = {
     "Qwen2VLForConditionalGeneration": _plain_head,
     "Qwen2_5_VLForConditionalGeneration": _plain_head,
     "Qwen3VLForConditionalGeneration": _plain_head,
+    "Qwen3MoeForCausalLM": _moe_head, "Qwen2MoeForCausalLM": _moe_head,
+    "MixtralForCausalLM": _moe_head, "OlmoeForCausalLM": _moe_head,
 }
 
 
@@ -259,7 +271,8 @@ class FusedHeadForward:
         labels = kwargs.get("labels")
         fusable = (labels is not None and torch.is_grad_enabled() and not uses_cache(kwargs)
                    and isinstance(kwargs.get("logits_to_keep", 0), int)
-                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
+                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None
+                   and not kwargs.get("output_router_logits"))  # MoE models' aux loss
         if fusable:
             problem, logit_scale, softcap = head_transform(self.model, self.rule)
             fusable = problem is None

@@ -80,6 +80,11 @@ def refusal(model_type: str) -> Optional[str]:
         "this one without patch_llama (HF gradient checkpointing)")
 
 
+AUTO_REFUSAL = ("policy='auto' is not implemented for mixture-of-experts layers (the planner "
+                "does not model their routed experts yet): give a preset, a list or a callable "
+                "policy ('min_memory' keeps the least)")
+
+
 def is_moe_layer(layer: nn.Module) -> bool:
     """Whether the decoder layer's ``mlp`` is a sparse MoE block (it has routed experts)."""
     mlp = layer._modules.get("mlp")

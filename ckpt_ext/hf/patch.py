@@ -939,6 +939,8 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                          f"policy={policy!r}")
     offloader = resolve_offload(offload, offload_limit)
     presets = _resolve_policy("balanced" if policy is None else policy, len(layers))
+    if policy == "auto" and any(moe.is_moe_layer(layer) for layer in layers):
+        raise NotImplementedError(f"patch_llama: {moe.AUTO_REFUSAL}")
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if _foreign_forward(layer):
