@@ -468,14 +468,15 @@ MlpLora mlp_lora(const Layer& L) {
 // and each chunk's expert gate/up, never the choice. fast keeps no gate/up of an MoE layer.
 
 // The elements one token holds in an MLP chunk: the dense MLP's three (rows, I); an MoE
-// layer's k sorted copies of the backward (the input and output rows, their gradients, and
-// gate, up, their product and gradients: 4 H + 6 I each), its router's (rows, E) logits and
-// scores (float32), and the shared expert's three (rows, I).
+// layer's k sorted rows of the experts' backward at its largest (csrc/moe_math.cpp:
+// max(3 H + 5 I, H + 7 I) each), with the (rows, H) sum they are added into, its router's
+// (rows, E) logits, scores and their gradient, and the shared expert's three (rows, I).
 int64_t ffn_row_width(const Layer& L, int64_t hidden) {
   int64_t width = L.has_dense_mlp() ? 3 * L.proj(kGate).size(0) : 0;
   if (L.moe()) {
     const int64_t i = L.moe_w(kExpertsDown).size(2), e = L.moe_w(kRouter).size(0);
-    width += L.num_experts_per_tok * (4 * hidden + 6 * i) + 3 * e;
+    width += L.num_experts_per_tok * std::max(3 * hidden + 5 * i, hidden + 7 * i) + hidden +
+             3 * e;
   }
   return width;
 }
@@ -506,10 +507,15 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
                                                 const at::Tensor& idx, const at::Tensor& w,
                                                 const std::vector<bool>& needs, Grads& g) {
   const at::Tensor wr = L.cast(L.moe_w(kRouter));
+  // a later token chunk adds its expert gradients into the earlier chunks' sums in place
+  auto sum_of = [&](MoeSlot m) {
+    at::Tensor& sum = g.dw[slot(m)];
+    return sum.defined() ? &sum : nullptr;
+  };
   moe::ExpertGrads eg = moe::experts_backward(
       dy, m, idx, w, L.cast(L.moe_w(kExpertsGateUp)), L.cast(L.moe_w(kExpertsDown)),
       parse_activation(L.activation, "decoder_layer"), needs[slot(kExpertsGateUp)],
-      needs[slot(kExpertsDown)]);
+      needs[slot(kExpertsDown)], sum_of(kExpertsGateUp), sum_of(kExpertsDown));
   if (eg.dgate_up.defined()) g.add(slot(kExpertsGateUp), eg.dgate_up);
   if (eg.ddown.defined()) g.add(slot(kExpertsDown), eg.ddown);
   const at::Tensor logits = at::linear(m, wr);

@@ -100,6 +100,27 @@ at::Tensor grouped_outer(const at::Tensor& a, const at::Tensor& b, const Groups&
   return out;
 }
 
+// acc (E, P, Q) += the per-expert sums a_e^T b_e, one expert's product at a time, so that a
+// gradient summed over token chunks never has a second (E, P, Q) tensor beside it.
+void grouped_outer_add(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b,
+                       const Groups& g) {
+  int64_t start = 0;
+  const auto& ends = g.host_ends();
+  for (int64_t e = 0; e < g.num_experts; ++e) {
+    const int64_t n = ends[e] - start;
+    if (n > 0) acc[e].add_(at::mm(a.narrow(0, start, n).t(), b.narrow(0, start, n)));
+    start = ends[e];
+  }
+}
+
+// A weight gradient: added into *acc when given (a later token chunk), else a new tensor.
+at::Tensor weight_grad(at::Tensor* acc, const at::Tensor& a, const at::Tensor& b,
+                       const Groups& g, bool grouped) {
+  if (acc == nullptr) return grouped_outer(a, b, g, grouped);
+  grouped_outer_add(*acc, a, b, g);
+  return at::Tensor();
+}
+
 at::Tensor scores_of(const at::Tensor& logits, Router router) {
   const at::Tensor l = logits.to(at::promote_types(logits.scalar_type(), at::kFloat));
   return router == Router::kSoftmax ? l.softmax(-1) : l.sigmoid();
@@ -141,43 +162,61 @@ at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at:
   const int64_t T = m.size(0), H = m.size(1), I = down.size(2), E = down.size(0);
   const bool gm = grouped_mm_applies(m.scalar_type(), H, I);
   const Groups g = group(idx, E);
-  const at::Tensor xs = m.index_select(0, g.token);                      // (N, H)
-  const at::Tensor gu = grouped_mm(xs, gate_up.transpose(1, 2), g, gm);  // (N, 2I)
-  const at::Tensor a = swiglu_product(gu.narrow(1, 0, I), gu.narrow(1, I, I), m.scalar_type(), act);
-  at::Tensor o = grouped_mm(a, down.transpose(1, 2), g, gm);             // (N, H)
-  const at::Tensor ws = w.reshape({-1}).index_select(0, g.pos).unsqueeze(1);
-  o = (o.to(ws.scalar_type()) * ws).to(m.scalar_type());
+  // Each sorted (N, *) tensor is released as soon as the next one is made.
+  at::Tensor xs = m.index_select(0, g.token);                      // (N, H)
+  at::Tensor gu = grouped_mm(xs, gate_up.transpose(1, 2), g, gm);  // (N, 2I)
+  xs.reset();
+  at::Tensor a = swiglu_product(gu.narrow(1, 0, I), gu.narrow(1, I, I), m.scalar_type(), act);
+  gu.reset();
+  at::Tensor o = grouped_mm(a, down.transpose(1, 2), g, gm);       // (N, H)
+  a.reset();
+  // times the routing weight, rounded once (Mixtral's float32 product cast to the output)
+  o.mul_(w.reshape({-1}).index_select(0, g.pos).unsqueeze(1));
   return at::zeros({T, H}, m.options()).index_add_(0, g.token, o);
 }
 
+// The working set of experts_backward per sorted row, at its largest: the copies xs and their
+// gate/up (H + 2I) beside either dy's copies (H, and a transposed copy _grouped_mm may make
+// for the down gradient, H) with the product, its gradient and their float product (3I), or
+// beside the gate/up gradient (2I) with da and two (N, I) temporaries (3I): 3H + 5I, or
+// H + 7I (ckpt_ext's layer chunk rule counts the larger).
 ExpertGrads experts_backward(const at::Tensor& dy, const at::Tensor& m, const at::Tensor& idx,
                              const at::Tensor& w, const at::Tensor& gate_up,
                              const at::Tensor& down, Activation act, bool need_gate_up,
-                             bool need_down) {
+                             bool need_down, at::Tensor* acc_gate_up, at::Tensor* acc_down) {
   const int64_t T = m.size(0), H = m.size(1), I = down.size(2), E = down.size(0);
   const at::ScalarType dt = m.scalar_type(), cdt = checks::compute_dtype(dt);
+  const at::ScalarType wide = w.scalar_type();
   const bool gm = grouped_mm_applies(dt, H, I);
   const Groups g = group(idx, E);
-  // the forward's sorted rows again: the copies, gate and up, and the product
-  const at::Tensor xs = m.index_select(0, g.token);
-  const at::Tensor gu = grouped_mm(xs, gate_up.transpose(1, 2), g, gm);
-  const at::Tensor gate = gu.narrow(1, 0, I).to(cdt), up = gu.narrow(1, I, I).to(cdt);
-  const at::Tensor ag = activate(gate, act);
-  const at::Tensor a = swiglu_product(gu.narrow(1, 0, I), gu.narrow(1, I, I), dt, act);
-  const at::Tensor ws = w.reshape({-1}).index_select(0, g.pos).unsqueeze(1);  // (N, 1) f32
-  const at::Tensor dos = dy.index_select(0, g.token);                        // (N, H)
-  const at::Tensor da_un = grouped_mm(dos, down, g, gm);                     // (N, I)
+  const at::Tensor ws = w.reshape({-1}).index_select(0, g.pos).unsqueeze(1);  // (N, 1)
+  // the forward's sorted rows again: the copies and their gate/up
+  at::Tensor xs = m.index_select(0, g.token);                                 // (N, H)
+  at::Tensor gu = grouped_mm(xs, gate_up.transpose(1, 2), g, gm);             // (N, 2I)
   ExpertGrads r;
-  // d w_j = dy_t . down_e(a) = (dy_t down_e) . a
-  const at::ScalarType wide = w.scalar_type();
-  const at::Tensor dws = (da_un.to(wide) * a.to(wide)).sum(1);
-  r.dw = at::zeros({T * idx.size(1)}, w.options()).index_copy_(0, g.pos, dws.to(w.scalar_type()))
-             .view(idx.sizes());
-  if (need_down) r.ddown = grouped_outer((dos.to(ws.scalar_type()) * ws).to(dt), a, g, gm);
-  const at::Tensor da = da_un.to(cdt) * ws.to(cdt);
-  const at::Tensor dgu = at::cat({activate_backward(da * up, gate, act), da * ag}, 1).to(dt);
-  if (need_gate_up) r.dgate_up = grouped_outer(dgu, xs, g, gm);
-  r.dm = at::zeros({T, H}, dy.options()).index_add_(0, g.token, grouped_mm(dgu, gate_up, g, gm));
+  at::Tensor da;  // d of the product act(gate) * up, (N, I)
+  {
+    at::Tensor dos = dy.index_select(0, g.token);                             // (N, H)
+    const at::Tensor a = swiglu_product(gu.narrow(1, 0, I), gu.narrow(1, I, I), dt, act);
+    da = grouped_mm(dos, down, g, gm);  // dy_t down_e: before the routing weight
+    // d w_j = dy_t . down_e(a) = (dy_t down_e) . a
+    const at::Tensor dws = (da.to(wide) * a.to(wide)).sum(1);
+    r.dw = at::zeros({T * idx.size(1)}, w.options()).index_copy_(0, g.pos, dws)
+               .view(idx.sizes());
+    if (need_down) r.ddown = weight_grad(acc_down, dos.mul_(ws), a, g, gm);
+  }
+  da = da.to(cdt).mul_(ws);
+  const at::Tensor gate = gu.narrow(1, 0, I).to(cdt), up = gu.narrow(1, I, I).to(cdt);
+  at::Tensor dgu = at::empty({gu.size(0), 2 * I}, gu.options());
+  dgu.narrow(1, I, I).copy_(da * activate(gate, act));                         // d up
+  dgu.narrow(1, 0, I).copy_(activate_backward(da.mul_(up), gate, act));        // d gate
+  da.reset();
+  gu.reset();
+  if (need_gate_up) r.dgate_up = weight_grad(acc_gate_up, dgu, xs, g, gm);
+  xs.reset();
+  at::Tensor dxs = grouped_mm(dgu, gate_up, g, gm);                            // (N, H)
+  dgu.reset();
+  r.dm = at::zeros({T, H}, dy.options()).index_add_(0, g.token, dxs);
   return r;
 }
 

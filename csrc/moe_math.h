@@ -47,15 +47,18 @@ at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at:
 struct ExpertGrads {
   at::Tensor dm;        // (T, H)
   at::Tensor dw;        // (T, k) float32: d of the routing weights
-  at::Tensor dgate_up;  // (E, 2I, H), undefined unless asked for
-  at::Tensor ddown;     // (E, H, I), undefined unless asked for
+  at::Tensor dgate_up;  // (E, 2I, H), undefined unless asked for (or added into acc_gate_up)
+  at::Tensor ddown;     // (E, H, I), undefined unless asked for (or added into acc_down)
 };
 
-// Backward of experts_forward for dy (T, H) in m's dtype.
+// Backward of experts_forward for dy (T, H) in m's dtype. acc_gate_up / acc_down: where given
+// (the sums of earlier token chunks), the weight gradients are added into them expert by
+// expert and come back undefined, so that no second expert-sized tensor exists.
 ExpertGrads experts_backward(const at::Tensor& dy, const at::Tensor& m, const at::Tensor& idx,
                              const at::Tensor& w, const at::Tensor& gate_up,
                              const at::Tensor& down, Activation act, bool need_gate_up,
-                             bool need_down);
+                             bool need_down, at::Tensor* acc_gate_up = nullptr,
+                             at::Tensor* acc_down = nullptr);
 
 // Whether experts GEMMs of this dtype and these sizes go through torch._grouped_mm (else one
 // matmul per expert); exposed for the tests' and benchmarks' report.

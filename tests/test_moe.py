@@ -156,10 +156,11 @@ def test_fp32_meets_the_accuracy_rule(preset, sizes):
 
 def chunk_cap(rows, dtype, weights, k, part):
     """CKPT_EXT_CHUNK_BYTES for chunks of `rows` tokens: the attention's 4 Hq*D per token (the
-    layer) plus the MoE MLP's k (4 H + 6 I) + 3 E and the shared expert's 3 I, at the compute
-    width (float32 at least); the layer's chunk-rows rule in csrc/layer_math.cpp."""
+    layer) plus the MoE MLP's k max(3 H + 5 I, H + 7 I) + H + 3 E and the shared expert's 3 I,
+    at the compute width (float32 at least); the layer's chunk-rows rule in
+    csrc/layer_math.cpp."""
     e, h, i = weights["mlp.experts.down_proj"].shape
-    width = k * (4 * h + 6 * i) + 3 * e
+    width = k * max(3 * h + 5 * i, h + 7 * i) + h + 3 * e
     if "mlp.gate_proj.weight" in weights:
         width += 3 * weights["mlp.gate_proj.weight"].shape[0]
     if part == "layer":
@@ -287,3 +288,22 @@ def test_the_reference_can_fail():
     without_gate = {n: t for n, t in weights.items() if n != "mlp.shared_expert_gate.weight"}
     with pytest.raises(AssertionError):
         check_f64("y", got, run_reference(x, without_gate, pe, dy, kw, "layer")[0])
+
+
+def test_autocast_meets_the_accuracy_rule():
+    """float32 weights and input under bfloat16 autocast (the compute dtype bfloat16: router,
+    experts and shared expert in bfloat16, the router's scores in float32): within the accuracy
+    rule of the plain PyTorch reference under the same autocast."""
+    case = moe_case(torch.float32, "qwen2_moe", hidden=16, inter=8, experts=4, k=2, seed=11)
+    x, weights, pe, dy, kw = case
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx = reference_routing(x, weights, pe, kw, "layer")
+        got = run(*case, "min_memory", "layer")
+        base = run_reference(*case, "layer", force_idx=idx)
+    ref = run_reference(*case, "layer", dtype=F64, force_idx=idx)
+    assert got[0].dtype == torch.float32
+    check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT, dtype=torch.bfloat16)
+    check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD, dtype=torch.bfloat16)
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD,
+                          dtype=torch.bfloat16)

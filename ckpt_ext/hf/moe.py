@@ -119,6 +119,7 @@ class _DenseView(nn.Module):
         shared = layer._modules["mlp"]._modules.get("shared_expert")
         self._modules["mlp"] = shared if shared is not None else _NO_MLP
         self.training = layer.training
+        self._z3_leaf = getattr(layer, "_z3_leaf", False)  # ZeRO-3 leaf: the layer's own hooks
 
 
 def _param_names(module: nn.Module) -> set:
