@@ -31,15 +31,15 @@ import argparse
 import copy
 import os
 import sys
+import time
 
 import torch
 
 import ckpt_ext
+from ckpt_ext import blocks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import device_name, device_tag, median, provenance, write_csv  # noqa: E402
-
-import time  # noqa: E402
 
 PRESETS = ("fast", "balanced", "min_memory")
 
@@ -104,7 +104,6 @@ def layer_rows(args) -> list:
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeDecoderLayer,
                                                                   Qwen3MoeRotaryEmbedding)
-    from ckpt_ext import blocks
     dev, dt = torch.device("cuda"), torch.bfloat16
     cfg = AutoConfig.for_model(
         "qwen3_moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
@@ -132,7 +131,7 @@ def layer_rows(args) -> list:
 
     rows = []
     for name, fn in [("hf", hf)] + [(p, fused(p)) for p in PRESETS]:
-        def step():
+        def step(fn=fn):
             out = fn()
             out = out[0] if isinstance(out, tuple) else out
             out.backward(dy)
