@@ -18,13 +18,14 @@ BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_
             head_dim=16, intermediate_size=96, vocab_size=128, pad_token_id=0,
             rms_norm_eps=1e-5)
 # Qwen3-MoE renormalises its top 3 of 8 and has a dense middle layer (mlp_only_layers);
-# Qwen2-MoE adds the gated shared expert and q/k/v biases, its middle layer dense too; Mixtral
+# Qwen2-MoE adds the gated shared expert and q/k/v biases, only its middle layer an MoE one
+# (decoder_sparse_step 2); Mixtral
 # always renormalises; OLMoE does not, and norms q/k over the whole projection.
 MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                          norm_topk_prob=True, mlp_only_layers=[1]),
        "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                          shared_expert_intermediate_size=48, qkv_bias=True,
-                         mlp_only_layers=[1]),
+                         decoder_sparse_step=2),
        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
        "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)}
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -83,6 +84,23 @@ def test_presets_and_the_fused_head(policy):
     assert_same(loss_and_grads(ref, *data), loss_and_grads(model, *data))
     assert fused_calls(model) == [1, 1, 1]
     assert model.forward.calls["fused"] == 1  # the head and loss too
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_packed_sequences(family):
+    """One row of packed documents (position ids restarting, no mask, as
+    DataCollatorWithFlattening gives it): HF's loss and gradients, every layer fused."""
+    lengths = [7, 1, 12, 3]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, BASE["vocab_size"], (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100
+    ref = make(family)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory", fuse_lm_head=False)
+    assert_same(loss_and_grads(ref, ids, None, labels, position_ids=pos),
+                loss_and_grads(model, ids, None, labels, position_ids=pos))
+    assert fused_calls(model) == [1, 1, 1]
 
 
 def test_token_chunks(monkeypatch):
