@@ -28,6 +28,7 @@ from . import _C
 from .presets import FUSED_PRESETS
 
 __all__ = ["WEIGHT_SLOTS", "PROJECTIONS", "LAYER_ARGS", "LayerOptions", "RESIDUALS",
+           "MOE_RESIDUALS", "residual_names",
            "pack_weights", "decoder_layer", "attention_block", "mlp_block"]
 
 _ops = torch.ops.ckpt_ext
@@ -41,6 +42,17 @@ PARTS = ("layer", "attention", "mlp")
 # The names of what decoder_layer_fwd keeps per (part, preset), in the order of its `saved`.
 RESIDUALS = {(part, preset): tuple(_C.layer_residuals(part, preset))
              for part in PARTS for preset in FUSED_PRESETS}
+# The same for a mixture-of-experts MLP (num_experts_per_tok > 0): the routing decision
+# (topk_idx, topk_w) in every preset, no gate/up.
+MOE_RESIDUALS = {(part, preset): tuple(_C.layer_residuals(part, preset, True))
+                 for part in PARTS for preset in FUSED_PRESETS}
+
+
+def residual_names(a) -> tuple[str, ...]:
+    """The residuals decoder_layer_fwd keeps for the arguments ``a`` (a LayerOptions or any
+    record with ``part``, ``preset`` and ``num_experts_per_tok``)."""
+    table = MOE_RESIDUALS if getattr(a, "num_experts_per_tok", 0) > 0 else RESIDUALS
+    return table[a.part, a.preset]
 
 
 def _field(arg) -> Tuple[str, str, dataclasses.Field]:
@@ -108,6 +120,10 @@ def _residual(name: str, x, a) -> Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
     if name == "lse":
         return x.new_empty(b, a.num_heads, s, dtype=torch.float32)
+    if name in ("topk_idx", "topk_w"):
+        k = a.num_experts_per_tok
+        wide = torch.float64 if act == torch.float64 else torch.float32
+        return x.new_empty(b * s, k, dtype=torch.int32 if name == "topk_idx" else wide)
     if name in ("gate", "up"):
         i = a.weights[_SLOT_INDEX["mlp.gate_proj.weight"]].shape[0]
         return x.new_empty(b * s, i, dtype=act)
@@ -126,7 +142,7 @@ def _decoder_layer_fake(x, *args, **kwargs):
 def _decoder_layer_fwd_fake(x, *args, **kwargs):
     a = _bind(LAYER_ARGS, args, kwargs)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            [_residual(name, x, a) for name in RESIDUALS[a.part, a.preset]])
+            [_residual(name, x, a) for name in residual_names(a)])
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_bwd")

@@ -406,7 +406,7 @@ def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tens
 def _layer_saved_bytes(x: Tensor, options) -> int:
     """The bytes a decoder_layer call with these arguments (a ``blocks.LayerOptions``) saves
     besides its shared inputs: B*S times ``presets.per_token_bytes`` of its part and preset
-    (x and the residuals the engine keeps), at the shapes its weights give, with the autocast
+    (x and the residuals the engine keeps, an MoE layer's routing included), at the shapes its weights give, with the autocast
     dtype as the compute dtype when autocast is on."""
     from .blocks import _SLOT_INDEX
     from .presets import per_token_bytes
@@ -424,4 +424,5 @@ def _layer_saved_bytes(x: Tensor, options) -> int:
     b, s, H = x.shape
     return b * s * per_token_bytes(a.preset, H=H, Hq=heads, Hkv=kv_heads, D=D,
                                    I=rows("mlp.gate_proj.weight"), dtype=x.dtype,
-                                   compute_dtype=compute, part=a.part)
+                                   compute_dtype=compute, part=a.part,
+                                   top_k=a.num_experts_per_tok)

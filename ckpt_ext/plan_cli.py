@@ -273,6 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config[key] = getattr(args, arg)
     try:
         layers = layer_dims_from_config(config)
+    except NotImplementedError as e:
+        ap.error(str(e))
     except ValueError as e:
         ap.error(f"{e} (give a config.json or --hidden-size/--heads/--intermediate-size/"
                  f"--layers)")

@@ -45,42 +45,48 @@ def check_policy(policy: str, what: str = "policy") -> str:
 # The one definition of a residual slot's bytes: per_token_bytes (the plan, the docs' tables)
 # and the offloader's per-call count (ckpt_ext.offload) read it.
 RESIDUAL_WIDTHS = {
-    "q": ("c", lambda H, Hq, Hkv, D, I: Hq * D),
-    "k": ("c", lambda H, Hq, Hkv, D, I: Hkv * D),
-    "v": ("c", lambda H, Hq, Hkv, D, I: Hkv * D),
-    "out": ("c", lambda H, Hq, Hkv, D, I: Hq * D),
-    "lse": ("f32", lambda H, Hq, Hkv, D, I: Hq),
-    "h": ("x", lambda H, Hq, Hkv, D, I: H),
-    "gate": ("c", lambda H, Hq, Hkv, D, I: I),
-    "up": ("c", lambda H, Hq, Hkv, D, I: I),
+    "q": ("c", lambda H, Hq, Hkv, D, I, k: Hq * D),
+    "k": ("c", lambda H, Hq, Hkv, D, I, k: Hkv * D),
+    "v": ("c", lambda H, Hq, Hkv, D, I, k: Hkv * D),
+    "out": ("c", lambda H, Hq, Hkv, D, I, k: Hq * D),
+    "lse": ("f32", lambda H, Hq, Hkv, D, I, k: Hq),
+    "h": ("x", lambda H, Hq, Hkv, D, I, k: H),
+    "gate": ("c", lambda H, Hq, Hkv, D, I, k: I),
+    "up": ("c", lambda H, Hq, Hkv, D, I, k: I),
+    # an MoE layer's routing: the k chosen experts (int32) and their weights (fp32, or fp64
+    # in an fp64 layer)
+    "topk_idx": ("i32", lambda H, Hq, Hkv, D, I, k: k),
+    "topk_w": ("w", lambda H, Hq, Hkv, D, I, k: k),
 }
 
 
 @functools.cache
-def _residuals(part: str, preset: str) -> tuple:
-    """The engine's residual names of (part, preset)."""
-    return tuple(_C.layer_residuals(part, preset))
+def _residuals(part: str, preset: str, moe: bool = False) -> tuple:
+    """The engine's residual names of (part, preset) (``moe``: of an MoE FFN)."""
+    return tuple(_C.layer_residuals(part, preset, moe))
 
 
 def per_token_bytes(preset: str, *, H: int, Hq: int, Hkv: int, D: int, I: int,
                     dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
-                    part: str = "layer") -> int:
+                    part: str = "layer", top_k: int = 0) -> int:
     """Bytes one token leaves saved in one layer (or sublayer ``part``): its input x and the
     preset's residuals (``RESIDUAL_WIDTHS`` of the engine's ``layer_residuals``). ``dtype``:
     the residual stream's (the layer input x and h); ``compute_dtype``: the projections' and
     attention's (q, k, v, out, gate, up), which is the autocast dtype under ``torch.autocast``
-    and ``dtype`` otherwise; lse is fp32. ``torch`` keeps x alone."""
+    and ``dtype`` otherwise; lse is fp32. ``top_k`` > 0: an MoE FFN routing each token to
+    ``top_k`` experts (its routing is kept). ``torch`` keeps x alone."""
     e = torch.empty((), dtype=dtype).element_size()
     if preset == "torch":
         return e * H
     if preset not in FUSED_PRESETS:
         raise ValueError(f"per_token_bytes: no closed form for preset {preset!r} (measure it "
                          "with ckpt_ext.saved_activation_bytes)")
-    size = {"x": e, "c": torch.empty((), dtype=compute_dtype or dtype).element_size(), "f32": 4}
+    c = torch.empty((), dtype=compute_dtype or dtype).element_size()
+    size = {"x": e, "c": c, "f32": 4, "i32": 4, "w": max(4, c)}
     total = e * H
-    for name in _residuals(part, preset):
+    for name in _residuals(part, preset, top_k > 0):
         kind, width = RESIDUAL_WIDTHS[name]
-        total += size[kind] * width(H, Hq, Hkv, D, I)
+        total += size[kind] * width(H, Hq, Hkv, D, I, top_k)
     return total
 
 

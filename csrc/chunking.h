@@ -45,20 +45,37 @@ inline int64_t rows_within(int64_t cap, int64_t row_bytes) {
 // Rows per chunk within the current cap.
 inline int64_t chunk_rows(int64_t row_bytes) { return rows_within(chunk_bytes(), row_bytes); }
 
-// Tokens per chunk of the fused layer's attention sublayer or whole layer: a chunk's
-// per-token working set at the compute width and at least float32 (the CPU kernels'
-// precision): the attention's q, out, dout and dq (4 Hq D, q_width = Hq D) and, with the MLP
-// (intermediate = I, else 0), its three (rows, I) tensors, which the MLP's backward holds
-// while the chunk's q and out wait for the attention's.
-inline int64_t layer_chunk_rows(int64_t q_width, int64_t intermediate, int64_t element_size,
-                                int64_t cap) {
-  return rows_within(cap, (4 * q_width + 3 * intermediate) * std::max<int64_t>(4, element_size));
+// The elements one token holds in a chunk of the layer's FFN, at the compute width: a dense
+// SwiGLU's three (rows, I) tensors (the Triton backward's dh, dgate and dup; intermediate = I,
+// 0 without a dense MLP or shared expert); an MoE FFN (top_k > 0) adds the k sorted copies of
+// its experts' backward at their largest (csrc/moe_math.cpp: max(3 H + 5 I_e, H + 7 I_e) each,
+// I_e = expert_intermediate), the (rows, H) sum they are added into, and the router's (rows, E)
+// logits, scores and their gradient.
+inline int64_t ffn_row_width(int64_t intermediate, int64_t hidden = 0, int64_t experts = 0,
+                             int64_t top_k = 0, int64_t expert_intermediate = 0) {
+  int64_t width = 3 * intermediate;
+  if (top_k > 0) {
+    width += top_k * std::max(3 * hidden + 5 * expert_intermediate,
+                              hidden + 7 * expert_intermediate) +
+             hidden + 3 * experts;
+  }
+  return width;
 }
 
-// Tokens per chunk of the layer's MLP: the SwiGLU intermediates of a chunk, three (rows, I)
-// tensors at the compute width (at least float32).
-inline int64_t mlp_chunk_rows(int64_t intermediate, int64_t element_size, int64_t cap) {
-  return rows_within(cap, 3 * intermediate * std::max<int64_t>(4, element_size));
+// Tokens per chunk of the fused layer's attention sublayer or whole layer: a chunk's
+// per-token working set at the compute width and at least float32 (the CPU kernels'
+// precision): the attention's q, out, dout and dq (4 Hq D, q_width = Hq D) and, with the FFN,
+// its ffn_row_width (0 for the attention sublayer), which the FFN's backward holds while the
+// chunk's q and out wait for the attention's.
+inline int64_t layer_chunk_rows(int64_t q_width, int64_t ffn_width, int64_t element_size,
+                                int64_t cap) {
+  return rows_within(cap, (4 * q_width + ffn_width) * std::max<int64_t>(4, element_size));
+}
+
+// Tokens per chunk of the layer's FFN: its ffn_row_width at the compute width (at least
+// float32).
+inline int64_t mlp_chunk_rows(int64_t ffn_width, int64_t element_size, int64_t cap) {
+  return rows_within(cap, ffn_width * std::max<int64_t>(4, element_size));
 }
 
 }  // namespace chunking

@@ -146,10 +146,12 @@ std::vector<std::string> layer_weight_slots() {
 
 // The names of the residuals decoder_layer_fwd returns for (part, preset), in order (read by
 // ckpt_ext/blocks.py: the fake's `saved` output).
-std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset) {
+std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset,
+                                         bool moe) {
   const char* op = "layer_residuals";
   std::vector<std::string> names;
-  for (layer::Member m : layer::kept(layer::parse_part(part, op), layer::parse_preset(preset, op)))
+  for (layer::Member m :
+       layer::kept(layer::parse_part(part, op), layer::parse_preset(preset, op), moe))
     names.push_back(layer::residual_name(m));
   return names;
 }

@@ -35,6 +35,7 @@
 #include "chunking.h"
 #include "kernel_ops.h"
 #include "lora_dropout.h"
+#include "moe_math.h"
 #include "ulysses.h"
 
 namespace ckpt_ext {
@@ -83,7 +84,8 @@ void check_weight(const char* op, const Layer& L, int64_t s, const at::Tensor& x
   CKPT_CHECK_VALUE(t.defined(), op, name, " is required");
   checks::check_shape(op, name.c_str(), t, shape, why);
   checks::check_device_as(op, name.c_str(), t, "x", x);
-  const bool adapter = s >= kNumNorms && (s - kNumNorms) % kNumProjParts >= kLoraA;
+  const bool adapter =
+      s >= kNumNorms && !is_moe_slot(s) && (s - kNumNorms) % kNumProjParts >= kLoraA;
   if (L.compute_dtype || adapter) {
     checks::check_floating(op, name.c_str(), t);
   } else {
@@ -159,6 +161,12 @@ void check_sequence_parallel(const char* op, const at::Tensor& x, const Layer& L
                         "(B, S): this rank's tokens under sequence_parallel");
   }
 }
+
+// ---- MoE: validation ------------------------------------------------------------------------
+
+// The MoE slots and options: the router (E, H), the experts in transformers 5's layout, the
+// shared expert's gate (1, H) beside a shared expert; without num_experts_per_tok no MoE slot.
+void check_moe(const char* op, const at::Tensor& x, const Layer& L);
 
 void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
   checks::check_defined(op, "x", x);
@@ -237,16 +245,19 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
     }
   }
   if (has_mlp(L.part_id)) {
-    const at::Tensor& wg = L.proj(kGate);
-    CKPT_CHECK_VALUE(wg.defined() && wg.dim() == 2, op,
-                     "mlp.gate_proj.weight must be (intermediate_size, H)");
-    const int64_t i = wg.size(0);
     check_norm(op, L, kPostNorm, x);
     check_norm(op, L, kMlpOutNorm, x);
-    check_proj(op, L, kGate, x, i, h);
-    check_proj(op, L, kUp, x, i, h);
-    check_proj(op, L, kDown, x, h, i);
+    if (!L.moe() || L.has_dense_mlp()) {  // the dense MLP, or an MoE layer's shared expert
+      const at::Tensor& wg = L.proj(kGate);
+      CKPT_CHECK_VALUE(wg.defined() && wg.dim() == 2, op,
+                       "mlp.gate_proj.weight must be (intermediate_size, H)");
+      const int64_t i = wg.size(0);
+      check_proj(op, L, kGate, x, i, h);
+      check_proj(op, L, kUp, x, i, h);
+      check_proj(op, L, kDown, x, h, i);
+    }
   }
+  check_moe(op, x, L);
   CKPT_CHECK_VALUE(std::isfinite(L.norm_offset), op, "norm_offset must be finite, got ",
                    L.norm_offset);
   CKPT_CHECK_VALUE(std::isfinite(L.eps) && L.eps >= 0, op,
@@ -257,6 +268,48 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
                               "sequence_parallel)");
   check_dropout(op, L);
   parse_activation(L.activation, op);
+}
+
+void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
+  CKPT_CHECK_VALUE(L.num_experts_per_tok >= 0, op,
+                   "num_experts_per_tok must be >= 0 (0: a dense MLP), got ",
+                   L.num_experts_per_tok);
+  if (!L.moe()) {
+    for (int64_t m = 0; m < kNumMoeSlots; ++m)
+      CKPT_CHECK_VALUE(!L.moe_w(static_cast<MoeSlot>(m)).defined(), op, kMoeNames[m],
+                       " is given but num_experts_per_tok is 0 (a dense MLP); set "
+                       "num_experts_per_tok to the experts each token is routed to");
+    return;
+  }
+  if (!has_mlp(L.part_id)) return;
+  moe::parse_router(L.router, op);
+  const int64_t h = x.size(2), k = L.num_experts_per_tok;
+  const at::Tensor& wr = L.moe_w(kRouter);
+  CKPT_CHECK_VALUE(wr.defined() && wr.dim() == 2, op,
+                   "mlp.gate.weight (the router) must be (num_experts, H) when "
+                   "num_experts_per_tok > 0, got ",
+                   wr.defined() ? checks::shape_str(wr.sizes()) : "None");
+  const int64_t e = wr.size(0);
+  CKPT_CHECK_VALUE(k <= e, op, "num_experts_per_tok=", k,
+                   " is larger than the number of experts (mlp.gate.weight has ", e, " rows)");
+  check_weight(op, L, slot(kRouter), x, {e, h}, "(num_experts, H)");
+  const at::Tensor& gu = L.moe_w(kExpertsGateUp);
+  CKPT_CHECK_VALUE(gu.defined() && gu.dim() == 3 && gu.size(1) % 2 == 0, op,
+                   "mlp.experts.gate_up_proj must be (num_experts, 2 * I, H), transformers 5's "
+                   "layout (the gate's I rows, then up's), got ",
+                   gu.defined() ? checks::shape_str(gu.sizes()) : "None");
+  const int64_t i = gu.size(1) / 2;
+  check_weight(op, L, slot(kExpertsGateUp), x, {e, 2 * i, h},
+               "(num_experts, 2 * I, H): transformers 5's concatenated gate/up layout (a "
+               "transposed or interleaved layout, like gpt-oss's, is not supported)");
+  check_weight(op, L, slot(kExpertsDown), x, {e, h, i},
+               "(num_experts, H, I): transformers 5's layout");
+  if (L.moe_w(kSharedGate).defined()) {
+    CKPT_CHECK_VALUE(L.has_dense_mlp(), op,
+                     "mlp.shared_expert_gate.weight needs a shared expert (the mlp.gate_proj / "
+                     "up_proj / down_proj slots)");
+    check_weight(op, L, slot(kSharedGate), x, {1, h}, "(1, H)");
+  }
 }
 
 // ---- projections (with optional LoRA) ------------------------------------------------------
@@ -382,12 +435,12 @@ at::Tensor head_norm_bwd(const Layer& L, Norm n, const at::Tensor& dlin, const a
 
 std::vector<at::Tensor> pack(const Residuals& r, const Layer& L) {
   std::vector<at::Tensor> out;
-  for (Member m : kept(L.part_id, L.preset_id)) out.push_back(r.*m);
+  for (Member m : kept(L.part_id, L.preset_id, L.moe())) out.push_back(r.*m);
   return out;
 }
 
 Residuals unpack(at::TensorList saved, const Layer& L, const char* op) {
-  const auto members = kept(L.part_id, L.preset_id);
+  const auto members = kept(L.part_id, L.preset_id, L.moe());
   CKPT_CHECK_VALUE(saved.size() == members.size(), op, "saved must hold ", members.size(),
                    " tensors for this part and preset, got ", saved.size());
   Residuals r;
@@ -434,13 +487,88 @@ MlpLora mlp_lora(const Layer& L) {
   return l;
 }
 
+// ---- MoE FFN (num_experts_per_tok > 0) --------------------------------------------------------
+//
+// The MLP's output is the routed experts' (csrc/moe_math.h) plus, where the dense MLP slots are
+// given, the shared expert's (the dense SwiGLU, LoRA included), times sigmoid(m g^T) with the
+// shared gate g (Qwen2-MoE). The routing (topk_idx, topk_w) is computed once, in the forward,
+// and kept in every preset; the backward recomputes the router's logits (for their gradient)
+// and each chunk's expert gate/up, never the choice. fast keeps no gate/up of an MoE layer.
+
+// The elements one token holds in an FFN chunk (csrc/chunking.h ffn_row_width).
+int64_t ffn_row_width(const Layer& L, int64_t hidden) {
+  const int64_t i = L.has_dense_mlp() ? L.proj(kGate).size(0) : 0;
+  if (!L.moe()) return chunking::ffn_row_width(i);
+  return chunking::ffn_row_width(i, hidden, L.moe_w(kRouter).size(0), L.num_experts_per_tok,
+                                 L.moe_w(kExpertsDown).size(2));
+}
+
+// (idx, w) of rows m (T, H) in the compute dtype: the router's choice.
+std::tuple<at::Tensor, at::Tensor> moe_route(const Layer& L, const at::Tensor& m) {
+  return moe::route(at::linear(m, L.cast(L.moe_w(kRouter))), L.num_experts_per_tok,
+                    moe::parse_router(L.router, "decoder_layer"), L.norm_topk_prob);
+}
+
+// The MoE output of rows m from their routing; shared: the shared expert's output (undefined
+// without one).
+at::Tensor moe_output(const Layer& L, const at::Tensor& m, const at::Tensor& shared,
+                      const at::Tensor& idx, const at::Tensor& w) {
+  at::Tensor y = moe::experts_forward(m, idx, w, L.cast(L.moe_w(kExpertsGateUp)),
+                                      L.cast(L.moe_w(kExpertsDown)),
+                                      parse_activation(L.activation, "decoder_layer"));
+  if (!shared.defined()) return y;
+  if (!L.moe_w(kSharedGate).defined()) return y.add_(shared);
+  return y.add_(at::linear(m, L.cast(L.moe_w(kSharedGate))).sigmoid_() * shared);
+}
+
+// Backward of moe_output for dy (T, H) (compute dtype): adds the router's, the experts' and the
+// shared gate's gradients to g; returns (d m of those, d of the shared expert's output or
+// undefined without one). shared: the shared expert's output (read with a shared gate only).
+std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor& dy,
+                                                const at::Tensor& m, const at::Tensor& shared,
+                                                const at::Tensor& idx, const at::Tensor& w,
+                                                const std::vector<bool>& needs, Grads& g) {
+  const at::Tensor wr = L.cast(L.moe_w(kRouter));
+  // a later token chunk adds its expert gradients into the earlier chunks' sums in place
+  auto sum_of = [&](MoeSlot m) {
+    at::Tensor& sum = g.dw[slot(m)];
+    return sum.defined() ? &sum : nullptr;
+  };
+  moe::ExpertGrads eg = moe::experts_backward(
+      dy, m, idx, w, L.cast(L.moe_w(kExpertsGateUp)), L.cast(L.moe_w(kExpertsDown)),
+      parse_activation(L.activation, "decoder_layer"), needs[slot(kExpertsGateUp)],
+      needs[slot(kExpertsDown)], sum_of(kExpertsGateUp), sum_of(kExpertsDown));
+  if (eg.dgate_up.defined()) g.add(slot(kExpertsGateUp), eg.dgate_up);
+  if (eg.ddown.defined()) g.add(slot(kExpertsDown), eg.ddown);
+  const at::Tensor logits = at::linear(m, wr);
+  const at::Tensor dlogits =
+      moe::route_backward(logits, idx, eg.dw, moe::parse_router(L.router, "decoder_layer"),
+                          L.norm_topk_prob)
+          .to(m.scalar_type());
+  if (needs[slot(kRouter)]) g.add(slot(kRouter), dlogits.t().mm(m));
+  at::Tensor dm = eg.dm.add_(dlogits.mm(wr));
+  at::Tensor dshared;
+  if (L.has_dense_mlp()) {
+    dshared = dy;
+    if (L.moe_w(kSharedGate).defined()) {
+      const at::Tensor wg = L.cast(L.moe_w(kSharedGate));
+      const at::Tensor sg = at::linear(m, wg).sigmoid_();  // (T, 1)
+      const at::Tensor dz = (dy * shared).sum(1, true) * sg * (1 - sg);
+      if (needs[slot(kSharedGate)]) g.add(slot(kSharedGate), dz.t().mm(m));
+      dm.add_(dz.mm(wg));
+      dshared = dy * sg;
+    }
+  }
+  return {dm, dshared};
+}
+
 // Rows per token chunk of the MLP: the SwiGLU intermediates of a chunk, three (rows, I)
 // tensors at the compute width (the Triton backward's dh, dgate and dup; the CPU kernels
-// chunk further within the same cap), within the byte cap (csrc/chunking.h). A sequence
-// that fits is one chunk, computed exactly as written out.
+// chunk further within the same cap), or an MoE layer's (ffn_row_width), within the byte cap
+// (csrc/chunking.h). A sequence that fits is one chunk, computed exactly as written out.
 int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
-  return chunking::mlp_chunk_rows(L.proj(kGate).size(0), h.element_size(),
-                                 chunking::chunk_bytes());
+  return chunking::mlp_chunk_rows(ffn_row_width(L, h.size(-1)), h.element_size(),
+                                  chunking::chunk_bytes());
 }
 
 // y = h + down(act(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
@@ -451,6 +579,7 @@ int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
 at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r,
                        int64_t row0) {
   const MlpLora l = mlp_lora(L);
+  keep_gate_up = keep_gate_up && !L.moe();
   const at::Tensor h2 = flat2(h);
   const int64_t T = h2.size(0);
   const int64_t rows = keep_gate_up ? T : mlp_chunk_rows(L, h);
@@ -458,11 +587,21 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
   for (int64_t t0 = 0; t0 < T; t0 += rows) {
     const int64_t tc = std::min(rows, T - t0);
     const at::Tensor hc = h2.narrow(0, t0, tc);
-    auto [y2, gate, up] = kernel::swiglu_fwd(
-        mlp_input(hc, L), L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
-        L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-        L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
-        row0 + t0, l.streams, L.activation);
+    const at::Tensor m = mlp_input(hc, L);
+    at::Tensor y2, gate, up;
+    if (L.has_dense_mlp()) {
+      std::tie(y2, gate, up) = kernel::swiglu_fwd(
+          m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+          L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+          L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
+          row0 + t0, l.streams, L.activation);
+    }
+    if (L.moe()) {  // route the chunk's tokens; r's routing rows are global (row0 + t0)
+      auto [idx, w] = moe_route(L, m);
+      r.topk_idx.narrow(0, row0 + t0, tc).copy_(idx);
+      r.topk_w.narrow(0, row0 + t0, tc).copy_(w);
+      y2 = moe_output(L, m, y2, idx, w);
+    }
     if (keep_gate_up) r.gate = gate, r.up = up;
     y2 = norm_fwd(L, kMlpOutNorm, y2);
     if (tc == T) return h + L.residual_scaled(y2).view(h.sizes());
@@ -522,17 +661,42 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     const at::Tensor hc = h2.narrow(0, t0, tc), dyc = dy2.narrow(0, t0, tc);
     OptTensor gate, up;
     if (r.gate.defined()) gate = r.gate.narrow(0, t0, tc), up = r.up.narrow(0, t0, tc);
+    // an MoE layer's routing of these rows (r's rows start at this call's first row)
+    at::Tensor idx, w;
+    if (L.moe()) idx = r.topk_idx.narrow(0, t0, tc), w = r.topk_w.narrow(0, t0, tc);
     const at::Tensor m = mlp_input(hc, L);
     at::Tensor dmlp = L.residual_scaled(L.cast(dyc));  // d of the MLP's (normed) output
-    if (L.has_norm(kMlpOutNorm)) {  // its norm's backward reads the down projection's output
-      const at::Tensor y2 =
-          gate ? mlp_down_from_gate_up(L, *gate, *up, row0 + t0)
-               : std::get<0>(kernel::swiglu_fwd(
-                     m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
-                     L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
-                     L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, false, l.dropout,
-                     l.seed, row0 + t0, l.streams, L.activation));
+    // the shared expert's output: for the output norm's backward, and the shared gate's
+    at::Tensor shared;
+    const bool need_dense_out =
+        L.has_dense_mlp() && (L.has_norm(kMlpOutNorm) || L.moe_w(kSharedGate).defined());
+    if (need_dense_out) {
+      shared = gate ? mlp_down_from_gate_up(L, *gate, *up, row0 + t0)
+                    : std::get<0>(kernel::swiglu_fwd(
+                          m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
+                          L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
+                          L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, false, l.dropout,
+                          l.seed, row0 + t0, l.streams, L.activation));
+    }
+    if (L.has_norm(kMlpOutNorm)) {  // its norm's backward reads the MLP's output
+      const at::Tensor y2 = L.moe() ? moe_output(L, m, shared, idx, w) : shared;
       dmlp = L.cast(norm_bwd(L, kMlpOutNorm, dmlp, y2, needs, g));
+    }
+    at::Tensor dm_moe;
+    if (L.moe()) {
+      std::tie(dm_moe, dmlp) = moe_backward(L, dmlp, m, shared, idx, w, needs, g);
+      if (!dmlp.defined()) {  // no shared expert: the routed experts' share is all
+        const at::Tensor dhn = norm_bwd(L, kPostNorm, dm_moe, hc, needs, g);
+        if (one) {
+          dx = dy + dhn.view(h.sizes());
+        } else {
+          if (!dx.defined())
+            dx = at::empty({T, h2.size(1)}, dy.options().dtype(at::result_type(dyc, dhn)));
+          at::Tensor dx_c = dx.narrow(0, t0, tc);
+          at::add_out(dx_c, dyc, dhn);
+        }
+        continue;
+      }
     }
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
         dmlp, m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
@@ -544,6 +708,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
       if (!needs[order[j]]) continue;
       g.add(order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
     }
+    if (dm_moe.defined()) dm2 = dm2 + dm_moe.view(dm2.sizes());
     const at::Tensor dhn = norm_bwd(L, kPostNorm, dm2, hc, needs, g);
     if (one) {
       dx = dy + dhn.view(h.sizes());
@@ -596,7 +761,7 @@ OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nu
 // chunk's q and out wait for the attention's.
 int64_t layer_chunk_rows(const Layer& L, const at::Tensor& x) {
   return chunking::layer_chunk_rows(L.proj(kQ).size(0),
-                                   has_mlp(L.part_id) ? L.proj(kGate).size(0) : 0,
+                                   has_mlp(L.part_id) ? ffn_row_width(L, x.size(2)) : 0,
                                    at::elementSize(L.act_dtype(x)), chunking::chunk_bytes());
 }
 
@@ -1025,6 +1190,10 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
         rc.gate = r.gate.narrow(0, c.t0(), c.nb * c.sc);
         rc.up = r.up.narrow(0, c.t0(), c.nb * c.sc);
       }
+      if (r.topk_idx.defined()) {
+        rc.topk_idx = r.topk_idx.narrow(0, c.t0(), c.nb * c.sc);
+        rc.topk_w = r.topk_w.narrow(0, c.t0(), c.nb * c.sc);
+      }
       dh = mlp_backward(dyc, h, L, rc, needs, g, c.t0());
     }
     // The o projection's and the attention's backward.
@@ -1356,6 +1525,12 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
 // ---- the whole call ------------------------------------------------------------------------
 
 at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
+  if (L.moe() && has_mlp(L.part_id)) {  // the routing of every token, filled chunk by chunk
+    const int64_t t = x.size(0) * x.size(1), k = L.num_experts_per_tok;
+    r.topk_idx = at::empty({t, k}, x.options().dtype(at::kInt));
+    r.topk_w = at::empty({t, k},
+                         x.options().dtype(at::promote_types(L.act_dtype(x), at::kFloat)));
+  }
   if (L.part_id == Part::kMlp) return mlp_forward(x, L, L.preset_id == Preset::kFast, r, 0);
   if (!L.sequence_parallel.empty()) return sp_forward(x, L, r);
   return attention_layer_forward(x, L, r);
@@ -1385,9 +1560,14 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
     r.lse = at::empty({b, L.num_heads, s}, x.options().dtype(at::kFloat));
   }
   r.h = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (has_mlp(L.part_id)) {
+  if (has_mlp(L.part_id) && L.has_dense_mlp()) {
     r.gate = at::empty({b * s, L.proj(kGate).size(0)}, act);
     r.up = at::empty({b * s, L.proj(kGate).size(0)}, act);
+  }
+  if (has_mlp(L.part_id) && L.moe()) {
+    r.topk_idx = at::empty({b * s, L.num_experts_per_tok}, x.options().dtype(at::kInt));
+    r.topk_w = at::empty({b * s, L.num_experts_per_tok},
+                         x.options().dtype(at::promote_types(L.act_dtype(x), at::kFloat)));
   }
   return r;
 }

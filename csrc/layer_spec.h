@@ -19,7 +19,10 @@
 //   balanced     out, lse, h                                  + q/k/v and RoPE, gate/up tile-wise
 //   min_memory   nothing                                      + attention forward and o_proj
 //
-// (h = x + attention output, the MLP input.) `part` selects the whole layer ("layer"), the
+// (h = x + attention output, the MLP input.) A mixture-of-experts MLP (num_experts_per_tok > 0)
+// keeps its routing decision (topk_idx, topk_w: 8 k bytes per token) in every preset, min_memory
+// included, and no gate/up (fast neither): its backward recomputes each chunk's expert gate/up.
+// `part` selects the whole layer ("layer"), the
 // attention sublayer x + o_proj(attn(...)) ("attention") or the MLP sublayer
 // h + down(act(gate) * up) ("mlp"; act = silu, or gelu_tanh: `activation`); a sublayer keeps
 // its share of the residuals above.
@@ -131,6 +134,13 @@ using OptTensor = std::optional<at::Tensor>;
 //                       set from torch.autocast by the Autocast kernel)
 //   activation          the MLP's gate activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU,
 //                       Gemma's gelu_pytorch_tanh), csrc/activation.h
+//   num_experts_per_tok 0: the MLP is the dense gated MLP of the mlp.*_proj slots; k > 0: a
+//                       mixture of experts (the MoE slots below), each token routed to k
+//                       experts (csrc/moe_math.h)
+//   router              the MoE router's scores over the experts' logits: "softmax" | "sigmoid"
+//                       (in float32, then top-k)
+//   norm_topk_prob      the k selected scores are divided by their sum (Mixtral always;
+//                       Qwen-MoE and OLMoE by their config's flag)
 //   part                "layer" | "attention" | "mlp"
 //   preset              "fast" | "balanced" | "min_memory": what forward keeps
 #define CKPT_DECODER_LAYER_ARGS(X, ...)                                                  \
@@ -158,6 +168,9 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "float", double, residual_scale, "=1.", __VA_ARGS__)                            \
   X(OPTION, "ScalarType?", std::optional<at::ScalarType>, compute_dtype, "=None", __VA_ARGS__)\
   X(OPTION, "str", c10::string_view, activation, "=\"silu\"", __VA_ARGS__)                  \
+  X(OPTION, "int", int64_t, num_experts_per_tok, "=0", __VA_ARGS__)                         \
+  X(OPTION, "str", c10::string_view, router, "=\"softmax\"", __VA_ARGS__)                  \
+  X(OPTION, "bool", bool, norm_topk_prob, "=False", __VA_ARGS__)                            \
   X(OPTION, "str", c10::string_view, part, "=\"layer\"", __VA_ARGS__)                       \
   X(OPTION, "str", c10::string_view, preset, "=\"balanced\"", __VA_ARGS__)
 
@@ -288,13 +301,22 @@ enum Norm : int64_t { kInputNorm = 0, kQNorm, kKNorm, kPostNorm, kAttnOutNorm, k
                       kNumNorms };
 enum Proj : int64_t { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kNumProjs };
 enum ProjPart : int64_t { kWeight = 0, kBias, kLoraA, kLoraB, kNumProjParts };
-constexpr int64_t kNumSlots =
-    int64_t{kNumNorms} + int64_t{kNumProjs} * int64_t{kNumProjParts};
+// ---- MoE slots (num_experts_per_tok > 0), after the projections' -----------------------------
+// The router's weight (E, H) (HF's mlp.gate.weight), the routed experts in transformers 5's
+// layout, gate_up_proj (E, 2I, H) (gate rows first, then up) and down_proj (E, H, I), and the
+// optional sigmoid gate (1, H) of the shared expert (Qwen2-MoE). The shared expert itself is
+// the dense MLP's slots mlp.gate_proj / up_proj / down_proj (with their biases and adapters):
+// with them given, the MoE's output is routed + shared (times the gate's sigmoid when given).
+enum MoeSlot : int64_t { kRouter = 0, kExpertsGateUp, kExpertsDown, kSharedGate, kNumMoeSlots };
+constexpr int64_t kFirstMoeSlot = int64_t{kNumNorms} + int64_t{kNumProjs} * int64_t{kNumProjParts};
+constexpr int64_t kNumSlots = kFirstMoeSlot + int64_t{kNumMoeSlots};
 
 constexpr int64_t slot(Norm n) { return n; }
 constexpr int64_t slot(Proj p, ProjPart part) {
   return int64_t{kNumNorms} + int64_t{p} * int64_t{kNumProjParts} + int64_t{part};
 }
+constexpr int64_t slot(MoeSlot m) { return kFirstMoeSlot + int64_t{m}; }
+constexpr bool is_moe_slot(int64_t s) { return s >= kFirstMoeSlot; }
 
 inline const std::array<const char*, kNumNorms> kNormNames = {
     "input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
@@ -305,8 +327,13 @@ inline const std::array<const char*, kNumProjs> kProjNames = {
 inline const std::array<const char*, kNumProjParts> kProjPartNames = {"weight", "bias", "lora_A",
                                                                 "lora_B"};
 
+inline const std::array<const char*, kNumMoeSlots> kMoeNames = {
+    "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+    "mlp.shared_expert_gate.weight"};
+
 inline std::string slot_name(int64_t s) {
   if (s < kNumNorms) return kNormNames[s];
+  if (is_moe_slot(s)) return kMoeNames[s - kFirstMoeSlot];
   const int64_t i = s - kNumNorms;
   return std::string(kProjNames[i / kNumProjParts]) + "." + kProjPartNames[i % kNumProjParts];
 }
@@ -339,7 +366,7 @@ inline bool has_mlp(Part p) { return p != Part::kAttention; }
 // whole layer's weights, those get no gradient).
 inline bool uses_slot(Part p, int64_t s) {
   if (p == Part::kLayer) return true;
-  const bool mlp_slot = s == slot(kPostNorm) || s == slot(kMlpOutNorm) ||
+  const bool mlp_slot = s == slot(kPostNorm) || s == slot(kMlpOutNorm) || is_moe_slot(s) ||
                         (s >= slot(kGate, kWeight) && s < slot(kDown, kWeight) + kNumProjParts);
   return mlp_slot == (p == Part::kMlp);
 }
@@ -388,6 +415,11 @@ struct Layer : LayerTensors, LayerOptions {
     return compute_dtype.value_or(proj(p, kLoraA).scalar_type());
   }
   bool mlp_has_lora() const { return has_lora(kGate) || has_lora(kUp) || has_lora(kDown); }
+  // A mixture-of-experts MLP (num_experts_per_tok > 0), its MoE slots, and whether it has a
+  // shared expert (the dense MLP slots given beside the experts).
+  bool moe() const { return num_experts_per_tok > 0; }
+  const at::Tensor& moe_w(MoeSlot m) const { return w[slot(m)]; }
+  bool has_dense_mlp() const { return proj(kGate).defined(); }
   // A sublayer's output (or its gradient) times residual_scale: t itself when that is 1, else
   // a new tensor (t may be a view of the caller's).
   at::Tensor residual_scaled(const at::Tensor& t) const {
@@ -398,7 +430,10 @@ struct Layer : LayerTensors, LayerOptions {
 // ---- residuals -----------------------------------------------------------------------------
 
 // Every tensor a preset may keep, named (the names ckpt_ext.blocks reads, kResidualNames).
-#define CKPT_LAYER_RESIDUALS(X) X(q) X(k) X(v) X(out) X(lse) X(h) X(gate) X(up)
+// topk_idx (B*S, k) int32 and topk_w (B*S, k) float32 (float64 for a float64 compute dtype): an
+// MoE layer's routing decision (every
+// preset keeps it, so that no recompute routes differently).
+#define CKPT_LAYER_RESIDUALS(X) X(q) X(k) X(v) X(out) X(lse) X(h) X(gate) X(up) X(topk_idx) X(topk_w)
 
 struct Residuals {
 #define CKPT_LAYER_RESIDUAL_(name) at::Tensor name;
@@ -408,16 +443,18 @@ struct Residuals {
 
 using Member = at::Tensor Residuals::*;
 
-// What (part, preset) keeps, in the order of decoder_layer_fwd's `saved` output.
-inline std::vector<Member> kept(Part part, Preset preset) {
+// What (part, preset) keeps, in the order of decoder_layer_fwd's `saved` output; with an MoE
+// MLP (moe) the routing decision in every preset and no gate/up (fast keeps no expert's).
+inline std::vector<Member> kept(Part part, Preset preset, bool moe = false) {
   std::vector<Member> m;
+  if (moe && has_mlp(part)) m.insert(m.end(), {&Residuals::topk_idx, &Residuals::topk_w});
   if (preset == Preset::kMinMemory) return m;
   if (has_attention(part)) {
     if (preset == Preset::kFast) m.insert(m.end(), {&Residuals::q, &Residuals::k, &Residuals::v});
     m.insert(m.end(), {&Residuals::out, &Residuals::lse});
   }
   if (part == Part::kLayer) m.push_back(&Residuals::h);
-  if (has_mlp(part) && preset == Preset::kFast) m.insert(m.end(), {&Residuals::gate, &Residuals::up});
+  if (has_mlp(part) && preset == Preset::kFast && !moe) m.insert(m.end(), {&Residuals::gate, &Residuals::up});
   return m;
 }
 

@@ -15,7 +15,8 @@
 namespace ckpt_ext {
 void bind_checkpoint(pybind11::module& m);
 std::vector<std::string> layer_weight_slots();
-std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset);
+std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset,
+                                         bool moe);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,13 +33,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The byte cap of one token chunk's transient (ckpt_ext.config's chunk_bytes)");
   m.def("set_chunk_bytes", &ckpt_ext::chunking::set_chunk_bytes, pybind11::arg("bytes"),
         "Set the byte cap (ckpt_ext.config does, at each change of chunk_bytes)");
-  m.def("layer_chunk_rows", &ckpt_ext::chunking::layer_chunk_rows, pybind11::arg("q_width"),
-        pybind11::arg("intermediate"), pybind11::arg("element_size"), pybind11::arg("cap"),
-        "Tokens per chunk of the fused layer (intermediate 0: the attention sublayer)");
-  m.def("mlp_chunk_rows", &ckpt_ext::chunking::mlp_chunk_rows, pybind11::arg("intermediate"),
-        pybind11::arg("element_size"), pybind11::arg("cap"),
-        "Tokens per chunk of the fused layer's MLP");
+  // The layer's chunk rows, by its FFN's sizes: dense (intermediate = I) by default; an MoE
+  // FFN with top_k > 0 (intermediate: its shared expert's, 0 without one).
+  m.def(
+      "layer_chunk_rows",
+      [](int64_t q_width, int64_t intermediate, int64_t element_size, int64_t cap,
+         int64_t hidden, int64_t experts, int64_t top_k, int64_t expert_intermediate) {
+        namespace ch = ckpt_ext::chunking;
+        return ch::layer_chunk_rows(
+            q_width, ch::ffn_row_width(intermediate, hidden, experts, top_k, expert_intermediate),
+            element_size, cap);
+      },
+      pybind11::arg("q_width"), pybind11::arg("intermediate"), pybind11::arg("element_size"),
+      pybind11::arg("cap"), pybind11::kw_only(), pybind11::arg("hidden") = 0,
+      pybind11::arg("experts") = 0, pybind11::arg("top_k") = 0,
+      pybind11::arg("expert_intermediate") = 0,
+      "Tokens per chunk of the fused layer (intermediate 0 and top_k 0: the attention "
+      "sublayer; top_k > 0: an MoE FFN of `experts` experts of expert_intermediate, hidden H)");
+  m.def(
+      "mlp_chunk_rows",
+      [](int64_t intermediate, int64_t element_size, int64_t cap, int64_t hidden,
+         int64_t experts, int64_t top_k, int64_t expert_intermediate) {
+        namespace ch = ckpt_ext::chunking;
+        return ch::mlp_chunk_rows(
+            ch::ffn_row_width(intermediate, hidden, experts, top_k, expert_intermediate),
+            element_size, cap);
+      },
+      pybind11::arg("intermediate"), pybind11::arg("element_size"), pybind11::arg("cap"),
+      pybind11::kw_only(), pybind11::arg("hidden") = 0, pybind11::arg("experts") = 0,
+      pybind11::arg("top_k") = 0, pybind11::arg("expert_intermediate") = 0,
+      "Tokens per chunk of the fused layer's FFN (MoE sizes as for layer_chunk_rows)");
   m.def("layer_residuals", &ckpt_ext::layer_residuals, pybind11::arg("part"),
-        pybind11::arg("preset"),
-        "The names of the residuals decoder_layer_fwd returns for (part, preset), in order");
+        pybind11::arg("preset"), pybind11::arg("moe") = false,
+        "The names of the residuals decoder_layer_fwd returns for (part, preset), in order "
+        "(moe: for a mixture-of-experts MLP, num_experts_per_tok > 0)");
 }

@@ -182,9 +182,43 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def moe_reference(p, m, k, router="softmax", norm_topk_prob=False, activation="silu",
+                  force_idx=None):
+    """A mixture-of-experts MLP on m (..., H), written densely: every expert on every token
+    (a (T, E, H) tensor, fine at test sizes), then mixed by the (T, E) matrix of the routing
+    weights (0 off the top k). p: the op's slots by name ("mlp.gate.weight" (E, H),
+    "mlp.experts.gate_up_proj" (E, 2I, H), gate rows first, "mlp.experts.down_proj" (E, H, I);
+    the shared expert "mlp.gate_proj/up_proj/down_proj.weight" and its gate
+    "mlp.shared_expert_gate.weight" (1, H) when present). router: "softmax" | "sigmoid" scores
+    in float32 (float64 stays); force_idx (T, k): use this choice of experts instead of the
+    top k (a float64 reference of a low-precision run routes as the run's baseline did)."""
+    shape = m.shape
+    m = m.reshape(-1, shape[-1])
+    logits = F.linear(m, p["mlp.gate.weight"])
+    wide = logits.to(torch.float32) if logits.dtype != F64 else logits
+    scores = torch.softmax(wide, -1) if router == "softmax" else torch.sigmoid(wide)
+    idx = scores.topk(k, -1).indices if force_idx is None else force_idx
+    sel = scores.gather(1, idx)
+    if norm_topk_prob:
+        sel = sel / sel.sum(-1, keepdim=True)
+    mix = torch.zeros_like(scores).scatter(1, idx, sel).to(m.dtype)      # (T, E)
+    gu = torch.einsum("th,eoh->teo", m, p["mlp.experts.gate_up_proj"])  # (T, E, 2I)
+    i = gu.shape[-1] // 2
+    a = gate_activation(gu[..., :i], activation) * gu[..., i:]
+    every = torch.einsum("tei,ehi->teh", a, p["mlp.experts.down_proj"])  # (T, E, H)
+    y = (mix.unsqueeze(-1) * every).sum(1)
+    if "mlp.gate_proj.weight" in p:
+        shared = swiglu_reference(m, p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"],
+                                  p["mlp.down_proj.weight"], activation=activation)[0]
+        if "mlp.shared_expert_gate.weight" in p:
+            shared = torch.sigmoid(F.linear(m, p["mlp.shared_expert_gate.weight"])) * shared
+        y = y + shared
+    return y.view(shape)
+
+
 def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm_offset=0.0,
                     part="layer", activation="silu", softcap=0.0, rope_interleaved=False,
-                    qk_norm_after_rope=False):
+                    qk_norm_after_rope=False, moe=None):
     """p: a DecoderLayer state_dict (HF names), or the op's weight slots by name: a norm absent
     from p is the identity, "attention_output_norm.weight" / "mlp_output_norm.weight" norm a
     sublayer's output before the residual add, q/k norms of width heads * head_dim norm the
@@ -193,7 +227,8 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm
     (gate_activation); softcap > 0: the attention's scaled scores are capped to
     tanh(s / softcap) * softcap (HF Gemma 2's eager attention); rope_interleaved: RoPE as
     rope_interleaved_reference (tables of width R <= D); qk_norm_after_rope: the q/k norms
-    norm the rotated projections (Hunyuan). Computes in x's dtype."""
+    norm the rotated projections (Hunyuan); moe: the MLP is moe_reference with these keyword
+    arguments (k, router, ...). Computes in x's dtype."""
     def rms(t, w):
         if w is None:
             return t
@@ -206,6 +241,9 @@ def reference_layer(p, x, cos, sin, mask, hq, hkv, eps=1e-6, qk_norm=False, norm
 
     def mlp(h):
         m = rms(h, p.get("post_attention_layernorm.weight"))
+        if moe is not None:
+            return h + rms(moe_reference(p, m, activation=activation, **moe),
+                           p.get("mlp_output_norm.weight"))
         y = lin(gate_activation(lin(m, "mlp.gate_proj"), activation) * lin(m, "mlp.up_proj"),
                 "mlp.down_proj")
         return h + rms(y, p.get("mlp_output_norm.weight"))

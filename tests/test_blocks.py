@@ -239,7 +239,7 @@ def test_errors_name_the_argument():
             weights=w, num_heads=1, num_kv_heads=1, eps=1e-6, scale=1.0, part="mlp",
             preset="quick"))  # straight to the C++ op's own check
     with pytest.raises(ValueError, match="unknown weight names"):
-        blocks.pack_weights({"mlp.gate.weight": torch.ones(4, 32)})
+        blocks.pack_weights({"mlp.router.weight": torch.ones(4, 32)})
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [

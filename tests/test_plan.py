@@ -731,7 +731,7 @@ def test_plan_saved_bytes_read_the_residual_table(monkeypatch):
     x = torch.empty(2, 8, 64)
     assert offload._layer_saved_bytes(x, options) == before
     kind, _ = presets.RESIDUAL_WIDTHS["lse"]
-    monkeypatch.setitem(presets.RESIDUAL_WIDTHS, "lse", (kind, lambda H, Hq, Hkv, D, I: 2 * Hq))
+    monkeypatch.setitem(presets.RESIDUAL_WIDTHS, "lse", (kind, lambda H, Hq, Hkv, D, I, k: 2 * Hq))
     after = plan.layer_bytes("fast", d, 2, 8, torch.float32)
     assert after == before + 2 * 8 * 4 * 4
     assert offload._layer_saved_bytes(x, options) == after

@@ -32,7 +32,7 @@ from reference import (
 )
 from test_distributed import TIMEOUT_S, spawn_ranks
 
-from ckpt_ext import blocks
+from ckpt_ext import blocks, config
 
 linux_only = pytest.mark.skipif(sys.platform != "linux",
                                 reason="spawned gloo workers are tested on Linux")
@@ -88,15 +88,13 @@ def run(c, rank=0, world=1, group="", fn=blocks.decoder_layer):
         kw["segment_ids"] = kw["segment_ids"].int()
     if bad == "lora_scaling":  # one entry short
         kw["lora_scaling"] = kw["lora_scaling"][:-1]
-    if c["chunk"] is not None and bad != "chunk":  # rank 1 without the byte cap: more rounds
-        os.environ["CKPT_EXT_CHUNK_BYTES"] = c["chunk"]
-    try:
+    # rank 1 without the byte cap ("chunk"): more rounds
+    cap = c["chunk"] if c["chunk"] is not None and bad != "chunk" else config.current().chunk_bytes
+    with config.patch(chunk_bytes=cap):
         y = fn(x, blocks.LayerOptions(
             weights=w, **rope_args((share(c["cos"]), share(c["sin"]))), sequence_parallel=group,
             **kw))
         y.backward(share(c["dy"]))
-    finally:
-        os.environ.pop("CKPT_EXT_CHUNK_BYTES", None)
     return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
 
 

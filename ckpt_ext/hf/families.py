@@ -90,6 +90,16 @@ def uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
     return None, 1.0, 0.0
 
 
+def moe_head(config) -> Tuple[Optional[str], float, float]:
+    """logits = lm_head(h) (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
+    OlmoeForCausalLM: with output_router_logits their forward adds the router's load-balancing
+    loss, which the fused head does not compute: refused; asked per call, HF's head runs)."""
+    if getattr(config, "output_router_logits", False):
+        return ("config.output_router_logits=True: the forward adds the router's load-balancing "
+                "loss", 1.0, 0.0)
+    return None, 1.0, 0.0
+
+
 class Family(NamedTuple):
     """A decoder layer's norm layout and rounding (module docstring); a field named as an
     argument of the op (``ckpt_ext.blocks.LAYER_ARGS``) is passed to it as it is."""
@@ -187,6 +197,11 @@ FAMILIES = {
     "hyperclovax": HYPERCLOVAX.head("HyperCLOVAXForCausalLM",
                                     functools.partial(scaled_head, divide=False)),
     "cwm": LLAMA.head("CwmForCausalLM"),
+    # mixture-of-experts MLPs (ckpt_ext.hf.moe); OLMoE's q/k norms span the projection
+    "qwen3_moe": LLAMA.head("Qwen3MoeForCausalLM", moe_head),
+    "qwen2_moe": LLAMA.head("Qwen2MoeForCausalLM", moe_head),
+    "mixtral": LLAMA.head("MixtralForCausalLM", moe_head),
+    "olmoe": LLAMA.head("OlmoeForCausalLM", moe_head),
     # the M-RoPE language models: their heads are their multimodal models' (MULTIMODAL)
     **{t: LLAMA for t in sorted(MROPE)}}
 
@@ -269,6 +284,8 @@ ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh"
 def activation(layer: nn.Module) -> Optional[str]:
     """The op's name for the layer's gated activation, or None when the op has none."""
     mlp = layer.mlp._modules
+    if "experts" in mlp:  # an MoE block: its experts' activation (ckpt_ext.hf.moe)
+        mlp = mlp["experts"]._modules
     return ACTIVATIONS.get(type(mlp.get("act_fn", mlp.get("activation_fn"))).__name__)
 
 
@@ -374,7 +391,9 @@ def layer_record(layer: nn.Module, config) -> LayerRecord:
         softcap=float(getattr(attn, "attn_logit_softcapping", None) or 0.0),
         # Granite multiplies each sublayer's output before the residual add
         residual_scale=float(getattr(layer, "residual_multiplier", 1.0)),
-        activation=activation(layer))
+        activation=activation(layer),
+        # an MoE block's options ({} for a dense MLP), read by ckpt_ext.hf.moe
+        **_moe_options(layer, config))
     present = layer_norms(layer, family)
     names = {**family.norms, **{f"self_attn.{slot}": f"self_attn.{name}"
                                 for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)}}
@@ -391,6 +410,11 @@ def layer_record(layer: nn.Module, config) -> LayerRecord:
         window=layer_window(config, layer),
         rope=uses_rope(config, family, getattr(attn, "layer_idx", None)), fused=fused,
         source=family)
+
+
+def _moe_options(layer: nn.Module, config) -> dict:
+    from .moe import layer_options  # the MoE reader imports this module's ACTIVATIONS
+    return layer_options(layer, config)
 
 
 def _config_value(config, name, default=None):
@@ -419,6 +443,14 @@ def layer_dims_from_config(config) -> List[LayerDims]:
         except TypeError:
             raise ValueError(f"config: {name} must be an int, got {value!r}") from None
 
+    experts = _config_value(config, "num_experts", 0) or \
+        _config_value(config, "num_local_experts", 0)
+    if experts:  # intermediate_size is not the experts' width: refuse rather than misplan
+        raise NotImplementedError(
+            f"config: a mixture-of-experts model ({experts} experts, model_type "
+            f"{_config_value(config, 'model_type')!r}); the plan does not model routed experts "
+            "yet (patch_llama fuses qwen3_moe, qwen2_moe, mixtral and olmoe with a given "
+            "preset; bench/moe.py measures their step peak)")
     H = integer("hidden_size")
     heads = integer("num_attention_heads")
     if heads <= 0:

@@ -170,7 +170,8 @@ class FusedHeadForward:
         labels = kwargs.get("labels")
         fusable = (labels is not None and torch.is_grad_enabled() and not uses_cache(kwargs)
                    and isinstance(kwargs.get("logits_to_keep", 0), int)
-                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
+                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None
+                   and not kwargs.get("output_router_logits"))  # MoE models' aux loss
         if fusable:
             problem, logit_scale, softcap = head_transform(self.model, self.rule)
             fusable = problem is None

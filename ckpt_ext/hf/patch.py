@@ -88,7 +88,7 @@ from .._checks import _check_bool
 from ..blocks import PROJECTIONS, WEIGHT_SLOTS, decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
-from . import zero
+from . import moe, zero
 from .cache import uses_cache
 from ..layer_record import LayerDims, LayerRecord
 from .adapters import FUSED_MODULES, read_layer_projections, read_projection
@@ -188,6 +188,8 @@ def _model_config(model: nn.Module):
                 f"{getattr(text, 'model_type', None)!r} is not supported (supported: "
                 f"{', '.join(sorted(allowed))})")
         return text
+    if moe.refusal(model_type):  # MoE families the op does not compute, with the reason
+        raise NotImplementedError(f"patch_llama: {moe.refusal(model_type)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"patch_llama: model_type {model_type!r} is not supported; supported are "
@@ -225,6 +227,8 @@ def _structure_problem(layer: nn.Module, family: Family, hooks: bool = False,
     after patching (PEFT) and, with ``hooks``, forward hooks on submodules that the fused op
     would not run. ``projections=False`` (patch time) leaves out what PEFT can change later
     (adapters, dropout, merging): those make a call delegate, never a patch fail."""
+    if moe.is_moe_layer(layer):  # its MoE block checked there, the rest as a dense layer
+        return moe.structure_problem(layer, family, hooks, projections)
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
     needed = {"self_attn", "mlp"} | family.modules
     if attn is None or mlp is None or not needed <= set(layer._modules):
@@ -678,8 +682,8 @@ class _PatchedForward:
                     presets=sorted({f.preset for f in _patched(self.shared.layers)} - {"min_memory",
                                                                                       "torch"})))
         reason, masks = self._why_not_fused(hidden_states, kwargs, state)
-        tensors = _layer_tensors(self.layer, self.spec.source, self.spec.fused) \
-            if reason is None else None
+        read = moe.layer_tensors if self.spec.num_experts_per_tok else _layer_tensors
+        tensors = read(self.layer, self.spec.source, self.spec.fused) if reason is None else None
         if isinstance(tensors, str):
             reason = tensors
         if reason is not None:
@@ -879,6 +883,8 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                          f"policy={policy!r}")
     offloader = resolve_offload(offload, offload_limit)
     presets = _resolve_policy("balanced" if policy is None else policy, len(layers))
+    if policy == "auto" and any(moe.is_moe_layer(layer) for layer in layers):
+        raise NotImplementedError(f"patch_llama: {moe.AUTO_REFUSAL}")
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if _foreign_forward(layer):

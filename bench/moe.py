@@ -1,0 +1,198 @@
+"""Mixture-of-experts layers: the step peak and time of the fused MoE layer beside HF's.
+
+Default (CPU, fp32): a Qwen3-MoE-shaped tiny model (64 experts, top-k 8, H 256, expert I 128,
+4 heads / 2 KV heads of 64, 2 layers, vocab 2048), one sequence of S 4096. Rows, on the same
+weights and batch:
+
+* ``hf_gc``: transformers' model with HF gradient checkpointing
+  (``gradient_checkpointing_enable()``, its defaults) and its default experts implementation,
+  the loss through ckpt_ext's fused LM head (``patch_llama(model, "none")``);
+* ``fast`` / ``balanced`` / ``min_memory``: ``patch_llama(model, preset)`` (fused layers and
+  fused head).
+
+Per row: the step peak (``ckpt_ext.peak_memory_bytes`` of one forward+backward, gradients
+cleared before), the median step time of ``--reps`` steps, the loss's and the largest
+gradient's difference from ``hf_gc``. Goal (issue 43): ``min_memory``'s peak at most 0.5x
+``hf_gc``'s, printed ``[ok]`` / ``[MISSED]``.
+
+``--layer`` (CUDA): one Qwen3-30B-A3B decoder layer (128 experts, top-k 8, H 2048, expert I
+768, 32 heads / 4 KV heads of 128) at ``--tokens`` (32768) in bf16, forward+backward: HF's
+``Qwen3MoeDecoderLayer`` (its default experts implementation) against the fused op per
+preset, on the same weights: time and peak (Liger's fused MoE: 28.2 ms, 8.26 GB on an H100).
+
+Writes ``bench/results/moe_<device>.csv`` (or ``moe_layer_<device>.csv``).
+
+    python bench/moe.py [--seq 4096] [--reps 3]
+    python bench/moe.py --layer [--tokens 32768]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+import ckpt_ext
+from ckpt_ext import blocks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import device_name, device_tag, median, provenance, write_csv  # noqa: E402
+
+PRESETS = ("fast", "balanced", "min_memory")
+
+
+def tiny_qwen3_moe(args):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
+        intermediate_size=4 * args.hidden, moe_intermediate_size=args.expert_i,
+        num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
+        vocab_size=args.vocab, max_position_embeddings=max(args.seq, 4096), pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    with torch.no_grad():  # off the init: routers that pick different experts per token
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model.train()
+
+
+def model_rows(args) -> list:
+    base = tiny_qwen3_moe(args)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, args.vocab, (1, args.seq), generator=g)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach()
+
+    rows, ref = [], None
+    for name in ("hf_gc", *PRESETS):
+        model = copy.deepcopy(base)
+        if name == "hf_gc":
+            model.gradient_checkpointing_enable()
+            ckpt_ext.patch_llama(model, "none")  # HF's layers, the fused loss
+        else:
+            ckpt_ext.patch_llama(model, name)
+        loss = step(model)  # warm-up; its gradients are the row's
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        peak = ckpt_ext.peak_memory_bytes(step, model)
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            step(model)
+            times.append(time.perf_counter() - t0)
+        if ref is None:
+            ref = (loss, grads)
+        grad_diff = max((grads[n] - ref[1][n]).abs().max().item() for n in ref[1])
+        rows.append({"row": name, "seq": args.seq, "peak_mib": peak / 2**20,
+                     "step_s": median(times), "loss": loss.item(),
+                     "loss_diff": abs(loss.item() - ref[0].item()), "max_grad_diff": grad_diff})
+        print(f"{name:>10}: peak {peak / 2**20:9.1f} MiB  step {median(times):7.3f} s  "
+              f"loss {loss.item():.6f}  max |dgrad| {grad_diff:.2e}", flush=True)
+        del model
+    return rows
+
+
+def layer_rows(args) -> list:
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeDecoderLayer,
+                                                                  Qwen3MoeRotaryEmbedding)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, num_hidden_layers=1, max_position_embeddings=args.tokens)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = Qwen3MoeDecoderLayer(cfg, 0).to(dev, dt).train()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    x = torch.randn(1, args.tokens, 2048, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn_like(x)
+    pos = torch.arange(args.tokens, device=dev)[None]
+    cos, sin = Qwen3MoeRotaryEmbedding(cfg).to(dev)(x, pos)
+    weights = dict(layer.named_parameters())
+
+    def hf():
+        return layer(x, position_embeddings=(cos, sin), attention_mask=None)
+
+    def fused(preset):
+        return lambda: blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=weights, cos=cos, sin=sin, num_heads=32, num_kv_heads=4, eps=cfg.rms_norm_eps,
+            num_experts_per_tok=8, norm_topk_prob=True, preset=preset))
+
+    rows = []
+    for name, fn in [("hf", hf)] + [(p, fused(p)) for p in PRESETS]:
+        def step(fn=fn):
+            out = fn()
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(dy)
+
+        for _ in range(2):
+            step()
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        peak = ckpt_ext.peak_memory_bytes(lambda: step(), x)
+        times = []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        rows.append({"row": name, "seq": args.tokens, "peak_mib": peak / 2**20,
+                     "step_s": median(times)})
+        print(f"{name:>10}: peak {peak / 2**20:9.1f} MiB  fwd+bwd {1e3 * median(times):8.2f} ms",
+              flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--expert-i", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layer", action="store_true", help="one Qwen3-30B-A3B layer on CUDA")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.layer:
+        if not torch.cuda.is_available():
+            print("--layer needs a CUDA GPU (a Qwen3-30B-A3B layer at 32K tokens)")
+            return 2
+        rows = layer_rows(args)
+        fields = ["row", "seq", "peak_mib", "step_s"]
+        out = args.out or os.path.join("bench", "results", f"moe_layer_{device_tag()}.csv")
+        write_csv(out, provenance("cuda"), fields, rows)
+        return 0
+    print(f"{device_name()}: Qwen3-MoE-shaped model, E {args.experts}, top-k {args.top_k}, "
+          f"H {args.hidden}, expert I {args.expert_i}, {args.layers} layers, S {args.seq}")
+    rows = model_rows(args)
+    by = {r["row"]: r for r in rows}
+    ratio = by["min_memory"]["peak_mib"] / by["hf_gc"]["peak_mib"]
+    goal = f"min_memory peak / hf_gc peak = {ratio:.3f} (goal <= 0.5)"
+    print(("[ok] " if ratio <= 0.5 else "[MISSED] ") + goal)
+    fields = ["row", "seq", "peak_mib", "step_s", "loss", "loss_diff", "max_grad_diff"]
+    out = args.out or os.path.join("bench", "results", f"moe_{device_tag()}.csv")
+    write_csv(out, provenance(note="CPU: peaks are the allocator's, times not a performance "
+                              "figure") + [goal], fields, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Mixture-of-experts decoder layers of transformers 5 (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)
+as the fused op takes them.
+
+Their attention is the LLaMA-shaped one the other families have; their MLP is a sparse MoE
+block ``mlp`` with a top-k router ``mlp.gate`` (``weight`` (E, H)), the routed experts
+``mlp.experts`` (``gate_up_proj`` (E, 2I, H), the gate's I rows first, and ``down_proj``
+(E, H, I); an activation ``act_fn``) and, in Qwen2-MoE, a shared expert ``mlp.shared_expert``
+(a dense gated MLP) behind a sigmoid gate ``mlp.shared_expert_gate`` (1, H). The op computes
+that block itself (``num_experts_per_tok > 0``, csrc/moe_math.h): its router scores are HF's
+softmax in float32, then top-k, then (Mixtral always; the others by ``norm_topk_prob``) the k
+weights divided by their sum; the shared expert goes into the op's dense MLP slots.
+
+Everything of a layer but the MoE block is checked and read as for a dense layer
+(ckpt_ext.hf.patch), on a view of the layer whose ``mlp`` is the shared expert, or a stand-in
+without weights where there is none; this module checks the MoE block and fills the op's MoE
+slots. Layers whose ``mlp`` is dense (Qwen2/3-MoE's ``mlp_only_layers`` and the layers between
+``decoder_sparse_step``) are dense layers to the op.
+
+Refused by name (``REFUSED`` for model types; NotImplementedError for settings):
+``output_router_logits`` (the router logits HF returns and its load-balancing loss), Mixtral's
+``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, PEFT LoRA on the expert parameters
+(``target_parameters``), quantized or otherwise wrapped experts, routers and expert layouts
+other than the ones above.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch.nn as nn
+
+from ..blocks import WEIGHT_SLOTS
+from .families import ACTIVATIONS
+
+__all__ = ["MOE_FAMILIES", "REFUSED", "is_moe_layer", "layer_options", "layer_tensors",
+           "refusal", "structure_problem"]
+
+
+class MoeFamily(NamedTuple):
+    """What a model_type's MoE block is made of, by class name (transformers 5)."""
+
+    block: str
+    router: str
+    experts: str
+    # the config flag that renormalises the top-k weights (None: always, as Mixtral)
+    norm_flag: Optional[str] = "norm_topk_prob"
+    shared: bool = False  # shared_expert + shared_expert_gate (Qwen2-MoE)
+
+
+MOE_FAMILIES = {
+    "qwen3_moe": MoeFamily("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts"),
+    "qwen2_moe": MoeFamily("Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter", "Qwen2MoeExperts",
+                           shared=True),
+    "mixtral": MoeFamily("MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts",
+                         norm_flag=None),
+    "olmoe": MoeFamily("OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts"),
+}
+
+# MoE model types the op does not compute, and why.
+REFUSED = {
+    "gpt_oss": "gpt-oss's experts are transposed, interleave gate and up, carry biases and "
+               "gate with (up + 1) * glu clamped at a limit, its router takes top-k before the "
+               "softmax with a bias, and its attention has sinks and alternating windows; the "
+               "fused op computes none of these",
+    "glm4_moe": "GLM-4.5's router is a sigmoid with an expert-score correction bias, "
+                "group-limited top-k and routed_scaling_factor, and its first layers are dense "
+                "with a different width; the fused op's router has none of these",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention and group-limited router are not "
+                   "the fused op's",
+    "qwen3_next": "Qwen3-Next's linear-attention layers are not the fused op's",
+    "jamba": "Jamba's Mamba layers are not the fused op's",
+}
+
+
+def refusal(model_type: str) -> Optional[str]:
+    """Why patch_llama does not fuse this MoE model type, or None."""
+    why = REFUSED.get(model_type)
+    return None if why is None else (
+        f"model_type {model_type!r} is a mixture-of-experts model the fused op does not "
+        f"compute: {why}. The fused MoE families are {', '.join(sorted(MOE_FAMILIES))}; train "
+        "this one without patch_llama (HF gradient checkpointing)")
+
+
+AUTO_REFUSAL = ("policy='auto' is not implemented for mixture-of-experts layers (the planner "
+                "does not model their routed experts yet): give a preset, a list or a callable "
+                "policy ('min_memory' keeps the least)")
+
+
+def is_moe_layer(layer: nn.Module) -> bool:
+    """Whether the decoder layer's ``mlp`` is a sparse MoE block (it has routed experts)."""
+    mlp = layer._modules.get("mlp")
+    return mlp is not None and "experts" in mlp._modules
+
+
+# ---- the dense view -----------------------------------------------------------------------
+
+class _NoMlp(nn.Module):
+    """A weightless stand-in for the dense MLP of an MoE layer without a shared expert: the
+    dense checks find a gated MLP there, and its slots are emptied again (layer_tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(1, 1, bias=False)
+        self.up_proj = nn.Linear(1, 1, bias=False)
+        self.down_proj = nn.Linear(1, 1, bias=False)
+        self.act_fn = nn.SiLU()
+        self.requires_grad_(False)
+
+
+_NO_MLP = _NoMlp()
+
+
+class _DenseView(nn.Module):
+    """The layer as a dense layer: its own modules, with ``mlp`` the MoE block's shared expert
+    (or _NO_MLP). Made per call (it shares the layer's modules and its training flag)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self._modules.update(layer._modules)
+        shared = layer._modules["mlp"]._modules.get("shared_expert")
+        self._modules["mlp"] = shared if shared is not None else _NO_MLP
+        self.training = layer.training
+        self._z3_leaf = getattr(layer, "_z3_leaf", False)  # ZeRO-3 leaf: the layer's own hooks
+
+
+def _param_names(module: nn.Module) -> set:
+    return {name for name, _ in module.named_parameters(recurse=False)}
+
+
+def structure_problem(layer: nn.Module, family, hooks: bool, projections: bool
+                      ) -> Optional[str]:
+    """Why the fused op cannot stand in for this MoE layer (None if it can): the MoE block's
+    structure, and the rest as ckpt_ext.hf.patch checks a dense layer (on _DenseView)."""
+    from . import patch
+    problem = patch._structure_problem(_DenseView(layer), family, hooks=hooks,
+                                       projections=projections)
+    if problem:
+        return problem
+    mlp = layer._modules["mlp"]
+    fam = next((f for f in MOE_FAMILIES.values() if f.block == type(mlp).__name__), None)
+    if fam is None:
+        return (f"mlp is a {type(mlp).__name__}, not one of the MoE blocks the fused op "
+                f"computes ({', '.join(f.block for f in MOE_FAMILIES.values())})")
+    expected = {"gate", "experts"} | ({"shared_expert", "shared_expert_gate"} if fam.shared
+                                      else set())
+    if set(mlp._modules) != expected:
+        return (f"mlp has the submodules {sorted(mlp._modules)}, not {sorted(expected)} (a "
+                "wrapped or replaced MoE block computes more than the fused op reads)")
+    if _param_names(mlp):
+        return f"mlp has parameters the fused op does not compute with: {sorted(_param_names(mlp))}"
+    router, experts = mlp._modules["gate"], mlp._modules["experts"]
+    if type(router).__name__ != fam.router or _param_names(router) != {"weight"} or router._modules:
+        return (f"mlp.gate is a {type(router).__name__} with parameters "
+                f"{sorted(_param_names(router))}, not {fam.router} with one weight (an unknown "
+                "router type)")
+    if type(experts).__name__ != fam.experts:
+        wrapped = "PEFT LoRA on the expert parameters (target_parameters)" \
+            if "ParamWrapper" in type(experts).__name__ else f"a {type(experts).__name__}"
+        return (f"mlp.experts is {wrapped}, not {fam.experts}: the fused op does not take "
+                "adapters or wrappers on the 3-D expert weights yet (put LoRA on the attention "
+                "and shared-expert projections, or use policy 'torch' for expert LoRA)")
+    if _param_names(experts) != {"gate_up_proj", "down_proj"} or \
+            set(experts._modules) - {"act_fn"}:
+        return (f"mlp.experts has parameters {sorted(_param_names(experts))} and submodules "
+                f"{sorted(experts._modules)}, not transformers 5's gate_up_proj, down_proj "
+                "and act_fn")
+    for name in ("gate_up_proj", "down_proj"):
+        t = getattr(experts, name)
+        if not t.is_floating_point():
+            return (f"mlp.experts.{name} is {t.dtype}: quantized expert weights are not "
+                    "computed by the fused op")
+    if type(experts._modules.get("act_fn")).__name__ not in ACTIVATIONS:
+        return (f"mlp.experts.act_fn is a {type(experts._modules.get('act_fn')).__name__}; the "
+                "fused experts gate with SiLU or tanh-approximate GELU")
+    if fam.shared:
+        gate = mlp._modules["shared_expert_gate"]
+        if type(gate) is not nn.Linear or gate.bias is not None:
+            return (f"mlp.shared_expert_gate is a {type(gate).__name__}"
+                    f"{' with a bias' if getattr(gate, 'bias', None) is not None else ''}, not "
+                    "a plain nn.Linear without bias (adapters on the shared expert's gate are "
+                    "not fused)")
+    for name, mod in mlp.named_modules():
+        if mod is mlp._modules.get("shared_expert") or name.startswith("shared_expert."):
+            continue  # checked on the view
+        where = f"mlp.{name}" if name else "mlp"
+        if patch._foreign_forward(mod):
+            return (f"{where} has an instance-level forward (accelerate offload hooks, another "
+                    "patch, or transformers recording outputs), which the fused op would bypass")
+        if hooks:
+            found = [*mod._forward_pre_hooks.values(), *mod._forward_hooks.values()]
+            capture = [h for h in found
+                       if getattr(h, "__name__", "") == patch._HF_CAPTURE_HOOK]
+            if capture and _recording_router_logits():
+                return ("output_router_logits=True: transformers records the router logits "
+                        f"(its hook on {where}), and the fused op does not return them "
+                        "(nor HF's load-balancing loss): " + _ROUTER_LOGITS_FIX)
+            problem = patch._hook_problem(layer, where, mod)
+            if problem:
+                return problem
+    return None
+
+
+_ROUTER_LOGITS_FIX = ("train with output_router_logits=False (router_aux_loss_coef then adds "
+                      "nothing), or use policy 'torch' for this model")
+
+
+def _recording_router_logits() -> bool:
+    from .patch import _hf_collector
+    collector = _hf_collector()
+    active = collector.get() if collector is not None else None
+    return bool(active) and "router_logits" in active
+
+
+def layer_options(layer: nn.Module, config) -> dict:
+    """The op's MoE options for the layer ({} for a dense MLP): num_experts_per_tok, router,
+    norm_topk_prob. Raises NotImplementedError naming a setting the op does not compute."""
+    if not is_moe_layer(layer):
+        return {}
+    model_type = config.model_type
+    fam = MOE_FAMILIES.get(model_type)
+    mlp = layer.mlp
+    if fam is None or type(mlp).__name__ != fam.block:
+        raise ValueError(f"mlp is a {type(mlp).__name__} in a {model_type!r} model; the fused "
+                         f"MoE blocks are {', '.join(f.block for f in MOE_FAMILIES.values())}")
+    if getattr(config, "output_router_logits", False):
+        raise NotImplementedError(
+            f"patch_llama: {model_type} with output_router_logits=True (the router logits and "
+            "the load-balancing loss, router_aux_loss_coef) is not implemented by the fused "
+            "MoE layer: " + _ROUTER_LOGITS_FIX)
+    jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
+    if jitter > 0:
+        raise NotImplementedError(
+            f"patch_llama: {model_type} with router_jitter_noise={jitter} (random scaling of "
+            "the MoE input in training) is not implemented by the fused MoE layer: set "
+            "config.router_jitter_noise = 0.0, or use policy 'torch'")
+    if getattr(config, "clip_qkv", None) is not None:
+        raise NotImplementedError(
+            f"patch_llama: {model_type} with clip_qkv={config.clip_qkv} (q/k/v clamped after "
+            "their projections) is not implemented by the fused layer: use a model with "
+            "clip_qkv=None, or policy 'torch'")
+    router = mlp.gate
+    k, experts = int(router.top_k), int(router.weight.shape[0])
+    if not 0 < k <= experts:
+        raise ValueError(f"mlp.gate.top_k={k} must be in 1..{experts} (the experts)")
+    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    h = router.weight.shape[1]
+    i = down.shape[-1]
+    if tuple(gate_up.shape) != (experts, 2 * i, h) or tuple(down.shape) != (experts, h, i):
+        raise ValueError(
+            f"the experts' weights gate_up_proj {tuple(gate_up.shape)} and down_proj "
+            f"{tuple(down.shape)} are not transformers 5's layout (E, 2I, H) and (E, H, I) "
+            f"with E={experts}, H={h}")
+    if getattr(mlp.experts, "is_transposed", False) or \
+            getattr(mlp.experts, "is_concatenated", True) is False or \
+            getattr(mlp.experts, "has_bias", False):
+        raise ValueError("the experts are transposed, interleaved or biased (not the layout "
+                         "of transformers 5's Qwen-MoE, Mixtral and OLMoE experts)")
+    act = ACTIVATIONS.get(type(mlp.experts.act_fn).__name__)
+    shared = mlp._modules.get("shared_expert")
+    if shared is not None:
+        shared_act = ACTIVATIONS.get(type(shared._modules.get("act_fn")).__name__)
+        if shared_act != act:
+            raise ValueError(f"the shared expert's activation ({shared_act}) is not the "
+                             f"experts' ({act})")
+    norm = True if fam.norm_flag is None else bool(getattr(router, "norm_topk_prob", False))
+    return {"num_experts_per_tok": k, "router": "softmax", "norm_topk_prob": norm}
+
+
+_SLOT = {name: i for i, name in enumerate(WEIGHT_SLOTS)}
+_DENSE_MLP_SLOTS = [i for i, name in enumerate(WEIGHT_SLOTS)
+                    if name.startswith(("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj."))]
+
+
+def layer_tensors(layer: nn.Module, family, fused):
+    """The op's (weights, lora_scaling, lora_dropout, lora_streams) for an MoE layer, as
+    ckpt_ext.hf.patch reads a dense layer's (LoRA on the attention and on the shared expert
+    included), with the MoE slots filled; or why the layer cannot be fused."""
+    from .patch import _layer_tensors
+    got = _layer_tensors(_DenseView(layer), family, fused)
+    if isinstance(got, str):
+        return got
+    weights, scaling, dropout, streams = got
+    weights = list(weights)
+    mlp = layer.mlp
+    if "shared_expert" not in mlp._modules:
+        for i in _DENSE_MLP_SLOTS:
+            weights[i] = None
+    weights[_SLOT["mlp.gate.weight"]] = mlp.gate.weight
+    weights[_SLOT["mlp.experts.gate_up_proj"]] = mlp.experts.gate_up_proj
+    weights[_SLOT["mlp.experts.down_proj"]] = mlp.experts.down_proj
+    gate = mlp._modules.get("shared_expert_gate")
+    if gate is not None:
+        weights[_SLOT["mlp.shared_expert_gate.weight"]] = gate.weight
+    return weights, scaling, dropout, streams

@@ -1,0 +1,68 @@
+// The mixture-of-experts MLP's routed part, on plain tensors (the decoder layer's glue, its
+// slots and options: the MoE section of csrc/layer_math.cpp and csrc/layer_spec.h).
+//
+//   logits = m Wr^T (T, E);  scores = softmax or sigmoid of logits, in float32;
+//   (idx, w) = top-k of scores, w divided by its sum with norm_topk_prob;
+//   y = sum over the k choices j of w_j * down_e(act(gate_e(m)) * up_e(m)),  e = idx_j,
+// with the experts in transformers 5's layout: gate_up (E, 2I, H), the gate's I rows first,
+// then up's, and down (E, H, I). This is what HF's Qwen2/3-MoE, Mixtral and OLMoE blocks
+// compute (a token's k outputs summed in expert order, as HF's loop over experts adds them).
+//
+// The (T * k) token copies are sorted by expert once per call (group); each expert's rows are
+// then one contiguous block, and the expert GEMMs are torch._grouped_mm over those blocks
+// (float32 / bfloat16 / float16 with 16-byte aligned rows), or one matmul per expert where it
+// does not apply (float64, odd sizes). No (T, E, H or I) tensor is made: the largest are the
+// sorted copies, (T * k, H) and (T * k, 2I), and the router's (T, E).
+//
+// The backward recomputes the gate/up GEMMs from m and the saved routing (idx, w): it never
+// routes again, so a recompute cannot pick other experts than the forward did.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "activation.h"
+
+namespace ckpt_ext {
+namespace moe {
+
+enum class Router { kSoftmax, kSigmoid };
+Router parse_router(c10::string_view name, const char* op);
+
+// (idx (T, k) int32, w (T, k) float32) from the router's logits (T, E).
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t k, Router router,
+                                         bool norm_topk_prob);
+
+// d logits (T, E) float32 from dw (T, k) float32, the gradient of route's w.
+at::Tensor route_backward(const at::Tensor& logits, const at::Tensor& idx, const at::Tensor& dw,
+                          Router router, bool norm_topk_prob);
+
+// The routed experts' output (T, H) in m's dtype; m (T, H), gate_up and down in one dtype.
+at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at::Tensor& w,
+                           const at::Tensor& gate_up, const at::Tensor& down, Activation act);
+
+struct ExpertGrads {
+  at::Tensor dm;        // (T, H)
+  at::Tensor dw;        // (T, k) float32: d of the routing weights
+  at::Tensor dgate_up;  // (E, 2I, H), undefined unless asked for (or added into acc_gate_up)
+  at::Tensor ddown;     // (E, H, I), undefined unless asked for (or added into acc_down)
+};
+
+// Backward of experts_forward for dy (T, H) in m's dtype. acc_gate_up / acc_down: where given
+// (the sums of earlier token chunks), the weight gradients are added into them expert by
+// expert and come back undefined, so that no second expert-sized tensor exists.
+ExpertGrads experts_backward(const at::Tensor& dy, const at::Tensor& m, const at::Tensor& idx,
+                             const at::Tensor& w, const at::Tensor& gate_up,
+                             const at::Tensor& down, Activation act, bool need_gate_up,
+                             bool need_down, at::Tensor* acc_gate_up = nullptr,
+                             at::Tensor* acc_down = nullptr);
+
+// Whether experts GEMMs of this dtype and these sizes go through torch._grouped_mm (else one
+// matmul per expert); exposed for the tests' and benchmarks' report.
+bool grouped_mm_applies(at::ScalarType dtype, int64_t hidden, int64_t intermediate);
+
+}  // namespace moe
+}  // namespace ckpt_ext

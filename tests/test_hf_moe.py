@@ -1,0 +1,223 @@
+"""patch_llama on tiny mixture-of-experts models of transformers 5 (Qwen3-MoE with a dense layer
+between its MoE layers, Qwen2-MoE with its gated shared expert, q/k/v biases and a dense layer,
+Mixtral, OLMoE with q/k norms over the projection), each against the same model unpatched:
+loss and every gradient, eager and SDPA attention, padded and unpadded batches, the presets,
+token chunks, LoRA on the attention and the shared expert, torch.compile; and the settings and
+families the fused op refuses by name."""
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the HF MoE tests need transformers")
+
+import ckpt_ext  # noqa: E402
+from hf_fixtures import assert_compiled_replays_eager, padded_batch, tiny_model  # noqa: E402
+
+BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=96, vocab_size=128, pad_token_id=0,
+            rms_norm_eps=1e-5)
+# Qwen3-MoE renormalises its top 3 of 8 and has a dense middle layer (mlp_only_layers);
+# Qwen2-MoE adds the gated shared expert and q/k/v biases, only its middle layer an MoE one
+# (decoder_sparse_step 2); Mixtral
+# always renormalises; OLMoE does not, and norms q/k over the whole projection.
+MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                         norm_topk_prob=True, mlp_only_layers=[1]),
+       "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48, qkv_bias=True,
+                         decoder_sparse_step=2),
+       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+       "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)}
+TOL = dict(rtol=1e-4, atol=1e-5)
+B, S = 2, 17
+
+
+def make(family, impl="sdpa", **overrides):
+    return tiny_model(family, {**BASE, **MOE[family], **overrides}, impl=impl, perturb=True)
+
+
+def batch(pad):
+    ids, mask, labels = padded_batch(BASE["vocab_size"], B, S, pad=5 if pad else 0)
+    return ids, (mask if pad else None), labels
+
+
+def loss_and_grads(model, ids, mask, labels, **call):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **call)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(ref, got, experts_trained=True):
+    (out_r, grads_r), (out_g, grads_g) = ref, got
+    torch.testing.assert_close(out_g.loss, out_r.loss, **TOL)
+    assert grads_g.keys() == grads_r.keys()
+    assert any("experts.gate_up_proj" in n for n in grads_r) == experts_trained
+    for name in grads_r:
+        torch.testing.assert_close(grads_g[name], grads_r[name], **TOL, msg=name)
+
+
+def fused_calls(model):
+    return [layer.forward.calls["fused"] for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "leftpad"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(MOE))
+def test_family_matches_unpatched(family, impl, pad):
+    """Loss and every gradient (router, experts, shared expert and its gate, attention, norms,
+    embeddings) equal HF's; every layer, MoE or dense, runs the fused op."""
+    ref = make(family, impl)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", fuse_lm_head=False)
+    data = batch(pad)
+    assert_same(loss_and_grads(ref, *data), loss_and_grads(model, *data))
+    assert fused_calls(model) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("policy", ["fast", "min_memory", ["min_memory", "fast", "balanced"]],
+                         ids=["fast", "min_memory", "list"])
+def test_presets_and_the_fused_head(policy):
+    ref = make("qwen2_moe")
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), policy)  # the fused LM head too
+    data = batch(True)
+    assert_same(loss_and_grads(ref, *data), loss_and_grads(model, *data))
+    assert fused_calls(model) == [1, 1, 1]
+    assert model.forward.calls["fused"] == 1  # the head and loss too
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_packed_sequences(family):
+    """One row of packed documents (position ids restarting, no mask, as
+    DataCollatorWithFlattening gives it): HF's loss and gradients, every layer fused."""
+    lengths = [7, 1, 12, 3]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, BASE["vocab_size"], (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100
+    ref = make(family)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory", fuse_lm_head=False)
+    assert_same(loss_and_grads(ref, ids, None, labels, position_ids=pos),
+                loss_and_grads(model, ids, None, labels, position_ids=pos))
+    assert fused_calls(model) == [1, 1, 1]
+
+
+def test_token_chunks(monkeypatch):
+    """A chunk cap of a few tokens (the layers tile the sequence): HF's loss and gradients."""
+    ref = make("qwen3_moe")
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory", fuse_lm_head=False)
+    ckpt_ext.config.update(chunk_bytes="16KiB")  # 2-3 tokens of an MoE layer's chunk
+    data = batch(True)
+    assert_same(loss_and_grads(ref, *data), loss_and_grads(model, *data))
+
+
+def test_lora_on_attention_and_shared_expert():
+    """PEFT LoRA on the attention and the shared expert's projections (the base frozen): loss
+    and the adapters' gradients equal PEFT's own forward."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                          target_modules=["q_proj", "v_proj", "o_proj", "gate_proj",
+                                          "up_proj", "down_proj"])
+    ref = peft.get_peft_model(make("qwen2_moe"), cfg)
+    model = copy.deepcopy(ref)
+    ckpt_ext.patch_llama(model, "balanced", fuse_lm_head=False)
+    data = batch(True)
+    r, g = loss_and_grads(ref, *data), loss_and_grads(model, *data)
+    assert any("lora_A" in n and "shared_expert" in n for n in r[1])
+    assert_same(r, g, experts_trained=False)
+    assert sum(fused_calls(model.base_model.model)) == 3
+
+
+def test_compiles_without_graph_breaks():
+    model = ckpt_ext.patch_llama(make("mixtral"), "min_memory", fuse_lm_head=False)
+
+    def run(m, ids, mask, labels):
+        out, grads = loss_and_grads(m, ids, mask, labels)
+        return out.loss, {n.replace("_orig_mod.", ""): g for n, g in grads.items()}
+
+    assert_compiled_replays_eager(model, run, batch(True), TOL, TOL, use_cache=False)
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,setting,match", [
+    ("qwen3_moe", dict(output_router_logits=True), "output_router_logits=True"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+    ("olmoe", dict(clip_qkv=2.0), "clip_qkv=2.0"),
+])
+def test_settings_are_refused_by_name(family, setting, match):
+    with pytest.raises(NotImplementedError, match=match):
+        ckpt_ext.patch_llama(make(family, **setting))
+
+
+def test_router_logits_asked_per_forward_run_hf():
+    """output_router_logits=True in one forward: transformers records the router logits, which
+    the fused op does not return, so the layers run HF's forward (warned) and the loss with
+    HF's load-balancing term is HF's."""
+    ref = make("qwen3_moe", router_aux_loss_coef=0.1)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", fuse_lm_head=False)
+    data = batch(True)
+    want = loss_and_grads(ref, *data, output_router_logits=True)
+    with pytest.warns(UserWarning, match="output_router_logits=True"):
+        got = loss_and_grads(model, *data, output_router_logits=True)
+    assert want[0].aux_loss is not None and want[0].aux_loss.item() > 0
+    torch.testing.assert_close(got[0].aux_loss, want[0].aux_loss, **TOL)
+    assert_same(want, got)
+    assert fused_calls(model) == [0, 1, 0]  # the dense middle layer has no router
+    assert_same(loss_and_grads(ref, *data), loss_and_grads(model, *data))  # fused again
+    assert fused_calls(model) == [1, 2, 1]
+
+
+def test_quantized_experts_are_refused():
+    model = make("olmoe")
+    experts = model.model.layers[0].mlp.experts
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.data.to(torch.int8),
+                                           requires_grad=False)
+    with pytest.raises(ValueError, match="quantized expert weights"):
+        ckpt_ext.patch_llama(model)
+
+
+def test_lora_on_experts_is_refused():
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj"],
+                          target_parameters=["mlp.experts.gate_up_proj"])
+    model = peft.get_peft_model(make("qwen3_moe"), cfg)
+    with pytest.raises(ValueError, match="target_parameters"):
+        ckpt_ext.patch_llama(model)
+
+
+def test_top_k_beyond_the_experts_is_refused():
+    model = make("mixtral")
+    model.model.layers[2].mlp.gate.top_k = 5  # 4 experts
+    with pytest.raises(ValueError, match="top_k=5 must be in 1..4"):
+        ckpt_ext.patch_llama(model)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "glm4_moe"])
+def test_other_moe_families_are_refused_by_name(model_type):
+    class Config:
+        pass
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+            self.config.model_type = model_type
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
+
+    with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' is a "
+                       "mixture-of-experts model"):
+        ckpt_ext.patch_llama(Model())
+
+
+def test_auto_policy_and_the_plan_refuse_moe():
+    """The planner does not model routed experts: policy='auto' and the plan refuse an MoE
+    model by name rather than plan it as a dense one."""
+    from ckpt_ext.plan import layer_dims_from_config
+    model = make("olmoe")
+    with pytest.raises(NotImplementedError, match="policy='auto' is not implemented for "
+                       "mixture-of-experts"):
+        ckpt_ext.patch_llama(model, "auto", activation_budget="1GiB")
+    with pytest.raises(NotImplementedError, match="mixture-of-experts model \\(8 experts"):
+        layer_dims_from_config(model.config)

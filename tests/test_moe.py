@@ -1,0 +1,307 @@
+"""The decoder layer's mixture-of-experts MLP (num_experts_per_tok > 0): the router (softmax or
+sigmoid scores, top-k, optional renormalisation), the routed SwiGLU experts in transformers 5's
+layout and an optional shared expert with its sigmoid gate, against an independent dense
+plain-PyTorch reference (tests/reference.py: moe_reference, every expert on every token):
+float64 to 1e-12 in every preset and part, float32 within the accuracy rule on the grouped
+GEMM path (aligned sizes) and the per-expert one (odd sizes), top-k from 1 to E, token chunks
+equal to one chunk, what each preset saves (the routing, never a routed intermediate),
+torch.compile without graph breaks, and the refusals of bad input."""
+import pytest
+import torch
+
+from ckpt_ext import blocks, config
+
+from reference import (FACTOR_GRAD, FACTOR_OUT, check_f64, check_vs_baseline, reference_layer,
+                       rope_args, rope_tables)
+
+F64 = torch.float64
+NH, NKV = 4, 2
+# (router, norm_topk_prob, shared expert, shared gate): the families' layouts
+ROUTINGS = {
+    "qwen2_moe": ("softmax", False, True, True),   # softmax, shared expert behind a gate
+    "mixtral": ("softmax", True, False, False),    # Mixtral / Qwen3-MoE: renormalised top-k
+    "olmoe": ("softmax", False, False, False),
+    "sigmoid_shared": ("sigmoid", True, True, False),  # sigmoid scores, ungated shared expert
+}
+
+
+def moe_case(dtype, routing="qwen2_moe", *, hidden=16, experts=5, inter=8, k=2, shared_i=12,
+             b=2, s=9, seed=0):
+    """(x, weights, pe, dy, kw): a layer with attention and an MoE MLP, weights by slot."""
+    router, norm, shared, gate = ROUTINGS[routing]
+    g = torch.Generator().manual_seed(seed)
+    d = hidden // NH
+
+    def w(*shape, scale=0.3):
+        return (scale * torch.randn(*shape, generator=g, dtype=F64)).to(dtype)
+
+    weights = {"input_layernorm.weight": 1 + w(hidden, scale=0.2),
+               "post_attention_layernorm.weight": 1 + w(hidden, scale=0.2),
+               "self_attn.q_proj.weight": w(NH * d, hidden),
+               "self_attn.k_proj.weight": w(NKV * d, hidden),
+               "self_attn.v_proj.weight": w(NKV * d, hidden),
+               "self_attn.o_proj.weight": w(hidden, NH * d),
+               "mlp.gate.weight": w(experts, hidden, scale=1.0),
+               "mlp.experts.gate_up_proj": w(experts, 2 * inter, hidden),
+               "mlp.experts.down_proj": w(experts, hidden, inter)}
+    if shared:
+        weights.update({"mlp.gate_proj.weight": w(shared_i, hidden),
+                        "mlp.up_proj.weight": w(shared_i, hidden),
+                        "mlp.down_proj.weight": w(hidden, shared_i)})
+    if gate:
+        weights["mlp.shared_expert_gate.weight"] = w(1, hidden)
+    x = torch.randn(b, s, hidden, generator=g, dtype=F64).to(dtype)
+    dy = torch.randn(b, s, hidden, generator=g, dtype=F64).to(dtype)
+    kw = dict(num_heads=NH, num_kv_heads=NKV, num_experts_per_tok=k, router=router,
+              norm_topk_prob=norm)
+    return x, weights, rope_tables(s, d, dtype=dtype), dy, kw
+
+
+def run(x, weights, pe, dy, kw, preset, part, fn=blocks.decoder_layer):
+    """(y, dx, {slot: gradient}) of the op, every weight trained."""
+    x = x.clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    y = fn(x, blocks.LayerOptions(weights=w, **rope_args(pe), preset=preset, part=part, **kw))
+    y.backward(dy)
+    return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
+
+
+def run_reference(x, weights, pe, dy, kw, part, dtype=None, force_idx=None):
+    """The same through reference_layer, at `dtype` (default x's)."""
+    dtype = dtype or x.dtype
+    x = x.to(dtype).clone().requires_grad_()
+    w = {n: t.to(dtype).clone().requires_grad_() for n, t in weights.items()}
+    cos, sin = (t.to(dtype) for t in pe)
+    moe = dict(k=kw["num_experts_per_tok"], router=kw["router"],
+               norm_topk_prob=kw["norm_topk_prob"], force_idx=force_idx)
+    y = reference_layer(w, x, cos, sin, None, NH, NKV, part=part, moe=moe)
+    y.backward(dy.to(dtype))
+    mlp_only = part == "mlp"
+    return y.detach(), x.grad, {n: t.grad for n, t in w.items()
+                                if t.grad is not None and not (mlp_only and n.startswith(
+                                    ("self_attn.", "input_layernorm.")))}
+
+
+def reference_routing(x, weights, pe, kw, part):
+    """The top-k experts plain PyTorch picks at x's dtype (to route a float64 reference of a
+    low-precision run the same way): the MoE input is captured from reference_layer."""
+    import reference
+    seen = {}
+    original = reference.moe_reference
+
+    def capture(p, m, k, router="softmax", **rest):
+        logits = torch.nn.functional.linear(m.reshape(-1, m.shape[-1]), p["mlp.gate.weight"])
+        wide = logits.float()
+        scores = torch.softmax(wide, -1) if router == "softmax" else torch.sigmoid(wide)
+        seen["idx"] = scores.topk(k, -1).indices
+        return original(p, m, k, router=router, **rest)
+
+    reference.moe_reference = capture
+    try:
+        with torch.no_grad():
+            moe = dict(k=kw["num_experts_per_tok"], router=kw["router"],
+                       norm_topk_prob=kw["norm_topk_prob"])
+            reference_layer(weights, x, *pe, None, NH, NKV, part=part, moe=moe)
+    finally:
+        reference.moe_reference = original
+    return seen["idx"]
+
+
+def assert_f64(got, ref):
+    (y, dx, g), (y1, dx1, g1) = got, ref
+    check_f64("y", y, y1)
+    check_f64("dx", dx, dx1)
+    assert g.keys() == g1.keys(), (sorted(g), sorted(g1))
+    for n in g1:
+        check_f64(n, g[n], g1[n])
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("part", ["layer", "mlp"])
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_fp64_matches_the_dense_reference(preset, part, routing):
+    """Output and every gradient (router, experts, shared expert and its gate, norms,
+    attention, x) equal the dense reference to 1e-12."""
+    case = moe_case(F64, routing)
+    assert_f64(run(*case, preset, part), run_reference(*case, part))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_every_top_k(k):
+    """top-k from 1 to E (E = 4), sigmoid and softmax scores."""
+    for routing in ("mixtral", "sigmoid_shared"):
+        case = moe_case(F64, routing, experts=4, k=k, seed=k)
+        assert_f64(run(*case, "min_memory", "mlp"), run_reference(*case, "mlp"))
+
+
+@pytest.mark.parametrize("sizes", [dict(hidden=16, inter=8), dict(hidden=24, inter=10)],
+                         ids=["grouped_mm", "per_expert"])
+@pytest.mark.parametrize("preset", ["fast", "min_memory"])
+def test_fp32_meets_the_accuracy_rule(preset, sizes):
+    """float32 against the float64 reference, within the accuracy rule of plain PyTorch at
+    float32 (both routed as plain PyTorch routes at float32). H 16, I 8 take
+    torch._grouped_mm (16-byte rows); H 24, I 10 the per-expert matmuls."""
+    case = moe_case(torch.float32, "qwen2_moe", experts=6, k=3, b=2, s=11, seed=5, **sizes)
+    x, weights, pe, _, kw = case
+    idx = reference_routing(x, weights, pe, kw, "layer")
+    got = run(*case, preset, "layer")
+    base = run_reference(*case, "layer", force_idx=idx)
+    ref = run_reference(*case, "layer", dtype=F64, force_idx=idx)
+    check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)
+    check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD)
+    assert got[2].keys() == ref[2].keys()
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD)
+
+
+def chunk_cap(rows, dtype, weights, k, part):
+    """CKPT_EXT_CHUNK_BYTES for chunks of `rows` tokens: the attention's 4 Hq*D per token (the
+    layer) plus the MoE MLP's k max(3 H + 5 I, H + 7 I) + H + 3 E and the shared expert's 3 I,
+    at the compute width (float32 at least); the layer's chunk-rows rule in
+    csrc/layer_math.cpp."""
+    e, h, i = weights["mlp.experts.down_proj"].shape
+    width = k * max(3 * h + 5 * i, h + 7 * i) + h + 3 * e
+    if "mlp.gate_proj.weight" in weights:
+        width += 3 * weights["mlp.gate_proj.weight"].shape[0]
+    if part == "layer":
+        width += 4 * weights["self_attn.q_proj.weight"].shape[0]
+    return str(rows * width * max(4, dtype.itemsize))
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_chunks_equal_one_chunk(monkeypatch, preset):
+    """Token chunks of 1, 4 and 13 rows (two sequences of 9: pieces of one sequence and whole
+    sequences) give the one-chunk output and gradients to 1e-12."""
+    case = moe_case(F64, "qwen2_moe")
+    for part in ("layer", "mlp"):
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+        whole = run(*case, preset, part)
+        for rows in (1, 4, 13):
+            config.update(chunk_bytes=chunk_cap(rows, F64, case[1],
+                                                case[4]["num_experts_per_tok"], part))
+            assert_f64(run(*case, preset, part), whole)
+
+
+def saved_shapes(fn):
+    """The shapes of what autograd saves while fn() runs."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return shapes
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_saves_the_routing_and_no_routed_intermediate(preset):
+    """Besides x and the weights, the op saves the routing (T, k) and the preset's attention
+    residuals and h; no (T * k, ...) or (T, I) routed tensor, in any preset."""
+    x, weights, pe, _, kw = moe_case(torch.float32, "qwen2_moe", k=3, b=2, s=9)
+    b, s, h = x.shape
+    t, k = b * s, 3
+    assert blocks.MOE_RESIDUALS["layer", preset][:2] == ("topk_idx", "topk_w")
+    assert "gate" not in blocks.MOE_RESIDUALS["layer", preset]
+    w = {n: v.clone().requires_grad_() for n, v in weights.items()}
+    xx = x.clone().requires_grad_()
+    shapes = saved_shapes(lambda: blocks.decoder_layer(xx, blocks.LayerOptions(
+        weights=w, **rope_args(pe), preset=preset, **kw)))
+    others = [sh for sh in shapes if sh not in {tuple(v.shape) for v in w.values()}
+              and sh != tuple(x.shape) and sh != tuple(pe[0].shape) and sh != (0,)]
+    d = h // NH
+    expected = {"fast": [(b, NH, s, d), (b, NKV, s, d), (b, NKV, s, d), (b, NH, s, d),
+                         (b, NH, s)],
+                "balanced": [(b, NH, s, d), (b, NH, s)], "min_memory": []}[preset]
+    assert sorted(others) == sorted([(t, k), (t, k)] + expected), others
+    if preset != "min_memory":
+        assert shapes.count(tuple(x.shape)) == 2  # x and h
+
+
+def test_compiles_without_graph_breaks(monkeypatch):
+    """torch.compile (fullgraph) of a chunked MoE layer: no graph break, the eager results."""
+    torch._dynamo.reset()
+    case = moe_case(torch.float32, "qwen2_moe", seed=3)
+    config.update(chunk_bytes=chunk_cap(4, torch.float32, case[1], 2, "layer"))
+    eager = run(*case, "min_memory", "layer")
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    compiled = torch.compile(blocks.decoder_layer, backend="aot_eager", fullgraph=True)
+    got = run(*case, "min_memory", "layer", fn=compiled)
+    assert sum(counts["graph_break"].values()) == 0, dict(counts["graph_break"])
+    torch.testing.assert_close(got[0], eager[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], eager[1], rtol=1e-6, atol=1e-6)
+    for n in eager[2]:
+        torch.testing.assert_close(got[2][n], eager[2][n], rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_meets_the_accuracy_rule():
+    """bfloat16 weights and input (the grouped GEMM path in bfloat16): within the accuracy rule
+    of plain PyTorch at bfloat16."""
+    case = moe_case(torch.bfloat16, "mixtral", hidden=16, inter=8, experts=4, k=2, seed=7)
+    x, weights, pe, _, kw = case
+    idx = reference_routing(x, weights, pe, kw, "mlp")
+    got = run(*case, "balanced", "mlp")
+    base = run_reference(*case, "mlp", force_idx=idx)
+    ref = run_reference(*case, "mlp", dtype=F64, force_idx=idx)
+    check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)
+    check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD)
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(num_experts_per_tok=6), "num_experts_per_tok=6 is larger than the number of experts"),
+    (dict(num_experts_per_tok=-1), "num_experts_per_tok must be >= 0"),
+    (dict(router="softmax_topk"), "router must be one of 'softmax', 'sigmoid'"),
+    (dict(num_experts_per_tok=0), "mlp.gate.weight is given but num_experts_per_tok is 0"),
+    ("transposed", "mlp.experts.gate_up_proj.*transformers 5"),
+    ("no_shared", "mlp.shared_expert_gate.weight needs a shared expert"),
+    ("int8", "mlp.experts.down_proj is"),
+])
+def test_bad_input_is_refused(change, match):
+    x, weights, pe, _, kw = moe_case(torch.float32, "qwen2_moe", inter=6)
+    if change == "transposed":  # gpt-oss's (E, H, 2I)
+        weights["mlp.experts.gate_up_proj"] = weights["mlp.experts.gate_up_proj"].transpose(1, 2)
+    elif change == "no_shared":
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            del weights[f"mlp.{n}.weight"]
+    elif change == "int8":  # a quantized expert weight
+        weights["mlp.experts.down_proj"] = weights["mlp.experts.down_proj"].to(torch.int8)
+    else:
+        kw = dict(kw, **change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        blocks.decoder_layer(x, blocks.LayerOptions(weights=weights, **rope_args(pe), **kw))
+
+
+def test_the_reference_can_fail():
+    """The comparison is sensitive: renormalising the top-k weights, or dropping the shared
+    gate, changes the output far beyond the tolerance."""
+    x, weights, pe, dy, kw = moe_case(F64, "qwen2_moe")
+    got = run(x, weights, pe, dy, kw, "balanced", "layer")[0]
+    with pytest.raises(AssertionError):
+        check_f64("y", got, run_reference(x, weights, pe, dy, dict(kw, norm_topk_prob=True),
+                                          "layer")[0])
+    without_gate = {n: t for n, t in weights.items() if n != "mlp.shared_expert_gate.weight"}
+    with pytest.raises(AssertionError):
+        check_f64("y", got, run_reference(x, without_gate, pe, dy, kw, "layer")[0])
+
+
+def test_autocast_meets_the_accuracy_rule():
+    """float32 weights and input under bfloat16 autocast (the compute dtype bfloat16: router,
+    experts and shared expert in bfloat16, the router's scores in float32): within the accuracy
+    rule of the plain PyTorch reference under the same autocast."""
+    case = moe_case(torch.float32, "qwen2_moe", hidden=16, inter=8, experts=4, k=2, seed=11)
+    x, weights, pe, dy, kw = case
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx = reference_routing(x, weights, pe, kw, "layer")
+        got = run(*case, "min_memory", "layer")
+        base = run_reference(*case, "layer", force_idx=idx)
+    ref = run_reference(*case, "layer", dtype=F64, force_idx=idx)
+    assert got[0].dtype == torch.float32
+    check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT, dtype=torch.bfloat16)
+    check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD, dtype=torch.bfloat16)
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD,
+                          dtype=torch.bfloat16)
