@@ -1281,7 +1281,7 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   }
   // Per chunk: h, the MLP's backward, the o projection's backward into dout.
   const auto act = x.options().dtype(L.act_dtype(x));
-  const at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
     at::Tensor o;
@@ -1318,6 +1318,9 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     const at::Tensor out_g = ulysses::to_heads(sp.g, round_q(sp, out, j));
     const at::Tensor lse_g = ulysses::lse_to_heads(sp.g, round_q(sp, lse, j));
     const at::Tensor dout_g = ulysses::to_heads(sp.g, round_q(sp, dout, j));
+    if (j + 1 == sp.rounds) {  // every round's out, lse, dout sent: the whole local ones go
+      out.reset(), lse.reset(), dout.reset();  // (kept residuals stay held by the saved list)
+    }
     auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
         dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
         /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
