@@ -1440,17 +1440,15 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   const int64_t d = L.head_dim();
   const bool layer = L.part_id == Part::kLayer;
   Grads g(/*chunked=*/sp.cs.size() > 1);
-  // q, k, v of the rank's tokens: kept (fast) or projected again
-  const LocalQkv local = sp_local_qkv(x, L, sp, r);
   at::Tensor out, lse;
   if (r.out.defined()) {
     out = r.out, lse = r.lse;
   } else {  // min_memory: the forward's attention rounds and their exchanges
-    std::tie(out, lse) = sp_attention(x, L, sp, local);
+    std::tie(out, lse) = sp_attention(x, L, sp, sp_local_qkv(x, L, sp, r));
   }
   // Per chunk: h, the MLP's backward, the o projection's backward into dout.
   const auto act = x.options().dtype(L.act_dtype(x));
-  const at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
     at::Tensor o;
@@ -1475,6 +1473,9 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
     c.of(g.dx).copy_(dh);
   }
+  // q, k, v of the rank's tokens, kept (fast) or projected (again, for min_memory: not held
+  // through the chunk loop above, which holds out, dout and dx whole)
+  const LocalQkv local = sp_local_qkv(x, L, sp, r);
   // The attention's backward round by round: q, k, v, out, lse and dout go out, dq, dk, dv
   // (of the KV heads as exchanged) come back. A round reads only its heads, so dq, dk, dv
   // overwrite q, k, v where those were computed here (not kept residuals, which stay intact).
@@ -1487,6 +1488,9 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     const at::Tensor out_g = ulysses::to_heads(sp.g, round_q(sp, out, j));
     const at::Tensor lse_g = ulysses::lse_to_heads(sp.g, round_q(sp, lse, j));
     const at::Tensor dout_g = ulysses::to_heads(sp.g, round_q(sp, dout, j));
+    if (j + 1 == sp.rounds) {  // every round's out, lse, dout sent: the whole local ones go
+      out.reset(), lse.reset(), dout.reset();  // (kept residuals stay held by the saved list)
+    }
     auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
         dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
         /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);

@@ -321,6 +321,33 @@ def context_parallel_step(group):
         return hf_step(model, dict(input_ids=ids, position_ids=pos, labels=ids))
 
 
+def accelerate_cp_step(group, rank, world):
+    """A training step of a model patched with sequence_parallel= inside accelerate's
+    maybe_context_parallel with ParallelismConfig(cp_size=2) (torch's context_parallel
+    underneath): refused on every rank. Accelerate's own refusal to set it up comes back as
+    ("setup", message)."""
+    try:
+        import accelerate
+        from accelerate.parallelism_config import ParallelismConfig
+    except ImportError as e:
+        return ("setup", f"accelerate with ParallelismConfig is not installed ({e})")
+
+    import ckpt_ext
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")  # the group exists already
+    try:
+        acc = accelerate.Accelerator(cpu=True,
+                                     parallelism_config=ParallelismConfig(cp_size=world))
+    except Exception as e:  # noqa: BLE001 - reported by the test as its skip reason
+        return ("setup", f"{type(e).__name__}: {e}")
+    model = hf_model()
+    ckpt_ext.patch_llama(model, sequence_parallel=group)
+    batch = hf_batch("packed")
+    ids, pos = batch["input_ids"].clone(), batch["position_ids"].clone()
+    with acc.maybe_context_parallel(buffers=[ids, pos], buffer_seq_dims=[1, 1]):
+        return hf_step(model, {"input_ids": ids, "position_ids": pos, "labels": ids})
+
+
 def _hf_worker(rank, world, init_file, out_dir):
     import ckpt_ext
     from ckpt_ext.hf import sequence_parallel as sp
@@ -369,6 +396,7 @@ def _hf_worker(rank, world, init_file, out_dir):
                 return hf_step(model, {**batch, **extra})
             results[key] = outcome(one_bad)
         results["context-parallel"] = outcome(lambda: context_parallel_step(group))
+        results["accelerate-cp"] = outcome(lambda: accelerate_cp_step(group, rank, world))
         results["torch-policy"] = outcome(
             lambda: ckpt_ext.patch_llama(hf_model(), "torch", sequence_parallel=group))
         results["odd-length"] = outcome(lambda: sp.shard_batch(
@@ -381,8 +409,16 @@ def _hf_worker(rank, world, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def hf_ranks(tmp_path_factory):
+    """One spawned 2-rank group for every HF-model case (its results per rank)."""
+    out = tmp_path_factory.mktemp("hf")
+    return spawn_ranks(_hf_worker, (2, str(out / "init"), str(out)), out,
+                       "sequence-parallel HF model", world=2)
+
+
 @linux_only
-def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
+def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
     """A tiny fp64 HF LLaMA patched with sequence_parallel=group on 2 gloo ranks, its batch cut
     by shard_batch: the ranks' losses sum to the single-process loss of the whole batch and the
     gradients summed over the group equal its gradients (1e-10), with left padding past rank
@@ -390,10 +426,7 @@ def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
     dropout (each rank seeded differently: the group's first rank's seed per layer call on
     every rank, masks on global rows). Bad input refuses on every rank."""
     import ckpt_ext
-    out = tmp_path / "hf"
-    out.mkdir()
-    ranks = spawn_ranks(_hf_worker, (2, str(out / "init"), str(out)), out,
-                        "sequence-parallel HF model", world=2)
+    ranks = hf_ranks
     for key, (policy, dropout, kind) in HF_CASES.items():
         model = hf_model(dropout)
         ckpt_ext.patch_llama(model, policy)
@@ -428,3 +461,18 @@ def test_patched_hf_model_two_ranks_equal_one_process(tmp_path):
             assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
             if key in ("no-position-ids-rank1", "cache-rank1"):
                 assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]
+
+
+@linux_only
+def test_accelerate_cp_size_refused_on_every_rank(hf_ranks):
+    """accelerate's ParallelismConfig(cp_size=2) (torch's ring attention) with a model patched
+    with sequence_parallel=: every rank raises naming the supported route. Skipped, with
+    accelerate's reason, where accelerate will not set cp_size up (it takes FSDP2 or a
+    multi-GPU setup; on the CPU it refuses MULTI_CPU)."""
+    res = [r["accelerate-cp"] for r in hf_ranks]
+    if all(r[0] == "ok" and isinstance(r[1], tuple) and r[1][0] == "setup" for r in res):
+        print(f"accelerate could not set up cp_size=2 here: {res[0][1][1]}")
+        pytest.skip(f"accelerate could not set up cp_size=2 here: {res[0][1][1]}")
+    for r, got in enumerate(res):
+        assert got[0] == "raised", f"rank {r} ran without error: {got}"
+        assert "sequence_parallel=" in got[2] and "context_parallel is active" in got[2], got
