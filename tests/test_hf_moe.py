@@ -214,7 +214,7 @@ def test_other_moe_families_are_refused_by_name(model_type):
 def test_auto_policy_and_the_plan_refuse_moe():
     """The planner does not model routed experts: policy='auto' and the plan refuse an MoE
     model by name rather than plan it as a dense one."""
-    from ckpt_ext.plan import layer_dims_from_config
+    from ckpt_ext.hf.families import layer_dims_from_config
     model = make("olmoe")
     with pytest.raises(NotImplementedError, match="policy='auto' is not implemented for "
                        "mixture-of-experts"):
