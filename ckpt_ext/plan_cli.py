@@ -17,12 +17,12 @@ import sys
 from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
-from .plan import (_DTYPES, _PATHS, ATTENTION_BWD_TFLOPS, ATTENTION_FWD_TFLOPS, FRAGMENTATION,
-                   MATMUL_TFLOPS, OFFLOAD_SETUPS, PEAK_SETUPS, choose_presets, format_bytes,
-                   head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
+from .plan import (_DTYPES, _PATHS, FRAGMENTATION, OFFLOAD_SETUPS, PEAK_SETUPS,
+                   choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
                    longest_sequence_offload, model_state_bytes, offload_step_peak,
                    parse_bytes, recompute_flops, step_peak, step_time_estimate)
 from .presets import FUSED_PRESETS, per_token_bytes
+from .throughputs import default_throughputs, load_throughputs
 
 __all__ = ["main", "host_ram_bytes"]
 
@@ -164,10 +164,12 @@ fits, and an estimated step time. The device memory a plan keeps free: --cuda-co
 the CUDA context, cuBLAS workspaces and loaded kernels) plus --fragmentation (5%% of the
 device: the caching allocator's reserved-but-unused blocks); the H100 capacity search in
 bench/results/gpu_h100_2026-11-24/ bracketed the real figure between 2.0 and 9.0 GiB on an
-80 GB card. An H100 "80GB" has 81559MiB (79.6 GiB). Step times are ESTIMATES: FLOPs (matmuls
-and attention, forward, backward, recompute) at H100 rates, --attention-fwd-tflops 350 and
---attention-bwd-tflops 170 (the Triton attention kernels ran 329-372 and 151-180 TFLOP/s) and
---matmul-tflops 400 (the LM head's GEMMs ran about 410); memory-bound work and the optimizer
+80 GB card. An H100 "80GB" has 81559MiB (79.6 GiB). Step times (seconds per step, tokens per
+second, at --seq and at the longest S) are ESTIMATES: FLOPs (matmuls and attention, forward,
+backward, recompute) at the rates of --throughputs FILE (ckpt_ext.throughputs; by sequence
+length), by default the plan's H100 rates: attention forward 350 and backward 170 TFLOP/s (the
+Triton attention kernels ran 329-372 and 151-180) and matmuls 400 (the LM head's GEMMs ran
+about 410); --attention-fwd-tflops etc. replace one rate. Memory-bound work and the optimizer
 step are left out. On the H100 they came to 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps.
 
 examples:
@@ -228,14 +230,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fragmentation", type=_fraction, default=FRAGMENTATION,
                     help="fraction of the device memory kept for the allocator's "
                          "fragmentation (default 0.05)")
-    ap.add_argument("--attention-fwd-tflops", type=_positive_float,
-                    default=ATTENTION_FWD_TFLOPS, help="attention forward rate for the step "
-                    "time estimate (default 350: the Triton kernel on an H100)")
-    ap.add_argument("--attention-bwd-tflops", type=_positive_float,
-                    default=ATTENTION_BWD_TFLOPS, help="attention backward rate (default 170: "
-                    "the Triton kernel on an H100)")
-    ap.add_argument("--matmul-tflops", type=_positive_float, default=MATMUL_TFLOPS,
-                    help="matmul rate for the step time estimate (default 400, an H100)")
+    ap.add_argument("--throughputs", metavar="FILE",
+                    help="a kernel throughputs file (ckpt_ext.throughputs: JSON with TFLOP/s per "
+                         "kind, attention_forward / attention_backward / matmul, by sequence "
+                         "length) for the step time estimate; default the plan's H100 rates "
+                         "(ckpt_ext.throughputs.default_throughputs)")
+    ap.add_argument("--attention-fwd-tflops", type=_positive_float, default=None,
+                    help="attention forward rate for the step time estimate, in place of "
+                         "the throughputs file's (default: its rate; the plan's own is 350, "
+                         "the Triton kernel on an H100)")
+    ap.add_argument("--attention-bwd-tflops", type=_positive_float, default=None,
+                    help="attention backward rate, in place of the file's (the plan's own: "
+                         "170, the Triton kernel on an H100)")
+    ap.add_argument("--matmul-tflops", type=_positive_float, default=None,
+                    help="matmul rate, in place of the file's (the plan's own: 400, an H100)")
     return ap
 
 
@@ -256,6 +264,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"{getattr(args, name)!r}")
             setattr(args, name, value)
 
+    try:
+        args.rates = (load_throughputs(args.throughputs) if args.throughputs is not None
+                      else default_throughputs())
+    except ValueError as e:
+        ap.error(f"argument --throughputs: {e}")
     if args.offload:
         try:
             _host_memory(args)
@@ -427,9 +440,6 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         print(f"  model state ({args.weights}): {format_bytes(state)}")
     print(f"  left for the step: {format_bytes(room) if room > 0 else 'nothing'}")
     host = _host_memory(args)[0] if args.offload else None
-    rates = dict(attention_fwd_tflops=args.attention_fwd_tflops,
-                 attention_bwd_tflops=args.attention_bwd_tflops,
-                 matmul_tflops=args.matmul_tflops)
     cases = [(setup, False) for setup in PEAK_SETUPS]
     if args.offload:
         cases += [(setup, True) for setup in OFFLOAD_SETUPS]
@@ -443,19 +453,26 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
                              train_weights=train).peak
         total = state + peak + headroom
         if room <= 0:
-            verdict, longest = "does not fit (model state)", "none"
+            verdict, n = "does not fit (model state)", 0
         else:
             verdict = "fits" if peak <= room else "does not fit"
             kw = dict(path=args.path, headroom=headroom, shard=args.shard)
-            longest = _longest_text(
-                longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
-                                         args.weights, **kw) if offload else
-                longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
-        secs = step_time_estimate(setup, layers, V, B, S, train_weights=train, **rates)
-        rows.append([_SETUP_NAMES[setup] + (" + offload" if offload else ""),
-                     format_bytes(peak), format_bytes(total), verdict, longest, f"{secs:,.2f}"])
+            n = (longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
+                                          args.weights, **kw) if offload else
+                 longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
+        longest = _longest_text(n)
+        secs = _seconds(args, setup, layers, V, B, S)
+        row = [_SETUP_NAMES[setup] + (" + offload" if offload else ""),
+               format_bytes(peak), format_bytes(total), verdict, f"{secs:,.2f}",
+               f"{B * S / secs:,.0f}", longest]
+        if n:
+            secs_n = _seconds(args, setup, layers, V, B, n)
+            row += [f"{secs_n:,.2f}", f"{B * n / secs_n:,.0f}"]
+        else:
+            row += ["-", "-"]
+        rows.append(row)
     print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
-                        "longest S", "step s (estimate)"]))
+                        "step s", "tokens/s", "longest S", "its step s", "its tokens/s"]))
     if room <= 0:
         print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
               f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
@@ -470,12 +487,34 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         else:
             print("  no sharding degree up to 4096 makes room: the gathered units alone are "
                   "too large")
-    print(f"step s: an ESTIMATE from FLOPs (forward, backward, recompute; ckpt_ext.plan."
-          f"step_flops) at {args.attention_fwd_tflops:g} / {args.attention_bwd_tflops:g} "
-          f"TFLOP/s for the attention forward / backward and {args.matmul_tflops:g} for "
-          f"matmuls (H100 figures: 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps at S 8K-16K); "
-          f"norms, SwiGLU, the optimizer" + (", the offload copies" if args.offload else "")
-          + " and launch gaps are left out")
+    print(f"step s, tokens/s: an ESTIMATE from FLOPs (forward, backward, recompute; "
+          f"ckpt_ext.plan.step_flops) at {_rates_words(args, S)}; norms, SwiGLU, the optimizer"
+          + (", the offload copies" if args.offload else "")
+          + " and launch gaps are left out (the H100 rates came to 0.83-1.03x the measured "
+          "LLaMA-3.1-8B LoRA steps at S 8K-16K)")
+
+
+def _rate_kwargs(args, S: int) -> dict:
+    """The step time estimate's rates at S: the throughputs file's, each replaced by its
+    --*-tflops flag when given."""
+    kw = args.rates.step_time_kwargs(S)
+    for key in kw:
+        if getattr(args, key) is not None:
+            kw[key] = getattr(args, key)
+    return kw
+
+
+def _seconds(args, setup, layers, V, B, S) -> float:
+    return step_time_estimate(setup, layers, V, B, S, train_weights=args.weights == "full",
+                              **_rate_kwargs(args, S))
+
+
+def _rates_words(args, S: int) -> str:
+    kw = _rate_kwargs(args, S)
+    src = args.rates.source if args.throughputs is not None else "the plan's H100 rates"
+    return (f"{kw['attention_fwd_tflops']:g} / {kw['attention_bwd_tflops']:g} TFLOP/s for the "
+            f"attention forward / backward and {kw['matmul_tflops']:g} for matmuls at S {S:,} "
+            f"({src}; the longest S's time at its own length)")
 
 
 def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:

@@ -760,3 +760,68 @@ def test_plan_parses_bytes_with_the_settings_parser():
     """One byte parser: the plan's is ckpt_ext.config.parse_bytes, which reads the chunk cap
     handed to the engine (tests/test_config.py)."""
     assert plan.parse_bytes is config.parse_bytes
+
+
+def _column(out, name, header):
+    """The cell under ``header`` in the verdict row ``name`` (columns split on 2+ spaces)."""
+    verdict = out[out.index("will it fit"):]
+    head = next(x for x in verdict.splitlines() if x.startswith("setup "))
+    cols = re.split(r"\s{2,}", head.strip())
+    cells = re.split(r"\s{2,}", _row(verdict, name).strip())
+    return cells[cols.index(header)]
+
+
+def test_cli_throughputs_file_scales_the_printed_time(tmp_path, capsys):
+    """--throughputs FILE: the printed seconds per step follow the file's rates (every rate
+    times 2.5: the time / 2.5, tokens/s x 2.5), at --seq and at the longest S; the default is
+    the plan's own rates; a rate flag replaces the file's; a bad file is a usage error."""
+    from ckpt_ext import throughputs as tp
+
+    headers = {"command": "test", "commit": "-", "machine": "test", "date": "2026-11-27"}
+
+    def write(name, k):
+        path = tmp_path / name
+        tp.write_throughputs(path, headers, [
+            tp.Rate("attention_forward", 100.0 * k, seq_max=1000),   # not serving S 4096
+            tp.Rate("attention_forward", 300.0 * k),
+            tp.Rate("attention_backward", 150.0 * k), tp.Rate("matmul", 400.0 * k)])
+        return str(path)
+
+    args = [str(tmp_path / "config.json"), "--batch", "1", "--seq", "4096",
+            "--device-memory", "80GiB", "--weights", "lora"]
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    got = {}
+    for k in (1, 2.5):
+        assert plan_cli.main(args + ["--throughputs", write(f"t{k}.json", k)]) == 0
+        out = capsys.readouterr().out
+        got[k] = {c: float(_column(out, "min_memory", c).replace(",", ""))
+                  for c in ("step s", "tokens/s", "its step s", "longest S")}
+        assert ("300 / 150 TFLOP/s" if k == 1 else "750 / 375 TFLOP/s") in out
+    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False,
+                                   attention_fwd_tflops=300, attention_bwd_tflops=150,
+                                   matmul_tflops=400)
+    assert got[1]["step s"] == pytest.approx(want, abs=0.006)
+    assert got[1]["tokens/s"] == pytest.approx(4096 / want, rel=1e-3)
+    assert got[2.5]["step s"] == pytest.approx(got[1]["step s"] / 2.5, abs=0.006)
+    assert got[2.5]["tokens/s"] == pytest.approx(got[1]["tokens/s"] * 2.5, rel=1e-3)
+    assert got[2.5]["longest S"] == got[1]["longest S"]          # memory does not change
+    assert got[2.5]["its step s"] == pytest.approx(got[1]["its step s"] / 2.5, rel=1e-3)
+    # default: the plan's constants
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False)
+    assert float(_column(out, "min_memory", "step s")) == pytest.approx(want, abs=0.006)
+    assert "(the plan's H100 rates" in out
+    # a flag replaces one rate of the file
+    assert plan_cli.main(args + ["--throughputs", write("t.json", 1), "--matmul-tflops", "800"]) == 0
+    out = capsys.readouterr().out
+    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False,
+                                   attention_fwd_tflops=300, attention_bwd_tflops=150,
+                                   matmul_tflops=800)
+    assert float(_column(out, "min_memory", "step s")) == pytest.approx(want, abs=0.006)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        plan_cli.main(args + ["--throughputs", str(tmp_path / "bad.json")])
+    err = capsys.readouterr().err
+    assert "argument --throughputs" in err and "bad.json" in err
