@@ -18,9 +18,12 @@ from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
 from .plan import (_DTYPES, _PATHS, FRAGMENTATION, OFFLOAD_SETUPS, PEAK_SETUPS,
+                   SP_LINK_GBYTES_PER_S,
                    choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
                    longest_sequence_offload, model_state_bytes, offload_step_peak,
-                   parse_bytes, recompute_flops, step_peak, step_time_estimate)
+                   parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
+                   sp_longest_sequence, sp_step_peak, sp_step_time, step_peak,
+                   step_time_estimate)
 from .presets import FUSED_PRESETS, per_token_bytes
 from .throughputs import default_throughputs, load_throughputs
 
@@ -230,6 +233,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fragmentation", type=_fraction, default=FRAGMENTATION,
                     help="fraction of the device memory kept for the allocator's "
                          "fragmentation (default 0.05)")
+    ap.add_argument("--sequence-parallel", type=_bounded_int(_MAX["gpus"]), default=1,
+                    metavar="N",
+                    help="Ulysses sequence parallelism over N GPUs (default 1: none): each GPU "
+                         "holds S/N tokens of every layer and attends over all S with Hq/N "
+                         "heads after an all-to-all of q, k, v; prints per GPU the saved bytes, "
+                         "peak, all-to-all bytes per layer, host bytes (--offload), the longest "
+                         "S (with --device-memory) and the step time. --seq is the whole "
+                         "sequence (a multiple of N); --shard M shards the model state")
+    ap.add_argument("--link-gbytes-per-s", type=_positive_float, default=SP_LINK_GBYTES_PER_S,
+                    metavar="GB_S",
+                    help="with --sequence-parallel: all-to-all bandwidth per GPU and direction "
+                         "in GB/s (1e9 bytes/s) for the step time (default 300: an assumption "
+                         "for NVLink-class links, whose H100 NVLink 4 peak is 450 GB/s a "
+                         "direction; about 25-50 for 200-400 Gbit/s InfiniBand between nodes)")
     ap.add_argument("--throughputs", metavar="FILE",
                     help="a kernel throughputs file (ckpt_ext.throughputs: JSON with TFLOP/s per "
                          "kind, attention_forward / attention_backward / matmul, by sequence "
@@ -303,6 +320,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if value > limit:
             ap.error(f"config: {name} must be at most {limit:,}, got {value:,}")
     B, S, dtype = args.batch, args.seq, _DTYPES[args.dtype]
+    if args.sequence_parallel > 1:
+        try:
+            sp_exchange_bytes("fast", layers[0], B, S, args.sequence_parallel, dtype)
+            for x in layers:
+                sp_exchange_bytes("fast", x, 1, args.sequence_parallel, args.sequence_parallel,
+                                  dtype)
+        except ValueError as e:
+            ap.error(f"argument --sequence-parallel: {e}")
     d = layers[0]
     L, T = len(layers), B * S
     head_hf = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=False)
@@ -336,6 +361,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.device_memory is not None:
         print()
         _print_verdict(args, layers, V, B, S, dtype)
+    if args.sequence_parallel > 1:
+        print()
+        _print_sequence_parallel(args, layers, V, B, S, dtype)
     if args.budget is not None:
         print()
         try:
@@ -515,6 +543,81 @@ def _rates_words(args, S: int) -> str:
     return (f"{kw['attention_fwd_tflops']:g} / {kw['attention_bwd_tflops']:g} TFLOP/s for the "
             f"attention forward / backward and {kw['matmul_tflops']:g} for matmuls at S {S:,} "
             f"({src}; the longest S's time at its own length)")
+
+
+def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
+    """The sequence-parallel rows at N GPUs: one per fused preset (and with --offload per
+    fused preset offloaded), each a dict of per-GPU figures."""
+    train = args.weights == "full"
+    host = _host_memory(args)[0] if args.offload else None
+    memory = args.device_memory
+    if memory is not None:
+        headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
+        room = memory - headroom - model_state_bytes(layers, V, dtype, args.weights,
+                                                     shard=args.shard)
+    cases = [(p, False) for p in OFFLOAD_SETUPS]
+    if args.offload:
+        cases += [(p, True) for p in OFFLOAD_SETUPS]
+    rows = []
+    for setup, offload in cases:
+        p = sp_step_peak(setup, layers, V, B, S, N, dtype, path=args.path, train_weights=train,
+                         offload=offload, host_limit=host)
+        fwd = bwd = 0
+        if N > 1:
+            fwd, bwd = sp_exchange_bytes(setup, layers[0], B, S, N, dtype)
+        compute, comm = sp_step_time(setup, layers, V, B, S, N, dtype, train_weights=train,
+                                     link_gbytes_per_s=args.link_gbytes_per_s,
+                                     **_rate_kwargs(args, S))
+        row = {"setup": setup + (" + offload" if offload else ""), "saved": p.saved,
+               "peak": p.peak, "phase": p.phase, "host": p.host, "a2a_fwd": fwd,
+               "a2a_bwd": bwd, "compute_s": compute, "a2a_s": comm, "step_s": compute + comm,
+               "tokens_per_s": B * S / (compute + comm), "fits": None, "longest": None}
+        if memory is not None:
+            row["fits"] = room > 0 and p.peak <= room
+            row["longest"] = 0 if room <= 0 else sp_longest_sequence(
+                setup, layers, V, B, N, dtype, memory, args.weights, path=args.path,
+                offload=offload, host_memory=host, headroom=headroom, shard=args.shard)
+            if row["longest"]:
+                c, m = sp_step_time(setup, layers, V, B, row["longest"], N, dtype,
+                                    train_weights=train,
+                                    link_gbytes_per_s=args.link_gbytes_per_s,
+                                    **_rate_kwargs(args, row["longest"]))
+                row["longest_step_s"] = c + m
+        rows.append(row)
+    return rows
+
+
+def _print_sequence_parallel(args, layers, V, B, S, dtype) -> None:
+    """The sequence-parallel table: per GPU, per fused preset."""
+    N = args.sequence_parallel
+    S_l = sp_local_tokens(S, N)
+    print(f"sequence parallel over {N} GPUs (Ulysses in the fused layer; "
+          f"{_weights_words(args)}, {args.path} path): per GPU {B} x {S_l:,} tokens of the "
+          f"{S:,}-token sequence, attention over all {S:,} with {layers[0].num_heads // N} of "
+          f"{layers[0].num_heads} query heads")
+    header = ["per GPU", "saved", "device peak", "host", "all-to-all fwd/layer",
+              "all-to-all bwd/layer", "step s (a2a s)", "tokens/s"]
+    if args.device_memory is not None:
+        header += [f"at S {S:,}", "longest S", "its step s"]
+    table = []
+    for r in sequence_parallel_rows(args, layers, V, B, S, dtype, N):
+        cells = [r["setup"], format_bytes(r["saved"]), format_bytes(r["peak"]),
+                 format_bytes(r["host"]), format_bytes(r["a2a_fwd"]),
+                 format_bytes(r["a2a_bwd"]), f"{r['step_s']:,.2f} ({r['a2a_s']:,.2f})",
+                 f"{r['tokens_per_s']:,.0f}"]
+        if args.device_memory is not None:
+            cells += ["fits" if r["fits"] else "does not fit", _longest_text(r["longest"]),
+                      f"{r['longest_step_s']:,.2f}" if r["longest"] else "-"]
+        table.append(cells)
+    print(_table(table, header))
+    print(f"sequence parallel: each all-to-all sends (N-1)/N of the rank's tensor and receives "
+          f"as much; forward q, k, v, out, lse; backward q, k, v, out, lse, dout out and dq, "
+          f"dk, dv back (min_memory: the forward's again); 'host' is one GPU's offloaded "
+          f"layers; the peak counts one attention round over the whole gathered sequence "
+          f"(one KV head's q, k, v, out, dout, dq, dk, dv over all {S:,} tokens at least); "
+          f"step s: the FLOPs / N at the rates above plus the all-to-all bytes at "
+          f"{args.link_gbytes_per_s:g} GB/s, not overlapped (ESTIMATES); the model state per "
+          f"GPU is the --shard figure")
 
 
 def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:

@@ -825,3 +825,117 @@ def test_cli_throughputs_file_scales_the_printed_time(tmp_path, capsys):
         plan_cli.main(args + ["--throughputs", str(tmp_path / "bad.json")])
     err = capsys.readouterr().err
     assert "argument --throughputs" in err and "bad.json" in err
+
+
+# ---- sequence parallelism -------------------------------------------------------------------
+def test_sp_exchange_bytes_by_hand():
+    """H 8, Hq 4, Hkv 2, D 4, B 1, S 12, bf16. N 2: 6 tokens a GPU, KV heads as they are (q 16,
+    k and v 8 elements a token); forward q, k, v, out (2 bytes) and lse (4 bytes a head); backward
+    q, k, v, out, dout, lse out and dq, dk, dv back; min_memory the forward's again; each
+    all-to-all sends half. N 4: 3 tokens, the 2 KV heads repeated to 4 (k, v 16 a token)."""
+    d = LayerDims(8, 4, 2, 4, 16)
+    fwd = 6 * (2 * (16 + 8 + 8) + 2 * 16 + 4 * 4)
+    bwd = 6 * (2 * (16 + 8 + 8 + 16 + 16) + 4 * 4 + 2 * (16 + 8 + 8))
+    for preset in ("fast", "balanced"):
+        assert plan.sp_exchange_bytes(preset, d, 1, 12, 2, "bf16") == (fwd // 2, bwd // 2)
+    assert plan.sp_exchange_bytes("min_memory", d, 1, 12, 2, "bf16") == (fwd // 2,
+                                                                         (bwd + fwd) // 2)
+    fwd4 = 3 * (2 * (16 + 16 + 16) + 2 * 16 + 4 * 4)
+    assert plan.sp_exchange_bytes("fast", d, 1, 12, 4, "bf16")[0] == fwd4 * 3 // 4
+    assert plan.sp_kv_repeats(2, 4) == 2 and plan.sp_kv_repeats(8, 4) == 1
+    assert plan.sp_exchange_bytes("fast", d, 1, 12, 1, "bf16") == (0, 0)
+    with pytest.raises(ValueError, match="sequence length 13 must be divisible"):
+        plan.sp_exchange_bytes("fast", d, 1, 13, 2, "bf16")
+    with pytest.raises(ValueError, match="num_attention_heads 4 must be divisible"):
+        plan.sp_exchange_bytes("fast", d, 1, 24, 8, "bf16")
+    with pytest.raises(ValueError, match="num_key_value_heads 2 must be a multiple or a divisor"):
+        plan.sp_exchange_bytes("fast", LayerDims(8, 6, 2, 4, 16), 1, 24, 3, "bf16")
+
+
+def test_sp_round_kv_heads_follows_the_cap():
+    """The engine's rule: the most KV heads per GPU (a divisor) whose round fits the cap."""
+    d = LayerDims(4096, 32, 8, 128, 14336)
+    per = 1 * 1024 * 2 * 128 * (4 * 4 + 4) * 4          # one KV head, 2 x 1024 rows, fp32 width
+    assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, 4 * per) == 4
+    assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, 3 * per) == 2   # 3 does not divide 4
+    assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, per - 1) == 1   # at least one
+    assert plan.sp_round_kv_heads(d, 1, 1024, 8, 2, 1 << 60) == 1   # 8 KV heads over 8 GPUs
+
+
+def test_sp_step_peak_and_time():
+    """N 1 is the single-GPU model; under N the saved bytes are those of S/N tokens, the peak
+    at least the single-GPU step of S/N tokens and at least the round over all S; the step's
+    compute is the whole sequence's FLOPs / N, the exchange its bytes at the link rate."""
+    d = LayerDims(4096, 32, 8, 128, 14336)
+    L, V, S = [d] * 4, 128256, 1 << 18
+    for setup in ("fast", "balanced", "min_memory"):
+        one = plan.sp_step_peak(setup, L, V, 1, S, 1, "bf16", train_weights=False)
+        ref = plan.step_peak(setup, L, V, 1, S, "bf16", train_weights=False)
+        assert (one.saved, one.peak) == (ref.saved, ref.peak)
+        off = plan.sp_step_peak(setup, L, V, 1, S, 1, "bf16", train_weights=False, offload=True,
+                                host_limit=1 << 40)
+        assert off.peak == plan.offload_step_peak(setup, L, V, 1, S, "bf16",
+                                                  train_weights=False, host_limit=1 << 40).peak
+        for N in (2, 4, 8):
+            p = plan.sp_step_peak(setup, L, V, 1, S, N, "bf16", train_weights=False)
+            local = plan.step_peak(setup, L, V, 1, S // N, "bf16", train_weights=False)
+            assert p.saved == local.saved and p.peak >= local.peak
+            # one KV head's round: q, k, v, out, dout, dq, dk, dv over S in bf16, at least
+            assert p.round >= 2 * S * 128 * (4 * 4 + 4) and p.peak > p.round
+        t1 = plan.sp_step_time(setup, L, V, 1, S, 1, "bf16", train_weights=False)
+        assert t1 == (pytest.approx(plan.step_time_estimate(setup, L, V, 1, S,
+                                                            train_weights=False)), 0.0)
+        c8, m8 = plan.sp_step_time(setup, L, V, 1, S, 8, "bf16", train_weights=False,
+                                   link_gbytes_per_s=50.0)
+        assert c8 == pytest.approx(t1[0] / 8)
+        sent = 4 * sum(plan.sp_exchange_bytes(setup, d, 1, S, 8, "bf16"))
+        assert m8 == pytest.approx(sent / 50e9)
+    with pytest.raises(ValueError, match="sequence parallelism is the fused layer's"):
+        plan.sp_step_peak("hf_gc", L, V, 1, S, 2, "bf16")
+
+
+def test_sp_longest_sequence_is_the_last_that_fits():
+    d = LayerDims(4096, 32, 8, 128, 14336)
+    L, V, mem = [d] * 32, 128256, 80 * 2**30
+    kw = dict(offload=True, host_memory=192 * 2**30, headroom=plan.headroom_bytes(mem))
+    room = mem - kw["headroom"] - plan.model_state_bytes(L, V, "bf16", "lora")
+    for N in (2, 8):
+        n = plan.sp_longest_sequence("min_memory", L, V, 1, N, "bf16", mem, "lora", **kw)
+        assert n % N == 0 and n > 0
+        peak = lambda s, N=N: plan.sp_step_peak(  # noqa: E731
+            "min_memory", L, V, 1, s, N, "bf16", train_weights=False, offload=True,
+            host_limit=192 * 2**30).peak
+        assert peak(n) <= room < peak(n + N)
+
+
+def test_cli_sequence_parallel(tmp_path, capsys):
+    """--sequence-parallel 8 on LLaMA-3.1-8B LoRA with offload: the per-GPU rows are the
+    plan's; a sequence not divisible by N and heads not divisible are usage errors."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    args = [str(tmp_path / "config.json"), "--batch", "1", "--seq", str(1 << 20),
+            "--weights", "lora", "--offload", "--host-memory", "192GiB",
+            "--device-memory", "80GiB", "--sequence-parallel", "8", "--link-gbytes-per-s", "100"]
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    sp = out[out.index("sequence parallel over 8 GPUs"):]
+    assert "per GPU 1 x 131,072 tokens of the 1,048,576-token sequence" in sp
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    V = 128256
+    line = _row(sp, "min_memory + offload")
+    p = plan.sp_step_peak("min_memory", layers, V, 1, 1 << 20, 8, "bf16", train_weights=False,
+                          offload=True, host_limit=192 * 2**30)
+    fwd, bwd = plan.sp_exchange_bytes("min_memory", layers[0], 1, 1 << 20, 8, "bf16")
+    c, m = plan.sp_step_time("min_memory", layers, V, 1, 1 << 20, 8, "bf16",
+                             train_weights=False, link_gbytes_per_s=100)
+    longest = plan.sp_longest_sequence("min_memory", layers, V, 1, 8, "bf16", 80 * 2**30,
+                                       "lora", offload=True, host_memory=192 * 2**30,
+                                       headroom=plan.headroom_bytes(80 * 2**30))
+    for want in (plan.format_bytes(p.peak), plan.format_bytes(p.host), plan.format_bytes(fwd),
+                 plan.format_bytes(bwd), f"{c + m:,.2f} ({m:,.2f})", f"{longest:,}", " fits "):
+        assert want in line, (want, line)
+    for bad, why in ((["--seq", "1000001"], "sequence length 1000001 must be divisible by"),
+                     (["--sequence-parallel", "64"], "num_attention_heads 32 must be divisible")):
+        with pytest.raises(SystemExit):
+            plan_cli.main(args + bad)
+        err = capsys.readouterr().err
+        assert "argument --sequence-parallel" in err and why in err, err
