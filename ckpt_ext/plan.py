@@ -658,6 +658,8 @@ class SpPeak:
     phase: str      # where the peak is
     host: int       # host pool bytes (offload), 0 without
     round: int      # the attention round's working set over the gathered sequence
+    whole: int = 0  # the whole local tensors of the top layer's attention backward
+    kept: int = 0   # saved bytes of the layers past the host cap, kept on the device
 
 
 def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, N: int,
@@ -689,8 +691,9 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     else:
         ref = step_peak(setup, layers, V, B, S_l, dtype, path=path, train_weights=train_weights)
         saved, host, peak, phase = ref.saved, 0, ref.peak, ref.phase
+    kept = base.kept if offload else 0
     if N == 1:
-        return SpPeak(saved, peak, phase, host, 0)
+        return SpPeak(saved, peak, phase, host, 0, 0, kept)
     e = _dtype(dtype).itemsize
     if chunk_bytes is None:
         chunk_bytes = config.current().chunk_bytes
@@ -723,8 +726,8 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     attn = held + rope + whole + grads + rnd
     if attn > peak:
         return SpPeak(saved, attn, "top layer attention backward (a round over the gathered "
-                      "sequence)", host, rnd)
-    return SpPeak(saved, peak, phase, host, rnd)
+                      "sequence)", host, rnd, whole, kept)
+    return SpPeak(saved, peak, phase, host, rnd, whole, kept)
 
 
 def sp_longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, N: int,
