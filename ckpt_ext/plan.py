@@ -85,7 +85,7 @@ __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
            "StepPeak", "model_state_bytes", "longest_sequence", "OffloadPeak",
            "offload_device_bytes", "offload_split", "offload_step_peak",
-           "longest_sequence_offload", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
+           "longest_sequence_offload", "OffloadChoice", "choose_presets_offload", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
            "sp_longest_sequence", "sp_step_time", "sp_round_kv_heads", "sp_kv_repeats"]
 
 Budget = Union[int, str]
@@ -566,6 +566,106 @@ def step_time_estimate(setup: str, layers: Sequence[LayerDims], V: int, B: int, 
     return (f["attention_forward"] / (attention_fwd_tflops * 1e12)
             + f["attention_backward"] / (attention_bwd_tflops * 1e12)
             + f["matmul"] / (matmul_tflops * 1e12))
+
+
+# ---- auto with offload: the choice by time -----------------------------------------------------
+# With offload, what a layer saves crosses the host link twice a step (down in its forward, up
+# one layer ahead of its backward), overlapped with the layers' compute. The plan's model of a
+# layer's time is the larger of its compute (forward, backward and the preset's recompute at the
+# throughputs' rates) and its copies (2 x its saved bytes at the host link's rate); a layer past
+# the host cap stays on the device and copies nothing. The host link rate is an assumption, not
+# a measurement: PCIe Gen5 x16 carries 64 GB/s a direction at most, and the GPUs of a node share
+# the host's memory bandwidth.
+HOST_LINK_GBYTES_PER_S = 25.0
+
+
+@dataclass(frozen=True)
+class OffloadChoice:
+    """``auto`` with offload (:func:`choose_presets_offload`)."""
+
+    presets: tuple      # one per layer, in forward order
+    seconds: float      # the step time estimate, copies overlapped per layer
+    peak: int           # device: the step's peak above its start
+    host: int           # host bytes
+    kept: int           # saved bytes of the layers past the host cap, on the device
+
+
+def _layer_compute_seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate):
+    """One layer's forward, backward and recompute time (``step_flops``'s parts, one layer)."""
+    T = B * S
+    attn = 2 * d.num_heads * d.head_dim * (S + 1)
+    fwd = T * attn * (2 if preset == "min_memory" else 1)
+    bwd = T * attn * 5 // 2
+    passes = 3 if train_weights else 2
+    mm = T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1])
+    return fwd / (fwd_rate * 1e12) + bwd / (bwd_rate * 1e12) + mm / (mm_rate * 1e12)
+
+
+def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
+                           room: int, host_memory: Optional[int], *, path: str = "cuda",
+                           train_weights: bool = True, prefetch: int = 1,
+                           host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
+                           attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                           attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                           matmul_tflops: float = MATMUL_TFLOPS) -> OffloadChoice:
+    """``auto`` with offload, chosen by time: one fused preset per layer with the least
+    estimated step time (each layer the larger of its compute and its host copies, see above;
+    the LM head's time added) whose device peak fits ``room`` bytes (the device less the model
+    state and headroom) with at most ``host_memory`` bytes in host memory (the offloader's
+    forward-order rule; None: no cap).
+
+    The device peak of a mix is the largest of its presets' working sets (:func:`step_peak`
+    less the layers' saved bytes) plus what the device holds of the layers: the prefetch pool
+    (the ``prefetch + 1`` largest offloaded layers) and the layers past the host cap. The search
+    runs over the count of each preset (every split of the layers into ``fast``, ``balanced``
+    and ``min_memory``), each placed in two orders (``min_memory`` first in forward order, or
+    ``fast`` first): exact for models whose layers are alike, a heuristic otherwise. Ties go to
+    the smaller peak. Raises ValueError when no mix fits (not even every layer
+    ``min_memory``)."""
+    layers = list(layers)
+    _check_shape_args(B, S)
+    L = len(layers)
+    rates = (attention_fwd_tflops, attention_bwd_tflops, matmul_tflops)
+    link = host_link_gbytes_per_s * 1e9
+    work = {}
+    for p in _CHOICES:
+        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights).peak
+        work[p] = full - sum(layer_bytes(p, x, B, S, dtype) for x in layers)
+    head = 2 * B * S * layers[0].hidden_size * V * ((3 if train_weights else 2) + 1)
+    head_s = head / (matmul_tflops * 1e12)
+    best = None
+    for n_min in range(L + 1):
+        for n_bal in range(L - n_min + 1):
+            n_fast = L - n_min - n_bal
+            mix = ["min_memory"] * n_min + ["balanced"] * n_bal + ["fast"] * n_fast
+            for order in (mix, mix[::-1]):
+                moved, host, kept = [], 0, 0
+                secs = head_s
+                for p, d in zip(order, layers):
+                    b = layer_bytes(p, d, B, S, dtype)
+                    compute = _layer_compute_seconds(p, d, B, S, train_weights, *rates)
+                    if offload.admits(host, b, host_memory):
+                        moved.append(b)
+                        host += b
+                        secs += max(compute, 2 * b / link)
+                    else:
+                        kept += b
+                        secs += compute
+                peak = max(work[p] for p in set(order)) + kept + _pool(moved, prefetch)
+                if peak > room:
+                    continue
+                key = (secs, peak)
+                if best is None or key < best[0]:
+                    best = (key, OffloadChoice(tuple(order), secs, peak, host, kept))
+                if n_min == L or n_fast == L:
+                    break                        # one order only
+    if best is None:
+        raise ValueError(
+            f"auto with offload: no mix of fused presets fits {format_bytes(room)} of device "
+            f"memory for the step at B={B}, S={S} (every layer min_memory with "
+            f"{format_bytes(host_memory) if host_memory is not None else 'uncapped'} host "
+            f"memory does not); shorten the sequence or raise the host or device memory")
+    return best[1]
 
 
 # ---- sequence parallelism (Ulysses inside the fused layer) ------------------------------------

@@ -17,8 +17,8 @@ import sys
 from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
-from .plan import (_DTYPES, _PATHS, FRAGMENTATION, OFFLOAD_SETUPS, PEAK_SETUPS,
-                   SP_LINK_GBYTES_PER_S,
+from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, OFFLOAD_SETUPS,
+                   PEAK_SETUPS, SP_LINK_GBYTES_PER_S, choose_presets_offload,
                    choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
                    longest_sequence_offload, model_state_bytes, offload_step_peak,
                    parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
@@ -228,6 +228,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=_bounded_int(_MAX["gpus"]), default=1,
                     help="GPUs sharing one host's RAM (default 1): divides the default "
                          "--host-memory")
+    ap.add_argument("--host-link-gbytes-per-s", type=_positive_float,
+                    default=HOST_LINK_GBYTES_PER_S, metavar="GB_S",
+                    help="with --offload and --device-memory: the host link's rate per GPU and "
+                         "direction in GB/s for 'auto' with offload, chosen by time (default "
+                         "25: an assumption; PCIe Gen5 x16 peaks at 64)")
     ap.add_argument("--cuda-context", default="1GiB",
                     help="device memory kept for the CUDA context (default 1GiB)")
     ap.add_argument("--fragmentation", type=_fraction, default=FRAGMENTATION,
@@ -501,6 +506,8 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         rows.append(row)
     print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
                         "step s", "tokens/s", "longest S", "its step s", "its tokens/s"]))
+    if args.offload and room > 0:
+        _print_auto_offload(args, layers, V, B, S, dtype, room, host)
     if room <= 0:
         print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
               f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
@@ -520,6 +527,25 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
           + (", the offload copies" if args.offload else "")
           + " and launch gaps are left out (the H100 rates came to 0.83-1.03x the measured "
           "LLaMA-3.1-8B LoRA steps at S 8K-16K)")
+
+
+def _print_auto_offload(args, layers, V, B, S, dtype, room, host) -> None:
+    """policy='auto' with offload, chosen by time (ckpt_ext.plan.choose_presets_offload)."""
+    try:
+        c = choose_presets_offload(layers, V, B, S, dtype, room, host, path=args.path,
+                                   train_weights=args.weights == "full",
+                                   host_link_gbytes_per_s=args.host_link_gbytes_per_s,
+                                   **_rate_kwargs(args, S))
+    except ValueError as e:
+        print(f"auto + offload, by time: {e}")
+        return
+    counts = ", ".join(f"{c.presets.count(p)} x {p}" for p in FUSED_PRESETS if p in c.presets)
+    print(f"auto + offload, by time: {counts}; device peak {format_bytes(c.peak)}, host "
+          f"{format_bytes(c.host)}, kept on device {format_bytes(c.kept)}; step s "
+          f"{c.seconds:,.2f}, tokens/s {B * S / c.seconds:,.0f} (each layer the larger of its "
+          f"compute and its host copies at {args.host_link_gbytes_per_s:g} GB/s; the plan "
+          f"only: policy='auto' with offload takes min_memory)")
+    print("  per layer: " + " ".join(c.presets))
 
 
 def _rate_kwargs(args, S: int) -> dict:

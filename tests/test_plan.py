@@ -939,3 +939,92 @@ def test_cli_sequence_parallel(tmp_path, capsys):
             plan_cli.main(args + bad)
         err = capsys.readouterr().err
         assert "argument --sequence-parallel" in err and why in err, err
+
+
+# ---- auto with offload, by time -------------------------------------------------------------
+def _offload_mix_cost(order, layers, V, B, S, room, host_memory, link, rates, train):
+    """An independent evaluation of one per-layer assignment: (seconds, peak) or None."""
+    moved, host, kept, secs = [], 0, 0, 0.0
+    for p, d in zip(order, layers):
+        f = plan.step_flops(p, [d], V, B, S, train_weights=train)
+        head = 2 * B * S * d.hidden_size * V * ((3 if train else 2) + 1)
+        compute = (f["attention_forward"] / (rates[0] * 1e12)
+                   + f["attention_backward"] / (rates[1] * 1e12)
+                   + (f["matmul"] - head) / (rates[2] * 1e12))
+        b = plan.layer_bytes(p, d, B, S, "bf16")
+        if host_memory is None or host + b <= host_memory:
+            moved.append(b)
+            host += b
+            secs += max(compute, 2 * b / link)
+        else:
+            kept += b
+            secs += compute
+    secs += 2 * B * S * layers[0].hidden_size * V * ((3 if train else 2) + 1) / (rates[2] * 1e12)
+    work = max(plan.step_peak(p, layers, V, B, S, "bf16", train_weights=train).peak
+               - sum(plan.layer_bytes(p, x, B, S, "bf16") for x in layers) for p in set(order))
+    peak = work + kept + sum(sorted(moved, reverse=True)[:2])
+    return (secs, peak) if peak <= room else None
+
+
+@pytest.mark.parametrize("link,host_cap,room_mib", [(1e12, None, 1 << 20), (1e12, None, 100),
+                                                    (1e3, None, 1 << 20), (2e9, 3, 1 << 20),
+                                                    (1e12, 2, 110), (1e12, 1, 150)])
+def test_choose_presets_offload_is_the_fastest_mix(link, host_cap, room_mib):
+    """Against every one of the 3^4 assignments evaluated independently: the chosen mix has
+    the least time (ties: the smaller peak) among those that fit; a fast link and room for
+    everything gives fast everywhere, a slow link the fewest bytes (min_memory)."""
+    layers = [LayerDims(256, 4, 2, 64, 704)] * 4
+    V, B, S = 1000, 1, 8192
+    rates = (350.0, 170.0, 400.0)
+    host = None if host_cap is None else host_cap * plan.layer_bytes("balanced", layers[0], B, S,
+                                                                     "bf16")
+    room = room_mib * 2**20
+    c = plan.choose_presets_offload(layers, V, B, S, "bf16", room, host, train_weights=False,
+                                    host_link_gbytes_per_s=link / 1e9,
+                                    attention_fwd_tflops=rates[0], attention_bwd_tflops=rates[1],
+                                    matmul_tflops=rates[2])
+    costs = {}
+    for order in itertools.product(("fast", "balanced", "min_memory"), repeat=4):
+        got = _offload_mix_cost(order, layers, V, B, S, room, host, link, rates, False)
+        if got is not None:
+            costs[order] = got
+    best = min(costs.values())
+    assert c.seconds == pytest.approx(best[0], rel=1e-9)
+    assert costs[c.presets] == (pytest.approx(c.seconds, rel=1e-9), c.peak)
+    if link == 1e12 and room_mib == 1 << 20:
+        assert c.presets == ("fast",) * 4
+    if link == 1e3:
+        assert c.presets == ("min_memory",) * 4
+
+
+def test_choose_presets_offload_uniform_matches_the_step_estimate_and_refuses():
+    """One preset everywhere with the copies hidden: the step time estimate itself; no room
+    for even min_memory: a ValueError naming the device memory."""
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    V, S = 128256, 1 << 17
+    c = plan.choose_presets_offload(layers, V, 1, S, "bf16", 1 << 50, None,
+                                    train_weights=False, host_link_gbytes_per_s=1e9)
+    assert c.presets == ("fast",) * 32
+    assert c.seconds == pytest.approx(plan.step_time_estimate("fast", layers, V, 1, S,
+                                                              train_weights=False), rel=1e-9)
+    with pytest.raises(ValueError, match="no mix of fused presets fits 1.00 GiB"):
+        plan.choose_presets_offload(layers, V, 1, S, "bf16", 2**30, None, train_weights=False)
+
+
+def test_cli_auto_offload_by_time(tmp_path, capsys):
+    """With --offload and --device-memory the CLI prints auto's choice by time, the plan's."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    assert plan_cli.main([str(tmp_path / "config.json"), "--batch", "1", "--seq", "131072",
+                          "--weights", "lora", "--offload", "--host-memory", "192GiB",
+                          "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    room = 75 * 2**30 - plan.model_state_bytes(layers, 128256, "bf16", "lora")
+    c = plan.choose_presets_offload(layers, 128256, 1, 131072, "bf16", room, 192 * 2**30,
+                                    train_weights=False)
+    line = next(x for x in out.splitlines() if x.startswith("auto + offload, by time:"))
+    assert f"step s {c.seconds:,.2f}" in line and plan.format_bytes(c.peak) in line
+    assert "  per layer: " + " ".join(c.presets) in out
+    # it beats min_memory everywhere here (by the plan's estimate)
+    assert c.seconds < plan.step_time_estimate("min_memory", layers, 128256, 1, 131072,
+                                               train_weights=False)
