@@ -64,8 +64,9 @@ integration; the engine's own numbers it reads from the engine: the chunk rows
 offload rule (``ckpt_ext.offload.admits``) and the chunk cap (``ckpt_ext.config``).
 
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
-[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]``
-(``--help`` says what each means; ``ckpt_ext.plan_cli``, which reads HF configs).
+[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]
+[--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what each means;
+``ckpt_ext.plan_cli``, which reads HF configs).
 """
 from __future__ import annotations
 

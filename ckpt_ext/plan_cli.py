@@ -1,6 +1,6 @@
 """The planner's command line: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16]
 [--budget 20GiB] [--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory
-200GiB]]]`` (``--help`` says what each means).
+200GiB]]] [--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what each means).
 
 It reads a model's shape from an HF config (``ckpt_ext.hf.families.layer_dims_from_config``:
 the family decides which output norms the layers have) and prints the figures of
