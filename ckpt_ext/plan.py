@@ -64,8 +64,9 @@ integration; the engine's own numbers it reads from the engine: the chunk rows
 offload rule (``ckpt_ext.offload.admits``) and the chunk cap (``ckpt_ext.config``).
 
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
-[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]``
-(``--help`` says what each means; ``ckpt_ext.plan_cli``, which reads HF configs).
+[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]
+[--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what each means;
+``ckpt_ext.plan_cli``, which reads HF configs).
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
            "StepPeak", "model_state_bytes", "longest_sequence", "OffloadPeak",
            "offload_device_bytes", "offload_split", "offload_step_peak",
-           "longest_sequence_offload"]
+           "longest_sequence_offload", "OffloadChoice", "choose_presets_offload", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
+           "sp_longest_sequence", "sp_step_time", "sp_round_kv_heads", "sp_kv_repeats"]
 
 Budget = Union[int, str]
 
@@ -565,6 +567,305 @@ def step_time_estimate(setup: str, layers: Sequence[LayerDims], V: int, B: int, 
     return (f["attention_forward"] / (attention_fwd_tflops * 1e12)
             + f["attention_backward"] / (attention_bwd_tflops * 1e12)
             + f["matmul"] / (matmul_tflops * 1e12))
+
+
+# ---- auto with offload: the choice by time -----------------------------------------------------
+# With offload, what a layer saves crosses the host link twice a step (down in its forward, up
+# one layer ahead of its backward), overlapped with the layers' compute. The plan's model of a
+# layer's time is the larger of its compute (forward, backward and the preset's recompute at the
+# throughputs' rates) and its copies (2 x its saved bytes at the host link's rate); a layer past
+# the host cap stays on the device and copies nothing. The host link rate is an assumption, not
+# a measurement: PCIe Gen5 x16 carries 64 GB/s a direction at most, and the GPUs of a node share
+# the host's memory bandwidth.
+HOST_LINK_GBYTES_PER_S = 25.0
+
+
+@dataclass(frozen=True)
+class OffloadChoice:
+    """``auto`` with offload (:func:`choose_presets_offload`)."""
+
+    presets: tuple      # one per layer, in forward order
+    seconds: float      # the step time estimate, copies overlapped per layer
+    peak: int           # device: the step's peak above its start
+    host: int           # host bytes
+    kept: int           # saved bytes of the layers past the host cap, on the device
+
+
+def _layer_compute_seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate):
+    """One layer's forward, backward and recompute time (``step_flops``'s parts, one layer)."""
+    T = B * S
+    attn = 2 * d.num_heads * d.head_dim * (S + 1)
+    fwd = T * attn * (2 if preset == "min_memory" else 1)
+    bwd = T * attn * 5 // 2
+    passes = 3 if train_weights else 2
+    mm = T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1])
+    return fwd / (fwd_rate * 1e12) + bwd / (bwd_rate * 1e12) + mm / (mm_rate * 1e12)
+
+
+def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
+                           room: int, host_memory: Optional[int], *, path: str = "cuda",
+                           train_weights: bool = True, prefetch: int = 1,
+                           host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
+                           attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                           attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                           matmul_tflops: float = MATMUL_TFLOPS) -> OffloadChoice:
+    """``auto`` with offload, chosen by time: one fused preset per layer with the least
+    estimated step time (each layer the larger of its compute and its host copies, see above;
+    the LM head's time added) whose device peak fits ``room`` bytes (the device less the model
+    state and headroom) with at most ``host_memory`` bytes in host memory (the offloader's
+    forward-order rule; None: no cap).
+
+    The device peak of a mix is the largest of its presets' working sets (:func:`step_peak`
+    less the layers' saved bytes) plus what the device holds of the layers: the prefetch pool
+    (the ``prefetch + 1`` largest offloaded layers) and the layers past the host cap. The search
+    runs over the count of each preset (every split of the layers into ``fast``, ``balanced``
+    and ``min_memory``), each placed in two orders (``min_memory`` first in forward order, or
+    ``fast`` first): exact for models whose layers are alike, a heuristic otherwise. Ties go to
+    the smaller peak. Raises ValueError when no mix fits (not even every layer
+    ``min_memory``)."""
+    layers = list(layers)
+    _check_shape_args(B, S)
+    L = len(layers)
+    rates = (attention_fwd_tflops, attention_bwd_tflops, matmul_tflops)
+    link = host_link_gbytes_per_s * 1e9
+    work = {}
+    for p in _CHOICES:
+        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights).peak
+        work[p] = full - sum(layer_bytes(p, x, B, S, dtype) for x in layers)
+    head = 2 * B * S * layers[0].hidden_size * V * ((3 if train_weights else 2) + 1)
+    head_s = head / (matmul_tflops * 1e12)
+    best = None
+    for n_min in range(L + 1):
+        for n_bal in range(L - n_min + 1):
+            n_fast = L - n_min - n_bal
+            mix = ["min_memory"] * n_min + ["balanced"] * n_bal + ["fast"] * n_fast
+            for order in (mix, mix[::-1]):
+                moved, host, kept = [], 0, 0
+                secs = head_s
+                for p, d in zip(order, layers):
+                    b = layer_bytes(p, d, B, S, dtype)
+                    compute = _layer_compute_seconds(p, d, B, S, train_weights, *rates)
+                    if offload.admits(host, b, host_memory):
+                        moved.append(b)
+                        host += b
+                        secs += max(compute, 2 * b / link)
+                    else:
+                        kept += b
+                        secs += compute
+                peak = max(work[p] for p in set(order)) + kept + _pool(moved, prefetch)
+                if peak > room:
+                    continue
+                key = (secs, peak)
+                if best is None or key < best[0]:
+                    best = (key, OffloadChoice(tuple(order), secs, peak, host, kept))
+                if n_min == L or n_fast == L:
+                    break                        # one order only
+    if best is None:
+        raise ValueError(
+            f"auto with offload: no mix of fused presets fits {format_bytes(room)} of device "
+            f"memory for the step at B={B}, S={S} (every layer min_memory with "
+            f"{format_bytes(host_memory) if host_memory is not None else 'uncapped'} host "
+            f"memory does not); shorten the sequence or raise the host or device memory")
+    return best[1]
+
+
+# ---- sequence parallelism (Ulysses inside the fused layer) ------------------------------------
+# N GPUs share each sequence of S tokens: each holds S/N consecutive tokens of every layer's
+# input and residuals, and the attention runs over the whole sequence for Hq/N query heads
+# after an all-to-all of q, k, v (each rank sends head block j of its tokens to rank j), its out
+# and lse going back the same way. What the engine exchanges (the sequence_parallel code of
+# the fused layer, csrc/ulysses.h and csrc/layer_math.cpp's sp_forward / sp_backward), per layer
+# and rank, as tensors of the rank's T = B*S/N tokens (KV heads repeated to N when Hkv < N):
+#
+#   forward            q, k, v to heads; out (model dtype) and lse (fp32) back to tokens
+#   backward, every    q, k, v, out, lse and dout to heads; dq, dk, dv back to tokens (q, k, v
+#   preset             are re-exchanged even by fast, which keeps them locally)
+#   min_memory adds    the forward's exchanges again (its out and lse are recomputed)
+#
+# An all-to-all keeps 1/N of each tensor on the rank: it sends (N-1)/N of it and receives as
+# much. The attention of a round (sp_round_kv_heads: r KV heads per rank at a time, as many as
+# fit the chunk cap, at least one) works on the whole gathered sequence: its backward holds
+# the round's q, k, v, out, lse, dout and dq, dk, dv over S tokens (and on CUDA the Triton dQ's
+# fp32 accumulator), so one KV head's round grows with S itself, not S/N.
+SP_LINK_GBYTES_PER_S = 300.0   # GB/s per GPU and direction: an assumption (NVLink 4 is 450 GB/s
+# per direction per H100; an all-to-all reaches less), not a measurement
+
+
+def _check_sp(d: LayerDims, N: int) -> None:
+    if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+        raise ValueError(f"sequence_parallel must be a positive int, got {N!r}")
+    if d.num_heads % N:
+        raise ValueError(f"sequence_parallel {N}: num_attention_heads {d.num_heads} must be "
+                         f"divisible by it (each GPU attends with Hq/N query heads)")
+    if d.num_kv_heads % N and N % d.num_kv_heads:
+        raise ValueError(f"sequence_parallel {N}: num_key_value_heads {d.num_kv_heads} must be "
+                         f"a multiple or a divisor of it")
+
+
+def sp_kv_repeats(num_kv_heads: int, N: int) -> int:
+    """KV head repeats before the exchange (the engine's ``ulysses::kv_repeats``): 1 when N
+    divides the KV heads, else N / Hkv."""
+    return 1 if num_kv_heads % N == 0 else N // num_kv_heads
+
+
+def sp_local_tokens(S: int, N: int) -> int:
+    """Tokens per GPU of a sequence of S under sequence parallelism of N (S divisible by N)."""
+    if S % N:
+        raise ValueError(f"sequence_parallel {N}: the sequence length {S} must be divisible by "
+                         f"it (pad the sequence to a multiple of {N})")
+    return S // N
+
+
+def sp_exchange_bytes(preset: str, d: LayerDims, B: int, S: int, N: int, dtype) -> tuple:
+    """(forward, backward) bytes one GPU sends (and receives as much) in one layer's
+    all-to-alls under sequence parallelism of N, S the whole sequence (see above)."""
+    _check_sp(d, N)
+    if preset not in _CHOICES:
+        raise ValueError(f"sp_exchange_bytes: preset must be one of {_CHOICES}, got {preset!r}")
+    T = B * sp_local_tokens(S, N)
+    e = _dtype(dtype).itemsize
+    Q = d.num_heads * d.head_dim
+    K = d.num_kv_heads * sp_kv_repeats(d.num_kv_heads, N) * d.head_dim
+    lse = 4 * d.num_heads
+    fwd = T * (e * (Q + 2 * K) + e * Q + lse)                 # q, k, v; out, lse
+    bwd = T * (e * (Q + 2 * K) + 2 * e * Q + lse              # q, k, v, out, dout, lse
+               + e * (Q + 2 * K))                              # dq, dk, dv
+    if preset == "min_memory":
+        bwd += fwd
+    return fwd * (N - 1) // N, bwd * (N - 1) // N
+
+
+def sp_round_kv_heads(d: LayerDims, B: int, S_local: int, N: int, e: int,
+                      chunk_bytes: int) -> int:
+    """KV heads per GPU in one attention round (the engine's ``sp_round_kv_heads``): the most,
+    a divisor of the KV heads per GPU, whose q, out, dout, dq and k, v, dk, dv over the
+    gathered sequence fit the chunk cap at the compute width (at least one)."""
+    rep = sp_kv_repeats(d.num_kv_heads, N)
+    kv = d.num_kv_heads * rep // N
+    g = d.num_heads // (d.num_kv_heads * rep)
+    per = B * S_local * N * d.head_dim * (4 * g + 4) * max(4, e)
+    r = kv
+    while r > 1 and (kv % r or r * per > chunk_bytes):
+        r -= 1
+    return r
+
+
+@dataclass(frozen=True)
+class SpPeak:
+    """One GPU's share of a sequence-parallel training step (see :func:`sp_step_peak`)."""
+
+    saved: int      # kept for backward when the forward ends, on this GPU (host included)
+    peak: int       # device: the most allocated at once above the step's start
+    phase: str      # where the peak is
+    host: int       # host pool bytes (offload), 0 without
+    round: int      # the attention round's working set over the gathered sequence
+    whole: int = 0  # the whole local tensors of the top layer's attention backward
+    kept: int = 0   # saved bytes of the layers past the host cap, kept on the device
+
+
+def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, N: int,
+                 dtype, *, path: str = "cuda", train_weights: bool = True,
+                 offload: bool = False, host_limit: Optional[int] = None, prefetch: int = 1,
+                 chunk_bytes: Optional[int] = None) -> SpPeak:
+    """A GPU's step under sequence parallelism of N (S the whole sequence): :func:`step_peak`
+    (or :func:`offload_step_peak`) of its S/N tokens, or, when more, the top layer's attention
+    backward of the engine's sequence-parallel path: the layers' saved bytes (less the
+    offloaded ones plus the prefetch pool), the cos/sin tables, the whole local dy, dx, q, k,
+    v, dout (dq, dk, dv beside them for ``fast``, whose q, k, v are saved; out and lse for
+    ``min_memory``, recomputed), the weights' gradients when trained, and one round's working
+    set over the gathered sequence: its q, k, v, out, dout, lse and dq, dk, dv, the fp32 dQ
+    accumulator on CUDA, and the exchange's send and receive buffers of the largest of them
+    (a model from the code, not yet measured). N = 1 is :func:`step_peak` itself."""
+    if setup not in OFFLOAD_SETUPS:
+        raise ValueError(f"sp_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
+                         f"(sequence parallelism is the fused layer's); got {setup!r}")
+    layers = list(layers)
+    for d in layers:
+        _check_sp(d, N)
+    S_l = sp_local_tokens(S, N)
+    if offload:
+        base = offload_step_peak(setup, layers, V, B, S_l, dtype, path=path,
+                                 train_weights=train_weights, host_limit=host_limit,
+                                 prefetch=prefetch)
+        ref = step_peak(setup, layers, V, B, S_l, dtype, path=path, train_weights=train_weights)
+        saved, host, peak, phase = ref.saved, base.host, base.peak, "see the offload table"
+    else:
+        ref = step_peak(setup, layers, V, B, S_l, dtype, path=path, train_weights=train_weights)
+        saved, host, peak, phase = ref.saved, 0, ref.peak, ref.phase
+    kept = base.kept if offload else 0
+    if N == 1:
+        return SpPeak(saved, peak, phase, host, 0, 0, kept)
+    e = _dtype(dtype).itemsize
+    if chunk_bytes is None:
+        chunk_bytes = config.current().chunk_bytes
+    T = B * S_l
+    d = max(layers, key=lambda x: x.hidden_size * x.intermediate_size)
+    H, D = d.hidden_size, d.head_dim
+    Q = d.num_heads * D
+    rep = sp_kv_repeats(d.num_kv_heads, N)
+    K = d.num_kv_heads * rep * D
+    presets = [setup] * len(layers)
+    held = sum(layer_bytes(setup, x, B, S_l, dtype) for x in layers)
+    if offload:
+        moved, host_b, _ = _offload_split(layers, presets, B, S_l, dtype, host_limit)
+        held = held - host_b + _pool(moved, prefetch)
+    rope = 2 * S_l * D * e
+    whole = e * T * (2 * H + Q + 2 * K + Q)            # dy, dx, q, k, v (or dq, dk, dv), dout
+    if setup == "fast":
+        whole += e * T * (Q + 2 * K)                     # dq, dk, dv beside the saved q, k, v
+    if setup == "min_memory":
+        whole += e * T * Q + 4 * T * d.num_heads         # out and lse recomputed
+    grads = e * H * (2 * Q + 2 * d.num_kv_heads * D + 3 * d.intermediate_size) \
+        if train_weights else 0
+    r = sp_round_kv_heads(d, B, S_l, N, e, chunk_bytes)
+    g = d.num_heads // (d.num_kv_heads * rep)
+    Sg = B * S                                            # the gathered sequence's rows
+    big = e * Sg * r * g * D                              # a round's q (or out, dout, dq)
+    rnd = e * Sg * r * D * (4 * g + 4) + 4 * Sg * r * g + 2 * big
+    if path == "cuda":
+        rnd += 4 * Sg * r * g * D                         # the Triton dQ's fp32 accumulator
+    attn = held + rope + whole + grads + rnd
+    if attn > peak:
+        return SpPeak(saved, attn, "top layer attention backward (a round over the gathered "
+                      "sequence)", host, rnd, whole, kept)
+    return SpPeak(saved, peak, phase, host, rnd, whole, kept)
+
+
+def sp_longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, N: int,
+                        dtype, device_memory: int, weights: str, *, path: str = "cuda",
+                        offload: bool = False, host_memory: Optional[int] = None,
+                        limit: int = 1 << 26, headroom: int = 0, shard: int = 1) -> int:
+    """The longest whole sequence S (a multiple of N, at most ``limit`` tokens per GPU) whose
+    per-GPU step (:func:`sp_step_peak`) fits ``device_memory`` less ``headroom`` with the model
+    state (sharded ``shard`` ways); 0 if none."""
+    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard)
+
+    def fits(s_local):
+        return sp_step_peak(setup, layers, V, B, s_local * N, N, dtype, path=path,
+                            train_weights=weights == "full", offload=offload,
+                            host_limit=host_memory).peak <= room
+
+    return N * _longest_fitting(fits, limit)
+
+
+def sp_step_time(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, N: int,
+                 dtype, *, train_weights: bool = True,
+                 link_gbytes_per_s: float = SP_LINK_GBYTES_PER_S,
+                 attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                 attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                 matmul_tflops: float = MATMUL_TFLOPS) -> tuple:
+    """(compute seconds, all-to-all seconds) of one GPU's step under sequence parallelism of N,
+    ESTIMATED: :func:`step_flops` of the whole sequence divided by N (each GPU's tokens for the
+    projections and the head, its Hq/N heads over all S for the attention) at the given rates,
+    and every layer's exchanged bytes (:func:`sp_exchange_bytes`, forward and backward) at
+    ``link_gbytes_per_s`` (GB/s a direction), not overlapped with compute (the engine waits
+    for each exchange)."""
+    f = step_flops(setup, layers, V, B, S, train_weights=train_weights)
+    compute = (f["attention_forward"] / (attention_fwd_tflops * 1e12)
+               + f["attention_backward"] / (attention_bwd_tflops * 1e12)
+               + f["matmul"] / (matmul_tflops * 1e12)) / N
+    sent = sum(sum(sp_exchange_bytes(setup, d, B, S, N, dtype)) for d in layers)
+    return compute, sent / (link_gbytes_per_s * 1e9)
 
 
 # ---- the chooser ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The planner's command line: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16]
 [--budget 20GiB] [--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory
-200GiB]]]`` (``--help`` says what each means).
+200GiB]]] [--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what each means).
 
 It reads a model's shape from an HF config (``ckpt_ext.hf.families.layer_dims_from_config``:
 the family decides which output norms the layers have) and prints the figures of
@@ -17,12 +17,15 @@ import sys
 from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
-from .plan import (_DTYPES, _PATHS, ATTENTION_BWD_TFLOPS, ATTENTION_FWD_TFLOPS, FRAGMENTATION,
-                   MATMUL_TFLOPS, OFFLOAD_SETUPS, PEAK_SETUPS, choose_presets, format_bytes,
-                   head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
+from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, OFFLOAD_SETUPS,
+                   PEAK_SETUPS, SP_LINK_GBYTES_PER_S, choose_presets_offload,
+                   choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
                    longest_sequence_offload, model_state_bytes, offload_step_peak,
-                   parse_bytes, recompute_flops, step_peak, step_time_estimate)
+                   parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
+                   sp_longest_sequence, sp_step_peak, sp_step_time, step_peak,
+                   step_time_estimate)
 from .presets import FUSED_PRESETS, per_token_bytes
+from .throughputs import default_throughputs, load_throughputs
 
 __all__ = ["main", "host_ram_bytes"]
 
@@ -164,10 +167,12 @@ fits, and an estimated step time. The device memory a plan keeps free: --cuda-co
 the CUDA context, cuBLAS workspaces and loaded kernels) plus --fragmentation (5%% of the
 device: the caching allocator's reserved-but-unused blocks); the H100 capacity search in
 bench/results/gpu_h100_2026-11-24/ bracketed the real figure between 2.0 and 9.0 GiB on an
-80 GB card. An H100 "80GB" has 81559MiB (79.6 GiB). Step times are ESTIMATES: FLOPs (matmuls
-and attention, forward, backward, recompute) at H100 rates, --attention-fwd-tflops 350 and
---attention-bwd-tflops 170 (the Triton attention kernels ran 329-372 and 151-180 TFLOP/s) and
---matmul-tflops 400 (the LM head's GEMMs ran about 410); memory-bound work and the optimizer
+80 GB card. An H100 "80GB" has 81559MiB (79.6 GiB). Step times (seconds per step, tokens per
+second, at --seq and at the longest S) are ESTIMATES: FLOPs (matmuls and attention, forward,
+backward, recompute) at the rates of --throughputs FILE (ckpt_ext.throughputs; by sequence
+length), by default the plan's H100 rates: attention forward 350 and backward 170 TFLOP/s (the
+Triton attention kernels ran 329-372 and 151-180) and matmuls 400 (the LM head's GEMMs ran
+about 410); --attention-fwd-tflops etc. replace one rate. Memory-bound work and the optimizer
 step are left out. On the H100 they came to 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps.
 
 examples:
@@ -223,19 +228,44 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=_bounded_int(_MAX["gpus"]), default=1,
                     help="GPUs sharing one host's RAM (default 1): divides the default "
                          "--host-memory")
+    ap.add_argument("--host-link-gbytes-per-s", type=_positive_float,
+                    default=HOST_LINK_GBYTES_PER_S, metavar="GB_S",
+                    help="with --offload and --device-memory: the host link's rate per GPU and "
+                         "direction in GB/s for 'auto' with offload, chosen by time (default "
+                         "25: an assumption; PCIe Gen5 x16 peaks at 64)")
     ap.add_argument("--cuda-context", default="1GiB",
                     help="device memory kept for the CUDA context (default 1GiB)")
     ap.add_argument("--fragmentation", type=_fraction, default=FRAGMENTATION,
                     help="fraction of the device memory kept for the allocator's "
                          "fragmentation (default 0.05)")
-    ap.add_argument("--attention-fwd-tflops", type=_positive_float,
-                    default=ATTENTION_FWD_TFLOPS, help="attention forward rate for the step "
-                    "time estimate (default 350: the Triton kernel on an H100)")
-    ap.add_argument("--attention-bwd-tflops", type=_positive_float,
-                    default=ATTENTION_BWD_TFLOPS, help="attention backward rate (default 170: "
-                    "the Triton kernel on an H100)")
-    ap.add_argument("--matmul-tflops", type=_positive_float, default=MATMUL_TFLOPS,
-                    help="matmul rate for the step time estimate (default 400, an H100)")
+    ap.add_argument("--sequence-parallel", type=_bounded_int(_MAX["gpus"]), default=1,
+                    metavar="N",
+                    help="Ulysses sequence parallelism over N GPUs (default 1: none): each GPU "
+                         "holds S/N tokens of every layer and attends over all S with Hq/N "
+                         "heads after an all-to-all of q, k, v; prints per GPU the saved bytes, "
+                         "peak, all-to-all bytes per layer, host bytes (--offload), the longest "
+                         "S (with --device-memory) and the step time. --seq is the whole "
+                         "sequence (a multiple of N); --shard M shards the model state")
+    ap.add_argument("--link-gbytes-per-s", type=_positive_float, default=SP_LINK_GBYTES_PER_S,
+                    metavar="GB_S",
+                    help="with --sequence-parallel: all-to-all bandwidth per GPU and direction "
+                         "in GB/s (1e9 bytes/s) for the step time (default 300: an assumption "
+                         "for NVLink-class links, whose H100 NVLink 4 peak is 450 GB/s a "
+                         "direction; about 25-50 for 200-400 Gbit/s InfiniBand between nodes)")
+    ap.add_argument("--throughputs", metavar="FILE",
+                    help="a kernel throughputs file (ckpt_ext.throughputs: JSON with TFLOP/s per "
+                         "kind, attention_forward / attention_backward / matmul, by sequence "
+                         "length) for the step time estimate; default the plan's H100 rates "
+                         "(ckpt_ext.throughputs.default_throughputs)")
+    ap.add_argument("--attention-fwd-tflops", type=_positive_float, default=None,
+                    help="attention forward rate for the step time estimate, in place of "
+                         "the throughputs file's (default: its rate; the plan's own is 350, "
+                         "the Triton kernel on an H100)")
+    ap.add_argument("--attention-bwd-tflops", type=_positive_float, default=None,
+                    help="attention backward rate, in place of the file's (the plan's own: "
+                         "170, the Triton kernel on an H100)")
+    ap.add_argument("--matmul-tflops", type=_positive_float, default=None,
+                    help="matmul rate, in place of the file's (the plan's own: 400, an H100)")
     return ap
 
 
@@ -256,6 +286,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"{getattr(args, name)!r}")
             setattr(args, name, value)
 
+    try:
+        args.rates = (load_throughputs(args.throughputs) if args.throughputs is not None
+                      else default_throughputs())
+    except ValueError as e:
+        ap.error(f"argument --throughputs: {e}")
     if args.offload:
         try:
             _host_memory(args)
@@ -292,6 +327,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if value > limit:
             ap.error(f"config: {name} must be at most {limit:,}, got {value:,}")
     B, S, dtype = args.batch, args.seq, _DTYPES[args.dtype]
+    if args.sequence_parallel > 1:
+        try:
+            sp_exchange_bytes("fast", layers[0], B, S, args.sequence_parallel, dtype)
+            for x in layers:
+                sp_exchange_bytes("fast", x, 1, args.sequence_parallel, args.sequence_parallel,
+                                  dtype)
+        except ValueError as e:
+            ap.error(f"argument --sequence-parallel: {e}")
     d = layers[0]
     L, T = len(layers), B * S
     head_hf = head_saved_bytes(B, S, d.hidden_size, V, dtype, fused=False)
@@ -325,6 +368,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.device_memory is not None:
         print()
         _print_verdict(args, layers, V, B, S, dtype)
+    if args.sequence_parallel > 1:
+        print()
+        _print_sequence_parallel(args, layers, V, B, S, dtype)
     if args.budget is not None:
         print()
         try:
@@ -429,9 +475,6 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         print(f"  model state ({args.weights}): {format_bytes(state)}")
     print(f"  left for the step: {format_bytes(room) if room > 0 else 'nothing'}")
     host = _host_memory(args)[0] if args.offload else None
-    rates = dict(attention_fwd_tflops=args.attention_fwd_tflops,
-                 attention_bwd_tflops=args.attention_bwd_tflops,
-                 matmul_tflops=args.matmul_tflops)
     cases = [(setup, False) for setup in PEAK_SETUPS]
     if args.offload:
         cases += [(setup, True) for setup in OFFLOAD_SETUPS]
@@ -445,19 +488,28 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
                              train_weights=train).peak
         total = state + peak + headroom
         if room <= 0:
-            verdict, longest = "does not fit (model state)", "none"
+            verdict, n = "does not fit (model state)", 0
         else:
             verdict = "fits" if peak <= room else "does not fit"
             kw = dict(path=args.path, headroom=headroom, shard=args.shard)
-            longest = _longest_text(
-                longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
-                                         args.weights, **kw) if offload else
-                longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
-        secs = step_time_estimate(setup, layers, V, B, S, train_weights=train, **rates)
-        rows.append([_SETUP_NAMES[setup] + (" + offload" if offload else ""),
-                     format_bytes(peak), format_bytes(total), verdict, longest, f"{secs:,.2f}"])
+            n = (longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
+                                          args.weights, **kw) if offload else
+                 longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
+        longest = _longest_text(n)
+        secs = _seconds(args, setup, layers, V, B, S)
+        row = [_SETUP_NAMES[setup] + (" + offload" if offload else ""),
+               format_bytes(peak), format_bytes(total), verdict, f"{secs:,.2f}",
+               f"{B * S / secs:,.0f}", longest]
+        if n:
+            secs_n = _seconds(args, setup, layers, V, B, n)
+            row += [f"{secs_n:,.2f}", f"{B * n / secs_n:,.0f}"]
+        else:
+            row += ["-", "-"]
+        rows.append(row)
     print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
-                        "longest S", "step s (estimate)"]))
+                        "step s", "tokens/s", "longest S", "its step s", "its tokens/s"]))
+    if args.offload and room > 0:
+        _print_auto_offload(args, layers, V, B, S, dtype, room, host)
     if room <= 0:
         print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
               f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
@@ -472,12 +524,128 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         else:
             print("  no sharding degree up to 4096 makes room: the gathered units alone are "
                   "too large")
-    print(f"step s: an ESTIMATE from FLOPs (forward, backward, recompute; ckpt_ext.plan."
-          f"step_flops) at {args.attention_fwd_tflops:g} / {args.attention_bwd_tflops:g} "
-          f"TFLOP/s for the attention forward / backward and {args.matmul_tflops:g} for "
-          f"matmuls (H100 figures: 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps at S 8K-16K); "
-          f"norms, SwiGLU, the optimizer" + (", the offload copies" if args.offload else "")
-          + " and launch gaps are left out")
+    print(f"step s, tokens/s: an ESTIMATE from FLOPs (forward, backward, recompute; "
+          f"ckpt_ext.plan.step_flops) at {_rates_words(args, S)}; norms, SwiGLU, the optimizer"
+          + (", the offload copies" if args.offload else "")
+          + " and launch gaps are left out (the H100 rates came to 0.83-1.03x the measured "
+          "LLaMA-3.1-8B LoRA steps at S 8K-16K)")
+
+
+def _print_auto_offload(args, layers, V, B, S, dtype, room, host) -> None:
+    """policy='auto' with offload, chosen by time (ckpt_ext.plan.choose_presets_offload)."""
+    try:
+        c = choose_presets_offload(layers, V, B, S, dtype, room, host, path=args.path,
+                                   train_weights=args.weights == "full",
+                                   host_link_gbytes_per_s=args.host_link_gbytes_per_s,
+                                   **_rate_kwargs(args, S))
+    except ValueError as e:
+        print(f"auto + offload, by time: {e}")
+        return
+    counts = ", ".join(f"{c.presets.count(p)} x {p}" for p in FUSED_PRESETS if p in c.presets)
+    print(f"auto + offload, by time: {counts}; device peak {format_bytes(c.peak)}, host "
+          f"{format_bytes(c.host)}, kept on device {format_bytes(c.kept)}; step s "
+          f"{c.seconds:,.2f}, tokens/s {B * S / c.seconds:,.0f} (each layer the larger of its "
+          f"compute and its host copies at {args.host_link_gbytes_per_s:g} GB/s; the plan "
+          f"only: policy='auto' with offload takes min_memory)")
+    print("  per layer: " + " ".join(c.presets))
+
+
+def _rate_kwargs(args, S: int) -> dict:
+    """The step time estimate's rates at S: the throughputs file's, each replaced by its
+    --*-tflops flag when given."""
+    kw = args.rates.step_time_kwargs(S)
+    for key in kw:
+        if getattr(args, key) is not None:
+            kw[key] = getattr(args, key)
+    return kw
+
+
+def _seconds(args, setup, layers, V, B, S) -> float:
+    return step_time_estimate(setup, layers, V, B, S, train_weights=args.weights == "full",
+                              **_rate_kwargs(args, S))
+
+
+def _rates_words(args, S: int) -> str:
+    kw = _rate_kwargs(args, S)
+    src = args.rates.source if args.throughputs is not None else "the plan's H100 rates"
+    return (f"{kw['attention_fwd_tflops']:g} / {kw['attention_bwd_tflops']:g} TFLOP/s for the "
+            f"attention forward / backward and {kw['matmul_tflops']:g} for matmuls at S {S:,} "
+            f"({src}; the longest S's time at its own length)")
+
+
+def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
+    """The sequence-parallel rows at N GPUs: one per fused preset (and with --offload per
+    fused preset offloaded), each a dict of per-GPU figures."""
+    train = args.weights == "full"
+    host = _host_memory(args)[0] if args.offload else None
+    memory = args.device_memory
+    if memory is not None:
+        headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
+        room = memory - headroom - model_state_bytes(layers, V, dtype, args.weights,
+                                                     shard=args.shard)
+    cases = [(p, False) for p in OFFLOAD_SETUPS]
+    if args.offload:
+        cases += [(p, True) for p in OFFLOAD_SETUPS]
+    rows = []
+    for setup, offload in cases:
+        p = sp_step_peak(setup, layers, V, B, S, N, dtype, path=args.path, train_weights=train,
+                         offload=offload, host_limit=host)
+        fwd = bwd = 0
+        if N > 1:
+            fwd, bwd = sp_exchange_bytes(setup, layers[0], B, S, N, dtype)
+        compute, comm = sp_step_time(setup, layers, V, B, S, N, dtype, train_weights=train,
+                                     link_gbytes_per_s=args.link_gbytes_per_s,
+                                     **_rate_kwargs(args, S))
+        row = {"setup": setup + (" + offload" if offload else ""), "saved": p.saved,
+               "peak": p.peak, "phase": p.phase, "host": p.host, "a2a_fwd": fwd,
+               "a2a_bwd": bwd, "compute_s": compute, "a2a_s": comm, "step_s": compute + comm,
+               "tokens_per_s": B * S / (compute + comm), "fits": None, "longest": None}
+        if memory is not None:
+            row["fits"] = room > 0 and p.peak <= room
+            row["longest"] = 0 if room <= 0 else sp_longest_sequence(
+                setup, layers, V, B, N, dtype, memory, args.weights, path=args.path,
+                offload=offload, host_memory=host, headroom=headroom, shard=args.shard)
+            if row["longest"]:
+                c, m = sp_step_time(setup, layers, V, B, row["longest"], N, dtype,
+                                    train_weights=train,
+                                    link_gbytes_per_s=args.link_gbytes_per_s,
+                                    **_rate_kwargs(args, row["longest"]))
+                row["longest_step_s"] = c + m
+        rows.append(row)
+    return rows
+
+
+def _print_sequence_parallel(args, layers, V, B, S, dtype) -> None:
+    """The sequence-parallel table: per GPU, per fused preset."""
+    N = args.sequence_parallel
+    S_l = sp_local_tokens(S, N)
+    print(f"sequence parallel over {N} GPUs (Ulysses in the fused layer; "
+          f"{_weights_words(args)}, {args.path} path): per GPU {B} x {S_l:,} tokens of the "
+          f"{S:,}-token sequence, attention over all {S:,} with {layers[0].num_heads // N} of "
+          f"{layers[0].num_heads} query heads")
+    header = ["per GPU", "saved", "device peak", "host", "all-to-all fwd/layer",
+              "all-to-all bwd/layer", "step s (a2a s)", "tokens/s"]
+    if args.device_memory is not None:
+        header += [f"at S {S:,}", "longest S", "its step s"]
+    table = []
+    for r in sequence_parallel_rows(args, layers, V, B, S, dtype, N):
+        cells = [r["setup"], format_bytes(r["saved"]), format_bytes(r["peak"]),
+                 format_bytes(r["host"]), format_bytes(r["a2a_fwd"]),
+                 format_bytes(r["a2a_bwd"]), f"{r['step_s']:,.2f} ({r['a2a_s']:,.2f})",
+                 f"{r['tokens_per_s']:,.0f}"]
+        if args.device_memory is not None:
+            cells += ["fits" if r["fits"] else "does not fit", _longest_text(r["longest"]),
+                      f"{r['longest_step_s']:,.2f}" if r["longest"] else "-"]
+        table.append(cells)
+    print(_table(table, header))
+    print(f"sequence parallel: each all-to-all sends (N-1)/N of the rank's tensor and receives "
+          f"as much; forward q, k, v, out, lse; backward q, k, v, out, lse, dout out and dq, "
+          f"dk, dv back (min_memory: the forward's again); 'host' is one GPU's offloaded "
+          f"layers; the peak counts one attention round over the whole gathered sequence "
+          f"(one KV head's q, k, v, out, dout, dq, dk, dv over all {S:,} tokens at least); "
+          f"step s: the FLOPs / N at the rates above plus the all-to-all bytes at "
+          f"{args.link_gbytes_per_s:g} GB/s, not overlapped (ESTIMATES); the model state per "
+          f"GPU is the --shard figure")
 
 
 def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:

@@ -474,7 +474,8 @@ def test_plan_cli_offload(capsys):
     assert next(line for line in out.splitlines() if line.startswith("min_memory")
                 and "32/32" in line)  # every layer's saved tensors in host memory at S 131,072
     row = next(line for line in out.splitlines() if line.startswith("min_memory + offload"))
-    longest = int(row.split()[-2].replace(",", ""))  # the verdict's longest S, then step s
+    longest = int(row.split()[-3].replace(",", ""))  # the verdict's longest S, its step s and
+    # tokens/s
     # 8B LoRA, 80 GiB device, 256 GiB host: the host holds 1M tokens of layer inputs
     # (32 * 8 KiB per token) and the search stops at the host cap
     assert longest >= 1_000_000

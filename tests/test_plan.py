@@ -760,3 +760,271 @@ def test_plan_parses_bytes_with_the_settings_parser():
     """One byte parser: the plan's is ckpt_ext.config.parse_bytes, which reads the chunk cap
     handed to the engine (tests/test_config.py)."""
     assert plan.parse_bytes is config.parse_bytes
+
+
+def _column(out, name, header):
+    """The cell under ``header`` in the verdict row ``name`` (columns split on 2+ spaces)."""
+    verdict = out[out.index("will it fit"):]
+    head = next(x for x in verdict.splitlines() if x.startswith("setup "))
+    cols = re.split(r"\s{2,}", head.strip())
+    cells = re.split(r"\s{2,}", _row(verdict, name).strip())
+    return cells[cols.index(header)]
+
+
+def test_cli_throughputs_file_scales_the_printed_time(tmp_path, capsys):
+    """--throughputs FILE: the printed seconds per step follow the file's rates (every rate
+    times 2.5: the time / 2.5, tokens/s x 2.5), at --seq and at the longest S; the default is
+    the plan's own rates; a rate flag replaces the file's; a bad file is a usage error."""
+    from ckpt_ext import throughputs as tp
+
+    headers = {"command": "test", "commit": "-", "machine": "test", "date": "2026-11-27"}
+
+    def write(name, k):
+        path = tmp_path / name
+        tp.write_throughputs(path, headers, [
+            tp.Rate("attention_forward", 100.0 * k, seq_max=1000),   # not serving S 4096
+            tp.Rate("attention_forward", 300.0 * k),
+            tp.Rate("attention_backward", 150.0 * k), tp.Rate("matmul", 400.0 * k)])
+        return str(path)
+
+    args = [str(tmp_path / "config.json"), "--batch", "1", "--seq", "4096",
+            "--device-memory", "80GiB", "--weights", "lora"]
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    got = {}
+    for k in (1, 2.5):
+        assert plan_cli.main(args + ["--throughputs", write(f"t{k}.json", k)]) == 0
+        out = capsys.readouterr().out
+        got[k] = {c: float(_column(out, "min_memory", c).replace(",", ""))
+                  for c in ("step s", "tokens/s", "its step s", "longest S")}
+        assert ("300 / 150 TFLOP/s" if k == 1 else "750 / 375 TFLOP/s") in out
+    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False,
+                                   attention_fwd_tflops=300, attention_bwd_tflops=150,
+                                   matmul_tflops=400)
+    assert got[1]["step s"] == pytest.approx(want, abs=0.006)
+    assert got[1]["tokens/s"] == pytest.approx(4096 / want, rel=1e-3)
+    assert got[2.5]["step s"] == pytest.approx(got[1]["step s"] / 2.5, abs=0.006)
+    assert got[2.5]["tokens/s"] == pytest.approx(got[1]["tokens/s"] * 2.5, rel=1e-3)
+    assert got[2.5]["longest S"] == got[1]["longest S"]          # memory does not change
+    assert got[2.5]["its step s"] == pytest.approx(got[1]["its step s"] / 2.5, rel=1e-3)
+    # default: the plan's constants
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False)
+    assert float(_column(out, "min_memory", "step s")) == pytest.approx(want, abs=0.006)
+    assert "(the plan's H100 rates" in out
+    # a flag replaces one rate of the file
+    assert plan_cli.main(args + ["--throughputs", write("t.json", 1), "--matmul-tflops", "800"]) == 0
+    out = capsys.readouterr().out
+    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False,
+                                   attention_fwd_tflops=300, attention_bwd_tflops=150,
+                                   matmul_tflops=800)
+    assert float(_column(out, "min_memory", "step s")) == pytest.approx(want, abs=0.006)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        plan_cli.main(args + ["--throughputs", str(tmp_path / "bad.json")])
+    err = capsys.readouterr().err
+    assert "argument --throughputs" in err and "bad.json" in err
+
+
+# ---- sequence parallelism -------------------------------------------------------------------
+def test_sp_exchange_bytes_by_hand():
+    """H 8, Hq 4, Hkv 2, D 4, B 1, S 12, bf16. N 2: 6 tokens a GPU, KV heads as they are (q 16,
+    k and v 8 elements a token); forward q, k, v, out (2 bytes) and lse (4 bytes a head); backward
+    q, k, v, out, dout, lse out and dq, dk, dv back; min_memory the forward's again; each
+    all-to-all sends half. N 4: 3 tokens, the 2 KV heads repeated to 4 (k, v 16 a token)."""
+    d = LayerDims(8, 4, 2, 4, 16)
+    fwd = 6 * (2 * (16 + 8 + 8) + 2 * 16 + 4 * 4)
+    bwd = 6 * (2 * (16 + 8 + 8 + 16 + 16) + 4 * 4 + 2 * (16 + 8 + 8))
+    for preset in ("fast", "balanced"):
+        assert plan.sp_exchange_bytes(preset, d, 1, 12, 2, "bf16") == (fwd // 2, bwd // 2)
+    assert plan.sp_exchange_bytes("min_memory", d, 1, 12, 2, "bf16") == (fwd // 2,
+                                                                         (bwd + fwd) // 2)
+    fwd4 = 3 * (2 * (16 + 16 + 16) + 2 * 16 + 4 * 4)
+    assert plan.sp_exchange_bytes("fast", d, 1, 12, 4, "bf16")[0] == fwd4 * 3 // 4
+    assert plan.sp_kv_repeats(2, 4) == 2 and plan.sp_kv_repeats(8, 4) == 1
+    assert plan.sp_exchange_bytes("fast", d, 1, 12, 1, "bf16") == (0, 0)
+    with pytest.raises(ValueError, match="sequence length 13 must be divisible"):
+        plan.sp_exchange_bytes("fast", d, 1, 13, 2, "bf16")
+    with pytest.raises(ValueError, match="num_attention_heads 4 must be divisible"):
+        plan.sp_exchange_bytes("fast", d, 1, 24, 8, "bf16")
+    with pytest.raises(ValueError, match="num_key_value_heads 2 must be a multiple or a divisor"):
+        plan.sp_exchange_bytes("fast", LayerDims(8, 6, 2, 4, 16), 1, 24, 3, "bf16")
+
+
+def test_sp_round_kv_heads_follows_the_cap():
+    """The engine's rule: the most KV heads per GPU (a divisor) whose round fits the cap."""
+    d = LayerDims(4096, 32, 8, 128, 14336)
+    per = 1 * 1024 * 2 * 128 * (4 * 4 + 4) * 4          # one KV head, 2 x 1024 rows, fp32 width
+    assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, 4 * per) == 4
+    assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, 3 * per) == 2   # 3 does not divide 4
+    assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, per - 1) == 1   # at least one
+    assert plan.sp_round_kv_heads(d, 1, 1024, 8, 2, 1 << 60) == 1   # 8 KV heads over 8 GPUs
+
+
+def test_sp_step_peak_and_time():
+    """N 1 is the single-GPU model; under N the saved bytes are those of S/N tokens, the peak
+    at least the single-GPU step of S/N tokens and at least the round over all S; the step's
+    compute is the whole sequence's FLOPs / N, the exchange its bytes at the link rate."""
+    d = LayerDims(4096, 32, 8, 128, 14336)
+    L, V, S = [d] * 4, 128256, 1 << 18
+    for setup in ("fast", "balanced", "min_memory"):
+        one = plan.sp_step_peak(setup, L, V, 1, S, 1, "bf16", train_weights=False)
+        ref = plan.step_peak(setup, L, V, 1, S, "bf16", train_weights=False)
+        assert (one.saved, one.peak) == (ref.saved, ref.peak)
+        off = plan.sp_step_peak(setup, L, V, 1, S, 1, "bf16", train_weights=False, offload=True,
+                                host_limit=1 << 40)
+        assert off.peak == plan.offload_step_peak(setup, L, V, 1, S, "bf16",
+                                                  train_weights=False, host_limit=1 << 40).peak
+        for N in (2, 4, 8):
+            p = plan.sp_step_peak(setup, L, V, 1, S, N, "bf16", train_weights=False)
+            local = plan.step_peak(setup, L, V, 1, S // N, "bf16", train_weights=False)
+            assert p.saved == local.saved and p.peak >= local.peak
+            # one KV head's round: q, k, v, out, dout, dq, dk, dv over S in bf16, at least
+            assert p.round >= 2 * S * 128 * (4 * 4 + 4) and p.peak > p.round
+        t1 = plan.sp_step_time(setup, L, V, 1, S, 1, "bf16", train_weights=False)
+        assert t1 == (pytest.approx(plan.step_time_estimate(setup, L, V, 1, S,
+                                                            train_weights=False)), 0.0)
+        c8, m8 = plan.sp_step_time(setup, L, V, 1, S, 8, "bf16", train_weights=False,
+                                   link_gbytes_per_s=50.0)
+        assert c8 == pytest.approx(t1[0] / 8)
+        sent = 4 * sum(plan.sp_exchange_bytes(setup, d, 1, S, 8, "bf16"))
+        assert m8 == pytest.approx(sent / 50e9)
+    with pytest.raises(ValueError, match="sequence parallelism is the fused layer's"):
+        plan.sp_step_peak("hf_gc", L, V, 1, S, 2, "bf16")
+
+
+def test_sp_longest_sequence_is_the_last_that_fits():
+    d = LayerDims(4096, 32, 8, 128, 14336)
+    L, V, mem = [d] * 32, 128256, 80 * 2**30
+    kw = dict(offload=True, host_memory=192 * 2**30, headroom=plan.headroom_bytes(mem))
+    room = mem - kw["headroom"] - plan.model_state_bytes(L, V, "bf16", "lora")
+    for N in (2, 8):
+        n = plan.sp_longest_sequence("min_memory", L, V, 1, N, "bf16", mem, "lora", **kw)
+        assert n % N == 0 and n > 0
+        peak = lambda s, N=N: plan.sp_step_peak(  # noqa: E731
+            "min_memory", L, V, 1, s, N, "bf16", train_weights=False, offload=True,
+            host_limit=192 * 2**30).peak
+        assert peak(n) <= room < peak(n + N)
+
+
+def test_cli_sequence_parallel(tmp_path, capsys):
+    """--sequence-parallel 8 on LLaMA-3.1-8B LoRA with offload: the per-GPU rows are the
+    plan's; a sequence not divisible by N and heads not divisible are usage errors."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    args = [str(tmp_path / "config.json"), "--batch", "1", "--seq", str(1 << 20),
+            "--weights", "lora", "--offload", "--host-memory", "192GiB",
+            "--device-memory", "80GiB", "--sequence-parallel", "8", "--link-gbytes-per-s", "100"]
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    sp = out[out.index("sequence parallel over 8 GPUs"):]
+    assert "per GPU 1 x 131,072 tokens of the 1,048,576-token sequence" in sp
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    V = 128256
+    line = _row(sp, "min_memory + offload")
+    p = plan.sp_step_peak("min_memory", layers, V, 1, 1 << 20, 8, "bf16", train_weights=False,
+                          offload=True, host_limit=192 * 2**30)
+    fwd, bwd = plan.sp_exchange_bytes("min_memory", layers[0], 1, 1 << 20, 8, "bf16")
+    c, m = plan.sp_step_time("min_memory", layers, V, 1, 1 << 20, 8, "bf16",
+                             train_weights=False, link_gbytes_per_s=100)
+    longest = plan.sp_longest_sequence("min_memory", layers, V, 1, 8, "bf16", 80 * 2**30,
+                                       "lora", offload=True, host_memory=192 * 2**30,
+                                       headroom=plan.headroom_bytes(80 * 2**30))
+    for want in (plan.format_bytes(p.peak), plan.format_bytes(p.host), plan.format_bytes(fwd),
+                 plan.format_bytes(bwd), f"{c + m:,.2f} ({m:,.2f})", f"{longest:,}", " fits "):
+        assert want in line, (want, line)
+    for bad, why in ((["--seq", "1000001"], "sequence length 1000001 must be divisible by"),
+                     (["--sequence-parallel", "64"], "num_attention_heads 32 must be divisible")):
+        with pytest.raises(SystemExit):
+            plan_cli.main(args + bad)
+        err = capsys.readouterr().err
+        assert "argument --sequence-parallel" in err and why in err, err
+
+
+# ---- auto with offload, by time -------------------------------------------------------------
+def _offload_mix_cost(order, layers, V, B, S, room, host_memory, link, rates, train):
+    """An independent evaluation of one per-layer assignment: (seconds, peak) or None."""
+    moved, host, kept, secs = [], 0, 0, 0.0
+    for p, d in zip(order, layers):
+        f = plan.step_flops(p, [d], V, B, S, train_weights=train)
+        head = 2 * B * S * d.hidden_size * V * ((3 if train else 2) + 1)
+        compute = (f["attention_forward"] / (rates[0] * 1e12)
+                   + f["attention_backward"] / (rates[1] * 1e12)
+                   + (f["matmul"] - head) / (rates[2] * 1e12))
+        b = plan.layer_bytes(p, d, B, S, "bf16")
+        if host_memory is None or host + b <= host_memory:
+            moved.append(b)
+            host += b
+            secs += max(compute, 2 * b / link)
+        else:
+            kept += b
+            secs += compute
+    secs += 2 * B * S * layers[0].hidden_size * V * ((3 if train else 2) + 1) / (rates[2] * 1e12)
+    work = max(plan.step_peak(p, layers, V, B, S, "bf16", train_weights=train).peak
+               - sum(plan.layer_bytes(p, x, B, S, "bf16") for x in layers) for p in set(order))
+    peak = work + kept + sum(sorted(moved, reverse=True)[:2])
+    return (secs, peak) if peak <= room else None
+
+
+@pytest.mark.parametrize("link,host_cap,room_mib", [(1e12, None, 1 << 20), (1e12, None, 100),
+                                                    (1e3, None, 1 << 20), (2e9, 3, 1 << 20),
+                                                    (1e12, 2, 110), (1e12, 1, 150)])
+def test_choose_presets_offload_is_the_fastest_mix(link, host_cap, room_mib):
+    """Against every one of the 3^4 assignments evaluated independently: the chosen mix has
+    the least time (ties: the smaller peak) among those that fit; a fast link and room for
+    everything gives fast everywhere, a slow link the fewest bytes (min_memory)."""
+    layers = [LayerDims(256, 4, 2, 64, 704)] * 4
+    V, B, S = 1000, 1, 8192
+    rates = (350.0, 170.0, 400.0)
+    host = None if host_cap is None else host_cap * plan.layer_bytes("balanced", layers[0], B, S,
+                                                                     "bf16")
+    room = room_mib * 2**20
+    c = plan.choose_presets_offload(layers, V, B, S, "bf16", room, host, train_weights=False,
+                                    host_link_gbytes_per_s=link / 1e9,
+                                    attention_fwd_tflops=rates[0], attention_bwd_tflops=rates[1],
+                                    matmul_tflops=rates[2])
+    costs = {}
+    for order in itertools.product(("fast", "balanced", "min_memory"), repeat=4):
+        got = _offload_mix_cost(order, layers, V, B, S, room, host, link, rates, False)
+        if got is not None:
+            costs[order] = got
+    best = min(costs.values())
+    assert c.seconds == pytest.approx(best[0], rel=1e-9)
+    assert costs[c.presets] == (pytest.approx(c.seconds, rel=1e-9), c.peak)
+    if link == 1e12 and room_mib == 1 << 20:
+        assert c.presets == ("fast",) * 4
+    if link == 1e3:
+        assert c.presets == ("min_memory",) * 4
+
+
+def test_choose_presets_offload_uniform_matches_the_step_estimate_and_refuses():
+    """One preset everywhere with the copies hidden: the step time estimate itself; no room
+    for even min_memory: a ValueError naming the device memory."""
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    V, S = 128256, 1 << 17
+    c = plan.choose_presets_offload(layers, V, 1, S, "bf16", 1 << 50, None,
+                                    train_weights=False, host_link_gbytes_per_s=1e9)
+    assert c.presets == ("fast",) * 32
+    assert c.seconds == pytest.approx(plan.step_time_estimate("fast", layers, V, 1, S,
+                                                              train_weights=False), rel=1e-9)
+    with pytest.raises(ValueError, match="no mix of fused presets fits 1.00 GiB"):
+        plan.choose_presets_offload(layers, V, 1, S, "bf16", 2**30, None, train_weights=False)
+
+
+def test_cli_auto_offload_by_time(tmp_path, capsys):
+    """With --offload and --device-memory the CLI prints auto's choice by time, the plan's."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    assert plan_cli.main([str(tmp_path / "config.json"), "--batch", "1", "--seq", "131072",
+                          "--weights", "lora", "--offload", "--host-memory", "192GiB",
+                          "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    room = 75 * 2**30 - plan.model_state_bytes(layers, 128256, "bf16", "lora")
+    c = plan.choose_presets_offload(layers, 128256, 1, 131072, "bf16", room, 192 * 2**30,
+                                    train_weights=False)
+    line = next(x for x in out.splitlines() if x.startswith("auto + offload, by time:"))
+    assert f"step s {c.seconds:,.2f}" in line and plan.format_bytes(c.peak) in line
+    assert "  per layer: " + " ".join(c.presets) in out
+    # it beats min_memory everywhere here (by the plan's estimate)
+    assert c.seconds < plan.step_time_estimate("min_memory", layers, 128256, 1, 131072,
+                                               train_weights=False)
