@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from . import moe
 from .cache import causal_lm_output, uses_cache
 from .families import Family, norm_eps
 from .zero import gathered_for_head, raw_parameter
@@ -101,11 +102,9 @@ def _uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
 
 def _moe_head(config) -> Tuple[Optional[str], float, float]:
     """logits = lm_head(h) (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
-    OlmoeForCausalLM: with output_router_logits their forward adds the router's load-balancing
-    loss, which the fused head does not compute: refused; asked per call, HF's head runs)."""
-    if getattr(config, "output_router_logits", False):
-        return ("config.output_router_logits=True: the forward adds the router's load-balancing "
-                "loss", 1.0, 0.0)
+    OlmoeForCausalLM). With output_router_logits (the config's or the call's) their forward
+    adds router_aux_loss_coef times the routers' load-balancing loss to the loss; the fused
+    forward does the same with transformers' own loss function (ckpt_ext.hf.moe.aux_loss)."""
     return None, 1.0, 0.0
 
 
@@ -271,8 +270,7 @@ class FusedHeadForward:
         labels = kwargs.get("labels")
         fusable = (labels is not None and torch.is_grad_enabled() and not uses_cache(kwargs)
                    and isinstance(kwargs.get("logits_to_keep", 0), int)
-                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None
-                   and not kwargs.get("output_router_logits"))  # MoE models' aux loss
+                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
         if fusable:
             problem, logit_scale, softcap = head_transform(self.model, self.rule)
             fusable = problem is None
@@ -293,6 +291,12 @@ class FusedHeadForward:
         ignore_index = kwargs.get("ignore_index", -100)
         shift_labels = kwargs.get("shift_labels")
         bare = self.model.model
+        moe_head = self.rule is _moe_head
+        if moe_head:  # the model's forward resolves it so and hands it to the bare model
+            router_logits = kwargs.get("output_router_logits")
+            if router_logits is None:
+                router_logits = self.model.config.output_router_logits
+            kwargs["output_router_logits"] = router_logits
         outputs = bare(**kwargs, return_dict=True)
         hidden = outputs.last_hidden_state
         norm = (getattr(self, "owner", None) or bare)._modules.get("norm")
@@ -326,7 +330,13 @@ class FusedHeadForward:
                                             **norm_args)
 
         loss = gathered_for_head([weight, bias], hidden, loss_of)
-        out = causal_lm_output(loss=loss, outputs=outputs)
+        if moe_head:  # HF's MoE output: the load-balancing loss added when it is asked for
+            loss, aux = moe.aux_loss(self.model, loss, outputs, kwargs.get("attention_mask"),
+                                     router_logits)
+            out = causal_lm_output(loss=loss, outputs=outputs, moe_fields=dict(
+                aux_loss=aux, router_logits=outputs.router_logits))
+        else:
+            out = causal_lm_output(loss=loss, outputs=outputs)
         # HF's tuple drops the None fields: with no logits formed, the loss is first and the
         # fields after it (cache, hidden states, attentions) follow when the call asked for them
         return out if return_dict else out.to_tuple()

@@ -847,7 +847,9 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        return offloaded(
+        # an MoE layer returns its router logits while transformers collects them
+        router_logits = bool(spec.moe) and moe.recording_router_logits()
+        out = offloaded(
             self.shared.offloader, call_decoder_layer, x,
             [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
@@ -861,7 +863,9 @@ class _PatchedForward:
             qk_norm_after_rope=spec.family.qk_norm_after_rope,
             residual_scale=spec.residual_scale,
             norm_offset=spec.family.norm_offset, norm_cast_last=spec.family.norm_cast_last,
-            activation=spec.activation, preset=preset, **spec.moe)
+            activation=spec.activation, preset=preset, router_logits=router_logits,
+            **spec.moe)
+        return moe.record_router_logits(out) if router_logits else out
 
 
 def _layer_tensors(layer: nn.Module, family: Family, fused: Optional[dict] = None
