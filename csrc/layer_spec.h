@@ -4,11 +4,15 @@
 //   csrc/layer_autograd.cpp  decoder_layer: the autograd Function over those two ops, and the
 //                            Autocast and below-autograd kernels
 //
-//   decoder_layer       the user-facing op. Autocast key: fixes the compute dtype. Autograd
-//                       key: DecoderLayerFn, which calls the two ops below and saves the
-//                       preset's residuals. Below autograd (no grad): the forward alone.
-//   decoder_layer_fwd   forward: (y, residuals). Residuals are exactly what the preset keeps.
-//   decoder_layer_bwd   backward: recomputes what the preset did not keep, returns gradients.
+//   decoder_layer       the user-facing op: (y, router_logits), the second an MoE layer's
+//                       router logits with the option router_logits (else empty). Autocast
+//                       key: fixes the compute dtype. Autograd key: DecoderLayerFn, which
+//                       calls the two ops below and saves the preset's residuals. Below
+//                       autograd (no grad): the forward alone.
+//   decoder_layer_fwd   forward: (y, residuals, router_logits). Residuals are exactly what the
+//                       preset keeps.
+//   decoder_layer_bwd   backward: recomputes what the preset did not keep, returns gradients
+//                       (given the router logits' gradient, adds it to the router's).
 //
 // Because forward and backward are single ops with fakes (ckpt_ext/blocks.py), torch.compile
 // (AOTAutograd) cannot trace into them: a compiled model saves the preset's residuals, not

@@ -14,7 +14,10 @@ What the model's forward does between its head and its loss is looked up by the 
 class that defines that forward (``_HEAD_RULES``), never guessed from the config alone: Llama
 and the families like it pass the logits on as they are, Granite divides them by
 ``config.logits_scaling`` (the op's ``logit_scale``), Gemma 2 and Gemma 3 soft-cap them by
-``config.final_logit_softcapping`` when it is set (the op's ``softcap``). A model whose forward
+``config.final_logit_softcapping`` when it is set (the op's ``softcap``); the MoE CausalLMs
+(Qwen2/3-MoE, Mixtral, OLMoE) pass them on as they are and, with ``output_router_logits``, add
+``router_aux_loss_coef`` times transformers' load-balancing loss of the router logits the
+fused layers return (ckpt_ext.hf.moe.aux_loss), as their forward does. A model whose forward
 is not one of those (a subclass with a forward of its own, another family) keeps HF's head,
 with the reason.
 
