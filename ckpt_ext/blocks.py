@@ -133,21 +133,32 @@ def _residual(name: str, x, a) -> Tensor:
     return x.new_empty(b, s, heads, d, dtype=act).transpose(1, 2)  # (B, H*, S, D)
 
 
+def _router_logits(x, a) -> Tensor:
+    """The op's second output: an MoE layer's router logits (B*S, E) in the compute dtype with
+    ``router_logits``, else an empty (0,) tensor."""
+    if not a.router_logits:
+        return x.new_empty(0)
+    act = a.compute_dtype if a.compute_dtype is not None else x.dtype
+    experts = a.weights[_SLOT_INDEX["mlp.gate.weight"]].shape[0]
+    return x.new_empty(x.shape[0] * x.shape[1], experts, dtype=act)
+
+
 @torch.library.register_fake("ckpt_ext::decoder_layer")
 def _decoder_layer_fake(x, *args, **kwargs):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            _router_logits(x, _bind(LAYER_ARGS, args, kwargs)))
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_fwd")
 def _decoder_layer_fwd_fake(x, *args, **kwargs):
     a = _bind(LAYER_ARGS, args, kwargs)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            [_residual(name, x, a) for name in residual_names(a)])
+            [_residual(name, x, a) for name in residual_names(a)], _router_logits(x, a))
 
 
 @torch.library.register_fake("ckpt_ext::decoder_layer_bwd")
 def _decoder_layer_bwd_fake(dy, x, *args, **kwargs):
-    a = _bind(LAYER_ARGS + ("saved", "needs_grad"), args, kwargs)
+    a = _bind(LAYER_ARGS + ("saved", "needs_grad", "drouter_logits"), args, kwargs)
     dweights = [torch.empty_like(w, memory_format=torch.contiguous_format)
                 if w is not None and need else x.new_empty(0)
                 for w, need in zip(a.weights, a.needs_grad)]
@@ -156,7 +167,7 @@ def _decoder_layer_bwd_fake(dy, x, *args, **kwargs):
 
 # ---- functional entry points -----------------------------------------------------------------
 
-def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **changes) -> Tensor:
+def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **changes):
     """A LLaMA decoder layer (or one sublayer, ``part``) as one C++ autograd Function.
 
     x: (B, S, H); options: the op's other arguments as one ``LayerOptions`` record (weights by
@@ -164,6 +175,10 @@ def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **change
     sin=sin, num_heads=32, num_kv_heads=8)``); changes: fields to set on it (or the fields of a
     new record when ``options`` is None). A sublayer's part ignores the other part's weights
     (they get no gradient), so a whole layer's weights serve every ``part``.
+
+    Returns the layer's output (B, S, H); with ``router_logits=True`` (an MoE MLP) the pair
+    ``(output, router_logits)``, the router's logits (B*S, E) as HF's router returns them,
+    differentiable.
     """
     if options is None or changes:
         unknown = set(changes) - set(LAYER_ARGS)
@@ -171,7 +186,8 @@ def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **change
             raise TypeError(f"decoder_layer: unknown arguments {sorted(unknown)}; the op takes "
                             f"ckpt_ext.blocks.LAYER_ARGS")
         options = LayerOptions(**changes) if options is None else options.replace(**changes)
-    return _ops.decoder_layer(x, *options.op_args())
+    y, logits = _ops.decoder_layer(x, *options.op_args())
+    return (y, logits) if options.router_logits else y
 
 
 

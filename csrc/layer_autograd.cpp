@@ -24,12 +24,13 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // The three layer ops, looked up by name like the kernel ops.
-const kernel::KernelOp<at::Tensor(const at::Tensor& LAYER_SIG)> layer_op{
+using LayerResult = std::tuple<at::Tensor, at::Tensor>;  // (y, router_logits)
+const kernel::KernelOp<LayerResult(const at::Tensor& LAYER_SIG)> layer_op{
     "ckpt_ext::decoder_layer"};
 const kernel::KernelOp<FwdResult(const at::Tensor& LAYER_SIG)> fwd_op{
     "ckpt_ext::decoder_layer_fwd"};
 const kernel::KernelOp<BwdResult(const at::Tensor&, const at::Tensor& LAYER_SIG,
-                                 at::TensorList, const c10::List<bool>&)>
+                                 at::TensorList, const c10::List<bool>&, const OptTensor&)>
     bwd_op{"ckpt_ext::decoder_layer_bwd"};
 
 // The op's weights list from the given tensors (one per slot in `present`).
@@ -57,7 +58,7 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
                                at::TensorList weights, const LayerTensors& t,
                                const LayerOptions& o, const std::vector<int64_t>& present) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, saved] = fwd_op(x LAYER_ARGS_OF(as_list(weights, present), t, o));
+    auto [y, saved, logits] = fwd_op(x LAYER_ARGS_OF(as_list(weights, present), t, o));
 #define CKPT_LAYER_SAVE_TENSOR_(param, name) t.name.value_or(at::Tensor()),
     variable_list to_save = {x, CKPT_LAYER_EACH(TENSOR, CKPT_LAYER_SAVE_TENSOR_)};
 #undef CKPT_LAYER_SAVE_TENSOR_
@@ -66,7 +67,11 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     ctx->save_for_backward(to_save);
     o.save(ctx);
     ctx->saved_data["present"] = c10::List<int64_t>(present);
-    return {y};
+    // An output no loss reached gets no gradient tensor (not a materialised zero): the router
+    // logits are (B*S, E), and without router_logits an empty placeholder.
+    ctx->set_materialize_grads(false);
+    if (!o.router_logits) ctx->mark_non_differentiable({logits});
+    return {y, logits};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -93,8 +98,14 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     for (int64_t s = 0; s < kNumSlots; ++s) needs.push_back(false);
     for (int64_t j = 0; j < n; ++j)
       needs.set(present[j], ctx->needs_input_grad(1 + j) && uses_slot(part, present[j]));
-    auto [dx, dw] = bwd_op(grad_outputs[0], v[kSavedX] LAYER_ARGS_OF(as_list(w, present), t, o),
-                           saved, needs);
+    const at::Tensor& x = v[kSavedX];
+    const at::Tensor dy = grad_outputs[0].defined()
+                              ? grad_outputs[0]
+                              : at::zeros_like(x, at::MemoryFormat::Contiguous);
+    const OptTensor dlogits =
+        o.router_logits && grad_outputs[1].defined() ? OptTensor(grad_outputs[1]) : std::nullopt;
+    auto [dx, dw] = bwd_op(dy, x LAYER_ARGS_OF(as_list(w, present), t, o), saved, needs,
+                           dlogits);
     variable_list grads = {dx};
     for (int64_t j = 0; j < n; ++j)
       grads.push_back(needs.get(present[j]) ? dw[present[j]] : at::Tensor());
@@ -103,26 +114,29 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
   }
 };
 
-at::Tensor decoder_layer_autograd(const at::Tensor& x LAYER_PARAMS) {
+LayerResult decoder_layer_autograd(const at::Tensor& x LAYER_PARAMS) {
   std::vector<at::Tensor> given;
   std::vector<int64_t> present;
   for (int64_t s = 0; s < static_cast<int64_t>(weights.size()); ++s) {
     const OptTensor w = weights.get(s);
     if (!checks::absent(w)) given.push_back(*w), present.push_back(s);
   }
-  return DecoderLayerFn::apply(x, at::TensorList(given), LAYER_TENSORS_OF_PARAMS,
-                               LAYER_OPTIONS_OF_PARAMS, present)[0];
+  const variable_list out = DecoderLayerFn::apply(x, at::TensorList(given),
+                                                  LAYER_TENSORS_OF_PARAMS,
+                                                  LAYER_OPTIONS_OF_PARAMS, present);
+  return {out[0], out[1]};
 }
 
 // Below autograd (no grad, inference tensors): the forward alone, nothing kept.
-at::Tensor decoder_layer_plain(const at::Tensor& x LAYER_PARAMS) {
-  return std::get<0>(fwd_op(x LAYER_ARGS));
+LayerResult decoder_layer_plain(const at::Tensor& x LAYER_PARAMS) {
+  auto [y, saved, logits] = fwd_op(x LAYER_ARGS);
+  return {y, logits};
 }
 
 // Under autocast: compute in the autocast dtype (unless the caller fixed compute_dtype), with
 // the inputs left as they are (see csrc/layer_spec.h).
 template <c10::DeviceType device>
-at::Tensor decoder_layer_autocast(const at::Tensor& x LAYER_PARAMS) {
+LayerResult decoder_layer_autocast(const at::Tensor& x LAYER_PARAMS) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device));
   const LayerTensors t = LAYER_TENSORS_OF_PARAMS;

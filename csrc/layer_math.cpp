@@ -147,6 +147,10 @@ void check_dropout(const char* op, const Layer& L) {
 void check_sequence_parallel(const char* op, const at::Tensor& x, const Layer& L) {
   const ulysses::Group g = ulysses::resolve(L.sequence_parallel, op);
   const int64_t n = g.size;
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !L.moe(), op, ": sequence_parallel with a mixture-of-experts FFN (num_experts_per_tok=",
+      L.num_experts_per_tok, ") is not implemented; run the MoE layer without "
+      "sequence_parallel");
   CKPT_CHECK_VALUE(L.num_heads % n == 0, op, "num_heads=", L.num_heads,
                    " must be divisible by the sequence_parallel group's size ", n,
                    " (each rank attends with num_heads / N query heads)");
@@ -274,6 +278,10 @@ void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
   CKPT_CHECK_VALUE(L.num_experts_per_tok >= 0, op,
                    "num_experts_per_tok must be >= 0 (0: a dense MLP), got ",
                    L.num_experts_per_tok);
+  CKPT_CHECK_VALUE(!L.router_logits || (L.moe() && has_mlp(L.part_id)), op,
+                   "router_logits=True needs a mixture-of-experts MLP (num_experts_per_tok > 0) "
+                   "and a part that has it ('layer' or 'mlp'), got num_experts_per_tok=",
+                   L.num_experts_per_tok, " and part '", L.part, "'");
   if (!L.moe()) {
     for (int64_t m = 0; m < kNumMoeSlots; ++m)
       CKPT_CHECK_VALUE(!L.moe_w(static_cast<MoeSlot>(m)).defined(), op, kMoeNames[m],
@@ -503,9 +511,15 @@ int64_t ffn_row_width(const Layer& L, int64_t hidden) {
                                  L.moe_w(kExpertsDown).size(2));
 }
 
-// (idx, w) of rows m (T, H) in the compute dtype: the router's choice.
-std::tuple<at::Tensor, at::Tensor> moe_route(const Layer& L, const at::Tensor& m) {
-  return moe::route(at::linear(m, L.cast(L.moe_w(kRouter))), L.num_experts_per_tok,
+// The router's logits of rows m (T, H) in the compute dtype: (T, E) in m's dtype, HF's
+// F.linear(m, gate.weight).
+at::Tensor router_logits(const Layer& L, const at::Tensor& m) {
+  return at::linear(m, L.cast(L.moe_w(kRouter)));
+}
+
+// (idx, w) from the router's logits: the router's choice.
+std::tuple<at::Tensor, at::Tensor> moe_route(const Layer& L, const at::Tensor& logits) {
+  return moe::route(logits, L.num_experts_per_tok,
                     moe::parse_router(L.router, "decoder_layer"), L.norm_topk_prob);
 }
 
@@ -524,9 +538,12 @@ at::Tensor moe_output(const Layer& L, const at::Tensor& m, const at::Tensor& sha
 // Backward of moe_output for dy (T, H) (compute dtype): adds the router's, the experts' and the
 // shared gate's gradients to g; returns (d m of those, d of the shared expert's output or
 // undefined without one). shared: the shared expert's output (read with a shared gate only).
+// dlogits_out: the gradient that reached the router logits the op returned (router_logits;
+// undefined: none), added to the routing's own, as autograd sums the two uses of HF's logits.
 std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor& dy,
                                                 const at::Tensor& m, const at::Tensor& shared,
                                                 const at::Tensor& idx, const at::Tensor& w,
+                                                const at::Tensor& dlogits_out,
                                                 const std::vector<bool>& needs, Grads& g) {
   const at::Tensor wr = L.cast(L.moe_w(kRouter));
   // a later token chunk adds its expert gradients into the earlier chunks' sums in place
@@ -541,10 +558,11 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
   if (eg.dgate_up.defined()) g.add(slot(kExpertsGateUp), eg.dgate_up);
   if (eg.ddown.defined()) g.add(slot(kExpertsDown), eg.ddown);
   const at::Tensor logits = at::linear(m, wr);
-  const at::Tensor dlogits =
+  at::Tensor dlogits =
       moe::route_backward(logits, idx, eg.dw, moe::parse_router(L.router, "decoder_layer"),
                           L.norm_topk_prob)
           .to(m.scalar_type());
+  if (dlogits_out.defined()) dlogits.add_(dlogits_out.to(m.scalar_type()));
   if (needs[slot(kRouter)]) g.add(slot(kRouter), dlogits.t().mm(m));
   at::Tensor dm = eg.dm.add_(dlogits.mm(wr));
   at::Tensor dshared;
@@ -597,7 +615,9 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
           row0 + t0, l.streams, L.activation);
     }
     if (L.moe()) {  // route the chunk's tokens; r's routing rows are global (row0 + t0)
-      auto [idx, w] = moe_route(L, m);
+      const at::Tensor logits = router_logits(L, m);
+      if (r.router_logits.defined()) r.router_logits.narrow(0, row0 + t0, tc).copy_(logits);
+      auto [idx, w] = moe_route(L, logits);
       r.topk_idx.narrow(0, row0 + t0, tc).copy_(idx);
       r.topk_w.narrow(0, row0 + t0, tc).copy_(w);
       y2 = moe_output(L, m, y2, idx, w);
@@ -662,8 +682,9 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     OptTensor gate, up;
     if (r.gate.defined()) gate = r.gate.narrow(0, t0, tc), up = r.up.narrow(0, t0, tc);
     // an MoE layer's routing of these rows (r's rows start at this call's first row)
-    at::Tensor idx, w;
+    at::Tensor idx, w, dlogits;
     if (L.moe()) idx = r.topk_idx.narrow(0, t0, tc), w = r.topk_w.narrow(0, t0, tc);
+    if (r.drouter_logits.defined()) dlogits = r.drouter_logits.narrow(0, t0, tc);
     const at::Tensor m = mlp_input(hc, L);
     at::Tensor dmlp = L.residual_scaled(L.cast(dyc));  // d of the MLP's (normed) output
     // the shared expert's output: for the output norm's backward, and the shared gate's
@@ -684,7 +705,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     }
     at::Tensor dm_moe;
     if (L.moe()) {
-      std::tie(dm_moe, dmlp) = moe_backward(L, dmlp, m, shared, idx, w, needs, g);
+      std::tie(dm_moe, dmlp) = moe_backward(L, dmlp, m, shared, idx, w, dlogits, needs, g);
       if (!dmlp.defined()) {  // no shared expert: the routed experts' share is all
         const at::Tensor dhn = norm_bwd(L, kPostNorm, dm_moe, hc, needs, g);
         if (one) {
@@ -1194,6 +1215,8 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
         rc.topk_idx = r.topk_idx.narrow(0, c.t0(), c.nb * c.sc);
         rc.topk_w = r.topk_w.narrow(0, c.t0(), c.nb * c.sc);
       }
+      if (r.drouter_logits.defined())
+        rc.drouter_logits = r.drouter_logits.narrow(0, c.t0(), c.nb * c.sc);
       dh = mlp_backward(dyc, h, L, rc, needs, g, c.t0());
     }
     // The o projection's and the attention's backward.
@@ -1534,6 +1557,9 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
     r.topk_idx = at::empty({t, k}, x.options().dtype(at::kInt));
     r.topk_w = at::empty({t, k},
                          x.options().dtype(at::promote_types(L.act_dtype(x), at::kFloat)));
+    if (L.router_logits)  // the op's second output, filled chunk by chunk
+      r.router_logits = at::empty({t, L.moe_w(kRouter).size(0)},
+                                  x.options().dtype(L.act_dtype(x)));
   }
   if (L.part_id == Part::kMlp) return mlp_forward(x, L, L.preset_id == Preset::kFast, r, 0);
   if (!L.sequence_parallel.empty()) return sp_forward(x, L, r);
@@ -1572,6 +1598,9 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
     r.topk_idx = at::empty({b * s, L.num_experts_per_tok}, x.options().dtype(at::kInt));
     r.topk_w = at::empty({b * s, L.num_experts_per_tok},
                          x.options().dtype(at::promote_types(L.act_dtype(x), at::kFloat)));
+    if (L.router_logits)
+      r.router_logits = at::empty({b * s, L.moe_w(kRouter).size(0)},
+                                  x.options().dtype(L.act_dtype(x)));
   }
   return r;
 }
@@ -1649,15 +1678,21 @@ FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS) {
       op, x, sequence_parallel,
       [&] { return make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op); },
       [](const Layer&) {});
-  if (x.numel() == 0) return {at::empty_like(x, at::MemoryFormat::Contiguous),
-                              pack(empty_residuals(x, L), L)};
+  auto logits_of = [&](const Residuals& r) {
+    return r.router_logits.defined() ? r.router_logits : at::empty({0}, x.options());
+  };
+  if (x.numel() == 0) {
+    const Residuals r = empty_residuals(x, L);
+    return {at::empty_like(x, at::MemoryFormat::Contiguous), pack(r, L), logits_of(r)};
+  }
   Residuals r;
   at::Tensor y = layer_forward(x, L, r).contiguous();
-  return {y, pack(r, L)};
+  return {y, pack(r, L), logits_of(r)};
 }
 
 BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
-                            at::TensorList saved, const c10::List<bool>& needs_grad) {
+                            at::TensorList saved, const c10::List<bool>& needs_grad,
+                            const OptTensor& drouter_logits) {
   const char* op = "decoder_layer_bwd";
   const Layer L = checked_layer(
       op, x, sequence_parallel,
@@ -1677,7 +1712,17 @@ BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARA
     for (int64_t s = 0; s < kNumSlots; ++s)
       if (needs[s]) g.dw[s] = at::zeros_like(L.at(s));
   } else {
-    g = layer_backward(dy.to(x.scalar_type()), x, L, unpack(saved, L, op), needs);
+    Residuals r = unpack(saved, L, op);
+    if (drouter_logits && drouter_logits->defined()) {
+      CKPT_CHECK_VALUE(L.router_logits, op,
+                       "drouter_logits is given but router_logits is False (the forward "
+                       "returned no router logits)");
+      checks::check_shape(op, "drouter_logits", *drouter_logits,
+                          {x.size(0) * x.size(1), L.moe_w(kRouter).size(0)},
+                          "(B*S, num_experts): the forward's router_logits");
+      r.drouter_logits = *drouter_logits;
+    }
+    g = layer_backward(dy.to(x.scalar_type()), x, L, r, needs);
     g.finish(L);
   }
   // Slots without a gradient come back as empty (0,) tensors (a Tensor[] holds no None), one

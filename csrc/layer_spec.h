@@ -4,11 +4,15 @@
 //   csrc/layer_autograd.cpp  decoder_layer: the autograd Function over those two ops, and the
 //                            Autocast and below-autograd kernels
 //
-//   decoder_layer       the user-facing op. Autocast key: fixes the compute dtype. Autograd
-//                       key: DecoderLayerFn, which calls the two ops below and saves the
-//                       preset's residuals. Below autograd (no grad): the forward alone.
-//   decoder_layer_fwd   forward: (y, residuals). Residuals are exactly what the preset keeps.
-//   decoder_layer_bwd   backward: recomputes what the preset did not keep, returns gradients.
+//   decoder_layer       the user-facing op: (y, router_logits), the second an MoE layer's
+//                       router logits with the option router_logits (else empty). Autocast
+//                       key: fixes the compute dtype. Autograd key: DecoderLayerFn, which
+//                       calls the two ops below and saves the preset's residuals. Below
+//                       autograd (no grad): the forward alone.
+//   decoder_layer_fwd   forward: (y, residuals, router_logits). Residuals are exactly what the
+//                       preset keeps.
+//   decoder_layer_bwd   backward: recomputes what the preset did not keep, returns gradients
+//                       (given the router logits' gradient, adds it to the router's).
 //
 // Because forward and backward are single ops with fakes (ckpt_ext/blocks.py), torch.compile
 // (AOTAutograd) cannot trace into them: a compiled model saves the preset's residuals, not
@@ -141,6 +145,13 @@ using OptTensor = std::optional<at::Tensor>;
 //                       (in float32, then top-k)
 //   norm_topk_prob      the k selected scores are divided by their sum (Mixtral always;
 //                       Qwen-MoE and OLMoE by their config's flag)
+//   router_logits       an MoE layer also returns its router's logits m Wr^T (B*S, E), in
+//                       the dtype of the MLP input m (the compute dtype): what HF's router
+//                       returns and transformers collects with output_router_logits=True.
+//                       They are differentiable (a load-balancing loss on them reaches the
+//                       router weight and x through the op's backward); computed anyway for
+//                       the routing, they cost one (B*S, E) output, nothing saved. False: the
+//                       op's second output is an empty (0,) tensor
 //   part                "layer" | "attention" | "mlp"
 //   preset              "fast" | "balanced" | "min_memory": what forward keeps
 #define CKPT_DECODER_LAYER_ARGS(X, ...)                                                  \
@@ -171,6 +182,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "int", int64_t, num_experts_per_tok, "=0", __VA_ARGS__)                         \
   X(OPTION, "str", c10::string_view, router, "=\"softmax\"", __VA_ARGS__)                  \
   X(OPTION, "bool", bool, norm_topk_prob, "=False", __VA_ARGS__)                            \
+  X(OPTION, "bool", bool, router_logits, "=False", __VA_ARGS__)                             \
   X(OPTION, "str", c10::string_view, part, "=\"layer\"", __VA_ARGS__)                       \
   X(OPTION, "str", c10::string_view, preset, "=\"balanced\"", __VA_ARGS__)
 
@@ -439,6 +451,9 @@ struct Residuals {
 #define CKPT_LAYER_RESIDUAL_(name) at::Tensor name;
   CKPT_LAYER_RESIDUALS(CKPT_LAYER_RESIDUAL_)
 #undef CKPT_LAYER_RESIDUAL_
+  // Never kept: with router_logits, the forward's (B*S, E) router logits (an output of the
+  // op) and, in the backward, their gradient (undefined when none reached them).
+  at::Tensor router_logits, drouter_logits;
 };
 
 using Member = at::Tensor Residuals::*;
@@ -468,12 +483,16 @@ inline const char* residual_name(Member m) {
 
 // ---- the two ops (csrc/layer_math.cpp) -----------------------------------------------------
 
-using FwdResult = std::tuple<at::Tensor, std::vector<at::Tensor>>;  // (y, saved)
+// (y, saved, router_logits): router_logits (B*S, E) with the option router_logits, else an
+// empty (0,) tensor.
+using FwdResult = std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor>;
 using BwdResult = std::tuple<at::Tensor, std::vector<at::Tensor>>;  // (dx, dweights)
 
 FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS);
+// drouter_logits: the gradient of the forward's router_logits output (nullopt: none).
 BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
-                            at::TensorList saved, const c10::List<bool>& needs_grad);
+                            at::TensorList saved, const c10::List<bool>& needs_grad,
+                            const OptTensor& drouter_logits);
 
 }  // namespace layer
 }  // namespace ckpt_ext

@@ -183,7 +183,7 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
 
 
 def moe_reference(p, m, k, router="softmax", norm_topk_prob=False, activation="silu",
-                  force_idx=None):
+                  force_idx=None, record=None):
     """A mixture-of-experts MLP on m (..., H), written densely: every expert on every token
     (a (T, E, H) tensor, fine at test sizes), then mixed by the (T, E) matrix of the routing
     weights (0 off the top k). p: the op's slots by name ("mlp.gate.weight" (E, H),
@@ -191,10 +191,13 @@ def moe_reference(p, m, k, router="softmax", norm_topk_prob=False, activation="s
     the shared expert "mlp.gate_proj/up_proj/down_proj.weight" and its gate
     "mlp.shared_expert_gate.weight" (1, H) when present). router: "softmax" | "sigmoid" scores
     in float32 (float64 stays); force_idx (T, k): use this choice of experts instead of the
-    top k (a float64 reference of a low-precision run routes as the run's baseline did)."""
+    top k (a float64 reference of a low-precision run routes as the run's baseline did);
+    record: a list the router's logits (T, E) are appended to (HF's router_logits)."""
     shape = m.shape
     m = m.reshape(-1, shape[-1])
     logits = F.linear(m, p["mlp.gate.weight"])
+    if record is not None:
+        record.append(logits)
     wide = logits.to(torch.float32) if logits.dtype != F64 else logits
     scores = torch.softmax(wide, -1) if router == "softmax" else torch.sigmoid(wide)
     idx = scores.topk(k, -1).indices if force_idx is None else force_idx

@@ -357,7 +357,7 @@ def test_saved_residuals_follow_the_spec_and_the_formula(dtype, compute_dtype, p
     x, args = _layer_call(dtype, compute_dtype, b, s)
     per_part = {}
     for part in blocks.PARTS:
-        _, saved = torch.ops.ckpt_ext.decoder_layer_fwd(
+        _, saved, _ = torch.ops.ckpt_ext.decoder_layer_fwd(
             x, *_op_args({**args, "part": part, "preset": preset}))
         names = blocks.RESIDUALS[part, preset]
         assert len(saved) == len(names)
@@ -408,7 +408,7 @@ def test_options_record_is_the_registered_schema():
     x, args = _layer_call(torch.float32)
     args.pop("scale")  # the op's default: 1 / sqrt(head_dim), here 8 ** -0.5 exactly
     explicit = blocks.decoder_layer(x, blocks.LayerOptions(**args, scale=8 ** -0.5))
-    by_op = torch.ops.ckpt_ext.decoder_layer(x, **args)  # the op's own defaults
+    by_op, _ = torch.ops.ckpt_ext.decoder_layer(x, **args)  # the op's own defaults
     torch.testing.assert_close(blocks.decoder_layer(x, blocks.LayerOptions(**args)), explicit,
                                rtol=0, atol=0)
     torch.testing.assert_close(by_op, explicit, rtol=0, atol=0)
@@ -459,7 +459,7 @@ def _layer_opcheck_samples():
             args.update(preset=preset, key_padding_mask=make_mask("left_pad", 2, 5))
             rest = _op_args(args)
             samples.append(("decoder_layer_fwd", (x, *rest)))
-            y, saved = torch.ops.ckpt_ext.decoder_layer_fwd(x, *rest)
+            y, saved, _ = torch.ops.ckpt_ext.decoder_layer_fwd(x, *rest)
             needs = [w is not None for w in args["weights"]]
             samples.append(("decoder_layer_bwd", (torch.randn_like(y), x, *rest, saved, needs)))
             xg, argsg = _layer_call(torch.float32, requires_grad=True, part=part)

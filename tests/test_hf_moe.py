@@ -5,6 +5,7 @@ loss and every gradient, eager and SDPA attention, padded and unpadded batches, 
 token chunks, LoRA on the attention and the shared expert, torch.compile; and the settings and
 families the fused op refuses by name."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -139,34 +140,144 @@ def test_compiles_without_graph_breaks():
     assert_compiled_replays_eager(model, run, batch(True), TOL, TOL, use_cache=False)
 
 
+# ---- router logits and the load-balancing loss (output_router_logits=True) ------------------
+
+# A coefficient large enough that the aux loss's gradient is a large share of the router's
+# (a fused layer that dropped it would be far outside TOL: test_aux_loss_gradient_counts)
+AUX = dict(router_aux_loss_coef=0.5)
+
+
+def assert_same_moe(ref, got):
+    """assert_same, and the aux loss and every router's logits (one per MoE layer, in order)."""
+    (out_r, _), (out_g, _) = ref, got
+    assert out_r.aux_loss is not None and out_r.aux_loss.item() > 0
+    torch.testing.assert_close(out_g.aux_loss, out_r.aux_loss, **TOL)
+    assert len(out_g.router_logits) == len(out_r.router_logits) > 0
+    for a, b in zip(out_g.router_logits, out_r.router_logits):
+        assert a.dtype == b.dtype and a.requires_grad
+        torch.testing.assert_close(a, b, **TOL)
+    assert_same(ref, got)
+
+
+@pytest.mark.parametrize("where", ["config", "call"])
+@pytest.mark.parametrize("family", list(MOE))
+def test_router_logits_and_aux_loss_match_unpatched(family, where):
+    """output_router_logits=True in the config or in the call, a left-padded batch (HF's aux
+    loss masks the padding): the router logits, aux_loss, the loss with
+    router_aux_loss_coef * aux_loss and every gradient equal HF's; every layer and the LM head
+    run fused (no warning)."""
+    config = dict(AUX, output_router_logits=True) if where == "config" else AUX
+    call = dict(output_router_logits=True) if where == "call" else {}
+    ref = make(family, **config)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    data = batch(True)
+    want = loss_and_grads(ref, *data, **call)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = loss_and_grads(model, *data, **call)
+    assert_same_moe(want, got)
+    assert fused_calls(model) == [1, 1, 1]
+    assert model.forward.calls == {"fused": 1, "hf": 0}
+
+
+def test_aux_loss_gradient_counts():
+    """The comparison is sensitive: the load-balancing loss's gradient changes the routers'
+    gradients far beyond the tolerance (an op that dropped it would fail the tests above)."""
+    ref = make("olmoe", **AUX)
+    data = batch(True)
+    with_aux = loss_and_grads(ref, *data, output_router_logits=True)[1]
+    without = loss_and_grads(ref, *data)[1]
+    name = "model.layers.0.mlp.gate.weight"
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(with_aux[name], without[name], **TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_logits_unpadded_eager_and_hf_head(family):
+    """No attention mask (HF's aux loss counts every token), eager attention, HF's own LM head
+    (fuse_lm_head=False) over the fused layers: HF's results."""
+    ref = make(family, "eager", **AUX)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "min_memory", fuse_lm_head=False)
+    data = batch(False)
+    assert_same_moe(loss_and_grads(ref, *data, output_router_logits=True),
+                    loss_and_grads(model, *data, output_router_logits=True))
+    assert fused_calls(model) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("policy", ["fast", "min_memory"])
+def test_router_logits_presets(policy):
+    ref = make("qwen2_moe", output_router_logits=True, **AUX)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), policy)
+    data = batch(True)
+    assert_same_moe(loss_and_grads(ref, *data), loss_and_grads(model, *data))
+    assert fused_calls(model) == [1, 1, 1]
+    assert model.forward.calls["fused"] == 1
+
+
+def test_router_logits_token_chunks(monkeypatch):
+    """A chunk cap of a few tokens: the router logits, aux loss and gradients of HF and of the
+    one-chunk fused model."""
+    ref = make("qwen3_moe", output_router_logits=True, **AUX)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    data = batch(True)
+    whole = loss_and_grads(model, *data)
+    ckpt_ext.config.update(chunk_bytes="16KiB")  # 2-3 tokens of an MoE layer's chunk
+    chunked = loss_and_grads(model, *data)
+    assert_same_moe(loss_and_grads(ref, *data), chunked)
+    assert_same_moe(whole, chunked)
+
+
+def test_router_logits_without_labels_and_as_a_tuple():
+    """Without labels (HF's head: logits, and aux_loss not added) and with return_dict=False
+    (HF's tuple without the logits the fused head never forms: loss, aux_loss, then the
+    router logits)."""
+    ref = make("olmoe", output_router_logits=True, **AUX)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    ids, mask, labels = batch(True)
+    model.train()
+    ref.train()
+    want = ref(input_ids=ids, attention_mask=mask, use_cache=False)
+    got = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert got.loss is None and fused_calls(model) == [1, 1, 1]
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    got = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
+                return_dict=False)
+    assert isinstance(got, tuple) and len(got) == 3
+    torch.testing.assert_close(got[0], want.loss, **TOL)
+    torch.testing.assert_close(got[1], want.aux_loss, **TOL)
+    for a, b in zip(got[2], want.router_logits, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_router_logits_compile_without_graph_breaks():
+    """torch.compile of a model collecting its router logits, fused LM head and aux loss: no
+    graph break, the eager loss and gradients. (transformers installs its output-capturing
+    hooks on the first forward that asks for an output, under a threading lock dynamo does not
+    trace, the unpatched model alike: one eager forward installs them first.)"""
+    model = ckpt_ext.patch_llama(make("qwen2_moe", output_router_logits=True, **AUX),
+                                 "min_memory")
+    ids, mask, _ = batch(True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    def run(m, ids, mask, labels):
+        out, grads = loss_and_grads(m, ids, mask, labels)
+        return out.loss, {n.replace("_orig_mod.", ""): g for n, g in grads.items()}
+
+    assert_compiled_replays_eager(model, run, batch(True), TOL, TOL, use_cache=False)
+
+
 # ---- refusals ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family,setting,match", [
-    ("qwen3_moe", dict(output_router_logits=True), "output_router_logits=True"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     ("olmoe", dict(clip_qkv=2.0), "clip_qkv=2.0"),
 ])
 def test_settings_are_refused_by_name(family, setting, match):
     with pytest.raises(NotImplementedError, match=match):
         ckpt_ext.patch_llama(make(family, **setting))
-
-
-def test_router_logits_asked_per_forward_run_hf():
-    """output_router_logits=True in one forward: transformers records the router logits, which
-    the fused op does not return, so the layers run HF's forward (warned) and the loss with
-    HF's load-balancing term is HF's."""
-    ref = make("qwen3_moe", router_aux_loss_coef=0.1)
-    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", fuse_lm_head=False)
-    data = batch(True)
-    want = loss_and_grads(ref, *data, output_router_logits=True)
-    with pytest.warns(UserWarning, match="output_router_logits=True"):
-        got = loss_and_grads(model, *data, output_router_logits=True)
-    assert want[0].aux_loss is not None and want[0].aux_loss.item() > 0
-    torch.testing.assert_close(got[0].aux_loss, want[0].aux_loss, **TOL)
-    assert_same(want, got)
-    assert fused_calls(model) == [0, 1, 0]  # the dense middle layer has no router
-    assert_same(loss_and_grads(ref, *data), loss_and_grads(model, *data))  # fused again
-    assert fused_calls(model) == [1, 2, 1]
 
 
 def test_quantized_experts_are_refused():

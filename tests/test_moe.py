@@ -305,3 +305,209 @@ def test_autocast_meets_the_accuracy_rule():
     for n in ref[2]:
         check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD,
                           dtype=torch.bfloat16)
+
+
+# ---- router logits (router_logits=True): HF's output_router_logits ----------------------------
+
+def logits_loss(y, logits, dy, dl, use_y=True):
+    """A loss on the layer's output and on its router logits as a load-balancing loss reads
+    them (through their softmax), so that both gradients flow back through the op."""
+    loss = (logits.softmax(-1) * dl).sum()
+    return loss + (y * dy).sum() if use_y else loss
+
+
+def run_logits(x, weights, pe, dy, kw, preset, part, dl, fn=blocks.decoder_layer, use_y=True):
+    """(y, router logits, dx, {slot: gradient}) of the op with router_logits=True."""
+    x = x.clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    y, logits = fn(x, blocks.LayerOptions(weights=w, **rope_args(pe), preset=preset, part=part,
+                                          router_logits=True, **kw))
+    logits_loss(y, logits, dy, dl, use_y).backward()
+    return (y.detach(), logits.detach(), x.grad,
+            {n: t.grad for n, t in w.items() if t.grad is not None})
+
+
+def run_logits_reference(x, weights, pe, dy, kw, part, dl, use_y=True, dtype=None):
+    """The same through reference_layer (its router's logits recorded), at `dtype`."""
+    dtype = dtype or x.dtype
+    x = x.to(dtype).clone().requires_grad_()
+    w = {n: t.to(dtype).clone().requires_grad_() for n, t in weights.items()}
+    cos, sin = (t.to(dtype) for t in pe)
+    record = []
+    moe = dict(k=kw["num_experts_per_tok"], router=kw["router"],
+               norm_topk_prob=kw["norm_topk_prob"], record=record)
+    y = reference_layer(w, x, cos, sin, None, NH, NKV, part=part, moe=moe)
+    (logits,) = record
+    logits_loss(y, logits, dy.to(dtype), dl.to(dtype), use_y).backward()
+    mlp_only = part == "mlp"
+    return y.detach(), logits.detach(), x.grad, {
+        n: t.grad for n, t in w.items()
+        if t.grad is not None and not (mlp_only and n.startswith(("self_attn.",
+                                                                    "input_layernorm.")))}
+
+
+def logits_grad(case, seed=1):
+    x, weights = case[0], case[1]
+    g = torch.Generator().manual_seed(seed)
+    e = weights["mlp.gate.weight"].shape[0]
+    return torch.randn(x.shape[0] * x.shape[1], e, generator=g, dtype=F64).to(x.dtype)
+
+
+def assert_f64_logits(got, ref):
+    """As assert_f64, with the logits; a weight the reference leaves without a gradient (the
+    experts when only the logits reach the loss) must have a zero one."""
+    (y, lg, dx, g), (y1, lg1, dx1, g1) = got, ref
+    check_f64("router_logits", lg, lg1)
+    for n in set(g) - set(g1):
+        assert not g[n].any(), n
+    assert_f64((y, dx, {n: g[n] for n in g if n in g1}), (y1, dx1, g1))
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_router_logits_fp64(preset, routing):
+    """router_logits=True: the op's second output is the router's logits (B*S, E), and a loss
+    on them (through their softmax, as HF's load-balancing loss) adds its gradient to the
+    router weight, the MLP input's norm, the attention and x: all equal the dense reference
+    to 1e-12; the output is the one without router_logits."""
+    case = moe_case(F64, routing)
+    dl = logits_grad(case)
+    got = run_logits(*case, preset, "layer", dl)
+    assert_f64_logits(got, run_logits_reference(*case, "layer", dl))
+    assert torch.equal(got[0], run(*case, preset, "layer")[0])
+    assert got[3]["mlp.gate.weight"].abs().max() > 0
+
+
+def test_router_logits_of_the_mlp_part_and_alone():
+    """part 'mlp'; and a loss on the router logits alone (the output unused: no gradient
+    reaches y, and the op's backward takes a zero one)."""
+    case = moe_case(F64, "mixtral", seed=2)
+    dl = logits_grad(case, seed=3)
+    assert_f64_logits(run_logits(*case, "balanced", "mlp", dl),
+                      run_logits_reference(*case, "mlp", dl))
+    assert_f64_logits(run_logits(*case, "min_memory", "layer", dl, use_y=False),
+                      run_logits_reference(*case, "layer", dl, use_y=False))
+
+
+def test_router_logits_unused_change_nothing():
+    """With router_logits=True and a loss on the output only, the gradients are bitwise those
+    without router_logits (no gradient is materialised for the unused logits)."""
+    case = moe_case(torch.float32, "qwen2_moe", seed=4)
+    x, weights, pe, dy, kw = case
+    want = run(*case, "balanced", "layer")
+    xx = x.clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    y, _ = blocks.decoder_layer(xx, blocks.LayerOptions(
+        weights=w, **rope_args(pe), router_logits=True, **kw))
+    y.backward(dy)
+    assert torch.equal(y, want[0]) and torch.equal(xx.grad, want[1])
+    for n, gw in want[2].items():
+        assert torch.equal(w[n].grad, gw), n
+
+
+def test_router_logits_save_nothing_more():
+    """The logits are an output, not a residual: the op saves the same tensors with and
+    without router_logits; without it the op's second output is an empty tensor that takes no
+    gradient."""
+    x, weights, pe, _, kw = moe_case(torch.float32, "qwen2_moe", k=3)
+    w = {n: v.clone().requires_grad_() for n, v in weights.items()}
+    xx = x.clone().requires_grad_()
+    for preset in ("balanced", "min_memory"):
+        def call(preset=preset, **extra):
+            return blocks.decoder_layer(xx, blocks.LayerOptions(
+                weights=w, **rope_args(pe), preset=preset, **kw, **extra))
+        assert sorted(saved_shapes(call)) == sorted(saved_shapes(
+            lambda: call(router_logits=True)))
+    _, second = torch.ops.ckpt_ext.decoder_layer(
+        xx, **blocks.LayerOptions(weights=w, **rope_args(pe), **kw).__dict__)
+    assert second.shape == (0,) and not second.requires_grad
+
+
+@pytest.mark.parametrize("preset", ["balanced", "min_memory"])
+def test_router_logits_chunks_equal_one_chunk(monkeypatch, preset):
+    """Token chunks of 1 and 4 rows: the one-chunk logits and gradients to 1e-12."""
+    case = moe_case(F64, "qwen2_moe")
+    dl = logits_grad(case)
+    for part in ("layer", "mlp"):
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+        whole = run_logits(*case, preset, part, dl)
+        for rows in (1, 4):
+            config.update(chunk_bytes=chunk_cap(rows, F64, case[1],
+                                                case[4]["num_experts_per_tok"], part))
+            assert_f64_logits(run_logits(*case, preset, part, dl), whole)
+
+
+def test_router_logits_compile_without_graph_breaks(monkeypatch):
+    """torch.compile (fullgraph) of a chunked layer returning its router logits: no graph
+    break, the eager logits and gradients."""
+    torch._dynamo.reset()
+    case = moe_case(torch.float32, "olmoe", seed=6)
+    dl = logits_grad(case)
+    config.update(chunk_bytes=chunk_cap(4, torch.float32, case[1], 2, "layer"))
+    eager = run_logits(*case, "min_memory", "layer", dl)
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    compiled = torch.compile(blocks.decoder_layer, backend="aot_eager", fullgraph=True)
+    got = run_logits(*case, "min_memory", "layer", dl, fn=compiled)
+    assert sum(counts["graph_break"].values()) == 0, dict(counts["graph_break"])
+    for a, b in zip(got[:3], eager[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for n in eager[3]:
+        torch.testing.assert_close(got[3][n], eager[3][n], rtol=1e-6, atol=1e-6)
+
+
+def test_router_logits_under_autocast():
+    """bfloat16 autocast: the logits in bfloat16 (HF's router under autocast), the logits,
+    their gradient's share in x and the router weight within the accuracy rule."""
+    case = moe_case(torch.float32, "mixtral", hidden=16, inter=8, experts=4, k=2, seed=12)
+    dl = logits_grad(case)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run_logits(*case, "balanced", "mlp", dl, use_y=False)
+        base = run_logits_reference(*case, "mlp", dl, use_y=False)
+    ref = run_logits_reference(*case, "mlp", dl, use_y=False, dtype=F64)
+    assert got[1].dtype == torch.bfloat16
+    bf = dict(dtype=torch.bfloat16)
+    check_vs_baseline("router_logits", got[1], base[1], ref[1], FACTOR_OUT, **bf)
+    check_vs_baseline("dx", got[2], base[2], ref[2], FACTOR_GRAD, **bf)
+    for n in ("mlp.gate.weight", "post_attention_layernorm.weight"):
+        check_vs_baseline(n, got[3][n], base[3][n], ref[3][n], FACTOR_GRAD, **bf)
+
+
+@pytest.mark.parametrize("change", [dict(num_experts_per_tok=0), dict(part="attention")],
+                         ids=["dense", "attention"])
+def test_router_logits_need_an_moe_mlp(change):
+    x, weights, pe, _, kw = moe_case(torch.float32, "olmoe")
+    if change.get("num_experts_per_tok") == 0:
+        weights = {n: t for n, t in weights.items() if not n.startswith("mlp.")}
+        weights.update({"mlp.gate_proj.weight": torch.randn(8, 16),
+                        "mlp.up_proj.weight": torch.randn(8, 16),
+                        "mlp.down_proj.weight": torch.randn(16, 8)})
+    with pytest.raises(ValueError, match="router_logits=True needs a mixture-of-experts MLP"):
+        blocks.decoder_layer(x, blocks.LayerOptions(weights=weights, **rope_args(pe),
+                                                    router_logits=True, **{**kw, **change}))
+
+
+def _router_logits_opcheck_samples():
+    """The three layer ops of an MoE layer with router_logits=True, the backward given the
+    logits' gradient (the ops without it: tests/test_blocks.py's samples)."""
+    samples = []
+    for with_logits in (True,):
+        x, weights, pe, dy, kw = moe_case(torch.float32, "qwen2_moe", seed=8)
+        o = blocks.LayerOptions(weights=weights, **rope_args(pe), router_logits=with_logits,
+                                **kw)
+        rest = o.op_args()
+        samples.append(("decoder_layer_fwd", (x, *rest)))
+        _, saved, logits = torch.ops.ckpt_ext.decoder_layer_fwd(x, *rest)
+        needs = [w is not None for w in o.weights]
+        dl = torch.randn_like(logits) if with_logits else None
+        samples.append(("decoder_layer_bwd", (dy, x, *rest, saved, needs, dl)))
+        w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+        og = o.replace(weights=w)
+        samples.append(("decoder_layer", (x.clone().requires_grad_(), *og.op_args())))
+    return samples
+
+
+@pytest.mark.parametrize("sample", range(3))
+def test_opcheck_router_logits(sample):
+    name, args = _router_logits_opcheck_samples()[sample]
+    torch.library.opcheck(getattr(torch.ops.ckpt_ext, name).default, args)

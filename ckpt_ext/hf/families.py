@@ -92,11 +92,9 @@ def uncapped_text_head(config) -> Tuple[Optional[str], float, float]:
 
 def moe_head(config) -> Tuple[Optional[str], float, float]:
     """logits = lm_head(h) (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
-    OlmoeForCausalLM: with output_router_logits their forward adds the router's load-balancing
-    loss, which the fused head does not compute: refused; asked per call, HF's head runs)."""
-    if getattr(config, "output_router_logits", False):
-        return ("config.output_router_logits=True: the forward adds the router's load-balancing "
-                "loss", 1.0, 0.0)
+    OlmoeForCausalLM). With output_router_logits (the config's or the call's) their forward
+    adds router_aux_loss_coef times the routers' load-balancing loss to the loss; the fused
+    forward does the same with transformers' own loss function (ckpt_ext.hf.moe.aux_loss)."""
     return None, 1.0, 0.0
 
 

@@ -14,7 +14,10 @@ What the model's forward does between its head and its loss is looked up by the 
 class that defines that forward (``families.HEAD_RULES``), never guessed from the config alone:
 Llama and the families like it pass the logits on as they are, Granite divides them by
 ``config.logits_scaling`` (the op's ``logit_scale``), Gemma 2 and Gemma 3 soft-cap them by
-``config.final_logit_softcapping`` when it is set (the op's ``softcap``). A model whose forward
+``config.final_logit_softcapping`` when it is set (the op's ``softcap``); the MoE CausalLMs
+(Qwen2/3-MoE, Mixtral, OLMoE) pass them on as they are and, with ``output_router_logits``, add
+``router_aux_loss_coef`` times transformers' load-balancing loss of the router logits the
+fused layers return (ckpt_ext.hf.moe.aux_loss), as their forward does. A model whose forward
 is not one of those (a subclass with a forward of its own, another family) keeps HF's head,
 with the reason.
 
@@ -38,8 +41,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from . import moe
 from .cache import causal_lm_output, uses_cache
-from .families import Family, HeadRule, head_rule, norm_eps
+from .families import Family, HeadRule, head_rule, moe_head as _moe_head, norm_eps
 from .zero import gathered_for_head, raw_parameter
 
 
@@ -170,8 +174,7 @@ class FusedHeadForward:
         labels = kwargs.get("labels")
         fusable = (labels is not None and torch.is_grad_enabled() and not uses_cache(kwargs)
                    and isinstance(kwargs.get("logits_to_keep", 0), int)
-                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None
-                   and not kwargs.get("output_router_logits"))  # MoE models' aux loss
+                   and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
         if fusable:
             problem, logit_scale, softcap = head_transform(self.model, self.rule)
             fusable = problem is None
@@ -192,6 +195,12 @@ class FusedHeadForward:
         ignore_index = kwargs.get("ignore_index", -100)
         shift_labels = kwargs.get("shift_labels")
         bare = self.model.model
+        moe_head = self.rule is _moe_head
+        if moe_head:  # the model's forward resolves it so and hands it to the bare model
+            router_logits = kwargs.get("output_router_logits")
+            if router_logits is None:
+                router_logits = self.model.config.output_router_logits
+            kwargs["output_router_logits"] = router_logits
         outputs = bare(**kwargs, return_dict=True)
         hidden = outputs.last_hidden_state
         norm = (getattr(self, "owner", None) or bare)._modules.get("norm")
@@ -225,7 +234,13 @@ class FusedHeadForward:
                                             **norm_args)
 
         loss = gathered_for_head([weight, bias], hidden, loss_of)
-        out = causal_lm_output(loss=loss, outputs=outputs)
+        if moe_head:  # HF's MoE output: the load-balancing loss added when it is asked for
+            loss, aux = moe.aux_loss(self.model, loss, outputs, kwargs.get("attention_mask"),
+                                     router_logits)
+            out = causal_lm_output(loss=loss, outputs=outputs, moe_fields=dict(
+                aux_loss=aux, router_logits=outputs.router_logits))
+        else:
+            out = causal_lm_output(loss=loss, outputs=outputs)
         # HF's tuple drops the None fields: with no logits formed, the loss is first and the
         # fields after it (cache, hidden states, attentions) follow when the call asked for them
         return out if return_dict else out.to_tuple()

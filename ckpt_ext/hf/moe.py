@@ -16,14 +16,22 @@ without weights where there is none; this module checks the MoE block and fills 
 slots. Layers whose ``mlp`` is dense (Qwen2/3-MoE's ``mlp_only_layers`` and the layers between
 ``decoder_sparse_step``) are dense layers to the op.
 
-Refused by name (``REFUSED`` for model types; NotImplementedError for settings):
-``output_router_logits`` (the router logits HF returns and its load-balancing loss), Mixtral's
+With ``output_router_logits=True`` (the config's, or one forward's) transformers collects every
+router's logits through a hook on the router module, which a fused layer never calls: the
+fused layer asks the op for them instead (its ``router_logits`` output, (B*S, E) in HF's dtype,
+differentiable) and adds them to transformers' collection in the layer's place
+(``record_router_logits``), so the model's ``router_logits``, HF's ``load_balancing_loss_func``
+on them and its gradient through the router are HF's. The fused LM head adds that loss as HF's
+forward does (ckpt_ext.hf.lm_head).
+
+Refused by name (``REFUSED`` for model types; NotImplementedError for settings): Mixtral's
 ``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, PEFT LoRA on the expert parameters
 (``target_parameters``), quantized or otherwise wrapped experts, routers and expert layouts
 other than the ones above.
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple, Optional
 
 import torch.nn as nn
@@ -31,8 +39,8 @@ import torch.nn as nn
 from ..blocks import WEIGHT_SLOTS
 from .families import ACTIVATIONS
 
-__all__ = ["MOE_FAMILIES", "REFUSED", "is_moe_layer", "layer_options", "layer_tensors",
-           "refusal", "structure_problem"]
+__all__ = ["MOE_FAMILIES", "REFUSED", "aux_loss", "is_moe_layer", "layer_options", "layer_tensors",
+           "record_router_logits", "recording_router_logits", "refusal", "structure_problem"]
 
 
 class MoeFamily(NamedTuple):
@@ -185,29 +193,61 @@ def structure_problem(layer: nn.Module, family, hooks: bool, projections: bool
         if patch._foreign_forward(mod):
             return (f"{where} has an instance-level forward (accelerate offload hooks, another "
                     "patch, or transformers recording outputs), which the fused op would bypass")
-        if hooks:
-            found = [*mod._forward_pre_hooks.values(), *mod._forward_hooks.values()]
-            capture = [h for h in found
-                       if getattr(h, "__name__", "") == patch._HF_CAPTURE_HOOK]
-            if capture and _recording_router_logits():
-                return ("output_router_logits=True: transformers records the router logits "
-                        f"(its hook on {where}), and the fused op does not return them "
-                        "(nor HF's load-balancing loss): " + _ROUTER_LOGITS_FIX)
+        if hooks:  # transformers' router-logits hook on mlp.gate is stood in for by the op
             problem = patch._hook_problem(layer, where, mod)
             if problem:
                 return problem
     return None
 
 
-_ROUTER_LOGITS_FIX = ("train with output_router_logits=False (router_aux_loss_coef then adds "
-                      "nothing), or use policy 'torch' for this model")
-
-
-def _recording_router_logits() -> bool:
+def _collected() -> Optional[dict]:
+    """What transformers' output-capturing hooks record into in this forward (None: nothing
+    is being recorded, or transformers is absent)."""
     from .patch import _hf_collector
     collector = _hf_collector()
-    active = collector.get() if collector is not None else None
+    return collector.get() if collector is not None else None
+
+
+def recording_router_logits() -> bool:
+    """Whether transformers is collecting the routers' logits in this forward (the model's
+    ``output_router_logits``, from its config or the call)."""
+    active = _collected()
     return bool(active) and "router_logits" in active
+
+
+def record_router_logits(out):
+    """The layer's output from the op's ``(output, router_logits)``, the logits added to
+    transformers' collection where the router's own hook would have added them (the layers run
+    in order, so each lands at its layer's place)."""
+    y, logits = out
+    active = _collected()
+    if active is not None and "router_logits" in active:
+        active["router_logits"].append(logits)
+    return y
+
+
+def _load_balancing_loss_func(model: nn.Module):
+    """transformers' load_balancing_loss_func of the modeling module whose CausalLM forward
+    ``model`` runs (the one that forward calls)."""
+    owner = next(c for c in type(model).__mro__ if "forward" in vars(c))
+    func = getattr(sys.modules.get(owner.__module__), "load_balancing_loss_func", None)
+    if func is None:
+        raise NotImplementedError(
+            f"{owner.__qualname__}'s module has no load_balancing_loss_func: the fused LM head "
+            "cannot add this model's router load-balancing loss (patch with fuse_lm_head=False)")
+    return func
+
+
+def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logits):
+    """(loss, aux_loss) as the MoE CausalLM forwards of transformers 5 make them from the bare
+    model's ``outputs``: with ``output_router_logits``, aux_loss = load_balancing_loss_func(
+    outputs.router_logits, num_experts, num_experts_per_tok, attention_mask) (transformers'
+    own function) and loss + router_aux_loss_coef * aux_loss; else (loss, None)."""
+    if not output_router_logits:
+        return loss, None
+    aux = _load_balancing_loss_func(model)(outputs.router_logits, model.num_experts,
+                                           model.num_experts_per_tok, attention_mask)
+    return loss + model.router_aux_loss_coef * aux.to(loss.device), aux
 
 
 def layer_options(layer: nn.Module, config) -> dict:
@@ -221,11 +261,6 @@ def layer_options(layer: nn.Module, config) -> dict:
     if fam is None or type(mlp).__name__ != fam.block:
         raise ValueError(f"mlp is a {type(mlp).__name__} in a {model_type!r} model; the fused "
                          f"MoE blocks are {', '.join(f.block for f in MOE_FAMILIES.values())}")
-    if getattr(config, "output_router_logits", False):
-        raise NotImplementedError(
-            f"patch_llama: {model_type} with output_router_logits=True (the router logits and "
-            "the load-balancing loss, router_aux_loss_coef) is not implemented by the fused "
-            "MoE layer: " + _ROUTER_LOGITS_FIX)
     jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
     if jitter > 0:
         raise NotImplementedError(

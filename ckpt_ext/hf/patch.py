@@ -792,16 +792,20 @@ class _PatchedForward:
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
         if self.shared.sequence_parallel:  # one seed for the group: masks hash global rows
             seed = _sp.same_seed(seed, self.shared.sequence_parallel)
+        # an MoE layer returns its router logits while transformers collects them
+        router_logits = bool(spec.num_experts_per_tok) and moe.recording_router_logits()
         options = spec.options(
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
             # capped layers reach here only without empty rows (_why_not_fused)
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
-            preset=preset, sequence_parallel=self.shared.sequence_parallel)
-        return offloaded(self.shared.offloader, decoder_layer, x,
-                         [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
-                         options)
+            preset=preset, sequence_parallel=self.shared.sequence_parallel,
+            router_logits=router_logits)
+        out = offloaded(self.shared.offloader, decoder_layer, x,
+                        [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
+                        options)
+        return moe.record_router_logits(out) if router_logits else out
 
 
 def _layer_tensors(layer: nn.Module, family: Family, fused: Optional[dict] = None
