@@ -29,7 +29,13 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LayerOptions)
 class LayerDims:
     """The shape of one decoder layer: H, Hq, Hkv, D, I, and whether the layer norms the
     attention's / the MLP's output before the residual add (``ckpt_ext.plan``'s module
-    docstring: they cost recompute)."""
+    docstring: they cost recompute).
+
+    A mixture-of-experts layer has ``experts`` > 0 routed SwiGLU experts of
+    ``expert_intermediate_size`` each, ``top_k`` of them per token; its
+    ``intermediate_size`` is then its shared expert's (Qwen2-MoE), 0 when it has none.
+    ``router_logits``: the layer returns its (tokens, experts) router logits for the step's
+    load-balancing loss (HF's ``output_router_logits``), which the plan counts."""
 
     hidden_size: int
     num_heads: int
@@ -38,23 +44,62 @@ class LayerDims:
     intermediate_size: int
     attention_output_norm: bool = False
     mlp_output_norm: bool = False
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate_size: int = 0
+    router_logits: bool = False
 
     def __post_init__(self):
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size"):
+                     "intermediate_size", "experts", "top_k", "expert_intermediate_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LayerDims: {name} must be a positive int, got {value!r}")
+            least = 0 if name in ("experts", "top_k", "expert_intermediate_size") or (
+                name == "intermediate_size" and self.experts) else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive" if least else "a non-negative"
+                raise ValueError(f"LayerDims: {name} must be {kind} int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"LayerDims: num_kv_heads must divide num_heads={self.num_heads}, "
                              f"got {self.num_kv_heads}")
+        if self.experts:
+            if not 1 <= self.top_k <= self.experts:
+                raise ValueError(f"LayerDims: top_k must be in [1, experts={self.experts}], "
+                                 f"got {self.top_k}")
+            if self.expert_intermediate_size <= 0:
+                raise ValueError("LayerDims: expert_intermediate_size must be a positive int "
+                                 f"with experts, got {self.expert_intermediate_size}")
+        elif self.top_k or self.expert_intermediate_size or self.router_logits:
+            raise ValueError("LayerDims: top_k, expert_intermediate_size and router_logits "
+                             "need experts > 0 (a mixture-of-experts layer)")
+
+    @property
+    def moe(self) -> bool:
+        """Whether the layer's FFN is a mixture of experts."""
+        return self.experts > 0
+
+    def ffn_kwargs(self) -> dict:
+        """The MoE keyword arguments of ``ckpt_ext._C.layer_chunk_rows`` / ``mlp_chunk_rows``
+        (none for a dense layer)."""
+        if not self.experts:
+            return {}
+        return dict(hidden=self.hidden_size, experts=self.experts, top_k=self.top_k,
+                    expert_intermediate=self.expert_intermediate_size)
+
+    def ffn_parameters(self) -> int:
+        """The FFN's weights: a dense SwiGLU's 3 H I; an MoE FFN's experts (E 3 H I_e), its
+        router (E H) and its shared expert (3 H I)."""
+        H = self.hidden_size
+        return 3 * H * self.intermediate_size + self.experts * (
+            3 * H * self.expert_intermediate_size + H)
+
+    def active_intermediate(self) -> int:
+        """The SwiGLU width one token runs through: I, or top_k I_e plus the shared I."""
+        return self.intermediate_size + self.top_k * self.expert_intermediate_size
 
     def kwargs(self) -> dict:
         """The keyword arguments of ``presets.per_token_bytes``."""
         return dict(H=self.hidden_size, Hq=self.num_heads, Hkv=self.num_kv_heads,
-                    D=self.head_dim, I=self.intermediate_size)
-
-
+                    D=self.head_dim, I=self.intermediate_size, top_k=self.top_k)
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,22 @@ def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int) -> int:
     """Tokens per chunk of a fused decoder layer at element size ``e`` and byte cap
     ``chunk_bytes``: the engine's own rule (csrc/chunking.h ``layer_chunk_rows``, through
     ``ckpt_ext._C``)."""
-    return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes)
+    return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes,
+                               **d.ffn_kwargs())
+
+
+def ffn_row_width(d: LayerDims) -> int:
+    """Elements one token holds in a chunk of the layer's FFN backward (the engine's
+    csrc/chunking.h ``ffn_row_width``, through ``ckpt_ext._C``)."""
+    return _C.ffn_row_width(d.intermediate_size, **d.ffn_kwargs())
+
+
+def router_logits_bytes(layers: Sequence[LayerDims], T: int, dtype) -> int:
+    """What the layers returning their router logits (``LayerDims.router_logits``) keep
+    through the step: each one's (T, E) logits in ``dtype`` and the same-size softmax of HF's
+    load-balancing loss."""
+    e = _dtype(dtype).itemsize
+    return sum(2 * e * T * x.experts for x in layers if x.router_logits)
 
 
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
@@ -215,11 +230,17 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     T = B * S
     if chunk_bytes is None:
         chunk_bytes = config.current().chunk_bytes
-    d = max(layers, key=lambda x: x.hidden_size * x.intermediate_size)
+    d = max(layers, key=lambda x: (x.hidden_size * ffn_row_width(x), x.ffn_parameters()))
     H, Hq, D, I = d.hidden_size, d.num_heads, d.head_dim, d.intermediate_size
     Q, K = Hq * D, d.num_kv_heads * D
     preset = "torch" if setup.startswith("hf_gc") else setup
-    layers_saved = sum(layer_bytes(preset, x, B, S, dtype) for x in layers)
+    if preset == "torch" and any(x.moe for x in layers):
+        raise NotImplementedError(
+            f"step_peak: setup {setup!r} with mixture-of-experts layers: the plan models HF's "
+            "re-run layer for dense layers only (bench/moe.py measures HF checkpointing's MoE "
+            "step peak); plan a fused preset")
+    layers_saved = sum(layer_bytes(preset, x, B, S, dtype) for x in layers) \
+        + router_logits_bytes(layers, T, dtype)
     rope = 2 * S * D * e
     lse = 4 * Hq * T
     fused_head = setup != "hf_gc"
@@ -254,7 +275,8 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     head_peak = saved + head_work
 
     # the top layer's backward
-    grads = e * H * (2 * Q + 2 * K + 3 * I) if train_weights else 0
+    params = H * (2 * Q + 2 * K) + d.ffn_parameters()
+    grads = e * params if train_weights else 0
     if preset == "torch":
         layer_work = e * T * (6 * H + 2 * Q + 2 * K + 6 * I) + lse
         if e < 4:
@@ -272,14 +294,19 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         phase = "top layer backward (HF's layer re-run)"
     else:
         # The MLP walks token chunks of the cap (three (rows, I) tensors at the compute width)
-        mlp_rows = min(T, _C.mlp_chunk_rows(I, e, chunk_bytes))
-        if path == "cpu":   # (rows, I) fp32 buffers within the cap: six, or four with the
+        mlp_rows = min(T, _C.mlp_chunk_rows(I, e, chunk_bytes, **d.ffn_kwargs()))
+        # an MoE FFN's backward holds its chunk's ffn_row_width at the compute width (at
+        # least fp32), on either path (csrc/moe_math.cpp)
+        moe_row = ffn_row_width(d) * max(4, e) if d.moe else 0
+        if d.moe:
+            swiglu = moe_row * mlp_rows
+        elif path == "cpu":   # (rows, I) fp32 buffers within the cap: six, or four with the
             n = 4 if preset == "fast" else 6        # gate/up that fast saves
             swiglu = n * 4 * I * min(T, max(1, chunk_bytes // (n * 4 * I)))
         else:               # the Triton backward's dh, dgate, dup of one chunk
             swiglu = 3 * e * mlp_rows * I
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
-            swiglu += 3 * I * H * (4 + e)     # an fp32 sum and the chunk's own
+            swiglu += d.ffn_parameters() * (4 + e)     # an fp32 sum and the chunk's own
         rows = layer_chunk_rows(d, e, chunk_bytes)
         if rows >= T:        # one chunk: the layer as written out
             if preset == "min_memory":
@@ -295,7 +322,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
                 attn += 4 * T * Q
         else:                # token chunks: dy, dx, k and v (kept by fast), fp32 dk/dv sums
             whole = e * T * 2 * H + (0 if preset == "fast" else 2 * e * T * K) + 8 * T * K
-            if path == "cpu":
+            if d.moe:
+                swiglu = moe_row * rows
+            elif path == "cpu":
                 n = 4 if preset == "fast" else 6
                 swiglu = n * 4 * I * min(rows, max(1, chunk_bytes // (n * 4 * I)))
             else:
@@ -309,7 +338,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             else:                # the CPU backward's fp32 copies of a kv head's keys and
                 attn += 16 * T * K   # values and its dk, dv sums, (T, D) each, per head
             if train_weights:   # the layer's gradients summed over the chunks in fp32
-                grads += (4 - e) * H * (2 * Q + 2 * K + 3 * I) if e < 4 else 0
+                grads += (4 - e) * params if e < 4 else 0
         attn += grads
         layer_work = max(mlp, attn)
         phase = f"top layer backward ({'MLP' if mlp >= attn else 'attention'} part)"
@@ -320,14 +349,25 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
 
 
 def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
-                      lora_rank: int = 16, tied: bool = False, shard: int = 1) -> int:
+                      lora_rank: int = 16, tied: bool = False, shard: int = 1,
+                      expert_lora_rank: int = 0) -> int:
     """Bytes the model and its optimizer hold outside the step, per GPU: ``weights="full"``, a
     full fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
     rank-``lora_rank`` adapters on every projection (fp32, AdamW: 16 bytes an adapter
     parameter). ``shard``: the sharding degree of FSDP / ZeRO-3 (each GPU holds 1/shard of
     it, and the gathered parameters of two units in ``dtype``, the one running and the one
-    prefetched, the larger of a decoder layer and the embedding or head)."""
+    prefetched, the larger of a decoder layer and the embedding or head).
+
+    A mixture-of-experts layer (``LayerDims.experts``) holds its experts (E 3 H I_e), router
+    (E H) and shared expert; ``"lora"`` puts the adapters on the attention and the shared
+    expert, and with ``expert_lora_rank`` r > 0 on the routed experts too (PEFT's
+    ``target_parameters``: r (H + 2 I_e) for gate_up_proj and r (I_e + H) for down_proj per
+    expert)."""
+    if isinstance(expert_lora_rank, bool) or not isinstance(expert_lora_rank, int) \
+            or expert_lora_rank < 0:
+        raise ValueError("model_state_bytes: expert_lora_rank must be a non-negative int, got "
+                         f"{expert_lora_rank!r}")
     if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
         raise ValueError(f"model_state_bytes: shard must be a positive int, got {shard!r}")
     e = _dtype(dtype).itemsize
@@ -338,9 +378,13 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
     for x in layers:
         H, Q, K, I = (x.hidden_size, x.num_heads * x.head_dim, x.num_kv_heads * x.head_dim,
                       x.intermediate_size)
-        base += H * (2 * Q + 2 * K + 3 * I) + 2 * H
-        unit = max(unit, H * (2 * Q + 2 * K + 3 * I) + 2 * H)
-        adapters += lora_rank * ((H + Q) + 2 * (H + K) + (Q + H) + 2 * (H + I) + (I + H))
+        layer = H * (2 * Q + 2 * K) + x.ffn_parameters() + 2 * H
+        base += layer
+        unit = max(unit, layer)
+        adapters += lora_rank * ((H + Q) + 2 * (H + K) + (Q + H))
+        if I:
+            adapters += lora_rank * (2 * (H + I) + (I + H))
+        adapters += expert_lora_rank * x.experts * (2 * H + 3 * x.expert_intermediate_size)
     if weights == "full":
         state = 16 * base
     elif weights == "lora":
@@ -385,11 +429,13 @@ def _longest_fitting(fits, limit: int) -> int:
 
 def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                      device_memory: int, weights: str, *, path: str = "cuda",
-                     limit: int = 1 << 26, headroom: int = 0, shard: int = 1) -> int:
+                     limit: int = 1 << 26, headroom: int = 0, shard: int = 1,
+                     expert_lora_rank: int = 0) -> int:
     """The longest S (at most ``limit``) whose step fits ``device_memory`` less ``headroom``
     (:func:`headroom_bytes`) with the model state of ``weights`` (:func:`model_state_bytes`,
-    sharded ``shard`` ways), by :func:`step_peak`; 0 if none does."""
-    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard)
+    sharded ``shard`` ways, ``expert_lora_rank``), by :func:`step_peak`; 0 if none does."""
+    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
+                                                        expert_lora_rank=expert_lora_rank)
     fits = lambda s: step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
                                train_weights=weights == "full").peak <= room
     return _longest_fitting(fits, limit)
@@ -465,11 +511,12 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
 def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                              device_memory: int, host_memory: Optional[int], weights: str, *,
                              path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
-                             shard: int = 1) -> int:
+                             shard: int = 1, expert_lora_rank: int = 0) -> int:
     """The longest S (at most ``limit``) whose offloaded step (:func:`offload_step_peak` with
     ``host_memory`` as the host cap, None for none) fits ``device_memory`` less ``headroom``
-    with the model state; 0 if none."""
-    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard)
+    with the model state (``expert_lora_rank``: :func:`model_state_bytes`); 0 if none."""
+    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
+                                                        expert_lora_rank=expert_lora_rank)
 
     def fits(s):
         p = offload_step_peak(setup, layers, V, B, s, dtype, path=path,
@@ -483,18 +530,18 @@ def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B:
 def _flops_parts(preset: str, d: LayerDims, S: int):
     """Recompute FLOPs of one layer divided by B*S, as (attention, matmul): the attention's
     score and P V products, and the projections (module docstring). Integers."""
-    H, Hq, Hkv, D, I = (d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim,
-                        d.intermediate_size)
+    H, Hq, Hkv, D = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim
+    I = d.active_intermediate()     # an MoE token's top_k experts and shared expert
     scores = pv = Hq * D * (S + 1)
     qkv = 2 * H * (Hq + 2 * Hkv) * D
     o_proj = 2 * Hq * D * H
-    gate_up = 4 * H * I
+    gate_up = 4 * H * I + 2 * H * d.experts     # with an MoE router's logits
     down = 2 * I * H
     # the output norms' backward reads the sublayer's output (module docstring)
     out_norms = (d.mlp_output_norm * (down if preset == "fast" else gate_up + down)
                  + (d.attention_output_norm and preset != "min_memory") * o_proj)
-    if preset == "fast":
-        return scores, out_norms
+    if preset == "fast":     # an MoE layer's fast keeps no gate/up: recomputed
+        return scores, out_norms + (gate_up if d.moe else 0)
     if preset == "balanced":
         return scores, qkv + gate_up + out_norms
     if preset == "min_memory":
@@ -694,6 +741,9 @@ SP_LINK_GBYTES_PER_S = 300.0   # GB/s per GPU and direction: an assumption (NVLi
 def _check_sp(d: LayerDims, N: int) -> None:
     if isinstance(N, bool) or not isinstance(N, int) or N < 1:
         raise ValueError(f"sequence_parallel must be a positive int, got {N!r}")
+    if d.moe and N > 1:
+        raise NotImplementedError(f"sequence_parallel {N} with mixture-of-experts layers: the "
+                                  "engine refuses it (plan without --sequence-parallel)")
     if d.num_heads % N:
         raise ValueError(f"sequence_parallel {N}: num_attention_heads {d.num_heads} must be "
                          f"divisible by it (each GPU attends with Hq/N query heads)")

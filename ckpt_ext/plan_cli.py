@@ -10,6 +10,7 @@ bounds its inputs (S up to 2**32, B up to 2**20, bytes up to 1 EiB) with a usage
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -200,6 +201,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=dim, help="default hidden_size // heads")
     ap.add_argument("--intermediate-size", type=dim)
     ap.add_argument("--layers", type=_bounded_int(_MAX["layers"]), help="num_hidden_layers")
+    ap.add_argument("--router-logits", action=argparse.BooleanOptionalAction, default=None,
+                    help="an MoE model returns its router logits for the load-balancing loss "
+                         "(default: the config's output_router_logits): (tokens, experts) a "
+                         "layer and HF's softmax of them, kept through the step")
+    ap.add_argument("--expert-lora-rank", type=_bounded_int(1 << 16), default=0,
+                    help="with --weights lora: LoRA rank on the routed experts too (PEFT's "
+                         "target_parameters); 0 (default): attention and shared experts only")
     ap.add_argument("--vocab-size", type=_bounded_int(_MAX["vocab"]))
     ap.add_argument("--batch", type=_bounded_int(_MAX["batch"]), required=True,
                     help="sequences per step on one GPU")
@@ -313,6 +321,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         ap.error(f"{e} (give a config.json or --hidden-size/--heads/--intermediate-size/"
                  f"--layers)")
+    if args.router_logits is not None:
+        if args.router_logits and not any(x.moe for x in layers):
+            ap.error("argument --router-logits: the config has no experts")
+        layers = [dataclasses.replace(x, router_logits=args.router_logits) if x.moe else x
+                  for x in layers]
+    if args.expert_lora_rank and (args.weights != "lora" or not any(x.moe for x in layers)):
+        ap.error("argument --expert-lora-rank: applies with --weights lora to a config with "
+                 "experts")
     if "vocab_size" not in config:
         ap.error("missing vocab_size (in the config or --vocab-size)")
     V = config["vocab_size"]
@@ -342,6 +358,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{L} layers, H {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads}, head_dim "
           f"{d.head_dim}, I {d.intermediate_size}, V {V}; B {B}, S {S:,} ({T:,} tokens), "
           f"{str(dtype).replace('torch.', '')}")
+    moe = [x for x in layers if x.moe]
+    if moe:
+        m = moe[0]
+        print(f"mixture of experts: {len(moe)} of {L} layers, {m.experts} experts of I "
+              f"{m.expert_intermediate_size}, top-k {m.top_k}, shared expert I "
+              f"{m.intermediate_size or 'none'}; router logits "
+              f"{'kept (output_router_logits)' if m.router_logits else 'not returned'}"
+              + (f"; expert LoRA r {args.expert_lora_rank}" if args.expert_lora_rank else "")
+              + "; HF checkpointing's step is not modelled for experts (bench/moe.py measures "
+              "it)")
     rows = []
     for preset in ("fast", "balanced", "min_memory", "torch"):
         ptb = sum(per_token_bytes(preset, dtype=dtype, **x.kwargs()) for x in layers)
@@ -388,6 +414,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _setups(layers) -> tuple:
+    """The step setups the plan models: HF checkpointing's re-run layer for dense layers only."""
+    if any(x.moe for x in layers):
+        return tuple(s for s in PEAK_SETUPS if not s.startswith("hf_gc"))
+    return PEAK_SETUPS
+
+
 _SETUP_NAMES = {"hf_gc": "HF checkpointing, HF head", "hf_gc+fused": "HF checkpointing, fused loss",
                 "fast": "fast", "balanced": "balanced", "min_memory": "min_memory"}
 
@@ -403,7 +436,7 @@ def _print_steps(args, layers, V, B, S, dtype) -> None:
     header = [f"step ({_weights_words(args)}, {args.path} path)", "saved", "peak",
               "peak KiB/token", "peak is in"]
     rows = []
-    for setup in PEAK_SETUPS:
+    for setup in _setups(layers):
         p = step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train)
         rows.append([_SETUP_NAMES[setup], format_bytes(p.saved), format_bytes(p.peak),
                      f"{p.peak / (B * S) / 1024:,.1f}", p.phase])
@@ -458,7 +491,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
     memory = args.device_memory
     headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
     usable = memory - headroom
-    state = model_state_bytes(layers, V, dtype, args.weights, shard=args.shard)
+    state = model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank, shard=args.shard)
     room = usable - state
     print(f"will it fit: {_weights_words(args)}, B {B}, S {S:,}, {args.path} path, on "
           f"{format_bytes(memory)} of device memory")
@@ -466,7 +499,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
           f"fragmentation {args.fragmentation:.0%} of the device "
           f"({format_bytes(int(args.fragmentation * memory))}) = {format_bytes(headroom)}; "
           f"usable {format_bytes(usable)}")
-    whole = model_state_bytes(layers, V, dtype, args.weights)
+    whole = model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank)
     if args.shard > 1:
         print(f"  model state per GPU ({args.weights}): {format_bytes(state)} = 1/{args.shard} "
               f"of {format_bytes(whole)} + two gathered units in {args.dtype} "
@@ -475,7 +508,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         print(f"  model state ({args.weights}): {format_bytes(state)}")
     print(f"  left for the step: {format_bytes(room) if room > 0 else 'nothing'}")
     host = _host_memory(args)[0] if args.offload else None
-    cases = [(setup, False) for setup in PEAK_SETUPS]
+    cases = [(setup, False) for setup in _setups(layers)]
     if args.offload:
         cases += [(setup, True) for setup in OFFLOAD_SETUPS]
     rows = []
@@ -491,7 +524,8 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
             verdict, n = "does not fit (model state)", 0
         else:
             verdict = "fits" if peak <= room else "does not fit"
-            kw = dict(path=args.path, headroom=headroom, shard=args.shard)
+            kw = dict(path=args.path, headroom=headroom, shard=args.shard,
+                      expert_lora_rank=args.expert_lora_rank)
             n = (longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
                                           args.weights, **kw) if offload else
                  longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
@@ -519,7 +553,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         if need:
             print(f"  sharded (--shard N, FSDP / ZeRO-3): min_memory fits S {S:,} from --shard "
                   f"{need}, where the state is "
-                  f"{format_bytes(model_state_bytes(layers, V, dtype, args.weights, shard=need))}"
+                  f"{format_bytes(model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank, shard=need))}"
                   f" per GPU; rerun with --shard {need} for the per-GPU figures")
         else:
             print("  no sharding degree up to 4096 makes room: the gathered units alone are "
@@ -581,7 +615,7 @@ def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
     memory = args.device_memory
     if memory is not None:
         headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
-        room = memory - headroom - model_state_bytes(layers, V, dtype, args.weights,
+        room = memory - headroom - model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank,
                                                      shard=args.shard)
     cases = [(p, False) for p in OFFLOAD_SETUPS]
     if args.offload:
@@ -653,7 +687,7 @@ def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:
     peak = step_peak("min_memory", layers, V, B, S, dtype, path=args.path,
                      train_weights=args.weights == "full").peak
     for n in range(1, 4097):
-        if model_state_bytes(layers, V, dtype, args.weights, shard=n) + peak + headroom <= \
+        if model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank, shard=n) + peak + headroom <= \
                 args.device_memory:
             return n
     return 0

@@ -93,13 +93,14 @@ def per_token_bytes(preset: str, *, H: int, Hq: int, Hkv: int, D: int, I: int,
 def saved_bytes(preset: str, *, B: int, S: int, H: int, Hq: int, Hkv: int, D: int, I: int,
                 dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
                 rope_batch: int = 1, rope_dtype: torch.dtype | None = None,
-                mask: bool = False, lora_dropout: bool = False) -> int:
+                mask: bool = False, lora_dropout: bool = False, top_k: int = 0) -> int:
     """Exact saved bytes of one layer: ``B*S*per_token_bytes`` plus the layer's shared inputs,
     cos and sin ``(rope_batch, S, D)`` and the bool ``key_padding_mask`` ``(B, S)`` if given,
     and with ``lora_dropout`` the 8-byte seed of the layer call's dropout masks. In a model the
     shared inputs are the same tensors for every layer and count once. LoRA adapters add
-    nothing else: their rank-r products are recomputed."""
+    nothing else: their rank-r products are recomputed. ``top_k``: an MoE layer's (see
+    ``per_token_bytes``)."""
     rope_e = torch.empty((), dtype=rope_dtype or dtype).element_size()
     shared = 2 * rope_batch * S * D * rope_e + (B * S if mask else 0) + (8 if lora_dropout else 0)
     return B * S * per_token_bytes(preset, H=H, Hq=Hq, Hkv=Hkv, D=D, I=I, dtype=dtype,
-                                   compute_dtype=compute_dtype) + shared
+                                   compute_dtype=compute_dtype, top_k=top_k) + shared

@@ -63,6 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::kw_only(), pybind11::arg("hidden") = 0, pybind11::arg("experts") = 0,
       pybind11::arg("top_k") = 0, pybind11::arg("expert_intermediate") = 0,
       "Tokens per chunk of the fused layer's FFN (MoE sizes as for layer_chunk_rows)");
+  m.def("ffn_row_width", &ckpt_ext::chunking::ffn_row_width, pybind11::arg("intermediate"),
+        pybind11::kw_only(), pybind11::arg("hidden") = 0, pybind11::arg("experts") = 0,
+        pybind11::arg("top_k") = 0, pybind11::arg("expert_intermediate") = 0,
+        "Elements one token holds in a chunk of the layer's FFN at the compute width "
+        "(csrc/chunking.h ffn_row_width; MoE sizes as for layer_chunk_rows)");
   m.def("layer_residuals", &ckpt_ext::layer_residuals, pybind11::arg("part"),
         pybind11::arg("preset"), pybind11::arg("moe") = false,
         "The names of the residuals decoder_layer_fwd returns for (part, preset), in order "

@@ -322,13 +322,42 @@ def test_other_moe_families_are_refused_by_name(model_type):
         ckpt_ext.patch_llama(Model())
 
 
-def test_auto_policy_and_the_plan_refuse_moe():
-    """The planner does not model routed experts: policy='auto' and the plan refuse an MoE
-    model by name rather than plan it as a dense one."""
-    from ckpt_ext.hf.families import layer_dims_from_config
+def test_auto_policy_refuses_moe():
+    """policy='auto' does not choose presets for routed experts: it refuses an MoE model by
+    name rather than choose for it as for a dense one."""
     model = make("olmoe")
     with pytest.raises(NotImplementedError, match="policy='auto' is not implemented for "
                        "mixture-of-experts"):
         ckpt_ext.patch_llama(model, "auto", activation_budget="1GiB")
-    with pytest.raises(NotImplementedError, match="mixture-of-experts model \\(8 experts"):
-        layer_dims_from_config(model.config)
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_the_plan_reads_moe_configs(family):
+    """layer_dims_from_config gives each layer of an HF MoE model the experts, top-k, expert
+    size and shared expert its modules have (the dense layers between: mlp_only_layers,
+    decoder_sparse_step), and the plan's parameters are the model's."""
+    from ckpt_ext import plan
+    from ckpt_ext.hf.families import layer_dims_from_config
+    model = make(family, output_router_logits=True)
+    dims = layer_dims_from_config(model.config)
+    assert len(dims) == len(model.model.layers)
+    for d, layer in zip(dims, model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        assert d.moe == (experts is not None)
+        assert d.router_logits == d.moe
+        if experts is None:
+            assert d.intermediate_size == layer.mlp.gate_proj.weight.shape[0]
+            continue
+        E, two_i, H = experts.gate_up_proj.shape
+        assert (d.experts, d.expert_intermediate_size, d.hidden_size) == (E, two_i // 2, H)
+        assert d.top_k == MOE[family]["num_experts_per_tok"]
+        shared = getattr(layer.mlp, "shared_expert", None)
+        assert d.intermediate_size == (shared.gate_proj.weight.shape[0] if shared else 0)
+    # the base's parameters besides the norms (the plan: 2 H a layer and the final H), and
+    # Qwen2-MoE's shared-expert gate (H a layer) and q/k/v biases, which the plan leaves out
+    H, L = BASE["hidden_size"], len(dims)
+    counted = plan.model_state_bytes(dims, BASE["vocab_size"], torch.float32, "lora",
+                                     lora_rank=0) // 4 - (2 * L + 1) * H
+    assert counted == sum(p.numel() for n, p in model.named_parameters()
+                          if not ("norm" in n or "shared_expert_gate" in n
+                                  or n.endswith("_proj.bias")))

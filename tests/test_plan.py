@@ -712,7 +712,7 @@ def test_plan_chunk_rows_are_the_engines():
     try:
         plan._C = types.SimpleNamespace(
             layer_chunk_rows=lambda *a: 2 * real.layer_chunk_rows(*a),
-            mlp_chunk_rows=real.mlp_chunk_rows)
+            mlp_chunk_rows=real.mlp_chunk_rows, ffn_row_width=real.ffn_row_width)
         assert plan.step_peak("balanced", layers, 1000, 1, 4096, torch.float32, **kw) != base
     finally:
         plan._C = real
@@ -1028,3 +1028,130 @@ def test_cli_auto_offload_by_time(tmp_path, capsys):
     # it beats min_memory everywhere here (by the plan's estimate)
     assert c.seconds < plan.step_time_estimate("min_memory", layers, 128256, 1, 131072,
                                                train_weights=False)
+
+
+# ---- mixture-of-experts layers -------------------------------------------------------------
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, vocab_size=151936, output_router_logits=False)
+
+
+@pytest.mark.parametrize("routing", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_plan_moe_saved_bytes_are_measured(preset, routing):
+    """The plan's saved bytes of an MoE layer (per_token_bytes with its top-k: the routing)
+    are what ckpt_ext.saved_activation_bytes measures on the fused layer (CPU, fp32), with
+    and without a shared expert, at odd sizes."""
+    from reference import rope_args
+    from test_moe import moe_case
+
+    from ckpt_ext import blocks
+    hidden, experts, inter, k, shared_i, b, s = 16, 5, 8, 2, 12, 2, 9
+    x, weights, pe, _, kw = moe_case(torch.float32, routing, hidden=hidden, experts=experts,
+                                     inter=inter, k=k, shared_i=shared_i, b=b, s=s)
+    w = {n: torch.nn.Parameter(t) for n, t in weights.items()}
+    x = x.requires_grad_()
+    measured = ckpt_ext.saved_activation_bytes(
+        lambda x: blocks.decoder_layer(x, blocks.LayerOptions(
+            weights=w, **rope_args(pe), preset=preset, **kw)), x)
+    rope = sum(t.untyped_storage().nbytes() for t in pe)
+    shared = shared_i if "mlp.gate_proj.weight" in weights else 0
+    d = LayerDims(hidden, 4, 2, hidden // 4, shared, experts=experts, top_k=k,
+                  expert_intermediate_size=inter)
+    assert measured - rope == plan.layer_bytes(preset, d, b, s, torch.float32)
+    # the routing is in it: a dense layer's count differs
+    assert plan.layer_bytes(preset, d, b, s, torch.float32) > b * s * (
+        4 * hidden if preset == "min_memory" else 0)
+
+
+def test_plan_moe_chunk_rows_are_the_engines():
+    """An MoE layer's chunk rows are the engine's (ckpt_ext._C with the MoE sizes): at a cap
+    of r tokens' working set, r rows (the width from csrc/chunking.h's documented rule: the
+    attention's 4 Hq D, the shared expert's 3 I, per routed copy max(3H + 5 I_e, H + 7 I_e),
+    the (rows, H) sum and the router's 3 E); and the step peak reads the engine's rule."""
+    d = LayerDims(96, 4, 2, 16, 40, experts=7, top_k=3, expert_intermediate_size=24)
+    width = 4 * 4 * 16 + 3 * 40 + 3 * max(3 * 96 + 5 * 24, 96 + 7 * 24) + 96 + 3 * 7
+    assert plan.ffn_row_width(d) == width - 4 * 4 * 16
+    for e in (2, 4, 8):
+        for rows in (1, 13, 200):
+            assert plan.layer_chunk_rows(d, e, rows * width * max(4, e)) == rows
+            assert plan.layer_chunk_rows(d, e, rows * width * max(4, e) - 1) == max(1, rows - 1)
+    layers = [LayerDims(96, 4, 1, 16, 40, experts=7, top_k=3, expert_intermediate_size=24)] * 3
+    kw = dict(path="cuda", chunk_bytes=256 << 20, train_weights=False)
+    base = plan.step_peak("balanced", layers, 100, 1, 131072, torch.float32, **kw)
+    assert base.phase == "top layer backward (MLP part)"
+    real = plan._C
+    for name in ("layer_chunk_rows", "ffn_row_width"):
+        fake = {n: getattr(real, n) for n in ("mlp_chunk_rows", "layer_chunk_rows",
+                                              "ffn_row_width")}
+        fake[name] = lambda *a, _f=fake[name], **k: 2 * _f(*a, **k)
+        try:
+            plan._C = types.SimpleNamespace(**fake)
+            assert plan.step_peak("balanced", layers, 100, 1, 131072, torch.float32,
+                                  **kw).peak != base.peak, name
+        finally:
+            plan._C = real
+
+
+def test_plan_moe_counts_router_logits_state_and_flops():
+    """Router logits add (T, E) and its softmax a layer in the compute dtype; expert LoRA r
+    adds 16 bytes per adapter parameter, E r (2H + 3 I_e) a layer; the FLOPs count top_k
+    experts, the shared expert and the router per token; HF checkpointing's re-run of an
+    MoE layer is refused by name, not planned as a dense one."""
+    layers = families.layer_dims_from_config(QWEN3_30B_A3B)
+    d = layers[0]
+    assert (d.experts, d.top_k, d.expert_intermediate_size, d.intermediate_size) == \
+        (128, 8, 768, 0)
+    B, S, V = 1, 4096, 151936
+    T = B * S
+    with_logits = [LayerDims(**{**d.__dict__, "router_logits": True})] * len(layers)
+    for setup in ("fast", "min_memory"):
+        a = plan.step_peak(setup, layers, V, B, S, torch.bfloat16)
+        b = plan.step_peak(setup, with_logits, V, B, S, torch.bfloat16)
+        assert b.saved - a.saved == len(layers) * 2 * 2 * T * 128
+    lora = plan.model_state_bytes(layers, V, torch.bfloat16, "lora")
+    expert = plan.model_state_bytes(layers, V, torch.bfloat16, "lora", expert_lora_rank=16)
+    assert expert - lora == 16 * 48 * 128 * 16 * (2 * 2048 + 3 * 768)
+    # 30.5B parameters (Qwen3-30B-A3B's model card: 30.5B in all)
+    params = plan.model_state_bytes(layers, V, torch.float32, "lora", lora_rank=0) // 4
+    assert 30.4e9 < params < 30.6e9
+    # matmul FLOPs per token of one layer's forward: attention projections, 8 experts, router
+    fwd = plan._flops_parts("torch", d, S)[1]
+    assert fwd == 2 * 2048 * (32 + 2 * 4) * 128 + 2 * 32 * 128 * 2048 \
+        + 6 * 2048 * 8 * 768 + 2 * 2048 * 128
+    # fast keeps no expert gate/up: it recomputes them
+    assert plan._flops_parts("fast", d, S)[1] == 4 * 2048 * 8 * 768 + 2 * 2048 * 128
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        plan.step_peak("hf_gc+fused", layers, V, B, S, torch.bfloat16)
+
+
+def test_cli_on_a_qwen3_moe_config(tmp_path, capsys):
+    """The CLI plans a qwen3_moe config dict: the experts line, the saved bytes of
+    per_token_bytes with the top-k, the fused setups only, and --router-logits /
+    --expert-lora-rank change the verdict."""
+    from ckpt_ext.presets import per_token_bytes
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_30B_A3B))
+    args = [str(path), "--batch", "1", "--seq", "65536", "--device-memory", "80GB",
+            "--weights", "lora", "--offload", "--host-memory", "256GiB"]
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "mixture of experts: 48 of 48 layers, 128 experts of I 768, top-k 8" in out
+    ptb = per_token_bytes("min_memory", H=2048, Hq=32, Hkv=4, D=128, I=0, top_k=8,
+                          dtype=torch.bfloat16)
+    assert ptb == 2 * 2048 + 8 * 4 + 8 * 4
+    assert re.search(rf"^min_memory\s+{ptb:,}\s", out, re.MULTILINE)
+    assert "HF checkpointing" not in out.split("mixture of experts")[1].split("\n", 1)[1]
+
+    def longest(text):   # the longest S column of the min_memory + offload row
+        rows = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()
+                if line.startswith("min_memory + offload ")]
+        return [int(r[6].lstrip(">= ").replace(",", "")) for r in rows if len(r) == 9]
+
+    base = longest(out)
+    assert len(base) == 1 and base[0] > 0
+    for extra in (["--router-logits"], ["--expert-lora-rank", "16"]):
+        assert plan_cli.main(args + extra) == 0
+        other = longest(capsys.readouterr().out)
+        assert len(other) == 1 and 0 < other[0] < base[0], extra

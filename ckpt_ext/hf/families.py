@@ -28,6 +28,7 @@ knowledge too and live here.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -425,8 +426,12 @@ def layer_dims_from_config(config) -> List[LayerDims]:
     """One LayerDims per decoder layer of an HF config (object or dict): hidden_size,
     num_attention_heads, num_key_value_heads (default: the heads), head_dim (default
     hidden_size // heads), intermediate_size, num_hidden_layers; the output norms of its
-    model_type's family (LLaMA's for a model_type not in ``FAMILIES``). ValueError naming
-    what is missing or not an int."""
+    model_type's family (LLaMA's for a model_type not in ``FAMILIES``). A mixture of
+    experts (num_experts or num_local_experts) gives its sparse layers' experts, top-k
+    (num_experts_per_tok), expert size (moe_intermediate_size, else intermediate_size: Mixtral,
+    OLMoE), shared expert (shared_expert_intermediate_size, 0 without) and
+    output_router_logits, and its dense layers (mlp_only_layers, decoder_sparse_step)
+    intermediate_size. ValueError naming what is missing or not an int."""
     missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size",
                            "num_hidden_layers") if _config_value(config, n) is None]
     if missing:
@@ -441,14 +446,6 @@ def layer_dims_from_config(config) -> List[LayerDims]:
         except TypeError:
             raise ValueError(f"config: {name} must be an int, got {value!r}") from None
 
-    experts = _config_value(config, "num_experts", 0) or \
-        _config_value(config, "num_local_experts", 0)
-    if experts:  # intermediate_size is not the experts' width: refuse rather than misplan
-        raise NotImplementedError(
-            f"config: a mixture-of-experts model ({experts} experts, model_type "
-            f"{_config_value(config, 'model_type')!r}); the plan does not model routed experts "
-            "yet (patch_llama fuses qwen3_moe, qwen2_moe, mixtral and olmoe with a given "
-            "preset; bench/moe.py measures their step peak)")
     H = integer("hidden_size")
     heads = integer("num_attention_heads")
     if heads <= 0:
@@ -464,7 +461,28 @@ def layer_dims_from_config(config) -> List[LayerDims]:
     layers = integer("num_hidden_layers")
     if layers <= 0:
         raise ValueError(f"config: num_hidden_layers must be a positive int, got {layers}")
-    return [dims] * layers
+    experts = integer("num_experts", 0) or integer("num_local_experts", 0)
+    if not experts:
+        return [dims] * layers
+    # a mixture of experts: qwen3_moe / qwen2_moe size their experts by moe_intermediate_size
+    # (intermediate_size is then their dense layers'), mixtral / olmoe by intermediate_size;
+    # qwen2_moe adds a shared expert (shared_expert_intermediate_size)
+    moe_size = _config_value(config, "moe_intermediate_size")
+    expert_size = integer("moe_intermediate_size") if moe_size is not None else dims.intermediate_size
+    shared = integer("shared_expert_intermediate_size", 0)
+    top_k = integer("num_experts_per_tok")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"config: num_experts_per_tok must be in [1, {experts}], got {top_k}")
+    sparse = dataclasses.replace(dims, intermediate_size=shared, experts=experts, top_k=top_k,
+                                 expert_intermediate_size=expert_size,
+                                 router_logits=bool(_config_value(config,
+                                                                  "output_router_logits", False)))
+    # dense layers between (qwen2_moe / qwen3_moe): mlp_only_layers, decoder_sparse_step
+    dense = set(_config_value(config, "mlp_only_layers", None) or ())
+    step = integer("decoder_sparse_step", 1)
+    if step <= 0:
+        raise ValueError(f"config: decoder_sparse_step must be a positive int, got {step}")
+    return [dims if i in dense or (i + 1) % step else sparse for i in range(layers)]
 
 
 def head_rule(model: nn.Module) -> Tuple[Optional[str], Optional[HeadRule]]:
