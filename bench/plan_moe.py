@@ -1,0 +1,82 @@
+"""The plan's figures for a mixture-of-experts model (``python -m ckpt_ext.plan`` on an MoE
+config): Qwen3-30B-A3B (H 2048, 48 layers, 32/4 heads, head_dim 128, 128 experts of I 768,
+top-k 8, V 151936), LoRA on the attention over a bf16 base, ``output_router_logits=False``,
+B 1, one 80 GiB GPU, offload with 256 GiB of host memory: per fused preset, the longest
+sequence with the plan's headroom (the CUDA context, 1 GiB, and 5% for the allocator's
+fragmentation) and with the CUDA context alone, without and with LoRA r 16 on the routed
+experts (PEFT's ``target_parameters``; state bytes only: the fused op refuses expert LoRA
+today). A model of the engine (``ckpt_ext.plan``), not a measurement: it needs no GPU.
+
+    python bench/plan_moe.py --out bench/results/plan_moe.txt
+
+The output: provenance lines, then a Markdown table (docs/hf.md quotes it).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _harness import provenance  # noqa: E402
+
+from ckpt_ext import plan  # noqa: E402
+from ckpt_ext.hf.families import layer_dims_from_config  # noqa: E402
+
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                 "num_experts_per_tok": 8, "vocab_size": 151936,
+                 "output_router_logits": False}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=pathlib.Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/plan_moe.txt")
+    ap.add_argument("--device-memory", default="80GiB")
+    ap.add_argument("--host-memory", default="256GiB")
+    a = ap.parse_args(argv)
+    memory, host = plan.parse_bytes(a.device_memory), plan.parse_bytes(a.host_memory)
+    layers = layer_dims_from_config(QWEN3_30B_A3B)
+    V, dt = QWEN3_30B_A3B["vocab_size"], "bf16"
+    headrooms = (("plan headroom", plan.headroom_bytes(memory)),
+                 ("CUDA context only", plan.headroom_bytes(memory, fragmentation=0.0)))
+    lines = ["| expert LoRA | model state | headroom | setup | longest S | device peak | "
+             "host bytes |", "|---|---|---|---|---|---|---|"]
+    for rank in (0, 16):
+        state = plan.model_state_bytes(layers, V, dt, "lora", expert_lora_rank=rank)
+        for name, headroom in headrooms:
+            for setup in plan.OFFLOAD_SETUPS:
+                S = plan.longest_sequence_offload(setup, layers, V, 1, dt, memory, host, "lora",
+                                                  headroom=headroom, expert_lora_rank=rank)
+                p = plan.offload_step_peak(setup, layers, V, 1, max(S, 1), dt,
+                                           train_weights=False, host_limit=host)
+                assert state + p.peak + headroom <= memory, (rank, name, setup, S)
+                lines.append(f"| {'r ' + str(rank) if rank else 'none'} | "
+                             f"{plan.format_bytes(state)} | {name} | `{setup}` + offload | "
+                             f"{S:,} | {plan.format_bytes(p.peak)} | "
+                             f"{plan.format_bytes(p.host)} |")
+    head = provenance(note="the plan's model, no measurement") + [
+        f"commit: {_commit()}",
+        f"setup: Qwen3-30B-A3B, LoRA r 16 on the attention (bf16 base), "
+        f"output_router_logits=False, B 1, bf16, {a.device_memory} device, host "
+        f"{a.host_memory}, offload (cuda path)"]
+    text = "\n".join("# " + h for h in head) + "\n" + "\n".join(lines) + "\n"
+    pathlib.Path(a.out).write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
