@@ -60,7 +60,8 @@ Sums are Python ints: at absurd sizes (S 1e14) they pass 2**63, where int64 wrap
 
 The planner reads layer shapes (``ckpt_ext.layer_record.LayerDims``) and nothing of the HF
 integration; the engine's own numbers it reads from the engine: the chunk rows
-(``ckpt_ext._C.layer_chunk_rows``), the residual layout (``presets.per_token_bytes``), the
+(``ckpt_ext._C.layer_chunk_rows``, ``ffn_row_width``, and the CPU SwiGLU's and linear
+cross-entropy's ``swiglu_buffers``, ``swiglu_chunk_rows``, ``lce_chunk_rows``), the residual layout (``presets.per_token_bytes``), the
 offload rule (``ckpt_ext.offload.admits``) and the chunk cap (``ckpt_ext.config``).
 
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
@@ -260,8 +261,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         # training the weight over several token chunks: an fp32 accumulator, or each
         # chunk's gradient beside the fp32 sum
         dw_sum = 4 * V * H if train_weights and rows < T else 0
-        if path == "cpu":    # one (rows, V) fp32 logits buffer within the cap, both ways
-            fwd_logits = bwd_logits = min(rows * V * 4, max(V * 4, chunk_bytes))
+        if path == "cpu":    # one (rows, V) fp32 logits buffer within the cap, both ways (the
+            # CPU linear cross-entropy's chunks of the normed head's rows)
+            fwd_logits = bwd_logits = 4 * V * min(rows, _C.lce_chunk_rows(V, 4, 1, chunk_bytes))
         else:                # Triton: tiles in forward; in backward a dlogits chunk of about
             fwd_logits = 0   # max(rows*H, 2^25) elements, and training the head an fp32 dx
             bwd_logits = e * max(rows * H, 1 << 25) + (4 * rows * H if train_weights else 0)
@@ -301,8 +303,8 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         if d.moe:
             swiglu = moe_row * mlp_rows
         elif path == "cpu":   # (rows, I) fp32 buffers within the cap: six, or four with the
-            n = 4 if preset == "fast" else 6        # gate/up that fast saves
-            swiglu = n * 4 * I * min(T, max(1, chunk_bytes // (n * 4 * I)))
+            n = _C.swiglu_buffers(True, preset == "fast")   # gate/up that fast saves
+            swiglu = n * 4 * I * min(T, _C.swiglu_chunk_rows(I, n, 4, chunk_bytes))
         else:               # the Triton backward's dh, dgate, dup of one chunk
             swiglu = 3 * e * mlp_rows * I
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
@@ -325,8 +327,8 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             if d.moe:
                 swiglu = moe_row * rows
             elif path == "cpu":
-                n = 4 if preset == "fast" else 6
-                swiglu = n * 4 * I * min(rows, max(1, chunk_bytes // (n * 4 * I)))
+                n = _C.swiglu_buffers(True, preset == "fast")
+                swiglu = n * 4 * I * min(rows, _C.swiglu_chunk_rows(I, n, 4, chunk_bytes))
             else:
                 swiglu = 3 * e * rows * I
             # the chunk's n, h, MLP input and dh, q before and after RoPE and out beside the

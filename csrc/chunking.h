@@ -12,7 +12,9 @@
 // 3.6 s).
 //
 // The rows of the fused decoder layer's chunks are defined here once (layer_chunk_rows,
-// mlp_chunk_rows); ckpt_ext.plan reads the same functions through ckpt_ext._C.
+// mlp_chunk_rows), and those of the CPU SwiGLU and linear cross-entropy kernels
+// (swiglu_chunk_rows, lce_chunk_rows); ckpt_ext.plan reads the same functions through
+// ckpt_ext._C.
 #pragma once
 
 #include <algorithm>
@@ -76,6 +78,27 @@ inline int64_t layer_chunk_rows(int64_t q_width, int64_t ffn_width, int64_t elem
 // float32).
 inline int64_t mlp_chunk_rows(int64_t ffn_width, int64_t element_size, int64_t cap) {
   return rows_within(cap, ffn_width * std::max<int64_t>(4, element_size));
+}
+
+// The CPU SwiGLU MLP's (rows, I) buffers per token chunk (csrc/swiglu_cpu.cpp): forward 4
+// (2 when it returns gate and up for backward), backward 6 (4 when gate and up are given).
+inline int64_t swiglu_buffers(bool backward, bool gate_up) {
+  return backward ? (gate_up ? 4 : 6) : (gate_up ? 2 : 4);
+}
+
+// Tokens per chunk of the CPU SwiGLU MLP: its `buffers` (rows, I) tensors at the compute
+// dtype's element size together within `cap`.
+inline int64_t swiglu_chunk_rows(int64_t intermediate, int64_t buffers, int64_t element_size,
+                                 int64_t cap) {
+  return rows_within(cap, buffers * std::max<int64_t>(intermediate, 1) * element_size);
+}
+
+// Tokens per chunk of the CPU linear cross-entropy (csrc/linear_cross_entropy_cpu.cpp):
+// `buffers` (rows, V) logits tensors at the compute dtype's element size within `cap` (one,
+// two in the backward of a soft-capped head).
+inline int64_t lce_chunk_rows(int64_t vocab, int64_t element_size, int64_t buffers,
+                              int64_t cap) {
+  return rows_within(cap, buffers * vocab * element_size);
 }
 
 }  // namespace chunking

@@ -111,7 +111,8 @@ void check_transform(const char* op, double logit_scale, double softcap) {
 
 // Rows per token chunk: `buffers` (rows, V) tensors in the compute dtype within the byte cap.
 int64_t chunk_rows(const LceDims& d, at::ScalarType cdt, int64_t buffers = 1) {
-  return chunking::chunk_rows(buffers * d.V * static_cast<int64_t>(c10::elementSize(cdt)));
+  return chunking::lce_chunk_rows(d.V, static_cast<int64_t>(c10::elementSize(cdt)), buffers,
+                                 chunking::chunk_bytes());
 }
 
 // z in place of the logits: logit_scale logits, or softcap tanh(logit_scale logits / softcap)

@@ -68,6 +68,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("top_k") = 0, pybind11::arg("expert_intermediate") = 0,
         "Elements one token holds in a chunk of the layer's FFN at the compute width "
         "(csrc/chunking.h ffn_row_width; MoE sizes as for layer_chunk_rows)");
+  m.def("swiglu_buffers", &ckpt_ext::chunking::swiglu_buffers, pybind11::arg("backward"),
+        pybind11::arg("gate_up"),
+        "The CPU SwiGLU's (rows, I) buffers per chunk (gate_up: it returns gate/up in forward, "
+        "is given them in backward)");
+  m.def("swiglu_chunk_rows", &ckpt_ext::chunking::swiglu_chunk_rows,
+        pybind11::arg("intermediate"), pybind11::arg("buffers"), pybind11::arg("element_size"),
+        pybind11::arg("cap"), "Tokens per chunk of the CPU SwiGLU MLP");
+  m.def("lce_chunk_rows", &ckpt_ext::chunking::lce_chunk_rows, pybind11::arg("vocab"),
+        pybind11::arg("element_size"), pybind11::arg("buffers"), pybind11::arg("cap"),
+        "Tokens per chunk of the CPU linear cross-entropy's (rows, V) logits");
   m.def("layer_residuals", &ckpt_ext::layer_residuals, pybind11::arg("part"),
         pybind11::arg("preset"), pybind11::arg("moe") = false,
         "The names of the residuals decoder_layer_fwd returns for (part, preset), in order "

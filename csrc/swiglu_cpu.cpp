@@ -181,8 +181,8 @@ Adapters parse_lora(const char* op, const c10::List<std::optional<at::Tensor>>& 
 // Rows per token chunk: its `buffers` (rows, I) intermediates, at the compute dtype's width,
 // together within the byte cap.
 int64_t chunk_rows(const SwigluDims& d, int64_t buffers, at::ScalarType cdt) {
-  return chunking::chunk_rows(buffers * std::max<int64_t>(d.I, 1) *
-                              static_cast<int64_t>(c10::elementSize(cdt)));
+  return chunking::swiglu_chunk_rows(d.I, buffers, static_cast<int64_t>(c10::elementSize(cdt)),
+                                     chunking::chunk_bytes());
 }
 
 // out = a b^T (+ bias), written into the preallocated contiguous `out` (rows, cols).
@@ -228,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_fwd_cpu(
   at::Tensor y = at::empty({d.T, d.H}, x.options());                                 // (T, H)
   at::Tensor gate = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
   at::Tensor up = return_gate_up ? at::empty({d.T, d.I}, x.options()) : x.new_empty({0});
-  const int64_t step = chunk_rows(d, return_gate_up ? 2 : 4, cdt);
+  const int64_t step = chunk_rows(d, chunking::swiglu_buffers(false, return_gate_up), cdt);
   for (int64_t t0 = 0; t0 < d.T; t0 += step) {
     const int64_t tc = std::min(step, d.T - t0);
     at::Tensor xc = x.narrow(0, t0, tc);                                             // (tc, H)
@@ -353,7 +353,7 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
   const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   const auto acc_opts = x.options().dtype(cdt);
   at::Tensor dx = at::empty({d.T, d.H}, x.options());      // (T, H)
-  const int64_t step = chunk_rows(d, gate.has_value() ? 4 : 6, cdt);
+  const int64_t step = chunk_rows(d, chunking::swiglu_buffers(true, gate.has_value()), cdt);
   const bool one_chunk = d.T <= step;
   TnSum dwg(one_chunk, cdt), dwu(one_chunk, cdt), dwd(one_chunk, cdt);  // (I, H) (I, H) (H, I)
   LoraSum dla[3], dlb[3];                                  // dA (r, in), dB (out, r), unscaled

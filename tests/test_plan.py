@@ -712,7 +712,9 @@ def test_plan_chunk_rows_are_the_engines():
     try:
         plan._C = types.SimpleNamespace(
             layer_chunk_rows=lambda *a: 2 * real.layer_chunk_rows(*a),
-            mlp_chunk_rows=real.mlp_chunk_rows, ffn_row_width=real.ffn_row_width)
+            **{n: getattr(real, n) for n in ("mlp_chunk_rows", "ffn_row_width",
+                                             "swiglu_buffers", "swiglu_chunk_rows",
+                                             "lce_chunk_rows")})
         assert plan.step_peak("balanced", layers, 1000, 1, 4096, torch.float32, **kw) != base
     finally:
         plan._C = real
@@ -1084,7 +1086,8 @@ def test_plan_moe_chunk_rows_are_the_engines():
     real = plan._C
     for name in ("layer_chunk_rows", "ffn_row_width"):
         fake = {n: getattr(real, n) for n in ("mlp_chunk_rows", "layer_chunk_rows",
-                                              "ffn_row_width")}
+                                              "ffn_row_width", "swiglu_buffers",
+                                              "swiglu_chunk_rows", "lce_chunk_rows")}
         fake[name] = lambda *a, _f=fake[name], **k: 2 * _f(*a, **k)
         try:
             plan._C = types.SimpleNamespace(**fake)
@@ -1155,3 +1158,39 @@ def test_cli_on_a_qwen3_moe_config(tmp_path, capsys):
         assert plan_cli.main(args + extra) == 0
         other = longest(capsys.readouterr().out)
         assert len(other) == 1 and 0 < other[0] < base[0], extra
+
+
+def test_plan_cpu_swiglu_and_head_chunks_are_the_engines():
+    """The CPU SwiGLU's buffers and rows and the CPU linear cross-entropy's logits rows are
+    the engine's rules (csrc/chunking.h through ckpt_ext._C: swiglu_buffers,
+    swiglu_chunk_rows, lce_chunk_rows), which the CPU kernels call too: the rules by hand at a
+    few caps, and step_peak changes when one of them does."""
+    C = ckpt_ext._C
+    assert [C.swiglu_buffers(b, g) for b in (False, True) for g in (False, True)] == [4, 2, 6, 4]
+    for n, I, e, rows in ((6, 176, 4, 1), (4, 173, 4, 19), (2, 96, 8, 300)):
+        cap = rows * n * I * e
+        assert C.swiglu_chunk_rows(I, n, e, cap) == rows
+        assert C.swiglu_chunk_rows(I, n, e, cap - 1) == max(1, rows - 1)
+    for V, e, n, rows in ((1000, 4, 1, 7), (32003, 4, 2, 1), (517, 8, 1, 64)):
+        cap = rows * n * V * e
+        assert C.lce_chunk_rows(V, e, n, cap) == rows
+        assert C.lce_chunk_rows(V, e, n, cap - 1) == max(1, rows - 1)
+    names = ("layer_chunk_rows", "mlp_chunk_rows", "ffn_row_width", "swiglu_buffers",
+             "swiglu_chunk_rows", "lce_chunk_rows")
+    # the MLP part's SwiGLU buffers (one chunk, fast and balanced), and the head's logits
+    cases = {"swiglu_buffers": ([LayerDims(64, 4, 2, 16, 2048)] * 2, 100, 256, 1 << 30),
+             "swiglu_chunk_rows": ([LayerDims(64, 4, 2, 16, 2048)] * 2, 100, 256, 1 << 20),
+             "lce_chunk_rows": ([LayerDims(64, 4, 2, 16, 64)] * 2, 50000, 64, 1 << 22)}
+    real = plan._C
+    for name, (layers, V, S, cap) in cases.items():
+        for preset in ("fast", "balanced"):
+            kw = dict(path="cpu", chunk_bytes=cap, train_weights=False)
+            base = plan.step_peak(preset, layers, V, 1, S, torch.float32, **kw)
+            fake = {n: getattr(real, n) for n in names}
+            fake[name] = lambda *a, _f=fake[name]: _f(*a) + 1
+            try:
+                plan._C = types.SimpleNamespace(**fake)
+                got = plan.step_peak(preset, layers, V, 1, S, torch.float32, **kw)
+            finally:
+                plan._C = real
+            assert got.peak != base.peak, (name, preset, base)
