@@ -39,9 +39,11 @@ ENGINE_RUNS = [("z3", 3, None, False), ("z3-before", 3, "before", False),
                ("z3-after", 3, "after", False), ("z2", 2, None, False),
                ("z2-before", 2, "before", False), ("z3-lora", 3, None, True),
                ("z3-lora-before", 3, "before", True),
-               # Qwen3-MoE: the experts' 3-D gate_up_proj / down_proj partitioned like the rest
+               # Qwen2-MoE: the experts' 3-D gate_up_proj / down_proj partitioned like the rest;
+               # with LoRA, only the shared expert's adapters in the MoE block train
                ("z3-moe", 3, None, False), ("z3-moe-before", 3, "before", False),
-               ("z3-moe-after", 3, "after", False)]
+               ("z3-moe-after", 3, "after", False), ("z3-moe-lora", 3, None, True),
+               ("z3-moe-lora-before", 3, "before", True)]
 TRAINER_RUNS = [("trainer-z3", 3, None, False), ("trainer-z3-patched", 3, "before", False),
                 ("sft-z3-patched", 3, "before", False)]
 
@@ -55,9 +57,9 @@ def ds_config(stage):
             "steps_per_print": 10**6, "wall_clock_breakdown": False}
 
 
-# A tiny Qwen3-MoE (top 2 of 4 experts, renormalised) for the runs named "*-moe*".
+# A tiny Qwen2-MoE (top 2 of 4 experts, a gated shared expert) for the runs named "*-moe*".
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-       "norm_topk_prob": True}
+       "shared_expert_intermediate_size": 48, "norm_topk_prob": True}
 
 
 def make_model(family="llama"):
@@ -65,7 +67,7 @@ def make_model(family="llama"):
     cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=96,
                                num_hidden_layers=LAYERS, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=V, use_cache=False,
-                               pad_token_id=0, **(MOE if family == "qwen3_moe" else {}))
+                               pad_token_id=0, **(MOE if family == "qwen2_moe" else {}))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
@@ -264,7 +266,7 @@ def _worker(rank, init_file, out_dir):
                                             sft=name.startswith("sft"))
             else:
                 results[name] = engine_run(rank, stage, patched, lora,
-                                           "qwen3_moe" if "-moe" in name else "llama")
+                                           "qwen2_moe" if "-moe" in name else "llama")
             times[name] = time.monotonic() - t0
         results["times"] = times
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
@@ -378,8 +380,9 @@ def test_zero3_lora(zero_runs):
 
 
 def test_zero3_moe(zero_runs):
-    """The experts' 3-D weights and the router, partitioned: patched before or after
-    initialize, the fused layers gather them with the rest of the layer and train as HF's."""
+    """The experts' 3-D weights, the router and the shared expert, partitioned: patched before
+    or after initialize, the fused layers gather them with the rest of the layer and train as
+    HF's (whose MoE blocks DeepSpeed makes leaf modules itself)."""
     for name in ("z3-moe-before", "z3-moe-after"):
         check_against_unpatched(zero_runs, name, "z3-moe")
         check_gathering(zero_runs, name)
@@ -388,6 +391,18 @@ def test_zero3_moe(zero_runs):
         params = res["z3-moe-before"]["params"]
         assert any(n.endswith("mlp.experts.gate_up_proj") for n in params), sorted(params)
         assert params["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3, rank
+
+
+def test_zero3_moe_lora(zero_runs):
+    """LoRA (attention and shared expert) on a partitioned Qwen2-MoE: the shared expert's
+    adapters, inside DeepSpeed's leaf MoE block, train as HF's; layer 0's input needs no
+    gradient (frozen embeddings)."""
+    check_against_unpatched(zero_runs, "z3-moe-lora-before", "z3-moe-lora")
+    for rank, res in enumerate(zero_runs):
+        lora = res["z3-moe-lora-before"]
+        assert any("shared_expert" in n for n in lora["params"]), rank
+        assert lora["params"] and all("lora_" in n for n in lora["params"]), rank
+        assert not lora["frozen_with_grad"], (rank, lora["frozen_with_grad"])
 
 
 def test_trainer_with_zero3_config(zero_runs):
