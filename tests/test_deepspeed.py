@@ -38,7 +38,12 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 ENGINE_RUNS = [("z3", 3, None, False), ("z3-before", 3, "before", False),
                ("z3-after", 3, "after", False), ("z2", 2, None, False),
                ("z2-before", 2, "before", False), ("z3-lora", 3, None, True),
-               ("z3-lora-before", 3, "before", True)]
+               ("z3-lora-before", 3, "before", True),
+               # Qwen2-MoE: the experts' 3-D gate_up_proj / down_proj partitioned like the rest;
+               # with LoRA, only the shared expert's adapters in the MoE block train
+               ("z3-moe", 3, None, False), ("z3-moe-before", 3, "before", False),
+               ("z3-moe-after", 3, "after", False), ("z3-moe-lora", 3, None, True),
+               ("z3-moe-lora-before", 3, "before", True)]
 TRAINER_RUNS = [("trainer-z3", 3, None, False), ("trainer-z3-patched", 3, "before", False),
                 ("sft-z3-patched", 3, "before", False)]
 
@@ -52,12 +57,17 @@ def ds_config(stage):
             "steps_per_print": 10**6, "wall_clock_breakdown": False}
 
 
-def make_model():
+# A tiny Qwen2-MoE (top 2 of 4 experts, a gated shared expert) for the runs named "*-moe*".
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "shared_expert_intermediate_size": 48, "norm_topk_prob": True}
+
+
+def make_model(family="llama"):
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96,
+    cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=96,
                                num_hidden_layers=LAYERS, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=V, use_cache=False,
-                               pad_token_id=0)
+                               pad_token_id=0, **(MOE if family == "qwen2_moe" else {}))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
@@ -128,11 +138,11 @@ def fused_counts(model):
             for layer in layers]
 
 
-def engine_run(rank, stage, patched, lora):
+def engine_run(rank, stage, patched, lora, family="llama"):
     import deepspeed
     import ckpt_ext
     config = ds_config(stage)
-    model = make_model()
+    model = make_model(family)
     if lora:  # partitioned before patching and initialize (as zero.Init would); base frozen
         model = add_lora(model)
         deepspeed.zero.Init(module=model, config_dict_or_path=config)
@@ -255,7 +265,8 @@ def _worker(rank, init_file, out_dir):
                 results[name] = trainer_run(rank, stage, patched, lora, out_dir,
                                             sft=name.startswith("sft"))
             else:
-                results[name] = engine_run(rank, stage, patched, lora)
+                results[name] = engine_run(rank, stage, patched, lora,
+                                           "qwen2_moe" if "-moe" in name else "llama")
             times[name] = time.monotonic() - t0
         results["times"] = times
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
@@ -364,6 +375,32 @@ def test_zero3_lora(zero_runs):
     check_against_unpatched(zero_runs, "z3-lora-before", "z3-lora")
     for rank, res in enumerate(zero_runs):  # only adapters train; the base got no gradient
         lora = res["z3-lora-before"]
+        assert lora["params"] and all("lora_" in n for n in lora["params"]), rank
+        assert not lora["frozen_with_grad"], (rank, lora["frozen_with_grad"])
+
+
+def test_zero3_moe(zero_runs):
+    """The experts' 3-D weights, the router and the shared expert, partitioned: patched before
+    or after initialize, the fused layers gather them with the rest of the layer and train as
+    HF's (whose MoE blocks DeepSpeed makes leaf modules itself)."""
+    for name in ("z3-moe-before", "z3-moe-after"):
+        check_against_unpatched(zero_runs, name, "z3-moe")
+        check_gathering(zero_runs, name)
+    check_gathering(zero_runs, "z3-moe", fused=False)
+    for rank, res in enumerate(zero_runs):
+        params = res["z3-moe-before"]["params"]
+        assert any(n.endswith("mlp.experts.gate_up_proj") for n in params), sorted(params)
+        assert params["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3, rank
+
+
+def test_zero3_moe_lora(zero_runs):
+    """LoRA (attention and shared expert) on a partitioned Qwen2-MoE: the shared expert's
+    adapters, inside DeepSpeed's leaf MoE block, train as HF's; layer 0's input needs no
+    gradient (frozen embeddings)."""
+    check_against_unpatched(zero_runs, "z3-moe-lora-before", "z3-moe-lora")
+    for rank, res in enumerate(zero_runs):
+        lora = res["z3-moe-lora-before"]
+        assert any("shared_expert" in n for n in lora["params"]), rank
         assert lora["params"] and all("lora_" in n for n in lora["params"]), rank
         assert not lora["frozen_with_grad"], (rank, lora["frozen_with_grad"])
 

@@ -26,8 +26,12 @@ TIMEOUT_S = 240  # a run takes about 20 s; a hung collective must not hang the s
 
 # phi3: fused qkv_proj / gate_up_proj (their blocks' gradients concatenated into the sharded
 # fused weights') and partial rotary embeddings
+# qwen3_moe: the experts' 3-D gate_up_proj (E, 2I, H) and down_proj (E, H, I) sharded over the
+# experts dim, top 2 of 4 renormalised
 FAMILY_CONFIG = {"llama": {}, "phi3": dict(rope_parameters=dict(
-    rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))}
+    rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True}}
 
 
 def make_model(family="llama"):
@@ -80,7 +84,9 @@ def _worker(rank, init_file, wrapper, patched, out_dir, family="llama"):
         inner = model.module if wrapper == "ddp" else model
         fused = sum(layer.forward.calls["fused"] for layer in inner.model.layers) if patched else 0
         off = inner.model.layers[0].forward.shared.offloader if patched else None
-        torch.save({"losses": losses, "fused": fused,
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in inner.named_parameters()}
+        torch.save({"losses": losses, "fused": fused, "params": params,
                     "offload": off.stats() if off is not None else None},
                    os.path.join(out_dir, f"{rank}.pt"))
         # Free DDP's reducer while the group is still registered. Freed later (at the return,
@@ -120,8 +126,9 @@ def run_distributed(tmp_path, wrapper, patched, family="llama"):
                        wrapper)
 
 
-def single_process_losses(family="llama"):
-    """The ranks' losses of a single process that steps with the mean of their gradients."""
+def single_process_losses(family="llama", params=False):
+    """The ranks' losses of a single process that steps with the mean of their gradients (and,
+    with ``params``, its final parameters by name)."""
     model = make_model(family)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = [[] for _ in range(WORLD)]
@@ -132,6 +139,8 @@ def single_process_losses(family="llama"):
             (loss / WORLD).backward()
             losses[rank].append(loss.item())
         opt.step()
+    if params:
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses
 
 
@@ -176,3 +185,22 @@ def test_phi3_under_fsdp2_trains_like_unpatched(tmp_path):
     for rank, ref in enumerate(single_process_losses("phi3")):
         torch.testing.assert_close(torch.tensor(patched[rank]["losses"]), torch.tensor(ref),
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo workers are tested on Linux")
+def test_moe_under_fsdp2_trains_like_unpatched(tmp_path):
+    """Qwen3-MoE with fully_shard per layer (the 3-D expert weights sharded like the rest):
+    fused, and the losses and the final parameters (gathered) equal those of the unpatched
+    model trained in one process on the mean of the ranks' gradients (one spawned run: the
+    unpatched model under FSDP2 is the dense tests' check)."""
+    patched = run_distributed(tmp_path, "fsdp2", True, "qwen3_moe")
+    assert all(r["fused"] == STEPS * 2 for r in patched)
+    ref_losses, ref_params = single_process_losses("qwen3_moe", params=True)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in ref_params)
+    for rank, got in enumerate(patched):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses[rank]),
+                                   rtol=1e-5, atol=1e-6)
+        assert got["params"].keys() == ref_params.keys()
+        for name, want in ref_params.items():
+            torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")

@@ -130,6 +130,33 @@ def test_lora_on_attention_and_shared_expert():
     assert sum(fused_calls(model.base_model.model)) == 3
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_lora_dropout_on_attention(family):
+    """PEFT LoRA with lora_dropout 0.2 on q/k/v/o of the MoE layers (and the dense layer
+    between): every layer fused, and the loss and the adapters' gradients equal PEFT's own
+    forward whose dropout modules apply the fused op's masks (one seed per layer call)."""
+    peft = pytest.importorskip("peft")
+    from test_lora_dropout import replay_fused_dropout
+    from ckpt_ext import blocks
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False,
+                          target_modules=attention)
+    ref = peft.get_peft_model(make(family), cfg)
+    model = copy.deepcopy(ref)
+    ckpt_ext.patch_llama(model, "balanced", fuse_lm_head=False)
+    replay_fused_dropout(ref, {path: blocks.PROJECTIONS.index(path) for path in
+                               (f"self_attn.{name}" for name in attention)}, 0.2)
+    data = batch(True)
+    r = loss_and_grads(ref, *data)
+    torch.manual_seed(1234)
+    g = loss_and_grads(model, *data)
+    assert sum(fused_calls(model.base_model.model)) == 3
+    assert len(r[1]) == 3 * 4 * 2  # lora_A and lora_B of 4 projections in 3 layers
+    assert_same(r, g, experts_trained=False)
+    torch.manual_seed(4321)  # other masks: another loss
+    assert abs(loss_and_grads(model, *data)[0].loss - g[0].loss) > 1e-6
+
+
 def test_compiles_without_graph_breaks():
     model = ckpt_ext.patch_llama(make("mixtral"), "min_memory", fuse_lm_head=False)
 

@@ -35,6 +35,7 @@ import sys
 from typing import NamedTuple, Optional
 
 import torch.nn as nn
+from torch import Tensor
 
 from ..blocks import WEIGHT_SLOTS
 from .families import ACTIVATIONS
@@ -273,16 +274,16 @@ def layer_options(layer: nn.Module, config) -> dict:
             "their projections) is not implemented by the fused layer: use a model with "
             "clip_qkv=None, or policy 'torch'")
     router = mlp.gate
-    k, experts = int(router.top_k), int(router.weight.shape[0])
+    k, experts = int(router.top_k), int(_shape(router.weight)[0])
     if not 0 < k <= experts:
         raise ValueError(f"mlp.gate.top_k={k} must be in 1..{experts} (the experts)")
-    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
-    h = router.weight.shape[1]
-    i = down.shape[-1]
-    if tuple(gate_up.shape) != (experts, 2 * i, h) or tuple(down.shape) != (experts, h, i):
+    gate_up, down = _shape(mlp.experts.gate_up_proj), _shape(mlp.experts.down_proj)
+    h = _shape(router.weight)[1]
+    i = down[-1]
+    if tuple(gate_up) != (experts, 2 * i, h) or tuple(down) != (experts, h, i):
         raise ValueError(
-            f"the experts' weights gate_up_proj {tuple(gate_up.shape)} and down_proj "
-            f"{tuple(down.shape)} are not transformers 5's layout (E, 2I, H) and (E, H, I) "
+            f"the experts' weights gate_up_proj {tuple(gate_up)} and down_proj "
+            f"{tuple(down)} are not transformers 5's layout (E, 2I, H) and (E, H, I) "
             f"with E={experts}, H={h}")
     if getattr(mlp.experts, "is_transposed", False) or \
             getattr(mlp.experts, "is_concatenated", True) is False or \
@@ -298,6 +299,12 @@ def layer_options(layer: nn.Module, config) -> dict:
                              f"experts' ({act})")
     norm = True if fam.norm_flag is None else bool(getattr(router, "norm_topk_prob", False))
     return {"num_experts_per_tok": k, "router": "softmax", "norm_topk_prob": norm}
+
+
+def _shape(t: Tensor) -> tuple:
+    """A parameter's shape; a ZeRO-3 partitioned one's full shape (``ds_shape``), not the
+    empty tensor it holds outside its module's gathering."""
+    return tuple(getattr(t, "ds_shape", t.shape))
 
 
 _SLOT = {name: i for i, name in enumerate(WEIGHT_SLOTS)}

@@ -802,6 +802,8 @@ class _PatchedForward:
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             preset=preset, sequence_parallel=self.shared.sequence_parallel,
             router_logits=router_logits)
+        # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
+        x = zero.reduce_inner_leaves(self.layer, x)
         out = offloaded(self.shared.offloader, decoder_layer, x,
                         [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
                         options)

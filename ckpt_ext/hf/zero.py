@@ -15,6 +15,12 @@ submodules, so those per-submodule hooks would not gather anything for it.
   ``deepspeed.initialize``, at its first forward (the bare model's pre-hook runs before the
   layers' hooks). Hooks that ZeRO-3 put on the submodules of a leaf layer before it became
   one never run on the fused path and do not make it delegate.
+* **Leaf blocks inside a layer (MoE).** DeepSpeed makes the MoE blocks of Mixtral, Qwen2-MoE
+  and Qwen3-MoE leaf modules itself when ``deepspeed.initialize`` registers a model whose
+  layers are not leaves yet: the gradients of such a block's parameters (router, experts,
+  shared expert) are then reduced, and taken off ``.grad``, only by a backward hook on the
+  block, which a fused layer never calls. ``reduce_inner_leaves`` runs those hooks once the
+  fused layer's backward has formed its parameters' gradients.
 * **LM head.** The fused loss reads ``lm_head.weight`` rather than calling ``lm_head``, so its
   hooks would not run and ZeRO-3 would gather the weight on first access and keep it for the
   rest of the step. Instead, ``gathered_for_head`` gathers it (``deepspeed.zero
@@ -26,7 +32,7 @@ Nothing here imports deepspeed unless a parameter is a ZeRO-3 parameter (then it
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -120,6 +126,65 @@ class _Gather:
             if entry[1] == 0:
                 del self._active[self.key]
                 entry[0].__exit__(None, None, None)
+
+
+def _inner_leaf_hooks(layer: nn.Module) -> list:
+    """(block, hook) for DeepSpeed's gradient-reducing backward hooks on the ZeRO-3 leaf
+    blocks strictly inside ``layer`` whose parameters DeepSpeed assigned to that block."""
+    found = []
+    for _, mod in layer.named_modules():
+        if mod is layer or not is_leaf(mod):
+            continue
+        if not any(getattr(p, "ds_z3_leaf_module", None) is mod for p in mod.parameters()):
+            continue
+        found += [(mod, h) for h in mod._backward_hooks.values() if is_deepspeed_hook(h)]
+    return found
+
+
+class _InnerLeaves:
+    """The backwards pending for the leaf blocks of one layer: each fused forward that needs a
+    gradient adds one, each backward of those forwards (its node on the layer's input) takes
+    one off, and the last runs DeepSpeed's hooks, so that one backward through several forwards
+    of the layer (whose gradients accumulate into one ``.grad`` per parameter) reduces each
+    block's gradients once, after all of them."""
+
+    _pending: ClassVar[dict] = {}  # id(layer) -> forwards whose backward has not run
+    _lock = threading.Lock()
+
+    def __init__(self, layer: nn.Module, hooks: list):
+        self.key, self.hooks, self.done = id(layer), hooks, False
+        with self._lock:
+            self._pending[self.key] = self._pending.get(self.key, 0) + 1
+
+    def backward_done(self) -> None:
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
+            self._pending[self.key] -= 1
+            last = self._pending[self.key] == 0
+            if last:
+                del self._pending[self.key]
+        if last:
+            for mod, hook in self.hooks:
+                hook(mod, None, None)
+
+
+def reduce_inner_leaves(layer: nn.Module, x: Tensor) -> Tensor:
+    """``x``, the fused layer's input, through an identity whose backward (after the layer's
+    backward has accumulated its parameters' gradients) runs DeepSpeed's gradient-reducing
+    hooks of the leaf blocks inside ``layer``, which the fused op does not call. ``x`` as it is
+    for other models and without autograd."""
+    if not torch.is_grad_enabled() or not is_zero3_param(_first_param(layer)):
+        return x
+    hooks = _inner_leaf_hooks(layer)
+    if not hooks or not any(p.requires_grad for mod, _ in hooks for p in mod.parameters()):
+        return x
+    if not x.requires_grad:
+        # the layer's first input may not need a gradient (frozen embeddings): one is formed
+        # (and dropped) so that the node below runs after the layer's backward
+        x = x.detach().requires_grad_()
+    return _OnBackward.apply(x, _InnerLeaves(layer, hooks).backward_done)
 
 
 def gathered_for_head(params: List[Optional[Tensor]], hidden: Tensor,
