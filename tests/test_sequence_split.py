@@ -41,9 +41,9 @@ def outcome(fn):
         return ("raised", type(e).__name__, str(e))
 
 
-def patched(policy, **kw):
+def patched(policy, dtype=torch.float32, **kw):
     import ckpt_ext
-    model = make_model()
+    model = make_model().to(dtype)
     if policy is not None:
         ckpt_ext.patch_llama(model, policy, **kw)
     return model
@@ -99,24 +99,108 @@ def context_parallel_run(rank):
     return results
 
 
+def _ulysses_batch():
+    """A fp64 batch as a data collator gives it to DeepSpeed's UlyssesSPDataLoaderAdapter:
+    ids, labels (some ignored) and global position_ids (the adapter requires them)."""
+    ids, pos = full_batch()
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt, not trained on
+    labels[1, 9:12] = -100
+    return dict(input_ids=ids, labels=labels, position_ids=pos)
+
+
+def _ulysses_step(model, batch, group):
+    """One training step as transformers' Trainer takes it under ParallelismConfig(sp_size=N)
+    with sp_backend="deepspeed" (transformers.integrations.deepspeed.deepspeed_sp_compute_loss:
+    labels = shift_labels, the shards' losses weighted by their labelled tokens over the
+    group), the gradients then summed over the group (DeepSpeed's engine averages them over
+    its sequence-data-parallel group, here the same N ranks, after the loss's all_gather
+    multiplied them by N). Returns (loss, {name: gradient})."""
+    from torch.distributed.nn.functional import all_gather
+    loss = model(**{**batch, "labels": batch["shift_labels"]}).loss
+    good = (batch["shift_labels"] != -100).sum()
+    losses, goods = torch.stack(all_gather(loss, group=group)), torch.stack(
+        all_gather(good, group=group))
+    total = (losses * goods).sum() / goods.sum()
+    total.backward()
+    n = dist.get_world_size(group)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            grads[name] = p.grad / n
+    return total.detach(), grads
+
+
 def ulysses_run(rank):
+    """DeepSpeed's Ulysses registered for real (deepspeed's CPU accelerator, gloo), once, after
+    one model was patched and before the others; each rank's batch cut by DeepSpeed's own
+    UlyssesSPDataLoaderAdapter (shift_labels, global position_ids)."""
     import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        UlyssesSPAttentionHF,
+        UlyssesSPDataLoaderAdapter,
+    )
+
+    from ckpt_ext.hf.sequence_split import deepspeed_ulysses_group
     # As in tests/test_deepspeed.py: no shared-memory allreduce op built (gloo does it all)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     ids, pos = full_batch()
-    reference = make_model().model(input_ids=ids, position_ids=pos).last_hidden_state.detach()
+    whole = _ulysses_batch()
+    # the single process of each policy (the same engine: HF's loss upcasts logits to fp32,
+    # the fused head's stays fp64), before Ulysses is registered (it would cut attention's
+    # sequence); every model alike from make_model's seed
+    policies = (("unpatched", None, {}), ("torch", "torch", {}),
+                ("balanced, patched before", "balanced", {}),
+                ("balanced, patched after", "balanced", {}),
+                ("min_memory", "min_memory", {}),
+                ("auto", "auto", dict(activation_budget="1GiB")),
+                ("torch, balanced", ["torch", "balanced"], {}))
+    results = {}
+    for name, policy, kw in policies:
+        reference = patched(policy, torch.float64, **kw)
+        torch.manual_seed(0)
+        want_loss = reference(**whole).loss
+        want_loss.backward()
+        results[name + " reference"] = (want_loss.detach(), {
+            n: p.grad for n, p in reference.named_parameters() if p.grad is not None})
+    with torch.no_grad():
+        results["reference no grad"] = reference.model(
+            input_ids=ids, position_ids=pos).last_hidden_state[:, rank * S // WORLD:
+                                                              (rank + 1) * S // WORLD]
+    models = {"balanced, patched before": patched("balanced", torch.float64)}
+    results["group before"] = deepspeed_ulysses_group("sdpa")
     # Every rank registers; "sdpa" in ALL_ATTENTION_FUNCTIONS becomes Ulysses' all-to-all
-    UlyssesSPAttentionHF.register_with_transformers(make_model(), "sdpa", WORLD, B)
-    shard = slice(rank * S // WORLD, (rank + 1) * S // WORLD)
-    results = {"reference": reference[:, shard]}
-    for name, policy, kw in (("unpatched", None, {}), ("none", "none", {}),
-                             ("torch", "torch", {}), ("balanced", "balanced", {}),
-                             ("auto", "auto", dict(activation_budget="1GiB")),
-                             ("torch, balanced", ["torch", "balanced"], {})):
-        model = patched(policy, **kw)
-        results[name] = outcome(lambda: train_step(model, ids[:, shard], pos[:, shard]))
+    mpu = UlyssesSPAttentionHF.register_with_transformers(make_model(), "sdpa", WORLD, B)
+    group = mpu.get_sequence_parallel_group()
+    results["group found"] = deepspeed_ulysses_group("sdpa") is group
+    loader = UlyssesSPDataLoaderAdapter(
+        torch.utils.data.DataLoader([{k: v[i] for k, v in whole.items()} for i in range(B)],
+                                    batch_size=B),
+        sp_rank=dist.get_rank(group), sp_group=group, sp_world_size=WORLD,
+        device=torch.device("cpu"))
+    # rank r: the first rank's batch, tokens 7r .. 7r + 6; its shards are column slices, which
+    # the Trainer's move to the GPU makes contiguous (HF's loss views shift_labels flat)
+    batch = {k: v.contiguous() if torch.is_tensor(v) else v
+             for k, v in next(iter(loader)).items()}
+    results["batch"] = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    for name, policy, kw in policies[:2] + policies[3:]:
+        models[name] = patched(policy, torch.float64, **kw)
+    for name, model in models.items():
+        torch.manual_seed(0)
+        results[name] = outcome(lambda model=model: _ulysses_step(model, batch, group))
+        if name != "unpatched":
+            results[name + " calls"] = [dict(layer.forward.calls)
+                                        for layer in model.model.layers]
+        with torch.no_grad():  # HF's layers call Ulysses' wrapper
+            results[name + " no grad"] = outcome(lambda model=model: model.model(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"]).last_hidden_state)
+    # only rank 1 asks for the cache (its layers would run HF's forward): both ranks raise
+    model = models["balanced, patched after"]
+    results["cache on rank 1"] = outcome(lambda: _ulysses_step(
+        model, {**batch, "use_cache": rank == 1}, group))
     return results
 
 
@@ -168,24 +252,49 @@ def test_context_parallel_refuses_fused_layers_on_every_rank(tmp_path):
 
 
 @linux_only
-def test_ulysses_refuses_fused_layers_on_every_rank(tmp_path):
-    """After DeepSpeed Ulysses' register_with_transformers on both ranks, a fused model
-    (balanced, auto, or fused on one layer of two) raises on both ranks, naming the replaced
-    attention function and the layers (before, each rank attended over its own 7 tokens);
-    unpatched, policy "none" and "torch" give each rank its shard of the single-process
-    output."""
+def test_deepspeed_ulysses_fused_layers_take_part(tmp_path):
+    """DeepSpeed's Ulysses (the ALST route of ParallelismConfig(sp_size=N)) registered for real
+    on 2 gloo ranks, after one model was patched and before the others: the fused layers find
+    its group by the registered function (not the name "sdpa") and run Ulysses in it, HF's
+    layers (policy "torch", a mixed policy, no grad) call DeepSpeed's wrapper; with the batch
+    cut by DeepSpeed's UlyssesSPDataLoaderAdapter (shift_labels) and the Trainer's loss
+    weighting, the loss and every gradient equal the single process's (fp64, 1e-10). A rank
+    whose fused layer cannot run the fused op (the cache on rank 1 only) makes both raise."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed: the Ulysses run needs it "
                     "(pip install -e '.[test]')")
     pytest.importorskip("einops", reason="einops is not installed (deepspeed's Ulysses needs it)")
-    for rank, res in enumerate(run_workers(tmp_path, "ulysses")):
+    ranks = run_workers(tmp_path, "ulysses")
+    names = ("unpatched", "torch", "balanced, patched before", "balanced, patched after",
+             "min_memory", "auto", "torch, balanced")
+    fused = {"torch": 0, "torch, balanced": 1}
+    for rank, res in enumerate(ranks):
         where = f"rank {rank}"
-        for name, layers in (("balanced", "0, 1"), ("auto", "0, 1"), ("torch, balanced", "1")):
-            assert_refused(res[name], f"{where}, policy {name!r}",
-                           "ALL_ATTENTION_FUNCTIONS['sdpa']", "Ulysses",
-                           f"decoder layers {layers} run", "policy='torch'")
-        for name in ("unpatched", "none", "torch"):
-            assert_same(res[name], ("ok", res["reference"]), f"{where}, policy {name!r}")
+        assert res["group before"] is None and res["group found"], where
+        assert res["batch"]["shift_labels"].shape == (B, S // WORLD), res["batch"].keys()
+        assert "labels" not in res["batch"], where  # the adapter's shift_labels only
+        for name in names:
+            want_loss, want = res[name + " reference"]
+            got = res[name]
+            assert got[0] == "ok", f"{where}, {name}: raised {got[1:]}; " + str(
+                {k: v[:2] for k, v in res.items() if isinstance(v, tuple) and v[0] == "raised"})
+            loss, grads = got[1]
+            torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10,
+                                       msg=lambda m, name=name: f"{where}, {name} loss: {m}")
+            assert grads.keys() == want.keys(), (where, name)
+            for n, w in want.items():
+                torch.testing.assert_close(grads[n], w, rtol=1e-10, atol=1e-10,
+                                           msg=lambda m, n=n, name=name: f"{where} {name} {n}: {m}")
+            if name != "unpatched":  # the fused layers ran fused, none delegated
+                calls = res[name + " calls"]
+                assert sum(c.get("fused", 0) for c in calls) == fused.get(name, 2), (name, calls)
+                assert not any(k.startswith("delegated") and k != "delegated: grad is disabled "
+                               "(inference)" for c in calls for k in c), (name, calls)
+            assert_same(res[name + " no grad"], ("ok", res["reference no grad"]),
+                        f"{where}, {name} without grad")
+        got = res["cache on rank 1"]
+        assert got[0] == "raised" and "refused on rank 1 of the group's 2 ranks" in got[2] \
+            and "under DeepSpeed Ulysses" in got[2], f"{where}: {got}"
 
 
 class _RegisteredAttention:

@@ -52,7 +52,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["split_attention", "refuse_split_attention"]
+__all__ = ["split_attention", "refuse_split_attention", "deepspeed_ulysses_group"]
 
 # torch's own SDPA: torch.nn.functional re-exports the C function (with a docstring added)
 _TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
@@ -89,6 +89,27 @@ def _registered_attention(impl: str):
     return registry.get(impl)
 
 
+def deepspeed_ulysses_group(impl: str):
+    """The process group of DeepSpeed's Ulysses when the function that transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` holds for ``impl`` is the wrapper that its
+    ``register_with_transformers`` installed (deepspeed 0.19.8 ``ulysses_sp.py``: a closure over
+    a ``UlyssesSPAttentionHF``, whose ``process_group`` is the SP group of its mpu), else None.
+    Found by the function and the object it closes over, not by a name; deepspeed is not
+    imported."""
+    fn = _registered_attention(impl)
+    cells = getattr(fn, "__closure__", None) or ()
+    for cell in cells:
+        try:
+            obj = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        cls = type(obj)
+        if cls.__name__ == "UlyssesSPAttentionHF" and \
+                (cls.__module__ or "").startswith("deepspeed."):
+            return getattr(obj, "process_group", None)
+    return None
+
+
 def split_attention(impl: str) -> Optional[str]:
     """What replaced the attention function that HF's layers of attn_implementation ``impl``
     call (sequence parallelism, see the module docstring), or None when it is their own."""
@@ -121,6 +142,8 @@ def refuse_split_attention(impl: str, fused_layers: Callable[[], Sequence[int]],
     if not torch.is_grad_enabled():
         return
     if sequence_parallel:  # context_parallel refused by sequence_parallel.masks, on every rank
+        return
+    if deepspeed_ulysses_group(impl) is not None:  # the fused layers take part (patch.py)
         return
     what = split_attention(impl)
     if what is None:
