@@ -527,7 +527,7 @@ class _Shared:
             # DeepSpeed Ulysses (HF Trainer / TRL with ParallelismConfig(sp_size=N)) registered
             # before or after patching: the fused layers take part in its group; HF's layers
             # (policy "torch", delegated, no grad) call its wrapper. Read on every rank alike.
-            group = deepspeed_ulysses_group(impl)
+            group = deepspeed_ulysses_group(impl, training=self.owner.training)
             if group is not None:
                 sp = _sp.group_name(group)
         refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)

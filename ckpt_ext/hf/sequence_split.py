@@ -1,4 +1,5 @@
-"""Refuse fused training forwards while sequence parallelism has taken over attention.
+"""Refuse fused training forwards while sequence parallelism has taken over attention, or
+let the fused layers take part in it (DeepSpeed's Ulysses).
 
 Sequence (context) parallelism for Hugging Face models works by replacing the attention
 function that HF's decoder layers call, so that each rank's shard of the sequence attends over
@@ -21,6 +22,14 @@ replaced the attention and what to do: ``policy="torch"`` (HF's layers under
 ``torch.utils.checkpoint``) or ``policy="none"`` / ``unpatch_llama``, whose layers call the replaced function and keep
 working, as do forwards without grad (the fused layers run HF's forward there); or train
 without sequence parallelism.
+
+DeepSpeed's Ulysses (the ALST route: HF ``Trainer`` / TRL with ``ParallelismConfig(sp_size=N)``)
+is not refused: its wrapper closes over a ``UlyssesSPAttentionHF`` whose ``process_group`` is
+its sequence-parallel group, and the fused layers run Ulysses in that group themselves, as if
+patched with ``sequence_parallel=`` it (``deepspeed_ulysses_group``, read by the model's
+pre-hook at every training forward, so registering before or after ``patch_llama`` is alike),
+on the batch that DeepSpeed's ``UlyssesSPDataLoaderAdapter`` cut (``shift_labels``, global
+``position_ids``). HF's layers (policy ``"torch"``, forwards without grad) call its wrapper.
 
 What is detected is the replaced function itself, not a configuration name: context_parallel's
 wrapper is found among the functions it installed, and the registry entry by the module that
@@ -89,16 +98,14 @@ def _registered_attention(impl: str):
     return registry.get(impl)
 
 
-def deepspeed_ulysses_group(impl: str):
-    """The process group of DeepSpeed's Ulysses when the function that transformers'
-    ``ALL_ATTENTION_FUNCTIONS`` holds for ``impl`` is the wrapper that its
-    ``register_with_transformers`` installed (deepspeed 0.19.8 ``ulysses_sp.py``: a closure over
-    a ``UlyssesSPAttentionHF``, whose ``process_group`` is the SP group of its mpu), else None.
-    Found by the function and the object it closes over, not by a name; deepspeed is not
-    imported."""
+def _deepspeed_ulysses(impl: str):
+    """The ``UlyssesSPAttentionHF`` behind the function that transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` holds for ``impl`` when that function is the wrapper DeepSpeed's
+    ``register_with_transformers`` installed (deepspeed 0.19.8 ``ulysses_sp.py``: a closure
+    over it), else None. Found by the function and the object it closes over, not by a name;
+    deepspeed is not imported."""
     fn = _registered_attention(impl)
-    cells = getattr(fn, "__closure__", None) or ()
-    for cell in cells:
+    for cell in getattr(fn, "__closure__", None) or ():
         try:
             obj = cell.cell_contents
         except ValueError:  # an empty cell
@@ -106,8 +113,19 @@ def deepspeed_ulysses_group(impl: str):
         cls = type(obj)
         if cls.__name__ == "UlyssesSPAttentionHF" and \
                 (cls.__module__ or "").startswith("deepspeed."):
-            return getattr(obj, "process_group", None)
+            return obj
     return None
+
+
+def deepspeed_ulysses_group(impl: str, training: bool = True):
+    """DeepSpeed Ulysses' sequence-parallel group (its ``process_group``, the SP group of its
+    mpu) while its wrapper is the attention function of ``impl`` and splits the sequence: not
+    for a model in eval mode when it was registered with ``disable_in_eval`` (its wrapper then
+    calls the original attention over the unsplit batch). None otherwise."""
+    ulysses = _deepspeed_ulysses(impl)
+    if ulysses is None or (not training and getattr(ulysses, "disable_in_eval", False)):
+        return None
+    return getattr(ulysses, "process_group", None)
 
 
 def split_attention(impl: str) -> Optional[str]:
@@ -143,7 +161,7 @@ def refuse_split_attention(impl: str, fused_layers: Callable[[], Sequence[int]],
         return
     if sequence_parallel:  # context_parallel refused by sequence_parallel.masks, on every rank
         return
-    if deepspeed_ulysses_group(impl) is not None:  # the fused layers take part (patch.py)
+    if _deepspeed_ulysses(impl) is not None:  # the fused layers take part (patch.py)
         return
     what = split_attention(impl)
     if what is None:
