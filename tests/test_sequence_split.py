@@ -1,7 +1,9 @@
-"""Fused layers refuse to train under sequence parallelism (ckpt_ext.hf.sequence_split), on
+"""Fused layers refuse to train under torch's context_parallel (ckpt_ext.hf.sequence_split), on
 every rank, while HF's own layers (policy "torch" / "none", unpatched) keep calling the
-attention that sequence parallelism installed: torch's context_parallel and DeepSpeed's Ulysses,
-each in 2 processes on gloo (CPU), and the Ulysses registration in one process.
+attention that it installed; under DeepSpeed's Ulysses (registered for real, before or after
+patching, and through HF's Trainer with ParallelismConfig(sp_size=2)) the fused layers take
+part in its group and match the single process. Each in 2 processes on gloo (CPU); another
+library's registered attention function in one process.
 
 The sequence is S = 14 tokens: even, so that each rank holds 7, and not a multiple of
 2 * WORLD, so that context_parallel's default head-tail load balancer stays off and rank r holds
@@ -171,6 +173,8 @@ def ulysses_run(rank):
                                                               (rank + 1) * S // WORLD]
     models = {"balanced, patched before": patched("balanced", torch.float64)}
     results["group before"] = deepspeed_ulysses_group("sdpa")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    unregistered = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)  # for the Trainer's run below
     # Every rank registers; "sdpa" in ALL_ATTENTION_FUNCTIONS becomes Ulysses' all-to-all
     mpu = UlyssesSPAttentionHF.register_with_transformers(make_model(), "sdpa", WORLD, B)
     group = mpu.get_sequence_parallel_group()
@@ -201,7 +205,81 @@ def ulysses_run(rank):
     model = models["balanced, patched after"]
     results["cache on rank 1"] = outcome(lambda: _ulysses_step(
         model, {**batch, "use_cache": rank == 1}, group))
+    # HF's Trainer registers Ulysses itself (accelerate's ParallelismConfig(sp_size=2)): undo
+    # the last registration and DeepSpeed's SP state before each (it registers once per process)
+    def unregister():
+        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
+        ALL_ATTENTION_FUNCTIONS._local_mapping.update(unregistered)
+        state = importlib.import_module("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+        state._SEQUENCE_PARALLEL_GROUP = state._SEQUENCE_DATA_PARALLEL_GROUP = None
+    for policy in (None, "balanced"):
+        unregister()
+        results[f"trainer {policy}"] = outcome(lambda policy=policy: trainer_step(whole, policy))
     return results
+
+
+def trainer_step(whole, policy):
+    """One SGD step of HF's Trainer with ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    on a model of ``policy`` (None: unpatched): DeepSpeed's engine (ZeRO stage 0, no gradient
+    clipping, fp32: its gradient reduction takes no fp64), its register_with_transformers
+    after patching, its UlyssesSPDataLoaderAdapter, the Trainer's loss. Returns (its losses,
+    the parameters after the step, each layer's calls) and the single process's loss and
+    gradients, or ("setup", why) where accelerate will not set it up. The unpatched model's
+    loss gets shift_labels made contiguous, as the Trainer's move to a GPU makes them (on the
+    CPU HF's loss cannot view the adapter's column slice flat)."""
+    import tempfile
+
+    import transformers.loss.loss_utils as loss_utils
+    from transformers import Trainer, TrainingArguments
+    try:
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+    except ImportError as e:
+        return ("setup", f"accelerate without ParallelismConfig sp_size ({e})")
+    reference = patched(policy)
+    loss = reference(**whole).loss
+    loss.backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    losses = []
+
+    class Recording(Trainer):
+        def training_step(self, model, *args, **kwargs):
+            loss = super().training_step(model, *args, **kwargs)
+            losses.append(loss.detach())
+            return loss
+
+    hf_loss = loss_utils.LOSS_MAPPING["ForCausalLM"]
+
+    def contiguous_labels(*args, shift_labels=None, **kwargs):
+        return hf_loss(*args, **kwargs, shift_labels=None if shift_labels is None
+                       else shift_labels.contiguous())
+
+    rows = [{k: v[i] for k, v in whole.items()} for i in range(B)]
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=B, max_steps=1, learning_rate=0.5,
+            optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+            report_to=[], save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
+            deepspeed={"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
+                       "zero_optimization": {"stage": 0}, "zero_allow_untested_optimizer": True,
+                       "gradient_clipping": 0.0, "steps_per_print": 10**6},
+            parallelism_config=ParallelismConfig(
+                sp_backend="deepspeed", sp_size=WORLD,
+                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")))
+        model = patched(policy)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            trainer = Recording(model=model, args=args, train_dataset=rows)
+        except ValueError as e:  # accelerate's refusal of this setup
+            return ("setup", f"{type(e).__name__}: {e}")
+        loss_utils.LOSS_MAPPING["ForCausalLM"] = contiguous_labels
+        try:
+            trainer.train()
+        finally:
+            loss_utils.LOSS_MAPPING["ForCausalLM"] = hf_loss
+    steps = {n: (before[n] - p.detach()) / 0.5 for n, p in model.named_parameters()}
+    calls = [dict(layer.forward.calls) for layer in model.model.layers] if policy else None
+    return (losses, steps, calls), (loss.detach(), want)
 
 
 RUNS = {"context_parallel": context_parallel_run, "ulysses": ulysses_run}
@@ -292,6 +370,27 @@ def test_deepspeed_ulysses_fused_layers_take_part(tmp_path):
                                "(inference)" for c in calls for k in c), (name, calls)
             assert_same(res[name + " no grad"], ("ok", res["reference no grad"]),
                         f"{where}, {name} without grad")
+        got, plain = res["trainer balanced"], res["trainer None"]
+        assert got[0] == "ok" and plain[0] == "ok", \
+            f"{where}, the Trainer: raised {got[1:]} (unpatched: {plain[1:]})"
+        if got[1][0] == "setup":
+            print(f"{where}: accelerate could not set up the Trainer's sp_size=2 here: "
+                  f"{got[1][1]}")
+        else:
+            (losses, steps, calls), (want_loss, want) = got[1]
+            (plain_losses, plain_steps, _), _ = plain[1]
+            assert len(losses) == 1 and calls == [{"fused": 1}, {"fused": 1}], (losses, calls)
+            torch.testing.assert_close(losses[0], want_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{where}, the Trainer's loss: {m}")
+            torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-6)
+            for n, w in want.items():
+                # the route's own step: the unpatched model's Trainer step is N times the
+                # single process's gradient too (the loss's all_gather sums the ranks' shares
+                # in backward, and the engine's data-parallel group here is one rank)
+                torch.testing.assert_close(steps[n], plain_steps[n], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, n=n: f"{where}, Trainer, {n}: {m}")
+                torch.testing.assert_close(steps[n], WORLD * w, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, n=n: f"{where}, Trainer, {n}: {m}")
         got = res["cache on rank 1"]
         assert got[0] == "raised" and "refused on rank 1 of the group's 2 ranks" in got[2] \
             and "under DeepSpeed Ulysses" in got[2], f"{where}: {got}"
