@@ -97,7 +97,7 @@ from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
 from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
 from .masks import BatchMasks, describe, padding_mask_from_4d
 from . import sequence_parallel as _sp
-from .sequence_split import refuse_split_attention
+from .sequence_split import deepspeed_ulysses_group, refuse_split_attention
 
 __all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
 
@@ -472,6 +472,10 @@ class _ForwardState(NamedTuple):
     # _may_have_empty_rows of the forward's padding mask, per sliding window (None: full
     # causal): one host sync per window and forward, not per layer call
     empty_rows: Dict[Optional[int], bool]
+    # the sequence-parallel group of this forward, by name: patch_llama's sequence_parallel, or
+    # DeepSpeed Ulysses' group while its wrapper is transformers' attention function (the fused
+    # layers then take part in it, ckpt_ext.hf.sequence_split.deepspeed_ulysses_group)
+    sequence_parallel: str = ""
 
 
 # The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
@@ -518,6 +522,14 @@ class _Shared:
         # Sequence parallelism replaced the attention that fused layers would bypass: refuse
         # (ckpt_ext.hf.sequence_split; other attn_implementations make the layers delegate).
         impl = _attn_implementation(self.owner.config)
+        sp = self.sequence_parallel
+        if not sp and torch.is_grad_enabled() and impl in SUPPORTED_ATTENTION:
+            # DeepSpeed Ulysses (HF Trainer / TRL with ParallelismConfig(sp_size=N)) registered
+            # before or after patching: the fused layers take part in its group; HF's layers
+            # (policy "torch", delegated, no grad) call its wrapper. Read on every rank alike.
+            group = deepspeed_ulysses_group(impl, training=self.owner.training)
+            if group is not None:
+                sp = _sp.group_name(group)
         refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)
                                               if f.preset != "torch"]
                                if impl in SUPPORTED_ATTENTION else [],
@@ -532,14 +544,13 @@ class _Shared:
         compiling = torch.compiler.is_compiling()
         positions = text_positions(self.owner.config.model_type, named.get("position_ids"))
         masks = describe(named.get("attention_mask"), positions, compiling) \
-            if not self.sequence_parallel else \
-            _sp.masks(self.sequence_parallel, named.get("attention_mask"), positions)
+            if not sp else _sp.masks(sp, named.get("attention_mask"), positions)
         if self.bidirectional_images and masks.custom is None:
             images = _image_inputs(named, compiling)
             if images is not None:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.budget is not None else None
-        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {})}
+        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp)}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
@@ -659,8 +670,11 @@ class _PatchedForward:
             kwargs.update(zip(self.positional, args))
         if not torch.is_grad_enabled() and not self.shared.sequence_parallel:
             return self._delegate("grad is disabled (inference)", hidden_states, kwargs)
+        # patch_llama's sequence_parallel, or DeepSpeed Ulysses' group (the model's pre-hook)
+        sp = self.shared.sequence_parallel or (state.sequence_parallel if state is not None
+                                               else "")
         if uses_cache(kwargs):
-            return self._delegate(_CACHE, hidden_states, kwargs, warn=self.layer.training)
+            return self._delegate(_CACHE, hidden_states, kwargs, warn=self.layer.training, sp=sp)
         hf_checkpointing = self.layer.training and bool(
             getattr(self.layer, "gradient_checkpointing", False))
         preset = self.preset
@@ -687,16 +701,22 @@ class _PatchedForward:
         if isinstance(tensors, str):
             reason = tensors
         if reason is not None:
-            return self._delegate(reason, hidden_states, kwargs, warn=True)
+            return self._delegate(reason, hidden_states, kwargs, warn=True, sp=sp)
         self._count("fused")
-        return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors)
+        return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors,
+                           sp=sp)
 
-    def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False):
-        if self.shared.sequence_parallel:  # on every rank (the others at their same_seed)
-            _sp.refuse(self.shared.sequence_parallel, RuntimeError(
+    def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False,
+                  sp: Optional[str] = None):
+        sp = self.shared.sequence_parallel if sp is None else sp
+        if sp:  # on every rank (the others at their same_seed)
+            _sp.refuse(sp, RuntimeError(
                 f"ckpt_ext.patch_llama(sequence_parallel=...): decoder layer {self.idx} cannot "
                 f"run the fused op ({reason}), and HF's forward would attend over this rank's "
-                "tokens only"))
+                "tokens only" if self.shared.sequence_parallel else
+                f"ckpt_ext.patch_llama: decoder layer {self.idx} cannot run the fused op "
+                f"({reason}) under DeepSpeed Ulysses, whose group the fused layers take part "
+                "in; the other ranks run the fused op, so no rank goes on"))
         self._count(f"delegated: {reason}")
         if warn:
             self.shared.warn_once(reason, f"a training forward of decoder layer {self.idx} "
@@ -780,7 +800,9 @@ class _PatchedForward:
         return reason, masks
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
-               weights: list, scaling: list, dropout: list, streams: list) -> Tensor:
+               weights: list, scaling: list, dropout: list, streams: list,
+               sp: Optional[str] = None) -> Tensor:
+        sp = self.shared.sequence_parallel if sp is None else sp
         spec = self.spec
         cos, sin = _tables_for(x, *position_embeddings)
         if not spec.rope:
@@ -790,8 +812,8 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        if self.shared.sequence_parallel:  # one seed for the group: masks hash global rows
-            seed = _sp.same_seed(seed, self.shared.sequence_parallel)
+        if sp:  # one seed for the group: masks hash global rows
+            seed = _sp.same_seed(seed, sp)
         # an MoE layer returns its router logits while transformers collects them
         router_logits = bool(spec.num_experts_per_tok) and moe.recording_router_logits()
         options = spec.options(
@@ -800,7 +822,7 @@ class _PatchedForward:
             # capped layers reach here only without empty rows (_why_not_fused)
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
-            preset=preset, sequence_parallel=self.shared.sequence_parallel,
+            preset=preset, sequence_parallel=sp,
             router_logits=router_logits)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)

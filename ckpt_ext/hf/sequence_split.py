@@ -1,4 +1,5 @@
-"""Refuse fused training forwards while sequence parallelism has taken over attention.
+"""Refuse fused training forwards while sequence parallelism has taken over attention, or
+let the fused layers take part in it (DeepSpeed's Ulysses).
 
 Sequence (context) parallelism for Hugging Face models works by replacing the attention
 function that HF's decoder layers call, so that each rank's shard of the sequence attends over
@@ -21,6 +22,14 @@ replaced the attention and what to do: ``policy="torch"`` (HF's layers under
 ``torch.utils.checkpoint``) or ``policy="none"`` / ``unpatch_llama``, whose layers call the replaced function and keep
 working, as do forwards without grad (the fused layers run HF's forward there); or train
 without sequence parallelism.
+
+DeepSpeed's Ulysses (the ALST route: HF ``Trainer`` / TRL with ``ParallelismConfig(sp_size=N)``)
+is not refused: its wrapper closes over a ``UlyssesSPAttentionHF`` whose ``process_group`` is
+its sequence-parallel group, and the fused layers run Ulysses in that group themselves, as if
+patched with ``sequence_parallel=`` it (``deepspeed_ulysses_group``, read by the model's
+pre-hook at every training forward, so registering before or after ``patch_llama`` is alike),
+on the batch that DeepSpeed's ``UlyssesSPDataLoaderAdapter`` cut (``shift_labels``, global
+``position_ids``). HF's layers (policy ``"torch"``, forwards without grad) call its wrapper.
 
 What is detected is the replaced function itself, not a configuration name: context_parallel's
 wrapper is found among the functions it installed, and the registry entry by the module that
@@ -52,7 +61,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["split_attention", "refuse_split_attention"]
+__all__ = ["split_attention", "refuse_split_attention", "deepspeed_ulysses_group"]
 
 # torch's own SDPA: torch.nn.functional re-exports the C function (with a docstring added)
 _TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
@@ -89,6 +98,36 @@ def _registered_attention(impl: str):
     return registry.get(impl)
 
 
+def _deepspeed_ulysses(impl: str):
+    """The ``UlyssesSPAttentionHF`` behind the function that transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` holds for ``impl`` when that function is the wrapper DeepSpeed's
+    ``register_with_transformers`` installed (deepspeed 0.19.8 ``ulysses_sp.py``: a closure
+    over it), else None. Found by the function and the object it closes over, not by a name;
+    deepspeed is not imported."""
+    fn = _registered_attention(impl)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            obj = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        cls = type(obj)
+        if cls.__name__ == "UlyssesSPAttentionHF" and \
+                (cls.__module__ or "").startswith("deepspeed."):
+            return obj
+    return None
+
+
+def deepspeed_ulysses_group(impl: str, training: bool = True):
+    """DeepSpeed Ulysses' sequence-parallel group (its ``process_group``, the SP group of its
+    mpu) while its wrapper is the attention function of ``impl`` and splits the sequence: not
+    for a model in eval mode when it was registered with ``disable_in_eval`` (its wrapper then
+    calls the original attention over the unsplit batch). None otherwise."""
+    ulysses = _deepspeed_ulysses(impl)
+    if ulysses is None or (not training and getattr(ulysses, "disable_in_eval", False)):
+        return None
+    return getattr(ulysses, "process_group", None)
+
+
 def split_attention(impl: str) -> Optional[str]:
     """What replaced the attention function that HF's layers of attn_implementation ``impl``
     call (sequence parallelism, see the module docstring), or None when it is their own."""
@@ -121,6 +160,8 @@ def refuse_split_attention(impl: str, fused_layers: Callable[[], Sequence[int]],
     if not torch.is_grad_enabled():
         return
     if sequence_parallel:  # context_parallel refused by sequence_parallel.masks, on every rank
+        return
+    if _deepspeed_ulysses(impl) is not None:  # the fused layers take part (patch.py)
         return
     what = split_attention(impl)
     if what is None:
