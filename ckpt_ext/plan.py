@@ -142,11 +142,18 @@ class StepPeak:
     phase: str      # where the peak is
 
 
-def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int) -> int:
+# The plan's GPU (path "cuda"): an H100's 132 multiprocessors, as its rates are H100 figures;
+# the layer's chunks there hold at least _C.occupancy_min_rows of them (csrc/chunking.h).
+CUDA_SMS = 132
+
+
+def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int, sms: int = 0) -> int:
     """Tokens per chunk of a fused decoder layer at element size ``e`` and byte cap
-    ``chunk_bytes``: the engine's own rule (csrc/chunking.h ``layer_chunk_rows``, through
+    ``chunk_bytes`` on a GPU of ``sms`` multiprocessors (0: the CPU): the engine's own rule
+    (csrc/chunking.h ``layer_chunk_rows`` with ``occupancy_min_rows``, through
     ``ckpt_ext._C``)."""
-    return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes)
+    return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes,
+                               min_rows=_C.occupancy_min_rows(sms, d.num_heads))
 
 
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
@@ -164,7 +171,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     top layer's and the head's weight gradients exist as new tensors before they are added
     to ``.grad``); False for LoRA on a frozen base (the adapters' gradients are negligible).
     ``chunk_bytes``: the byte cap of the token chunks, by default the one the kernels read
-    (``ckpt_ext.config``'s ``chunk_bytes``, 64 MiB unless set).
+    (``ckpt_ext.config``'s ``chunk_bytes``, 64 MiB unless set); on ``"cuda"`` the layer's
+    chunks hold at least the rows that fill :data:`CUDA_SMS` multiprocessors
+    (:func:`layer_chunk_rows`), which may pass the cap.
 
     The peak is the larger of two moments (T = B*S tokens, e the element size, Q = Hq*D,
     K = Hkv*D):
@@ -282,7 +291,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             swiglu = 3 * e * mlp_rows * I
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
             swiglu += 3 * I * H * (4 + e)     # an fp32 sum and the chunk's own
-        rows = layer_chunk_rows(d, e, chunk_bytes)
+        rows = layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
         if rows >= T:        # one chunk: the layer as written out
             if preset == "min_memory":
                 mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
