@@ -113,6 +113,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk-bytes", default=None,
                    help="the layer's chunk byte cap for --layer-dims (bytes or KiB/MiB/GiB; "
                         "default: the kernels' own, CKPT_EXT_CHUNK_BYTES, 64 MiB unless set)")
+    p.add_argument("--sms", type=int, default=None,
+                   help="the GPU's multiprocessors for --layer-dims, whose chunks on CUDA hold "
+                        "at least the rows that fill them (ckpt_ext._C.occupancy_min_rows); "
+                        "default: the CUDA device's when there is one, else 0 (the CPU's chunks)")
     p.add_argument("--write-table", default=None, metavar="FILE",
                    help="with --backend-rows: write an attention backend choice table from the "
                         "measured times (CKPT_EXT_ATTN_TABLE=FILE makes 'auto' read it)")
@@ -395,7 +399,8 @@ def layer_call_shapes(args, elem_bytes=2):
 def layer_chunk_calls(args, elem_bytes=2):
     """The attention calls of the sequence-tiled decoder layer of --layer-dims at each
     --layer-seqlens S, as (Sq, Sk, q_offset, label): its chunk rows are
-    ``ckpt_ext.plan.layer_chunk_rows`` (the C++ layer's formula) at --chunk-bytes; chunk i
+    ``ckpt_ext.plan.layer_chunk_rows`` (the C++ layer's formula) at --chunk-bytes and --sms
+    (on CUDA at least the rows that fill the GPU); chunk i
     holds rows [s0, s0 + Sq) with s0 = i * rows and sees the keys [0, s0 + Sq) (Sk = s0 + Sq,
     q_offset = s0, dK/dV added into fp32 accumulators); the first, a middle and the last chunk
     (which holds S - s0 rows). A sequence within one chunk is one whole call (Sq = Sk = S)."""
@@ -410,7 +415,10 @@ def layer_chunk_calls(args, elem_bytes=2):
                          f"be --backend-shape's {tuple(shape[1:])}")
     cap = (config.parse_bytes(args.chunk_bytes, "--chunk-bytes") if args.chunk_bytes
            else config.current().chunk_bytes)
-    rows = plan.layer_chunk_rows(plan.LayerDims(H, Hq, Hkv, D, I), elem_bytes, cap)
+    sms = args.sms if args.sms is not None else (
+        torch.cuda.get_device_properties(0).multi_processor_count
+        if torch.cuda.is_available() else 0)
+    rows = plan.layer_chunk_rows(plan.LayerDims(H, Hq, Hkv, D, I), elem_bytes, cap, sms)
     calls = []
     for S in (int(x) for x in args.layer_seqlens.split(",") if x):
         if S <= rows:

@@ -105,13 +105,15 @@ def main(argv=None):
     dims = [plan.LayerDims(args.hidden, args.heads, args.kv_heads, D, args.intermediate)]
     dims = dims * args.layers
     path = "cuda" if cuda else "cpu"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 0
     T = args.batch * args.seq
     for line in provenance(args.device, "" if cuda else "CPU run: NOT a performance figure"):
         print(f"# {line}")
     print(f"H {args.hidden}, I {args.intermediate}, {args.heads}/{args.kv_heads} heads, vocab "
           f"{args.vocab}, {args.layers} layers, B {args.batch}, S {args.seq}, {args.dtype}, "
-          f"{args.device}; layer chunk rows (plan.layer_chunk_rows at the kernels' cap) "
-          f"{plan.layer_chunk_rows(dims[0], dtype.itemsize, config.current().chunk_bytes)}",
+          f"{args.device}; layer chunk rows (plan.layer_chunk_rows at the kernels' cap and "
+          f"the GPU's SMs) "
+          f"{plan.layer_chunk_rows(dims[0], dtype.itemsize, config.current().chunk_bytes, sms)}",
           flush=True)
     times = {}
     for (preset, offload), name in zip(setups, args.setups):

@@ -9,7 +9,8 @@ Public API:
     modules.DecoderLayer / Attention / SwiGLUMLP / RMSNorm       drop-in modules, policy=
     presets.PRESETS, presets.saved_bytes                         the presets and their bytes
     patch_llama(model, policy=None, *, activation_budget=None, fuse_lm_head=True,
-                offload=None, offload_limit=None),
+                offload=None, offload_limit=None, host_link_gbytes_per_s=None,
+                sequence_parallel=None),
     patch_model (the same), unpatch_llama(model)                 HF LLaMA-style families
     SUPPORTED_MODEL_TYPES                                        the model_types patched
     offload.Offloader                                            saved layer tensors in host memory

@@ -18,6 +18,7 @@ wrappers at the end are for users who hold the weights themselves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 from typing import Mapping, Optional, Tuple
 
@@ -186,8 +187,19 @@ def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **change
             raise TypeError(f"decoder_layer: unknown arguments {sorted(unknown)}; the op takes "
                             f"ckpt_ext.blocks.LAYER_ARGS")
         options = LayerOptions(**changes) if options is None else options.replace(**changes)
+    if x.is_cuda and not torch.compiler.is_compiling():
+        _note_cuda_sms(x.device.index)
     y, logits = _ops.decoder_layer(x, *options.op_args())
     return (y, logits) if options.router_logits else y
+
+
+@functools.lru_cache(maxsize=None)
+def _note_cuda_sms(index: Optional[int]) -> None:
+    """Hand the C++ layer the multiprocessors of the CUDA device it runs on, once per device:
+    its chunks hold at least the query rows that fill them (csrc/chunking.h
+    ``occupancy_min_rows``). One setting per process: the last device seen."""
+    index = torch.cuda.current_device() if index is None else index
+    _C.set_cuda_sms(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 

@@ -71,6 +71,7 @@ CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -87,7 +88,8 @@ __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
            "StepPeak", "model_state_bytes", "longest_sequence", "OffloadPeak",
            "offload_device_bytes", "offload_split", "offload_step_peak",
-           "longest_sequence_offload", "OffloadChoice", "choose_presets_offload", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
+           "longest_sequence_offload", "OffloadChoice", "choose_presets_offload",
+           "choose_offload_layers", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
            "sp_longest_sequence", "sp_step_time", "sp_round_kv_heads", "sp_kv_repeats"]
 
 Budget = Union[int, str]
@@ -141,11 +143,18 @@ class StepPeak:
     phase: str      # where the peak is
 
 
-def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int) -> int:
+# The plan's GPU (path "cuda"): an H100's 132 multiprocessors, as its rates are H100 figures;
+# the layer's chunks there hold at least _C.occupancy_min_rows of them (csrc/chunking.h).
+CUDA_SMS = 132
+
+
+def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int, sms: int = 0) -> int:
     """Tokens per chunk of a fused decoder layer at element size ``e`` and byte cap
-    ``chunk_bytes``: the engine's own rule (csrc/chunking.h ``layer_chunk_rows``, through
+    ``chunk_bytes`` on a GPU of ``sms`` multiprocessors (0: the CPU): the engine's own rule
+    (csrc/chunking.h ``layer_chunk_rows`` with ``occupancy_min_rows``, through
     ``ckpt_ext._C``)."""
     return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes,
+                               min_rows=_C.occupancy_min_rows(sms, d.num_heads),
                                **d.ffn_kwargs())
 
 
@@ -178,7 +187,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     top layer's and the head's weight gradients exist as new tensors before they are added
     to ``.grad``); False for LoRA on a frozen base (the adapters' gradients are negligible).
     ``chunk_bytes``: the byte cap of the token chunks, by default the one the kernels read
-    (``ckpt_ext.config``'s ``chunk_bytes``, 64 MiB unless set).
+    (``ckpt_ext.config``'s ``chunk_bytes``, 64 MiB unless set); on ``"cuda"`` the layer's
+    chunks hold at least the rows that fill :data:`CUDA_SMS` multiprocessors
+    (:func:`layer_chunk_rows`), which may pass the cap.
 
     The peak is the larger of two moments (T = B*S tokens, e the element size, Q = Hq*D,
     K = Hkv*D):
@@ -309,7 +320,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             swiglu = 3 * e * mlp_rows * I
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
             swiglu += d.ffn_parameters() * (4 + e)     # an fp32 sum and the chunk's own
-        rows = layer_chunk_rows(d, e, chunk_bytes)
+        rows = layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
         if rows >= T:        # one chunk: the layer as written out
             if preset == "min_memory":
                 mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
@@ -651,38 +662,41 @@ def _layer_compute_seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, m
     return fwd / (fwd_rate * 1e12) + bwd / (bwd_rate * 1e12) + mm / (mm_rate * 1e12)
 
 
-def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
-                           room: int, host_memory: Optional[int], *, path: str = "cuda",
-                           train_weights: bool = True, prefetch: int = 1,
-                           host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
-                           attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
-                           attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
-                           matmul_tflops: float = MATMUL_TFLOPS) -> OffloadChoice:
-    """``auto`` with offload, chosen by time: one fused preset per layer with the least
-    estimated step time (each layer the larger of its compute and its host copies, see above;
-    the LM head's time added) whose device peak fits ``room`` bytes (the device less the model
-    state and headroom) with at most ``host_memory`` bytes in host memory (the offloader's
-    forward-order rule; None: no cap).
+def _check_rate(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
 
-    The device peak of a mix is the largest of its presets' working sets (:func:`step_peak`
-    less the layers' saved bytes) plus what the device holds of the layers: the prefetch pool
-    (the ``prefetch + 1`` largest offloaded layers) and the layers past the host cap. The search
-    runs over the count of each preset (every split of the layers into ``fast``, ``balanced``
-    and ``min_memory``), each placed in two orders (``min_memory`` first in forward order, or
-    ``fast`` first): exact for models whose layers are alike, a heuristic otherwise. Ties go to
-    the smaller peak. Raises ValueError when no mix fits (not even every layer
-    ``min_memory``)."""
+
+def choose_offload_layers(layers: Sequence[LayerDims], B: int, S: int, dtype, room: int,
+                          host_memory: Optional[int], *, working: Optional[dict] = None,
+                          base_seconds: float = 0.0, train_weights: bool = True,
+                          prefetch: int = 1,
+                          host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
+                          attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                          attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                          matmul_tflops: float = MATMUL_TFLOPS) -> Optional[OffloadChoice]:
+    """The choice by time of ``auto`` with offload, over the decoder layers alone (the one
+    rule that :func:`choose_presets_offload` and ``patch_llama(policy="auto", offload="cpu")``
+    both read): one fused preset per layer with the least estimated time (each layer the
+    larger of its compute and its two host copies, ``base_seconds`` added) such that
+    ``working[p]`` (the largest over the presets used; None: 0) plus what the device holds of
+    the layers, the prefetch pool (the ``prefetch + 1`` largest offloaded layers) and the
+    layers past ``host_memory`` (the offloader's forward-order rule; None: no cap), is at most
+    ``room`` bytes. The search runs over the count of each preset (every split of the layers
+    into ``fast``, ``balanced`` and ``min_memory``), each placed in two orders
+    (``min_memory`` first in forward order, or ``fast`` first): exact for models whose layers
+    are alike, a heuristic otherwise. Ties go to the smaller peak. None when no mix fits.
+    Raises ValueError naming a rate that is not a positive finite number."""
     layers = list(layers)
     _check_shape_args(B, S)
+    link = _check_rate("host_link_gbytes_per_s", host_link_gbytes_per_s) * 1e9
+    rates = tuple(_check_rate(n, v) for n, v in (
+        ("attention_fwd_tflops", attention_fwd_tflops),
+        ("attention_bwd_tflops", attention_bwd_tflops), ("matmul_tflops", matmul_tflops)))
+    work = working if working is not None else dict.fromkeys(_CHOICES, 0)
     L = len(layers)
-    rates = (attention_fwd_tflops, attention_bwd_tflops, matmul_tflops)
-    link = host_link_gbytes_per_s * 1e9
-    work = {}
-    for p in _CHOICES:
-        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights).peak
-        work[p] = full - sum(layer_bytes(p, x, B, S, dtype) for x in layers)
-    head = 2 * B * S * layers[0].hidden_size * V * ((3 if train_weights else 2) + 1)
-    head_s = head / (matmul_tflops * 1e12)
     best = None
     for n_min in range(L + 1):
         for n_bal in range(L - n_min + 1):
@@ -690,7 +704,7 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
             mix = ["min_memory"] * n_min + ["balanced"] * n_bal + ["fast"] * n_fast
             for order in (mix, mix[::-1]):
                 moved, host, kept = [], 0, 0
-                secs = head_s
+                secs = base_seconds
                 for p, d in zip(order, layers):
                     b = layer_bytes(p, d, B, S, dtype)
                     compute = _layer_compute_seconds(p, d, B, S, train_weights, *rates)
@@ -701,7 +715,8 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
                     else:
                         kept += b
                         secs += compute
-                peak = max(work[p] for p in set(order)) + kept + _pool(moved, prefetch)
+                peak = max((work[p] for p in set(order)), default=0) + kept \
+                    + _pool(moved, prefetch)
                 if peak > room:
                     continue
                 key = (secs, peak)
@@ -709,13 +724,46 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
                     best = (key, OffloadChoice(tuple(order), secs, peak, host, kept))
                 if n_min == L or n_fast == L:
                     break                        # one order only
+    return None if best is None else best[1]
+
+
+def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
+                           room: int, host_memory: Optional[int], *, path: str = "cuda",
+                           train_weights: bool = True, prefetch: int = 1,
+                           host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
+                           attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                           attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                           matmul_tflops: float = MATMUL_TFLOPS) -> OffloadChoice:
+    """``auto`` with offload, chosen by time, for the whole step: :func:`choose_offload_layers`
+    with the LM head's time added and each preset's working set counted in the device peak,
+    which must fit ``room`` bytes (the device less the model state and headroom) with at most
+    ``host_memory`` bytes in host memory.
+
+    The device peak of a mix is the largest of its presets' working sets (:func:`step_peak`
+    less the layers' saved bytes) plus what the device holds of the layers: the prefetch pool
+    and the layers past the host cap. Raises ValueError when no mix fits (not even every layer
+    ``min_memory``)."""
+    layers = list(layers)
+    _check_shape_args(B, S)
+    work = {}
+    for p in _CHOICES:
+        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights).peak
+        work[p] = full - sum(layer_bytes(p, x, B, S, dtype) for x in layers)
+    head = 2 * B * S * layers[0].hidden_size * V * ((3 if train_weights else 2) + 1)
+    head_s = head / (_check_rate("matmul_tflops", matmul_tflops) * 1e12)
+    best = choose_offload_layers(layers, B, S, dtype, room, host_memory, working=work,
+                                 base_seconds=head_s, train_weights=train_weights,
+                                 prefetch=prefetch, host_link_gbytes_per_s=host_link_gbytes_per_s,
+                                 attention_fwd_tflops=attention_fwd_tflops,
+                                 attention_bwd_tflops=attention_bwd_tflops,
+                                 matmul_tflops=matmul_tflops)
     if best is None:
         raise ValueError(
             f"auto with offload: no mix of fused presets fits {format_bytes(room)} of device "
             f"memory for the step at B={B}, S={S} (every layer min_memory with "
             f"{format_bytes(host_memory) if host_memory is not None else 'uncapped'} host "
             f"memory does not); shorten the sequence or raise the host or device memory")
-    return best[1]
+    return best
 
 
 # ---- sequence parallelism (Ulysses inside the fused layer) ------------------------------------

@@ -579,8 +579,8 @@ def _print_auto_offload(args, layers, V, B, S, dtype, room, host) -> None:
     print(f"auto + offload, by time: {counts}; device peak {format_bytes(c.peak)}, host "
           f"{format_bytes(c.host)}, kept on device {format_bytes(c.kept)}; step s "
           f"{c.seconds:,.2f}, tokens/s {B * S / c.seconds:,.0f} (each layer the larger of its "
-          f"compute and its host copies at {args.host_link_gbytes_per_s:g} GB/s; the plan "
-          f"only: policy='auto' with offload takes min_memory)")
+          f"compute and its host copies at {args.host_link_gbytes_per_s:g} GB/s, the rule "
+          f"of patch_llama(policy='auto', offload='cpu'))")
     print("  per layer: " + " ".join(c.presets))
 
 

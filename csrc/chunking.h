@@ -64,14 +64,45 @@ inline int64_t ffn_row_width(int64_t intermediate, int64_t hidden = 0, int64_t e
   return width;
 }
 
+// The attention kernels' query rows per program on CUDA (the Triton tiles' BLOCK_M).
+constexpr int64_t kAttentionTileRows = 128;
+// Waves of attention programs a chunk should give a GPU at least.
+constexpr int64_t kOccupancyWaves = 2;
+
+// The fewest query rows per chunk that fill a GPU of `sms` multiprocessors: the attention
+// launches one program per (tile of tile_rows query rows, query head) of a chunk's sequence,
+// so a chunk of r rows gives ceil(r / tile_rows) * heads programs, and `waves` waves take
+// ceil(waves * sms / heads) whole tiles (LLaMA-3-8B's 32 heads on an H100's 132 SMs: 9 tiles,
+// 1,152 rows). 0 (no minimum) when any argument is not positive: the CPU.
+inline int64_t occupancy_min_rows(int64_t sms, int64_t heads,
+                                  int64_t tile_rows = kAttentionTileRows,
+                                  int64_t waves = kOccupancyWaves) {
+  if (sms <= 0 || heads <= 0 || tile_rows <= 0 || waves <= 0) return 0;
+  return (waves * sms + heads - 1) / heads * tile_rows;
+}
+
+inline std::atomic<int64_t>& sms_setting() {
+  static std::atomic<int64_t> sms{0};
+  return sms;
+}
+
+// The multiprocessors of the CUDA device the layers run on (0 until Python sets it, at the
+// first CUDA call of the fused layer: ckpt_ext.blocks); the CPU never reads it.
+inline int64_t cuda_sms() { return sms_setting().load(std::memory_order_relaxed); }
+inline void set_cuda_sms(int64_t sms) {
+  sms_setting().store(std::max<int64_t>(0, sms), std::memory_order_relaxed);
+}
+
 // Tokens per chunk of the fused layer's attention sublayer or whole layer: a chunk's
 // per-token working set at the compute width and at least float32 (the CPU kernels'
 // precision): the attention's q, out, dout and dq (4 Hq D, q_width = Hq D) and, with the FFN,
 // its ffn_row_width (0 for the attention sublayer), which the FFN's backward holds while the
-// chunk's q and out wait for the attention's.
+// chunk's q and out wait for the attention's; at least min_rows (occupancy_min_rows on CUDA,
+// 0 on the CPU), which may pass the cap.
 inline int64_t layer_chunk_rows(int64_t q_width, int64_t ffn_width, int64_t element_size,
-                                int64_t cap) {
-  return rows_within(cap, (4 * q_width + ffn_width) * std::max<int64_t>(4, element_size));
+                                int64_t cap, int64_t min_rows = 0) {
+  return std::max(min_rows,
+                  rows_within(cap, (4 * q_width + ffn_width) * std::max<int64_t>(4, element_size)));
 }
 
 // Tokens per chunk of the layer's FFN: its ffn_row_width at the compute width (at least

@@ -780,10 +780,16 @@ OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nu
 // float32 (the CPU kernels' precision): the attention's q, out, dout and dq (4 Hq D) and,
 // with the MLP, its three (rows, I) tensors (3 I), which the MLP's backward holds while the
 // chunk's q and out wait for the attention's.
+//
+// On CUDA at least chunking::occupancy_min_rows of the device's multiprocessors and the layer's
+// query heads, so that a chunk's attention fills the GPU (two waves of programs).
 int64_t layer_chunk_rows(const Layer& L, const at::Tensor& x) {
+  const int64_t min_rows =
+      x.is_cuda() ? chunking::occupancy_min_rows(chunking::cuda_sms(), L.num_heads) : 0;
   return chunking::layer_chunk_rows(L.proj(kQ).size(0),
                                    has_mlp(L.part_id) ? ffn_row_width(L, x.size(2)) : 0,
-                                   at::elementSize(L.act_dtype(x)), chunking::chunk_bytes());
+                                   at::elementSize(L.act_dtype(x)), chunking::chunk_bytes(),
+                                   min_rows);
 }
 
 std::vector<Chunk> layer_chunks(const Layer& L, const at::Tensor& x) {

@@ -256,3 +256,27 @@ def test_fp32_chunks_meet_the_accuracy_rule(monkeypatch, preset):
     check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD)
     for n in ref[2]:
         check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD)
+
+
+def test_cpu_chunks_ignore_the_cuda_occupancy_minimum():
+    """The occupancy minimum (csrc/chunking.h occupancy_min_rows, set from the CUDA device's
+    multiprocessors) applies on CUDA only: with it set, the CPU layer keeps the chunks of its
+    byte cap and its results bit for bit (the check can fail: one chunk gives other bits)."""
+    from ckpt_ext import _C
+    x, weights, pe, dy, kw = case("lora_dropout", torch.float32, seed=5)
+    config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+    whole = run(x, weights, pe, dy, kw, "balanced", "layer")
+    config.update(chunk_bytes=chunk_cap(17, torch.float32, weights))
+    before = _C.cuda_sms()
+    try:
+        _C.set_cuda_sms(0)
+        base = run(x, weights, pe, dy, kw, "balanced", "layer")
+        _C.set_cuda_sms(132)
+        assert _C.occupancy_min_rows(132, NH) > B * S   # on CUDA: one chunk
+        got = run(x, weights, pe, dy, kw, "balanced", "layer")
+    finally:
+        _C.set_cuda_sms(before)
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+    flat = lambda r: [r[0], r[1], *(r[2][n] for n in sorted(r[2]))]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(flat(got), flat(base)))
+    assert not all(torch.equal(a, b) for a, b in zip(flat(whole), flat(base)))

@@ -11,6 +11,7 @@ overlap in a profiler trace, the sanitizer, CUDA graph capture refused) skip wit
 """
 import copy
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -392,26 +393,137 @@ def test_hf_eval_and_no_grad_untouched():
     assert off.stats()["host_allocations"] == 0
 
 
-def test_auto_with_offload_takes_min_memory():
+def _tiny_dims(model):
+    return [families.layer_dims(layer, TINY["num_attention_heads"])
+            for layer in model.model.layers]
+
+
+def _mix_cost(order, dims, b, s, budget, host_cap, link, rates):
+    """An independent evaluation of one per-layer assignment with offload: (seconds, device
+    bytes) or None when the device bytes (the two largest offloaded layers and the layers past
+    the host cap) pass the budget. Compute from plan.step_flops of one layer less its head."""
+    V = 7
+    moved, host, kept, secs = [], 0, 0, 0.0
+    for p, d in zip(order, dims):
+        f = plan.step_flops(p, [d], V, b, s, train_weights=True)
+        head = 2 * b * s * d.hidden_size * V * 4
+        compute = (f["attention_forward"] / (rates[0] * 1e12)
+                   + f["attention_backward"] / (rates[1] * 1e12)
+                   + (f["matmul"] - head) / (rates[2] * 1e12))
+        nbytes = plan.layer_bytes(p, d, b, s, torch.float32)
+        if host_cap is None or host + nbytes <= host_cap:
+            moved.append(nbytes)
+            host += nbytes
+            secs += max(compute, 2 * nbytes / (link * 1e9))
+        else:
+            kept += nbytes
+            secs += compute
+    device = kept + sum(sorted(moved, reverse=True)[:2])
+    return (secs, device) if device <= budget else None
+
+
+def _auto_case(name, dims, b, s):
+    """(budget, offload_limit, host link GB/s, expected presets) for the tiny model: copies
+    dominate its layers' compute at 25 GB/s, so the fast and balanced cases use links fast
+    enough for their copies to hide (above ~2,600 and ~8,300 GB/s)."""
+    nb = {p: plan.layer_bytes(p, dims[0], b, s, torch.float32)
+          for p in ("fast", "balanced", "min_memory")}
+    big = 1 << 40
+    return {"default_link": (big, None, None, ["min_memory"] * 3),
+            "fast": (big, None, 1e5, ["fast"] * 3),
+            "balanced_by_link": (big, None, 5e3, ["balanced"] * 3),
+            "balanced_by_budget": (2 * nb["balanced"], None, 1e5, ["balanced"] * 3),
+            "mixed": (nb["fast"] + nb["min_memory"], None, 1e5, None),
+            "host_cap": (2 * nb["balanced"] + nb["fast"], 2 * nb["balanced"], 5e3, None)}[name]
+
+
+@pytest.mark.parametrize("case", ["default_link", "fast", "balanced_by_link",
+                                  "balanced_by_budget", "mixed", "host_cap"])
+def test_auto_with_offload_chooses_by_the_plans_time(case):
+    """policy='auto' with offload: the runtime's presets are the plan's choice by time
+    (plan.choose_offload_layers at the default throughputs, the offloader's limit and
+    prefetch, the given host link) and the fastest of the 3^3 assignments evaluated
+    independently; the model trains exactly as with the same presets given explicitly."""
+    pytest.importorskip("transformers")
+    from hf_fixtures import padded_batch, tiny_model
+    from ckpt_ext.throughputs import default_throughputs
+    seed = fresh_seed()
+    model = tiny_model("llama", TINY, perturb=True)
+    b, s = 2, 16
+    dims = _tiny_dims(model)
+    budget, cap, link, want = _auto_case(case, dims, b, s)
+    explicit = copy.deepcopy(model)
+    kw = {} if link is None else {"host_link_gbytes_per_s": link}
+    ckpt_ext.patch_llama(model, "auto", activation_budget=budget, offload="cpu",
+                         offload_limit=cap, **kw)
+    model.train()
+    ids, mask, labels = padded_batch(TINY["vocab_size"], b, s, seed=seed % 1000)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    got = hf_step(model, seed, **batch)
+    chosen = list(model.model.layers[0].forward.shared.auto.values())
+    assert len(chosen) == 1
+    chosen = chosen[0]
+    rates = default_throughputs().step_time_kwargs(s)
+    ref = plan.choose_offload_layers(dims, b, s, torch.float32, budget, cap,
+                                     host_link_gbytes_per_s=link or plan.HOST_LINK_GBYTES_PER_S,
+                                     **rates)
+    assert chosen == list(ref.presets)
+    if want is not None:
+        assert chosen == want
+    costs = {}
+    for order in itertools.product(("fast", "balanced", "min_memory"), repeat=3):
+        c = _mix_cost(order, dims, b, s, budget, cap, link or plan.HOST_LINK_GBYTES_PER_S,
+                      (rates["attention_fwd_tflops"], rates["attention_bwd_tflops"],
+                       rates["matmul_tflops"]))
+        if c is not None:
+            costs[order] = c
+    best = min(costs.values())
+    assert costs[tuple(chosen)][0] == pytest.approx(best[0], rel=1e-9)
+    if case == "mixed":   # one fast layer beside min_memory ones beats balanced everywhere
+        assert sorted(chosen) == ["fast", "min_memory", "min_memory"]
+    if case == "host_cap":   # two balanced layers fill the host; one fast stays on the device
+        assert sorted(chosen) == ["balanced", "balanced", "fast"]
+    ckpt_ext.patch_llama(explicit, list(chosen), offload="cpu", offload_limit=cap)
+    explicit.train()
+    ref_step = hf_step(explicit, seed, **batch)
+    assert torch.equal(got[0], ref_step[0])
+    assert got[1].keys() == ref_step[1].keys() and len(got[1]) > 0
+    assert all(torch.equal(got[1][k], ref_step[1][k]) for k in got[1])
+    assert [f.forward.calls["fused"] for f in model.model.layers] == [1, 1, 1]
+
+
+def test_auto_with_offload_refuses_bad_input():
+    """A host link that is not a positive finite number, a host link without auto and
+    offload, and a budget below the prefetch pool at min_memory: ValueErrors naming them."""
     pytest.importorskip("transformers")
     from hf_fixtures import tiny_model
     model = tiny_model("llama", TINY)
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "25"):
+        with pytest.raises(ValueError, match="host_link_gbytes_per_s must be a positive"):
+            ckpt_ext.patch_llama(model, "auto", activation_budget="1GiB", offload="cpu",
+                                 host_link_gbytes_per_s=bad)
+    with pytest.raises(ValueError, match="host_link_gbytes_per_s applies to policy='auto' with "
+                                         "offload only"):
+        ckpt_ext.patch_llama(model, "auto", activation_budget="1GiB",
+                             host_link_gbytes_per_s=100)
+    with pytest.raises(ValueError, match="host_link_gbytes_per_s must be a positive"):
+        plan.choose_offload_layers(_tiny_dims(model), 1, 8, torch.float32, 1 << 30, None,
+                                   host_link_gbytes_per_s=-5)
+    with pytest.raises(ValueError, match="matmul_tflops must be a positive"):
+        plan.choose_offload_layers(_tiny_dims(model), 1, 8, torch.float32, 1 << 30, None,
+                                   matmul_tflops=0)
     b, s = 2, 16
-    dims = [families.layer_dims(layer, TINY["num_attention_heads"])
-            for layer in model.model.layers]
+    dims = _tiny_dims(model)
     pool = plan.offload_device_bytes(dims, ["min_memory"] * 3, b, s, torch.float32)
-    # a budget that would give 'fast' to every layer without offload
-    budget = 10 * sum(plan.layer_bytes("fast", d, b, s, torch.float32) for d in dims)
-    assert plan.choose_presets(dims, b, s, torch.float32, budget) == ["fast"] * 3
-    ckpt_ext.patch_llama(model, "auto", activation_budget=budget, offload="cpu")
+    ckpt_ext.patch_llama(model, "auto", activation_budget=pool - 1, offload="cpu")
     model.train()
     ids = torch.randint(1, 100, (b, s))
+    with pytest.raises(ValueError, match=rf"below the offload prefetch pool .*the smallest "
+                                         rf"budget that fits is {pool}$"):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    ckpt_ext.patch_llama(model, "auto", activation_budget=pool, offload="cpu")
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert list(model.model.layers[0].forward.shared.auto.values()) == [["min_memory"] * 3]
-    small = copy.deepcopy(model)
-    ckpt_ext.patch_llama(small, "auto", activation_budget=pool - 1, offload="cpu")
-    with pytest.raises(ValueError, match=r"below the offload prefetch pool"):
-        small(input_ids=ids, labels=ids, use_cache=False)
 
 
 # ---- torch.compile --------------------------------------------------------------------------

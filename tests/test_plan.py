@@ -694,6 +694,33 @@ def test_cli_help_says_what_weights_mean(capsys):
 
 
 # ---- each formula once: the plan reads the engine's (or the one Python) definition ------------
+def test_occupancy_min_rows_and_the_plans_cuda_chunks(monkeypatch):
+    """csrc/chunking.h occupancy_min_rows: the fewest whole 128-row tiles whose programs (tiles
+    x heads) make two waves on the GPU's multiprocessors, against a direct search; 0 (no
+    minimum) without a GPU; layer_chunk_rows takes the larger of it and the cap's rows; the
+    plan's CUDA peak reads it (LLaMA-3-8B at 64 MiB: 282 rows by the cap, 1,152 on an H100)
+    and its CPU peak does not."""
+    for sms in (1, 7, 108, 132, 144):
+        for heads in (1, 3, 8, 32, 40, 64):
+            for tile, waves in ((128, 2), (64, 1), (128, 3)):
+                want = next(t for t in range(1, 10**6) if t * heads >= waves * sms) * tile
+                assert ckpt_ext._C.occupancy_min_rows(sms, heads, tile, waves) == want
+    assert ckpt_ext._C.occupancy_min_rows(132, 32) == 1152
+    assert ckpt_ext._C.occupancy_min_rows(0, 32) == 0
+    assert ckpt_ext._C.occupancy_min_rows(132, 0) == 0
+    d = LayerDims(4096, 32, 8, 128, 14336)
+    assert plan.layer_chunk_rows(d, 2, 64 * 2**20) == 282
+    assert plan.layer_chunk_rows(d, 2, 64 * 2**20, plan.CUDA_SMS) == 1152
+    assert plan.layer_chunk_rows(d, 2, 1 << 30, plan.CUDA_SMS) == (1 << 30) // (237568)
+    assert ckpt_ext._C.layer_chunk_rows(4096, 14336, 2, 64 * 2**20, min_rows=300) == 300
+    layers = [d] * 4
+    args = ("balanced", layers, 1000, 1, 32768, torch.bfloat16)
+    cuda, cpu = plan.step_peak(*args).peak, plan.step_peak(*args, path="cpu").peak
+    monkeypatch.setattr(plan, "CUDA_SMS", 0)
+    assert plan.step_peak(*args).peak < cuda
+    assert plan.step_peak(*args, path="cpu").peak == cpu
+
+
 def test_plan_chunk_rows_are_the_engines():
     """plan.layer_chunk_rows is the engine's rule (csrc/chunking.h through ckpt_ext._C): at a
     cap of r tokens' working set it gives r rows, one fewer byte r - 1; and step_peak reads
@@ -711,10 +738,10 @@ def test_plan_chunk_rows_are_the_engines():
     real = plan._C
     try:
         plan._C = types.SimpleNamespace(
-            layer_chunk_rows=lambda *a: 2 * real.layer_chunk_rows(*a),
+            layer_chunk_rows=lambda *a, **k: 2 * real.layer_chunk_rows(*a, **k),
             **{n: getattr(real, n) for n in ("mlp_chunk_rows", "ffn_row_width",
                                              "swiglu_buffers", "swiglu_chunk_rows",
-                                             "lce_chunk_rows")})
+                                             "lce_chunk_rows", "occupancy_min_rows")})
         assert plan.step_peak("balanced", layers, 1000, 1, 4096, torch.float32, **kw) != base
     finally:
         plan._C = real

@@ -75,6 +75,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import math
 import warnings
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -482,13 +483,18 @@ class _ForwardState(NamedTuple):
 _FORWARD_KEY = "ckpt_ext_forward"
 
 
+def _host_link_default() -> float:
+    from ..plan import HOST_LINK_GBYTES_PER_S
+    return HOST_LINK_GBYTES_PER_S
+
+
 class _Shared:
     """State shared by the layers of one patched model (none of it per forward): the policy,
     the "auto" choices per shape, the warnings given, and the pre-hook on the bare model that
     hands each forward's layers its _ForwardState."""
 
     def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool,
-                 budget: Optional[int] = None, offloader=None,
+                 budget: Optional[int] = None, offloader=None, host_link: Optional[float] = None,
                  hook_owner: Optional[nn.Module] = None, bidirectional_images: bool = False):
         self.owner, self.layers, self.default_policy = owner, layers, default_policy
         # The module whose pre-hook reads the batch's masks: the bare model, or the multimodal
@@ -497,6 +503,7 @@ class _Shared:
         self.bidirectional_images = bidirectional_images  # batches with images run HF's
         self.budget = budget                   # policy="auto": the decoder layers' budget
         self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
+        self.host_link = _host_link_default() if host_link is None else host_link  # GB/s
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
         self.warned: set = set()
         params = [p for p in inspect.signature(type(self.hook_owner).forward).parameters.values()
@@ -509,6 +516,7 @@ class _Shared:
         state.pop("masks", None)
         state.pop("auto_presets", None)
         state.setdefault("offloader", None)
+        state.setdefault("host_link", _host_link_default())
         state.setdefault("hook_owner", state["owner"])
         state.setdefault("bidirectional_images", False)
         self.__dict__.update(state)
@@ -565,27 +573,44 @@ class _Shared:
         dtype = weight.dtype
         if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
             dtype = torch.float32  # residuals stay fp32; the compute dtype only saves less
-        return self._choice(int(x.shape[0]), int(x.shape[1]), dtype)
+        # LoRA and other frozen bases: no weight gradients of the projections (the time model)
+        train_weights = any(p.requires_grad for layer in self.layers
+                            for n, p in layer.named_parameters()
+                            if p.dim() >= 2 and "lora_" not in n)
+        return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights)
+
+    def _offload_choice(self, b: int, s: int, dtype: torch.dtype,
+                        train_weights: bool) -> List[str]:
+        """policy="auto" with offload: the plan's choice by time (ckpt_ext.plan.
+        choose_offload_layers) within the activation budget, which bounds what the device
+        holds of the layers (the offloader's prefetch pool and the layers past its limit),
+        and the offloader's host limit, at the plan's throughputs and the host link rate."""
+        from ..plan import choose_offload_layers, format_bytes
+        from ..throughputs import default_throughputs
+        dims = self.layer_dims()
+        off = self.offloader
+        choice = choose_offload_layers(
+            dims, b, s, dtype, self.budget, off.limit, train_weights=train_weights,
+            prefetch=off.prefetch, host_link_gbytes_per_s=self.host_link,
+            **default_throughputs().step_time_kwargs(s))
+        if choice is None:
+            from ..plan import _offload_split, _pool
+            mins = ["min_memory"] * len(dims)
+            moved, _, kept = _offload_split(dims, mins, b, s, dtype, off.limit)
+            pool = _pool(moved, off.prefetch)
+            raise ValueError(f"activation_budget {format_bytes(self.budget)} is below the "
+                             f"offload prefetch pool at min_memory ({format_bytes(pool)}) plus "
+                             f"the layers past offload_limit ({format_bytes(kept)}) at B={b}, "
+                             f"S={s}; the smallest budget that fits is {pool + kept}")
+        return list(choice.presets)
 
     @torch.compiler.assume_constant_result
-    def _choice(self, b: int, s: int, dtype: torch.dtype) -> List[str]:
+    def _choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool) -> List[str]:
         """The presets for one shape, cached; a constant to torch.compile, which guards on
         the shapes it is called with (the choice depends on nothing else)."""
-        key = (b, s, dtype)
+        key = (b, s, dtype, train_weights)
         if key not in self.auto and self.offloader is not None:
-            # With offload the device keeps only the prefetch pool, and what a preset saves
-            # crosses the host link twice per step: min_memory moves the least (fast about 11x
-            # more), so every layer takes it; the budget is checked against the pool.
-            from ..plan import offload_device_bytes
-            dims = self.layer_dims()
-            presets = ["min_memory"] * len(dims)
-            need = offload_device_bytes(dims, presets, b, s, dtype)
-            if need > self.budget:
-                from ..plan import format_bytes
-                raise ValueError(f"activation_budget {format_bytes(self.budget)} is below the "
-                                 f"offload prefetch pool at min_memory ({format_bytes(need)}, "
-                                 f"B={b}, S={s}); the smallest budget that fits is {need}")
-            self.auto[key] = presets
+            self.auto[key] = self._offload_choice(b, s, dtype, train_weights)
         if key not in self.auto:
             from ..plan import choose_presets
             self.auto[key] = choose_presets(self.layer_dims(), b, s, dtype, self.budget)
@@ -869,6 +894,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                 activation_budget: Optional[Union[int, str]] = None,
                 fuse_lm_head: bool = True, offload: Optional[str] = None,
                 offload_limit: Optional[Union[int, str]] = None,
+                host_link_gbytes_per_s: Optional[float] = None,
                 sequence_parallel=None) -> nn.Module:
     """Give every decoder layer of ``model`` a recompute preset; returns ``model`` (patched in
     place).
@@ -888,7 +914,12 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     is kept in host memory and prefetched back one layer ahead in backward
     (``ckpt_ext.offload``; one pool per model); ``offload_limit`` (bytes or "64GiB") caps the
     host bytes, past it the remaining layers keep their tensors on the device. With
-    ``policy="auto"`` and offload every layer takes ``min_memory`` (see docs/offload.md).
+    ``policy="auto"`` and offload the presets are chosen per layer by the plan's time model
+    (``ckpt_ext.plan.choose_offload_layers``: each layer the larger of its compute at
+    ``ckpt_ext.throughputs.default_throughputs`` and its two host copies at
+    ``host_link_gbytes_per_s``, default ``ckpt_ext.plan.HOST_LINK_GBYTES_PER_S``, 25 GB/s, an
+    assumption until measured) so that what the device holds of the layers (the prefetch pool
+    and the layers past ``offload_limit``) fits ``activation_budget`` (see docs/offload.md).
     ``sequence_parallel``: a ``torch.distributed`` group over which every sequence is split
     (Ulysses, inside the fused layers: ``ckpt_ext.hf.sequence_parallel``, whose
     ``shard_batch`` cuts the batch); every layer must be fused.
@@ -910,6 +941,17 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
         raise ValueError("patch_llama: activation_budget applies to policy='auto' only, got "
                          f"policy={policy!r}")
     offloader = resolve_offload(offload, offload_limit)
+    host_link = _host_link_default()
+    if host_link_gbytes_per_s is not None:
+        if policy != "auto" or offloader is None:
+            raise ValueError("patch_llama: host_link_gbytes_per_s applies to policy='auto' with "
+                             f"offload only, got policy={policy!r}, offload={offload!r}")
+        v = host_link_gbytes_per_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v <= 0:
+            raise ValueError("patch_llama: host_link_gbytes_per_s must be a positive finite "
+                             f"number of GB/s, got {v!r}")
+        host_link = float(v)
     presets = _resolve_policy("balanced" if policy is None else policy, len(layers))
     if policy == "auto" and any(moe.is_moe_layer(layer) for layer in layers):
         raise NotImplementedError(f"patch_llama: {moe.AUTO_REFUSAL}")
@@ -925,7 +967,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     unpatch_llama(model)
     multimodal = MULTIMODAL.get(getattr(_unwrap_peft(model).config, "model_type", None))
     shared = _Shared(owner, layers, default_policy=policy is None, budget=budget,
-                     offloader=offloader, hook_owner=_mask_owner(model, owner),
+                     offloader=offloader, host_link=host_link, hook_owner=_mask_owner(model, owner),
                      bidirectional_images=multimodal is not None and
                      multimodal.bidirectional_images)
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
