@@ -19,6 +19,7 @@ import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Iterable, Optional, Sequence
@@ -153,6 +154,16 @@ def versions() -> str:
         if module is not None:
             out.append(f"{name} {module.__version__}")
     return ", ".join(out + [f"python {platform.python_version()}"])
+
+
+def commit() -> str:
+    """The repository's short commit hash, or "unknown" outside a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def provenance(device=None, note: str = "") -> list:

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _harness import provenance  # noqa: E402
+from _harness import commit, provenance  # noqa: E402
 
 from ckpt_ext import plan  # noqa: E402
 from ckpt_ext.hf.families import layer_dims_from_config  # noqa: E402
@@ -30,15 +29,6 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_lay
                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
                  "num_experts_per_tok": 8, "vocab_size": 151936,
                  "output_router_logits": False}
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True,
-                              cwd=pathlib.Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -68,7 +58,7 @@ def main(argv=None) -> int:
                              f"{S:,} | {plan.format_bytes(p.peak)} | "
                              f"{plan.format_bytes(p.host)} |")
     head = provenance(note="the plan's model, no measurement") + [
-        f"commit: {_commit()}",
+        f"commit: {commit()}",
         f"setup: Qwen3-30B-A3B, LoRA r 16 on the attention (bf16 base), "
         f"output_router_logits=False, B 1, bf16, {a.device_memory} device, host "
         f"{a.host_memory}, offload (cuda path)"]

@@ -15,26 +15,16 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _harness import provenance  # noqa: E402
+from _harness import commit, provenance  # noqa: E402
 
 from ckpt_ext import plan, plan_cli  # noqa: E402
 
 LLAMA31_8B = ["--hidden-size", "4096", "--heads", "32", "--kv-heads", "8",
               "--intermediate-size", "14336", "--layers", "32", "--vocab-size", "128256"]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True,
-                              cwd=pathlib.Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -88,7 +78,7 @@ def main(argv=None) -> int:
                  f"round {p.round / 2**30:.2f} GiB, whole local {p.whole / 2**30:.2f} GiB, "
                  f"kept on device {p.kept / 2**30:.2f} GiB, host {p.host / 2**30:.2f} GiB")
     head = provenance(note="the plan's model, no measurement") + [
-        f"commit: {_commit()}",
+        f"commit: {commit()}",
         f"setup: LLaMA-3.1-8B LoRA, B 1, bf16, {a.device_memory} per GPU (plan headroom: "
         f"1 GiB + 5%), host {a.host_memory} per GPU, offload, all-to-all at "
         f"{a.link_gbytes_per_s} GB/s, rates: {args.rates.source}"]

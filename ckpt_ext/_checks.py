@@ -434,3 +434,17 @@ def _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse, logit_scale=1.0
     _check_lce_stat(op, "dloss", dloss, hidden, T)
     _check_lce_stat(op, "lse", lse, hidden, T)
     return T, H, V
+
+
+def _file_headers(data: dict, keys, bad) -> dict:
+    """The provenance headers of a results file read as JSON (``keys``, each a non-empty
+    string, and an optional free-text ``note``); ``bad(why)`` makes the error naming the
+    file."""
+    headers = {}
+    for key in keys:
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise bad(f"header {key!r} must be a non-empty string, got {data.get(key)!r}")
+        headers[key] = data[key]
+    if "note" in data:
+        headers["note"] = data["note"]
+    return headers

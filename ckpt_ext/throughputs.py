@@ -37,6 +37,8 @@ import math
 import pathlib
 from typing import Optional, Sequence
 
+from ._checks import _file_headers
+
 __all__ = ["FORMAT", "KINDS", "HEADERS", "Rate", "Throughputs", "load_throughputs",
            "throughputs_from_dict", "write_throughputs", "default_throughputs",
            "from_backend_rows"]
@@ -108,13 +110,7 @@ def throughputs_from_dict(data, source: str = "") -> Throughputs:
 
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise bad(f"not a kernel throughputs file (format must be {FORMAT!r})")
-    headers = {}
-    for key in HEADERS:
-        if not isinstance(data.get(key), str) or not data[key]:
-            raise bad(f"header {key!r} must be a non-empty string, got {data.get(key)!r}")
-        headers[key] = data[key]
-    if "note" in data:
-        headers["note"] = data["note"]
+    headers = _file_headers(data, HEADERS, bad)
     unknown = set(data) - set(HEADERS) - {"format", "note", "rates"}
     if unknown:
         raise bad(f"unknown key(s) {sorted(unknown)}")

@@ -676,6 +676,17 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
   const bool one = rows >= T;
   g.chunked = g.chunked || !one;
   at::Tensor dx;
+  // dx of rows t0 .. t0 + tc: dy plus the gradient dhn through the MLP's input norm
+  auto add_dx = [&](const at::Tensor& dyc, const at::Tensor& dhn, int64_t t0, int64_t tc) {
+    if (one) {
+      dx = dy + dhn.view(h.sizes());
+      return;
+    }
+    if (!dx.defined())
+      dx = at::empty({T, h2.size(1)}, dy.options().dtype(at::result_type(dyc, dhn)));
+    at::Tensor dx_c = dx.narrow(0, t0, tc);
+    at::add_out(dx_c, dyc, dhn);
+  };
   for (int64_t t0 = 0; t0 < T; t0 += rows) {
     const int64_t tc = std::min(rows, T - t0);
     const at::Tensor hc = h2.narrow(0, t0, tc), dyc = dy2.narrow(0, t0, tc);
@@ -708,14 +719,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
       std::tie(dm_moe, dmlp) = moe_backward(L, dmlp, m, shared, idx, w, dlogits, needs, g);
       if (!dmlp.defined()) {  // no shared expert: the routed experts' share is all
         const at::Tensor dhn = norm_bwd(L, kPostNorm, dm_moe, hc, needs, g);
-        if (one) {
-          dx = dy + dhn.view(h.sizes());
-        } else {
-          if (!dx.defined())
-            dx = at::empty({T, h2.size(1)}, dy.options().dtype(at::result_type(dyc, dhn)));
-          at::Tensor dx_c = dx.narrow(0, t0, tc);
-          at::add_out(dx_c, dyc, dhn);
-        }
+        add_dx(dyc, dhn, t0, tc);
         continue;
       }
     }
@@ -731,14 +735,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     }
     if (dm_moe.defined()) dm2 = dm2 + dm_moe.view(dm2.sizes());
     const at::Tensor dhn = norm_bwd(L, kPostNorm, dm2, hc, needs, g);
-    if (one) {
-      dx = dy + dhn.view(h.sizes());
-    } else {
-      if (!dx.defined())
-        dx = at::empty({T, h2.size(1)}, dy.options().dtype(at::result_type(dyc, dhn)));
-      at::Tensor dx_c = dx.narrow(0, t0, tc);
-      at::add_out(dx_c, dyc, dhn);
-    }
+    add_dx(dyc, dhn, t0, tc);
   }
   return one ? dx : dx.view(h.sizes());
 }

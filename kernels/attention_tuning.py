@@ -43,6 +43,8 @@ import pathlib
 import threading
 from typing import Iterable, Optional, Sequence
 
+from .._checks import _file_headers
+
 __all__ = ["FORMAT", "SHIPPED", "KERNELS", "HEADERS", "Candidate", "sweep_candidates", "Entry",
            "Winners", "load_winners", "winners_dict", "write_winners", "current_winners",
            "forget", "winner", "force", "forced", "note_launch", "launch_reports"]
@@ -327,13 +329,7 @@ def winners_from_dict(data, source: str = "") -> Winners:
 
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise bad(f"not an attention backward configs file (format must be {FORMAT!r})")
-    headers = {}
-    for key in HEADERS:
-        if not isinstance(data.get(key), str) or not data[key]:
-            raise bad(f"header {key!r} must be a non-empty string, got {data.get(key)!r}")
-        headers[key] = data[key]
-    if "note" in data:
-        headers["note"] = data["note"]
+    headers = _file_headers(data, HEADERS, bad)
     entries = data.get("entries")
     if not isinstance(entries, list):
         raise bad(f"entries must be a list, got {entries!r}")

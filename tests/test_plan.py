@@ -1114,7 +1114,8 @@ def test_plan_moe_chunk_rows_are_the_engines():
     for name in ("layer_chunk_rows", "ffn_row_width"):
         fake = {n: getattr(real, n) for n in ("mlp_chunk_rows", "layer_chunk_rows",
                                               "ffn_row_width", "swiglu_buffers",
-                                              "swiglu_chunk_rows", "lce_chunk_rows")}
+                                              "swiglu_chunk_rows", "lce_chunk_rows",
+                                              "occupancy_min_rows")}
         fake[name] = lambda *a, _f=fake[name], **k: 2 * _f(*a, **k)
         try:
             plan._C = types.SimpleNamespace(**fake)
@@ -1203,7 +1204,7 @@ def test_plan_cpu_swiglu_and_head_chunks_are_the_engines():
         assert C.lce_chunk_rows(V, e, n, cap) == rows
         assert C.lce_chunk_rows(V, e, n, cap - 1) == max(1, rows - 1)
     names = ("layer_chunk_rows", "mlp_chunk_rows", "ffn_row_width", "swiglu_buffers",
-             "swiglu_chunk_rows", "lce_chunk_rows")
+             "swiglu_chunk_rows", "lce_chunk_rows", "occupancy_min_rows")
     # the MLP part's SwiGLU buffers (one chunk, fast and balanced), and the head's logits
     cases = {"swiglu_buffers": ([LayerDims(64, 4, 2, 16, 2048)] * 2, 100, 256, 1 << 30),
              "swiglu_chunk_rows": ([LayerDims(64, 4, 2, 16, 2048)] * 2, 100, 256, 1 << 20),
