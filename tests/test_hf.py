@@ -821,7 +821,7 @@ def test_phi3_reads_fused_projections_and_partial_rope():
     from ckpt_ext.hf import families
     assert spec.dims == families.layer_dims(model.model.layers[0], 4)
     assert families.layer_dims(model.model.layers[0], 4).kwargs() == dict(
-        H=64, Hq=4, Hkv=2, D=d, I=TINY["intermediate_size"])
+        H=64, Hq=4, Hkv=2, D=d, I=TINY["intermediate_size"], top_k=0)
 
 
 @pytest.mark.parametrize("preset", ["fast", "min_memory"])

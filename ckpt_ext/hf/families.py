@@ -392,7 +392,7 @@ def layer_record(layer: nn.Module, config) -> LayerRecord:
         residual_scale=float(getattr(layer, "residual_multiplier", 1.0)),
         activation=activation(layer),
         # an MoE block's options ({} for a dense MLP), read by ckpt_ext.hf.moe
-        **_moe_options(layer, config))
+        **moe_layer_options(layer, config))
     present = layer_norms(layer, family)
     names = {**family.norms, **{f"self_attn.{slot}": f"self_attn.{name}"
                                 for slot, name in zip(("q_norm", "k_norm"), family.qk_norms)}}
@@ -411,9 +411,91 @@ def layer_record(layer: nn.Module, config) -> LayerRecord:
         source=family)
 
 
-def _moe_options(layer: nn.Module, config) -> dict:
-    from .moe import layer_options  # the MoE reader imports this module's ACTIVATIONS
-    return layer_options(layer, config)
+# ---- mixture-of-experts blocks ------------------------------------------------------------------
+# The MoE part of a layer's record (its options); ckpt_ext.hf.moe checks the block and reads its
+# tensors.
+
+class MoeFamily(NamedTuple):
+    """What a model_type's MoE block is made of, by class name (transformers 5)."""
+
+    block: str
+    router: str
+    experts: str
+    # the config flag that renormalises the top-k weights (None: always, as Mixtral)
+    norm_flag: Optional[str] = "norm_topk_prob"
+    shared: bool = False  # shared_expert + shared_expert_gate (Qwen2-MoE)
+
+
+MOE_FAMILIES = {
+    "qwen3_moe": MoeFamily("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts"),
+    "qwen2_moe": MoeFamily("Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter", "Qwen2MoeExperts",
+                           shared=True),
+    "mixtral": MoeFamily("MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts",
+                         norm_flag=None),
+    "olmoe": MoeFamily("OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts"),
+}
+
+
+def is_moe_layer(layer: nn.Module) -> bool:
+    """Whether the decoder layer's ``mlp`` is a sparse MoE block (it has routed experts)."""
+    mlp = layer._modules.get("mlp")
+    return mlp is not None and "experts" in mlp._modules
+
+
+def moe_layer_options(layer: nn.Module, config) -> dict:
+    """The op's MoE options for the layer ({} for a dense MLP): num_experts_per_tok, router,
+    norm_topk_prob. Raises NotImplementedError naming a setting the op does not compute."""
+    if not is_moe_layer(layer):
+        return {}
+    model_type = config.model_type
+    fam = MOE_FAMILIES.get(model_type)
+    mlp = layer.mlp
+    if fam is None or type(mlp).__name__ != fam.block:
+        raise ValueError(f"mlp is a {type(mlp).__name__} in a {model_type!r} model; the fused "
+                         f"MoE blocks are {', '.join(f.block for f in MOE_FAMILIES.values())}")
+    jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
+    if jitter > 0:
+        raise NotImplementedError(
+            f"patch_llama: {model_type} with router_jitter_noise={jitter} (random scaling of "
+            "the MoE input in training) is not implemented by the fused MoE layer: set "
+            "config.router_jitter_noise = 0.0, or use policy 'torch'")
+    if getattr(config, "clip_qkv", None) is not None:
+        raise NotImplementedError(
+            f"patch_llama: {model_type} with clip_qkv={config.clip_qkv} (q/k/v clamped after "
+            "their projections) is not implemented by the fused layer: use a model with "
+            "clip_qkv=None, or policy 'torch'")
+    router = mlp.gate
+    k, experts = int(router.top_k), int(moe_shape(router.weight)[0])
+    if not 0 < k <= experts:
+        raise ValueError(f"mlp.gate.top_k={k} must be in 1..{experts} (the experts)")
+    gate_up, down = moe_shape(mlp.experts.gate_up_proj), moe_shape(mlp.experts.down_proj)
+    h = moe_shape(router.weight)[1]
+    i = down[-1]
+    if tuple(gate_up) != (experts, 2 * i, h) or tuple(down) != (experts, h, i):
+        raise ValueError(
+            f"the experts' weights gate_up_proj {tuple(gate_up)} and down_proj "
+            f"{tuple(down)} are not transformers 5's layout (E, 2I, H) and (E, H, I) "
+            f"with E={experts}, H={h}")
+    if getattr(mlp.experts, "is_transposed", False) or \
+            getattr(mlp.experts, "is_concatenated", True) is False or \
+            getattr(mlp.experts, "has_bias", False):
+        raise ValueError("the experts are transposed, interleaved or biased (not the layout "
+                         "of transformers 5's Qwen-MoE, Mixtral and OLMoE experts)")
+    act = ACTIVATIONS.get(type(mlp.experts.act_fn).__name__)
+    shared = mlp._modules.get("shared_expert")
+    if shared is not None:
+        shared_act = ACTIVATIONS.get(type(shared._modules.get("act_fn")).__name__)
+        if shared_act != act:
+            raise ValueError(f"the shared expert's activation ({shared_act}) is not the "
+                             f"experts' ({act})")
+    norm = True if fam.norm_flag is None else bool(getattr(router, "norm_topk_prob", False))
+    return {"num_experts_per_tok": k, "router": "softmax", "norm_topk_prob": norm}
+
+
+def moe_shape(t) -> tuple:
+    """A parameter's shape; a ZeRO-3 partitioned one's full shape (``ds_shape``), not the
+    empty tensor it holds outside its module's gathering."""
+    return tuple(getattr(t, "ds_shape", t.shape))
 
 
 def _config_value(config, name, default=None):

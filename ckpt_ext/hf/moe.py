@@ -11,7 +11,7 @@ softmax in float32, then top-k, then (Mixtral always; the others by ``norm_topk_
 weights divided by their sum; the shared expert goes into the op's dense MLP slots.
 
 Everything of a layer but the MoE block is checked and read as for a dense layer
-(ckpt_ext.hf.patch), on a view of the layer whose ``mlp`` is the shared expert, or a stand-in
+(ckpt_ext.hf.layer_checks), on a view of the layer whose ``mlp`` is the shared expert, or a stand-in
 without weights where there is none; this module checks the MoE block and fills the op's MoE
 slots. Layers whose ``mlp`` is dense (Qwen2/3-MoE's ``mlp_only_layers`` and the layers between
 ``decoder_sparse_step``) are dense layers to the op.
@@ -32,37 +32,18 @@ other than the ones above.
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch.nn as nn
-from torch import Tensor
 
 from ..blocks import WEIGHT_SLOTS
-from .families import ACTIVATIONS
+from . import layer_checks
+from .families import (ACTIVATIONS, MOE_FAMILIES, MoeFamily, is_moe_layer,  # noqa: F401
+                       moe_layer_options as layer_options, moe_shape as _shape)
 
 __all__ = ["MOE_FAMILIES", "REFUSED", "aux_loss", "is_moe_layer", "layer_options", "layer_tensors",
            "record_router_logits", "recording_router_logits", "refusal", "structure_problem"]
 
-
-class MoeFamily(NamedTuple):
-    """What a model_type's MoE block is made of, by class name (transformers 5)."""
-
-    block: str
-    router: str
-    experts: str
-    # the config flag that renormalises the top-k weights (None: always, as Mixtral)
-    norm_flag: Optional[str] = "norm_topk_prob"
-    shared: bool = False  # shared_expert + shared_expert_gate (Qwen2-MoE)
-
-
-MOE_FAMILIES = {
-    "qwen3_moe": MoeFamily("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts"),
-    "qwen2_moe": MoeFamily("Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter", "Qwen2MoeExperts",
-                           shared=True),
-    "mixtral": MoeFamily("MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts",
-                         norm_flag=None),
-    "olmoe": MoeFamily("OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts"),
-}
 
 # MoE model types the op does not compute, and why.
 REFUSED = {
@@ -92,12 +73,6 @@ def refusal(model_type: str) -> Optional[str]:
 AUTO_REFUSAL = ("policy='auto' is not implemented for mixture-of-experts layers (the planner "
                 "does not model their routed experts yet): give a preset, a list or a callable "
                 "policy ('min_memory' keeps the least)")
-
-
-def is_moe_layer(layer: nn.Module) -> bool:
-    """Whether the decoder layer's ``mlp`` is a sparse MoE block (it has routed experts)."""
-    mlp = layer._modules.get("mlp")
-    return mlp is not None and "experts" in mlp._modules
 
 
 # ---- the dense view -----------------------------------------------------------------------
@@ -138,9 +113,8 @@ def _param_names(module: nn.Module) -> set:
 def structure_problem(layer: nn.Module, family, hooks: bool, projections: bool
                       ) -> Optional[str]:
     """Why the fused op cannot stand in for this MoE layer (None if it can): the MoE block's
-    structure, and the rest as ckpt_ext.hf.patch checks a dense layer (on _DenseView)."""
-    from . import patch
-    problem = patch._structure_problem(_DenseView(layer), family, hooks=hooks,
+    structure, and the rest as ckpt_ext.hf.layer_checks checks a dense layer (on _DenseView)."""
+    problem = layer_checks.structure_problem(_DenseView(layer), family, hooks=hooks,
                                        projections=projections)
     if problem:
         return problem
@@ -191,11 +165,11 @@ def structure_problem(layer: nn.Module, family, hooks: bool, projections: bool
         if mod is mlp._modules.get("shared_expert") or name.startswith("shared_expert."):
             continue  # checked on the view
         where = f"mlp.{name}" if name else "mlp"
-        if patch._foreign_forward(mod):
+        if layer_checks.foreign_forward(mod):
             return (f"{where} has an instance-level forward (accelerate offload hooks, another "
                     "patch, or transformers recording outputs), which the fused op would bypass")
         if hooks:  # transformers' router-logits hook on mlp.gate is stood in for by the op
-            problem = patch._hook_problem(layer, where, mod)
+            problem = layer_checks.hook_problem(layer, where, mod)
             if problem:
                 return problem
     return None
@@ -204,8 +178,7 @@ def structure_problem(layer: nn.Module, family, hooks: bool, projections: bool
 def _collected() -> Optional[dict]:
     """What transformers' output-capturing hooks record into in this forward (None: nothing
     is being recorded, or transformers is absent)."""
-    from .patch import _hf_collector
-    collector = _hf_collector()
+    collector = layer_checks.hf_collector()
     return collector.get() if collector is not None else None
 
 
@@ -251,62 +224,6 @@ def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logi
     return loss + model.router_aux_loss_coef * aux.to(loss.device), aux
 
 
-def layer_options(layer: nn.Module, config) -> dict:
-    """The op's MoE options for the layer ({} for a dense MLP): num_experts_per_tok, router,
-    norm_topk_prob. Raises NotImplementedError naming a setting the op does not compute."""
-    if not is_moe_layer(layer):
-        return {}
-    model_type = config.model_type
-    fam = MOE_FAMILIES.get(model_type)
-    mlp = layer.mlp
-    if fam is None or type(mlp).__name__ != fam.block:
-        raise ValueError(f"mlp is a {type(mlp).__name__} in a {model_type!r} model; the fused "
-                         f"MoE blocks are {', '.join(f.block for f in MOE_FAMILIES.values())}")
-    jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
-    if jitter > 0:
-        raise NotImplementedError(
-            f"patch_llama: {model_type} with router_jitter_noise={jitter} (random scaling of "
-            "the MoE input in training) is not implemented by the fused MoE layer: set "
-            "config.router_jitter_noise = 0.0, or use policy 'torch'")
-    if getattr(config, "clip_qkv", None) is not None:
-        raise NotImplementedError(
-            f"patch_llama: {model_type} with clip_qkv={config.clip_qkv} (q/k/v clamped after "
-            "their projections) is not implemented by the fused layer: use a model with "
-            "clip_qkv=None, or policy 'torch'")
-    router = mlp.gate
-    k, experts = int(router.top_k), int(_shape(router.weight)[0])
-    if not 0 < k <= experts:
-        raise ValueError(f"mlp.gate.top_k={k} must be in 1..{experts} (the experts)")
-    gate_up, down = _shape(mlp.experts.gate_up_proj), _shape(mlp.experts.down_proj)
-    h = _shape(router.weight)[1]
-    i = down[-1]
-    if tuple(gate_up) != (experts, 2 * i, h) or tuple(down) != (experts, h, i):
-        raise ValueError(
-            f"the experts' weights gate_up_proj {tuple(gate_up)} and down_proj "
-            f"{tuple(down)} are not transformers 5's layout (E, 2I, H) and (E, H, I) "
-            f"with E={experts}, H={h}")
-    if getattr(mlp.experts, "is_transposed", False) or \
-            getattr(mlp.experts, "is_concatenated", True) is False or \
-            getattr(mlp.experts, "has_bias", False):
-        raise ValueError("the experts are transposed, interleaved or biased (not the layout "
-                         "of transformers 5's Qwen-MoE, Mixtral and OLMoE experts)")
-    act = ACTIVATIONS.get(type(mlp.experts.act_fn).__name__)
-    shared = mlp._modules.get("shared_expert")
-    if shared is not None:
-        shared_act = ACTIVATIONS.get(type(shared._modules.get("act_fn")).__name__)
-        if shared_act != act:
-            raise ValueError(f"the shared expert's activation ({shared_act}) is not the "
-                             f"experts' ({act})")
-    norm = True if fam.norm_flag is None else bool(getattr(router, "norm_topk_prob", False))
-    return {"num_experts_per_tok": k, "router": "softmax", "norm_topk_prob": norm}
-
-
-def _shape(t: Tensor) -> tuple:
-    """A parameter's shape; a ZeRO-3 partitioned one's full shape (``ds_shape``), not the
-    empty tensor it holds outside its module's gathering."""
-    return tuple(getattr(t, "ds_shape", t.shape))
-
-
 _SLOT = {name: i for i, name in enumerate(WEIGHT_SLOTS)}
 _DENSE_MLP_SLOTS = [i for i, name in enumerate(WEIGHT_SLOTS)
                     if name.startswith(("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj."))]
@@ -314,10 +231,9 @@ _DENSE_MLP_SLOTS = [i for i, name in enumerate(WEIGHT_SLOTS)
 
 def layer_tensors(layer: nn.Module, family, fused):
     """The op's (weights, lora_scaling, lora_dropout, lora_streams) for an MoE layer, as
-    ckpt_ext.hf.patch reads a dense layer's (LoRA on the attention and on the shared expert
+    ckpt_ext.hf.layer_checks reads a dense layer's (LoRA on the attention and on the shared expert
     included), with the MoE slots filled; or why the layer cannot be fused."""
-    from .patch import _layer_tensors
-    got = _layer_tensors(_DenseView(layer), family, fused)
+    got = layer_checks.layer_tensors(_DenseView(layer), family, fused)
     if isinstance(got, str):
         return got
     weights, scaling, dropout, streams = got
