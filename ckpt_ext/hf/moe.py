@@ -70,9 +70,10 @@ def refusal(model_type: str) -> Optional[str]:
         "this one without patch_llama (HF gradient checkpointing)")
 
 
-AUTO_REFUSAL = ("policy='auto' is not implemented for mixture-of-experts layers (the planner "
-                "does not model their routed experts yet): give a preset, a list or a callable "
-                "policy ('min_memory' keeps the least)")
+AUTO_REFUSAL = ("policy='auto' is not implemented for mixture-of-experts layers (its per-forward "
+                "choice reads a dense layer's shape; `python -m ckpt_ext.plan` models MoE "
+                "configs): give a preset, a list or a callable policy ('min_memory' keeps the "
+                "least)")
 
 
 # ---- the dense view -----------------------------------------------------------------------
