@@ -181,6 +181,17 @@ def provenance(device=None, note: str = "") -> list:
             f"date: {date}"]
 
 
+def write_plan_result(path, setup: str, lines: Sequence[str]) -> None:
+    """A results file of the plan's model (no measurement): the provenance, the commit and
+    ``setup`` as ``# `` header lines, then ``lines``; written to ``path`` and printed."""
+    head = provenance(note="the plan's model, no measurement") + [f"commit: {commit()}",
+                                                                  f"setup: {setup}"]
+    text = "\n".join("# " + h for h in head) + "\n" + "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    print(text, end="")
+
+
 def write_csv(path, header: Sequence[str], fields: Sequence[str], rows: Iterable) -> None:
     """``# ``-prefixed header lines (provenance first), then a CSV with the named columns;
     rows are dicts (missing keys left empty, floats written to 6 significant digits) or

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _harness import commit, provenance  # noqa: E402
+from _harness import write_plan_result  # noqa: E402
 
 from ckpt_ext import plan  # noqa: E402
 from ckpt_ext.hf.families import layer_dims_from_config  # noqa: E402
@@ -57,14 +57,9 @@ def main(argv=None) -> int:
                              f"{plan.format_bytes(state)} | {name} | `{setup}` + offload | "
                              f"{S:,} | {plan.format_bytes(p.peak)} | "
                              f"{plan.format_bytes(p.host)} |")
-    head = provenance(note="the plan's model, no measurement") + [
-        f"commit: {commit()}",
-        f"setup: Qwen3-30B-A3B, LoRA r 16 on the attention (bf16 base), "
-        f"output_router_logits=False, B 1, bf16, {a.device_memory} device, host "
-        f"{a.host_memory}, offload (cuda path)"]
-    text = "\n".join("# " + h for h in head) + "\n" + "\n".join(lines) + "\n"
-    pathlib.Path(a.out).write_text(text)
-    print(text, end="")
+    write_plan_result(a.out, f"Qwen3-30B-A3B, LoRA r 16 on the attention (bf16 base), "
+                      f"output_router_logits=False, B 1, bf16, {a.device_memory} device, host "
+                      f"{a.host_memory}, offload (cuda path)", lines)
     return 0
 
 

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _harness import commit, provenance  # noqa: E402
+from _harness import write_plan_result  # noqa: E402
 
 from ckpt_ext import plan, plan_cli  # noqa: E402
 
@@ -77,14 +77,9 @@ def main(argv=None) -> int:
                  f"{p.peak / 2**30:.2f} GiB against {room / 2**30:.2f} GiB left for the step; "
                  f"round {p.round / 2**30:.2f} GiB, whole local {p.whole / 2**30:.2f} GiB, "
                  f"kept on device {p.kept / 2**30:.2f} GiB, host {p.host / 2**30:.2f} GiB")
-    head = provenance(note="the plan's model, no measurement") + [
-        f"commit: {commit()}",
-        f"setup: LLaMA-3.1-8B LoRA, B 1, bf16, {a.device_memory} per GPU (plan headroom: "
-        f"1 GiB + 5%), host {a.host_memory} per GPU, offload, all-to-all at "
-        f"{a.link_gbytes_per_s} GB/s, rates: {args.rates.source}"]
-    text = "\n".join("# " + h for h in head) + "\n" + "\n".join(lines) + "\n"
-    pathlib.Path(a.out).write_text(text)
-    print(text, end="")
+    write_plan_result(a.out, f"LLaMA-3.1-8B LoRA, B 1, bf16, {a.device_memory} per GPU (plan "
+                      f"headroom: 1 GiB + 5%), host {a.host_memory} per GPU, offload, all-to-all "
+                      f"at {a.link_gbytes_per_s} GB/s, rates: {args.rates.source}", lines)
     return 0
 
 
