@@ -147,10 +147,6 @@ void check_dropout(const char* op, const Layer& L) {
 void check_sequence_parallel(const char* op, const at::Tensor& x, const Layer& L) {
   const ulysses::Group g = ulysses::resolve(L.sequence_parallel, op);
   const int64_t n = g.size;
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !L.moe(), op, ": sequence_parallel with a mixture-of-experts FFN (num_experts_per_tok=",
-      L.num_experts_per_tok, ") is not implemented; run the MoE layer without "
-      "sequence_parallel");
   CKPT_CHECK_VALUE(L.num_heads % n == 0, op, "num_heads=", L.num_heads,
                    " must be divisible by the sequence_parallel group's size ", n,
                    " (each rank attends with num_heads / N query heads)");
@@ -593,7 +589,19 @@ int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
 // chunk's output written in place; with `keep_gate_up` (fast, which saves the whole-sequence
 // gate/up) one chunk, filling r.gate/up. h's first row is the global token row row0: the
 // SwiGLU ops hash LoRA dropout masks on global rows (dropout_row_offset), so the chunks change
-// no mask.
+// no mask. r's rows are h's (a caller passes mlp_rows of its residuals): an MoE layer's
+// routing and router logits are written there.
+// The rows [t0, t0 + n) of the per-token residuals an MLP call fills or reads (views of r's):
+// fast's gate/up, an MoE layer's routing, its router logits and their gradient.
+Residuals mlp_rows(const Residuals& r, int64_t t0, int64_t n) {
+  const auto rows = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, t0, n) : t; };
+  Residuals rc;
+  rc.gate = rows(r.gate), rc.up = rows(r.up);
+  rc.topk_idx = rows(r.topk_idx), rc.topk_w = rows(r.topk_w);
+  rc.router_logits = rows(r.router_logits), rc.drouter_logits = rows(r.drouter_logits);
+  return rc;
+}
+
 at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r,
                        int64_t row0) {
   const MlpLora l = mlp_lora(L);
@@ -614,12 +622,12 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
           L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, keep_gate_up, l.dropout, l.seed,
           row0 + t0, l.streams, L.activation);
     }
-    if (L.moe()) {  // route the chunk's tokens; r's routing rows are global (row0 + t0)
+    if (L.moe()) {  // route the chunk's tokens (r's rows start at this call's first row)
       const at::Tensor logits = router_logits(L, m);
-      if (r.router_logits.defined()) r.router_logits.narrow(0, row0 + t0, tc).copy_(logits);
+      if (r.router_logits.defined()) r.router_logits.narrow(0, t0, tc).copy_(logits);
       auto [idx, w] = moe_route(L, logits);
-      r.topk_idx.narrow(0, row0 + t0, tc).copy_(idx);
-      r.topk_w.narrow(0, row0 + t0, tc).copy_(w);
+      r.topk_idx.narrow(0, t0, tc).copy_(idx);
+      r.topk_w.narrow(0, t0, tc).copy_(w);
       y2 = moe_output(L, m, y2, idx, w);
     }
     if (keep_gate_up) r.gate = gate, r.up = up;
@@ -1087,7 +1095,10 @@ at::Tensor attention_layer_forward(const at::Tensor& x, const Layer& L, Residual
       if (!r.h.defined()) r.h = at::empty(x.sizes(), h.options());
       c.of(r.h).copy_(h);
     }
-    if (layer && !fast) h = mlp_forward(h, L, false, r, c.t0());
+    if (layer && !fast) {
+      Residuals rc = mlp_rows(r, c.t0(), c.nb * c.sc);
+      h = mlp_forward(h, L, false, rc, c.t0());
+    }
     if (!layer || !fast) {
       if (!y.defined()) y = at::empty(x.sizes(), h.options());
       c.of(y).copy_(h);
@@ -1209,18 +1220,7 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
       const at::Tensor h = r.h.defined()
                                ? c.of(r.h)
                                : xc + L.residual_scaled(norm_fwd(L, kAttnOutNorm, o));
-      Residuals rc;
-      if (r.gate.defined()) {
-        rc.gate = r.gate.narrow(0, c.t0(), c.nb * c.sc);
-        rc.up = r.up.narrow(0, c.t0(), c.nb * c.sc);
-      }
-      if (r.topk_idx.defined()) {
-        rc.topk_idx = r.topk_idx.narrow(0, c.t0(), c.nb * c.sc);
-        rc.topk_w = r.topk_w.narrow(0, c.t0(), c.nb * c.sc);
-      }
-      if (r.drouter_logits.defined())
-        rc.drouter_logits = r.drouter_logits.narrow(0, c.t0(), c.nb * c.sc);
-      dh = mlp_backward(dyc, h, L, rc, needs, g, c.t0());
+      dh = mlp_backward(dyc, h, L, mlp_rows(r, c.t0(), c.nb * c.sc), needs, g, c.t0());
     }
     // The o projection's and the attention's backward.
     at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
@@ -1442,9 +1442,9 @@ at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
         if (!r.h.defined()) r.h = at::empty(x.sizes(), h.options());
         c.of(r.h).copy_(h);
       }
-      Residuals rc;
+      Residuals rc = mlp_rows(r, c.t0(), c.sc);  // local routing rows, global dropout rows
       h = mlp_forward(h, L, fast, rc, c.row());
-      if (fast) {
+      if (rc.gate.defined() && fast) {  // fast's gate/up (an MoE MLP keeps none)
         if (!r.gate.defined()) {
           r.gate = at::empty({x.size(0) * x.size(1), rc.gate.size(1)}, rc.gate.options());
           r.up = at::empty_like(r.gate);
@@ -1484,12 +1484,7 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     if (layer) {
       const at::Tensor h = r.h.defined() ? c.of(r.h)
                                          : xc + L.residual_scaled(norm_fwd(L, kAttnOutNorm, o));
-      Residuals rc;
-      if (r.gate.defined()) {
-        rc.gate = r.gate.narrow(0, c.t0(), c.sc);
-        rc.up = r.up.narrow(0, c.t0(), c.sc);
-      }
-      dh = mlp_backward(dyc, h, L, rc, needs, g, c.row());
+      dh = mlp_backward(dyc, h, L, mlp_rows(r, c.t0(), c.sc), needs, g, c.row());
     }
     at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
     if (o.defined() && L.has_norm(kAttnOutNorm))

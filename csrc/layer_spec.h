@@ -118,7 +118,9 @@ using OptTensor = std::optional<at::Tensor>;
 //                       (cos/sin at those positions, key_padding_mask / segment_ids (B, S) of
 //                       its tokens) and the attention runs Ulysses-style, q/k/v exchanged by
 //                       all-to-all (csrc/ulysses.h); every rank passes the same shapes and
-//                       options. LoRA dropout hashes the global row b*N*S + rank*S + s
+//                       options. LoRA dropout hashes the global row b*N*S + rank*S + s. An
+//                       MoE MLP routes and runs the experts on the rank's own tokens (its
+//                       router_logits are those tokens' rows)
 //   rope_interleaved    false: RoPE rotates the pairs (i, i + R/2) of the first R dims (LLaMA's
 //                       rotate_half); true: the pairs (2i, 2i + 1) (GLM, Helium, ERNIE 4.5),
 //                       by the angle of the tables' column i either way (cos/sin keep HF's

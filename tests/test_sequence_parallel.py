@@ -174,6 +174,31 @@ def assert_accuracy_rule(key, c, ranks):
         check_vs_baseline(f"{key} {n}", sum(g[n] for g in gs), base_g[n], want, FACTOR_GRAD)
 
 
+def make_moe_case(seed, experts=5, k=2, shared=True, **kw):
+    """make_case's layer with a mixture-of-experts MLP (router, routed experts in transformers
+    5's layout; with ``shared`` the dense MLP slots, LoRA included, are the shared expert): the
+    experts see the rank's own tokens only, so the routing and the expert gradients summed over
+    the ranks must equal the single process's."""
+    c = make_case(seed, **kw)
+    g = torch.Generator().manual_seed(1000 + seed)
+    dtype = c["x"].dtype
+    hidden = c["x"].shape[-1]
+    w = lambda *shape: (0.3 * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+    weights = dict(c["weights"])
+    if not shared:
+        for name in list(weights):
+            if name.startswith("mlp."):
+                del weights[name]
+    weights.update({"mlp.gate.weight": w(experts, hidden) / 0.3,
+                    "mlp.experts.gate_up_proj": w(experts, 2 * IM // 2, hidden),
+                    "mlp.experts.down_proj": w(experts, hidden, IM // 2)})
+    kwargs = dict(c["kw"], num_experts_per_tok=k, norm_topk_prob=not shared, router="softmax")
+    if not shared:  # no LoRA on the absent dense MLP
+        kwargs["lora_scaling"] = kwargs["lora_scaling"][:4] + [0.0] * 3
+        kwargs["lora_dropout"] = kwargs["lora_dropout"][:4] + [0.0] * 3
+    return dict(c, weights=weights, kw=kwargs)
+
+
 CASES_2 = {
     # GQA, KV heads split (Hkv 2 = N), LoRA dropout, left padding, two sequences
     **{f"{p}-gqa-padded": make_case(1, preset=p, padded=True)
@@ -195,6 +220,12 @@ CASES_2 = {
                                            packed=True, window=9),
     "compiled-balanced-chunks-padded": dict(make_case(14, chunk_rows=5, padded=True),
                                             compile=True),
+    # mixture-of-experts MLPs on each rank's tokens: a shared expert with LoRA and dropout,
+    # padding; then routed experts only, packed sequences, several chunks
+    "min_memory-moe-shared-padded": make_moe_case(22, preset="min_memory", padded=True),
+    "fast-moe-packed-chunks": make_moe_case(23, preset="fast", shared=False, k=3, packed=True,
+                                            chunk_rows=5),
+    "balanced-moe-window": make_moe_case(24, window=9),
 }
 FP32_2 = {"fp32-balanced": make_case(6, dtype=torch.float32, padded=True),
           "fp32-fast-mqa": make_case(7, dtype=torch.float32, preset="fast", hkv=1)}
@@ -252,8 +283,11 @@ def test_four_ranks_equal_one_process(tmp_path):
 HF_S = 14  # 7 tokens per rank
 
 
-def hf_model(lora_dropout=None):
+def hf_model(lora_dropout=None, moe=False):
     pytest.importorskip("transformers")
+    if moe:  # a tiny Qwen3-MoE: top 3 of 8 experts renormalised, a dense middle layer
+        from test_hf_moe import make
+        return make("qwen3_moe").double()
     from test_distributed import make_model
     model = make_model().double()
     if lora_dropout is not None:
@@ -288,6 +322,9 @@ HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
     "fast-lora-dropout-padded": ("fast", 0.2, "padded"),
     # DDP over the group: it averages the gradients, so the loss is multiplied by N
     "ddp-balanced-padded": ("balanced", None, "padded"),
+    # mixture-of-experts layers: each rank routes its own tokens
+    "moe-min_memory-padded": ("min_memory", None, "padded"),
+    "moe-fast-packed": ("fast", None, "packed"),
 }
 
 
@@ -359,7 +396,7 @@ def _hf_worker(rank, world, init_file, out_dir):
         results = {}
         for key, (policy, dropout, kind) in HF_CASES.items():
             def case(policy=policy, dropout=dropout, kind=kind, key=key):
-                model = hf_model(dropout)
+                model = hf_model(dropout, moe="moe" in key)
                 ckpt_ext.patch_llama(model, policy, sequence_parallel=group,
                                      offload="cpu" if "offload" in key else None)
                 batch = sp.shard_batch(hf_batch(kind), group)
@@ -395,6 +432,11 @@ def _hf_worker(rank, world, init_file, out_dir):
                     extra["use_cache"] = True
                 return hf_step(model, {**batch, **extra})
             results[key] = outcome(one_bad)
+        def router_logits():  # the load-balancing loss would be of one rank's tokens
+            model = ckpt_ext.patch_llama(hf_model(moe=True), sequence_parallel=group)
+            return hf_step(model, {**sp.shard_batch(hf_batch("padded"), group),
+                                   "output_router_logits": True})
+        results["moe-router-logits"] = outcome(router_logits)
         results["context-parallel"] = outcome(lambda: context_parallel_step(group))
         results["accelerate-cp"] = outcome(lambda: accelerate_cp_step(group, rank, world))
         results["torch-policy"] = outcome(
@@ -424,11 +466,12 @@ def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
     gradients summed over the group equal its gradients (1e-10), with left padding past rank
     0's share, packed documents across the ranks' boundary, offload="cpu", PEFT LoRA with
     dropout (each rank seeded differently: the group's first rank's seed per layer call on
-    every rank, masks on global rows). Bad input refuses on every rank."""
+    every rank, masks on global rows), a Qwen3-MoE (each rank routing its own tokens). Bad
+    input refuses on every rank."""
     import ckpt_ext
     ranks = hf_ranks
     for key, (policy, dropout, kind) in HF_CASES.items():
-        model = hf_model(dropout)
+        model = hf_model(dropout, moe="moe" in key)
         ckpt_ext.patch_llama(model, policy)
         want_loss, want = hf_step(model, hf_batch(kind))
         for r, res in enumerate(ranks):
@@ -454,7 +497,8 @@ def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
               "not-a-group": "sequence_parallel must be a torch.distributed ProcessGroup",
               "no-position-ids-rank1": "the model needs position_ids",
               "mask-shape-rank1": "every rank passes attention_mask of the same shape",
-              "cache-rank1": "decoder layer 0 cannot run the fused op"}
+              "cache-rank1": "decoder layer 0 cannot run the fused op",
+              "moe-router-logits": "output_router_logits=True with sequence_parallel= is not"}
     for key, needle in expect.items():
         for r, res in enumerate(ranks):
             assert res[key][0] == "raised", f"{key}: rank {r} ran without error"

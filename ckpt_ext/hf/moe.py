@@ -24,6 +24,9 @@ differentiable) and adds them to transformers' collection in the layer's place
 on them and its gradient through the router are HF's. The fused LM head adds that loss as HF's
 forward does (ckpt_ext.hf.lm_head).
 
+Under ``sequence_parallel=`` a layer routes the rank's own tokens (the op's MoE MLP is
+per token); ``output_router_logits`` there is refused (``SP_REFUSAL``).
+
 Refused by name (``REFUSED`` for model types; NotImplementedError for settings): Mixtral's
 ``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, PEFT LoRA on the expert parameters
 (``target_parameters``), quantized or otherwise wrapped experts, routers and expert layouts
@@ -74,6 +77,12 @@ AUTO_REFUSAL = ("policy='auto' is not implemented for mixture-of-experts layers 
                 "choice reads a dense layer's shape; `python -m ckpt_ext.plan` models MoE "
                 "configs): give a preset, a list or a callable policy ('min_memory' keeps the "
                 "least)")
+
+SP_REFUSAL = ("output_router_logits=True with sequence_parallel= is not implemented: each rank "
+              "routes its own tokens, and the load-balancing loss of the whole sequence is not "
+              "made from the ranks' router logits (HF's loss of one rank's logits is not the "
+              "single process's); train with output_router_logits=False (the MoE layers "
+              "themselves run under sequence_parallel)")
 
 
 # ---- the dense view -----------------------------------------------------------------------

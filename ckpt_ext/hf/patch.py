@@ -710,10 +710,11 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        if sp:  # one seed for the group: masks hash global rows
-            seed = _sp.same_seed(seed, sp)
         # an MoE layer returns its router logits while transformers collects them
         router_logits = bool(spec.num_experts_per_tok) and moe.recording_router_logits()
+        if sp:  # one seed for the group: masks hash global rows
+            seed = _sp.same_seed(seed, sp, NotImplementedError(f"patch_llama: {moe.SP_REFUSAL}")
+                                 if router_logits else None)
         options = spec.options(
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,

@@ -196,10 +196,12 @@ def masks(name: str, attention_mask, position_ids) -> BatchMasks:
                       segment_ids=None if seg is None else seg[:, share].contiguous())
 
 
-def same_seed(seed: Optional[Tensor], name: str) -> Optional[Tensor]:
+def same_seed(seed: Optional[Tensor], name: str,
+              error: Optional[BaseException] = None) -> Optional[Tensor]:
     """A decoder layer's refusal point (``agree``; every layer call of every rank comes here,
-    or to ``refuse``): the LoRA dropout seed of the group's first rank, on every rank."""
-    first = agree(name, None, {"LoRA dropout (a seed drawn or not)": (seed is not None,)},
+    or to ``refuse``), ``error`` this rank's refusal of the call (None: none): the LoRA
+    dropout seed of the group's first rank, on every rank."""
+    first = agree(name, error, {"LoRA dropout (a seed drawn or not)": (seed is not None,)},
                   value=0 if seed is None else int(seed))
     return None if seed is None else torch.tensor(first, dtype=seed.dtype)
 
