@@ -349,13 +349,35 @@ def test_other_moe_families_are_refused_by_name(model_type):
         ckpt_ext.patch_llama(Model())
 
 
-def test_auto_policy_refuses_moe():
-    """policy='auto' does not choose presets for routed experts: it refuses an MoE model by
-    name rather than choose for it as for a dense one."""
-    model = make("olmoe")
-    with pytest.raises(NotImplementedError, match="policy='auto' is not implemented for "
-                       "mixture-of-experts"):
-        ckpt_ext.patch_llama(model, "auto", activation_budget="1GiB")
+@pytest.mark.parametrize("offload", [None, "cpu"], ids=["device", "offload"])
+def test_auto_policy_chooses_for_moe(offload):
+    """policy='auto' on a model of MoE and dense layers (Qwen2-MoE: its middle layer sparse,
+    with a shared expert): the layers' shapes it reads off the modules are the plan's reading
+    of the config (experts, top-k, expert and shared sizes), its choice for a budget between
+    the smallest and the largest is the plan's (the routing counted in every preset's saved
+    bytes), and the loss and every gradient are HF's."""
+    from ckpt_ext import plan
+    from ckpt_ext.hf.families import layer_dims_from_config
+    ref = make("qwen2_moe")
+    dims = layer_dims_from_config(ref.config)
+    assert [d.experts for d in dims] == [0, 8, 0]
+    ids, mask, labels = batch(True)
+    B_, S_ = ids.shape
+    saved = {p: B_ * S_ * sum(plan.per_token_bytes(p, dtype=torch.float32, **d.kwargs())
+                              for d in dims) for p in ("balanced", "min_memory")}
+    budget = (saved["balanced"] + saved["min_memory"]) // 2
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "auto", activation_budget=budget,
+                                 offload=offload)
+    shared = model.model.layers[0].forward.shared
+    assert shared.layer_dims() == dims
+    got = loss_and_grads(model, ids, mask, labels)
+    chosen = shared.auto[B_, S_, torch.float32, True]
+    if offload is None:
+        assert chosen == plan.choose_presets(dims, B_, S_, torch.float32, budget)
+        assert len(set(chosen)) > 1, chosen  # the budget forces a mix
+    assert set(chosen) <= {"fast", "balanced", "min_memory"}
+    assert fused_calls(model) == [1, 1, 1]
+    assert_same(loss_and_grads(ref, ids, mask, labels), got)
 
 
 @pytest.mark.parametrize("family", sorted(MOE))

@@ -301,20 +301,35 @@ def layer_dims(layer: nn.Module, num_heads: int, family: Optional[Family] = None
     ``mlp.gate_proj``) with ``num_heads`` query heads, read off the projection shapes
     (Phi-3's fused qkv_proj, Phi-3's and GLM's fused gate_up_proj: their row blocks);
     ``family`` (LLaMA's when None) says which output norms it may have, and the layer whether
-    they are there (an nn.Identity in a norm's place is none)."""
+    they are there (an nn.Identity in a norm's place is none). An MoE layer's MLP fields are
+    read off its block (``_moe_dims``)."""
     out_norms = _output_norms(layer, family or LLAMA)
     attn, mlp = layer.self_attn, layer.mlp
-    inter = (mlp.gate_up_proj.out_features // 2 if "gate_up_proj" in mlp._modules
-             else mlp.gate_proj.out_features)
+    if is_moe_layer(layer):
+        ffn = _moe_dims(layer)
+    else:
+        ffn = dict(intermediate_size=mlp.gate_up_proj.out_features // 2
+                   if "gate_up_proj" in mlp._modules else mlp.gate_proj.out_features)
     if "qkv_proj" in attn._modules:
         qkv, head_dim = attn.qkv_proj, int(attn.head_dim)
         return LayerDims(qkv.in_features, num_heads,
-                         (qkv.out_features // head_dim - num_heads) // 2, head_dim, inter,
+                         (qkv.out_features // head_dim - num_heads) // 2, head_dim, **ffn,
                          **out_norms)
     q, k = attn.q_proj, attn.k_proj
     head_dim = q.out_features // num_heads
-    return LayerDims(q.in_features, num_heads, k.out_features // head_dim, head_dim, inter,
+    return LayerDims(q.in_features, num_heads, k.out_features // head_dim, head_dim, **ffn,
                      **out_norms)
+
+
+def _moe_dims(layer: nn.Module) -> dict:
+    """LayerDims' MLP fields of an MoE layer read off its modules: experts, top_k, the
+    experts' intermediate size and the shared expert's (0 without one)."""
+    mlp = layer.mlp
+    experts, _, i = moe_shape(mlp.experts.down_proj)
+    shared = mlp._modules.get("shared_expert")
+    return dict(intermediate_size=0 if shared is None else
+                moe_shape(shared.gate_proj.weight)[0],
+                experts=int(experts), top_k=int(mlp.gate.top_k), expert_intermediate_size=int(i))
 
 
 def _output_norms(layer: nn.Module, family: Family) -> dict:
@@ -399,10 +414,14 @@ def layer_record(layer: nn.Module, config) -> LayerRecord:
     # the shape from the config and what the modules declare (a projection another library
     # wrapped may declare nothing; it is read per call, or refused then)
     mlp = layer.mlp._modules
-    gate_up = getattr(mlp.get("gate_up_proj"), "out_features", None)
-    inter = gate_up // 2 if gate_up else getattr(mlp.get("gate_proj"), "out_features", None)
-    dims = LayerDims(int(config.hidden_size), num_heads, num_kv_heads, head_dim,
-                     int(inter or config.intermediate_size), **_output_norms(layer, family))
+    if is_moe_layer(layer):
+        ffn = _moe_dims(layer)
+    else:
+        gate_up = getattr(mlp.get("gate_up_proj"), "out_features", None)
+        inter = gate_up // 2 if gate_up else getattr(mlp.get("gate_proj"), "out_features", None)
+        ffn = dict(intermediate_size=int(inter or config.intermediate_size))
+    dims = LayerDims(int(config.hidden_size), num_heads, num_kv_heads, head_dim, **ffn,
+                     **_output_norms(layer, family))
     return LayerRecord(
         dims=dims,
         norms={slot: names[slot] for slot in present}, fields=fields,

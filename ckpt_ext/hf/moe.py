@@ -73,11 +73,6 @@ def refusal(model_type: str) -> Optional[str]:
         "this one without patch_llama (HF gradient checkpointing)")
 
 
-AUTO_REFUSAL = ("policy='auto' is not implemented for mixture-of-experts layers (its per-forward "
-                "choice reads a dense layer's shape; `python -m ckpt_ext.plan` models MoE "
-                "configs): give a preset, a list or a callable policy ('min_memory' keeps the "
-                "least)")
-
 SP_REFUSAL = ("output_router_logits=True with sequence_parallel= is not implemented: each rank "
               "routes its own tokens, and the load-balancing loss of the whole sequence is not "
               "made from the ranks' router logits (HF's loss of one rank's logits is not the "

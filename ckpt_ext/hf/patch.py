@@ -801,8 +801,6 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                              f"number of GB/s, got {v!r}")
         host_link = float(v)
     presets = _resolve_policy("balanced" if policy is None else policy, len(layers))
-    if policy == "auto" and any(moe.is_moe_layer(layer) for layer in layers):
-        raise NotImplementedError(f"patch_llama: {moe.AUTO_REFUSAL}")
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if _foreign_forward(layer):
