@@ -1242,3 +1242,29 @@ def test_plan_cpu_swiglu_and_head_chunks_are_the_engines():
             finally:
                 plan._C = real
             assert got.peak != base.peak, (name, preset, base)
+
+
+def test_plan_out_lse_what_if(tmp_path):
+    """bench/plan_out_lse.py: the what-if layer is balanced less h's bytes and plus the o
+    projection's time, the plan is restored after it, and where the host holds only
+    min_memory's inputs (S 1M, 256 GiB) neither choice has another preset."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import plan_out_lse as what_if
+    finally:
+        sys.path.pop(0)
+    d, S = what_if.LLAMA31_8B, 4096
+    real = plan.layer_bytes, plan._layer_compute_seconds
+    with what_if.balanced_without_h():
+        assert plan.layer_bytes("balanced", d, 1, S, "bf16") == \
+            real[0]("balanced", d, 1, S, "bf16") - S * d.hidden_size * 2
+        assert plan.layer_bytes("min_memory", d, 1, S, "bf16") == real[0]("min_memory", d, 1, S,
+                                                                          "bf16")
+        extra = plan._layer_compute_seconds("balanced", d, 1, S, False, 1.0, 1.0, 2.0) - \
+            real[1]("balanced", d, 1, S, False, 1.0, 1.0, 2.0)
+        assert extra == pytest.approx(2 * S * 32 * 128 * 4096 / 2e12)
+    assert (plan.layer_bytes, plan._layer_compute_seconds) == real
+    out = tmp_path / "out.txt"
+    assert what_if.main(["--out", str(out)]) == 0
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| 1,048,576 "))
+    assert row.count("32 min_memory") == 2, row
