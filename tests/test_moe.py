@@ -77,15 +77,18 @@ def run(x, weights, pe, dy, kw, preset, part, fn=blocks.decoder_layer, frozen=()
     return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
 
 
-def run_reference(x, weights, pe, dy, kw, part, dtype=None, force_idx=None, frozen=()):
-    """The same through reference_layer, at `dtype` (default x's)."""
+def run_reference(x, weights, pe, dy, kw, part, dtype=None, force_idx=None, frozen=(),
+                  factored=False):
+    """The same through reference_layer, at `dtype` (default x's); factored: expert LoRA
+    computed beside the weights, not folded into them (moe_reference)."""
     dtype = dtype or x.dtype
     x = x.to(dtype).clone().requires_grad_()
     w = {n: t.to(dtype).clone().requires_grad_(n not in frozen) for n, t in weights.items()}
     cos, sin = (t.to(dtype) for t in pe)
     moe = dict(k=kw["num_experts_per_tok"], router=kw["router"],
                norm_topk_prob=kw["norm_topk_prob"], force_idx=force_idx,
-               expert_lora_scaling=kw.get("expert_lora_scaling") or (0.0, 0.0))
+               expert_lora_scaling=kw.get("expert_lora_scaling") or (0.0, 0.0),
+               expert_lora_factored=factored)
     y = reference_layer(w, x, cos, sin, None, NH, NKV, part=part, moe=moe)
     y.backward(dy.to(dtype))
     mlp_only = part == "mlp"
@@ -626,3 +629,28 @@ def test_expert_lora_bad_input_is_refused(change, match):
         kw = dict(kw, num_experts_per_tok=0)
     with pytest.raises(ValueError, match=match):
         blocks.decoder_layer(x, blocks.LayerOptions(weights=weights, **rope_args(pe), **kw))
+
+
+def test_expert_lora_under_autocast_meets_the_accuracy_rule():
+    """float32 weights and float32 factors under bfloat16 autocast (the factors cast to the
+    compute dtype): within the accuracy rule of plain PyTorch under the same autocast, the
+    larger error of its two exact formulas counting: the factors folded into the weights
+    (PEFT's forward) or their terms beside the weights' (the op's, which never forms W + s BA;
+    in bfloat16 the two round differently)."""
+    case = moe_case(torch.float32, "mixtral", hidden=16, inter=8, experts=4, k=2, seed=12,
+                    expert_lora=(4, BOTH))
+    x, weights, pe, dy, kw = case
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx = reference_routing(x, weights, pe, kw, "mlp")
+        got = run(*case, "balanced", "mlp", frozen=EXPERT_BASE)
+        folded = run_reference(*case, "mlp", force_idx=idx, frozen=EXPERT_BASE)
+        factored = run_reference(*case, "mlp", force_idx=idx, frozen=EXPERT_BASE,
+                                 factored=True)
+    ref = run_reference(*case, "mlp", dtype=F64, force_idx=idx, frozen=EXPERT_BASE)
+    bf = {"dtype": torch.bfloat16}
+    check_vs_baseline("y", got[0], (folded[0], factored[0]), ref[0], FACTOR_OUT, **bf)
+    check_vs_baseline("dx", got[1], (folded[1], factored[1]), ref[1], FACTOR_GRAD, **bf)
+    assert got[2].keys() == ref[2].keys()
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], (folded[2][n], factored[2][n]), ref[2][n], FACTOR_GRAD,
+                          **bf)
