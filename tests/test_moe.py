@@ -234,10 +234,13 @@ def test_saves_the_routing_and_no_routed_intermediate(preset):
         assert shapes.count(tuple(x.shape)) == 2  # x and h
 
 
-def test_compiles_without_graph_breaks(monkeypatch):
-    """torch.compile (fullgraph) of a chunked MoE layer: no graph break, the eager results."""
+@pytest.mark.parametrize("expert_lora", [None, (4, ("gate_up_proj", "down_proj"))],
+                         ids=["plain", "expert_lora"])
+def test_compiles_without_graph_breaks(monkeypatch, expert_lora):
+    """torch.compile (fullgraph) of a chunked MoE layer (with LoRA factors on its experts, too):
+    no graph break, the eager results."""
     torch._dynamo.reset()
-    case = moe_case(torch.float32, "qwen2_moe", seed=3)
+    case = moe_case(torch.float32, "qwen2_moe", seed=3, expert_lora=expert_lora)
     config.update(chunk_bytes=chunk_cap(4, torch.float32, case[1], 2, "layer"))
     eager = run(*case, "min_memory", "layer")
     counts = torch._dynamo.utils.counters
