@@ -316,6 +316,24 @@ def test_quantized_experts_are_refused():
         ckpt_ext.patch_llama(model)
 
 
+def test_other_wrappers_on_the_experts_are_refused():
+    """A module around mlp.experts that is not PEFT's ParamWrapper (another adapter library, a
+    quantization wrapper): patching refuses, naming it."""
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.base_layer = inner
+
+        def forward(self, *args, **kwargs):
+            return self.base_layer(*args, **kwargs)
+
+    model = make("mixtral")
+    mlp = model.model.layers[1].mlp
+    mlp.experts = Wrapper(mlp.experts)
+    with pytest.raises(ValueError, match="mlp.experts is a Wrapper"):
+        ckpt_ext.patch_llama(model)
+
+
 def test_top_k_beyond_the_experts_is_refused():
     model = make("mixtral")
     model.model.layers[2].mlp.gate.top_k = 5  # 4 experts
