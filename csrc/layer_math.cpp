@@ -562,8 +562,6 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const Layer& L, const at::Tensor& l
                     moe::parse_router(L.router, "decoder_layer"), L.norm_topk_prob);
 }
 
-// The MoE output of rows m from their routing; shared: the shared expert's output (undefined
-// without one).
 // The experts' LoRA factors in the experts' compute dtype (PEFT casts them to the expert
 // weight's dtype before it folds them in), and their scalings.
 moe::ExpertLora experts_lora(const Layer& L, at::ScalarType dt) {
@@ -579,6 +577,8 @@ moe::ExpertLora experts_lora(const Layer& L, at::ScalarType dt) {
   return l;
 }
 
+// The MoE output of rows m from their routing; shared: the shared expert's output (undefined
+// without one).
 at::Tensor moe_output(const Layer& L, const at::Tensor& m, const at::Tensor& shared,
                       const at::Tensor& idx, const at::Tensor& w) {
   const at::Tensor gate_up = L.cast(L.moe_w(kExpertsGateUp));
@@ -608,7 +608,8 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
   };
   moe::ExpertNeeds en;
   en.gate_up = needs[slot(kExpertsGateUp)], en.down = needs[slot(kExpertsDown)];
-  en.gate_up_a = needs[slot(kExpertsGateUpLoraA)], en.gate_up_b = needs[slot(kExpertsGateUpLoraB)];
+  en.gate_up_a = needs[slot(kExpertsGateUpLoraA)];
+  en.gate_up_b = needs[slot(kExpertsGateUpLoraB)];
   en.down_a = needs[slot(kExpertsDownLoraA)], en.down_b = needs[slot(kExpertsDownLoraB)];
   const at::Tensor gate_up = L.cast(L.moe_w(kExpertsGateUp));
   moe::ExpertGrads eg = moe::experts_backward(
