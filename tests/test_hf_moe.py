@@ -527,3 +527,21 @@ def test_expert_adapters_the_op_does_not_compute_delegate_by_name():
     with pytest.warns(UserWarning, match="PEFT refuses dropout on expert parameters"):
         loss_and_grads(model, *batch(False))
     assert len(delegated(model)) == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_the_plan_counts_the_expert_factors_peft_makes(family):
+    """The plan's expert LoRA state (--expert-lora-rank r) is 16 bytes (fp32 weight, gradient
+    and AdamW's two moments) for each factor element PEFT's target_parameters create: the
+    tensors the fused op is given."""
+    peft = pytest.importorskip("peft")
+    from ckpt_ext import plan
+    from ckpt_ext.hf.families import layer_dims_from_config
+    model = make(family)
+    dims = layer_dims_from_config(model.config)
+    cfg = peft.LoraConfig(r=3, target_parameters=EXPERTS)
+    factors = sum(p.numel() for n, p in peft.get_peft_model(model, cfg).named_parameters()
+                  if ".mlp.experts." in n and ".lora_" in n)
+    extra = [plan.model_state_bytes(dims, BASE["vocab_size"], torch.float32, "lora",
+                                    lora_rank=0, expert_lora_rank=r) for r in (0, 3)]
+    assert factors > 0 and extra[1] - extra[0] == 16 * factors
