@@ -413,6 +413,7 @@ def expert_lora_pair(family, target_parameters=EXPERTS, r=4, dropout=0.2, overri
     expert parameters, so the attention's dropout is set on its modules after get_peft_model."""
     peft = pytest.importorskip("peft")
     from test_lora_dropout import replay_fused_dropout
+
     from ckpt_ext import blocks
     cfg = peft.LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
                           target_modules=ATTENTION, target_parameters=target_parameters,
