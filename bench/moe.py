@@ -20,9 +20,14 @@ gradient's difference from ``hf_gc``. Goal (issue 43): ``min_memory``'s peak at 
 ``Qwen3MoeDecoderLayer`` (its default experts implementation) against the fused op per
 preset, on the same weights: time and peak (Liger's fused MoE: 28.2 ms, 8.26 GB on an H100).
 
+``--expert-lora-rank r``: every row with PEFT LoRA (rank r, alpha 2r) on the attention and on
+both expert weights (``target_parameters``), the base frozen: HF's row folds the experts'
+adapters into their weights inside PEFT's forward, the fused rows give the op the factors.
+Written to ``moe_expert_lora_<device>.csv``.
+
 Writes ``bench/results/moe_<device>.csv`` (or ``moe_layer_<device>.csv``).
 
-    python bench/moe.py [--seq 4096] [--reps 3]
+    python bench/moe.py [--seq 4096] [--reps 3] [--expert-lora-rank 16]
     python bench/moe.py --layer [--tokens 32768]
 """
 from __future__ import annotations
@@ -60,8 +65,21 @@ def tiny_qwen3_moe(args):
     return model.train()
 
 
+def with_expert_lora(model, rank):
+    """The model under PEFT LoRA of rank ``rank`` on the attention and the expert weights."""
+    import peft
+    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          target_parameters=["mlp.experts.gate_up_proj",
+                                             "mlp.experts.down_proj"])
+    torch.manual_seed(2)
+    return peft.get_peft_model(model, cfg).train()
+
+
 def model_rows(args) -> list:
     base = tiny_qwen3_moe(args)
+    if args.expert_lora_rank:
+        base = with_expert_lora(base, args.expert_lora_rank)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, args.vocab, (1, args.seq), generator=g)
 
@@ -169,6 +187,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layer", action="store_true", help="one Qwen3-30B-A3B layer on CUDA")
     ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--expert-lora-rank", type=int, default=0,
+                    help="PEFT LoRA of this rank on the attention and the experts (0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.layer:
@@ -180,17 +200,20 @@ def main() -> int:
         out = args.out or os.path.join("bench", "results", f"moe_layer_{device_tag()}.csv")
         write_csv(out, provenance("cuda"), fields, rows)
         return 0
+    lora = f", LoRA r {args.expert_lora_rank} on attention and experts" \
+        if args.expert_lora_rank else ""
     print(f"{device_name()}: Qwen3-MoE-shaped model, E {args.experts}, top-k {args.top_k}, "
-          f"H {args.hidden}, expert I {args.expert_i}, {args.layers} layers, S {args.seq}")
+          f"H {args.hidden}, expert I {args.expert_i}, {args.layers} layers, S {args.seq}{lora}")
     rows = model_rows(args)
     by = {r["row"]: r for r in rows}
     ratio = by["min_memory"]["peak_mib"] / by["hf_gc"]["peak_mib"]
     goal = f"min_memory peak / hf_gc peak = {ratio:.3f} (goal <= 0.5)"
     print(("[ok] " if ratio <= 0.5 else "[MISSED] ") + goal)
     fields = ["row", "seq", "peak_mib", "step_s", "loss", "loss_diff", "max_grad_diff"]
-    out = args.out or os.path.join("bench", "results", f"moe_{device_tag()}.csv")
+    name = "moe_expert_lora" if args.expert_lora_rank else "moe"
+    out = args.out or os.path.join("bench", "results", f"{name}_{device_tag()}.csv")
     write_csv(out, provenance(note="CPU: peaks are the allocator's, times not a performance "
-                              "figure") + [goal], fields, rows)
+                              "figure") + [goal + lora], fields, rows)
     return 0
 
 

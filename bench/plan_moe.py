@@ -4,8 +4,8 @@ top-k 8, V 151936), LoRA on the attention over a bf16 base, ``output_router_logi
 B 1, one 80 GiB GPU, offload with 256 GiB of host memory: per fused preset, the longest
 sequence with the plan's headroom (the CUDA context, 1 GiB, and 5% for the allocator's
 fragmentation) and with the CUDA context alone, without and with LoRA r 16 on the routed
-experts (PEFT's ``target_parameters``; state bytes only: the fused op refuses expert LoRA
-today). A model of the engine (``ckpt_ext.plan``), not a measurement: it needs no GPU.
+experts (PEFT's ``target_parameters``: the factors the fused op is given, their state bytes).
+A model of the engine (``ckpt_ext.plan``), not a measurement: it needs no GPU.
 
     python bench/plan_moe.py --out bench/results/plan_moe.txt
 

@@ -85,7 +85,8 @@ void check_weight(const char* op, const Layer& L, int64_t s, const at::Tensor& x
   checks::check_shape(op, name.c_str(), t, shape, why);
   checks::check_device_as(op, name.c_str(), t, "x", x);
   const bool adapter =
-      s >= kNumNorms && !is_moe_slot(s) && (s - kNumNorms) % kNumProjParts >= kLoraA;
+      (s >= kNumNorms && !is_moe_slot(s) && (s - kNumNorms) % kNumProjParts >= kLoraA) ||
+      s >= slot(kExpertsGateUpLoraA);
   if (L.compute_dtype || adapter) {
     checks::check_floating(op, name.c_str(), t);
   } else {
@@ -270,6 +271,41 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
   parse_activation(L.activation, op);
 }
 
+// The experts' LoRA factors (PEFT's layouts, csrc/moe_math.h) of e experts of width i, and
+// expert_lora_scaling: [] without factors, else two finite scalings.
+void check_experts_lora(const char* op, const at::Tensor& x, const Layer& L, int64_t e,
+                        int64_t i) {
+  const int64_t h = x.size(2);
+  const bool any = L.experts_lora();
+  CKPT_CHECK_VALUE(L.expert_lora_scaling.empty() || L.expert_lora_scaling.size() == 2, op,
+                   "expert_lora_scaling must be [] or two scalings (mlp.experts.gate_up_proj's "
+                   "and mlp.experts.down_proj's), got ", L.expert_lora_scaling.size(),
+                   " entries");
+  CKPT_CHECK_VALUE(!any || L.expert_lora_scaling.size() == 2, op,
+                   "expert_lora_scaling must have two entries (mlp.experts.gate_up_proj's and "
+                   "mlp.experts.down_proj's scaling) when the experts' LoRA factors are given");
+  for (double sc : L.expert_lora_scaling)
+    CKPT_CHECK_VALUE(std::isfinite(sc), op, "expert_lora_scaling must be finite, got ", sc);
+  const struct {
+    MoeSlot a, b;
+    int64_t out, in;
+  } pairs[] = {{kExpertsGateUpLoraA, kExpertsGateUpLoraB, 2 * i, h},
+               {kExpertsDownLoraA, kExpertsDownLoraB, h, i}};
+  for (const auto& p : pairs) {
+    const at::Tensor &a = L.moe_w(p.a), &b = L.moe_w(p.b);
+    CKPT_CHECK_VALUE(a.defined() == b.defined(), op, kMoeNames[p.a], " and ", kMoeNames[p.b],
+                     " come together");
+    if (!a.defined()) continue;
+    CKPT_CHECK_VALUE(a.dim() == 2 && a.size(0) > 0 && a.size(0) % e == 0, op, kMoeNames[p.a],
+                     " must be (rank * num_experts, in) with num_experts=", e,
+                     " (PEFT's expert-major rows), got ", checks::shape_str(a.sizes()));
+    const int64_t re = a.size(0);
+    check_weight(op, L, slot(p.a), x, {re, p.in}, "(rank * num_experts, in_features)");
+    check_weight(op, L, slot(p.b), x, {p.out, re},
+                 "(out_features, rank * num_experts): PEFT's lora_B, the expert index fastest");
+  }
+}
+
 void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
   CKPT_CHECK_VALUE(L.num_experts_per_tok >= 0, op,
                    "num_experts_per_tok must be >= 0 (0: a dense MLP), got ",
@@ -283,6 +319,8 @@ void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
       CKPT_CHECK_VALUE(!L.moe_w(static_cast<MoeSlot>(m)).defined(), op, kMoeNames[m],
                        " is given but num_experts_per_tok is 0 (a dense MLP); set "
                        "num_experts_per_tok to the experts each token is routed to");
+    CKPT_CHECK_VALUE(L.expert_lora_scaling.empty(), op,
+                     "expert_lora_scaling is given but num_experts_per_tok is 0 (no experts)");
     return;
   }
   if (!has_mlp(L.part_id)) return;
@@ -308,6 +346,7 @@ void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
                "transposed or interleaved layout, like gpt-oss's, is not supported)");
   check_weight(op, L, slot(kExpertsDown), x, {e, h, i},
                "(num_experts, H, I): transformers 5's layout");
+  check_experts_lora(op, x, L, e, i);
   if (L.moe_w(kSharedGate).defined()) {
     CKPT_CHECK_VALUE(L.has_dense_mlp(), op,
                      "mlp.shared_expert_gate.weight needs a shared expert (the mlp.gate_proj / "
@@ -519,13 +558,29 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const Layer& L, const at::Tensor& l
                     moe::parse_router(L.router, "decoder_layer"), L.norm_topk_prob);
 }
 
+// The experts' LoRA factors in the experts' compute dtype (PEFT casts them to the expert
+// weight's dtype before it folds them in), and their scalings.
+moe::ExpertLora experts_lora(const Layer& L, at::ScalarType dt) {
+  moe::ExpertLora l;
+  if (!L.experts_lora()) return l;
+  auto get = [&](MoeSlot m) {
+    const at::Tensor& t = L.moe_w(m);
+    return t.defined() ? t.to(dt) : t;
+  };
+  l.gate_up_a = get(kExpertsGateUpLoraA), l.gate_up_b = get(kExpertsGateUpLoraB);
+  l.down_a = get(kExpertsDownLoraA), l.down_b = get(kExpertsDownLoraB);
+  l.gate_up_scale = L.expert_lora_scaling[0], l.down_scale = L.expert_lora_scaling[1];
+  return l;
+}
+
 // The MoE output of rows m from their routing; shared: the shared expert's output (undefined
 // without one).
 at::Tensor moe_output(const Layer& L, const at::Tensor& m, const at::Tensor& shared,
                       const at::Tensor& idx, const at::Tensor& w) {
-  at::Tensor y = moe::experts_forward(m, idx, w, L.cast(L.moe_w(kExpertsGateUp)),
-                                      L.cast(L.moe_w(kExpertsDown)),
-                                      parse_activation(L.activation, "decoder_layer"));
+  const at::Tensor gate_up = L.cast(L.moe_w(kExpertsGateUp));
+  at::Tensor y = moe::experts_forward(m, idx, w, gate_up, L.cast(L.moe_w(kExpertsDown)),
+                                      parse_activation(L.activation, "decoder_layer"),
+                                      experts_lora(L, gate_up.scalar_type()));
   if (!shared.defined()) return y;
   if (!L.moe_w(kSharedGate).defined()) return y.add_(shared);
   return y.add_(at::linear(m, L.cast(L.moe_w(kSharedGate))).sigmoid_() * shared);
@@ -547,12 +602,24 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
     at::Tensor& sum = g.dw[slot(m)];
     return sum.defined() ? &sum : nullptr;
   };
+  moe::ExpertNeeds en;
+  en.gate_up = needs[slot(kExpertsGateUp)], en.down = needs[slot(kExpertsDown)];
+  en.gate_up_a = needs[slot(kExpertsGateUpLoraA)];
+  en.gate_up_b = needs[slot(kExpertsGateUpLoraB)];
+  en.down_a = needs[slot(kExpertsDownLoraA)], en.down_b = needs[slot(kExpertsDownLoraB)];
+  const at::Tensor gate_up = L.cast(L.moe_w(kExpertsGateUp));
   moe::ExpertGrads eg = moe::experts_backward(
-      dy, m, idx, w, L.cast(L.moe_w(kExpertsGateUp)), L.cast(L.moe_w(kExpertsDown)),
-      parse_activation(L.activation, "decoder_layer"), needs[slot(kExpertsGateUp)],
-      needs[slot(kExpertsDown)], sum_of(kExpertsGateUp), sum_of(kExpertsDown));
+      dy, m, idx, w, gate_up, L.cast(L.moe_w(kExpertsDown)),
+      parse_activation(L.activation, "decoder_layer"), en, sum_of(kExpertsGateUp),
+      sum_of(kExpertsDown), experts_lora(L, gate_up.scalar_type()));
   if (eg.dgate_up.defined()) g.add(slot(kExpertsGateUp), eg.dgate_up);
   if (eg.ddown.defined()) g.add(slot(kExpertsDown), eg.ddown);
+  // the factors' gradients, summed over the token chunks as a dense adapter's (Grads::add)
+  const std::pair<MoeSlot, const at::Tensor*> factor_grads[] = {
+      {kExpertsGateUpLoraA, &eg.dgate_up_a}, {kExpertsGateUpLoraB, &eg.dgate_up_b},
+      {kExpertsDownLoraA, &eg.ddown_a}, {kExpertsDownLoraB, &eg.ddown_b}};
+  for (const auto& [m_slot, d] : factor_grads)
+    if (d->defined()) g.add(slot(m_slot), *d);
   const at::Tensor logits = at::linear(m, wr);
   at::Tensor dlogits =
       moe::route_backward(logits, idx, eg.dw, moe::parse_router(L.router, "decoder_layer"),

@@ -106,6 +106,10 @@ using OptTensor = std::optional<at::Tensor>;
 //                       stream per projection: projections of one fused module (Phi-3's
 //                       qkv_proj, gate_up_proj) share one input, one adapter and so one mask,
 //                       and are given one stream
+//   expert_lora_scaling [] without adapters on the MoE experts, else two factors: the LoRA
+//                       scaling of mlp.experts.gate_up_proj and of mlp.experts.down_proj (the
+//                       factors' slots below; 0 for a weight without them). No dropout: PEFT
+//                       refuses it on expert parameters
 //   num_heads,
 //   num_kv_heads, eps   the attention's heads (num_kv_heads None: num_heads); the norms'
 //                       epsilon
@@ -168,6 +172,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "float[]", c10::ArrayRef<double>, lora_dropout, "=[]", __VA_ARGS__)             \
   X(TENSOR, "Tensor?", const OptTensor&, dropout_seed, "=None", __VA_ARGS__)                \
   X(OPTION, "int[]", c10::ArrayRef<int64_t>, lora_streams, "=[]", __VA_ARGS__)              \
+  X(OPTION, "float[]", c10::ArrayRef<double>, expert_lora_scaling, "=[]", __VA_ARGS__)      \
   X(OPTION, "int", int64_t, num_heads, "=1", __VA_ARGS__)                                   \
   X(OPTION, "int?", std::optional<int64_t>, num_kv_heads, "=None", __VA_ARGS__)             \
   X(OPTION, "float", double, eps, "=1e-06", __VA_ARGS__)                                    \
@@ -321,7 +326,13 @@ enum ProjPart : int64_t { kWeight = 0, kBias, kLoraA, kLoraB, kNumProjParts };
 // optional sigmoid gate (1, H) of the shared expert (Qwen2-MoE). The shared expert itself is
 // the dense MLP's slots mlp.gate_proj / up_proj / down_proj (with their biases and adapters):
 // with them given, the MoE's output is routed + shared (times the gate's sigmoid when given).
-enum MoeSlot : int64_t { kRouter = 0, kExpertsGateUp, kExpertsDown, kSharedGate, kNumMoeSlots };
+// Then PEFT's LoRA factors of the two expert weights (LoraConfig(target_parameters=...)), in
+// PEFT's layouts: gate_up_proj's lora_A (r E, H) and lora_B (2I, r E), down_proj's lora_A
+// (r E, I) and lora_B (H, r E), expert e's A_e = A.view(E, r, in)[e] and B_e =
+// B.view(out, r, E)[:, :, e] (csrc/moe_math.h), with the scalings expert_lora_scaling.
+enum MoeSlot : int64_t { kRouter = 0, kExpertsGateUp, kExpertsDown, kSharedGate,
+                         kExpertsGateUpLoraA, kExpertsGateUpLoraB, kExpertsDownLoraA,
+                         kExpertsDownLoraB, kNumMoeSlots };
 constexpr int64_t kFirstMoeSlot = int64_t{kNumNorms} + int64_t{kNumProjs} * int64_t{kNumProjParts};
 constexpr int64_t kNumSlots = kFirstMoeSlot + int64_t{kNumMoeSlots};
 
@@ -343,7 +354,9 @@ inline const std::array<const char*, kNumProjParts> kProjPartNames = {"weight", 
 
 inline const std::array<const char*, kNumMoeSlots> kMoeNames = {
     "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-    "mlp.shared_expert_gate.weight"};
+    "mlp.shared_expert_gate.weight", "mlp.experts.gate_up_proj.lora_A",
+    "mlp.experts.gate_up_proj.lora_B", "mlp.experts.down_proj.lora_A",
+    "mlp.experts.down_proj.lora_B"};
 
 inline std::string slot_name(int64_t s) {
   if (s < kNumNorms) return kNormNames[s];
@@ -434,6 +447,9 @@ struct Layer : LayerTensors, LayerOptions {
   bool moe() const { return num_experts_per_tok > 0; }
   const at::Tensor& moe_w(MoeSlot m) const { return w[slot(m)]; }
   bool has_dense_mlp() const { return proj(kGate).defined(); }
+  bool experts_lora() const {
+    return moe_w(kExpertsGateUpLoraA).defined() || moe_w(kExpertsDownLoraA).defined();
+  }
   // A sublayer's output (or its gradient) times residual_scale: t itself when that is 1, else
   // a new tensor (t may be a view of the caller's).
   at::Tensor residual_scaled(const at::Tensor& t) const {

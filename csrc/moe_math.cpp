@@ -157,18 +157,73 @@ at::Tensor route_backward(const at::Tensor& logits, const at::Tensor& idx, const
   return dp * p * (1 - p);
 }
 
+// ---- LoRA on the expert weights (ExpertLora) ---------------------------------------------------
+
+namespace {
+
+// One weight's factors as per-expert stacks: a3 (E, r, in) = A.view(E, r, in), b3 (E, out, r)
+// with b3[e] = B_e (a small contiguous copy of B, so that each expert's block is a plain
+// matrix for the GEMMs).
+struct Factors {
+  at::Tensor a3, b3;
+  double s = 0.0;
+  int64_t r = 0;
+  bool gm = false;  // whether the low-rank GEMMs go through torch._grouped_mm
+  bool defined() const { return a3.defined(); }
+};
+
+Factors factors(const at::Tensor& a, const at::Tensor& b, double s, int64_t E, bool gm) {
+  Factors f;
+  if (!a.defined()) return f;
+  f.r = a.size(0) / E;
+  f.s = s;
+  f.a3 = a.reshape({E, f.r, a.size(1)});
+  f.b3 = b.reshape({b.size(0), f.r, E}).permute({2, 0, 1}).contiguous();
+  f.gm = gm && aligned(a.scalar_type(), f.r);
+  return f;
+}
+
+// y (N, out) += s (x_e A_e^T) B_e^T for the sorted rows x (N, in); returns u = x_e A_e^T (N, r).
+at::Tensor lora_add(at::Tensor& y, const at::Tensor& x, const Factors& f, const Groups& g) {
+  at::Tensor u = grouped_mm(x, f.a3.transpose(1, 2), g, f.gm);
+  y.add_(grouped_mm(u, f.b3.transpose(1, 2), g, f.gm), f.s);
+  return u;
+}
+
+// dB in lora_B's layout (out, r E) from the per-expert dB_e (E, out, r).
+at::Tensor b_layout(const at::Tensor& db3) {
+  return db3.permute({1, 2, 0}).reshape({db3.size(1), db3.size(2) * db3.size(0)});
+}
+
+// The factors' gradients of y = x_e W_e^T + s (x_e A_e^T) B_e^T for dy (N, out): dB_e =
+// s dy_e^T u_e, dA_e = s (dy_e B_e)^T x_e, in the factors' layouts; dyb = dy_e B_e (N, r).
+void factor_grads(const Factors& f, const at::Tensor& dy, const at::Tensor& dyb,
+                  const at::Tensor& u, const at::Tensor& x, const Groups& g, bool need_a,
+                  bool need_b, at::Tensor& da, at::Tensor& db) {
+  if (need_b) db = b_layout(grouped_outer(dy, u, g, f.gm).mul_(f.s));
+  if (need_a)
+    da = grouped_outer(dyb, x, g, f.gm).mul_(f.s).reshape({g.num_experts * f.r, x.size(1)});
+}
+
+}  // namespace
+
 at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at::Tensor& w,
-                           const at::Tensor& gate_up, const at::Tensor& down, Activation act) {
+                           const at::Tensor& gate_up, const at::Tensor& down, Activation act,
+                           const ExpertLora& lora) {
   const int64_t T = m.size(0), H = m.size(1), I = down.size(2), E = down.size(0);
   const bool gm = grouped_mm_applies(m.scalar_type(), H, I);
   const Groups g = group(idx, E);
+  const Factors fgu = factors(lora.gate_up_a, lora.gate_up_b, lora.gate_up_scale, E, gm);
+  const Factors fd = factors(lora.down_a, lora.down_b, lora.down_scale, E, gm);
   // Each sorted (N, *) tensor is released as soon as the next one is made.
   at::Tensor xs = m.index_select(0, g.token);                      // (N, H)
   at::Tensor gu = grouped_mm(xs, gate_up.transpose(1, 2), g, gm);  // (N, 2I)
+  if (fgu.defined()) lora_add(gu, xs, fgu, g);
   xs.reset();
   at::Tensor a = swiglu_product(gu.narrow(1, 0, I), gu.narrow(1, I, I), m.scalar_type(), act);
   gu.reset();
   at::Tensor o = grouped_mm(a, down.transpose(1, 2), g, gm);       // (N, H)
+  if (fd.defined()) lora_add(o, a, fd, g);
   a.reset();
   // times the routing weight, rounded once (Mixtral's float32 product cast to the output)
   o.mul_(w.reshape({-1}).index_select(0, g.pos).unsqueeze(1));
@@ -179,31 +234,51 @@ at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at:
 // gate/up (H + 2I) beside either dy's copies (H, and a transposed copy _grouped_mm may make
 // for the down gradient, H) with the product, its gradient and their float product (3I), or
 // beside the gate/up gradient (2I) with da and two (N, I) temporaries (3I): 3H + 5I, or
-// H + 7I (ckpt_ext's layer chunk rule counts the larger).
+// H + 7I (ckpt_ext's layer chunk rule counts the larger). Expert LoRA adds a few (N, r)
+// low-rank rows (u and dy B per weight), r far below H and I.
 ExpertGrads experts_backward(const at::Tensor& dy, const at::Tensor& m, const at::Tensor& idx,
                              const at::Tensor& w, const at::Tensor& gate_up,
-                             const at::Tensor& down, Activation act, bool need_gate_up,
-                             bool need_down, at::Tensor* acc_gate_up, at::Tensor* acc_down) {
+                             const at::Tensor& down, Activation act, const ExpertNeeds& needs,
+                             at::Tensor* acc_gate_up, at::Tensor* acc_down,
+                             const ExpertLora& lora) {
   const int64_t T = m.size(0), H = m.size(1), I = down.size(2), E = down.size(0);
   const at::ScalarType dt = m.scalar_type(), cdt = checks::compute_dtype(dt);
   const at::ScalarType wide = w.scalar_type();
   const bool gm = grouped_mm_applies(dt, H, I);
   const Groups g = group(idx, E);
+  const Factors fgu = factors(lora.gate_up_a, lora.gate_up_b, lora.gate_up_scale, E, gm);
+  const Factors fd = factors(lora.down_a, lora.down_b, lora.down_scale, E, gm);
   const at::Tensor ws = w.reshape({-1}).index_select(0, g.pos).unsqueeze(1);  // (N, 1)
-  // the forward's sorted rows again: the copies and their gate/up
+  // the forward's sorted rows again: the copies and their gate/up (the adapter's term too)
   at::Tensor xs = m.index_select(0, g.token);                                 // (N, H)
   at::Tensor gu = grouped_mm(xs, gate_up.transpose(1, 2), g, gm);             // (N, 2I)
+  at::Tensor u_gu;  // xs_e A_e^T of the gate/up adapter (N, r)
+  if (fgu.defined()) u_gu = lora_add(gu, xs, fgu, g);
+  if (!needs.gate_up_b) u_gu.reset();
   ExpertGrads r;
   at::Tensor da;  // d of the product act(gate) * up, (N, I)
   {
     at::Tensor dos = dy.index_select(0, g.token);                             // (N, H)
     const at::Tensor a = swiglu_product(gu.narrow(1, 0, I), gu.narrow(1, I, I), dt, act);
     da = grouped_mm(dos, down, g, gm);  // dy_t down_e: before the routing weight
+    at::Tensor dob;  // dy_t B_e of the down adapter (N, r)
+    if (fd.defined()) {
+      dob = grouped_mm(dos, fd.b3, g, fd.gm);
+      da.add_(grouped_mm(dob, fd.a3, g, fd.gm), fd.s);
+    }
     // d w_j = dy_t . down_e(a) = (dy_t down_e) . a
     const at::Tensor dws = (da.to(wide) * a.to(wide)).sum(1);
     r.dw = at::zeros({T * idx.size(1)}, w.options()).index_copy_(0, g.pos, dws)
                .view(idx.sizes());
-    if (need_down) r.ddown = weight_grad(acc_down, dos.mul_(ws), a, g, gm);
+    const bool lora_d = fd.defined() && (needs.down_a || needs.down_b);
+    if (needs.down || lora_d) dos.mul_(ws);  // the weights' gradients see the routing weight
+    if (needs.down) r.ddown = weight_grad(acc_down, dos, a, g, gm);
+    if (lora_d) {
+      const at::Tensor u_d =
+          needs.down_b ? grouped_mm(a, fd.a3.transpose(1, 2), g, fd.gm) : at::Tensor();
+      factor_grads(fd, dos, needs.down_a ? dob.mul_(ws) : dob, u_d, a, g, needs.down_a,
+                   needs.down_b, r.ddown_a, r.ddown_b);
+    }
   }
   da = da.to(cdt).mul_(ws);
   const at::Tensor gate = gu.narrow(1, 0, I).to(cdt), up = gu.narrow(1, I, I).to(cdt);
@@ -212,10 +287,18 @@ ExpertGrads experts_backward(const at::Tensor& dy, const at::Tensor& m, const at
   dgu.narrow(1, 0, I).copy_(activate_backward(da.mul_(up), gate, act));        // d gate
   da.reset();
   gu.reset();
-  if (need_gate_up) r.dgate_up = weight_grad(acc_gate_up, dgu, xs, g, gm);
+  if (needs.gate_up) r.dgate_up = weight_grad(acc_gate_up, dgu, xs, g, gm);
+  at::Tensor dgb;  // dgu_e B_e of the gate/up adapter (N, r)
+  if (fgu.defined()) {
+    dgb = grouped_mm(dgu, fgu.b3, g, fgu.gm);
+    factor_grads(fgu, dgu, dgb, u_gu, xs, g, needs.gate_up_a, needs.gate_up_b, r.dgate_up_a,
+                 r.dgate_up_b);
+  }
   xs.reset();
+  u_gu.reset();
   at::Tensor dxs = grouped_mm(dgu, gate_up, g, gm);                            // (N, H)
   dgu.reset();
+  if (fgu.defined()) dxs.add_(grouped_mm(dgb, fgu.a3, g, fgu.gm), fgu.s);
   r.dm = at::zeros({T, H}, dy.options()).index_add_(0, g.token, dxs);
   return r;
 }

@@ -16,6 +16,15 @@
 //
 // The backward recomputes the gate/up GEMMs from m and the saved routing (idx, w): it never
 // routes again, so a recompute cannot pick other experts than the forward did.
+//
+// LoRA on the 3-D expert weights (PEFT's ParamWrapper, LoraConfig(target_parameters=...)): a
+// weight W (E, out, in) with the factors A (r E, in) and B (out, r E) and the scaling s computes
+// with W_e + s B_e A_e, where A_e = A.view(E, r, in)[e] (expert-major rows) and
+// B_e = B.view(out, r, E)[:, :, e] (the expert index fastest), PEFT's get_delta_factors. The
+// op never forms that sum: each sorted row block x_e gets x_e W_e^T + s (x_e A_e^T) B_e^T, the
+// low-rank term through two more grouped GEMMs over the same blocks ((N, r) in between), and
+// the backward gives dA and dB in PEFT's layouts (the factors' own, so they are the parameters'
+// gradients) and the LoRA paths' share of dx. Recompute recomputes those terms too.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -40,25 +49,45 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t k, Ro
 at::Tensor route_backward(const at::Tensor& logits, const at::Tensor& idx, const at::Tensor& dw,
                           Router router, bool norm_topk_prob);
 
+// The experts' LoRA factors (undefined: that weight has none), in the experts' dtype:
+// gate_up_a (r E, H), gate_up_b (2I, r E), down_a (r E, I), down_b (H, r E), PEFT's layouts
+// (above); the two scalings.
+struct ExpertLora {
+  at::Tensor gate_up_a, gate_up_b, down_a, down_b;
+  double gate_up_scale = 0.0, down_scale = 0.0;
+  bool gate_up() const { return gate_up_a.defined(); }
+  bool down() const { return down_a.defined(); }
+};
+
 // The routed experts' output (T, H) in m's dtype; m (T, H), gate_up and down in one dtype.
 at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at::Tensor& w,
-                           const at::Tensor& gate_up, const at::Tensor& down, Activation act);
+                           const at::Tensor& gate_up, const at::Tensor& down, Activation act,
+                           const ExpertLora& lora = {});
 
 struct ExpertGrads {
   at::Tensor dm;        // (T, H)
   at::Tensor dw;        // (T, k) float32: d of the routing weights
   at::Tensor dgate_up;  // (E, 2I, H), undefined unless asked for (or added into acc_gate_up)
   at::Tensor ddown;     // (E, H, I), undefined unless asked for (or added into acc_down)
+  // the LoRA factors' gradients in their own layouts (ExpertLora), undefined unless asked for
+  at::Tensor dgate_up_a, dgate_up_b, ddown_a, ddown_b;
+};
+
+// Which of the experts' gradients a backward computes.
+struct ExpertNeeds {
+  bool gate_up = false, down = false;                      // the base weights
+  bool gate_up_a = false, gate_up_b = false, down_a = false, down_b = false;  // the factors
 };
 
 // Backward of experts_forward for dy (T, H) in m's dtype. acc_gate_up / acc_down: where given
 // (the sums of earlier token chunks), the weight gradients are added into them expert by
-// expert and come back undefined, so that no second expert-sized tensor exists.
+// expert and come back undefined, so that no second expert-sized tensor exists. The LoRA
+// factors' gradients are small and come back whole (the caller sums them over chunks).
 ExpertGrads experts_backward(const at::Tensor& dy, const at::Tensor& m, const at::Tensor& idx,
                              const at::Tensor& w, const at::Tensor& gate_up,
-                             const at::Tensor& down, Activation act, bool need_gate_up,
-                             bool need_down, at::Tensor* acc_gate_up = nullptr,
-                             at::Tensor* acc_down = nullptr);
+                             const at::Tensor& down, Activation act, const ExpertNeeds& needs,
+                             at::Tensor* acc_gate_up = nullptr, at::Tensor* acc_down = nullptr,
+                             const ExpertLora& lora = {});
 
 // Whether experts GEMMs of this dtype and these sizes go through torch._grouped_mm (else one
 // matmul per expert); exposed for the tests' and benchmarks' report.

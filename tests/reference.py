@@ -182,8 +182,37 @@ def rope_tables(s, d, dtype, batch=1, offset=None):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def expert_weight(p, name, scaling):
+    """The expert weight p["mlp.experts.<name>"] (E, out, in) with PEFT's LoRA on it folded in,
+    expert by expert: W_e + scaling * B_e A_e, A_e the rows e r .. e r + r - 1 of lora_A (r E,
+    in) and B_e the columns e, e + E, ... of lora_B (out, r E) (PEFT's ParamWrapper layout);
+    W itself without factors in p."""
+    w = p[f"mlp.experts.{name}"]
+    a = p.get(f"mlp.experts.{name}.lora_A")
+    if a is None:
+        return w
+    b = p[f"mlp.experts.{name}.lora_B"]
+    e = w.shape[0]
+    r = a.shape[0] // e
+    return w + scaling * torch.stack([b[:, i::e] @ a[i * r:(i + 1) * r] for i in range(e)])
+
+
+def expert_factors(p, name):
+    """(A (E, r, in), B (E, out, r)) of PEFT's LoRA on p["mlp.experts.<name>"], sliced per
+    expert as in expert_weight; None without factors."""
+    a = p.get(f"mlp.experts.{name}.lora_A")
+    if a is None:
+        return None
+    b = p[f"mlp.experts.{name}.lora_B"]
+    e = p[f"mlp.experts.{name}"].shape[0]
+    r = a.shape[0] // e
+    return (torch.stack([a[i * r:(i + 1) * r] for i in range(e)]),
+            torch.stack([b[:, i::e] for i in range(e)]))
+
+
 def moe_reference(p, m, k, router="softmax", norm_topk_prob=False, activation="silu",
-                  force_idx=None, record=None):
+                  force_idx=None, record=None, expert_lora_scaling=(0.0, 0.0),
+                  expert_lora_factored=False):
     """A mixture-of-experts MLP on m (..., H), written densely: every expert on every token
     (a (T, E, H) tensor, fine at test sizes), then mixed by the (T, E) matrix of the routing
     weights (0 off the top k). p: the op's slots by name ("mlp.gate.weight" (E, H),
@@ -192,7 +221,10 @@ def moe_reference(p, m, k, router="softmax", norm_topk_prob=False, activation="s
     "mlp.shared_expert_gate.weight" (1, H) when present). router: "softmax" | "sigmoid" scores
     in float32 (float64 stays); force_idx (T, k): use this choice of experts instead of the
     top k (a float64 reference of a low-precision run routes as the run's baseline did);
-    record: a list the router's logits (T, E) are appended to (HF's router_logits)."""
+    record: a list the router's logits (T, E) are appended to (HF's router_logits);
+    expert_lora_scaling: the scalings of LoRA factors on the two expert weights given in p
+    (expert_weight); expert_lora_factored: their terms computed as s (x A_e^T) B_e^T beside
+    the base weight's, not folded into it (the same math, rounded otherwise)."""
     shape = m.shape
     m = m.reshape(-1, shape[-1])
     logits = F.linear(m, p["mlp.gate.weight"])
@@ -205,10 +237,22 @@ def moe_reference(p, m, k, router="softmax", norm_topk_prob=False, activation="s
     if norm_topk_prob:
         sel = sel / sel.sum(-1, keepdim=True)
     mix = torch.zeros_like(scores).scatter(1, idx, sel).to(m.dtype)      # (T, E)
-    gu = torch.einsum("th,eoh->teo", m, p["mlp.experts.gate_up_proj"])  # (T, E, 2I)
+    fold = (expert_weight if not expert_lora_factored else
+            lambda p, name, s: p[f"mlp.experts.{name}"])
+    gate_up = fold(p, "gate_up_proj", expert_lora_scaling[0])
+    down = fold(p, "down_proj", expert_lora_scaling[1])
+    gu = torch.einsum("th,eoh->teo", m, gate_up)  # (T, E, 2I)
+    f = expert_factors(p, "gate_up_proj") if expert_lora_factored else None
+    if f is not None:
+        u = torch.einsum("th,erh->ter", m, f[0])
+        gu = gu + expert_lora_scaling[0] * torch.einsum("ter,eor->teo", u, f[1])
     i = gu.shape[-1] // 2
     a = gate_activation(gu[..., :i], activation) * gu[..., i:]
-    every = torch.einsum("tei,ehi->teh", a, p["mlp.experts.down_proj"])  # (T, E, H)
+    every = torch.einsum("tei,ehi->teh", a, down)  # (T, E, H)
+    f = expert_factors(p, "down_proj") if expert_lora_factored else None
+    if f is not None:
+        u = torch.einsum("tei,eri->ter", a, f[0])
+        every = every + expert_lora_scaling[1] * torch.einsum("ter,ehr->teh", u, f[1])
     y = (mix.unsqueeze(-1) * every).sum(1)
     if "mlp.gate_proj.weight" in p:
         shared = swiglu_reference(m, p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"],

@@ -40,7 +40,7 @@ ENGINE_RUNS = [("z3", 3, None, False), ("z3-before", 3, "before", False),
                ("z2-before", 2, "before", False), ("z3-lora", 3, None, True),
                ("z3-lora-before", 3, "before", True),
                # Qwen2-MoE: the experts' 3-D gate_up_proj / down_proj partitioned like the rest;
-               # with LoRA, only the shared expert's adapters in the MoE block train
+               # with LoRA, the shared expert's adapters and the experts' (target_parameters)
                ("z3-moe", 3, None, False), ("z3-moe-before", 3, "before", False),
                ("z3-moe-after", 3, "after", False), ("z3-moe-lora", 3, None, True),
                ("z3-moe-lora-before", 3, "before", True)]
@@ -72,11 +72,15 @@ def make_model(family="llama"):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
-def add_lora(model):
+def add_lora(model, experts=False):
+    """PEFT LoRA on every projection; with ``experts`` on the MoE experts' 3-D weights too
+    (``target_parameters``)."""
     import peft
     torch.manual_seed(1)
+    extra = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} \
+        if experts else {}
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                             init_lora_weights=False)  # B != 0: every adapter has a gradient
+                             init_lora_weights=False, **extra)  # B != 0: every adapter trains
     return peft.get_peft_model(model, config)
 
 
@@ -144,7 +148,7 @@ def engine_run(rank, stage, patched, lora, family="llama"):
     config = ds_config(stage)
     model = make_model(family)
     if lora:  # partitioned before patching and initialize (as zero.Init would); base frozen
-        model = add_lora(model)
+        model = add_lora(model, experts=family == "qwen2_moe")
         deepspeed.zero.Init(module=model, config_dict_or_path=config)
     if patched == "before":
         ckpt_ext.patch_llama(model, "balanced")
@@ -394,13 +398,15 @@ def test_zero3_moe(zero_runs):
 
 
 def test_zero3_moe_lora(zero_runs):
-    """LoRA (attention and shared expert) on a partitioned Qwen2-MoE: the shared expert's
-    adapters, inside DeepSpeed's leaf MoE block, train as HF's; layer 0's input needs no
-    gradient (frozen embeddings)."""
+    """LoRA (attention, shared expert and the experts' 3-D weights) on a partitioned
+    Qwen2-MoE: the shared expert's and the experts' adapters, inside DeepSpeed's leaf MoE
+    block, train as HF's (PEFT's forward); layer 0's input needs no gradient (frozen
+    embeddings)."""
     check_against_unpatched(zero_runs, "z3-moe-lora-before", "z3-moe-lora")
     for rank, res in enumerate(zero_runs):
         lora = res["z3-moe-lora-before"]
         assert any("shared_expert" in n for n in lora["params"]), rank
+        assert any("mlp.experts" in n for n in lora["params"]), sorted(lora["params"])
         assert lora["params"] and all("lora_" in n for n in lora["params"]), rank
         assert not lora["frozen_with_grad"], (rank, lora["frozen_with_grad"])
 

@@ -316,12 +316,21 @@ def test_quantized_experts_are_refused():
         ckpt_ext.patch_llama(model)
 
 
-def test_lora_on_experts_is_refused():
-    peft = pytest.importorskip("peft")
-    cfg = peft.LoraConfig(r=4, target_modules=["q_proj"],
-                          target_parameters=["mlp.experts.gate_up_proj"])
-    model = peft.get_peft_model(make("qwen3_moe"), cfg)
-    with pytest.raises(ValueError, match="target_parameters"):
+def test_other_wrappers_on_the_experts_are_refused():
+    """A module around mlp.experts that is not PEFT's ParamWrapper (another adapter library, a
+    quantization wrapper): patching refuses, naming it."""
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.base_layer = inner
+
+        def forward(self, *args, **kwargs):
+            return self.base_layer(*args, **kwargs)
+
+    model = make("mixtral")
+    mlp = model.model.layers[1].mlp
+    mlp.experts = Wrapper(mlp.experts)
+    with pytest.raises(ValueError, match="mlp.experts is a Wrapper"):
         ckpt_ext.patch_llama(model)
 
 
@@ -410,3 +419,152 @@ def test_the_plan_reads_moe_configs(family):
     assert counted == sum(p.numel() for n, p in model.named_parameters()
                           if not ("norm" in n or "shared_expert_gate" in n
                                   or n.endswith("_proj.bias")))
+
+
+# ---- PEFT LoRA on the expert weights (LoraConfig(target_parameters=[...])) -------------------
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def expert_lora_pair(family, target_parameters=EXPERTS, r=4, dropout=0.2, overrides=None,
+                     policy="balanced", **lora):
+    """(PEFT reference, patched copy): LoRA on the attention (with lora_dropout ``dropout``, its
+    masks replayed in the reference from the fused op's seeds) and on the expert weights named
+    in ``target_parameters``; the base model frozen, as PEFT leaves it. PEFT refuses dropout on
+    expert parameters, so the attention's dropout is set on its modules after get_peft_model."""
+    peft = pytest.importorskip("peft")
+    from test_lora_dropout import replay_fused_dropout
+
+    from ckpt_ext import blocks
+    cfg = peft.LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                          target_modules=ATTENTION, target_parameters=target_parameters,
+                          **lora)
+    ref = peft.get_peft_model(make(family, **(overrides or {})), cfg)
+    model = copy.deepcopy(ref)
+    ckpt_ext.patch_llama(model, policy, fuse_lm_head=False)
+    if dropout:
+        for layer in model.get_base_model().model.layers:
+            for name in ATTENTION:
+                proj = getattr(layer.self_attn, name)
+                proj.lora_dropout[proj.active_adapters[0]] = torch.nn.Dropout(dropout)
+        replay_fused_dropout(ref, {f"self_attn.{n}": blocks.PROJECTIONS.index(f"self_attn.{n}")
+                                   for n in ATTENTION}, dropout)
+    return ref, model
+
+
+def compare_expert_lora(ref, model, weights=("gate_up_proj", "down_proj")):
+    """Loss and every trainable gradient equal PEFT's own forward; every layer fused; the
+    experts' factors among the gradients and the frozen experts without one."""
+    data = batch(True)
+    r = loss_and_grads(ref, *data)
+    torch.manual_seed(1234)
+    g = loss_and_grads(model, *data)
+    assert sum(fused_calls(model.get_base_model())) == 3, fused_calls(model.get_base_model())
+    # the wrappers nest: the outer one's factors are experts.lora_*, the inner experts.base_layer.*
+    expert_factors = [n for n in r[1] if ".mlp.experts." in n and ".lora_" in n]
+    moe_layers = sum(1 for layer in ref.get_base_model().model.layers
+                     if "experts" in layer.mlp._modules)
+    assert len(expert_factors) == 2 * len(weights) * moe_layers, expert_factors
+    assert_same(r, g, experts_trained=False)
+    return r, g
+
+
+@pytest.mark.parametrize("family,policy", [("qwen3_moe", "balanced"), ("mixtral", "fast"),
+                                           ("qwen2_moe", "min_memory")])
+def test_lora_on_experts_matches_peft(family, policy):
+    """PEFT LoRA on both expert weights (the wrappers nested) and on the attention with dropout
+    0.2 (Qwen2-MoE: its gated shared expert untouched by the adapters), the fused op given the
+    factors, never the merged weight: loss and every adapter gradient equal PEFT's forward, in
+    each preset; rank 4 keeps the low-rank GEMMs on torch._grouped_mm."""
+    compare_expert_lora(*expert_lora_pair(family, policy=policy))
+
+
+@pytest.mark.parametrize("target", ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+def test_lora_on_one_expert_weight_in_token_chunks(target):
+    """LoRA on one of the two expert weights at rank 3 (the low-rank GEMMs per expert: rank rows
+    not 16-byte aligned), in token chunks of a few tokens: PEFT's loss and gradients."""
+    ref, model = expert_lora_pair("qwen3_moe", [target], r=3, dropout=0.0, policy="min_memory")
+    ckpt_ext.config.update(chunk_bytes="16KiB")
+    compare_expert_lora(ref, model, weights=(target.rsplit(".", 1)[1],))
+
+
+def test_rslora_and_a_named_adapter():
+    """use_rslora (scaling alpha / sqrt(r)) under an adapter that is not "default": the fused op
+    reads the active adapter's factors and scaling."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, use_rslora=True,
+                          target_modules=ATTENTION, target_parameters=EXPERTS)
+    ref = peft.get_peft_model(make("mixtral"), cfg, adapter_name="experts_r4")
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", fuse_lm_head=False)
+    assert ref.get_base_model().model.layers[0].mlp.experts.scaling["experts_r4"] == 4.0
+    compare_expert_lora(ref, model)
+
+
+def test_disabled_expert_adapters_are_not_computed():
+    """Inside PEFT's disable_adapter() the fused op gets the base experts alone, as PEFT's forward
+    computes them; outside it the factors again."""
+    ref, model = expert_lora_pair("olmoe", dropout=0.0)
+    ids, mask, labels = batch(False)
+
+    def loss(m):  # a training forward (the fused path), nothing trainable left to backward
+        m.train()
+        return m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+
+    with ref.disable_adapter(), model.disable_adapter():
+        r, g = loss(ref), loss(model)
+    torch.testing.assert_close(g, r, **TOL)
+    assert sum(fused_calls(model.get_base_model())) == 3
+    torch.testing.assert_close(loss(model), loss(ref), **TOL)
+    assert abs(loss(model) - g) > 1e-4  # the adapters count
+    assert sum(fused_calls(model.get_base_model())) == 9
+
+
+def delegated(model):
+    return [k for layer in model.get_base_model().model.layers for k in layer.forward.calls
+            if k.startswith("delegated")]
+
+
+def test_expert_adapters_the_op_does_not_compute_delegate_by_name():
+    """Two active adapters on the experts, or a dropout module put on an expert wrapper by hand
+    (PEFT itself refuses lora_dropout there): the MoE layers run PEFT's own forward, with a
+    warning naming why; the loss is still PEFT's."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=ATTENTION,
+                          target_parameters=EXPERTS)
+    ref = peft.get_peft_model(make("qwen3_moe"), cfg)
+    ref.add_adapter("second", peft.LoraConfig(r=2, init_lora_weights=False,
+                                              target_parameters=EXPERTS))
+    ref.base_model.set_adapter(["default", "second"])
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", fuse_lm_head=False)
+    data = batch(False)
+    with pytest.warns(UserWarning, match="several active adapters"):
+        got = loss_and_grads(model, *data)[0].loss
+    torch.testing.assert_close(got, loss_and_grads(ref, *data)[0].loss, **TOL)
+    assert delegated(model) and all("mlp.experts" in k and "several active adapters" in k
+                                    for k in delegated(model)), delegated(model)
+
+    ref, model = expert_lora_pair("mixtral", dropout=0.0)
+    model.get_base_model().model.layers[1].mlp.experts.lora_dropout["default"] = \
+        torch.nn.Dropout(0.1)
+    with pytest.warns(UserWarning, match="PEFT refuses dropout on expert parameters"):
+        loss_and_grads(model, *batch(False))
+    assert len(delegated(model)) == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_the_plan_counts_the_expert_factors_peft_makes(family):
+    """The plan's expert LoRA state (--expert-lora-rank r) is 16 bytes (fp32 weight, gradient
+    and AdamW's two moments) for each factor element PEFT's target_parameters create: the
+    tensors the fused op is given."""
+    peft = pytest.importorskip("peft")
+    from ckpt_ext import plan
+    from ckpt_ext.hf.families import layer_dims_from_config
+    model = make(family)
+    dims = layer_dims_from_config(model.config)
+    cfg = peft.LoraConfig(r=3, target_parameters=EXPERTS)
+    factors = sum(p.numel() for n, p in peft.get_peft_model(model, cfg).named_parameters()
+                  if ".mlp.experts." in n and ".lora_" in n)
+    extra = [plan.model_state_bytes(dims, BASE["vocab_size"], torch.float32, "lora",
+                                    lora_rank=0, expert_lora_rank=r) for r in (0, 3)]
+    assert factors > 0 and extra[1] - extra[0] == 16 * factors

@@ -26,8 +26,10 @@ ROUTINGS = {
 
 
 def moe_case(dtype, routing="qwen2_moe", *, hidden=16, experts=5, inter=8, k=2, shared_i=12,
-             b=2, s=9, seed=0):
-    """(x, weights, pe, dy, kw): a layer with attention and an MoE MLP, weights by slot."""
+             b=2, s=9, seed=0, expert_lora=None):
+    """(x, weights, pe, dy, kw): a layer with attention and an MoE MLP, weights by slot.
+    expert_lora: (rank, weights) to give PEFT LoRA factors to the expert weights named
+    ("gate_up_proj", "down_proj" or both), in PEFT's layouts, with scalings 0.7 and 1.3."""
     router, norm, shared, gate = ROUTINGS[routing]
     g = torch.Generator().manual_seed(seed)
     d = hidden // NH
@@ -54,26 +56,39 @@ def moe_case(dtype, routing="qwen2_moe", *, hidden=16, experts=5, inter=8, k=2, 
     dy = torch.randn(b, s, hidden, generator=g, dtype=F64).to(dtype)
     kw = dict(num_heads=NH, num_kv_heads=NKV, num_experts_per_tok=k, router=router,
               norm_topk_prob=norm)
+    if expert_lora:
+        r, names = expert_lora
+        dims = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+        for name in names:
+            out, inp = dims[name]
+            weights[f"mlp.experts.{name}.lora_A"] = w(r * experts, inp)
+            weights[f"mlp.experts.{name}.lora_B"] = w(out, r * experts)
+        kw["expert_lora_scaling"] = [0.7 if "gate_up_proj" in names else 0.0,
+                                     1.3 if "down_proj" in names else 0.0]
     return x, weights, rope_tables(s, d, dtype=dtype), dy, kw
 
 
-def run(x, weights, pe, dy, kw, preset, part, fn=blocks.decoder_layer):
-    """(y, dx, {slot: gradient}) of the op, every weight trained."""
+def run(x, weights, pe, dy, kw, preset, part, fn=blocks.decoder_layer, frozen=()):
+    """(y, dx, {slot: gradient}) of the op, every weight trained but those named in frozen."""
     x = x.clone().requires_grad_()
-    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    w = {n: t.clone().requires_grad_(n not in frozen) for n, t in weights.items()}
     y = fn(x, blocks.LayerOptions(weights=w, **rope_args(pe), preset=preset, part=part, **kw))
     y.backward(dy)
     return y.detach(), x.grad, {n: t.grad for n, t in w.items() if t.grad is not None}
 
 
-def run_reference(x, weights, pe, dy, kw, part, dtype=None, force_idx=None):
-    """The same through reference_layer, at `dtype` (default x's)."""
+def run_reference(x, weights, pe, dy, kw, part, dtype=None, force_idx=None, frozen=(),
+                  factored=False):
+    """The same through reference_layer, at `dtype` (default x's); factored: expert LoRA
+    computed beside the weights, not folded into them (moe_reference)."""
     dtype = dtype or x.dtype
     x = x.to(dtype).clone().requires_grad_()
-    w = {n: t.to(dtype).clone().requires_grad_() for n, t in weights.items()}
+    w = {n: t.to(dtype).clone().requires_grad_(n not in frozen) for n, t in weights.items()}
     cos, sin = (t.to(dtype) for t in pe)
     moe = dict(k=kw["num_experts_per_tok"], router=kw["router"],
-               norm_topk_prob=kw["norm_topk_prob"], force_idx=force_idx)
+               norm_topk_prob=kw["norm_topk_prob"], force_idx=force_idx,
+               expert_lora_scaling=kw.get("expert_lora_scaling") or (0.0, 0.0),
+               expert_lora_factored=factored)
     y = reference_layer(w, x, cos, sin, None, NH, NKV, part=part, moe=moe)
     y.backward(dy.to(dtype))
     mlp_only = part == "mlp"
@@ -219,10 +234,13 @@ def test_saves_the_routing_and_no_routed_intermediate(preset):
         assert shapes.count(tuple(x.shape)) == 2  # x and h
 
 
-def test_compiles_without_graph_breaks(monkeypatch):
-    """torch.compile (fullgraph) of a chunked MoE layer: no graph break, the eager results."""
+@pytest.mark.parametrize("expert_lora", [None, (4, ("gate_up_proj", "down_proj"))],
+                         ids=["plain", "expert_lora"])
+def test_compiles_without_graph_breaks(monkeypatch, expert_lora):
+    """torch.compile (fullgraph) of a chunked MoE layer (with LoRA factors on its experts, too):
+    no graph break, the eager results."""
     torch._dynamo.reset()
-    case = moe_case(torch.float32, "qwen2_moe", seed=3)
+    case = moe_case(torch.float32, "qwen2_moe", seed=3, expert_lora=expert_lora)
     config.update(chunk_bytes=chunk_cap(4, torch.float32, case[1], 2, "layer"))
     eager = run(*case, "min_memory", "layer")
     counts = torch._dynamo.utils.counters
@@ -511,3 +529,131 @@ def _router_logits_opcheck_samples():
 def test_opcheck_router_logits(sample):
     name, args = _router_logits_opcheck_samples()[sample]
     torch.library.opcheck(getattr(torch.ops.ckpt_ext, name).default, args)
+
+
+# ---- PEFT LoRA on the expert weights (slots mlp.experts.<weight>.lora_A / lora_B) -------------
+
+BOTH = ("gate_up_proj", "down_proj")
+EXPERT_BASE = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.mark.parametrize("names", [BOTH, ("gate_up_proj",), ("down_proj",)],
+                         ids=["both", "gate_up", "down"])
+@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
+def test_expert_lora_fp64_matches_the_reference(preset, names):
+    """LoRA factors on one or both expert weights (rank 3, float64: the per-expert path):
+    output and every gradient, the factors' included, equal the reference that folds each
+    expert's B_e A_e into its weight, to 1e-12; the base experts frozen (the usual case) give
+    the same factor gradients and none for the experts."""
+    case = moe_case(F64, "qwen2_moe", expert_lora=(3, names), seed=2)
+    got, ref = run(*case, preset, "layer"), run_reference(*case, "layer")
+    assert_f64(got, ref)
+    assert all(f"mlp.experts.{n}.lora_{ab}" in got[2] for n in names for ab in "AB")
+    frozen = run(*case, preset, "layer", frozen=EXPERT_BASE)
+    assert not set(EXPERT_BASE) & set(frozen[2])
+    assert_f64(frozen, run_reference(*case, "layer", frozen=EXPERT_BASE))
+
+
+def test_expert_lora_changes_the_output():
+    """The factors count: the op with them differs from the op without them, and the reference
+    with them scaled differently differs from the op (the comparison can fail)."""
+    case = moe_case(F64, "mixtral", expert_lora=(2, BOTH), seed=4)
+    x, weights, pe, dy, kw = case
+    got = run(*case, "balanced", "mlp")[0]
+    base = {n: t for n, t in weights.items() if ".lora_" not in n}
+    plain = dict(kw, expert_lora_scaling=[])
+    with pytest.raises(AssertionError):
+        check_f64("y", got, run(x, base, pe, dy, plain, "balanced", "mlp")[0])
+    with pytest.raises(AssertionError):
+        check_f64("y", got, run_reference(x, weights, pe, dy,
+                                          dict(kw, expert_lora_scaling=[0.7, 1.0]), "mlp")[0])
+
+
+@pytest.mark.parametrize("sizes", [dict(hidden=16, inter=8, r=4), dict(hidden=24, inter=10, r=3)],
+                         ids=["grouped_mm", "per_expert"])
+def test_expert_lora_fp32_meets_the_accuracy_rule(sizes):
+    """float32 with LoRA on both expert weights, the base experts frozen: H 16, I 8, rank 4
+    (16-byte rows) take torch._grouped_mm for the low-rank GEMMs too; H 24, I 10, rank 3 the
+    per-expert matmuls. Within the accuracy rule of plain PyTorch at float32."""
+    sizes = dict(sizes)
+    r = sizes.pop("r")
+    case = moe_case(torch.float32, "qwen2_moe", experts=6, k=3, b=2, s=11, seed=5,
+                    expert_lora=(r, BOTH), **sizes)
+    x, weights, pe, _, kw = case
+    idx = reference_routing(x, weights, pe, kw, "layer")
+    got = run(*case, "min_memory", "layer", frozen=EXPERT_BASE)
+    base = run_reference(*case, "layer", force_idx=idx, frozen=EXPERT_BASE)
+    ref = run_reference(*case, "layer", dtype=F64, force_idx=idx, frozen=EXPERT_BASE)
+    check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)
+    check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD)
+    assert got[2].keys() == ref[2].keys()
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD)
+
+
+@pytest.mark.parametrize("preset", ["balanced", "min_memory"])
+def test_expert_lora_chunks_equal_one_chunk(preset):
+    """Token chunks of 1 and 4 rows: the factors' gradients summed over the chunks equal the
+    one-chunk ones to 1e-12 (and so the rest)."""
+    case = moe_case(F64, "qwen2_moe", expert_lora=(3, BOTH), seed=6)
+    config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+    whole = run(*case, preset, "layer", frozen=EXPERT_BASE)
+    for rows in (1, 4):
+        config.update(chunk_bytes=chunk_cap(rows, F64, case[1], case[4]["num_experts_per_tok"],
+                                            "layer"))
+        assert_f64(run(*case, preset, "layer", frozen=EXPERT_BASE), whole)
+    config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+
+
+@pytest.mark.parametrize("change,match", [
+    ("no_scaling", "expert_lora_scaling must have two entries"),
+    ("one_scaling", "expert_lora_scaling must be \\[\\] or two scalings"),
+    ("no_B", "mlp.experts.gate_up_proj.lora_A and mlp.experts.gate_up_proj.lora_B come together"),
+    ("rank_rows", "mlp.experts.down_proj.lora_A must be \\(rank \\* num_experts, in\\)"),
+    ("B_shape", "mlp.experts.down_proj.lora_B"),
+    ("dense", "expert_lora_scaling is given but num_experts_per_tok is 0"),
+])
+def test_expert_lora_bad_input_is_refused(change, match):
+    x, weights, pe, _, kw = moe_case(torch.float32, "qwen2_moe", expert_lora=(2, BOTH))
+    if change == "no_scaling":
+        kw = dict(kw, expert_lora_scaling=[])
+    elif change == "one_scaling":
+        kw = dict(kw, expert_lora_scaling=[1.0])
+    elif change == "no_B":
+        del weights["mlp.experts.gate_up_proj.lora_B"]
+    elif change == "rank_rows":  # 2 E + 1 rows: not rank * E
+        a = weights["mlp.experts.down_proj.lora_A"]
+        weights["mlp.experts.down_proj.lora_A"] = torch.cat([a, a[:1]])
+    elif change == "B_shape":  # (r E, out): lora_B transposed
+        weights["mlp.experts.down_proj.lora_B"] = weights["mlp.experts.down_proj.lora_B"].t()
+    else:
+        weights = {n: t for n, t in weights.items() if not n.startswith("mlp.experts")
+                   and n not in ("mlp.gate.weight", "mlp.shared_expert_gate.weight")}
+        kw = dict(kw, num_experts_per_tok=0)
+    with pytest.raises(ValueError, match=match):
+        blocks.decoder_layer(x, blocks.LayerOptions(weights=weights, **rope_args(pe), **kw))
+
+
+def test_expert_lora_under_autocast_meets_the_accuracy_rule():
+    """float32 weights and float32 factors under bfloat16 autocast (the factors cast to the
+    compute dtype): within the accuracy rule of plain PyTorch under the same autocast, the
+    larger error of its two exact formulas counting: the factors folded into the weights
+    (PEFT's forward) or their terms beside the weights' (the op's, which never forms W + s BA;
+    in bfloat16 the two round differently)."""
+    case = moe_case(torch.float32, "mixtral", hidden=16, inter=8, experts=4, k=2, seed=12,
+                    expert_lora=(4, BOTH))
+    x, weights, pe, dy, kw = case
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx = reference_routing(x, weights, pe, kw, "mlp")
+        got = run(*case, "balanced", "mlp", frozen=EXPERT_BASE)
+        folded = run_reference(*case, "mlp", force_idx=idx, frozen=EXPERT_BASE)
+        factored = run_reference(*case, "mlp", force_idx=idx, frozen=EXPERT_BASE,
+                                 factored=True)
+    ref = run_reference(*case, "mlp", dtype=F64, force_idx=idx, frozen=EXPERT_BASE)
+    bf = {"dtype": torch.bfloat16}
+    check_vs_baseline("y", got[0], (folded[0], factored[0]), ref[0], FACTOR_OUT, **bf)
+    check_vs_baseline("dx", got[1], (folded[1], factored[1]), ref[1], FACTOR_GRAD, **bf)
+    assert got[2].keys() == ref[2].keys()
+    for n in ref[2]:
+        check_vs_baseline(n, got[2][n], (folded[2][n], factored[2][n]), ref[2][n], FACTOR_GRAD,
+                          **bf)

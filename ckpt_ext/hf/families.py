@@ -284,7 +284,7 @@ def activation(layer: nn.Module) -> Optional[str]:
     """The op's name for the layer's gated activation, or None when the op has none."""
     mlp = layer.mlp._modules
     if "experts" in mlp:  # an MoE block: its experts' activation (ckpt_ext.hf.moe)
-        mlp = mlp["experts"]._modules
+        mlp = base_experts(mlp["experts"])._modules
     return ACTIVATIONS.get(type(mlp.get("act_fn", mlp.get("activation_fn"))).__name__)
 
 
@@ -325,7 +325,7 @@ def _moe_dims(layer: nn.Module) -> dict:
     """LayerDims' MLP fields of an MoE layer read off its modules: experts, top_k, the
     experts' intermediate size and the shared expert's (0 without one)."""
     mlp = layer.mlp
-    experts, _, i = moe_shape(mlp.experts.down_proj)
+    experts, _, i = moe_shape(base_experts(mlp.experts).down_proj)
     shared = mlp._modules.get("shared_expert")
     return dict(intermediate_size=0 if shared is None else
                 moe_shape(shared.gate_proj.weight)[0],
@@ -455,6 +455,21 @@ MOE_FAMILIES = {
 }
 
 
+def expert_wrappers(experts: nn.Module) -> tuple:
+    """(the experts module, the PEFT ``ParamWrapper``s around it, outermost first): LoRA through
+    ``LoraConfig(target_parameters=[...])`` wraps ``mlp.experts`` once per targeted weight."""
+    wrappers = []
+    while type(experts).__name__ == "ParamWrapper" and "base_layer" in experts._modules:
+        wrappers.append(experts)
+        experts = experts._modules["base_layer"]
+    return experts, wrappers
+
+
+def base_experts(experts: nn.Module) -> nn.Module:
+    """The experts module inside PEFT's ParamWrappers (itself when unwrapped)."""
+    return expert_wrappers(experts)[0]
+
+
 def is_moe_layer(layer: nn.Module) -> bool:
     """Whether the decoder layer's ``mlp`` is a sparse MoE block (it has routed experts)."""
     mlp = layer._modules.get("mlp")
@@ -487,7 +502,8 @@ def moe_layer_options(layer: nn.Module, config) -> dict:
     k, experts = int(router.top_k), int(moe_shape(router.weight)[0])
     if not 0 < k <= experts:
         raise ValueError(f"mlp.gate.top_k={k} must be in 1..{experts} (the experts)")
-    gate_up, down = moe_shape(mlp.experts.gate_up_proj), moe_shape(mlp.experts.down_proj)
+    base = base_experts(mlp.experts)
+    gate_up, down = moe_shape(base.gate_up_proj), moe_shape(base.down_proj)
     h = moe_shape(router.weight)[1]
     i = down[-1]
     if tuple(gate_up) != (experts, 2 * i, h) or tuple(down) != (experts, h, i):
@@ -495,12 +511,12 @@ def moe_layer_options(layer: nn.Module, config) -> dict:
             f"the experts' weights gate_up_proj {tuple(gate_up)} and down_proj "
             f"{tuple(down)} are not transformers 5's layout (E, 2I, H) and (E, H, I) "
             f"with E={experts}, H={h}")
-    if getattr(mlp.experts, "is_transposed", False) or \
-            getattr(mlp.experts, "is_concatenated", True) is False or \
-            getattr(mlp.experts, "has_bias", False):
+    if getattr(base, "is_transposed", False) or \
+            getattr(base, "is_concatenated", True) is False or \
+            getattr(base, "has_bias", False):
         raise ValueError("the experts are transposed, interleaved or biased (not the layout "
                          "of transformers 5's Qwen-MoE, Mixtral and OLMoE experts)")
-    act = ACTIVATIONS.get(type(mlp.experts.act_fn).__name__)
+    act = ACTIVATIONS.get(type(base.act_fn).__name__)
     shared = mlp._modules.get("shared_expert")
     if shared is not None:
         shared_act = ACTIVATIONS.get(type(shared._modules.get("act_fn")).__name__)

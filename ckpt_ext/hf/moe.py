@@ -24,13 +24,24 @@ differentiable) and adds them to transformers' collection in the layer's place
 on them and its gradient through the router are HF's. The fused LM head adds that loss as HF's
 forward does (ckpt_ext.hf.lm_head).
 
+PEFT LoRA on the expert weights (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])``, one or both) wraps ``mlp.experts`` in one ``ParamWrapper`` per
+targeted weight (nested), which folds ``W_e + s B_e A_e`` into the weight inside its own
+forward. The fused op is given the base weights, each wrapper's active factors in PEFT's
+layouts (``lora_A`` (r E, in), ``lora_B`` (out, r E), B_e = lora_B.view(out, r, E)[:, :, e])
+in the slots ``mlp.experts.<weight>.lora_A`` / ``lora_B`` and the two scalings
+(``expert_lora_scaling``), and computes the low-rank terms per expert block itself
+(csrc/moe_math.h), never the folded weight. Read at every call (``layer_tensors``): disabled or
+merged adapters give the base weight alone, as PEFT's forward computes it; several active
+adapters on a wrapper, or a dropout module on one (PEFT refuses lora_dropout, lora_bias and DoRA
+there), make the call run PEFT's own forward with the reason.
+
 Under ``sequence_parallel=`` a layer routes the rank's own tokens (the op's MoE MLP is
 per token); ``output_router_logits`` there is refused (``SP_REFUSAL``).
 
 Refused by name (``REFUSED`` for model types; NotImplementedError for settings): Mixtral's
-``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, PEFT LoRA on the expert parameters
-(``target_parameters``), quantized or otherwise wrapped experts, routers and expert layouts
-other than the ones above.
+``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts, wrappers on the
+experts other than PEFT's ParamWrapper, routers and expert layouts other than the ones above.
 """
 from __future__ import annotations
 
@@ -41,8 +52,8 @@ import torch.nn as nn
 
 from ..blocks import WEIGHT_SLOTS
 from . import layer_checks
-from .families import (ACTIVATIONS, MOE_FAMILIES, MoeFamily, is_moe_layer,  # noqa: F401
-                       moe_layer_options as layer_options, moe_shape as _shape)
+from .families import (ACTIVATIONS, MOE_FAMILIES, MoeFamily, expert_wrappers,  # noqa: F401
+                       is_moe_layer, moe_layer_options as layer_options, moe_shape as _shape)
 
 __all__ = ["MOE_FAMILIES", "REFUSED", "aux_loss", "is_moe_layer", "layer_options", "layer_tensors",
            "record_router_logits", "recording_router_logits", "refusal", "structure_problem"]
@@ -135,17 +146,19 @@ def structure_problem(layer: nn.Module, family, hooks: bool, projections: bool
                 "wrapped or replaced MoE block computes more than the fused op reads)")
     if _param_names(mlp):
         return f"mlp has parameters the fused op does not compute with: {sorted(_param_names(mlp))}"
-    router, experts = mlp._modules["gate"], mlp._modules["experts"]
+    router = mlp._modules["gate"]
     if type(router).__name__ != fam.router or _param_names(router) != {"weight"} or router._modules:
         return (f"mlp.gate is a {type(router).__name__} with parameters "
                 f"{sorted(_param_names(router))}, not {fam.router} with one weight (an unknown "
                 "router type)")
+    experts, wrappers = expert_wrappers(mlp._modules["experts"])
+    problem = _wrappers_problem(wrappers)
+    if problem:
+        return problem
     if type(experts).__name__ != fam.experts:
-        wrapped = "PEFT LoRA on the expert parameters (target_parameters)" \
-            if "ParamWrapper" in type(experts).__name__ else f"a {type(experts).__name__}"
-        return (f"mlp.experts is {wrapped}, not {fam.experts}: the fused op does not take "
-                "adapters or wrappers on the 3-D expert weights yet (put LoRA on the attention "
-                "and shared-expert projections, or use policy 'torch' for expert LoRA)")
+        return (f"mlp.experts{'.base_layer' * len(wrappers)} is a {type(experts).__name__}, "
+                f"not {fam.experts}: the fused op takes transformers' experts, bare or inside "
+                "PEFT's LoRA ParamWrapper (target_parameters), no other wrapper")
     if _param_names(experts) != {"gate_up_proj", "down_proj"} or \
             set(experts._modules) - {"act_fn"}:
         return (f"mlp.experts has parameters {sorted(_param_names(experts))} and submodules "
@@ -178,6 +191,93 @@ def structure_problem(layer: nn.Module, family, hooks: bool, projections: bool
             if problem:
                 return problem
     return None
+
+
+# ---- PEFT LoRA on the expert weights (LoraConfig(target_parameters=[...])) --------------------
+
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _param_wrapper_class():
+    """peft's ParamWrapper class, or None without peft."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return None
+    return ParamWrapper
+
+
+def _wrappers_problem(wrappers: list) -> Optional[str]:
+    """Why the fused op cannot compute the PEFT ParamWrappers around mlp.experts (None if it
+    can): one per targeted expert weight, each PEFT's own class with a single adapter layout the
+    op reads (layer_tensors reads which adapter is active at every call)."""
+    cls = _param_wrapper_class()
+    seen = set()
+    for depth, w in enumerate(wrappers):
+        where = "mlp.experts" + ".base_layer" * depth
+        if cls is None or type(w) is not cls:
+            return f"{where} is a {type(w).__name__}, not PEFT's LoRA ParamWrapper"
+        name = w.parameter_name
+        if name not in _EXPERT_WEIGHTS or name in seen:
+            return (f"{where} is PEFT's ParamWrapper of {name!r}"
+                    f"{' a second time' if name in seen else ''}: the fused op takes LoRA on "
+                    "mlp.experts.gate_up_proj and mlp.experts.down_proj, once each")
+        seen.add(name)
+        if getattr(w, "fan_in_fan_out", False) or not getattr(w, "_did_swap_in_out_features",
+                                                               False):
+            return (f"{where} (PEFT LoRA on experts.{name}) reads the weight as (experts, in, "
+                    "out) (fan_in_fan_out, or a transposed expert layout); the fused op takes "
+                    "transformers 5's (experts, out, in)")
+    return None
+
+
+def _read_expert_lora(w: nn.Module, experts: int):
+    """The active adapter of one ParamWrapper: (lora_A, lora_B, scaling), None when no adapter
+    computes (disabled, merged into the base weight, or none active), or why it cannot be
+    fused. Read at every call: PEFT can merge, disable or switch adapters at any time."""
+    where = f"PEFT LoRA on mlp.experts.{w.parameter_name}"
+    if w.disable_adapters:
+        if w.merged:
+            return f"{where} is disabled while merged (PEFT unmerges it)"
+        return None
+    if w.merged:
+        return None
+    active = [a for a in w.active_adapters if a in w.lora_A]
+    if not active:
+        return None
+    if len(active) > 1:
+        return (f"{where} has several active adapters ({', '.join(active)}); the fused op "
+                "computes one")
+    name = active[0]
+    if w.use_dora.get(name, False):
+        return f"{where} uses DoRA (use_dora=True)"
+    if type(w.lora_dropout[name]) is not nn.Identity:
+        return (f"{where} has a {type(w.lora_dropout[name]).__name__} as its lora_dropout: "
+                "PEFT refuses dropout on expert parameters (its delta is folded into the "
+                "weight) and the fused op computes none there")
+    a, b = w.lora_A[name], w.lora_B[name]
+    if type(a) is not nn.Linear or type(b) is not nn.Linear:
+        return f"{where}: its adapter is not a pair of nn.Linear"
+    if a.bias is not None or b.bias is not None:
+        return f"{where} has lora_bias=True"
+    if w.num_experts != experts or a.weight.shape[0] % experts:
+        return (f"{where} has {w.num_experts} experts and lora_A {tuple(a.weight.shape)}, not "
+                f"rank * {experts} rows")
+    return a.weight, b.weight, float(w.scaling[name])
+
+
+def _expert_lora(mlp: nn.Module, experts: int):
+    """{weight name: (lora_A, lora_B, scaling)} of the experts' active adapters ({} without),
+    or why they cannot be fused."""
+    _, wrappers = expert_wrappers(mlp._modules["experts"])
+    out = {}
+    for w in wrappers:
+        got = _read_expert_lora(w, experts)
+        if isinstance(got, str):
+            return got
+        if got is not None:
+            out[w.parameter_name] = got
+    return out
 
 
 def _collected() -> Optional[dict]:
@@ -235,9 +335,11 @@ _DENSE_MLP_SLOTS = [i for i, name in enumerate(WEIGHT_SLOTS)
 
 
 def layer_tensors(layer: nn.Module, family, fused):
-    """The op's (weights, lora_scaling, lora_dropout, lora_streams) for an MoE layer, as
-    ckpt_ext.hf.layer_checks reads a dense layer's (LoRA on the attention and on the shared expert
-    included), with the MoE slots filled; or why the layer cannot be fused."""
+    """The op's (weights, lora_scaling, lora_dropout, lora_streams, expert_lora_scaling) for an
+    MoE layer, as ckpt_ext.hf.layer_checks reads a dense layer's (LoRA on the attention and on
+    the shared expert included), with the MoE slots filled: the experts' base weights and, with
+    PEFT LoRA on them, their factors (slots mlp.experts.<weight>.lora_A / lora_B) and the two
+    scalings ([] without); or why the layer cannot be fused."""
     got = layer_checks.layer_tensors(_DenseView(layer), family, fused)
     if isinstance(got, str):
         return got
@@ -247,10 +349,19 @@ def layer_tensors(layer: nn.Module, family, fused):
     if "shared_expert" not in mlp._modules:
         for i in _DENSE_MLP_SLOTS:
             weights[i] = None
+    experts = expert_wrappers(mlp._modules["experts"])[0]
     weights[_SLOT["mlp.gate.weight"]] = mlp.gate.weight
-    weights[_SLOT["mlp.experts.gate_up_proj"]] = mlp.experts.gate_up_proj
-    weights[_SLOT["mlp.experts.down_proj"]] = mlp.experts.down_proj
+    weights[_SLOT["mlp.experts.gate_up_proj"]] = experts.gate_up_proj
+    weights[_SLOT["mlp.experts.down_proj"]] = experts.down_proj
     gate = mlp._modules.get("shared_expert_gate")
     if gate is not None:
         weights[_SLOT["mlp.shared_expert_gate.weight"]] = gate.weight
-    return weights, scaling, dropout, streams
+    lora = _expert_lora(mlp, int(_shape(experts.down_proj)[0]))
+    if isinstance(lora, str):
+        return lora
+    for name, (a, b, _) in lora.items():
+        weights[_SLOT[f"mlp.experts.{name}.lora_A"]] = a
+        weights[_SLOT[f"mlp.experts.{name}.lora_B"]] = b
+    expert_scaling = [lora[name][2] if name in lora else 0.0 for name in _EXPERT_WEIGHTS] \
+        if lora else []
+    return weights, scaling, dropout, streams, expert_scaling

@@ -699,7 +699,7 @@ class _PatchedForward:
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list, streams: list,
-               sp: Optional[str] = None) -> Tensor:
+               expert_scaling: Sequence[float] = (), sp: Optional[str] = None) -> Tensor:
         sp = self.shared.sequence_parallel if sp is None else sp
         spec = self.spec
         cos, sin = _tables_for(x, *position_embeddings)
@@ -721,7 +721,7 @@ class _PatchedForward:
             # capped layers reach here only without empty rows (_why_not_fused)
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
-            preset=preset, sequence_parallel=sp,
+            expert_lora_scaling=list(expert_scaling), preset=preset, sequence_parallel=sp,
             router_logits=router_logits)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)
