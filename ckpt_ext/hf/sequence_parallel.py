@@ -262,11 +262,32 @@ def shard_batch(batch: Mapping, group, *, ignore_index: int = -100,
 
 def all_reduce_grads(model: torch.nn.Module, group) -> None:
     """Sum every parameter gradient of ``model`` over ``group`` (after backward): each rank's
-    gradients are its tokens' share."""
+    gradients are its tokens' share. Under FSDP2 over the data-parallel ranks only (``fully_shard``
+    over a mesh's "dp" dimension; every rank of ``group`` holds the same shards) the local
+    shards are summed. Not for a wrapper that already reduces over ``group`` (DDP or FSDP2 over
+    every rank, HSDP over a (dp, sp) mesh: multiply the loss by N instead): a gradient sharded
+    over a mesh that holds other ranks of ``group`` raises ValueError (on every rank alike)."""
     dist = _dist()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+    members = set(dist.get_process_group_ranks(group))
+    me = dist.get_rank()
+    for n, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        mesh = getattr(g, "device_mesh", None)
+        if mesh is not None:  # a DTensor (FSDP2): its mesh must not reduce over the group
+            shared = sorted(members & set(mesh.mesh.flatten().tolist()) - {me})
+            if shared:
+                raise ValueError(
+                    f"all_reduce_grads: the gradient of {n} is a DTensor over a device mesh "
+                    f"that holds ranks {shared} of the sequence_parallel group as well "
+                    f"(FSDP2 over every rank, or HSDP over a (dp, sp) mesh), so the wrapper "
+                    f"already reduced it over the group: do not call all_reduce_grads; multiply "
+                    f"the loss by the group's size {len(members)} instead (or call "
+                    f"set_gradient_divide_factor(dp size) on every FSDP module)")
+            with torch.no_grad():
+                g = g.to_local()  # the shard itself, reduced in place
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
 
 
 def check_patch(group, presets) -> str:
