@@ -507,12 +507,14 @@ def test_compiled_hf_model_two_ranks(hf_ranks):
             assert grads.keys() == eager.keys() == want.keys(), key
             for n, g in eager.items():
                 torch.testing.assert_close(grads[n], g, rtol=1e-12, atol=1e-12,
-                                           msg=lambda m, n=n: f"{key} rank {r} {n}: {m}")
+                                           msg=lambda m, n=n, r=r, key=key:
+                                           f"{key} rank {r} {n}: {m}")
         losses = [res[key][1][1][0] for res in hf_ranks]
         torch.testing.assert_close(sum(losses), want_loss, rtol=1e-10, atol=1e-10)
         for n, w in want.items():  # the ranks' shares summed
             torch.testing.assert_close(sum(res[key][1][1][1][n] for res in hf_ranks), w,
-                                       rtol=1e-10, atol=1e-10, msg=lambda m, n=n: f"{key} {n}: {m}")
+                                       rtol=1e-10, atol=1e-10,
+                                       msg=lambda m, n=n, key=key: f"{key} {n}: {m}")
 
 
 @linux_only

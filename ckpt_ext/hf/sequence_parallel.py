@@ -11,14 +11,27 @@ that each rank attends over the whole sequence for num_heads/N heads (csrc/ulyss
 rest of the layer stays on the rank's tokens. The fused head's loss over the rank's tokens,
 divided by the global ``num_items_in_batch``, is the rank's share of the batch's mean loss:
 the shares sum to it over the group, and so do the gradients: ``all_reduce_grads(model,
-group)`` sums the parameter gradients over the group after backward (under DDP over a
-data-parallel x sequence-parallel world, multiply the loss by N instead: DDP averages).
+group)`` sums the parameter gradients over the group after backward.
+
+With data parallelism as well (a (dp, sp) device mesh, ``group = mesh.get_group("sp")``, one
+global batch per dp index): a wrapper that reduces over every dp x sp rank averages over all of
+them, so multiply the loss by N instead of calling ``all_reduce_grads``: DDP over the world,
+FSDP2 ``fully_shard`` over the flattened mesh (or call ``set_gradient_divide_factor(dp)`` on
+every FSDP module and keep the loss), HSDP over the 2-D mesh, DeepSpeed ZeRO-3 with
+``mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp`` (its default reduce-scatter; with
+``"reduce_scatter": false`` it divides by dp itself: factor 1). FSDP2 over the dp ranks only:
+factor 1, then ``all_reduce_grads`` (it sums the shards). docs/distributed.md has the table.
+
+Under ``torch.compile`` the agreements and mask gathers below are custom ops
+(``ckpt_ext::sp_agree``, ``ckpt_ext::sp_agree_gather``) that run eagerly inside the graph:
+a compiled model has no graph break on their account.
 
 What the hooks do per forward (``masks`` and ``same_seed`` below): the padding mask and the
-packed-document ids are decided on the whole batch (one all-gather of the 2-D attention mask
-and of the position_ids each), so that every rank passes the op the same kinds of tensors; the
-LoRA dropout seed drawn per layer call is rank 0's on every rank (one broadcast, only with
-dropout), and the op hashes its masks on global token rows. A fused layer under
+packed-document ids are decided on the whole batch (after the forward's agreement, one
+all-gather: of the 2-D attention mask, or without one of the position_ids), so that every rank
+passes the op the same kinds of tensors; the LoRA dropout seed drawn per layer call is the
+group's first rank's on every rank (it rides on the layer call's agreement record), and the op
+hashes its masks on global token rows. A fused layer under
 ``sequence_parallel`` never falls back to HF's forward (that would attend over the rank's
 tokens only): a reason to fall back raises instead.
 """
