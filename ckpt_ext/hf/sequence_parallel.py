@@ -164,9 +164,10 @@ def _verdict(head: Tensor, name: str, fields: str, message: str) -> Tensor:
 
 
 # The agreement as custom ops: opaque to torch.compile (no graph break; they run eagerly inside
-# the compiled graph, collectives and raise included), declared as mutating their record so
-# that no compiler drops one whose result goes unused.
-@torch.library.custom_op("ckpt_ext::sp_agree", mutates_args=("head",))
+# the compiled graph, collectives and raise included), registered as ordered side effects, so
+# that a compiled graph keeps one whose result goes unused (a layer's agreement without LoRA
+# dropout; a pure op would be dropped) and keeps them in program order.
+@torch.library.custom_op("ckpt_ext::sp_agree", mutates_args=())
 def _agree_op(head: Tensor, group: str, fields: str, message: str) -> Tensor:
     return _verdict(head, group, fields, message)
 
@@ -176,7 +177,7 @@ def _(head, group, fields, message):
     return head.new_empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("ckpt_ext::sp_agree_gather", mutates_args=("head",))
+@torch.library.custom_op("ckpt_ext::sp_agree_gather", mutates_args=())
 def _agree_gather_op(head: Tensor, tokens: Tensor, group: str, fields: str,
                      message: str) -> Tensor:
     """The agreement, then ``tokens`` (B, S/N) of every rank gathered to (B, S)."""
@@ -187,6 +188,11 @@ def _agree_gather_op(head: Tensor, tokens: Tensor, group: str, fields: str,
 @_agree_gather_op.register_fake
 def _(head, tokens, group, fields, message):
     return tokens.new_empty((tokens.shape[0], _rank_size(group)[1] * tokens.shape[1]))
+
+
+if hasattr(torch.library, "_register_effectful_op"):  # torch >= 2.10
+    for _op in ("ckpt_ext::sp_agree", "ckpt_ext::sp_agree_gather"):
+        torch.library._register_effectful_op(_op, torch.library.EffectType.ORDERED)
 
 
 def _head(error, fields: Mapping[str, tuple], value) -> tuple:
