@@ -18,8 +18,9 @@ global batch per dp index): a wrapper that reduces over every dp x sp rank avera
 them, so multiply the loss by N instead of calling ``all_reduce_grads``: DDP over the world,
 FSDP2 ``fully_shard`` over the flattened mesh (or call ``set_gradient_divide_factor(dp)`` on
 every FSDP module and keep the loss), HSDP over the 2-D mesh, DeepSpeed ZeRO-3 with
-``mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp`` (its default reduce-scatter; with
-``"reduce_scatter": false`` it divides by dp itself: factor 1). FSDP2 over the dp ranks only:
+``mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp`` (its default reduce-scatter;
+its all-reduce path, taken with ``"reduce_scatter": false`` for buckets within
+``reduce_bucket_size``, divides by dp itself: factor 1 there). FSDP2 over the dp ranks only:
 factor 1, then ``all_reduce_grads`` (it sums the shards). docs/distributed.md has the table.
 
 Under ``torch.compile`` the agreements and mask gathers below are custom ops
