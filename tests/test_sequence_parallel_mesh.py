@@ -3,8 +3,8 @@ dp 2 x sp 2 (``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))``), 
 LLaMA patched with ``sequence_parallel=mesh.get_group("sp")``, each sp pair training on its own
 global batch cut by ``shard_batch``. Under DDP over the 4 ranks, FSDP2 (``fully_shard`` per
 layer and at the root over the flattened dp x sp mesh, with the loss times the sp size or with
-``set_gradient_divide_factor``; HSDP over the 2-D mesh; ``fully_shard`` over dp with the
-gradients summed over sp) and DeepSpeed ZeRO-3 (its sequence-data-parallel groups, ``mpu``
+``set_gradient_divide_factor``, and with PEFT LoRA adapters and their dropout; HSDP over the
+2-D mesh; ``fully_shard`` over dp with the gradients summed over sp) and DeepSpeed ZeRO-3 (its sequence-data-parallel groups, ``mpu``
 = DeepSpeed's ``parallel_state_sp``), the loss and every gradient equal a single process's: each
 sp pair's losses sum to its batch's mean loss, and the gradient is the mean over the dp ranks of
 each batch's gradient. fp64 within 1e-10 for torch's wrappers; ZeRO-3 (its reduction takes no
@@ -34,7 +34,14 @@ from test_sequence_parallel import hf_batch, hf_model, outcome
 
 WORLD, SP = 4, 2
 DP = WORLD // SP
-TORCH_RUNS = ("ddp", "fsdp2", "fsdp2-divide-factor", "hsdp", "fsdp2-over-dp")
+# fsdp2-lora-dropout: PEFT LoRA with dropout (frozen base, adapters sharded), over the
+# flattened mesh: each sp group's seeds are its first rank's, as the single process draws them
+TORCH_RUNS = ("ddp", "fsdp2", "fsdp2-divide-factor", "hsdp", "fsdp2-over-dp", "fsdp2-lora-dropout")
+LORA_DROPOUT = 0.3
+
+
+def layers_of(model):
+    return (model.get_base_model() if hasattr(model, "get_base_model") else model).model.layers
 
 
 def global_batch(d):
@@ -60,7 +67,7 @@ def torch_run(kind, mesh, flat):
     import ckpt_ext
     from ckpt_ext.hf import sequence_parallel as sp
     sp_group = mesh.get_group("sp")
-    model = hf_model()
+    model = hf_model(LORA_DROPOUT if "lora" in kind else None)
     ckpt_ext.patch_llama(model, "balanced", sequence_parallel=sp_group)
     batch = sp.shard_batch(global_batch(mesh.get_local_rank("dp")), sp_group)
     factor = SP  # the wrapper averages over all dp x sp ranks: times SP, the sum over sp
@@ -69,7 +76,7 @@ def torch_run(kind, mesh, flat):
         wrapped = torch.nn.parallel.DistributedDataParallel(model)  # the world: dp x sp
     else:
         shard_mesh = {"hsdp": mesh, "fsdp2-over-dp": mesh["dp"]}.get(kind, flat)
-        for layer in model.model.layers:
+        for layer in layers_of(model):
             fully_shard(layer, mesh=shard_mesh)
         fully_shard(model, mesh=shard_mesh)
         if kind == "fsdp2-divide-factor":  # divide by dp instead of the dp x sp ranks
@@ -79,12 +86,13 @@ def torch_run(kind, mesh, flat):
             factor = 1
         if kind == "fsdp2-over-dp":  # averaged over dp; summed over sp below
             factor = 1
+    torch.manual_seed(77)  # the LoRA dropout seeds (each sp group: its first rank's)
     loss = wrapped(**batch, use_cache=False).loss
     (loss * factor).backward()
     if kind == "fsdp2-over-dp":
         sp.all_reduce_grads(model, sp_group)
     result = (loss.detach(), full_grads(model),
-              [layer.forward.calls["fused"] for layer in model.model.layers])
+              [layer.forward.calls["fused"] for layer in layers_of(model)])
     if kind == "fsdp2":  # the wrapper summed over sp already: summing again is refused
         result += (outcome(lambda m=model: sp.all_reduce_grads(m, sp_group)),)
     del wrapped, model  # DDP's reducer freed while the group lives (tests/test_distributed.py)
@@ -183,7 +191,7 @@ def mesh_ranks(tmp_path_factory):
 
 
 @functools.cache
-def single_process(dtype=torch.float64):
+def single_process(dtype=torch.float64, lora_dropout=None):
     """Each dp rank's batch's loss, and the mean of their gradients: one process, unsharded
     (the same engine: the model patched without sequence_parallel)."""
     from test_distributed import make_model
@@ -191,13 +199,15 @@ def single_process(dtype=torch.float64):
     import ckpt_ext
     losses, grads = [], {}
     for d in range(DP):
-        model = make_model().to(dtype)
+        model = make_model().to(dtype) if lora_dropout is None else hf_model(lora_dropout)
         ckpt_ext.patch_llama(model, "balanced")
+        torch.manual_seed(77)
         loss = model(**global_batch(d), use_cache=False).loss
         (loss / DP).backward()
         losses.append(loss.detach())
         for n, p in model.named_parameters():
-            grads[n] = grads.get(n, 0) + p.grad
+            if p.grad is not None:
+                grads[n] = grads.get(n, 0) + p.grad
     return losses, grads
 
 
@@ -216,9 +226,10 @@ def pair_losses(ranks, got):
 @pytest.mark.parametrize("kind", TORCH_RUNS)
 def test_torch_wrappers_on_dp_x_sp_mesh(mesh_ranks, kind):
     """DDP over the world and FSDP2 (flattened dp x sp, its divide factor, HSDP, over dp with
-    all_reduce_grads over sp): fp64, loss and gradients within 1e-10 of the single process."""
+    all_reduce_grads over sp; PEFT LoRA with dropout over the flattened mesh): fp64, loss and
+    gradients within 1e-10 of the single process."""
     assert [(r["dp"], r["sp"]) for r in mesh_ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    want_losses, want = single_process()
+    want_losses, want = single_process(lora_dropout=LORA_DROPOUT if "lora" in kind else None)
     got = results_of(mesh_ranks, kind)
     for d, (loss, w) in enumerate(zip(pair_losses(mesh_ranks, got), want_losses)):
         torch.testing.assert_close(loss, w, rtol=1e-10, atol=1e-10,
