@@ -328,6 +328,11 @@ HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
 }
 
 
+# torch.compile of the whole patched model: the padding mask gathered and LoRA dropout's seed
+# agreed (ckpt_ext::sp_agree_gather, ckpt_ext::sp_agree); packed documents' position_ids
+COMPILED_CASES = {"compiled-lora-dropout-padded": ("padded", 0.2),
+                  "compiled-packed": ("packed", None)}
+
 ONE_RANK_BAD = {"no-position-ids-rank1": "no-position-ids", "mask-shape-rank1": "mask-shape",
                 "cache-rank1": "cache"}
 
@@ -416,6 +421,43 @@ def _hf_worker(rank, world, init_file, out_dir):
                 return loss, {n: p.grad for n, p in model.named_parameters()
                               if p.grad is not None}, grads, off and off.stats()
             results[key] = outcome(case)
+        # the whole model compiled (aot_eager): the eager step's loss and gradients on this
+        # rank, dynamo's graph breaks counted
+        for key, (kind, dropout) in COMPILED_CASES.items():
+            def compiled(kind=kind, dropout=dropout):
+                from torch._dynamo.utils import counters
+                model = hf_model(dropout)
+                ckpt_ext.patch_llama(model, "balanced", sequence_parallel=group)
+                batch = sp.shard_batch(hf_batch(kind), group)
+                verdicts, agreed = [], sp._verdict  # the group's agreements, counted
+
+                def counted(*args):
+                    verdicts.append(args[1])
+                    return agreed(*args)
+                sp._verdict = counted
+                try:
+                    eager = hf_step(model, batch, seed=77 + 1000 * rank)
+                    eager_verdicts = len(verdicts)
+                    model.zero_grad()
+                    torch._dynamo.reset()
+                    counters.clear()
+                    loss, grads = hf_step(torch.compile(model, backend="aot_eager"), batch,
+                                          seed=77 + 1000 * rank)
+                finally:
+                    sp._verdict = agreed
+                breaks = dict(counters["graph_break"])
+                return eager, (loss, {n.replace("_orig_mod.", ""): g for n, g in grads.items()}), \
+                    breaks, (eager_verdicts, len(verdicts) - eager_verdicts)
+            results[key] = outcome(compiled)
+
+        def compiled_bad_mask():  # rank 1's mask one position short: refused on both, compiled
+            model = hf_model()
+            ckpt_ext.patch_llama(model, sequence_parallel=group)
+            batch = sp.shard_batch(hf_batch("padded"), group)
+            if rank == 1:
+                batch["attention_mask"] = batch["attention_mask"][:, :-1]
+            return hf_step(torch.compile(model, backend="aot_eager"), batch)
+        results["compiled-mask-shape-rank1"] = outcome(compiled_bad_mask)
         # only rank 1's input is bad: both ranks raise at the same point (no rank left waiting
         # in an exchange until the timeout)
         for key, bad in ONE_RANK_BAD.items():
@@ -505,6 +547,45 @@ def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
             assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
             if key in ("no-position-ids-rank1", "cache-rank1"):
                 assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]
+
+
+@linux_only
+def test_compiled_hf_model_two_ranks(hf_ranks):
+    """torch.compile (aot_eager) of a model patched with sequence_parallel= on 2 gloo ranks:
+    no graph break (the group's agreements and mask gathers are custom ops, opaque to dynamo),
+    every agreement kept in the graph, each rank's loss and gradients equal its eager step's
+    (the same seeds), and the ranks' sum the single process's (1e-10), with a padding mask and
+    LoRA dropout, and with packed documents. Bad input on rank 1 only raises on both."""
+    import ckpt_ext
+    for key, (kind, dropout) in COMPILED_CASES.items():
+        model = hf_model(dropout)
+        ckpt_ext.patch_llama(model, "balanced")
+        want_loss, want = hf_step(model, hf_batch(kind))
+        for r, res in enumerate(hf_ranks):
+            assert res[key][0] == "ok", f"{key}: rank {r} raised {res[key][1:]}"
+            (eager_loss, eager), (loss, grads), breaks, verdicts = res[key][1]
+            print(f"{key}, rank {r}: graph breaks {sum(breaks.values())} {breaks}; the group's "
+                  f"agreements per step, eager and compiled: {verdicts}")
+            assert not breaks, f"{key}: rank {r}: graph breaks {breaks}"
+            # the forward's and each layer's: none dropped from the graph (a layer's result is
+            # unused without LoRA dropout)
+            assert verdicts == (3, 3), f"{key}: rank {r}: agreements {verdicts}"
+            torch.testing.assert_close(loss, eager_loss, rtol=1e-12, atol=1e-12)
+            assert grads.keys() == eager.keys() == want.keys(), key
+            for n, g in eager.items():
+                torch.testing.assert_close(grads[n], g, rtol=1e-12, atol=1e-12,
+                                           msg=lambda m, n=n, r=r, key=key:
+                                           f"{key} rank {r} {n}: {m}")
+        losses = [res[key][1][1][0] for res in hf_ranks]
+        torch.testing.assert_close(sum(losses), want_loss, rtol=1e-10, atol=1e-10)
+        for n, w in want.items():  # the ranks' shares summed
+            torch.testing.assert_close(sum(res[key][1][1][1][n] for res in hf_ranks), w,
+                                       rtol=1e-10, atol=1e-10,
+                                       msg=lambda m, n=n, key=key: f"{key} {n}: {m}")
+    for r, res in enumerate(hf_ranks):  # only rank 1's mask is bad: both raise, compiled
+        got = res["compiled-mask-shape-rank1"]
+        assert got[0] == "raised" and "every rank passes attention_mask of the same shape" \
+            in got[2], f"rank {r}: {got}"
 
 
 @linux_only

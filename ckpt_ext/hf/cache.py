@@ -10,8 +10,6 @@ and every read or write of an output's cache goes through here.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any, Mapping
 
 # Every keyword under which a supported transformers version passes a KV cache to a model,
@@ -26,12 +24,13 @@ def uses_cache(kwargs: Mapping[str, Any]) -> bool:
                                                 for k in CACHE_KEYWORDS)
 
 
-@functools.lru_cache(maxsize=None)
 def _output_cache_field() -> str:
-    """The field of transformers' model outputs that holds the cache in this version."""
+    """The field of transformers' model outputs that holds the cache in this version (read off
+    the dataclass's field table, which torch.compile traces; ``dataclasses.fields`` it does
+    not: a graph break at every patched model's output)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
-    return "cache" if "cache" in names else "past_key_values"
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
+        else "past_key_values"
 
 
 def output_cache(outputs) -> Any:

@@ -770,7 +770,9 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     and the layers past ``offload_limit``) fits ``activation_budget`` (see docs/offload.md).
     ``sequence_parallel``: a ``torch.distributed`` group over which every sequence is split
     (Ulysses, inside the fused layers: ``ckpt_ext.hf.sequence_parallel``, whose
-    ``shard_batch`` cuts the batch); every layer must be fused.
+    ``shard_batch`` cuts the batch); every layer must be fused. Its ranks' gradients are their
+    tokens' shares: ``all_reduce_grads`` sums them, or, under DDP / FSDP2 / ZeRO-3 over a
+    data-parallel x sequence-parallel mesh, the loss's factor that module's docstring gives.
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""

@@ -11,14 +11,28 @@ that each rank attends over the whole sequence for num_heads/N heads (csrc/ulyss
 rest of the layer stays on the rank's tokens. The fused head's loss over the rank's tokens,
 divided by the global ``num_items_in_batch``, is the rank's share of the batch's mean loss:
 the shares sum to it over the group, and so do the gradients: ``all_reduce_grads(model,
-group)`` sums the parameter gradients over the group after backward (under DDP over a
-data-parallel x sequence-parallel world, multiply the loss by N instead: DDP averages).
+group)`` sums the parameter gradients over the group after backward.
+
+With data parallelism as well (a (dp, sp) device mesh, ``group = mesh.get_group("sp")``, one
+global batch per dp index): a wrapper that reduces over every dp x sp rank averages over all of
+them, so multiply the loss by N instead of calling ``all_reduce_grads``: DDP over the world,
+FSDP2 ``fully_shard`` over the flattened mesh (or call ``set_gradient_divide_factor(dp)`` on
+every FSDP module and keep the loss), HSDP over the 2-D mesh, DeepSpeed ZeRO-3 with
+``mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp`` (its default reduce-scatter;
+its all-reduce path, taken with ``"reduce_scatter": false`` for buckets within
+``reduce_bucket_size``, divides by dp itself: factor 1 there). FSDP2 over the dp ranks only:
+factor 1, then ``all_reduce_grads`` (it sums the shards). docs/distributed.md has the table.
+
+Under ``torch.compile`` the agreements and mask gathers below are custom ops
+(``ckpt_ext::sp_agree``, ``ckpt_ext::sp_agree_gather``) that run eagerly inside the graph:
+a compiled model has no graph break on their account.
 
 What the hooks do per forward (``masks`` and ``same_seed`` below): the padding mask and the
-packed-document ids are decided on the whole batch (one all-gather of the 2-D attention mask
-and of the position_ids each), so that every rank passes the op the same kinds of tensors; the
-LoRA dropout seed drawn per layer call is rank 0's on every rank (one broadcast, only with
-dropout), and the op hashes its masks on global token rows. A fused layer under
+packed-document ids are decided on the whole batch (after the forward's agreement, one
+all-gather: of the 2-D attention mask, or without one of the position_ids), so that every rank
+passes the op the same kinds of tensors; the LoRA dropout seed drawn per layer call is the
+group's first rank's on every rank (it rides on the layer call's agreement record), and the op
+hashes its masks on global token rows. A fused layer under
 ``sequence_parallel`` never falls back to HF's forward (that would attend over the rank's
 tokens only): a reason to fall back raises instead.
 """
@@ -60,6 +74,7 @@ def group_name(group) -> str:
     if dist.get_rank(group) < 0:
         raise ValueError("patch_llama: sequence_parallel is a group this rank does not belong "
                          f"to (global rank {dist.get_rank()})")
+    _RANK_SIZE[group.group_name] = (dist.get_rank(group), group.size())
     return group.group_name
 
 
@@ -98,23 +113,29 @@ def _device(name: str) -> torch.device:
         if _dist().get_backend(_group(name)) == "nccl" else torch.device("cpu")
 
 
-def agree(name: str, error: Optional[BaseException] = None,
-          fields: Optional[Mapping[str, tuple]] = None, value: int = 0) -> int:
-    """Every rank of group ``name`` at the same refusal point: one all-gather of this rank's
-    ``error`` (None: it found none), its ``fields`` (what must match over the group: the same
-    names and counts on every rank) and ``value``. Raises on every rank the first refusing
-    rank's error (its type, its message, the rank named), or, when none refused, a ValueError
-    naming the first field that differs and each rank's values. Returns rank 0's ``value``."""
-    fields = dict(fields or {})
-    kind = 0 if error is None else next(
-        (i for i, k in enumerate(_KINDS) if k is not None and isinstance(error, k)), 4)
-    flat = [kind, int(value)] + [int(v) for vs in fields.values() for v in vs]
-    text = b"" if error is None else str(error).encode()[:_MESSAGE_BYTES - 4]
+# This rank's (rank, size) in each group, by name: read outside compiled code (group_name,
+# patch_llama) so that a compiled forward slices its share with constants.
+_RANK_SIZE: dict = {}
+
+
+def _rank_size(name: str) -> tuple:
+    if name not in _RANK_SIZE:
+        g = _group(name)
+        _RANK_SIZE[name] = (g.rank(), g.size())
+    return _RANK_SIZE[name]
+
+
+def _verdict(head: Tensor, name: str, fields: str, message: str) -> Tensor:
+    """The agreement itself (eager, inside the custom ops below): this rank's record (``head``:
+    kind, value, the field values; then ``message``) all-gathered over group ``name``; raises
+    the first refusing rank's error or the first field that differs (``fields``: JSON
+    one line "count<TAB>what" per field). Returns rank 0's value (0-dim int64)."""
     at_message = _WORDS - _MESSAGE_BYTES // 8
-    if len(flat) > at_message:
+    if head.numel() > at_message:
         raise ValueError(f"sequence_parallel.agree: at most {at_message - 2} field values")
     record = torch.zeros(_WORDS, dtype=torch.int64)
-    record[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
+    record[:head.numel()] = head.to(torch.int64).cpu()
+    text = message.encode()[:_MESSAGE_BYTES - 4]
     if text:
         record.view(torch.uint8)[8 * at_message:8 * at_message + len(text)] = \
             torch.frombuffer(bytearray(text), dtype=torch.uint8)
@@ -131,14 +152,75 @@ def agree(name: str, error: Optional[BaseException] = None,
             raise _KINDS[k](f"{msg} [sequence_parallel: refused on rank {r} of the group's "
                             f"{n} ranks; every rank raises this]")
     at = 2
-    for what, vs in fields.items():
-        cols = every[:, at:at + len(vs)]
+    for line in filter(None, fields.split("\n")):
+        count, what = line.split("\t", 1)
+        count = int(count)
+        cols = every[:, at:at + count]
         if not bool((cols == cols[0]).all()):
             ranks = "; ".join(f"rank {r} {tuple(cols[r].tolist())}" for r in range(n))
             raise ValueError(f"patch_llama(sequence_parallel=...): every rank passes {what}; "
                              f"the ranks passed {ranks}")
-        at += len(vs)
-    return int(every[0, 1])
+        at += count
+    return every[0, 1].clone()
+
+
+# The agreement as custom ops: opaque to torch.compile (no graph break; they run eagerly inside
+# the compiled graph, collectives and raise included), registered as ordered side effects, so
+# that a compiled graph keeps one whose result goes unused (a layer's agreement without LoRA
+# dropout; a pure op would be dropped) and keeps them in program order.
+@torch.library.custom_op("ckpt_ext::sp_agree", mutates_args=())
+def _agree_op(head: Tensor, group: str, fields: str, message: str) -> Tensor:
+    return _verdict(head, group, fields, message)
+
+
+@_agree_op.register_fake
+def _(head, group, fields, message):
+    return head.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("ckpt_ext::sp_agree_gather", mutates_args=())
+def _agree_gather_op(head: Tensor, tokens: Tensor, group: str, fields: str,
+                     message: str) -> Tensor:
+    """The agreement, then ``tokens`` (B, S/N) of every rank gathered to (B, S)."""
+    _verdict(head, group, fields, message)
+    return _gather_tokens(tokens, group)
+
+
+@_agree_gather_op.register_fake
+def _(head, tokens, group, fields, message):
+    return tokens.new_empty((tokens.shape[0], _rank_size(group)[1] * tokens.shape[1]))
+
+
+if hasattr(torch.library, "_register_effectful_op"):  # torch >= 2.10
+    for _op in ("ckpt_ext::sp_agree", "ckpt_ext::sp_agree_gather"):
+        torch.library._register_effectful_op(_op, torch.library.EffectType.ORDERED)
+
+
+def _head(error, fields: Mapping[str, tuple], value) -> tuple:
+    """(record head, fields as text, message) for the ops above; ``value`` an int or a 0-dim
+    integer tensor (traced under torch.compile)."""
+    kind = 0 if error is None else next(
+        (i for i, k in enumerate(_KINDS) if k is not None and isinstance(error, k)), 4)
+    values = [int(v) for vs in fields.values() for v in vs]
+    if isinstance(value, Tensor):
+        head = torch.cat([torch.tensor([kind], dtype=torch.int64),
+                          value.reshape(1).to(torch.int64),
+                          torch.tensor(values, dtype=torch.int64)])
+    else:
+        head = torch.tensor([kind, int(value)] + values, dtype=torch.int64)
+    spec = "\n".join(f"{len(vs)}\t{what}" for what, vs in fields.items())
+    return head, spec, "" if error is None else str(error)
+
+
+def agree(name: str, error: Optional[BaseException] = None,
+          fields: Optional[Mapping[str, tuple]] = None, value: int = 0) -> int:
+    """Every rank of group ``name`` at the same refusal point: one all-gather of this rank's
+    ``error`` (None: it found none), its ``fields`` (what must match over the group: the same
+    names and counts on every rank) and ``value``. Raises on every rank the first refusing
+    rank's error (its type, its message, the rank named), or, when none refused, a ValueError
+    naming the first field that differs and each rank's values. Returns rank 0's ``value``."""
+    head, spec, message = _head(error, dict(fields or {}), value)
+    return int(torch.ops.ckpt_ext.sp_agree(head, name, spec, message))
 
 
 def refuse(name: str, error: BaseException):
@@ -175,35 +257,41 @@ def masks(name: str, attention_mask, position_ids) -> BatchMasks:
                            "(B, S/N), the global positions of this rank's tokens "
                            "(ckpt_ext.hf.sequence_parallel.shard_batch gives them); got "
                            f"{None if position_ids is None else tuple(position_ids.shape)}")
-    agree(name, error, {
+    fields = {
         "attention_mask of the same shape (present, dims, sizes)": _shape(attention_mask),
         "position_ids of the same shape and dtype (present, dims, sizes, dtype code)":
-            _shape(position_ids) + (_dtype_code(position_ids),)})
+            _shape(position_ids) + (_dtype_code(position_ids),)}
+    padding = isinstance(attention_mask, Tensor) and attention_mask.dim() == 2
+    if error is not None or (attention_mask is not None and not padding):
+        agree(name, error, fields)  # raises, or a custom mask (not gathered)
+        if error is None:
+            return describe(attention_mask, None, compiling=False)
+    # one all-gather: the 2-D padding mask, or without one the position_ids (packed documents)
+    head, spec, _ = _head(None, fields, 0)
+    whole = torch.ops.ckpt_ext.sp_agree_gather(
+        head, attention_mask.to(torch.int32) if padding else position_ids, name, spec, "")
+    compiling = torch.compiler.is_compiling()
     s = position_ids.shape[1]
-    rank = _group(name).rank()
-    share = slice(rank * s, (rank + 1) * s)
-    whole = describe(None if attention_mask is None else
-                     (_gather_tokens(attention_mask.to(torch.int32), name)
-                      if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2
-                      else attention_mask),
-                     None, compiling=False)
-    if whole.custom is not None:
-        return whole
-    kpm = whole.key_padding_mask
-    seg = packed_segment_ids(_gather_tokens(position_ids, name), compiling=False) \
-        if attention_mask is None else None
-    return BatchMasks(key_padding_mask=None if kpm is None else kpm[:, share].contiguous(),
-                      segment_ids=None if seg is None else seg[:, share].contiguous())
+    rank = _rank_size(name)[0]
+    if padding:
+        kpm = describe(whole, None, compiling).key_padding_mask
+        return BatchMasks(key_padding_mask=None if kpm is None else
+                          kpm[:, rank * s:(rank + 1) * s].contiguous())
+    seg = packed_segment_ids(whole, compiling)
+    return BatchMasks(segment_ids=None if seg is None else
+                      seg[:, rank * s:(rank + 1) * s].contiguous())
 
 
 def same_seed(seed: Optional[Tensor], name: str,
               error: Optional[BaseException] = None) -> Optional[Tensor]:
     """A decoder layer's refusal point (``agree``; every layer call of every rank comes here,
     or to ``refuse``), ``error`` this rank's refusal of the call (None: none): the LoRA
-    dropout seed of the group's first rank, on every rank."""
-    first = agree(name, error, {"LoRA dropout (a seed drawn or not)": (seed is not None,)},
-                  value=0 if seed is None else int(seed))
-    return None if seed is None else torch.tensor(first, dtype=seed.dtype)
+    dropout seed of the group's first rank, on every rank (a tensor all along, so that a
+    compiled model traces it)."""
+    head, spec, message = _head(error, {"LoRA dropout (a seed drawn or not)": (seed is not None,)},
+                                0 if seed is None else seed)
+    first = torch.ops.ckpt_ext.sp_agree(head, name, spec, message)
+    return None if seed is None else first.to(seed.dtype)
 
 
 def shard_batch(batch: Mapping, group, *, ignore_index: int = -100,
@@ -264,11 +352,32 @@ def shard_batch(batch: Mapping, group, *, ignore_index: int = -100,
 
 def all_reduce_grads(model: torch.nn.Module, group) -> None:
     """Sum every parameter gradient of ``model`` over ``group`` (after backward): each rank's
-    gradients are its tokens' share."""
+    gradients are its tokens' share. Under FSDP2 over the data-parallel ranks only (``fully_shard``
+    over a mesh's "dp" dimension; every rank of ``group`` holds the same shards) the local
+    shards are summed. Not for a wrapper that already reduces over ``group`` (DDP or FSDP2 over
+    every rank, HSDP over a (dp, sp) mesh: multiply the loss by N instead): a gradient sharded
+    over a mesh that holds other ranks of ``group`` raises ValueError (on every rank alike)."""
     dist = _dist()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+    members = set(dist.get_process_group_ranks(group))
+    me = dist.get_rank()
+    for n, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        mesh = getattr(g, "device_mesh", None)
+        if mesh is not None:  # a DTensor (FSDP2): its mesh must not reduce over the group
+            shared = sorted(members & set(mesh.mesh.flatten().tolist()) - {me})
+            if shared:
+                raise ValueError(
+                    f"all_reduce_grads: the gradient of {n} is a DTensor over a device mesh "
+                    f"that holds ranks {shared} of the sequence_parallel group as well "
+                    f"(FSDP2 over every rank, or HSDP over a (dp, sp) mesh), so the wrapper "
+                    f"already reduced it over the group: do not call all_reduce_grads; multiply "
+                    f"the loss by the group's size {len(members)} instead (or call "
+                    f"set_gradient_divide_factor(dp size) on every FSDP module)")
+            with torch.no_grad():
+                g = g.to_local()  # the shard itself, reduced in place
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
 
 
 def check_patch(group, presets) -> str:
