@@ -592,8 +592,8 @@ def assert_f64_stats(got, ref):
 
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
-@pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
-@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("preset,padded", [("fast", False), ("balanced", True),
+                                           ("min_memory", True)])
 def test_router_stats_fp64(preset, routing, padded):
     """router_stats=True: the op's second output is HF's load-balancing statistics of the
     layer's tokens (3, E), weighted by the key padding mask, and a loss on them adds its
