@@ -17,7 +17,9 @@ Llama and the families like it pass the logits on as they are, Granite divides t
 ``config.final_logit_softcapping`` when it is set (the op's ``softcap``); the MoE CausalLMs
 (Qwen2/3-MoE, Mixtral, OLMoE) pass them on as they are and, with ``output_router_logits``, add
 ``router_aux_loss_coef`` times transformers' load-balancing loss of the router logits the
-fused layers return (ckpt_ext.hf.moe.aux_loss), as their forward does. A model whose forward
+fused layers return (ckpt_ext.hf.moe.aux_loss), as their forward does; with
+``patch_llama(router_aux_loss="fused")`` the same loss of the (3, E) statistics the fused MoE
+layers return instead of their logits (ckpt_ext.hf.moe.load_balancing_loss). A model whose forward
 is not one of those (a subclass with a forward of its own, another family) keeps HF's head,
 with the reason.
 
