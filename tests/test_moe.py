@@ -669,6 +669,37 @@ def test_router_stats_float32_and_compile():
                                ref[3]["mlp.gate.weight"], rtol=1e-4, atol=1e-5)
 
 
+def test_router_stats_under_autocast_reduce_the_logits():
+    """bfloat16 autocast: the statistics are float32 and are exactly what HF's loss function
+    reduces the op's own bfloat16 router logits to (top-k counts equal; the sums to float32
+    rounding); their gradient into the router weight is that of the same loss on the logits
+    within float32 rounding."""
+    x, weights, pe, dy, kw = moe_case(torch.float32, "mixtral", hidden=16, inter=8, experts=4,
+                                      k=2, seed=12)
+    mask = left_padding(2, 9, seed=13)
+    c = torch.randn(4, generator=torch.Generator().manual_seed(14))
+    grads = []
+    for stats_mode in (True, False):
+        w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+        o = blocks.LayerOptions(weights=w, **rope_args(pe), key_padding_mask=mask,
+                                router_stats=stats_mode, router_logits=not stats_mode, **kw)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the op only
+            y, second = blocks.decoder_layer(x, o)
+        if stats_mode:
+            stats = second
+        else:
+            assert second.dtype == torch.bfloat16
+            second = stats_reference(second.float(), 2, mask)
+            want = second.detach()
+        stats_loss(y, second, dy, c, use_y=False).backward()
+        grads.append(w["mlp.gate.weight"].grad)
+    assert stats.dtype == torch.float32
+    assert torch.equal(stats[0], want[0]) and torch.equal(stats[2], want[2])
+    torch.testing.assert_close(stats[1], want[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    assert grads[0].abs().max() > 0
+
+
 @pytest.mark.parametrize("bad", ["with_logits", "attention", "drouter_shape"])
 def test_router_stats_refusals(bad):
     """router_stats with router_logits, on a part without the MLP, and a statistics gradient
