@@ -62,8 +62,8 @@ def main(argv=None) -> int:
                              f"{plan.format_bytes(state)} | {name} | `{setup}` + offload | "
                              f"{S:,} | {plan.format_bytes(p.peak)} | "
                              f"{plan.format_bytes(p.host)} |")
-    lines += ["", "| router aux loss | setup | longest S | device peak | host bytes | kept for "
-              "the loss at that S |", "|---|---|---|---|---|---|"]
+    lines += ["", ("| router aux loss | setup | longest S | device peak | host bytes | kept for "
+                   "the loss at that S |"), "|---|---|---|---|---|---|"]
     state = plan.model_state_bytes(layers, V, dt, "lora")
     headroom = plan.headroom_bytes(memory)
     for mode in ("exact", "fused"):

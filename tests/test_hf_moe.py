@@ -418,7 +418,7 @@ def test_fused_router_aux_loss_refusals(case, match):
         model = tiny_model("llama", {**BASE})
     else:
         model = make("qwen3_moe", output_router_logits=True)
-    kw = dict(router_aux_loss="fused")
+    kw = {"router_aux_loss": "fused"}
     if case == "mode":
         kw["router_aux_loss"] = "approximate"
     elif case == "hf_head":

@@ -551,8 +551,8 @@ def run_stats_reference(x, weights, pe, dy, kw, part, c, mask=None, use_y=True):
     x = x.clone().requires_grad_()
     w = {n: t.clone().requires_grad_() for n, t in weights.items()}
     record = []
-    moe = dict(k=kw["num_experts_per_tok"], router=kw["router"],
-               norm_topk_prob=kw["norm_topk_prob"], record=record)
+    moe = {"k": kw["num_experts_per_tok"], "router": kw["router"],
+           "norm_topk_prob": kw["norm_topk_prob"], "record": record}
     y = reference_layer(w, x, *pe, mask if part == "layer" else None, NH, NKV, part=part,
                         moe=moe)
     (logits,) = record

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -258,7 +259,7 @@ def load_balancing_loss(stats: Sequence, num_experts: int):
 
 
 def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logits,
-             stats: Optional[list] = None):
+             stats: list | None = None):
     """(loss, aux_loss) as the MoE CausalLM forwards of transformers 5 make them from the bare
     model's ``outputs``: with ``output_router_logits``, aux_loss = load_balancing_loss_func(
     outputs.router_logits, num_experts, num_experts_per_tok, attention_mask) (transformers'
