@@ -5,7 +5,11 @@ B 1, one 80 GiB GPU, offload with 256 GiB of host memory: per fused preset, the 
 sequence with the plan's headroom (the CUDA context, 1 GiB, and 5% for the allocator's
 fragmentation) and with the CUDA context alone, without and with LoRA r 16 on the routed
 experts (PEFT's ``target_parameters``: the factors the fused op is given, their state bytes).
-A model of the engine (``ckpt_ext.plan``), not a measurement: it needs no GPU.
+Then, with ``output_router_logits=True`` (HF's load-balancing loss) and no expert LoRA, the
+longest sequence per fused preset with the plan's headroom when every MoE layer keeps its
+(tokens, experts) logits and HF's softmax of them (``router_aux_loss="exact"``) and when it
+keeps only its (3, experts) statistics (``"fused"``). A model of the engine
+(``ckpt_ext.plan``), not a measurement: it needs no GPU.
 
     python bench/plan_moe.py --out bench/results/plan_moe.txt
 
@@ -14,6 +18,7 @@ The output: provenance lines, then a Markdown table (docs/hf.md quotes it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 
@@ -57,8 +62,24 @@ def main(argv=None) -> int:
                              f"{plan.format_bytes(state)} | {name} | `{setup}` + offload | "
                              f"{S:,} | {plan.format_bytes(p.peak)} | "
                              f"{plan.format_bytes(p.host)} |")
+    lines += ["", ("| router aux loss | setup | longest S | device peak | host bytes | kept for "
+                   "the loss at that S |"), "|---|---|---|---|---|---|"]
+    state = plan.model_state_bytes(layers, V, dt, "lora")
+    headroom = plan.headroom_bytes(memory)
+    for mode in ("exact", "fused"):
+        aux = [dataclasses.replace(x, router_logits=True, router_aux_loss=mode) for x in layers]
+        for setup in plan.OFFLOAD_SETUPS:
+            S = plan.longest_sequence_offload(setup, aux, V, 1, dt, memory, host, "lora",
+                                              headroom=headroom)
+            p = plan.offload_step_peak(setup, aux, V, 1, max(S, 1), dt, train_weights=False,
+                                       host_limit=host)
+            assert state + p.peak + headroom <= memory, (mode, setup, S)
+            kept = plan.router_logits_bytes(aux, max(S, 1), dt)
+            lines.append(f"| {mode} | `{setup}` + offload | {S:,} | "
+                         f"{plan.format_bytes(p.peak)} | {plan.format_bytes(p.host)} | "
+                         f"{plan.format_bytes(kept)} |")
     write_plan_result(a.out, f"Qwen3-30B-A3B, LoRA r 16 on the attention (bf16 base), "
-                      f"output_router_logits=False, B 1, bf16, {a.device_memory} device, host "
+                      f"output_router_logits=False (then True: exact and fused aux loss), B 1, bf16, {a.device_memory} device, host "
                       f"{a.host_memory}, offload (cuda path)", lines)
     return 0
 

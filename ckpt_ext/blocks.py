@@ -136,11 +136,14 @@ def _residual(name: str, x, a) -> Tensor:
 
 def _router_logits(x, a) -> Tensor:
     """The op's second output: an MoE layer's router logits (B*S, E) in the compute dtype with
-    ``router_logits``, else an empty (0,) tensor."""
-    if not a.router_logits:
+    ``router_logits``, its (3, E) load-balancing statistics (float32, float64 for float64) with
+    ``router_stats``, else an empty (0,) tensor."""
+    if not (a.router_logits or a.router_stats):
         return x.new_empty(0)
     act = a.compute_dtype if a.compute_dtype is not None else x.dtype
     experts = a.weights[_SLOT_INDEX["mlp.gate.weight"]].shape[0]
+    if a.router_stats:
+        return x.new_zeros(3, experts, dtype=torch.promote_types(act, torch.float32))
     return x.new_empty(x.shape[0] * x.shape[1], experts, dtype=act)
 
 
@@ -179,7 +182,11 @@ def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **change
 
     Returns the layer's output (B, S, H); with ``router_logits=True`` (an MoE MLP) the pair
     ``(output, router_logits)``, the router's logits (B*S, E) as HF's router returns them,
-    differentiable.
+    differentiable; with ``router_stats=True`` the pair ``(output, stats)``, the (3, E)
+    statistics of HF's load-balancing loss over the layer's tokens (weighted by
+    ``key_padding_mask``): the top-k counts, the softmax probability sums (differentiable) and
+    the token count in every column (csrc/moe_math.h ``router_stats``;
+    ``ckpt_ext.hf.moe.load_balancing_loss`` makes the loss of them).
     """
     if options is None or changes:
         unknown = set(changes) - set(LAYER_ARGS)
@@ -190,7 +197,7 @@ def decoder_layer(x: Tensor, options: Optional[LayerOptions] = None, /, **change
     if x.is_cuda and not torch.compiler.is_compiling():
         _note_cuda_sms(x.device.index)
     y, logits = _ops.decoder_layer(x, *options.op_args())
-    return (y, logits) if options.router_logits else y
+    return (y, logits) if options.router_logits or options.router_stats else y
 
 
 @functools.lru_cache(maxsize=None)

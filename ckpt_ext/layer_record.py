@@ -34,8 +34,10 @@ class LayerDims:
     A mixture-of-experts layer has ``experts`` > 0 routed SwiGLU experts of
     ``expert_intermediate_size`` each, ``top_k`` of them per token; its
     ``intermediate_size`` is then its shared expert's (Qwen2-MoE), 0 when it has none.
-    ``router_logits``: the layer returns its (tokens, experts) router logits for the step's
-    load-balancing loss (HF's ``output_router_logits``), which the plan counts."""
+    ``router_logits``: the step makes HF's load-balancing loss (HF's ``output_router_logits``),
+    which the plan counts: with ``router_aux_loss`` "exact" the layer returns its (tokens,
+    experts) router logits for it, with "fused" (``patch_llama(router_aux_loss="fused")``) its
+    (3, experts) float32 statistics only."""
 
     hidden_size: int
     num_heads: int
@@ -48,6 +50,7 @@ class LayerDims:
     top_k: int = 0
     expert_intermediate_size: int = 0
     router_logits: bool = False
+    router_aux_loss: str = "exact"
 
     def __post_init__(self):
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -68,9 +71,13 @@ class LayerDims:
             if self.expert_intermediate_size <= 0:
                 raise ValueError("LayerDims: expert_intermediate_size must be a positive int "
                                  f"with experts, got {self.expert_intermediate_size}")
-        elif self.top_k or self.expert_intermediate_size or self.router_logits:
-            raise ValueError("LayerDims: top_k, expert_intermediate_size and router_logits "
-                             "need experts > 0 (a mixture-of-experts layer)")
+        elif self.top_k or self.expert_intermediate_size or self.router_logits \
+                or self.router_aux_loss != "exact":
+            raise ValueError("LayerDims: top_k, expert_intermediate_size, router_logits and "
+                             "router_aux_loss need experts > 0 (a mixture-of-experts layer)")
+        if self.router_aux_loss not in ("exact", "fused"):
+            raise ValueError("LayerDims: router_aux_loss must be 'exact' or 'fused', got "
+                             f"{self.router_aux_loss!r}")
 
     @property
     def moe(self) -> bool:

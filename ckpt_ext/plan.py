@@ -165,11 +165,13 @@ def ffn_row_width(d: LayerDims) -> int:
 
 
 def router_logits_bytes(layers: Sequence[LayerDims], T: int, dtype) -> int:
-    """What the layers returning their router logits (``LayerDims.router_logits``) keep
-    through the step: each one's (T, E) logits in ``dtype`` and the same-size softmax of HF's
-    load-balancing loss."""
+    """What the layers of a step with HF's load-balancing loss (``LayerDims.router_logits``)
+    keep through it for that loss: with ``router_aux_loss`` "exact" each one's (T, E) logits in
+    ``dtype`` and the same-size softmax of HF's loss function; with "fused" its (3, E) float32
+    statistics (csrc/moe_math.h ``router_stats``)."""
     e = _dtype(dtype).itemsize
-    return sum(2 * e * T * x.experts for x in layers if x.router_logits)
+    return sum(2 * e * T * x.experts if x.router_aux_loss == "exact" else 3 * 4 * x.experts
+               for x in layers if x.router_logits)
 
 
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,

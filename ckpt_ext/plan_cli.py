@@ -205,6 +205,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="an MoE model returns its router logits for the load-balancing loss "
                          "(default: the config's output_router_logits): (tokens, experts) a "
                          "layer and HF's softmax of them, kept through the step")
+    ap.add_argument("--router-aux-loss", choices=("exact", "fused"), default="exact",
+                    help="with router logits on: 'exact' (default) keeps every MoE layer's "
+                         "logits as above; 'fused' (patch_llama(router_aux_loss='fused')) "
+                         "keeps only each layer's (3, experts) float32 statistics of the loss")
     ap.add_argument("--expert-lora-rank", type=_bounded_int(1 << 16), default=0,
                     help="with --weights lora: LoRA rank on the routed experts too (PEFT's "
                          "target_parameters); 0 (default): attention and shared experts only")
@@ -277,6 +281,15 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _router_note(d) -> str:
+    """What an MoE layer keeps for the load-balancing loss, in words."""
+    if not d.router_logits:
+        return "not returned"
+    if d.router_aux_loss == "fused":
+        return "fused aux loss: (3, experts) statistics a layer, no (tokens, experts) logits"
+    return "kept (output_router_logits)"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -326,6 +339,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error("argument --router-logits: the config has no experts")
         layers = [dataclasses.replace(x, router_logits=args.router_logits) if x.moe else x
                   for x in layers]
+    if args.router_aux_loss == "fused":
+        if not any(x.moe and x.router_logits for x in layers):
+            ap.error("argument --router-aux-loss: 'fused' applies to a config with experts and "
+                     "router logits on (output_router_logits, or --router-logits)")
+        layers = [dataclasses.replace(x, router_aux_loss="fused") if x.moe else x
+                  for x in layers]
     if args.expert_lora_rank and (args.weights != "lora" or not any(x.moe for x in layers)):
         ap.error("argument --expert-lora-rank: applies with --weights lora to a config with "
                  "experts")
@@ -364,7 +383,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"mixture of experts: {len(moe)} of {L} layers, {m.experts} experts of I "
               f"{m.expert_intermediate_size}, top-k {m.top_k}, shared expert I "
               f"{m.intermediate_size or 'none'}; router logits "
-              f"{'kept (output_router_logits)' if m.router_logits else 'not returned'}"
+              f"{_router_note(m)}"
               + (f"; expert LoRA r {args.expert_lora_rank}" if args.expert_lora_rank else "")
               + "; HF checkpointing's step is not modelled for experts (bench/moe.py measures "
               "it)")

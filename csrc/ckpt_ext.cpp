@@ -112,13 +112,15 @@ TORCH_LIBRARY(ckpt_ext, m) {
 
   // ---- the fused decoder layer (csrc/layer_spec.h: its arguments, spelled once) ----------
   // x (B, S, H), then LAYER_SCHEMA: the arguments listed and described in that header.
-  // router_logits: an MoE layer's router logits (B*S, E) with the option router_logits (a
-  // differentiable output), else an empty (0,) tensor.
+  // router_logits: an MoE layer's router logits (B*S, E) with the option router_logits, or
+  // its (3, E) load-balancing statistics with router_stats (a differentiable output), else an
+  // empty (0,) tensor.
   m.def("decoder_layer(Tensor x" LAYER_SCHEMA ") -> (Tensor y, Tensor router_logits)");
   // The forward and backward of decoder_layer as opaque ops (what torch.compile sees): the
   // forward returns the preset's residuals, the backward recomputes the rest. needs_grad: one
   // flag per weight slot; slots without a gradient come back as empty (0,) tensors;
-  // drouter_logits: the gradient of the forward's router_logits (None: none reached them).
+  // drouter_logits: the gradient of the forward's router_logits output (the logits or the
+  // statistics; None: none reached them).
   m.def("decoder_layer_fwd(Tensor x" LAYER_SCHEMA
         ") -> (Tensor y, Tensor[] saved, Tensor router_logits)");
   m.def("decoder_layer_bwd(Tensor dy, Tensor x" LAYER_SCHEMA_REQUIRED

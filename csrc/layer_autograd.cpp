@@ -68,9 +68,9 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     o.save(ctx);
     ctx->saved_data["present"] = c10::List<int64_t>(present);
     // An output no loss reached gets no gradient tensor (not a materialised zero): the router
-    // logits are (B*S, E), and without router_logits an empty placeholder.
+    // logits are (B*S, E), and without router_logits / router_stats an empty placeholder.
     ctx->set_materialize_grads(false);
-    if (!o.router_logits) ctx->mark_non_differentiable({logits});
+    if (!o.router_logits && !o.router_stats) ctx->mark_non_differentiable({logits});
     return {y, logits};
   }
 
@@ -103,7 +103,9 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
                               ? grad_outputs[0]
                               : at::zeros_like(x, at::MemoryFormat::Contiguous);
     const OptTensor dlogits =
-        o.router_logits && grad_outputs[1].defined() ? OptTensor(grad_outputs[1]) : std::nullopt;
+        (o.router_logits || o.router_stats) && grad_outputs[1].defined()
+            ? OptTensor(grad_outputs[1])
+            : std::nullopt;
     auto [dx, dw] = bwd_op(dy, x LAYER_ARGS_OF(as_list(w, present), t, o), saved, needs,
                            dlogits);
     variable_list grads = {dx};

@@ -314,6 +314,16 @@ void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
                    "router_logits=True needs a mixture-of-experts MLP (num_experts_per_tok > 0) "
                    "and a part that has it ('layer' or 'mlp'), got num_experts_per_tok=",
                    L.num_experts_per_tok, " and part '", L.part, "'");
+  CKPT_CHECK_VALUE(!L.router_stats || (L.moe() && has_mlp(L.part_id)), op,
+                   "router_stats=True needs a mixture-of-experts MLP (num_experts_per_tok > 0) "
+                   "and a part that has it ('layer' or 'mlp'), got num_experts_per_tok=",
+                   L.num_experts_per_tok, " and part '", L.part, "'");
+  CKPT_CHECK_VALUE(!(L.router_stats && L.router_logits), op,
+                   "router_logits and router_stats are exclusive (the op's second output is "
+                   "one of them): ask for the logits, or for the load-balancing statistics");
+  CKPT_CHECK_VALUE(!L.router_stats || L.sequence_parallel.empty(), op,
+                   "router_stats with sequence_parallel is not implemented (each rank would "
+                   "hold its share's sums); use router_logits");
   if (!L.moe()) {
     for (int64_t m = 0; m < kNumMoeSlots; ++m)
       CKPT_CHECK_VALUE(!L.moe_w(static_cast<MoeSlot>(m)).defined(), op, kMoeNames[m],
@@ -552,6 +562,13 @@ at::Tensor router_logits(const Layer& L, const at::Tensor& m) {
   return at::linear(m, L.cast(L.moe_w(kRouter)));
 }
 
+// The load-balancing statistics' token weights of the `n` token rows from global row `row`:
+// the key padding mask's (1 = a real token), undefined (all 1) without one.
+at::Tensor stats_weight(const Layer& L, int64_t row, int64_t n) {
+  if (!L.key_padding_mask) return at::Tensor();
+  return L.key_padding_mask->reshape({-1}).narrow(0, row, n);
+}
+
 // (idx, w) from the router's logits: the router's choice.
 std::tuple<at::Tensor, at::Tensor> moe_route(const Layer& L, const at::Tensor& logits) {
   return moe::route(logits, L.num_experts_per_tok,
@@ -591,10 +608,14 @@ at::Tensor moe_output(const Layer& L, const at::Tensor& m, const at::Tensor& sha
 // undefined without one). shared: the shared expert's output (read with a shared gate only).
 // dlogits_out: the gradient that reached the router logits the op returned (router_logits;
 // undefined: none), added to the routing's own, as autograd sums the two uses of HF's logits.
+// dprob (E,): the gradient that reached the probability sums of router_stats (undefined:
+// none), added through moe::router_stats_backward with the rows' weights stat_w.
 std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor& dy,
                                                 const at::Tensor& m, const at::Tensor& shared,
                                                 const at::Tensor& idx, const at::Tensor& w,
                                                 const at::Tensor& dlogits_out,
+                                                const at::Tensor& dprob,
+                                                const at::Tensor& stat_w,
                                                 const std::vector<bool>& needs, Grads& g) {
   const at::Tensor wr = L.cast(L.moe_w(kRouter));
   // a later token chunk adds its expert gradients into the earlier chunks' sums in place
@@ -626,6 +647,8 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
                           L.norm_topk_prob)
           .to(m.scalar_type());
   if (dlogits_out.defined()) dlogits.add_(dlogits_out.to(m.scalar_type()));
+  if (dprob.defined())
+    dlogits.add_(moe::router_stats_backward(logits, dprob, stat_w).to(m.scalar_type()));
   if (needs[slot(kRouter)]) g.add(slot(kRouter), dlogits.t().mm(m));
   at::Tensor dm = eg.dm.add_(dlogits.mm(wr));
   at::Tensor dshared;
@@ -659,13 +682,15 @@ int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
 // no mask. r's rows are h's (a caller passes mlp_rows of its residuals): an MoE layer's
 // routing and router logits are written there.
 // The rows [t0, t0 + n) of the per-token residuals an MLP call fills or reads (views of r's):
-// fast's gate/up, an MoE layer's routing, its router logits and their gradient.
+// fast's gate/up, an MoE layer's routing, its router logits and their gradient; the router
+// statistics (sums over the tokens) and their gradient whole.
 Residuals mlp_rows(const Residuals& r, int64_t t0, int64_t n) {
   const auto rows = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, t0, n) : t; };
   Residuals rc;
   rc.gate = rows(r.gate), rc.up = rows(r.up);
   rc.topk_idx = rows(r.topk_idx), rc.topk_w = rows(r.topk_w);
   rc.router_logits = rows(r.router_logits), rc.drouter_logits = rows(r.drouter_logits);
+  rc.router_stats = r.router_stats, rc.drouter_stats = r.drouter_stats;  // (3, E): sums
   return rc;
 }
 
@@ -692,6 +717,9 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
     if (L.moe()) {  // route the chunk's tokens (r's rows start at this call's first row)
       const at::Tensor logits = router_logits(L, m);
       if (r.router_logits.defined()) r.router_logits.narrow(0, t0, tc).copy_(logits);
+      if (r.router_stats.defined())
+        r.router_stats.add_(moe::router_stats(logits, L.num_experts_per_tok,
+                                              stats_weight(L, row0 + t0, tc)));
       auto [idx, w] = moe_route(L, logits);
       r.topk_idx.narrow(0, t0, tc).copy_(idx);
       r.topk_w.narrow(0, t0, tc).copy_(w);
@@ -768,9 +796,11 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     OptTensor gate, up;
     if (r.gate.defined()) gate = r.gate.narrow(0, t0, tc), up = r.up.narrow(0, t0, tc);
     // an MoE layer's routing of these rows (r's rows start at this call's first row)
-    at::Tensor idx, w, dlogits;
+    at::Tensor idx, w, dlogits, dprob, stat_w;
     if (L.moe()) idx = r.topk_idx.narrow(0, t0, tc), w = r.topk_w.narrow(0, t0, tc);
     if (r.drouter_logits.defined()) dlogits = r.drouter_logits.narrow(0, t0, tc);
+    if (r.drouter_stats.defined())  // only the probability sums carry a gradient
+      dprob = r.drouter_stats[1], stat_w = stats_weight(L, row0 + t0, tc);
     const at::Tensor m = mlp_input(hc, L);
     at::Tensor dmlp = L.residual_scaled(L.cast(dyc));  // d of the MLP's (normed) output
     // the shared expert's output: for the output norm's backward, and the shared gate's
@@ -791,7 +821,8 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     }
     at::Tensor dm_moe;
     if (L.moe()) {
-      std::tie(dm_moe, dmlp) = moe_backward(L, dmlp, m, shared, idx, w, dlogits, needs, g);
+      std::tie(dm_moe, dmlp) =
+          moe_backward(L, dmlp, m, shared, idx, w, dlogits, dprob, stat_w, needs, g);
       if (!dmlp.defined()) {  // no shared expert: the routed experts' share is all
         const at::Tensor dhn = norm_bwd(L, kPostNorm, dm_moe, hc, needs, g);
         add_dx(dyc, dhn, t0, tc);
@@ -1616,6 +1647,12 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
 
 // ---- the whole call ------------------------------------------------------------------------
 
+// router_stats' (3, E) sums before any token: zeros in float32 (float64 for float64).
+at::Tensor empty_router_stats(const at::Tensor& x, const Layer& L) {
+  return at::zeros({3, L.moe_w(kRouter).size(0)},
+                   x.options().dtype(at::promote_types(L.act_dtype(x), at::kFloat)));
+}
+
 at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   if (L.moe() && has_mlp(L.part_id)) {  // the routing of every token, filled chunk by chunk
     const int64_t t = x.size(0) * x.size(1), k = L.num_experts_per_tok;
@@ -1625,6 +1662,8 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
     if (L.router_logits)  // the op's second output, filled chunk by chunk
       r.router_logits = at::empty({t, L.moe_w(kRouter).size(0)},
                                   x.options().dtype(L.act_dtype(x)));
+    if (L.router_stats)  // or the load-balancing statistics, summed chunk by chunk
+      r.router_stats = empty_router_stats(x, L);
   }
   if (L.part_id == Part::kMlp) return mlp_forward(x, L, L.preset_id == Preset::kFast, r, 0);
   if (!L.sequence_parallel.empty()) return sp_forward(x, L, r);
@@ -1666,6 +1705,7 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
     if (L.router_logits)
       r.router_logits = at::empty({b * s, L.moe_w(kRouter).size(0)},
                                   x.options().dtype(L.act_dtype(x)));
+    if (L.router_stats) r.router_stats = empty_router_stats(x, L);
   }
   return r;
 }
@@ -1744,6 +1784,7 @@ FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS) {
       [&] { return make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op); },
       [](const Layer&) {});
   auto logits_of = [&](const Residuals& r) {
+    if (r.router_stats.defined()) return r.router_stats;
     return r.router_logits.defined() ? r.router_logits : at::empty({0}, x.options());
   };
   if (x.numel() == 0) {
@@ -1778,7 +1819,12 @@ BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARA
       if (needs[s]) g.dw[s] = at::zeros_like(L.at(s));
   } else {
     Residuals r = unpack(saved, L, op);
-    if (drouter_logits && drouter_logits->defined()) {
+    if (drouter_logits && drouter_logits->defined() && L.router_stats) {
+      checks::check_shape(op, "drouter_logits", *drouter_logits,
+                          {3, L.moe_w(kRouter).size(0)},
+                          "(3, num_experts): the forward's router_stats");
+      r.drouter_stats = *drouter_logits;
+    } else if (drouter_logits && drouter_logits->defined()) {
       CKPT_CHECK_VALUE(L.router_logits, op,
                        "drouter_logits is given but router_logits is False (the forward "
                        "returned no router logits)");

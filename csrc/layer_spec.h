@@ -5,7 +5,8 @@
 //                            Autocast and below-autograd kernels
 //
 //   decoder_layer       the user-facing op: (y, router_logits), the second an MoE layer's
-//                       router logits with the option router_logits (else empty). Autocast
+//                       router logits with the option router_logits, its (3, E) load-balancing
+//                       statistics with router_stats (else empty). Autocast
 //                       key: fixes the compute dtype. Autograd key: DecoderLayerFn, which
 //                       calls the two ops below and saves the preset's residuals. Below
 //                       autograd (no grad): the forward alone.
@@ -158,6 +159,13 @@ using OptTensor = std::optional<at::Tensor>;
 //                       router weight and x through the op's backward); computed anyway for
 //                       the routing, they cost one (B*S, E) output, nothing saved. False: the
 //                       op's second output is an empty (0,) tensor
+//   router_stats        an MoE layer returns instead of its logits the O(E) statistics of
+//                       HF's load-balancing loss (moe::router_stats, csrc/moe_math.h): a
+//                       (3, E) tensor in float32 (float64 for a float64 compute dtype), the
+//                       key_padding_mask-weighted sums over its tokens of the top-k counts, of
+//                       the softmax probabilities (differentiable: the backward adds their
+//                       gradient to the router's, recomputing the logits per chunk) and of
+//                       the token weights. Excludes router_logits; not with sequence_parallel
 //   part                "layer" | "attention" | "mlp"
 //   preset              "fast" | "balanced" | "min_memory": what forward keeps
 #define CKPT_DECODER_LAYER_ARGS(X, ...)                                                  \
@@ -190,6 +198,7 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "str", c10::string_view, router, "=\"softmax\"", __VA_ARGS__)                  \
   X(OPTION, "bool", bool, norm_topk_prob, "=False", __VA_ARGS__)                            \
   X(OPTION, "bool", bool, router_logits, "=False", __VA_ARGS__)                             \
+  X(OPTION, "bool", bool, router_stats, "=False", __VA_ARGS__)                              \
   X(OPTION, "str", c10::string_view, part, "=\"layer\"", __VA_ARGS__)                       \
   X(OPTION, "str", c10::string_view, preset, "=\"balanced\"", __VA_ARGS__)
 
@@ -472,6 +481,9 @@ struct Residuals {
   // Never kept: with router_logits, the forward's (B*S, E) router logits (an output of the
   // op) and, in the backward, their gradient (undefined when none reached them).
   at::Tensor router_logits, drouter_logits;
+  // With router_stats: the forward's (3, E) statistics (summed chunk by chunk) and, in the
+  // backward, their gradient (undefined when none reached them).
+  at::Tensor router_stats, drouter_stats;
 };
 
 using Member = at::Tensor Residuals::*;
@@ -501,13 +513,14 @@ inline const char* residual_name(Member m) {
 
 // ---- the two ops (csrc/layer_math.cpp) -----------------------------------------------------
 
-// (y, saved, router_logits): router_logits (B*S, E) with the option router_logits, else an
-// empty (0,) tensor.
+// (y, saved, router_logits): router_logits (B*S, E) with the option router_logits, the (3, E)
+// statistics with router_stats, else an empty (0,) tensor.
 using FwdResult = std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor>;
 using BwdResult = std::tuple<at::Tensor, std::vector<at::Tensor>>;  // (dx, dweights)
 
 FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS);
-// drouter_logits: the gradient of the forward's router_logits output (nullopt: none).
+// drouter_logits: the gradient of the forward's second output, router_logits or router_stats
+// (nullopt: none).
 BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
                             at::TensorList saved, const c10::List<bool>& needs_grad,
                             const OptTensor& drouter_logits);

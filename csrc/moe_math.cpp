@@ -9,6 +9,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -206,6 +207,27 @@ void factor_grads(const Factors& f, const at::Tensor& dy, const at::Tensor& dyb,
 }
 
 }  // namespace
+
+at::Tensor router_stats(const at::Tensor& logits, int64_t k, const at::Tensor& weight) {
+  const at::Tensor p = scores_of(logits, Router::kSoftmax);  // (T, E), float32 or wider
+  const int64_t T = p.size(0), E = p.size(1);
+  at::Tensor stats = at::zeros({3, E}, p.options());
+  const at::Tensor w = weight.defined() ? weight.to(p.scalar_type()) : at::ones({T}, p.options());
+  const at::Tensor sel = std::get<1>(p.topk(k, -1)).reshape({-1});  // (T * k,)
+  stats[0].scatter_add_(0, sel, w.unsqueeze(1).expand({T, k}).reshape({-1}));
+  stats[1].copy_(w.unsqueeze(0).mm(p).squeeze(0));
+  stats[2].fill_(w.sum());
+  return stats;
+}
+
+at::Tensor router_stats_backward(const at::Tensor& logits, const at::Tensor& dprob,
+                                 const at::Tensor& weight) {
+  const at::Tensor p = scores_of(logits, Router::kSoftmax);
+  const at::Tensor g = dprob.to(p.scalar_type()).unsqueeze(0);  // (1, E)
+  at::Tensor d = p * (g - (p * g).sum(-1, true));
+  if (weight.defined()) d.mul_(weight.to(p.scalar_type()).unsqueeze(1));
+  return d;
+}
 
 at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at::Tensor& w,
                            const at::Tensor& gate_up, const at::Tensor& down, Activation act,

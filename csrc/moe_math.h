@@ -58,6 +58,20 @@ struct ExpertLora {
   bool gate_up() const { return gate_up_a.defined(); }
   bool down() const { return down_a.defined(); }
 };
+// The load-balancing statistics of one layer's tokens (HF's load_balancing_loss_func reduces
+// every layer's logits to these before its loss): from logits (T, E) and per-token weights
+// (T,) (HF's attention_mask; undefined: every token weighs 1), a (3, E) tensor in float32 (float64
+// for float64 logits):
+//   [0, e] = sum_t weight_t * [e in the top-k of softmax(logits_t)]   (no gradient)
+//   [1, e] = sum_t weight_t * softmax(logits_t)_e
+//   [2, e] = sum_t weight_t                                          (every column alike)
+// The softmax is over the logits whatever the layer's router is: HF's loss function is.
+at::Tensor router_stats(const at::Tensor& logits, int64_t k, const at::Tensor& weight);
+
+// d logits (T, E) in the stats' dtype from dprob (E,), the gradient of router_stats' row 1:
+// weight_t * softmax-backward(p_t, dprob) = weight_t * p_t * (dprob - p_t . dprob).
+at::Tensor router_stats_backward(const at::Tensor& logits, const at::Tensor& dprob,
+                                 const at::Tensor& weight);
 
 // The routed experts' output (T, H) in m's dtype; m (T, H), gate_up and down in one dtype.
 at::Tensor experts_forward(const at::Tensor& m, const at::Tensor& idx, const at::Tensor& w,

@@ -296,6 +296,140 @@ def test_router_logits_compile_without_graph_breaks():
     assert_compiled_replays_eager(model, run, batch(True), TOL, TOL, use_cache=False)
 
 
+# ---- the fused load-balancing loss (router_aux_loss="fused") ---------------------------------
+
+def hf_aux_fp64(router_logits, num_experts, top_k, mask):
+    """transformers' load-balancing loss of these logits, in float64 throughout (HF's own
+    function rounds its sums to float32)."""
+    w = torch.ones(router_logits[0].shape[0], dtype=torch.float64) if mask is None \
+        else mask.reshape(-1).double()
+    counts = sum(torch.zeros(num_experts, dtype=torch.float64).scatter_add_(
+        0, lg.softmax(-1).topk(top_k, -1).indices.reshape(-1), w.repeat_interleave(top_k))
+        for lg in router_logits)
+    probs = sum((lg.double().softmax(-1) * w[:, None]).sum(0) for lg in router_logits)
+    n = w.sum() * len(router_logits)
+    return (counts / n * probs / n).sum() * num_experts
+
+
+def assert_fused_aux(ref, got, tol):
+    """aux_loss (HF's dtype, float32), the loss (HF's cross-entropy is float32 in a float64
+    model, the fused head's float64) and every gradient; no router logits returned."""
+    (out_r, grads_r), (out_g, grads_g) = ref, got
+    assert out_g.router_logits is None and out_g.aux_loss.dtype == out_r.aux_loss.dtype
+    torch.testing.assert_close(out_g.aux_loss, out_r.aux_loss, **tol)
+    torch.testing.assert_close(out_g.loss, out_r.loss, **tol, check_dtype=False)
+    assert grads_g.keys() == grads_r.keys()
+    for name in grads_r:
+        torch.testing.assert_close(grads_g[name], grads_r[name], **tol, msg=name)
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_fused_router_aux_loss_matches_unpatched(family, monkeypatch):
+    """router_aux_loss="fused", float64, a left-padded batch: the MoE layers return only their
+    (3, E) statistics, and aux_loss, the loss and every gradient equal the unpatched model's
+    (HF's float32 cross-entropy and probability sums: TOL), and the exact mode's with HF's
+    loss function computed in float64 throughout to 1e-10 (the aux value to float32, its
+    dtype); router_logits is None; every layer and the head run fused; each layer's
+    statistics are those of the exact mode's logits."""
+    ref = make(family, output_router_logits=True, **AUX).double()
+    ref.set_experts_implementation("eager")  # grouped_mm takes no float64
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", router_aux_loss="fused")
+    data = batch(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = loss_and_grads(model, *data)
+    assert_fused_aux(loss_and_grads(ref, *data), got, TOL)
+    assert fused_calls(model) == [1, 1, 1]
+    assert model.forward.calls == {"fused": 1, "hf": 0}
+    exact = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    monkeypatch.setattr(ckpt_ext.hf.moe, "_load_balancing_loss_func",
+                        lambda model: hf_aux_fp64)
+    want = loss_and_grads(exact, *data)
+    out = want[0]
+    assert out.aux_loss.dtype == torch.float64
+    torch.testing.assert_close(got[0].aux_loss.double(), out.aux_loss, rtol=1e-7, atol=0)
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, rtol=1e-10, atol=1e-12, msg=name)
+    stats = []
+    model.forward.shared.router_stats = stats
+    try:  # the layers' statistics themselves, against the exact mode's logits
+        model.model(input_ids=data[0], attention_mask=data[1], use_cache=False,
+                    output_router_logits=True)
+    finally:
+        model.forward.shared.router_stats = None
+    assert len(stats) == len(out.router_logits) > 0
+    for st, lg in zip(stats, out.router_logits):
+        assert st.dtype == torch.float64 and st.shape == (3, ref.num_experts)
+        w = data[1].reshape(-1).double()
+        p = lg.detach().softmax(-1)
+        torch.testing.assert_close(st[1], w @ p, rtol=1e-12, atol=1e-12)
+        assert torch.equal(st[2], w.sum().expand(ref.num_experts))
+        assert st[0].sum() == w.sum() * ref.num_experts_per_tok
+
+
+def test_fused_router_aux_loss_chunks_hf_layers_and_presets():
+    """Token chunks of a few tokens, one MoE layer left to HF's forward (policy "none": its
+    logits' statistics join the fused layers'), float32 and no attention mask, the presets:
+    HF's aux loss, loss and gradients; and the coefficient's share is far beyond the
+    tolerance (a fused head that dropped the statistics' gradient would fail)."""
+    ref = make("olmoe", output_router_logits=True, **AUX)
+    data = batch(True)
+    want = loss_and_grads(ref, *data)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), ["min_memory", "none", "fast"],
+                                 router_aux_loss="fused")
+    ckpt_ext.config.update(chunk_bytes="16KiB")  # 2-3 tokens of an MoE layer's chunk
+    try:
+        got = loss_and_grads(model, *data)
+    finally:
+        ckpt_ext.config.update(chunk_bytes=ckpt_ext.config.KernelConfig.chunk_bytes)
+    assert_fused_aux(want, got, TOL)
+    layers = model.model.layers
+    assert [layers[i].forward.calls["fused"] for i in (0, 2)] == [1, 1]
+    assert "forward" not in layers[1].__dict__  # HF's own layer
+    unpadded = batch(False)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", router_aux_loss="fused")
+    assert_fused_aux(loss_and_grads(ref, *unpadded), loss_and_grads(model, *unpadded), TOL)
+    without = loss_and_grads(ref, *data, output_router_logits=False)[1]
+    name = "model.layers.0.mlp.gate.weight"
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got[1][name], without[name], **TOL)
+
+
+def test_fused_router_aux_loss_without_labels_returns_logits():
+    """Without labels the fused head runs HF's forward: the router logits are HF's, in
+    fused mode too."""
+    ref = make("mixtral", output_router_logits=True, **AUX)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", router_aux_loss="fused")
+    ids, mask, _ = batch(True)
+    want = ref(input_ids=ids, attention_mask=mask, use_cache=False)
+    got = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    assert len(got.router_logits) == len(want.router_logits) == 3
+
+
+@pytest.mark.parametrize("case,match", [
+    ("mode", "router_aux_loss must be one of"),
+    ("hf_head", "fuse_lm_head=False"),
+    ("bare", "not a \\*ForCausalLM"),
+    ("dense", "no mixture-of-experts layers"),
+])
+def test_fused_router_aux_loss_refusals(case, match):
+    if case == "dense":
+        model = tiny_model("llama", {**BASE})
+    else:
+        model = make("qwen3_moe", output_router_logits=True)
+    kw = {"router_aux_loss": "fused"}
+    if case == "mode":
+        kw["router_aux_loss"] = "approximate"
+    elif case == "hf_head":
+        kw["fuse_lm_head"] = False
+    elif case == "bare":
+        model = model.model
+    with pytest.raises(ValueError, match=match):
+        ckpt_ext.patch_llama(model, "balanced", **kw)
+    assert "forward" not in model.__dict__
+
+
 # ---- refusals ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family,setting,match", [

@@ -657,3 +657,228 @@ def test_expert_lora_under_autocast_meets_the_accuracy_rule():
     for n in ref[2]:
         check_vs_baseline(n, got[2][n], (folded[2][n], factored[2][n]), ref[2][n], FACTOR_GRAD,
                           **bf)
+
+
+# ---- router statistics (router_stats=True): the fused load-balancing loss --------------------
+
+def stats_reference(logits, k, mask=None):
+    """(3, E) from (T, E) logits as HF's load_balancing_loss_func reduces them: the weighted
+    top-k counts of softmax(logits), the weighted softmax sums and the weight sum."""
+    p = torch.softmax(logits, -1)
+    w = torch.ones(p.shape[0], dtype=p.dtype) if mask is None else mask.reshape(-1).to(p.dtype)
+    counts = torch.zeros(p.shape[1], dtype=p.dtype).scatter_add_(
+        0, p.topk(k, -1).indices.reshape(-1), w.repeat_interleave(k))
+    return torch.stack([counts, w @ p, w.sum().expand(p.shape[1])])
+
+
+def stats_loss(y, stats, dy, c, use_y=True):
+    """A loss on the statistics as HF's reads them (counts times probabilities over the token
+    count squared) plus a random linear term, so that the probabilities' gradient is not
+    proportional to the counts; and on the output unless use_y is False."""
+    loss = (stats[0] * stats[1]).sum() / stats[2, 0] ** 2 + (c * stats[1]).sum()
+    return loss + (y * dy).sum() if use_y else loss
+
+
+def run_stats(x, weights, pe, dy, kw, preset, part, c, mask=None, use_y=True,
+              fn=blocks.decoder_layer):
+    """(y, stats, dx, {slot: gradient}) of the op with router_stats=True."""
+    x = x.clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    y, stats = fn(x, blocks.LayerOptions(weights=w, **rope_args(pe), preset=preset, part=part,
+                                         key_padding_mask=mask, router_stats=True, **kw))
+    stats_loss(y, stats, dy, c, use_y).backward()
+    return (y.detach(), stats.detach(), x.grad,
+            {n: t.grad for n, t in w.items() if t.grad is not None})
+
+
+def run_stats_reference(x, weights, pe, dy, kw, part, c, mask=None, use_y=True):
+    """The same through reference_layer (its router logits recorded, reduced by
+    stats_reference), at x's dtype."""
+    x = x.clone().requires_grad_()
+    w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+    record = []
+    moe = {"k": kw["num_experts_per_tok"], "router": kw["router"],
+           "norm_topk_prob": kw["norm_topk_prob"], "record": record}
+    y = reference_layer(w, x, *pe, mask if part == "layer" else None, NH, NKV, part=part,
+                        moe=moe)
+    (logits,) = record
+    stats = stats_reference(logits, kw["num_experts_per_tok"], mask)
+    stats_loss(y, stats, dy, c, use_y).backward()
+    mlp_only = part == "mlp"
+    return y.detach(), stats.detach(), x.grad, {
+        n: t.grad for n, t in w.items()
+        if t.grad is not None and not (mlp_only and n.startswith(("self_attn.",
+                                                                    "input_layernorm.")))}
+
+
+def left_padding(b, s, seed=0):
+    """A (B, S) bool key padding mask with 0 .. S-2 padded positions on the left per row (row
+    0 unpadded)."""
+    g = torch.Generator().manual_seed(seed)
+    pads = torch.randint(0, s - 1, (b,), generator=g)
+    pads[0] = 0
+    return torch.arange(s)[None, :] >= pads[:, None]
+
+
+def stats_case(routing="qwen2_moe", seed=0, **kw):
+    case = moe_case(F64, routing, seed=seed, **kw)
+    g = torch.Generator().manual_seed(seed + 100)
+    c = torch.randn(case[1]["mlp.gate.weight"].shape[0], generator=g, dtype=F64)
+    return case, c
+
+
+def assert_f64_stats(got, ref):
+    """As assert_f64_logits, with the statistics (a weight the reference leaves without a
+    gradient must have a zero one)."""
+    (y, st, dx, g), (y1, st1, dx1, g1) = got, ref
+    check_f64("router_stats", st, st1)
+    for n in set(g) - set(g1):
+        assert not g[n].any(), n
+    assert_f64((y, dx, {n: g[n] for n in g if n in g1}), (y1, dx1, g1))
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("preset,padded", [("fast", False), ("balanced", True),
+                                           ("min_memory", True)])
+def test_router_stats_fp64(preset, routing, padded):
+    """router_stats=True: the op's second output is HF's load-balancing statistics of the
+    layer's tokens (3, E), weighted by the key padding mask, and a loss on them adds its
+    gradient (through the probability sums) to the router weight, the MLP input's norm, the
+    attention and x: all equal the dense reference to 1e-12 (a sigmoid router's statistics
+    are still of the softmax, as HF's loss function computes); the output is the one without
+    router_stats."""
+    case, c = stats_case(routing, k=2 if routing != "olmoe" else 3)
+    mask = left_padding(case[0].shape[0], case[0].shape[1]) if padded else None
+    got = run_stats(*case, preset, "layer", c, mask)
+    assert_f64_stats(got, run_stats_reference(*case, "layer", c, mask))
+    assert got[1].dtype == F64 and got[1].shape == (3, case[1]["mlp.gate.weight"].shape[0])
+    want_y = blocks.decoder_layer(case[0], blocks.LayerOptions(
+        weights=case[1], **rope_args(case[2]), preset=preset, key_padding_mask=mask,
+        **case[4]))
+    assert torch.equal(got[0], want_y)
+    assert got[3]["mlp.gate.weight"].abs().max() > 0
+    n_real = case[0].shape[0] * case[0].shape[1] if mask is None else int(mask.sum())
+    assert got[1][0].sum() == n_real * case[4]["num_experts_per_tok"]
+
+
+def test_router_stats_chunks_equal_one_chunk():
+    """Token chunks of 1, 3 and 4 rows (the statistics summed over chunks, each chunk's rows
+    weighted by its share of the mask): the one-chunk statistics and gradients to 1e-12, the
+    part 'mlp' and a loss on the statistics alone included."""
+    case, c = stats_case("mixtral", seed=3, b=3, s=7)
+    mask = left_padding(3, 7, seed=4)
+    for part, use_y, preset, chunks in (("layer", True, "balanced", (1, 4)),
+                                        ("mlp", True, "min_memory", (3,)),
+                                        ("layer", False, "min_memory", (4,))):
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+        whole = run_stats(*case, preset, part, c, mask, use_y)
+        assert_f64_stats(whole, run_stats_reference(*case, part, c, mask, use_y))
+        try:
+            for rows in chunks:
+                config.update(chunk_bytes=chunk_cap(rows, F64, case[1],
+                                                    case[4]["num_experts_per_tok"], part))
+                assert_f64_stats(run_stats(*case, preset, part, c, mask, use_y), whole)
+        finally:
+            config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+
+
+def test_router_stats_float32_and_compile():
+    """float32: the statistics in float32 within the accuracy rule of the float64 reference;
+    torch.compile (fullgraph) of a chunked layer: no graph break, the eager statistics and
+    gradients."""
+    torch._dynamo.reset()
+    case = moe_case(torch.float32, "olmoe", seed=6)
+    c = torch.randn(case[1]["mlp.gate.weight"].shape[0], generator=torch.Generator()
+                    .manual_seed(7)).to(torch.float32)
+    mask = left_padding(2, 9, seed=8)
+    try:
+        config.update(chunk_bytes=chunk_cap(4, torch.float32, case[1], 2, "layer"))
+        eager = run_stats(*case, "min_memory", "layer", c, mask)
+        counts = torch._dynamo.utils.counters
+        counts.clear()
+        compiled = torch.compile(blocks.decoder_layer, backend="aot_eager", fullgraph=True)
+        got = run_stats(*case, "min_memory", "layer", c, mask, fn=compiled)
+    finally:
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+    assert sum(counts["graph_break"].values()) == 0, dict(counts["graph_break"])
+    assert eager[1].dtype == torch.float32
+    for a, b in zip(got[:3], eager[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for n in eager[3]:
+        torch.testing.assert_close(got[3][n], eager[3][n], rtol=1e-6, atol=1e-6)
+    x, weights, pe, dy, kw = case
+    ref = run_stats_reference(x.double(), {n: t.double() for n, t in weights.items()},
+                              tuple(t.double() for t in pe), dy.double(), kw, "layer",
+                              c.double(), mask)
+    torch.testing.assert_close(eager[1].double(), ref[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager[3]["mlp.gate.weight"].double(),
+                               ref[3]["mlp.gate.weight"], rtol=1e-4, atol=1e-5)
+
+
+def test_router_stats_under_autocast_reduce_the_logits():
+    """bfloat16 autocast: the statistics are float32 and are exactly what HF's loss function
+    reduces the op's own bfloat16 router logits to (top-k counts equal; the sums to float32
+    rounding); their gradient into the router weight is that of the same loss on the logits
+    within float32 rounding."""
+    x, weights, pe, dy, kw = moe_case(torch.float32, "mixtral", hidden=16, inter=8, experts=4,
+                                      k=2, seed=12)
+    mask = left_padding(2, 9, seed=13)
+    c = torch.randn(4, generator=torch.Generator().manual_seed(14))
+    grads = []
+    for stats_mode in (True, False):
+        w = {n: t.clone().requires_grad_() for n, t in weights.items()}
+        o = blocks.LayerOptions(weights=w, **rope_args(pe), key_padding_mask=mask,
+                                router_stats=stats_mode, router_logits=not stats_mode, **kw)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the op only
+            y, second = blocks.decoder_layer(x, o)
+        if stats_mode:
+            stats = second
+        else:
+            assert second.dtype == torch.bfloat16
+            second = stats_reference(second.float(), 2, mask)
+            want = second.detach()
+        stats_loss(y, second, dy, c, use_y=False).backward()
+        grads.append(w["mlp.gate.weight"].grad)
+    assert stats.dtype == torch.float32
+    assert torch.equal(stats[0], want[0]) and torch.equal(stats[2], want[2])
+    torch.testing.assert_close(stats[1], want[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    assert grads[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("bad", ["with_logits", "attention", "drouter_shape"])
+def test_router_stats_refusals(bad):
+    """router_stats with router_logits, on a part without the MLP, and a statistics gradient
+    of the wrong shape: clear errors naming the argument."""
+    x, weights, pe, dy, kw = moe_case(torch.float32, "olmoe")
+    o = blocks.LayerOptions(weights=weights, **rope_args(pe), router_stats=True, **kw)
+    if bad == "with_logits":
+        with pytest.raises(ValueError, match="router_logits and router_stats are exclusive"):
+            blocks.decoder_layer(x, o.replace(router_logits=True))
+    elif bad == "attention":
+        with pytest.raises(ValueError, match="router_stats=True needs a mixture-of-experts"):
+            blocks.decoder_layer(x, o.replace(part="attention"))
+    else:
+        rest = o.op_args()
+        _, saved, stats = torch.ops.ckpt_ext.decoder_layer_fwd(x, *rest)
+        assert stats.shape == (3, weights["mlp.gate.weight"].shape[0])
+        needs = [w is not None for w in o.weights]
+        with pytest.raises(ValueError, match="drouter_logits"):
+            torch.ops.ckpt_ext.decoder_layer_bwd(dy, x, *rest, saved, needs,
+                                                 torch.zeros(2, stats.shape[1]))
+
+
+def test_opcheck_router_stats():
+    """The forward and backward ops with router_stats=True (the backward given the
+    statistics' gradient) pass torch.library.opcheck (the autograd op's path:
+    test_router_stats_float32_and_compile)."""
+    x, weights, pe, dy, kw = moe_case(torch.float32, "qwen2_moe", seed=8)
+    mask = left_padding(2, 9, seed=9)
+    o = blocks.LayerOptions(weights=weights, **rope_args(pe), router_stats=True,
+                            key_padding_mask=mask, **kw)
+    rest = o.op_args()
+    torch.library.opcheck(torch.ops.ckpt_ext.decoder_layer_fwd.default, (x, *rest))
+    _, saved, stats = torch.ops.ckpt_ext.decoder_layer_fwd(x, *rest)
+    needs = [w is not None for w in o.weights]
+    torch.library.opcheck(torch.ops.ckpt_ext.decoder_layer_bwd.default,
+                          (dy, x, *rest, saved, needs, torch.randn_like(stats)))

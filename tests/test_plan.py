@@ -1157,10 +1157,19 @@ def test_plan_moe_counts_router_logits_state_and_flops():
     B, S, V = 1, 4096, 151936
     T = B * S
     with_logits = [LayerDims(**{**d.__dict__, "router_logits": True})] * len(layers)
+    fused = [LayerDims(**{**d.__dict__, "router_logits": True, "router_aux_loss": "fused"})
+             ] * len(layers)
     for setup in ("fast", "min_memory"):
         a = plan.step_peak(setup, layers, V, B, S, torch.bfloat16)
         b = plan.step_peak(setup, with_logits, V, B, S, torch.bfloat16)
         assert b.saved - a.saved == len(layers) * 2 * 2 * T * 128
+        # the fused aux loss: (3, E) float32 statistics a layer, whatever T
+        c = plan.step_peak(setup, fused, V, B, S, torch.bfloat16)
+        assert c.saved - a.saved == len(layers) * 3 * 4 * 128
+    with pytest.raises(ValueError, match="router_aux_loss must be 'exact' or 'fused'"):
+        LayerDims(**{**d.__dict__, "router_aux_loss": "approx"})
+    with pytest.raises(ValueError, match="need experts > 0"):
+        LayerDims(64, 4, 4, 16, 128, router_aux_loss="fused")
     lora = plan.model_state_bytes(layers, V, torch.bfloat16, "lora")
     expert = plan.model_state_bytes(layers, V, torch.bfloat16, "lora", expert_lora_rank=16)
     assert expert - lora == 16 * 48 * 128 * 16 * (2 * 2048 + 3 * 768)
@@ -1206,6 +1215,17 @@ def test_cli_on_a_qwen3_moe_config(tmp_path, capsys):
         assert plan_cli.main(args + extra) == 0
         other = longest(capsys.readouterr().out)
         assert len(other) == 1 and 0 < other[0] < base[0], extra
+        if extra == ["--router-logits"]:
+            exact = other[0]
+    # the fused aux loss keeps O(E) a layer: nearly the length without router logits
+    assert plan_cli.main(args + ["--router-logits", "--router-aux-loss", "fused"]) == 0
+    out = capsys.readouterr().out
+    assert "fused aux loss: (3, experts) statistics a layer" in out
+    fused = longest(out)
+    assert len(fused) == 1 and exact < fused[0] <= base[0]
+    with pytest.raises(SystemExit):
+        plan_cli.main(args + ["--router-aux-loss", "fused"])  # no router logits to fuse
+    assert "--router-aux-loss: 'fused' applies" in capsys.readouterr().err
 
 
 def test_plan_cpu_swiglu_and_head_chunks_are_the_engines():

@@ -95,7 +95,8 @@ def moe_head(config) -> Tuple[Optional[str], float, float]:
     """logits = lm_head(h) (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
     OlmoeForCausalLM). With output_router_logits (the config's or the call's) their forward
     adds router_aux_loss_coef times the routers' load-balancing loss to the loss; the fused
-    forward does the same with transformers' own loss function (ckpt_ext.hf.moe.aux_loss)."""
+    forward does the same with transformers' own loss function (ckpt_ext.hf.moe.aux_loss), or
+    with router_aux_loss="fused" from the layers' statistics (moe.load_balancing_loss)."""
     return None, 1.0, 0.0
 
 

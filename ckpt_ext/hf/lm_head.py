@@ -17,7 +17,9 @@ Llama and the families like it pass the logits on as they are, Granite divides t
 ``config.final_logit_softcapping`` when it is set (the op's ``softcap``); the MoE CausalLMs
 (Qwen2/3-MoE, Mixtral, OLMoE) pass them on as they are and, with ``output_router_logits``, add
 ``router_aux_loss_coef`` times transformers' load-balancing loss of the router logits the
-fused layers return (ckpt_ext.hf.moe.aux_loss), as their forward does. A model whose forward
+fused layers return (ckpt_ext.hf.moe.aux_loss), as their forward does; with
+``patch_llama(router_aux_loss="fused")`` the same loss of the (3, E) statistics the fused MoE
+layers return instead of their logits (ckpt_ext.hf.moe.load_balancing_loss). A model whose forward
 is not one of those (a subclass with a forward of its own, another family) keeps HF's head,
 with the reason.
 
@@ -75,6 +77,43 @@ def head_transform(model: nn.Module,
 def head_problem(model: nn.Module) -> Optional[str]:
     """Why the fused head cannot stand in for this model's head and loss, or None."""
     return head_transform(model)[0]
+
+
+ROUTER_AUX_LOSS_MODES = ("exact", "fused")
+
+
+def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers, fuse_lm_head: bool,
+                          sequence_parallel) -> None:
+    """patch_llama's ``router_aux_loss``: "exact", or "fused" where the fused LM head makes the
+    load-balancing loss of the MoE layers' statistics (a ValueError naming what is missing)."""
+    if mode not in ROUTER_AUX_LOSS_MODES:
+        raise ValueError(f"patch_llama: router_aux_loss must be one of {ROUTER_AUX_LOSS_MODES}, "
+                         f"got {mode!r}")
+    if mode == "exact":
+        return
+    why = None
+    if not any(moe.is_moe_layer(layer) for layer in layers):
+        why = "the model has no mixture-of-experts layers"
+    elif sequence_parallel is not None:
+        why = "sequence_parallel is given (each rank would hold only its share's statistics)"
+    elif not fuse_lm_head:
+        why = ("fuse_lm_head=False: the fused LM head makes the loss of the layers' "
+               "statistics; HF's head needs the logits (use router_aux_loss='exact')")
+    elif model is owner or getattr(model, "lm_head", None) is None:
+        why = f"{type(model).__name__} is not a *ForCausalLM with the LM head that adds the loss"
+    elif "forward" in model.__dict__ and not isinstance(model.__dict__["forward"],
+                                                          FusedHeadForward):
+        why = f"{type(model).__name__} already has an instance-level forward"
+    else:
+        problem, rule = head_rule(model)
+        problem = problem or head_problem(model)
+        if problem is None and rule is not _moe_head:
+            problem = f"{type(model).__name__}'s forward adds no load-balancing loss"
+        if problem:
+            why = f"the LM head cannot be fused: {problem}"
+    if why:
+        raise ValueError(f"patch_llama: router_aux_loss='fused' needs the fused LM head of an "
+                         f"MoE *ForCausalLM: {why}")
 
 
 # The attribute of a FinalNorm output that holds the norm's input (set only for outputs that
@@ -144,9 +183,14 @@ class FusedHeadForward:
     ``fused`` and ``hf`` calls (outside compilation). ``owner``: the text model whose final
     norm may run inside the head (``model.model``, or a multimodal model's language model)."""
 
-    def __init__(self, model: nn.Module, owner: Optional[nn.Module] = None):
+    def __init__(self, model: nn.Module, owner: Optional[nn.Module] = None, *, shared=None,
+                 router_aux_loss: str = "exact"):
         self.model = model
         self.owner = owner
+        # router_aux_loss="fused": the patched layers' shared state, through which this
+        # forward collects the MoE layers' load-balancing statistics (ckpt_ext.hf.patch)
+        self.shared = shared
+        self.router_aux_loss = router_aux_loss
         params = inspect.signature(type(model).forward).parameters.values()
         self.positional = [p.name for p in params
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
@@ -201,7 +245,16 @@ class FusedHeadForward:
             if router_logits is None:
                 router_logits = self.model.config.output_router_logits
             kwargs["output_router_logits"] = router_logits
-        outputs = bare(**kwargs, return_dict=True)
+        stats = None
+        if moe_head and router_logits and getattr(self, "router_aux_loss", "exact") == "fused":
+            # the fused MoE layers append their (3, E) statistics instead of their logits
+            stats = self.shared.router_stats = []
+            try:
+                outputs = bare(**kwargs, return_dict=True)
+            finally:
+                self.shared.router_stats = None
+        else:
+            outputs = bare(**kwargs, return_dict=True)
         hidden = outputs.last_hidden_state
         norm = (getattr(self, "owner", None) or bare)._modules.get("norm")
         prenorm = take_prenorm(hidden)
@@ -236,9 +289,9 @@ class FusedHeadForward:
         loss = gathered_for_head([weight, bias], hidden, loss_of)
         if moe_head:  # HF's MoE output: the load-balancing loss added when it is asked for
             loss, aux = moe.aux_loss(self.model, loss, outputs, kwargs.get("attention_mask"),
-                                     router_logits)
+                                     router_logits, stats)
             out = causal_lm_output(loss=loss, outputs=outputs, moe_fields=dict(
-                aux_loss=aux, router_logits=outputs.router_logits))
+                aux_loss=aux, router_logits=None if stats is not None else outputs.router_logits))
         else:
             out = causal_lm_output(loss=loss, outputs=outputs)
         # HF's tuple drops the None fields: with no logits formed, the loss is first and the

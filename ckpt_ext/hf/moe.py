@@ -24,6 +24,16 @@ differentiable) and adds them to transformers' collection in the layer's place
 on them and its gradient through the router are HF's. The fused LM head adds that loss as HF's
 forward does (ckpt_ext.hf.lm_head).
 
+That collection is a (B*S, E) tensor per MoE layer kept until the loss (and HF's softmax of
+each beside it while the loss runs): 2 x 48 x 128 x 2 bytes a token for Qwen3-30B-A3B in
+bf16. With ``patch_llama(..., router_aux_loss="fused")`` the fused head's training forward has
+each fused MoE layer return instead the (3, E) float32 statistics the loss is made of (the op's
+``router_stats``: HF's attention_mask-weighted top-k counts, softmax sums and token count),
+and ``load_balancing_loss`` makes HF's value of their sums over the layers; the gradient of the
+softmax sums reaches the router through the op's backward, which recomputes the logits. The
+output's ``router_logits`` is then None; calls that do not go through the fused head's loss
+(no labels, generation) return the logits as HF does.
+
 PEFT LoRA on the expert weights (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
 "mlp.experts.down_proj"])``, one or both) wraps ``mlp.experts`` in one ``ParamWrapper`` per
 targeted weight (nested), which folds ``W_e + s B_e A_e`` into the weight inside its own
@@ -45,9 +55,12 @@ experts other than PEFT's ParamWrapper, routers and expert layouts other than th
 """
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Sequence
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from ..blocks import WEIGHT_SLOTS
@@ -56,7 +69,8 @@ from .families import (ACTIVATIONS, MOE_FAMILIES, MoeFamily, expert_wrappers,  #
                        is_moe_layer, moe_layer_options as layer_options, moe_shape as _shape)
 
 __all__ = ["MOE_FAMILIES", "REFUSED", "aux_loss", "is_moe_layer", "layer_options", "layer_tensors",
-           "record_router_logits", "recording_router_logits", "refusal", "structure_problem"]
+           "load_balancing_loss", "record_router_logits", "recording_router_logits", "refusal",
+           "router_stats_of_logits", "structure_problem"]
 
 
 # MoE model types the op does not compute, and why.
@@ -317,15 +331,58 @@ def _load_balancing_loss_func(model: nn.Module):
     return func
 
 
-def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logits):
+def router_stats_of_logits(logits, top_k: int, attention_mask=None):
+    """The (3, E) float32 statistics of one layer's router logits (T, E) as transformers'
+    load_balancing_loss_func reduces them (the op's ``router_stats`` for a layer that ran HF's
+    forward): the attention_mask-weighted counts of each expert in the top-k of the softmax,
+    the weighted softmax sums and the weight sum (in every column); no mask: every token
+    weighs 1."""
+    probs = torch.softmax(logits, dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+    e = probs.shape[-1]
+    if attention_mask is None:
+        w = torch.ones(probs.shape[0], dtype=torch.float32, device=probs.device)
+    else:
+        w = attention_mask.reshape(-1).to(device=probs.device, dtype=torch.float32)
+    counts = torch.zeros(e, dtype=torch.float32, device=probs.device).scatter_add_(
+        0, chosen, w.repeat_interleave(top_k))
+    return torch.stack([counts, (probs.float() * w.unsqueeze(-1)).sum(0), w.sum().expand(e)])
+
+
+def load_balancing_loss(stats: Sequence, num_experts: int):
+    """transformers' load_balancing_loss_func from the layers' (3, E) statistics (the op's
+    ``router_stats``, or ``router_stats_of_logits``) instead of their logits: with the sums
+    over layers C (top-k counts), P (softmax sums) and N (tokens, every layer's counted),
+    ``num_experts * sum_e (C_e / N) * (P_e / N)``, float32 as HF's (the sums in the stats'
+    dtype, float64 for a float64 model)."""
+    device = stats[0].device
+    dtype = functools.reduce(torch.promote_types, (s.dtype for s in stats))
+    total = torch.stack([s.to(device=device, dtype=dtype) for s in stats]).sum(0)
+    n = total[2, 0]
+    return (torch.sum((total[0] / n) * (total[1] / n)) * num_experts).float()
+
+
+def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logits,
+             stats: list | None = None):
     """(loss, aux_loss) as the MoE CausalLM forwards of transformers 5 make them from the bare
     model's ``outputs``: with ``output_router_logits``, aux_loss = load_balancing_loss_func(
     outputs.router_logits, num_experts, num_experts_per_tok, attention_mask) (transformers'
-    own function) and loss + router_aux_loss_coef * aux_loss; else (loss, None)."""
+    own function) and loss + router_aux_loss_coef * aux_loss; else (loss, None). ``stats``:
+    the fused MoE layers' statistics (router_aux_loss="fused"); the loss is then
+    ``load_balancing_loss`` of them and of the statistics of any logits a layer that ran HF's
+    forward recorded."""
     if not output_router_logits:
         return loss, None
-    aux = _load_balancing_loss_func(model)(outputs.router_logits, model.num_experts,
-                                           model.num_experts_per_tok, attention_mask)
+    if stats is None:
+        aux = _load_balancing_loss_func(model)(outputs.router_logits, model.num_experts,
+                                               model.num_experts_per_tok, attention_mask)
+    else:
+        stats = list(stats) + [router_stats_of_logits(lg, model.num_experts_per_tok,
+                                                      attention_mask)
+                               for lg in (outputs.router_logits or ())]
+        if not stats:  # no MoE layer ran: HF's function returns 0 then
+            return loss, 0
+        aux = load_balancing_loss(stats, model.num_experts)
     return loss + model.router_aux_loss_coef * aux.to(loss.device), aux
 
 

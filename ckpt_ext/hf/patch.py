@@ -97,7 +97,8 @@ from .layer_checks import (ATTENTIONS_FIX as _ATTENTIONS_FIX, foreign_forward as
                            structure_problem as _dense_structure_problem)
 from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
                        layer_record, text_positions)
-from .lm_head import FinalNorm, FusedHeadForward, final_norm_problem, head_problem
+from .lm_head import (FinalNorm, FusedHeadForward, check_router_aux_loss, final_norm_problem,
+                      head_problem)
 from .masks import BatchMasks, describe, padding_mask_from_4d
 from . import sequence_parallel as _sp
 from .sequence_split import deepspeed_ulysses_group, refuse_split_attention
@@ -382,6 +383,9 @@ class _Shared:
         self.positional = [p.name for p in params]
 
     sequence_parallel = ""  # patch_llama's group, by name (ckpt_ext.hf.sequence_parallel)
+    # With router_aux_loss="fused": the list the fused LM head's forward hands the MoE layers
+    # to append their load-balancing statistics to (None outside that forward).
+    router_stats = None
 
     def __setstate__(self, state):  # pickles of older versions kept per-forward fields
         state.pop("masks", None)
@@ -710,8 +714,12 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        # an MoE layer returns its router logits while transformers collects them
-        router_logits = bool(spec.num_experts_per_tok) and moe.recording_router_logits()
+        # an MoE layer returns its load-balancing statistics while the fused head collects
+        # them (router_aux_loss="fused"), else its router logits while transformers does
+        stats_sink = self.shared.router_stats if spec.num_experts_per_tok else None
+        router_stats = stats_sink is not None
+        router_logits = (bool(spec.num_experts_per_tok) and not router_stats
+                         and moe.recording_router_logits())
         if sp:  # one seed for the group: masks hash global rows
             seed = _sp.same_seed(seed, sp, NotImplementedError(f"patch_llama: {moe.SP_REFUSAL}")
                                  if router_logits else None)
@@ -722,12 +730,16 @@ class _PatchedForward:
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             expert_lora_scaling=list(expert_scaling), preset=preset, sequence_parallel=sp,
-            router_logits=router_logits)
+            router_logits=router_logits, router_stats=router_stats)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)
         out = offloaded(self.shared.offloader, decoder_layer, x,
                         [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
                         options)
+        if router_stats:
+            y, stats = out
+            stats_sink.append(stats)
+            return y
         return moe.record_router_logits(out) if router_logits else out
 
 
@@ -743,7 +755,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                 fuse_lm_head: bool = True, offload: Optional[str] = None,
                 offload_limit: Optional[Union[int, str]] = None,
                 host_link_gbytes_per_s: Optional[float] = None,
-                sequence_parallel=None) -> nn.Module:
+                sequence_parallel=None, router_aux_loss: str = "exact") -> nn.Module:
     """Give every decoder layer of ``model`` a recompute preset; returns ``model`` (patched in
     place).
 
@@ -773,12 +785,22 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``shard_batch`` cuts the batch); every layer must be fused. Its ranks' gradients are their
     tokens' shares: ``all_reduce_grads`` sums them, or, under DDP / FSDP2 / ZeRO-3 over a
     data-parallel x sequence-parallel mesh, the loss's factor that module's docstring gives.
+    ``router_aux_loss`` (MoE models with ``output_router_logits``): ``"exact"`` (default)
+    returns every MoE layer's router
+    logits as transformers does and adds HF's load-balancing loss of them; ``"fused"`` has
+    each fused MoE layer return only its O(experts) statistics of that loss (top-k counts,
+    softmax sums, token count: ``ckpt_ext.hf.moe.load_balancing_loss``), not its
+    (tokens, experts) logits, for the fused LM head's loss: the same aux_loss and gradients,
+    and ``router_logits`` None in that output (needs ``fuse_lm_head`` on a
+    ``*ForCausalLM``; not with ``sequence_parallel``).
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""
     _check_bool("patch_llama", "fuse_lm_head", fuse_lm_head)
     owner, layers = _decoder_layers(model)
     config = _model_config(model)
+    check_router_aux_loss(router_aux_loss, _unwrap_peft(model), owner, layers, fuse_lm_head,
+                          sequence_parallel)
     budget = None
     if policy == "auto":
         if activation_budget is None:
@@ -824,7 +846,8 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
             _take_over_call_checkpoint(layer)
     shared.sequence_parallel = sp_name
     shared.install()
-    _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared, FAMILIES[config.model_type])
+    _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared, FAMILIES[config.model_type],
+                router_aux_loss)
     gc_on = any(getattr(layer, "gradient_checkpointing", False) is True for layer in layers)
     fused = set(presets) & set(FUSED_PRESETS)
     if gc_on and fused:
@@ -837,7 +860,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
 
 
 def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared,
-                family: Family) -> None:
+                family: Family, router_aux_loss: str = "exact") -> None:
     if not fuse or model is owner or getattr(model, "lm_head", None) is None:
         return
     if "forward" in model.__dict__:
@@ -848,7 +871,8 @@ def _patch_head(model: nn.Module, owner: nn.Module, fuse: bool, shared: _Shared,
     if problem:
         shared.warn_once("head", f"the LM head is not fused: {problem}")
         return
-    model.forward = FusedHeadForward(model, owner)
+    model.forward = FusedHeadForward(model, owner, shared=shared,
+                                     router_aux_loss=router_aux_loss)
     # The final norm runs inside the head op, rounding as the family's norms do.
     norm = owner._modules.get("norm")
     if final_norm_problem(norm) is None:
