@@ -793,10 +793,10 @@ SP_LINK_GBYTES_PER_S = 300.0   # GB/s per GPU and direction: an assumption (NVLi
 def _check_sp(d: LayerDims, N: int) -> None:
     if isinstance(N, bool) or not isinstance(N, int) or N < 1:
         raise ValueError(f"sequence_parallel must be a positive int, got {N!r}")
-    if d.router_logits and N > 1:
+    if d.router_logits and d.router_aux_loss == "exact" and N > 1:
         raise NotImplementedError(f"sequence_parallel {N} with router logits: the engine "
-                                  "refuses output_router_logits under sequence_parallel (plan "
-                                  "with --no-router-logits)")
+                                  "refuses router_aux_loss='exact' under sequence_parallel (plan "
+                                  "with --router-aux-loss fused or --no-router-logits)")
     if d.num_heads % N:
         raise ValueError(f"sequence_parallel {N}: num_attention_heads {d.num_heads} must be "
                          f"divisible by it (each GPU attends with Hq/N query heads)")

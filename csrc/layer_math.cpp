@@ -321,9 +321,6 @@ void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
   CKPT_CHECK_VALUE(!(L.router_stats && L.router_logits), op,
                    "router_logits and router_stats are exclusive (the op's second output is "
                    "one of them): ask for the logits, or for the load-balancing statistics");
-  CKPT_CHECK_VALUE(!L.router_stats || L.sequence_parallel.empty(), op,
-                   "router_stats with sequence_parallel is not implemented (each rank would "
-                   "hold its share's sums); use router_logits");
   if (!L.moe()) {
     for (int64_t m = 0; m < kNumMoeSlots; ++m)
       CKPT_CHECK_VALUE(!L.moe_w(static_cast<MoeSlot>(m)).defined(), op, kMoeNames[m],
@@ -562,11 +559,11 @@ at::Tensor router_logits(const Layer& L, const at::Tensor& m) {
   return at::linear(m, L.cast(L.moe_w(kRouter)));
 }
 
-// The load-balancing statistics' token weights of the `n` token rows from global row `row`:
-// the key padding mask's (1 = a real token), undefined (all 1) without one.
-at::Tensor stats_weight(const Layer& L, int64_t row, int64_t n) {
-  if (!L.key_padding_mask) return at::Tensor();
-  return L.key_padding_mask->reshape({-1}).narrow(0, row, n);
+// The load-balancing statistics' token weights of a call's rows (Residuals::stats_w): the key
+// padding mask's (1 = a real token), undefined (all 1) without one or without router_stats.
+at::Tensor stats_weights(const at::Tensor& x, const Layer& L) {
+  if (!L.router_stats || !L.key_padding_mask) return at::Tensor();
+  return L.key_padding_mask->reshape({x.size(0) * x.size(1)});
 }
 
 // (idx, w) from the router's logits: the router's choice.
@@ -684,13 +681,19 @@ int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
 // The rows [t0, t0 + n) of the per-token residuals an MLP call fills or reads (views of r's):
 // fast's gate/up, an MoE layer's routing, its router logits and their gradient; the router
 // statistics (sums over the tokens) and their gradient whole.
+// Rows [t0, t0 + n) of t, or t itself when undefined.
+at::Tensor rows_of(const at::Tensor& t, int64_t t0, int64_t n) {
+  return t.defined() ? t.narrow(0, t0, n) : t;
+}
+
 Residuals mlp_rows(const Residuals& r, int64_t t0, int64_t n) {
-  const auto rows = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, t0, n) : t; };
+  const auto rows = [&](const at::Tensor& t) { return rows_of(t, t0, n); };
   Residuals rc;
   rc.gate = rows(r.gate), rc.up = rows(r.up);
   rc.topk_idx = rows(r.topk_idx), rc.topk_w = rows(r.topk_w);
   rc.router_logits = rows(r.router_logits), rc.drouter_logits = rows(r.drouter_logits);
   rc.router_stats = r.router_stats, rc.drouter_stats = r.drouter_stats;  // (3, E): sums
+  rc.stats_w = rows(r.stats_w);
   return rc;
 }
 
@@ -719,7 +722,7 @@ at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, R
       if (r.router_logits.defined()) r.router_logits.narrow(0, t0, tc).copy_(logits);
       if (r.router_stats.defined())
         r.router_stats.add_(moe::router_stats(logits, L.num_experts_per_tok,
-                                              stats_weight(L, row0 + t0, tc)));
+                                              rows_of(r.stats_w, t0, tc)));
       auto [idx, w] = moe_route(L, logits);
       r.topk_idx.narrow(0, t0, tc).copy_(idx);
       r.topk_w.narrow(0, t0, tc).copy_(w);
@@ -800,7 +803,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     if (L.moe()) idx = r.topk_idx.narrow(0, t0, tc), w = r.topk_w.narrow(0, t0, tc);
     if (r.drouter_logits.defined()) dlogits = r.drouter_logits.narrow(0, t0, tc);
     if (r.drouter_stats.defined())  // only the probability sums carry a gradient
-      dprob = r.drouter_stats[1], stat_w = stats_weight(L, row0 + t0, tc);
+      dprob = r.drouter_stats[1], stat_w = rows_of(r.stats_w, t0, tc);
     const at::Tensor m = mlp_input(hc, L);
     at::Tensor dmlp = L.residual_scaled(L.cast(dyc));  // d of the MLP's (normed) output
     // the shared expert's output: for the output norm's backward, and the shared gate's
@@ -1664,6 +1667,7 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
                                   x.options().dtype(L.act_dtype(x)));
     if (L.router_stats)  // or the load-balancing statistics, summed chunk by chunk
       r.router_stats = empty_router_stats(x, L);
+    r.stats_w = stats_weights(x, L);
   }
   if (L.part_id == Part::kMlp) return mlp_forward(x, L, L.preset_id == Preset::kFast, r, 0);
   if (!L.sequence_parallel.empty()) return sp_forward(x, L, r);
@@ -1819,6 +1823,7 @@ BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARA
       if (needs[s]) g.dw[s] = at::zeros_like(L.at(s));
   } else {
     Residuals r = unpack(saved, L, op);
+    r.stats_w = stats_weights(x, L);
     if (drouter_logits && drouter_logits->defined() && L.router_stats) {
       checks::check_shape(op, "drouter_logits", *drouter_logits,
                           {3, L.moe_w(kRouter).size(0)},

@@ -484,6 +484,9 @@ struct Residuals {
   // With router_stats: the forward's (3, E) statistics (summed chunk by chunk) and, in the
   // backward, their gradient (undefined when none reached them).
   at::Tensor router_stats, drouter_stats;
+  // With router_stats and a key padding mask: the rows' weights in those statistics (the mask
+  // flattened to (B*S,), 1 = a real token), an input read by the MLP calls, not kept.
+  at::Tensor stats_w;
 };
 
 using Member = at::Tensor Residuals::*;

@@ -927,8 +927,9 @@ def test_sp_step_peak_and_time():
 def test_sp_step_peak_of_moe_layers():
     """Mixture-of-experts layers under sequence parallelism: the experts run on each GPU's own
     tokens, so the saved bytes are those of S/N tokens (the routing included) and the exchange
-    is the attention's, as for a dense layer of the same attention; the router logits (which
-    the engine refuses under sequence_parallel) are refused by name."""
+    is the attention's, as for a dense layer of the same attention; the exact mode's router
+    logits (which the engine refuses under sequence_parallel) are refused by name, the fused
+    mode's statistics planned."""
     moe = LayerDims(2048, 32, 4, 128, 0, experts=128, top_k=8, expert_intermediate_size=768)
     dense = LayerDims(2048, 32, 4, 128, 6144)
     L, V, S = [moe] * 2, 151936, 1 << 16
@@ -938,9 +939,13 @@ def test_sp_step_peak_of_moe_layers():
         assert p.saved == local.saved and p.peak >= local.peak
         assert plan.sp_exchange_bytes("balanced", moe, 1, S, N, "bf16") == \
             plan.sp_exchange_bytes("balanced", dense, 1, S, N, "bf16")
-    with pytest.raises(NotImplementedError, match="refuses output_router_logits"):
+    with pytest.raises(NotImplementedError, match="refuses router_aux_loss='exact'"):
         plan.sp_step_peak("min_memory", [dataclasses.replace(moe, router_logits=True)], V, 1, S,
                           2, "bf16")
+    fused = dataclasses.replace(moe, router_logits=True, router_aux_loss="fused")
+    p = plan.sp_step_peak("min_memory", [fused] * 2, V, 1, S, 2, "bf16", train_weights=False)
+    assert p.saved == plan.step_peak("min_memory", [fused] * 2, V, 1, S // 2, "bf16",
+                                     train_weights=False).saved
 
 
 def test_sp_longest_sequence_is_the_last_that_fits():

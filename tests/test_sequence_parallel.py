@@ -325,7 +325,16 @@ HF_CASES = {  # name: (policy, peft lora_dropout or None, batch)
     # mixture-of-experts layers: each rank routes its own tokens
     "moe-min_memory-padded": ("min_memory", None, "padded"),
     "moe-fast-packed": ("fast", None, "packed"),
+    # the load-balancing loss from the layers' statistics summed over the group
+    "moe-aux-fused-padded": ("balanced", None, "padded"),
 }
+
+
+def hf_kwargs(key):
+    """(patch_llama's extra arguments, the forward's) of an HF case."""
+    if "aux-fused" in key:
+        return dict(router_aux_loss="fused"), dict(output_router_logits=True)
+    return {}, {}
 
 
 # torch.compile of the whole patched model: the padding mask gathered and LoRA dropout's seed
@@ -402,9 +411,10 @@ def _hf_worker(rank, world, init_file, out_dir):
         for key, (policy, dropout, kind) in HF_CASES.items():
             def case(policy=policy, dropout=dropout, kind=kind, key=key):
                 model = hf_model(dropout, moe="moe" in key)
+                patch_kw, call_kw = hf_kwargs(key)
                 ckpt_ext.patch_llama(model, policy, sequence_parallel=group,
-                                     offload="cpu" if "offload" in key else None)
-                batch = sp.shard_batch(hf_batch(kind), group)
+                                     offload="cpu" if "offload" in key else None, **patch_kw)
+                batch = {**sp.shard_batch(hf_batch(kind), group), **call_kw}
                 if "ddp" in key:
                     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
                     loss = ddp(**batch, use_cache=False).loss
@@ -508,14 +518,16 @@ def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
     gradients summed over the group equal its gradients (1e-10), with left padding past rank
     0's share, packed documents across the ranks' boundary, offload="cpu", PEFT LoRA with
     dropout (each rank seeded differently: the group's first rank's seed per layer call on
-    every rank, masks on global rows), a Qwen3-MoE (each rank routing its own tokens). Bad
-    input refuses on every rank."""
+    every rank, masks on global rows), a Qwen3-MoE (each rank routing its own tokens; with
+    router_aux_loss="fused" the load-balancing loss of the whole sequence, from the statistics
+    summed over the group). Bad input refuses on every rank."""
     import ckpt_ext
     ranks = hf_ranks
     for key, (policy, dropout, kind) in HF_CASES.items():
         model = hf_model(dropout, moe="moe" in key)
-        ckpt_ext.patch_llama(model, policy)
-        want_loss, want = hf_step(model, hf_batch(kind))
+        patch_kw, call_kw = hf_kwargs(key)
+        ckpt_ext.patch_llama(model, policy, **patch_kw)
+        want_loss, want = hf_step(model, {**hf_batch(kind), **call_kw})
         for r, res in enumerate(ranks):
             assert res[key][0] == "ok", f"{key}: rank {r} raised {res[key][1:]}"
         losses = [res[key][1][0] for res in ranks]
@@ -540,7 +552,8 @@ def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
               "no-position-ids-rank1": "the model needs position_ids",
               "mask-shape-rank1": "every rank passes attention_mask of the same shape",
               "cache-rank1": "decoder layer 0 cannot run the fused op",
-              "moe-router-logits": "output_router_logits=True with sequence_parallel= is not"}
+              "moe-router-logits": "output_router_logits=True with sequence_parallel= and "
+                                   "router_aux_loss='exact' is not implemented"}
     for key, needle in expect.items():
         for r, res in enumerate(ranks):
             assert res[key][0] == "raised", f"{key}: rank {r} ran without error"

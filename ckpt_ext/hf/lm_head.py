@@ -82,8 +82,8 @@ def head_problem(model: nn.Module) -> Optional[str]:
 ROUTER_AUX_LOSS_MODES = ("exact", "fused")
 
 
-def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers, fuse_lm_head: bool,
-                          sequence_parallel) -> None:
+def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers,
+                          fuse_lm_head: bool) -> None:
     """patch_llama's ``router_aux_loss``: "exact", or "fused" where the fused LM head makes the
     load-balancing loss of the MoE layers' statistics (a ValueError naming what is missing)."""
     if mode not in ROUTER_AUX_LOSS_MODES:
@@ -94,8 +94,6 @@ def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers, fuse
     why = None
     if not any(moe.is_moe_layer(layer) for layer in layers):
         why = "the model has no mixture-of-experts layers"
-    elif sequence_parallel is not None:
-        why = "sequence_parallel is given (each rank would hold only its share's statistics)"
     elif not fuse_lm_head:
         why = ("fuse_lm_head=False: the fused LM head makes the loss of the layers' "
                "statistics; HF's head needs the logits (use router_aux_loss='exact')")
@@ -248,7 +246,7 @@ class FusedHeadForward:
         stats = None
         if moe_head and router_logits and getattr(self, "router_aux_loss", "exact") == "fused":
             # the fused MoE layers append their (3, E) statistics instead of their logits
-            stats = self.shared.router_stats = []
+            stats = self.shared.router_stats = moe.RouterStats()
             try:
                 outputs = bare(**kwargs, return_dict=True)
             finally:

@@ -47,7 +47,9 @@ adapters on a wrapper, or a dropout module on one (PEFT refuses lora_dropout, lo
 there), make the call run PEFT's own forward with the reason.
 
 Under ``sequence_parallel=`` a layer routes the rank's own tokens (the op's MoE MLP is
-per token); ``output_router_logits`` there is refused (``SP_REFUSAL``).
+per token); the load-balancing loss there needs ``router_aux_loss="fused"``, whose statistics
+are summed over the group (``RouterStats``); the exact mode's logits are refused
+(``SP_REFUSAL``).
 
 Refused by name (``REFUSED`` for model types; NotImplementedError for settings): Mixtral's
 ``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts, wrappers on the
@@ -69,7 +71,7 @@ from .families import (ACTIVATIONS, MOE_FAMILIES, MoeFamily, expert_wrappers,  #
                        is_moe_layer, moe_layer_options as layer_options, moe_shape as _shape)
 
 __all__ = ["MOE_FAMILIES", "REFUSED", "aux_loss", "is_moe_layer", "layer_options", "layer_tensors",
-           "load_balancing_loss", "record_router_logits", "recording_router_logits", "refusal",
+           "RouterStats", "load_balancing_loss", "record_router_logits", "recording_router_logits", "refusal",
            "router_stats_of_logits", "structure_problem"]
 
 
@@ -98,11 +100,11 @@ def refusal(model_type: str) -> Optional[str]:
         "this one without patch_llama (HF gradient checkpointing)")
 
 
-SP_REFUSAL = ("output_router_logits=True with sequence_parallel= is not implemented: each rank "
-              "routes its own tokens, and the load-balancing loss of the whole sequence is not "
-              "made from the ranks' router logits (HF's loss of one rank's logits is not the "
-              "single process's); train with output_router_logits=False (the MoE layers "
-              "themselves run under sequence_parallel)")
+SP_REFUSAL = ("output_router_logits=True with sequence_parallel= and router_aux_loss='exact' is "
+              "not implemented: each rank routes its own tokens, and HF's load-balancing loss "
+              "of one rank's logits is not the whole sequence's; patch with "
+              "router_aux_loss='fused' (the statistics are summed over the group) or train "
+              "with output_router_logits=False")
 
 
 # ---- the dense view -----------------------------------------------------------------------
@@ -362,6 +364,16 @@ def load_balancing_loss(stats: Sequence, num_experts: int):
     return (torch.sum((total[0] / n) * (total[1] / n)) * num_experts).float()
 
 
+class RouterStats(list):
+    """The (3, E) statistics the fused MoE layers of one forward append (router_aux_loss=
+    "fused"). Under sequence parallelism (``group``: the group's registered name, ``ranks`` its
+    size) each entry is already the sum over the group's ranks (differentiable,
+    ``sequence_parallel.sum_over_group``), so that every rank makes the whole sequence's loss."""
+
+    group: str = ""
+    ranks: int = 1
+
+
 def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logits,
              stats: list | None = None):
     """(loss, aux_loss) as the MoE CausalLM forwards of transformers 5 make them from the bare
@@ -370,19 +382,27 @@ def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logi
     own function) and loss + router_aux_loss_coef * aux_loss; else (loss, None). ``stats``:
     the fused MoE layers' statistics (router_aux_loss="fused"); the loss is then
     ``load_balancing_loss`` of them and of the statistics of any logits a layer that ran HF's
-    forward recorded."""
+    forward recorded. Summed over a sequence-parallel group (``RouterStats.ranks`` > 1), the
+    statistics are the whole sequence's on every rank, and each rank adds its 1/ranks share of
+    ``router_aux_loss_coef * aux_loss`` (the shares sum to it, as the ranks' losses sum to the
+    whole batch's; the sum's backward gives each rank the whole gradient of its tokens)."""
     if not output_router_logits:
         return loss, None
     if stats is None:
         aux = _load_balancing_loss_func(model)(outputs.router_logits, model.num_experts,
                                                model.num_experts_per_tok, attention_mask)
     else:
-        stats = list(stats) + [router_stats_of_logits(lg, model.num_experts_per_tok,
-                                                      attention_mask)
-                               for lg in (outputs.router_logits or ())]
+        group, ranks = getattr(stats, "group", ""), getattr(stats, "ranks", 1)
+        of_logits = [router_stats_of_logits(lg, model.num_experts_per_tok, attention_mask)
+                     for lg in (outputs.router_logits or ())]
+        if ranks > 1:  # a layer that ran HF's forward recorded its rank's tokens' logits
+            from .sequence_parallel import sum_over_group
+            of_logits = [sum_over_group(s, group) for s in of_logits]
+        stats = list(stats) + of_logits
         if not stats:  # no MoE layer ran: HF's function returns 0 then
             return loss, 0
         aux = load_balancing_loss(stats, model.num_experts)
+        return loss + model.router_aux_loss_coef / ranks * aux.to(loss.device), aux
     return loss + model.router_aux_loss_coef * aux.to(loss.device), aux
 
 

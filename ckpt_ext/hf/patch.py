@@ -738,6 +738,9 @@ class _PatchedForward:
                         options)
         if router_stats:
             y, stats = out
+            if sp:  # the whole sequence's statistics on every rank (moe.RouterStats)
+                stats = _sp.sum_over_group(stats, sp)
+                stats_sink.group, stats_sink.ranks = sp, _sp.group_size(sp)
             stats_sink.append(stats)
             return y
         return moe.record_router_logits(out) if router_logits else out
@@ -792,15 +795,15 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     softmax sums, token count: ``ckpt_ext.hf.moe.load_balancing_loss``), not its
     (tokens, experts) logits, for the fused LM head's loss: the same aux_loss and gradients,
     and ``router_logits`` None in that output (needs ``fuse_lm_head`` on a
-    ``*ForCausalLM``; not with ``sequence_parallel``).
+    ``*ForCausalLM``; under ``sequence_parallel`` the statistics are summed over the group and
+    each rank adds its share of the loss; "exact" is refused there).
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""
     _check_bool("patch_llama", "fuse_lm_head", fuse_lm_head)
     owner, layers = _decoder_layers(model)
     config = _model_config(model)
-    check_router_aux_loss(router_aux_loss, _unwrap_peft(model), owner, layers, fuse_lm_head,
-                          sequence_parallel)
+    check_router_aux_loss(router_aux_loss, _unwrap_peft(model), owner, layers, fuse_lm_head)
     budget = None
     if policy == "auto":
         if activation_budget is None:

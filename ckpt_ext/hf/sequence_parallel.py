@@ -46,8 +46,8 @@ from torch import Tensor
 
 from .masks import BatchMasks, describe, packed_segment_ids
 
-__all__ = ["group_name", "shard_batch", "all_reduce_grads", "masks", "same_seed", "agree",
-           "refuse"]
+__all__ = ["group_name", "group_size", "shard_batch", "all_reduce_grads", "masks", "same_seed",
+           "agree", "refuse", "sum_over_group"]
 
 
 def _dist():
@@ -292,6 +292,18 @@ def same_seed(seed: Optional[Tensor], name: str,
                                 0 if seed is None else seed)
     first = torch.ops.ckpt_ext.sp_agree(head, name, spec, message)
     return None if seed is None else first.to(seed.dtype)
+
+
+def group_size(name: str) -> int:
+    """The number of ranks of group ``name``."""
+    return _rank_size(name)[1]
+
+
+def sum_over_group(t: Tensor, name: str) -> Tensor:
+    """``t`` summed over the ranks of group ``name``, differentiably (the backward sums the
+    ranks' gradients: each rank's ``t`` gets the gradient of every rank's use of the sum)."""
+    from torch.distributed.nn.functional import all_reduce
+    return all_reduce(t, group=_group(name))
 
 
 def shard_batch(batch: Mapping, group, *, ignore_index: int = -100,
