@@ -1323,13 +1323,14 @@ struct SpContext {
 
 // The attention over the gathered sequence runs in head rounds: round j exchanges the KV
 // heads [j*N*r, (j+1)*N*r) (of the KV heads as exchanged, repeated when fewer than N) and their
-// query heads, so that each rank holds r KV heads and their query heads at a time. r is the
-// most (a divisor of the KV heads per rank) whose round fits the byte cap
-// (csrc/chunking.h): per KV head, its query heads' q, out, dout and dq and its k, v, dk, dv
-// over the gathered sequence, at the compute width (float32 at least). Returns r.
+// query heads, so that each rank holds r KV heads and their query heads at a time. Within a
+// round only the keys span the gathered sequence (the queries go in chunks, below), so r is
+// the most (a divisor of the KV heads per rank) whose round fits the byte cap
+// (csrc/chunking.h): per KV head its k, v and their gradient sums dk, dv over the gathered
+// sequence, at the compute width (float32 at least). Returns r.
 int64_t sp_round_kv_heads(const Layer& L, const at::Tensor& x, int64_t n, int64_t rep) {
-  const int64_t kv = L.num_kv_heads * rep / n, g = L.num_heads / (L.num_kv_heads * rep);
-  const int64_t bytes = x.size(0) * x.size(1) * n * L.head_dim() * (4 * g + 4) *
+  const int64_t kv = L.num_kv_heads * rep / n;
+  const int64_t bytes = x.size(0) * x.size(1) * n * L.head_dim() * 4 *
                         std::max<int64_t>(4, at::elementSize(L.act_dtype(x)));
   int64_t r = kv;
   while (r > 1 && (kv % r != 0 || r * bytes > chunking::chunk_bytes())) --r;
@@ -1384,28 +1385,119 @@ at::Tensor round_kv(const SpContext& sp, const at::Tensor& t, int64_t j) {
   return t.narrow(1, j * n, n);
 }
 
-// Round j's q, k, v exchanged: (B, heads of the round on this rank, N*S, D).
-LocalQkv sp_exchange(const LocalQkv& t, const SpContext& sp, int64_t j) {
-  return {ulysses::to_heads(sp.g, round_q(sp, t.q, j)),
-          ulysses::to_heads(sp.g, round_kv(sp, t.k, j)),
-          ulysses::to_heads(sp.g, round_kv(sp, t.v, j))};
+// One head round's keys over the gathered sequence: k, v (B, r, N*S, D), this rank's KV heads
+// of round j over every rank's tokens; in the backward the float32 (float64) sums of their
+// gradients dk, dv; with uniform_empty_rows the values' mean (forward) or the empty rows' sums
+// (backward).
+struct RoundKeys {
+  at::Tensor k, v, dk, dv, vmean;
+  std::optional<EmptyRows> empty;
+};
+
+RoundKeys sp_round_keys(const SpContext& sp, const LocalQkv& local, int64_t j, bool backward) {
+  const Layer& H = sp.heads;
+  RoundKeys rk;
+  rk.k = ulysses::to_heads(sp.g, round_kv(sp, local.k, j));
+  rk.v = ulysses::to_heads(sp.g, round_kv(sp, local.v, j));
+  if (backward) {
+    const auto acc = rk.k.options().dtype(at::promote_types(rk.k.scalar_type(), at::kFloat));
+    const int64_t B = rk.k.size(0), r = rk.k.size(1), Sg = rk.k.size(2), d = rk.k.size(3);
+    rk.dk = at::zeros({B, Sg, r, d}, acc).transpose(1, 2);
+    rk.dv = at::zeros({B, Sg, r, d}, acc).transpose(1, 2);
+    if (H.uniform_empty_rows) rk.empty.emplace(H, rk.k, rk.v);
+  } else if (H.uniform_empty_rows) {
+    rk.vmean = value_mean(H, rk.v);
+  }
+  return rk;
 }
 
-// The attention of every round, its out and lse exchanged back: (out, lse) in the local
-// layout, (B, Hq, S, D) of (B, S, Hq, D) memory and (B, Hq, S).
+// The queries go in chunks: local chunk c's queries of round j, (1, Hq of the round, sc, D),
+// go to heads by one all-to-all as (1, this rank's query heads of the round, N*sc, D), piece i
+// of N the positions of rank i's chunk c, i*S + s0 .. i*S + s0 + sc - 1 of the gathered
+// sequence: the chunk of the gathered sequence that sp_piece returns. Each piece attends to
+// the keys it sees there (causal, q_offset its first position), and the results come back to
+// the rank's chunk by all-to-all.
+Chunk sp_piece(const SpContext& sp, const Chunk& c, int64_t i) {
+  return Chunk{c.b0, 1, i * c.S + c.s0, c.sc, sp.g.size * c.S};
+}
+
+// Piece i of an exchanged chunk (positions on dim 2).
+at::Tensor piece(const at::Tensor& t, const Chunk& c, int64_t i) {
+  return t.narrow(2, i * c.sc, c.sc);
+}
+
+// The attention of local chunk c's queries q of round j: (out, lse) of the chunk, (1, Hq of
+// the round, sc, D) and (1, Hq of the round, sc).
+std::tuple<at::Tensor, at::Tensor> sp_attend_chunk(const SpContext& sp, const RoundKeys& rk,
+                                                   const Chunk& c, const at::Tensor& q) {
+  const Layer& H = sp.heads;
+  const at::Tensor qg = ulysses::to_heads(sp.g, q);  // (1, h, N*sc, D)
+  const int64_t h = qg.size(1), rows = qg.size(2), d = qg.size(3);
+  at::Tensor out = at::empty({1, rows, h, d}, qg.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({1, h, rows}, qg.options().dtype(at::kFloat));
+  for (int64_t i = 0; i < sp.g.size; ++i) {
+    const Chunk p = sp_piece(sp, c, i);
+    auto [o, l] = attend(H, p, piece(qg, c, i), rk.k, rk.v);
+    if (H.uniform_empty_rows) o = fix_empty_rows_forward(o, l, rk.vmean.narrow(0, c.b0, 1));
+    piece(out, c, i).copy_(o);
+    piece(lse.unsqueeze(-1), c, i).copy_(l.unsqueeze(-1));
+  }
+  return {ulysses::to_tokens(sp.g, out), ulysses::lse_to_tokens(sp.g, lse)};
+}
+
+// The attention's backward of local chunk c's queries of round j (q, out, dout (1, Hq of the
+// round, sc, D), lse (1, Hq of the round, sc)): adds the keys' gradients into rk.dk, rk.dv (and
+// the empty rows into rk.empty's sums), returns the chunk's dq (1, Hq of the round, sc, D).
+at::Tensor sp_attend_backward_chunk(const SpContext& sp, RoundKeys& rk, const Chunk& c,
+                                    const at::Tensor& q, const at::Tensor& out,
+                                    const at::Tensor& lse, const at::Tensor& dout) {
+  const Layer& H = sp.heads;
+  const at::Tensor qg = ulysses::to_heads(sp.g, q), og = ulysses::to_heads(sp.g, out);
+  const at::Tensor lg = ulysses::lse_to_heads(sp.g, lse), dg = ulysses::to_heads(sp.g, dout);
+  at::Tensor dq = at::empty({1, qg.size(2), qg.size(1), qg.size(3)}, qg.options()).transpose(1, 2);
+  for (int64_t i = 0; i < sp.g.size; ++i) {
+    const Chunk p = sp_piece(sp, c, i);
+    const at::Tensor qi = piece(qg, c, i), di = piece(dg, c, i);
+    const at::Tensor li = piece(lg.unsqueeze(-1), c, i).squeeze(-1).contiguous();
+    at::Tensor dqi = std::get<0>(kernel::attention_bwd(
+        di, qi, p.keys(rk.k, 2), p.keys(rk.v, 2), piece(og, c, i), li,
+        opt(p.keys(H.key_padding_mask)), opt(p.keys(H.segment_ids)), H.window,
+        /*causal=*/true, H.scale, p.s0, p.keys(rk.dk, 2), p.keys(rk.dv, 2), H.softcap));
+    if (rk.empty) dqi = dqi + rk.empty->query_fix(H, p, di, li, qi).to(dqi.scalar_type());
+    piece(dq, c, i).copy_(dqi);
+  }
+  return ulysses::to_tokens(sp.g, dq);
+}
+
+// After every chunk of round j: the empty rows' share of the keys' gradients added, and dk, dv
+// back to the rank's tokens, into dk_rep, dv_rep (the KV heads as exchanged).
+void sp_finish_keys(const SpContext& sp, RoundKeys& rk, int64_t j, const at::Tensor& dk_rep,
+                    const at::Tensor& dv_rep) {
+  if (rk.empty) {
+    const int64_t Sg = rk.k.size(2);
+    auto [dk_fix, dv_fix] = rk.empty->key_fix(sp.heads, Chunk{0, rk.k.size(0), 0, Sg, Sg}, rk.v);
+    rk.dk.add_(dk_fix), rk.dv.add_(dv_fix);
+  }
+  round_kv(sp, dk_rep, j).copy_(ulysses::to_tokens(sp.g, rk.dk.to(dk_rep.scalar_type())));
+  round_kv(sp, dv_rep, j).copy_(ulysses::to_tokens(sp.g, rk.dv.to(dv_rep.scalar_type())));
+}
+
+// The attention of every round, chunk by chunk: (out, lse) in the local layout, (B, Hq, S, D)
+// of (B, S, Hq, D) memory and (B, Hq, S).
 std::tuple<at::Tensor, at::Tensor> sp_attention(const at::Tensor& x, const Layer& L,
                                                 const SpContext& sp, const LocalQkv& local) {
-  const Layer& H = sp.heads;
   const auto act = x.options().dtype(L.act_dtype(x));
   at::Tensor out = heads_buffer(x, L.num_heads, L.head_dim(), act);
   at::Tensor lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
   for (int64_t j = 0; j < sp.rounds; ++j) {
-    const LocalQkv e = sp_exchange(local, sp, j);
-    const int64_t Sg = e.q.size(2);
-    auto [out_g, lse_g] = attend(H, Chunk{0, e.q.size(0), 0, Sg, Sg}, e.q, e.k, e.v);
-    if (H.uniform_empty_rows) out_g = fix_empty_rows_forward(out_g, lse_g, value_mean(H, e.v));
-    round_q(sp, out, j).copy_(ulysses::to_tokens(sp.g, out_g));
-    round_q(sp, lse, j).copy_(ulysses::lse_to_tokens(sp.g, lse_g));
+    const RoundKeys rk = sp_round_keys(sp, local, j, /*backward=*/false);
+    const at::Tensor qj = round_q(sp, local.q, j), oj = round_q(sp, out, j);
+    const at::Tensor lj = round_q(sp, lse, j);
+    for (const Chunk& c : sp.cs) {
+      auto [o, l] = sp_attend_chunk(sp, rk, c, c.of(qj, 2));
+      c.of(oj, 2).copy_(o);
+      c.of(lj, 2).copy_(l);
+    }
   }
   return {out, lse};
 }
@@ -1502,37 +1594,27 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   // q, k, v of the rank's tokens, kept (fast) or projected (again, for min_memory: not held
   // through the chunk loop above, which holds out, dout and dx whole)
   const LocalQkv local = sp_local_qkv(x, L, sp, r);
-  // The attention's backward round by round: q, k, v, out, lse and dout go out, dq, dk, dv
-  // (of the KV heads as exchanged) come back. A round reads only its heads, so dq, dk, dv
-  // overwrite q, k, v where those were computed here (not kept residuals, which stay intact).
+  // The attention's backward round by round: k, v go to heads, and chunk by chunk q, out, lse
+  // and dout go out and dq comes back; after the round's chunks dk, dv (of the KV heads as
+  // exchanged) come back. A round reads only its heads, and a chunk's q only in its own step,
+  // so dq, dk, dv overwrite q, k, v where those were computed here (not kept residuals, which
+  // stay intact).
   const bool own = !r.q.defined();
   const at::Tensor dq = own ? local.q : heads_buffer(x, L.num_heads, d, act);
   const at::Tensor dk_rep = own || sp.rep > 1 ? local.k : heads_buffer(x, local.k.size(1), d, act);
   const at::Tensor dv_rep = own || sp.rep > 1 ? local.v : heads_buffer(x, local.k.size(1), d, act);
   for (int64_t j = 0; j < sp.rounds; ++j) {
-    const LocalQkv e = sp_exchange(local, sp, j);
-    const at::Tensor out_g = ulysses::to_heads(sp.g, round_q(sp, out, j));
-    const at::Tensor lse_g = ulysses::lse_to_heads(sp.g, round_q(sp, lse, j));
-    const at::Tensor dout_g = ulysses::to_heads(sp.g, round_q(sp, dout, j));
-    if (j + 1 == sp.rounds) {  // every round's out, lse, dout sent: the whole local ones go
-      out.reset(), lse.reset(), dout.reset();  // (kept residuals stay held by the saved list)
+    RoundKeys rk = sp_round_keys(sp, local, j, /*backward=*/true);
+    const at::Tensor qj = round_q(sp, local.q, j), oj = round_q(sp, out, j);
+    const at::Tensor lj = round_q(sp, lse, j), dj = round_q(sp, dout, j);
+    const at::Tensor dqj = round_q(sp, dq, j);
+    for (const Chunk& c : sp.cs) {
+      c.of(dqj, 2).copy_(sp_attend_backward_chunk(sp, rk, c, c.of(qj, 2), c.of(oj, 2),
+                                                  c.of(lj, 2), c.of(dj, 2)));
     }
-    auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
-        dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
-        /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
-    if (H.uniform_empty_rows) {
-      const int64_t Sg = e.q.size(2);
-      const Chunk all{0, e.q.size(0), 0, Sg, Sg};
-      EmptyRows empty(H, e.k, e.v);
-      dq_g = dq_g + empty.query_fix(H, all, dout_g, lse_g, e.q).to(dq_g.scalar_type());
-      auto [dk_fix, dv_fix] = empty.key_fix(H, all, e.v);
-      dk_g = dk_g + dk_fix.to(dk_g.scalar_type());
-      dv_g = dv_g + dv_fix.to(dv_g.scalar_type());
-    }
-    round_q(sp, dq, j).copy_(ulysses::to_tokens(sp.g, dq_g));
-    round_kv(sp, dk_rep, j).copy_(ulysses::to_tokens(sp.g, dk_g));
-    round_kv(sp, dv_rep, j).copy_(ulysses::to_tokens(sp.g, dv_g));
+    sp_finish_keys(sp, rk, j, dk_rep, dv_rep);
   }
+  out.reset(), lse.reset(), dout.reset();  // (kept residuals stay held by the saved list)
   const at::Tensor dk = ulysses::sum_kv(dk_rep, sp.rep);
   const at::Tensor dv = ulysses::sum_kv(dv_rep, sp.rep);
   // Per chunk: the projections' and the input norm's backward.
