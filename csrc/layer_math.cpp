@@ -1387,8 +1387,8 @@ at::Tensor round_kv(const SpContext& sp, const at::Tensor& t, int64_t j) {
 
 // One head round's keys over the gathered sequence: k, v (B, r, N*S, D), this rank's KV heads
 // of round j over every rank's tokens; in the backward the float32 (float64) sums of their
-// gradients dk, dv; with uniform_empty_rows the values' mean (forward) or the empty rows' sums
-// (backward).
+// gradients dk, dv; with uniform_empty_rows the values' mean and (backward) the empty rows'
+// sums.
 struct RoundKeys {
   at::Tensor k, v, dk, dv, vmean;
   std::optional<EmptyRows> empty;
@@ -1405,9 +1405,8 @@ RoundKeys sp_round_keys(const SpContext& sp, const LocalQkv& local, int64_t j, b
     rk.dk = at::zeros({B, Sg, r, d}, acc).transpose(1, 2);
     rk.dv = at::zeros({B, Sg, r, d}, acc).transpose(1, 2);
     if (H.uniform_empty_rows) rk.empty.emplace(H, rk.k, rk.v);
-  } else if (H.uniform_empty_rows) {
-    rk.vmean = value_mean(H, rk.v);
   }
+  if (H.uniform_empty_rows) rk.vmean = value_mean(H, rk.v);
   return rk;
 }
 
@@ -1426,10 +1425,17 @@ at::Tensor piece(const at::Tensor& t, const Chunk& c, int64_t i) {
   return t.narrow(2, i * c.sc, c.sc);
 }
 
+// A chunk's queries of one round as exchanged, (1, h, N*sc, D), with the attention's out and
+// lse there: what the backward of a recomputed chunk reuses instead of exchanging them again.
+struct Exchanged {
+  at::Tensor q, out, lse;
+};
+
 // The attention of local chunk c's queries q of round j: (out, lse) of the chunk, (1, Hq of
-// the round, sc, D) and (1, Hq of the round, sc).
+// the round, sc, D) and (1, Hq of the round, sc); `keep`: also the exchanged q, out, lse.
 std::tuple<at::Tensor, at::Tensor> sp_attend_chunk(const SpContext& sp, const RoundKeys& rk,
-                                                   const Chunk& c, const at::Tensor& q) {
+                                                   const Chunk& c, const at::Tensor& q,
+                                                   Exchanged* keep = nullptr) {
   const Layer& H = sp.heads;
   const at::Tensor qg = ulysses::to_heads(sp.g, q);  // (1, h, N*sc, D)
   const int64_t h = qg.size(1), rows = qg.size(2), d = qg.size(3);
@@ -1442,18 +1448,23 @@ std::tuple<at::Tensor, at::Tensor> sp_attend_chunk(const SpContext& sp, const Ro
     piece(out, c, i).copy_(o);
     piece(lse.unsqueeze(-1), c, i).copy_(l.unsqueeze(-1));
   }
+  if (keep) *keep = {qg, out, lse};
   return {ulysses::to_tokens(sp.g, out), ulysses::lse_to_tokens(sp.g, lse)};
 }
 
 // The attention's backward of local chunk c's queries of round j (q, out, dout (1, Hq of the
-// round, sc, D), lse (1, Hq of the round, sc)): adds the keys' gradients into rk.dk, rk.dv (and
-// the empty rows into rk.empty's sums), returns the chunk's dq (1, Hq of the round, sc, D).
+// round, sc, D), lse (1, Hq of the round, sc); q, out, lse not read when `ex` holds them as
+// exchanged): adds the keys' gradients into rk.dk, rk.dv (and the empty rows into rk.empty's
+// sums), returns the chunk's dq (1, Hq of the round, sc, D).
 at::Tensor sp_attend_backward_chunk(const SpContext& sp, RoundKeys& rk, const Chunk& c,
                                     const at::Tensor& q, const at::Tensor& out,
-                                    const at::Tensor& lse, const at::Tensor& dout) {
+                                    const at::Tensor& lse, const at::Tensor& dout,
+                                    const Exchanged* ex = nullptr) {
   const Layer& H = sp.heads;
-  const at::Tensor qg = ulysses::to_heads(sp.g, q), og = ulysses::to_heads(sp.g, out);
-  const at::Tensor lg = ulysses::lse_to_heads(sp.g, lse), dg = ulysses::to_heads(sp.g, dout);
+  const at::Tensor qg = ex ? ex->q : ulysses::to_heads(sp.g, q);
+  const at::Tensor og = ex ? ex->out : ulysses::to_heads(sp.g, out);
+  const at::Tensor lg = ex ? ex->lse : ulysses::lse_to_heads(sp.g, lse);
+  const at::Tensor dg = ulysses::to_heads(sp.g, dout);
   at::Tensor dq = at::empty({1, qg.size(2), qg.size(1), qg.size(3)}, qg.options()).transpose(1, 2);
   for (int64_t i = 0; i < sp.g.size; ++i) {
     const Chunk p = sp_piece(sp, c, i);
@@ -1502,14 +1513,6 @@ std::tuple<at::Tensor, at::Tensor> sp_attention(const at::Tensor& x, const Layer
   return {out, lse};
 }
 
-LocalQkv sp_local_qkv(const at::Tensor& x, const Layer& L, const SpContext& sp,
-                      const Residuals& r) {
-  LocalQkv t = r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp);
-  t.k = ulysses::repeat_kv(t.k, sp.rep);
-  t.v = ulysses::repeat_kv(t.v, sp.rep);
-  return t;
-}
-
 at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   const SpContext sp = sp_context(x, L, "decoder_layer");
   const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
@@ -1554,24 +1557,62 @@ at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
 Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
                   const Residuals& r, const std::vector<bool>& needs) {
   const SpContext sp = sp_context(x, L, "decoder_layer_bwd");
-  const Layer& H = sp.heads;
-  const int64_t d = L.head_dim();
+  const int64_t d = L.head_dim(), hq = sp.g.size * sp.heads.num_heads;  // query heads a round
   const bool layer = L.part_id == Part::kLayer;
-  Grads g(/*chunked=*/sp.cs.size() > 1);
-  at::Tensor out, lse;
-  if (r.out.defined()) {
-    out = r.out, lse = r.lse;
-  } else {  // min_memory: the forward's attention rounds and their exchanges
-    std::tie(out, lse) = sp_attention(x, L, sp, sp_local_qkv(x, L, sp, r));
-  }
-  // Per chunk: h, the MLP's backward, the o projection's backward into dout.
   const auto act = x.options().dtype(L.act_dtype(x));
-  at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  // The input norm's backward runs twice per chunk (the queries' share, then the keys').
+  Grads g(/*chunked=*/true);
+  // Every round's keys over the gathered sequence and their gradient sums (as many values as
+  // the rank's own k, v, which are dropped once exchanged).
+  std::vector<RoundKeys> keys;
+  {
+    LocalQkv local;
+    if (r.k.defined()) {
+      local.k = r.k, local.v = r.v;
+    } else {
+      local.k = heads_buffer(x, L.num_kv_heads, d, act);
+      local.v = heads_buffer(x, L.num_kv_heads, d, act);
+      for (const Chunk& c : sp.cs) {
+        const Projected p = project(c.of(x), L, c, Heads::kKeys);
+        c.of(local.k, 2).copy_(p.k), c.of(local.v, 2).copy_(p.v);
+      }
+    }
+    local.k = ulysses::repeat_kv(local.k, sp.rep);
+    local.v = ulysses::repeat_kv(local.v, sp.rep);
+    for (int64_t j = 0; j < sp.rounds; ++j)
+      keys.push_back(sp_round_keys(sp, local, j, /*backward=*/true));
+  }
+  // Chunk by chunk: the queries (kept or projected), out and lse (kept or, for min_memory,
+  // recomputed round by round, the exchanged q, out, lse kept for the backward), h and the
+  // MLP's backward, the o projection's backward into dout, the attention's backward round by
+  // round (dout goes out, dq comes back, dk, dv add up), the queries' projections' and the input
+  // norm's backward.
   for (const Chunk& c : sp.cs) {
-    const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
+    const at::Tensor xc = c.of(x), dyc = c.of(dy);
+    Projected p;
+    if (!r.q.defined() || L.qk_norm()) {
+      p = project(xc, L, c, Heads::kQueries);  // q, and the q norm's input q_lin
+    } else {
+      p.n = L.cast(norm_fwd(L, kInputNorm, xc));
+    }
+    const at::Tensor q = r.q.defined() ? c.of(r.q, 2) : p.q;  // (1, Hq, sc, D)
+    std::vector<Exchanged> ex;
+    at::Tensor out, lse;
+    if (r.out.defined()) {
+      out = c.of(r.out, 2), lse = c.of(r.lse, 2);
+    } else {
+      ex.resize(sp.rounds);
+      out = at::empty({1, c.sc, L.num_heads, d}, act).transpose(1, 2);
+      lse = at::empty({1, L.num_heads, c.sc}, x.options().dtype(at::kFloat));
+      for (int64_t j = 0; j < sp.rounds; ++j) {
+        auto [o, l] = sp_attend_chunk(sp, keys[j], c, q.narrow(1, j * hq, hq), &ex[j]);
+        out.narrow(1, j * hq, hq).copy_(o);
+        lse.narrow(1, j * hq, hq).copy_(l);
+      }
+    }
     at::Tensor o;
     if (L.has_norm(kAttnOutNorm) || (layer && !r.h.defined()))
-      o = proj_fwd(L, kO, merge_heads(outc), c.row());
+      o = proj_fwd(L, kO, merge_heads(out), c.row());
     at::Tensor dh = dyc;
     if (layer) {
       const at::Tensor h = r.h.defined() ? c.of(r.h)
@@ -1586,48 +1627,41 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
     if (o.defined() && L.has_norm(kAttnOutNorm))
       d_o = L.cast(norm_bwd(L, kAttnOutNorm, d_o, flat2(o), needs, g));
-    const at::Tensor dmerged = proj_bwd(L, kO, d_o, flat2(merge_heads(outc)), needs, g, c.row());
-    c.of(dout, 2).copy_(dmerged.view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2));
-    if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
-    c.of(g.dx).copy_(dh);
-  }
-  // q, k, v of the rank's tokens, kept (fast) or projected (again, for min_memory: not held
-  // through the chunk loop above, which holds out, dout and dx whole)
-  const LocalQkv local = sp_local_qkv(x, L, sp, r);
-  // The attention's backward round by round: k, v go to heads, and chunk by chunk q, out, lse
-  // and dout go out and dq comes back; after the round's chunks dk, dv (of the KV heads as
-  // exchanged) come back. A round reads only its heads, and a chunk's q only in its own step,
-  // so dq, dk, dv overwrite q, k, v where those were computed here (not kept residuals, which
-  // stay intact).
-  const bool own = !r.q.defined();
-  const at::Tensor dq = own ? local.q : heads_buffer(x, L.num_heads, d, act);
-  const at::Tensor dk_rep = own || sp.rep > 1 ? local.k : heads_buffer(x, local.k.size(1), d, act);
-  const at::Tensor dv_rep = own || sp.rep > 1 ? local.v : heads_buffer(x, local.k.size(1), d, act);
-  for (int64_t j = 0; j < sp.rounds; ++j) {
-    RoundKeys rk = sp_round_keys(sp, local, j, /*backward=*/true);
-    const at::Tensor qj = round_q(sp, local.q, j), oj = round_q(sp, out, j);
-    const at::Tensor lj = round_q(sp, lse, j), dj = round_q(sp, dout, j);
-    const at::Tensor dqj = round_q(sp, dq, j);
-    for (const Chunk& c : sp.cs) {
-      c.of(dqj, 2).copy_(sp_attend_backward_chunk(sp, rk, c, c.of(qj, 2), c.of(oj, 2),
-                                                  c.of(lj, 2), c.of(dj, 2)));
+    const at::Tensor dout =
+        proj_bwd(L, kO, d_o, flat2(merge_heads(out)), needs, g, c.row())
+            .view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2);
+    at::Tensor dq = at::empty({1, c.sc, L.num_heads, d}, act).transpose(1, 2);
+    for (int64_t j = 0; j < sp.rounds; ++j) {
+      auto heads = [&](const at::Tensor& t) { return t.narrow(1, j * hq, hq); };
+      dq.narrow(1, j * hq, hq).copy_(sp_attend_backward_chunk(
+          sp, keys[j], c, heads(q), heads(out), heads(lse), heads(dout),
+          ex.empty() ? nullptr : &ex[j]));
     }
-    sp_finish_keys(sp, rk, j, dk_rep, dv_rep);
+    const at::Tensor dn = projections_backward(L, c, p, dq, {}, {}, {}, {}, needs, g);
+    if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
+    c.of(g.dx).copy_(input_norm_backward(L, xc, dn, dh, needs, g));
   }
-  out.reset(), lse.reset(), dout.reset();  // (kept residuals stay held by the saved list)
+  // dk, dv back to the rank's tokens (KV heads repeated for the exchange summed back), then the
+  // keys' projections' and the input norm's backward chunk by chunk.
+  const at::Tensor dk_rep = heads_buffer(x, L.num_kv_heads * sp.rep, d, act);
+  const at::Tensor dv_rep = heads_buffer(x, L.num_kv_heads * sp.rep, d, act);
+  for (int64_t j = 0; j < sp.rounds; ++j) {
+    sp_finish_keys(sp, keys[j], j, dk_rep, dv_rep);
+    keys[j] = RoundKeys();
+  }
   const at::Tensor dk = ulysses::sum_kv(dk_rep, sp.rep);
   const at::Tensor dv = ulysses::sum_kv(dv_rep, sp.rep);
-  // Per chunk: the projections' and the input norm's backward.
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x);
     Projected p;
     if (L.qk_norm()) {
-      p = project(xc, L, c, Heads::kAll);  // the norms' inputs q_lin, k_lin
+      p = project(xc, L, c, Heads::kKeys);  // the k norm's input k_lin
     } else {
       p.n = L.cast(norm_fwd(L, kInputNorm, xc));
     }
-    const at::Tensor dn = projections_backward(L, c, p, c.of(dq, 2), c.of(dk, 2), c.of(dv, 2),
-                                               p.k_lin, {}, needs, g);
+    const at::Tensor dn = projections_backward(
+        L, c, p, {}, c.of(dk, 2), c.of(dv, 2), p.k_lin,
+        at::zeros({c.nb * c.sc, x.size(2)}, p.n.options()), needs, g);
     const at::Tensor dh = c.of(g.dx);
     dh.copy_(input_norm_backward(L, xc, dn, dh, needs, g));
   }
