@@ -1590,17 +1590,23 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x), dyc = c.of(dy);
     Projected p;
-    if (!r.q.defined() || L.qk_norm()) {
-      p = project(xc, L, c, Heads::kQueries);  // q, and the q norm's input q_lin
-    } else {
-      p.n = L.cast(norm_fwd(L, kInputNorm, xc));
-    }
-    const at::Tensor q = r.q.defined() ? c.of(r.q, 2) : p.q;  // (1, Hq, sc, D)
+    at::Tensor q;  // (1, Hq, sc, D)
+    auto queries = [&] {
+      if (!r.q.defined() || L.qk_norm()) {
+        p = project(xc, L, c, Heads::kQueries);  // q, and the q norm's input q_lin
+      } else {
+        p.n = L.cast(norm_fwd(L, kInputNorm, xc));
+      }
+      q = r.q.defined() ? c.of(r.q, 2) : p.q;
+    };
+    // The queries are needed before the MLP's backward only to recompute out; then only their
+    // exchanged copies are kept through it (and q_lin, which the q norm's backward reads).
     std::vector<Exchanged> ex;
     at::Tensor out, lse;
     if (r.out.defined()) {
       out = c.of(r.out, 2), lse = c.of(r.lse, 2);
     } else {
+      queries();
       ex.resize(sp.rounds);
       out = at::empty({1, c.sc, L.num_heads, d}, act).transpose(1, 2);
       lse = at::empty({1, L.num_heads, c.sc}, x.options().dtype(at::kFloat));
@@ -1609,6 +1615,8 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
         out.narrow(1, j * hq, hq).copy_(o);
         lse.narrow(1, j * hq, hq).copy_(l);
       }
+      q.reset(), p.q.reset(), p.n.reset();
+      if (!L.qk_norm()) p.q_lin.reset();
     }
     at::Tensor o;
     if (L.has_norm(kAttnOutNorm) || (layer && !r.h.defined()))
@@ -1617,6 +1625,7 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     if (layer) {
       const at::Tensor h = r.h.defined() ? c.of(r.h)
                                          : xc + L.residual_scaled(norm_fwd(L, kAttnOutNorm, o));
+      if (!L.has_norm(kAttnOutNorm)) o.reset();  // h holds it
       Residuals rc;
       if (r.gate.defined()) {
         rc.gate = r.gate.narrow(0, c.t0(), c.sc);
@@ -1627,12 +1636,19 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
     at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
     if (o.defined() && L.has_norm(kAttnOutNorm))
       d_o = L.cast(norm_bwd(L, kAttnOutNorm, d_o, flat2(o), needs, g));
+    o.reset();
     const at::Tensor dout =
         proj_bwd(L, kO, d_o, flat2(merge_heads(out)), needs, g, c.row())
             .view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2);
+    d_o.reset();
+    if (ex.empty()) {
+      queries();
+    } else {
+      p.n = L.cast(norm_fwd(L, kInputNorm, xc));
+    }
     at::Tensor dq = at::empty({1, c.sc, L.num_heads, d}, act).transpose(1, 2);
     for (int64_t j = 0; j < sp.rounds; ++j) {
-      auto heads = [&](const at::Tensor& t) { return t.narrow(1, j * hq, hq); };
+      auto heads = [&](const at::Tensor& t) { return t.defined() ? t.narrow(1, j * hq, hq) : t; };
       dq.narrow(1, j * hq, hq).copy_(sp_attend_backward_chunk(
           sp, keys[j], c, heads(q), heads(out), heads(lse), heads(dout),
           ex.empty() ? nullptr : &ex[j]));
