@@ -1298,20 +1298,25 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
 //
 // Each rank holds S of the N*S positions of every sequence. Forward: the rank's tokens are
 // projected chunk by chunk (q, k, v after norms and RoPE at its global positions); then, in
-// head rounds (sp_round_kv_heads: as many heads at a time as the byte cap allows), the
-// round's q, k, v go through one all-to-all each to (B, heads/N, N*S, D) (this rank's share of
-// the round's heads over the whole sequence), the attention runs over the gathered sequence
-// (causal, the masks gathered once), and its out and lse come back by all-to-all into the
-// rank's (B, Hq, S, D) out; the o projection, residual and MLP then run chunk by chunk on the
-// rank's tokens. The residuals keep the local layout (the shapes of a call without
-// sequence_parallel). Backward: q, k, v kept (fast) or projected again, and out/lse kept or
-// (min_memory) recomputed by the forward's rounds and exchanges; per chunk the MLP's and the o
-// projection's backward into dout; per round q, k, v, out, lse and dout go out and dq, dk, dv
-// come back (KV heads repeated for the exchange summed back); per chunk the projections' and
-// input norm's backward. Weight gradients are this rank's tokens' share: the caller sums them
-// over the group. Chunks are single sequence rows (nb = 1), so LoRA dropout hashes global rows
-// (Chunk::row). Whole local tensors: q, k, v, out, lse, dout, dq, dk, dv (and x, y, dy, dx);
-// a round's exchanged tensors are within the byte cap (at least one KV head per rank).
+// head rounds (sp_round_kv_heads: as many KV heads at a time as the byte cap allows for their
+// k, v, dk, dv over the gathered sequence), the round's k and v go through one all-to-all each
+// to (B, heads/N, N*S, D) (this rank's share of the round's heads over the whole sequence), and
+// the queries follow chunk by chunk: a local chunk's queries go to heads as N pieces, one per
+// rank's chunk at its own global positions, each attends causally to the keys it sees (the
+// masks gathered once), and the chunk's out and lse come back by all-to-all into the rank's
+// (B, Hq, S, D) out; the o projection, residual and MLP then run chunk by chunk on the rank's
+// tokens. The residuals keep the local layout (the shapes of a call without
+// sequence_parallel). Backward: every round's k, v gathered once (kept or projected again)
+// with float32 dk, dv sums over the gathered sequence; then per chunk the queries, out and
+// lse (kept, or for min_memory recomputed by the forward's exchanges, their exchanged copies
+// kept for the backward), the MLP's and the o projection's backward into dout, per round dout
+// out and dq back (dk, dv adding up), the queries' projections' and input norm's backward; then
+// dk, dv back (KV heads repeated for the exchange summed back) and per chunk the keys'
+// projections' and input norm's backward. Weight gradients are this rank's tokens' share: the
+// caller sums them over the group. Chunks are single sequence rows (nb = 1), so LoRA dropout
+// hashes global rows (Chunk::row). Whole tensors of the backward: dy, dx, and every round's
+// gathered k, v with dk, dv (as many values as the rank's own k, v); the forward holds the
+// rank's q, k, v and out whole. The rest is within a chunk.
 
 struct SpContext {
   ulysses::Group g;
