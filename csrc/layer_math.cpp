@@ -1296,27 +1296,27 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
 
 // ---- Ulysses sequence parallelism (sequence_parallel; the exchanges in csrc/ulysses.h) ------
 //
-// Each rank holds S of the N*S positions of every sequence. Forward: the rank's tokens are
-// projected chunk by chunk (q, k, v after norms and RoPE at its global positions); then, in
-// head rounds (sp_round_kv_heads: as many KV heads at a time as the byte cap allows for their
-// k, v, dk, dv over the gathered sequence), the round's k and v go through one all-to-all each
-// to (B, heads/N, N*S, D) (this rank's share of the round's heads over the whole sequence), and
-// the queries follow chunk by chunk: a local chunk's queries go to heads as N pieces, one per
-// rank's chunk at its own global positions, each attends causally to the keys it sees (the
-// masks gathered once), and the chunk's out and lse come back by all-to-all into the rank's
-// (B, Hq, S, D) out; the o projection, residual and MLP then run chunk by chunk on the rank's
-// tokens. The residuals keep the local layout (the shapes of a call without
-// sequence_parallel). Backward: every round's k, v gathered once (kept or projected again)
-// with float32 dk, dv sums over the gathered sequence; then per chunk the queries, out and
-// lse (kept, or for min_memory recomputed by the forward's exchanges, their exchanged copies
-// kept for the backward), the MLP's and the o projection's backward into dout, per round dout
-// out and dq back (dk, dv adding up), the queries' projections' and input norm's backward; then
-// dk, dv back (KV heads repeated for the exchange summed back) and per chunk the keys'
-// projections' and input norm's backward. Weight gradients are this rank's tokens' share: the
-// caller sums them over the group. Chunks are single sequence rows (nb = 1), so LoRA dropout
-// hashes global rows (Chunk::row). Whole tensors of the backward: dy, dx, and every round's
-// gathered k, v with dk, dv (as many values as the rank's own k, v); the forward holds the
-// rank's q, k, v and out whole. The rest is within a chunk.
+// Each rank holds S of the N*S positions of every sequence. The attention goes in head rounds
+// (sp_round_kv_heads: as many KV heads at a time as the byte cap allows for their k, v, dk, dv
+// over the gathered sequence); a round's k and v go through one all-to-all each to (B, heads/N,
+// N*S, D), this rank's share of the round's heads over the whole sequence, and the queries go
+// in the rank's token chunks: a chunk's queries go to heads as N pieces, one per rank's chunk
+// at its own global positions, each attends causally to the keys it sees (the masks gathered
+// once), and the chunk's out and lse come back by all-to-all. Forward: the rank's k, v are
+// projected chunk by chunk (norms and RoPE at its global positions; fast: q, k, v, kept) and
+// every round's gathered; then per chunk its queries, their attention round by round, the o
+// projection, residual and MLP. Backward: every round's k, v gathered again (kept or projected
+// again) with float32 dk, dv sums over the gathered sequence; then per chunk the queries, out
+// and lse (kept, or for min_memory recomputed by the forward's exchanges, their exchanged
+// copies kept for the backward), the MLP's and the o projection's backward into dout, per
+// round dout out and dq back (dk, dv adding up), the queries' projections' and input norm's
+// backward; then dk, dv back (KV heads repeated for the exchange summed back) and per chunk
+// the keys' projections' and input norm's backward. The residuals keep the local layout (the
+// shapes of a call without sequence_parallel). Weight gradients are this rank's tokens'
+// share: the caller sums them over the group. Chunks are single sequence rows (nb = 1), so
+// LoRA dropout hashes global rows (Chunk::row). Whole tensors besides x, y, dy, dx and the
+// kept residuals: every round's gathered k, v (and in the backward dk, dv), as many values as
+// the rank's own k, v, which are dropped once exchanged; the rest is within a chunk.
 
 struct SpContext {
   ulysses::Group g;
@@ -1363,22 +1363,10 @@ SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op) {
 }
 
 // The rank's q, k, v (B, H*, S, D) over its tokens (k, v with the KV heads repeated as
-// exchanged), projected chunk by chunk.
+// exchanged).
 struct LocalQkv {
   at::Tensor q, k, v;
 };
-
-LocalQkv sp_project(const at::Tensor& x, const Layer& L, const SpContext& sp) {
-  const int64_t d = L.head_dim();
-  const auto act = x.options().dtype(L.act_dtype(x));
-  LocalQkv t{heads_buffer(x, L.num_heads, d, act), heads_buffer(x, L.num_kv_heads, d, act),
-             heads_buffer(x, L.num_kv_heads, d, act)};
-  for (const Chunk& c : sp.cs) {
-    const Projected p = project(c.of(x), L, c, Heads::kAll);
-    c.of(t.q, 2).copy_(p.q), c.of(t.k, 2).copy_(p.k), c.of(t.v, 2).copy_(p.v);
-  }
-  return t;
-}
 
 // Round j's query heads (dim 1 of a (B, Hq, S, ...) tensor) and KV heads (as exchanged).
 at::Tensor round_q(const SpContext& sp, const at::Tensor& t, int64_t j) {
@@ -1498,45 +1486,82 @@ void sp_finish_keys(const SpContext& sp, RoundKeys& rk, int64_t j, const at::Ten
   round_kv(sp, dv_rep, j).copy_(ulysses::to_tokens(sp.g, rk.dv.to(dv_rep.scalar_type())));
 }
 
-// The attention of every round, chunk by chunk: (out, lse) in the local layout, (B, Hq, S, D)
-// of (B, S, Hq, D) memory and (B, Hq, S).
-std::tuple<at::Tensor, at::Tensor> sp_attention(const at::Tensor& x, const Layer& L,
-                                                const SpContext& sp, const LocalQkv& local) {
-  const auto act = x.options().dtype(L.act_dtype(x));
-  at::Tensor out = heads_buffer(x, L.num_heads, L.head_dim(), act);
-  at::Tensor lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
-  for (int64_t j = 0; j < sp.rounds; ++j) {
-    const RoundKeys rk = sp_round_keys(sp, local, j, /*backward=*/false);
-    const at::Tensor qj = round_q(sp, local.q, j), oj = round_q(sp, out, j);
-    const at::Tensor lj = round_q(sp, lse, j);
+// Every round's keys over the gathered sequence (sp_round_keys), from the rank's k, v (B, Hkv,
+// S, D): given (kept), or projected here chunk by chunk and dropped once exchanged.
+std::vector<RoundKeys> sp_all_keys(const at::Tensor& x, const Layer& L, const SpContext& sp,
+                                   at::Tensor k, at::Tensor v, bool backward) {
+  if (!k.defined()) {
+    const auto act = x.options().dtype(L.act_dtype(x));
+    k = heads_buffer(x, L.num_kv_heads, L.head_dim(), act);
+    v = heads_buffer(x, L.num_kv_heads, L.head_dim(), act);
     for (const Chunk& c : sp.cs) {
-      auto [o, l] = sp_attend_chunk(sp, rk, c, c.of(qj, 2));
-      c.of(oj, 2).copy_(o);
-      c.of(lj, 2).copy_(l);
+      const Projected p = project(c.of(x), L, c, Heads::kKeys);
+      c.of(k, 2).copy_(p.k), c.of(v, 2).copy_(p.v);
     }
+  }
+  const LocalQkv local{{}, ulysses::repeat_kv(k, sp.rep), ulysses::repeat_kv(v, sp.rep)};
+  std::vector<RoundKeys> keys;
+  for (int64_t j = 0; j < sp.rounds; ++j) keys.push_back(sp_round_keys(sp, local, j, backward));
+  return keys;
+}
+
+// The attention of local chunk c's queries q (1, Hq, sc, D), every round: (out, lse) of the
+// chunk, (1, Hq, sc, D) of (1, sc, Hq, D) memory and (1, Hq, sc), written into `out` and `lse`
+// when given (views of kept residuals); `ex`: the exchanged q, out, lse of each round.
+std::tuple<at::Tensor, at::Tensor> sp_attend_rounds(const SpContext& sp,
+                                                    const std::vector<RoundKeys>& keys,
+                                                    const Chunk& c, const at::Tensor& q,
+                                                    at::Tensor out, at::Tensor lse,
+                                                    std::vector<Exchanged>* ex = nullptr) {
+  const int64_t hq = sp.g.size * sp.heads.num_heads;  // query heads a round
+  if (!out.defined()) {
+    out = at::empty({1, c.sc, q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+    lse = at::empty({1, q.size(1), c.sc}, q.options().dtype(at::kFloat));
+  }
+  if (ex) ex->resize(sp.rounds);
+  for (int64_t j = 0; j < sp.rounds; ++j) {
+    auto [o, l] = sp_attend_chunk(sp, keys[j], c, q.narrow(1, j * hq, hq),
+                                  ex ? &(*ex)[j] : nullptr);
+    out.narrow(1, j * hq, hq).copy_(o);
+    lse.narrow(1, j * hq, hq).copy_(l);
   }
   return {out, lse};
 }
 
+// Chunk by chunk after the keys: the chunk's queries (fast: every chunk's q, k, v first, kept),
+// its attention round by round, the o projection, residual and MLP.
 at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   const SpContext sp = sp_context(x, L, "decoder_layer");
   const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
   const bool keep = L.preset_id != Preset::kMinMemory;
-  at::Tensor out;  // (B, Hq, S, D), (B, S, Hq, D) memory
-  {
-    LocalQkv local = sp_project(x, L, sp);
-    if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
-    local.k = ulysses::repeat_kv(local.k, sp.rep);
-    local.v = ulysses::repeat_kv(local.v, sp.rep);
-    at::Tensor lse;
-    std::tie(out, lse) = sp_attention(x, L, sp, local);
-    if (keep) r.out = out, r.lse = lse;
+  const int64_t d = L.head_dim();
+  const auto act = x.options().dtype(L.act_dtype(x));
+  if (fast) {
+    r.q = heads_buffer(x, L.num_heads, d, act);
+    r.k = heads_buffer(x, L.num_kv_heads, d, act);
+    r.v = heads_buffer(x, L.num_kv_heads, d, act);
+    for (const Chunk& c : sp.cs) {
+      const Projected p = project(c.of(x), L, c, Heads::kAll);
+      c.of(r.q, 2).copy_(p.q), c.of(r.k, 2).copy_(p.k), c.of(r.v, 2).copy_(p.v);
+    }
+  }
+  const std::vector<RoundKeys> keys = sp_all_keys(x, L, sp, r.k, r.v, /*backward=*/false);
+  if (keep) {
+    r.out = heads_buffer(x, L.num_heads, d, act);
+    r.lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
   }
   at::Tensor y;
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x);
+    at::Tensor out;
+    {
+      const at::Tensor q = fast ? c.of(r.q, 2) : project(xc, L, c, Heads::kQueries).q;
+      out = std::get<0>(sp_attend_rounds(sp, keys, c, q, keep ? c.of(r.out, 2) : at::Tensor(),
+                                         keep ? c.of(r.lse, 2) : at::Tensor()));
+    }
     at::Tensor h = xc + L.residual_scaled(norm_fwd(
-                            L, kAttnOutNorm, proj_fwd(L, kO, merge_heads(c.of(out, 2)), c.row())));
+                            L, kAttnOutNorm, proj_fwd(L, kO, merge_heads(out), c.row())));
+    out.reset();
     if (layer) {
       if (keep) {
         if (!r.h.defined()) r.h = at::empty(x.sizes(), h.options());
@@ -1569,24 +1594,7 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
   Grads g(/*chunked=*/true);
   // Every round's keys over the gathered sequence and their gradient sums (as many values as
   // the rank's own k, v, which are dropped once exchanged).
-  std::vector<RoundKeys> keys;
-  {
-    LocalQkv local;
-    if (r.k.defined()) {
-      local.k = r.k, local.v = r.v;
-    } else {
-      local.k = heads_buffer(x, L.num_kv_heads, d, act);
-      local.v = heads_buffer(x, L.num_kv_heads, d, act);
-      for (const Chunk& c : sp.cs) {
-        const Projected p = project(c.of(x), L, c, Heads::kKeys);
-        c.of(local.k, 2).copy_(p.k), c.of(local.v, 2).copy_(p.v);
-      }
-    }
-    local.k = ulysses::repeat_kv(local.k, sp.rep);
-    local.v = ulysses::repeat_kv(local.v, sp.rep);
-    for (int64_t j = 0; j < sp.rounds; ++j)
-      keys.push_back(sp_round_keys(sp, local, j, /*backward=*/true));
-  }
+  std::vector<RoundKeys> keys = sp_all_keys(x, L, sp, r.k, r.v, /*backward=*/true);
   // Chunk by chunk: the queries (kept or projected), out and lse (kept or, for min_memory,
   // recomputed round by round, the exchanged q, out, lse kept for the backward), h and the
   // MLP's backward, the o projection's backward into dout, the attention's backward round by
@@ -1612,14 +1620,7 @@ Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
       out = c.of(r.out, 2), lse = c.of(r.lse, 2);
     } else {
       queries();
-      ex.resize(sp.rounds);
-      out = at::empty({1, c.sc, L.num_heads, d}, act).transpose(1, 2);
-      lse = at::empty({1, L.num_heads, c.sc}, x.options().dtype(at::kFloat));
-      for (int64_t j = 0; j < sp.rounds; ++j) {
-        auto [o, l] = sp_attend_chunk(sp, keys[j], c, q.narrow(1, j * hq, hq), &ex[j]);
-        out.narrow(1, j * hq, hq).copy_(o);
-        lse.narrow(1, j * hq, hq).copy_(l);
-      }
+      std::tie(out, lse) = sp_attend_rounds(sp, keys, c, q, {}, {}, &ex);
       q.reset(), p.q.reset(), p.n.reset();
       if (!L.qk_norm()) p.q_lin.reset();
     }
