@@ -75,7 +75,8 @@ def main(argv=None) -> int:
             - plan.model_state_bytes(layers, 128256, "bf16", "lora"))
     lines.append(f"at S {S8:,} on {n8} GPUs, min_memory + offload, per GPU: peak "
                  f"{p.peak / 2**30:.2f} GiB against {room / 2**30:.2f} GiB left for the step; "
-                 f"round {p.round / 2**30:.2f} GiB, whole local {p.whole / 2**30:.2f} GiB, "
+                 f"a query chunk's exchanged copies {p.round / 2**30:.2f} GiB, whole tensors "
+                 f"{p.whole / 2**30:.2f} GiB, "
                  f"kept on device {p.kept / 2**30:.2f} GiB, host {p.host / 2**30:.2f} GiB")
     write_plan_result(a.out, f"LLaMA-3.1-8B LoRA, B 1, bf16, {a.device_memory} per GPU (plan "
                       f"headroom: 1 GiB + 5%), host {a.host_memory} per GPU, offload, all-to-all "

@@ -777,15 +777,18 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
 # and rank, as tensors of the rank's T = B*S/N tokens (KV heads repeated to N when Hkv < N):
 #
 #   forward            q, k, v to heads; out (model dtype) and lse (fp32) back to tokens
-#   backward, every    q, k, v, out, lse and dout to heads; dq, dk, dv back to tokens (q, k, v
-#   preset             are re-exchanged even by fast, which keeps them locally)
-#   min_memory adds    the forward's exchanges again (its out and lse are recomputed)
+#   backward           k, v to heads; per query chunk q, out, lse and dout to heads and dq back
+#   (balanced, fast)   to tokens; dk, dv back to tokens (fast's kept q, k, v are exchanged too)
+#   backward           k, v to heads; per query chunk q to heads, the recomputed out and lse back
+#   (min_memory)       to tokens (their exchanged copies kept for the backward), dout to heads,
+#                      dq back; dk, dv back: the same bytes as the other presets
 #
 # An all-to-all keeps 1/N of each tensor on the rank: it sends (N-1)/N of it and receives as
-# much. The attention of a round (sp_round_kv_heads: r KV heads per rank at a time, as many as
-# fit the chunk cap, at least one) works on the whole gathered sequence: its backward holds
-# the round's q, k, v, out, lse, dout and dq, dk, dv over S tokens (and on CUDA the Triton dQ's
-# fp32 accumulator), so one KV head's round grows with S itself, not S/N.
+# much. The attention goes in head rounds (sp_round_kv_heads: r KV heads per rank at a time, as
+# many as fit the chunk cap, at least one) with the queries in the rank's token chunks: only a
+# round's k, v and their fp32 gradient sums span the gathered sequence, and the backward holds
+# every round's at once (as many values as the rank's own k, v), walking the chunks as the
+# sequence-tiled layer does.
 SP_LINK_GBYTES_PER_S = 300.0   # GB/s per GPU and direction: an assumption (NVLink 4 is 450 GB/s
 # per direction per H100; an all-to-all reaches less), not a measurement
 
@@ -833,20 +836,17 @@ def sp_exchange_bytes(preset: str, d: LayerDims, B: int, S: int, N: int, dtype) 
     fwd = T * (e * (Q + 2 * K) + e * Q + lse)                 # q, k, v; out, lse
     bwd = T * (e * (Q + 2 * K) + 2 * e * Q + lse              # q, k, v, out, dout, lse
                + e * (Q + 2 * K))                              # dq, dk, dv
-    if preset == "min_memory":
-        bwd += fwd
     return fwd * (N - 1) // N, bwd * (N - 1) // N
 
 
 def sp_round_kv_heads(d: LayerDims, B: int, S_local: int, N: int, e: int,
                       chunk_bytes: int) -> int:
     """KV heads per GPU in one attention round (the engine's ``sp_round_kv_heads``): the most,
-    a divisor of the KV heads per GPU, whose q, out, dout, dq and k, v, dk, dv over the
-    gathered sequence fit the chunk cap at the compute width (at least one)."""
+    a divisor of the KV heads per GPU, whose k, v, dk, dv over the gathered sequence fit the
+    chunk cap at the compute width (at least one)."""
     rep = sp_kv_repeats(d.num_kv_heads, N)
     kv = d.num_kv_heads * rep // N
-    g = d.num_heads // (d.num_kv_heads * rep)
-    per = B * S_local * N * d.head_dim * (4 * g + 4) * max(4, e)
+    per = B * S_local * N * d.head_dim * 4 * max(4, e)
     r = kv
     while r > 1 and (kv % r or r * per > chunk_bytes):
         r -= 1
@@ -861,8 +861,9 @@ class SpPeak:
     peak: int       # device: the most allocated at once above the step's start
     phase: str      # where the peak is
     host: int       # host pool bytes (offload), 0 without
-    round: int      # the attention round's working set over the gathered sequence
-    whole: int = 0  # the whole local tensors of the top layer's attention backward
+    round: int      # one query chunk's exchanged tensors (beside the tiled layer's chunk)
+    whole: int = 0  # the whole tensors of the top layer's attention backward (dy, dx, every
+    # round's k, v over the gathered sequence and their fp32 gradient sums)
     kept: int = 0   # saved bytes of the layers past the host cap, kept on the device
 
 
@@ -871,14 +872,16 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
                  offload: bool = False, host_limit: Optional[int] = None, prefetch: int = 1,
                  chunk_bytes: Optional[int] = None) -> SpPeak:
     """A GPU's step under sequence parallelism of N (S the whole sequence): :func:`step_peak`
-    (or :func:`offload_step_peak`) of its S/N tokens, or, when more, the top layer's attention
-    backward of the engine's sequence-parallel path: the layers' saved bytes (less the
-    offloaded ones plus the prefetch pool), the cos/sin tables, the whole local dy, dx, q, k,
-    v, dout (dq, dk, dv beside them for ``fast``, whose q, k, v are saved; out and lse for
-    ``min_memory``, recomputed), the weights' gradients when trained, and one round's working
-    set over the gathered sequence: its q, k, v, out, dout, lse and dq, dk, dv, the fp32 dQ
-    accumulator on CUDA, and the exchange's send and receive buffers of the largest of them
-    (a model from the code, not yet measured). N = 1 is :func:`step_peak` itself."""
+    (or :func:`offload_step_peak`) of its S/N tokens with the whole tensors of the engine's
+    sequence-parallel backward in place of the tiled layer's, or, when more, the top layer's
+    attention backward of that path: the layers' saved bytes (less the offloaded ones plus
+    the prefetch pool), the cos/sin tables, the whole dy and dx, every round's k, v over the
+    gathered sequence and their fp32 gradient sums (the rank's own k, v are dropped once
+    exchanged), the weights' gradients when trained, the tiled layer's attention chunk and
+    one query chunk's exchanged tensors: a round's q, out, dout and dq as exchanged with the
+    exchange's send and receive buffers, ``min_memory``'s exchanged q and out of every round
+    (kept from the recompute) and on CUDA the Triton dQ's fp32 accumulator of a piece (a
+    model from the code, not measured on a GPU). N = 1 is :func:`step_peak` itself."""
     if setup not in OFFLOAD_SETUPS:
         raise ValueError(f"sp_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
                          f"(sequence parallelism is the fused layer's); got {setup!r}")
@@ -913,24 +916,31 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
         moved, host_b, _ = _offload_split(layers, presets, B, S_l, dtype, host_limit)
         held = held - host_b + _pool(moved, prefetch)
     rope = 2 * S_l * D * e
-    whole = e * T * (2 * H + Q + 2 * K + Q)            # dy, dx, q, k, v (or dq, dk, dv), dout
-    if setup == "fast":
-        whole += e * T * (Q + 2 * K)                     # dq, dk, dv beside the saved q, k, v
-    if setup == "min_memory":
-        whole += e * T * Q + 4 * T * d.num_heads         # out and lse recomputed
+    # dy, dx; every round's k, v over the gathered sequence and their fp32 gradient sums
+    whole = e * T * 2 * H + T * 2 * K * (e + max(4, e))
+    # the tiled layer's (step_peak at S/N): dy, dx, k and v (kept by fast), fp32 dk/dv sums
+    tiled = e * T * 2 * H + (0 if setup == "fast" else 2 * e * T * d.num_kv_heads * D) \
+        + 8 * T * d.num_kv_heads * D
     grads = e * H * (2 * Q + 2 * d.num_kv_heads * D + 3 * d.intermediate_size) \
         if train_weights else 0
+    rows = min(T, layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0))
+    if train_weights and rows < T and e < 4:   # the layer's gradients summed in fp32
+        grads += (4 - e) * H * (2 * Q + 2 * d.num_kv_heads * D + 3 * d.intermediate_size)
     r = sp_round_kv_heads(d, B, S_l, N, e, chunk_bytes)
-    g = d.num_heads // (d.num_kv_heads * rep)
-    Sg = B * S                                            # the gathered sequence's rows
-    big = e * Sg * r * g * D                              # a round's q (or out, dout, dq)
-    rnd = e * Sg * r * D * (4 * g + 4) + 4 * Sg * r * g + 2 * big
+    rounds = d.num_kv_heads * rep // (N * r)
+    rnd = 6 * e * rows * Q // rounds                      # a round's q, out, dout, dq, buffers
+    if setup == "min_memory":
+        rnd += 2 * e * rows * Q                           # every round's exchanged q, out
     if path == "cuda":
-        rnd += 4 * Sg * r * g * D                         # the Triton dQ's fp32 accumulator
-    attn = held + rope + whole + grads + rnd
+        rnd += 4 * rows * Q // (rounds * N)               # the Triton dQ's fp32 accumulator
+    chunk = e * rows * (3 * H + 6 * Q)                    # the tiled layer's attention chunk
+    if path == "cpu":   # the CPU backward's fp32 copies of a kv head's keys and values and
+        chunk += 16 * T * K   # its dk, dv sums, (T, D) each, per head
+    attn = held + rope + whole + grads + chunk + rnd
+    peak = peak + max(0, whole - tiled)
     if attn > peak:
-        return SpPeak(saved, attn, "top layer attention backward (a round over the gathered "
-                      "sequence)", host, rnd, whole, kept)
+        return SpPeak(saved, attn, "top layer attention backward (a query chunk of a round)",
+                      host, rnd, whole, kept)
     return SpPeak(saved, peak, phase, host, rnd, whole, kept)
 
 

@@ -693,9 +693,11 @@ def _print_sequence_parallel(args, layers, V, B, S, dtype) -> None:
     print(_table(table, header))
     print(f"sequence parallel: each all-to-all sends (N-1)/N of the rank's tensor and receives "
           f"as much; forward q, k, v, out, lse; backward q, k, v, out, lse, dout out and dq, "
-          f"dk, dv back (min_memory: the forward's again); 'host' is one GPU's offloaded "
-          f"layers; the peak counts one attention round over the whole gathered sequence "
-          f"(one KV head's q, k, v, out, dout, dq, dk, dv over all {S:,} tokens at least); "
+          f"dk, dv back (min_memory as many: its recomputed out and lse go back, their "
+          f"exchanged copies serve the backward); 'host' is one GPU's offloaded layers; the "
+          f"peak counts the gathered k, v and their fp32 gradient sums over all {S:,} tokens "
+          f"for the GPU's KV heads (as many values as its own k, v) and one query chunk's "
+          f"exchanged copies; "
           f"step s: the FLOPs / N at the rates above plus the all-to-all bytes at "
           f"{args.link_gbytes_per_s:g} GB/s, not overlapped (ESTIMATES); the model state per "
           f"GPU is the --shard figure")

@@ -1397,22 +1397,27 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
 
 // ---- Ulysses sequence parallelism (sequence_parallel; the exchanges in csrc/ulysses.h) ------
 //
-// Each rank holds S of the N*S positions of every sequence. Forward: the rank's tokens are
-// projected chunk by chunk (q, k, v after norms and RoPE at its global positions); then, in
-// head rounds (sp_round_kv_heads: as many heads at a time as the byte cap allows), the
-// round's q, k, v go through one all-to-all each to (B, heads/N, N*S, D) (this rank's share of
-// the round's heads over the whole sequence), the attention runs over the gathered sequence
-// (causal, the masks gathered once), and its out and lse come back by all-to-all into the
-// rank's (B, Hq, S, D) out; the o projection, residual and MLP then run chunk by chunk on the
-// rank's tokens. The residuals keep the local layout (the shapes of a call without
-// sequence_parallel). Backward: q, k, v kept (fast) or projected again, and out/lse kept or
-// (min_memory) recomputed by the forward's rounds and exchanges; per chunk the MLP's and the o
-// projection's backward into dout; per round q, k, v, out, lse and dout go out and dq, dk, dv
-// come back (KV heads repeated for the exchange summed back); per chunk the projections' and
-// input norm's backward. Weight gradients are this rank's tokens' share: the caller sums them
-// over the group. Chunks are single sequence rows (nb = 1), so LoRA dropout hashes global rows
-// (Chunk::row). Whole local tensors: q, k, v, out, lse, dout, dq, dk, dv (and x, y, dy, dx);
-// a round's exchanged tensors are within the byte cap (at least one KV head per rank).
+// Each rank holds S of the N*S positions of every sequence. The attention goes in head rounds
+// (sp_round_kv_heads: as many KV heads at a time as the byte cap allows for their k, v, dk, dv
+// over the gathered sequence); a round's k and v go through one all-to-all each to (B, heads/N,
+// N*S, D), this rank's share of the round's heads over the whole sequence, and the queries go
+// in the rank's token chunks: a chunk's queries go to heads as N pieces, one per rank's chunk
+// at its own global positions, each attends causally to the keys it sees (the masks gathered
+// once), and the chunk's out and lse come back by all-to-all. Forward: the rank's k, v are
+// projected chunk by chunk (norms and RoPE at its global positions; fast: q, k, v, kept) and
+// every round's gathered; then per chunk its queries, their attention round by round, the o
+// projection, residual and MLP. Backward: every round's k, v gathered again (kept or projected
+// again) with float32 dk, dv sums over the gathered sequence; then per chunk the queries, out
+// and lse (kept, or for min_memory recomputed by the forward's exchanges, their exchanged
+// copies kept for the backward), the MLP's and the o projection's backward into dout, per
+// round dout out and dq back (dk, dv adding up), the queries' projections' and input norm's
+// backward; then dk, dv back (KV heads repeated for the exchange summed back) and per chunk
+// the keys' projections' and input norm's backward. The residuals keep the local layout (the
+// shapes of a call without sequence_parallel). Weight gradients are this rank's tokens'
+// share: the caller sums them over the group. Chunks are single sequence rows (nb = 1), so
+// LoRA dropout hashes global rows (Chunk::row). Whole tensors besides x, y, dy, dx and the
+// kept residuals: every round's gathered k, v (and in the backward dk, dv), as many values as
+// the rank's own k, v, which are dropped once exchanged; the rest is within a chunk.
 
 struct SpContext {
   ulysses::Group g;
@@ -1424,13 +1429,14 @@ struct SpContext {
 
 // The attention over the gathered sequence runs in head rounds: round j exchanges the KV
 // heads [j*N*r, (j+1)*N*r) (of the KV heads as exchanged, repeated when fewer than N) and their
-// query heads, so that each rank holds r KV heads and their query heads at a time. r is the
-// most (a divisor of the KV heads per rank) whose round fits the byte cap
-// (csrc/chunking.h): per KV head, its query heads' q, out, dout and dq and its k, v, dk, dv
-// over the gathered sequence, at the compute width (float32 at least). Returns r.
+// query heads, so that each rank holds r KV heads and their query heads at a time. Within a
+// round only the keys span the gathered sequence (the queries go in chunks, below), so r is
+// the most (a divisor of the KV heads per rank) whose round fits the byte cap
+// (csrc/chunking.h): per KV head its k, v and their gradient sums dk, dv over the gathered
+// sequence, at the compute width (float32 at least). Returns r.
 int64_t sp_round_kv_heads(const Layer& L, const at::Tensor& x, int64_t n, int64_t rep) {
-  const int64_t kv = L.num_kv_heads * rep / n, g = L.num_heads / (L.num_kv_heads * rep);
-  const int64_t bytes = x.size(0) * x.size(1) * n * L.head_dim() * (4 * g + 4) *
+  const int64_t kv = L.num_kv_heads * rep / n;
+  const int64_t bytes = x.size(0) * x.size(1) * n * L.head_dim() * 4 *
                         std::max<int64_t>(4, at::elementSize(L.act_dtype(x)));
   int64_t r = kv;
   while (r > 1 && (kv % r != 0 || r * bytes > chunking::chunk_bytes())) --r;
@@ -1458,22 +1464,10 @@ SpContext sp_context(const at::Tensor& x, const Layer& L, const char* op) {
 }
 
 // The rank's q, k, v (B, H*, S, D) over its tokens (k, v with the KV heads repeated as
-// exchanged), projected chunk by chunk.
+// exchanged).
 struct LocalQkv {
   at::Tensor q, k, v;
 };
-
-LocalQkv sp_project(const at::Tensor& x, const Layer& L, const SpContext& sp) {
-  const int64_t d = L.head_dim();
-  const auto act = x.options().dtype(L.act_dtype(x));
-  LocalQkv t{heads_buffer(x, L.num_heads, d, act), heads_buffer(x, L.num_kv_heads, d, act),
-             heads_buffer(x, L.num_kv_heads, d, act)};
-  for (const Chunk& c : sp.cs) {
-    const Projected p = project(c.of(x), L, c, Heads::kAll);
-    c.of(t.q, 2).copy_(p.q), c.of(t.k, 2).copy_(p.k), c.of(t.v, 2).copy_(p.v);
-  }
-  return t;
-}
 
 // Round j's query heads (dim 1 of a (B, Hq, S, ...) tensor) and KV heads (as exchanged).
 at::Tensor round_q(const SpContext& sp, const at::Tensor& t, int64_t j) {
@@ -1485,59 +1479,190 @@ at::Tensor round_kv(const SpContext& sp, const at::Tensor& t, int64_t j) {
   return t.narrow(1, j * n, n);
 }
 
-// Round j's q, k, v exchanged: (B, heads of the round on this rank, N*S, D).
-LocalQkv sp_exchange(const LocalQkv& t, const SpContext& sp, int64_t j) {
-  return {ulysses::to_heads(sp.g, round_q(sp, t.q, j)),
-          ulysses::to_heads(sp.g, round_kv(sp, t.k, j)),
-          ulysses::to_heads(sp.g, round_kv(sp, t.v, j))};
+// One head round's keys over the gathered sequence: k, v (B, r, N*S, D), this rank's KV heads
+// of round j over every rank's tokens; in the backward the float32 (float64) sums of their
+// gradients dk, dv; with uniform_empty_rows the values' mean and (backward) the empty rows'
+// sums.
+struct RoundKeys {
+  at::Tensor k, v, dk, dv, vmean;
+  std::optional<EmptyRows> empty;
+};
+
+RoundKeys sp_round_keys(const SpContext& sp, const LocalQkv& local, int64_t j, bool backward) {
+  const Layer& H = sp.heads;
+  RoundKeys rk;
+  rk.k = ulysses::to_heads(sp.g, round_kv(sp, local.k, j));
+  rk.v = ulysses::to_heads(sp.g, round_kv(sp, local.v, j));
+  if (backward) {
+    const auto acc = rk.k.options().dtype(at::promote_types(rk.k.scalar_type(), at::kFloat));
+    const int64_t B = rk.k.size(0), r = rk.k.size(1), Sg = rk.k.size(2), d = rk.k.size(3);
+    rk.dk = at::zeros({B, Sg, r, d}, acc).transpose(1, 2);
+    rk.dv = at::zeros({B, Sg, r, d}, acc).transpose(1, 2);
+    if (H.uniform_empty_rows) rk.empty.emplace(H, rk.k, rk.v);
+  }
+  if (H.uniform_empty_rows) rk.vmean = value_mean(H, rk.v);
+  return rk;
 }
 
-// The attention of every round, its out and lse exchanged back: (out, lse) in the local
-// layout, (B, Hq, S, D) of (B, S, Hq, D) memory and (B, Hq, S).
-std::tuple<at::Tensor, at::Tensor> sp_attention(const at::Tensor& x, const Layer& L,
-                                                const SpContext& sp, const LocalQkv& local) {
+// The queries go in chunks: local chunk c's queries of round j, (1, Hq of the round, sc, D),
+// go to heads by one all-to-all as (1, this rank's query heads of the round, N*sc, D), piece i
+// of N the positions of rank i's chunk c, i*S + s0 .. i*S + s0 + sc - 1 of the gathered
+// sequence: the chunk of the gathered sequence that sp_piece returns. Each piece attends to
+// the keys it sees there (causal, q_offset its first position), and the results come back to
+// the rank's chunk by all-to-all.
+Chunk sp_piece(const SpContext& sp, const Chunk& c, int64_t i) {
+  return Chunk{c.b0, 1, i * c.S + c.s0, c.sc, sp.g.size * c.S};
+}
+
+// Piece i of an exchanged chunk (positions on dim 2).
+at::Tensor piece(const at::Tensor& t, const Chunk& c, int64_t i) {
+  return t.narrow(2, i * c.sc, c.sc);
+}
+
+// A chunk's queries of one round as exchanged, (1, h, N*sc, D), with the attention's out and
+// lse there: what the backward of a recomputed chunk reuses instead of exchanging them again.
+struct Exchanged {
+  at::Tensor q, out, lse;
+};
+
+// The attention of local chunk c's queries q of round j: (out, lse) of the chunk, (1, Hq of
+// the round, sc, D) and (1, Hq of the round, sc); `keep`: also the exchanged q, out, lse.
+std::tuple<at::Tensor, at::Tensor> sp_attend_chunk(const SpContext& sp, const RoundKeys& rk,
+                                                   const Chunk& c, const at::Tensor& q,
+                                                   Exchanged* keep = nullptr) {
   const Layer& H = sp.heads;
-  const auto act = x.options().dtype(L.act_dtype(x));
-  at::Tensor out = heads_buffer(x, L.num_heads, L.head_dim(), act);
-  at::Tensor lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
+  const at::Tensor qg = ulysses::to_heads(sp.g, q);  // (1, h, N*sc, D)
+  const int64_t h = qg.size(1), rows = qg.size(2), d = qg.size(3);
+  at::Tensor out = at::empty({1, rows, h, d}, qg.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({1, h, rows}, qg.options().dtype(at::kFloat));
+  for (int64_t i = 0; i < sp.g.size; ++i) {
+    const Chunk p = sp_piece(sp, c, i);
+    auto [o, l] = attend(H, p, piece(qg, c, i), rk.k, rk.v);
+    if (H.uniform_empty_rows) o = fix_empty_rows_forward(o, l, rk.vmean.narrow(0, c.b0, 1));
+    piece(out, c, i).copy_(o);
+    piece(lse.unsqueeze(-1), c, i).copy_(l.unsqueeze(-1));
+  }
+  if (keep) *keep = {qg, out, lse};
+  return {ulysses::to_tokens(sp.g, out), ulysses::lse_to_tokens(sp.g, lse)};
+}
+
+// The attention's backward of local chunk c's queries of round j (q, out, dout (1, Hq of the
+// round, sc, D), lse (1, Hq of the round, sc); q, out, lse not read when `ex` holds them as
+// exchanged): adds the keys' gradients into rk.dk, rk.dv (and the empty rows into rk.empty's
+// sums), returns the chunk's dq (1, Hq of the round, sc, D).
+at::Tensor sp_attend_backward_chunk(const SpContext& sp, RoundKeys& rk, const Chunk& c,
+                                    const at::Tensor& q, const at::Tensor& out,
+                                    const at::Tensor& lse, const at::Tensor& dout,
+                                    const Exchanged* ex = nullptr) {
+  const Layer& H = sp.heads;
+  const at::Tensor qg = ex ? ex->q : ulysses::to_heads(sp.g, q);
+  const at::Tensor og = ex ? ex->out : ulysses::to_heads(sp.g, out);
+  const at::Tensor lg = ex ? ex->lse : ulysses::lse_to_heads(sp.g, lse);
+  const at::Tensor dg = ulysses::to_heads(sp.g, dout);
+  at::Tensor dq = at::empty({1, qg.size(2), qg.size(1), qg.size(3)}, qg.options()).transpose(1, 2);
+  for (int64_t i = 0; i < sp.g.size; ++i) {
+    const Chunk p = sp_piece(sp, c, i);
+    const at::Tensor qi = piece(qg, c, i), di = piece(dg, c, i);
+    const at::Tensor li = piece(lg.unsqueeze(-1), c, i).squeeze(-1).contiguous();
+    at::Tensor dqi = std::get<0>(kernel::attention_bwd(
+        di, qi, p.keys(rk.k, 2), p.keys(rk.v, 2), piece(og, c, i), li,
+        opt(p.keys(H.key_padding_mask)), opt(p.keys(H.segment_ids)), H.window,
+        /*causal=*/true, H.scale, p.s0, p.keys(rk.dk, 2), p.keys(rk.dv, 2), H.softcap));
+    if (rk.empty) dqi = dqi + rk.empty->query_fix(H, p, di, li, qi).to(dqi.scalar_type());
+    piece(dq, c, i).copy_(dqi);
+  }
+  return ulysses::to_tokens(sp.g, dq);
+}
+
+// After every chunk of round j: the empty rows' share of the keys' gradients added, and dk, dv
+// back to the rank's tokens, into dk_rep, dv_rep (the KV heads as exchanged).
+void sp_finish_keys(const SpContext& sp, RoundKeys& rk, int64_t j, const at::Tensor& dk_rep,
+                    const at::Tensor& dv_rep) {
+  if (rk.empty) {
+    const int64_t Sg = rk.k.size(2);
+    auto [dk_fix, dv_fix] = rk.empty->key_fix(sp.heads, Chunk{0, rk.k.size(0), 0, Sg, Sg}, rk.v);
+    rk.dk.add_(dk_fix), rk.dv.add_(dv_fix);
+  }
+  round_kv(sp, dk_rep, j).copy_(ulysses::to_tokens(sp.g, rk.dk.to(dk_rep.scalar_type())));
+  round_kv(sp, dv_rep, j).copy_(ulysses::to_tokens(sp.g, rk.dv.to(dv_rep.scalar_type())));
+}
+
+// Every round's keys over the gathered sequence (sp_round_keys), from the rank's k, v (B, Hkv,
+// S, D): given (kept), or projected here chunk by chunk and dropped once exchanged.
+std::vector<RoundKeys> sp_all_keys(const at::Tensor& x, const Layer& L, const SpContext& sp,
+                                   at::Tensor k, at::Tensor v, bool backward) {
+  if (!k.defined()) {
+    const auto act = x.options().dtype(L.act_dtype(x));
+    k = heads_buffer(x, L.num_kv_heads, L.head_dim(), act);
+    v = heads_buffer(x, L.num_kv_heads, L.head_dim(), act);
+    for (const Chunk& c : sp.cs) {
+      const Projected p = project(c.of(x), L, c, Heads::kKeys);
+      c.of(k, 2).copy_(p.k), c.of(v, 2).copy_(p.v);
+    }
+  }
+  const LocalQkv local{{}, ulysses::repeat_kv(k, sp.rep), ulysses::repeat_kv(v, sp.rep)};
+  std::vector<RoundKeys> keys;
+  for (int64_t j = 0; j < sp.rounds; ++j) keys.push_back(sp_round_keys(sp, local, j, backward));
+  return keys;
+}
+
+// The attention of local chunk c's queries q (1, Hq, sc, D), every round: (out, lse) of the
+// chunk, (1, Hq, sc, D) of (1, sc, Hq, D) memory and (1, Hq, sc), written into `out` and `lse`
+// when given (views of kept residuals); `ex`: the exchanged q, out, lse of each round.
+std::tuple<at::Tensor, at::Tensor> sp_attend_rounds(const SpContext& sp,
+                                                    const std::vector<RoundKeys>& keys,
+                                                    const Chunk& c, const at::Tensor& q,
+                                                    at::Tensor out, at::Tensor lse,
+                                                    std::vector<Exchanged>* ex = nullptr) {
+  const int64_t hq = sp.g.size * sp.heads.num_heads;  // query heads a round
+  if (!out.defined()) {
+    out = at::empty({1, c.sc, q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+    lse = at::empty({1, q.size(1), c.sc}, q.options().dtype(at::kFloat));
+  }
+  if (ex) ex->resize(sp.rounds);
   for (int64_t j = 0; j < sp.rounds; ++j) {
-    const LocalQkv e = sp_exchange(local, sp, j);
-    const int64_t Sg = e.q.size(2);
-    auto [out_g, lse_g] = attend(H, Chunk{0, e.q.size(0), 0, Sg, Sg}, e.q, e.k, e.v);
-    if (H.uniform_empty_rows) out_g = fix_empty_rows_forward(out_g, lse_g, value_mean(H, e.v));
-    round_q(sp, out, j).copy_(ulysses::to_tokens(sp.g, out_g));
-    round_q(sp, lse, j).copy_(ulysses::lse_to_tokens(sp.g, lse_g));
+    auto [o, l] = sp_attend_chunk(sp, keys[j], c, q.narrow(1, j * hq, hq),
+                                  ex ? &(*ex)[j] : nullptr);
+    out.narrow(1, j * hq, hq).copy_(o);
+    lse.narrow(1, j * hq, hq).copy_(l);
   }
   return {out, lse};
 }
 
-LocalQkv sp_local_qkv(const at::Tensor& x, const Layer& L, const SpContext& sp,
-                      const Residuals& r) {
-  LocalQkv t = r.q.defined() ? LocalQkv{r.q, r.k, r.v} : sp_project(x, L, sp);
-  t.k = ulysses::repeat_kv(t.k, sp.rep);
-  t.v = ulysses::repeat_kv(t.v, sp.rep);
-  return t;
-}
-
+// Chunk by chunk after the keys: the chunk's queries (fast: every chunk's q, k, v first, kept),
+// its attention round by round, the o projection, residual and MLP.
 at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   const SpContext sp = sp_context(x, L, "decoder_layer");
   const bool layer = L.part_id == Part::kLayer, fast = L.preset_id == Preset::kFast;
   const bool keep = L.preset_id != Preset::kMinMemory;
-  at::Tensor out;  // (B, Hq, S, D), (B, S, Hq, D) memory
-  {
-    LocalQkv local = sp_project(x, L, sp);
-    if (fast) r.q = local.q, r.k = local.k, r.v = local.v;
-    local.k = ulysses::repeat_kv(local.k, sp.rep);
-    local.v = ulysses::repeat_kv(local.v, sp.rep);
-    at::Tensor lse;
-    std::tie(out, lse) = sp_attention(x, L, sp, local);
-    if (keep) r.out = out, r.lse = lse;
+  const int64_t d = L.head_dim();
+  const auto act = x.options().dtype(L.act_dtype(x));
+  if (fast) {
+    r.q = heads_buffer(x, L.num_heads, d, act);
+    r.k = heads_buffer(x, L.num_kv_heads, d, act);
+    r.v = heads_buffer(x, L.num_kv_heads, d, act);
+    for (const Chunk& c : sp.cs) {
+      const Projected p = project(c.of(x), L, c, Heads::kAll);
+      c.of(r.q, 2).copy_(p.q), c.of(r.k, 2).copy_(p.k), c.of(r.v, 2).copy_(p.v);
+    }
+  }
+  const std::vector<RoundKeys> keys = sp_all_keys(x, L, sp, r.k, r.v, /*backward=*/false);
+  if (keep) {
+    r.out = heads_buffer(x, L.num_heads, d, act);
+    r.lse = at::empty({x.size(0), L.num_heads, x.size(1)}, x.options().dtype(at::kFloat));
   }
   at::Tensor y;
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x);
+    at::Tensor out;
+    {
+      const at::Tensor q = fast ? c.of(r.q, 2) : project(xc, L, c, Heads::kQueries).q;
+      out = std::get<0>(sp_attend_rounds(sp, keys, c, q, keep ? c.of(r.out, 2) : at::Tensor(),
+                                         keep ? c.of(r.lse, 2) : at::Tensor()));
+    }
     at::Tensor h = xc + L.residual_scaled(norm_fwd(
-                            L, kAttnOutNorm, proj_fwd(L, kO, merge_heads(c.of(out, 2)), c.row())));
+                            L, kAttnOutNorm, proj_fwd(L, kO, merge_heads(out), c.row())));
+    out.reset();
     if (layer) {
       if (keep) {
         if (!r.h.defined()) r.h = at::empty(x.sizes(), h.options());
@@ -1563,85 +1688,98 @@ at::Tensor sp_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
 Grads sp_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
                   const Residuals& r, const std::vector<bool>& needs) {
   const SpContext sp = sp_context(x, L, "decoder_layer_bwd");
-  const Layer& H = sp.heads;
-  const int64_t d = L.head_dim();
+  const int64_t d = L.head_dim(), hq = sp.g.size * sp.heads.num_heads;  // query heads a round
   const bool layer = L.part_id == Part::kLayer;
-  Grads g(/*chunked=*/sp.cs.size() > 1);
-  at::Tensor out, lse;
-  if (r.out.defined()) {
-    out = r.out, lse = r.lse;
-  } else {  // min_memory: the forward's attention rounds and their exchanges
-    std::tie(out, lse) = sp_attention(x, L, sp, sp_local_qkv(x, L, sp, r));
-  }
-  // Per chunk: h, the MLP's backward, the o projection's backward into dout.
   const auto act = x.options().dtype(L.act_dtype(x));
-  at::Tensor dout = heads_buffer(x, L.num_heads, d, act);
+  // The input norm's backward runs twice per chunk (the queries' share, then the keys').
+  Grads g(/*chunked=*/true);
+  // Every round's keys over the gathered sequence and their gradient sums (as many values as
+  // the rank's own k, v, which are dropped once exchanged).
+  std::vector<RoundKeys> keys = sp_all_keys(x, L, sp, r.k, r.v, /*backward=*/true);
+  // Chunk by chunk: the queries (kept or projected), out and lse (kept or, for min_memory,
+  // recomputed round by round, the exchanged q, out, lse kept for the backward), h and the
+  // MLP's backward, the o projection's backward into dout, the attention's backward round by
+  // round (dout goes out, dq comes back, dk, dv add up), the queries' projections' and the input
+  // norm's backward.
   for (const Chunk& c : sp.cs) {
-    const at::Tensor xc = c.of(x), dyc = c.of(dy), outc = c.of(out, 2);
+    const at::Tensor xc = c.of(x), dyc = c.of(dy);
+    Projected p;
+    at::Tensor q;  // (1, Hq, sc, D)
+    auto queries = [&] {
+      if (!r.q.defined() || L.qk_norm()) {
+        p = project(xc, L, c, Heads::kQueries);  // q, and the q norm's input q_lin
+      } else {
+        p.n = L.cast(norm_fwd(L, kInputNorm, xc));
+      }
+      q = r.q.defined() ? c.of(r.q, 2) : p.q;
+    };
+    // The queries are needed before the MLP's backward only to recompute out; then only their
+    // exchanged copies are kept through it (and q_lin, which the q norm's backward reads).
+    std::vector<Exchanged> ex;
+    at::Tensor out, lse;
+    if (r.out.defined()) {
+      out = c.of(r.out, 2), lse = c.of(r.lse, 2);
+    } else {
+      queries();
+      std::tie(out, lse) = sp_attend_rounds(sp, keys, c, q, {}, {}, &ex);
+      q.reset(), p.q.reset(), p.n.reset();
+      if (!L.qk_norm()) p.q_lin.reset();
+    }
     at::Tensor o;
     if (L.has_norm(kAttnOutNorm) || (layer && !r.h.defined()))
-      o = proj_fwd(L, kO, merge_heads(outc), c.row());
+      o = proj_fwd(L, kO, merge_heads(out), c.row());
     at::Tensor dh = dyc;
     if (layer) {
       const at::Tensor h = r.h.defined() ? c.of(r.h)
                                          : xc + L.residual_scaled(norm_fwd(L, kAttnOutNorm, o));
+      if (!L.has_norm(kAttnOutNorm)) o.reset();  // h holds it
       dh = mlp_backward(dyc, h, L, mlp_rows(r, c.t0(), c.sc), needs, g, c.row());
     }
     at::Tensor d_o = L.residual_scaled(L.cast(flat2(dh)));
     if (o.defined() && L.has_norm(kAttnOutNorm))
       d_o = L.cast(norm_bwd(L, kAttnOutNorm, d_o, flat2(o), needs, g));
-    const at::Tensor dmerged = proj_bwd(L, kO, d_o, flat2(merge_heads(outc)), needs, g, c.row());
-    c.of(dout, 2).copy_(dmerged.view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2));
+    o.reset();
+    const at::Tensor dout =
+        proj_bwd(L, kO, d_o, flat2(merge_heads(out)), needs, g, c.row())
+            .view({c.nb, c.sc, L.num_heads, d}).transpose(1, 2);
+    d_o.reset();
+    if (ex.empty()) {
+      queries();
+    } else {
+      p.n = L.cast(norm_fwd(L, kInputNorm, xc));
+    }
+    at::Tensor dq = at::empty({1, c.sc, L.num_heads, d}, act).transpose(1, 2);
+    for (int64_t j = 0; j < sp.rounds; ++j) {
+      auto heads = [&](const at::Tensor& t) { return t.defined() ? t.narrow(1, j * hq, hq) : t; };
+      dq.narrow(1, j * hq, hq).copy_(sp_attend_backward_chunk(
+          sp, keys[j], c, heads(q), heads(out), heads(lse), heads(dout),
+          ex.empty() ? nullptr : &ex[j]));
+    }
+    const at::Tensor dn = projections_backward(L, c, p, dq, {}, {}, {}, {}, needs, g);
     if (!g.dx.defined()) g.dx = at::empty(x.sizes(), dh.options());
-    c.of(g.dx).copy_(dh);
+    c.of(g.dx).copy_(input_norm_backward(L, xc, dn, dh, needs, g));
   }
-  // q, k, v of the rank's tokens, kept (fast) or projected (again, for min_memory: not held
-  // through the chunk loop above, which holds out, dout and dx whole)
-  const LocalQkv local = sp_local_qkv(x, L, sp, r);
-  // The attention's backward round by round: q, k, v, out, lse and dout go out, dq, dk, dv
-  // (of the KV heads as exchanged) come back. A round reads only its heads, so dq, dk, dv
-  // overwrite q, k, v where those were computed here (not kept residuals, which stay intact).
-  const bool own = !r.q.defined();
-  const at::Tensor dq = own ? local.q : heads_buffer(x, L.num_heads, d, act);
-  const at::Tensor dk_rep = own || sp.rep > 1 ? local.k : heads_buffer(x, local.k.size(1), d, act);
-  const at::Tensor dv_rep = own || sp.rep > 1 ? local.v : heads_buffer(x, local.k.size(1), d, act);
+  // dk, dv back to the rank's tokens (KV heads repeated for the exchange summed back), then the
+  // keys' projections' and the input norm's backward chunk by chunk.
+  const at::Tensor dk_rep = heads_buffer(x, L.num_kv_heads * sp.rep, d, act);
+  const at::Tensor dv_rep = heads_buffer(x, L.num_kv_heads * sp.rep, d, act);
   for (int64_t j = 0; j < sp.rounds; ++j) {
-    const LocalQkv e = sp_exchange(local, sp, j);
-    const at::Tensor out_g = ulysses::to_heads(sp.g, round_q(sp, out, j));
-    const at::Tensor lse_g = ulysses::lse_to_heads(sp.g, round_q(sp, lse, j));
-    const at::Tensor dout_g = ulysses::to_heads(sp.g, round_q(sp, dout, j));
-    if (j + 1 == sp.rounds) {  // every round's out, lse, dout sent: the whole local ones go
-      out.reset(), lse.reset(), dout.reset();  // (kept residuals stay held by the saved list)
-    }
-    auto [dq_g, dk_g, dv_g] = kernel::attention_bwd(
-        dout_g, e.q, e.k, e.v, out_g, lse_g, H.key_padding_mask, H.segment_ids, H.window,
-        /*causal=*/true, H.scale, /*q_offset=*/0, std::nullopt, std::nullopt, H.softcap);
-    if (H.uniform_empty_rows) {
-      const int64_t Sg = e.q.size(2);
-      const Chunk all{0, e.q.size(0), 0, Sg, Sg};
-      EmptyRows empty(H, e.k, e.v);
-      dq_g = dq_g + empty.query_fix(H, all, dout_g, lse_g, e.q).to(dq_g.scalar_type());
-      auto [dk_fix, dv_fix] = empty.key_fix(H, all, e.v);
-      dk_g = dk_g + dk_fix.to(dk_g.scalar_type());
-      dv_g = dv_g + dv_fix.to(dv_g.scalar_type());
-    }
-    round_q(sp, dq, j).copy_(ulysses::to_tokens(sp.g, dq_g));
-    round_kv(sp, dk_rep, j).copy_(ulysses::to_tokens(sp.g, dk_g));
-    round_kv(sp, dv_rep, j).copy_(ulysses::to_tokens(sp.g, dv_g));
+    sp_finish_keys(sp, keys[j], j, dk_rep, dv_rep);
+    keys[j] = RoundKeys();
   }
   const at::Tensor dk = ulysses::sum_kv(dk_rep, sp.rep);
   const at::Tensor dv = ulysses::sum_kv(dv_rep, sp.rep);
-  // Per chunk: the projections' and the input norm's backward.
   for (const Chunk& c : sp.cs) {
     const at::Tensor xc = c.of(x);
     Projected p;
     if (L.qk_norm()) {
-      p = project(xc, L, c, Heads::kAll);  // the norms' inputs q_lin, k_lin
+      p = project(xc, L, c, Heads::kKeys);  // the k norm's input k_lin
     } else {
       p.n = L.cast(norm_fwd(L, kInputNorm, xc));
     }
-    const at::Tensor dn = projections_backward(L, c, p, c.of(dq, 2), c.of(dk, 2), c.of(dv, 2),
-                                               p.k_lin, {}, needs, g);
+    const at::Tensor dn = projections_backward(
+        L, c, p, {}, c.of(dk, 2), c.of(dv, 2), p.k_lin,
+        at::zeros({c.nb * c.sc, x.size(2)}, p.n.options()), needs, g);
     const at::Tensor dh = c.of(g.dx);
     dh.copy_(input_norm_backward(L, xc, dn, dh, needs, g));
   }

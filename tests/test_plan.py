@@ -861,15 +861,14 @@ def test_cli_throughputs_file_scales_the_printed_time(tmp_path, capsys):
 def test_sp_exchange_bytes_by_hand():
     """H 8, Hq 4, Hkv 2, D 4, B 1, S 12, bf16. N 2: 6 tokens a GPU, KV heads as they are (q 16,
     k and v 8 elements a token); forward q, k, v, out (2 bytes) and lse (4 bytes a head); backward
-    q, k, v, out, dout, lse out and dq, dk, dv back; min_memory the forward's again; each
-    all-to-all sends half. N 4: 3 tokens, the 2 KV heads repeated to 4 (k, v 16 a token)."""
+    q, k, v, out, dout, lse out and dq, dk, dv back; min_memory as many (its recomputed out and
+    lse go back to tokens, and their exchanged copies serve the backward); each all-to-all
+    sends half. N 4: 3 tokens, the 2 KV heads repeated to 4 (k, v 16 a token)."""
     d = LayerDims(8, 4, 2, 4, 16)
     fwd = 6 * (2 * (16 + 8 + 8) + 2 * 16 + 4 * 4)
     bwd = 6 * (2 * (16 + 8 + 8 + 16 + 16) + 4 * 4 + 2 * (16 + 8 + 8))
-    for preset in ("fast", "balanced"):
+    for preset in ("fast", "balanced", "min_memory"):
         assert plan.sp_exchange_bytes(preset, d, 1, 12, 2, "bf16") == (fwd // 2, bwd // 2)
-    assert plan.sp_exchange_bytes("min_memory", d, 1, 12, 2, "bf16") == (fwd // 2,
-                                                                         (bwd + fwd) // 2)
     fwd4 = 3 * (2 * (16 + 16 + 16) + 2 * 16 + 4 * 4)
     assert plan.sp_exchange_bytes("fast", d, 1, 12, 4, "bf16")[0] == fwd4 * 3 // 4
     assert plan.sp_kv_repeats(2, 4) == 2 and plan.sp_kv_repeats(8, 4) == 1
@@ -885,7 +884,7 @@ def test_sp_exchange_bytes_by_hand():
 def test_sp_round_kv_heads_follows_the_cap():
     """The engine's rule: the most KV heads per GPU (a divisor) whose round fits the cap."""
     d = LayerDims(4096, 32, 8, 128, 14336)
-    per = 1 * 1024 * 2 * 128 * (4 * 4 + 4) * 4          # one KV head, 2 x 1024 rows, fp32 width
+    per = 1 * 1024 * 2 * 128 * 4 * 4      # one KV head's k, v, dk, dv, 2 x 1024 rows, fp32 width
     assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, 4 * per) == 4
     assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, 3 * per) == 2   # 3 does not divide 4
     assert plan.sp_round_kv_heads(d, 1, 1024, 2, 2, per - 1) == 1   # at least one
@@ -894,8 +893,10 @@ def test_sp_round_kv_heads_follows_the_cap():
 
 def test_sp_step_peak_and_time():
     """N 1 is the single-GPU model; under N the saved bytes are those of S/N tokens, the peak
-    at least the single-GPU step of S/N tokens and at least the round over all S; the step's
-    compute is the whole sequence's FLOPs / N, the exchange its bytes at the link rate."""
+    at least the single-GPU step of S/N tokens; the whole tensors are dy, dx and the gathered
+    k, v with fp32 dk, dv (of S/N tokens' size), the exchanged copies bounded by a query chunk,
+    not S; the step's compute is the whole sequence's FLOPs / N, the exchange its bytes at the
+    link rate."""
     d = LayerDims(4096, 32, 8, 128, 14336)
     L, V, S = [d] * 4, 128256, 1 << 18
     for setup in ("fast", "balanced", "min_memory"):
@@ -910,8 +911,11 @@ def test_sp_step_peak_and_time():
             p = plan.sp_step_peak(setup, L, V, 1, S, N, "bf16", train_weights=False)
             local = plan.step_peak(setup, L, V, 1, S // N, "bf16", train_weights=False)
             assert p.saved == local.saved and p.peak >= local.peak
-            # one KV head's round: q, k, v, out, dout, dq, dk, dv over S in bf16, at least
-            assert p.round >= 2 * S * 128 * (4 * 4 + 4) and p.peak > p.round
+            T = S // N   # dy, dx (H 4096); k, v (8 KV heads x 128, none repeated) bf16 + fp32
+            assert p.whole == 2 * T * 4096 * 2 + T * 2 * 1024 * (2 + 4)
+            rows = min(T, plan.layer_chunk_rows(d, 2, config.current().chunk_bytes,
+                                                plan.CUDA_SMS))
+            assert 0 < p.round <= 2 * rows * 4096 * 9 and p.peak > p.whole + p.round
         t1 = plan.sp_step_time(setup, L, V, 1, S, 1, "bf16", train_weights=False)
         assert t1 == (pytest.approx(plan.step_time_estimate(setup, L, V, 1, S,
                                                             train_weights=False)), 0.0)

@@ -226,6 +226,10 @@ CASES_2 = {
     "fast-moe-packed-chunks": make_moe_case(23, preset="fast", shared=False, k=3, packed=True,
                                             chunk_rows=5),
     "balanced-moe-window": make_moe_case(24, window=9),
+    # query-chunked rounds: each round's queries go out in chunks of 4 of each rank's 12
+    # tokens (3 chunks, each attending as 2 pieces at different offsets), HF eager's empty rows
+    "min_memory-qchunks-padded-eager": make_case(22, preset="min_memory", chunk_rows=4,
+                                                 padded=True, eager=True),
 }
 FP32_2 = {"fp32-balanced": make_case(6, dtype=torch.float32, padded=True),
           "fp32-fast-mqa": make_case(7, dtype=torch.float32, preset="fast", hkv=1)}
@@ -241,6 +245,10 @@ BAD_2 = {"bad-heads": make_case(8, hq=3, hkv=3, hidden=48),
 CASES_4 = {
     "min_memory-hkv2-repeated": make_case(12, preset="min_memory", s=28, padded=True),
     "fast-hkv4-split": make_case(13, preset="fast", hkv=4, s=28, qk_norm=True, packed=True),
+    # query-chunked rounds: chunks of 3 of each rank's 7 tokens (3, 3, 1), 4 pieces each
+    "balanced-qchunks-packed-window": make_case(23, s=28, chunk_rows=3, packed=True, window=6),
+    "min_memory-qchunks-eager-rounds": make_case(24, preset="min_memory", hq=8, hkv=8, s=28,
+                                                 chunk_rows=3, padded=True, eager=True),
 }
 
 
