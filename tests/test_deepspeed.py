@@ -8,7 +8,6 @@ unpatched model's under the same config, and, while a decoder layer runs its bac
 parameters are gathered and the LM head's weight is not (it is gathered only around the fused
 loss's forward and backward)."""
 import contextlib
-import datetime
 import importlib.util
 import os
 import sys
@@ -249,12 +248,9 @@ def word_tokenizer():
 
 
 def _worker(rank, init_file, out_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from test_distributed import init_gloo_rank
+    init_gloo_rank(rank, WORLD, init_file, TIMEOUT_S)
     warnings.simplefilter("ignore")
-    torch.set_num_threads(1)  # two processes on two cores
     # On the CPU accelerator DeepSpeed JIT-compiles a shared-memory allreduce op when its
     # communication backend starts (minutes on 2 cores, once per machine); gloo does every
     # collective these runs need without it.

@@ -50,6 +50,18 @@ def loss_of(model, rank):
     return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
+def init_gloo_rank(rank, world, init_file, timeout_s=TIMEOUT_S):
+    """A spawned worker's gloo group of ``world`` ranks (collectives time out after
+    ``timeout_s``: a hang fails instead of stalling the suite), with the
+    environment a launcher would set (DeepSpeed and accelerate read it) and one torch thread
+    (the ranks share the machine's cores)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+
+
 def _worker(rank, init_file, wrapper, patched, out_dir, family="llama"):
     import ckpt_ext
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

@@ -371,11 +371,12 @@ def logits_grad(case, seed=1):
     return torch.randn(x.shape[0] * x.shape[1], e, generator=g, dtype=F64).to(x.dtype)
 
 
-def assert_f64_logits(got, ref):
-    """As assert_f64, with the logits; a weight the reference leaves without a gradient (the
-    experts when only the logits reach the loss) must have a zero one."""
-    (y, lg, dx, g), (y1, lg1, dx1, g1) = got, ref
-    check_f64("router_logits", lg, lg1)
+def assert_f64_second(got, ref, name="router_logits"):
+    """As assert_f64, with the op's second output (``name``: the router logits or statistics);
+    a weight the reference leaves without a gradient (the experts when only the second output
+    reaches the loss) must have a zero one."""
+    (y, second, dx, g), (y1, second1, dx1, g1) = got, ref
+    check_f64(name, second, second1)
     for n in set(g) - set(g1):
         assert not g[n].any(), n
     assert_f64((y, dx, {n: g[n] for n in g if n in g1}), (y1, dx1, g1))
@@ -391,7 +392,7 @@ def test_router_logits_fp64(preset, routing):
     case = moe_case(F64, routing)
     dl = logits_grad(case)
     got = run_logits(*case, preset, "layer", dl)
-    assert_f64_logits(got, run_logits_reference(*case, "layer", dl))
+    assert_f64_second(got, run_logits_reference(*case, "layer", dl))
     assert torch.equal(got[0], run(*case, preset, "layer")[0])
     assert got[3]["mlp.gate.weight"].abs().max() > 0
 
@@ -401,9 +402,9 @@ def test_router_logits_of_the_mlp_part_and_alone():
     reaches y, and the op's backward takes a zero one)."""
     case = moe_case(F64, "mixtral", seed=2)
     dl = logits_grad(case, seed=3)
-    assert_f64_logits(run_logits(*case, "balanced", "mlp", dl),
+    assert_f64_second(run_logits(*case, "balanced", "mlp", dl),
                       run_logits_reference(*case, "mlp", dl))
-    assert_f64_logits(run_logits(*case, "min_memory", "layer", dl, use_y=False),
+    assert_f64_second(run_logits(*case, "min_memory", "layer", dl, use_y=False),
                       run_logits_reference(*case, "layer", dl, use_y=False))
 
 
@@ -452,7 +453,7 @@ def test_router_logits_chunks_equal_one_chunk(monkeypatch, preset):
         for rows in (1, 4):
             config.update(chunk_bytes=chunk_cap(rows, F64, case[1],
                                                 case[4]["num_experts_per_tok"], part))
-            assert_f64_logits(run_logits(*case, preset, part, dl), whole)
+            assert_f64_second(run_logits(*case, preset, part, dl), whole)
 
 
 def test_router_logits_compile_without_graph_breaks(monkeypatch):
@@ -727,16 +728,6 @@ def stats_case(routing="qwen2_moe", seed=0, **kw):
     return case, c
 
 
-def assert_f64_stats(got, ref):
-    """As assert_f64_logits, with the statistics (a weight the reference leaves without a
-    gradient must have a zero one)."""
-    (y, st, dx, g), (y1, st1, dx1, g1) = got, ref
-    check_f64("router_stats", st, st1)
-    for n in set(g) - set(g1):
-        assert not g[n].any(), n
-    assert_f64((y, dx, {n: g[n] for n in g if n in g1}), (y1, dx1, g1))
-
-
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("preset,padded", [("fast", False), ("balanced", True),
                                            ("min_memory", True)])
@@ -750,7 +741,7 @@ def test_router_stats_fp64(preset, routing, padded):
     case, c = stats_case(routing, k=2 if routing != "olmoe" else 3)
     mask = left_padding(case[0].shape[0], case[0].shape[1]) if padded else None
     got = run_stats(*case, preset, "layer", c, mask)
-    assert_f64_stats(got, run_stats_reference(*case, "layer", c, mask))
+    assert_f64_second(got, run_stats_reference(*case, "layer", c, mask), "router_stats")
     assert got[1].dtype == F64 and got[1].shape == (3, case[1]["mlp.gate.weight"].shape[0])
     want_y = blocks.decoder_layer(case[0], blocks.LayerOptions(
         weights=case[1], **rope_args(case[2]), preset=preset, key_padding_mask=mask,
@@ -772,12 +763,14 @@ def test_router_stats_chunks_equal_one_chunk():
                                         ("layer", False, "min_memory", (4,))):
         config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
         whole = run_stats(*case, preset, part, c, mask, use_y)
-        assert_f64_stats(whole, run_stats_reference(*case, part, c, mask, use_y))
+        assert_f64_second(whole, run_stats_reference(*case, part, c, mask, use_y),
+                          "router_stats")
         try:
             for rows in chunks:
                 config.update(chunk_bytes=chunk_cap(rows, F64, case[1],
                                                     case[4]["num_experts_per_tok"], part))
-                assert_f64_stats(run_stats(*case, preset, part, c, mask, use_y), whole)
+                assert_f64_second(run_stats(*case, preset, part, c, mask, use_y), whole,
+                                  "router_stats")
         finally:
             config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
 

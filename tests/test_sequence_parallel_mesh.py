@@ -9,7 +9,6 @@ layer and at the root over the flattened dp x sp mesh, with the loss times the s
 sp pair's losses sum to its batch's mean loss, and the gradient is the mean over the dp ranks of
 each batch's gradient. fp64 within 1e-10 for torch's wrappers; ZeRO-3 (its reduction takes no
 fp64) in fp32 by the accuracy rule. One spawned group of 4 serves every case."""
-import datetime
 import functools
 import gc
 import importlib
@@ -150,13 +149,9 @@ def zero3_runs(rank):
 
 
 def _worker(rank, init_file, out_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1")
-    from test_distributed import TIMEOUT_S
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from test_distributed import init_gloo_rank
+    init_gloo_rank(rank, WORLD, init_file)
     warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (DP, SP), mesh_dim_names=("dp", "sp"))

@@ -8,7 +8,6 @@ library's registered attention function in one process.
 The sequence is S = 14 tokens: even, so that each rank holds 7, and not a multiple of
 2 * WORLD, so that context_parallel's default head-tail load balancer stays off and rank r holds
 tokens 7r .. 7r + 6 in order."""
-import datetime
 import importlib.util
 import os
 import sys
@@ -22,7 +21,8 @@ pytest.importorskip("transformers", reason="transformers is not installed: these
 if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
-from test_distributed import TIMEOUT_S, WORLD, make_model, spawn_ranks  # noqa: E402
+from test_distributed import (WORLD, init_gloo_rank, make_model,  # noqa: E402
+                              spawn_ranks)
 
 B, S, V = 2, 14, 97
 REFUSED = "ckpt_ext.patch_llama: "  # how the refusal's message starts
@@ -286,11 +286,7 @@ RUNS = {"context_parallel": context_parallel_run, "ulysses": ulysses_run}
 
 
 def _worker(rank, init_file, out_dir, run):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    torch.set_num_threads(1)  # two processes on two cores
+    init_gloo_rank(rank, WORLD, init_file)
     try:
         torch.manual_seed(0)
         torch.save(RUNS[run](rank), os.path.join(out_dir, f"{rank}.pt"))
