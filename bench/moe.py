@@ -16,9 +16,12 @@ gradient's difference from ``hf_gc``. Goal (issue 43): ``min_memory``'s peak at 
 ``hf_gc``'s, printed ``[ok]`` / ``[MISSED]``.
 
 ``--layer`` (CUDA): one Qwen3-30B-A3B decoder layer (128 experts, top-k 8, H 2048, expert I
-768, 32 heads / 4 KV heads of 128) at ``--tokens`` (32768) in bf16, forward+backward: HF's
-``Qwen3MoeDecoderLayer`` (its default experts implementation) against the fused op per
-preset, on the same weights: time and peak (Liger's fused MoE: 28.2 ms, 8.26 GB on an H100).
+768, 32 heads / 4 KV heads of 128; ``--layer-shape``) at ``--tokens`` (32768) in bf16,
+forward+backward: HF's ``Qwen3MoeDecoderLayer`` (its default experts implementation) against
+the fused op per preset, on the same weights: time, peak and the largest relative difference
+of the output, dx and the router's gradient from HF's (Liger's fused MoE: 28.2 ms, 8.26 GB on
+an H100). ``--device cpu`` runs the same code in fp32 at a small ``--layer-shape`` (the GPU
+call's dry run).
 
 ``--expert-lora-rank r``: every row with PEFT LoRA (rank r, alpha 2r) on the attention and on
 both expert weights (``target_parameters``), the base frozen: HF's row folds the experts'
@@ -118,14 +121,19 @@ def model_rows(args) -> list:
     return rows
 
 
+LAYER_SHAPE = "2048,128,8,768,32,4,128"  # Qwen3-30B-A3B: H, E, top-k, expert I, Hq, Hkv, D
+
+
 def layer_rows(args) -> list:
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeDecoderLayer,
                                                                   Qwen3MoeRotaryEmbedding)
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    H, E, K, I, HQ, HKV, D = (int(v) for v in args.layer_shape.split(","))
+    dev = torch.device(args.device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = AutoConfig.for_model(
-        "qwen3_moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        "qwen3_moe", hidden_size=H, num_attention_heads=HQ, num_key_value_heads=HKV,
+        head_dim=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
         norm_topk_prob=True, num_hidden_layers=1, max_position_embeddings=args.tokens)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -133,7 +141,7 @@ def layer_rows(args) -> list:
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    x = torch.randn(1, args.tokens, 2048, device=dev, dtype=dt, requires_grad=True)
+    x = torch.randn(1, args.tokens, H, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn_like(x)
     pos = torch.arange(args.tokens, device=dev)[None]
     cos, sin = Qwen3MoeRotaryEmbedding(cfg).to(dev)(x, pos)
@@ -144,34 +152,48 @@ def layer_rows(args) -> list:
 
     def fused(preset):
         return lambda: blocks.decoder_layer(x, blocks.LayerOptions(
-            weights=weights, cos=cos, sin=sin, num_heads=32, num_kv_heads=4, eps=cfg.rms_norm_eps,
-            num_experts_per_tok=8, norm_topk_prob=True, preset=preset))
+            weights=weights, cos=cos, sin=sin, num_heads=HQ, num_kv_heads=HKV,
+            eps=cfg.rms_norm_eps, num_experts_per_tok=K, norm_topk_prob=True, preset=preset))
 
-    rows = []
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows, ref = [], None
     for name, fn in [("hf", hf)] + [(p, fused(p)) for p in PRESETS]:
         def step(fn=fn):
             out = fn()
             out = out[0] if isinstance(out, tuple) else out
             out.backward(dy)
+            return out
 
         for _ in range(2):
             step()
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        peak = ckpt_ext.peak_memory_bytes(lambda: step(), x)
+        out = step()  # the row's output and gradients beside HF's (a routing tie may differ)
+        got = (out.detach().float(), x.grad.float(), weights["mlp.gate.weight"].grad.float())
+        ref = got if ref is None else ref
+        err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+                  for a, b in zip(got, ref))
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        peak = ckpt_ext.peak_memory_bytes(lambda _x: step(), x)  # x names the device
         times = []
         for _ in range(args.reps):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             step()
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
         layer.zero_grad(set_to_none=True)
         x.grad = None
         rows.append({"row": name, "seq": args.tokens, "peak_mib": peak / 2**20,
-                     "step_s": median(times)})
-        print(f"{name:>10}: peak {peak / 2**20:9.1f} MiB  fwd+bwd {1e3 * median(times):8.2f} ms",
-              flush=True)
+                     "step_s": median(times), "rel_err_vs_hf": err})
+        print(f"{name:>10}: peak {peak / 2**20:9.1f} MiB  fwd+bwd {1e3 * median(times):8.2f} ms  "
+              f"max rel err vs hf (y, dx, d router) {err:.2e}", flush=True)
+    best = min(rows[1:], key=lambda r: r["step_s"])
+    gb = lambda r: r["peak_mib"] * 2**20 / 1e9  # noqa: E731 - decimal GB, as Liger reports
+    print(f"goal (Liger's fused MoE on an H100: 28.2 ms, 8.26 GB): fastest fused {best['row']} "
+          f"{1e3 * best['step_s']:.2f} ms, peak {gb(best):.2f} GB; hf "
+          f"{1e3 * rows[0]['step_s']:.2f} ms, {gb(rows[0]):.2f} GB")
     return rows
 
 
@@ -187,18 +209,25 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layer", action="store_true", help="one Qwen3-30B-A3B layer on CUDA")
     ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--layer-shape", default=LAYER_SHAPE,
+                    help="--layer's H,E,top-k,expert I,Hq,Hkv,D (default Qwen3-30B-A3B's)")
+    ap.add_argument("--device", default="cuda",
+                    help="--layer's device: cuda (bf16), or cpu (fp32; a dry run of the code)")
     ap.add_argument("--expert-lora-rank", type=int, default=0,
                     help="PEFT LoRA of this rank on the attention and the experts (0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.layer:
-        if not torch.cuda.is_available():
-            print("--layer needs a CUDA GPU (a Qwen3-30B-A3B layer at 32K tokens)")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            print("--layer needs a CUDA GPU (a Qwen3-30B-A3B layer at 32K tokens), or "
+                  "--device cpu for a dry run at a small --layer-shape")
             return 2
+        print(f"{device_name()}: one Qwen3-MoE layer, H,E,top-k,I,Hq,Hkv,D = {args.layer_shape}, "
+              f"{args.tokens} tokens")
         rows = layer_rows(args)
-        fields = ["row", "seq", "peak_mib", "step_s"]
+        fields = ["row", "seq", "peak_mib", "step_s", "rel_err_vs_hf"]
         out = args.out or os.path.join("bench", "results", f"moe_layer_{device_tag()}.csv")
-        write_csv(out, provenance("cuda"), fields, rows)
+        write_csv(out, provenance(args.device if args.device == "cuda" else None), fields, rows)
         return 0
     lora = f", LoRA r {args.expert_lora_rank} on attention and experts" \
         if args.expert_lora_rank else ""

@@ -199,7 +199,7 @@ def test_parts_argument_refuses_other_letters(tmp_path):
                           cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "--parts takes letters among abcdefgs, got 'ax'" in proc.stdout
+    assert "--parts takes letters among abcdefgms, got 'ax'" in proc.stdout
 
 
 def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
@@ -233,3 +233,29 @@ def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
     # every timed candidate was checked against the usual launch, none wrong
     assert re.findall(r"max rel err ([\d.e+-]+)", log) and "WRONG" not in log
     assert re.search(r"^check Sq=40 Sk=40: winners / baseline = [\d.]+$", log, re.M), log
+
+
+# ---- part m: the MoE layer, a second call's part (--parts m) ------------------------------------
+def test_moe_layer_part_alone(tmp_path):
+    """--parts m: bench/moe.py --layer at a small shape on the CPU (the GPU's code path in fp32):
+    every row (HF's layer and the fused presets) with its time, peak and difference from HF's
+    output and gradients (small), Liger's goal line, the CSV in the part's file, the summary's
+    section; no other part ran."""
+    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "m"],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
+    assert re.search(r"^m ok ", summary, re.M), summary
+    assert not re.search(r"^[abcdefgs] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    assert "-- m: MoE layer" in summary and "goal (Liger's fused MoE" in summary
+    assert {p.name for p in tmp_path.iterdir()} == {"quick_0_summary.txt",
+                                                   "quick_m_moe_layer.txt"}
+    log = _read(tmp_path, "quick_m_moe_layer.txt")
+    assert log.startswith("# device: CPU dry run")
+    errs = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"^ *(hf|fast|balanced|min_memory): .*max rel err vs hf \(y, dx, d router\) "
+        r"([\d.e+-]+)$", log, re.M)}
+    assert set(errs) == {"hf", "fast", "balanced", "min_memory"}, log[-3000:]
+    assert errs["hf"] == 0 and all(e < 1e-4 for e in errs.values()), errs
+    assert re.search(r"^row,seq,peak_mib,step_s,rel_err_vs_hf$", log, re.M), log[-2000:]
