@@ -45,11 +45,21 @@ hence zero gradients.
 
 Inner loops: each walk is split into stages (the window's lower edge, the interior blocks, the
 block crossing S, the causal diagonal / window's upper edge); interior blocks do no masking at
-all (no bound, band or padding test unless a padding mask is given), and the scale is applied
-in the single fused multiply-add ``s * qk_scale - m`` (forward, with the running max scaled once
-per row) or ``s * qk_scale - lse2`` (backward) instead of a multiply and a bias add per score.
-The scale is folded into that FMA rather than into K or Q beforehand: pre-scaling a bf16/fp16
-tile would round it once more, for no fewer instructions.
+all (no bound, band or padding test unless a padding mask is given). The exception is the
+backward's causal kernels without a window: there one loop walks every block and takes the
+causal test on all of them (exact: it is true on the interior blocks; in dQ it also rules out
+the keys past S). Compiled for sm_90 with Triton 3.6, a masked and an unmasked loop one after
+the other spill registers at the tiles worth launching (dK/dV 64x128, dQ 128x64 with 3 stages),
+one loop does not (``tools/attention_bwd_aot.py``); what the compare and select per interior
+score cost against the larger tiles is for a GPU measurement. The dK/dV kernel also walks the
+(query head, query block) pairs of its GQA group as one flat loop, reads delta and the base-2
+lse from buffers padded per head to a multiple of ``_ROW_PITCH`` rows (no mask), forms the
+causal test from the column index (a constant per register) against one offset per key row, and
+forms dP^T - delta before P^T. Everywhere the scale is applied in the single fused multiply-add
+``s * qk_scale - m`` (forward, with the running max scaled once per row) or ``s * qk_scale -
+lse2`` (backward) instead of a multiply and a bias add per score. The scale is folded into that
+FMA rather than into K or Q beforehand: pre-scaling a bf16/fp16 tile would round it once more,
+for no fewer instructions.
 
 Soft-capping: with softcap > 0 the kernels are compiled with SOFTCAP (a constexpr, so the
 uncapped kernels are unchanged) and cap each score tile right after its dot, before any mask:
@@ -95,6 +105,10 @@ INTERPRETER_BLOCKS = {
     "dq": {"BLOCK_M": 32, "BLOCK_N": 32},
 }
 _PRE_BLOCK_M = 64  # rows per program of the D = rowsum(dO * O) pre-pass
+# The backward's per-row buffers (delta, base-2 lse) hold each head's rows padded to a multiple
+# of this (delta 0, lse2 +inf past Sq), so that the dK/dV kernel reads whole query blocks of
+# them with no mask; every backward BLOCK_M and _PRE_BLOCK_M divide it.
+_ROW_PITCH = tl.constexpr(256)
 
 
 def dq_mode() -> str:
@@ -355,13 +369,15 @@ def _attn_fwd_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, Out, Lse,
 def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
                                 stride_ob, stride_oh, stride_os, stride_od,
                                 stride_gb, stride_gh, stride_gs, stride_gd,
-                                Hq, S,
+                                Hq, S, row_pitch,
                                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                                 BLOCK_M: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_M), B, Hq), S = Sq, the query rows. Delta (B, Hq, S) fp32 =
-    rowsum(dOut * Out); Lse2
-    (B, Hq, S) fp32 = lse in base 2, +inf on rows that attend nothing (lse = -inf), so that
-    the backward's ``P = exp2(s * qk_scale - lse2)`` is 0 there with no test per tile."""
+    """Grid (row_pitch // BLOCK_M, B, Hq), S = Sq, the query rows, row_pitch: S rounded up to
+    a multiple of ``_ROW_PITCH``. Delta (B, Hq, row_pitch) fp32 = rowsum(dOut * Out); Lse2
+    (B, Hq, row_pitch) fp32 = lse (B, Hq, S) in base 2, +inf on rows that attend nothing
+    (lse = -inf), so that the backward's ``P = exp2(s * qk_scale - lse2)`` is 0 there with no
+    test per tile. The rows past S are written too (delta 0, lse2 +inf): the dK/dV kernel
+    reads whole BLOCK_M blocks of them with no mask."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -374,45 +390,64 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
     do = tl.load(DOut + b * stride_gb + h * stride_gh
                  + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    rows = (b * Hq + h) * S + offs_m
-    tl.store(Delta + rows, delta, mask=row_ok)
-    lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
+    rows = (b * Hq + h) * row_pitch + offs_m
+    tl.store(Delta + rows, delta)
+    lse = tl.load(Lse + (b * Hq + h) * S + offs_m, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(Lse2 + rows, lse2, mask=row_ok)
+    tl.store(Lse2 + rows, lse2)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_bh, Delta_bh,
-                         DQA_bh, SegId_b, stride_qs, stride_qd, stride_gs, stride_gd,
-                         stride_as, stride_ad, offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b, Delta_b,
+                         DQA_b, SegId_b, stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
+                         stride_gd, stride_ah, stride_as, stride_ad, row_pitch, n_heads,
+                         offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
                          win_before, win_after, key_edge, cap_in, cap_out,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
                          WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                          DQ_ATOMIC: tl.constexpr, SOFTCAP: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
-    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head;
-    with DQ_ATOMIC also add this key block's share of dQ (scaled) to the fp32 rows DQA_bh.
+    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of each of
+    n_heads query heads (one flat loop over (head, block) pairs, heads outer, in a fixed
+    order); with DQ_ATOMIC also add this key block's share of dQ (scaled) to the fp32 rows of
+    DQA_b.
 
     k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; col_ok: (BLOCK_N,) the key exists
     and is not padded; seg_k: (BLOCK_N,) segment ids of the keys (HAS_SEG); [lo, hi): rows of
-    the Sq query rows, row r at the global position q_off + r. Works on transposed
-    tiles: sT = K Q^T is (BLOCK_N, BLOCK_M), unscaled; ``exp2(sT * qk_scale - lse2)`` is one
-    fused multiply-add. Keys past S need no test for dK/dV (their rows are never stored, and a
-    row of dK/dV depends only on its own row of P); only the dQ sum over keys does, on the
-    block crossing S (key_edge). BAND: the element-wise band test, as in the forward.
-    SOFTCAP: sT is capped as in the forward and dS^T takes the cap's derivative 1 - tanh^2.
+    the Sq query rows (multiples of BLOCK_M), row r at the global position q_off + r. Q_b,
+    DO_b, DQA_b: the group's first head (head g at + g * stride_*h); Lse2_b, Delta_b: its
+    rows, row_pitch apart per head and padded (lse2 +inf, delta 0) up to a multiple of
+    BLOCK_M, so their loads take no mask. One loop rather than a loop per head: the software
+    pipeline has a single prologue, and nothing lives across two loops.
+
+    Works on transposed tiles: sT = K Q^T is (BLOCK_N, BLOCK_M), unscaled;
+    ``exp2(sT * qk_scale - lse2)`` is one fused multiply-add. Keys past S need no test for
+    dK/dV (their rows are never stored, and a row of dK/dV depends only on its own row of P);
+    only the dQ sum over keys does, on the block crossing S (key_edge). BAND: the element-wise
+    band test, as in the forward (the causal test, true on every interior block, is also what
+    the causal kernel applies on all its blocks: one loop holds fewer registers than a masked
+    and an unmasked one). SOFTCAP: sT is capped as in the forward and dS^T takes the cap's
+    derivative 1 - tanh^2. dP^T - delta is formed before P^T, so that only P^T and that
+    difference are live when dS^T is.
     """
     d_ok = offs_d < HEAD_DIM
-    for start_m in range(lo, hi, BLOCK_M):
+    n_blocks = (hi - lo) // BLOCK_M
+    for it in range(n_heads * n_blocks):
+        g = it // n_blocks
+        start_m = lo + (it - g * n_blocks) * BLOCK_M
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        pos_m = q_off + offs_m
         row_ok = offs_m < Sq
         ok = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                    mask=ok, other=0.0)
+        rows = g * row_pitch + offs_m
+        do = tl.load(DO_b + g * stride_gh + offs_m[:, None] * stride_gs
+                     + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
+        delta = tl.load(Delta_b + rows)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :]
+        q = tl.load(Q_b + g * stride_qh + offs_m[:, None] * stride_qs
+                    + offs_d[None, :] * stride_qd, mask=ok, other=0.0)
         # Rows past Sq read lse2 = +inf: P = exp2(s - inf) = 0 there.
-        lse2 = tl.load(Lse2_bh + offs_m, mask=row_ok, other=float("inf"))
+        lse2 = tl.load(Lse2_b + rows)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if SOFTCAP:
             sT, tT = _softcap_tile(sT, cap_in, cap_out)
@@ -422,30 +457,26 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh, Lse2_
             if key_edge:
                 sT = tl.where(col_ok[:, None], sT, float("-inf"))
         if BAND and WINDOW:
-            dist = offs_n[:, None] - pos_m[None, :]
+            dist = offs_n[:, None] - (q_off + offs_m)[None, :]
             sT = tl.where((dist <= win_after) & (dist >= -win_before), sT, float("-inf"))
-        elif BAND:  # the causal diagonal only
-            sT = tl.where(pos_m[None, :] >= offs_n[:, None], sT, float("-inf"))
+        elif BAND:  # the causal test i >= j, i = q_off + start_m + c for the column c: the
+            # column index is a constant per register, the right side one value per key row
+            sT = tl.where(tl.arange(0, BLOCK_M)[None, :] >= (offs_n - q_off - start_m)[:, None],
+                          sT, float("-inf"))
         if HAS_SEG:
-            seg_q = tl.load(SegId_b + pos_m, mask=row_ok, other=-1)
+            seg_q = tl.load(SegId_b + q_off + offs_m, mask=row_ok, other=-1)
             sT = tl.where(seg_k[:, None] == seg_q[None, :], sT, float("-inf"))
         pT = tl.exp2(sT * qk_scale - lse2[None, :])
-        if SOFTCAP:  # P times the cap's derivative, formed at once: tanh's tile dies here
-            gT = pT * (1.0 - tT * tT)
-        do = tl.load(DO_bh + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd,
-                     mask=ok, other=0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        delta = tl.load(Delta_bh + offs_m, mask=row_ok, other=0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if SOFTCAP:
-            dsT = (gT * (dpT - delta[None, :])).to(q.dtype)
+        if SOFTCAP:  # dS^T = P^T (1 - tanh^2) (dP^T - delta): tanh's tile dies here
+            dsT = (pT * (1.0 - tT * tT) * dpT).to(q.dtype)
         else:
-            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+            dsT = (pT * dpT).to(q.dtype)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
-            tl.atomic_add(DQA_bh + offs_m[:, None] * stride_as + offs_d[None, :] * stride_ad,
-                          dq, mask=ok, sem="relaxed")
+            tl.atomic_add(DQA_b + g * stride_ah + offs_m[:, None] * stride_as
+                          + offs_d[None, :] * stride_ad, dq, mask=ok, sem="relaxed")
     return dk, dv
 
 
@@ -458,8 +489,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
                           stride_gb, stride_gh, stride_gs, stride_gd,
                           stride_db, stride_dh, stride_ds, stride_dd,
                           stride_ab, stride_ah, stride_as, stride_ad,
-                          Hq, Hkv, Sq, Sk, q_off, GROUP, qk_scale, sm_scale, win_before,
-                          win_after, cap_in, cap_out, S_BUCKET, SQ_BUCKET,
+                          Hq, Hkv, Sq, Sk, row_pitch, q_off, GROUP, qk_scale, sm_scale,
+                          win_before, win_after, cap_in, cap_out, S_BUCKET, SQ_BUCKET,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                           DQ_ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -471,10 +502,12 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
     (strides stride_a*, zeroed first). The Sq query rows sit at global positions q_off + r.
 
     Each program loops over the GROUP query heads of its KV head in a fixed order, so the GQA
-    sum of dK/dV is deterministic (the atomic dQ sum is not). Lse2, Delta: (B, Hq, S)
-    contiguous fp32 from the preprocess kernel. Visibility as in the forward; the query blocks
+    sum of dK/dV is deterministic (the atomic dQ sum is not). Lse2, Delta: (B, Hq, row_pitch)
+    contiguous fp32 from the preprocess kernel, rows past Sq padded (+inf, 0); BLOCK_M divides
+    row_pitch (a multiple of ``_ROW_PITCH``). Visibility as in the forward; the query blocks
     that cannot see any key of this block are never visited.
     """
+    tl.static_assert(_ROW_PITCH % BLOCK_M == 0, "BLOCK_M must divide _ROW_PITCH")
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     hk = tl.program_id(2).to(tl.int64)
@@ -506,37 +539,44 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
 
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        Q_bh = Q + b * stride_qb + h * stride_qh
-        DO_bh = DOut + b * stride_gb + h * stride_gh
-        DQA_bh = DQA + b * stride_ab + h * stride_ah
-        row_base = (b * Hq + h) * Sq
-        # Seen from a key block the causal diagonal is the lower edge (query blocks
-        # [lo, full_lo)) and the window's lower edge the upper one ([full_hi, hi)).
-        if CAUSAL or WINDOW:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
-                                          Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
-                                          stride_qs, stride_qd, stride_gs, stride_gd,
-                                          stride_as, stride_ad, offs_d, lo, full_lo, Sq, q_off,
-                                          qk_scale, sm_scale, win_before, win_after, key_edge,
-                                          cap_in, cap_out, HEAD_DIM, BLOCK_M, True, WINDOW,
-                                          HAS_MASK, HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
-                                      Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
-                                      stride_qs, stride_qd, stride_gs, stride_gd,
-                                      stride_as, stride_ad, offs_d, full_lo, full_hi, Sq, q_off,
-                                      qk_scale, sm_scale, win_before, win_after, key_edge,
-                                      cap_in, cap_out, HEAD_DIM, BLOCK_M, False, WINDOW,
-                                      HAS_MASK, HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
-        if WINDOW:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_bh, DO_bh,
-                                          Lse2 + row_base, Delta + row_base, DQA_bh, SegId_b,
-                                          stride_qs, stride_qd, stride_gs, stride_gd,
-                                          stride_as, stride_ad, offs_d, full_hi, hi, Sq, q_off,
-                                          qk_scale, sm_scale, win_before, win_after, key_edge,
-                                          cap_in, cap_out, HEAD_DIM, BLOCK_M, True, WINDOW,
-                                          HAS_MASK, HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
+    h0 = hk * GROUP  # the group's first query head
+    Q_b = Q + b * stride_qb + h0 * stride_qh
+    DO_b = DOut + b * stride_gb + h0 * stride_gh
+    DQA_b = DQA + b * stride_ab + h0 * stride_ah
+    row_base = (b * Hq + h0) * row_pitch
+    # Seen from a key block the causal diagonal is the lower edge (query blocks [lo, full_lo))
+    # and the window's lower edge the upper one ([full_hi, hi)). Causal without a window: one
+    # loop over [lo, full_hi) taking the causal test on every block (exact: the test is true
+    # on the interior blocks), which compiles to fewer live registers than two loops.
+    if WINDOW:
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
+                                      Lse2 + row_base, Delta + row_base, DQA_b, SegId_b,
+                                      stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
+                                      stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
+                                      GROUP, offs_d, lo, full_lo, Sq, q_off, qk_scale, sm_scale,
+                                      win_before, win_after, key_edge, cap_in, cap_out,
+                                      HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
+                                      DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
+        interior_lo = full_lo
+    else:
+        interior_lo = lo
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
+                                  Lse2 + row_base, Delta + row_base, DQA_b, SegId_b,
+                                  stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
+                                  stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
+                                  GROUP, offs_d, interior_lo, full_hi, Sq, q_off, qk_scale,
+                                  sm_scale, win_before, win_after, key_edge, cap_in, cap_out,
+                                  HEAD_DIM, BLOCK_M, CAUSAL and not WINDOW, WINDOW, HAS_MASK,
+                                  HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
+    if WINDOW:
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
+                                      Lse2 + row_base, Delta + row_base, DQA_b, SegId_b,
+                                      stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
+                                      stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
+                                      GROUP, offs_d, full_hi, hi, Sq, q_off, qk_scale, sm_scale,
+                                      win_before, win_after, key_edge, cap_in, cap_out,
+                                      HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
+                                      DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
     if ACCUMULATE:  # one tile at a time: the read adds no more live registers than the loop had
@@ -582,7 +622,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, offs_m, K_bh, V_bh, Mask_b
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if SOFTCAP:
                 s, t = _softcap_tile(s, cap_in, cap_out)
-            s = tl.where(col_ok[None, :], s, float("-inf"))
+            if HAS_MASK or WINDOW or not BAND:  # else the causal test below covers j >= S
+                s = tl.where(col_ok[None, :], s, float("-inf"))
         else:
             k = tl.load(K_bh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                         mask=d_ok[None, :], other=0.0)
@@ -616,8 +657,8 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, D
                         stride_mb, stride_ms,
                         stride_gb, stride_gh, stride_gs, stride_gd,
                         stride_db, stride_dh, stride_ds, stride_dd,
-                        Hq, Sq, Sk, q_off, GROUP, qk_scale, sm_scale, win_before, win_after,
-                        cap_in, cap_out, S_BUCKET, SQ_BUCKET,
+                        Hq, Sq, Sk, row_pitch, q_off, GROUP, qk_scale, sm_scale, win_before,
+                        win_after, cap_in, cap_out, S_BUCKET, SQ_BUCKET,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                         WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -641,7 +682,7 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, D
                 + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=ok, other=0.0)
     do = tl.load(DOut + b * stride_gb + h * stride_gh
                  + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd, mask=ok, other=0.0)
-    row_base = (b * Hq + h) * Sq
+    row_base = (b * Hq + h) * row_pitch
     lse2 = tl.load(Lse2 + row_base + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     K_bh = K + b * stride_kb + hk * stride_kh
@@ -666,22 +707,32 @@ def _attn_bwd_dq_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, D
                                 offs_d, lo, full_lo, Sk, qk_scale, win_before, win_after,
                                 cap_in, cap_out, HEAD_DIM, BLOCK_N, True, True, WINDOW,
                                 HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b, SegId_b,
-                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                            offs_d, full_lo, inner_hi, Sk, qk_scale, win_before, win_after,
-                            cap_in, cap_out, HEAD_DIM, BLOCK_N, False, False, WINDOW, HAS_MASK,
-                            HAS_SEG, SOFTCAP, DOT_PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b, SegId_b,
-                            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                            offs_d, inner_hi, full_hi, Sk, qk_scale, win_before, win_after,
-                            cap_in, cap_out, HEAD_DIM, BLOCK_N, False, True, WINDOW, HAS_MASK,
-                            HAS_SEG, SOFTCAP, DOT_PRECISION)
-    if CAUSAL or WINDOW:
+    if CAUSAL and not WINDOW:
+        # One loop over every key block: the causal test, true on the interior blocks, also
+        # rules out the keys past Sk for every row < Sq (q_off + Sq <= Sk); the keys' loads
+        # are masked. One loop holds fewer registers than three (interior, edge, diagonal).
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
                                 SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                offs_d, full_hi, hi, Sk, qk_scale, win_before, win_after,
+                                offs_d, full_lo, hi, Sk, qk_scale, win_before, win_after,
                                 cap_in, cap_out, HEAD_DIM, BLOCK_N, True, True, WINDOW,
                                 HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+    else:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
+                                SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                offs_d, full_lo, inner_hi, Sk, qk_scale, win_before, win_after,
+                                cap_in, cap_out, HEAD_DIM, BLOCK_N, False, False, WINDOW,
+                                HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
+                                SegId_b, stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                offs_d, inner_hi, full_hi, Sk, qk_scale, win_before, win_after,
+                                cap_in, cap_out, HEAD_DIM, BLOCK_N, False, True, WINDOW,
+                                HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+        if WINDOW:
+            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, seg_q, pos_m, K_bh, V_bh, Mask_b,
+                                    SegId_b, stride_ks, stride_kd, stride_vs, stride_vd,
+                                    stride_ms, offs_d, full_hi, hi, Sk, qk_scale, win_before,
+                                    win_after, cap_in, cap_out, HEAD_DIM, BLOCK_N, True, True,
+                                    WINDOW, HAS_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     tl.store(DQ + b * stride_db + h * stride_dh
              + offs_m[:, None] * stride_ds + offs_d[None, :] * stride_dd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok)
@@ -710,16 +761,16 @@ _CONFIGS = {
     ("fwd", "ampere"): [_cfg(128, 64, 8, 2), _cfg(128, 64, 4, 3), _cfg(128, 32, 8, 3),
                         _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 8, 2),
                         _cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
-    ("dkdv", "hopper"): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 8, 2),
-                         _cfg(16, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 8, 2),
-                         _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2), _cfg(16, 32, 4, 2),
-                         _cfg(16, 16, 4, 2)],
+    ("dkdv", "hopper"): [_cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 128, 8, 3),
+                         _cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(64, 64, 4, 3),
+                         _cfg(32, 64, 8, 2), _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2),
+                         _cfg(16, 32, 4, 2), _cfg(16, 16, 4, 2)],
     ("dkdv", "ampere"): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2), _cfg(64, 64, 4, 2),
                          _cfg(32, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2),
                          _cfg(16, 32, 4, 2), _cfg(16, 16, 4, 2)],
-    ("dq", "hopper"): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2),
-                       _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
-                       _cfg(32, 32, 4, 2)],
+    ("dq", "hopper"): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 64, 8, 2),
+                       _cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3),
+                       _cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
     ("dq", "ampere"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 8, 2),
                        _cfg(32, 32, 4, 2)],
 }
@@ -974,8 +1025,9 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
         if not accumulate:
             dk.zero_(), dv.zero_()
         return dq, ret_dk, ret_dv
-    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    row_pitch = _launch.cdiv(Sq, _ROW_PITCH.value) * _ROW_PITCH.value
+    delta = torch.empty((B, Hq, row_pitch), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((B, Hq, row_pitch), dtype=torch.float32, device=q.device)
     mask, stride_mb, stride_ms, has_mask = _mask_args(key_padding_mask, q)
     seg_id, seg_lo, seg_hi, has_seg = _segment_args(segment_ids, q)
     before, after = _band(Sk, causal, window)
@@ -997,8 +1049,9 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
                                 *_bwd_choice("dkdv", q.device, q.dtype, D, causal, *buckets[::-1],
                                              atomic, accumulate, capped))
     with _launch.on_device(q.device):
-        _attn_bwd_preprocess_kernel[(_launch.cdiv(Sq, _PRE_BLOCK_M), B, Hq)](
+        _attn_bwd_preprocess_kernel[(row_pitch // _PRE_BLOCK_M, B, Hq)](
             out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, Sq,
+            row_pitch,
             HEAD_DIM=D, D_PAD=dkdv_meta["D_PAD"], BLOCK_M=_PRE_BLOCK_M)
 
         # The kernel writes dk and dv with one set of strides: accumulators laid out
@@ -1010,7 +1063,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
         dkdv[lambda m: (_launch.cdiv(Sk, m["BLOCK_N"]), B, Hkv)](
             q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv_run, dq_acc,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-            *dk.stride(), *dq_acc.stride(), Hq, Hkv, Sq, Sk, q_off, group, qk_scale,
+            *dk.stride(), *dq_acc.stride(), Hq, Hkv, Sq, Sk, row_pitch, q_off, group, qk_scale,
             float(scale), before, after, cap_in, cap_out, *buckets, **dkdv_meta)
         _tuning.note_launch("dkdv", dkdv)
         if dv_run is not dv:
@@ -1026,7 +1079,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
             kernel[lambda m: (_launch.cdiv(Sq, m["BLOCK_M"]), B, Hq)](
                 q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-                *dq.stride(), Hq, Sq, Sk, q_off, group, qk_scale, float(scale), before, after,
+                *dq.stride(), Hq, Sq, Sk, row_pitch, q_off, group, qk_scale, float(scale), before, after,
                 cap_in, cap_out, *buckets, **meta)
             _tuning.note_launch("dq", kernel)
     return dq, ret_dk, ret_dv

@@ -327,8 +327,10 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
         pointers = {"Out": dtype, "DOut": dtype, "Lse": "fp32", "Delta": "fp32", "Lse2": "fp32"}
         strides = _strides("og")
         consts = {"HEAD_DIM": head_dim, "D_PAD": common["D_PAD"], "BLOCK_M": meta["BLOCK_M"]}
+        # row_pitch: Sq rounded up to attention._ROW_PITCH, a multiple of 16 as the JIT sees it
         return make_signature(fn, pointers, {s for s in strides if s.endswith("d")},
-                              {s for s in strides if not s.endswith("d")}, set(), consts)
+                              {s for s in strides if not s.endswith("d")} | {"row_pitch"},
+                              set(), consts)
     out_names = {"fwd": ["Out"], "dkdv": ["DK", "DV"], "dq": ["DQ"]}[kind]
     pointers = {n: dtype for n in ["Q", "K", "V"] + out_names}
     pointers["Mask"] = "u8" if has_mask else dtype  # bool mask viewed as uint8, else q itself
@@ -345,6 +347,8 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     strides = _strides(prefixes)
     unit = {s for s in strides if s.endswith("d")}
     div16 = {s for s in strides if not s.endswith("d")} | {"S_BUCKET", "SQ_BUCKET"}
+    if kind != "fwd":
+        div16.add("row_pitch")  # Sq rounded up to attention._ROW_PITCH
     if has_mask:
         unit.add("stride_ms")          # contiguous (B, S) mask; stride_mb = S, unspecialized
     else:
