@@ -436,6 +436,21 @@ def _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse, logit_scale=1.0
     return T, H, V
 
 
+def _open_results_file(data, source: str, what: str, fmt: str, keys) -> tuple:
+    """(bad, headers) of a results file read as JSON: ``bad(why)`` makes the ValueError naming
+    the file (``source``, else ``what``); ``data`` must be a dict whose ``format`` is ``fmt``
+    (else bad, saying it is not ``what``) with its provenance headers (``_file_headers``)."""
+    where = source or what
+
+    def bad(why):
+        return ValueError(f"{where}: {why}")
+
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise bad(f"not a{'n' if what[0] in 'aeiou' else ''} {what} file (format must be "
+                  f"{fmt!r})")
+    return bad, _file_headers(data, keys, bad)
+
+
 def _file_headers(data: dict, keys, bad) -> dict:
     """The provenance headers of a results file read as JSON (``keys``, each a non-empty
     string, and an optional free-text ``note``); ``bad(why)`` makes the error naming the

@@ -37,7 +37,7 @@ import math
 import pathlib
 from typing import Optional, Sequence
 
-from ._checks import _file_headers
+from ._checks import _open_results_file
 
 __all__ = ["FORMAT", "KINDS", "HEADERS", "Rate", "Throughputs", "load_throughputs",
            "throughputs_from_dict", "write_throughputs", "default_throughputs",
@@ -103,14 +103,7 @@ class Throughputs:
 
 
 def throughputs_from_dict(data, source: str = "") -> Throughputs:
-    where = source or "kernel throughputs"
-
-    def bad(why):
-        return ValueError(f"{where}: {why}")
-
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise bad(f"not a kernel throughputs file (format must be {FORMAT!r})")
-    headers = _file_headers(data, HEADERS, bad)
+    bad, headers = _open_results_file(data, source, "kernel throughputs", FORMAT, HEADERS)
     unknown = set(data) - set(HEADERS) - {"format", "note", "rates"}
     if unknown:
         raise bad(f"unknown key(s) {sorted(unknown)}")

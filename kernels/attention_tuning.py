@@ -43,7 +43,7 @@ import pathlib
 import threading
 from typing import Iterable, Optional, Sequence
 
-from .._checks import _file_headers
+from .._checks import _open_results_file
 
 __all__ = ["FORMAT", "SHIPPED", "KERNELS", "HEADERS", "Candidate", "sweep_candidates", "Entry",
            "Winners", "load_winners", "winners_dict", "write_winners", "current_winners",
@@ -322,14 +322,8 @@ class Winners:
 
 
 def winners_from_dict(data, source: str = "") -> Winners:
-    where = source or "attention backward configs"
-
-    def bad(why):
-        return ValueError(f"{where}: {why}")
-
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise bad(f"not an attention backward configs file (format must be {FORMAT!r})")
-    headers = _file_headers(data, HEADERS, bad)
+    bad, headers = _open_results_file(data, source, "attention backward configs", FORMAT,
+                                      HEADERS)
     entries = data.get("entries")
     if not isinstance(entries, list):
         raise bad(f"entries must be a list, got {entries!r}")
