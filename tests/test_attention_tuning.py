@@ -365,14 +365,8 @@ t._MODULES["attention"] = attention
 cuobjdump = t.find_cuobjdump()
 out = []
 for kind, bm, bn, w, s, cap in json.loads(sys.argv[2]):
-    sig, consts, attrs = t.attention_signature(attention, kind, "bf16", 128, True, False,
-                                               {"BLOCK_M": bm, "BLOCK_N": bn})
-    options = {"num_warps": w, "num_stages": s}
-    if cap is not None:
-        options["maxnreg"] = cap
-    res = t.compile_job(dict(module="attention", kernel=t.ATTN_KERNEL[kind], arch=90,
-                             signature=sig, constexprs=consts, attrs=attrs, options=options),
-                        cuobjdump)
+    res = t.compile_job(t.attention_job(attention, kind, {"BLOCK_M": bm, "BLOCK_N": bn}, w, s,
+                                        maxnreg=cap), cuobjdump)
     r = t.aot_resources(res)
     out.append(None if r is None else [r.regs, r.spills, r.shared, res.get("spill_stores")])
 print("TRITON " + triton.__version__)

@@ -211,11 +211,7 @@ cuobjdump = t.find_cuobjdump()
 out = []
 for bm, bn, w, s in json.loads(sys.argv[2]):
     cfg = attention._cfg(bm, bn, w, s)
-    sig, consts, attrs = t.attention_signature(attention, "fwd", "bf16", 128, True, False,
-                                               cfg.kwargs)
-    res = t.compile_job(dict(module="attention", kernel=t.ATTN_KERNEL["fwd"], arch=90,
-                             signature=sig, constexprs=consts, attrs=attrs,
-                             options={"num_warps": w, "num_stages": s}), cuobjdump)
+    res = t.compile_job(t.attention_job(attention, "fwd", cfg.kwargs, w, s), cuobjdump)
     r = t.aot_resources(res)
     out.append(None if r is None else [r.regs, r.spills, r.shared, res.get("spill_stores")])
 print("AOT" + json.dumps(out))

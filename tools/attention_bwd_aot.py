@@ -63,18 +63,10 @@ def main(argv=None):
     for kind in [k for k in args.kernels.split(",") if k]:
         base = attention.attention_configs(kind, family)
         for c in tuning.sweep_candidates(kind, baseline=base, limit=args.limit):
-            sig, consts, attrs = t.attention_signature(attention, kind, "bf16", 128, True,
-                                                       False, c.blocks())
-            options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
-            if c.maxnreg is not None:
-                options["maxnreg"] = c.maxnreg
-            if c.num_ctas != 1:
-                options["num_ctas"] = c.num_ctas
             builtin = c in {tuning.Candidate.of_config(b) for b in base}
-            jobs.append((kind, c, builtin,
-                         dict(module="attention", kernel=t.ATTN_KERNEL[kind], arch=args.arch,
-                              signature=sig, constexprs=consts, attrs=attrs, options=options,
-                              sass=True)))
+            jobs.append((kind, c, builtin, t.attention_job(
+                attention, kind, c.blocks(), c.num_warps, c.num_stages, arch=args.arch,
+                maxnreg=c.maxnreg, num_ctas=c.num_ctas, sass=True)))
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(max(1, args.jobs), mp_context=ctx, initializer=t._worker_init,
                                 initargs=(False,)) as pool:

@@ -312,6 +312,21 @@ def _strides(prefixes, dims="bhsd"):
     return [f"stride_{p}{d}" for p in prefixes for d in dims]
 
 
+def attention_job(attention, kind: str, blocks: dict, num_warps: int, num_stages: int, *,
+                  arch: int = 90, maxnreg=None, num_ctas: int = 1, sass: bool = False) -> dict:
+    """``compile_job``'s job for one launch configuration of an attention kernel (``kind``:
+    an ``ATTN_KERNEL`` key) in its common specialization: bf16, head_dim 128, causal, no mask;
+    ``blocks`` its block sizes (BLOCK_M, BLOCK_N), the rest the launch options."""
+    sig, consts, attrs = attention_signature(attention, kind, "bf16", 128, True, False, blocks)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    if num_ctas != 1:
+        options["num_ctas"] = num_ctas
+    return dict(module="attention", kernel=ATTN_KERNEL[kind], arch=arch, signature=sig,
+                constexprs=consts, attrs=attrs, options=options, sass=sass)
+
+
 def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal: bool,
                         has_mask: bool, meta: dict, dq_atomic: bool = False,
                         softcap: bool = False):
