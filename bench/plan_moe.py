@@ -79,8 +79,9 @@ def main(argv=None) -> int:
                          f"{plan.format_bytes(p.peak)} | {plan.format_bytes(p.host)} | "
                          f"{plan.format_bytes(kept)} |")
     write_plan_result(a.out, f"Qwen3-30B-A3B, LoRA r 16 on the attention (bf16 base), "
-                      f"output_router_logits=False (then True: exact and fused aux loss), B 1, bf16, {a.device_memory} device, host "
-                      f"{a.host_memory}, offload (cuda path)", lines)
+                      f"output_router_logits=False (then True: exact and fused aux loss), B 1, "
+                      f"bf16, {a.device_memory} device, host {a.host_memory}, offload (cuda "
+                      f"path)", lines)
     return 0
 
 
