@@ -20,11 +20,15 @@ call goes to the Triton launcher of ``ckpt_ext.kernels.attention`` or to a vendo
   / fp32.
 
 Rules (:func:`refusals`). A vendor op serves a call only when it computes exactly what the
-call asks: the dtype and head_dim above; no key_padding_mask and no segment_ids (padded and
-packed rows stay on Triton; the varlen op is not wired); no softcap; a window only on
-``flash`` and only causal; and never a call whose rows can see nothing (Sk = 0): the vendor
-kernels give NaN there, where the op's contract is out 0, lse -inf, zero gradients. With none
-of the masks every causal row sees at least its own key, so no other row can be empty.
+call asks: the dtype and head_dim above; no softcap; a window only on ``flash`` and only
+causal; and never a call whose rows can see nothing (Sk = 0): the vendor kernels give NaN
+there, where the op's contract is out 0, lse -inf, zero gradients. With none of the masks
+every causal row sees at least its own key, so no other row can be empty. A key_padding_mask
+or segment_ids go only to ``flash``'s variable-length op (``ckpt_ext.attention_varlen``), and
+only when their shape allows it: ids that never decrease along a row (packed documents), or
+one run of real keys per row (padding), one of the two, no window with a padding mask. Which
+of these holds is read from the masks (one host sync per mask tensor) only when a vendor
+backend would otherwise serve the call; rows that see nothing never reach the vendor op.
 A vendor backward serves by default only when it is deterministic: under ``attention_dq =
 "separate"`` (the default) ``flash`` only while ``torch.use_deterministic_algorithms(True)``
 holds (FlashAttention-2 then runs its deterministic backward), ``efficient`` with
@@ -63,7 +67,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _checks, config
+from . import _checks, attention_varlen, config
 
 __all__ = ["BACKENDS", "BackendRefused", "Call", "Capabilities", "Table", "choose", "refusals",
            "attention_fwd", "attention_bwd", "vendor_fwd", "vendor_bwd", "merge",
@@ -107,6 +111,9 @@ class Call:
     segments: bool = False     # segment_ids are given
     window: Optional[int] = None
     softcap: float = 0.0
+    # why the masks' shape keeps the call off the variable-length op (None: it does not, or
+    # the masks were not read; see ckpt_ext.attention_varlen.describe)
+    masks_refusal: Optional[str] = None
 
     @classmethod
     def of(cls, phase, q, k, key_padding_mask, segment_ids, window, causal, q_offset=0,
@@ -125,6 +132,12 @@ class Call:
     def live_window(self) -> Optional[int]:
         """The window, or None where it hides nothing (window >= the keys seen)."""
         return self.window if self.window is not None and self.window < self.keys else None
+
+    @property
+    def masks(self) -> str:
+        """The table's name for the call's masks: "none", "padded", "packed" or "both"."""
+        return {(False, False): "none", (True, False): "padded", (False, True): "packed",
+                (True, True): "both"}[(self.masked, self.segments)]
 
     @property
     def chunk(self) -> bool:
@@ -154,6 +167,8 @@ class Capabilities:
     # to this many bytes of expanded K and V together
     native_gqa: frozenset = frozenset(("flash", "cudnn"))
     expand_limit_bytes: int = 2 << 30
+    # backends serving padded and packed calls through a variable-length op
+    varlen: frozenset = frozenset(("flash",))
 
     def deterministic(self) -> frozenset:
         """The backends whose backward is deterministic now."""
@@ -198,7 +213,7 @@ def cuda_capabilities(device: torch.device) -> Capabilities:
         # FlashAttention-2's backward stops at head_dim 192 on sm86 / sm89 (shared memory).
         max_head_dim={"flash": 192 if (major, minor) in ((8, 6), (8, 9)) else 256,
                       "cudnn": 128, "efficient": 256},
-        window=frozenset(window))
+        window=frozenset(window), varlen=frozenset(("flash",)) & frozenset(have))
     with _caps_lock:
         _caps_cache[index] = caps
     return caps
@@ -236,11 +251,19 @@ def refusals(backend: str, call: Call, caps: Capabilities) -> list:
     if call.D % multiple or call.D > limit:
         out.append(f"head_dim: {backend} takes multiples of {multiple} up to {limit}, the call "
                    f"has {call.D}")
-    if call.masked:
-        out.append(f"key_padding_mask: {backend} takes no key padding mask (padded rows stay on "
-                   f"Triton)")
-    if call.segments:
-        out.append(f"segment_ids: {backend} takes no segment ids (packed rows stay on Triton)")
+    if call.masked or call.segments:
+        what = {"padded": "key_padding_mask", "packed": "segment_ids",
+                "both": "key_padding_mask with segment_ids"}[call.masks]
+        if backend not in caps.varlen:
+            out.append(f"{what}: {backend} has no variable-length op (padded and packed rows go "
+                       f"to {' or '.join(sorted(caps.varlen)) or 'none here'}, else to Triton)")
+        elif call.masks == "both":
+            out.append(f"{what}: the variable-length op takes one of them")
+        elif call.masked and call.live_window is not None:
+            out.append("window with key_padding_mask: the rows after the real keys would need "
+                       "a windowed non-causal launch")
+        if call.masks_refusal is not None and backend in caps.varlen:
+            out.append(f"{what}: {call.masks_refusal}")
     if call.softcap > 0:
         out.append(f"softcap: {backend} has no logit soft-capping")
     if call.Hq != call.Hkv and backend not in caps.native_gqa:
@@ -292,23 +315,24 @@ def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table"
 
 # ---- the choice table --------------------------------------------------------------------------
 _EXACT_KEYS = {"arch": str, "dtype": str, "head_dim": int, "causal": bool, "chunk": bool,
-               "phase": str, "gqa": int}
+               "phase": str, "gqa": int, "masks": str}
+MASKS = ("none", "padded", "packed", "both")
 _RANGE_KEYS = ("sq", "keys", "bh")   # query rows, keys seen, B * Hq
 
 
 def _bucket(call: Call, arch: str) -> dict:
     return {"arch": arch, "dtype": _DTYPE_NAMES.get(call.dtype, str(call.dtype)),
             "head_dim": call.D, "causal": call.causal, "chunk": call.chunk,
-            "phase": call.phase, "gqa": call.Hq // max(call.Hkv, 1),
+            "phase": call.phase, "gqa": call.Hq // max(call.Hkv, 1), "masks": call.masks,
             "sq": call.Sq, "keys": call.keys, "bh": call.B * call.Hq}
 
 
 @dataclasses.dataclass(frozen=True)
 class Table:
     """An ordered list of rules: each a dict of bucket constraints (exact ``arch``, ``dtype``,
-    ``head_dim``, ``causal``, ``chunk``, ``phase``, ``gqa``; inclusive ranges ``sq_min`` /
-    ``sq_max``, ``keys_min`` / ``keys_max``, ``bh_min`` / ``bh_max``; an absent key matches
-    anything) and ``backends``, the preference order for the calls it matches. The first
+    ``head_dim``, ``causal``, ``chunk``, ``phase``, ``gqa``, ``masks`` (one of
+    :data:`MASKS`); inclusive ranges ``sq_min`` / ``sq_max``, ``keys_min`` / ``keys_max``,
+    ``bh_min`` / ``bh_max``; an absent key matches anything) and ``backends``, the preference order for the calls it matches. The first
     matching rule decides; no match: ``default``."""
 
     rules: tuple = ()
@@ -357,6 +381,8 @@ class Table:
                     kind = _EXACT_KEYS[key]
                     if type(want) is not kind:
                         raise bad(f"rule {i}: {key} must be a {kind.__name__}, got {want!r}")
+                    if key == "masks" and want not in MASKS:
+                        raise bad(f"rule {i}: masks must be one of {MASKS}, got {want!r}")
                 elif key.endswith(("_min", "_max")) and key[:-4] in _RANGE_KEYS:
                     if type(want) is not int:
                         raise bad(f"rule {i}: {key} must be an int, got {want!r}")
@@ -487,6 +513,32 @@ class FlashAdapter:
         Hkv = k.shape[1]
         return (dq.transpose(1, 2), _group_sum(dk.transpose(1, 2), Hkv),
                 _group_sum(dv.transpose(1, 2), Hkv))
+
+    # The variable-length entry points (ckpt_ext.attention_varlen): q (Tq, Hq, D), k / v
+    # (Tk, Hkv, D), the sequences' int32 cumulative lengths; lse (Hq, Tq).
+    def varlen_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+        out, lse = aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, bool(causal), False, scale=float(scale),
+            **self._window(causal, window))[:2]
+        if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+            raise RuntimeError(f"flash (aten._flash_attention_forward): the variable-length "
+                               f"lse came as {tuple(lse.shape)}, not (Hq, Tq) = "
+                               f"{(q.shape[1], q.shape[0])}; this torch's layout is not "
+                               f"supported (set attention_backend='triton')")
+        return out, lse
+
+    def varlen_bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                   window=None, deterministic=False):
+        rng = torch.zeros((2,), dtype=torch.uint64, device=q.device)     # dropout 0: unused
+        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._flash_attention_backward(
+            _contiguous(dout), q, k, v, _contiguous(out), lse.contiguous(), cu_q, cu_k, max_q,
+            max_k, 0.0, bool(causal), rng, unused, scale=float(scale),
+            **self._window(causal, window))
+        Tk, Hkv, D = k.shape
+        if dk.shape[1] != Hkv:   # Hq-headed: each KV head's query group summed in fp32
+            dk, dv = (t.to(_work_dtype(t.dtype)).view(Tk, Hkv, -1, D).sum(2) for t in (dk, dv))
+        return dq, dk, dv
 
 
 class CudnnAdapter:
@@ -652,6 +704,9 @@ class Router:
     adapters: dict = dataclasses.field(default_factory=lambda: ADAPTERS)
     fallback_fwd: Callable = _triton_fwd
     fallback_bwd: Callable = _triton_bwd
+    # the masks' runs (attention_varlen.describe; tests of the plumbing on fake tensors, whose
+    # data cannot be read, pass their own)
+    describe: Callable = attention_varlen.describe
     last: Optional[str] = None   # the backend of the latest call (for tests and benchmarks)
 
     def _triton_only(self) -> bool:
@@ -669,6 +724,20 @@ class Router:
         return choose(call, self.capabilities(device), settings.attention_backend, None,
                       settings.attention_dq)
 
+    def _route(self, call: Call, q, key_padding_mask, segment_ids):
+        """(backend, the call's sequences for the variable-length op or None). The masks are
+        read only when a vendor backend would serve the call by the rules that need no data;
+        if their shape then refuses it, the choice is made again knowing why."""
+        self.last = backend = self.backend(call, q.device)
+        if backend == "triton" or not (call.masked or call.segments):
+            return backend, None
+        layout = self.describe(key_padding_mask, segment_ids)
+        if isinstance(layout, str):
+            self.last = backend = self.backend(dataclasses.replace(call, masks_refusal=layout),
+                                               q.device)
+            return backend, None
+        return backend, attention_varlen.plan(layout, call.Sq, call.q_offset, call.causal)
+
     def fwd(self, q, k, v, key_padding_mask, segment_ids, window, causal, scale, q_offset=0,
             softcap=0.0):
         args = (q, k, v, key_padding_mask, segment_ids, window, causal, scale, q_offset,
@@ -679,11 +748,15 @@ class Router:
                            scale, q_offset, softcap)
         call = Call.of("fwd", q, k, key_padding_mask, segment_ids, window, causal, q_offset,
                        softcap)
-        self.last = backend = self.backend(call, q.device)
+        backend, seqs = self._route(call, q, key_padding_mask, segment_ids)
         if backend == "triton":
             return self.fallback_fwd(*args)
-        out, lse = vendor_fwd(self.adapters[backend], q, k, v, causal, scale, q_offset,
-                              call.live_window)
+        if seqs is not None:
+            out, lse = attention_varlen.varlen_fwd(self.adapters[backend], q, k, v, seqs, scale,
+                                                   call.live_window)
+        else:
+            out, lse = vendor_fwd(self.adapters[backend], q, k, v, causal, scale, q_offset,
+                                  call.live_window)
         return out, lse.float()
 
     def bwd(self, dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal, scale,
@@ -697,10 +770,14 @@ class Router:
                                      dk_acc, dv_acc, softcap)
         call = Call.of("bwd", q, k, key_padding_mask, segment_ids, window, causal, q_offset,
                        softcap)
-        self.last = backend = self.backend(call, q.device)
+        backend, seqs = self._route(call, q, key_padding_mask, segment_ids)
         if backend == "triton":
             return self.fallback_bwd(*args)
         deterministic = config.current().attention_dq == "separate"
+        if seqs is not None:
+            return attention_varlen.varlen_bwd(self.adapters[backend], dout, q, k, v, out, lse,
+                                               seqs, scale, call.live_window, dk_acc, dv_acc,
+                                               deterministic)
         return vendor_bwd(self.adapters[backend], dout, q, k, v, out, lse, causal, scale,
                           q_offset, call.live_window, dk_acc, dv_acc, deterministic)
 

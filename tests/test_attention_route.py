@@ -317,8 +317,11 @@ def _call(**kw):
     (dict(D=256), "cudnn", "head_dim: cudnn takes multiples of 8 up to 128"),
     (dict(D=72 + 4), "flash", "head_dim: flash"),
     (dict(D=288), "flash", "head_dim"),
-    (dict(masked=True), "flash", "key_padding_mask"),
-    (dict(segments=True), "efficient", "segment_ids"),
+    (dict(masked=True), "cudnn", "key_padding_mask: cudnn has no variable-length op"),
+    (dict(segments=True), "efficient", "segment_ids: efficient has no variable-length op"),
+    (dict(segments=True, masks_refusal="ids decrease"), "flash", "segment_ids: ids decrease"),
+    (dict(masked=True, segments=True), "flash", "key_padding_mask with segment_ids: the"),
+    (dict(masked=True, window=128), "flash", "window with key_padding_mask"),
     (dict(softcap=50.0), "flash", "softcap"),
     (dict(window=128), "cudnn", "window: cudnn has no causal"),
     (dict(window=128), "efficient", "window"),
@@ -345,6 +348,9 @@ def test_served_calls():
         assert route.refusals(backend, _call(), caps) == []
         assert route.refusals(backend, _call(q_offset=3000, Sq=282, Sk=3282), caps) == []
     assert route.refusals("flash", _call(window=512), caps) == []     # causal window: flash
+    # padded and packed calls: flash's variable-length op (the masks' shape is checked later)
+    assert route.refusals("flash", _call(masked=True), caps) == []
+    assert route.refusals("flash", _call(segments=True, window=512, q_offset=300), caps) == []
     assert route.refusals("cudnn", _call(window=1024), caps) == []    # window >= keys: none
     assert route.refusals("efficient", _call(dtype=torch.float32, D=84), caps) == []
     # rows that see nothing: a call with no keys
