@@ -20,7 +20,9 @@ merge of a query chunk included) with each attention backend pinned (triton, fla
 efficient, and auto: the choice table) at the decoder layer's call shapes: whole sequences and
 query chunks (Sq = chunk rows, Sk = the keys they see, dK / dV into fp32 accumulators), and
 writes ``bench/results/attention_backends_<device>.csv``; ``--write-table FILE`` turns the
-times into a choice table for ``CKPT_EXT_ATTN_TABLE``.
+times into a choice table for ``CKPT_EXT_ATTN_TABLE``. ``--backend-packed-doc N`` times each
+shape again with packed documents of N tokens (segment ids: flash's variable-length op or
+Triton), which make the table's rules for packed calls.
 
 Without a GPU the script runs the kernels under the Triton interpreter at a tiny size, labels
 the run "CPU interpreter run: NOT a performance figure", and writes
@@ -31,6 +33,7 @@ the run "CPU interpreter run: NOT a performance figure", and writes
     python bench/attention.py --cpu-size 1,2,64,16    # CPU smoke size B,H,S,D
     python bench/attention.py --mask-seqlen 16384 --packed-doc 2048 --window 4096
     python bench/attention.py --backend-rows --write-table attention_backends_h100.json
+    python bench/attention.py --backend-rows --backend-packed-doc 4096   # packed rows too
 """
 import argparse
 import math
@@ -117,6 +120,10 @@ def parse_args(argv=None):
                    help="the GPU's multiprocessors for --layer-dims, whose chunks on CUDA hold "
                         "at least the rows that fill them (ckpt_ext._C.occupancy_min_rows); "
                         "default: the CUDA device's when there is one, else 0 (the CPU's chunks)")
+    p.add_argument("--backend-packed-doc", type=int, default=0, metavar="N",
+                   help="with --backend-rows: also each shape packed, documents of N tokens "
+                        "given as segment ids (padded and packed calls: flash's variable-length "
+                        "op or Triton); 0: none")
     p.add_argument("--write-table", default=None, metavar="FILE",
                    help="with --backend-rows: write an attention backend choice table from the "
                         "measured times (CKPT_EXT_ATTN_TABLE=FILE makes 'auto' read it)")
@@ -380,7 +387,7 @@ CSV_FIELDS = ["provider", "mode", "head_dim", "hq", "hkv", "batch", "seqlen", "m
 # Backend rows: the op with each attention backend pinned, at the layer's call shapes
 # ------------------------------------------------------------------------------------------
 BACKEND_FIELDS = ["backend", "served_by", "mode", "batch", "hq", "hkv", "head_dim", "sq", "sk",
-                  "q_offset", "dtype", "causal", "ms", "tflops", "call", "note"]
+                  "q_offset", "dtype", "causal", "masks", "ms", "tflops", "call", "note"]
 
 
 def layer_call_shapes(args, elem_bytes=2):
@@ -433,9 +440,16 @@ def layer_chunk_calls(args, elem_bytes=2):
     return calls
 
 
-def visible_pairs(Sq, Sk, q_offset, causal):
+def visible_pairs(Sq, Sk, q_offset, causal, doc=0):
     """(query, key) pairs a call computes: the FLOP count's base (4 * B * Hq * D each forward).
-    Whole causal sequences count S^2 / 2, as the sweep does."""
+    Whole causal sequences count S^2 / 2, as the sweep does. ``doc``: packed documents of that
+    many tokens (the last one shorter), each row seeing its own document's keys."""
+    if doc:
+        pairs = 0
+        for p in range(q_offset, q_offset + Sq):
+            start = p - p % doc
+            pairs += (p - start + 1) if causal else min(doc, Sk - start)
+        return pairs
     if not causal:
         return Sq * Sk
     if q_offset == 0 and Sq == Sk:
@@ -443,10 +457,15 @@ def visible_pairs(Sq, Sk, q_offset, causal):
     return Sq * q_offset + Sq * (Sq + 1) / 2
 
 
-def backend_fns(q, k, v, dout, causal, scale, q_offset, accumulate):
+def packed_ids(B, Sk, doc, device):
+    """Segment ids (B, Sk) int32 of documents of ``doc`` tokens, as packing makes them."""
+    return (torch.arange(Sk, device=device, dtype=torch.int32) // doc).expand(B, Sk).contiguous()
+
+
+def backend_fns(q, k, v, dout, causal, scale, q_offset, accumulate, segment_ids=None):
     """fwd / bwd / fwd+bwd of torch.ops.ckpt_ext's attention (merges included), served by the
     attention_backend setting in effect when they run; chunk calls (``accumulate``) add dK / dV
-    into fp32 accumulators as the layer does."""
+    into fp32 accumulators as the layer does; ``segment_ids``: packed documents."""
     ops = torch.ops.ckpt_ext
     B, Hkv, Sk, D = k.shape
     acc = [torch.zeros(B, Sk, Hkv, D, device=q.device, dtype=torch.float32).transpose(1, 2)
@@ -454,14 +473,14 @@ def backend_fns(q, k, v, dout, causal, scale, q_offset, accumulate):
     saved = {}
 
     def fwd():
-        return ops.attention_fwd(q, k, v, None, None, None, causal, scale, q_offset)
+        return ops.attention_fwd(q, k, v, None, segment_ids, None, causal, scale, q_offset)
 
     def prepare_bwd():
         saved["out"], saved["lse"] = fwd()
 
     def bwd():
-        return ops.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], None, None, None,
-                                 causal, scale, q_offset, *acc)
+        return ops.attention_bwd(dout, q, k, v, saved["out"], saved["lse"], None, segment_ids,
+                                 None, causal, scale, q_offset, *acc)
 
     def fwd_bwd():
         prepare_bwd()
@@ -478,13 +497,18 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
     backends = [b for b in args.backends.split(",") if b]
     rows = []
     labels = {c[:3]: c[3] for c in layer_chunk_calls(args, dtype.itemsize)}
-    for Sq, Sk, q_offset in layer_call_shapes(args, dtype.itemsize):
+    shapes = [(*shape, 0) for shape in layer_call_shapes(args, dtype.itemsize)]
+    if args.backend_packed_doc > 0:
+        shapes += [(*shape, args.backend_packed_doc)
+                   for shape in layer_call_shapes(args, dtype.itemsize)]
+    for Sq, Sk, q_offset, doc in shapes:
+        seg = packed_ids(B, Sk, doc, device) if doc else None
         gen = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(B, Sq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
         k, v = (torch.randn(B, Sk, Hkv, D, device=device, dtype=dtype, generator=gen)
                 .transpose(1, 2) for _ in range(2))
         dout = torch.randn(B, Sq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
-        flops = 4.0 * B * Hq * D * visible_pairs(Sq, Sk, q_offset, causal)
+        flops = 4.0 * B * Hq * D * visible_pairs(Sq, Sk, q_offset, causal, doc)
         for backend in backends:
             note, served = "", {}
             results = {m: float("nan") for m in MODES}
@@ -494,9 +518,9 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
                 try:
                     if device == "cuda":
                         fns, prepare = backend_fns(q, k, v, dout, causal, D ** -0.5, q_offset,
-                                                   Sq < Sk)
+                                                   Sq < Sk, seg)
                     else:  # the interpreter smoke run: the Triton launchers directly
-                        fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5,
+                        fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5, seg,
                                                   q_offset=q_offset, accumulate=Sq < Sk)
                     with config.patch(attention_backend=backend):
                         for mode in MODES:
@@ -517,12 +541,14 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
                 ms = results[mode]
                 rows.append(dict(backend=backend, served_by=served.get(mode, ""), mode=mode, batch=B, hq=Hq,
                                  hkv=Hkv, head_dim=D, sq=Sq, sk=Sk, q_offset=q_offset,
-                                 dtype=str(dtype).replace("torch.", ""), causal=causal, ms=ms,
+                                 dtype=str(dtype).replace("torch.", ""), causal=causal,
+                                 masks=f"packed {doc}" if doc else "none", ms=ms,
                                  tflops=flops * MODE_FLOP_FACTOR[mode] / (ms * 1e-3) / 1e12,
                                  call=labels.get((Sq, Sk, q_offset), "whole" if Sq == Sk
                                                  else "query chunk"),
                                  note=note))
-            print(f"  {backend:>9} Sq={Sq} Sk={Sk} q_offset={q_offset}: "
+            print(f"  {backend:>9} Sq={Sq} Sk={Sk} q_offset={q_offset}"
+                  + (f" packed {doc}" if doc else "") + ": "
                   + (note or ", ".join(f"{x['mode']} {x['ms']:.3g} ms ({x['tflops']:.0f} TFLOP/s)"
                                        for x in rows[-3:])), flush=True)
     return rows
@@ -541,12 +567,13 @@ def choice_table(rows, arch, header):
         if r["backend"] == "auto" or r["mode"] not in ("fwd", "bwd") or r["ms"] != r["ms"]:
             continue
         keys = r["q_offset"] + r["sq"] if r["causal"] else r["sk"]
-        key = (r["dtype"], r["head_dim"], bool(r["causal"]), r["q_offset"] > 0, r["mode"])
+        masks = r.get("masks", "none").split(" ")[0]         # "packed N": the table's "packed"
+        key = (r["dtype"], r["head_dim"], bool(r["causal"]), r["q_offset"] > 0, r["mode"], masks)
         measured.setdefault(key, {}).setdefault((r["sq"], keys), []).append(
             (r["ms"], r["backend"]))
     names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     rules = []
-    for (dtype, D, causal, chunk, phase), by_shape in sorted(measured.items()):
+    for (dtype, D, causal, chunk, phase, masks), by_shape in sorted(measured.items()):
         sqs = sorted({s for s, _ in by_shape})
         keyss = sorted({k for _, k in by_shape})
         for sq, keys in sorted(by_shape):
@@ -554,7 +581,7 @@ def choice_table(rows, arch, header):
             if "triton" in order:
                 order = order[:order.index("triton") + 1]
             rule = {"arch": arch, "dtype": names.get(dtype, dtype), "head_dim": D,
-                    "causal": causal, "chunk": chunk, "phase": phase}
+                    "causal": causal, "chunk": chunk, "phase": phase, "masks": masks}
             if sq != sqs[-1]:
                 rule["sq_max"] = sq
             if keys != keyss[-1]:
@@ -606,14 +633,14 @@ def print_backend_rows(rows):
     print("TFLOP/s (fwd / bwd / fwd+bwd) per backend at the layer's call shapes")
     shapes = []
     for r in rows:
-        if (r["sq"], r["sk"]) not in shapes:
-            shapes.append((r["sq"], r["sk"]))
-    for sq, sk in shapes:
-        line = f"  Sq={sq:>6} Sk={sk:>6} |"
+        if (r["sq"], r["sk"], r["masks"]) not in shapes:
+            shapes.append((r["sq"], r["sk"], r["masks"]))
+    for sq, sk, masks in shapes:
+        line = f"  Sq={sq:>6} Sk={sk:>6}" + (f" {masks}" if masks != "none" else "") + " |"
         for r in rows:
-            if (r["sq"], r["sk"]) == (sq, sk) and r["mode"] == "fwd":
-                trio = [x["tflops"] for x in rows if (x["sq"], x["sk"], x["backend"])
-                        == (sq, sk, r["backend"])]
+            if (r["sq"], r["sk"], r["masks"]) == (sq, sk, masks) and r["mode"] == "fwd":
+                trio = [x["tflops"] for x in rows if (x["sq"], x["sk"], x["masks"], x["backend"])
+                        == (sq, sk, masks, r["backend"])]
                 text = r["note"][:20] if r["note"] else "/".join(f"{t:.0f}" for t in trio)
                 line += f" {r['backend']} {text} |"
         print(line)

@@ -191,10 +191,10 @@ def default_throughputs() -> Throughputs:
 def from_backend_rows(csv_path, backend: str = "auto",
                       matmul_tflops: Optional[float] = None) -> list:
     """Attention rates from the CSV ``bench/attention.py --backend-rows`` writes: the
-    ``backend`` rows at whole causal sequences (Sq == Sk, q_offset 0), its "fwd" and "bwd"
-    TFLOP/s (FLOPs counted as the plan counts them: backward 2.5 forwards), one rate per kind
-    and measured S, covering the lengths up to it (the longest measured also every longer S);
-    with ``matmul_tflops``, a matmul rate too. Returns the Rates (``write_throughputs`` makes
+    ``backend`` rows at whole causal sequences (Sq == Sk, q_offset 0, no masks), its "fwd"
+    and "bwd" TFLOP/s (FLOPs counted as the plan counts them: backward 2.5 forwards), one rate
+    per kind and measured S, covering the lengths up to it (the longest measured also every
+    longer S); with ``matmul_tflops``, a matmul rate too. Returns the Rates (``write_throughputs`` makes
     a file of them). ValueError naming the file when it holds no such rows."""
     path = pathlib.Path(csv_path)
     lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
@@ -207,7 +207,8 @@ def from_backend_rows(csv_path, backend: str = "auto",
             raise ValueError(f"{path}: not bench/attention.py --backend-rows output "
                              f"({type(exc).__name__}: {exc})") from None
         if (row.get("backend") != backend or row.get("mode") not in ("fwd", "bwd")
-                or sq != sk or off != 0 or row.get("causal") not in ("True", "true", "1")
+                or row.get("masks", "none") != "none" or sq != sk or off != 0
+                or row.get("causal") not in ("True", "true", "1")
                 or not math.isfinite(t) or t <= 0):
             continue
         kind = "attention_forward" if row["mode"] == "fwd" else "attention_backward"

@@ -31,6 +31,12 @@ def test_layer_call_shapes_and_pairs():
     assert bench.visible_pairs(3, 8, 5, True) == 21
     assert bench.visible_pairs(4, 4, 0, True) == 8
     assert bench.visible_pairs(3, 8, 5, False) == 24
+    # packed documents of 4: rows 5, 6, 7 see 2, 3, 4 keys of theirs (all 4 when not causal);
+    # a whole S 6 counts 1 + 2 + 3 + 4 and 1 + 2 (the second document holds 2 tokens)
+    assert bench.visible_pairs(3, 8, 5, True, doc=4) == 9
+    assert bench.visible_pairs(3, 8, 5, False, doc=4) == 12
+    assert bench.visible_pairs(6, 6, 0, True, doc=4) == 13
+    assert bench.visible_pairs(2, 6, 4, False, doc=4) == 4
 
 
 def test_layer_chunk_calls_follow_the_layers_chunk_rows():
@@ -87,14 +93,52 @@ def test_cpu_layer_chunk_rows_run(tmp_path):
     assert all(float(r["ms"]) > 0 and float(r["tflops"]) > 0 and not r["note"] for r in rows)
 
 
-def _rows(times):
+def _rows(times, masks="none"):
     """Bench rows from {(sq, sk, backend): (fwd ms, bwd ms)}."""
     out = []
     for (sq, sk, backend), (f, b) in times.items():
         for mode, ms in (("fwd", f), ("bwd", b), ("fwd+bwd", f + b)):
             out.append(dict(backend=backend, mode=mode, head_dim=128, sq=sq, sk=sk,
-                            q_offset=sk - sq, dtype="bfloat16", causal=True, ms=ms))
+                            q_offset=sk - sq, dtype="bfloat16", causal=True, masks=masks,
+                            ms=ms))
     return out
+
+
+def test_choice_table_keeps_packed_rows_apart():
+    """Rows measured with packed documents make rules for packed calls only, and the rules
+    of unmasked rows do not serve packed calls."""
+    rows = _rows({(1024, 1024, "triton"): (1.0, 3.0), (1024, 1024, "flash"): (0.8, 2.0)})
+    rows += _rows({(1024, 1024, "triton"): (0.5, 1.0), (1024, 1024, "flash"): (0.7, 2.5)},
+                  masks="packed 256")
+    table = route.Table.from_dict(bench.choice_table(rows, "sm90", ["# test"]))
+    for segments, fwd, bwd in ((False, ("flash", "triton"), ("flash", "triton")),
+                               (True, ("triton",), ("triton",))):
+        for phase, want in (("fwd", fwd), ("bwd", bwd)):
+            call = route.Call(phase, torch.bfloat16, 1, 32, 8, 1024, 1024, 128, True,
+                              segments=segments)
+            assert table.lookup(call, "sm90") == want, (segments, phase)
+    padded = route.Call("fwd", torch.bfloat16, 1, 32, 8, 1024, 1024, 128, True, masked=True)
+    assert table.lookup(padded, "sm90") == ("triton",)        # no padded rows: the default
+
+
+def test_cpu_packed_rows_run(tmp_path):
+    """--backend-packed-doc: each shape again with packed documents given as segment ids (Triton in
+    the interpreter here), the FLOPs those of the documents' pairs."""
+    out = tmp_path / "rows.csv"
+    bench.main(["--backend-rows", "--backends", "triton", "--backend-shape", "1,2,1,16",
+                "--backend-seqlens", "24", "--chunk-rows", "8", "--chunk-keys", "24",
+                "--backend-packed-doc", "5", "--out", str(out)])
+    lines = [line for line in out.read_text().splitlines() if not line.startswith("#")]
+    rows = [r for r in csv.DictReader(lines) if r["mode"] == "fwd"]
+    assert [(r["sq"], r["sk"], r["masks"]) for r in rows] == [
+        ("24", "24", "none"), ("8", "24", "none"), ("24", "24", "packed 5"),
+        ("8", "24", "packed 5")]
+    for r in rows:
+        assert float(r["ms"]) > 0 and not r["note"]
+        pairs = bench.visible_pairs(int(r["sq"]), 24, int(r["q_offset"]), True,
+                                    5 if r["masks"] != "none" else 0)
+        assert float(r["tflops"]) == pytest.approx(4 * 2 * 16 * pairs / float(r["ms"]) / 1e9,
+                                                   rel=1e-3)
 
 
 def test_choice_table_orders_backends_by_measured_time():

@@ -151,7 +151,11 @@ def test_attention_backends_rows(dry_run):
                          re.M), (sq, sk, text)
         assert re.search(rf"^triton,triton,fwd\+bwd,1,4,2,16,{sq},{sk},{off},.*,layer S 64: "
                          rf"chunk \d+/11 of 6 rows", text, re.M), (sq, sk)
-    assert '"rules"' in text
+    # each shape again packed (documents of 24 tokens as segment ids), its own table rules
+    assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0 packed 24: fwd [\d.]+ ms", text, re.M)
+    assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,float32,True,packed 24,", text,
+                     re.M), text
+    assert '"rules"' in text and '"masks": "packed"' in text
 
 
 def test_lora_profile_every_row(dry_run):

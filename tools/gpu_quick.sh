@@ -5,11 +5,12 @@
 #   b 120  the GPU-only tests (-m gpu) and the offload CUDA tests, with xdist workers
 #   c 100  bench/long_step.py: LLaMA-3-8B dims, 4 layers, S 128K, min_memory with and without
 #          offload: peak and time, measured / modelled by ckpt_ext.plan
-#   d  60  bench/attention.py --backend-rows: ckpt_ext's attention op with each backend pinned
+#   d  75  bench/attention.py --backend-rows: ckpt_ext's attention op with each backend pinned
 #          (triton / flash / cuDNN / efficient) at S 32K and the layer's chunk shapes (the
 #          first, a middle and the last chunk of LLaMA-3-8B's tiled layer at S 32K, its own
-#          chunk rows; and 1,056 rows against 32K keys), and the choice table the times give
-#          (CKPT_EXT_AUTOTUNE=1 here only)
+#          chunk rows; and 1,056 rows against 32K keys), each again packed (documents of 4,096
+#          tokens as segment ids: flash's variable-length op against Triton), and the choice
+#          table the times give (CKPT_EXT_AUTOTUNE=1 here only)
 #   e  60  bench/lora_profile.py: LLaMA-3-8B layer, PEFT LoRA r 16, bf16, S 4096, one profiled
 #          step per fused preset and HF's layer, top kernels
 #   f  45  bench/long_step.py: one layer at S 256K, min_memory with offload
@@ -232,12 +233,13 @@ att_dir=$(mktemp -d)
 # at the layer's call shapes, and the choice table the times give
 d_script="$py bench/attention.py --backend-rows --backends triton,flash,cudnn,efficient \
   --backend-shape 1,32,8,128 --backend-seqlens 32768 --chunk-rows 1056 --chunk-keys 32768 \
-  --layer-dims 4096,32,8,128,14336 --layer-seqlens 32768 --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
+  --layer-dims 4096,32,8,128,14336 --layer-seqlens 32768 --backend-packed-doc 4096 \
+  --warmup 2 --reps 5 --out $att_dir/attention_backends.csv --write-table $att_dir/table.json"
 [ "$dry" = 1 ] && d_script="$d_script --backend-shape 1,4,2,16 --backend-seqlens 64 \
   --chunk-rows 16 --chunk-keys 64 --layer-dims 64,4,2,16,128 --layer-seqlens 64 \
-  --chunk-bytes 16384 --warmup 0 --reps 1"
+  --chunk-bytes 16384 --backend-packed-doc 24 --warmup 0 --reps 1"
 d_script="$d_script; r=\$?; cat $att_dir/attention_backends.csv $att_dir/table.json; exit \$r"
-part d 60 quick_d_attention.txt "attention per backend, whole and chunks" \
+part d 75 quick_d_attention.txt "attention per backend, whole, chunks, packed" \
   "export CKPT_EXT_AUTOTUNE=1; $d_script"
 part e 60 quick_e_lora_profile.txt "LoRA profile: LLaMA-3-8B layer, r 16" \
   "$py bench/lora_profile.py $e_args"
