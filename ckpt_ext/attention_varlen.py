@@ -128,15 +128,25 @@ def describe(key_padding_mask, segment_ids) -> "Layout | str":
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return ("the masks cannot be read while a CUDA graph is being captured (the varlen "
                 "route needs their runs on the host)")
+    version = _version(t)
     with _cache_lock:
-        for held, version, layout in _cache:
-            if held is t and version == t._version:
+        for held, seen, layout in _cache:
+            if held is t and seen == version is not None:
                 return layout
     layout = (Layout.padded(t) if key_padding_mask is not None else Layout.packed(t))
+    if version is None:        # an inference tensor: no version counter, so not kept
+        return layout
     with _cache_lock:
         _cache[:] = [e for e in _cache if e[0] is not t][-(_CACHE_SIZE - 1):]
-        _cache.append((t, t._version, layout))
+        _cache.append((t, version, layout))
     return layout
+
+
+def _version(t) -> "int | None":
+    """t's in-place version, or None for a tensor that has none (made under inference_mode)."""
+    if t.is_inference():
+        return None
+    return t._version
 
 
 # ---- a call's sequences ------------------------------------------------------------------------
@@ -273,6 +283,8 @@ def _assemble(parts, seqs: Sequences, fill, dim=0):
     ``fill(n)`` for the rows that see nothing."""
     pieces = [fill(n) if i < 0 else parts[i].narrow(dim, offset, n)
               for _, n, i, offset in seqs.rows]
+    if not pieces:                # no rows at all (B = 0)
+        return fill(0)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 

@@ -291,6 +291,27 @@ def test_masks_read_once_per_tensor_and_again_after_an_inplace_change(monkeypatc
     assert len(reads) == 2
     same_values = ids.clone()            # another tensor: read on its own
     assert varlen.describe(None, same_values) is not again and len(reads) == 3
+    with torch.inference_mode():         # no version counter: read at every call
+        frozen = packed_ids([[3, 10]])
+        assert varlen.describe(None, frozen).runs == (((0, 3), (3, 13)),)
+        assert varlen.describe(None, frozen).runs == (((0, 3), (3, 13)),)
+    assert len(reads) == 5
+
+
+@pytest.mark.parametrize("B", [0, 2])
+def test_calls_where_no_row_sees_anything(B):
+    """Every key padded (or no batch row at all): no launch; out 0, lse -inf, zero
+    gradients."""
+    adapter = CpuVarlen()
+    q, k, v, dout = rand_qkv(B, 4, 2, S, 8, F64)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    fwd, bwd = varlen_ops(adapter)
+    out, lse = fwd(q, k, v, mask, None, None, True, 0.3)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.3)
+    assert adapter.launches == []
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and dk.shape == k.shape
+    assert (out == 0).all() and (lse == -math.inf).all()
+    assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
 
 
 @pytest.mark.parametrize("masks, match", [
