@@ -30,8 +30,9 @@ from ckpt_ext import config
 
 from reference import (F64, FACTOR_GRAD, FACTOR_OUT, allowed_matrix, attention_in_chunks,
                        attention_reference, check_f64, check_vs_baseline, magnitude)
-from test_attention_route import (CpuFlashBottomRight, CpuFlashTopLeft, Recorder, _sm90,
-                                  _table, cpu_caps, rand_qkv)
+from test_attention_route import (CpuFlashBottomRight, CpuFlashTopLeft, _sm90, _table,
+                                  cpu_caps, rand_qkv)
+from test_attention_route import fake_cuda  # noqa: F401  (the fixture)
 
 cpu_ops = torch.ops.ckpt_ext
 
@@ -421,16 +422,7 @@ def test_masks_are_read_only_when_a_vendor_would_serve():
 
 
 # ---- the CUDA plumbing with fake CUDA tensors --------------------------------------------------
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    recorder = Recorder()
-    monkeypatch.setattr(route, "aten", recorder)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        yield recorder
-
-
-def test_flash_varlen_plumbing_on_fake_cuda(fake_cuda):
+def test_flash_varlen_plumbing_on_fake_cuda(fake_cuda):  # noqa: F811 (the fixture)
     """A packed query chunk (282 rows at offset 3,000, GQA 32/8) in one variable-length call:
     (T, H, D) operands, int32 cumulative lengths, the host maxima; lse (Hq, T) handed back to
     the backward; the chunk's dK / dV added into the accumulators."""
