@@ -1151,6 +1151,12 @@ def test_choose_presets_offload_uniform_matches_the_step_estimate_and_refuses():
     assert c.presets == ("fast",) * 32
     assert c.seconds == pytest.approx(plan.step_time_estimate("fast", layers, V, 1, S,
                                                               train_weights=False), rel=1e-9)
+    lora = plan.choose_presets_offload(layers, V, 1, S, "bf16", 1 << 50, None,
+                                       train_weights=False, lora_rank=16,
+                                       host_link_gbytes_per_s=1e9)
+    assert lora.seconds == pytest.approx(plan.step_time_estimate(
+        "fast", layers, V, 1, S, train_weights=False, lora_rank=16), rel=1e-9)
+    assert lora.seconds > c.seconds
     with pytest.raises(ValueError, match="no mix of fused presets fits 1.00 GiB"):
         plan.choose_presets_offload(layers, V, 1, S, "bf16", 2**30, None, train_weights=False)
 
