@@ -26,12 +26,15 @@ call's dry run).
 ``--expert-lora-rank r``: every row with PEFT LoRA (rank r, alpha 2r) on the attention and on
 both expert weights (``target_parameters``), the base frozen: HF's row folds the experts'
 adapters into their weights inside PEFT's forward, the fused rows give the op the factors.
-Written to ``moe_expert_lora_<device>.csv``.
+Written to ``moe_expert_lora_<device>.csv``. With ``--layer`` the same adapters go on the one
+layer (``peft.inject_adapter_in_model``, factors drawn with std 0.02); the rows compare the
+output, dx and every adapter's gradient with HF's (the router is frozen), written to
+``moe_layer_expert_lora_<device>.csv``.
 
 Writes ``bench/results/moe_<device>.csv`` (or ``moe_layer_<device>.csv``).
 
     python bench/moe.py [--seq 4096] [--reps 3] [--expert-lora-rank 16]
-    python bench/moe.py --layer [--tokens 32768]
+    python bench/moe.py --layer [--tokens 32768] [--expert-lora-rank 16]
 """
 from __future__ import annotations
 
@@ -122,6 +125,39 @@ def model_rows(args) -> list:
 
 
 LAYER_SHAPE = "2048,128,8,768,32,4,128"  # Qwen3-30B-A3B: H, E, top-k, expert I, Hq, Hkv, D
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def layer_lora(layer, rank):
+    """PEFT LoRA of rank ``rank`` (alpha 2 rank) on ``layer``'s attention and both expert
+    weights, the base frozen, the factors drawn with std 0.02 (seeded): (the layer, the op's
+    factor slots, its ``lora_scaling`` and ``expert_lora_scaling``)."""
+    import peft
+
+    from ckpt_ext.hf.families import expert_wrappers
+    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                          target_modules=list(ATTENTION),
+                          target_parameters=["mlp.experts.gate_up_proj",
+                                             "mlp.experts.down_proj"])
+    layer = peft.inject_adapter_in_model(cfg, layer)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            if ".lora_" in n:
+                p.normal_(0, 0.02)
+    slots, scaling = {}, dict.fromkeys(blocks.PROJECTIONS, 0.0)
+    for name in ATTENTION:
+        proj = getattr(layer.self_attn, name)
+        slots[f"self_attn.{name}.lora_A"] = proj.lora_A["default"].weight
+        slots[f"self_attn.{name}.lora_B"] = proj.lora_B["default"].weight
+        scaling[f"self_attn.{name}"] = float(proj.scaling["default"])
+    expert_scaling = {}
+    for w in expert_wrappers(layer.mlp.experts)[1]:
+        slots[f"mlp.experts.{w.parameter_name}.lora_A"] = w.lora_A["default"].weight
+        slots[f"mlp.experts.{w.parameter_name}.lora_B"] = w.lora_B["default"].weight
+        expert_scaling[w.parameter_name] = float(w.scaling["default"])
+    return (layer, slots, [scaling[p] for p in blocks.PROJECTIONS],
+            [expert_scaling["gate_up_proj"], expert_scaling["down_proj"]])
 
 
 def layer_rows(args) -> list:
@@ -145,7 +181,16 @@ def layer_rows(args) -> list:
     dy = torch.randn_like(x)
     pos = torch.arange(args.tokens, device=dev)[None]
     cos, sin = Qwen3MoeRotaryEmbedding(cfg).to(dev)(x, pos)
-    weights = dict(layer.named_parameters())
+    weights = dict(layer.named_parameters())  # the slots' names, before any PEFT wrapper
+    lora = {}
+    if args.expert_lora_rank:
+        layer, slots, scaling, expert_scaling = layer_lora(layer, args.expert_lora_rank)
+        weights.update(slots)
+        lora = {"lora_scaling": scaling, "expert_lora_scaling": expert_scaling}
+    # compared with HF's: the output, dx and the router's gradient, or with LoRA (the router
+    # frozen) every adapter's
+    trained = [p for p in layer.parameters() if p.requires_grad] if lora else \
+        [weights["mlp.gate.weight"]]
 
     def hf():
         return layer(x, position_embeddings=(cos, sin), attention_mask=None)
@@ -153,7 +198,8 @@ def layer_rows(args) -> list:
     def fused(preset):
         return lambda: blocks.decoder_layer(x, blocks.LayerOptions(
             weights=weights, cos=cos, sin=sin, num_heads=HQ, num_kv_heads=HKV,
-            eps=cfg.rms_norm_eps, num_experts_per_tok=K, norm_topk_prob=True, preset=preset))
+            eps=cfg.rms_norm_eps, num_experts_per_tok=K, norm_topk_prob=True, preset=preset,
+            **lora))
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows, ref = [], None
@@ -169,7 +215,7 @@ def layer_rows(args) -> list:
         layer.zero_grad(set_to_none=True)
         x.grad = None
         out = step()  # the row's output and gradients beside HF's (a routing tie may differ)
-        got = (out.detach().float(), x.grad.float(), weights["mlp.gate.weight"].grad.float())
+        got = (out.detach().float(), x.grad.float(), *(p.grad.float() for p in trained))
         ref = got if ref is None else ref
         err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
                   for a, b in zip(got, ref))
@@ -188,7 +234,8 @@ def layer_rows(args) -> list:
         rows.append({"row": name, "seq": args.tokens, "peak_mib": peak / 2**20,
                      "step_s": median(times), "rel_err_vs_hf": err})
         print(f"{name:>10}: peak {peak / 2**20:9.1f} MiB  fwd+bwd {1e3 * median(times):8.2f} ms  "
-              f"max rel err vs hf (y, dx, d router) {err:.2e}", flush=True)
+              f"max rel err vs hf (y, dx, d {'adapters' if lora else 'router'}) {err:.2e}",
+              flush=True)
     best = min(rows[1:], key=lambda r: r["step_s"])
     gb = lambda r: r["peak_mib"] * 2**20 / 1e9  # noqa: E731 - decimal GB, as Liger reports
     print(f"goal (Liger's fused MoE on an H100: 28.2 ms, 8.26 GB): fastest fused {best['row']} "
@@ -222,11 +269,14 @@ def main() -> int:
             print("--layer needs a CUDA GPU (a Qwen3-30B-A3B layer at 32K tokens), or "
                   "--device cpu for a dry run at a small --layer-shape")
             return 2
+        lora = f", LoRA r {args.expert_lora_rank} on attention and experts" \
+            if args.expert_lora_rank else ""
         print(f"{device_name()}: one Qwen3-MoE layer, H,E,top-k,I,Hq,Hkv,D = {args.layer_shape}, "
-              f"{args.tokens} tokens")
+              f"{args.tokens} tokens{lora}")
         rows = layer_rows(args)
         fields = ["row", "seq", "peak_mib", "step_s", "rel_err_vs_hf"]
-        out = args.out or os.path.join("bench", "results", f"moe_layer_{device_tag()}.csv")
+        name = "moe_layer_expert_lora" if args.expert_lora_rank else "moe_layer"
+        out = args.out or os.path.join("bench", "results", f"{name}_{device_tag()}.csv")
         write_csv(out, provenance(args.device if args.device == "cuda" else None), fields, rows)
         return 0
     lora = f", LoRA r {args.expert_lora_rank} on attention and experts" \

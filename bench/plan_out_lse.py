@@ -11,8 +11,8 @@ forward FLOPs at the matmul rate; its working set taken as ``balanced``'s). The 
 the two choices, side by side, says what the preset would buy: with both available, at least the
 better of the two.
 
-LLaMA-3.1-8B, LoRA on a bf16 base, B 1, one 80 GiB GPU with the plan's headroom, offload
-with ``--host-memory`` of host memory, the plan's H100 rates:
+LLaMA-3.1-8B, LoRA r 16 on a bf16 base (its state and its GEMMs), B 1, one 80 GiB GPU with
+the plan's headroom, offload with ``--host-memory`` of host memory, the plan's H100 rates:
 
     python bench/plan_out_lse.py --out bench/results/plan_out_lse.txt
 """
@@ -45,8 +45,8 @@ def balanced_without_h():
         return b - B * S * d.hidden_size * plan._dtype(dtype).itemsize \
             if preset == "balanced" else b
 
-    def seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate):
-        t = real_secs(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate)
+    def seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate, **lora):
+        t = real_secs(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate, **lora)
         o_proj = 2 * B * S * d.num_heads * d.head_dim * d.hidden_size
         return t + o_proj / (mm_rate * 1e12) if preset == "balanced" else t
 
@@ -63,7 +63,7 @@ def choice(S: int, memory: int, host: int):
                                                                          "lora")
     try:
         return plan.choose_presets_offload(layers, VOCAB, 1, S, "bf16", room, host,
-                                           train_weights=False)
+                                           train_weights=False, lora_rank=plan.LORA_RANK)
     except ValueError:
         return None
 

@@ -33,6 +33,15 @@ already); + gate_up + down for balanced and min_memory (the MLP forward once mor
 down projection's output is needed before the SwiGLU backward starts), + down alone for fast
 (from its saved gate/up).
 
+LoRA on a frozen base (``lora_rank`` r, ``expert_lora_rank`` r_e of :func:`recompute_flops`,
+:func:`step_flops` and the time estimates; the CLI's ``--weights lora`` is r
+:data:`LORA_RANK`): an adapter on a projection in -> out computes x A^T, then (x A^T) B^T,
+2 r (in + out) FLOPs a token, on q, k, v, o and the dense MLP's (or shared expert's) gate, up
+and down, and with r_e on the routed experts' gate_up_proj (H -> 2 I_e) and down_proj
+(I_e -> H) for each of a token's top_k copies. A preset that recomputes a projection
+recomputes its adapter too (the same rows as above); a step adds each adapter's forward and
+twice that in backward (dx through B then A; dA and dB).
+
 :func:`choose_presets` picks, per layer, one of the fused presets so that the layers' saved
 bytes fit a budget with the least total recompute. It solves this small multiple-choice
 knapsack exactly: both bytes and FLOPs are B*S times a per-token integer, so it keeps the
@@ -127,6 +136,11 @@ def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
     ``B*S*(e*H + 4*V + 8) + 4``, the fused op's ``B*S*(e*H + 12)``."""
     e = _dtype(dtype).itemsize
     return B * S * (e * H + 12) if fused else B * S * (e * H + 4 * V + 8) + 4
+
+
+# The rank of the plan's LoRA (``--weights lora``: adapters on every projection), PEFT's usual
+# r 16: its state (model_state_bytes) and, in the CLI's step times, its GEMMs (step_flops).
+LORA_RANK = 16
 
 
 # ---- the step's peak ---------------------------------------------------------------------------
@@ -364,12 +378,12 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
 
 
 def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
-                      lora_rank: int = 16, tied: bool = False, shard: int = 1,
+                      lora_rank: int | None = None, tied: bool = False, shard: int = 1,
                       expert_lora_rank: int = 0) -> int:
     """Bytes the model and its optimizer hold outside the step, per GPU: ``weights="full"``, a
     full fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
-    rank-``lora_rank`` adapters on every projection (fp32, AdamW: 16 bytes an adapter
+    rank-``lora_rank`` adapters (:data:`LORA_RANK` unless given) on every projection (fp32, AdamW: 16 bytes an adapter
     parameter). ``shard``: the sharding degree of FSDP / ZeRO-3 (each GPU holds 1/shard of
     it, and the gathered parameters of two units in ``dtype``, the one running and the one
     prefetched, the larger of a decoder layer and the embedding or head).
@@ -383,6 +397,8 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
             or expert_lora_rank < 0:
         raise ValueError("model_state_bytes: expert_lora_rank must be a non-negative int, got "
                          f"{expert_lora_rank!r}")
+    if lora_rank is None:
+        lora_rank = LORA_RANK
     if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
         raise ValueError(f"model_state_bytes: shard must be a positive int, got {shard!r}")
     e = _dtype(dtype).itemsize
@@ -542,39 +558,89 @@ def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B:
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
-def _flops_parts(preset: str, d: LayerDims, S: int):
-    """Recompute FLOPs of one layer divided by B*S, as (attention, matmul): the attention's
-    score and P V products, and the projections (module docstring). Integers."""
+def _check_ranks(lora_rank, expert_lora_rank, where: str) -> None:
+    for name, r in (("lora_rank", lora_rank), ("expert_lora_rank", expert_lora_rank)):
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"{where}: {name} must be a non-negative int, got {r!r}")
+
+
+def _projection_flops(d: LayerDims, lora_rank: int | None = None,
+                      expert_lora_rank: int = 0) -> tuple:
+    """Forward FLOPs per token of a layer's projection groups (qkv, o_proj, gate_up, down):
+    the weights' GEMMs (module docstring); or, with ``lora_rank`` r given, the adapters' (an
+    adapter of rank r on a projection in -> out: x A^T then (x A^T) B^T, 2 r (in + out)) where
+    :func:`model_state_bytes` puts them: r on q, k, v, o and the dense MLP's (or the shared
+    expert's) gate, up and down, and ``expert_lora_rank`` r_e on the routed experts'
+    gate_up_proj (H -> 2 I_e) and down_proj (I_e -> H), for each of a token's top_k copies."""
     H, Hq, Hkv, D = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim
-    I = d.active_intermediate()     # an MoE token's top_k experts and shared expert
-    scores = pv = Hq * D * (S + 1)
-    qkv = 2 * H * (Hq + 2 * Hkv) * D
-    o_proj = 2 * Hq * D * H
-    gate_up = 4 * H * I + 2 * H * d.experts     # with an MoE router's logits
-    down = 2 * I * H
+    Q, K = Hq * D, Hkv * D
+    if lora_rank is None:
+        I = d.active_intermediate()     # an MoE token's top_k experts and shared expert
+        return (2 * H * (Q + 2 * K), 2 * Q * H,
+                4 * H * I + 2 * H * d.experts,      # with an MoE router's logits
+                2 * I * H)
+    r, re, Is, Ie, k = lora_rank, expert_lora_rank, d.intermediate_size, \
+        d.expert_intermediate_size, d.top_k
+    return (2 * r * ((H + Q) + 2 * (H + K)), 2 * r * (Q + H),
+            (4 * r * (H + Is) if Is else 0) + 2 * re * k * (H + 2 * Ie),
+            (2 * r * (Is + H) if Is else 0) + 2 * re * k * (Ie + H))
+
+
+def _recomputed(preset: str, d: LayerDims, groups: tuple) -> int:
+    """The forward FLOPs per token of the projection ``groups`` (:func:`_projection_flops`)
+    that ``preset`` recomputes in backward (module docstring)."""
+    qkv, o_proj, gate_up, down = groups
     # the output norms' backward reads the sublayer's output (module docstring)
     out_norms = (d.mlp_output_norm * (down if preset == "fast" else gate_up + down)
                  + (d.attention_output_norm and preset != "min_memory") * o_proj)
     if preset == "fast":     # an MoE layer's fast keeps no gate/up: recomputed
-        return scores, out_norms + (gate_up if d.moe else 0)
+        return out_norms + (gate_up if d.moe else 0)
     if preset == "balanced":
-        return scores, qkv + gate_up + out_norms
+        return qkv + gate_up + out_norms
     if preset == "min_memory":
-        return 2 * scores + pv, qkv + gate_up + o_proj + out_norms
+        return qkv + gate_up + o_proj + out_norms
     if preset == "torch":
-        return 2 * scores + pv, qkv + o_proj + gate_up + down
+        return qkv + o_proj + gate_up + down
     raise ValueError(f"recompute_flops: preset must be one of 'fast', 'balanced', "
                      f"'min_memory', 'torch'; got {preset!r}")
 
 
-def _flops_per_token(preset: str, d: LayerDims, S: int) -> int:
+def _flops_parts(preset: str, d: LayerDims, S: int, lora_rank: int = 0,
+                 expert_lora_rank: int = 0):
+    """Recompute FLOPs of one layer divided by B*S, as (attention, matmul): the attention's
+    score and P V products, and the projections (module docstring), with their LoRA adapters'
+    (:func:`_projection_flops`) when a rank is given. Integers."""
+    scores = pv = d.num_heads * d.head_dim * (S + 1)
+    matmul = _recomputed(preset, d, _projection_flops(d))
+    if lora_rank or expert_lora_rank:
+        matmul += _recomputed(preset, d, _projection_flops(d, lora_rank, expert_lora_rank))
+    if preset in ("fast", "balanced"):
+        return scores, matmul
+    return 2 * scores + pv, matmul
+
+
+def _lora_step_flops(preset: str, d: LayerDims, lora_rank: int, expert_lora_rank: int) -> int:
+    """The adapters' FLOPs per token of one layer's step (:func:`step_flops`): their forward,
+    twice that in backward (dx through B then A; dA and dB) and what ``preset`` recomputes."""
+    if not (lora_rank or expert_lora_rank):
+        return 0
+    groups = _projection_flops(d, lora_rank, expert_lora_rank)
+    return 3 * sum(groups) + _recomputed(preset, d, groups)
+
+
+def _flops_per_token(preset: str, d: LayerDims, S: int, lora_rank: int = 0,
+                     expert_lora_rank: int = 0) -> int:
     """Recompute FLOPs of one layer divided by B*S (an integer: see the module docstring)."""
-    return sum(_flops_parts(preset, d, S))
+    return sum(_flops_parts(preset, d, S, lora_rank, expert_lora_rank))
 
 
-def recompute_flops(preset: str, dims: LayerDims, B: int, S: int) -> int:
-    """Forward FLOPs that ``preset`` recomputes in one layer's backward (module docstring)."""
-    return B * S * _flops_per_token(preset, dims, S)
+def recompute_flops(preset: str, dims: LayerDims, B: int, S: int, *, lora_rank: int = 0,
+                    expert_lora_rank: int = 0) -> int:
+    """Forward FLOPs that ``preset`` recomputes in one layer's backward (module docstring),
+    with LoRA adapters of ``lora_rank`` / ``expert_lora_rank`` (:func:`_projection_flops`) on
+    the projections it recomputes."""
+    _check_ranks(lora_rank, expert_lora_rank, "recompute_flops")
+    return B * S * _flops_per_token(preset, dims, S, lora_rank, expert_lora_rank)
 
 
 # ---- the step's time (an estimate) -------------------------------------------------------------
@@ -588,20 +654,34 @@ MATMUL_TFLOPS = 400.0
 
 
 def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,
-               train_weights: bool = True) -> dict:
+               train_weights: bool = True, lora_rank: int = 0,
+               expert_lora_rank: int = 0) -> dict:
     """The FLOPs of one training step of ``setup`` (:data:`PEAK_SETUPS`), Python ints, in
     three parts: ``attention_forward`` (the causal scores and P V of every layer's forward,
     and again where the setup re-runs the attention forward in backward: ``min_memory`` and
     HF checkpointing), ``attention_backward`` (2.5 times the forward: dV, dP, dQ, dK and the
     score tiles rebuilt, as the attention benchmark counts them) and ``matmul`` (every
     projection and the head, 2 FLOPs a multiply-add: forward; backward once for the input
-    gradients and, with ``train_weights``, once more for the weight gradients (LoRA: a frozen
-    base, the rank-r adapters left out); the projections each preset recomputes
-    (:func:`recompute_flops`) and, with the fused head, its logits once more)."""
+    gradients and, with ``train_weights``, once more for the weight gradients; the projections
+    each preset recomputes (:func:`recompute_flops`) and, with the fused head, its logits once
+    more).
+
+    LoRA on a frozen base (``train_weights`` False): with ``lora_rank`` r the rank-r adapters
+    on every projection (q, k, v, o and the dense MLP's or shared expert's gate, up, down), with
+    ``expert_lora_rank`` r_e those on the routed experts' gate_up_proj and down_proj (each of a
+    token's top_k copies), as :func:`model_state_bytes` counts their state: each adapter's
+    GEMMs x A^T and (x A^T) B^T forward (2 r (in + out) a token), twice that in backward (dx
+    through B then A; dA and dB) and again where the preset recomputes its projection (for an
+    MoE layer every fused preset recomputes the experts' gate/up). The low-rank products some
+    backward kernels rebuild rather than save (x A^T for dB: 2 r in a token) are left out."""
     if setup not in PEAK_SETUPS:
         raise ValueError(f"step_flops: setup must be one of {', '.join(PEAK_SETUPS)}; got "
                          f"{setup!r}")
     _check_shape_args(B, S)
+    _check_ranks(lora_rank, expert_lora_rank, "step_flops")
+    if train_weights and (lora_rank or expert_lora_rank):
+        raise ValueError("step_flops: lora_rank / expert_lora_rank count adapters on a frozen "
+                         "base: pass train_weights=False with them")
     T = B * S
     preset = "torch" if setup.startswith("hf_gc") else setup
     reruns = 1 if preset in ("min_memory", "torch") else 0
@@ -611,21 +691,24 @@ def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, 
         attn = 2 * d.num_heads * d.head_dim * (S + 1)       # scores and P V, per token
         fwd += T * attn * (1 + reruns)
         bwd += T * attn * 5 // 2
-        matmul += T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1])
+        matmul += T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1]
+                       + _lora_step_flops(preset, d, lora_rank, expert_lora_rank))
     head = 2 * T * layers[0].hidden_size * V
     matmul += head * passes + (head if setup != "hf_gc" else 0)
     return {"attention_forward": fwd, "attention_backward": bwd, "matmul": matmul}
 
 
 def step_time_estimate(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,
-                       train_weights: bool = True,
+                       train_weights: bool = True, lora_rank: int = 0,
+                       expert_lora_rank: int = 0,
                        attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                        attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
                        matmul_tflops: float = MATMUL_TFLOPS) -> float:
     """Seconds for one training step, ESTIMATED from :func:`step_flops` at fixed rates (H100
     figures by default); memory-bound work (norms, RoPE, SwiGLU, the optimizer), copies and
-    launch gaps are left out."""
-    f = step_flops(setup, layers, V, B, S, train_weights=train_weights)
+    launch gaps are left out. ``lora_rank`` / ``expert_lora_rank``: :func:`step_flops`."""
+    f = step_flops(setup, layers, V, B, S, train_weights=train_weights, lora_rank=lora_rank,
+                   expert_lora_rank=expert_lora_rank)
     return (f["attention_forward"] / (attention_fwd_tflops * 1e12)
             + f["attention_backward"] / (attention_bwd_tflops * 1e12)
             + f["matmul"] / (matmul_tflops * 1e12))
@@ -653,14 +736,16 @@ class OffloadChoice:
     kept: int           # saved bytes of the layers past the host cap, on the device
 
 
-def _layer_compute_seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate):
+def _layer_compute_seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate,
+                           lora_rank=0, expert_lora_rank=0):
     """One layer's forward, backward and recompute time (``step_flops``'s parts, one layer)."""
     T = B * S
     attn = 2 * d.num_heads * d.head_dim * (S + 1)
     fwd = T * attn * (2 if preset == "min_memory" else 1)
     bwd = T * attn * 5 // 2
     passes = 3 if train_weights else 2
-    mm = T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1])
+    mm = T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1]
+              + _lora_step_flops(preset, d, lora_rank, expert_lora_rank))
     return fwd / (fwd_rate * 1e12) + bwd / (bwd_rate * 1e12) + mm / (mm_rate * 1e12)
 
 
@@ -674,7 +759,7 @@ def _check_rate(name: str, value) -> float:
 def choose_offload_layers(layers: Sequence[LayerDims], B: int, S: int, dtype, room: int,
                           host_memory: Optional[int], *, working: Optional[dict] = None,
                           base_seconds: float = 0.0, train_weights: bool = True,
-                          prefetch: int = 1,
+                          lora_rank: int = 0, expert_lora_rank: int = 0, prefetch: int = 1,
                           host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
                           attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                           attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
@@ -690,9 +775,14 @@ def choose_offload_layers(layers: Sequence[LayerDims], B: int, S: int, dtype, ro
     into ``fast``, ``balanced`` and ``min_memory``), each placed in two orders
     (``min_memory`` first in forward order, or ``fast`` first): exact for models whose layers
     are alike, a heuristic otherwise. Ties go to the smaller peak. None when no mix fits.
-    Raises ValueError naming a rate that is not a positive finite number."""
+    ``lora_rank`` / ``expert_lora_rank``: the adapters' FLOPs in each layer's compute
+    (:func:`step_flops`). Raises ValueError naming a rate that is not a positive finite
+    number."""
     layers = list(layers)
     _check_shape_args(B, S)
+    _check_ranks(lora_rank, expert_lora_rank, "choose_offload_layers")
+    lora = {"lora_rank": lora_rank, "expert_lora_rank": expert_lora_rank} \
+        if lora_rank or expert_lora_rank else {}
     link = _check_rate("host_link_gbytes_per_s", host_link_gbytes_per_s) * 1e9
     rates = tuple(_check_rate(n, v) for n, v in (
         ("attention_fwd_tflops", attention_fwd_tflops),
@@ -709,7 +799,7 @@ def choose_offload_layers(layers: Sequence[LayerDims], B: int, S: int, dtype, ro
                 secs = base_seconds
                 for p, d in zip(order, layers):
                     b = layer_bytes(p, d, B, S, dtype)
-                    compute = _layer_compute_seconds(p, d, B, S, train_weights, *rates)
+                    compute = _layer_compute_seconds(p, d, B, S, train_weights, *rates, **lora)
                     if offload.admits(host, b, host_memory):
                         moved.append(b)
                         host += b
@@ -731,7 +821,8 @@ def choose_offload_layers(layers: Sequence[LayerDims], B: int, S: int, dtype, ro
 
 def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
                            room: int, host_memory: Optional[int], *, path: str = "cuda",
-                           train_weights: bool = True, prefetch: int = 1,
+                           train_weights: bool = True, lora_rank: int = 0,
+                           expert_lora_rank: int = 0, prefetch: int = 1,
                            host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
                            attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                            attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
@@ -755,6 +846,7 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
     head_s = head / (_check_rate("matmul_tflops", matmul_tflops) * 1e12)
     best = choose_offload_layers(layers, B, S, dtype, room, host_memory, working=work,
                                  base_seconds=head_s, train_weights=train_weights,
+                                 lora_rank=lora_rank, expert_lora_rank=expert_lora_rank,
                                  prefetch=prefetch, host_link_gbytes_per_s=host_link_gbytes_per_s,
                                  attention_fwd_tflops=attention_fwd_tflops,
                                  attention_bwd_tflops=attention_bwd_tflops,
@@ -962,7 +1054,8 @@ def sp_longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int,
 
 
 def sp_step_time(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, N: int,
-                 dtype, *, train_weights: bool = True,
+                 dtype, *, train_weights: bool = True, lora_rank: int = 0,
+                 expert_lora_rank: int = 0,
                  link_gbytes_per_s: float = SP_LINK_GBYTES_PER_S,
                  attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                  attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
@@ -972,8 +1065,9 @@ def sp_step_time(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     projections and the head, its Hq/N heads over all S for the attention) at the given rates,
     and every layer's exchanged bytes (:func:`sp_exchange_bytes`, forward and backward) at
     ``link_gbytes_per_s`` (GB/s a direction), not overlapped with compute (the engine waits
-    for each exchange)."""
-    f = step_flops(setup, layers, V, B, S, train_weights=train_weights)
+    for each exchange). ``lora_rank`` / ``expert_lora_rank``: :func:`step_flops`."""
+    f = step_flops(setup, layers, V, B, S, train_weights=train_weights, lora_rank=lora_rank,
+                   expert_lora_rank=expert_lora_rank)
     compute = (f["attention_forward"] / (attention_fwd_tflops * 1e12)
                + f["attention_backward"] / (attention_bwd_tflops * 1e12)
                + f["matmul"] / (matmul_tflops * 1e12)) / N

@@ -18,7 +18,8 @@ import sys
 from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
-from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, OFFLOAD_SETUPS,
+from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, LORA_RANK,
+                   OFFLOAD_SETUPS,
                    PEAK_SETUPS, SP_LINK_GBYTES_PER_S, choose_presets_offload,
                    choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
                    longest_sequence_offload, model_state_bytes, offload_step_peak,
@@ -159,7 +160,8 @@ _WEIGHTS_HELP = (
     "fine-tune: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes a "
     "parameter (Trainer(bf16=True) / autocast), about 120 GiB for an 8B model, so it needs "
     "--shard on an 80 GB GPU; 'lora', a frozen base in --dtype (2 bytes a parameter in bf16) "
-    "plus rank-16 adapters on every projection trained in fp32 with AdamW (PEFT's default)")
+    "plus rank-16 adapters on every projection trained in fp32 with AdamW (PEFT's default); "
+    "the step times count the adapters' GEMMs")
 
 _EPILOG = """\
 Will my run fit? Give the model, --batch, --seq and --device-memory (and --weights lora for
@@ -211,7 +213,8 @@ def _parser() -> argparse.ArgumentParser:
                          "keeps only each layer's (3, experts) float32 statistics of the loss")
     ap.add_argument("--expert-lora-rank", type=_bounded_int(1 << 16), default=0,
                     help="with --weights lora: LoRA rank on the routed experts too (PEFT's "
-                         "target_parameters); 0 (default): attention and shared experts only")
+                         "target_parameters; their state and, in the step times, their "
+                         "GEMMs); 0 (default): attention and shared experts only")
     ap.add_argument("--vocab-size", type=_bounded_int(_MAX["vocab"]))
     ap.add_argument("--batch", type=_bounded_int(_MAX["batch"]), required=True,
                     help="sequences per step on one GPU")
@@ -391,7 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for preset in ("fast", "balanced", "min_memory", "torch"):
         ptb = sum(per_token_bytes(preset, dtype=dtype, **x.kwargs()) for x in layers)
         model = B * S * ptb
-        flops = sum(recompute_flops(preset, x, B, S) for x in layers)
+        flops = sum(recompute_flops(preset, x, B, S, **_lora_kwargs(args)) for x in layers)
         rows.append([preset, f"{ptb // L:,}", format_bytes(model // L), format_bytes(model),
                      format_bytes(model + head_hf), format_bytes(model + head_fused),
                      _tflop(flops // L), _tflop(flops)])
@@ -424,7 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"auto: {err}", file=sys.stderr)
             return 2
         used = sum(layer_bytes(p, x, B, S, dtype) for p, x in zip(chosen, layers))
-        flops = sum(recompute_flops(p, x, B, S) for p, x in zip(chosen, layers))
+        flops = sum(recompute_flops(p, x, B, S, **_lora_kwargs(args))
+                    for p, x in zip(chosen, layers))
         counts = ", ".join(f"{chosen.count(p)} x {p}" for p in FUSED_PRESETS if p in chosen)
         print(f"auto for a budget of {format_bytes(args.budget)}: {counts}; "
               f"layers keep {format_bytes(used)} ({format_bytes(used + head_fused)} with the "
@@ -589,6 +593,7 @@ def _print_auto_offload(args, layers, V, B, S, dtype, room, host) -> None:
     try:
         c = choose_presets_offload(layers, V, B, S, dtype, room, host, path=args.path,
                                    train_weights=args.weights == "full",
+                                   **_lora_kwargs(args),
                                    host_link_gbytes_per_s=args.host_link_gbytes_per_s,
                                    **_rate_kwargs(args, S))
     except ValueError as e:
@@ -613,9 +618,17 @@ def _rate_kwargs(args, S: int) -> dict:
     return kw
 
 
+def _lora_kwargs(args) -> dict:
+    """With --weights lora, the adapters whose GEMMs the FLOPs count (ckpt_ext.plan.step_flops):
+    rank LORA_RANK on every projection, --expert-lora-rank on the routed experts."""
+    if args.weights != "lora":
+        return {}
+    return {"lora_rank": LORA_RANK, "expert_lora_rank": args.expert_lora_rank}
+
+
 def _seconds(args, setup, layers, V, B, S) -> float:
     return step_time_estimate(setup, layers, V, B, S, train_weights=args.weights == "full",
-                              **_rate_kwargs(args, S))
+                              **_lora_kwargs(args), **_rate_kwargs(args, S))
 
 
 def _rates_words(args, S: int) -> str:
@@ -647,6 +660,7 @@ def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
         if N > 1:
             fwd, bwd = sp_exchange_bytes(setup, layers[0], B, S, N, dtype)
         compute, comm = sp_step_time(setup, layers, V, B, S, N, dtype, train_weights=train,
+                                     **_lora_kwargs(args),
                                      link_gbytes_per_s=args.link_gbytes_per_s,
                                      **_rate_kwargs(args, S))
         row = {"setup": setup + (" + offload" if offload else ""), "saved": p.saved,
@@ -660,7 +674,7 @@ def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
                 offload=offload, host_memory=host, headroom=headroom, shard=args.shard)
             if row["longest"]:
                 c, m = sp_step_time(setup, layers, V, B, row["longest"], N, dtype,
-                                    train_weights=train,
+                                    train_weights=train, **_lora_kwargs(args),
                                     link_gbytes_per_s=args.link_gbytes_per_s,
                                     **_rate_kwargs(args, row["longest"]))
                 row["longest_step_s"] = c + m

@@ -1,7 +1,9 @@
 """A patched model under DDP and FSDP2 (fully_shard per decoder layer and at the root, with and
 without a bf16 MixedPrecisionPolicy): 2 processes on gloo, CPU. Each rank trains a few SGD
 steps on its own batch; the losses equal the unpatched model's under the same wrapper and,
-without mixed precision, a single-process run that averages the ranks' gradients."""
+without mixed precision, a single-process run that averages the ranks' gradients. A Qwen3-MoE with PEFT LoRA on the
+experts' 3-D weights takes one FSDP2 step in float64: loss and LoRA gradients equal one
+process's."""
 import datetime
 import gc
 import os
@@ -216,3 +218,90 @@ def test_moe_under_fsdp2_trains_like_unpatched(tmp_path):
         for name, want in ref_params.items():
             torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
+
+
+# ---- FSDP2 with PEFT LoRA on the experts' 3-D weights (target_parameters) ----------------------
+
+EXPERT_LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "init_lora_weights": False,  # B != 0
+               "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+
+
+def expert_lora_model(dtype):
+    """The tiny Qwen3-MoE with PEFT LoRA (seeded) on the attention and on both expert weights
+    (the ParamWrappers nested), base frozen, in ``dtype``."""
+    import peft
+    model = make_model("qwen3_moe").to(dtype)
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(**EXPERT_LORA))
+
+
+def _expert_lora_worker(rank, init_file, out_dir, dtype):
+    import ckpt_ext
+    init_gloo_rank(rank, WORLD, init_file)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        model = expert_lora_model(dtype)
+        ckpt_ext.patch_llama(model, "balanced")
+        mesh = init_device_mesh("cpu", (WORLD,))
+        layers = model.get_base_model().model.layers
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        loss = loss_of(model, rank)
+        loss.backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        calls = [dict(layer.forward.calls) for layer in layers]
+        torch.save({"loss": loss.item(), "grads": grads, "calls": calls},
+                   os.path.join(out_dir, f"{rank}.pt"))
+        del model, loss
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo workers are tested on Linux")
+def test_moe_expert_lora_under_fsdp2_equals_one_process(tmp_path):
+    """PEFT LoRA on the attention and on the experts' 3-D weights (the slots
+    mlp.experts.{gate_up_proj,down_proj}.lora_{A,B}), fully_shard per layer and at the root
+    (the factors sharded like the rest, the frozen base beside them), patched, in float64: every
+    layer fused with the factors (nothing delegated to PEFT's forward), and each rank's loss and
+    every LoRA gradient (gathered: the mean over the ranks) equal those of the unpatched PEFT
+    model in one process on the same two batches."""
+    pytest.importorskip("peft", reason="peft is not installed: the expert LoRA test needs it")
+    import ckpt_ext
+    dtype = torch.float64
+    got = spawn_ranks(_expert_lora_worker, (str(tmp_path / "init"), str(tmp_path), dtype),
+                      tmp_path, "FSDP2 expert LoRA")
+    ref = expert_lora_model(dtype)
+    ref.get_base_model().set_experts_implementation("eager")  # grouped_mm takes no float64
+    one = ckpt_ext.patch_llama(expert_lora_model(dtype), "balanced")
+    want, losses = {}, {}
+    for name, model in (("unpatched", ref), ("patched", one)):
+        losses[name] = []
+        for rank in range(WORLD):
+            ids, mask, labels = batch(rank)
+            if name == "patched":
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            else:  # HF's loss in float64 (its own casts the logits to float32, as ours does not)
+                logits = model(input_ids=ids, attention_mask=mask).logits
+                loss = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+            (loss / WORLD).backward()
+            losses[name].append(loss.item())
+        want[name] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert sum(".mlp.experts." in n and ".lora_" in n for n in want["unpatched"]) == 2 * 2 * 2
+    # the unpatched router's float32 softmax and the op's round apart: a few 1e-8 here
+    tols = {"unpatched": {"rtol": 1e-5, "atol": 2e-7}, "patched": {"rtol": 1e-10, "atol": 1e-13}}
+    for rank, r in enumerate(got):
+        assert [c.get("fused", 0) for c in r["calls"]] == [1, 1], r["calls"]
+        assert not any(k.startswith("delegated") for c in r["calls"] for k in c), r["calls"]
+        for name, tol in tols.items():
+            torch.testing.assert_close(r["loss"], losses[name][rank], **tol)
+            assert r["grads"].keys() == want[name].keys()
+            for n, g in want[name].items():
+                torch.testing.assert_close(
+                    r["grads"][n], g, **tol, msg=lambda m, k=rank, w=name, n=n: f"{w}, rank {k} {n}: {m}")

@@ -244,7 +244,8 @@ def test_moe_layer_part_alone(tmp_path):
     """--parts m: bench/moe.py --layer at a small shape on the CPU (the GPU's code path in fp32):
     every row (HF's layer and the fused presets) with its time, peak and difference from HF's
     output and gradients (small), Liger's goal line, the CSV in the part's file, the summary's
-    section; no other part ran."""
+    section; then the same with --expert-lora-rank (PEFT LoRA on the attention and the experts:
+    the difference over the output, dx and every adapter's gradient); no other part ran."""
     proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "m"],
                           cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=300)
@@ -262,4 +263,15 @@ def test_moe_layer_part_alone(tmp_path):
         r"([\d.e+-]+)$", log, re.M)}
     assert set(errs) == {"hf", "fast", "balanced", "min_memory"}, log[-3000:]
     assert errs["hf"] == 0 and all(e < 1e-4 for e in errs.values()), errs
-    assert re.search(r"^row,seq,peak_mib,step_s,rel_err_vs_hf$", log, re.M), log[-2000:]
+    assert len(re.findall(r"^row,seq,peak_mib,step_s,rel_err_vs_hf$", log, re.M)) == 2, \
+        log[-2000:]
+    # the expert LoRA run: its rows, each fused one near HF's (an adapter the op skipped
+    # would leave its gradient None, and the row would fail)
+    lora = log[log.index("tokens, LoRA r 4 on attention and experts"):]
+    errs = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"^ *(hf|fast|balanced|min_memory): .*max rel err vs hf \(y, dx, d adapters\) "
+        r"([\d.e+-]+)$", lora, re.M)}
+    assert set(errs) == {"hf", "fast", "balanced", "min_memory"}, lora[-3000:]
+    assert errs["hf"] == 0 and all(e < 1e-4 for e in errs.values()), errs
+    assert "LoRA r 4 on attention and experts" in summary
+    assert summary.count("goal (Liger's fused MoE") == 2, summary

@@ -481,6 +481,12 @@ def _h100_layers(model_line):
     return [LayerDims(H, hq, hkv, H // hq, I)] * L, V
 
 
+def _h100_lora_rank(model_line):
+    """The rank of the measured run's PEFT LoRA (on all seven projections, as the plan's)."""
+    assert "q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj" in model_line
+    return int(re.search(r"PEFT LoRA r(\d+) ", model_line).group(1))
+
+
 def _measured_points():
     points = []
     for name in ("capacity_peak.csv", "capacity_min_memory_128k.csv"):
@@ -543,7 +549,8 @@ def test_step_time_estimate_within_20pct_of_the_h100_steps():
         if r["kind"] != "point" or r["status"] != "ok":
             continue
         est = plan.step_time_estimate(setups.get(r["setup"], r["setup"]), layers, V, 1,
-                                      int(r["seq"]), train_weights=False)
+                                      int(r["seq"]), train_weights=False,
+                                      lora_rank=_h100_lora_rank(model))
         want = float(r["step_s"])
         assert abs(est - want) <= 0.20 * want, (r["setup"], r["seq"], est, want)
         n += 1
@@ -566,6 +573,84 @@ def test_step_flops_by_hand():
                                 attention_fwd_tflops=1, attention_bwd_tflops=2, matmul_tflops=4)
     assert t == pytest.approx((192 + 480 / 2 + (2 * 3936 + 480) / 4) / 1e12)  # + the fused
     # head's logits recomputed
+
+
+def test_lora_flops_by_hand():
+    """The same layer with LoRA r 2 on its seven projections (forward x A^T then (x A^T) B^T,
+    2 r (in + out) a token): q 2*2*(8+8) = 64, k and v 2*2*(8+4) = 48 each, o 64, gate and up
+    2*2*(8+16) = 96 each, down 96; 512 a token, 1536 for the 3 tokens. The step adds 3x that
+    (forward; backward dx through B then A, and dA, dB) and what the preset recomputes: fast
+    nothing, balanced q/k/v + gate/up (3*(160+192)), min_memory + o (3*416), HF
+    checkpointing all (1536)."""
+    d = [LayerDims(8, 2, 1, 4, 16)]
+    recomputed = {"fast": 0, "balanced": 3 * 352, "min_memory": 3 * 416, "hf_gc": 1536,
+                  "hf_gc+fused": 1536}
+    for setup, more in recomputed.items():
+        base = plan.step_flops(setup, d, 10, 1, 3, train_weights=False)
+        got = plan.step_flops(setup, d, 10, 1, 3, train_weights=False, lora_rank=2)
+        assert got == {**base, "matmul": base["matmul"] + 3 * 1536 + more}, setup
+        # expert LoRA on a dense layer: nothing to count
+        assert plan.step_flops(setup, d, 10, 1, 3, train_weights=False, lora_rank=2,
+                               expert_lora_rank=5) == got
+    assert plan.recompute_flops("min_memory", d[0], 1, 3, lora_rank=2) == \
+        plan.recompute_flops("min_memory", d[0], 1, 3) + 3 * 416
+    t = plan.step_time_estimate("fast", d, 10, 1, 3, train_weights=False, lora_rank=2,
+                                attention_fwd_tflops=1, attention_bwd_tflops=2, matmul_tflops=4)
+    assert t == pytest.approx((192 + 480 / 2 + (2 * 3936 + 480 + 3 * 1536) / 4) / 1e12)
+    with pytest.raises(ValueError, match="frozen base: pass train_weights=False"):
+        plan.step_flops("fast", d, 10, 1, 3, train_weights=True, lora_rank=2)
+    with pytest.raises(ValueError, match="expert_lora_rank must be a non-negative int"):
+        plan.step_flops("fast", d, 10, 1, 3, train_weights=False, expert_lora_rank=-1)
+
+
+def test_expert_lora_flops_by_hand():
+    """An MoE layer (H 8, 4 experts of I_e 6, top 2, a shared expert of I 16), LoRA r 2 on the
+    attention and the shared expert, r_e 3 on the experts, per token of its 2 copies: the
+    experts' gate_up 2*3*2*(8 + 12) = 240 and down 2*3*2*(6 + 8) = 168; attention q/k/v 160
+    and o 64, the shared expert's gate/up 192 and down 96 (test_lora_flops_by_hand). Every
+    fused preset recomputes the experts' gate/up (and the shared one's), fast included; the
+    adapters on the experts alone when the layer has no shared expert."""
+    moe = {"experts": 4, "top_k": 2, "expert_intermediate_size": 6}
+    shared, bare = LayerDims(8, 2, 1, 4, 16, **moe), LayerDims(8, 2, 1, 4, 0, **moe)
+    groups = {"qkv": 160, "o": 64, "gate_up": 192 + 240, "down": 96 + 168}
+    recomputed = {"fast": groups["gate_up"], "balanced": groups["qkv"] + groups["gate_up"],
+                  "min_memory": groups["qkv"] + groups["gate_up"] + groups["o"]}
+    for setup, more in recomputed.items():
+        base = plan.step_flops(setup, [shared], 10, 1, 3, train_weights=False)["matmul"]
+        got = plan.step_flops(setup, [shared], 10, 1, 3, train_weights=False, lora_rank=2,
+                              expert_lora_rank=3)["matmul"]
+        assert got - base == 3 * (3 * sum(groups.values()) + more), setup
+        # the experts' adapters alone (gate_up 240, down 168), no shared expert: every preset
+        # recomputes the experts' gate/up
+        base = plan.step_flops(setup, [bare], 10, 1, 3, train_weights=False)["matmul"]
+        got = plan.step_flops(setup, [bare], 10, 1, 3, train_weights=False, expert_lora_rank=3)
+        assert got["matmul"] - base == 3 * (3 * (240 + 168) + 240), setup
+
+
+def test_lora_forward_flops_are_pefts():
+    """The adapters' forward FLOPs the plan counts are what torch's FLOP counter sees PEFT's
+    LoRA add to a tiny LLaMA's forward (r 3 on all seven projections, GQA, odd sizes)."""
+    peft = pytest.importorskip("peft")
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("llama", hidden_size=48, intermediate_size=84, num_hidden_layers=2,
+                               num_attention_heads=6, num_key_value_heads=2, vocab_size=61)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    ids = torch.randint(0, 61, (2, 7))
+
+    def forward_flops(m):
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            m(input_ids=ids)
+        return counter.get_total_flops()
+
+    base = forward_flops(model)
+    lora = peft.get_peft_model(model, peft.LoraConfig(
+        r=3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"]))
+    layers = families.layer_dims_from_config(cfg.to_dict())
+    groups = sum(sum(plan._projection_flops(x, 3)) for x in layers)
+    assert forward_flops(lora) - base == 2 * 7 * groups > 0
 
 
 def test_model_state_sharded_by_hand():
@@ -829,7 +914,7 @@ def test_cli_throughputs_file_scales_the_printed_time(tmp_path, capsys):
                   for c in ("step s", "tokens/s", "its step s", "longest S")}
         assert ("300 / 150 TFLOP/s" if k == 1 else "750 / 375 TFLOP/s") in out
     want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False,
-                                   attention_fwd_tflops=300, attention_bwd_tflops=150,
+                                   lora_rank=16, attention_fwd_tflops=300, attention_bwd_tflops=150,
                                    matmul_tflops=400)
     assert got[1]["step s"] == pytest.approx(want, abs=0.006)
     assert got[1]["tokens/s"] == pytest.approx(4096 / want, rel=1e-3)
@@ -840,14 +925,15 @@ def test_cli_throughputs_file_scales_the_printed_time(tmp_path, capsys):
     # default: the plan's constants
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
-    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False)
+    want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False,
+                                   lora_rank=16)
     assert float(_column(out, "min_memory", "step s")) == pytest.approx(want, abs=0.006)
     assert "(the plan's H100 rates" in out
     # a flag replaces one rate of the file
     assert plan_cli.main(args + ["--throughputs", write("t.json", 1), "--matmul-tflops", "800"]) == 0
     out = capsys.readouterr().out
     want = plan.step_time_estimate("min_memory", layers, 128256, 1, 4096, train_weights=False,
-                                   attention_fwd_tflops=300, attention_bwd_tflops=150,
+                                   lora_rank=16, attention_fwd_tflops=300, attention_bwd_tflops=150,
                                    matmul_tflops=800)
     assert float(_column(out, "min_memory", "step s")) == pytest.approx(want, abs=0.006)
     (tmp_path / "bad.json").write_text("{}")
@@ -984,7 +1070,7 @@ def test_cli_sequence_parallel(tmp_path, capsys):
                           offload=True, host_limit=192 * 2**30)
     fwd, bwd = plan.sp_exchange_bytes("min_memory", layers[0], 1, 1 << 20, 8, "bf16")
     c, m = plan.sp_step_time("min_memory", layers, V, 1, 1 << 20, 8, "bf16",
-                             train_weights=False, link_gbytes_per_s=100)
+                             train_weights=False, lora_rank=16, link_gbytes_per_s=100)
     longest = plan.sp_longest_sequence("min_memory", layers, V, 1, 8, "bf16", 80 * 2**30,
                                        "lora", offload=True, host_memory=192 * 2**30,
                                        headroom=plan.headroom_bytes(80 * 2**30))
@@ -1065,6 +1151,12 @@ def test_choose_presets_offload_uniform_matches_the_step_estimate_and_refuses():
     assert c.presets == ("fast",) * 32
     assert c.seconds == pytest.approx(plan.step_time_estimate("fast", layers, V, 1, S,
                                                               train_weights=False), rel=1e-9)
+    lora = plan.choose_presets_offload(layers, V, 1, S, "bf16", 1 << 50, None,
+                                       train_weights=False, lora_rank=16,
+                                       host_link_gbytes_per_s=1e9)
+    assert lora.seconds == pytest.approx(plan.step_time_estimate(
+        "fast", layers, V, 1, S, train_weights=False, lora_rank=16), rel=1e-9)
+    assert lora.seconds > c.seconds
     with pytest.raises(ValueError, match="no mix of fused presets fits 1.00 GiB"):
         plan.choose_presets_offload(layers, V, 1, S, "bf16", 2**30, None, train_weights=False)
 
@@ -1079,13 +1171,13 @@ def test_cli_auto_offload_by_time(tmp_path, capsys):
     layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
     room = 75 * 2**30 - plan.model_state_bytes(layers, 128256, "bf16", "lora")
     c = plan.choose_presets_offload(layers, 128256, 1, 131072, "bf16", room, 192 * 2**30,
-                                    train_weights=False)
+                                    train_weights=False, lora_rank=16)  # the CLI's LoRA
     line = next(x for x in out.splitlines() if x.startswith("auto + offload, by time:"))
     assert f"step s {c.seconds:,.2f}" in line and plan.format_bytes(c.peak) in line
     assert "  per layer: " + " ".join(c.presets) in out
     # it beats min_memory everywhere here (by the plan's estimate)
     assert c.seconds < plan.step_time_estimate("min_memory", layers, 128256, 1, 131072,
-                                               train_weights=False)
+                                               train_weights=False, lora_rank=16)
 
 
 # ---- mixture-of-experts layers -------------------------------------------------------------

@@ -28,11 +28,13 @@
 #          together at B 1, S 32K. Its own --budget stops it 25 s before the part's timeout
 #          with what it found. Device time: about 150 s plus the call's start-up (the build is
 #          skipped when the tree's C++ sources are those of the CUDA build already there).
-#   m  60  (not in the default list either: the MoE issue's GPU row, --parts m, or --parts sm
+#   m 100  (not in the default list either: the MoE issue's GPU row, --parts m, or --parts sm
 #          with the sweep) bench/moe.py --layer: one Qwen3-30B-A3B layer (128 experts, top-k 8,
 #          H 2048) at 32K tokens in bf16, HF's layer against the fused presets: forward+backward
 #          time, peak, and the largest relative difference from HF's output, dx and router
-#          gradient; beside Liger's 28.2 ms and 8.26 GB on an H100
+#          gradient; beside Liger's 28.2 ms and 8.26 GB on an H100; then the same layer with
+#          PEFT LoRA r 16 on the attention and the experts (--expert-lora-rank 16; the
+#          difference over the output, dx and every adapter's gradient)
 # CKPT_EXT_AUTOTUNE=0 except in part d. Files under $OUT (8 at most; each starts with device,
 # versions, git commit, command and date): quick_0_summary.txt (environment, build log, the
 # summary), quick_a_sdpa_probe.txt, quick_b_gpu_tests.txt, quick_cf_long_step.txt (c and f),
@@ -257,12 +259,17 @@ s_args="--out $s_json --commit '${commit}'"
   --block-m 32 --block-n 32,64 --warps 4 --limit 2 --reps 1 --top 2 --check-seq 40 --jobs 1"
 part s 150 quick_s_attention_bwd.txt "attention backward sweep (tiles, warps...)" \
   "$py bench/attention_bwd_sweep.py --budget \$((PART_SECS - 25)) $s_args"
-# m: the MoE layer (the MoE issue's GPU row), its CSV appended to the part's file
+# m: the MoE layer (the MoE issue's GPU row), then with expert LoRA r 16 (the dry run: r 4),
+# each CSV appended to the part's file
 m_dir=$(mktemp -d)
 m_args="--layer --tokens 32768 --reps 3"
-[ "$dry" = 1 ] && m_args="--layer --device cpu --layer-shape 64,8,2,32,4,2,16 --tokens 96 --reps 1"
-part m 60 quick_m_moe_layer.txt "MoE layer: Qwen3-30B-A3B, 32K tokens, HF vs fused" \
-  "$py bench/moe.py $m_args --out $m_dir/moe_layer.csv; r=\$?; cat $m_dir/moe_layer.csv; exit \$r"
+m_rank=16
+[ "$dry" = 1 ] && m_args="--layer --device cpu --layer-shape 64,8,2,32,4,2,16 --tokens 96 --reps 1" \
+  && m_rank=4
+part m 100 quick_m_moe_layer.txt "MoE layer: Qwen3-30B-A3B, 32K tokens, HF vs fused (+LoRA)" \
+  "$py bench/moe.py $m_args --out $m_dir/moe_layer.csv; r=\$?; cat $m_dir/moe_layer.csv
+   $py bench/moe.py $m_args --expert-lora-rank $m_rank --out $m_dir/moe_layer_lora.csv; \
+   r2=\$?; cat $m_dir/moe_layer_lora.csv; [ \$r = 0 ] && exit \$r2; exit \$r"
 rm -rf "$m_dir"
 png=$(find "$demo_dir" -maxdepth 1 -name 'demo_*.png' -newer "$stamp" 2>/dev/null | head -1)
 [ -n "$png" ] && cp "$png" "$out/quick_g_demo.png"
@@ -310,9 +317,9 @@ rm -rf "$stamp" "$att_dir"
       | cut -c1-150
   fi
   if has m; then
-    echo "-- m: MoE layer (fwd+bwd, peak, rel err vs HF; Liger's goal)"
-    grep -E "^ *(hf|fast|balanced|min_memory): |^goal " "$out/quick_m_moe_layer.txt" \
-      | cut -c1-150
+    echo "-- m: MoE layer (fwd+bwd, peak, rel err vs HF; Liger's goal), then with expert LoRA"
+    grep -E "^ *(hf|fast|balanced|min_memory): |^goal |one Qwen3-MoE layer.*LoRA r " \
+      "$out/quick_m_moe_layer.txt" | cut -c1-150
   fi
   echo "files: $(cd "$out" && ls | tr '\n' ' ')"
 } > "$out/.summary"
