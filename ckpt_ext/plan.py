@@ -383,8 +383,8 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
     """Bytes the model and its optimizer hold outside the step, per GPU: ``weights="full"``, a
     full fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
-    rank-``lora_rank`` adapters (:data:`LORA_RANK` unless given) on every projection (fp32, AdamW: 16 bytes an adapter
-    parameter). ``shard``: the sharding degree of FSDP / ZeRO-3 (each GPU holds 1/shard of
+    rank-``lora_rank`` adapters (:data:`LORA_RANK` unless given) on every projection (fp32,
+    AdamW: 16 bytes an adapter parameter). ``shard``: the sharding degree of FSDP / ZeRO-3 (each GPU holds 1/shard of
     it, and the gathered parameters of two units in ``dtype``, the one running and the one
     prefetched, the larger of a decoder layer and the embedding or head).
 
