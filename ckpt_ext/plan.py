@@ -384,9 +384,10 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
     full fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
     rank-``lora_rank`` adapters (:data:`LORA_RANK` unless given) on every projection (fp32,
-    AdamW: 16 bytes an adapter parameter). ``shard``: the sharding degree of FSDP / ZeRO-3 (each GPU holds 1/shard of
-    it, and the gathered parameters of two units in ``dtype``, the one running and the one
-    prefetched, the larger of a decoder layer and the embedding or head).
+    AdamW: 16 bytes an adapter parameter). ``shard``: the sharding degree of FSDP / ZeRO-3
+    (each GPU holds 1/shard of it, and the gathered parameters of two units in ``dtype``, the
+    one running and the one prefetched, the larger of a decoder layer and the embedding or
+    head).
 
     A mixture-of-experts layer (``LayerDims.experts``) holds its experts (E 3 H I_e), router
     (E H) and shared expert; ``"lora"`` puts the adapters on the attention and the shared
@@ -644,13 +645,8 @@ def recompute_flops(preset: str, dims: LayerDims, B: int, S: int, *, lora_rank: 
 
 
 # ---- the step's time (an estimate) -------------------------------------------------------------
-# Rates on an H100 80GB (bench/results/gpu_h100_2026-11-24/attention_nvidia_h100_80gb_hbm3.csv,
-# D 128, causal, bf16): the Triton attention forward ran 329-372 TFLOP/s and its backward
-# 151-180 TFLOP/s (FLOPs counted as there: backward 2.5x forward); the LM head's bf16 GEMMs
-# about 410 TFLOP/s forward (lm_head_nvidia_h100_80gb_hbm3.csv, V 128256, H 4096).
-ATTENTION_FWD_TFLOPS = 350.0
-ATTENTION_BWD_TFLOPS = 170.0
-MATMUL_TFLOPS = 400.0
+# The default rates: H100 figures (ckpt_ext.throughputs says where they come from).
+from .throughputs import ATTENTION_BWD_TFLOPS, ATTENTION_FWD_TFLOPS, MATMUL_TFLOPS  # noqa: E402
 
 
 def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,

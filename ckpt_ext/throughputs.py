@@ -174,13 +174,21 @@ def write_throughputs(path, headers: dict, rates: Sequence[Rate],
     return data
 
 
-def default_throughputs() -> Throughputs:
-    """The plan's own rates (``ckpt_ext.plan``: H100 figures of bench/results/
-    gpu_h100_2026-11-24), one per kind for every S."""
-    from . import plan
+# The plan's default rates, measured on an H100 80GB (bench/results/gpu_h100_2026-11-24/
+# attention_nvidia_h100_80gb_hbm3.csv, D 128, causal, bf16): the Triton attention forward ran
+# 329-372 TFLOP/s and its backward 151-180 TFLOP/s (FLOPs counted as there: backward 2.5x
+# forward); the LM head's bf16 GEMMs about 410 TFLOP/s forward
+# (lm_head_nvidia_h100_80gb_hbm3.csv, V 128256, H 4096).
+ATTENTION_FWD_TFLOPS = 350.0
+ATTENTION_BWD_TFLOPS = 170.0
+MATMUL_TFLOPS = 400.0
 
-    values = {"attention_forward": plan.ATTENTION_FWD_TFLOPS,
-              "attention_backward": plan.ATTENTION_BWD_TFLOPS, "matmul": plan.MATMUL_TFLOPS}
+
+def default_throughputs() -> Throughputs:
+    """The plan's own rates (the H100 figures above, ``plan.ATTENTION_FWD_TFLOPS`` etc.), one
+    per kind for every S."""
+    values = {"attention_forward": ATTENTION_FWD_TFLOPS,
+              "attention_backward": ATTENTION_BWD_TFLOPS, "matmul": MATMUL_TFLOPS}
     return Throughputs(tuple(Rate(k, float(v), source="ckpt_ext.plan") for k, v in
                              values.items()),
                        {"command": "(none: ckpt_ext.plan's constants)", "commit": "-",
@@ -194,8 +202,9 @@ def from_backend_rows(csv_path, backend: str = "auto",
     ``backend`` rows at whole causal sequences (Sq == Sk, q_offset 0, no masks), its "fwd"
     and "bwd" TFLOP/s (FLOPs counted as the plan counts them: backward 2.5 forwards), one rate
     per kind and measured S, covering the lengths up to it (the longest measured also every
-    longer S); with ``matmul_tflops``, a matmul rate too. Returns the Rates (``write_throughputs`` makes
-    a file of them). ValueError naming the file when it holds no such rows."""
+    longer S); with ``matmul_tflops``, a matmul rate too. Returns the Rates
+    (``write_throughputs`` makes a file of them). ValueError naming the file when it holds
+    no such rows."""
     path = pathlib.Path(csv_path)
     lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
     measured = {}
