@@ -16,6 +16,9 @@ variable-length op, and their routing by ckpt_ext.attention_route.
   reason, and then served by the fallback (or a pinned backend raising with the rule).
 * The arguments handed to ``aten._flash_attention_forward`` / ``_backward`` with fake CUDA
   tensors.
+* A patched HF model whose CPU attention ops are the router with the stand-in pinned: packed
+  and padded batches through the tiled layer's own calls give the ATen kernels' loss and
+  gradients.
 * On a GPU (skipped here with the reason): flash's variable-length op pinned against float64.
 """
 import math
@@ -485,3 +488,65 @@ def test_gpu_flash_varlen_matches_fp64_in_chunks(name, window):
             for key in ("dq", "dk", "dv"):
                 check_vs_baseline(key, got[key], base[key], want[key], FACTOR_GRAD,
                                   scale=grad_scale)
+
+
+# ---- through the decoder layer: a patched HF model ---------------------------------------------
+def _no_fallback(*args):
+    raise AssertionError("a call reached the fallback: the pinned stand-in should serve it")
+
+
+@pytest.mark.parametrize("batch", ["packed", "padded"])
+def test_patched_model_through_the_varlen_route(batch):
+    """A patched tiny LLaMA (``min_memory``, the layer tiled into query chunks of 7 rows) whose
+    CPU attention ops are replaced by the router with the variable-length stand-in pinned:
+    packed documents (position ids) and a left-padded batch give the loss, logits and every
+    gradient of the same model on the ATen kernels, through the layer's own calls (query
+    chunks at their offsets, dK / dV into its accumulators, the recomputed forward)."""
+    import copy
+    import warnings
+
+    from hf_fixtures import TINY, make_model, padded_batch
+    from test_hf import TOL, run
+
+    ref_model = ckpt_ext.patch_llama(make_model("llama", "sdpa"), "min_memory")
+    model = copy.deepcopy(ref_model)
+    g = torch.Generator().manual_seed(4)
+    if batch == "packed":
+        lengths = [9, 1, 15, 4]
+        ids = torch.randint(1, TINY["vocab_size"], (1, sum(lengths)), generator=g)
+        kwargs = dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None])
+        mask, labels = None, ids.clone()
+    else:
+        ids, mask, labels = padded_batch(TINY["vocab_size"], 2, 23, pad=6, seed=4)
+        kwargs = {}
+    width = 4 * TINY["num_attention_heads"] * TINY["head_dim"] + 3 * TINY["intermediate_size"]
+    adapter = CpuVarlen()
+    router = varlen_router()
+    router.adapters = {"flash": adapter}
+    router.fallback_fwd = router.fallback_bwd = _no_fallback
+    with config.patch(chunk_bytes=str(7 * width * 4)):
+        want = run(ref_model, ids, mask, labels, **kwargs)
+        lib = torch.library.Library("ckpt_ext", "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="(?s).*Overriding a previously")
+                lib.impl("attention_fwd", router.fwd, "CPU")
+                lib.impl("attention_bwd", router.bwd, "CPU")
+            with config.patch(attention_backend="flash", attention_dq="atomic"):
+                got = run(model, ids, mask, labels, **kwargs)
+        finally:
+            lib._destroy()
+    chunked = [c for c in adapter.launches if c[0] == "bwd" and len(c[2]) > 1]
+    assert chunked, "the stand-in served no call"
+    # every layer's every query chunk, forward and backward (min_memory's recompute included)
+    assert len(adapter.launches) >= 3 * 2 * (-(-ids.shape[1] // 7)), len(adapter.launches)
+    (out_w, grads_w), (out_g, grads_g) = want, got
+    torch.testing.assert_close(out_g.loss, out_w.loss, **TOL)
+    assert grads_g.keys() == grads_w.keys()
+    for name in grads_w:
+        torch.testing.assert_close(grads_g[name], grads_w[name], **TOL, msg=name)
+    # the ATen kernels are back: a call no longer reaches the stand-in
+    seen = len(adapter.launches)
+    torch.ops.ckpt_ext.attention_fwd(*rand_qkv(1, 2, 2, 5, 8, torch.float32)[:3], None,
+                                     torch.zeros(1, 5, dtype=torch.int32), None, True, 0.3)
+    assert len(adapter.launches) == seen
