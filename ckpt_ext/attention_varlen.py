@@ -102,7 +102,8 @@ class Layout:
         return cls("padded", tuple(runs), Sk)
 
     def first_run(self, b: int, pos: int) -> int:
-        """The index of the first run of row b that ends after ``pos``."""
+        """The index of the run of row b that holds position ``pos`` (packed runs cover
+        every position)."""
         return max(bisect.bisect_right(self._starts[b], pos) - 1, 0)
 
 
