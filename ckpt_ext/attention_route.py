@@ -30,10 +30,12 @@ one run of real keys per row (padding), one of the two, no window with a padding
 of these holds is read from the masks (one host sync per mask tensor) only when a vendor
 backend would otherwise serve the call; rows that see nothing never reach the vendor op.
 A vendor backward serves by default only when it is deterministic: under ``attention_dq =
-"separate"`` (the default) ``flash`` only while ``torch.use_deterministic_algorithms(True)``
-holds (FlashAttention-2 then runs its deterministic backward), ``efficient`` with
-``num_splits_key=1`` (one program walks all key blocks of a head, dQ summed in a fixed
-order), ``cudnn`` never; ``attention_dq = "atomic"`` or a pinned backend allows any.
+"separate"`` (the default) ``flash`` runs FlashAttention-2's deterministic backward (which
+torch selects by ``torch.use_deterministic_algorithms(True)`` alone, so the adapter turns that
+process-wide flag on around the one aten call, :func:`deterministic_torch`), ``efficient``
+with ``num_splits_key=1`` (one program walks all key blocks of a head, dQ summed in a fixed
+order), ``cudnn`` never; ``attention_dq = "atomic"`` allows any (flash's backward then
+follows torch's flag as the user set it), and so does a pinned backend.
 
 Query chunks (Sq < Sk with q_offset, the sequence-tiled layer's calls). Causal rows see no key
 past q_offset + Sq, so the keys are cut there. A backend with a bottom-right causal alignment
@@ -58,6 +60,7 @@ measured at run time. Calls on CPU tensors never come here (the ATen kernels ser
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -158,11 +161,9 @@ class Capabilities:
     max_head_dim: dict                     # backend -> largest head_dim
     bottom_right: frozenset = frozenset(("flash", "efficient"))   # causal Sq < Sk aligned right
     window: frozenset = frozenset()        # backends serving the causal sliding window
-    # backends whose backward is deterministic whatever torch's flags say (efficient: with
-    # num_splits_key=1), and those deterministic while torch.use_deterministic_algorithms(True)
-    # holds without warn_only (flash: FlashAttention-2's deterministic backward)
-    deterministic_bwd: frozenset = frozenset(("efficient",))
-    deterministic_with_torch_flag: frozenset = frozenset(("flash",))
+    # backends whose adapters run a deterministic backward when asked (efficient: with
+    # num_splits_key=1; flash: FlashAttention-2's, under torch's deterministic flag)
+    deterministic_bwd: frozenset = frozenset(("efficient", "flash"))
     # backends that take GQA K/V as they are; the others get copies expanded to Hq heads, up
     # to this many bytes of expanded K and V together
     native_gqa: frozenset = frozenset(("flash", "cudnn"))
@@ -170,12 +171,6 @@ class Capabilities:
     # backends serving padded and packed calls through a variable-length op
     varlen: frozenset = frozenset(("flash",))
 
-    def deterministic(self) -> frozenset:
-        """The backends whose backward is deterministic now."""
-        flagged = (torch.are_deterministic_algorithms_enabled()
-                   and not torch.is_deterministic_algorithms_warn_only_enabled())
-        return self.deterministic_bwd | (self.deterministic_with_torch_flag if flagged
-                                         else frozenset())
 
 
 _caps_cache: dict = {}
@@ -301,13 +296,12 @@ def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table"
         return setting
     table = current_table() if table is None else table
     need_deterministic = call.phase == "bwd" and dq_mode == "separate"
-    deterministic = caps.deterministic() if need_deterministic else None
     for backend in table.lookup(call, caps.arch):
         if backend == "triton":
             return backend
         if refusals(backend, call, caps):
             continue
-        if need_deterministic and backend not in deterministic:
+        if need_deterministic and backend not in caps.deterministic_bwd:
             continue
         return backend
     return "triton"
@@ -480,6 +474,29 @@ def _expand_kv(t, Hq):
 
 
 # ---- the vendor adapters -----------------------------------------------------------------------
+_flag_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def deterministic_torch(on: bool):
+    """``torch.use_deterministic_algorithms(True)`` (without warn_only) for the block when
+    ``on`` and it is not in force already: FlashAttention-2's backward in torch is
+    deterministic under that flag and under nothing else. The flag is process-wide, so the
+    block holds one aten call and restores the user's setting after it, under a lock (two
+    threads of this module never interleave their restores); another thread's CUDA op that
+    runs meanwhile sees the flag too."""
+    if not on or (torch.are_deterministic_algorithms_enabled()
+                  and not torch.is_deterministic_algorithms_warn_only_enabled()):
+        yield
+        return
+    with _flag_lock:
+        before = (torch.are_deterministic_algorithms_enabled(),
+                  torch.is_deterministic_algorithms_warn_only_enabled())
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 # Each adapter computes one call with no q_offset: fwd(q, k, v, causal, scale, window) ->
 # (out (B, Hq, Sq, D), lse (B, Hq, Sq) in the natural log), causal with Sq < Sk only where
 # ``bottom_right``; bwd(dout, q, k, v, out, lse, causal, scale, window, deterministic) ->
@@ -502,14 +519,15 @@ class FlashAdapter:
         return out.transpose(1, 2), lse
 
     def bwd(self, dout, q, k, v, out, lse, causal, scale, window=None, deterministic=False):
-        # FlashAttention-2 reads torch's deterministic flag itself (Capabilities.deterministic).
         Sq, Sk = q.shape[2], k.shape[2]
         rng = torch.zeros((2,), dtype=torch.uint64, device=q.device)     # dropout 0: unused
         unused = torch.zeros((), dtype=torch.uint64, device=q.device)
-        dq, dk, dv = aten._flash_attention_backward(
-            _bshd(dout), _rows_last(q), _rows_last(k), _rows_last(v), _bshd(out),
-            lse.contiguous(), None, None, Sq, Sk, 0.0, bool(causal), rng, unused,
-            scale=float(scale), **self._window(causal, window))
+        dout, q_, k_, v_, out = (_bshd(dout), _rows_last(q), _rows_last(k), _rows_last(v),
+                                 _bshd(out))
+        with deterministic_torch(deterministic):
+            dq, dk, dv = aten._flash_attention_backward(
+                dout, q_, k_, v_, out, lse.contiguous(), None, None, Sq, Sk, 0.0, bool(causal),
+                rng, unused, scale=float(scale), **self._window(causal, window))
         Hkv = k.shape[1]
         return (dq.transpose(1, 2), _group_sum(dk.transpose(1, 2), Hkv),
                 _group_sum(dv.transpose(1, 2), Hkv))
@@ -531,10 +549,11 @@ class FlashAdapter:
                    window=None, deterministic=False):
         rng = torch.zeros((2,), dtype=torch.uint64, device=q.device)     # dropout 0: unused
         unused = torch.zeros((), dtype=torch.uint64, device=q.device)
-        dq, dk, dv = aten._flash_attention_backward(
-            _contiguous(dout), q, k, v, _contiguous(out), lse.contiguous(), cu_q, cu_k, max_q,
-            max_k, 0.0, bool(causal), rng, unused, scale=float(scale),
-            **self._window(causal, window))
+        dout, out, lse = _contiguous(dout), _contiguous(out), lse.contiguous()
+        with deterministic_torch(deterministic):
+            dq, dk, dv = aten._flash_attention_backward(
+                dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, bool(causal), rng,
+                unused, scale=float(scale), **self._window(causal, window))
         Tk, Hkv, D = k.shape
         if dk.shape[1] != Hkv:   # Hq-headed: each KV head's query group summed in fp32
             dk, dv = (t.to(_work_dtype(t.dtype)).view(Tk, Hkv, -1, D).sum(2) for t in (dk, dv))

@@ -362,27 +362,57 @@ def test_served_calls():
 
 def test_backward_determinism():
     """A vendor backward serves by default (attention_dq "separate") only if deterministic:
-    efficient (num_splits_key=1); flash only under torch's deterministic flag; cudnn never.
-    "atomic" or a pin allows any."""
+    efficient (num_splits_key=1) and flash (FlashAttention-2's deterministic backward, under
+    the flag its adapter turns on); cudnn never. "atomic" or a pin allows any."""
     caps = _sm90()
     bwd = _call(phase="bwd")
     table = route.Table(rules=({"phase": "bwd", "backends": ("cudnn", "flash", "efficient")},
                                {"backends": ("cudnn",)}))
     assert route.choose(_call(), caps, "auto", table, "separate") == "cudnn"   # forward
-    assert route.choose(bwd, caps, "auto", table, "separate") == "efficient"
+    assert route.choose(bwd, caps, "auto", table, "separate") == "flash"
     assert route.choose(bwd, caps, "auto", table, "atomic") == "cudnn"
     assert route.choose(bwd, caps, "cudnn", None, "separate") == "cudnn"        # pinned
-    only_flash = route.Table(rules=({"backends": ("flash",)},))
-    assert route.choose(bwd, caps, "auto", only_flash, "separate") == "triton"
+    only_cudnn = route.Table(rules=({"backends": ("cudnn",)},))
+    assert route.choose(bwd, caps, "auto", only_cudnn, "separate") == "triton"
+
+
+@pytest.mark.parametrize("user_flag", [(False, False), (True, True), (True, False)])
+def test_flash_backward_runs_under_torchs_deterministic_flag(fake_cuda, monkeypatch,
+                                                            user_flag):
+    """Asked for a deterministic backward, the flash adapter runs the aten call (dense and
+    variable-length) with torch.use_deterministic_algorithms(True) in force, and gives the
+    user's setting (off, warn-only, on) back after it; not asked, it leaves the flag alone."""
+    seen = []
+
+    class Watching:
+        def __getattr__(self, name):
+            call = getattr(fake_cuda, name)
+
+            def wrapped(*args, **kwargs):
+                if name == "_flash_attention_backward":
+                    seen.append((torch.are_deterministic_algorithms_enabled(),
+                                 torch.is_deterministic_algorithms_warn_only_enabled()))
+                return call(*args, **kwargs)
+            return wrapped
+    monkeypatch.setattr(route, "aten", Watching())
+    adapter = route.FlashAdapter()
+    q, k, v, dout, _, _ = _fake_inputs(1, 8, 2, 64, 64, 64)
+    lse = torch.empty(1, 8, 64, device="cuda")
+    cu = torch.zeros(2, dtype=torch.int32, device="cuda")
+    flat = [t.transpose(1, 2).reshape(64, t.shape[1], 64) for t in (q, k, v, dout)]
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
     try:
-        torch.use_deterministic_algorithms(True)
-        assert route.choose(bwd, caps, "auto", only_flash, "separate") == "flash"
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        assert route.choose(bwd, caps, "auto", only_flash, "separate") == "triton"
+        torch.use_deterministic_algorithms(user_flag[0], warn_only=user_flag[1])
+        for deterministic in (True, False):
+            adapter.bwd(dout, q, k, v, dout, lse, True, 0.1, None, deterministic)
+            adapter.varlen_bwd(flat[3], flat[0], flat[1], flat[2], flat[3], lse.select(0, 0), cu, cu, 64,
+                               64, True, 0.1, None, deterministic)
+            assert (torch.are_deterministic_algorithms_enabled(),
+                    torch.is_deterministic_algorithms_warn_only_enabled()) == user_flag
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert seen == [(True, False)] * 2 + [user_flag] * 2
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -644,24 +674,20 @@ def test_gpu_default_is_triton_and_auto_follows_a_table(tmp_path):
 @pytest.mark.parametrize("backend", ["efficient", "flash"])
 def test_gpu_deterministic_backward_is_bitwise_repeatable(backend):
     """What the determinism rule assumes: efficient's backward with num_splits_key=1, and
-    flash's under torch.use_deterministic_algorithms(True), repeat bit for bit (a check, not a
-    proof: a nondeterministic sum can repeat by chance)."""
+    flash's under the flag the adapter turns on, repeat bit for bit (a check, not a proof: a
+    nondeterministic sum can repeat by chance); torch's flag is the user's again after."""
     if backend not in _gpu_backends():
         pytest.skip(f"{backend} is not available on this GPU / torch")
     torch.manual_seed(1)
     q, k, v, dout = (torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
     ops = torch.ops.ckpt_ext
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    try:
-        torch.use_deterministic_algorithms(backend == "flash")
-        with config.patch(attention_backend=backend, attention_dq="separate"):
-            out, lse = ops.attention_fwd(q, k, v, None, None, None, True, 0.1)
-            runs = [ops.attention_bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1)
-                    for _ in range(5)]
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    before = torch.are_deterministic_algorithms_enabled()
+    with config.patch(attention_backend=backend, attention_dq="separate"):
+        out, lse = ops.attention_fwd(q, k, v, None, None, None, True, 0.1)
+        runs = [ops.attention_bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1)
+                for _ in range(5)]
+    assert torch.are_deterministic_algorithms_enabled() == before
     for r in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r, runs[0]))
 
