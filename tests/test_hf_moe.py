@@ -514,7 +514,7 @@ def test_auto_policy_chooses_for_moe(offload):
     shared = model.model.layers[0].forward.shared
     assert shared.layer_dims() == dims
     got = loss_and_grads(model, ids, mask, labels)
-    chosen = shared.auto[B_, S_, torch.float32, True]
+    chosen = shared.auto[B_, S_, torch.float32, True, 0, 0]
     if offload is None:
         assert chosen == plan.choose_presets(dims, B_, S_, torch.float32, budget)
         assert len(set(chosen)) > 1, chosen  # the budget forces a mix

@@ -702,3 +702,37 @@ def test_cuda_sanitizer_finds_no_race():
                        timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-4000:]
     assert "CSAN" not in r.stderr, r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("family, ranks", [("llama", (8, 0)), ("qwen3_moe", (4, 4))])
+def test_auto_with_offload_counts_the_adapters(family, ranks):
+    """policy='auto' with offload on a PEFT model: the time model counts its adapters' GEMMs
+    (rank read off the lora_A weights: dense (r, in), experts' (r * E, in)), so the choice is
+    the plan's for that rank with frozen base weights."""
+    pytest.importorskip("peft")
+    import peft
+    from hf_fixtures import TINY as FIXTURE_TINY
+    from hf_fixtures import make_model, padded_batch
+    from test_hf_moe import make as make_moe
+    from ckpt_ext.throughputs import default_throughputs
+    model = make_moe(family) if family == "qwen3_moe" else make_model(family)
+    extra = ({"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+             if family == "qwen3_moe" else {})
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=ranks[0], lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"] +
+        ([] if family == "qwen3_moe" else ["gate_proj", "up_proj", "down_proj"]), **extra))
+    b, s = 2, 16
+    ckpt_ext.patch_llama(model, "auto", activation_budget=1 << 40, offload="cpu",
+                         host_link_gbytes_per_s=1e5)
+    base = model.get_base_model()
+    shared = base.model.layers[0].forward.shared
+    assert shared.lora_ranks() == ranks
+    ids, mask, labels = padded_batch(FIXTURE_TINY["vocab_size"], b, s)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    (key, chosen), = shared.auto.items()
+    assert key == (b, s, torch.float32, False, *ranks)
+    ref = plan.choose_offload_layers(shared.layer_dims(), b, s, torch.float32, 1 << 40, None,
+                                     train_weights=False, lora_rank=ranks[0],
+                                     expert_lora_rank=ranks[1], host_link_gbytes_per_s=1e5,
+                                     **default_throughputs().step_time_kwargs(s))
+    assert chosen == list(ref.presets)

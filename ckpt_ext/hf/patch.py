@@ -452,10 +452,27 @@ class _Shared:
         train_weights = any(p.requires_grad for layer in self.layers
                             for n, p in layer.named_parameters()
                             if p.dim() >= 2 and "lora_" not in n)
-        return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights)
+        return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights,
+                            *self.lora_ranks())
 
-    def _offload_choice(self, b: int, s: int, dtype: torch.dtype,
-                        train_weights: bool) -> List[str]:
+    @torch.compiler.assume_constant_result
+    def lora_ranks(self) -> Tuple[int, int]:
+        """(dense rank, expert rank) of the layers' PEFT adapters (the largest), 0 where there
+        are none: the time model's LoRA GEMMs (ckpt_ext.plan counts them on every
+        projection). A dense ``lora_A`` is (r, in); an expert one (r * E, in)."""
+        dense = experts = 0
+        for layer, dims in zip(self.layers, self.layer_dims()):
+            for name, p in layer.named_parameters():
+                if ".lora_A." not in name or p.dim() != 2:
+                    continue
+                if ".experts." in name and dims.experts:
+                    experts = max(experts, p.shape[0] // dims.experts)
+                else:
+                    dense = max(dense, p.shape[0])
+        return dense, experts
+
+    def _offload_choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
+                        lora_rank: int = 0, expert_lora_rank: int = 0) -> List[str]:
         """policy="auto" with offload: the plan's choice by time (ckpt_ext.plan.
         choose_offload_layers) within the activation budget, which bounds what the device
         holds of the layers (the offloader's prefetch pool and the layers past its limit),
@@ -466,7 +483,7 @@ class _Shared:
         off = self.offloader
         choice = choose_offload_layers(
             dims, b, s, dtype, self.budget, off.limit, train_weights=train_weights,
-            prefetch=off.prefetch, host_link_gbytes_per_s=self.host_link,
+            lora_rank=lora_rank, expert_lora_rank=expert_lora_rank, prefetch=off.prefetch, host_link_gbytes_per_s=self.host_link,
             **default_throughputs().step_time_kwargs(s))
         if choice is None:
             from ..plan import _offload_split, _pool
@@ -480,12 +497,14 @@ class _Shared:
         return list(choice.presets)
 
     @torch.compiler.assume_constant_result
-    def _choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool) -> List[str]:
+    def _choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
+                lora_rank: int = 0, expert_lora_rank: int = 0) -> List[str]:
         """The presets for one shape, cached; a constant to torch.compile, which guards on
         the shapes it is called with (the choice depends on nothing else)."""
-        key = (b, s, dtype, train_weights)
+        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank)
         if key not in self.auto and self.offloader is not None:
-            self.auto[key] = self._offload_choice(b, s, dtype, train_weights)
+            self.auto[key] = self._offload_choice(b, s, dtype, train_weights, lora_rank,
+                                                  expert_lora_rank)
         if key not in self.auto:
             from ..plan import choose_presets
             self.auto[key] = choose_presets(self.layer_dims(), b, s, dtype, self.budget)
