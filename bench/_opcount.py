@@ -57,10 +57,12 @@ Counted = collections.namedtuple("Counted", "count flops bytes")
 
 
 def _tensors(ev):
-    """(shape, element bytes) of an event's tensor inputs."""
+    """(shape, element bytes) of an event's tensor inputs; 0-d tensors (wrapped scalars) are
+    left out, so that an op is counted even where it copies a scalar into a tensor first."""
     out = []
     for shape, dt in zip(ev.input_shapes or [], ev.input_dtypes or []):
-        if dt in _SIZES and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+        if (dt in _SIZES and isinstance(shape, list) and shape
+                and all(isinstance(d, int) for d in shape)):
             out.append((shape, _SIZES[dt]))
     return out
 
