@@ -728,6 +728,28 @@ def _rank_products(dz, b, xa, need_db):
     return dxa, db
 
 
+def _down_pieces(h, drop, a_down, dyb, need_da, need_ha):
+    """The down adapter's gradient pieces from h (T, I), the product the kernel rounded (and
+    stored) in x's dtype: (dyb^T h' (r, I) when need_da, h' A_down^T (T, r) when need_ha),
+    fp32 (else None), h' = h with the adapter's dropout (drop, None without), widened in fp32
+    row chunks of at most 64 MiB (the dropout's rows are the global ones)."""
+    T, I = h.shape
+    af = _f32(a_down)                                                    # (r, I)
+    dlad = h.new_zeros(af.shape, dtype=torch.float32) if need_da else None
+    ha = h.new_empty((T, af.shape[0]), dtype=torch.float32) if need_ha else None
+    rows = max(1, _RANK_CHUNK_BYTES // (4 * max(I, 1)))
+    for t0 in range(0, T, rows):
+        hc = h[t0:t0 + rows]
+        z = hc.float() if drop is None else _lora_dropout(hc, drop.seed, drop.stream, drop.p,
+                                                          drop.row0 + t0,
+                                                          out_dtype=torch.float32)
+        if need_ha:
+            torch.mm(z, af.t(), out=ha[t0:t0 + rows])
+        if need_da:
+            dlad.addmm_(dyb[t0:t0 + rows].t(), z)
+    return dlad, ha
+
+
 def _rank_pad(r):
     """The rank padded for tl.dot: a power of two, at least 16."""
     return _launch.pow2_bucket(r, 16)
@@ -914,9 +936,6 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     f32 = torch.float32
 
-    def zeros_or_dummy(cond, shape):
-        return x.new_zeros(shape, dtype=f32) if cond else dummy
-
     xd = _adapter_inputs(x, (lg, lu), drop[:2])                       # x' per adapter
     xag, xau = (t if t is not None else dummy
                 for t in _input_products(xd, (lg, lu), (recompute or n_lb[0],
@@ -924,26 +943,28 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     drop_d, has_drop_d = _down_dropout_args(drop[2])
     dyf = dy.float() if ld else None
     dyb = torch.mm(dyf, _f32(ld[1])) if ld else dummy                 # (T, r_d)
-    dlad = zeros_or_dummy(n_la[2], (_rank(ld), I))
-    ha = zeros_or_dummy(n_lb[2], (T, _rank(ld)))
+    # The down adapter's gradient pieces (dyb^T h', h' A_down^T) come from the stored h after
+    # the kernel (_down_pieces), not from atomic sums in its tiles: those cost the tile its
+    # registers (sm_90: spills at every tile above 32x64; without them 128x64 fits).
+    down_pieces = n_la[2] or n_lb[2]
 
     dh = torch.mm(dy, w_down)              # (T, I), contiguous; becomes dgate in place
     dup = x.new_empty((T, I))
-    h = x.new_empty((T, I)) if n_wd else dup   # dup: a placeholder never written
+    h = x.new_empty((T, I)) if n_wd or down_pieces else dup   # dup: a placeholder never written
     if T > 0 and I > 0:
         gate_c = gate.contiguous() if not recompute else dup
         up_c = up.contiguous() if not recompute else dup
         b_gate_c = b_gate.contiguous() if b_gate is not None else dup
         b_up_c = b_up.contiguous() if b_up is not None else dup
         kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
-                                     b_gate is not None, b_up is not None, recompute, n_wd,
-                                     (n_la[2], n_lb[2]), _lora_pads(ad), has_drop_d,
-                                     _lora_precision(x.dtype), activation)
+                                     b_gate is not None, b_up is not None, recompute,
+                                     n_wd or down_pieces, (False, False), _lora_pads(ad),
+                                     has_drop_d, _lora_precision(x.dtype), activation)
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
-                _f32(ld[0]) if ld else dummy, dyb, dlad, ha,
+                _f32(ld[0]) if ld else dummy, dyb, dummy, dummy,
                 _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld), *drop_d,
                 T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
@@ -955,6 +976,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         return x.new_empty((0,))   # distinct placeholders: outputs must not alias
 
     dw_down = torch.mm(dy.t(), h) if n_wd else none()     # (H, I)
+    if down_pieces:
+        dlad, ha = _down_pieces(h, drop[2], ld[0], dyb, n_la[2], n_lb[2])
     del h
     dx = torch.mm(dgate, w_gate)           # (T, H)
     if dx.is_cuda:
