@@ -365,14 +365,15 @@ void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
 // ---- projections (with optional LoRA) ------------------------------------------------------
 
 // y = inp W^T + b + scaling * (dropout(inp) A^T) B^T; inp in the compute dtype, dropout in
-// the LoRA dtype (PEFT's order); row0 as in lora_input.
+// the LoRA dtype (PEFT's order); row0 as in lora_input. The scaling and the sum are one pass
+// (add_ with alpha, at the ops' float32 width, one rounding to y's dtype).
 at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0) {
   at::Tensor y = at::linear(inp, L.cast(L.proj(p)), L.cast_opt(L.proj(p, kBias)));
   if (L.has_lora(p)) {
     const at::ScalarType ld = L.lora_dtype(p);
     const at::Tensor u =
         at::linear(lora_input(L, p, inp.to(ld), row0), L.proj(p, kLoraA).to(ld));
-    y.add_(at::linear(u, L.proj(p, kLoraB).to(ld)).mul_(L.lora_scale(p)).to(y.scalar_type()));
+    y.add_(at::linear(u, L.proj(p, kLoraB).to(ld)), L.lora_scale(p));
   }
   return y;
 }
@@ -416,8 +417,9 @@ at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Ten
     const at::Tensor a = L.proj(p, kLoraA).to(ld), b = L.proj(p, kLoraB).to(ld);
     const at::Tensor dyl = dy2.to(ld), inpl = lora_input(L, p, inp2.to(ld), row0);
     const at::Tensor dyb = dyl.mm(b);  // (T, r)
-    // dropout is linear and its own adjoint: the input's gradient gets the forward's mask
-    dinp.add_(lora_input(L, p, dyb.mm(a).mul_(s), row0).to(dinp.scalar_type()));
+    // dropout is linear and its own adjoint: the input's gradient gets the forward's mask;
+    // the scaling and the sum in one pass (add_ with alpha)
+    dinp.add_(lora_input(L, p, dyb.mm(a), row0), s);
     if (needs[slot(p, kLoraB)]) g.add(slot(p, kLoraB), dyl.t().mm(inpl.mm(a.t())).mul_(s));
     if (needs[slot(p, kLoraA)]) g.add(slot(p, kLoraA), dyb.t().mm(inpl).mul_(s));
   }

@@ -85,9 +85,12 @@ def _lora_dropout_kernel(x_ptr, out_ptr, rows, cols, key, threshold, inv, row0,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def lora_dropout(x, seed, stream, p, row_offset=0):
+def lora_dropout(x, seed, stream, p, row_offset=0, out_dtype=None):
     """The ``lora_dropout`` op on a CUDA tensor (or a CPU one under the interpreter); x's
-    rows are rows ``row_offset``.. of a larger tensor."""
+    rows are rows ``row_offset``.. of a larger tensor. ``out_dtype`` (the launchers' own
+    argument, not the op's): the result's dtype, x's by default; float32 gives exactly
+    ``lora_dropout(x.float(), ...)`` (the product is float32 either way) in one pass, without
+    the float32 copy of x."""
     op = "lora_dropout"
     _check_floating(op, "x", x)
     _launch.check_operands(op, ("x", x), uses_dot=False)
@@ -95,7 +98,7 @@ def lora_dropout(x, seed, stream, p, row_offset=0):
     _check_row_offset(op, "row_offset", row_offset)
     key = dropout_key(read_seed(op, "seed", seed), stream)
     src = x.contiguous()
-    out = torch.empty_like(src)
+    out = torch.empty_like(src, dtype=out_dtype)
     if src.numel() == 0:
         return out
     cols = src.shape[-1] if src.dim() else 1

@@ -650,9 +650,53 @@ def _dropouts(lora_dropout, dropout_seed, ad, row0, streams=()):
             for p, prob in enumerate(list(lora_dropout) or [0.0] * 3)]
 
 
-def _adapter_input(xf, drop):
-    """An adapter's fp32 input with its dropout applied (xf itself without one)."""
-    return xf if drop is None else _lora_dropout(xf, drop.seed, drop.stream, drop.p, drop.row0)
+def _adapter_input(t, drop):
+    """An fp32 tensor t with an adapter's dropout applied (t itself without one)."""
+    return t if drop is None else _lora_dropout(t, drop.seed, drop.stream, drop.p, drop.row0)
+
+
+def _adapter_inputs(x, adapters, drops):
+    """The gate/up adapters' fp32 inputs x' (None for an absent adapter): an adapter with
+    dropout reads x and writes its x' in one pass (no fp32 copy of x first: the same bits as
+    dropout of x.float()); those without share one fp32 copy of x, and two with the same mask
+    one x' (the same tensor)."""
+    xf, out = None, []
+    for a, drop in zip(adapters, drops):
+        if a is None:
+            out.append(None)
+        elif drop is not None and out and out[0] is not None and _same_mask(drop, drops[0]):
+            out.append(out[0])   # one stream for both (a fused gate_up_proj's adapter)
+        elif drop is not None:
+            out.append(_lora_dropout(x, drop.seed, drop.stream, drop.p, drop.row0,
+                                     out_dtype=torch.float32))
+        else:
+            xf = x.float() if xf is None else xf
+            out.append(xf)
+    return out
+
+
+def _same_mask(a, b):
+    """Whether two dropouts apply the same mask and scale."""
+    return (b is not None and a.p == b.p and a.key == b.key and a.row0 == b.row0)
+
+
+def _shared_input(xd):
+    """Whether both gate/up adapters read the same x' (no dropout, or the same mask): then
+    their rank-r products with x' are one GEMM over the two factors stacked, and so are the
+    low-rank paths of dx."""
+    return xd[0] is not None and xd[0] is xd[1]
+
+
+def _input_products(xd, adapters, wanted):
+    """[x'_g A_g^T, x'_u A_u^T] (fp32 (T, r), contiguous; None where absent or not wanted):
+    one GEMM over [A_g; A_u] when the two read the same x'."""
+    if _shared_input(xd) and all(wanted):
+        lg, lu = adapters
+        both = torch.mm(xd[0], torch.cat([_f32(lg[0]), _f32(lu[0])]).t())   # (T, r_g + r_u)
+        r = lg[0].shape[0]
+        return [both[:, :r].contiguous(), both[:, r:].contiguous()]
+    return [torch.mm(t, _f32(a[0]).t()) if a is not None and w else None
+            for t, a, w in zip(xd, adapters, wanted)]
 
 
 def _down_dropout_args(drop):
@@ -682,6 +726,28 @@ def _rank_products(dz, b, xa, need_db):
         if need_db:
             db.addmm_(z.t(), xa[t0:t0 + rows])
     return dxa, db
+
+
+def _down_pieces(h, drop, a_down, dyb, need_da, need_ha):
+    """The down adapter's gradient pieces from h (T, I), the product the kernel rounded (and
+    stored) in x's dtype: (dyb^T h' (r, I) when need_da, h' A_down^T (T, r) when need_ha),
+    fp32 (else None), h' = h with the adapter's dropout (drop, None without), widened in fp32
+    row chunks of at most 64 MiB (the dropout's rows are the global ones)."""
+    T, I = h.shape
+    af = _f32(a_down)                                                    # (r, I)
+    dlad = h.new_zeros(af.shape, dtype=torch.float32) if need_da else None
+    ha = h.new_empty((T, af.shape[0]), dtype=torch.float32) if need_ha else None
+    rows = max(1, _RANK_CHUNK_BYTES // (4 * max(I, 1)))
+    for t0 in range(0, T, rows):
+        hc = h[t0:t0 + rows]
+        z = hc.float() if drop is None else _lora_dropout(hc, drop.seed, drop.stream, drop.p,
+                                                          drop.row0 + t0,
+                                                          out_dtype=torch.float32)
+        if need_ha:
+            torch.mm(z, af.t(), out=ha[t0:t0 + rows])
+        if need_da:
+            dlad.addmm_(dyb[t0:t0 + rows].t(), z)
+    return dlad, ha
 
 
 def _rank_pad(r):
@@ -786,10 +852,10 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     gate, up = x.new_empty(gu_shape), x.new_empty(gu_shape)
     lg, lu, ld = ad
     dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
-    xf = x.float() if (lg or lu) else None
-    xag = torch.mm(_adapter_input(xf, drop[0]), _f32(lg[0]).t()) if lg else dummy  # (T, r_g)
-    xau = torch.mm(_adapter_input(xf, drop[1]), _f32(lu[0]).t()) if lu else dummy  # (T, r_u)
-    del xf
+    xd = _adapter_inputs(x, (lg, lu), drop[:2])                       # x' per adapter
+    xag, xau = (t if t is not None else dummy                          # (T, r_g), (T, r_u)
+                for t in _input_products(xd, (lg, lu), (True, True)))
+    del xd
     ha = x.new_zeros((T, _rank(ld)), dtype=torch.float32) if ld else dummy
     drop_d, has_drop_d = _down_dropout_args(drop[2])
     if T > 0 and I > 0:
@@ -811,8 +877,8 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
                 w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1), **meta)
     y = torch.nn.functional.linear(h, w_down, b_down)
     del h
-    if ld is not None:
-        y.add_(torch.mm(ha, _f32(ld[1]).t()).mul_(ld[2]))   # fp32 term, one rounding
+    if ld is not None:   # fp32 term (s scales the (T, r) factor), one rounding
+        y.add_(torch.mm(ha.mul_(ld[2]), _f32(ld[1]).t()))
     return y, gate, up
 
 
@@ -870,36 +936,35 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     f32 = torch.float32
 
-    def zeros_or_dummy(cond, shape):
-        return x.new_zeros(shape, dtype=f32) if cond else dummy
-
-    xf = x.float() if (lg or lu) else None
-    xd = [_adapter_input(xf, drop[p]) if a is not None else None
-          for p, a in enumerate((lg, lu))]                               # x' per adapter
-    xag = torch.mm(xd[0], _f32(lg[0]).t()) if lg and (recompute or n_lb[0]) else dummy
-    xau = torch.mm(xd[1], _f32(lu[0]).t()) if lu and (recompute or n_lb[1]) else dummy
+    xd = _adapter_inputs(x, (lg, lu), drop[:2])                       # x' per adapter
+    xag, xau = (t if t is not None else dummy
+                for t in _input_products(xd, (lg, lu), (recompute or n_lb[0],
+                                                        recompute or n_lb[1])))
     drop_d, has_drop_d = _down_dropout_args(drop[2])
-    dyb = torch.mm(dy.float(), _f32(ld[1])) if ld else dummy          # (T, r_d)
-    dlad = zeros_or_dummy(n_la[2], (_rank(ld), I))
-    ha = zeros_or_dummy(n_lb[2], (T, _rank(ld)))
+    dyf = dy.float() if ld else None
+    dyb = torch.mm(dyf, _f32(ld[1])) if ld else dummy                 # (T, r_d)
+    # The down adapter's gradient pieces (dyb^T h', h' A_down^T) come from the stored h after
+    # the kernel (_down_pieces), not from atomic sums in its tiles: those cost the tile its
+    # registers (sm_90: spills at every tile above 32x64; without them 128x64 fits).
+    down_pieces = n_la[2] or n_lb[2]
 
     dh = torch.mm(dy, w_down)              # (T, I), contiguous; becomes dgate in place
     dup = x.new_empty((T, I))
-    h = x.new_empty((T, I)) if n_wd else dup   # dup: a placeholder never written
+    h = x.new_empty((T, I)) if n_wd or down_pieces else dup   # dup: a placeholder never written
     if T > 0 and I > 0:
         gate_c = gate.contiguous() if not recompute else dup
         up_c = up.contiguous() if not recompute else dup
         b_gate_c = b_gate.contiguous() if b_gate is not None else dup
         b_up_c = b_up.contiguous() if b_up is not None else dup
         kernel, meta = _bwd_launcher(x.device, x.dtype, _launch.dot_precision(x.dtype),
-                                     b_gate is not None, b_up is not None, recompute, n_wd,
-                                     (n_la[2], n_lb[2]), _lora_pads(ad), has_drop_d,
-                                     _lora_precision(x.dtype), activation)
+                                     b_gate is not None, b_up is not None, recompute,
+                                     n_wd or down_pieces, (False, False), _lora_pads(ad),
+                                     has_drop_d, _lora_precision(x.dtype), activation)
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
                 xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
-                _f32(ld[0]) if ld else dummy, dyb, dlad, ha,
+                _f32(ld[0]) if ld else dummy, dyb, dummy, dummy,
                 _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld), *drop_d,
                 T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
@@ -911,6 +976,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         return x.new_empty((0,))   # distinct placeholders: outputs must not alias
 
     dw_down = torch.mm(dy.t(), h) if n_wd else none()     # (H, I)
+    if down_pieces:
+        dlad, ha = _down_pieces(h, drop[2], ld[0], dyb, n_la[2], n_lb[2])
     del h
     dx = torch.mm(dgate, w_gate)           # (T, H)
     if dx.is_cuda:
@@ -928,23 +995,38 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
               for p, (a, dz, xa) in enumerate(((lg, dgate, xag), (lu, dup, xau)))]
     del dgate, dup, dh
 
-    # Rank-r products of the adapter gradients, and the low-rank paths of dx (fp32).
+    # Rank-r products of the adapter gradients, and the low-rank paths of dx (fp32): per
+    # adapter s (dz B) A (s scales the (T, r) factor) with its dropout's mask; one GEMM over
+    # the stacked factors when the two adapters share x' (no dropout), as for dA.
     dlora = [none() for _ in range(6)]
-    dx_lora = None
-    for p, a in enumerate((lg, lu)):
-        if a is None:
-            continue
-        dxa, dlb = pieces[p]
-        t = _adapter_input(torch.mm(dxa, _f32(a[0])).mul_(a[2]), drop[p])  # s (dz B) A, masked
-        dx_lora = t if dx_lora is None else dx_lora.add_(t)
-        if n_la[p]:
-            dlora[2 * p] = torch.mm(dxa.t(), xd[p]).mul_(a[2]).to(a[0].dtype)
+    gu = (lg, lu)
+    dxa = [pieces[p][0] if a is not None else None for p, a in enumerate(gu)]
+    shared = _shared_input(xd)
+    if shared:
+        dx_lora = _adapter_input(torch.mm(torch.cat([dxa[0] * lg[2], dxa[1] * lu[2]], 1),
+                                          torch.cat([_f32(lg[0]), _f32(lu[0])])), drop[0])
+    else:
+        dx_lora = None
+        for p, a in enumerate(gu):
+            if a is not None:
+                t = _adapter_input(torch.mm(dxa[p] * a[2], _f32(a[0])), drop[p])
+                dx_lora = t if dx_lora is None else dx_lora.add_(t)
+    if shared and n_la[0] and n_la[1]:
+        both = torch.mm(torch.cat(dxa, 1).t(), xd[0])                 # (r_g + r_u, H)
+        r = lg[0].shape[0]
+        dlora[0] = both[:r].mul_(lg[2]).to(lg[0].dtype)
+        dlora[2] = both[r:].mul_(lu[2]).to(lu[0].dtype)
+    else:
+        for p, a in enumerate(gu):
+            if n_la[p]:
+                dlora[2 * p] = torch.mm(dxa[p].t(), xd[p]).mul_(a[2]).to(a[0].dtype)
+    for p, a in enumerate(gu):
         if n_lb[p]:
-            dlora[2 * p + 1] = dlb.mul_(a[2]).to(a[1].dtype)
+            dlora[2 * p + 1] = pieces[p][1].mul_(a[2]).to(a[1].dtype)
     if dx_lora is not None:
         dx.add_(dx_lora)                                     # one rounding to x's dtype
     if n_la[2]:
         dlora[4] = dlad.mul_(ld[2]).to(ld[0].dtype)
     if n_lb[2]:
-        dlora[5] = torch.mm(dy.float().t(), ha).mul_(ld[2]).to(ld[1].dtype)
+        dlora[5] = torch.mm(dyf.t(), ha).mul_(ld[2]).to(ld[1].dtype)
     return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora

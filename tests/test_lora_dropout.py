@@ -172,6 +172,10 @@ def test_triton_mask_equals_the_cpu_op_bit_for_bit(dtype):
     for seed, stream, p in ((5, 0, 0.1), (2**31 - 2, 6, 0.5), (2**40 + 3, 4, 0.9)):
         got = triton_dropout(x, seed_tensor(seed), stream, p)
         assert torch.equal(got, OPS.lora_dropout(x, seed_tensor(seed), stream, p))
+        # the launchers' float32 result of a narrower x: the op on x.float(), bit for bit
+        wide = triton_dropout(x, seed_tensor(seed), stream, p, 0, torch.float32)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide, OPS.lora_dropout(x.float(), seed_tensor(seed), stream, p))
 
 
 # ---- SwiGLU ops ------------------------------------------------------------------------------
@@ -211,11 +215,11 @@ def swiglu_reference(x, w, b, lora, scaling, dropout, seed, streams=(4, 5, 6)):
                                                  lora[5], None)
 
 
-def _check_swiglu(dtype, backend, rtol, streams=None):
+def _check_swiglu(dtype, backend, rtol, streams=None, dropout=(0.3, 0.2, 0.4)):
     """The ops against swiglu_reference; streams: the ops' dropout_streams (None: left out,
-    4, 5, 6)."""
+    4, 5, 6); dropout: the three probabilities."""
     x, w, b, lora = swiglu_args(dtype)
-    scaling, dropout, seed = [0.7, 1.3, 0.9], [0.3, 0.2, 0.4], seed_tensor(2024)
+    scaling, dropout, seed = [0.7, 1.3, 0.9], list(dropout), seed_tensor(2024)
     extra = () if streams is None else (0, list(streams))  # dropout_row_offset, dropout_streams
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).to(dtype)
     leaves = [t.double().requires_grad_() for t in (x, *w, *b, *lora)]
@@ -253,6 +257,14 @@ def test_swiglu_cpu_ops_with_dropout_match_plain_pytorch(streams):
 def test_swiglu_triton_kernels_with_dropout_match_plain_pytorch(streams):
     from ckpt_ext import use_triton
     _check_swiglu(torch.float32, lambda: use_triton("cpu"), 2e-4, streams)
+
+
+@needs_interpreter
+def test_swiglu_triton_kernels_with_one_gate_up_mask_match_plain_pytorch():
+    """gate and up on one stream with one probability: one mask, so the launchers drop x once
+    for both adapters and stack their rank-r products (kernels/swiglu_mlp._shared_input)."""
+    from ckpt_ext import use_triton
+    _check_swiglu(torch.float32, lambda: use_triton("cpu"), 2e-4, (4, 4, 9), (0.3, 0.3, 0.4))
 
 
 def test_swiglu_dropout_errors():

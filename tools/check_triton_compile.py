@@ -381,9 +381,11 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
                      biases=False, dot_ieee=False, lora=False, persistent=False, rank_pad=16,
                      activation="silu"):
     """kind: fwd, bwd_recompute (save="input") or bwd_gate_up (the same kernel reading the
-    saved gate/up). lora: adapters on all three projections (rank pad ``rank_pad``), every
-    adapter gradient wanted, and the down adapter's dropout on (DROP_D, the mask hashed in the
-    tile: the heaviest variant); without, the LoRA buffers are the unused fp32 placeholders.
+    saved gate/up). lora: adapters on all three projections (rank pad ``rank_pad``) and the
+    down adapter's dropout on (DROP_D, the mask hashed in the tile: the heaviest variant the
+    launcher runs; its backward stores h and leaves the down adapter's dA / h'A^T sums,
+    NEED_DAD / NEED_HA, to swiglu_mlp._down_pieces); without, the LoRA buffers are the unused
+    fp32 placeholders.
     persistent: the CKPT_EXT_SWIGLU_GRID=persistent variant (programs loop over tiles).
     activation: the ACTIVATION constexpr ("silu", or "gelu_tanh" for GeGLU)."""
     fn = getattr(swiglu_mlp, SWIGLU_KERNEL[kind])
@@ -412,7 +414,7 @@ def swiglu_signature(swiglu_mlp, kind: str, dtype: str, meta: dict, store_gate_u
         consts["STORE_GATE_UP"] = store_gate_up
     else:
         consts.update(RECOMPUTE=kind == "bwd_recompute", STORE_H=True, EPI_N=meta["EPI_N"],
-                      NEED_DAD=lora, NEED_HA=lora)
+                      NEED_DAD=False, NEED_HA=False)
     return make_signature(fn, pointers, unit, div16, floats, consts)
 
 
