@@ -447,7 +447,6 @@ def test_peft_lora_dropout_is_fused_with_the_reference_masks(preset):
     masks (the fused forward draws one seed per layer call from torch's CPU generator)."""
     peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
                                "(pip install -e '.[test]')")
-    from hf_fixtures import assert_compiled_replays_eager
     from test_training_setups import ALL, loss_and_grads, make_batch, make_model
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=ALL,
                           init_lora_weights=False)
@@ -518,7 +517,6 @@ def test_hf_gradient_checkpointing_replays_the_seed():
     checkpointing under the same torch.manual_seed."""
     peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
                                "(pip install -e '.[test]')")
-    from hf_fixtures import assert_compiled_replays_eager
     from test_training_setups import ALL, loss_and_grads, make_batch, make_model
     torch.manual_seed(0)
     model = peft.get_peft_model(make_model("llama"), peft.LoraConfig(
