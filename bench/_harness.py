@@ -181,6 +181,17 @@ def provenance(device=None, note: str = "") -> list:
             f"date: {date}"]
 
 
+def plan_arguments(doc: str, out: str, host_memory: str = "256GiB"):
+    """The arguments every plan script takes: ``--out`` (its results file, default ``out``),
+    the device and the host memory a GPU has; the script adds its own."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--device-memory", default="80GiB")
+    ap.add_argument("--host-memory", default=host_memory)
+    return ap
+
+
 def write_plan_result(path, setup: str, lines: Sequence[str]) -> None:
     """A results file of the plan's model (no measurement): the provenance, the commit and
     ``setup`` as ``# `` header lines, then ``lines``; written to ``path`` and printed."""

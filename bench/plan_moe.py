@@ -17,14 +17,13 @@ The output: provenance lines, then a Markdown table (docs/hf.md quotes it).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _harness import write_plan_result  # noqa: E402
+from _harness import plan_arguments, write_plan_result  # noqa: E402
 
 from ckpt_ext import plan  # noqa: E402
 from ckpt_ext.hf.families import layer_dims_from_config  # noqa: E402
@@ -37,11 +36,7 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_lay
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results/plan_moe.txt")
-    ap.add_argument("--device-memory", default="80GiB")
-    ap.add_argument("--host-memory", default="256GiB")
-    a = ap.parse_args(argv)
+    a = plan_arguments(__doc__, "bench/results/plan_moe.txt").parse_args(argv)
     memory, host = plan.parse_bytes(a.device_memory), plan.parse_bytes(a.host_memory)
     layers = layer_dims_from_config(QWEN3_30B_A3B)
     V, dt = QWEN3_30B_A3B["vocab_size"], "bf16"

@@ -18,14 +18,13 @@ the plan's headroom, offload with ``--host-memory`` of host memory, the plan's H
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _harness import write_plan_result  # noqa: E402
+from _harness import plan_arguments, write_plan_result  # noqa: E402
 
 from ckpt_ext import plan  # noqa: E402
 from ckpt_ext.layer_record import LayerDims  # noqa: E402
@@ -77,11 +76,7 @@ def describe(c) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results/plan_out_lse.txt")
-    ap.add_argument("--device-memory", default="80GiB")
-    ap.add_argument("--host-memory", default="256GiB")
-    a = ap.parse_args(argv)
+    a = plan_arguments(__doc__, "bench/results/plan_out_lse.txt").parse_args(argv)
     memory, host = plan.parse_bytes(a.device_memory), plan.parse_bytes(a.host_memory)
     lines = ["| S | auto + offload today (layers) | step s | with x, out, lse for balanced "
              "(layers) | step s | time saved, both available |", "|---|---|---|---|---|---|"]

@@ -13,13 +13,12 @@ The output: provenance lines, then a Markdown table (docs/distributed.md quotes 
 """
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _harness import write_plan_result  # noqa: E402
+from _harness import plan_arguments, write_plan_result  # noqa: E402
 
 from ckpt_ext import plan, plan_cli  # noqa: E402
 
@@ -28,11 +27,8 @@ LLAMA31_8B = ["--hidden-size", "4096", "--heads", "32", "--kv-heads", "8",
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results/plan_sequence_parallel.txt")
+    ap = plan_arguments(__doc__, "bench/results/plan_sequence_parallel.txt", "192GiB")
     ap.add_argument("--gpus", default="1,2,4,8")
-    ap.add_argument("--device-memory", default="80GiB")
-    ap.add_argument("--host-memory", default="192GiB")
     ap.add_argument("--link-gbytes-per-s", default=str(plan.SP_LINK_GBYTES_PER_S))
     ap.add_argument("--throughputs", default=None)
     a = ap.parse_args(argv)

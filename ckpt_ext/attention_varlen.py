@@ -46,6 +46,8 @@ import threading
 
 import torch
 
+from ._checks import _stat_dtype
+
 __all__ = ["Layout", "Sequences", "describe", "plan", "varlen_fwd", "varlen_bwd"]
 
 
@@ -274,9 +276,9 @@ def _flat_rows(t):
     return t.transpose(1, 2).reshape(B * S, H, D)
 
 
-def _gather(flat, ranges):
-    parts = [flat.narrow(0, start, n) for start, n in ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+def _gather(flat, ranges, dim=0):
+    parts = [flat.narrow(dim, start, n) for start, n in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _assemble(parts, seqs: Sequences, fill, dim=0):
@@ -289,10 +291,6 @@ def _assemble(parts, seqs: Sequences, fill, dim=0):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def _work_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def varlen_fwd(adapter, q, k, v, seqs: Sequences, scale, window=None):
     """The forward of a padded or packed call through ``adapter.varlen_fwd``: out (B, Hq, Sq,
     D) laid out (B, Sq, Hq, D), lse (B, Hq, Sq) contiguous in fp32 (fp64 for fp64 inputs);
@@ -300,7 +298,7 @@ def varlen_fwd(adapter, q, k, v, seqs: Sequences, scale, window=None):
     B, Hq, Sq, D = q.shape
     qf, kf, vf = _flat_rows(q), _flat_rows(k), _flat_rows(v)
     outs, lses = [], []
-    wdt = _work_dtype(q.dtype)
+    wdt = _stat_dtype(q)
     for launch in seqs.launches:
         cu_q, cu_k = launch.cu(q.device)
         out, lse = adapter.varlen_fwd(_gather(qf, launch.q_ranges), _gather(kf, launch.k_ranges),
@@ -323,12 +321,10 @@ def varlen_bwd(adapter, dout, q, k, v, out, lse, seqs: Sequences, scale, window=
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     qf, kf, vf, of, df = (_flat_rows(t) for t in (q, k, v, out, dout))
-    lse_rows = lse.to(torch.float32 if q.dtype != torch.float64 else torch.float64)
-    lse_rows = lse_rows.permute(1, 0, 2).reshape(Hq, B * Sq)
+    lse_rows = lse.to(_stat_dtype(q)).permute(1, 0, 2).reshape(Hq, B * Sq)
     accumulate = dk_acc is not None
     if not accumulate:
-        wdt = _work_dtype(k.dtype)
-        dk_acc, dv_acc = (torch.zeros((B, Sk, Hkv, D), dtype=wdt, device=q.device)
+        dk_acc, dv_acc = (torch.zeros((B, Sk, Hkv, D), dtype=_stat_dtype(k), device=q.device)
                           .transpose(1, 2) for _ in range(2))
     dqs = []
     for launch in seqs.launches:
@@ -336,9 +332,7 @@ def varlen_bwd(adapter, dout, q, k, v, out, lse, seqs: Sequences, scale, window=
         dq, dk, dv = adapter.varlen_bwd(
             _gather(df, launch.q_ranges), _gather(qf, launch.q_ranges),
             _gather(kf, launch.k_ranges), _gather(vf, launch.k_ranges),
-            _gather(of, launch.q_ranges),
-            torch.cat([lse_rows.narrow(1, s, n) for s, n in launch.q_ranges], 1)
-            if len(launch.q_ranges) > 1 else lse_rows.narrow(1, *launch.q_ranges[0]).contiguous(),
+            _gather(of, launch.q_ranges), _gather(lse_rows, launch.q_ranges, 1).contiguous(),
             cu_q, cu_k, launch.max_q, launch.max_k, launch.causal, scale, window, deterministic)
         dqs.append(dq)
         for b, k0, n, offset in launch.key_slices:

@@ -461,14 +461,17 @@ class _Shared:
         are none: the time model's LoRA GEMMs (ckpt_ext.plan counts them on every
         projection). A dense ``lora_A`` is (r, in); an expert one (r * E, in)."""
         dense = experts = 0
-        for layer, dims in zip(self.layers, self.layer_dims()):
+        dims = None          # the layers' shapes, read only for expert adapters
+        for i, layer in enumerate(self.layers):
             for name, p in layer.named_parameters():
                 if ".lora_A." not in name or p.dim() != 2:
                     continue
-                if ".experts." in name and dims.experts:
-                    experts = max(experts, p.shape[0] // dims.experts)
-                else:
-                    dense = max(dense, p.shape[0])
+                if ".experts." in name:
+                    dims = self.layer_dims() if dims is None else dims
+                    if dims[i].experts:
+                        experts = max(experts, p.shape[0] // dims[i].experts)
+                        continue
+                dense = max(dense, p.shape[0])
         return dense, experts
 
     def _offload_choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
