@@ -158,18 +158,27 @@ class StepPeak:
 
 
 # The plan's GPU (path "cuda"): an H100's 132 multiprocessors, as its rates are H100 figures;
-# the layer's chunks there hold at least _C.occupancy_min_rows of them (csrc/chunking.h).
+# the layer's chunks there hold at least _C.cuda_min_rows of them (csrc/chunking.h: the
+# attention's occupancy and the GEMMs' minimum, _C.gemm_min_rows).
 CUDA_SMS = 132
 
 
 def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int, sms: int = 0) -> int:
     """Tokens per chunk of a fused decoder layer at element size ``e`` and byte cap
     ``chunk_bytes`` on a GPU of ``sms`` multiprocessors (0: the CPU): the engine's own rule
-    (csrc/chunking.h ``layer_chunk_rows`` with ``occupancy_min_rows``, through
+    (csrc/chunking.h ``layer_chunk_rows`` with ``cuda_min_rows`` on a GPU, through
     ``ckpt_ext._C``)."""
     return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes,
-                               min_rows=_C.occupancy_min_rows(sms, d.num_heads),
+                               min_rows=_C.cuda_min_rows(sms, d.num_heads) if sms > 0 else 0,
                                **d.ffn_kwargs())
+
+
+def mlp_chunk_rows(d: LayerDims, e: int, chunk_bytes: int, path: str = "cuda") -> int:
+    """Tokens per chunk of a fused layer's FFN (csrc/chunking.h ``mlp_chunk_rows``): at
+    least ``_C.gemm_min_rows`` on ``"cuda"``."""
+    return _C.mlp_chunk_rows(d.intermediate_size, e, chunk_bytes,
+                             min_rows=_C.gemm_min_rows if path == "cuda" else 0,
+                             **d.ffn_kwargs())
 
 
 def ffn_row_width(d: LayerDims) -> int:
@@ -323,7 +332,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         phase = "top layer backward (HF's layer re-run)"
     else:
         # The MLP walks token chunks of the cap (three (rows, I) tensors at the compute width)
-        mlp_rows = min(T, _C.mlp_chunk_rows(I, e, chunk_bytes, **d.ffn_kwargs()))
+        mlp_rows = min(T, mlp_chunk_rows(d, e, chunk_bytes, path))
         # an MoE FFN's backward holds its chunk's ffn_row_width at the compute width (at
         # least fp32), on either path (csrc/moe_math.cpp)
         moe_row = ffn_row_width(d) * max(4, e) if d.moe else 0

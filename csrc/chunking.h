@@ -81,6 +81,21 @@ inline int64_t occupancy_min_rows(int64_t sms, int64_t heads,
   return (waves * sms + heads - 1) / heads * tile_rows;
 }
 
+// The fewest token rows per chunk of the layer (and of its FFN) on CUDA, for its GEMMs. Each
+// chunk past the first adds its weight gradients (whole (out, in) matrices) into float32 sums:
+// about 10 bytes of memory traffic per weight element, against the 2 r FLOPs per element of
+// the chunk's weight-gradient GEMM over r rows (and as much again for d input and for the
+// forward a backward re-runs). On an H100 or H200 (about 0.8 dense bf16 PFLOP/s, 3-4.8 TB/s)
+// the sums cost about 900 / r of that GEMM: 2.3x at the 390 FFN rows a 64 MiB cap gives
+// LLaMA-3-8B, 7% of the three GEMMs at 4,096 rows. The extra transient at 4,096 rows is well
+// under a GiB at 8B dims (the plan counts it). A batch that fits is one chunk, with no sums.
+constexpr int64_t kGemmMinRows = 4096;
+
+// The fewest rows per layer chunk on CUDA: the attention's occupancy and the GEMMs' minimum.
+inline int64_t cuda_min_rows(int64_t sms, int64_t heads) {
+  return std::max(occupancy_min_rows(sms, heads), kGemmMinRows);
+}
+
 inline std::atomic<int64_t>& sms_setting() {
   static std::atomic<int64_t> sms{0};
   return sms;
@@ -97,8 +112,8 @@ inline void set_cuda_sms(int64_t sms) {
 // per-token working set at the compute width and at least float32 (the CPU kernels'
 // precision): the attention's q, out, dout and dq (4 Hq D, q_width = Hq D) and, with the FFN,
 // its ffn_row_width (0 for the attention sublayer), which the FFN's backward holds while the
-// chunk's q and out wait for the attention's; at least min_rows (occupancy_min_rows on CUDA,
-// 0 on the CPU), which may pass the cap.
+// chunk's q and out wait for the attention's; at least min_rows (cuda_min_rows on CUDA, 0 on
+// the CPU), which may pass the cap.
 inline int64_t layer_chunk_rows(int64_t q_width, int64_t ffn_width, int64_t element_size,
                                 int64_t cap, int64_t min_rows = 0) {
   return std::max(min_rows,
@@ -106,9 +121,10 @@ inline int64_t layer_chunk_rows(int64_t q_width, int64_t ffn_width, int64_t elem
 }
 
 // Tokens per chunk of the layer's FFN: its ffn_row_width at the compute width (at least
-// float32).
-inline int64_t mlp_chunk_rows(int64_t ffn_width, int64_t element_size, int64_t cap) {
-  return rows_within(cap, ffn_width * std::max<int64_t>(4, element_size));
+// float32), at least min_rows (kGemmMinRows on CUDA, 0 on the CPU), which may pass the cap.
+inline int64_t mlp_chunk_rows(int64_t ffn_width, int64_t element_size, int64_t cap,
+                              int64_t min_rows = 0) {
+  return std::max(min_rows, rows_within(cap, ffn_width * std::max<int64_t>(4, element_size)));
 }
 
 // The CPU SwiGLU MLP's (rows, I) buffers per token chunk (csrc/swiglu_cpu.cpp): forward 4

@@ -51,7 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::arg("expert_intermediate") = 0, pybind11::arg("min_rows") = 0,
       "Tokens per chunk of the fused layer (intermediate 0 and top_k 0: the attention "
       "sublayer; top_k > 0: an MoE FFN of `experts` experts of expert_intermediate, hidden H), "
-      "at least min_rows (occupancy_min_rows on CUDA)");
+      "at least min_rows (cuda_min_rows on CUDA)");
   m.def("occupancy_min_rows", &ckpt_ext::chunking::occupancy_min_rows, pybind11::arg("sms"),
         pybind11::arg("heads"), pybind11::arg("tile_rows") = ckpt_ext::chunking::kAttentionTileRows,
         pybind11::arg("waves") = ckpt_ext::chunking::kOccupancyWaves,
@@ -64,16 +64,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "mlp_chunk_rows",
       [](int64_t intermediate, int64_t element_size, int64_t cap, int64_t hidden,
-         int64_t experts, int64_t top_k, int64_t expert_intermediate) {
+         int64_t experts, int64_t top_k, int64_t expert_intermediate, int64_t min_rows) {
         namespace ch = ckpt_ext::chunking;
         return ch::mlp_chunk_rows(
             ch::ffn_row_width(intermediate, hidden, experts, top_k, expert_intermediate),
-            element_size, cap);
+            element_size, cap, min_rows);
       },
       pybind11::arg("intermediate"), pybind11::arg("element_size"), pybind11::arg("cap"),
       pybind11::kw_only(), pybind11::arg("hidden") = 0, pybind11::arg("experts") = 0,
       pybind11::arg("top_k") = 0, pybind11::arg("expert_intermediate") = 0,
-      "Tokens per chunk of the fused layer's FFN (MoE sizes as for layer_chunk_rows)");
+      pybind11::arg("min_rows") = 0,
+      "Tokens per chunk of the fused layer's FFN (MoE sizes as for layer_chunk_rows), at "
+      "least min_rows (gemm_min_rows on CUDA)");
+  m.attr("gemm_min_rows") = ckpt_ext::chunking::kGemmMinRows;
+  m.def("cuda_min_rows", &ckpt_ext::chunking::cuda_min_rows, pybind11::arg("sms"),
+        pybind11::arg("heads"),
+        "The fewest rows per layer chunk on CUDA: occupancy_min_rows and gemm_min_rows");
   m.def("ffn_row_width", &ckpt_ext::chunking::ffn_row_width, pybind11::arg("intermediate"),
         pybind11::kw_only(), pybind11::arg("hidden") = 0, pybind11::arg("experts") = 0,
         pybind11::arg("top_k") = 0, pybind11::arg("expert_intermediate") = 0,

@@ -67,11 +67,12 @@ def test_layer_chunk_calls_follow_the_layers_chunk_rows():
     default = bench.parse_args(["--layer-dims", "4096,32,8,128,14336"])
     assert bench.layer_chunk_calls(default)[0][0] == plan.layer_chunk_rows(
         plan.LayerDims(4096, 32, 8, 128, 14336), 2, _C.chunk_bytes())
-    # on an H100 (132 SMs) the layer's chunks hold the rows that fill it: 1,152 at 32 heads
+    # on an H100 (132 SMs) the layer's chunks hold the CUDA minimum: 4,096 rows for the GEMMs
+    # (above the 1,152 that fill it at 32 heads)
     h100 = bench.parse_args(["--layer-dims", "4096,32,8,128,14336", "--layer-seqlens", "32768",
                              "--chunk-bytes", "64MiB", "--sms", "132"])
-    assert bench.layer_chunk_calls(h100)[0][:3] == (1152, 1152, 0)
-    assert bench.layer_chunk_calls(h100)[-1][:3] == (32768 - 28 * 1152, 32768, 28 * 1152)
+    assert bench.layer_chunk_calls(h100)[0][:3] == (4096, 4096, 0)
+    assert bench.layer_chunk_calls(h100)[-1][:3] == (4096, 32768, 7 * 4096)
     with pytest.raises(SystemExit, match="must be --backend-shape's"):
         bench.layer_chunk_calls(bench.parse_args(["--layer-dims", "4096,32,32,128,14336"]))
 

@@ -258,10 +258,11 @@ def test_fp32_chunks_meet_the_accuracy_rule(monkeypatch, preset):
         check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD)
 
 
-def test_cpu_chunks_ignore_the_cuda_occupancy_minimum():
-    """The occupancy minimum (csrc/chunking.h occupancy_min_rows, set from the CUDA device's
-    multiprocessors) applies on CUDA only: with it set, the CPU layer keeps the chunks of its
-    byte cap and its results bit for bit (the check can fail: one chunk gives other bits)."""
+def test_cpu_chunks_ignore_the_cuda_minimum_rows():
+    """The CUDA minimum rows (csrc/chunking.h cuda_min_rows: the occupancy minimum, set from
+    the CUDA device's multiprocessors, and the GEMMs' gemm_min_rows) apply on CUDA only: with
+    the device's multiprocessors set, the CPU layer keeps the chunks of its byte cap and its
+    results bit for bit (the check can fail: one chunk gives other bits)."""
     from ckpt_ext import _C
     x, weights, pe, dy, kw = case("lora_dropout", torch.float32, seed=5)
     config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
@@ -272,7 +273,7 @@ def test_cpu_chunks_ignore_the_cuda_occupancy_minimum():
         _C.set_cuda_sms(0)
         base = run(x, weights, pe, dy, kw, "balanced", "layer")
         _C.set_cuda_sms(132)
-        assert _C.occupancy_min_rows(132, NH) > B * S   # on CUDA: one chunk
+        assert _C.cuda_min_rows(132, NH) > B * S   # on CUDA: one chunk
         got = run(x, weights, pe, dy, kw, "balanced", "layer")
     finally:
         _C.set_cuda_sms(before)

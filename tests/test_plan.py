@@ -783,9 +783,11 @@ def test_cli_help_says_what_weights_mean(capsys):
 def test_occupancy_min_rows_and_the_plans_cuda_chunks(monkeypatch):
     """csrc/chunking.h occupancy_min_rows: the fewest whole 128-row tiles whose programs (tiles
     x heads) make two waves on the GPU's multiprocessors, against a direct search; 0 (no
-    minimum) without a GPU; layer_chunk_rows takes the larger of it and the cap's rows; the
-    plan's CUDA peak reads it (LLaMA-3-8B at 64 MiB: 282 rows by the cap, 1,152 on an H100)
-    and its CPU peak does not."""
+    minimum) without a GPU; on CUDA the layer's chunks take the larger of it, the GEMMs'
+    minimum (gemm_min_rows, 4,096) and the cap's rows, and the FFN's chunks the larger of the
+    GEMMs' minimum and the cap's; the plan's CUDA peak reads them (LLaMA-3-8B at 64 MiB: 282
+    layer rows and 390 FFN rows by the cap, 4,096 on an H100; a head-poor layer's occupancy
+    passes 4,096) and its CPU peak does not."""
     for sms in (1, 7, 108, 132, 144):
         for heads in (1, 3, 8, 32, 40, 64):
             for tile, waves in ((128, 2), (64, 1), (128, 3)):
@@ -796,9 +798,18 @@ def test_occupancy_min_rows_and_the_plans_cuda_chunks(monkeypatch):
     assert ckpt_ext._C.occupancy_min_rows(132, 0) == 0
     d = LayerDims(4096, 32, 8, 128, 14336)
     assert plan.layer_chunk_rows(d, 2, 64 * 2**20) == 282
-    assert plan.layer_chunk_rows(d, 2, 64 * 2**20, plan.CUDA_SMS) == 1152
-    assert plan.layer_chunk_rows(d, 2, 1 << 30, plan.CUDA_SMS) == (1 << 30) // (237568)
+    assert ckpt_ext._C.gemm_min_rows == 4096
+    for sms, heads in ((132, 32), (132, 2), (7, 1), (144, 40)):
+        assert ckpt_ext._C.cuda_min_rows(sms, heads) == max(
+            4096, ckpt_ext._C.occupancy_min_rows(sms, heads))
+    assert ckpt_ext._C.cuda_min_rows(132, 2) == 16896       # 132 tiles of 2 heads
+    assert plan.layer_chunk_rows(d, 2, 64 * 2**20, plan.CUDA_SMS) == 4096
+    assert plan.layer_chunk_rows(d, 2, 2 << 30, plan.CUDA_SMS) == (2 << 30) // (237568)
+    assert plan.mlp_chunk_rows(d, 2, 64 * 2**20, "cpu") == (64 * 2**20) // (3 * 14336 * 4)
+    assert plan.mlp_chunk_rows(d, 2, 64 * 2**20) == 4096
+    assert plan.mlp_chunk_rows(d, 2, 1 << 30) == (1 << 30) // (3 * 14336 * 4)
     assert ckpt_ext._C.layer_chunk_rows(4096, 14336, 2, 64 * 2**20, min_rows=300) == 300
+    assert ckpt_ext._C.mlp_chunk_rows(14336, 2, 64 * 2**20, min_rows=500) == 500
     layers = [d] * 4
     args = ("balanced", layers, 1000, 1, 32768, torch.bfloat16)
     cuda, cpu = plan.step_peak(*args).peak, plan.step_peak(*args, path="cpu").peak
@@ -1236,7 +1247,8 @@ def test_plan_moe_chunk_rows_are_the_engines():
         fake = {n: getattr(real, n) for n in ("mlp_chunk_rows", "layer_chunk_rows",
                                               "ffn_row_width", "swiglu_buffers",
                                               "swiglu_chunk_rows", "lce_chunk_rows",
-                                              "occupancy_min_rows")}
+                                              "occupancy_min_rows", "cuda_min_rows",
+                                              "gemm_min_rows")}
         fake[name] = lambda *a, _f=fake[name], **k: 2 * _f(*a, **k)
         try:
             plan._C = types.SimpleNamespace(**fake)
