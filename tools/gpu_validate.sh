@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation for a session that is lent a device machine (see the GPU validation issue).
 # The one prepared call (build, then the issue's parts a-g each under its own timeout, about
-# 450 s after the build, at most 8 files under $OUT, a one-screen summary last):
+# 495 s after the build, at most 8 files under $OUT, a one-screen summary last):
 #     OUT=$OUT bash tools/gpu_validate.sh quick
 #     bash tools/gpu_validate.sh quick --dry-run    # CPU, tiny sizes (tests/test_gpu_validate.py)
 # (tools/gpu_quick.sh, which `quick` runs, says what each part does.)
