@@ -716,3 +716,39 @@ def test_cuda_registration_goes_through_the_router():
     assert _backend._cuda_impl("swiglu_fwd").__name__ == "swiglu_fwd"
     assert route.CUDA_ROUTER.fallback_fwd is route._triton_fwd
     assert route.CUDA_ROUTER.adapters is route.ADAPTERS
+
+
+@pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+@pytest.mark.parametrize("vendor_phase", ["fwd", "bwd"])
+def test_gpu_vendor_and_triton_phases_mix_exactly(backend, vendor_phase):
+    """A table may give the forward and the backward of one call to different backends (the
+    shipped one gives unmasked forwards to cuDNN and leaves deterministic backwards on
+    Triton): the backward then reads the other backend's out and lse. bf16, GQA 8/2, hd 128,
+    whole sequence and query chunks, against float64 under the 2x / 3x rule."""
+    if backend not in _gpu_backends():
+        pytest.skip(f"{backend} is not available on this GPU / torch")
+    torch.manual_seed(1)
+    B, Hq, Hkv, S, D, scale = 2, 8, 2, 250, 128, 128 ** -0.5
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+                     for H in (Hq, Hkv, Hkv, Hq))
+    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale, None)
+    base = reference_grads(q, k, v, dout, True, scale, None)
+    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    other = "bwd" if vendor_phase == "fwd" else "fwd"
+    table = route.Table.from_dict({"format": route.TABLE_FORMAT, "rules": [
+        {"phase": vendor_phase, "backends": [backend]},
+        {"phase": other, "backends": ["triton"]}]})
+    ops = torch.ops.ckpt_ext
+    # the default dq mode for a Triton backward; a vendor backward that is not deterministic
+    # serves only attention_dq="atomic"
+    dq = "atomic" if vendor_phase == "bwd" else "separate"
+    with config.patch(attention_backend="auto", attention_dq=dq), _table(table):
+        for rows in (S, 96):
+            got = attention_in_chunks(ops.attention_fwd, ops.attention_bwd, q, k, v, dout, None,
+                                      True, scale, None, None, rows)
+            assert route.CUDA_ROUTER.last == (backend if vendor_phase == "bwd" else "triton")
+            check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
+            for name in ("dq", "dk", "dv"):
+                check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD,
+                                  scale=grad_scale)
