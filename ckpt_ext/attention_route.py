@@ -53,9 +53,12 @@ reads the choice table, ``"triton"`` / ``"flash"`` / ``"cudnn"`` / ``"efficient"
 backend; a pinned vendor backend that cannot serve a call raises :class:`BackendRefused`
 naming the rules it lacks. The table (:class:`Table`, JSON) maps shape buckets to an ordered
 list of backends; the first that may serve the call wins, Triton otherwise. The shipped
-table (``attention_backends.json`` beside this module) holds no GPU measurement yet and sends
-every call to Triton; the ``attention_table`` setting (``CKPT_EXT_ATTN_TABLE``) names another
-file (``bench/attention.py --write-table`` writes one from its measurements). Nothing is
+table (``attention_backends.json`` beside this module) holds the rules of one H200 run
+(bench/results/gpu_h200_2026-11-27/quick_d_attention.txt: sm90, bf16, head_dim 128, causal,
+unmasked and packed calls; its ``note`` and ``measured`` say what ran); every other call goes
+to Triton. The ``attention_table`` setting (``CKPT_EXT_ATTN_TABLE``) names another file
+(``bench/attention.py --backend-rows --write-table`` writes one from its measurements,
+``--from-csv`` from the CSV of an earlier run). Nothing is
 measured at run time. Calls on CPU tensors never come here (the ATen kernels serve them).
 """
 from __future__ import annotations

@@ -322,6 +322,7 @@ def test_from_csv_rebuilds_the_h200_table_and_the_shipped_one(tmp_path):
         "source: bench/results/gpu_h200_2026-11-27/quick_d_attention.txt (its backend-rows CSV)",
         "arch: sm90", "commit: 67ac4f8 (as the caller said)"]
     assert table["measured"][3:] == device["measured"]
+    assert table == json.loads((ROOT / "ckpt_ext" / "attention_backends.json").read_text())
 
 
 def test_choice_table_adds_an_unbounded_rule_when_no_shape_is_largest():
