@@ -303,6 +303,36 @@ def test_default_settings_send_calls_outside_the_shipped_table_to_triton():
                         shipped) == "triton"
 
 
+def test_router_skips_the_table_on_an_arch_it_does_not_name(monkeypatch):
+    """With the shipped table (sm90 rules only) every call on another arch goes straight to
+    the fallback, no choice made and its masks unread, as with an empty table; on sm90 a
+    packed call that flash would serve has its masks read (here described as refused, so the
+    choice is made again and Triton serves it)."""
+    chosen = []
+    real_choose = route.choose
+    monkeypatch.setattr(route, "choose", lambda *a, **kw: chosen.append(a[0]) or real_choose(
+        *a, **kw))
+    shipped = route.load_table(route.SHIPPED_TABLE)
+    assert shipped.triton_only_on("sm80") and shipped.triton_only_on("cpu")
+    assert not shipped.triton_only_on("sm90")
+    any_arch = route.Table(({"phase": "fwd", "backends": ("flash",)},))
+    assert not any_arch.triton_only_on("sm80")            # a rule without arch: every device
+    assert not route.Table((), ("flash", "triton")).triton_only_on("sm80")
+    assert route.Table().triton_only_on("sm90")
+    q, k, v, _ = rand_qkv(1, 4, 2, 16, 128, torch.bfloat16)
+    seg = torch.tensor([[0] * 9 + [1] * 7])
+    ref = cpu_ops.attention_fwd(q, k, v, None, seg, None, True, 128 ** -0.5)
+    for arch, reads, choices in (("sm80", 0, 0), ("sm90", 1, 2)):
+        router, seen = cpu_router(cpu_caps(arch=arch)), []
+        router.describe = lambda mask, ids, seen=seen: seen.append(ids) or "test: refused"
+        chosen.clear()
+        with config.patch(attention_backend="auto", attention_table=""):
+            out, lse = router.fwd(q, k, v, None, seg, None, True, 128 ** -0.5)
+        assert router.last == "triton" and len(seen) == reads, arch
+        assert len(chosen) == choices, arch
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
 def _shipped_choice(dq_mode="separate", arch="sm90", **kw):
     return route.choose(_call(**kw), _sm90(arch=arch), "auto",
                         route.load_table(route.SHIPPED_TABLE), dq_mode)
