@@ -758,6 +758,54 @@ def test_gpu_backend_matches_fp64_in_chunks(backend, window):
                                   scale=grad_scale)
 
 
+@pytest.mark.gpu(reason="the shipped table's SDPA backends need a CUDA GPU")
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
+    """The default settings on an sm90 GPU, in the shipped table's measured bucket (bf16, hd
+    128, causal, GQA 32/8): cuDNN's forward, and a backward by another backend reading its out
+    and lse (under "separate": Triton's, flash's on whole calls of at most 1,152 rows) or by
+    cuDNN (under "atomic"), whole and in query chunks with dK / dV into fp32 accumulators:
+    within 2x / 3x of plain PyTorch's error against float64."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the shipped table has rules for sm90 only")
+    if not {"cudnn", "flash"} <= set(_gpu_backends()):
+        pytest.skip("cudnn or flash is not available on this GPU / torch")
+    torch.manual_seed(2)
+    B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+                     for H in (Hq, Hkv, Hkv, Hq))
+    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale)
+    base = reference_grads(q, k, v, dout, True, scale)
+    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    ops, served = torch.ops.ckpt_ext, []
+
+    def fwd(*args):
+        got = ops.attention_fwd(*args)
+        served.append(route.CUDA_ROUTER.last)
+        return got
+
+    def bwd(*args):
+        got = ops.attention_bwd(*args)
+        served.append(route.CUDA_ROUTER.last)
+        return got
+
+    atomic = dq_mode == "atomic"
+    with config.patch(attention_backend="auto", attention_table="", attention_dq=dq_mode):
+        # whole: one call each; chunks of 700 rows: the first (q_offset 0, 700 keys) a whole
+        # call of the table's small bucket, then two query chunks
+        for rows, expect in ((S, ["cudnn", "cudnn" if atomic else "triton"]),
+                             (700, ["cudnn", "cudnn" if atomic else "flash"]
+                              + ["cudnn", "cudnn" if atomic else "triton"] * 2)):
+            served.clear()
+            got = attention_in_chunks(fwd, bwd, q, k, v, dout, None, True, scale, None, None,
+                                      rows)
+            assert served == expect, (rows, served)
+            check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
+            for name in ("dq", "dk", "dv"):
+                check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD,
+                                  scale=grad_scale)
+
+
 @pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
 def test_gpu_default_is_triton_and_auto_follows_a_table(tmp_path):
     if not _gpu_backends():
