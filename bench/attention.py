@@ -761,11 +761,11 @@ def main_from_csv(args):
         source = str(path)
     header, rows, preamble = read_backend_rows(path)
     arch = csv_arch(header, preamble, args.arch)
-    made_at = (_header_value(header, "commit", "git")
-              or _header_value(preamble, "commit", "git") or "not recorded in the file")
+    commit_text = (_header_value(header, "commit", "git")
+                   or _header_value(preamble, "commit", "git") or "not recorded in the file")
     measured = [f"source: {source} (its backend-rows CSV)", f"arch: {arch}"]
     if _header_value(header, "commit") is None:
-        measured.append(f"commit: {made_at}")
+        measured.append(f"commit: {commit_text}")
     measured += [line for line in header if not line.startswith("arch:")]
     table = choice_table(rows, arch, measured, _table_note(rows, arch, header, source))
     pathlib.Path(args.write_table).write_text(json.dumps(table, indent=1) + "\n")
