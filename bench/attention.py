@@ -22,7 +22,9 @@ query chunks (Sq = chunk rows, Sk = the keys they see, dK / dV into fp32 accumul
 writes ``bench/results/attention_backends_<device>.csv``; ``--write-table FILE`` turns the
 times into a choice table for ``CKPT_EXT_ATTN_TABLE``. ``--backend-packed-doc N`` times each
 shape again with packed documents of N tokens (segment ids: flash's variable-length op or
-Triton), which make the table's rules for packed calls.
+Triton), which make the table's rules for packed calls. ``--from-csv FILE --write-table OUT``
+writes the table from the CSV of an earlier ``--backend-rows`` run (alone, or inside a results
+file; no GPU needed), its arch from the CSV's ``arch:`` line, its GPU's name or ``--arch``.
 
 Without a GPU the script runs the kernels under the Triton interpreter at a tiny size, labels
 the run "CPU interpreter run: NOT a performance figure", and writes
@@ -34,6 +36,9 @@ the run "CPU interpreter run: NOT a performance figure", and writes
     python bench/attention.py --mask-seqlen 16384 --packed-doc 2048 --window 4096
     python bench/attention.py --backend-rows --write-table attention_backends_h100.json
     python bench/attention.py --backend-rows --backend-packed-doc 4096   # packed rows too
+    # the shipped table, from the H200 run's results file:
+    python bench/attention.py --write-table ckpt_ext/attention_backends.json
+        --from-csv bench/results/gpu_h200_2026-11-27/quick_d_attention.txt
 """
 import argparse
 import math
@@ -54,7 +59,7 @@ from ckpt_ext.kernels import attention  # noqa: E402
 # the dense attention and mask rule the tests compare with (tests/reference.py re-exports them)
 from ckpt_ext.plain import attention as attention_reference  # noqa: E402
 from ckpt_ext.plain import attention_allowed as allowed_matrix  # noqa: E402
-from _harness import device_tag, provenance, time_ms, write_csv  # noqa: E402
+from _harness import commit, device_tag, provenance, time_ms, write_csv  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -125,8 +130,15 @@ def parse_args(argv=None):
                         "given as segment ids (padded and packed calls: flash's variable-length "
                         "op or Triton); 0: none")
     p.add_argument("--write-table", default=None, metavar="FILE",
-                   help="with --backend-rows: write an attention backend choice table from the "
-                        "measured times (CKPT_EXT_ATTN_TABLE=FILE makes 'auto' read it)")
+                   help="with --backend-rows or --from-csv: write an attention backend choice "
+                        "table from the measured times (CKPT_EXT_ATTN_TABLE=FILE makes 'auto' "
+                        "read it)")
+    p.add_argument("--from-csv", default=None, metavar="FILE",
+                   help="with --write-table: the times of a --backend-rows CSV (alone, or the "
+                        "CSV inside a results file), measured elsewhere; no GPU needed")
+    p.add_argument("--arch", default=None,
+                   help="with --from-csv: the table's arch (e.g. sm90) when the CSV does not "
+                        "record it (an 'arch:' line) and its device is not a known GPU")
     return p.parse_args(argv)
 
 
@@ -554,12 +566,16 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
     return rows
 
 
-def choice_table(rows, arch, header):
+def choice_table(rows, arch, header, note=None):
     """The attention backend choice table the measured rows say: per phase (forward: the
     "fwd" times, backward: the "bwd" times) and shape, the pinned backends that ran, fastest
     first, cut after Triton (the fallback). Shapes become rules on (chunk, sq, keys) with
     ``_max`` bounds at the measured sizes (the largest unbounded), ascending, so that a call
-    takes the rule of the smallest measured shape that contains it."""
+    takes the rule of the smallest measured shape that contains it. Where no measured shape
+    is the largest in both sq and keys (e.g. chunks of 512 and 1056 rows against 32768 keys
+    and 1152 rows against 17280), a last rule without bounds gives the calls beyond every
+    bounded rule the order of the shape with the most work (sq * keys). ``note``: the
+    table's note (default: how it was written)."""
     from ckpt_ext import attention_route
 
     measured = {}
@@ -576,23 +592,185 @@ def choice_table(rows, arch, header):
     for (dtype, D, causal, chunk, phase, masks), by_shape in sorted(measured.items()):
         sqs = sorted({s for s, _ in by_shape})
         keyss = sorted({k for _, k in by_shape})
+        bucket = {"arch": arch, "dtype": names.get(dtype, dtype), "head_dim": D,
+                  "causal": causal, "chunk": chunk, "phase": phase, "masks": masks}
+        orders = {}
         for sq, keys in sorted(by_shape):
             order = [b for _, b in sorted(by_shape[(sq, keys)])]
             if "triton" in order:
                 order = order[:order.index("triton") + 1]
-            rule = {"arch": arch, "dtype": names.get(dtype, dtype), "head_dim": D,
-                    "causal": causal, "chunk": chunk, "phase": phase, "masks": masks}
+            orders[(sq, keys)] = order
+            rule = dict(bucket)
             if sq != sqs[-1]:
                 rule["sq_max"] = sq
             if keys != keyss[-1]:
                 rule["keys_max"] = keys
             rule["backends"] = order
             rules.append(rule)
+        if (sqs[-1], keyss[-1]) not in by_shape:   # no rule unbounded in both: add one
+            most_work = max(by_shape, key=lambda shape: (shape[0] * shape[1], shape))
+            rules.append(dict(bucket, backends=orders[most_work]))
     table = {"format": attention_route.TABLE_FORMAT,
-             "note": "written by bench/attention.py --backend-rows --write-table from the "
-                     "times below; first matching rule wins, its backends tried in order",
+             "note": note or ("written by bench/attention.py --backend-rows --write-table from "
+                              "the times below; first matching rule wins, its backends tried "
+                              "in order"),
              "measured": header, "default": "triton", "rules": rules}
     attention_route.Table.from_dict(table, "the written table")   # the reader accepts it
+    return table
+
+
+# What a backend-rows CSV holds in each column (the rest are strings), as write_csv wrote it.
+_INT_FIELDS = frozenset(("batch", "hq", "hkv", "head_dim", "sq", "sk", "q_offset"))
+_FLOAT_FIELDS = frozenset(("ms", "tflops"))
+_BOOL_FIELDS = frozenset(("causal",))
+# GPU names (the "device:" line) -> the table's arch, for files written before the "arch:" line
+_GPU_ARCHS = ((r"\bGH200\b|\bH(100|200|800|20)\b", "sm90"), (r"\bA(100|800|30)\b", "sm80"),
+              (r"\bA(10|10G|40)\b|RTX A\d000|RTX 30\d0", "sm86"),
+              (r"\bL(4|40|40S)\b|RTX 40\d0|RTX \d000 Ada", "sm89"),
+              (r"\bB(100|200)\b|GB200", "sm100"))
+
+
+def _parse_cell(field, text, where):
+    try:
+        if field in _INT_FIELDS:
+            return int(text)
+        if field in _FLOAT_FIELDS:
+            return float(text)          # "nan" included: a backend that did not run
+        if field in _BOOL_FIELDS:
+            return {"True": True, "False": False}[text]
+    except (ValueError, KeyError):
+        raise ValueError(f"{where}: column {field!r} holds {text!r}, not a "
+                         f"{'bool (True/False)' if field in _BOOL_FIELDS else 'number'}") from None
+    return text
+
+
+def read_backend_rows(path):
+    """(header, rows, preamble) of the CSV ``--backend-rows`` writes, alone or inside a results
+    file (anything before its column line skipped): header, the ``# `` lines right above the
+    column line (the writer's provenance), without the ``# ``; rows, dicts typed as the writer
+    wrote them (ints, the ``causal`` bool, ``ms`` / ``tflops`` floats with ``nan``); preamble,
+    the file's other ``#`` lines above the column line. The rows end at the file's end or at
+    the first line of fewer than two cells (a blank line, a JSON ``{``); ``#`` lines among
+    them are skipped, a line of another width raises ValueError naming the line."""
+    import csv
+
+    path = pathlib.Path(path)
+    lines = path.read_text().splitlines()
+    columns = ",".join(BACKEND_FIELDS)
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == columns)
+    except StopIteration:
+        raise ValueError(f"{path}: no backend-rows CSV (no line {columns!r})") from None
+    top = start
+    while top > 0 and lines[top - 1].startswith("# "):
+        top -= 1
+    header = [line[2:] for line in lines[top:start]]
+    preamble = [line.lstrip("#").strip() for line in lines[:top] if line.startswith("#")]
+    rows = []
+    for number, line in enumerate(lines[start + 1:], start + 2):
+        if line.startswith("#"):
+            continue
+        cells = next(csv.reader([line]), [])
+        if len(cells) < 2:
+            break
+        where = f"{path}:{number}"
+        if len(cells) != len(BACKEND_FIELDS):
+            raise ValueError(f"{where}: {len(cells)} cells, the columns are "
+                             f"{len(BACKEND_FIELDS)} ({columns})")
+        rows.append({f: _parse_cell(f, c, where) for f, c in zip(BACKEND_FIELDS, cells)})
+    if not rows:
+        raise ValueError(f"{path}: the backend-rows CSV has no rows")
+    return header, rows, preamble
+
+
+def _header_value(lines, *names):
+    """The text after ``name:`` of the first line starting with one of ``names`` (or None)."""
+    for line in lines:
+        for name in names:
+            if line.startswith(name + ":"):
+                return line[len(name) + 1:].strip()
+    return None
+
+
+def csv_arch(header, preamble, given=None):
+    """The table's arch of a backend-rows CSV: its ``arch:`` line (written since the tables
+    came from CSVs), else the GPU named by its ``device:`` line ("cpu" for a CPU run), checked
+    against ``given`` (``--arch``), which alone serves a GPU this module does not name."""
+    import re
+
+    written = _header_value(header, "arch")
+    device = _header_value(header, "device") or _header_value(preamble, "device") or ""
+    if written is not None:
+        if given and given != written:
+            raise SystemExit(f"bench/attention.py: --arch {given} but the CSV was measured "
+                             f"on {written} ({device})")
+        return written
+    if given:
+        return given
+    if device.startswith("CPU"):
+        return "cpu"
+    for pattern, arch in _GPU_ARCHS:
+        if re.search(pattern, device):
+            return arch
+    raise SystemExit(f"bench/attention.py: cannot tell the arch of the device {device!r} of "
+                     f"the CSV; give it with --arch (e.g. sm90: torch.cuda."
+                     f"get_device_capability() (9, 0))")
+
+
+def _table_note(rows, arch, header, source):
+    """The note of a table written from a CSV: what was measured, where, and how the rules
+    are read."""
+    def uniq(values):
+        return ", ".join(str(v) for v in dict.fromkeys(values))
+
+    timed = [r for r in rows if r["backend"] != "auto"]
+    whole = sorted({r["sq"] for r in timed if r["q_offset"] == 0 and r["sq"] == r["sk"]})
+    chunks = sorted({(r["sq"], r["sk"]) for r in timed if r["q_offset"] > 0})
+    heads = uniq(f"B {r['batch']}, Hq/Hkv {r['hq']}/{r['hkv']}" for r in timed)
+    shapes = []
+    if whole:
+        shapes.append("whole sequences S " + ", ".join(str(s) for s in whole))
+    if chunks:
+        shapes.append("query chunks (Sq x Sk, q_offset = Sk - Sq) "
+                      + ", ".join(f"{sq}x{sk}" for sq, sk in chunks))
+    causal = uniq("causal" if r["causal"] else "non-causal" for r in timed)
+    return (f"Measured on {_header_value(header, 'device') or 'an unnamed device'} ({arch}) on "
+            f"{_header_value(header, 'date') or 'an unrecorded date'}, from {source}: "
+            f"ckpt_ext's attention op (attention_fwd / attention_bwd) with each backend pinned "
+            f"({uniq(r['backend'] for r in timed)}) at {uniq(r['dtype'] for r in timed)}, "
+            f"head_dim {uniq(r['head_dim'] for r in timed)}, {causal}, {heads}: "
+            f"{'; '.join(shapes)}; masks {uniq(r['masks'] for r in timed)}. Each rule lists, "
+            f"for its phase and shape, the backends that ran there fastest first, cut after "
+            f"Triton. The first matching rule wins and its backends are tried in order; a "
+            f"backward under attention_dq='separate' (the default) skips a backend without a "
+            f"deterministic backward (cudnn). Every other call (another GPU, dtype, head_dim "
+            f"or causality, a key_padding_mask) takes the default, Triton. Written by "
+            f"bench/attention.py --from-csv {source} --write-table.")
+
+
+def main_from_csv(args):
+    """--from-csv FILE --write-table OUT: the choice table of measured rows, no GPU needed."""
+    import json
+
+    if not args.write_table:
+        raise SystemExit("bench/attention.py: --from-csv needs --write-table OUT")
+    path = pathlib.Path(args.from_csv)
+    try:
+        source = str(path.resolve().relative_to(RESULTS.parent.parent))
+    except ValueError:
+        source = str(path)
+    header, rows, preamble = read_backend_rows(path)
+    arch = csv_arch(header, preamble, args.arch)
+    commit_text = (_header_value(header, "commit", "git")
+                   or _header_value(preamble, "commit", "git") or "not recorded in the file")
+    measured = [f"source: {source} (its backend-rows CSV)", f"arch: {arch}"]
+    if _header_value(header, "commit") is None:
+        measured.append(f"commit: {commit_text}")
+    measured += [line for line in header if not line.startswith("arch:")]
+    table = choice_table(rows, arch, measured, _table_note(rows, arch, header, source))
+    pathlib.Path(args.write_table).write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {args.write_table} ({len(table['rules'])} rules, arch {arch}, from "
+          f"{len(rows)} rows of {source})")
     return table
 
 
@@ -613,6 +791,7 @@ def main_backend_rows(args, cuda, causal):
     header = provenance(device, note) + [
         f"config: dtype {str(dtype).replace('torch.', '')}, causal {causal}, warmup {warmup}, "
         f"reps {reps}, B,Hq,Hkv,D {args.backend_shape}",
+        f"arch: {arch}", f"commit: {commit()}",
         "calls: torch.ops.ckpt_ext.attention_fwd / attention_bwd with attention_backend pinned "
         "(merges included); chunk rows (Sq < Sk, q_offset = Sk - Sq) add dK/dV into fp32 "
         "accumulators; served_by: the backend that ran",
@@ -648,10 +827,15 @@ def print_backend_rows(rows):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.from_csv:
+        if args.backend_rows:
+            sys.exit("bench/attention.py: --from-csv reads times, --backend-rows measures them: "
+                     "give one")
+        return main_from_csv(args)
     if args.backend_rows:
         return main_backend_rows(args, torch.cuda.is_available(), not args.no_causal)
     if args.write_table:
-        sys.exit("bench/attention.py: --write-table needs --backend-rows")
+        sys.exit("bench/attention.py: --write-table needs --backend-rows or --from-csv")
     providers = [p for p in args.providers.split(",") if p]
     unknown = set(providers) - {"triton", "triton_atomic", "sdpa", "eager"}
     if unknown:

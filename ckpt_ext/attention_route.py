@@ -53,15 +53,19 @@ reads the choice table, ``"triton"`` / ``"flash"`` / ``"cudnn"`` / ``"efficient"
 backend; a pinned vendor backend that cannot serve a call raises :class:`BackendRefused`
 naming the rules it lacks. The table (:class:`Table`, JSON) maps shape buckets to an ordered
 list of backends; the first that may serve the call wins, Triton otherwise. The shipped
-table (``attention_backends.json`` beside this module) holds no GPU measurement yet and sends
-every call to Triton; the ``attention_table`` setting (``CKPT_EXT_ATTN_TABLE``) names another
-file (``bench/attention.py --write-table`` writes one from its measurements). Nothing is
+table (``attention_backends.json`` beside this module) holds the rules of one H200 run
+(bench/results/gpu_h200_2026-11-27/quick_d_attention.txt: sm90, bf16, head_dim 128, causal,
+unmasked and packed calls; its ``note`` and ``measured`` say what ran); every other call goes
+to Triton. The ``attention_table`` setting (``CKPT_EXT_ATTN_TABLE``) names another file
+(``bench/attention.py --backend-rows --write-table`` writes one from its measurements,
+``--from-csv`` from the CSV of an earlier run). Nothing is
 measured at run time. Calls on CPU tensors never come here (the ATen kernels serve them).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -336,6 +340,19 @@ class Table:
     @property
     def always_triton(self) -> bool:
         return not self.rules and self.default[:1] == ("triton",)
+
+    @functools.cached_property
+    def _arches(self) -> Optional[frozenset]:
+        """The arches the rules name (None: a rule without ``arch`` matches any device)."""
+        if any("arch" not in rule for rule in self.rules):
+            return None
+        return frozenset(rule["arch"] for rule in self.rules)
+
+    def triton_only_on(self, arch: str) -> bool:
+        """Whether every call on a device of ``arch`` goes to Triton: no rule names that arch
+        (nor leaves it out) and the default starts with Triton."""
+        return self.default[:1] == ("triton",) and (
+            self._arches is not None and arch not in self._arches)
 
     def lookup(self, call: Call, arch: str) -> tuple:
         bucket = _bucket(call, arch)
@@ -728,12 +745,13 @@ class Router:
     describe: Callable = attention_varlen.describe
     last: Optional[str] = None   # the backend of the latest call (for tests and benchmarks)
 
-    def _triton_only(self) -> bool:
-        """Whether every call goes to the fallback under the current settings (the setting
-        "triton", or "auto" with a table that names no other backend): the calls then go
-        there before any other work."""
+    def _triton_only(self, device) -> bool:
+        """Whether every call on ``device`` goes to the fallback under the current settings
+        (the setting "triton", or "auto" with a table that names no other backend for this
+        device's arch): the calls then go there before any other work."""
         setting = config.current().attention_backend
-        if setting == "triton" or (setting == "auto" and current_table().always_triton):
+        if setting == "triton" or (setting == "auto" and current_table().triton_only_on(
+                self.capabilities(device).arch)):
             self.last = "triton"
             return True
         return False
@@ -761,7 +779,7 @@ class Router:
             softcap=0.0):
         args = (q, k, v, key_padding_mask, segment_ids, window, causal, scale, q_offset,
                 softcap)
-        if self._triton_only():
+        if self._triton_only(q.device):
             return self.fallback_fwd(*args)
         _checks._check_qkv("attention_fwd", q, k, v, key_padding_mask, segment_ids, window,
                            scale, q_offset, softcap)
@@ -782,7 +800,7 @@ class Router:
             q_offset=0, dk_acc=None, dv_acc=None, softcap=0.0):
         args = (dout, q, k, v, out, lse, key_padding_mask, segment_ids, window, causal, scale,
                 q_offset, dk_acc, dv_acc, softcap)
-        if self._triton_only():
+        if self._triton_only(q.device):
             return self.fallback_bwd(*args)
         _checks._check_attention_bwd("attention_bwd", dout, q, k, v, out, lse,
                                      key_padding_mask, segment_ids, window, scale, q_offset,

@@ -9,12 +9,14 @@
   the merged results meet the suite's 2x / 3x rule.
 * The rules (dtype, head_dim, masks, softcap, window, rows that see nothing, determinism of a
   backward, pinned backends raising with the rule they lack) on described calls.
-* The choice table: the shipped one sends every call to Triton; a file overrides it.
+* The choice table: the shipped one (the H200 measurement) picks per bucket what the
+  measured times say and Triton outside its buckets; a file overrides it.
 * The arguments handed to the CUDA aten ops, with fake CUDA tensors (FakeTensorMode): shapes,
   strides, dtypes, the causal alignment, lse layouts, GQA expansion and the results' layout.
 * On a GPU (skipped here with the reason): every available SDPA backend, pinned, against the
   Triton kernels and float64 through the registered op.
 """
+import dataclasses
 import json
 import math
 
@@ -273,13 +275,17 @@ def test_pinned_backend_raises_with_the_rule_it_lacks():
             router.fwd(q, k, v, None, None, None, True, 0.25)
 
 
-def test_default_settings_route_every_call_to_triton():
-    """The shipped table holds no measurement: with the default settings every call, whatever
-    the device offers, goes to the fallback (the Triton launchers on CUDA)."""
+def test_default_settings_send_calls_outside_the_shipped_table_to_triton():
+    """The shipped table holds the H200's measurement (sm90 rules only, bf16, head_dim 128,
+    causal): with the default settings a call on another device (here the CPU stand-in,
+    arch "cpu") goes to the fallback (the Triton launchers on CUDA), whatever the device
+    offers."""
     assert config.KernelConfig().attention_backend == "auto"
     assert config.KernelConfig().attention_table == ""
     shipped = route.load_table(route.SHIPPED_TABLE)
-    assert shipped.always_triton and shipped.rules == ()
+    assert not shipped.always_triton and shipped.default == ("triton",)
+    assert {(r["arch"], r["dtype"], r["head_dim"], r["causal"]) for r in shipped.rules} == {
+        ("sm90", "bf16", 128, True)}
     q, k, v, dout = rand_qkv(1, 4, 2, 16, 16, torch.float32)
     router = cpu_router()
     with config.patch(attention_backend="auto", attention_table=""):
@@ -288,8 +294,107 @@ def test_default_settings_route_every_call_to_triton():
         assert router.last == "triton"
         ref = cpu_ops.attention_fwd(q, k, v, None, None, None, True, 0.25)
         assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+        # bf16 at head_dim 128 too: the table has no rule for this arch
+        q, k, v, _ = rand_qkv(1, 4, 2, 16, 128, torch.bfloat16)
+        router.fwd(q, k, v, None, None, None, True, 128 ** -0.5)
+        assert router.last == "triton"
     call = route.Call("fwd", torch.bfloat16, 1, 32, 8, 282, 4096, 128, True, 3814)
-    assert route.choose(call, _sm90(), "auto", shipped) == "triton"
+    assert route.choose(call, dataclasses.replace(_sm90(), arch="sm80"), "auto",
+                        shipped) == "triton"
+
+
+def test_router_skips_the_table_on_an_arch_it_does_not_name(monkeypatch):
+    """With the shipped table (sm90 rules only) every call on another arch goes straight to
+    the fallback, no choice made and its masks unread, as with an empty table; on sm90 a
+    packed call that flash would serve has its masks read (here described as refused, so the
+    choice is made again and Triton serves it)."""
+    chosen = []
+    real_choose = route.choose
+    monkeypatch.setattr(route, "choose", lambda *a, **kw: chosen.append(a[0]) or real_choose(
+        *a, **kw))
+    shipped = route.load_table(route.SHIPPED_TABLE)
+    assert shipped.triton_only_on("sm80") and shipped.triton_only_on("cpu")
+    assert not shipped.triton_only_on("sm90")
+    any_arch = route.Table(({"phase": "fwd", "backends": ("flash",)},))
+    assert not any_arch.triton_only_on("sm80")            # a rule without arch: every device
+    assert not route.Table((), ("flash", "triton")).triton_only_on("sm80")
+    assert route.Table().triton_only_on("sm90")
+    q, k, v, _ = rand_qkv(1, 4, 2, 16, 128, torch.bfloat16)
+    seg = torch.tensor([[0] * 9 + [1] * 7])
+    ref = cpu_ops.attention_fwd(q, k, v, None, seg, None, True, 128 ** -0.5)
+    for arch, reads, choices in (("sm80", 0, 0), ("sm90", 1, 2)):
+        router, seen = cpu_router(cpu_caps(arch=arch)), []
+        router.describe = lambda mask, ids, seen=seen: seen.append(ids) or "test: refused"
+        chosen.clear()
+        with config.patch(attention_backend="auto", attention_table=""):
+            out, lse = router.fwd(q, k, v, None, seg, None, True, 128 ** -0.5)
+        assert router.last == "triton" and len(seen) == reads, arch
+        assert len(chosen) == choices, arch
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
+def _shipped_choice(dq_mode="separate", arch="sm90", **kw):
+    return route.choose(_call(**kw), _sm90(arch=arch), "auto",
+                        route.load_table(route.SHIPPED_TABLE), dq_mode)
+
+
+_S, _ROWS = 32768, 1152   # the H200 run's whole sequence; the layer's chunk rows there
+_CHUNK = dict(Sq=_ROWS, Sk=_S, q_offset=18 * _ROWS)   # keys 21888: past every bounded rule
+_PACKED = dict(segments=True)
+
+
+@pytest.mark.parametrize("call, dq_mode, want", [
+    # unmasked: cuDNN measured fastest forward and backward at every shape ...
+    (dict(Sq=_S, Sk=_S), "separate", "cudnn"),
+    (dict(phase="bwd", Sq=_S, Sk=_S), "atomic", "cudnn"),
+    # ... but its backward is not deterministic: under "separate" the next listed, Triton
+    (dict(phase="bwd", Sq=_S, Sk=_S), "separate", "triton"),
+    (dict(phase="bwd", Sq=8192, Sk=8192), "separate", "triton"),
+    (dict(Sq=1056, Sk=_S, q_offset=_S - 1056), "separate", "cudnn"),
+    (dict(phase="bwd", Sq=1056, Sk=_S, q_offset=_S - 1056), "separate", "triton"),
+    (dict(phase="bwd", Sq=1056, Sk=_S, q_offset=_S - 1056), "atomic", "cudnn"),
+    (dict(Sq=512, Sk=_S, q_offset=_S - 512), "separate", "cudnn"),
+    (dict(Sq=_ROWS, Sk=17280, q_offset=17280 - _ROWS), "separate", "cudnn"),
+    (_CHUNK, "separate", "cudnn"),
+    (dict(_CHUNK, phase="bwd"), "separate", "triton"),
+    (dict(_CHUNK, phase="bwd"), "atomic", "cudnn"),
+    # the layer's first chunk (q_offset 0, 1152 rows): flash's deterministic backward ran
+    # second to cuDNN's, ahead of Triton's
+    (dict(phase="bwd", Sq=_ROWS, Sk=_ROWS), "separate", "flash"),
+    (dict(Sq=_ROWS, Sk=_ROWS), "separate", "cudnn"),
+    # packed documents: flash's variable-length op (cuDNN has none) ...
+    (dict(_PACKED, Sq=1056, Sk=_S, q_offset=_S - 1056), "separate", "flash"),
+    (dict(_PACKED, phase="bwd", Sq=1056, Sk=_S, q_offset=_S - 1056), "separate", "flash"),
+    (dict(_PACKED, **_CHUNK), "separate", "flash"),
+    (dict(_PACKED, Sq=_S, Sk=_S), "separate", "flash"),
+    # ... except the whole 32K sequence's backward, where Triton's was faster
+    (dict(_PACKED, phase="bwd", Sq=_S, Sk=_S), "atomic", "triton"),
+    (dict(_PACKED, phase="bwd", Sq=_ROWS, Sk=_ROWS), "separate", "flash"),
+    # outside the measured buckets: Triton
+    (dict(Sq=_S, Sk=_S, dtype=torch.float32), "separate", "triton"),
+    (dict(Sq=_S, Sk=_S, dtype=torch.float16), "separate", "triton"),
+    (dict(Sq=_S, Sk=_S, D=64), "separate", "triton"),
+    (dict(Sq=_S, Sk=_S, causal=False), "separate", "triton"),
+    (dict(Sq=_S, Sk=_S, masked=True), "separate", "triton"),
+    (dict(_CHUNK, masked=True), "atomic", "triton"),
+])
+def test_shipped_table_follows_the_h200_measurement(call, dq_mode, want):
+    """The shipped table (bench/results/gpu_h200_2026-11-27/quick_d_attention.txt, bf16,
+    head_dim 128, causal, Hq/Hkv 32/8) on a described sm90 with every backend: what the
+    measured times say, and Triton on any other GPU."""
+    assert _shipped_choice(dq_mode, **call) == want
+    assert _shipped_choice(dq_mode, arch="sm80", **call) == "triton"
+
+
+def test_shipped_table_names_its_measurement():
+    data = json.loads(route.SHIPPED_TABLE.read_text())
+    assert "cudnn" not in _sm90().deterministic_bwd     # why "separate" backwards skip it
+    measured = "\n".join(data["measured"])
+    for text in ("source: bench/results/gpu_h200_2026-11-27/quick_d_attention.txt",
+                 "device: NVIDIA H200", "arch: sm90", "commit: 67ac4f8", "date: 2026-11-27"):
+        assert text in measured
+    assert "H200" in data["note"] and "quick_d_attention.txt" in data["note"]
+    assert "DESIGN" not in data["note"] and "STYLE" not in data["note"]
 
 
 # ---- the rules on described calls --------------------------------------------------------------
@@ -653,10 +758,59 @@ def test_gpu_backend_matches_fp64_in_chunks(backend, window):
                                   scale=grad_scale)
 
 
+@pytest.mark.gpu(reason="the shipped table's SDPA backends need a CUDA GPU")
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
+    """The default settings on an sm90 GPU, in the shipped table's measured bucket (bf16, hd
+    128, causal, GQA 32/8): cuDNN's forward, and a backward by another backend reading its out
+    and lse (under "separate": Triton's, flash's on whole calls of at most 1,152 rows) or by
+    cuDNN (under "atomic"), whole and in query chunks with dK / dV into fp32 accumulators:
+    within 2x / 3x of plain PyTorch's error against float64."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the shipped table has rules for sm90 only")
+    if not {"cudnn", "flash"} <= set(_gpu_backends()):
+        pytest.skip("cudnn or flash is not available on this GPU / torch")
+    torch.manual_seed(2)
+    B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+                     for H in (Hq, Hkv, Hkv, Hq))
+    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale)
+    base = reference_grads(q, k, v, dout, True, scale)
+    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    ops, served = torch.ops.ckpt_ext, []
+
+    def fwd(*args):
+        got = ops.attention_fwd(*args)
+        served.append(route.CUDA_ROUTER.last)
+        return got
+
+    def bwd(*args):
+        got = ops.attention_bwd(*args)
+        served.append(route.CUDA_ROUTER.last)
+        return got
+
+    atomic = dq_mode == "atomic"
+    with config.patch(attention_backend="auto", attention_table="", attention_dq=dq_mode):
+        # whole: one call each; chunks of 700 rows: the first (q_offset 0, 700 keys) a whole
+        # call of the table's small bucket, then two query chunks
+        for rows, expect in ((S, ["cudnn", "cudnn" if atomic else "triton"]),
+                             (700, ["cudnn", "cudnn" if atomic else "flash"]
+                              + ["cudnn", "cudnn" if atomic else "triton"] * 2)):
+            served.clear()
+            got = attention_in_chunks(fwd, bwd, q, k, v, dout, None, True, scale, None, None,
+                                      rows)
+            assert served == expect, (rows, served)
+            check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
+            for name in ("dq", "dk", "dv"):
+                check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD,
+                                  scale=grad_scale)
+
+
 @pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
 def test_gpu_default_is_triton_and_auto_follows_a_table(tmp_path):
     if not _gpu_backends():
         pytest.skip("no SDPA backend available on this GPU / torch")
+    # head_dim 64: outside every bucket of the shipped table (measured at 128), so Triton
     q, k, v = (torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     torch.ops.ckpt_ext.attention_fwd(q, k, v, None, None, None, True, 0.125)
     assert route.CUDA_ROUTER.last == "triton"

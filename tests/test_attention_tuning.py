@@ -139,11 +139,55 @@ def test_winners_file_round_trip_and_lookup(tmp_path):
     assert tie.lookup("dq", "sm_90", "bf16", 128, True, 2048, 2048).sq == 4096
 
 
-def test_shipped_file_has_headers_and_no_measurement():
+H200_SWEEP = (Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu_h200_2026-11-27"
+              / "quick_s_attention_bwd_configs.json")
+
+
+def test_shipped_file_is_the_h200_sweep():
+    """The shipped winners are the H200 sweep's file as it came back (nothing edited): its
+    headers, and entries for sm_90 bf16 head_dim 128 causal only."""
+    assert tuning.SHIPPED.read_bytes() == H200_SWEEP.read_bytes()
     w = tuning.load_winners(tuning.SHIPPED)
     assert set(tuning.HEADERS) <= set(w.headers)
-    assert w.entries == ()   # no GPU sweep has run: nothing made up
-    assert "no GPU sweep has run" in w.headers["command"]
+    assert "H200" in w.headers["machine"] and w.headers["commit"].startswith("67ac4f8")
+    assert {(e.arch, e.dtype, e.head_dim, e.causal) for e in w.entries} == {
+        ("sm_90", "bf16", 128, True)}
+    assert {(e.kernel, e.sq, e.sk, e.accumulate) for e in w.entries} == {
+        ("dkdv", 32768, 32768, False), ("dkdv", 1056, 32768, True),
+        ("dkdv", 282, 32768, True), ("dq", 32768, 32768, None), ("dq", 1056, 32768, None),
+        ("dq", 282, 32768, None)}
+    # each winner at most as slow as the baseline it was measured against
+    assert all(e.ms <= e.baseline_ms for e in w.entries)
+
+
+@pytest.mark.parametrize("kernel, capability, dtype, causal, sq, sk, atomic, accumulate, want", [
+    # the whole sequence (the launch's buckets: S clamped to 32768)
+    ("dkdv", (9, 0), torch.bfloat16, True, 32768, 32768, False, False, (C(64, 128, 8, 4), 0)),
+    ("dkdv", (9, 0), torch.bfloat16, True, 4096, 4096, False, False, (C(64, 128, 8, 4), 0)),
+    # query chunks adding dK / dV into the accumulators: 1056 rows (bucket 2048), 282 (512)
+    ("dkdv", (9, 0), torch.bfloat16, True, 2048, 32768, False, True, (C(64, 64, 4, 2), 6)),
+    ("dkdv", (9, 0), torch.bfloat16, True, 512, 32768, False, True, (C(64, 64, 4, 2), 6)),
+    ("dq", (9, 0), torch.bfloat16, True, 2048, 32768, None, None, (C(128, 64, 8, 3), 0)),
+    # the dK/dV kernel with the atomic dQ was not swept; other dtypes, GPUs, non-causal: none
+    ("dkdv", (9, 0), torch.bfloat16, True, 32768, 32768, True, False, None),
+    ("dkdv", (9, 0), torch.bfloat16, True, 2048, 32768, True, True, None),
+    ("dkdv", (9, 0), torch.float16, True, 32768, 32768, False, False, None),
+    ("dkdv", (8, 0), torch.bfloat16, True, 32768, 32768, False, False, None),
+    ("dq", (9, 0), torch.float32, True, 2048, 32768, None, None, None),
+    ("dq", (9, 0), torch.bfloat16, False, 2048, 32768, None, None, None),
+])
+def test_shipped_winners_serve_their_buckets(kernel, capability, dtype, causal, sq, sk, atomic,
+                                             accumulate, want):
+    tuning.forget()
+    try:
+        with config.patch(attention_bwd_configs=""):
+            assert tuning.winner(kernel, capability, dtype, 128, causal, sq, sk, atomic,
+                                 accumulate) == want
+            if want is not None:   # another head_dim: the built-in candidates
+                assert tuning.winner(kernel, capability, dtype, 64, causal, sq, sk, atomic,
+                                     accumulate) is None
+    finally:
+        tuning.forget()
 
 
 def _good():
@@ -230,8 +274,11 @@ def test_launcher_puts_the_winner_first(tmp_path, as_if_on_hopper):
     tuning.write_winners(path, HEADERS, [entry(cfg=win), entry("dq", cfg=C(64, 64, 8, 2))])
     spec = (dev, torch.bfloat16, 128, True, False, False, False, "tf32")
     builtin = attention.attention_configs("dkdv", "hopper")
-    # the shipped file: no entry, the built-in order
-    first, only, spills = attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768,
+    # the shipped file (the H200 sweep): its winner for the whole bf16 sequence ...
+    assert attention._bwd_choice("dkdv", dev, torch.bfloat16, 128, True, 32768, 32768, False,
+                                 False, False) == (C(64, 128, 8, 4), False, 0)
+    # ... and for fp16, which it did not sweep, no entry: the built-in order
+    first, only, spills = attention._bwd_choice("dkdv", dev, torch.float16, 128, True, 32768,
                                                 32768, False, False, False)
     assert (first, only, spills) == (None, False, 0)
     launcher, _ = attention._launcher("dkdv", *spec, False, False, False, first, only)

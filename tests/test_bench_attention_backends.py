@@ -4,6 +4,7 @@ tiny CPU run (Triton interpreter; the SDPA backends noted as needing CUDA)."""
 import csv
 import importlib.util
 import json
+import math
 import pathlib
 import sys
 
@@ -182,6 +183,169 @@ def test_cpu_backend_rows_run_and_write_a_table(tmp_path):
     assert {(r["sq"], r["sk"], r["call"]) for r in triton} == {("32", "32", "whole"),
                                                                ("8", "32", "query chunk")}
     loaded = route.load_table(table)
-    assert json.loads(table.read_text())["measured"][0].startswith("device: CPU")
+    written = json.loads(table.read_text())
+    assert written["measured"][0].startswith("device: CPU")
     call = route.Call("fwd", torch.float32, 1, 2, 2, 32, 32, 16, True)
     assert loaded.lookup(call, "cpu") == ("triton",)
+    # --from-csv on the CSV just written: the same rows (as written: 6 significant digits),
+    # the same rules, the CSV's provenance under the file's name
+    header, read, preamble = bench.read_backend_rows(out)
+    assert preamble == [] and header[0].startswith("device: CPU") and "arch: cpu" in header
+    assert [(r["backend"], r["mode"], r["sq"], r["sk"], r["q_offset"], r["causal"], r["note"])
+            for r in read] == [(r["backend"], r["mode"], int(r["sq"]), int(r["sk"]),
+                                int(r["q_offset"]), r["causal"] == "True", r["note"])
+                               for r in rows]
+    assert all(math.isnan(r["ms"]) == (r["backend"] != "triton") for r in read)
+    again = tmp_path / "again.json"
+    bench.main(["--from-csv", str(out), "--write-table", str(again)])
+    rebuilt = json.loads(again.read_text())
+    assert rebuilt["rules"] == written["rules"]
+    assert rebuilt["measured"][:2] == [f"source: {out} (its backend-rows CSV)", "arch: cpu"]
+    # the CSV's own lines after them (its commit line once, its arch line moved up)
+    assert rebuilt["measured"][2:] == [line for line in written["measured"]
+                                       if not line.startswith("arch:")]
+    with pytest.raises(SystemExit, match="needs --write-table"):
+        bench.main(["--from-csv", str(out)])
+
+
+# ---- the table from a CSV measured elsewhere (--from-csv) ---------------------------------------
+H200 = ROOT / "bench" / "results" / "gpu_h200_2026-11-27" / "quick_d_attention.txt"
+
+
+def _full_rows():
+    """Rows with every column, a NaN (a refused backend), a note with a comma, both bools."""
+    nan = float("nan")
+    rows = []
+    for i, (backend, ms, causal, note) in enumerate([
+            ("triton", 1.23456789, True, ""), ("flash", 0.5, True, "layer S 40: chunk 1/7"),
+            ("cudnn", nan, True, "error: no varlen, sorry"), ("triton", 2.0, False, "")]):
+        rows.append(dict(backend=backend, served_by="" if math.isnan(ms) else backend,
+                         mode=bench.MODES[i % 3], batch=1, hq=32, hkv=8, head_dim=128,
+                         sq=1056 + i, sk=32768, q_offset=32768 - 1056 - i, dtype="bfloat16",
+                         causal=causal, masks="packed 4096" if i == 1 else "none", ms=ms,
+                         tflops=ms * 3, call="query chunk", note=note))
+    return rows
+
+
+def _same(read, rows):
+    assert len(read) == len(rows)
+    for got, want in zip(read, rows):
+        assert set(got) == set(bench.BACKEND_FIELDS)
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert type(got[key]) is float
+                assert (math.isnan(got[key]) and math.isnan(value)
+                        or got[key] == pytest.approx(value, rel=1e-5)), key
+            else:
+                assert type(got[key]) is type(value) and got[key] == value, key
+
+
+def test_backend_rows_csv_round_trips(tmp_path):
+    """read_backend_rows reads what the bench's writer wrote: alone, or inside a results file
+    with other lines above (their '#' lines kept apart) and a JSON table below."""
+    rows = _full_rows()
+    header = ["device: NVIDIA H100 80GB HBM3 (CUDA 12.4)", "date: 2026-01-02T03:04:05+00:00"]
+    alone = tmp_path / "rows.csv"
+    bench.write_csv(alone, header, bench.BACKEND_FIELDS, rows)
+    got_header, read, preamble = bench.read_backend_rows(alone)
+    assert (got_header, preamble) == (header, [])
+    _same(read, rows)
+    text = alone.read_text()
+    inside = tmp_path / "results.txt"
+    inside.write_text("# device: NVIDIA H100, 550.54, 81559 MiB\n# git: abc1234 (the caller)\n"
+                      "  triton Sq=1056: fwd 1.2 ms\nwrote rows.csv\n" + text
+                      + '{\n "format": "x",\n "rules": []\n}\n# part d: ok\n')
+    got_header, read, preamble = bench.read_backend_rows(inside)
+    assert got_header == header
+    assert preamble == ["device: NVIDIA H100, 550.54, 81559 MiB", "git: abc1234 (the caller)"]
+    _same(read, rows)
+    lines = text.splitlines()
+    broken = tmp_path / "broken.csv"
+    broken.write_text("\n".join(lines[:4] + [lines[4].rsplit(",", 2)[0]] + lines[5:]) + "\n")
+    with pytest.raises(ValueError, match=r"broken.csv:5: 15 cells"):
+        bench.read_backend_rows(broken)
+    broken.write_text(text.replace(",True,", ",yes,", 1))
+    with pytest.raises(ValueError, match=r"column 'causal' holds 'yes'"):
+        bench.read_backend_rows(broken)
+    broken.write_text("# device: x\nbackend,mode\ntriton,fwd\n")
+    with pytest.raises(ValueError, match="no backend-rows CSV"):
+        bench.read_backend_rows(broken)
+
+
+@pytest.mark.parametrize("header, preamble, given, want", [
+    (["device: NVIDIA H200 (CUDA 13.0)"], [], None, "sm90"),
+    (["device: NVIDIA H100 80GB HBM3 (CUDA 12.4)"], [], None, "sm90"),
+    (["device: NVIDIA A100-SXM4-80GB (CUDA 12.1)"], [], None, "sm80"),
+    (["device: NVIDIA A10G (CUDA 12.1)"], [], None, "sm86"),
+    (["device: NVIDIA L40S (CUDA 12.1)"], [], None, "sm89"),
+    (["device: CPU x86_64, 2 cores -- CPU (Triton interpreter) run"], [], None, "cpu"),
+    (["device: NVIDIA H200 (CUDA 13.0)", "arch: sm90"], [], "sm90", "sm90"),
+    (["device: Some New GPU (CUDA 14.0)"], [], "sm120", "sm120"),
+    (["device: NVIDIA A100 (CUDA 12.1)"], [], "sm80", "sm80"),
+    ([], ["device: NVIDIA H200, 580.159.04, 143771 MiB"], None, "sm90"),
+])
+def test_csv_arch(header, preamble, given, want):
+    assert bench.csv_arch(header, preamble, given) == want
+
+
+def test_csv_arch_refuses_guesses():
+    with pytest.raises(SystemExit, match="give it with --arch"):
+        bench.csv_arch(["device: Some New GPU (CUDA 14.0)"], [])
+    with pytest.raises(SystemExit, match="--arch sm80 but the CSV was measured on sm90"):
+        bench.csv_arch(["device: NVIDIA H200 (CUDA 13.0)", "arch: sm90"], [], "sm80")
+
+
+def _device_table():
+    """The table the H200 printed after its CSV (written there by --write-table before
+    choice_table added its unbounded last rules)."""
+    text = H200.read_text()
+    start = text.index('{\n "format"')
+    return json.loads(text[start:text.index("\n}\n", start) + 2])
+
+
+def test_from_csv_rebuilds_the_h200_table_and_the_shipped_one(tmp_path):
+    """--from-csv on the H200's results file: the device's own rules, then per (phase, masks,
+    chunk) bucket whose measured shapes hold none largest in both sq and keys an unbounded
+    rule; and exactly the table shipped in the package."""
+    out = tmp_path / "table.json"
+    bench.main(["--from-csv", str(H200), "--write-table", str(out)])
+    table = json.loads(out.read_text())
+    device = _device_table()
+    bounded = [r for r in table["rules"] if "sq_max" in r or "keys_max" in r
+               or not r["chunk"]]
+    assert bounded == device["rules"]
+    extra = [r for r in table["rules"] if r not in device["rules"]]
+    assert [(r["phase"], r["masks"], r["backends"]) for r in extra] == [
+        ("bwd", "none", ["cudnn", "triton"]), ("bwd", "packed", ["flash", "triton"]),
+        ("fwd", "none", ["cudnn", "triton"]), ("fwd", "packed", ["flash", "triton"])]
+    assert all(r["chunk"] and "sq_max" not in r and "keys_max" not in r for r in extra)
+    assert table["measured"][:3] == [
+        "source: bench/results/gpu_h200_2026-11-27/quick_d_attention.txt (its backend-rows CSV)",
+        "arch: sm90", "commit: 67ac4f8 (as the caller said)"]
+    assert table["measured"][3:] == device["measured"]
+    assert table == json.loads((ROOT / "ckpt_ext" / "attention_backends.json").read_text())
+
+
+def test_choice_table_adds_an_unbounded_rule_when_no_shape_is_largest():
+    """Chunks measured at (512, 32768), (1056, 32768) and (1152, 17280): a chunk of 1152 rows
+    seeing 20000 keys is in none of their rules; the last rule gives it the order of the
+    shape with the most work (1056 x 32768), not the default."""
+    rows = _rows({(512, 32768, "triton"): (1.0, 1.0), (512, 32768, "cudnn"): (2.0, 2.0),
+                  (1056, 32768, "triton"): (3.0, 3.0), (1056, 32768, "flash"): (2.0, 2.0),
+                  (1152, 17280, "triton"): (3.0, 1.0), (1152, 17280, "cudnn"): (2.0, 2.0)})
+    table = route.Table.from_dict(bench.choice_table(rows, "sm90", ["# test"], note="n"))
+
+    def pick(phase, Sq, keys):
+        return table.lookup(route.Call(phase, torch.bfloat16, 1, 32, 8, Sq, keys, 128, True,
+                                       keys - Sq), "sm90")
+
+    assert pick("fwd", 1152, 20000) == ("flash", "triton")
+    assert pick("fwd", 2048, 65536) == ("flash", "triton")
+    assert pick("fwd", 1152, 17280) == ("cudnn", "triton")
+    assert pick("bwd", 1152, 17280) == ("triton",)
+    assert pick("fwd", 500, 30000) == ("triton",)
+    # a grid of shapes needs no extra rule: its largest is unbounded already
+    grid = bench.choice_table(_rows({(512, 8192, "triton"): (1.0, 1.0),
+                                     (1024, 32768, "triton"): (1.0, 1.0)}), "sm90", [])
+    assert [("sq_max" in r, "keys_max" in r) for r in grid["rules"]] == [(True, True),
+                                                                         (False, False)] * 2
