@@ -123,7 +123,8 @@ def parse_args(argv=None):
                         "default: the kernels' own, CKPT_EXT_CHUNK_BYTES, 64 MiB unless set)")
     p.add_argument("--sms", type=int, default=None,
                    help="the GPU's multiprocessors for --layer-dims, whose chunks on CUDA hold "
-                        "at least the rows that fill them (ckpt_ext._C.occupancy_min_rows); "
+                        "at least the rows that fill them and the GEMMs' minimum "
+                        "(ckpt_ext._C.cuda_min_rows); "
                         "default: the CUDA device's when there is one, else 0 (the CPU's chunks)")
     p.add_argument("--backend-packed-doc", type=int, default=0, metavar="N",
                    help="with --backend-rows: also each shape packed, documents of N tokens "
