@@ -169,16 +169,15 @@ def layer_chunk_rows(d: LayerDims, e: int, chunk_bytes: int, sms: int = 0) -> in
     (csrc/chunking.h ``layer_chunk_rows`` with ``cuda_min_rows`` on a GPU, through
     ``ckpt_ext._C``)."""
     return _C.layer_chunk_rows(d.num_heads * d.head_dim, d.intermediate_size, e, chunk_bytes,
-                               min_rows=(_C.cuda_min_rows(sms, d.num_heads, d.moe)
-                                         if sms > 0 else 0),
+                               min_rows=_C.cuda_min_rows(sms, d.num_heads) if sms > 0 else 0,
                                **d.ffn_kwargs())
 
 
 def mlp_chunk_rows(d: LayerDims, e: int, chunk_bytes: int, path: str = "cuda") -> int:
-    """Tokens per chunk of a fused layer's FFN (csrc/chunking.h ``mlp_chunk_rows``): for a
-    dense FFN at least ``_C.gemm_min_rows`` on ``"cuda"``."""
+    """Tokens per chunk of a fused layer's FFN (csrc/chunking.h ``mlp_chunk_rows``): at
+    least ``_C.gemm_min_rows`` on ``"cuda"``."""
     return _C.mlp_chunk_rows(d.intermediate_size, e, chunk_bytes,
-                             min_rows=_C.gemm_min_rows if path == "cuda" and not d.moe else 0,
+                             min_rows=_C.gemm_min_rows if path == "cuda" else 0,
                              **d.ffn_kwargs())
 
 

@@ -89,16 +89,17 @@ inline int64_t occupancy_min_rows(int64_t sms, int64_t heads,
 // the sums cost about 900 / r of that GEMM: 2.3x at the 390 FFN rows a 64 MiB cap gives
 // LLaMA-3-8B, 7% of the three GEMMs at 4,096 rows. The extra transient at 4,096 rows is well
 // under a GiB at 8B dims (the plan counts it). A batch that fits is one chunk, with no sums.
-// Not for MoE layers: an expert's GEMMs see rows * top_k / experts of a chunk's rows, so the
-// minimum would need experts / top_k times as many, and their per-row working set is several
-// times a dense FFN's (Qwen3-30B-A3B: 1.3 GiB at 4,096 rows, a tenth of the plan's longest
-// LoRA sequence); they keep the cap's rows.
+// An MoE layer needs it more: each chunk past the first adds every expert's weight gradient
+// with one GEMM and one sum per expert (csrc/moe_math.cpp grouped_outer_add), and its
+// per-token working set makes the cap's chunks short (Qwen3-30B-A3B: 203 rows at 64 MiB, so
+// a 32K sequence took 162 chunks of 256 such launches each). The price there is memory: its
+// 4,096 rows hold 1.3 GiB, which shortens the plan's longest MoE sequences by 6-12% (about
+// 47,000 tokens).
 constexpr int64_t kGemmMinRows = 4096;
 
-// The fewest rows per layer chunk (moe: of an MoE layer) on CUDA: the attention's occupancy
-// and, for a dense layer, the GEMMs' minimum.
-inline int64_t cuda_min_rows(int64_t sms, int64_t heads, bool moe = false) {
-  return std::max(occupancy_min_rows(sms, heads), moe ? int64_t{0} : kGemmMinRows);
+// The fewest rows per layer chunk on CUDA: the attention's occupancy and the GEMMs' minimum.
+inline int64_t cuda_min_rows(int64_t sms, int64_t heads) {
+  return std::max(occupancy_min_rows(sms, heads), kGemmMinRows);
 }
 
 inline std::atomic<int64_t>& sms_setting() {

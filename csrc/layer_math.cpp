@@ -668,12 +668,12 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
 // Rows per token chunk of the MLP: the SwiGLU intermediates of a chunk, three (rows, I)
 // tensors at the compute width (the Triton backward's dh, dgate and dup; the CPU kernels
 // chunk further within the same cap), or an MoE layer's (ffn_row_width), within the byte cap,
-// and on CUDA at least kGemmMinRows rows for a dense FFN (csrc/chunking.h). A sequence that
-// fits is one chunk, computed exactly as written out.
+// and on CUDA at least kGemmMinRows rows (csrc/chunking.h). A sequence that fits is one chunk,
+// computed exactly as written out.
 int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
   return chunking::mlp_chunk_rows(ffn_row_width(L, h.size(-1)), h.element_size(),
                                   chunking::chunk_bytes(),
-                                  h.is_cuda() && !L.moe() ? chunking::kGemmMinRows : 0);
+                                  h.is_cuda() ? chunking::kGemmMinRows : 0);
 }
 
 // y = h + down(act(gate(m)) * up(m)) over token chunks (rows of h viewed as (T, H)), each
@@ -892,11 +892,11 @@ OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nu
 // chunk's q and out wait for the attention's.
 //
 // On CUDA at least chunking::cuda_min_rows: rows whose attention fills the device's
-// multiprocessors (two waves of programs over the layer's query heads), and for a dense layer
-// kGemmMinRows for the weights' GEMMs.
+// multiprocessors (two waves of programs over the layer's query heads), and kGemmMinRows for
+// the weights' GEMMs.
 int64_t layer_chunk_rows(const Layer& L, const at::Tensor& x) {
   const int64_t min_rows =
-      x.is_cuda() ? chunking::cuda_min_rows(chunking::cuda_sms(), L.num_heads, L.moe()) : 0;
+      x.is_cuda() ? chunking::cuda_min_rows(chunking::cuda_sms(), L.num_heads) : 0;
   return chunking::layer_chunk_rows(L.proj(kQ).size(0),
                                    has_mlp(L.part_id) ? ffn_row_width(L, x.size(2)) : 0,
                                    at::elementSize(L.act_dtype(x)), chunking::chunk_bytes(),

@@ -78,9 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "least min_rows (gemm_min_rows on CUDA)");
   m.attr("gemm_min_rows") = ckpt_ext::chunking::kGemmMinRows;
   m.def("cuda_min_rows", &ckpt_ext::chunking::cuda_min_rows, pybind11::arg("sms"),
-        pybind11::arg("heads"), pybind11::arg("moe") = false,
-        "The fewest rows per layer chunk on CUDA: occupancy_min_rows and, for a dense layer "
-        "(moe False), gemm_min_rows");
+        pybind11::arg("heads"),
+        "The fewest rows per layer chunk on CUDA: occupancy_min_rows and gemm_min_rows");
   m.def("ffn_row_width", &ckpt_ext::chunking::ffn_row_width, pybind11::arg("intermediate"),
         pybind11::kw_only(), pybind11::arg("hidden") = 0, pybind11::arg("experts") = 0,
         pybind11::arg("top_k") = 0, pybind11::arg("expert_intermediate") = 0,

@@ -784,8 +784,8 @@ def test_occupancy_min_rows_and_the_plans_cuda_chunks(monkeypatch):
     """csrc/chunking.h occupancy_min_rows: the fewest whole 128-row tiles whose programs (tiles
     x heads) make two waves on the GPU's multiprocessors, against a direct search; 0 (no
     minimum) without a GPU; on CUDA the layer's chunks take the larger of it, the GEMMs'
-    minimum (gemm_min_rows, 4,096; dense layers only) and the cap's rows, and a dense FFN's
-    chunks the larger of the GEMMs' minimum and the cap's; the plan's CUDA peak reads them (LLaMA-3-8B at 64 MiB: 282
+    minimum (gemm_min_rows, 4,096) and the cap's rows, and the FFN's chunks the larger of the
+    GEMMs' minimum and the cap's; the plan's CUDA peak reads them (LLaMA-3-8B at 64 MiB: 282
     layer rows and 390 FFN rows by the cap, 4,096 on an H100; a head-poor layer's occupancy
     passes 4,096) and its CPU peak does not."""
     for sms in (1, 7, 108, 132, 144):
@@ -810,13 +810,12 @@ def test_occupancy_min_rows_and_the_plans_cuda_chunks(monkeypatch):
     assert plan.mlp_chunk_rows(d, 2, 1 << 30) == (1 << 30) // (3 * 14336 * 4)
     assert ckpt_ext._C.layer_chunk_rows(4096, 14336, 2, 64 * 2**20, min_rows=300) == 300
     assert ckpt_ext._C.mlp_chunk_rows(14336, 2, 64 * 2**20, min_rows=500) == 500
-    # an MoE layer keeps the occupancy minimum and the cap's FFN rows (its experts' GEMMs see
-    # top_k / experts of a chunk's rows: the GEMMs' minimum would not serve them)
-    assert ckpt_ext._C.cuda_min_rows(132, 32, True) == 1152
+    # an MoE layer too (Qwen3-30B-A3B: 203 rows by the cap)
     m = LayerDims(2048, 32, 4, 128, 0, experts=128, top_k=8, expert_intermediate_size=768)
-    assert plan.layer_chunk_rows(m, 2, 64 * 2**20, plan.CUDA_SMS) == 1152
-    assert plan.mlp_chunk_rows(m, 2, 64 * 2**20) == plan.mlp_chunk_rows(m, 2, 64 * 2**20, "cpu")
-    assert plan.mlp_chunk_rows(m, 2, 64 * 2**20) < 4096
+    assert plan.mlp_chunk_rows(m, 2, 64 * 2**20, "cpu") == 203
+    assert plan.layer_chunk_rows(m, 2, 64 * 2**20) < 203
+    assert plan.layer_chunk_rows(m, 2, 64 * 2**20, plan.CUDA_SMS) == 4096
+    assert plan.mlp_chunk_rows(m, 2, 64 * 2**20) == 4096
     layers = [d] * 4
     args = ("balanced", layers, 1000, 1, 32768, torch.bfloat16)
     cuda, cpu = plan.step_peak(*args).peak, plan.step_peak(*args, path="cpu").peak
