@@ -140,6 +140,24 @@ def reference_grads(q, k, v, dout, causal, scale, window=None):
     return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
 
 
+def causal_references(q, k, v, dout, scale, window=None):
+    """(float64 ground truth, plain PyTorch at q's dtype) of causal attention, for
+    :func:`check_accuracy_rule`."""
+    return (reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale, window),
+            reference_grads(q, k, v, dout, True, scale, window))
+
+
+def check_accuracy_rule(got, references, dtype=None):
+    """out within 2x and dq, dk, dv within 3x plain PyTorch's error against float64 (the
+    gradients' scale: the ground truth's largest)."""
+    want, base = references
+    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
+    for name in ("dq", "dk", "dv"):
+        check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD, dtype,
+                          scale=grad_scale)
+
+
 # ---- the split and the merge, exact in float64 -------------------------------------------------
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])          # split / one bottom-right call
 @pytest.mark.parametrize("causal", [True, False])
@@ -216,18 +234,13 @@ def test_merged_half_precision_meets_the_accuracy_rule(dtype):
     B, Hq, Hkv, S, D = 1, 4, 2, 48, 32
     scale = D ** -0.5
     q, k, v, dout = rand_qkv(B, Hq, Hkv, S, D, dtype, seed=5)
-    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale)
-    base = reference_grads(q, k, v, dout, True, scale)
+    references = causal_references(q, k, v, dout, scale)
     router = cpu_router()
     with config.patch(attention_backend="cudnn"):
         got = attention_in_chunks(router.fwd, router.bwd, q, k, v, dout, None, True, scale,
                                   None, None, 16)
     assert got["out"].dtype == dtype and got["lse"].dtype == torch.float32
-    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
-    check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
-    for name in ("dq", "dk", "dv"):
-        check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD, dtype,
-                          scale=grad_scale)
+    check_accuracy_rule(got, references, dtype)
 
 
 # ---- routing through the router: settings, fallbacks ------------------------------------------
@@ -743,19 +756,14 @@ def test_gpu_backend_matches_fp64_in_chunks(backend, window):
     B, Hq, Hkv, S, D, scale = 2, 8, 2, 250, 128, 128 ** -0.5   # odd lengths: 250, 96, 58
     q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
                      for H in (Hq, Hkv, Hkv, Hq))
-    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale, window)
-    base = reference_grads(q, k, v, dout, True, scale, window)
-    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    references = causal_references(q, k, v, dout, scale, window)
     ops = torch.ops.ckpt_ext
     with config.patch(attention_backend=backend):
         for rows in (S, 96):
             got = attention_in_chunks(ops.attention_fwd, ops.attention_bwd, q, k, v, dout, None,
                                       True, scale, None, window, rows)
             assert route.CUDA_ROUTER.last == backend
-            check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
-            for name in ("dq", "dk", "dv"):
-                check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD,
-                                  scale=grad_scale)
+            check_accuracy_rule(got, references)
 
 
 @pytest.mark.gpu(reason="the shipped table's SDPA backends need a CUDA GPU")
@@ -774,9 +782,7 @@ def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
     B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
     q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
                      for H in (Hq, Hkv, Hkv, Hq))
-    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale)
-    base = reference_grads(q, k, v, dout, True, scale)
-    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    references = causal_references(q, k, v, dout, scale)
     ops, served = torch.ops.ckpt_ext, []
 
     def fwd(*args):
@@ -800,10 +806,7 @@ def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
             got = attention_in_chunks(fwd, bwd, q, k, v, dout, None, True, scale, None, None,
                                       rows)
             assert served == expect, (rows, served)
-            check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
-            for name in ("dq", "dk", "dv"):
-                check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD,
-                                  scale=grad_scale)
+            check_accuracy_rule(got, references)
 
 
 @pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")
@@ -886,9 +889,7 @@ def test_gpu_vendor_and_triton_phases_mix_exactly(backend, vendor_phase):
     B, Hq, Hkv, S, D, scale = 2, 8, 2, 250, 128, 128 ** -0.5
     q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
                      for H in (Hq, Hkv, Hkv, Hq))
-    want = reference_grads(*(t.double() for t in (q, k, v, dout)), True, scale, None)
-    base = reference_grads(q, k, v, dout, True, scale, None)
-    grad_scale = magnitude(want["dq"], want["dk"], want["dv"])
+    references = causal_references(q, k, v, dout, scale)
     other = "bwd" if vendor_phase == "fwd" else "fwd"
     table = route.Table.from_dict({"format": route.TABLE_FORMAT, "rules": [
         {"phase": vendor_phase, "backends": [backend]},
@@ -902,7 +903,4 @@ def test_gpu_vendor_and_triton_phases_mix_exactly(backend, vendor_phase):
             got = attention_in_chunks(ops.attention_fwd, ops.attention_bwd, q, k, v, dout, None,
                                       True, scale, None, None, rows)
             assert route.CUDA_ROUTER.last == (backend if vendor_phase == "bwd" else "triton")
-            check_vs_baseline("out", got["out"], base["out"], want["out"], FACTOR_OUT)
-            for name in ("dq", "dk", "dv"):
-                check_vs_baseline(name, got[name], base[name], want[name], FACTOR_GRAD,
-                                  scale=grad_scale)
+            check_accuracy_rule(got, references)
