@@ -147,6 +147,7 @@ def _fwd(hidden: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
                                                       ignore_index, logit_scale, softcap)
         loss[rows] = loss_c
         lse[rows] = lse_c
+        del y, loss_c, lse_c   # not alive beside the next chunk's
     return loss, lse
 
 
@@ -204,6 +205,7 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
                     dx[n] = dx_c
                 if want_dnw:
                     dnw += dnw_c
+                del dx_c, dnw_c
         if want_dw:
             if dw is None:
                 one_chunk = t0 + step >= T
@@ -212,6 +214,9 @@ def _bwd(dloss: Tensor, hidden: Tensor, norm_weight: Tensor, eps: float, weight:
                 dw += dw_c
         if want_db:
             db += db_c
+        # nothing of this chunk lives into the next one's head backward: a trained head's
+        # chunk gradient is a whole (V, H) tensor (1 GiB at LLaMA-3's vocabulary in bf16)
+        del dy, dw_c, db_c
     empty = hidden.new_empty((0,))
     if want_dw and dw is None:  # T == 0
         dw = torch.zeros_like(weight)

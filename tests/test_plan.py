@@ -305,6 +305,11 @@ PEAK_CASES = {
     "layer-bound": dict(H=256, heads=4, kv=2, D=40, I=1200, V=1024, L=3, S=900),
     # a large vocabulary: the head sets it
     "head-bound": dict(H=192, heads=6, kv=3, D=32, I=640, V=8000, L=2, S=500),
+    # the head trained over several token chunks (T above a third of V, so no vocabulary
+    # walk): its fp32 gradient sum beside one chunk's gradient, never two chunks' (about 200
+    # rows a chunk under this cap)
+    "head-chunks": dict(H=128, heads=4, kv=2, D=32, I=320, V=3000, L=2, S=1200,
+                        cap=128 * 4 * 200),
     # the SwiGLU chunk below T
     "chunked": dict(H=96, heads=4, kv=1, D=32, I=5000, V=512, L=2, S=1000),
     # the fused layer in token chunks (about 150 tokens under this cap)
