@@ -13,10 +13,12 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "checks.h"
+#include "chunking.h"
 
 namespace ckpt_ext {
 namespace moe {
@@ -101,16 +103,28 @@ at::Tensor grouped_outer(const at::Tensor& a, const at::Tensor& b, const Groups&
   return out;
 }
 
-// acc (E, P, Q) += the per-expert sums a_e^T b_e, one expert's product at a time, so that a
-// gradient summed over token chunks never has a second (E, P, Q) tensor beside it.
+// acc (E, P, Q) += the per-expert sums a_e^T b_e, so that a gradient summed over token chunks
+// never has a second (E, P, Q) tensor beside it: with grouped GEMMs a block of experts at a
+// time, the block's (G, P, Q) products within the byte cap of the token chunks (one grouped
+// GEMM and one add a block, not two launches an expert: 128 experts, 256 launches a weight);
+// else one expert's product at a time.
 void grouped_outer_add(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b,
-                       const Groups& g) {
-  int64_t start = 0;
+                       const Groups& g, bool grouped) {
   const auto& ends = g.host_ends();
-  for (int64_t e = 0; e < g.num_experts; ++e) {
-    const int64_t n = ends[e] - start;
-    if (n > 0) acc[e].add_(at::mm(a.narrow(0, start, n).t(), b.narrow(0, start, n)));
-    start = ends[e];
+  const int64_t E = g.num_experts;
+  const int64_t block =
+      grouped ? std::min(E, chunking::chunk_rows(a.size(1) * b.size(1) * a.element_size()))
+              : 1;
+  for (int64_t e0 = 0; e0 < E; e0 += block) {
+    const int64_t ne = std::min(block, E - e0);
+    const int64_t start = e0 == 0 ? 0 : ends[e0 - 1], n = ends[e0 + ne - 1] - start;
+    if (n == 0) continue;
+    const at::Tensor ab = a.narrow(0, start, n), bb = b.narrow(0, start, n);
+    if (grouped) {  // the block's ends, counted from its first row
+      acc.narrow(0, e0, ne).add_(at::_grouped_mm(ab.t(), bb, g.offs.narrow(0, e0, ne) - start));
+    } else {
+      acc[e0].add_(at::mm(ab.t(), bb));
+    }
   }
 }
 
@@ -118,7 +132,7 @@ void grouped_outer_add(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b
 at::Tensor weight_grad(at::Tensor* acc, const at::Tensor& a, const at::Tensor& b,
                        const Groups& g, bool grouped) {
   if (acc == nullptr) return grouped_outer(a, b, g, grouped);
-  grouped_outer_add(*acc, a, b, g);
+  grouped_outer_add(*acc, a, b, g, grouped);
   return at::Tensor();
 }
 

@@ -197,6 +197,31 @@ def test_chunks_equal_one_chunk(monkeypatch, preset):
             assert_f64(run(*case, preset, part), whole)
 
 
+@pytest.mark.parametrize("part", ["layer", "mlp"])
+@pytest.mark.parametrize("preset", ["fast", "min_memory"])
+def test_grouped_gradient_sums_over_chunks_meet_the_accuracy_rule(preset, part):
+    """float32 with 16-byte rows (torch._grouped_mm) in token chunks of 1 and 4 rows: after
+    the first chunk each expert weight's gradient is added a block of experts at a time, the
+    block's products within the same byte cap (6 experts: blocks of 1 and 2 experts at 1 row,
+    of 4 and 2 for gate_up and one of 6 for down at 4 rows; experts without rows in a chunk).
+    Output and gradients against the float64 reference, within the accuracy rule."""
+    case = moe_case(torch.float32, "qwen2_moe", experts=6, k=3, b=2, s=11, seed=5,
+                    hidden=16, inter=8)
+    x, weights, pe, _, kw = case
+    idx = reference_routing(x, weights, pe, kw, part)
+    base = run_reference(*case, part, force_idx=idx)
+    ref = run_reference(*case, part, dtype=F64, force_idx=idx)
+    for rows in (1, 4):
+        config.update(chunk_bytes=chunk_cap(rows, torch.float32, weights,
+                                            kw["num_experts_per_tok"], part))
+        got = run(*case, preset, part)
+        check_vs_baseline("y", got[0], base[0], ref[0], FACTOR_OUT)
+        check_vs_baseline("dx", got[1], base[1], ref[1], FACTOR_GRAD)
+        assert got[2].keys() == ref[2].keys()
+        for n in ref[2]:
+            check_vs_baseline(n, got[2][n], base[2][n], ref[2][n], FACTOR_GRAD)
+
+
 def saved_shapes(fn):
     """The shapes of what autograd saves while fn() runs."""
     shapes = []
