@@ -13,8 +13,8 @@ the device at a time. Per setup:
 * one measured step: ``ckpt_ext.peak_memory_bytes`` around it (on CUDA the allocator's
   statistics, which cost nothing, so the same step is timed, CUDA synchronised around it;
   on the CPU the profiler, which slows it: the time is then no figure);
-* the plan beside it, measured / modelled: ``plan.step_peak`` of the preset (without offload)
-  or ``plan.offload_step_peak`` (with: the model counts the device pool at every phase, so the
+* the plan beside it, measured / modelled: ``plan.step_peak`` of the preset (without offload,
+  with the phase where the plan puts the peak) or ``plan.offload_step_peak`` (with: the model counts the device pool at every phase, so the
   measured figure compared is the peak plus the pool the first step allocated, or the peak
   alone when the pool grew inside the measured step, after a shorter first step); the
   host pool beside the plan's host bytes; the step's FLOPs (``plan.step_flops`` where the
@@ -159,9 +159,10 @@ def main(argv=None):
                      f"{host / max(m.host, 1):.3f}")
             modelled = m.peak
         else:
-            modelled = plan.step_peak(preset, dims, args.vocab, args.batch, args.seq, dtype,
-                                      path=path).peak
-            measured, extra = peak, ""
+            sp = plan.step_peak(preset, dims, args.vocab, args.batch, args.seq, dtype,
+                                path=path)
+            modelled = sp.peak
+            measured, extra = peak, f"  (the plan's peak: {sp.phase})"
         flops, recompute = step_flops(args, preset)
         per_layer_1m = t / args.layers * (2**20 / args.seq) ** 2 * 32
         plan_flops = getattr(plan, "step_flops", None)

@@ -128,6 +128,9 @@ def test_long_step_measured_beside_modelled(dry_run):
                          rf"[\d.]+ ", text, re.M), (setup, text)
         assert re.search(rf"^{re.escape(setup)} +step +[\d.]+ s \(first", text, re.M), setup
     assert re.search(r"host [\d.e+-]+ GiB / modelled [\d.e+-]+ = [\d.]+", text)
+    # where the plan puts the peak, beside the figure (the head's backward or a layer's)
+    assert re.search(r"^min_memory +peak .*\(the plan's peak: (head backward|top layer "
+                     r"backward)", text, re.M), text
     assert "min_memory: step time offload/none" in text
     # part f: one layer
     assert "1 layers, B 1, S 256" in text and "2 layers, B 1, S 128" in text
