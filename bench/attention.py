@@ -64,6 +64,9 @@ from _harness import commit, device_tag, provenance, time_ms, write_csv  # noqa:
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwd+bwd")
+# the Triton providers and the attention_dq setting each runs its backward under (None: the
+# environment's)
+TRITON_DQ = {"triton": None, "triton_atomic": "atomic", "triton_ordered": "ordered"}
 
 
 def parse_args(argv=None):
@@ -84,8 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="GPU dtype")
     p.add_argument("--no-causal", action="store_true", help="benchmark non-causal attention")
     p.add_argument("--providers", default="triton,sdpa,eager",
-                   help="comma-separated subset of triton,triton_atomic,sdpa,eager "
-                        "(triton_atomic: the backward with attention_dq='atomic')")
+                   help="comma-separated subset of triton,triton_atomic,triton_ordered,sdpa,"
+                        "eager (triton_atomic / triton_ordered: the backward with "
+                        "attention_dq='atomic' / 'ordered')")
     p.add_argument("--warmup", type=int, default=None, help="warmup iterations (GPU 5, CPU 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (GPU 30, CPU 3)")
     p.add_argument("--cpu-size", default="1,2,64,16", help="B,H,S,D of the CPU interpreter smoke run")
@@ -220,7 +224,8 @@ def with_dq_mode(mode, fn):
 
 def triton_fns(q, k, v, dout, causal, scale, segment_ids=None, window=None, dq_mode=None,
                q_offset=0, accumulate=False):
-    """dq_mode: None (the attention_dq setting, CKPT_EXT_ATTN_DQ) or "separate" / "atomic";
+    """dq_mode: None (the attention_dq setting, CKPT_EXT_ATTN_DQ) or "separate" / "atomic" /
+    "ordered";
     q_offset, accumulate: a query chunk, its dK/dV added into fp32 accumulators (the layer's
     call)."""
     saved = {}
@@ -293,9 +298,9 @@ def bench_shape(B, Hq, Hkv, S, D, dtype, causal, providers, warmup, reps, device
     for prov in providers:
         note = ""
         try:
-            if prov in ("triton", "triton_atomic"):  # dQ: the environment's, or atomic
+            if prov in TRITON_DQ:  # dQ: the environment's, atomic or ordered
                 fns, prepare = triton_fns(q, k, v, dout, causal, scale, seg, window,
-                                          "atomic" if prov == "triton_atomic" else None)
+                                          TRITON_DQ[prov])
             elif prov == "sdpa":
                 fns, prepare = autograd_fns(with_mask(sdpa_attention), q, k, v, dout, causal,
                                             scale)
@@ -838,7 +843,7 @@ def main(argv=None):
     if args.write_table:
         sys.exit("bench/attention.py: --write-table needs --backend-rows or --from-csv")
     providers = [p for p in args.providers.split(",") if p]
-    unknown = set(providers) - {"triton", "triton_atomic", "sdpa", "eager"}
+    unknown = set(providers) - set(TRITON_DQ) - {"sdpa", "eager"}
     if unknown:
         sys.exit(f"bench/attention.py: unknown providers {sorted(unknown)}")
     causal = not args.no_causal

@@ -30,8 +30,8 @@ one run of real keys per row (padding), one of the two, no window with a padding
 of these holds is read from the masks (one host sync per mask tensor) only when a vendor
 backend would otherwise serve the call; rows that see nothing never reach the vendor op.
 A vendor backward serves by default only when it is deterministic: under ``attention_dq =
-"separate"`` (the default) ``flash`` runs FlashAttention-2's deterministic backward (which
-torch selects by ``torch.use_deterministic_algorithms(True)`` alone, so the adapter turns that
+"separate"`` (the default) or ``"ordered"``, ``flash`` runs FlashAttention-2's deterministic
+backward (which torch selects by ``torch.use_deterministic_algorithms(True)`` alone, so the adapter turns that
 process-wide flag on around the one aten call, :func:`deterministic_torch`), ``efficient``
 with ``num_splits_key=1`` (one program walks all key blocks of a head, dQ summed in a fixed
 order), ``cudnn`` never; ``attention_dq = "atomic"`` allows any (flash's backward then
@@ -81,6 +81,9 @@ __all__ = ["BACKENDS", "BackendRefused", "Call", "Capabilities", "Table", "choos
            "load_table", "current_table", "cuda_capabilities", "ADAPTERS"]
 
 BACKENDS = ("triton", "flash", "cudnn", "efficient")
+# the attention_dq settings whose backward must be deterministic (a vendor backward serves
+# them only when it is)
+DETERMINISTIC_DQ = ("separate", "ordered")
 VENDOR = BACKENDS[1:]
 SHIPPED_TABLE = pathlib.Path(__file__).with_name("attention_backends.json")
 TABLE_FORMAT = "ckpt_ext attention backend table 1"
@@ -284,7 +287,8 @@ def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table"
            dq_mode: str = "separate") -> str:
     """The backend serving ``call``: ``setting`` is the attention_backend setting; with
     "auto" the table's preference list for the call's bucket, the first backend that may serve
-    it (its rules, and for a backward under dq_mode "separate" its determinism), else Triton.
+    it (its rules, and for a backward under a deterministic dq_mode, "separate" or "ordered",
+    its determinism), else Triton.
     A pinned vendor backend that cannot serve the call raises BackendRefused."""
     if setting == "triton" or call.Sq == 0:  # nothing to compute: Triton's empty path
         return "triton"
@@ -299,7 +303,7 @@ def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table"
                 + "; ".join(lacking) + ". Set attention_backend='auto' or 'triton' for it.")
         return setting
     table = current_table() if table is None else table
-    need_deterministic = call.phase == "bwd" and dq_mode == "separate"
+    need_deterministic = call.phase == "bwd" and dq_mode in DETERMINISTIC_DQ
     for backend in table.lookup(call, caps.arch):
         if backend == "triton":
             return backend
@@ -810,7 +814,7 @@ class Router:
         backend, seqs = self._route(call, q, key_padding_mask, segment_ids)
         if backend == "triton":
             return self.fallback_bwd(*args)
-        deterministic = config.current().attention_dq == "separate"
+        deterministic = config.current().attention_dq in DETERMINISTIC_DQ
         if seqs is not None:
             return attention_varlen.varlen_bwd(self.adapters[backend], dout, q, k, v, out, lse,
                                                seqs, scale, call.live_window, dk_acc, dv_acc,

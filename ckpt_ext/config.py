@@ -63,8 +63,10 @@ class KernelConfig:
     # True: the GPU launchers autotune over their kept candidates; False: they launch the
     # first kept candidate untimed (the next one if the device refuses it).
     autotune: bool = True
-    # How the attention backward forms dQ: "separate" (a kernel of its own, deterministic) or
-    # "atomic" (added by the dK/dV kernel with fp32 atomics; last bits vary between runs).
+    # How the attention backward forms dQ: "separate" (a kernel of its own, deterministic),
+    # "atomic" (added by the dK/dV kernel with fp32 atomics; last bits vary between runs) or
+    # "ordered" (added by the dK/dV kernel in key-block order, deterministic; no window or
+    # segment ids, which take "separate").
     attention_dq: str = "separate"
     # The fused SwiGLU GEMMs' grid: "persistent" (one program per SM looping over the tiles)
     # or "tiles" (one program per output tile).
@@ -157,7 +159,8 @@ def _byte_cap(name: str, value) -> int:
 
 SETTINGS = {s.field: s for s in (
     Setting("autotune", "CKPT_EXT_AUTOTUNE", {"0": False, "1": True}),
-    Setting("attention_dq", "CKPT_EXT_ATTN_DQ", {"separate": "separate", "atomic": "atomic"}),
+    Setting("attention_dq", "CKPT_EXT_ATTN_DQ", {m: m for m in ("separate", "atomic",
+                                                               "ordered")}),
     Setting("swiglu_grid", "CKPT_EXT_SWIGLU_GRID", {"tiles": "tiles",
                                                     "persistent": "persistent"}),
     Setting("swiglu_epilogue", "CKPT_EXT_SWIGLU_EPILOGUE", {"subtiled": "subtiled",

@@ -373,9 +373,10 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
             keeps ``|i - j| <= w``, is window=w + 1). None, or window >= S: no window.
         The rules combine: a key is attended only if every rule given allows it.
         deterministic: how the backward forms dQ (as flash-attention's ``deterministic=``).
-            True: in a kernel of its own, bit-reproducible; False: added by the dK/dV kernel
-            with fp32 atomics (fewer matmuls; the sums' order, hence their last bits, vary
-            between runs); None (default): the ``attention_dq`` setting of
+            True: bit-reproducible: in a kernel of its own, or under the ``attention_dq``
+            setting ``"ordered"`` added by the dK/dV kernel in key-block order; False: added
+            by the dK/dV kernel with fp32 atomics (fewer matmuls; the sums' order, hence their
+            last bits, vary between runs); None (default): the ``attention_dq`` setting of
             ``ckpt_ext.config`` when the backward runs (``"separate"``, deterministic, unless
             changed). The choice reaches the Triton backward; the CPU ATen kernels are
             deterministic either way. Not supported under ``torch.compile`` (the backward op
@@ -408,7 +409,7 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
         raise NotImplementedError(
             "attention: deterministic= is not supported under torch.compile (the compiled "
             "backward would not see it); set ckpt_ext.config.patch(attention_dq='separate' / "
-            "'atomic') or CKPT_EXT_ATTN_DQ instead")
+            "'ordered' / 'atomic') or CKPT_EXT_ATTN_DQ instead")
     if scale is None:
         D = q.shape[-1] if q.dim() == 4 else 0
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 / wrong rank: the op says why
@@ -423,7 +424,11 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
     if deterministic is None:
         out, _ = _ops.attention_fwd(*args)
         return out
-    _dq_request.mode = "separate" if deterministic else "atomic"
+    setting = config.current().attention_dq
+    if deterministic:   # the setting when it is a deterministic one, else "separate"
+        _dq_request.mode = setting if setting in ("separate", "ordered") else "separate"
+    else:
+        _dq_request.mode = "atomic"
     try:
         out, _ = _ops.attention_fwd(*args)
     finally:

@@ -34,11 +34,13 @@ ids are handled exactly; contiguous segments are what makes the skipping effecti
 Backward: a pre-pass forms ``D = rowsum(dO * O)`` and the base-2 lse (+inf on rows that attend
 nothing); then one kernel owns a key block of one KV head and walks over every query block of
 every query head in its GQA group (fixed order, so dK/dV are summed deterministically and
-without atomics). dQ is formed one of two ways (``CKPT_EXT_ATTN_DQ``, see :func:`dq_mode`):
+without atomics). dQ is formed one of three ways (``CKPT_EXT_ATTN_DQ``, see :func:`dq_mode`):
 ``separate`` (default), a second kernel that owns a query block and walks over the key blocks,
 recomputing Q K^T and dO V^T (7 tile matmuls per tile pair in all); or ``atomic``, the dK/dV
 kernel also forms dS^T K and adds it into fp32 dQ rows with atomics, then one pass converts
-them to q's dtype (5 matmuls, as FlashAttention-2; not bit-reproducible). Each kernel visits
+them to q's dtype (5 matmuls, as FlashAttention-2; not bit-reproducible); or ``ordered``, as
+``atomic`` with each dQ tile taking the key blocks' shares in key-block order (counters and
+waits in place of atomics: bit-reproducible; no window or segment ids). Each kernel visits
 only the blocks the band and the segments allow. All rebuild ``P = exp2(s * qk_scale - lse2)``
 tile by tile; the S x S matrix never exists in memory. A row whose lse is -inf gets ``P = 0``,
 hence zero gradients.
@@ -96,6 +98,22 @@ from . import attention_tuning as _tuning
 __all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs", "pre_config"]
 
 _LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the kernels
+# The ordered dQ sums' wait for a turn (_wait_turn): on a GPU a spin loop inside inline PTX,
+# which Triton's software pipeliner does not see (a Triton while loop in the dK/dV kernel's
+# main loop stops it from pipelining that loop's loads); the interpreter runs no PTX and
+# spins in Triton.
+_SPIN_IN_PTX = tl.constexpr(not _launch.INTERPRET)
+# ld.acquire until the counter reads the turn; the labels are local to the braces, so the
+# block may appear more than once in a kernel
+_SPIN_PTX = tl.constexpr("""{
+    .reg .pred %p_wait;
+    .reg .b32 %v_seen;
+    spin_for_turn:
+    ld.global.acquire.gpu.b32 %v_seen, [$1];
+    setp.ne.s32 %p_wait, %v_seen, $2;
+    @%p_wait bra spin_for_turn;
+    mov.b32 $0, %v_seen;
+}""")
 
 # Block sizes used when the kernels run in the Triton interpreter (no autotuning there).
 # Tests may override entries (e.g. BLOCK_M != BLOCK_N) with ``monkeypatch.setitem``.
@@ -120,9 +138,12 @@ def dq_mode() -> str:
     block; deterministic, but it recomputes Q K^T and dO V^T (7 tile matmuls per tile pair in
     all). ``atomic``: the dK/dV kernel also forms dS^T K and adds it into an fp32 dQ buffer
     with atomics, then one pass converts it to q's dtype (5 matmuls per tile pair, as
-    FlashAttention-2; the fp32 sums' order, hence their last bits, vary between runs). Both
-    are exact formulas tested against the same reference; which is faster is for a GPU
-    measurement to decide, and the default follows that measurement.
+    FlashAttention-2; the fp32 sums' order, hence their last bits, vary between runs).
+    ``ordered``: as ``atomic``, but each dQ tile takes the key blocks' shares in key-block
+    order (a counter per tile, a wait for its turn, a plain read-add-write): 5 matmuls and
+    bit-reproducible, at the price of the waits; calls with a window or segment ids run the
+    separate kernel instead. All are exact formulas tested against the same reference; which
+    is faster is for a GPU measurement to decide, and the default follows that measurement.
     """
     return _config.current().attention_dq
 
@@ -398,19 +419,37 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
 
 
 @triton.jit
+def _wait_turn(count, turn, like):
+    """Wait until the int32 at ``count`` reads ``turn`` (acquire: what was written before the
+    release that set it is seen after). Returns ``turn`` broadcast like the int32 vector
+    ``like``, read from the counter: adding ``returned - turn`` (zeros) to an address makes a
+    later load depend on the wait, so that no compiler pass moves the load before it. On a GPU
+    every thread holding an element of ``like`` spins (inline PTX); in the interpreter one
+    Triton loop does."""
+    if _SPIN_IN_PTX:
+        return tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r",
+                                         [count + tl.zeros_like(like), turn + tl.zeros_like(like)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        while tl.atomic_add(count, 0, sem="acquire") != turn:
+            pass
+        return turn + tl.zeros_like(like)
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b, Delta_b,
-                         DQA_b, SegId_b, stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
-                         stride_gd, stride_ah, stride_as, stride_ad, row_pitch, n_heads,
-                         offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
+                         DQA_b, Sem_b, turn, SegId_b, stride_qh, stride_qs, stride_qd,
+                         stride_gh, stride_gs, stride_gd, stride_ah, stride_as, stride_ad,
+                         row_pitch, n_heads, offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
                          win_before, win_after, key_edge, cap_in, cap_out,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
                          WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                         DQ_ATOMIC: tl.constexpr, SOFTCAP: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DQ_ATOMIC: tl.constexpr, DQ_ORDERED: tl.constexpr,
+                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of each of
     n_heads query heads (one flat loop over (head, block) pairs, heads outer, in a fixed
     order); with DQ_ATOMIC also add this key block's share of dQ (scaled) to the fp32 rows of
-    DQA_b.
+    DQA_b: with fp32 atomics, or with DQ_ORDERED in key-block order (below).
 
     k, v: (BLOCK_N, D_PAD); dk, dv: (BLOCK_N, D_PAD) fp32; col_ok: (BLOCK_N,) the key exists
     and is not padded; seg_k: (BLOCK_N,) segment ids of the keys (HAS_SEG); [lo, hi): rows of
@@ -429,6 +468,19 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
     and an unmasked one). SOFTCAP: sT is capped as in the forward and dS^T takes the cap's
     derivative 1 - tanh^2. dP^T - delta is formed before P^T, so that only P^T and that
     difference are live when dS^T is.
+
+    DQ_ORDERED: the dQ tile of (head g, query block) takes the key blocks' shares in the order
+    of the key blocks, so the sums are the same at every run. Sem_b holds one int32 counter per
+    query row (the block's first row counts for it; the group's heads row_pitch apart, as
+    Lse2_b): the key blocks that added to the tile so far. This key block (its index: turn)
+    waits until the counter reads turn, adds its share with a plain read-add-write (it alone
+    holds the tile then), and counts itself. Exact when every key block before this one
+    visits every block of rows (below Sq) this one does, so that the count reaches turn:
+    without a window or segment ids (causal or not, any padding mask, any q_off; a key block
+    whose range is empty may still meet one block of rows, rounded from the empty range,
+    which every key block before it met too, or one past Sq, skipped). The waits cannot
+    deadlock when the key blocks before this one were scheduled earlier (the launcher's grid
+    order).
     """
     d_ok = offs_d < HEAD_DIM
     n_blocks = (hi - lo) // BLOCK_M
@@ -475,13 +527,26 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
-            tl.atomic_add(DQA_b + g * stride_ah + offs_m[:, None] * stride_as
-                          + offs_d[None, :] * stride_ad, dq, mask=ok, sem="relaxed")
+            dq_ptrs = DQA_b + g * stride_ah + offs_m[:, None] * stride_as \
+                + offs_d[None, :] * stride_ad
+            if DQ_ORDERED:
+                # a block of rows past Sq (an empty range rounded to a tile) holds nothing
+                if start_m < Sq:
+                    count = Sem_b + g * row_pitch + start_m
+                    seen = _wait_turn(count, turn, offs_m)
+                    # + 0, from the wait: the read cannot move before it
+                    dq += tl.load(dq_ptrs + (seen - turn)[:, None], mask=ok, other=0.0,
+                                  cache_modifier=".cg")
+                    tl.store(dq_ptrs, dq, mask=ok)
+                    tl.debug_barrier()   # every thread's store before the release
+                    tl.atomic_add(count, 1, sem="release")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, DK, DV, DQA,
+def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, DK, DV, DQA, Sem,
                           stride_qb, stride_qh, stride_qs, stride_qd,
                           stride_kb, stride_kh, stride_ks, stride_kd,
                           stride_vb, stride_vh, stride_vs, stride_vd,
@@ -489,11 +554,12 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
                           stride_gb, stride_gh, stride_gs, stride_gd,
                           stride_db, stride_dh, stride_ds, stride_dd,
                           stride_ab, stride_ah, stride_as, stride_ad,
-                          Hq, Hkv, Sq, Sk, row_pitch, q_off, GROUP, qk_scale, sm_scale,
+                          Hq, Hkv, NBH, Sq, Sk, row_pitch, q_off, GROUP, qk_scale, sm_scale,
                           win_before, win_after, cap_in, cap_out, S_BUCKET, SQ_BUCKET,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                          DQ_ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          DQ_ATOMIC: tl.constexpr, DQ_ORDERED: tl.constexpr,
+                          ACCUMULATE: tl.constexpr,
                           SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(Sk, BLOCK_N), B, Hkv). Writes DK, DV (B, Hkv, Sk, D), both with strides
@@ -506,11 +572,24 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
     contiguous fp32 from the preprocess kernel, rows past Sq padded (+inf, 0); BLOCK_M divides
     row_pitch (a multiple of ``_ROW_PITCH``). Visibility as in the forward; the query blocks
     that cannot see any key of this block are never visited.
+
+    DQ_ORDERED (with DQ_ATOMIC): dQ added in key-block order (``_attn_bwd_dkdv_inner``), Sem
+    (B, Hq, row_pitch) int32 counters, zeroed; the grid is then one-dimensional,
+    cdiv(Sk, BLOCK_N) * NBH programs with NBH = B * Hkv, the (batch, KV head) pairs fastest:
+    a program waits only on programs of lower index, and the programs in flight at once are
+    spread over the heads (a few key blocks each) rather than all on one head's key blocks.
     """
     tl.static_assert(_ROW_PITCH % BLOCK_M == 0, "BLOCK_M must divide _ROW_PITCH")
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    hk = tl.program_id(2).to(tl.int64)
+    if DQ_ORDERED:
+        pid = tl.program_id(0)
+        pid_n = pid // NBH
+        bh = pid - pid_n * NBH
+        b = (bh // Hkv).to(tl.int64)
+        hk = (bh % Hkv).to(tl.int64)
+    else:
+        pid_n = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        hk = tl.program_id(2).to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -550,33 +629,36 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
     # on the interior blocks), which compiles to fewer live registers than two loops.
     if WINDOW:
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
-                                      Lse2 + row_base, Delta + row_base, DQA_b, SegId_b,
+                                      Lse2 + row_base, Delta + row_base, DQA_b,
+                                      Sem + row_base, pid_n, SegId_b,
                                       stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
                                       stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
                                       GROUP, offs_d, lo, full_lo, Sq, q_off, qk_scale, sm_scale,
                                       win_before, win_after, key_edge, cap_in, cap_out,
                                       HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
-                                      DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
+                                      DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
         interior_lo = full_lo
     else:
         interior_lo = lo
     dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
-                                  Lse2 + row_base, Delta + row_base, DQA_b, SegId_b,
+                                  Lse2 + row_base, Delta + row_base, DQA_b,
+                                      Sem + row_base, pid_n, SegId_b,
                                   stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
                                   stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
                                   GROUP, offs_d, interior_lo, full_hi, Sq, q_off, qk_scale,
                                   sm_scale, win_before, win_after, key_edge, cap_in, cap_out,
                                   HEAD_DIM, BLOCK_M, CAUSAL and not WINDOW, WINDOW, HAS_MASK,
-                                  HAS_SEG, DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
+                                  HAS_SEG, DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
     if WINDOW:
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
-                                      Lse2 + row_base, Delta + row_base, DQA_b, SegId_b,
+                                      Lse2 + row_base, Delta + row_base, DQA_b,
+                                      Sem + row_base, pid_n, SegId_b,
                                       stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
                                       stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
                                       GROUP, offs_d, full_hi, hi, Sq, q_off, qk_scale, sm_scale,
                                       win_before, win_after, key_edge, cap_in, cap_out,
                                       HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
-                                      DQ_ATOMIC, SOFTCAP, DOT_PRECISION)
+                                      DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
     if ACCUMULATE:  # one tile at a time: the read adds no more live registers than the loop had
@@ -776,7 +858,8 @@ _CONFIGS = {
 }
 # S_BUCKET buckets the keys' length, SQ_BUCKET the query rows' (a query chunk has fewer).
 _KEYS = {"fwd": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET"],
-         "dkdv": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET", "DQ_ATOMIC", "ACCUMULATE"],
+         "dkdv": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET", "DQ_ATOMIC", "DQ_ORDERED",
+                  "ACCUMULATE"],
          "dq": ["HEAD_DIM", "CAUSAL", "S_BUCKET", "SQ_BUCKET"]}
 
 
@@ -802,7 +885,7 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_
 def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
               has_mask: bool, has_seg: bool, window: bool, precision: str,
               dq_atomic: bool = False, accumulate: bool = False, softcap: bool = False,
-              first=None, only: bool = False, max_spills: int = 0):
+              first=None, only: bool = False, max_spills: int = 0, ordered: bool = False):
     """(kernel, constexpr arguments) of one kernel for one specialization: a fixed config in
     the interpreter; on a GPU the candidates pruned by their compiled resources
     (``_launch.Pruned``): with ``CKPT_EXT_AUTOTUNE=0`` the first that fits (no timing), else
@@ -813,14 +896,17 @@ def _launcher(kind: str, device: torch.device, dtype: torch.dtype, head_dim: int
     first: an ``attention_tuning.Candidate`` put before the built-in candidates (the winners
     file's), or with ``only`` launched alone (``attention_tuning.force``; in the interpreter
     its block sizes); max_spills: the spill words per thread a kept config may have (a
-    measured winner's own)."""
+    measured winner's own); ordered: the dK/dV kernel's DQ_ORDERED (with dq_atomic), whose
+    counters (Sem) the autotuner restores too."""
     meta = dict(_common_meta(head_dim, causal, dtype, precision), HAS_MASK=has_mask,
                 HAS_SEG=has_seg, WINDOW=window, SOFTCAP=softcap)
     restore = []
     if kind == "dkdv":
         meta["DQ_ATOMIC"] = dq_atomic
+        meta["DQ_ORDERED"] = ordered
         meta["ACCUMULATE"] = accumulate
-        restore = (["DQA"] if dq_atomic else []) + (["DK", "DV"] if accumulate else [])
+        restore = (["DQA"] if dq_atomic else []) + (["Sem"] if ordered else []) \
+            + (["DK", "DV"] if accumulate else [])
     configs, budget = [], None
     if not _launch.INTERPRET:
         info = _launch.device_info(device)
@@ -1037,17 +1123,29 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     group = Hq // Hkv
     q_off = int(q_offset)
     buckets = (_s_bucket(Sk), _s_bucket(Sq))
-    atomic = dq_mode() == "atomic"
+    mode = dq_mode()
+    # "ordered" needs every key block before a key block to visit the query blocks it visits
+    # (see _attn_bwd_dkdv_inner): a window or segment ids take the separate dQ kernel
+    ordered = mode == "ordered" and not has_seg and before == _NO_LIMIT
+    atomic = mode == "atomic" or ordered
     if atomic:  # fp32 sums, zeroed; for fp32 inputs dq is its own accumulator
         dq_acc = dq if q.dtype == torch.float32 else _empty_bshd(B, Hq, Sq, D, torch.float32,
                                                                  q.device)
         dq_acc.zero_()
     else:
         dq_acc = dq  # not written by the dK/dV kernel
-
-    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic, accumulate, capped,
-                                *_bwd_choice("dkdv", q.device, q.dtype, D, causal, *buckets[::-1],
-                                             atomic, accumulate, capped))
+    # the ordered sums' counters, one per query row of each head (delta's layout); else a
+    # placeholder the kernel never reads
+    sem = torch.zeros((B, Hq, row_pitch), dtype=torch.int32, device=q.device) if ordered \
+        else delta
+    if ordered:   # a forced configuration, else the built-in ones (no winner measured yet)
+        pinned = _tuning.forced("dkdv")
+        choice = (pinned, True, 0) if pinned is not None else (None, False, 0)
+    else:
+        choice = _bwd_choice("dkdv", q.device, q.dtype, D, causal, *buckets[::-1], atomic,
+                             accumulate, capped)
+    dkdv, dkdv_meta = _launcher("dkdv", *spec, atomic, accumulate, capped, *choice,
+                                ordered=ordered)
     with _launch.on_device(q.device):
         _attn_bwd_preprocess_kernel[(row_pitch // _PRE_BLOCK_M, B, Hq)](
             out, dout, lse.contiguous(), delta, lse2, *out.stride(), *dout.stride(), Hq, Sq,
@@ -1060,10 +1158,17 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
         if dv.stride() != dk.stride():
             dv_run = torch.empty_strided(dk.shape, dk.stride(), dtype=dv.dtype, device=dv.device)
             dv_run.copy_(dv)
-        dkdv[lambda m: (_launch.cdiv(Sk, m["BLOCK_N"]), B, Hkv)](
-            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv_run, dq_acc,
+        if ordered:   # one axis, the (batch, KV head) pairs fastest (the kernel's docstring)
+            def grid(m):
+                return (_launch.cdiv(Sk, m["BLOCK_N"]) * B * Hkv, 1, 1)
+        else:
+            def grid(m):
+                return (_launch.cdiv(Sk, m["BLOCK_N"]), B, Hkv)
+        dkdv[grid](
+            q, k, v, mask, seg_id, seg_lo, seg_hi, dout, lse2, delta, dk, dv_run, dq_acc, sem,
             *q.stride(), *k.stride(), *v.stride(), stride_mb, stride_ms, *dout.stride(),
-            *dk.stride(), *dq_acc.stride(), Hq, Hkv, Sq, Sk, row_pitch, q_off, group, qk_scale,
+            *dk.stride(), *dq_acc.stride(), Hq, Hkv, B * Hkv, Sq, Sk, row_pitch, q_off, group,
+            qk_scale,
             float(scale), before, after, cap_in, cap_out, *buckets, **dkdv_meta)
         _tuning.note_launch("dkdv", dkdv)
         if dv_run is not dv:

@@ -479,15 +479,17 @@ def test_served_calls():
 
 
 def test_backward_determinism():
-    """A vendor backward serves by default (attention_dq "separate") only if deterministic:
-    efficient (num_splits_key=1) and flash (FlashAttention-2's deterministic backward, under
-    the flag its adapter turns on); cudnn never. "atomic" or a pin allows any."""
+    """A vendor backward serves by default (attention_dq "separate", or "ordered") only if
+    deterministic: efficient (num_splits_key=1) and flash (FlashAttention-2's deterministic
+    backward, under the flag its adapter turns on); cudnn never. "atomic" or a pin allows
+    any."""
     caps = _sm90()
     bwd = _call(phase="bwd")
     table = route.Table(rules=({"phase": "bwd", "backends": ("cudnn", "flash", "efficient")},
                                {"backends": ("cudnn",)}))
     assert route.choose(_call(), caps, "auto", table, "separate") == "cudnn"   # forward
     assert route.choose(bwd, caps, "auto", table, "separate") == "flash"
+    assert route.choose(bwd, caps, "auto", table, "ordered") == "flash"   # deterministic too
     assert route.choose(bwd, caps, "auto", table, "atomic") == "cudnn"
     assert route.choose(bwd, caps, "cudnn", None, "separate") == "cudnn"        # pinned
     only_cudnn = route.Table(rules=({"backends": ("cudnn",)},))

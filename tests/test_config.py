@@ -14,7 +14,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 interpreter_only = pytest.mark.skipif(CUDA, reason="the Triton interpreter on CPU tensors")
 
-ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ": "'separate', 'atomic'",
+ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ": "'separate', 'atomic', 'ordered'",
            "CKPT_EXT_SWIGLU_GRID": "'tiles', 'persistent'",
            "CKPT_EXT_SWIGLU_EPILOGUE": "'subtiled', 'whole'",
            "CKPT_EXT_BACKEND": "'auto', 'triton'",
@@ -113,7 +113,8 @@ def test_patch_as_decorator():
 
 @pytest.mark.parametrize("changes, match", [
     ({"attention_dq": "fast"},
-     r"attention_dq \(CKPT_EXT_ATTN_DQ\) must be one of 'separate', 'atomic', got 'fast'"),
+     r"attention_dq \(CKPT_EXT_ATTN_DQ\) must be one of 'separate', 'atomic', 'ordered', "
+     r"got 'fast'"),
     ({"autotune": 1}, r"autotune \(CKPT_EXT_AUTOTUNE\) must be one of False, True, got 1"),
     ({"autotune": "0"}, r"autotune \(CKPT_EXT_AUTOTUNE\) must be one of False, True"),
     ({"swiglu_grid": None}, r"swiglu_grid \(CKPT_EXT_SWIGLU_GRID\) must be one of 'tiles'"),
@@ -174,13 +175,15 @@ def test_autotune_change_rebuilds_launchers():
 
 @pytest.fixture
 def launched(monkeypatch):
-    """The (kind, dq_atomic) of every attention launcher the backward asks for."""
+    """The (kind, dq_atomic) of every attention launcher the backward asks for (dq_atomic
+    "ordered" for the ordered dQ sums)."""
     calls = []
     real = attention._launcher
 
-    def spy(kind, *spec):
-        calls.append((kind, bool(spec[8]) if len(spec) > 8 else False))
-        return real(kind, *spec)
+    def spy(kind, *spec, **kw):
+        calls.append((kind, "ordered" if kw.get("ordered") else
+                      bool(spec[8]) if len(spec) > 8 else False))
+        return real(kind, *spec, **kw)
 
     monkeypatch.setattr(attention, "_launcher", spy)
     return calls
@@ -199,15 +202,16 @@ def _backward_kinds(calls):
     return [c for c in calls if c[0] != "fwd"]
 
 
-@pytest.mark.parametrize("mode", ["separate", "atomic"])
+@pytest.mark.parametrize("mode", ["separate", "atomic", "ordered"])
 def test_patch_switches_the_dq_path(launched, mode):
     """The setting selects the launched kernels: dK/dV plus a dQ kernel, or the dK/dV kernel
-    with the atomic dQ; switched inside patch() and back after it."""
+    with the atomic or the ordered dQ; switched inside patch() and back after it."""
     q, k, v, dout, mask = _inputs()
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.25)
     with config.patch(attention_dq=mode):
         attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.25)
-    expected = [("dkdv", False), ("dq", False)] if mode == "separate" else [("dkdv", True)]
+    expected = {"separate": [("dkdv", False), ("dq", False)], "atomic": [("dkdv", True)],
+                "ordered": [("dkdv", "ordered")]}[mode]
     assert _backward_kinds(launched) == expected
     launched.clear()
     attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.25)
@@ -250,6 +254,16 @@ def test_attention_deterministic_selects_the_dq_path(launched, deterministic):
     scale = magnitude(*ref)
     for name, got, b, r in zip(("dq", "dk", "dv"), grads, base, ref):
         check_vs_baseline(name, got, b, r, FACTOR_GRAD, scale=scale)
+
+
+def test_attention_deterministic_true_keeps_an_ordered_setting(launched):
+    """deterministic=True under attention_dq="ordered" (deterministic too) keeps the ordered
+    dQ sums; False still takes the atomic ones."""
+    q, k, v, dout, mask = _inputs()
+    with _triton_ops(), config.patch(attention_dq="ordered"):
+        _attention_grads(q, k, v, dout, mask, deterministic=True)
+        _attention_grads(q, k, v, dout, mask, deterministic=False)
+    assert _backward_kinds(launched) == [("dkdv", "ordered"), ("dkdv", True)]
 
 
 def test_attention_deterministic_default_follows_the_setting(launched):

@@ -206,7 +206,7 @@ def test_parts_argument_refuses_other_letters(tmp_path):
                           cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "--parts takes letters among abcdefgms, got 'ax'" in proc.stdout
+    assert "--parts takes letters among abcdefgmqs, got 'ax'" in proc.stdout
 
 
 def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
@@ -217,7 +217,7 @@ def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
     summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
     assert re.search(r"^s ok ", summary, re.M), summary
     # only part s ran: no other part's line or section
-    assert not re.search(r"^[abcdefg] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    assert not re.search(r"^[abcdefgmq] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
     assert "-- a:" not in summary and "-- s: attention backward sweep" in summary
     names = {p.name for p in out.iterdir()}
     assert names == {"quick_0_summary.txt", "quick_s_attention_bwd.txt",
@@ -242,6 +242,29 @@ def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
     assert re.search(r"^check Sq=40 Sk=40: winners / baseline = [\d.]+$", log, re.M), log
 
 
+# ---- part q: the attention under each dQ setting (--parts q) ----------------------------------
+def test_dq_modes_part_alone(tmp_path):
+    """--parts q: bench/attention.py with the three Triton providers (dQ separate, atomic,
+    ordered) at the CPU smoke size: each provider's fwd, bwd and fwd+bwd rows in the CSV, the
+    table in the summary; no other part ran."""
+    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "q"],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
+    assert re.search(r"^q ok ", summary, re.M), summary
+    assert not re.search(r"^[abcdefgms] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    assert "-- q: TFLOP/s" in summary and re.search(r"^ +16 +2/1 +1 +32 ", summary, re.M)
+    assert {p.name for p in tmp_path.iterdir()} == {"quick_0_summary.txt",
+                                                   "quick_q_dq_modes.txt"}
+    log = _read(tmp_path, "quick_q_dq_modes.txt")
+    assert log.startswith("# device: CPU dry run") and "CKPT_EXT_AUTOTUNE=0" in log
+    for provider in ("triton", "triton_atomic", "triton_ordered"):
+        for mode in ("fwd", "bwd", "fwd+bwd"):
+            assert re.search(rf"^{provider},{re.escape(mode)},16,2,1,1,32,,float32,True,"
+                             r"[\d.]+,[\d.e+-]+,$", log, re.M), (provider, mode, log[-2000:])
+
+
 # ---- part m: the MoE layer, a second call's part (--parts m) ------------------------------------
 def test_moe_layer_part_alone(tmp_path):
     """--parts m: bench/moe.py --layer at a small shape on the CPU (the GPU's code path in fp32):
@@ -255,7 +278,7 @@ def test_moe_layer_part_alone(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
     assert re.search(r"^m ok ", summary, re.M), summary
-    assert not re.search(r"^[abcdefgs] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    assert not re.search(r"^[abcdefgqs] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
     assert "-- m: MoE layer" in summary and "goal (Liger's fused MoE" in summary
     assert {p.name for p in tmp_path.iterdir()} == {"quick_0_summary.txt",
                                                    "quick_m_moe_layer.txt"}

@@ -267,7 +267,8 @@ def test_ruled_out_tiles_are_never_read(rule):
 
 
 # ------------------------------------------------------------------------------------------
-# dQ formed by its own kernel (the default) or with atomics inside the dK/dV kernel
+# dQ formed by its own kernel (the default), or inside the dK/dV kernel with atomics or in
+# key-block order
 # ------------------------------------------------------------------------------------------
 #            dtype          B  Hq Hkv  S   D  causal mask     documents   window
 DQ_CASES = [(torch.float32, 2, 4, 2, 1, 16, True, "right", None, None),
@@ -279,11 +280,12 @@ DQ_CASES = [(torch.float32, 2, 4, 2, 1, 16, True, "right", None, None),
             (torch.float16, 2, 4, 2, 129, 16, True, "full", None, 20)]
 
 
-@pytest.mark.parametrize("mode", ["separate", "atomic"])
+@pytest.mark.parametrize("mode", ["separate", "atomic", "ordered"])
 @pytest.mark.parametrize("case", DQ_CASES, ids=[_seg_win_id(c) for c in DQ_CASES])
 def test_dq_modes(mode, case):
-    """The attention_dq setting: both dQ paths meet the accuracy rule (GQA, padding, segments,
-    window, S = 1, 17, 129); the atomic one adds dQ from every key block of every group head."""
+    """The attention_dq setting: every dQ path meets the accuracy rule (GQA, padding, segments,
+    window, S = 1, 17, 129); the atomic and ordered ones add dQ from every key block of every
+    group head (ordered with segments or a window: the separate kernel)."""
     dtype, B, Hq, Hkv, S, D, causal, mask, lengths, window = case
     with config.patch(attention_dq=mode):
         assert attention.dq_mode() == mode
@@ -301,8 +303,66 @@ def test_dq_atomic_unequal_blocks(monkeypatch):
                    window=13)
 
 
+def _spy_launchers(monkeypatch):
+    """The (kind, ordered) of every launcher the attention backward asks for, in order."""
+    calls = []
+    real = attention._launcher
+
+    def spy(kind, *args, **kw):
+        calls.append((kind, kw.get("ordered", False)))
+        return real(kind, *args, **kw)
+    monkeypatch.setattr(attention, "_launcher", spy)
+    return calls
+
+
+# (B, Hq, Hkv, S, causal, mask, q rows from, BLOCK_M, BLOCK_N of dK/dV): GQA, padding, a key
+# block crossing S, query blocks cut finer and coarser than the key blocks, a query chunk
+ORDERED_CASES = [(2, 4, 2, 71, True, "left", 0, 16, 32), (1, 4, 1, 70, False, "right", 0, 32, 16),
+                 (2, 2, 2, 67, True, "full", 23, 32, 32)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=["causal-gqa-16x32", "full-mqa-32x16",
+                                                     "causal-chunk"])
+def test_dq_ordered_sums_in_key_block_order(monkeypatch, case):
+    """attention_dq="ordered": the dK/dV kernel forms dQ (no dQ kernel runs) and each dQ tile
+    takes the key blocks' shares in key-block order: the interpreter runs the atomic kernel's
+    programs in that order too, so the two dQ are bitwise equal, and dK / dV equal the other
+    modes' (the same kernel's sums). Within the accuracy rule against float64 (check_case).
+    With segment ids or a window the separate dQ kernel runs instead."""
+    B, Hq, Hkv, S, causal, mask_kind, r0, bm, bn = case
+    monkeypatch.setitem(attention.INTERPRETER_BLOCKS, "dkdv", {"BLOCK_M": bm, "BLOCK_N": bn})
+    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, 16, torch.float32, mask_kind, seed=S)
+    q, dout = q[:, :, r0:], dout[:, :, r0:]
+    out, lse = attention.attention_fwd(q, k, v, mask, None, None, causal, 0.25, r0)
+    calls = _spy_launchers(monkeypatch)
+    got = {}
+    for mode in ("ordered", "atomic", "separate"):
+        calls.clear()
+        with config.patch(attention_dq=mode):
+            got[mode] = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None,
+                                                causal, 0.25, r0)
+        if mode == "ordered":
+            assert calls == [("dkdv", True)], calls
+    assert torch.equal(got["ordered"][0], got["atomic"][0])
+    for i in (1, 2):
+        assert torch.equal(got["ordered"][i], got["separate"][i])
+    torch.testing.assert_close(got["ordered"][0], got["separate"][0], rtol=1e-5, atol=1e-6)
+    if r0 == 0:
+        with config.patch(attention_dq="ordered"):
+            check_case(B, Hq, Hkv, S, 16, torch.float32, causal, mask_kind, seed=S + 1)
+    seg = packed_segment_ids(B, S, [20, S - 20], device=DEVICE)
+    for segment_ids, window in ((seg, None), (None, 9)):
+        fo, fl = attention.attention_fwd(q, k, v, mask, segment_ids, window, causal, 0.25, r0)
+        calls.clear()
+        with config.patch(attention_dq="ordered"):
+            attention.attention_bwd(dout, q, k, v, fo, fl, mask, segment_ids, window, causal,
+                                    0.25, r0)
+        assert calls == [("dkdv", False), ("dq", False)], calls
+
+
 # ------------------------------------------------------------------------------------------
-# Query chunks: q_offset and the fp32 dk / dv accumulators, both dQ modes
+# Query chunks: q_offset and the fp32 dk / dv accumulators, every dQ mode
 # ------------------------------------------------------------------------------------------
 #              dtype          B  Hq Hkv  S   D  causal mask     documents     window
 CHUNK_CASES = [(torch.float32, 2, 4, 2, 150, 16, True, "left", None, None),
@@ -366,6 +426,27 @@ def check_chunks(case, rows, seed):
 def test_query_chunks(case, rows, mode):
     with config.patch(attention_dq=mode):
         check_chunks(case, rows, seed=rows)
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES[:2], ids=[_seg_win_id(c) for c in CHUNK_CASES[:2]])
+def test_query_chunks_ordered(case):
+    """The ordered dQ sums in query chunks (the cases without segments or a window, which
+    would take the separate kernel): causal with padding and GQA, not causal. Causal chunks
+    have key blocks past their last row, whose empty range rounds to a block of rows past Sq
+    (skipped: none before them visit it, so a wait there would never end)."""
+    with config.patch(attention_dq="ordered"):
+        check_chunks(case, 17, seed=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
+@pytest.mark.parametrize("bm,bn", [(64, 32), (16, 32)])
+def test_query_chunks_ordered_unequal_blocks(monkeypatch, bm, bn):
+    """Ordered dQ in causal query chunks with query blocks coarser than the key blocks (an
+    empty range then rounds to a block of real rows, which every key block before met too)
+    and finer."""
+    monkeypatch.setitem(attention.INTERPRETER_BLOCKS, "dkdv", {"BLOCK_M": bm, "BLOCK_N": bn})
+    with config.patch(attention_dq="ordered"):
+        check_chunks((torch.float32, 1, 4, 2, 150, 16, True, "left", None, None), 40, seed=6)
 
 
 # One-row chunks launch every kernel once per query: two heads and 70 tokens keep them quick
@@ -441,10 +522,10 @@ def test_query_chunks_reject_bad_arguments(rows, q_offset, accs, exc, match):
 
 def test_dq_mode_rejects_unknown_values():
     with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be one of 'separate', "
-                                         "'atomic', got 'fast'"):
+                                         "'atomic', 'ordered', got 'fast'"):
         config.from_environment({"CKPT_EXT_ATTN_DQ": "fast"})
     with pytest.raises(ValueError, match=r"attention_dq \(CKPT_EXT_ATTN_DQ\) must be one of "
-                                         r"'separate', 'atomic', got 'fast'"):
+                                         r"'separate', 'atomic', 'ordered', got 'fast'"):
         with config.patch(attention_dq="fast"):
             pass
     assert attention.dq_mode() == "separate"
@@ -682,8 +763,26 @@ def test_dq_atomic_gpu(case):
 
 
 @pytest.mark.gpu
-@config.patch(attention_dq="separate")
-def test_deterministic_backward_gpu():
+@pytest.mark.parametrize("case", GPU_CASES[:4] + GPU_CASES[6:7],
+                         ids=[_case_id(c) for c in GPU_CASES[:4] + GPU_CASES[6:7]])
+@config.patch(attention_dq="ordered")
+def test_dq_ordered_gpu(case):
+    """The ordered dQ sums with the GPU's configs (their waits on real concurrent programs)."""
+    dtype, B, Hq, Hkv, S, D, causal, mask = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,autotune", [("separate", False), ("ordered", False),
+                                           ("ordered", True)])
+def test_deterministic_backward_gpu(mode, autotune):
+    """Two backwards bitwise equal; ordered also under autotuning (whose timed runs must
+    restore the counters, or the launch after them would wait forever)."""
+    with config.patch(attention_dq=mode, autotune=autotune):
+        _deterministic_backward_gpu()
+
+
+def _deterministic_backward_gpu():
     q, k, v, dout, mask = make_inputs(2, 32, 8, 2048, 128, torch.bfloat16, "right", seed=1)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 128 ** -0.5)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 128 ** -0.5)

@@ -329,10 +329,10 @@ def attention_job(attention, kind: str, blocks: dict, num_warps: int, num_stages
 
 def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal: bool,
                         has_mask: bool, meta: dict, dq_atomic: bool = False,
-                        softcap: bool = False):
+                        softcap: bool = False, dq_ordered: bool = False):
     """(signature, constexprs, attrs) of an attention kernel as its launcher passes them
-    (dq_atomic: the dK/dV kernel of CKPT_EXT_ATTN_DQ=atomic; softcap: SOFTCAP, the capped
-    scores)."""
+    (dq_atomic: the dK/dV kernel of CKPT_EXT_ATTN_DQ=atomic; dq_ordered, with dq_atomic: of
+    CKPT_EXT_ATTN_DQ=ordered; softcap: SOFTCAP, the capped scores)."""
     import torch
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -359,6 +359,7 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
         pointers["Delta"] = "fp32"
     if kind == "dkdv":
         pointers["DQA"] = "fp32"  # the fp32 dQ sums (atomic mode), else dq itself
+        pointers["Sem"] = "i32"   # the ordered sums' counters, else delta (never read)
     strides = _strides(prefixes)
     unit = {s for s in strides if s.endswith("d")}
     div16 = {s for s in strides if not s.endswith("d")} | {"S_BUCKET", "SQ_BUCKET"}
@@ -372,7 +373,8 @@ def attention_signature(attention, kind: str, dtype: str, head_dim: int, causal:
     consts = dict(common, HAS_MASK=has_mask, HAS_SEG=False, WINDOW=False, SOFTCAP=softcap,
                   BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"])
     if kind == "dkdv":
-        consts["DQ_ATOMIC"] = dq_atomic
+        consts["DQ_ATOMIC"] = dq_atomic or dq_ordered
+        consts["DQ_ORDERED"] = dq_ordered
         consts["ACCUMULATE"] = False  # dk / dv stored (no query-chunk accumulators)
     return make_signature(fn, pointers, unit, div16, floats, consts)
 

@@ -29,6 +29,11 @@
 #          together at B 1, S 32K. Its own --budget stops it 25 s before the part's timeout
 #          with what it found. Device time: about 150 s plus the call's start-up (the build is
 #          skipped when the tree's C++ sources are those of the CUDA build already there).
+#   q  60  (not in the default list either: --parts q) bench/attention.py --providers
+#          triton,triton_atomic,triton_ordered: the attention op's fwd, bwd and fwd+bwd at S 32K,
+#          D 128, 32 query heads against 32 and 8 KV heads, causal, under each dQ setting
+#          (separate: the default, 7 tile matmuls; atomic; ordered: 5 matmuls, deterministic,
+#          not measured before), CKPT_EXT_AUTOTUNE=0: the first candidate that fits
 #   m 100  (not in the default list either: the MoE issue's GPU row, --parts m, or --parts sm
 #          with the sweep) bench/moe.py --layer: one Qwen3-30B-A3B layer (128 experts, top-k 8,
 #          H 2048) at 32K tokens in bf16, HF's layer against the fused presets: forward+backward
@@ -40,7 +45,8 @@
 # versions, git commit, command and date): quick_0_summary.txt (environment, build log, the
 # summary), quick_a_sdpa_probe.txt, quick_b_gpu_tests.txt, quick_cf_long_step.txt (c and f),
 # quick_d_attention.txt, quick_e_lora_profile.txt, quick_g_demo.txt, quick_g_demo.png (part s:
-# quick_s_attention_bwd.txt, quick_s_attention_bwd_configs.json; part m: quick_m_moe_layer.txt).
+# quick_s_attention_bwd.txt, quick_s_attention_bwd_configs.json; part m: quick_m_moe_layer.txt;
+# part q: quick_q_dq_modes.txt).
 # The one-screen summary is
 # printed last.
 #
@@ -66,8 +72,8 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1 ;;
     --parts)
       parts="${2:-}"; shift
-      if ! [[ "$parts" =~ ^[abcdefgms]+$ ]]; then
-        echo "gpu_quick: --parts takes letters among abcdefgms, got '$parts'"; exit 2
+      if ! [[ "$parts" =~ ^[abcdefgmqs]+$ ]]; then
+        echo "gpu_quick: --parts takes letters among abcdefgmqs, got '$parts'"; exit 2
       fi ;;
     *) echo "gpu_quick: unknown argument '$1' (only --dry-run, --parts LETTERS)"; exit 2 ;;
   esac
@@ -231,6 +237,16 @@ part b 140 quick_b_gpu_tests.txt "GPU-only tests and offload CUDA tests" \
    exit \$r"
 part c 70 quick_cf_long_step.txt "LLaMA-3-8B x4, S 128K, min_memory +-offl." \
   "$py bench/long_step.py $c_args"
+# q: the Triton attention under each dQ setting at S 32K (the dry run: the CPU smoke size)
+q_args="--providers triton,triton_atomic,triton_ordered --seqlens 32768 --tokens 32768"
+q_args="$q_args --head-dims 128 --heads 128:32 --gqa-seqlen 32768 --mask-seqlen 0 --warmup 2"
+q_args="$q_args --reps 5"
+[ "$dry" = 1 ] && q_args="$q_args --cpu-size 1,2,32,16 --warmup 0 --reps 1"
+q_dir=$(mktemp -d)
+part q 60 quick_q_dq_modes.txt "attention dQ settings: separate, atomic, ordered" \
+  "$py bench/attention.py $q_args --out $q_dir/attention_dq_modes.csv; r=\$?
+   cat $q_dir/attention_dq_modes.csv; exit \$r"
+rm -rf "$q_dir"
 att_dir=$(mktemp -d)
 # the attention routing's own bench: ckpt_ext's op with each backend pinned (merges included)
 # at the layer's call shapes, and the choice table the times give
@@ -299,6 +315,10 @@ rm -rf "$stamp" "$att_dir"
     echo "-- c/f: measured / modelled"
     grep -E "(peak|step) .*(modelled|TFLOP/s)|OOM|offload/none" "$out/quick_cf_long_step.txt" \
         | cut -c1-150
+  fi
+  if has q; then
+    echo "-- q: TFLOP/s (fwd bwd f+b) per dQ setting: triton (separate) | atomic | ordered"
+    grep -E "^ +[0-9]+ +[0-9]+/[0-9]+ " "$out/quick_q_dq_modes.txt" | cut -c1-150
   fi
   if has d; then
     echo "-- d: f+b TFLOP/s per shape (rel err vs ops)"
