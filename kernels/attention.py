@@ -98,22 +98,6 @@ from . import attention_tuning as _tuning
 __all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs", "pre_config"]
 
 _LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the kernels
-# The ordered dQ sums' wait for a turn (_wait_turn): on a GPU a spin loop inside inline PTX,
-# which Triton's software pipeliner does not see (a Triton while loop in the dK/dV kernel's
-# main loop stops it from pipelining that loop's loads); the interpreter runs no PTX and
-# spins in Triton.
-_SPIN_IN_PTX = tl.constexpr(not _launch.INTERPRET)
-# ld.acquire until the counter reads the turn; the labels are local to the braces, so the
-# block may appear more than once in a kernel
-_SPIN_PTX = tl.constexpr("""{
-    .reg .pred %p_wait;
-    .reg .b32 %v_seen;
-    spin_for_turn:
-    ld.global.acquire.gpu.b32 %v_seen, [$1];
-    setp.ne.s32 %p_wait, %v_seen, $2;
-    @%p_wait bra spin_for_turn;
-    mov.b32 $0, %v_seen;
-}""")
 
 # Block sizes used when the kernels run in the Triton interpreter (no autotuning there).
 # Tests may override entries (e.g. BLOCK_M != BLOCK_N) with ``monkeypatch.setitem``.
@@ -419,24 +403,6 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
 
 
 @triton.jit
-def _wait_turn(count, turn, like):
-    """Wait until the int32 at ``count`` reads ``turn`` (acquire: what was written before the
-    release that set it is seen after). Returns ``turn`` broadcast like the int32 vector
-    ``like``, read from the counter: adding ``returned - turn`` (zeros) to an address makes a
-    later load depend on the wait, so that no compiler pass moves the load before it. On a GPU
-    every thread holding an element of ``like`` spins (inline PTX); in the interpreter one
-    Triton loop does."""
-    if _SPIN_IN_PTX:
-        return tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r",
-                                         [count + tl.zeros_like(like), turn + tl.zeros_like(like)],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        while tl.atomic_add(count, 0, sem="acquire") != turn:
-            pass
-        return turn + tl.zeros_like(like)
-
-
-@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b, Delta_b,
                          DQA_b, Sem_b, turn, SegId_b, stride_qh, stride_qs, stride_qd,
                          stride_gh, stride_gs, stride_gd, stride_ah, stride_as, stride_ad,
@@ -480,7 +446,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
     whose range is empty may still meet one block of rows, rounded from the empty range,
     which every key block before it met too, or one past Sq, skipped). The waits cannot
     deadlock when the key blocks before this one were scheduled earlier (the launcher's grid
-    order).
+    order). The wait and the two barriers keep Triton from pipelining this loop's loads
+    (tools/check_triton_compile.py's compile for sm_90: no asynchronous copies, where the
+    atomic kernel has them; a spin hidden in inline PTX still left the barrier before the
+    release, which all threads' stores need): what that costs against the 2 matmuls saved
+    is for a GPU to measure (tools/gpu_validate.sh quick --parts q).
     """
     d_ok = offs_d < HEAD_DIM
     n_blocks = (hi - lo) // BLOCK_M
@@ -533,10 +503,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
                 # a block of rows past Sq (an empty range rounded to a tile) holds nothing
                 if start_m < Sq:
                     count = Sem_b + g * row_pitch + start_m
-                    seen = _wait_turn(count, turn, offs_m)
-                    # + 0, from the wait: the read cannot move before it
-                    dq += tl.load(dq_ptrs + (seen - turn)[:, None], mask=ok, other=0.0,
-                                  cache_modifier=".cg")
+                    while tl.atomic_add(count, 0, sem="acquire") != turn:
+                        pass
+                    tl.debug_barrier()   # every thread reads after the acquire
+                    dq += tl.load(dq_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
                     tl.store(dq_ptrs, dq, mask=ok)
                     tl.debug_barrier()   # every thread's store before the release
                     tl.atomic_add(count, 1, sem="release")
