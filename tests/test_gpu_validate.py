@@ -51,6 +51,20 @@ def _read(out, name):
     return (out / name).read_text()
 
 
+def _part_alone(out, part, timeout=300):
+    """``quick --dry-run --parts <part>`` into out: its exit status 0, the summary (from its
+    heading on), with the part ok and no other part's line."""
+    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", part],
+                          cwd=ROOT, env=_env(out), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
+    assert re.search(rf"^{part} ok ", summary, re.M), summary
+    others = "".join(sorted(set("abcdefgmqs") - {part}))
+    assert not re.search(rf"^[{others}] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    return summary
+
+
 def test_unknown_argument_refused(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dryrun"], cwd=ROOT,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=60)
@@ -247,13 +261,7 @@ def test_dq_modes_part_alone(tmp_path):
     """--parts q: bench/attention.py with the three Triton providers (dQ separate, atomic,
     ordered) at the CPU smoke size: each provider's fwd, bwd and fwd+bwd rows in the CSV, the
     table in the summary; no other part ran."""
-    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "q"],
-                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
-    assert re.search(r"^q ok ", summary, re.M), summary
-    assert not re.search(r"^[abcdefgms] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    summary = _part_alone(tmp_path, "q")
     assert "-- q: TFLOP/s" in summary and re.search(r"^ +16 +2/1 +1 +32 ", summary, re.M)
     assert {p.name for p in tmp_path.iterdir()} == {"quick_0_summary.txt",
                                                    "quick_q_dq_modes.txt"}
@@ -272,13 +280,7 @@ def test_moe_layer_part_alone(tmp_path):
     output and gradients (small), Liger's goal line, the CSV in the part's file, the summary's
     section; then the same with --expert-lora-rank (PEFT LoRA on the attention and the experts:
     the difference over the output, dx and every adapter's gradient); no other part ran."""
-    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "m"],
-                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
-    assert re.search(r"^m ok ", summary, re.M), summary
-    assert not re.search(r"^[abcdefgqs] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
+    summary = _part_alone(tmp_path, "m")
     assert "-- m: MoE layer" in summary and "goal (Liger's fused MoE" in summary
     assert {p.name for p in tmp_path.iterdir()} == {"quick_0_summary.txt",
                                                    "quick_m_moe_layer.txt"}
