@@ -98,6 +98,35 @@ from . import attention_tuning as _tuning
 __all__ = ["attention_fwd", "attention_bwd", "dq_mode", "attention_configs", "pre_config"]
 
 _LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the kernels
+# The ordered dQ sums' turn-taking (_attn_bwd_dkdv_inner, DQ_ORDERED). On a GPU two blocks of
+# inline PTX, which Triton sees as single scalar operations that every thread runs once, so
+# they leave the main loop's software pipelining alone (a Triton while loop or
+# tl.debug_barrier there stops it: no asynchronous copies in the sm_90 compile):
+#   _WAIT_PTX  every thread spins on ld.acquire until the counter reads the turn ($2) and
+#              returns it (an acquire of its own: its later reads see what was released);
+#   _DONE_PTX  bar.sync (every thread's stores of the tile are done), then thread 0 adds 1 to
+#              the counter with release semantics (cumulative over those stores).
+# The labels and registers are local to the braces. The interpreter runs no PTX: it spins in
+# a Triton loop with barriers around the tile's read-add-write.
+_PTX_SYNC = tl.constexpr(not _launch.INTERPRET)
+_WAIT_PTX = tl.constexpr("""{
+    .reg .pred %p_w;
+    .reg .b32 %v_w;
+    wait_turn:
+    ld.global.acquire.gpu.b32 %v_w, [$1];
+    setp.ne.s32 %p_w, %v_w, $2;
+    @%p_w bra wait_turn;
+    mov.b32 $0, %v_w;
+}""")
+_DONE_PTX = tl.constexpr("""{
+    .reg .pred %p_l;
+    .reg .b32 %t_l;
+    mov.u32 %t_l, %tid.x;
+    setp.eq.u32 %p_l, %t_l, 0;
+    bar.sync 0;
+    @%p_l red.release.gpu.global.add.s32 [$1], 1;
+    mov.b32 $0, 0;
+}""")
 
 # Block sizes used when the kernels run in the Triton interpreter (no autotuning there).
 # Tests may override entries (e.g. BLOCK_M != BLOCK_N) with ``monkeypatch.setitem``.
@@ -446,11 +475,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
     whose range is empty may still meet one block of rows, rounded from the empty range,
     which every key block before it met too, or one past Sq, skipped). The waits cannot
     deadlock when the key blocks before this one were scheduled earlier (the launcher's grid
-    order). The wait and the two barriers keep Triton from pipelining this loop's loads
-    (tools/check_triton_compile.py's compile for sm_90: no asynchronous copies, where the
-    atomic kernel has them; a spin hidden in inline PTX still left the barrier before the
-    release, which all threads' stores need): what that costs against the 2 matmuls saved
-    is for a GPU to measure (tools/gpu_validate.sh quick --parts q).
+    order). On a GPU the wait and the count are inline PTX (``_WAIT_PTX``, ``_DONE_PTX``), so
+    the loop stays pipelined (tools/check_triton_compile.py's sm_90 compile has the atomic
+    kernel's asynchronous copies); the interpreter runs a Triton loop and barriers instead.
+    What the waits cost against the 2 matmuls saved is for a GPU to measure
+    (tools/gpu_validate.sh quick --parts q).
     """
     d_ok = offs_d < HEAD_DIM
     n_blocks = (hi - lo) // BLOCK_M
@@ -503,13 +532,24 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
                 # a block of rows past Sq (an empty range rounded to a tile) holds nothing
                 if start_m < Sq:
                     count = Sem_b + g * row_pitch + start_m
-                    while tl.atomic_add(count, 0, sem="acquire") != turn:
-                        pass
-                    tl.debug_barrier()   # every thread reads after the acquire
-                    dq += tl.load(dq_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-                    tl.store(dq_ptrs, dq, mask=ok)
-                    tl.debug_barrier()   # every thread's store before the release
-                    tl.atomic_add(count, 1, sem="release")
+                    if _PTX_SYNC:
+                        seen = tl.inline_asm_elementwise(_WAIT_PTX, "=r,l,r", [count, turn],
+                                                         dtype=tl.int32, is_pure=False, pack=1)
+                        # + (seen - turn) = + 0: the read depends on the wait, so no pass
+                        # moves it before
+                        dq += tl.load(dq_ptrs + (seen - turn), mask=ok, other=0.0,
+                                      cache_modifier=".cg")
+                        tl.store(dq_ptrs, dq, mask=ok)
+                        tl.inline_asm_elementwise(_DONE_PTX, "=r,l", [count], dtype=tl.int32,
+                                                  is_pure=False, pack=1)
+                    else:
+                        while tl.atomic_add(count, 0, sem="acquire") != turn:
+                            pass
+                        tl.debug_barrier()   # every thread reads after the acquire
+                        dq += tl.load(dq_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                        tl.store(dq_ptrs, dq, mask=ok)
+                        tl.debug_barrier()   # every thread's store before the release
+                        tl.atomic_add(count, 1, sem="release")
             else:
                 tl.atomic_add(dq_ptrs, dq, mask=ok, sem="relaxed")
     return dk, dv

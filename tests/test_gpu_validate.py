@@ -260,7 +260,8 @@ def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
 def test_dq_modes_part_alone(tmp_path):
     """--parts q: bench/attention.py with the three Triton providers (dQ separate, atomic,
     ordered) at the CPU smoke size: each provider's fwd, bwd and fwd+bwd rows in the CSV, the
-    table in the summary; no other part ran."""
+    table in the summary, then the ordered provider alone under autotuning; no other part
+    ran."""
     summary = _part_alone(tmp_path, "q")
     assert "-- q: TFLOP/s" in summary and re.search(r"^ +16 +2/1 +1 +32 ", summary, re.M)
     assert {p.name for p in tmp_path.iterdir()} == {"quick_0_summary.txt",
@@ -271,6 +272,10 @@ def test_dq_modes_part_alone(tmp_path):
         for mode in ("fwd", "bwd", "fwd+bwd"):
             assert re.search(rf"^{provider},{re.escape(mode)},16,2,1,1,32,,float32,True,"
                              r"[\d.]+,[\d.e+-]+,$", log, re.M), (provider, mode, log[-2000:])
+    # then the ordered kernel alone, autotuned
+    tuned = log[log.rindex("# triton_ordered autotuned (CKPT_EXT_AUTOTUNE=1)"):]
+    assert re.search(r"^triton_ordered,bwd,16,2,1,1,32,,", tuned, re.M), tuned[-2000:]
+    assert not re.search(r"^triton(_atomic)?,", tuned, re.M)
 
 
 # ---- part m: the MoE layer, a second call's part (--parts m) ------------------------------------

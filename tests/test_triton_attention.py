@@ -361,6 +361,61 @@ def test_dq_ordered_sums_in_key_block_order(monkeypatch, case):
         assert calls == [("dkdv", False), ("dq", False)], calls
 
 
+# The ordered dK/dV kernel compiled for sm_90 (no GPU: triton's bundled ptxas), beside the
+# atomic one of the same config: the inline PTX turn-taking assembles and keeps the loop
+# pipelined (TTGIR's asynchronous copies, as many as the atomic kernel's).
+_ORDERED_AOT_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+import check_triton_compile as t
+t._prepare_environment()
+attention, _, _ = t.load_kernel_modules(False)
+out = {}
+for name, ordered in (("atomic", False), ("ordered", True)):
+    sig, consts, attrs = t.attention_signature(attention, "dkdv", "bf16", 128, True, False,
+                                               {"BLOCK_M": 16, "BLOCK_N": 128}, dq_atomic=True,
+                                               dq_ordered=ordered)
+    src = triton.compiler.ASTSource(fn=attention._attn_bwd_dkdv_kernel, signature=sig,
+                                    constexprs=consts, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 8, "num_stages": 2})
+    out[name] = {"async_copies": c.asm["ttgir"].count("async_copy_global_to_local"),
+                 "acquire_spin": c.asm["ptx"].count("ld.global.acquire.gpu.b32"),
+                 "release": c.asm["ptx"].count("red.release.gpu.global.add.s32"),
+                 "while": c.asm["ttgir"].count("scf.while")}
+print("AOT" + json.dumps(out))
+"""
+
+
+def test_dq_ordered_compiles_for_sm90_and_stays_pipelined():
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    tools = pathlib.Path(__file__).resolve().parents[1] / "tools"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _ORDERED_AOT_SCRIPT, str(tools)], env=env,
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.skip("the ahead-of-time compile took over 10 minutes")
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AOT")), None)
+    if proc.returncode != 0 or line is None:
+        reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        print(f"AOT compile for sm_90 unavailable: {reason[0]}")
+        pytest.skip(f"AOT compile for sm_90 unavailable: {reason[0]}")
+    got = json.loads(line[3:])
+    print("sm_90 dK/dV 16x128 w8 s2:", got)
+    assert got["atomic"]["async_copies"] > 0
+    assert got["ordered"]["async_copies"] == got["atomic"]["async_copies"], got
+    assert got["ordered"]["while"] == 0 and got["atomic"]["acquire_spin"] == 0
+    assert got["ordered"]["acquire_spin"] >= 1 and got["ordered"]["release"] >= 1, got
+
+
 # ------------------------------------------------------------------------------------------
 # Query chunks: q_offset and the fp32 dk / dv accumulators, every dQ mode
 # ------------------------------------------------------------------------------------------

@@ -29,11 +29,13 @@
 #          together at B 1, S 32K. Its own --budget stops it 25 s before the part's timeout
 #          with what it found. Device time: about 150 s plus the call's start-up (the build is
 #          skipped when the tree's C++ sources are those of the CUDA build already there).
-#   q  60  (not in the default list either: --parts q) bench/attention.py --providers
+#   q  90  (not in the default list either: --parts q) bench/attention.py --providers
 #          triton,triton_atomic,triton_ordered: the attention op's fwd, bwd and fwd+bwd at S 32K,
 #          D 128, 32 query heads against 32 and 8 KV heads, causal, under each dQ setting
 #          (separate: the default, 7 tile matmuls; atomic; ordered: 5 matmuls, deterministic,
-#          not measured before), CKPT_EXT_AUTOTUNE=0: the first candidate that fits
+#          not measured before), CKPT_EXT_AUTOTUNE=0: the first candidate that fits; then
+#          triton_ordered again with CKPT_EXT_AUTOTUNE=1 (its kernel timed over every built-in
+#          candidate that fits: no winner was ever measured for it)
 #   m 100  (not in the default list either: the MoE issue's GPU row, --parts m, or --parts sm
 #          with the sweep) bench/moe.py --layer: one Qwen3-30B-A3B layer (128 experts, top-k 8,
 #          H 2048) at 32K tokens in bf16, HF's layer against the fused presets: forward+backward
@@ -243,9 +245,13 @@ q_args="$q_args --head-dims 128 --heads 128:32 --gqa-seqlen 32768 --mask-seqlen 
 q_args="$q_args --reps 5"
 [ "$dry" = 1 ] && q_args="$q_args --cpu-size 1,2,32,16 --warmup 0 --reps 1"
 q_dir=$(mktemp -d)
-part q 60 quick_q_dq_modes.txt "attention dQ settings: separate, atomic, ordered" \
+part q 90 quick_q_dq_modes.txt "attention dQ settings: separate, atomic, ordered" \
   "$py bench/attention.py $q_args --out $q_dir/attention_dq_modes.csv; r=\$?
-   cat $q_dir/attention_dq_modes.csv; exit \$r"
+   cat $q_dir/attention_dq_modes.csv
+   echo '# triton_ordered autotuned (CKPT_EXT_AUTOTUNE=1)'
+   CKPT_EXT_AUTOTUNE=1 $py bench/attention.py $q_args --providers triton_ordered \
+     --out $q_dir/attention_ordered_tuned.csv; r2=\$?
+   cat $q_dir/attention_ordered_tuned.csv; [ \$r = 0 ] && exit \$r2; exit \$r"
 rm -rf "$q_dir"
 att_dir=$(mktemp -d)
 # the attention routing's own bench: ckpt_ext's op with each backend pinned (merges included)
