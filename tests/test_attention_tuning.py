@@ -4,8 +4,6 @@ computing the same gradients; and ahead-of-time register / spill reports of a fe
 candidates for sm_90."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from ckpt_ext import config
 from ckpt_ext.kernels import _launch, attention
 from ckpt_ext.kernels import attention_tuning as tuning
 
+from aot import aot_run
 from reference import attention_reference
 
 C = tuning.Candidate
@@ -444,21 +443,9 @@ def test_aot_sweep_candidates_report_registers_and_spills_for_sm_90(site):
     kinds = ["dkdv", "dkdv", "dq", "dq"]
     job = [[k, c.block_m, c.block_n, c.num_warps, c.num_stages, c.maxnreg]
            for k, c in zip(kinds, cands)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if site != "installed":
-        env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
-    try:
-        proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tools), json.dumps(job)],
-                              env=env, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        pytest.skip("the ahead-of-time compile took over 15 minutes")
-    version = next((ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("TRITON ")), "?")
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AOT")), None)
-    if proc.returncode != 0 or line is None:
-        reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        print(f"AOT compile for sm_90 unavailable (triton {version}): {reason[0]}")
-        pytest.skip(f"AOT compile for sm_90 unavailable: {reason[0]}")
-    found = json.loads(line[3:])
+    found, out = aot_run(_AOT_SCRIPT, str(tools), json.dumps(job),
+                         pythonpath=None if site == "installed" else site)
+    version = next((ln[7:] for ln in out.splitlines() if ln.startswith("TRITON ")), "?")
     if any(r is None for r in found):
         print(f"AOT compile for sm_90 gave no resources for some candidates: {found}")
         pytest.skip("cuobjdump gave no resource line (AOT resources unavailable)")

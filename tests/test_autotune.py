@@ -11,6 +11,8 @@ import torch
 from ckpt_ext import config, kernels
 from ckpt_ext.kernels import _launch, attention
 
+from aot import aot_run
+
 CUDA = torch.cuda.is_available()
 
 
@@ -229,19 +231,7 @@ def test_aot_compiled_candidates_are_pruned_by_their_reported_resources():
     tools = Path(__file__).resolve().parents[1] / "tools"
     # 128x64 w8 and 128x32 w4 spilled on sm_90 with triton 3.6 and 3.9; 128x32 w8 did not
     shapes = [(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (32, 32, 4, 2)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    try:
-        proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tools),
-                               json.dumps(shapes)], env=env, capture_output=True, text=True,
-                              timeout=900)
-    except subprocess.TimeoutExpired:
-        pytest.skip("the ahead-of-time compile took over 15 minutes")
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AOT")), None)
-    if proc.returncode != 0 or line is None:
-        reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        print(f"AOT compile for sm_90 unavailable: {reason[0]}")
-        pytest.skip(f"AOT compile for sm_90 unavailable: {reason[0]}")
-    found = json.loads(line[3:])
+    found, _ = aot_run(_AOT_SCRIPT, str(tools), json.dumps(shapes))
     if any(r is None for r in found):
         print(f"AOT compile for sm_90 gave no resources for some candidates: {found}")
         pytest.skip("cuobjdump gave no resource line (AOT resources unavailable)")

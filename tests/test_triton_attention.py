@@ -390,25 +390,12 @@ print("AOT" + json.dumps(out))
 
 
 def test_dq_ordered_compiles_for_sm90_and_stays_pipelined():
-    import json
-    import os
     import pathlib
-    import subprocess
-    import sys
+
+    from aot import aot_run
 
     tools = pathlib.Path(__file__).resolve().parents[1] / "tools"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    try:
-        proc = subprocess.run([sys.executable, "-c", _ORDERED_AOT_SCRIPT, str(tools)], env=env,
-                              capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip("the ahead-of-time compile took over 10 minutes")
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AOT")), None)
-    if proc.returncode != 0 or line is None:
-        reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        print(f"AOT compile for sm_90 unavailable: {reason[0]}")
-        pytest.skip(f"AOT compile for sm_90 unavailable: {reason[0]}")
-    got = json.loads(line[3:])
+    got, _ = aot_run(_ORDERED_AOT_SCRIPT, str(tools), timeout=600)
     print("sm_90 dK/dV 16x128 w8 s2:", got)
     assert got["atomic"]["async_copies"] > 0
     assert got["ordered"]["async_copies"] == got["atomic"]["async_copies"], got
