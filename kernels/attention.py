@@ -556,8 +556,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, DK, DV, DQA, Sem,
-                          stride_qb, stride_qh, stride_qs, stride_qd,
+def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta, DK, DV, DQA,
+                          Sem, stride_qb, stride_qh, stride_qs, stride_qd,
                           stride_kb, stride_kh, stride_ks, stride_kd,
                           stride_vb, stride_vh, stride_vs, stride_vd,
                           stride_mb, stride_ms,
@@ -652,7 +652,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
         interior_lo = lo
     dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
                                   Lse2 + row_base, Delta + row_base, DQA_b,
-                                      Sem + row_base, pid_n, SegId_b,
+                                  Sem + row_base, pid_n, SegId_b,
                                   stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
                                   stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
                                   GROUP, offs_d, interior_lo, full_hi, Sq, q_off, qk_scale,
