@@ -202,8 +202,9 @@ def test_chunks_equal_one_chunk(monkeypatch, preset):
 def test_grouped_gradient_sums_over_chunks_meet_the_accuracy_rule(preset, part):
     """float32 with 16-byte rows (torch._grouped_mm) in token chunks of 1 and 4 rows: after
     the first chunk each expert weight's gradient is added a block of experts at a time, the
-    block's products within the same byte cap (6 experts: blocks of 1 and 2 experts at 1 row,
-    of 4 and 2 for gate_up and one of 6 for down at 4 rows; experts without rows in a chunk).
+    block's products within the same byte cap (6 experts: at 1 row blocks of 1 for gate_up
+    and of 2 or 3 for down; at 4 rows blocks of 5 and 1, or all 6; experts without rows in a
+    chunk).
     Output and gradients against the float64 reference, within the accuracy rule."""
     case = moe_case(torch.float32, "qwen2_moe", experts=6, k=3, b=2, s=11, seed=5,
                     hidden=16, inter=8)
