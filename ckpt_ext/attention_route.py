@@ -31,8 +31,9 @@ of these holds is read from the masks (one host sync per mask tensor) only when 
 backend would otherwise serve the call; rows that see nothing never reach the vendor op.
 A vendor backward serves by default only when it is deterministic: under ``attention_dq =
 "separate"`` (the default) or ``"ordered"``, ``flash`` runs FlashAttention-2's deterministic
-backward (which torch selects by ``torch.use_deterministic_algorithms(True)`` alone, so the adapter turns that
-process-wide flag on around the one aten call, :func:`deterministic_torch`), ``efficient``
+backward (which torch selects by ``torch.use_deterministic_algorithms(True)`` alone, so the
+adapter turns that process-wide flag on around the one aten call,
+:func:`deterministic_torch`), ``efficient``
 with ``num_splits_key=1`` (one program walks all key blocks of a head, dQ summed in a fixed
 order), ``cudnn`` never; ``attention_dq = "atomic"`` allows any (flash's backward then
 follows torch's flag as the user set it), and so does a pinned backend.
@@ -81,9 +82,6 @@ __all__ = ["BACKENDS", "BackendRefused", "Call", "Capabilities", "Table", "choos
            "load_table", "current_table", "cuda_capabilities", "ADAPTERS"]
 
 BACKENDS = ("triton", "flash", "cudnn", "efficient")
-# the attention_dq settings whose backward must be deterministic (a vendor backward serves
-# them only when it is)
-DETERMINISTIC_DQ = ("separate", "ordered")
 VENDOR = BACKENDS[1:]
 SHIPPED_TABLE = pathlib.Path(__file__).with_name("attention_backends.json")
 TABLE_FORMAT = "ckpt_ext attention backend table 1"
@@ -303,7 +301,7 @@ def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table"
                 + "; ".join(lacking) + ". Set attention_backend='auto' or 'triton' for it.")
         return setting
     table = current_table() if table is None else table
-    need_deterministic = call.phase == "bwd" and dq_mode in DETERMINISTIC_DQ
+    need_deterministic = call.phase == "bwd" and dq_mode in config.DETERMINISTIC_DQ
     for backend in table.lookup(call, caps.arch):
         if backend == "triton":
             return backend
@@ -334,8 +332,8 @@ class Table:
     """An ordered list of rules: each a dict of bucket constraints (exact ``arch``, ``dtype``,
     ``head_dim``, ``causal``, ``chunk``, ``phase``, ``gqa``, ``masks`` (one of
     :data:`MASKS`); inclusive ranges ``sq_min`` / ``sq_max``, ``keys_min`` / ``keys_max``,
-    ``bh_min`` / ``bh_max``; an absent key matches anything) and ``backends``, the preference order for the calls it matches. The first
-    matching rule decides; no match: ``default``."""
+    ``bh_min`` / ``bh_max``; an absent key matches anything) and ``backends``, the preference
+    order for the calls it matches. The first matching rule decides; no match: ``default``."""
 
     rules: tuple = ()
     default: tuple = ("triton",)
@@ -518,6 +516,8 @@ def deterministic_torch(on: bool):
             yield
         finally:
             torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 # Each adapter computes one call with no q_offset: fwd(q, k, v, causal, scale, window) ->
 # (out (B, Hq, Sq, D), lse (B, Hq, Sq) in the natural log), causal with Sq < Sk only where
 # ``bottom_right``; bwd(dout, q, k, v, out, lse, causal, scale, window, deterministic) ->
@@ -539,16 +539,20 @@ class FlashAdapter:
             False, scale=float(scale), **self._window(causal, window))[:2]
         return out.transpose(1, 2), lse
 
-    def bwd(self, dout, q, k, v, out, lse, causal, scale, window=None, deterministic=False):
-        Sq, Sk = q.shape[2], k.shape[2]
+    def _aten_bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                  window, deterministic):
+        """aten's FlashAttention-2 backward without dropout (dense: cu_q, cu_k None)."""
         rng = torch.zeros((2,), dtype=torch.uint64, device=q.device)     # dropout 0: unused
         unused = torch.zeros((), dtype=torch.uint64, device=q.device)
-        dout, q_, k_, v_, out = (_bshd(dout), _rows_last(q), _rows_last(k), _rows_last(v),
-                                 _bshd(out))
         with deterministic_torch(deterministic):
-            dq, dk, dv = aten._flash_attention_backward(
-                dout, q_, k_, v_, out, lse.contiguous(), None, None, Sq, Sk, 0.0, bool(causal),
-                rng, unused, scale=float(scale), **self._window(causal, window))
+            return aten._flash_attention_backward(
+                dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, bool(causal), rng,
+                unused, scale=float(scale), **self._window(causal, window))
+
+    def bwd(self, dout, q, k, v, out, lse, causal, scale, window=None, deterministic=False):
+        dq, dk, dv = self._aten_bwd(_bshd(dout), _rows_last(q), _rows_last(k), _rows_last(v),
+                                    _bshd(out), lse.contiguous(), None, None, q.shape[2],
+                                    k.shape[2], causal, scale, window, deterministic)
         Hkv = k.shape[1]
         return (dq.transpose(1, 2), _group_sum(dk.transpose(1, 2), Hkv),
                 _group_sum(dv.transpose(1, 2), Hkv))
@@ -568,13 +572,9 @@ class FlashAdapter:
 
     def varlen_bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
                    window=None, deterministic=False):
-        rng = torch.zeros((2,), dtype=torch.uint64, device=q.device)     # dropout 0: unused
-        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
-        dout, out, lse = _contiguous(dout), _contiguous(out), lse.contiguous()
-        with deterministic_torch(deterministic):
-            dq, dk, dv = aten._flash_attention_backward(
-                dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, bool(causal), rng,
-                unused, scale=float(scale), **self._window(causal, window))
+        dq, dk, dv = self._aten_bwd(_contiguous(dout), q, k, v, _contiguous(out),
+                                    lse.contiguous(), cu_q, cu_k, max_q, max_k, causal, scale,
+                                    window, deterministic)
         Tk, Hkv, D = k.shape
         if dk.shape[1] != Hkv:   # Hq-headed: each KV head's query group summed in fp32
             dk, dv = (t.to(_work_dtype(t.dtype)).view(Tk, Hkv, -1, D).sum(2) for t in (dk, dv))
@@ -814,7 +814,7 @@ class Router:
         backend, seqs = self._route(call, q, key_padding_mask, segment_ids)
         if backend == "triton":
             return self.fallback_bwd(*args)
-        deterministic = config.current().attention_dq in DETERMINISTIC_DQ
+        deterministic = config.current().attention_dq in config.DETERMINISTIC_DQ
         if seqs is not None:
             return attention_varlen.varlen_bwd(self.adapters[backend], dout, q, k, v, out, lse,
                                                seqs, scale, call.live_window, dk_acc, dv_acc,

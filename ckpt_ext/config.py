@@ -157,6 +157,10 @@ def _byte_cap(name: str, value) -> int:
     return n
 
 
+# The attention_dq values whose backward is bit-reproducible (a vendor backward serves them only
+# when it is; ops.attention(deterministic=True) keeps them)
+DETERMINISTIC_DQ = ("separate", "ordered")
+
 SETTINGS = {s.field: s for s in (
     Setting("autotune", "CKPT_EXT_AUTOTUNE", {"0": False, "1": True}),
     Setting("attention_dq", "CKPT_EXT_ATTN_DQ", {m: m for m in ("separate", "atomic",

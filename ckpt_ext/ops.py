@@ -426,7 +426,7 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
         return out
     setting = config.current().attention_dq
     if deterministic:   # the setting when it is a deterministic one, else "separate"
-        _dq_request.mode = setting if setting in ("separate", "ordered") else "separate"
+        _dq_request.mode = setting if setting in config.DETERMINISTIC_DQ else "separate"
     else:
         _dq_request.mode = "atomic"
     try:

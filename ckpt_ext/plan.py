@@ -689,18 +689,27 @@ def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, 
                          "base: pass train_weights=False with them")
     T = B * S
     preset = "torch" if setup.startswith("hf_gc") else setup
-    reruns = 1 if preset in ("min_memory", "torch") else 0
     fwd = bwd = matmul = 0
-    passes = 3 if train_weights else 2
     for d in layers:
-        attn = 2 * d.num_heads * d.head_dim * (S + 1)       # scores and P V, per token
-        fwd += T * attn * (1 + reruns)
-        bwd += T * attn * 5 // 2
-        matmul += T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1]
-                       + _lora_step_flops(preset, d, lora_rank, expert_lora_rank))
+        f, b, m = _layer_flops(preset, d, B, S, train_weights, lora_rank, expert_lora_rank)
+        fwd, bwd, matmul = fwd + f, bwd + b, matmul + m
+    passes = 3 if train_weights else 2
     head = 2 * T * layers[0].hidden_size * V
     matmul += head * passes + (head if setup != "hf_gc" else 0)
     return {"attention_forward": fwd, "attention_backward": bwd, "matmul": matmul}
+
+
+def _layer_flops(preset: str, d: LayerDims, B: int, S: int, train_weights: bool,
+                 lora_rank: int = 0, expert_lora_rank: int = 0) -> tuple:
+    """One layer's (attention forward, attention backward, matmul) FLOPs of a step
+    (:func:`step_flops`'s parts; ``preset`` "torch" for HF's checkpointing)."""
+    T = B * S
+    attn = 2 * d.num_heads * d.head_dim * (S + 1)       # scores and P V, per token
+    reruns = 1 if preset in ("min_memory", "torch") else 0
+    passes = 3 if train_weights else 2
+    matmul = T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1]
+                  + _lora_step_flops(preset, d, lora_rank, expert_lora_rank))
+    return T * attn * (1 + reruns), T * attn * 5 // 2, matmul
 
 
 def step_time_estimate(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,
@@ -744,13 +753,7 @@ class OffloadChoice:
 def _layer_compute_seconds(preset, d, B, S, train_weights, fwd_rate, bwd_rate, mm_rate,
                            lora_rank=0, expert_lora_rank=0):
     """One layer's forward, backward and recompute time (``step_flops``'s parts, one layer)."""
-    T = B * S
-    attn = 2 * d.num_heads * d.head_dim * (S + 1)
-    fwd = T * attn * (2 if preset == "min_memory" else 1)
-    bwd = T * attn * 5 // 2
-    passes = 3 if train_weights else 2
-    mm = T * (passes * _flops_parts("torch", d, S)[1] + _flops_parts(preset, d, S)[1]
-              + _lora_step_flops(preset, d, lora_rank, expert_lora_rank))
+    fwd, bwd, mm = _layer_flops(preset, d, B, S, train_weights, lora_rank, expert_lora_rank)
     return fwd / (fwd_rate * 1e12) + bwd / (bwd_rate * 1e12) + mm / (mm_rate * 1e12)
 
 
