@@ -14,8 +14,8 @@ the device at a time. Per setup:
   statistics, which cost nothing, so the same step is timed, CUDA synchronised around it;
   on the CPU the profiler, which slows it: the time is then no figure);
 * the plan beside it, measured / modelled: ``plan.step_peak`` of the preset (without offload,
-  with the phase where the plan puts the peak) or ``plan.offload_step_peak`` (with: the model counts the device pool at every phase, so the
-  measured figure compared is the peak plus the pool the first step allocated, or the peak
+  with the phase where the plan puts the peak) or ``plan.offload_step_peak`` (with: the
+  model counts the device pool at every phase, so the measured figure compared is the peak plus the pool the first step allocated, or the peak
   alone when the pool grew inside the measured step, after a shorter first step); the
   host pool beside the plan's host bytes; the step's FLOPs (``plan.step_flops`` where the
   plan has it, else the dense matmuls 6 N T, the attention's forward and backward 3.5 x 4 Hq D

@@ -19,9 +19,9 @@ from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
 from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, LORA_RANK,
-                   OFFLOAD_SETUPS,
-                   PEAK_SETUPS, SP_LINK_GBYTES_PER_S, choose_presets_offload,
-                   choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes, longest_sequence,
+                   OFFLOAD_SETUPS, PEAK_SETUPS, SP_LINK_GBYTES_PER_S, choose_presets_offload,
+                   choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes,
+                   longest_sequence,
                    longest_sequence_offload, model_state_bytes, offload_step_peak,
                    parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
                    sp_longest_sequence, sp_step_peak, sp_step_time, step_peak,

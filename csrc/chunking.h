@@ -90,9 +90,10 @@ inline int64_t occupancy_min_rows(int64_t sms, int64_t heads,
 // LLaMA-3-8B, 7% of the three GEMMs at 4,096 rows. The extra transient at 4,096 rows is well
 // under a GiB at 8B dims (the plan counts it). A batch that fits is one chunk, with no sums.
 // An MoE layer needs it more: each chunk past the first adds every expert's weight gradient
-// with one GEMM and one sum per expert (csrc/moe_math.cpp grouped_outer_add), and its
-// per-token working set makes the cap's chunks short (Qwen3-30B-A3B: 203 rows at 64 MiB, so
-// a 32K sequence took 162 chunks of 256 such launches each). The price there is memory: its
+// (csrc/moe_math.cpp grouped_outer_add: a grouped GEMM and a sum per block of experts; one
+// GEMM and one sum per expert with fp64 or unaligned sizes), and its per-token working set
+// makes the cap's chunks short (Qwen3-30B-A3B: 203 rows at 64 MiB, so a 32K sequence took
+// 162 chunks, each of 256 per-expert launches before the blocks). The price there is memory: its
 // 4,096 rows hold 1.3 GiB, which shortens the plan's longest MoE sequences by 6-12% (about
 // 47,000 tokens).
 constexpr int64_t kGemmMinRows = 4096;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU issue's one prepared call: build for this GPU's architecture only, then each part
-# under its own timeout, in this order (seconds: the table, moved by the H200 run of 2026-11-27, whose b, d and e
-# ran out of time and c used 57 of 100 s; QUICK_T_<PART> overrides):
+# under its own timeout, in this order (seconds: the table, moved by the H200 run of
+# 2026-11-27, whose b, d and e ran out of time and c used 57 of 100 s; QUICK_T_<PART>
+# overrides):
 #   a  15  bench/sdpa_probe.py: per aten SDPA op, GQA unexpanded, Sq < Sk causal alignment, lse
 #   b 140  the GPU-only tests (-m gpu, 12 xdist workers, 100 s) and the offload CUDA tests (35 s)
 #   c  70  bench/long_step.py: LLaMA-3-8B dims, 4 layers, S 128K, min_memory with and without

@@ -486,7 +486,8 @@ class _Shared:
         off = self.offloader
         choice = choose_offload_layers(
             dims, b, s, dtype, self.budget, off.limit, train_weights=train_weights,
-            lora_rank=lora_rank, expert_lora_rank=expert_lora_rank, prefetch=off.prefetch, host_link_gbytes_per_s=self.host_link,
+            lora_rank=lora_rank, expert_lora_rank=expert_lora_rank, prefetch=off.prefetch,
+            host_link_gbytes_per_s=self.host_link,
             **default_throughputs().step_time_kwargs(s))
         if choice is None:
             from ..plan import _offload_split, _pool
