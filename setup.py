@@ -16,8 +16,10 @@ Progress: the decision and one line per compiled file (``[ckpt_ext build] ...``)
 output, which pip shows with ``-v`` only, and always to ``build/ckpt_ext-build.log``, which is
 rewritten by each build.
 
-The ``kernels/`` folder is installed as the subpackage ``ckpt_ext.kernels``; there is
-never a top-level ``kernels`` package (PyPI has an unrelated package of that name).
+The ``kernels/`` folder is installed as the subpackage ``ckpt_ext.kernels`` (its modules are
+copied beside ``ckpt_ext/kernels/__init__.py``); there is never a top-level ``kernels`` package
+(PyPI has an unrelated package of that name), and the folder has no ``__init__.py`` so that it
+cannot shadow that package from the repository root.
 
 Install with ``pip install --no-build-isolation -v -e .`` (torch must already be installed).
 """
@@ -31,6 +33,7 @@ import time
 import warnings
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 try:
     with warnings.catch_warnings():
@@ -259,13 +262,42 @@ class BuildExt(BuildExtension.with_options(use_ninja=True)):
             progress.finish(ok)
 
 
+KERNELS = os.path.join(ROOT, "kernels")
+
+
+class BuildPy(build_py):
+    """setuptools' build_py, plus the top-level ``kernels/`` folder's modules and data files
+    copied into the package ``ckpt_ext.kernels`` of a built (non-editable) install.
+
+    The package itself is ``ckpt_ext/kernels/__init__.py``; in a source checkout (editable
+    installs included) it adds the ``kernels/`` folder to its search path instead, so an
+    editable install copies nothing.
+    """
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = os.path.join(self.build_lib, "ckpt_ext", "kernels")
+        os.makedirs(target, exist_ok=True)
+        for name in sorted(os.listdir(KERNELS)):
+            if name.endswith((".py", ".json")):
+                self.copy_file(os.path.join(KERNELS, name), os.path.join(target, name))
+
+    def get_outputs(self, include_bytecode=True):
+        outputs = super().get_outputs(include_bytecode)
+        if getattr(self, "editable_mode", False):
+            return outputs
+        target = os.path.join(self.build_lib, "ckpt_ext", "kernels")
+        return outputs + [os.path.join(target, n) for n in sorted(os.listdir(KERNELS))
+                          if n.endswith((".py", ".json"))]
+
+
 if __name__ == "__main__":
     setup(
         packages=["ckpt_ext", "ckpt_ext.hf", "ckpt_ext.modules", "ckpt_ext.kernels"],
-        package_dir={"ckpt_ext": "ckpt_ext", "ckpt_ext.kernels": "kernels"},
-        # the attention choice table; the attention backward's measured launch configurations
-        package_data={"ckpt_ext": ["attention_backends.json"],
-                      "ckpt_ext.kernels": ["attention_bwd_configs.json"]},
+        # the attention choice table (the kernels' data files are copied by BuildPy)
+        package_data={"ckpt_ext": ["attention_backends.json"]},
         ext_modules=extensions(),
-        cmdclass={"build_ext": BuildExt},
+        cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
     )
