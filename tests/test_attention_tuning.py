@@ -479,9 +479,10 @@ def test_aot_sweep_candidates_report_registers_and_spills_for_sm_90(site):
 
 
 def test_winners_file_ships_with_the_package():
-    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
-    assert '"ckpt_ext.kernels": ["attention_bwd_configs.json"]' in setup
+    """The winners file lies beside the kernel modules, whose .py and .json files setup.py's
+    build_py copies into a built install (tests/test_packaging.py builds that layout)."""
     assert tuning.SHIPPED.name == "attention_bwd_configs.json" and tuning.SHIPPED.is_file()
+    assert tuning.SHIPPED.parent == Path(tuning.__file__).resolve().parent
 
 
 def test_sweep_workers_compile_twins_of_the_same_specialization():

@@ -92,3 +92,17 @@ def test_build_py_copies_the_kernels_into_the_subpackage(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert [str(p) for p in module.__path__] == [str(lib / "ckpt_ext" / "kernels")], module.__path__
+
+
+def test_test_extra_bounds_the_libraries_the_suite_checks():
+    """A new release of these must not turn the README's test command red overnight: the test
+    extra names an upper bound for each (raised after the suite passed on the new release)."""
+    import re
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    extra = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower(): r
+             for r in project["optional-dependencies"]["test"]}
+    for name in ("transformers", "peft", "accelerate", "deepspeed", "trl"):
+        assert name in extra and "<" in extra[name], f"the test extra: {name} unbounded ({extra})"
+    assert not any("<" in r for r in project["dependencies"]), project["dependencies"]
