@@ -350,13 +350,9 @@ def test_fused_router_aux_loss_matches_unpatched(family, monkeypatch):
     torch.testing.assert_close(got[0].aux_loss.double(), out.aux_loss, rtol=1e-7, atol=0)
     for name, g in want[1].items():
         torch.testing.assert_close(got[1][name], g, rtol=1e-10, atol=1e-12, msg=name)
-    stats = []
-    model.forward.shared.router_stats = stats
-    try:  # the layers' statistics themselves, against the exact mode's logits
-        model.model(input_ids=data[0], attention_mask=data[1], use_cache=False,
-                    output_router_logits=True)
-    finally:
-        model.forward.shared.router_stats = None
+    stats = []  # the layers' statistics themselves, against the exact mode's logits
+    model.model(input_ids=data[0], attention_mask=data[1], use_cache=False,
+                output_router_logits=True, **{ckpt_ext.hf.moe.ROUTER_STATS_KEY: stats})
     assert len(stats) == len(out.router_logits) > 0
     for st, lg in zip(stats, out.router_logits):
         assert st.dtype == torch.float64 and st.shape == (3, ref.num_experts)
@@ -405,6 +401,58 @@ def test_fused_router_aux_loss_without_labels_returns_logits():
     got = model(input_ids=ids, attention_mask=mask, use_cache=False)
     torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
     assert len(got.router_logits) == len(want.router_logits) == 3
+
+
+def test_fused_router_aux_loss_in_several_threads():
+    """Two threads running training forwards of one model patched with router_aux_loss=
+    "fused", each on its own batch (one padded, one not, of different lengths), many times:
+    each forward's aux_loss, loss and router gradients (torch.autograd.grad, so that the
+    threads' gradients stay apart) are its own batch's, as one thread alone computes them (the
+    statistics travel with the forward's own call, not in a list on the model)."""
+    import threading
+
+    ref = make("qwen3_moe", output_router_logits=True, **AUX)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", router_aux_loss="fused")
+    model.train()
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    ids, mask, labels = batch(True)
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    other = torch.randint(1, BASE["vocab_size"], (3, 11), generator=g)
+    batches = [dict(input_ids=ids, attention_mask=mask, labels=labels),
+               dict(input_ids=other, labels=other)]
+
+    def step(b):
+        out = model(**b, use_cache=False)
+        return out.aux_loss.detach(), out.loss.detach(), torch.autograd.grad(out.loss, routers)
+
+    want = [step(b) for b in batches]
+    torch.testing.assert_close(want[0][0], loss_and_grads(ref, ids, mask, labels)[0].aux_loss,
+                               **TOL)
+    assert not torch.allclose(want[0][0], want[1][0])  # the two batches' losses differ
+    rounds, failures, errors = 30, [], []
+    barrier = threading.Barrier(2)
+
+    def work(k):
+        try:
+            barrier.wait()
+            for r in range(rounds):
+                aux, loss, grads = step(batches[k])
+                same = torch.allclose(aux, want[k][0], **TOL) and \
+                    torch.allclose(loss, want[k][1], **TOL) and \
+                    all(torch.allclose(a, b, **TOL) for a, b in zip(grads, want[k][2]))
+                if not same:
+                    failures.append((k, r))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((k, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not failures, failures
+    assert model.forward.calls == {"fused": 2 + 2 * rounds, "hf": 0}
 
 
 @pytest.mark.parametrize("case,match", [

@@ -185,8 +185,7 @@ class FusedHeadForward:
                  router_aux_loss: str = "exact"):
         self.model = model
         self.owner = owner
-        # router_aux_loss="fused": the patched layers' shared state, through which this
-        # forward collects the MoE layers' load-balancing statistics (ckpt_ext.hf.patch)
+        # the patched layers' shared state (ckpt_ext.hf.patch)
         self.shared = shared
         self.router_aux_loss = router_aux_loss
         params = inspect.signature(type(model).forward).parameters.values()
@@ -245,14 +244,10 @@ class FusedHeadForward:
             kwargs["output_router_logits"] = router_logits
         stats = None
         if moe_head and router_logits and getattr(self, "router_aux_loss", "exact") == "fused":
-            # the fused MoE layers append their (3, E) statistics instead of their logits
-            stats = self.shared.router_stats = moe.RouterStats()
-            try:
-                outputs = bare(**kwargs, return_dict=True)
-            finally:
-                self.shared.router_stats = None
-        else:
-            outputs = bare(**kwargs, return_dict=True)
+            # the fused MoE layers append their (3, E) statistics instead of their logits, to
+            # this forward's own list (the bare model's pre-hook puts it in the forward's state)
+            stats = kwargs[moe.ROUTER_STATS_KEY] = moe.RouterStats()
+        outputs = bare(**kwargs, return_dict=True)
         hidden = outputs.last_hidden_state
         norm = (getattr(self, "owner", None) or bare)._modules.get("norm")
         prenorm = take_prenorm(hidden)

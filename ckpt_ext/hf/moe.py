@@ -70,8 +70,9 @@ from . import layer_checks
 from .families import (ACTIVATIONS, MOE_FAMILIES, MoeFamily, expert_wrappers,  # noqa: F401
                        is_moe_layer, moe_layer_options as layer_options, moe_shape as _shape)
 
-__all__ = ["MOE_FAMILIES", "REFUSED", "aux_loss", "is_moe_layer", "layer_options", "layer_tensors",
-           "RouterStats", "load_balancing_loss", "record_router_logits", "recording_router_logits", "refusal",
+__all__ = ["MOE_FAMILIES", "REFUSED", "ROUTER_STATS_KEY", "RouterStats", "aux_loss",
+           "is_moe_layer", "layer_options", "layer_tensors", "load_balancing_loss",
+           "record_router_logits", "recording_router_logits", "refusal",
            "router_stats_of_logits", "structure_problem"]
 
 
@@ -364,11 +365,18 @@ def load_balancing_loss(stats: Sequence, num_experts: int):
     return (torch.sum((total[0] / n) * (total[1] / n)) * num_experts).float()
 
 
+# The keyword under which the fused LM head hands the bare model a forward's RouterStats; the
+# bare model's pre-hook (ckpt_ext.hf.patch) takes it out into the forward's own state, so that
+# concurrent forwards of one model (several threads) each collect their own statistics.
+ROUTER_STATS_KEY = "ckpt_ext_router_stats"
+
+
 class RouterStats(list):
     """The (3, E) statistics the fused MoE layers of one forward append (router_aux_loss=
-    "fused"). Under sequence parallelism (``group``: the group's registered name, ``ranks`` its
-    size) each entry is already the sum over the group's ranks (differentiable,
-    ``sequence_parallel.sum_over_group``), so that every rank makes the whole sequence's loss."""
+    "fused"), one list per forward. Under sequence parallelism (``group``: the group's
+    registered name, ``ranks`` its size) each entry is already the sum over the group's ranks
+    (differentiable, ``sequence_parallel.sum_over_group``), so that every rank makes the whole
+    sequence's loss."""
 
     group: str = ""
     ranks: int = 1

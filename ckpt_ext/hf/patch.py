@@ -349,6 +349,11 @@ class _ForwardState(NamedTuple):
     # DeepSpeed Ulysses' group while its wrapper is transformers' attention function (the fused
     # layers then take part in it, ckpt_ext.hf.sequence_split.deepspeed_ulysses_group)
     sequence_parallel: str = ""
+    # router_aux_loss="fused": the list (moe.RouterStats) to which this forward's fused MoE
+    # layers append their (3, E) load-balancing statistics; the fused LM head hands it to the
+    # bare model under moe.ROUTER_STATS_KEY. None: the layers return their router logits
+    # when transformers collects them.
+    router_stats: Optional[list] = None
 
 
 # The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
@@ -383,13 +388,11 @@ class _Shared:
         self.positional = [p.name for p in params]
 
     sequence_parallel = ""  # patch_llama's group, by name (ckpt_ext.hf.sequence_parallel)
-    # With router_aux_loss="fused": the list the fused LM head's forward hands the MoE layers
-    # to append their load-balancing statistics to (None outside that forward).
-    router_stats = None
 
     def __setstate__(self, state):  # pickles of older versions kept per-forward fields
         state.pop("masks", None)
         state.pop("auto_presets", None)
+        state.pop("router_stats", None)
         state.setdefault("offloader", None)
         state.setdefault("host_link", _host_link_default())
         state.setdefault("hook_owner", state["owner"])
@@ -423,6 +426,10 @@ class _Shared:
             # ZeRO-3 set up after patching: the layers' hooks, which run after this one,
             # then gather all of each fused layer's parameters (ckpt_ext.hf.zero).
             zero.make_leaves(self.fused_layers())
+        # the fused LM head's list for this forward's router statistics (router_aux_loss=
+        # "fused"), taken out of the bare model's keywords into the forward's state
+        stats = kwargs.get(moe.ROUTER_STATS_KEY)
+        kwargs = {k: v for k, v in kwargs.items() if k != moe.ROUTER_STATS_KEY}
         named = dict(zip(self.positional, args), **kwargs)
         compiling = torch.compiler.is_compiling()
         positions = text_positions(self.owner.config.model_type, named.get("position_ids"))
@@ -433,7 +440,7 @@ class _Shared:
             if images is not None:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.budget is not None else None
-        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp)}
+        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats)}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
@@ -629,7 +636,7 @@ class _PatchedForward:
             return self._delegate(reason, hidden_states, kwargs, warn=True, sp=sp)
         self._count("fused")
         return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors,
-                           sp=sp)
+                           sp=sp, stats=state.router_stats if state is not None else None)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False,
                   sp: Optional[str] = None):
@@ -726,7 +733,8 @@ class _PatchedForward:
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list, streams: list,
-               expert_scaling: Sequence[float] = (), sp: Optional[str] = None) -> Tensor:
+               expert_scaling: Sequence[float] = (), sp: Optional[str] = None,
+               stats: Optional[list] = None) -> Tensor:
         sp = self.shared.sequence_parallel if sp is None else sp
         spec = self.spec
         cos, sin = _tables_for(x, *position_embeddings)
@@ -737,9 +745,10 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        # an MoE layer returns its load-balancing statistics while the fused head collects
-        # them (router_aux_loss="fused"), else its router logits while transformers does
-        stats_sink = self.shared.router_stats if spec.num_experts_per_tok else None
+        # an MoE layer returns its load-balancing statistics to the forward's list while the
+        # fused head collects them (router_aux_loss="fused"), else its router logits while
+        # transformers does
+        stats_sink = stats if spec.num_experts_per_tok else None
         router_stats = stats_sink is not None
         router_logits = (bool(spec.num_experts_per_tok) and not router_stats
                          and moe.recording_router_logits())
