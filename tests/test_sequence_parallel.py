@@ -622,3 +622,55 @@ def test_accelerate_cp_size_refused_on_every_rank(hf_ranks):
     for r, got in enumerate(res):
         assert got[0] == "raised", f"rank {r} ran without error: {got}"
         assert "sequence_parallel=" in got[2] and "context_parallel is active" in got[2], got
+
+
+# ---- the router statistics of MoE layers under sequence_parallel (router_aux_loss="fused") ----
+
+# A collective left waiting fails the case after this long (its error is then gloo's timeout,
+# not the refusal the test asks for), well within spawn_ranks' limit.
+ROUTER_TIMEOUT_S = 60
+
+
+def router_case(key, group, rank):
+    """One case of _router_worker on this rank: a tiny fp64 Qwen3-MoE patched with
+    sequence_parallel=group and router_aux_loss="fused", the batch cut by shard_batch."""
+    import ckpt_ext
+    from ckpt_ext.hf import sequence_parallel as sp
+    model = ckpt_ext.patch_llama(hf_model(moe=True), sequence_parallel=group,
+                                 router_aux_loss="fused")
+    batch = sp.shard_batch(hf_batch("padded"), group)
+    if key == "router-stats-rank1":  # only rank 0 asks for the load-balancing loss
+        return hf_step(model, {**batch, "output_router_logits": rank == 0})
+    raise KeyError(key)
+
+
+ROUTER_CASES = ("router-stats-rank1",)
+
+
+def _router_worker(rank, world, init_file, out_dir):
+    from test_distributed import init_gloo_rank
+    init_gloo_rank(rank, world, init_file, timeout_s=ROUTER_TIMEOUT_S)
+    try:
+        group = dist.group.WORLD
+        results = {key: outcome(lambda key=key: router_case(key, group, rank))
+                   for key in ROUTER_CASES}
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@linux_only
+def test_moe_router_statistics_two_ranks(tmp_path):
+    """Qwen3-MoE on 2 gloo ranks with router_aux_loss="fused": ranks that differ in
+    output_router_logits (rank 0 sums its layers' statistics over the group, rank 1 asks for
+    none) both raise at the first MoE layer, naming the argument, instead of waiting in
+    mismatched collectives until the group's timeout."""
+    pytest.importorskip("transformers")
+    ranks = spawn_ranks(_router_worker, (2, str(tmp_path / "init"), str(tmp_path)), tmp_path,
+                        "sequence-parallel MoE router statistics", world=2)
+    for r, res in enumerate(ranks):
+        got = res["router-stats-rank1"]
+        assert got[0] == "raised" and got[1] == "ValueError", f"rank {r}: {got}"
+        assert "every rank passes output_router_logits alike" in got[2], f"rank {r}: {got[2]}"
+        assert "rank 0 (1,); rank 1 (0,)" in got[2], f"rank {r}: {got[2]}"

@@ -752,9 +752,9 @@ class _PatchedForward:
         router_stats = stats_sink is not None
         router_logits = (bool(spec.num_experts_per_tok) and not router_stats
                          and moe.recording_router_logits())
-        if sp:  # one seed for the group: masks hash global rows
+        if sp:  # one seed for the group: masks hash global rows; router outputs alike
             seed = _sp.same_seed(seed, sp, NotImplementedError(f"patch_llama: {moe.SP_REFUSAL}")
-                                 if router_logits else None)
+                                 if router_logits else None, router=router_stats or router_logits)
         options = spec.options(
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,

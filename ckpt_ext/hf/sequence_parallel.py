@@ -282,14 +282,18 @@ def masks(name: str, attention_mask, position_ids) -> BatchMasks:
                       seg[:, rank * s:(rank + 1) * s].contiguous())
 
 
-def same_seed(seed: Optional[Tensor], name: str,
-              error: Optional[BaseException] = None) -> Optional[Tensor]:
+def same_seed(seed: Optional[Tensor], name: str, error: Optional[BaseException] = None,
+              router: bool = False) -> Optional[Tensor]:
     """A decoder layer's refusal point (``agree``; every layer call of every rank comes here,
     or to ``refuse``), ``error`` this rank's refusal of the call (None: none): the LoRA
     dropout seed of the group's first rank, on every rank (a tensor all along, so that a
-    compiled model traces it)."""
-    head, spec, message = _head(error, {"LoRA dropout (a seed drawn or not)": (seed is not None,)},
-                                0 if seed is None else seed)
+    compiled model traces it). ``router``: whether the call returns its router statistics or
+    logits (the model's ``output_router_logits``), which must agree over the group: a rank
+    that sums its statistics over the group waits for the others to do the same."""
+    head, spec, message = _head(error, {
+        "LoRA dropout (a seed drawn or not)": (seed is not None,),
+        "output_router_logits alike (the MoE layer's router statistics asked or not)": (router,)},
+        0 if seed is None else seed)
     first = torch.ops.ckpt_ext.sp_agree(head, name, spec, message)
     return None if seed is None else first.to(seed.dtype)
 
