@@ -7,8 +7,10 @@ hidden state with HF's label shift (or the ``shift_labels`` given), ``ignore_ind
 ``CausalLMOutputWithPast`` with ``logits=None``: the ``(B, S, V)`` logits are never formed
 (with ``return_dict=False``, HF's tuple of the fields that are not None: the loss first).
 Every other call (eval, generate, no labels, ``logits_to_keep``, a head or loss the op does
-not compute) runs HF's forward and returns logits as before. TRL's own fused head calls the
-bare model and its own head, so it keeps working, with the decoder layers fused underneath.
+not compute) runs HF's forward and returns logits as before (with router_aux_loss="fused"
+under sequence parallelism, the MoE layers' statistics instead of router logits for its
+aux_loss). TRL's own fused head calls the bare model and its own head, so it keeps working,
+with the decoder layers fused underneath.
 
 What the model's forward does between its head and its loss is looked up by the transformers
 class that defines that forward (``families.HEAD_RULES``), never guessed from the config alone:
@@ -221,9 +223,41 @@ class FusedHeadForward:
             fusable = problem is None
         if not fusable:
             self._count("hf")
+            if self._router_stats_under_sp(kwargs):
+                return self._hf_with_router_stats(**kwargs)
             return self.original(**kwargs)
         self._count("fused")
         return self._fused(logit_scale=logit_scale, softcap=softcap, **kwargs)
+
+    def _router_stats_under_sp(self, kwargs) -> bool:
+        """Whether a call that runs HF's forward (no labels, logits_to_keep, no grad) needs
+        the router statistics instead of the logits: router_aux_loss="fused", the load-balancing
+        loss asked for (output_router_logits, the call's or the config's), and a
+        sequence-parallel group, under which one rank's logits are not the whole sequence's."""
+        if getattr(self, "router_aux_loss", "exact") != "fused" or self.rule is not _moe_head \
+                or self.shared is None:
+            return False
+        asked = kwargs.get("output_router_logits")
+        if asked is None:
+            asked = self.model.config.output_router_logits
+        return bool(asked) and bool(self.shared.forward_group())
+
+    def _hf_with_router_stats(self, return_dict=None, **kwargs):
+        """HF's forward (its logits, and its loss with labels) without router logits, the fused
+        MoE layers returning their statistics summed over the group instead; aux_loss is the
+        whole sequence's load-balancing loss, and a loss gets this rank's share of
+        router_aux_loss_coef * aux_loss, as the fused head adds them (ckpt_ext.hf.moe.aux_loss).
+        router_logits is None."""
+        if return_dict is None:
+            return_dict = getattr(self.model.config, "return_dict", True)
+        stats = moe.RouterStats()
+        out = self.original(**{**kwargs, "output_router_logits": False, "return_dict": True,
+                               moe.ROUTER_STATS_KEY: stats})
+        loss, aux = moe.aux_loss(self.model, out.loss, out, kwargs.get("attention_mask"), True,
+                                 stats)
+        out = causal_lm_output(loss=loss, outputs=out, logits=out.logits,
+                               moe_fields=dict(aux_loss=aux, router_logits=None))
+        return out if return_dict else out.to_tuple()
 
     def _fused(self, labels, logits_to_keep=0, logit_scale=1.0, softcap=0.0, return_dict=None,
                **kwargs):

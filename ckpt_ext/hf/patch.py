@@ -388,6 +388,7 @@ class _Shared:
         self.positional = [p.name for p in params]
 
     sequence_parallel = ""  # patch_llama's group, by name (ckpt_ext.hf.sequence_parallel)
+    router_aux_loss = "exact"  # patch_llama's router_aux_loss
 
     def __setstate__(self, state):  # pickles of older versions kept per-forward fields
         state.pop("masks", None)
@@ -404,18 +405,25 @@ class _Shared:
             self.warned.add(key)
             warnings.warn(f"ckpt_ext.patch_llama: {message}", stacklevel=4)
 
+    def forward_group(self) -> str:
+        """The sequence-parallel group of a forward starting now, by name ("" for none):
+        patch_llama's ``sequence_parallel``, else DeepSpeed Ulysses' group while its wrapper is
+        the attention function (HF Trainer / TRL with ParallelismConfig(sp_size=N), registered
+        before or after patching: the fused layers take part in it; HF's layers, policy
+        "torch", delegated or without grad, call its wrapper). Read on every rank alike."""
+        sp = self.sequence_parallel
+        impl = _attn_implementation(self.owner.config)
+        if not sp and torch.is_grad_enabled() and impl in SUPPORTED_ATTENTION:
+            group = deepspeed_ulysses_group(impl, training=self.owner.training)
+            if group is not None:
+                sp = _sp.group_name(group)
+        return sp
+
     def before_model(self, owner, args, kwargs):
         # Sequence parallelism replaced the attention that fused layers would bypass: refuse
         # (ckpt_ext.hf.sequence_split; other attn_implementations make the layers delegate).
         impl = _attn_implementation(self.owner.config)
-        sp = self.sequence_parallel
-        if not sp and torch.is_grad_enabled() and impl in SUPPORTED_ATTENTION:
-            # DeepSpeed Ulysses (HF Trainer / TRL with ParallelismConfig(sp_size=N)) registered
-            # before or after patching: the fused layers take part in its group; HF's layers
-            # (policy "torch", delegated, no grad) call its wrapper. Read on every rank alike.
-            group = deepspeed_ulysses_group(impl, training=self.owner.training)
-            if group is not None:
-                sp = _sp.group_name(group)
+        sp = self.forward_group()
         refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)
                                               if f.preset != "torch"]
                                if impl in SUPPORTED_ATTENTION else [],
@@ -753,8 +761,13 @@ class _PatchedForward:
         router_logits = (bool(spec.num_experts_per_tok) and not router_stats
                          and moe.recording_router_logits())
         if sp:  # one seed for the group: masks hash global rows; router outputs alike
-            seed = _sp.same_seed(seed, sp, NotImplementedError(f"patch_llama: {moe.SP_REFUSAL}")
-                                 if router_logits else None, router=router_stats or router_logits)
+            refusal = None
+            if router_logits:
+                refusal = NotImplementedError(
+                    f"patch_llama: {moe.SP_BARE_REFUSAL}"
+                    if self.shared.router_aux_loss == "fused" else
+                    f"patch_llama: {moe.SP_REFUSAL}")
+            seed = _sp.same_seed(seed, sp, refusal, router=router_stats or router_logits)
         options = spec.options(
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
@@ -828,7 +841,8 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     (tokens, experts) logits, for the fused LM head's loss: the same aux_loss and gradients,
     and ``router_logits`` None in that output (needs ``fuse_lm_head`` on a
     ``*ForCausalLM``; under ``sequence_parallel`` the statistics are summed over the group and
-    each rank adds its share of the loss; "exact" is refused there).
+    each rank adds its share of the loss, calls without labels or grad included; "exact" is
+    refused there).
 
     Raises ValueError, before changing anything, when a layer asked to be fused cannot be
     (see the module docstring). Patching a patched model first undoes the earlier patch."""
@@ -880,6 +894,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
             _take_over_call_checkpoint(layer)
     shared.sequence_parallel = sp_name
+    shared.router_aux_loss = router_aux_loss
     shared.install()
     _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared, FAMILIES[config.model_type],
                 router_aux_loss)
