@@ -489,6 +489,42 @@ def test_settings_are_refused_by_name(family, setting, match):
         ckpt_ext.patch_llama(make(family, **setting))
 
 
+@pytest.mark.parametrize("family,setting", [("olmoe", "clip_qkv"),
+                                             ("mixtral", "router_jitter_noise")])
+def test_settings_set_after_patching_run_hfs_forward(family, setting):
+    """OLMoE's config.clip_qkv (read by its attention at every call) and Mixtral's MoE block's
+    jitter_noise (its router_jitter_noise, training only) set after patching: the fused op
+    computes neither, so the layers run HF's forward with a warning naming the setting, as
+    for attention dropout, and the loss and every gradient are the unpatched model's with the
+    same setting (which differ from those without it). Set back, the layers fuse again."""
+    ref = make(family)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    data = batch(True)
+    without = loss_and_grads(ref, *data)
+
+    def put(m, value):
+        if setting == "clip_qkv":
+            m.config.clip_qkv = value
+        else:
+            for layer in m.model.layers:
+                layer.mlp.jitter_noise = value
+
+    for m in (ref, model):
+        put(m, 0.1 if setting == "clip_qkv" else 0.4)
+    torch.manual_seed(5)  # the jitter's draws
+    want = loss_and_grads(ref, *data)
+    assert abs(want[0].loss - without[0].loss) > 1e-3  # the setting changes HF's loss
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match=f"{setting.replace('router_', '')}.*set after patching"):
+        got = loss_and_grads(model, *data)
+    assert_same(want, got)
+    assert fused_calls(model) == [0, 0, 0]
+    for m in (ref, model):
+        put(m, None if setting == "clip_qkv" else 0.0)
+    assert_same(without, loss_and_grads(model, *data))
+    assert fused_calls(model) == [1, 1, 1]
+
+
 def test_quantized_experts_are_refused():
     model = make("olmoe")
     experts = model.model.layers[0].mlp.experts

@@ -301,6 +301,22 @@ def _attention_dropout(layer: nn.Module, config) -> float:
                          getattr(config, "attention_dropout", 0.0)) or 0.0)
 
 
+def _unfused_setting(layer: nn.Module, config) -> Optional[str]:
+    """A setting that patch_llama refuses, set after patching, which HF's modules read at every
+    call (so each call checks it, as attention dropout): OLMoE's ``clip_qkv`` (its attention
+    clamps q/k/v after their projections) and, in training, Mixtral's router jitter (the MoE
+    block's ``jitter_noise``, from ``router_jitter_noise``). None when there is none."""
+    clip = getattr(getattr(layer.self_attn, "config", config), "clip_qkv", None)
+    if clip is not None:
+        return (f"clip_qkv={clip} (set after patching): q/k/v clamped after their projections, "
+                "which the fused op does not compute")
+    jitter = getattr(layer._modules.get("mlp"), "jitter_noise", 0.0)
+    if layer.training and float(jitter or 0.0) > 0:
+        return (f"jitter_noise={jitter} (router_jitter_noise, set after patching): random "
+                "scaling of the MoE input in training, which the fused op does not compute")
+    return None
+
+
 def _check_fusable(layer: nn.Module, idx: int, config) -> LayerRecord:
     def refuse(why: str) -> ValueError:
         return ValueError(f"patch_llama: cannot fuse decoder layer {idx} "
@@ -711,6 +727,9 @@ class _PatchedForward:
                 f"{_ATTENTIONS_FIX}", BatchMasks()
         if layer.training and _attention_dropout(layer, self.config) > 0:
             return "attention_dropout > 0 (set after patching)", BatchMasks()
+        unfused = _unfused_setting(layer, self.config)
+        if unfused:
+            return unfused, BatchMasks()
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
             return "attention is not causal (is_causal=False)", BatchMasks()
         problem = _structure_problem(layer, spec.source, hooks=True,
