@@ -566,6 +566,8 @@ def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
         for r, res in enumerate(ranks):
             assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
             assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
+            if key == "torch-policy":  # a refusal of patch_llama
+                assert res[key][1] == "PatchRefused", res[key]
             if key in ("no-position-ids-rank1", "cache-rank1"):
                 assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]
 

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from . import moe
+from .errors import PatchRefused
 from .cache import causal_lm_output, uses_cache
 from .families import Family, HeadRule, head_rule, moe_head as _moe_head, norm_eps
 from .zero import gathered_for_head, raw_parameter
@@ -87,7 +88,8 @@ ROUTER_AUX_LOSS_MODES = ("exact", "fused")
 def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers,
                           fuse_lm_head: bool) -> None:
     """patch_llama's ``router_aux_loss``: "exact", or "fused" where the fused LM head makes the
-    load-balancing loss of the MoE layers' statistics (a ValueError naming what is missing)."""
+    load-balancing loss of the MoE layers' statistics (PatchRefused naming what is missing;
+    ValueError for another mode)."""
     if mode not in ROUTER_AUX_LOSS_MODES:
         raise ValueError(f"patch_llama: router_aux_loss must be one of {ROUTER_AUX_LOSS_MODES}, "
                          f"got {mode!r}")
@@ -112,7 +114,7 @@ def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers,
         if problem:
             why = f"the LM head cannot be fused: {problem}"
     if why:
-        raise ValueError(f"patch_llama: router_aux_loss='fused' needs the fused LM head of an "
+        raise PatchRefused(f"patch_llama: router_aux_loss='fused' needs the fused LM head of an "
                          f"MoE *ForCausalLM: {why}")
 
 

@@ -53,8 +53,8 @@ are summed over the group (``RouterStats``; calls that run HF's head, without la
 collect them too: ckpt_ext.hf.lm_head); the exact mode's logits are refused (``SP_REFUSAL``),
 and so is a bare model called with output_router_logits (``SP_BARE_REFUSAL``).
 
-Refused by name (``REFUSED`` for model types; NotImplementedError for settings): Mixtral's
-``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts, wrappers on the
+Refused by name (``REFUSED`` for model types, and settings; patch_llama raises PatchRefused):
+Mixtral's ``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts, wrappers on the
 experts other than PEFT's ParamWrapper, routers and expert layouts other than the ones above.
 """
 from __future__ import annotations

@@ -62,9 +62,13 @@ Under DeepSpeed ZeRO-3 the fused layers become ZeRO-3 leaf modules, gathered who
 forward and again for their backward, and the fused head gathers its weight only around the
 loss's forward and backward (``ckpt_ext.hf.zero``); ZeRO-2 needs nothing.
 
-What can never be fused is refused by ``patch_llama`` with a ``ValueError``: other model
-types, attention implementations the fused op does not replace, attention dropout, activations
-other than SiLU and tanh-approximate GELU, norms with different eps. Rope variants are not
+What can never be fused is refused by ``patch_llama`` with a ``PatchRefused``
+(``ckpt_ext.hf.errors``; a ValueError and a NotImplementedError), before anything changes:
+other model types (MoE families the op does not compute among them), attention
+implementations the fused op does not replace, attention dropout, activations other than SiLU
+and tanh-approximate GELU, norms with different eps, MoE settings and layouts it does not
+compute, a layer with an instance-level forward already, ``router_aux_loss="fused"`` without
+the fused MoE head, ``sequence_parallel`` with layers left unfused. Rope variants are not
 refused: these layer classes all apply ``q * cos + rotate_half(q) * sin`` with the cos/sin the
 model computes outside the layers (rope scaling types change only those; Phi-4-mini's partial
 rotary embeddings are narrower cos/sin), and the fused op applies the same formula to the same
@@ -90,6 +94,7 @@ from ..blocks import decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import moe, zero
+from .errors import PatchRefused
 from .cache import uses_cache
 from ..layer_record import LayerDims, LayerRecord
 from .layer_checks import (ATTENTIONS_FIX as _ATTENTIONS_FIX, foreign_forward as _foreign_forward,
@@ -103,7 +108,8 @@ from .masks import BatchMasks, describe, padding_mask_from_4d
 from . import sequence_parallel as _sp
 from .sequence_split import deepspeed_ulysses_group, refuse_split_attention
 
-__all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
+__all__ = ["patch_llama", "unpatch_llama", "PatchRefused", "SUPPORTED_MODEL_TYPES",
+           "SUPPORTED_ATTENTION"]
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES) + tuple(MULTIMODAL)
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -123,7 +129,7 @@ def _decoder_layers(model: nn.Module) -> Tuple[nn.Module, nn.ModuleList]:
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return owner, layers
-    raise ValueError(
+    raise PatchRefused(
         f"patch_llama: could not find the decoder layers of {type(model).__name__} (looked for "
         "model.model.layers, model.layers and a language_model's layers); pass a transformers "
         f"*ForCausalLM or *Model of the families {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -169,22 +175,22 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
 def _model_config(model: nn.Module):
     config = getattr(_unwrap_peft(model), "config", None)
     if config is None:
-        raise ValueError(f"patch_llama: {type(model).__name__} has no .config; pass a "
+        raise PatchRefused(f"patch_llama: {type(model).__name__} has no .config; pass a "
                          "transformers model (LlamaForCausalLM, Qwen2Model, ...)")
     model_type = getattr(config, "model_type", None)
     if model_type in MULTIMODAL:  # the text stack's config
         text = config.get_text_config()
         allowed = MULTIMODAL[model_type].text_types or frozenset(FAMILIES)
         if text is config or getattr(text, "model_type", None) not in allowed:
-            raise ValueError(
+            raise PatchRefused(
                 f"patch_llama: model_type {model_type!r} with a text config of model_type "
                 f"{getattr(text, 'model_type', None)!r} is not supported (supported: "
                 f"{', '.join(sorted(allowed))})")
         return text
     if moe.refusal(model_type):  # MoE families the op does not compute, with the reason
-        raise NotImplementedError(f"patch_llama: {moe.refusal(model_type)}")
+        raise PatchRefused(f"patch_llama: {moe.refusal(model_type)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise PatchRefused(
             f"patch_llama: model_type {model_type!r} is not supported; supported are "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (the fused op implements exactly their "
             "decoder layer: RMSNorm, RoPE, GQA causal attention, a gated MLP)")
@@ -318,8 +324,8 @@ def _unfused_setting(layer: nn.Module, config) -> Optional[str]:
 
 
 def _check_fusable(layer: nn.Module, idx: int, config) -> LayerRecord:
-    def refuse(why: str) -> ValueError:
-        return ValueError(f"patch_llama: cannot fuse decoder layer {idx} "
+    def refuse(why: str) -> PatchRefused:
+        return PatchRefused(f"patch_llama: cannot fuse decoder layer {idx} "
                           f"({type(layer).__name__}): {why}. Use policy 'none' or 'torch' "
                           "for it (a list or callable policy picks per layer)")
 
@@ -344,7 +350,7 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> LayerRecord:
                      "(GeGLU)")
     try:
         return layer_record(layer, config)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:  # a shape or setting the op does not take
         raise refuse(str(e)) from None
 
 
@@ -863,8 +869,10 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     each rank adds its share of the loss, calls without labels or grad included; "exact" is
     refused there).
 
-    Raises ValueError, before changing anything, when a layer asked to be fused cannot be
-    (see the module docstring). Patching a patched model first undoes the earlier patch."""
+    Raises ``ckpt_ext.PatchRefused`` (a ValueError and a NotImplementedError), before changing
+    anything, when the model, or a layer asked to be fused, cannot be (see the module
+    docstring); malformed arguments raise ValueError or TypeError. Patching a patched model
+    first undoes the earlier patch."""
     _check_bool("patch_llama", "fuse_lm_head", fuse_lm_head)
     owner, layers = _decoder_layers(model)
     config = _model_config(model)
@@ -896,7 +904,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if _foreign_forward(layer):
-            raise ValueError(f"patch_llama: decoder layer {idx} already has an instance-level "
+            raise PatchRefused(f"patch_llama: decoder layer {idx} already has an instance-level "
                              "forward (accelerate hooks or another patch), which patching "
                              "would drop")
         if preset in FUSED_PRESETS or preset == "auto":

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .errors import PatchRefused
 from .masks import BatchMasks, describe, packed_segment_ids
 
 __all__ = ["group_name", "group_size", "shard_batch", "all_reduce_grads", "masks", "same_seed",
@@ -398,14 +399,14 @@ def all_reduce_grads(model: torch.nn.Module, group) -> None:
 
 def check_patch(group, presets) -> str:
     """patch_llama's ``sequence_parallel``: "" for None, else the group's name; every layer must
-    run the fused op (HF's forward would attend over the rank's tokens only)."""
+    run the fused op (HF's forward would attend over the rank's tokens only: PatchRefused)."""
     if group is None:
         return ""
     name = group_name(group)
     from ..presets import FUSED_PRESETS
     unfused = [i for i, p in enumerate(presets) if p not in FUSED_PRESETS and p != "auto"]
     if unfused:
-        raise ValueError(f"patch_llama: sequence_parallel needs every decoder layer fused; "
+        raise PatchRefused(f"patch_llama: sequence_parallel needs every decoder layer fused; "
                          f"layers {unfused} have policy {presets[unfused[0]]!r} (HF's forward "
                          "would attend over this rank's tokens only)")
     return name
