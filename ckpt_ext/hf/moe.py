@@ -54,8 +54,9 @@ collect them too: ckpt_ext.hf.lm_head); the exact mode's logits are refused (``S
 and so is a bare model called with output_router_logits (``SP_BARE_REFUSAL``).
 
 Refused by name (``REFUSED`` for model types, and settings; patch_llama raises PatchRefused):
-Mixtral's ``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts, wrappers on the
-experts other than PEFT's ParamWrapper, routers and expert layouts other than the ones above.
+Mixtral's ``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts,
+wrappers on the experts other than PEFT's ParamWrapper, routers and expert layouts other than
+the ones above (set after patching, the first two make the layers run HF's forward).
 """
 from __future__ import annotations
 
