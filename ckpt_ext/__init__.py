@@ -12,6 +12,7 @@ Public API:
                 offload=None, offload_limit=None, host_link_gbytes_per_s=None,
                 sequence_parallel=None),
     patch_model (the same), unpatch_llama(model)                 HF LLaMA-style families
+    PatchRefused                                                 what patch_llama refuses
     SUPPORTED_MODEL_TYPES                                        the model_types patched
     offload.Offloader                                            saved layer tensors in host memory
     plan (python -m ckpt_ext.plan)                               bytes per preset, auto choice
@@ -24,11 +25,12 @@ from . import _C  # noqa: F401  (registers the ckpt_ext operators)
 from . import _backend, blocks, config, modules, offload, ops, presets
 from ._backend import use_triton
 from .checkpoint import checkpoint
-from .hf import SUPPORTED_MODEL_TYPES, patch_llama, patch_model, unpatch_llama
+from .hf import SUPPORTED_MODEL_TYPES, PatchRefused, patch_llama, patch_model, unpatch_llama
 from .memory import peak_memory_bytes, saved_activation_bytes
 
 __all__ = ["checkpoint", "saved_activation_bytes", "peak_memory_bytes", "patch_llama",
-           "patch_model", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "ops", "blocks", "modules", "offload", "presets", "config", "use_triton"]
+           "patch_model", "unpatch_llama", "PatchRefused", "SUPPORTED_MODEL_TYPES", "ops",
+           "blocks", "modules", "offload", "presets", "config", "use_triton"]
 __version__ = "0.1.0"
 
 _backend.register_from_environment()

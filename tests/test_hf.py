@@ -525,7 +525,7 @@ def _eps_mismatch(model):
 ], ids=["flex_attention", "dropout", "eps", "activation", "phi3-resid-dropout"])
 def test_refused_at_patch_time(build, match):
     model = build()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ckpt_ext.PatchRefused, match=match):
         patch_llama(model, "balanced")
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
     patch_llama(model, "torch")  # the unfused presets take anything HF runs
@@ -533,20 +533,44 @@ def test_refused_at_patch_time(build, match):
 
 def test_refuses_other_models_and_foreign_forwards():
     cfg = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128)
-    with pytest.raises(ValueError, match="decoder layers of GPT2LMHeadModel"):
+    with pytest.raises(ckpt_ext.PatchRefused, match="decoder layers of GPT2LMHeadModel"):
         patch_llama(AutoModelForCausalLM.from_config(cfg))
     model = make_model("llama", "sdpa")
     model.config.model_type = "falcon"
-    with pytest.raises(ValueError, match="model_type 'falcon' is not supported"):
+    with pytest.raises(ckpt_ext.PatchRefused, match="model_type 'falcon' is not supported"):
         patch_llama(model)
     model.config.model_type = "gemma3"   # multimodal, but its text config is not gemma3_text
-    with pytest.raises(ValueError, match="text config of model_type 'gemma3' is not supported"):
+    with pytest.raises(ckpt_ext.PatchRefused,
+                       match="text config of model_type 'gemma3' is not supported"):
         patch_llama(model)
     model = make_model("llama", "sdpa")
+    config = model.config
+    del model.config
+    with pytest.raises(ckpt_ext.PatchRefused, match="LlamaForCausalLM has no .config"):
+        patch_llama(model)
+    model.config = config
     layer = model.model.layers[2]
     layer.forward = lambda *a, **k: type(layer).forward(layer, *a, **k)
-    with pytest.raises(ValueError, match="layer 2 already has an instance-level forward"):
+    with pytest.raises(ckpt_ext.PatchRefused,
+                       match="layer 2 already has an instance-level forward"):
         patch_llama(model)
+
+
+def test_one_exception_type_for_refusals():
+    """Every refusal of patch_llama is a ckpt_ext.PatchRefused (the tests of each refusal
+    catch it), exported from ckpt_ext and ckpt_ext.hf and a subclass of both types the
+    refusals raised before it (ValueError for layers, NotImplementedError for MoE families and
+    settings), so older except clauses keep catching them; malformed arguments are not
+    refusals and stay plain ValueError / TypeError."""
+    assert ckpt_ext.PatchRefused is ckpt_ext.hf.PatchRefused
+    assert "PatchRefused" in ckpt_ext.__all__ and "PatchRefused" in ckpt_ext.hf.__all__
+    assert issubclass(ckpt_ext.PatchRefused, ValueError)
+    assert issubclass(ckpt_ext.PatchRefused, NotImplementedError)
+    model = make_model("llama", "sdpa")
+    for bad, kind in (("quick", ValueError), (["fast"], ValueError), (3, TypeError)):
+        with pytest.raises(kind) as info:  # an unknown preset, a list too short, not a policy
+            patch_llama(model, bad)
+        assert not isinstance(info.value, ckpt_ext.PatchRefused), info.value
 
 
 @pytest.mark.parametrize("policy", ["fast", "balanced", "min_memory"])
@@ -701,8 +725,8 @@ def test_a_parameter_outside_the_op_is_refused(where):
     owner = owner.get_submodule(where) if where else owner
     owner.register_parameter("sinks", nn.Parameter(torch.zeros(4)))
     name = f"{where}.sinks" if where else "sinks"
-    with pytest.raises(ValueError, match=rf"decoder layer 1 .*parameters the fused op does not "
-                                         rf"compute with: {name}"):
+    with pytest.raises(ckpt_ext.PatchRefused, match=rf"decoder layer 1 .*parameters the fused "
+                                                     rf"op does not compute with: {name}"):
         patch_llama(model, "balanced")
 
 

@@ -350,13 +350,9 @@ def test_fused_router_aux_loss_matches_unpatched(family, monkeypatch):
     torch.testing.assert_close(got[0].aux_loss.double(), out.aux_loss, rtol=1e-7, atol=0)
     for name, g in want[1].items():
         torch.testing.assert_close(got[1][name], g, rtol=1e-10, atol=1e-12, msg=name)
-    stats = []
-    model.forward.shared.router_stats = stats
-    try:  # the layers' statistics themselves, against the exact mode's logits
-        model.model(input_ids=data[0], attention_mask=data[1], use_cache=False,
-                    output_router_logits=True)
-    finally:
-        model.forward.shared.router_stats = None
+    stats = []  # the layers' statistics themselves, against the exact mode's logits
+    model.model(input_ids=data[0], attention_mask=data[1], use_cache=False,
+                output_router_logits=True, **{ckpt_ext.hf.moe.ROUTER_STATS_KEY: stats})
     assert len(stats) == len(out.router_logits) > 0
     for st, lg in zip(stats, out.router_logits):
         assert st.dtype == torch.float64 and st.shape == (3, ref.num_experts)
@@ -407,6 +403,58 @@ def test_fused_router_aux_loss_without_labels_returns_logits():
     assert len(got.router_logits) == len(want.router_logits) == 3
 
 
+def test_fused_router_aux_loss_in_several_threads():
+    """Two threads running training forwards of one model patched with router_aux_loss=
+    "fused", each on its own batch (one padded, one not, of different lengths), many times:
+    each forward's aux_loss, loss and router gradients (torch.autograd.grad, so that the
+    threads' gradients stay apart) are its own batch's, as one thread alone computes them (the
+    statistics travel with the forward's own call, not in a list on the model)."""
+    import threading
+
+    ref = make("qwen3_moe", output_router_logits=True, **AUX)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced", router_aux_loss="fused")
+    model.train()
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    ids, mask, labels = batch(True)
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    other = torch.randint(1, BASE["vocab_size"], (3, 11), generator=g)
+    batches = [dict(input_ids=ids, attention_mask=mask, labels=labels),
+               dict(input_ids=other, labels=other)]
+
+    def step(b):
+        out = model(**b, use_cache=False)
+        return out.aux_loss.detach(), out.loss.detach(), torch.autograd.grad(out.loss, routers)
+
+    want = [step(b) for b in batches]
+    torch.testing.assert_close(want[0][0], loss_and_grads(ref, ids, mask, labels)[0].aux_loss,
+                               **TOL)
+    assert not torch.allclose(want[0][0], want[1][0])  # the two batches' losses differ
+    rounds, failures, errors = 30, [], []
+    barrier = threading.Barrier(2)
+
+    def work(k):
+        try:
+            barrier.wait()
+            for r in range(rounds):
+                aux, loss, grads = step(batches[k])
+                same = torch.allclose(aux, want[k][0], **TOL) and \
+                    torch.allclose(loss, want[k][1], **TOL) and \
+                    all(torch.allclose(a, b, **TOL) for a, b in zip(grads, want[k][2]))
+                if not same:
+                    failures.append((k, r))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((k, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not failures, failures
+    assert model.forward.calls == {"fused": 2 + 2 * rounds, "hf": 0}
+
+
 @pytest.mark.parametrize("case,match", [
     ("mode", "router_aux_loss must be one of"),
     ("hf_head", "fuse_lm_head=False"),
@@ -425,8 +473,11 @@ def test_fused_router_aux_loss_refusals(case, match):
         kw["fuse_lm_head"] = False
     elif case == "bare":
         model = model.model
-    with pytest.raises(ValueError, match=match):
+    # an unknown mode is a malformed argument; the others are refusals
+    kind = ValueError if case == "mode" else ckpt_ext.PatchRefused
+    with pytest.raises(kind, match=match) as info:
         ckpt_ext.patch_llama(model, "balanced", **kw)
+    assert isinstance(info.value, ckpt_ext.PatchRefused) == (case != "mode")
     assert "forward" not in model.__dict__
 
 
@@ -437,8 +488,44 @@ def test_fused_router_aux_loss_refusals(case, match):
     ("olmoe", dict(clip_qkv=2.0), "clip_qkv=2.0"),
 ])
 def test_settings_are_refused_by_name(family, setting, match):
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(ckpt_ext.PatchRefused, match=match):
         ckpt_ext.patch_llama(make(family, **setting))
+
+
+@pytest.mark.parametrize("family,setting", [("olmoe", "clip_qkv"),
+                                             ("mixtral", "router_jitter_noise")])
+def test_settings_set_after_patching_run_hfs_forward(family, setting):
+    """OLMoE's config.clip_qkv (read by its attention at every call) and Mixtral's MoE block's
+    jitter_noise (its router_jitter_noise, training only) set after patching: the fused op
+    computes neither, so the layers run HF's forward with a warning naming the setting, as
+    for attention dropout, and the loss and every gradient are the unpatched model's with the
+    same setting (which differ from those without it). Set back, the layers fuse again."""
+    ref = make(family)
+    model = ckpt_ext.patch_llama(copy.deepcopy(ref), "balanced")
+    data = batch(True)
+    without = loss_and_grads(ref, *data)
+
+    def put(m, value):
+        if setting == "clip_qkv":
+            m.config.clip_qkv = value
+        else:
+            for layer in m.model.layers:
+                layer.mlp.jitter_noise = value
+
+    for m in (ref, model):
+        put(m, 0.1 if setting == "clip_qkv" else 0.4)
+    torch.manual_seed(5)  # the jitter's draws
+    want = loss_and_grads(ref, *data)
+    assert abs(want[0].loss - without[0].loss) > 1e-3  # the setting changes HF's loss
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match=f"{setting.replace('router_', '')}.*set after patching"):
+        got = loss_and_grads(model, *data)
+    assert_same(want, got)
+    assert fused_calls(model) == [0, 0, 0]
+    for m in (ref, model):
+        put(m, None if setting == "clip_qkv" else 0.0)
+    assert_same(without, loss_and_grads(model, *data))
+    assert fused_calls(model) == [1, 1, 1]
 
 
 def test_quantized_experts_are_refused():
@@ -446,7 +533,7 @@ def test_quantized_experts_are_refused():
     experts = model.model.layers[0].mlp.experts
     experts.down_proj = torch.nn.Parameter(experts.down_proj.data.to(torch.int8),
                                            requires_grad=False)
-    with pytest.raises(ValueError, match="quantized expert weights"):
+    with pytest.raises(ckpt_ext.PatchRefused, match="quantized expert weights"):
         ckpt_ext.patch_llama(model)
 
 
@@ -464,14 +551,14 @@ def test_other_wrappers_on_the_experts_are_refused():
     model = make("mixtral")
     mlp = model.model.layers[1].mlp
     mlp.experts = Wrapper(mlp.experts)
-    with pytest.raises(ValueError, match="mlp.experts is a Wrapper"):
+    with pytest.raises(ckpt_ext.PatchRefused, match="mlp.experts is a Wrapper"):
         ckpt_ext.patch_llama(model)
 
 
 def test_top_k_beyond_the_experts_is_refused():
     model = make("mixtral")
     model.model.layers[2].mlp.gate.top_k = 5  # 4 experts
-    with pytest.raises(ValueError, match="top_k=5 must be in 1..4"):
+    with pytest.raises(ckpt_ext.PatchRefused, match="top_k=5 must be in 1..4"):
         ckpt_ext.patch_llama(model)
 
 
@@ -487,7 +574,7 @@ def test_other_moe_families_are_refused_by_name(model_type):
             self.config.model_type = model_type
             self.layers = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
 
-    with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' is a "
+    with pytest.raises(ckpt_ext.PatchRefused, match=f"model_type '{model_type}' is a "
                        "mixture-of-experts model"):
         ckpt_ext.patch_llama(Model())
 

@@ -566,6 +566,8 @@ def test_patched_hf_model_two_ranks_equal_one_process(hf_ranks):
         for r, res in enumerate(ranks):
             assert res[key][0] == "raised", f"{key}: rank {r} ran without error"
             assert needle in res[key][2], f"{key}: rank {r}: {res[key][2]}"
+            if key == "torch-policy":  # a refusal of patch_llama
+                assert res[key][1] == "PatchRefused", res[key]
             if key in ("no-position-ids-rank1", "cache-rank1"):
                 assert "refused on rank 1 of the group's 2 ranks" in res[key][2], res[key][2]
 
@@ -622,3 +624,113 @@ def test_accelerate_cp_size_refused_on_every_rank(hf_ranks):
     for r, got in enumerate(res):
         assert got[0] == "raised", f"rank {r} ran without error: {got}"
         assert "sequence_parallel=" in got[2] and "context_parallel is active" in got[2], got
+
+
+# ---- the router statistics of MoE layers under sequence_parallel (router_aux_loss="fused") ----
+
+# A collective left waiting fails the case after this long (its error is then gloo's timeout,
+# not the refusal the test asks for), well within spawn_ranks' limit.
+ROUTER_TIMEOUT_S = 60
+
+
+def router_case(key, group, rank):
+    """One case of _router_worker on this rank: a tiny fp64 Qwen3-MoE patched with
+    sequence_parallel=group and router_aux_loss="fused", the batch cut by shard_batch."""
+    import ckpt_ext
+    from ckpt_ext.hf import sequence_parallel as sp
+    model = ckpt_ext.patch_llama(hf_model(moe=True), sequence_parallel=group,
+                                 router_aux_loss="fused")
+    batch = sp.shard_batch(hf_batch("padded"), group)
+    if key == "router-stats-rank1":  # only rank 0 asks for the load-balancing loss
+        return hf_step(model, {**batch, "output_router_logits": rank == 0})
+    unlabelled = {k: v for k, v in batch.items()
+                  if k not in ("labels", "shift_labels", "num_items_in_batch")}
+    if key == "bare-model":  # the bare model does not ask its layers for statistics
+        return model.model(**unlabelled, use_cache=False, output_router_logits=True)
+    if key == "no-labels":  # HF's head: logits, aux_loss; each rank adds 1/N of it
+        out = model(**unlabelled, use_cache=False, output_router_logits=True)
+        (out.aux_loss / dist.get_world_size(group)).backward()
+        sp.all_reduce_grads(model, group)
+        return out.logits.detach(), out.aux_loss.detach(), out.router_logits, {
+            n: p.grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+    if key == "labels-no-grad":  # HF's head and loss (evaluation), as a tuple
+        with torch.no_grad():
+            return model(**batch, use_cache=False, output_router_logits=True,
+                         return_dict=False)
+    raise KeyError(key)
+
+
+ROUTER_CASES = ("router-stats-rank1", "bare-model", "no-labels", "labels-no-grad")
+
+
+def _router_worker(rank, world, init_file, out_dir):
+    from test_distributed import init_gloo_rank
+    init_gloo_rank(rank, world, init_file, timeout_s=ROUTER_TIMEOUT_S)
+    try:
+        group = dist.group.WORLD
+        results = {key: outcome(lambda key=key: router_case(key, group, rank))
+                   for key in ROUTER_CASES}
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@linux_only
+def test_moe_router_statistics_two_ranks(tmp_path, monkeypatch):
+    """Qwen3-MoE (fp64) on 2 gloo ranks with router_aux_loss="fused". Ranks that differ in
+    output_router_logits (rank 0 sums its layers' statistics over the group, rank 1 asks for
+    none) both raise at the first MoE layer, naming the argument, instead of waiting in
+    mismatched collectives until the group's timeout. Calls that run HF's head (no labels;
+    labels without grad) get the router statistics all the same: every rank's aux_loss is the
+    unpatched single process's of the whole batch, the ranks' logits are its logits, their
+    losses sum to its loss, and the routers' gradients of aux_loss / N summed over the ranks
+    are its gradients of aux_loss (1e-10); router_logits is None. The bare model called
+    directly with output_router_logits=True is refused on both ranks, naming why."""
+    pytest.importorskip("transformers")
+    ranks = spawn_ranks(_router_worker, (2, str(tmp_path / "init"), str(tmp_path)), tmp_path,
+                        "sequence-parallel MoE router statistics", world=2)
+    for r, res in enumerate(ranks):
+        got = res["router-stats-rank1"]
+        assert got[0] == "raised" and got[1] == "ValueError", f"rank {r}: {got}"
+        assert "every rank passes output_router_logits alike" in got[2], f"rank {r}: {got[2]}"
+        assert "rank 0 (1,); rank 1 (0,)" in got[2], f"rank {r}: {got[2]}"
+        got = res["bare-model"]
+        assert got[0] == "raised" and got[1] == "NotImplementedError", f"rank {r}: {got}"
+        assert "outside the patched *ForCausalLM's forward" in got[2], f"rank {r}: {got[2]}"
+    for key in ("no-labels", "labels-no-grad"):
+        for r, res in enumerate(ranks):
+            assert res[key][0] == "ok", f"{key}: rank {r} raised {res[key][1:]}"
+    # the single process: the same fused layers on the whole sequence (the exact mode), HF's
+    # load-balancing loss of their logits computed in float64 throughout
+    import ckpt_ext
+    from test_hf_moe import hf_aux_fp64
+    ref = ckpt_ext.patch_llama(hf_model(moe=True))
+    monkeypatch.setattr(sys.modules[type(ref).__module__], "load_balancing_loss_func",
+                        hf_aux_fp64)
+    ref.train()
+    batch = hf_batch("padded")
+    unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+    want = ref(**unlabelled, use_cache=False, output_router_logits=True)
+    assert want.aux_loss.dtype == torch.float64 and want.router_logits
+    want.aux_loss.backward()
+    routers = {n: p.grad for n, p in ref.named_parameters() if n.endswith("mlp.gate.weight")}
+    tol, aux_tol = dict(rtol=1e-10, atol=1e-10), dict(rtol=1e-7, atol=0)  # aux_loss: float32
+    logits, aux, router_logits, grads = zip(*(res["no-labels"][1] for res in ranks))
+    torch.testing.assert_close(torch.cat(logits, 1), want.logits, **tol)
+    for r in range(len(ranks)):
+        torch.testing.assert_close(aux[r].double(), want.aux_loss, **aux_tol)
+        assert router_logits[r] is None
+        assert grads[r].keys() == routers.keys() and routers
+        for n, g in routers.items():
+            torch.testing.assert_close(grads[r][n], g, **tol, msg=n)
+    want_loss = ref.loss_function(want.logits.detach(), batch["labels"], ref.vocab_size) + \
+        ref.router_aux_loss_coef * want.aux_loss.detach()
+    loss, aux, logits = zip(*(res["labels-no-grad"][1] for res in ranks))
+    # HF's cross-entropy is float32 (a float64 model's too); the aux share is 2e-4 of the loss
+    assert ref.router_aux_loss_coef * want.aux_loss > 1e-4 * want_loss
+    torch.testing.assert_close(sum(loss).double(), want_loss, rtol=1e-6, atol=0)
+    assert not torch.allclose(loss[0].double(), want_loss)  # each rank holds a share only
+    torch.testing.assert_close(torch.cat(logits, 1), want.logits, **tol)
+    for a in aux:
+        torch.testing.assert_close(a.double(), want.aux_loss, **aux_tol)

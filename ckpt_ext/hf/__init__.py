@@ -8,9 +8,10 @@ One module per concern: ``patch`` (the decoder-layer patch and the public API), 
 ``families`` (what each model_type's layer computes, as the op's options).
 ``import ckpt_ext`` never imports transformers; these modules import it on first use.
 """
+from .errors import PatchRefused
 from .patch import SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, patch_llama, unpatch_llama
 
 patch_model = patch_llama  # the general name: every family, not only Llama
 
-__all__ = ["patch_llama", "patch_model", "unpatch_llama", "SUPPORTED_MODEL_TYPES",
-           "SUPPORTED_ATTENTION"]
+__all__ = ["patch_llama", "patch_model", "unpatch_llama", "PatchRefused",
+           "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]

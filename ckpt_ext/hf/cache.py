@@ -39,16 +39,16 @@ def output_cache(outputs) -> Any:
     return getattr(outputs, _output_cache_field(), None)
 
 
-def causal_lm_output(*, loss, outputs, moe_fields=None):
-    """transformers' ``CausalLMOutputWithPast`` for a forward that formed no logits: ``loss``
-    and the bare model's ``outputs`` (cache, hidden states, attentions) under this version's
-    field names; with ``moe_fields`` (``aux_loss``, ``router_logits``) the
-    ``MoeCausalLMOutputWithPast`` of the mixture-of-experts CausalLM forwards."""
+def causal_lm_output(*, loss, outputs, moe_fields=None, logits=None):
+    """transformers' ``CausalLMOutputWithPast`` for a forward that formed no logits (or
+    ``logits``): ``loss`` and the bare model's ``outputs`` (cache, hidden states, attentions)
+    under this version's field names; with ``moe_fields`` (``aux_loss``, ``router_logits``)
+    the ``MoeCausalLMOutputWithPast`` of the mixture-of-experts CausalLM forwards."""
     from transformers.modeling_outputs import (
         CausalLMOutputWithPast,
         MoeCausalLMOutputWithPast,
     )
     cls = CausalLMOutputWithPast if moe_fields is None else MoeCausalLMOutputWithPast
-    return cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+    return cls(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                attentions=outputs.attentions, **(moe_fields or {}),
                **{_output_cache_field(): output_cache(outputs)})

@@ -491,12 +491,12 @@ def moe_layer_options(layer: nn.Module, config) -> dict:
     jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
     if jitter > 0:
         raise NotImplementedError(
-            f"patch_llama: {model_type} with router_jitter_noise={jitter} (random scaling of "
+            f"{model_type} with router_jitter_noise={jitter} (random scaling of "
             "the MoE input in training) is not implemented by the fused MoE layer: set "
             "config.router_jitter_noise = 0.0, or use policy 'torch'")
     if getattr(config, "clip_qkv", None) is not None:
         raise NotImplementedError(
-            f"patch_llama: {model_type} with clip_qkv={config.clip_qkv} (q/k/v clamped after "
+            f"{model_type} with clip_qkv={config.clip_qkv} (q/k/v clamped after "
             "their projections) is not implemented by the fused layer: use a model with "
             "clip_qkv=None, or policy 'torch'")
     router = mlp.gate

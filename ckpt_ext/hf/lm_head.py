@@ -7,8 +7,10 @@ hidden state with HF's label shift (or the ``shift_labels`` given), ``ignore_ind
 ``CausalLMOutputWithPast`` with ``logits=None``: the ``(B, S, V)`` logits are never formed
 (with ``return_dict=False``, HF's tuple of the fields that are not None: the loss first).
 Every other call (eval, generate, no labels, ``logits_to_keep``, a head or loss the op does
-not compute) runs HF's forward and returns logits as before. TRL's own fused head calls the
-bare model and its own head, so it keeps working, with the decoder layers fused underneath.
+not compute) runs HF's forward and returns logits as before (with router_aux_loss="fused"
+under sequence parallelism, the MoE layers' statistics instead of router logits for its
+aux_loss). TRL's own fused head calls the bare model and its own head, so it keeps working,
+with the decoder layers fused underneath.
 
 What the model's forward does between its head and its loss is looked up by the transformers
 class that defines that forward (``families.HEAD_RULES``), never guessed from the config alone:
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from . import moe
+from .errors import PatchRefused
 from .cache import causal_lm_output, uses_cache
 from .families import Family, HeadRule, head_rule, moe_head as _moe_head, norm_eps
 from .zero import gathered_for_head, raw_parameter
@@ -85,7 +88,8 @@ ROUTER_AUX_LOSS_MODES = ("exact", "fused")
 def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers,
                           fuse_lm_head: bool) -> None:
     """patch_llama's ``router_aux_loss``: "exact", or "fused" where the fused LM head makes the
-    load-balancing loss of the MoE layers' statistics (a ValueError naming what is missing)."""
+    load-balancing loss of the MoE layers' statistics (PatchRefused naming what is missing;
+    ValueError for another mode)."""
     if mode not in ROUTER_AUX_LOSS_MODES:
         raise ValueError(f"patch_llama: router_aux_loss must be one of {ROUTER_AUX_LOSS_MODES}, "
                          f"got {mode!r}")
@@ -110,7 +114,7 @@ def check_router_aux_loss(mode, model: nn.Module, owner: nn.Module, layers,
         if problem:
             why = f"the LM head cannot be fused: {problem}"
     if why:
-        raise ValueError(f"patch_llama: router_aux_loss='fused' needs the fused LM head of an "
+        raise PatchRefused(f"patch_llama: router_aux_loss='fused' needs the fused LM head of an "
                          f"MoE *ForCausalLM: {why}")
 
 
@@ -185,8 +189,7 @@ class FusedHeadForward:
                  router_aux_loss: str = "exact"):
         self.model = model
         self.owner = owner
-        # router_aux_loss="fused": the patched layers' shared state, through which this
-        # forward collects the MoE layers' load-balancing statistics (ckpt_ext.hf.patch)
+        # the patched layers' shared state (ckpt_ext.hf.patch)
         self.shared = shared
         self.router_aux_loss = router_aux_loss
         params = inspect.signature(type(model).forward).parameters.values()
@@ -222,9 +225,41 @@ class FusedHeadForward:
             fusable = problem is None
         if not fusable:
             self._count("hf")
+            if self._router_stats_under_sp(kwargs):
+                return self._hf_with_router_stats(**kwargs)
             return self.original(**kwargs)
         self._count("fused")
         return self._fused(logit_scale=logit_scale, softcap=softcap, **kwargs)
+
+    def _router_stats_under_sp(self, kwargs) -> bool:
+        """Whether a call that runs HF's forward (no labels, logits_to_keep, no grad) needs
+        the router statistics instead of the logits: router_aux_loss="fused", the load-balancing
+        loss asked for (output_router_logits, the call's or the config's), and a
+        sequence-parallel group, under which one rank's logits are not the whole sequence's."""
+        if getattr(self, "router_aux_loss", "exact") != "fused" or self.rule is not _moe_head \
+                or self.shared is None:
+            return False
+        asked = kwargs.get("output_router_logits")
+        if asked is None:
+            asked = self.model.config.output_router_logits
+        return bool(asked) and bool(self.shared.forward_group())
+
+    def _hf_with_router_stats(self, return_dict=None, **kwargs):
+        """HF's forward (its logits, and its loss with labels) without router logits, the fused
+        MoE layers returning their statistics summed over the group instead; aux_loss is the
+        whole sequence's load-balancing loss, and a loss gets this rank's share of
+        router_aux_loss_coef * aux_loss, as the fused head adds them (ckpt_ext.hf.moe.aux_loss).
+        router_logits is None."""
+        if return_dict is None:
+            return_dict = getattr(self.model.config, "return_dict", True)
+        stats = moe.RouterStats()
+        out = self.original(**{**kwargs, "output_router_logits": False, "return_dict": True,
+                               moe.ROUTER_STATS_KEY: stats})
+        loss, aux = moe.aux_loss(self.model, out.loss, out, kwargs.get("attention_mask"), True,
+                                 stats)
+        out = causal_lm_output(loss=loss, outputs=out, logits=out.logits,
+                               moe_fields=dict(aux_loss=aux, router_logits=None))
+        return out if return_dict else out.to_tuple()
 
     def _fused(self, labels, logits_to_keep=0, logit_scale=1.0, softcap=0.0, return_dict=None,
                **kwargs):
@@ -245,14 +280,10 @@ class FusedHeadForward:
             kwargs["output_router_logits"] = router_logits
         stats = None
         if moe_head and router_logits and getattr(self, "router_aux_loss", "exact") == "fused":
-            # the fused MoE layers append their (3, E) statistics instead of their logits
-            stats = self.shared.router_stats = moe.RouterStats()
-            try:
-                outputs = bare(**kwargs, return_dict=True)
-            finally:
-                self.shared.router_stats = None
-        else:
-            outputs = bare(**kwargs, return_dict=True)
+            # the fused MoE layers append their (3, E) statistics instead of their logits, to
+            # this forward's own list (the bare model's pre-hook puts it in the forward's state)
+            stats = kwargs[moe.ROUTER_STATS_KEY] = moe.RouterStats()
+        outputs = bare(**kwargs, return_dict=True)
         hidden = outputs.last_hidden_state
         norm = (getattr(self, "owner", None) or bare)._modules.get("norm")
         prenorm = take_prenorm(hidden)

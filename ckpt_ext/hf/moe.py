@@ -32,7 +32,8 @@ each fused MoE layer return instead the (3, E) float32 statistics the loss is ma
 and ``load_balancing_loss`` makes HF's value of their sums over the layers; the gradient of the
 softmax sums reaches the router through the op's backward, which recomputes the logits. The
 output's ``router_logits`` is then None; calls that do not go through the fused head's loss
-(no labels, generation) return the logits as HF does.
+(no labels, generation) return the logits as HF does (under sequence parallelism the
+statistics, below).
 
 PEFT LoRA on the expert weights (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
 "mlp.experts.down_proj"])``, one or both) wraps ``mlp.experts`` in one ``ParamWrapper`` per
@@ -48,12 +49,14 @@ there), make the call run PEFT's own forward with the reason.
 
 Under ``sequence_parallel=`` a layer routes the rank's own tokens (the op's MoE MLP is
 per token); the load-balancing loss there needs ``router_aux_loss="fused"``, whose statistics
-are summed over the group (``RouterStats``); the exact mode's logits are refused
-(``SP_REFUSAL``).
+are summed over the group (``RouterStats``; calls that run HF's head, without labels or grad,
+collect them too: ckpt_ext.hf.lm_head); the exact mode's logits are refused (``SP_REFUSAL``),
+and so is a bare model called with output_router_logits (``SP_BARE_REFUSAL``).
 
-Refused by name (``REFUSED`` for model types; NotImplementedError for settings): Mixtral's
-``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts, wrappers on the
-experts other than PEFT's ParamWrapper, routers and expert layouts other than the ones above.
+Refused by name (``REFUSED`` for model types, and settings; patch_llama raises PatchRefused):
+Mixtral's ``router_jitter_noise`` in training, OLMoE's ``clip_qkv``, quantized experts,
+wrappers on the experts other than PEFT's ParamWrapper, routers and expert layouts other than
+the ones above (set after patching, the first two make the layers run HF's forward).
 """
 from __future__ import annotations
 
@@ -70,8 +73,9 @@ from . import layer_checks
 from .families import (ACTIVATIONS, MOE_FAMILIES, MoeFamily, expert_wrappers,  # noqa: F401
                        is_moe_layer, moe_layer_options as layer_options, moe_shape as _shape)
 
-__all__ = ["MOE_FAMILIES", "REFUSED", "aux_loss", "is_moe_layer", "layer_options", "layer_tensors",
-           "RouterStats", "load_balancing_loss", "record_router_logits", "recording_router_logits", "refusal",
+__all__ = ["MOE_FAMILIES", "REFUSED", "ROUTER_STATS_KEY", "RouterStats", "aux_loss",
+           "is_moe_layer", "layer_options", "layer_tensors", "load_balancing_loss",
+           "record_router_logits", "recording_router_logits", "refusal",
            "router_stats_of_logits", "structure_problem"]
 
 
@@ -105,6 +109,12 @@ SP_REFUSAL = ("output_router_logits=True with sequence_parallel= and router_aux_
               "of one rank's logits is not the whole sequence's; patch with "
               "router_aux_loss='fused' (the statistics are summed over the group) or train "
               "with output_router_logits=False")
+SP_BARE_REFUSAL = ("output_router_logits=True with sequence_parallel= reached the decoder layers "
+                   "outside the patched *ForCausalLM's forward (the bare model called "
+                   "directly), which is what asks them for their router statistics "
+                   "(router_aux_loss='fused'); each rank's logits alone would give one rank's "
+                   "load-balancing loss, not the whole sequence's: call the *ForCausalLM, or "
+                   "pass output_router_logits=False to the bare model")
 
 
 # ---- the dense view -----------------------------------------------------------------------
@@ -364,11 +374,18 @@ def load_balancing_loss(stats: Sequence, num_experts: int):
     return (torch.sum((total[0] / n) * (total[1] / n)) * num_experts).float()
 
 
+# The keyword under which the fused LM head hands the bare model a forward's RouterStats; the
+# bare model's pre-hook (ckpt_ext.hf.patch) takes it out into the forward's own state, so that
+# concurrent forwards of one model (several threads) each collect their own statistics.
+ROUTER_STATS_KEY = "ckpt_ext_router_stats"
+
+
 class RouterStats(list):
     """The (3, E) statistics the fused MoE layers of one forward append (router_aux_loss=
-    "fused"). Under sequence parallelism (``group``: the group's registered name, ``ranks`` its
-    size) each entry is already the sum over the group's ranks (differentiable,
-    ``sequence_parallel.sum_over_group``), so that every rank makes the whole sequence's loss."""
+    "fused"), one list per forward. Under sequence parallelism (``group``: the group's
+    registered name, ``ranks`` its size) each entry is already the sum over the group's ranks
+    (differentiable, ``sequence_parallel.sum_over_group``), so that every rank makes the whole
+    sequence's loss."""
 
     group: str = ""
     ranks: int = 1
@@ -385,12 +402,14 @@ def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logi
     forward recorded. Summed over a sequence-parallel group (``RouterStats.ranks`` > 1), the
     statistics are the whole sequence's on every rank, and each rank adds its 1/ranks share of
     ``router_aux_loss_coef * aux_loss`` (the shares sum to it, as the ranks' losses sum to the
-    whole batch's; the sum's backward gives each rank the whole gradient of its tokens)."""
+    whole batch's; the sum's backward gives each rank the whole gradient of its tokens).
+    ``loss`` None (a call without labels): (None, aux_loss)."""
     if not output_router_logits:
         return loss, None
     if stats is None:
         aux = _load_balancing_loss_func(model)(outputs.router_logits, model.num_experts,
                                                model.num_experts_per_tok, attention_mask)
+        coef = model.router_aux_loss_coef
     else:
         group, ranks = getattr(stats, "group", ""), getattr(stats, "ranks", 1)
         of_logits = [router_stats_of_logits(lg, model.num_experts_per_tok, attention_mask)
@@ -402,8 +421,8 @@ def aux_loss(model: nn.Module, loss, outputs, attention_mask, output_router_logi
         if not stats:  # no MoE layer ran: HF's function returns 0 then
             return loss, 0
         aux = load_balancing_loss(stats, model.num_experts)
-        return loss + model.router_aux_loss_coef / ranks * aux.to(loss.device), aux
-    return loss + model.router_aux_loss_coef * aux.to(loss.device), aux
+        coef = model.router_aux_loss_coef / ranks
+    return (None if loss is None else loss + coef * aux.to(loss.device)), aux
 
 
 _SLOT = {name: i for i, name in enumerate(WEIGHT_SLOTS)}

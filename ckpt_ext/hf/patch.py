@@ -62,9 +62,13 @@ Under DeepSpeed ZeRO-3 the fused layers become ZeRO-3 leaf modules, gathered who
 forward and again for their backward, and the fused head gathers its weight only around the
 loss's forward and backward (``ckpt_ext.hf.zero``); ZeRO-2 needs nothing.
 
-What can never be fused is refused by ``patch_llama`` with a ``ValueError``: other model
-types, attention implementations the fused op does not replace, attention dropout, activations
-other than SiLU and tanh-approximate GELU, norms with different eps. Rope variants are not
+What can never be fused is refused by ``patch_llama`` with a ``PatchRefused``
+(``ckpt_ext.hf.errors``; a ValueError and a NotImplementedError), before anything changes:
+other model types (MoE families the op does not compute among them), attention
+implementations the fused op does not replace, attention dropout, activations other than SiLU
+and tanh-approximate GELU, norms with different eps, MoE settings and layouts it does not
+compute, a layer with an instance-level forward already, ``router_aux_loss="fused"`` without
+the fused MoE head, ``sequence_parallel`` with layers left unfused. Rope variants are not
 refused: these layer classes all apply ``q * cos + rotate_half(q) * sin`` with the cos/sin the
 model computes outside the layers (rope scaling types change only those; Phi-4-mini's partial
 rotary embeddings are narrower cos/sin), and the fused op applies the same formula to the same
@@ -90,6 +94,7 @@ from ..blocks import decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
 from ..presets import FUSED_PRESETS, check_policy
 from . import moe, zero
+from .errors import PatchRefused
 from .cache import uses_cache
 from ..layer_record import LayerDims, LayerRecord
 from .layer_checks import (ATTENTIONS_FIX as _ATTENTIONS_FIX, foreign_forward as _foreign_forward,
@@ -103,7 +108,8 @@ from .masks import BatchMasks, describe, padding_mask_from_4d
 from . import sequence_parallel as _sp
 from .sequence_split import deepspeed_ulysses_group, refuse_split_attention
 
-__all__ = ["patch_llama", "unpatch_llama", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION"]
+__all__ = ["patch_llama", "unpatch_llama", "PatchRefused", "SUPPORTED_MODEL_TYPES",
+           "SUPPORTED_ATTENTION"]
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES) + tuple(MULTIMODAL)
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -123,7 +129,7 @@ def _decoder_layers(model: nn.Module) -> Tuple[nn.Module, nn.ModuleList]:
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return owner, layers
-    raise ValueError(
+    raise PatchRefused(
         f"patch_llama: could not find the decoder layers of {type(model).__name__} (looked for "
         "model.model.layers, model.layers and a language_model's layers); pass a transformers "
         f"*ForCausalLM or *Model of the families {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -169,22 +175,22 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
 def _model_config(model: nn.Module):
     config = getattr(_unwrap_peft(model), "config", None)
     if config is None:
-        raise ValueError(f"patch_llama: {type(model).__name__} has no .config; pass a "
+        raise PatchRefused(f"patch_llama: {type(model).__name__} has no .config; pass a "
                          "transformers model (LlamaForCausalLM, Qwen2Model, ...)")
     model_type = getattr(config, "model_type", None)
     if model_type in MULTIMODAL:  # the text stack's config
         text = config.get_text_config()
         allowed = MULTIMODAL[model_type].text_types or frozenset(FAMILIES)
         if text is config or getattr(text, "model_type", None) not in allowed:
-            raise ValueError(
+            raise PatchRefused(
                 f"patch_llama: model_type {model_type!r} with a text config of model_type "
                 f"{getattr(text, 'model_type', None)!r} is not supported (supported: "
                 f"{', '.join(sorted(allowed))})")
         return text
     if moe.refusal(model_type):  # MoE families the op does not compute, with the reason
-        raise NotImplementedError(f"patch_llama: {moe.refusal(model_type)}")
+        raise PatchRefused(f"patch_llama: {moe.refusal(model_type)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise PatchRefused(
             f"patch_llama: model_type {model_type!r} is not supported; supported are "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (the fused op implements exactly their "
             "decoder layer: RMSNorm, RoPE, GQA causal attention, a gated MLP)")
@@ -301,9 +307,25 @@ def _attention_dropout(layer: nn.Module, config) -> float:
                          getattr(config, "attention_dropout", 0.0)) or 0.0)
 
 
+def _unfused_setting(layer: nn.Module, config) -> Optional[str]:
+    """A setting that patch_llama refuses, set after patching, which HF's modules read at every
+    call (so each call checks it, as attention dropout): OLMoE's ``clip_qkv`` (its attention
+    clamps q/k/v after their projections) and, in training, Mixtral's router jitter (the MoE
+    block's ``jitter_noise``, from ``router_jitter_noise``). None when there is none."""
+    clip = getattr(getattr(layer.self_attn, "config", config), "clip_qkv", None)
+    if clip is not None:
+        return (f"clip_qkv={clip} (set after patching): q/k/v clamped after their projections, "
+                "which the fused op does not compute")
+    jitter = getattr(layer._modules.get("mlp"), "jitter_noise", 0.0)
+    if layer.training and float(jitter or 0.0) > 0:
+        return (f"jitter_noise={jitter} (router_jitter_noise, set after patching): random "
+                "scaling of the MoE input in training, which the fused op does not compute")
+    return None
+
+
 def _check_fusable(layer: nn.Module, idx: int, config) -> LayerRecord:
-    def refuse(why: str) -> ValueError:
-        return ValueError(f"patch_llama: cannot fuse decoder layer {idx} "
+    def refuse(why: str) -> PatchRefused:
+        return PatchRefused(f"patch_llama: cannot fuse decoder layer {idx} "
                           f"({type(layer).__name__}): {why}. Use policy 'none' or 'torch' "
                           "for it (a list or callable policy picks per layer)")
 
@@ -328,7 +350,7 @@ def _check_fusable(layer: nn.Module, idx: int, config) -> LayerRecord:
                      "(GeGLU)")
     try:
         return layer_record(layer, config)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:  # a shape or setting the op does not take
         raise refuse(str(e)) from None
 
 
@@ -349,6 +371,11 @@ class _ForwardState(NamedTuple):
     # DeepSpeed Ulysses' group while its wrapper is transformers' attention function (the fused
     # layers then take part in it, ckpt_ext.hf.sequence_split.deepspeed_ulysses_group)
     sequence_parallel: str = ""
+    # router_aux_loss="fused": the list (moe.RouterStats) to which this forward's fused MoE
+    # layers append their (3, E) load-balancing statistics; the fused LM head hands it to the
+    # bare model under moe.ROUTER_STATS_KEY. None: the layers return their router logits
+    # when transformers collects them.
+    router_stats: Optional[list] = None
 
 
 # The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
@@ -383,13 +410,12 @@ class _Shared:
         self.positional = [p.name for p in params]
 
     sequence_parallel = ""  # patch_llama's group, by name (ckpt_ext.hf.sequence_parallel)
-    # With router_aux_loss="fused": the list the fused LM head's forward hands the MoE layers
-    # to append their load-balancing statistics to (None outside that forward).
-    router_stats = None
+    router_aux_loss = "exact"  # patch_llama's router_aux_loss
 
     def __setstate__(self, state):  # pickles of older versions kept per-forward fields
         state.pop("masks", None)
         state.pop("auto_presets", None)
+        state.pop("router_stats", None)
         state.setdefault("offloader", None)
         state.setdefault("host_link", _host_link_default())
         state.setdefault("hook_owner", state["owner"])
@@ -401,18 +427,25 @@ class _Shared:
             self.warned.add(key)
             warnings.warn(f"ckpt_ext.patch_llama: {message}", stacklevel=4)
 
+    def forward_group(self) -> str:
+        """The sequence-parallel group of a forward starting now, by name ("" for none):
+        patch_llama's ``sequence_parallel``, else DeepSpeed Ulysses' group while its wrapper is
+        the attention function (HF Trainer / TRL with ParallelismConfig(sp_size=N), registered
+        before or after patching: the fused layers take part in it; HF's layers, policy
+        "torch", delegated or without grad, call its wrapper). Read on every rank alike."""
+        sp = self.sequence_parallel
+        impl = _attn_implementation(self.owner.config)
+        if not sp and torch.is_grad_enabled() and impl in SUPPORTED_ATTENTION:
+            group = deepspeed_ulysses_group(impl, training=self.owner.training)
+            if group is not None:
+                sp = _sp.group_name(group)
+        return sp
+
     def before_model(self, owner, args, kwargs):
         # Sequence parallelism replaced the attention that fused layers would bypass: refuse
         # (ckpt_ext.hf.sequence_split; other attn_implementations make the layers delegate).
         impl = _attn_implementation(self.owner.config)
-        sp = self.sequence_parallel
-        if not sp and torch.is_grad_enabled() and impl in SUPPORTED_ATTENTION:
-            # DeepSpeed Ulysses (HF Trainer / TRL with ParallelismConfig(sp_size=N)) registered
-            # before or after patching: the fused layers take part in its group; HF's layers
-            # (policy "torch", delegated, no grad) call its wrapper. Read on every rank alike.
-            group = deepspeed_ulysses_group(impl, training=self.owner.training)
-            if group is not None:
-                sp = _sp.group_name(group)
+        sp = self.forward_group()
         refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)
                                               if f.preset != "torch"]
                                if impl in SUPPORTED_ATTENTION else [],
@@ -423,6 +456,10 @@ class _Shared:
             # ZeRO-3 set up after patching: the layers' hooks, which run after this one,
             # then gather all of each fused layer's parameters (ckpt_ext.hf.zero).
             zero.make_leaves(self.fused_layers())
+        # the fused LM head's list for this forward's router statistics (router_aux_loss=
+        # "fused"), taken out of the bare model's keywords into the forward's state
+        stats = kwargs.get(moe.ROUTER_STATS_KEY)
+        kwargs = {k: v for k, v in kwargs.items() if k != moe.ROUTER_STATS_KEY}
         named = dict(zip(self.positional, args), **kwargs)
         compiling = torch.compiler.is_compiling()
         positions = text_positions(self.owner.config.model_type, named.get("position_ids"))
@@ -433,7 +470,7 @@ class _Shared:
             if images is not None:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.budget is not None else None
-        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp)}
+        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats)}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
@@ -629,7 +666,7 @@ class _PatchedForward:
             return self._delegate(reason, hidden_states, kwargs, warn=True, sp=sp)
         self._count("fused")
         return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors,
-                           sp=sp)
+                           sp=sp, stats=state.router_stats if state is not None else None)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False,
                   sp: Optional[str] = None):
@@ -696,6 +733,9 @@ class _PatchedForward:
                 f"{_ATTENTIONS_FIX}", BatchMasks()
         if layer.training and _attention_dropout(layer, self.config) > 0:
             return "attention_dropout > 0 (set after patching)", BatchMasks()
+        unfused = _unfused_setting(layer, self.config)
+        if unfused:
+            return unfused, BatchMasks()
         if kwargs.get("is_causal") is False or not getattr(layer.self_attn, "is_causal", True):
             return "attention is not causal (is_causal=False)", BatchMasks()
         problem = _structure_problem(layer, spec.source, hooks=True,
@@ -726,7 +766,8 @@ class _PatchedForward:
 
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list, streams: list,
-               expert_scaling: Sequence[float] = (), sp: Optional[str] = None) -> Tensor:
+               expert_scaling: Sequence[float] = (), sp: Optional[str] = None,
+               stats: Optional[list] = None) -> Tensor:
         sp = self.shared.sequence_parallel if sp is None else sp
         spec = self.spec
         cos, sin = _tables_for(x, *position_embeddings)
@@ -737,15 +778,21 @@ class _PatchedForward:
         # fixes it; checkpointing's RNG replay redraws the same one); the op hashes its masks
         # from it and saves it for the backward.
         seed = torch.randint(2**31 - 1, (), dtype=torch.int64) if dropout else None
-        # an MoE layer returns its load-balancing statistics while the fused head collects
-        # them (router_aux_loss="fused"), else its router logits while transformers does
-        stats_sink = self.shared.router_stats if spec.num_experts_per_tok else None
+        # an MoE layer returns its load-balancing statistics to the forward's list while the
+        # fused head collects them (router_aux_loss="fused"), else its router logits while
+        # transformers does
+        stats_sink = stats if spec.num_experts_per_tok else None
         router_stats = stats_sink is not None
         router_logits = (bool(spec.num_experts_per_tok) and not router_stats
                          and moe.recording_router_logits())
-        if sp:  # one seed for the group: masks hash global rows
-            seed = _sp.same_seed(seed, sp, NotImplementedError(f"patch_llama: {moe.SP_REFUSAL}")
-                                 if router_logits else None)
+        if sp:  # one seed for the group: masks hash global rows; router outputs alike
+            refusal = None
+            if router_logits:
+                refusal = NotImplementedError(
+                    f"patch_llama: {moe.SP_BARE_REFUSAL}"
+                    if self.shared.router_aux_loss == "fused" else
+                    f"patch_llama: {moe.SP_REFUSAL}")
+            seed = _sp.same_seed(seed, sp, refusal, router=router_stats or router_logits)
         options = spec.options(
             weights=weights, cos=cos, sin=sin, key_padding_mask=masks.key_padding_mask,
             segment_ids=masks.segment_ids, window=window,
@@ -819,10 +866,13 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     (tokens, experts) logits, for the fused LM head's loss: the same aux_loss and gradients,
     and ``router_logits`` None in that output (needs ``fuse_lm_head`` on a
     ``*ForCausalLM``; under ``sequence_parallel`` the statistics are summed over the group and
-    each rank adds its share of the loss; "exact" is refused there).
+    each rank adds its share of the loss, calls without labels or grad included; "exact" is
+    refused there).
 
-    Raises ValueError, before changing anything, when a layer asked to be fused cannot be
-    (see the module docstring). Patching a patched model first undoes the earlier patch."""
+    Raises ``ckpt_ext.PatchRefused`` (a ValueError and a NotImplementedError), before changing
+    anything, when the model, or a layer asked to be fused, cannot be (see the module
+    docstring); malformed arguments raise ValueError or TypeError. Patching a patched model
+    first undoes the earlier patch."""
     _check_bool("patch_llama", "fuse_lm_head", fuse_lm_head)
     owner, layers = _decoder_layers(model)
     config = _model_config(model)
@@ -854,7 +904,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     specs = {}
     for idx, (layer, preset) in enumerate(zip(layers, presets)):
         if _foreign_forward(layer):
-            raise ValueError(f"patch_llama: decoder layer {idx} already has an instance-level "
+            raise PatchRefused(f"patch_llama: decoder layer {idx} already has an instance-level "
                              "forward (accelerate hooks or another patch), which patching "
                              "would drop")
         if preset in FUSED_PRESETS or preset == "auto":
@@ -871,6 +921,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
             layer.forward = _PatchedForward(layer, idx, preset, specs.get(idx), shared, config)
             _take_over_call_checkpoint(layer)
     shared.sequence_parallel = sp_name
+    shared.router_aux_loss = router_aux_loss
     shared.install()
     _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared, FAMILIES[config.model_type],
                 router_aux_loss)

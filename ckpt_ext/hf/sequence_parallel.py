@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .errors import PatchRefused
 from .masks import BatchMasks, describe, packed_segment_ids
 
 __all__ = ["group_name", "group_size", "shard_batch", "all_reduce_grads", "masks", "same_seed",
@@ -282,14 +283,18 @@ def masks(name: str, attention_mask, position_ids) -> BatchMasks:
                       seg[:, rank * s:(rank + 1) * s].contiguous())
 
 
-def same_seed(seed: Optional[Tensor], name: str,
-              error: Optional[BaseException] = None) -> Optional[Tensor]:
+def same_seed(seed: Optional[Tensor], name: str, error: Optional[BaseException] = None,
+              router: bool = False) -> Optional[Tensor]:
     """A decoder layer's refusal point (``agree``; every layer call of every rank comes here,
     or to ``refuse``), ``error`` this rank's refusal of the call (None: none): the LoRA
     dropout seed of the group's first rank, on every rank (a tensor all along, so that a
-    compiled model traces it)."""
-    head, spec, message = _head(error, {"LoRA dropout (a seed drawn or not)": (seed is not None,)},
-                                0 if seed is None else seed)
+    compiled model traces it). ``router``: whether the call returns its router statistics or
+    logits (the model's ``output_router_logits``), which must agree over the group: a rank
+    that sums its statistics over the group waits for the others to do the same."""
+    head, spec, message = _head(error, {
+        "LoRA dropout (a seed drawn or not)": (seed is not None,),
+        "output_router_logits alike (the MoE layer's router statistics asked or not)": (router,)},
+        0 if seed is None else seed)
     first = torch.ops.ckpt_ext.sp_agree(head, name, spec, message)
     return None if seed is None else first.to(seed.dtype)
 
@@ -394,14 +399,14 @@ def all_reduce_grads(model: torch.nn.Module, group) -> None:
 
 def check_patch(group, presets) -> str:
     """patch_llama's ``sequence_parallel``: "" for None, else the group's name; every layer must
-    run the fused op (HF's forward would attend over the rank's tokens only)."""
+    run the fused op (HF's forward would attend over the rank's tokens only: PatchRefused)."""
     if group is None:
         return ""
     name = group_name(group)
     from ..presets import FUSED_PRESETS
     unfused = [i for i, p in enumerate(presets) if p not in FUSED_PRESETS and p != "auto"]
     if unfused:
-        raise ValueError(f"patch_llama: sequence_parallel needs every decoder layer fused; "
+        raise PatchRefused(f"patch_llama: sequence_parallel needs every decoder layer fused; "
                          f"layers {unfused} have policy {presets[unfused[0]]!r} (HF's forward "
                          "would attend over this rank's tokens only)")
     return name
