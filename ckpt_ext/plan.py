@@ -1047,11 +1047,14 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
 def sp_longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, N: int,
                         dtype, device_memory: int, weights: str, *, path: str = "cuda",
                         offload: bool = False, host_memory: Optional[int] = None,
-                        limit: int = 1 << 26, headroom: int = 0, shard: int = 1) -> int:
+                        limit: int = 1 << 26, headroom: int = 0, shard: int = 1,
+                        expert_lora_rank: int = 0) -> int:
     """The longest whole sequence S (a multiple of N, at most ``limit`` tokens per GPU) whose
     per-GPU step (:func:`sp_step_peak`) fits ``device_memory`` less ``headroom`` with the model
-    state (sharded ``shard`` ways); 0 if none."""
-    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard)
+    state (sharded ``shard`` ways; ``expert_lora_rank``: :func:`model_state_bytes`); 0 if
+    none."""
+    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
+                                                        expert_lora_rank=expert_lora_rank)
 
     def fits(s_local):
         return sp_step_peak(setup, layers, V, B, s_local * N, N, dtype, path=path,

@@ -15,9 +15,11 @@ import json
 import os
 import re
 import sys
+import types
 from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
+from .hf.patch import _model_config
 from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, LORA_RANK,
                    OFFLOAD_SETUPS, PEAK_SETUPS, SP_LINK_GBYTES_PER_S, choose_presets_offload,
                    choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes,
@@ -68,10 +70,42 @@ def _hf_cache_config(model_id: str) -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
+class _ConfigView:
+    """A config.json's object as patch_llama reads an HF config: its keys as attributes, and
+    ``get_text_config()`` its ``text_config`` (itself without one, as HF's)."""
+
+    def __init__(self, data: dict):
+        self._data = data
+
+    def __getattr__(self, name):
+        try:
+            return self._data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def get_text_config(self):
+        text = self._data.get("text_config")
+        return _ConfigView(text) if isinstance(text, dict) else self
+
+
+def _patch_refusal(config: dict) -> Optional[str]:
+    """Why ``patch_llama`` refuses a model of this config, in its own words (its check of the
+    model's config, ``ckpt_ext.hf.patch._model_config``), or None; a config without
+    ``model_type`` (dimensions alone) is not checked."""
+    if "model_type" not in config:
+        return None
+    try:
+        _model_config(types.SimpleNamespace(config=_ConfigView(config)))
+    except (ValueError, NotImplementedError) as e:
+        return str(e)
+    return None
+
+
 def _read_config(path: str) -> dict:
     """The config at ``path`` (a config.json, a model directory, or the id of a model in the
-    local Hugging Face cache); ValueError naming the file when it cannot be found or read or
-    is not a JSON object."""
+    local Hugging Face cache), its text config for a multimodal model; ValueError naming the
+    file when it cannot be found or read or is not a JSON object, and with patch_llama's
+    reason for a model it refuses (:func:`_patch_refusal`)."""
     if not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
         cached = _hf_cache_config(path)
         if cached is None:
@@ -89,6 +123,9 @@ def _read_config(path: str) -> dict:
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    refusal = _patch_refusal(config) if isinstance(config, dict) else None
+    if refusal:
+        raise ValueError(f"{path}: {refusal}")
     if isinstance(config, dict) and "hidden_size" not in config:
         config = config.get("text_config", config)
     if not isinstance(config, dict):
@@ -116,13 +153,19 @@ def _bounded_int(limit: int):
 _positive_int = _bounded_int(_MAX["dim"])
 
 
+# The largest rate a flag or a --throughputs file may give (TFLOP/s, GB/s): past it a step's
+# seconds round to 0.
+_MAX_RATE = 1e9
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not 0 < value < 1e9:
-        raise argparse.ArgumentTypeError(f"must be a positive number below 1e9, got {text}")
+    if not 0 < value < _MAX_RATE:
+        raise argparse.ArgumentTypeError(f"must be a positive number below {_MAX_RATE:g}, got "
+                                         f"{text}")
     return value
 
 
@@ -167,7 +210,7 @@ _EPILOG = """\
 Will my run fit? Give the model, --batch, --seq and --device-memory (and --weights lora for
 LoRA). For each setup it prints "fits" or "does not fit" at the S asked, the longest S that
 fits, and an estimated step time. The device memory a plan keeps free: --cuda-context (1 GiB:
-the CUDA context, cuBLAS workspaces and loaded kernels) plus --fragmentation (5%% of the
+the CUDA context, cuBLAS workspaces and loaded kernels) plus --fragmentation (5% of the
 device: the caching allocator's reserved-but-unused blocks); the H100 capacity search in
 bench/results/gpu_h100_2026-11-24/ bracketed the real figure between 2.0 and 9.0 GiB on an
 80 GB card. An H100 "80GB" has 81559MiB (79.6 GiB). Step times (seconds per step, tokens per
@@ -228,9 +271,9 @@ def _parser() -> argparse.ArgumentParser:
                                             "longest S that fits")
     ap.add_argument("--weights", choices=("full", "lora"), default="full", help=_WEIGHTS_HELP)
     ap.add_argument("--shard", type=_bounded_int(_MAX["shard"]), default=1,
-                    help="the sharding degree of FSDP / ZeRO-3 (default 1: none): the model "
-                         "state per GPU is 1/N of it plus two gathered units (a layer or the "
-                         "head) in --dtype")
+                    help="with --device-memory: the sharding degree of FSDP / ZeRO-3 (default "
+                         "1: none): the model state per GPU is 1/N of it plus two gathered "
+                         "units (a layer or the head) in --dtype")
     ap.add_argument("--path", choices=_PATHS, default="cuda",
                     help="whose transients the peak model counts: the Triton kernels (cuda) or "
                          "the ATen kernels (cpu)")
@@ -241,18 +284,19 @@ def _parser() -> argparse.ArgumentParser:
                                           "tensors (offload_limit), e.g. 200GiB; default this "
                                           "machine's RAM / --gpus-per-node")
     ap.add_argument("--gpus-per-node", type=_bounded_int(_MAX["gpus"]), default=1,
-                    help="GPUs sharing one host's RAM (default 1): divides the default "
-                         "--host-memory")
+                    help="with --offload, without --host-memory: GPUs sharing one host's RAM "
+                         "(default 1): divides the default --host-memory")
     ap.add_argument("--host-link-gbytes-per-s", type=_positive_float,
                     default=HOST_LINK_GBYTES_PER_S, metavar="GB_S",
                     help="with --offload and --device-memory: the host link's rate per GPU and "
                          "direction in GB/s for 'auto' with offload, chosen by time (default "
                          "25: an assumption; PCIe Gen5 x16 peaks at 64)")
     ap.add_argument("--cuda-context", default="1GiB",
-                    help="device memory kept for the CUDA context (default 1GiB)")
+                    help="with --device-memory: device memory kept for the CUDA context "
+                         "(default 1GiB)")
     ap.add_argument("--fragmentation", type=_fraction, default=FRAGMENTATION,
-                    help="fraction of the device memory kept for the allocator's "
-                         "fragmentation (default 0.05)")
+                    help="with --device-memory: fraction of the device memory kept for the "
+                         "allocator's fragmentation (default 0.05)")
     ap.add_argument("--sequence-parallel", type=_bounded_int(_MAX["gpus"]), default=1,
                     metavar="N",
                     help="Ulysses sequence parallelism over N GPUs (default 1: none): each GPU "
@@ -268,20 +312,60 @@ def _parser() -> argparse.ArgumentParser:
                          "for NVLink-class links, whose H100 NVLink 4 peak is 450 GB/s a "
                          "direction; about 25-50 for 200-400 Gbit/s InfiniBand between nodes)")
     ap.add_argument("--throughputs", metavar="FILE",
-                    help="a kernel throughputs file (ckpt_ext.throughputs: JSON with TFLOP/s per "
+                    help="with --device-memory or --sequence-parallel (the step times): a kernel "
+                         "throughputs file (ckpt_ext.throughputs: JSON with TFLOP/s per "
                          "kind, attention_forward / attention_backward / matmul, by sequence "
                          "length) for the step time estimate; default the plan's H100 rates "
                          "(ckpt_ext.throughputs.default_throughputs)")
     ap.add_argument("--attention-fwd-tflops", type=_positive_float, default=None,
-                    help="attention forward rate for the step time estimate, in place of "
-                         "the throughputs file's (default: its rate; the plan's own is 350, "
-                         "the Triton kernel on an H100)")
+                    help="attention forward rate (below 1e9 TFLOP/s, as a file's) for the step "
+                         "time estimate, in place of the throughputs file's (default: its rate; "
+                         "the plan's own is 350, the Triton kernel on an H100)")
     ap.add_argument("--attention-bwd-tflops", type=_positive_float, default=None,
                     help="attention backward rate, in place of the file's (the plan's own: "
                          "170, the Triton kernel on an H100)")
     ap.add_argument("--matmul-tflops", type=_positive_float, default=None,
                     help="matmul rate, in place of the file's (the plan's own: 400, an H100)")
     return ap
+
+
+def _times(args) -> bool:
+    """Whether the plan prints step times: the verdict's and the sequence-parallel table's."""
+    return args.device_memory is not None or args.sequence_parallel > 1
+
+
+# Flags that apply only with another: (the flags' dests, what they need in words, whether the
+# arguments have it). Given without it, a flag is a usage error naming both; not given, it
+# takes its default.
+_NEEDS = (
+    (("host_memory",), "--offload", lambda a: a.offload),
+    (("gpus_per_node",), "--offload and without --host-memory (it divides the default host "
+                         "memory)", lambda a: a.offload and a.host_memory is None),
+    (("host_link_gbytes_per_s",), "--offload and --device-memory (auto + offload's choice)",
+     lambda a: a.offload and a.device_memory is not None),
+    (("link_gbytes_per_s",), "--sequence-parallel N > 1", lambda a: a.sequence_parallel > 1),
+    (("shard", "cuda_context", "fragmentation"), "--device-memory",
+     lambda a: a.device_memory is not None),
+    (("expert_lora_rank",), "--weights lora", lambda a: a.weights == "lora"),
+    (("throughputs", "attention_fwd_tflops", "attention_bwd_tflops", "matmul_tflops"),
+     "--device-memory or --sequence-parallel N > 1 (the step times)", _times))
+_UNSET = object()
+
+
+def _parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """``ap.parse_args(argv)``, with a usage error for a flag of :data:`_NEEDS` given without
+    what it needs."""
+    dests = [dest for group, _, _ in _NEEDS for dest in group]
+    args = ap.parse_args(argv, argparse.Namespace(**dict.fromkeys(dests, _UNSET)))
+    given = {dest for dest in dests if getattr(args, dest) is not _UNSET}
+    for dest in dests:
+        if dest not in given:
+            setattr(args, dest, ap.get_default(dest))
+    for group, words, ok in _NEEDS:
+        for dest in group:
+            if dest in given and not ok(args):
+                ap.error(f"argument --{dest.replace('_', '-')}: applies only with {words}")
+    return args
 
 
 def _router_note(d) -> str:
@@ -295,9 +379,7 @@ def _router_note(d) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = _parser()
-    args = ap.parse_args(argv)
-    if args.host_memory is not None and not args.offload:
-        ap.error("argument --host-memory: applies with --offload only")
+    args = _parse_args(ap, argv)
     for name in ("budget", "device_memory", "host_memory", "cuda_context"):
         if getattr(args, name) is not None:
             flag = f"argument --{name.replace('_', '-')}"
@@ -315,6 +397,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       else default_throughputs())
     except ValueError as e:
         ap.error(f"argument --throughputs: {e}")
+    too_fast = [r for r in args.rates.rates if not r.tflops < _MAX_RATE]
+    if too_fast:
+        ap.error(f"argument --throughputs: {args.rates.source}: a {too_fast[0].kind} rate of "
+                 f"{too_fast[0].tflops:g} TFLOP/s; rates must be below {_MAX_RATE:g}")
     if args.offload:
         try:
             _host_memory(args)
@@ -348,9 +434,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "router logits on (output_router_logits, or --router-logits)")
         layers = [dataclasses.replace(x, router_aux_loss="fused") if x.moe else x
                   for x in layers]
-    if args.expert_lora_rank and (args.weights != "lora" or not any(x.moe for x in layers)):
-        ap.error("argument --expert-lora-rank: applies with --weights lora to a config with "
-                 "experts")
+    if args.expert_lora_rank and not any(x.moe for x in layers):
+        ap.error("argument --expert-lora-rank: applies only to a config with experts")
     if "vocab_size" not in config:
         ap.error("missing vocab_size (in the config or --vocab-size)")
     V = config["vocab_size"]
@@ -371,7 +456,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for x in layers:
                 sp_exchange_bytes("fast", x, 1, args.sequence_parallel, args.sequence_parallel,
                                   dtype)
-        except ValueError as e:
+        except (ValueError, NotImplementedError) as e:   # not implemented: router logits
             ap.error(f"argument --sequence-parallel: {e}")
     d = layers[0]
     L, T = len(layers), B * S
@@ -514,7 +599,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
     memory = args.device_memory
     headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
     usable = memory - headroom
-    state = model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank, shard=args.shard)
+    state = _model_state(args, layers, V, dtype)
     room = usable - state
     print(f"will it fit: {_weights_words(args)}, B {B}, S {S:,}, {args.path} path, on "
           f"{format_bytes(memory)} of device memory")
@@ -522,7 +607,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
           f"fragmentation {args.fragmentation:.0%} of the device "
           f"({format_bytes(int(args.fragmentation * memory))}) = {format_bytes(headroom)}; "
           f"usable {format_bytes(usable)}")
-    whole = model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank)
+    whole = _model_state(args, layers, V, dtype, shard=1)
     if args.shard > 1:
         print(f"  model state per GPU ({args.weights}): {format_bytes(state)} = 1/{args.shard} "
               f"of {format_bytes(whole)} + two gathered units in {args.dtype} "
@@ -565,8 +650,8 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         rows.append(row)
     print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
                         "step s", "tokens/s", "longest S", "its step s", "its tokens/s"]))
-    if args.offload and room > 0:
-        _print_auto_offload(args, layers, V, B, S, dtype, room, host)
+    if args.offload:
+        _print_auto_offload(args, layers, V, B, S, dtype, room, host, state + headroom)
     if room <= 0:
         print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
               f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
@@ -576,7 +661,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         if need:
             print(f"  sharded (--shard N, FSDP / ZeRO-3): min_memory fits S {S:,} from --shard "
                   f"{need}, where the state is "
-                  f"{format_bytes(model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank, shard=need))}"
+                  f"{format_bytes(_model_state(args, layers, V, dtype, shard=need))}"
                   f" per GPU; rerun with --shard {need} for the per-GPU figures")
         else:
             print("  no sharding degree up to 4096 makes room: the gathered units alone are "
@@ -588,8 +673,14 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
           "LLaMA-3.1-8B LoRA steps at S 8K-16K)")
 
 
-def _print_auto_offload(args, layers, V, B, S, dtype, room, host) -> None:
-    """policy='auto' with offload, chosen by time (ckpt_ext.plan.choose_presets_offload)."""
+def _print_auto_offload(args, layers, V, B, S, dtype, room, host, outside) -> None:
+    """policy='auto' with offload, chosen by time (ckpt_ext.plan.choose_presets_offload): fits
+    or does not fit at S as the verdict's rows say it (the device peak within ``room``, the
+    device less ``outside``: the model state and the memory kept free)."""
+    where = f"auto + offload, by time, at S {S:,}:"
+    if room <= 0:
+        print(f"{where} does not fit (model state)")
+        return
     try:
         c = choose_presets_offload(layers, V, B, S, dtype, room, host, path=args.path,
                                    train_weights=args.weights == "full",
@@ -597,10 +688,11 @@ def _print_auto_offload(args, layers, V, B, S, dtype, room, host) -> None:
                                    host_link_gbytes_per_s=args.host_link_gbytes_per_s,
                                    **_rate_kwargs(args, S))
     except ValueError as e:
-        print(f"auto + offload, by time: {e}")
+        print(f"{where} does not fit: {e}")
         return
     counts = ", ".join(f"{c.presets.count(p)} x {p}" for p in FUSED_PRESETS if p in c.presets)
-    print(f"auto + offload, by time: {counts}; device peak {format_bytes(c.peak)}, host "
+    print(f"{where} fits with {counts}; device peak {format_bytes(c.peak)} (state + peak + "
+          f"kept free {format_bytes(outside + c.peak)}), host "
           f"{format_bytes(c.host)}, kept on device {format_bytes(c.kept)}; step s "
           f"{c.seconds:,.2f}, tokens/s {B * S / c.seconds:,.0f} (each layer the larger of its "
           f"compute and its host copies at {args.host_link_gbytes_per_s:g} GB/s, the rule "
@@ -616,6 +708,13 @@ def _rate_kwargs(args, S: int) -> dict:
         if getattr(args, key) is not None:
             kw[key] = getattr(args, key)
     return kw
+
+
+def _model_state(args, layers, V, dtype, shard: Optional[int] = None) -> int:
+    """The model state per GPU of --weights and --expert-lora-rank, sharded --shard ways (or
+    ``shard``): ckpt_ext.plan.model_state_bytes."""
+    return model_state_bytes(layers, V, dtype, args.weights, shard=shard or args.shard,
+                             expert_lora_rank=args.expert_lora_rank)
 
 
 def _lora_kwargs(args) -> dict:
@@ -647,8 +746,7 @@ def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
     memory = args.device_memory
     if memory is not None:
         headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
-        room = memory - headroom - model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank,
-                                                     shard=args.shard)
+        room = memory - headroom - _model_state(args, layers, V, dtype)
     cases = [(p, False) for p in OFFLOAD_SETUPS]
     if args.offload:
         cases += [(p, True) for p in OFFLOAD_SETUPS]
@@ -671,7 +769,8 @@ def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
             row["fits"] = room > 0 and p.peak <= room
             row["longest"] = 0 if room <= 0 else sp_longest_sequence(
                 setup, layers, V, B, N, dtype, memory, args.weights, path=args.path,
-                offload=offload, host_memory=host, headroom=headroom, shard=args.shard)
+                offload=offload, host_memory=host, headroom=headroom, shard=args.shard,
+                expert_lora_rank=args.expert_lora_rank)
             if row["longest"]:
                 c, m = sp_step_time(setup, layers, V, B, row["longest"], N, dtype,
                                     train_weights=train, **_lora_kwargs(args),
@@ -722,8 +821,7 @@ def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:
     peak = step_peak("min_memory", layers, V, B, S, dtype, path=args.path,
                      train_weights=args.weights == "full").peak
     for n in range(1, 4097):
-        if model_state_bytes(layers, V, dtype, args.weights, expert_lora_rank=args.expert_lora_rank, shard=n) + peak + headroom <= \
-                args.device_memory:
+        if _model_state(args, layers, V, dtype, shard=n) + peak + headroom <= args.device_memory:
             return n
     return 0
 

@@ -22,6 +22,7 @@ preset         saved for backward (per layer)                  recomputed in bac
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 
@@ -33,9 +34,11 @@ PRESETS = ("none", "torch", "fast", "balanced", "min_memory")
 FUSED_PRESETS = ("fast", "balanced", "min_memory")
 
 
-def check_policy(policy: str, what: str = "policy") -> str:
-    if policy not in PRESETS:
-        raise ValueError(f"{what} must be one of {', '.join(map(repr, PRESETS))}; got {policy!r}")
+def check_policy(policy: str, what: str = "policy", valid: Sequence[str] = PRESETS) -> str:
+    """``policy`` if it is one of ``valid`` (the presets), else a ValueError naming ``what``
+    and listing ``valid``."""
+    if policy not in valid:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, valid))}; got {policy!r}")
     return policy
 
 

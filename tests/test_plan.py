@@ -299,6 +299,127 @@ def test_cli_usage_error_exit_status(tmp_path):
         assert r.stdout == ""
 
 
+def _usage_error(args, capsys):
+    """plan_cli.main(args) exits with argparse's usage status 2, printing nothing to stdout and
+    no traceback; its message on stderr."""
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main(args)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and "Traceback" not in err, (exc.value, out, err)
+    return err
+
+
+def _moe_config(tmp_path, name="config.json", **changes):
+    path = tmp_path / name
+    path.write_text(json.dumps(dict(QWEN3_30B_A3B, **changes)))
+    return str(path)
+
+
+def test_cli_router_logits_under_sequence_parallel_is_a_usage_error(tmp_path, capsys):
+    """--sequence-parallel on a config with output_router_logits (router_aux_loss 'exact',
+    which the engine refuses there) names the argument; --router-aux-loss fused plans it."""
+    args = [_moe_config(tmp_path, output_router_logits=True), "--batch", "1", "--seq", "4096",
+            "--sequence-parallel", "2"]
+    err = _usage_error(args, capsys)
+    assert "argument --sequence-parallel: sequence_parallel 2 with router logits" in err, err
+    assert plan_cli.main(args + ["--router-aux-loss", "fused"]) == 0
+    assert "sequence parallel over 2 GPUs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("only", [2, "0,1", [0, 1.5], [True]])
+def test_cli_mlp_only_layers_not_a_list_of_ints_is_a_usage_error(tmp_path, only, capsys):
+    """A config's mlp_only_layers that is not a list of layer indices names the field; a list
+    makes those layers dense."""
+    err = _usage_error([_moe_config(tmp_path, mlp_only_layers=only), "--batch", "1", "--seq",
+                        "64"], capsys)
+    assert f"mlp_only_layers must be a list of layer indices (ints), got {only!r}" in err, err
+    layers = families.layer_dims_from_config(dict(QWEN3_30B_A3B, mlp_only_layers=[0, 47]))
+    assert [x.moe for x in layers] == [False] + [True] * 46 + [False]
+
+
+@pytest.mark.parametrize("tflops", [1e300, 1e9])
+def test_cli_throughputs_beyond_the_flags_bound_is_a_usage_error(tmp_path, tflops, capsys):
+    """A --throughputs file's rate at or past the bound of the --*-tflops flags (1e9, where a
+    step's seconds round to 0) names the argument, the file and the rate."""
+    from ckpt_ext import throughputs as tp
+    path = tmp_path / "rates.json"
+    tp.write_throughputs(path, {"command": "test", "commit": "-", "machine": "test",
+                                "date": "2026-11-27"},
+                         [tp.Rate("attention_forward", 300.0),
+                          tp.Rate("attention_backward", 150.0), tp.Rate("matmul", tflops)])
+    args = DIMS_ARGS + ["--device-memory", "2GiB", "--throughputs", str(path)]
+    err = _usage_error(args, capsys)
+    assert f"argument --throughputs: {path}: a matmul rate of {tflops:g} TFLOP/s" in err, err
+    _usage_error(DIMS_ARGS + ["--device-memory", "2GiB", "--matmul-tflops", "1e9"], capsys)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "starcoder2"])
+def test_cli_refuses_what_patch_llama_refuses(tmp_path, model_type, capsys):
+    """A config.json of a model patch_llama refuses (transformers' own, saved from a tiny
+    model: a mixture of experts the op does not compute, a dense family it does not) is a
+    usage error with patch_llama's own words, not a plan that says "fits"."""
+    from hf_fixtures import tiny_model
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=128,
+               bos_token_id=0, eos_token_id=0)
+    if model_type == "gpt_oss":
+        cfg.update(num_local_experts=4, num_experts_per_tok=2)
+    model = tiny_model(model_type, cfg, impl="eager")
+    with pytest.raises((ValueError, NotImplementedError)) as refused:
+        ckpt_ext.patch_llama(model)
+    model.config.save_pretrained(tmp_path)
+    capsys.readouterr()                   # what transformers logged: not the CLI's
+    err = _usage_error([str(tmp_path), "--batch", "1", "--seq", "4096", "--device-memory",
+                        "80GiB", "--weights", "lora"], capsys)
+    assert "argument config: " in err and str(refused.value) in " ".join(err.split()), err
+
+
+def test_cli_plans_a_multimodal_config_by_its_text_config(tmp_path, capsys):
+    """A LLaVA config.json (transformers' own) with a LLaMA text config plans its text stack,
+    as patch_llama patches it."""
+    transformers = pytest.importorskip("transformers")
+    text = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=96, vocab_size=128)
+    transformers.AutoConfig.for_model("llava", text_config=text).save_pretrained(tmp_path)
+    assert plan_cli.main([str(tmp_path), "--batch", "1", "--seq", "64"]) == 0
+    assert capsys.readouterr().out.startswith("2 layers, H 64, heads 4/2, head_dim 16, I 96")
+
+
+@pytest.mark.parametrize("flag,needs", [
+    (["--link-gbytes-per-s", "100"], "--sequence-parallel"),
+    (["--link-gbytes-per-s", "100", "--sequence-parallel", "1"], "--sequence-parallel"),
+    (["--host-link-gbytes-per-s", "10", "--device-memory", "2GiB"], "--offload"),
+    (["--host-link-gbytes-per-s", "10", "--offload", "--host-memory", "1GiB"],
+     "--device-memory"),
+    (["--gpus-per-node", "8"], "--offload"),
+    (["--gpus-per-node", "8", "--offload", "--host-memory", "1GiB"], "--host-memory"),
+    (["--host-memory", "1GiB"], "--offload"),
+    (["--shard", "2"], "--device-memory"),
+    (["--cuda-context", "1MiB"], "--device-memory"),
+    (["--fragmentation", "0.1"], "--device-memory"),
+    (["--matmul-tflops", "100"], "--device-memory or --sequence-parallel"),
+    (["--throughputs", "rates.json"], "--device-memory or --sequence-parallel"),
+    (["--expert-lora-rank", "16"], "--weights lora")])
+def test_cli_flag_without_the_flag_it_needs_is_a_usage_error(flag, needs, capsys):
+    """Each flag that applies only with another, given without it, names both."""
+    err = _usage_error(DIMS_ARGS + flag, capsys)
+    assert re.search(f"argument {flag[0]}: applies only with [^\n]*{needs}", err), err
+
+
+def test_cli_flags_with_the_flags_they_need_apply(capsys):
+    """The dependent flags together with what they need: each one's value is the one used."""
+    assert plan_cli.main(DIMS_ARGS + [
+        "--device-memory", "2GiB", "--offload", "--gpus-per-node", "4",
+        "--host-link-gbytes-per-s", "7", "--shard", "2", "--cuda-context", "3MiB",
+        "--fragmentation", "0.125", "--matmul-tflops", "99", "--sequence-parallel", "2",
+        "--link-gbytes-per-s", "11"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("/ --gpus-per-node 4;", "host copies at 7 GB/s", "sharded 2 ways",
+                  "CUDA context 3.00 MiB", "fragmentation 12% of the device",
+                  "and 99 for matmuls", "all-to-all bytes at 11 GB/s"):
+        assert words in out, words
+
+
 # ---- the step's peak: the model against the CPU allocator --------------------------------------
 PEAK_CASES = {
     # a small vocabulary: the top layer's backward sets the peak (T below the SwiGLU chunk)
@@ -780,8 +901,9 @@ def test_cli_help_says_what_weights_mean(capsys):
         plan_cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     for words in ("16 bytes a parameter", "frozen base", "rank-16 adapters", "--shard",
-                  "fragmentation", "ESTIMATES", "81559MiB"):
+                  "fragmentation", "ESTIMATES", "81559MiB", "--fragmentation (5% of the"):
         assert words in out, words
+    assert "%%" not in out
 
 
 # ---- each formula once: the plan reads the engine's (or the one Python) definition ------------
@@ -899,10 +1021,11 @@ def test_plan_parses_bytes_with_the_settings_parser():
     assert plan.parse_bytes is config.parse_bytes
 
 
-def _column(out, name, header):
-    """The cell under ``header`` in the verdict row ``name`` (columns split on 2+ spaces)."""
-    verdict = out[out.index("will it fit"):]
-    head = next(x for x in verdict.splitlines() if x.startswith("setup "))
+def _column(out, name, header, table="will it fit", first="setup "):
+    """The cell under ``header`` in the row ``name`` of the table after ``table`` whose header
+    starts with ``first`` (by default the verdict's; columns split on 2+ spaces)."""
+    verdict = out[out.index(table):]
+    head = next(x for x in verdict.splitlines() if x.startswith(first))
     cols = re.split(r"\s{2,}", head.strip())
     cells = re.split(r"\s{2,}", _row(verdict, name).strip())
     return cells[cols.index(header)]
@@ -1107,6 +1230,26 @@ def test_cli_sequence_parallel(tmp_path, capsys):
         assert "argument --sequence-parallel" in err and why in err, err
 
 
+def test_cli_sequence_parallel_longest_counts_expert_lora(tmp_path, capsys):
+    """Under --sequence-parallel the longest S counts --expert-lora-rank's state as the rows
+    do: at the longest S printed the row says fits, at the next multiple of N it does not."""
+    N = 8
+    args = [_moe_config(tmp_path), "--batch", "1", "--device-memory", "80GiB", "--weights",
+            "lora", "--shard", "8", "--sequence-parallel", str(N)]
+    sp = dict(table="sequence parallel over", first="per GPU ")
+    for rank in ("8", "64"):
+        assert plan_cli.main(args + ["--seq", "131072", "--expert-lora-rank", rank]) == 0
+        out = capsys.readouterr().out
+        for setup in ("fast", "min_memory"):
+            longest = int(_column(out, setup, "longest S", **sp).replace(",", ""))
+            assert longest % N == 0 and longest > 131072, (setup, longest)
+            for S, want in ((longest, "fits"), (longest + N, "does not fit")):
+                assert plan_cli.main(args + ["--seq", str(S), "--expert-lora-rank", rank]) == 0
+                got = capsys.readouterr().out
+                assert _column(got, setup, f"at S {S:,}", **sp) == want, (rank, setup, S)
+                assert _column(got, setup, "longest S", **sp) == f"{longest:,}"
+
+
 # ---- auto with offload, by time -------------------------------------------------------------
 def _offload_mix_cost(order, layers, V, B, S, room, host_memory, link, rates, train):
     """An independent evaluation of one per-layer assignment: (seconds, peak) or None."""
@@ -1194,12 +1337,22 @@ def test_cli_auto_offload_by_time(tmp_path, capsys):
     room = 75 * 2**30 - plan.model_state_bytes(layers, 128256, "bf16", "lora")
     c = plan.choose_presets_offload(layers, 128256, 1, 131072, "bf16", room, 192 * 2**30,
                                     train_weights=False, lora_rank=16)  # the CLI's LoRA
-    line = next(x for x in out.splitlines() if x.startswith("auto + offload, by time:"))
+    line = next(x for x in out.splitlines() if x.startswith("auto + offload, by time"))
+    assert line.startswith("auto + offload, by time, at S 131,072: fits with "), line
     assert f"step s {c.seconds:,.2f}" in line and plan.format_bytes(c.peak) in line
+    assert f"(state + peak + kept free {plan.format_bytes(80 * 2**30 - room + c.peak)})" in line
     assert "  per layer: " + " ".join(c.presets) in out
     # it beats min_memory everywhere here (by the plan's estimate)
     assert c.seconds < plan.step_time_estimate("min_memory", layers, 128256, 1, 131072,
                                                train_weights=False, lora_rank=16)
+    # past what every layer min_memory offloaded holds it says so, as that row does
+    assert plan_cli.main([str(tmp_path / "config.json"), "--batch", "1", "--seq", "4194304",
+                          "--weights", "lora", "--offload", "--host-memory", "192GiB",
+                          "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in _column(out, "min_memory + offload", "at S 4,194,304")
+    line = next(x for x in out.splitlines() if x.startswith("auto + offload, by time"))
+    assert line.startswith("auto + offload, by time, at S 4,194,304: does not fit: "), line
 
 
 # ---- mixture-of-experts layers -------------------------------------------------------------

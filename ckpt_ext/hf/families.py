@@ -549,7 +549,8 @@ def layer_dims_from_config(config) -> List[LayerDims]:
     (num_experts_per_tok), expert size (moe_intermediate_size, else intermediate_size: Mixtral,
     OLMoE), shared expert (shared_expert_intermediate_size, 0 without) and
     output_router_logits, and its dense layers (mlp_only_layers, decoder_sparse_step)
-    intermediate_size. ValueError naming what is missing or not an int."""
+    intermediate_size. ValueError naming what is missing or not an int (or, for
+    mlp_only_layers, not a list of ints)."""
     missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size",
                            "num_hidden_layers") if _config_value(config, n) is None]
     if missing:
@@ -596,7 +597,14 @@ def layer_dims_from_config(config) -> List[LayerDims]:
                                  router_logits=bool(_config_value(config,
                                                                   "output_router_logits", False)))
     # dense layers between (qwen2_moe / qwen3_moe): mlp_only_layers, decoder_sparse_step
-    dense = set(_config_value(config, "mlp_only_layers", None) or ())
+    only = _config_value(config, "mlp_only_layers", None)
+    if only is None:
+        only = ()
+    if not isinstance(only, (list, tuple)) or \
+            any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in only):
+        raise ValueError(f"config: mlp_only_layers must be a list of layer indices (ints), got "
+                         f"{only!r}")
+    dense = set(only)
     step = integer("decoder_sparse_step", 1)
     if step <= 0:
         raise ValueError(f"config: decoder_sparse_step must be a positive int, got {step}")

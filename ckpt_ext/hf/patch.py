@@ -92,7 +92,7 @@ from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from .._checks import _check_bool
 from ..blocks import decoder_layer
 from ..offload import offloaded, resolve as resolve_offload
-from ..presets import FUSED_PRESETS, check_policy
+from ..presets import FUSED_PRESETS, PRESETS, check_policy
 from . import moe, zero
 from .errors import PatchRefused
 from .cache import uses_cache
@@ -205,7 +205,7 @@ def _resolve_policy(policy: Policy, n_layers: int) -> List[str]:
     if policy == "auto":
         return ["auto"] * n_layers
     if isinstance(policy, str):
-        return [check_policy(policy, "policy")] * n_layers
+        return [check_policy(policy, "policy", PRESETS + ("auto",))] * n_layers
     if callable(policy):
         return [check_policy(policy(i), f"policy({i})") for i in range(n_layers)]
     if isinstance(policy, (list, tuple)):
