@@ -53,7 +53,12 @@ Choice. The ``attention_backend`` setting (``CKPT_EXT_ATTN_BACKEND``): ``"auto"`
 reads the choice table, ``"triton"`` / ``"flash"`` / ``"cudnn"`` / ``"efficient"`` pin one
 backend; a pinned vendor backend that cannot serve a call raises :class:`BackendRefused`
 naming the rules it lacks. The table (:class:`Table`, JSON) maps shape buckets to an ordered
-list of backends; the first that may serve the call wins, Triton otherwise. The shipped
+list of backends, fastest first; the first that may serve the call wins, Triton otherwise.
+In format 2 a backward's list names Triton per dQ mode (``triton:separate``,
+``triton:ordered``, ``triton:atomic``) and holds every backend measured, so that its first
+entry is the fastest backward and its first deterministic entry the fastest deterministic
+one; format-1 lists name ``triton`` once (read as ``triton:separate``, the mode they were
+measured in) and end at it. The shipped
 table (``attention_backends.json`` beside this module) holds the rules of one H200 run
 (bench/results/gpu_h200_2026-11-27/quick_d_attention.txt: sm90, bf16, head_dim 128, causal,
 unmasked and packed calls; its ``note`` and ``measured`` say what ran); every other call goes
@@ -77,14 +82,20 @@ import torch
 
 from . import _checks, attention_varlen, config
 
-__all__ = ["BACKENDS", "BackendRefused", "Call", "Capabilities", "Table", "choose", "refusals",
-           "attention_fwd", "attention_bwd", "vendor_fwd", "vendor_bwd", "merge",
-           "load_table", "current_table", "cuda_capabilities", "ADAPTERS"]
+__all__ = ["BACKENDS", "DQ_MODES", "BackendRefused", "Call", "Capabilities", "Table", "choose",
+           "refusals", "entry", "attention_fwd", "attention_bwd", "vendor_fwd", "vendor_bwd",
+           "merge", "load_table", "current_table", "cuda_capabilities", "ADAPTERS"]
 
 BACKENDS = ("triton", "flash", "cudnn", "efficient")
 VENDOR = BACKENDS[1:]
+# The Triton backward's dQ modes (the attention_dq values other than "auto"), and the table's
+# name for Triton's backward in each: "triton:separate" etc.; a bare "triton" is
+# "triton:separate" (the mode format-1 tables were measured in; a forward has no dQ mode).
+DQ_MODES = ("separate", "ordered", "atomic")
+TRITON_ENTRIES = tuple(f"triton:{m}" for m in DQ_MODES)
 SHIPPED_TABLE = pathlib.Path(__file__).with_name("attention_backends.json")
-TABLE_FORMAT = "ckpt_ext attention backend table 1"
+TABLE_FORMAT = "ckpt_ext attention backend table 2"
+TABLE_FORMATS = ("ckpt_ext attention backend table 1", TABLE_FORMAT)
 
 # The aten namespace the adapters call through, looked up at each call: tests put a recorder
 # in its place to check the arguments handed to the ops.
@@ -281,12 +292,24 @@ def refusals(backend: str, call: Call, caps: Capabilities) -> list:
     return out
 
 
+def entry(name: str) -> tuple:
+    """(backend, dQ mode) of a table entry: ("triton", mode) for "triton:<mode>", ("triton",
+    "separate") for a bare "triton", (vendor, None) for a vendor backend."""
+    if name == "triton":
+        return ("triton", "separate")
+    if name.startswith("triton:"):
+        return ("triton", name[len("triton:"):])
+    return (name, None)
+
+
 def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table" = None,
            dq_mode: str = "separate") -> str:
     """The backend serving ``call``: ``setting`` is the attention_backend setting; with
     "auto" the table's preference list for the call's bucket, the first backend that may serve
     it (its rules, and for a backward under a deterministic dq_mode, "separate" or "ordered",
-    its determinism), else Triton.
+    its deterministic backward), else Triton. A backward's list names Triton per dQ mode
+    (:func:`entry`): Triton's place in it is the entry of ``dq_mode`` (the first Triton entry
+    when the list has none of that mode), and the vendors listed after it are not tried.
     A pinned vendor backend that cannot serve the call raises BackendRefused."""
     if setting == "triton" or call.Sq == 0:  # nothing to compute: Triton's empty path
         return "triton"
@@ -301,11 +324,16 @@ def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table"
                 + "; ".join(lacking) + ". Set attention_backend='auto' or 'triton' for it.")
         return setting
     table = current_table() if table is None else table
+    names = [entry(e) for e in table.lookup(call, caps.arch)]
     need_deterministic = call.phase == "bwd" and dq_mode in config.DETERMINISTIC_DQ
-    for backend in table.lookup(call, caps.arch):
-        if backend == "triton":
-            return backend
-        if refusals(backend, call, caps):
+    triton = [i for i, (b, m) in enumerate(names) if b == "triton"]
+    if call.phase == "bwd":
+        at = next((i for i in triton if names[i][1] == dq_mode), triton[0] if triton
+                  else len(names))
+    else:
+        at = triton[0] if triton else len(names)
+    for backend, _ in names[:at]:
+        if backend == "triton" or refusals(backend, call, caps):
             continue
         if need_deterministic and backend not in caps.deterministic_bwd:
             continue
@@ -333,7 +361,8 @@ class Table:
     ``head_dim``, ``causal``, ``chunk``, ``phase``, ``gqa``, ``masks`` (one of
     :data:`MASKS`); inclusive ranges ``sq_min`` / ``sq_max``, ``keys_min`` / ``keys_max``,
     ``bh_min`` / ``bh_max``; an absent key matches anything) and ``backends``, the preference
-    order for the calls it matches. The first matching rule decides; no match: ``default``."""
+    order for the calls it matches (backend names, and in format 2 Triton per dQ mode:
+    :func:`entry`). The first matching rule decides; no match: ``default``."""
 
     rules: tuple = ()
     default: tuple = ("triton",)
@@ -341,7 +370,7 @@ class Table:
 
     @property
     def always_triton(self) -> bool:
-        return not self.rules and self.default[:1] == ("triton",)
+        return not self.rules and entry(self.default[0])[0] == "triton"
 
     @functools.cached_property
     def _arches(self) -> Optional[frozenset]:
@@ -353,7 +382,7 @@ class Table:
     def triton_only_on(self, arch: str) -> bool:
         """Whether every call on a device of ``arch`` goes to Triton: no rule names that arch
         (nor leaves it out) and the default starts with Triton."""
-        return self.default[:1] == ("triton",) and (
+        return entry(self.default[0])[0] == "triton" and (
             self._arches is not None and arch not in self._arches)
 
     def lookup(self, call: Call, arch: str) -> tuple:
@@ -371,14 +400,18 @@ class Table:
         def bad(why):
             return ValueError(f"{where}: {why}")
 
-        if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT:
-            raise bad(f"not an attention backend table (format must be {TABLE_FORMAT!r})")
+        if not isinstance(data, dict) or data.get("format") not in TABLE_FORMATS:
+            raise bad(f"not an attention backend table (format must be one of "
+                      f"{TABLE_FORMATS})")
+        # format 1 names Triton once ("triton", measured under "separate"); format 2 also per
+        # dQ mode
+        known = BACKENDS + (TRITON_ENTRIES if data["format"] == TABLE_FORMAT else ())
 
         def backends(value, what):
             names = [value] if isinstance(value, str) else value
             if (not isinstance(names, list) or not names
-                    or any(n not in BACKENDS for n in names)):
-                raise bad(f"{what} must be a backend or a list of backends among {BACKENDS}, "
+                    or any(n not in known for n in names)):
+                raise bad(f"{what} must be a backend or a list of backends among {known}, "
                           f"got {value!r}")
             return tuple(names)
 

@@ -553,9 +553,56 @@ def test_table_rules_match_buckets(tmp_path):
     route.forget_tables()
 
 
+def test_format_1_tables_still_load(tmp_path):
+    """A format-1 file (Triton named once, timed under "separate", lists cut after it) loads,
+    its "triton" read as "triton:separate"; it may not name a dQ mode."""
+    one = "ckpt_ext attention backend table 1"
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"format": one, "default": "triton", "rules": [
+        {"phase": "bwd", "backends": ["cudnn", "flash", "triton"]}]}))
+    table = route.load_table(path)
+    bwd = _call(phase="bwd")
+    assert table.lookup(bwd, "sm90") == ("cudnn", "flash", "triton")
+    assert route.entry("triton") == ("triton", "separate") == route.entry("triton:separate")
+    assert route.choose(bwd, _sm90(), "auto", table, "separate") == "flash"
+    assert route.choose(bwd, _sm90(), "auto", table, "atomic") == "cudnn"
+    assert table.triton_only_on("sm80") is False     # a rule without arch: every device
+    path.write_text(json.dumps({"format": one, "rules": [{"backends": ["triton:atomic"]}]}))
+    with pytest.raises(ValueError, match="backends"):
+        route.load_table(path)
+
+
+def test_format_2_lists_place_triton_per_dq_mode():
+    """A format-2 backward list names Triton per dQ mode and is not cut: under a dQ mode
+    Triton's place is that mode's entry (the first Triton entry when the list has none of
+    it), the vendors before it tried, the deterministic modes skipping cudnn."""
+    caps = _sm90()
+    bwd = _call(phase="bwd")
+    table = route.Table(rules=({"phase": "bwd", "backends": (
+        "triton:atomic", "cudnn", "triton:ordered", "flash", "triton:separate", "efficient")},
+        {"phase": "fwd", "backends": ("cudnn", "triton:atomic", "flash")}))
+    assert route.choose(bwd, caps, "auto", table, "atomic") == "triton"    # fastest there
+    assert route.choose(bwd, caps, "auto", table, "ordered") == "triton"   # before flash
+    assert route.choose(bwd, caps, "auto", table, "separate") == "flash"   # cudnn skipped
+    no_ordered = route.Table(rules=({"backends": ("cudnn", "triton:separate", "flash",
+                                                  "triton:atomic")},))
+    assert route.choose(bwd, caps, "auto", no_ordered, "ordered") == "triton"  # first Triton
+    assert route.choose(bwd, caps, "auto", no_ordered, "atomic") == "cudnn"
+    # a forward: the first Triton entry is Triton, whatever its mode
+    assert route.choose(_call(), caps, "auto", table, "separate") == "cudnn"
+    assert route.choose(_call(), _sm90(backends=frozenset(("flash",))), "auto", table,
+                        "separate") == "triton"
+    # cudnn refused (head_dim 256): the next entry; under "atomic" Triton's place is its own
+    # entry, past flash
+    assert route.choose(_call(phase="bwd", D=256), caps, "auto", no_ordered,
+                        "atomic") == "flash"
+    assert route.choose(_call(D=256), caps, "auto", table, "atomic") == "triton"
+
+
 @pytest.mark.parametrize("data, match", [
     ({"rules": []}, "format"),
     ({"format": route.TABLE_FORMAT, "rules": [{"backends": "sdpa"}]}, "backends"),
+    ({"format": route.TABLE_FORMAT, "rules": [{"backends": "triton:fast"}]}, "backends"),
     ({"format": route.TABLE_FORMAT, "rules": [{"seq": 4, "backends": "flash"}]}, "unknown key"),
     ({"format": route.TABLE_FORMAT, "rules": [{"causal": 1, "backends": "flash"}]}, "bool"),
     ({"format": route.TABLE_FORMAT, "rules": [{"sq_min": "4", "backends": "flash"}]}, "int"),
