@@ -104,8 +104,10 @@ def parse_args(argv=None):
                         "writes bench/results/attention_backends_<device>.csv")
     p.add_argument("--backends", default="triton,flash,cudnn,efficient,auto",
                    help="attention_backend values timed by --backend-rows ('auto': the table; "
-                        "'triton': its backward under each dQ mode, the rows triton:separate, "
-                        "triton:ordered, triton:atomic; 'triton:<mode>' one of them)")
+                        "'auto:strict': the table as under torch.use_deterministic_algorithms("
+                        "True); 'triton': its backward under each dQ mode, the rows "
+                        "triton:separate, triton:ordered, triton:atomic; 'triton:<mode>' one of "
+                        "them)")
     p.add_argument("--backend-shape", default="1,32,8,128",
                    help="B,Hq,Hkv,D of the --backend-rows calls (default LLaMA-3-8B heads)")
     p.add_argument("--backend-seqlens", default="8192,32768",
@@ -516,19 +518,25 @@ def backend_settings(names):
     stands for Triton under each dQ mode (triton:separate, triton:ordered, triton:atomic);
     a vendor backend runs its deterministic backward where it has one (attention_dq
     "separate"), so that its place in a table's list holds for deterministic backwards too;
-    "auto" runs under the settings in effect."""
+    "auto" runs under the settings in effect, "auto:strict" under attention_dq "auto" as with
+    torch.use_deterministic_algorithms(True) (the rows ckpt_ext.throughputs reads for the
+    strict backward's rates; the "determinism" entry, config.asking_determinism's)."""
     from ckpt_ext import attention_route
 
     out = {}
     for name in names:
         for row in (attention_route.TRITON_ENTRIES if name == "triton" else (name,)):
             backend, mode = attention_route.entry(row)
-            if backend not in attention_route.BACKENDS + ("auto",) or (
-                    mode is not None and mode not in attention_route.DQ_MODES):
+            if row != "auto:strict" and (
+                    backend not in attention_route.BACKENDS + ("auto",)
+                    or (mode is not None and mode not in attention_route.DQ_MODES)):
                 raise SystemExit(f"bench/attention.py: --backends: unknown backend {name!r} "
                                  f"(triton, triton:<{'|'.join(attention_route.DQ_MODES)}>, "
-                                 f"flash, cudnn, efficient, auto)")
-            if backend == "auto":
+                                 f"flash, cudnn, efficient, auto, auto:strict)")
+            if row == "auto:strict":
+                out[row] = {"attention_backend": "auto", "attention_dq": "auto",
+                            "determinism": "strict"}
+            elif backend == "auto":
                 out[row] = {"attention_backend": "auto"}
             else:
                 out[row] = {"attention_backend": backend, "attention_dq": mode or "separate"}
@@ -568,7 +576,10 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
                     else:  # the interpreter smoke run: the Triton launchers directly
                         fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5, seg,
                                                   q_offset=q_offset, accumulate=Sq < Sk)
-                    with config.patch(**settings):
+                    determinism = settings.get("determinism")
+                    with config.patch(**{k: v for k, v in settings.items()
+                                         if k != "determinism"}), \
+                            config.asking_determinism(determinism):
                         for mode in MODES:
                             if mode == "bwd":
                                 prepare()
@@ -618,7 +629,8 @@ def choice_table(rows, arch, header, note=None, bare_triton="separate"):
 
     measured = {}
     for r in rows:
-        if r["backend"] == "auto" or r["mode"] not in ("fwd", "bwd") or r["ms"] != r["ms"]:
+        if (r["backend"] in ("auto", "auto:strict") or r["mode"] not in ("fwd", "bwd")
+                or r["ms"] != r["ms"]):
             continue
         keys = r["q_offset"] + r["sq"] if r["causal"] else r["sk"]
         masks = r.get("masks", "none").split(" ")[0]         # "packed N": the table's "packed"
@@ -776,7 +788,7 @@ def _table_note(rows, arch, header, source, bare_triton="separate"):
     def uniq(values):
         return ", ".join(str(v) for v in dict.fromkeys(values))
 
-    timed = [r for r in rows if r["backend"] != "auto"]
+    timed = [r for r in rows if r["backend"] not in ("auto", "auto:strict")]
     whole = sorted({r["sq"] for r in timed if r["q_offset"] == 0 and r["sq"] == r["sk"]})
     chunks = sorted({(r["sq"], r["sk"]) for r in timed if r["q_offset"] > 0})
     heads = uniq(f"B {r['batch']}, Hq/Hkv {r['hq']}/{r['hkv']}" for r in timed)

@@ -395,6 +395,8 @@ def test_bare_triton_rows_take_the_dq_mode_of_their_run(tmp_path):
 
 
 def test_backend_settings_name_triton_per_dq_mode():
+    assert bench.backend_settings(["auto:strict"]) == {"auto:strict": {
+        "attention_backend": "auto", "attention_dq": "auto", "determinism": "strict"}}
     assert bench.backend_settings(["triton", "cudnn", "auto"]) == {
         "triton:separate": {"attention_backend": "triton", "attention_dq": "separate"},
         "triton:ordered": {"attention_backend": "triton", "attention_dq": "ordered"},
