@@ -974,6 +974,30 @@ def test_gpu_backend_matches_fp64_in_chunks(backend, window):
             check_accuracy_rule(got, references)
 
 
+def _bucket_inputs(seed):
+    """(q, k, v, dout, scale, causal_references) on the GPU at the shipped table's bucket:
+    bf16, B 1, GQA 32/8, head_dim 128, S 2000."""
+    torch.manual_seed(seed)
+    B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+                     for H in (Hq, Hkv, Hkv, Hq))
+    return q, k, v, dout, scale, causal_references(q, k, v, dout, scale)
+
+
+def _recording(served):
+    """attention_fwd / attention_bwd through the registered ops, each call's backend
+    (CUDA_ROUTER.last) appended to ``served``."""
+    ops = torch.ops.ckpt_ext
+
+    def recorded(op):
+        def call(*args):
+            got = op(*args)
+            served.append(route.CUDA_ROUTER.last)
+            return got
+        return call
+    return recorded(ops.attention_fwd), recorded(ops.attention_bwd)
+
+
 @pytest.mark.gpu(reason="the shipped table's SDPA backends need a CUDA GPU")
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
@@ -986,23 +1010,10 @@ def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
         pytest.skip("the shipped table has rules for sm90 only")
     if not {"cudnn", "flash"} <= set(_gpu_backends()):
         pytest.skip("cudnn or flash is not available on this GPU / torch")
-    torch.manual_seed(2)
-    B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
-    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-                     for H in (Hq, Hkv, Hkv, Hq))
-    references = causal_references(q, k, v, dout, scale)
-    ops, served = torch.ops.ckpt_ext, []
-
-    def fwd(*args):
-        got = ops.attention_fwd(*args)
-        served.append(route.CUDA_ROUTER.last)
-        return got
-
-    def bwd(*args):
-        got = ops.attention_bwd(*args)
-        served.append(route.CUDA_ROUTER.last)
-        return got
-
+    q, k, v, dout, scale, references = _bucket_inputs(2)
+    S = q.shape[2]
+    served = []
+    fwd, bwd = _recording(served)
     atomic = dq_mode == "atomic"
     with config.patch(attention_backend="auto", attention_table="", attention_dq=dq_mode):
         # whole: one call each; chunks of 700 rows: the first (q_offset 0, 700 keys) a whole
@@ -1025,21 +1036,14 @@ def test_gpu_strict_steps_are_bitwise_equal_and_the_default_meets_the_rule(torch
     equal bit for bit and only deterministic backwards served; with the flag off (the
     fastest backwards, cuDNN's where the table says) a step is within 2x / 3x plain
     PyTorch's error against float64."""
-    torch.manual_seed(3)
-    B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
-    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-                     for H in (Hq, Hkv, Hkv, Hq))
-    references = causal_references(q, k, v, dout, scale)
-    ops, served = torch.ops.ckpt_ext, []
-
-    def bwd(*args):
-        got = ops.attention_bwd(*args)
-        served.append(route.CUDA_ROUTER.last)
-        return got
+    q, k, v, dout, scale, references = _bucket_inputs(3)
+    S = q.shape[2]
+    served = []
+    _, bwd = _recording(served)
 
     def step():
-        return [attention_in_chunks(ops.attention_fwd, bwd, q, k, v, dout, None, True, scale,
-                                    None, None, rows) for rows in (S, 700)]
+        return [attention_in_chunks(torch.ops.ckpt_ext.attention_fwd, bwd, q, k, v, dout, None,
+                                    True, scale, None, None, rows) for rows in (S, 700)]
 
     with config.patch(attention_backend="auto", attention_table="", attention_dq="auto"):
         torch_flag("strict")
