@@ -16,11 +16,13 @@ FLOPs (FlashAttention convention): forward 4 * B * Hq * S^2 * D, halved when cau
 rows: 4 * Hq * D * visible pairs); backward 2.5x forward; forward+backward 3.5x forward.
 
 ``--backend-rows`` times the op itself (``torch.ops.ckpt_ext.attention_fwd`` / ``_bwd``, any
-merge of a query chunk included) with each attention backend pinned (triton, flash, cudnn,
-efficient, and auto: the choice table) at the decoder layer's call shapes: whole sequences and
-query chunks (Sq = chunk rows, Sk = the keys they see, dK / dV into fp32 accumulators), and
-writes ``bench/results/attention_backends_<device>.csv``; ``--write-table FILE`` turns the
-times into a choice table for ``CKPT_EXT_ATTN_TABLE``. ``--backend-packed-doc N`` times each
+merge of a query chunk included) with each attention backend pinned (triton under each dQ mode,
+``triton:separate`` / ``triton:ordered`` / ``triton:atomic``; flash, cudnn, efficient, their
+backwards the deterministic ones where they have one; and auto: the choice table) at the
+decoder layer's call shapes: whole sequences and query chunks (Sq = chunk rows, Sk = the keys
+they see, dK / dV into fp32 accumulators), and writes
+``bench/results/attention_backends_<device>.csv``; ``--write-table FILE`` turns the times into
+a choice table (format 2) for ``CKPT_EXT_ATTN_TABLE``. ``--backend-packed-doc N`` times each
 shape again with packed documents of N tokens (segment ids: flash's variable-length op or
 Triton), which make the table's rules for packed calls. ``--from-csv FILE --write-table OUT``
 writes the table from the CSV of an earlier ``--backend-rows`` run (alone, or inside a results
@@ -101,7 +103,11 @@ def parse_args(argv=None):
                         "query chunks (--chunk-rows x --chunk-keys), instead of the sweep; "
                         "writes bench/results/attention_backends_<device>.csv")
     p.add_argument("--backends", default="triton,flash,cudnn,efficient,auto",
-                   help="attention_backend values timed by --backend-rows ('auto': the table)")
+                   help="attention_backend values timed by --backend-rows ('auto': the table; "
+                        "'auto:strict': the table as under torch.use_deterministic_algorithms("
+                        "True); 'triton': its backward under each dQ mode, the rows "
+                        "triton:separate, triton:ordered, triton:atomic; 'triton:<mode>' one of "
+                        "them)")
     p.add_argument("--backend-shape", default="1,32,8,128",
                    help="B,Hq,Hkv,D of the --backend-rows calls (default LLaMA-3-8B heads)")
     p.add_argument("--backend-seqlens", default="8192,32768",
@@ -507,12 +513,42 @@ def backend_fns(q, k, v, dout, causal, scale, q_offset, accumulate, segment_ids=
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, prepare_bwd
 
 
+def backend_settings(names):
+    """{row name: the ckpt_ext.config settings it is timed under} for --backends: "triton"
+    stands for Triton under each dQ mode (triton:separate, triton:ordered, triton:atomic);
+    a vendor backend runs its deterministic backward where it has one (attention_dq
+    "separate"), so that its place in a table's list holds for deterministic backwards too;
+    "auto" runs under the settings in effect, "auto:strict" under attention_dq "auto" as with
+    torch.use_deterministic_algorithms(True) (the rows ckpt_ext.throughputs reads for the
+    strict backward's rates; the "determinism" entry, config.asking_determinism's)."""
+    from ckpt_ext import attention_route
+
+    out = {}
+    for name in names:
+        for row in (attention_route.TRITON_ENTRIES if name == "triton" else (name,)):
+            backend, mode = attention_route.entry(row)
+            if row != "auto:strict" and (
+                    backend not in attention_route.BACKENDS + ("auto",)
+                    or (mode is not None and mode not in attention_route.DQ_MODES)):
+                raise SystemExit(f"bench/attention.py: --backends: unknown backend {name!r} "
+                                 f"(triton, triton:<{'|'.join(attention_route.DQ_MODES)}>, "
+                                 f"flash, cudnn, efficient, auto, auto:strict)")
+            if row == "auto:strict":
+                out[row] = {"attention_backend": "auto", "attention_dq": "auto",
+                            "determinism": "strict"}
+            elif backend == "auto":
+                out[row] = {"attention_backend": "auto"}
+            else:
+                out[row] = {"attention_backend": backend, "attention_dq": mode or "separate"}
+    return out
+
+
 def bench_backends(args, device, dtype, warmup, reps, causal):
     """Rows for every backend and mode at every shape of layer_call_shapes."""
     from ckpt_ext import attention_route
 
     B, Hq, Hkv, D = (int(x) for x in args.backend_shape.split(","))
-    backends = [b for b in args.backends.split(",") if b]
+    backends = backend_settings(b for b in args.backends.split(",") if b)
     rows = []
     labels = {c[:3]: c[3] for c in layer_chunk_calls(args, dtype.itemsize)}
     shapes = [(*shape, 0) for shape in layer_call_shapes(args, dtype.itemsize)]
@@ -527,10 +563,10 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
                 .transpose(1, 2) for _ in range(2))
         dout = torch.randn(B, Sq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
         flops = 4.0 * B * Hq * D * visible_pairs(Sq, Sk, q_offset, causal, doc)
-        for backend in backends:
+        for backend, settings in backends.items():
             note, served = "", {}
             results = {m: float("nan") for m in MODES}
-            if device != "cuda" and backend != "triton":
+            if device != "cuda" and settings["attention_backend"] != "triton":
                 note = "needs CUDA"   # the CPU smoke run: the Triton kernels only
             else:
                 try:
@@ -540,7 +576,10 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
                     else:  # the interpreter smoke run: the Triton launchers directly
                         fns, prepare = triton_fns(q, k, v, dout, causal, D ** -0.5, seg,
                                                   q_offset=q_offset, accumulate=Sq < Sk)
-                    with config.patch(attention_backend=backend):
+                    determinism = settings.get("determinism")
+                    with config.patch(**{k: v for k, v in settings.items()
+                                         if k != "determinism"}), \
+                            config.asking_determinism(determinism):
                         for mode in MODES:
                             if mode == "bwd":
                                 prepare()
@@ -572,10 +611,14 @@ def bench_backends(args, device, dtype, warmup, reps, causal):
     return rows
 
 
-def choice_table(rows, arch, header, note=None):
-    """The attention backend choice table the measured rows say: per phase (forward: the
-    "fwd" times, backward: the "bwd" times) and shape, the pinned backends that ran, fastest
-    first, cut after Triton (the fallback). Shapes become rules on (chunk, sq, keys) with
+def choice_table(rows, arch, header, note=None, bare_triton="separate"):
+    """The attention backend choice table (format 2) the measured rows say: per phase
+    (forward: the "fwd" times, backward: the "bwd" times) and shape, every pinned backend that
+    ran, fastest first: a backward's Triton once per dQ mode timed (``triton:<mode>``), a
+    forward's once (``triton``, its fastest row: the forward has no dQ mode). Rows of a bare
+    ``triton`` (a CSV written before the rows named the dQ mode) were timed under
+    ``bare_triton``, the attention_dq setting of that run. Shapes become rules on (chunk, sq,
+    keys) with
     ``_max`` bounds at the measured sizes (the largest unbounded), ascending, so that a call
     takes the rule of the smallest measured shape that contains it. Where no measured shape
     is the largest in both sq and keys (e.g. chunks of 512 and 1056 rows against 32768 keys
@@ -586,13 +629,18 @@ def choice_table(rows, arch, header, note=None):
 
     measured = {}
     for r in rows:
-        if r["backend"] == "auto" or r["mode"] not in ("fwd", "bwd") or r["ms"] != r["ms"]:
+        if (r["backend"] in ("auto", "auto:strict") or r["mode"] not in ("fwd", "bwd")
+                or r["ms"] != r["ms"]):
             continue
         keys = r["q_offset"] + r["sq"] if r["causal"] else r["sk"]
         masks = r.get("masks", "none").split(" ")[0]         # "packed N": the table's "packed"
         key = (r["dtype"], r["head_dim"], bool(r["causal"]), r["q_offset"] > 0, r["mode"], masks)
-        measured.setdefault(key, {}).setdefault((r["sq"], keys), []).append(
-            (r["ms"], r["backend"]))
+        name = r["backend"]
+        if attention_route.entry(name)[0] == "triton":
+            name = "triton" if r["mode"] == "fwd" else (
+                f"triton:{bare_triton}" if name == "triton" else name)
+        times = measured.setdefault(key, {}).setdefault((r["sq"], keys), {})
+        times[name] = min(r["ms"], times.get(name, math.inf))
     names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     rules = []
     for (dtype, D, causal, chunk, phase, masks), by_shape in sorted(measured.items()):
@@ -602,9 +650,8 @@ def choice_table(rows, arch, header, note=None):
                   "causal": causal, "chunk": chunk, "phase": phase, "masks": masks}
         orders = {}
         for sq, keys in sorted(by_shape):
-            order = [b for _, b in sorted(by_shape[(sq, keys)])]
-            if "triton" in order:
-                order = order[:order.index("triton") + 1]
+            order = [b for b, _ in sorted(by_shape[(sq, keys)].items(),
+                                          key=lambda item: (item[1], item[0]))]
             orders[(sq, keys)] = order
             rule = dict(bucket)
             if sq != sqs[-1]:
@@ -723,13 +770,25 @@ def csv_arch(header, preamble, given=None):
                      f"get_device_capability() (9, 0))")
 
 
-def _table_note(rows, arch, header, source):
+def csv_dq_mode(header, preamble):
+    """The attention_dq setting a CSV's bare ``triton`` rows ran under: CKPT_EXT_ATTN_DQ in
+    its command line, else the default of the bench's runs until the rows named the dQ mode,
+    "separate"."""
+    import re
+
+    command = " ".join(filter(None, (_header_value(header, "command"),
+                                     _header_value(preamble, "command"))))
+    found = re.search(r"CKPT_EXT_ATTN_DQ=(\w+)", command)
+    return found.group(1) if found else "separate"
+
+
+def _table_note(rows, arch, header, source, bare_triton="separate"):
     """The note of a table written from a CSV: what was measured, where, and how the rules
     are read."""
     def uniq(values):
         return ", ".join(str(v) for v in dict.fromkeys(values))
 
-    timed = [r for r in rows if r["backend"] != "auto"]
+    timed = [r for r in rows if r["backend"] not in ("auto", "auto:strict")]
     whole = sorted({r["sq"] for r in timed if r["q_offset"] == 0 and r["sq"] == r["sk"]})
     chunks = sorted({(r["sq"], r["sk"]) for r in timed if r["q_offset"] > 0})
     heads = uniq(f"B {r['batch']}, Hq/Hkv {r['hq']}/{r['hkv']}" for r in timed)
@@ -746,12 +805,18 @@ def _table_note(rows, arch, header, source):
             f"({uniq(r['backend'] for r in timed)}) at {uniq(r['dtype'] for r in timed)}, "
             f"head_dim {uniq(r['head_dim'] for r in timed)}, {causal}, {heads}: "
             f"{'; '.join(shapes)}; masks {uniq(r['masks'] for r in timed)}. Each rule lists, "
-            f"for its phase and shape, the backends that ran there fastest first, cut after "
-            f"Triton. The first matching rule wins and its backends are tried in order; a "
-            f"backward under attention_dq='separate' (the default) skips a backend without a "
-            f"deterministic backward (cudnn). Every other call (another GPU, dtype, head_dim "
-            f"or causality, a key_padding_mask) takes the default, Triton. Written by "
-            f"bench/attention.py --from-csv {source} --write-table.")
+            f"for its phase and shape, every backend that ran there, fastest first, a "
+            f"backward's Triton per dQ mode it ran in (triton:<mode>)"
+            + (f" (the CSV's Triton rows name no mode: they ran under attention_dq="
+               f"'{bare_triton}', so Triton appears as triton:{bare_triton} only)"
+               if any(r["backend"] == "triton" for r in timed) else "")
+            + "; the vendors' backwards ran deterministic where they have one (flash, "
+            f"efficient). The first matching rule wins and its backends are tried in order; a "
+            f"backward that must be deterministic skips the entries without a deterministic "
+            f"backward (cudnn, triton:atomic). Every other call (another GPU, dtype, head_dim "
+            f"or causality, a key_padding_mask) takes the default, Triton "
+            f"(triton:separate). Written by bench/attention.py --from-csv {source} "
+            f"--write-table.")
 
 
 def main_from_csv(args):
@@ -773,7 +838,9 @@ def main_from_csv(args):
     if _header_value(header, "commit") is None:
         measured.append(f"commit: {commit_text}")
     measured += [line for line in header if not line.startswith("arch:")]
-    table = choice_table(rows, arch, measured, _table_note(rows, arch, header, source))
+    bare = csv_dq_mode(header, preamble)
+    table = choice_table(rows, arch, measured, _table_note(rows, arch, header, source, bare),
+                         bare)
     pathlib.Path(args.write_table).write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {args.write_table} ({len(table['rules'])} rules, arch {arch}, from "
           f"{len(rows)} rows of {source})")

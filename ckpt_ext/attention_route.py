@@ -29,14 +29,20 @@ only when their shape allows it: ids that never decrease along a row (packed doc
 one run of real keys per row (padding), one of the two, no window with a padding mask. Which
 of these holds is read from the masks (one host sync per mask tensor) only when a vendor
 backend would otherwise serve the call; rows that see nothing never reach the vendor op.
-A vendor backward serves by default only when it is deterministic: under ``attention_dq =
-"separate"`` (the default) or ``"ordered"``, ``flash`` runs FlashAttention-2's deterministic
-backward (which torch selects by ``torch.use_deterministic_algorithms(True)`` alone, so the
-adapter turns that process-wide flag on around the one aten call,
-:func:`deterministic_torch`), ``efficient``
-with ``num_splits_key=1`` (one program walks all key blocks of a head, dQ summed in a fixed
-order), ``cudnn`` never; ``attention_dq = "atomic"`` allows any (flash's backward then
-follows torch's flag as the user set it), and so does a pinned backend.
+Determinism follows torch's convention. Under ``attention_dq = "auto"`` (the default) a
+backward reads :func:`ckpt_ext.config.determinism` (torch's flag, or what
+``ops.attention(deterministic=)`` asked) at each call: with the flag off the fastest backward
+the table names serves (cuDNN's, flash's and efficient's fastest variants, Triton's
+``atomic`` dQ: not bit-reproducible); with ``torch.use_deterministic_algorithms(True)`` only
+deterministic ones (Triton ``separate`` or ``ordered``; ``flash`` running FlashAttention-2's
+deterministic backward, ``efficient`` with ``num_splits_key=1`` (one program walks all key
+blocks of a head, dQ summed in a fixed order); ``cudnn`` never), as torch's SDPA backwards do;
+with ``warn_only=True`` the fastest, and one warning per process when it is not deterministic
+(:func:`warn_if_not_deterministic`). Under an explicit ``"separate"`` or ``"ordered"`` a vendor
+backward serves only in its deterministic variant, under ``"atomic"`` any; a pinned backend
+serves as asked (a pinned cuDNN backward under "auto" with the flag on raises). torch selects
+FlashAttention-2's deterministic backward by its process-wide flag alone, so the adapter turns
+it on around the one aten call (:func:`deterministic_torch`).
 
 Query chunks (Sq < Sk with q_offset, the sequence-tiled layer's calls). Causal rows see no key
 past q_offset + Sq, so the keys are cut there. A backend with a bottom-right causal alignment
@@ -53,7 +59,12 @@ Choice. The ``attention_backend`` setting (``CKPT_EXT_ATTN_BACKEND``): ``"auto"`
 reads the choice table, ``"triton"`` / ``"flash"`` / ``"cudnn"`` / ``"efficient"`` pin one
 backend; a pinned vendor backend that cannot serve a call raises :class:`BackendRefused`
 naming the rules it lacks. The table (:class:`Table`, JSON) maps shape buckets to an ordered
-list of backends; the first that may serve the call wins, Triton otherwise. The shipped
+list of backends, fastest first; the first that may serve the call wins, Triton otherwise.
+In format 2 a backward's list names Triton per dQ mode (``triton:separate``,
+``triton:ordered``, ``triton:atomic``) and holds every backend measured, so that its first
+entry is the fastest backward and its first deterministic entry the fastest deterministic
+one; format-1 lists name ``triton`` once (read as ``triton:separate``, the mode they were
+measured in) and end at it. The shipped
 table (``attention_backends.json`` beside this module) holds the rules of one H200 run
 (bench/results/gpu_h200_2026-11-27/quick_d_attention.txt: sm90, bf16, head_dim 128, causal,
 unmasked and packed calls; its ``note`` and ``measured`` say what ran); every other call goes
@@ -71,20 +82,28 @@ import json
 import math
 import pathlib
 import threading
+import warnings
 from typing import Callable, Optional
 
 import torch
 
 from . import _checks, attention_varlen, config
 
-__all__ = ["BACKENDS", "BackendRefused", "Call", "Capabilities", "Table", "choose", "refusals",
-           "attention_fwd", "attention_bwd", "vendor_fwd", "vendor_bwd", "merge",
-           "load_table", "current_table", "cuda_capabilities", "ADAPTERS"]
+__all__ = ["BACKENDS", "DQ_MODES", "BackendRefused", "Call", "Capabilities", "Table", "choose",
+           "select", "Selection", "triton_dq_mode", "refusals", "entry", "attention_fwd",
+           "attention_bwd", "vendor_fwd", "vendor_bwd", "merge", "load_table", "current_table",
+           "cuda_capabilities", "ADAPTERS"]
 
 BACKENDS = ("triton", "flash", "cudnn", "efficient")
 VENDOR = BACKENDS[1:]
+# The Triton backward's dQ modes (the attention_dq values other than "auto"), and the table's
+# name for Triton's backward in each: "triton:separate" etc.; a bare "triton" is
+# "triton:separate" (the mode format-1 tables were measured in; a forward has no dQ mode).
+DQ_MODES = ("separate", "ordered", "atomic")
+TRITON_ENTRIES = tuple(f"triton:{m}" for m in DQ_MODES)
 SHIPPED_TABLE = pathlib.Path(__file__).with_name("attention_backends.json")
-TABLE_FORMAT = "ckpt_ext attention backend table 1"
+TABLE_FORMAT = "ckpt_ext attention backend table 2"
+TABLE_FORMATS = ("ckpt_ext attention backend table 1", TABLE_FORMAT)
 
 # The aten namespace the adapters call through, looked up at each call: tests put a recorder
 # in its place to check the arguments handed to the ops.
@@ -177,6 +196,9 @@ class Capabilities:
     varlen: frozenset = frozenset(("flash",))
 
 
+
+# A device where only Triton serves (the arch is replaced where a table is read).
+_TRITON_ONLY = Capabilities(arch="", backends=frozenset(), dtypes={}, max_head_dim={})
 
 _caps_cache: dict = {}
 _caps_lock = threading.Lock()
@@ -281,17 +303,75 @@ def refusals(backend: str, call: Call, caps: Capabilities) -> list:
     return out
 
 
-def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table" = None,
-           dq_mode: str = "separate") -> str:
-    """The backend serving ``call``: ``setting`` is the attention_backend setting; with
-    "auto" the table's preference list for the call's bucket, the first backend that may serve
-    it (its rules, and for a backward under a deterministic dq_mode, "separate" or "ordered",
-    its determinism), else Triton.
-    A pinned vendor backend that cannot serve the call raises BackendRefused."""
-    if setting == "triton" or call.Sq == 0:  # nothing to compute: Triton's empty path
-        return "triton"
+def entry(name: str) -> tuple:
+    """(backend, dQ mode) of a table entry: ("triton", mode) for "triton:<mode>", ("triton",
+    "separate") for a bare "triton", (vendor, None) for a vendor backend."""
+    if name == "triton":
+        return ("triton", "separate")
+    if name.startswith("triton:"):
+        return ("triton", name[len("triton:"):])
+    return (name, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What serves one call (:func:`select`): the ``backend``; for a backward, Triton's dQ
+    mode (``dq_mode``, None elsewhere) and whether the backward is bit-reproducible
+    (``deterministic``: a vendor adapter is asked for its deterministic variant)."""
+
+    backend: str
+    dq_mode: Optional[str] = None
+    deterministic: bool = True
+
+    @property
+    def name(self) -> str:
+        """The table's name for it: "triton:<mode>" for a Triton backward."""
+        return f"triton:{self.dq_mode}" if self.dq_mode else self.backend
+
+
+def select(call: Call, caps: Capabilities, setting: str = "auto", table: "Table" = None,
+           dq_setting: str = "separate", determinism: str = "off") -> Selection:
+    """What serves ``call``. ``setting`` is the attention_backend setting, ``dq_setting`` the
+    attention_dq one and ``determinism`` what the backward must be under ``dq_setting``
+    "auto" (``config.determinism()``: "off", "warn" or "strict").
+
+    With ``setting`` "auto" the table's preference list for the call's bucket (:func:`entry`
+    names) decides: the first backend that may serve the call (:func:`refusals`), else
+    Triton. A backward then depends on the dQ setting:
+
+    * "auto", determinism "off" or "warn": the first entry that may serve, whichever it is
+      (the fastest backward measured; a vendor runs its fastest variant, a Triton entry names
+      its dQ mode);
+    * "auto", determinism "strict": the first deterministic one (not cudnn, not
+      triton:atomic; flash and efficient in their deterministic variant), Triton "separate"
+      if the list has none;
+    * an explicit mode, "separate", "ordered" or "atomic": Triton's place in the list is that
+      mode's entry (the first Triton entry when the list has none of it), the vendors before
+      it tried, only deterministic ones under "separate" and "ordered".
+
+    A pinned vendor backend that cannot serve the call raises BackendRefused, and so does a
+    pinned cudnn backward under "auto" with determinism "strict" (torch's flag takes cuDNN's
+    backward out of SDPA's choice too); a pinned "triton" backward under "auto" takes the
+    dQ mode of the list's first Triton entry the determinism allows."""
+    backward = call.phase == "bwd"
+    auto = dq_setting == "auto"
+    strict = (determinism == "strict") if auto else dq_setting in config.DETERMINISTIC_DQ
+
+    def triton(mode):
+        if not backward:
+            return Selection("triton")
+        return Selection("triton", mode, mode in config.DETERMINISTIC_DQ)
+
+    if setting == "triton" or call.Sq == 0:  # Sq 0: nothing to compute, Triton's empty path
+        if not auto or not backward or call.Sq == 0:
+            return triton("separate" if auto else dq_setting)
+        setting, caps = "auto", dataclasses.replace(_TRITON_ONLY, arch=caps.arch)
     if setting != "auto":
         lacking = refusals(setting, call, caps)
+        if backward and auto and strict and setting not in caps.deterministic_bwd:
+            lacking.append(f"determinism: {setting} has no deterministic backward, and "
+                           f"torch.use_deterministic_algorithms(True) is set (attention_dq "
+                           f"'auto')")
         if lacking:
             raise BackendRefused(
                 f"ckpt_ext attention: the pinned backend {_NAMES.get(setting, setting)} "
@@ -299,18 +379,69 @@ def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table"
                 f"{call.phase} call (B={call.B}, Hq={call.Hq}, Hkv={call.Hkv}, Sq={call.Sq}, "
                 f"Sk={call.Sk}, D={call.D}, causal={call.causal}, q_offset={call.q_offset}): "
                 + "; ".join(lacking) + ". Set attention_backend='auto' or 'triton' for it.")
-        return setting
+        return Selection(setting, None, strict and setting in caps.deterministic_bwd)
     table = current_table() if table is None else table
-    need_deterministic = call.phase == "bwd" and dq_mode in config.DETERMINISTIC_DQ
-    for backend in table.lookup(call, caps.arch):
+    names = [entry(e) for e in table.lookup(call, caps.arch)]
+    if not backward or not auto:
+        tritons = [i for i, (b, _) in enumerate(names) if b == "triton"]
+        at = next((i for i in tritons if names[i][1] == dq_setting or not backward),
+                  tritons[0] if tritons else len(names))
+        # Triton at its place, in the setting's mode; its other entries are not its place
+        names = [n for n in names[:at] if n[0] != "triton"] + [("triton", dq_setting)]
+    for backend, mode in names:
         if backend == "triton":
-            return backend
+            if auto and strict and mode not in config.DETERMINISTIC_DQ:
+                continue
+            return triton(mode)
         if refusals(backend, call, caps):
             continue
-        if need_deterministic and backend not in caps.deterministic_bwd:
+        if backward and strict and backend not in caps.deterministic_bwd:
             continue
-        return backend
-    return "triton"
+        return Selection(backend, None, not backward or strict)
+    return triton("separate" if auto else dq_setting)
+
+
+def choose(call: Call, caps: Capabilities, setting: str = "auto", table: "Table" = None,
+           dq_mode: str = "separate", determinism: str = "off") -> str:
+    """The backend serving ``call`` (:func:`select`'s, with ``dq_mode`` the attention_dq
+    setting)."""
+    return select(call, caps, setting, table, dq_mode, determinism).backend
+
+
+_warned = threading.Event()
+
+
+def warn_if_not_deterministic(chosen: Selection, determinism: str) -> None:
+    """Under ``torch.use_deterministic_algorithms(True, warn_only=True)`` (determinism
+    "warn") a backward that is not bit-reproducible runs, as torch's own kernels do, and
+    warns once per process naming the op and what ran."""
+    if determinism != "warn" or chosen.deterministic or _warned.is_set():
+        return
+    _warned.set()
+    warnings.warn(
+        f"ckpt_ext::attention_bwd ran a backward that is not deterministic ({chosen.name}), "
+        f"with torch.use_deterministic_algorithms(True, warn_only=True) set. Under "
+        f"attention_dq='auto' warn_only keeps the fastest backward and warns once; without "
+        f"warn_only only deterministic backwards serve, and attention_dq='separate' or "
+        f"'ordered' (or ops.attention(deterministic=True)) asks for one.", UserWarning,
+        stacklevel=3)
+
+
+def triton_dq_mode(call: Call, arch: str, table: "Table" = None) -> str:
+    """How a Triton backward of ``call`` on a device of ``arch`` forms dQ: the attention_dq
+    setting, or under "auto" the dQ mode the table's list for the call names first among
+    those torch's determinism flag allows (:func:`select` with Triton pinned; "separate"
+    where the list names none), warning once under warn_only when it is "atomic". The
+    Triton launcher asks at each backward; the router reaches the same mode, Triton's
+    entries coming in its list in the same order."""
+    settings = config.current()
+    if settings.attention_dq != "auto":
+        return settings.attention_dq
+    determinism = config.determinism()
+    chosen = select(call, dataclasses.replace(_TRITON_ONLY, arch=arch), "triton", table,
+                    "auto", determinism)
+    warn_if_not_deterministic(chosen, determinism)
+    return chosen.dq_mode
 
 
 # ---- the choice table --------------------------------------------------------------------------
@@ -333,7 +464,8 @@ class Table:
     ``head_dim``, ``causal``, ``chunk``, ``phase``, ``gqa``, ``masks`` (one of
     :data:`MASKS`); inclusive ranges ``sq_min`` / ``sq_max``, ``keys_min`` / ``keys_max``,
     ``bh_min`` / ``bh_max``; an absent key matches anything) and ``backends``, the preference
-    order for the calls it matches. The first matching rule decides; no match: ``default``."""
+    order for the calls it matches (backend names, and in format 2 Triton per dQ mode:
+    :func:`entry`). The first matching rule decides; no match: ``default``."""
 
     rules: tuple = ()
     default: tuple = ("triton",)
@@ -341,7 +473,7 @@ class Table:
 
     @property
     def always_triton(self) -> bool:
-        return not self.rules and self.default[:1] == ("triton",)
+        return not self.rules and entry(self.default[0])[0] == "triton"
 
     @functools.cached_property
     def _arches(self) -> Optional[frozenset]:
@@ -353,7 +485,7 @@ class Table:
     def triton_only_on(self, arch: str) -> bool:
         """Whether every call on a device of ``arch`` goes to Triton: no rule names that arch
         (nor leaves it out) and the default starts with Triton."""
-        return self.default[:1] == ("triton",) and (
+        return entry(self.default[0])[0] == "triton" and (
             self._arches is not None and arch not in self._arches)
 
     def lookup(self, call: Call, arch: str) -> tuple:
@@ -371,14 +503,18 @@ class Table:
         def bad(why):
             return ValueError(f"{where}: {why}")
 
-        if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT:
-            raise bad(f"not an attention backend table (format must be {TABLE_FORMAT!r})")
+        if not isinstance(data, dict) or data.get("format") not in TABLE_FORMATS:
+            raise bad(f"not an attention backend table (format must be one of "
+                      f"{TABLE_FORMATS})")
+        # format 1 names Triton once ("triton", measured under "separate"); format 2 also per
+        # dQ mode
+        known = BACKENDS + (TRITON_ENTRIES if data["format"] == TABLE_FORMAT else ())
 
         def backends(value, what):
             names = [value] if isinstance(value, str) else value
             if (not isinstance(names, list) or not names
-                    or any(n not in BACKENDS for n in names)):
-                raise bad(f"{what} must be a backend or a list of backends among {BACKENDS}, "
+                    or any(n not in known for n in names)):
+                raise bad(f"{what} must be a backend or a list of backends among {known}, "
                           f"got {value!r}")
             return tuple(names)
 
@@ -760,24 +896,29 @@ class Router:
             return True
         return False
 
-    def backend(self, call: Call, device) -> str:
+    def selection(self, call: Call, device, determinism: str = "off") -> Selection:
         settings = config.current()
-        return choose(call, self.capabilities(device), settings.attention_backend, None,
-                      settings.attention_dq)
+        return select(call, self.capabilities(device), settings.attention_backend, None,
+                      settings.attention_dq, determinism)
 
-    def _route(self, call: Call, q, key_padding_mask, segment_ids):
-        """(backend, the call's sequences for the variable-length op or None). The masks are
-        read only when a vendor backend would serve the call by the rules that need no data;
-        if their shape then refuses it, the choice is made again knowing why."""
-        self.last = backend = self.backend(call, q.device)
-        if backend == "triton" or not (call.masked or call.segments):
-            return backend, None
+    def backend(self, call: Call, device) -> str:
+        return self.selection(call, device).backend
+
+    def _route(self, call: Call, q, key_padding_mask, segment_ids, determinism="off"):
+        """(selection, the call's sequences for the variable-length op or None). The masks
+        are read only when a vendor backend would serve the call by the rules that need no
+        data; if their shape then refuses it, the choice is made again knowing why."""
+        chosen = self.selection(call, q.device, determinism)
+        self.last = chosen.backend
+        if chosen.backend == "triton" or not (call.masked or call.segments):
+            return chosen, None
         layout = self.describe(key_padding_mask, segment_ids)
         if isinstance(layout, str):
-            self.last = backend = self.backend(dataclasses.replace(call, masks_refusal=layout),
-                                               q.device)
-            return backend, None
-        return backend, attention_varlen.plan(layout, call.Sq, call.q_offset, call.causal)
+            chosen = self.selection(dataclasses.replace(call, masks_refusal=layout), q.device,
+                                    determinism)
+            self.last = chosen.backend
+            return chosen, None
+        return chosen, attention_varlen.plan(layout, call.Sq, call.q_offset, call.causal)
 
     def fwd(self, q, k, v, key_padding_mask, segment_ids, window, causal, scale, q_offset=0,
             softcap=0.0):
@@ -789,7 +930,8 @@ class Router:
                            scale, q_offset, softcap)
         call = Call.of("fwd", q, k, key_padding_mask, segment_ids, window, causal, q_offset,
                        softcap)
-        backend, seqs = self._route(call, q, key_padding_mask, segment_ids)
+        chosen, seqs = self._route(call, q, key_padding_mask, segment_ids)
+        backend = chosen.backend
         if backend == "triton":
             return self.fallback_fwd(*args)
         if seqs is not None:
@@ -811,10 +953,14 @@ class Router:
                                      dk_acc, dv_acc, softcap)
         call = Call.of("bwd", q, k, key_padding_mask, segment_ids, window, causal, q_offset,
                        softcap)
-        backend, seqs = self._route(call, q, key_padding_mask, segment_ids)
-        if backend == "triton":
+        # torch's determinism flag, read at each backward (it matters under attention_dq "auto")
+        determinism = config.determinism()
+        chosen, seqs = self._route(call, q, key_padding_mask, segment_ids, determinism)
+        backend, deterministic = chosen.backend, chosen.deterministic
+        if backend == "triton":   # the launcher takes the same dQ mode (triton_dq_mode)
             return self.fallback_bwd(*args)
-        deterministic = config.current().attention_dq in config.DETERMINISTIC_DQ
+        if config.current().attention_dq == "auto":
+            warn_if_not_deterministic(chosen, determinism)
         if seqs is not None:
             return attention_varlen.varlen_bwd(self.adapters[backend], dout, q, k, v, out, lse,
                                                seqs, scale, call.live_window, dk_acc, dv_acc,

@@ -10,9 +10,9 @@ settings change only through :func:`patch` (a block, or a decorated function),
 :func:`update` (until changed again) or :func:`reload` (read the environment again).
 Whatever depends on a setting follows it: the Triton launcher caches are emptied when ``autotune`` or a SwiGLU setting changes,
 the attention backward reads ``attention_dq`` at each launch (it is part of the launcher's
-cache key), ``backend`` registers or removes the Triton launchers for CPU tensors, and the
-CUDA attention reads ``attention_backend`` and ``attention_table`` at each call
-(``ckpt_ext.attention_route``).
+cache key; under "auto" also torch's determinism flag, :func:`determinism`), ``backend``
+registers or removes the Triton launchers for CPU tensors, and the CUDA attention reads
+``attention_backend`` and ``attention_table`` at each call (``ckpt_ext.attention_route``).
 
 ``chunk_bytes`` (``CKPT_EXT_CHUNK_BYTES``), the byte cap of the kernels' token chunks, is
 parsed here once (:func:`parse_bytes`, the one byte parser of the package) and handed to the
@@ -28,7 +28,8 @@ import re
 import threading
 from typing import Callable, Iterator
 
-__all__ = ["KernelConfig", "SETTINGS", "current", "patch", "update", "reload", "parse_bytes"]
+__all__ = ["KernelConfig", "SETTINGS", "current", "patch", "update", "reload", "parse_bytes",
+           "determinism"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -63,11 +64,13 @@ class KernelConfig:
     # True: the GPU launchers autotune over their kept candidates; False: they launch the
     # first kept candidate untimed (the next one if the device refuses it).
     autotune: bool = True
-    # How the attention backward forms dQ: "separate" (a kernel of its own, deterministic),
-    # "atomic" (added by the dK/dV kernel with fp32 atomics; last bits vary between runs) or
-    # "ordered" (added by the dK/dV kernel in key-block order, deterministic; no window or
-    # segment ids, which take "separate").
-    attention_dq: str = "separate"
+    # How the attention backward forms dQ: "auto" (torch's determinism flag decides, read at
+    # each backward, see :func:`determinism`: off, the fastest backward the choice table
+    # names; on, the fastest deterministic one), "separate" (a kernel of its own,
+    # deterministic), "atomic" (added by the dK/dV kernel with fp32 atomics; last bits vary
+    # between runs) or "ordered" (added by the dK/dV kernel in key-block order,
+    # deterministic; no window or segment ids, which take "separate").
+    attention_dq: str = "auto"
     # The fused SwiGLU GEMMs' grid: "persistent" (one program per SM looping over the tiles)
     # or "tiles" (one program per output tile).
     swiglu_grid: str = "persistent"
@@ -160,10 +163,46 @@ def _byte_cap(name: str, value) -> int:
 # The attention_dq values whose backward is bit-reproducible (a vendor backward serves them only
 # when it is; ops.attention(deterministic=True) keeps them)
 DETERMINISTIC_DQ = ("separate", "ordered")
+# How deterministic an attention backward under attention_dq="auto" must be (determinism()):
+# "off" the fastest backward, "warn" the fastest and a one-time warning when it is not
+# deterministic, "strict" deterministic backwards only
+DETERMINISM = ("off", "warn", "strict")
+_asked = threading.local()
+
+
+def determinism() -> str:
+    """How deterministic the attention backward under ``attention_dq="auto"`` must be, read
+    at each backward: what ``ops.attention(..., deterministic=)`` asked for the backward
+    running in this thread (:func:`asking_determinism`), else torch's flag:
+    ``torch.use_deterministic_algorithms(True)`` "strict", with ``warn_only=True`` "warn",
+    off "off" (one of :data:`DETERMINISM`)."""
+    asked = getattr(_asked, "value", None)
+    if asked is not None:
+        return asked
+    import torch
+
+    if not torch.are_deterministic_algorithms_enabled():
+        return "off"
+    return "warn" if torch.is_deterministic_algorithms_warn_only_enabled() else "strict"
+
+
+@contextlib.contextmanager
+def asking_determinism(value) -> Iterator[None]:
+    """:func:`determinism` answers ``value`` (one of :data:`DETERMINISM`, or None: torch's
+    flag) in this thread for the block: ``ops.attention``'s backward under "auto"."""
+    if value is not None and value not in DETERMINISM:
+        raise ValueError(f"determinism must be None or one of {DETERMINISM}, got {value!r}")
+    before = getattr(_asked, "value", None)
+    _asked.value = value
+    try:
+        yield
+    finally:
+        _asked.value = before
+
 
 SETTINGS = {s.field: s for s in (
     Setting("autotune", "CKPT_EXT_AUTOTUNE", {"0": False, "1": True}),
-    Setting("attention_dq", "CKPT_EXT_ATTN_DQ", {m: m for m in ("separate", "atomic",
+    Setting("attention_dq", "CKPT_EXT_ATTN_DQ", {m: m for m in ("auto", "separate", "atomic",
                                                                "ordered")}),
     Setting("swiglu_grid", "CKPT_EXT_SWIGLU_GRID", {"tiles": "tiles",
                                                     "persistent": "persistent"}),

@@ -160,8 +160,9 @@ def _rope_bwd_fake(dq_out, dk_out, cos, sin):
 # --------------------------------------------------------------------------------------------
 # Autograd of the forward ops
 # --------------------------------------------------------------------------------------------
-# The dQ mode that ops.attention(..., deterministic=) asks of the forward running in this
-# thread, for _attention_setup to hand to the backward (the ops' schemas do not carry it).
+# What ops.attention(..., deterministic=) asks of the backward of the forward running in this
+# thread, (attention_dq value, config.determinism() answer or None), for _attention_setup to
+# hand to the backward (the ops' schemas do not carry it).
 _dq_request = threading.local()
 
 
@@ -171,7 +172,8 @@ def _attention_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, segment_ids)
     ctx.window, ctx.causal, ctx.scale = window, causal, scale
-    ctx.dq_mode = getattr(_dq_request, "mode", None)  # None: the setting at backward time
+    # None: the setting (and torch's determinism flag) at backward time
+    ctx.dq_mode, ctx.determinism = getattr(_dq_request, "mode", None) or (None, None)
     ctx.q_offset = inputs[8] if len(inputs) > 8 else 0
     ctx.softcap = inputs[9] if len(inputs) > 9 else 0.0
     ctx.num_inputs = len(inputs)
@@ -184,7 +186,7 @@ def _attention_backward(ctx, dout, dlse):
     if ctx.dq_mode is None:
         dq, dk, dv = _ops.attention_bwd(*args)
     else:
-        with config.patch(attention_dq=ctx.dq_mode):
+        with config.patch(attention_dq=ctx.dq_mode), config.asking_determinism(ctx.determinism):
             dq, dk, dv = _ops.attention_bwd(*args)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
@@ -372,15 +374,18 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
             ``j < i + window``, i.e. ``|i - j| < window`` (HF's bidirectional window w, which
             keeps ``|i - j| <= w``, is window=w + 1). None, or window >= S: no window.
         The rules combine: a key is attended only if every rule given allows it.
-        deterministic: how the backward forms dQ (as flash-attention's ``deterministic=``).
-            True: bit-reproducible: in a kernel of its own, or under the ``attention_dq``
-            setting ``"ordered"`` added by the dK/dV kernel in key-block order; False: added
-            by the dK/dV kernel with fp32 atomics (fewer matmuls; the sums' order, hence their
-            last bits, vary between runs); None (default): the ``attention_dq`` setting of
-            ``ckpt_ext.config`` when the backward runs (``"separate"``, deterministic, unless
-            changed). The choice reaches the Triton backward; the CPU ATen kernels are
-            deterministic either way. Not supported under ``torch.compile`` (the backward op
-            does not take it there); use ``ckpt_ext.config.patch(attention_dq=...)``.
+        deterministic: whether the backward must be bit-reproducible (as flash-attention's
+            ``deterministic=``), whatever torch's determinism flag says. None (default): the
+            ``attention_dq`` setting of ``ckpt_ext.config`` when the backward runs (``"auto"``
+            unless changed: torch's flag decides, ``torch.use_deterministic_algorithms(True)``
+            deterministic backwards only). True: under ``"auto"`` the fastest deterministic
+            backward, as with torch's flag on; under ``"separate"`` or ``"ordered"`` that
+            mode; under ``"atomic"`` ``"separate"``. False: under ``"auto"`` the fastest
+            backward, as with the flag off; otherwise dQ added by the dK/dV kernel with fp32
+            atomics (``"atomic"``: fewer matmuls; the sums' order, hence their last bits, vary
+            between runs). The CPU ATen kernels are deterministic either way. Not supported
+            under ``torch.compile`` (the backward op does not take it there); use
+            ``ckpt_ext.config.patch(attention_dq=...)``.
         q_offset: int >= 0; q may hold fewer rows than k (Sq <= Sk): the queries at positions
             q_offset..q_offset+Sq-1 (q_offset + Sq <= Sk), one chunk of a longer sequence. The
             rules above read those positions; masks and ids are then (B, Sk). Gradients reach
@@ -425,10 +430,12 @@ def attention(q, k, v, *, causal=True, scale=None, key_padding_mask=None, segmen
         out, _ = _ops.attention_fwd(*args)
         return out
     setting = config.current().attention_dq
-    if deterministic:   # the setting when it is a deterministic one, else "separate"
-        _dq_request.mode = setting if setting in config.DETERMINISTIC_DQ else "separate"
+    if setting == "auto":   # torch's flag answered for this backward: on, or off
+        _dq_request.mode = ("auto", "strict" if deterministic else "off")
+    elif deterministic:     # the setting when it is a deterministic one, else "separate"
+        _dq_request.mode = (setting if setting in config.DETERMINISTIC_DQ else "separate", None)
     else:
-        _dq_request.mode = "atomic"
+        _dq_request.mode = ("atomic", None)
     try:
         out, _ = _ops.attention_fwd(*args)
     finally:

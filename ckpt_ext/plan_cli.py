@@ -218,8 +218,11 @@ second, at --seq and at the longest S) are ESTIMATES: FLOPs (matmuls and attenti
 backward, recompute) at the rates of --throughputs FILE (ckpt_ext.throughputs; by sequence
 length), by default the plan's H100 rates: attention forward 350 and backward 170 TFLOP/s (the
 Triton attention kernels ran 329-372 and 151-180) and matmuls 400 (the LM head's GEMMs ran
-about 410); --attention-fwd-tflops etc. replace one rate. Memory-bound work and the optimizer
-step are left out. On the H100 they came to 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps.
+about 410); --attention-fwd-tflops etc. replace one rate (--attention-bwd-tflops the strict
+one too). A second line gives the step times under torch.use_deterministic_algorithms(True),
+the attention backward at the file's strict rate (the Triton backward the H100 rates measured
+is deterministic: the same). Memory-bound work and the optimizer step are left out. On the
+H100 they came to 0.83-1.03x the measured LLaMA-3.1-8B LoRA steps.
 
 examples:
   python -m ckpt_ext.plan meta-llama/Llama-3.1-8B --batch 1 --seq 131072 \\
@@ -671,6 +674,25 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
           + (", the offload copies" if args.offload else "")
           + " and launch gaps are left out (the H100 rates came to 0.83-1.03x the measured "
           "LLaMA-3.1-8B LoRA steps at S 8K-16K)")
+    _print_strict(args, [setup for setup, offload in cases if not offload], layers, V, B, S)
+
+
+def _print_strict(args, setups, layers, V, B, S) -> None:
+    """The step times under torch.use_deterministic_algorithms(True): attention_dq "auto"
+    then runs deterministic attention backwards only, at the throughputs' strict rate."""
+    default, strict = (_rate_kwargs(args, S, s)["attention_bwd_tflops"] for s in (False, True))
+    words = "step s under torch.use_deterministic_algorithms(True) (deterministic attention " \
+            "backwards only"
+    if strict == default:
+        print(f"{words}): the same, the strict backward's rate being the default's, "
+              f"{default:g} TFLOP/s"
+              + ("" if args.rates.has_strict else " (these rates hold no other)"))
+        return
+    times = "; ".join(f"{_SETUP_NAMES[setup]} "
+                      f"{_seconds(args, setup, layers, V, B, S, strict=True):,.2f}"
+                      for setup in setups)
+    print(f"{words}, at {strict:g} TFLOP/s against {default:g} by default at S {S:,}): "
+          f"{times}")
 
 
 def _print_auto_offload(args, layers, V, B, S, dtype, room, host, outside) -> None:
@@ -700,10 +722,11 @@ def _print_auto_offload(args, layers, V, B, S, dtype, room, host, outside) -> No
     print("  per layer: " + " ".join(c.presets))
 
 
-def _rate_kwargs(args, S: int) -> dict:
-    """The step time estimate's rates at S: the throughputs file's, each replaced by its
-    --*-tflops flag when given."""
-    kw = args.rates.step_time_kwargs(S)
+def _rate_kwargs(args, S: int, strict: bool = False) -> dict:
+    """The step time estimate's rates at S (``strict``: the attention backward's under
+    torch's determinism flag): the throughputs file's, each replaced by its --*-tflops flag
+    when given."""
+    kw = args.rates.step_time_kwargs(S, strict=strict)
     for key in kw:
         if getattr(args, key) is not None:
             kw[key] = getattr(args, key)
@@ -725,9 +748,9 @@ def _lora_kwargs(args) -> dict:
     return {"lora_rank": LORA_RANK, "expert_lora_rank": args.expert_lora_rank}
 
 
-def _seconds(args, setup, layers, V, B, S) -> float:
+def _seconds(args, setup, layers, V, B, S, strict: bool = False) -> float:
     return step_time_estimate(setup, layers, V, B, S, train_weights=args.weights == "full",
-                              **_lora_kwargs(args), **_rate_kwargs(args, S))
+                              **_lora_kwargs(args), **_rate_kwargs(args, S, strict))
 
 
 def _rates_words(args, S: int) -> str:

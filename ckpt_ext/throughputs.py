@@ -7,26 +7,40 @@ GPU, another backend or a later kernel changes the estimate without a code chang
 
 File format (JSON, :data:`FORMAT`)::
 
-    {"format": "ckpt_ext kernel throughputs 1",
+    {"format": "ckpt_ext kernel throughputs 2",
      "command": ..., "commit": ..., "machine": ..., "date": ...,     # provenance, non-empty
      "note": "...",                                                   # optional
      "rates": [{"kind": "attention_backward", "tflops": 170.0,
                 "seq_min": 1, "seq_max": 16384,                       # optional, inclusive
+                "rows_min": 1, "rows_max": 1152,                      # optional, inclusive
                 "source": "bench/results/....csv"},                   # optional
                ...]}
 
 ``kind`` is one of :data:`KINDS`; a rate serves a step of sequence length S when
 ``seq_min <= S <= seq_max`` (an absent bound: no limit); the first matching rate of a kind
-wins, so narrower ranges go first. Every kind must have a rate for every S (a last entry
-without bounds), so that any estimate can be made: :func:`load_throughputs` checks this and
-raises a ValueError naming the file when the file is not one.
+wins, so narrower ranges go first. ``attention_backward`` is the attention backward under the
+default settings (``attention_dq="auto"`` with torch's determinism flag off: the fastest
+backward), ``attention_backward_strict`` the one under
+``torch.use_deterministic_algorithms(True)`` (deterministic backwards only; a file without
+such rates gives the default's rate for it). A rate with ``rows_min`` / ``rows_max`` holds the
+attention of the sequence-tiled layer's query chunks of that many rows (against the keys up to
+the chunk's end), so that a rule for the layer's chunk rows can weigh fewer, larger chunks
+against the memory they take; it serves only chunked calls (:meth:`Throughputs.rate` with
+``rows`` below S), and a rate without them serves whole sequences and every chunk no bounded
+rate serves. Each of ``attention_forward``, ``attention_backward`` and ``matmul`` (and
+``attention_backward_strict`` when given) must have rates without row bounds for every S (a
+last entry without bounds), so that any estimate can be made: :func:`load_throughputs` checks
+this and raises a ValueError naming the file when the file is not one. Format-1 files (no row
+bounds, no strict rates) still load.
 
 API: :func:`load_throughputs` (path -> :class:`Throughputs`), :func:`default_throughputs`
 (the plan's own H100 rates, ``plan.ATTENTION_FWD_TFLOPS`` etc.), :meth:`Throughputs.rate`
-(kind, S -> TFLOP/s), :meth:`Throughputs.seconds` (a ``plan.step_flops`` dict and S ->
-seconds), :meth:`Throughputs.step_time_kwargs` (S -> the rate keywords of
-``plan.step_time_estimate``), :func:`write_throughputs`, and :func:`from_backend_rows`
-(the rows ``bench/attention.py --backend-rows`` writes -> attention rates per measured S).
+(kind, S, chunk rows -> TFLOP/s), :meth:`Throughputs.chunk_rates` (the rates per chunk row
+count at S), :meth:`Throughputs.seconds` (a ``plan.step_flops`` dict, S, chunk rows, strict
+-> seconds), :meth:`Throughputs.step_time_kwargs` (S, chunk rows, strict -> the rate keywords
+of ``plan.step_time_estimate``), :func:`write_throughputs`, and :func:`from_backend_rows`
+(the rows ``bench/attention.py --backend-rows`` writes -> attention rates per measured S and
+chunk row count, default and strict).
 """
 from __future__ import annotations
 
@@ -41,14 +55,18 @@ from ._checks import _open_results_file
 
 __all__ = ["FORMAT", "KINDS", "HEADERS", "Rate", "Throughputs", "load_throughputs",
            "throughputs_from_dict", "write_throughputs", "default_throughputs",
-           "from_backend_rows"]
+           "from_backend_rows", "FASTEST"]
 
-FORMAT = "ckpt_ext kernel throughputs 1"
-KINDS = ("attention_forward", "attention_backward", "matmul")
+FORMAT = "ckpt_ext kernel throughputs 2"
+FORMATS = ("ckpt_ext kernel throughputs 1", FORMAT)
+KINDS = ("attention_forward", "attention_backward", "attention_backward_strict", "matmul")
+STRICT = "attention_backward_strict"
+REQUIRED = tuple(k for k in KINDS if k != STRICT)   # the kinds plan.step_flops counts
 HEADERS = ("command", "commit", "machine", "date")
 # The keywords of plan.step_time_estimate, per kind.
 _ESTIMATE_KWARGS = {"attention_forward": "attention_fwd_tflops",
                     "attention_backward": "attention_bwd_tflops", "matmul": "matmul_tflops"}
+_BOUNDS = ("seq_min", "seq_max", "rows_min", "rows_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +76,28 @@ class Rate:
     seq_min: Optional[int] = None
     seq_max: Optional[int] = None
     source: Optional[str] = None
+    rows_min: Optional[int] = None     # a query chunk's rows (the layer's chunk rows)
+    rows_max: Optional[int] = None
 
-    def serves(self, S: int) -> bool:
-        return ((self.seq_min is None or S >= self.seq_min)
-                and (self.seq_max is None or S <= self.seq_max))
+    @property
+    def chunked(self) -> bool:
+        """Whether it holds query chunks of some row counts (it has row bounds)."""
+        return self.rows_min is not None or self.rows_max is not None
+
+    def serves(self, S: int, rows: Optional[int] = None) -> bool:
+        """Whether it serves sequence length S in query chunks of ``rows`` rows (None: whole
+        sequences, which only rates without row bounds serve)."""
+        if (self.seq_min is not None and S < self.seq_min) or (
+                self.seq_max is not None and S > self.seq_max):
+            return False
+        if rows is None:
+            return not self.chunked
+        return ((self.rows_min is None or rows >= self.rows_min)
+                and (self.rows_max is None or rows <= self.rows_max))
 
     def as_dict(self) -> dict:
         d = {"kind": self.kind, "tflops": self.tflops}
-        for key in ("seq_min", "seq_max", "source"):
+        for key in _BOUNDS + ("source",):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
@@ -79,31 +111,69 @@ class Throughputs:
     headers: dict
     source: str = ""
 
-    def rate(self, kind: str, S: int) -> float:
-        """TFLOP/s of ``kind`` at sequence length S: the first rate of that kind serving S."""
+    @property
+    def has_strict(self) -> bool:
+        """Whether the file measured the backward under torch's determinism flag (else the
+        strict rate is the default one)."""
+        return any(r.kind == STRICT for r in self.rates)
+
+    def _kind(self, kind: str, strict: bool = False) -> str:
         if kind not in KINDS:
             raise ValueError(f"Throughputs.rate: kind must be one of {KINDS}, got {kind!r}")
+        if strict and kind == "attention_backward":
+            kind = STRICT
+        return kind if kind != STRICT or self.has_strict else "attention_backward"
+
+    def rate(self, kind: str, S: int, rows: Optional[int] = None) -> float:
+        """TFLOP/s of ``kind`` at sequence length S, the attention in query chunks of ``rows``
+        rows (None, or at least S: whole sequences): the first rate of that kind serving them
+        (:meth:`Rate.serves`). ``attention_backward_strict`` is ``attention_backward``'s in a
+        file without strict rates."""
+        kind = self._kind(kind)
+        if rows is not None and rows >= S:
+            rows = None
         for r in self.rates:
-            if r.kind == kind and r.serves(S):
+            if r.kind == kind and r.serves(S, rows):
                 return r.tflops
         raise ValueError(f"{self.source or 'throughputs'}: no {kind} rate serves S={S}")
 
-    def step_time_kwargs(self, S: int) -> dict:
-        """``attention_fwd_tflops`` / ``attention_bwd_tflops`` / ``matmul_tflops`` at S, the
-        keywords ``plan.step_time_estimate`` takes."""
-        return {_ESTIMATE_KWARGS[k]: self.rate(k, S) for k in KINDS}
+    def chunk_rates(self, kind: str, S: int, strict: bool = False) -> list:
+        """[(rows_min, rows_max, TFLOP/s)] of ``kind`` (the strict backward's with ``strict``)
+        at sequence length S: the query-chunk row counts the file has rates for (bounds None:
+        no limit), in file order; empty when it has none (every chunk then takes the
+        whole-sequence rate)."""
+        kind = self._kind(kind, strict)
+        return [(r.rows_min, r.rows_max, r.tflops) for r in self.rates
+                if r.kind == kind and r.chunked and (r.seq_min is None or S >= r.seq_min)
+                and (r.seq_max is None or S <= r.seq_max)]
 
-    def seconds(self, flops: dict, S: int) -> float:
-        """Seconds for FLOPs split as ``plan.step_flops`` returns them, at sequence length S."""
-        unknown = set(flops) - set(KINDS)
+    def step_time_kwargs(self, S: int, rows: Optional[int] = None, strict: bool = False) -> dict:
+        """``attention_fwd_tflops`` / ``attention_bwd_tflops`` / ``matmul_tflops`` at S (the
+        attention in query chunks of ``rows`` rows; with ``strict`` the backward under torch's
+        determinism flag), the keywords ``plan.step_time_estimate`` takes."""
+        return {_ESTIMATE_KWARGS[k]: self.rate(self._kind(k, strict), S,
+                                               None if k == "matmul" else rows)
+                for k in REQUIRED}
+
+    def seconds(self, flops: dict, S: int, rows: Optional[int] = None,
+                strict: bool = False) -> float:
+        """Seconds for FLOPs split as ``plan.step_flops`` returns them, at sequence length S
+        (``rows``, ``strict``: :meth:`step_time_kwargs`)."""
+        unknown = set(flops) - set(REQUIRED)
         if unknown:
             raise ValueError(f"Throughputs.seconds: FLOPs of unknown kinds {sorted(unknown)} "
-                             f"(kinds: {KINDS})")
-        return sum(n / (self.rate(k, S) * 1e12) for k, n in flops.items())
+                             f"(kinds: {REQUIRED})")
+        kw = self.step_time_kwargs(S, rows, strict)
+        return sum(n / (kw[_ESTIMATE_KWARGS[k]] * 1e12) for k, n in flops.items())
 
 
 def throughputs_from_dict(data, source: str = "") -> Throughputs:
-    bad, headers = _open_results_file(data, source, "kernel throughputs", FORMAT, HEADERS)
+    fmt = data.get("format") if isinstance(data, dict) else None
+    bad, headers = _open_results_file(data, source, "kernel throughputs",
+                                      fmt if fmt in FORMATS else FORMAT, HEADERS)
+    # format 1: no row bounds, no strict rates
+    keys = {"kind", "tflops", "source"} | set(_BOUNDS if fmt == FORMAT else _BOUNDS[:2])
+    kinds = KINDS if fmt == FORMAT else REQUIRED
     unknown = set(data) - set(HEADERS) - {"format", "note", "rates"}
     if unknown:
         raise bad(f"unknown key(s) {sorted(unknown)}")
@@ -114,33 +184,34 @@ def throughputs_from_dict(data, source: str = "") -> Throughputs:
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             raise bad(f"rate {i} must be an object, got {e!r}")
-        extra = set(e) - {"kind", "tflops", "seq_min", "seq_max", "source"}
+        extra = set(e) - keys
         if extra:
             raise bad(f"rate {i}: unknown key(s) {sorted(extra)}")
-        if e.get("kind") not in KINDS:
-            raise bad(f"rate {i}: kind must be one of {list(KINDS)}, got {e.get('kind')!r}")
+        if e.get("kind") not in kinds:
+            raise bad(f"rate {i}: kind must be one of {list(kinds)}, got {e.get('kind')!r}")
         t = e.get("tflops")
         if type(t) not in (int, float) or not math.isfinite(t) or t <= 0:
             raise bad(f"rate {i}: tflops must be a positive number, got {t!r}")
-        for key in ("seq_min", "seq_max"):
+        for key in _BOUNDS:
             if key in e and (type(e[key]) is not int or e[key] < 1):
                 raise bad(f"rate {i}: {key} must be a positive int, got {e[key]!r}")
-        if e.get("seq_min", 1) > e.get("seq_max", e.get("seq_min", 1)):
-            raise bad(f"rate {i}: seq_min {e['seq_min']} > seq_max {e['seq_max']}")
+        for lo, hi in (("seq_min", "seq_max"), ("rows_min", "rows_max")):
+            if e.get(lo, 1) > e.get(hi, e.get(lo, 1)):
+                raise bad(f"rate {i}: {lo} {e[lo]} > {hi} {e[hi]}")
         if "source" in e and not isinstance(e["source"], str):
             raise bad(f"rate {i}: source must be a string, got {e['source']!r}")
         rates.append(Rate(e["kind"], float(t), e.get("seq_min"), e.get("seq_max"),
-                          e.get("source")))
+                          e.get("source"), e.get("rows_min"), e.get("rows_max")))
     for kind in KINDS:
-        if not _covers(rates, kind):
+        if (kind in REQUIRED or any(r.kind == kind for r in rates)) and not _covers(rates, kind):
             raise bad(f"no {kind} rate serves every sequence length (end the {kind} rates "
-                      f"with one without seq_min / seq_max)")
+                      f"with one without bounds; rows_min / rows_max ones serve chunks only)")
     return Throughputs(tuple(rates), headers, str(source))
 
 
 def _covers(rates, kind) -> bool:
     """Whether the kind's ranges, taken in order, leave no S >= 1 unserved."""
-    spans = [((r.seq_min or 1), r.seq_max) for r in rates if r.kind == kind]
+    spans = [((r.seq_min or 1), r.seq_max) for r in rates if r.kind == kind and not r.chunked]
     spans.sort(key=lambda span: (span[0], math.inf if span[1] is None else span[1]))
     reach = 0                       # every S <= reach is served
     for lo, hi in spans:
@@ -177,8 +248,9 @@ def write_throughputs(path, headers: dict, rates: Sequence[Rate],
 # The plan's default rates, measured on an H100 80GB (bench/results/gpu_h100_2026-11-24/
 # attention_nvidia_h100_80gb_hbm3.csv, D 128, causal, bf16): the Triton attention forward ran
 # 329-372 TFLOP/s and its backward 151-180 TFLOP/s (FLOPs counted as there: backward 2.5x
-# forward); the LM head's bf16 GEMMs about 410 TFLOP/s forward
-# (lm_head_nvidia_h100_80gb_hbm3.csv, V 128256, H 4096).
+# forward; the backward under "separate", deterministic: the strict rate too, and below what
+# the default settings' fastest backward may reach); the LM head's bf16 GEMMs about 410
+# TFLOP/s forward (lm_head_nvidia_h100_80gb_hbm3.csv, V 128256, H 4096).
 ATTENTION_FWD_TFLOPS = 350.0
 ATTENTION_BWD_TFLOPS = 170.0
 MATMUL_TFLOPS = 400.0
@@ -196,43 +268,93 @@ def default_throughputs() -> Throughputs:
                         "date": "2026-11-24"}, "ckpt_ext.plan")
 
 
+# The backends whose backward, as bench/attention.py --backend-rows times it, is
+# deterministic: Triton under "separate" or "ordered" (a bare "triton": a CSV written before
+# the rows named the mode, timed under "separate"), flash and efficient (their deterministic
+# variants); and the row of the "auto" backend under torch's determinism flag.
+_DETERMINISTIC_ROWS = frozenset(("triton", "triton:separate", "triton:ordered", "flash",
+                                 "efficient"))
+FASTEST = "fastest"
+STRICT_AUTO = "auto:strict"
+
+
 def from_backend_rows(csv_path, backend: str = "auto",
                       matmul_tflops: Optional[float] = None) -> list:
-    """Attention rates from the CSV ``bench/attention.py --backend-rows`` writes: the
-    ``backend`` rows at whole causal sequences (Sq == Sk, q_offset 0, no masks), its "fwd"
-    and "bwd" TFLOP/s (FLOPs counted as the plan counts them: backward 2.5 forwards), one rate
-    per kind and measured S, covering the lengths up to it (the longest measured also every
-    longer S); with ``matmul_tflops``, a matmul rate too. Returns the Rates
-    (``write_throughputs`` makes a file of them). ValueError naming the file when it holds
-    no such rows."""
+    """Attention rates from the CSV ``bench/attention.py --backend-rows`` writes (causal, no
+    masks; FLOPs counted as the plan counts them: backward 2.5 forwards), "fwd" and "bwd"
+    TFLOP/s of the ``backend`` rows: at whole sequences (Sq == Sk, q_offset 0) one rate per
+    kind and measured S, covering the lengths up to it (the longest measured also every longer
+    S); at query chunks (q_offset > 0) one rate per kind and measured row count Sq (the
+    chunk's FLOPs over its time, summed over the key counts measured at that Sq), with
+    ``rows_min`` / ``rows_max`` covering the row counts up to it (the largest also every
+    larger one). ``backend`` "fastest": at each shape the fastest backend that ran (the
+    default settings' choice), and for ``attention_backward_strict`` the fastest of those whose
+    backward is deterministic (Triton separate / ordered, flash, efficient); "auto": the
+    table's choice, with ``attention_backward_strict`` from the "auto:strict" rows (the bench
+    under torch's flag) where the CSV has them; another backend: its rows, no strict rates.
+    With ``matmul_tflops``, a matmul rate too. Returns the Rates (``write_throughputs`` makes
+    a file of them). ValueError naming the file when it holds no such rows."""
     path = pathlib.Path(csv_path)
     lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+    # alone, or inside a results file: from its column line to the first line that is not a row
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("backend,")), 0)
+    end = next((i for i in range(start + 1, len(lines)) if "," not in lines[i]), len(lines))
+    lines = lines[start:end]
+    # (kind, chunked, sq) -> {backend: [(flops, seconds)]}
     measured = {}
     for row in csv.DictReader(lines):
         try:
             sq, sk, off = int(row["sq"]), int(row["sk"]), int(row["q_offset"])
-            t = float(row["tflops"])
+            t, ms = float(row["tflops"]), float(row["ms"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: not bench/attention.py --backend-rows output "
                              f"({type(exc).__name__}: {exc})") from None
-        if (row.get("backend") != backend or row.get("mode") not in ("fwd", "bwd")
-                or row.get("masks", "none") != "none" or sq != sk or off != 0
+        chunk = off > 0
+        if (row.get("mode") not in ("fwd", "bwd") or row.get("masks", "none") != "none"
+                or (not chunk and (sq != sk or off != 0))
                 or row.get("causal") not in ("True", "true", "1")
-                or not math.isfinite(t) or t <= 0):
+                or not (math.isfinite(t) and t > 0 and math.isfinite(ms) and ms > 0)):
             continue
         kind = "attention_forward" if row["mode"] == "fwd" else "attention_backward"
-        measured[(kind, sk)] = t
+        measured.setdefault((kind, chunk, sq), {}).setdefault(row.get("backend"), []).append(
+            (t * 1e12 * ms * 1e-3, ms * 1e-3))
+
+    def rate_of(times):
+        flops, secs = map(sum, zip(*times))
+        return flops / secs / 1e12
+
+    def pick(by_backend, strict):
+        """(TFLOP/s, the backend's name) of the shape, or None."""
+        if backend == FASTEST:
+            names = [b for b in by_backend if not strict or b in _DETERMINISTIC_ROWS]
+        else:
+            names = [STRICT_AUTO if strict and backend == "auto" else backend]
+        got = [(rate_of(by_backend[b]), b) for b in names if b in by_backend]
+        return max(got) if got else None
+
     rates = []
-    for kind in ("attention_forward", "attention_backward"):
-        seqs = sorted(s for k, s in measured if k == kind)
-        if not seqs:
-            raise ValueError(f"{path}: no {backend!r} {kind} rows at whole causal sequences")
-        lo = 1
-        for i, S in enumerate(seqs):
-            last = i == len(seqs) - 1
-            rates.append(Rate(kind, measured[(kind, S)], lo, None if last else S,
-                              f"{path.name}: {backend} at S {S}"))
-            lo = S + 1
+    for kind, strict in (("attention_forward", False), ("attention_backward", False),
+                         ("attention_backward", True)):
+        if strict and backend not in (FASTEST, "auto"):
+            continue
+        for chunk in (True, False):
+            shapes = sorted((sq, pick(b, strict)) for (k, c, sq), b in measured.items()
+                            if k == kind and c == chunk)
+            shapes = [(sq, got) for sq, got in shapes if got is not None]
+            if not shapes:
+                if not chunk and not (strict and backend == "auto"):
+                    raise ValueError(f"{path}: no {backend!r} {kind} rows at whole causal "
+                                     f"sequences")
+                continue
+            lo = 1
+            for i, (n, (tflops, name)) in enumerate(shapes):
+                top = None if i == len(shapes) - 1 else n
+                where = f"{path.name}: {name} at " + (f"chunks of {n} rows" if chunk
+                                                      else f"S {n}")
+                rates.append(Rate(STRICT if strict else kind, round(tflops, 3),
+                                  None if chunk else lo, None if chunk else top, where,
+                                  lo if chunk else None, top if chunk else None))
+                lo = n + 1
     if matmul_tflops is not None:
         rates.append(Rate("matmul", float(matmul_tflops), source="given"))
     return rates

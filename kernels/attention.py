@@ -34,9 +34,10 @@ ids are handled exactly; contiguous segments are what makes the skipping effecti
 Backward: a pre-pass forms ``D = rowsum(dO * O)`` and the base-2 lse (+inf on rows that attend
 nothing); then one kernel owns a key block of one KV head and walks over every query block of
 every query head in its GQA group (fixed order, so dK/dV are summed deterministically and
-without atomics). dQ is formed one of three ways (``CKPT_EXT_ATTN_DQ``, see :func:`dq_mode`):
-``separate`` (default), a second kernel that owns a query block and walks over the key blocks,
-recomputing Q K^T and dO V^T (7 tile matmuls per tile pair in all); or ``atomic``, the dK/dV
+without atomics). dQ is formed one of three ways (``CKPT_EXT_ATTN_DQ``, see :func:`dq_mode`;
+by default the choice table's under torch's determinism flag): ``separate``, a second kernel
+that owns a query block and walks over the key blocks, recomputing Q K^T and dO V^T (7 tile
+matmuls per tile pair in all); or ``atomic``, the dK/dV
 kernel also forms dS^T K and adds it into fp32 dQ rows with atomics, then one pass converts
 them to q's dtype (5 matmuls, as FlashAttention-2; not bit-reproducible); or ``ordered``, as
 ``atomic`` with each dQ tile taking the key blocks' shares in key-block order (counters and
@@ -145,9 +146,13 @@ _ROW_PITCH = tl.constexpr(256)
 def dq_mode() -> str:
     """How the backward forms dQ: the ``attention_dq`` setting of ``ckpt_ext.config``
     (``CKPT_EXT_ATTN_DQ``; ``ckpt_ext.ops.attention(..., deterministic=)`` sets it for its own
-    backward), read at every backward launch; the launcher cache is keyed on it.
+    backward), read at every backward launch; the launcher cache is keyed on the mode it
+    gives. ``auto`` (the default): the mode the choice table names first for the call among
+    those torch's determinism flag allows (``ckpt_ext.attention_route.triton_dq_mode``:
+    with the flag off any, with it on ``separate`` or ``ordered``; ``separate`` where the
+    table names no mode, as on every device it has no rules for).
 
-    ``separate`` (the default): a dQ kernel of its own walks the key blocks of each query
+    ``separate``: a dQ kernel of its own walks the key blocks of each query
     block; deterministic, but it recomputes Q K^T and dO V^T (7 tile matmuls per tile pair in
     all). ``atomic``: the dK/dV kernel also forms dS^T K and adds it into an fp32 dQ buffer
     with atomics, then one pass converts it to q's dtype (5 matmuls per tile pair, as
@@ -156,7 +161,8 @@ def dq_mode() -> str:
     order (a counter per tile, a wait for its turn, a plain read-add-write): 5 matmuls and
     bit-reproducible, at the price of the waits; calls with a window or segment ids run the
     separate kernel instead. All are exact formulas tested against the same reference; which
-    is faster is for a GPU measurement to decide, and the default follows that measurement.
+    is faster is for a GPU measurement to decide (``bench/attention.py --backend-rows``
+    times each), and ``auto`` follows that measurement.
     """
     return _config.current().attention_dq
 
@@ -1134,6 +1140,13 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
     q_off = int(q_offset)
     buckets = (_s_bucket(Sk), _s_bucket(Sq))
     mode = dq_mode()
+    if mode == "auto":   # the choice table's mode for the call under torch's determinism flag
+        from .. import attention_route as _route
+        arch = (_route.cuda_capabilities(q.device).arch if q.device.type == "cuda"
+                else q.device.type)
+        mode = _route.triton_dq_mode(
+            _route.Call.of("bwd", q, k, key_padding_mask, segment_ids, window, causal,
+                           q_offset, softcap), arch)
     # "ordered" needs every key block before a key block to visit the query blocks it visits
     # (see _attn_bwd_dkdv_inner): a window or segment ids take the separate dQ kernel
     ordered = mode == "ordered" and not has_seg and before == _NO_LIMIT

@@ -322,8 +322,8 @@ def test_router_skips_the_table_on_an_arch_it_does_not_name(monkeypatch):
     packed call that flash would serve has its masks read (here described as refused, so the
     choice is made again and Triton serves it)."""
     chosen = []
-    real_choose = route.choose
-    monkeypatch.setattr(route, "choose", lambda *a, **kw: chosen.append(a[0]) or real_choose(
+    real_select = route.select
+    monkeypatch.setattr(route, "select", lambda *a, **kw: chosen.append(a[0]) or real_select(
         *a, **kw))
     shipped = route.load_table(route.SHIPPED_TABLE)
     assert shipped.triton_only_on("sm80") and shipped.triton_only_on("cpu")
@@ -479,7 +479,7 @@ def test_served_calls():
 
 
 def test_backward_determinism():
-    """A vendor backward serves by default (attention_dq "separate", or "ordered") only if
+    """A vendor backward serves under attention_dq "separate" (or "ordered") only if
     deterministic: efficient (num_splits_key=1) and flash (FlashAttention-2's deterministic
     backward, under the flag its adapter turns on); cudnn never. "atomic" or a pin allows
     any."""
@@ -494,6 +494,158 @@ def test_backward_determinism():
     assert route.choose(bwd, caps, "cudnn", None, "separate") == "cudnn"        # pinned
     only_cudnn = route.Table(rules=({"backends": ("cudnn",)},))
     assert route.choose(bwd, caps, "auto", only_cudnn, "separate") == "triton"
+
+
+# ---- attention_dq "auto": torch's determinism flag decides ------------------------------------
+FLAGS = {"off": (False, False), "warn": (True, True), "strict": (True, False)}
+
+
+@pytest.fixture
+def torch_flag():
+    """Sets torch.use_deterministic_algorithms as FLAGS names it; the user's back after."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+
+    def set_flag(name):
+        on, warn_only = FLAGS[name]
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+        assert config.determinism() == name
+    yield set_flag
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    """The one-time warning not yet given in this process."""
+    import threading
+    monkeypatch.setattr(route, "_warned", threading.Event())
+
+
+def _auto(call, flag, arch="sm90", table=None, **caps):
+    return route.select(_call(**call), _sm90(arch=arch, **caps), "auto",
+                        table or route.load_table(route.SHIPPED_TABLE), "auto",
+                        config.determinism())
+
+
+_SEP = ("triton", "separate", True)
+
+
+@pytest.mark.parametrize("call, off, strict", [
+    # whole 32K and the layer's query chunks: cuDNN's backward (non-deterministic) when the
+    # flag is off; on, Triton's fastest deterministic mode (the H200 CSV timed "separate" only)
+    (dict(phase="bwd", Sq=_S, Sk=_S), ("cudnn", None, False), _SEP),
+    (dict(phase="bwd", Sq=1056, Sk=_S, q_offset=_S - 1056), ("cudnn", None, False), _SEP),
+    (dict(_CHUNK, phase="bwd"), ("cudnn", None, False), _SEP),
+    # the layer's first chunk: flash's deterministic backward ran second there
+    (dict(phase="bwd", Sq=_ROWS, Sk=_ROWS), ("cudnn", None, False), ("flash", None, True)),
+    # packed: flash's variable-length op, in its fastest variant when the flag is off
+    (dict(_PACKED, phase="bwd", Sq=1056, Sk=_S, q_offset=_S - 1056), ("flash", None, False),
+     ("flash", None, True)),
+    (dict(_PACKED, phase="bwd", Sq=_S, Sk=_S), _SEP, _SEP),
+    # forwards do not depend on the flag
+    (dict(Sq=_S, Sk=_S), ("cudnn", None, True), ("cudnn", None, True)),
+    # outside the measured buckets: Triton "separate" (the default list names no other mode)
+    (dict(phase="bwd", Sq=_S, Sk=_S, D=64), _SEP, _SEP),
+])
+@pytest.mark.parametrize("flag", ["off", "warn", "strict"])
+def test_auto_follows_torchs_determinism_flag_on_sm90_and_sm80(torch_flag, call, off, strict,
+                                                               flag):
+    """attention_dq "auto" with the shipped table on a described sm90 (every backend) and
+    sm80 (no rule: Triton): the flag off and warn_only take the fastest backward measured,
+    the flag on the fastest deterministic one."""
+    torch_flag(flag)
+    want = strict if flag == "strict" else off
+    got = _auto(call, flag)
+    assert (got.backend, got.dq_mode, got.deterministic) == want
+    sm80 = _auto(call, flag, arch="sm80")
+    assert (sm80.backend, sm80.dq_mode) == (("triton", "separate") if call.get("phase")
+                                            else ("triton", None))
+
+
+def test_auto_takes_the_fastest_triton_mode_the_flag_allows(torch_flag):
+    """A format-2 list where Triton's modes were faster: off, the fastest (atomic), on, the
+    fastest deterministic one (ordered, ahead of flash and separate); on a described sm80
+    whose rule lists flash first, flash either way (deterministic only when the flag is on).
+    An explicit mode keeps its own place; a list naming no deterministic entry falls back to
+    Triton "separate"."""
+    table = route.Table(rules=(
+        {"phase": "bwd", "head_dim": 64, "backends": ("cudnn", "triton:atomic")},
+        {"arch": "sm90", "phase": "bwd", "backends": (
+            "triton:atomic", "cudnn", "triton:ordered", "flash", "triton:separate")},
+        {"arch": "sm80", "phase": "bwd", "backends": ("flash", "triton:atomic",
+                                                      "triton:separate")}))
+    sm80_caps = dict(backends=frozenset(("flash", "efficient")))
+    bwd = dict(phase="bwd")
+    for flag, sm90, sm80, few in (
+            ("off", ("triton", "atomic", False), ("flash", None, False), ("cudnn", None, False)),
+            ("warn", ("triton", "atomic", False), ("flash", None, False),
+             ("cudnn", None, False)),
+            ("strict", ("triton", "ordered", True), ("flash", None, True), _SEP)):
+        torch_flag(flag)
+        for got, want in ((_auto(bwd, flag, table=table), sm90),
+                          (_auto(bwd, flag, "sm80", table, **sm80_caps), sm80),
+                          (_auto(dict(bwd, D=64), flag, table=table), few)):
+            assert (got.backend, got.dq_mode, got.deterministic) == want, flag
+    for mode, want in (("separate", "flash"), ("ordered", "triton"), ("atomic", "triton")):
+        assert route.choose(_call(**bwd), _sm90(), "auto", table, mode) == want
+
+
+def test_pinned_backends_under_auto(torch_flag):
+    """Pinned under "auto": flash and efficient run their deterministic backward only when
+    the flag is on; cudnn's backward is refused when it is (as torch's SDPA leaves cuDNN out
+    then); a pinned Triton takes the list's fastest mode the flag allows."""
+    table = route.Table(rules=({"phase": "bwd", "backends": ("triton:atomic", "cudnn",
+                                                              "triton:separate")},))
+    bwd = _call(phase="bwd")
+    for flag in ("off", "warn", "strict"):
+        torch_flag(flag)
+        det = config.determinism()
+        for backend in ("flash", "efficient"):
+            got = route.select(bwd, _sm90(), backend, table, "auto", det)
+            assert (got.backend, got.deterministic) == (backend, flag == "strict")
+        got = route.select(bwd, _sm90(), "triton", table, "auto", det)
+        assert got.dq_mode == ("separate" if flag == "strict" else "atomic")
+        if flag == "strict":
+            with pytest.raises(route.BackendRefused, match="determinism: cudnn has no "
+                                                           "deterministic backward"):
+                route.select(bwd, _sm90(), "cudnn", table, "auto", det)
+        else:
+            assert route.select(bwd, _sm90(), "cudnn", table, "auto", det).backend == "cudnn"
+    # an explicit dQ mode keeps today's rule: a pinned backend serves whatever the flag
+    assert route.select(bwd, _sm90(), "cudnn", table, "separate", "strict").backend == "cudnn"
+
+
+def test_the_router_under_auto_warns_once_with_warn_only(torch_flag, fresh_warning):
+    """The router on the CPU stand-ins, a table preferring cuDNN's backward (not
+    deterministic): the flag off, cudnn serves silently; warn_only, cudnn serves and one
+    warning names the op and what ran, once per process; on, Triton (the fallback) serves.
+    Each result matches the fallback's."""
+    import warnings
+
+    q, k, v, dout = rand_qkv(1, 4, 2, 16, 16, torch.float32)
+    router = cpu_router()
+    table = route.Table(rules=({"phase": "bwd", "backends": ("cudnn", "triton:separate")},
+                               {"backends": ("triton",)}))
+    with config.patch(attention_backend="auto", attention_dq="auto"), _table(table):
+        out, lse = router.fwd(q, k, v, None, None, None, True, 0.25)
+        want = cpu_ops.attention_bwd(dout, q, k, v, out, lse, None, None, None, True, 0.25)
+        messages = []
+        for flag, served, warned in (("off", "cudnn", 0), ("warn", "cudnn", 1),
+                                     ("warn", "cudnn", 0), ("strict", "triton", 0),
+                                     ("warn", "cudnn", 0)):
+            torch_flag(flag)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.25)
+            assert router.last == served, flag
+            mine = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                    and "ckpt_ext::attention_bwd" in str(w.message)]
+            assert len(mine) == warned, (flag, [str(w.message) for w in caught])
+            messages += mine
+            for a, b in zip(got, want):   # fp32 sums in another order: a few ulps
+                assert (a - b).abs().max() <= 64 * torch.finfo(torch.float32).eps * max(
+                    1.0, b.abs().max())
+    assert "not deterministic (cudnn)" in messages[0] and "warn_only=True" in messages[0]
 
 
 @pytest.mark.parametrize("user_flag", [(False, False), (True, True), (True, False)])
@@ -553,9 +705,56 @@ def test_table_rules_match_buckets(tmp_path):
     route.forget_tables()
 
 
+def test_format_1_tables_still_load(tmp_path):
+    """A format-1 file (Triton named once, timed under "separate", lists cut after it) loads,
+    its "triton" read as "triton:separate"; it may not name a dQ mode."""
+    one = "ckpt_ext attention backend table 1"
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"format": one, "default": "triton", "rules": [
+        {"phase": "bwd", "backends": ["cudnn", "flash", "triton"]}]}))
+    table = route.load_table(path)
+    bwd = _call(phase="bwd")
+    assert table.lookup(bwd, "sm90") == ("cudnn", "flash", "triton")
+    assert route.entry("triton") == ("triton", "separate") == route.entry("triton:separate")
+    assert route.choose(bwd, _sm90(), "auto", table, "separate") == "flash"
+    assert route.choose(bwd, _sm90(), "auto", table, "atomic") == "cudnn"
+    assert table.triton_only_on("sm80") is False     # a rule without arch: every device
+    path.write_text(json.dumps({"format": one, "rules": [{"backends": ["triton:atomic"]}]}))
+    with pytest.raises(ValueError, match="backends"):
+        route.load_table(path)
+
+
+def test_format_2_lists_place_triton_per_dq_mode():
+    """A format-2 backward list names Triton per dQ mode and is not cut: under a dQ mode
+    Triton's place is that mode's entry (the first Triton entry when the list has none of
+    it), the vendors before it tried, the deterministic modes skipping cudnn."""
+    caps = _sm90()
+    bwd = _call(phase="bwd")
+    table = route.Table(rules=({"phase": "bwd", "backends": (
+        "triton:atomic", "cudnn", "triton:ordered", "flash", "triton:separate", "efficient")},
+        {"phase": "fwd", "backends": ("cudnn", "triton:atomic", "flash")}))
+    assert route.choose(bwd, caps, "auto", table, "atomic") == "triton"    # fastest there
+    assert route.choose(bwd, caps, "auto", table, "ordered") == "triton"   # before flash
+    assert route.choose(bwd, caps, "auto", table, "separate") == "flash"   # cudnn skipped
+    no_ordered = route.Table(rules=({"backends": ("cudnn", "triton:separate", "flash",
+                                                  "triton:atomic")},))
+    assert route.choose(bwd, caps, "auto", no_ordered, "ordered") == "triton"  # first Triton
+    assert route.choose(bwd, caps, "auto", no_ordered, "atomic") == "cudnn"
+    # a forward: the first Triton entry is Triton, whatever its mode
+    assert route.choose(_call(), caps, "auto", table, "separate") == "cudnn"
+    assert route.choose(_call(), _sm90(backends=frozenset(("flash",))), "auto", table,
+                        "separate") == "triton"
+    # cudnn refused (head_dim 256): the next entry; under "atomic" Triton's place is its own
+    # entry, past flash
+    assert route.choose(_call(phase="bwd", D=256), caps, "auto", no_ordered,
+                        "atomic") == "flash"
+    assert route.choose(_call(D=256), caps, "auto", table, "atomic") == "triton"
+
+
 @pytest.mark.parametrize("data, match", [
     ({"rules": []}, "format"),
     ({"format": route.TABLE_FORMAT, "rules": [{"backends": "sdpa"}]}, "backends"),
+    ({"format": route.TABLE_FORMAT, "rules": [{"backends": "triton:fast"}]}, "backends"),
     ({"format": route.TABLE_FORMAT, "rules": [{"seq": 4, "backends": "flash"}]}, "unknown key"),
     ({"format": route.TABLE_FORMAT, "rules": [{"causal": 1, "backends": "flash"}]}, "bool"),
     ({"format": route.TABLE_FORMAT, "rules": [{"sq_min": "4", "backends": "flash"}]}, "int"),
@@ -697,23 +896,30 @@ def test_cudnn_plumbing_on_fake_cuda(fake_cuda):
 
 def test_efficient_plumbing_on_fake_cuda(fake_cuda):
     """efficient: K/V expanded to Hq heads, causal mask type 2 (bottom-right), lse sliced from
-    its 32-row padding and padded back for the backward, num_splits_key=1 under the default
-    deterministic setting and left to torch under "atomic"; dK / dV summed back to Hkv."""
+    its 32-row padding and padded back for the backward, num_splits_key=1 under a
+    deterministic setting ("separate", or "auto" with torch's flag on) and left to torch
+    under "atomic" and "auto" with the flag off; dK / dV summed back to Hkv."""
     B, Hq, Hkv, Sq, off, D = 1, 8, 2, 100, 60, 64
     q, k, v, dout, dk_acc, dv_acc = _fake_inputs(B, Hq, Hkv, Sq, off + Sq, D, torch.float32)
     router = _fake_router()
     with config.patch(attention_backend="efficient"):
         out, lse = router.fwd(q, k, v, None, None, None, True, 0.1, off)
-        dq, dk, dv = router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off)
+        with config.patch(attention_dq="separate"):
+            dq, dk, dv = router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off)
         with config.patch(attention_dq="atomic"):
             router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off)
+        with config.patch(attention_dq="auto"):
+            router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off)
+            with config.asking_determinism("strict"):
+                router.bwd(dout, q, k, v, out, lse, None, None, None, True, 0.1, off)
     _check_results(out, lse, dq, B, Hq, Sq, D, torch.float32)
     assert dk.shape == k.shape and _bshd_laid(dk)
     (_, fa, fkw), = fake_cuda.named("_efficient_attention_forward")
     assert fa[1].shape == (B, off + Sq, Hq, D) and fa[9:11] == (2, True)
-    (_, b1, k1), (_, b2, k2) = fake_cuda.named("_efficient_attention_backward")
+    (_, b1, k1), (_, b2, k2), (_, _, k3), (_, _, k4) = fake_cuda.named(
+        "_efficient_attention_backward")
     assert b1[10].shape == (B, Hq, 128) and b1[14] == 2
-    assert k1["num_splits_key"] == 1 and k2["num_splits_key"] is None
+    assert [k["num_splits_key"] for k in (k1, k2, k3, k4)] == [1, None, None, 1]
 
 
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
@@ -768,6 +974,30 @@ def test_gpu_backend_matches_fp64_in_chunks(backend, window):
             check_accuracy_rule(got, references)
 
 
+def _bucket_inputs(seed):
+    """(q, k, v, dout, scale, causal_references) on the GPU at the shipped table's bucket:
+    bf16, B 1, GQA 32/8, head_dim 128, S 2000."""
+    torch.manual_seed(seed)
+    B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+                     for H in (Hq, Hkv, Hkv, Hq))
+    return q, k, v, dout, scale, causal_references(q, k, v, dout, scale)
+
+
+def _recording(served):
+    """attention_fwd / attention_bwd through the registered ops, each call's backend
+    (CUDA_ROUTER.last) appended to ``served``."""
+    ops = torch.ops.ckpt_ext
+
+    def recorded(op):
+        def call(*args):
+            got = op(*args)
+            served.append(route.CUDA_ROUTER.last)
+            return got
+        return call
+    return recorded(ops.attention_fwd), recorded(ops.attention_bwd)
+
+
 @pytest.mark.gpu(reason="the shipped table's SDPA backends need a CUDA GPU")
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
@@ -780,23 +1010,10 @@ def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
         pytest.skip("the shipped table has rules for sm90 only")
     if not {"cudnn", "flash"} <= set(_gpu_backends()):
         pytest.skip("cudnn or flash is not available on this GPU / torch")
-    torch.manual_seed(2)
-    B, Hq, Hkv, S, D, scale = 1, 32, 8, 2000, 128, 128 ** -0.5
-    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-                     for H in (Hq, Hkv, Hkv, Hq))
-    references = causal_references(q, k, v, dout, scale)
-    ops, served = torch.ops.ckpt_ext, []
-
-    def fwd(*args):
-        got = ops.attention_fwd(*args)
-        served.append(route.CUDA_ROUTER.last)
-        return got
-
-    def bwd(*args):
-        got = ops.attention_bwd(*args)
-        served.append(route.CUDA_ROUTER.last)
-        return got
-
+    q, k, v, dout, scale, references = _bucket_inputs(2)
+    S = q.shape[2]
+    served = []
+    fwd, bwd = _recording(served)
     atomic = dq_mode == "atomic"
     with config.patch(attention_backend="auto", attention_table="", attention_dq=dq_mode):
         # whole: one call each; chunks of 700 rows: the first (q_offset 0, 700 keys) a whole
@@ -809,6 +1026,40 @@ def test_gpu_shipped_table_mixes_backends_within_the_rule(dq_mode):
                                       rows)
             assert served == expect, (rows, served)
             check_accuracy_rule(got, references)
+
+
+@pytest.mark.gpu(reason="torch's determinism flag over the CUDA backends needs a CUDA GPU")
+def test_gpu_strict_steps_are_bitwise_equal_and_the_default_meets_the_rule(torch_flag):
+    """attention_dq "auto" with the shipped table (on an sm90, its bucket: bf16, hd 128,
+    causal, GQA 32/8; elsewhere Triton), whole and in query chunks of 700 rows with dK / dV
+    into fp32 accumulators: with torch.use_deterministic_algorithms(True) two steps are
+    equal bit for bit and only deterministic backwards served; with the flag off (the
+    fastest backwards, cuDNN's where the table says) a step is within 2x / 3x plain
+    PyTorch's error against float64."""
+    q, k, v, dout, scale, references = _bucket_inputs(3)
+    S = q.shape[2]
+    served = []
+    _, bwd = _recording(served)
+
+    def step():
+        return [attention_in_chunks(torch.ops.ckpt_ext.attention_fwd, bwd, q, k, v, dout, None,
+                                    True, scale, None, None, rows) for rows in (S, 700)]
+
+    with config.patch(attention_backend="auto", attention_table="", attention_dq="auto"):
+        torch_flag("strict")
+        first, second = step(), step()
+        strict_served = list(served)
+        torch_flag("off")
+        served.clear()
+        default = step()
+    assert "cudnn" not in strict_served, strict_served
+    for a, b in zip(first, second):
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert torch.equal(a[name], b[name]), name
+    for got in default:
+        check_accuracy_rule(got, references)
+    if torch.cuda.get_device_capability() == (9, 0) and "cudnn" in _gpu_backends():
+        assert "cudnn" in served, served      # the default's backward: cuDNN's where it won
 
 
 @pytest.mark.gpu(reason="the SDPA backends need a CUDA GPU")

@@ -82,7 +82,7 @@ def test_cpu_layer_chunk_rows_run(tmp_path):
     """The CPU smoke run at the layer's own tiny call shapes: Triton (interpreter) at each
     chunk, the layer's label in the CSV."""
     out = tmp_path / "rows.csv"
-    bench.main(["--backend-rows", "--backends", "triton", "--backend-shape", "1,2,1,16",
+    bench.main(["--backend-rows", "--backends", "triton:separate", "--backend-shape", "1,2,1,16",
                 "--backend-seqlens", "", "--chunk-rows", "", "--layer-dims", "32,2,1,16,64",
                 "--layer-seqlens", "40", "--chunk-bytes", "8192", "--out", str(out)])
     lines = [line for line in out.read_text().splitlines() if not line.startswith("#")]
@@ -113,8 +113,8 @@ def test_choice_table_keeps_packed_rows_apart():
     rows += _rows({(1024, 1024, "triton"): (0.5, 1.0), (1024, 1024, "flash"): (0.7, 2.5)},
                   masks="packed 256")
     table = route.Table.from_dict(bench.choice_table(rows, "sm90", ["# test"]))
-    for segments, fwd, bwd in ((False, ("flash", "triton"), ("flash", "triton")),
-                               (True, ("triton",), ("triton",))):
+    for segments, fwd, bwd in ((False, ("flash", "triton"), ("flash", "triton:separate")),
+                               (True, ("triton", "flash"), ("triton:separate", "flash"))):
         for phase, want in (("fwd", fwd), ("bwd", bwd)):
             call = route.Call(phase, torch.bfloat16, 1, 32, 8, 1024, 1024, 128, True,
                               segments=segments)
@@ -127,7 +127,7 @@ def test_cpu_packed_rows_run(tmp_path):
     """--backend-packed-doc: each shape again with packed documents given as segment ids (Triton in
     the interpreter here), the FLOPs those of the documents' pairs."""
     out = tmp_path / "rows.csv"
-    bench.main(["--backend-rows", "--backends", "triton", "--backend-shape", "1,2,1,16",
+    bench.main(["--backend-rows", "--backends", "triton:atomic", "--backend-shape", "1,2,1,16",
                 "--backend-seqlens", "24", "--chunk-rows", "8", "--chunk-keys", "24",
                 "--backend-packed-doc", "5", "--out", str(out)])
     lines = [line for line in out.read_text().splitlines() if not line.startswith("#")]
@@ -157,11 +157,13 @@ def test_choice_table_orders_backends_by_measured_time():
         call = route.Call(phase, torch.bfloat16, 1, 32, 8, Sq, Sk, 128, True, Sk - Sq)
         return table.lookup(call, "sm90")
 
-    assert pick("fwd", 1024, 1024) == ("cudnn", "triton")       # slower ones after Triton cut
-    assert pick("bwd", 1024, 1024) == ("flash", "triton")       # cudnn did not run (NaN)
+    # every backend that ran, fastest first (not cut at Triton); a backward's bare "triton"
+    # rows (no dQ mode named) are the "separate" mode's
+    assert pick("fwd", 1024, 1024) == ("cudnn", "triton", "flash")
+    assert pick("bwd", 1024, 1024) == ("flash", "triton:separate")   # cudnn did not run (NaN)
     assert pick("fwd", 282, 8192) == ("cudnn", "triton")
-    assert pick("bwd", 200, 4000) == ("triton",)                # smallest bucket containing it
-    assert pick("bwd", 282, 20000) == ("efficient", "triton")
+    assert pick("bwd", 200, 4000) == ("triton:separate", "cudnn")  # smallest bucket holding it
+    assert pick("bwd", 282, 20000) == ("efficient", "triton:separate")
     assert pick("fwd", 1056, 32768) == ("flash", "triton")      # 'auto' rows never listed
     assert pick("fwd", 4000, 100000) == ("flash", "triton")     # beyond: the largest bucket
     assert table.lookup(route.Call("fwd", torch.bfloat16, 1, 32, 8, 1024, 1024, 128, True),
@@ -175,18 +177,28 @@ def test_cpu_backend_rows_run_and_write_a_table(tmp_path):
                 "--write-table", str(table)])
     lines = [line for line in out.read_text().splitlines() if not line.startswith("#")]
     rows = list(csv.DictReader(lines))
-    assert {r["backend"] for r in rows} == {"triton", "flash", "cudnn", "efficient", "auto"}
-    assert all(r["note"] == "needs CUDA" for r in rows if r["backend"] != "triton")
+    # "triton" stands for its backward under each dQ mode
+    assert {r["backend"] for r in rows} == {"triton:separate", "triton:ordered",
+                                            "triton:atomic", "flash", "cudnn", "efficient",
+                                            "auto"}
+    assert all(r["note"] == "needs CUDA" for r in rows if not r["backend"].startswith("triton"))
     # Triton: the whole sequence and the query chunk (dK/dV into accumulators) both timed
-    triton = [r for r in rows if r["backend"] == "triton"]
-    assert len(triton) == 6 and all(float(r["ms"]) > 0 and not r["note"] for r in triton)
+    triton = [r for r in rows if r["backend"].startswith("triton")]
+    assert len(triton) == 18 and all(float(r["ms"]) > 0 and not r["note"] for r in triton)
     assert {(r["sq"], r["sk"], r["call"]) for r in triton} == {("32", "32", "whole"),
                                                                ("8", "32", "query chunk")}
     loaded = route.load_table(table)
     written = json.loads(table.read_text())
     assert written["measured"][0].startswith("device: CPU")
+    assert written["format"] == route.TABLE_FORMAT == "ckpt_ext attention backend table 2"
+    # the forward names Triton once; the backward per dQ mode, in the order of their times
     call = route.Call("fwd", torch.float32, 1, 2, 2, 32, 32, 16, True)
     assert loaded.lookup(call, "cpu") == ("triton",)
+    bwd = {(r["sq"], r["backend"]): float(r["ms"]) for r in triton if r["mode"] == "bwd"}
+    for sq, q_offset in ((32, 0), (8, 24)):
+        call = route.Call("bwd", torch.float32, 1, 2, 2, sq, 32, 16, True, q_offset)
+        assert loaded.lookup(call, "cpu") == tuple(sorted(
+            route.TRITON_ENTRIES, key=lambda name: (bwd[(str(sq), name)], name)))
     # --from-csv on the CSV just written: the same rows (as written: 6 significant digits),
     # the same rules, the CSV's provenance under the file's name
     header, read, preamble = bench.read_backend_rows(out)
@@ -195,7 +207,7 @@ def test_cpu_backend_rows_run_and_write_a_table(tmp_path):
             for r in read] == [(r["backend"], r["mode"], int(r["sq"]), int(r["sk"]),
                                 int(r["q_offset"]), r["causal"] == "True", r["note"])
                                for r in rows]
-    assert all(math.isnan(r["ms"]) == (r["backend"] != "triton") for r in read)
+    assert all(math.isnan(r["ms"]) == (not r["backend"].startswith("triton")) for r in read)
     again = tmp_path / "again.json"
     bench.main(["--from-csv", str(out), "--write-table", str(again)])
     rebuilt = json.loads(again.read_text())
@@ -303,22 +315,38 @@ def _device_table():
     return json.loads(text[start:text.index("\n}\n", start) + 2])
 
 
+def _format1(rule):
+    """A format-2 rule as format 1 wrote it: Triton named once, the list cut after it."""
+    names = ["triton" if route.entry(n)[0] == "triton" else n for n in rule["backends"]]
+    return dict(rule, backends=names[:names.index("triton") + 1])
+
+
 def test_from_csv_rebuilds_the_h200_table_and_the_shipped_one(tmp_path):
-    """--from-csv on the H200's results file: the device's own rules, then per (phase, masks,
-    chunk) bucket whose measured shapes hold none largest in both sq and keys an unbounded
-    rule; and exactly the table shipped in the package."""
+    """--from-csv on the H200's results file: the device's own rules (format 1 there: each of
+    our lists cut after Triton is the device's), then per (phase, masks, chunk) bucket whose
+    measured shapes hold none largest in both sq and keys an unbounded rule; and exactly the
+    table shipped in the package. The CSV's Triton rows name no dQ mode (they ran under the
+    default, "separate"): the backward lists name triton:separate and no other mode."""
     out = tmp_path / "table.json"
     bench.main(["--from-csv", str(H200), "--write-table", str(out)])
     table = json.loads(out.read_text())
     device = _device_table()
+    assert device["format"] == "ckpt_ext attention backend table 1"
+    assert table["format"] == "ckpt_ext attention backend table 2"
     bounded = [r for r in table["rules"] if "sq_max" in r or "keys_max" in r
                or not r["chunk"]]
-    assert bounded == device["rules"]
-    extra = [r for r in table["rules"] if r not in device["rules"]]
+    assert [_format1(r) for r in bounded] == device["rules"]
+    extra = [r for r in table["rules"] if _format1(r) not in device["rules"]]
     assert [(r["phase"], r["masks"], r["backends"]) for r in extra] == [
-        ("bwd", "none", ["cudnn", "triton"]), ("bwd", "packed", ["flash", "triton"]),
-        ("fwd", "none", ["cudnn", "triton"]), ("fwd", "packed", ["flash", "triton"])]
+        ("bwd", "none", ["cudnn", "triton:separate", "flash", "efficient"]),
+        ("bwd", "packed", ["flash", "triton:separate"]),
+        ("fwd", "none", ["cudnn", "triton", "flash", "efficient"]),
+        ("fwd", "packed", ["flash", "triton"])]
     assert all(r["chunk"] and "sq_max" not in r and "keys_max" not in r for r in extra)
+    names = {n for r in table["rules"] for n in r["backends"]}
+    assert "triton:separate" in names and not names & {"triton:ordered", "triton:atomic"}
+    assert all(("triton" in r["backends"]) == (r["phase"] == "fwd") for r in table["rules"])
+    assert "ran under attention_dq='separate'" in table["note"]
     assert table["measured"][:3] == [
         "source: bench/results/gpu_h200_2026-11-27/quick_d_attention.txt (its backend-rows CSV)",
         "arch: sm90", "commit: 67ac4f8 (as the caller said)"]
@@ -342,10 +370,39 @@ def test_choice_table_adds_an_unbounded_rule_when_no_shape_is_largest():
     assert pick("fwd", 1152, 20000) == ("flash", "triton")
     assert pick("fwd", 2048, 65536) == ("flash", "triton")
     assert pick("fwd", 1152, 17280) == ("cudnn", "triton")
-    assert pick("bwd", 1152, 17280) == ("triton",)
-    assert pick("fwd", 500, 30000) == ("triton",)
+    assert pick("bwd", 1152, 17280) == ("triton:separate", "cudnn")
+    assert pick("fwd", 500, 30000) == ("triton", "cudnn")
     # a grid of shapes needs no extra rule: its largest is unbounded already
     grid = bench.choice_table(_rows({(512, 8192, "triton"): (1.0, 1.0),
                                      (1024, 32768, "triton"): (1.0, 1.0)}), "sm90", [])
     assert [("sq_max" in r, "keys_max" in r) for r in grid["rules"]] == [(True, True),
                                                                          (False, False)] * 2
+
+
+def test_bare_triton_rows_take_the_dq_mode_of_their_run(tmp_path):
+    """A CSV written before the rows named Triton's dQ mode: its bare "triton" rows ran under
+    the CKPT_EXT_ATTN_DQ of its command line ("separate" when it sets none)."""
+    rows = _rows({(1024, 1024, "triton"): (1.0, 3.0), (1024, 1024, "cudnn"): (0.8, 2.0)})
+    for value in ("atomic", "ordered"):
+        header = [f"command: CKPT_EXT_ATTN_DQ={value} python bench/attention.py --backend-rows"]
+        assert bench.csv_dq_mode(header, []) == value
+        table = bench.choice_table(rows, "sm90", header, bare_triton=value)
+        assert [r["backends"] for r in table["rules"]] == [["cudnn", f"triton:{value}"],
+                                                           ["cudnn", "triton"]]
+    assert bench.csv_dq_mode(["command: python bench/attention.py --backend-rows"], []) \
+        == "separate"
+    assert bench.csv_dq_mode([], ["command: CKPT_EXT_ATTN_DQ=atomic python x"]) == "atomic"
+
+
+def test_backend_settings_name_triton_per_dq_mode():
+    assert bench.backend_settings(["auto:strict"]) == {"auto:strict": {
+        "attention_backend": "auto", "attention_dq": "auto", "determinism": "strict"}}
+    assert bench.backend_settings(["triton", "cudnn", "auto"]) == {
+        "triton:separate": {"attention_backend": "triton", "attention_dq": "separate"},
+        "triton:ordered": {"attention_backend": "triton", "attention_dq": "ordered"},
+        "triton:atomic": {"attention_backend": "triton", "attention_dq": "atomic"},
+        "cudnn": {"attention_backend": "cudnn", "attention_dq": "separate"},
+        "auto": {"attention_backend": "auto"}}
+    for bad in ("triton:fast", "sdpa"):
+        with pytest.raises(SystemExit, match="unknown backend"):
+            bench.backend_settings([bad])

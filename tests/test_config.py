@@ -14,7 +14,8 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 interpreter_only = pytest.mark.skipif(CUDA, reason="the Triton interpreter on CPU tensors")
 
-ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ": "'separate', 'atomic', 'ordered'",
+ALLOWED = {"CKPT_EXT_AUTOTUNE": "'0', '1'", "CKPT_EXT_ATTN_DQ":
+           "'auto', 'separate', 'atomic', 'ordered'",
            "CKPT_EXT_SWIGLU_GRID": "'tiles', 'persistent'",
            "CKPT_EXT_SWIGLU_EPILOGUE": "'subtiled', 'whole'",
            "CKPT_EXT_BACKEND": "'auto', 'triton'",
@@ -31,7 +32,7 @@ def test_every_setting_has_a_variable_and_a_default():
     assert defaults == config.KernelConfig()
     assert (defaults.autotune, defaults.attention_dq, defaults.swiglu_grid,
             defaults.swiglu_epilogue, defaults.backend, defaults.attention_backend,
-            defaults.attention_table) == (True, "separate", "persistent", "subtiled", "auto",
+            defaults.attention_table) == (True, "auto", "persistent", "subtiled", "auto",
                                           "auto", "")
     got = config.from_environment({"CKPT_EXT_AUTOTUNE": "0", "CKPT_EXT_ATTN_DQ": "atomic",
                                    "CKPT_EXT_SWIGLU_GRID": "tiles",
@@ -113,7 +114,8 @@ def test_patch_as_decorator():
 
 @pytest.mark.parametrize("changes, match", [
     ({"attention_dq": "fast"},
-     r"attention_dq \(CKPT_EXT_ATTN_DQ\) must be one of 'separate', 'atomic', 'ordered', "
+     r"attention_dq \(CKPT_EXT_ATTN_DQ\) must be one of 'auto', 'separate', 'atomic', "
+     r"'ordered', "
      r"got 'fast'"),
     ({"autotune": 1}, r"autotune \(CKPT_EXT_AUTOTUNE\) must be one of False, True, got 1"),
     ({"autotune": "0"}, r"autotune \(CKPT_EXT_AUTOTUNE\) must be one of False, True"),
@@ -216,6 +218,66 @@ def test_patch_switches_the_dq_path(launched, mode):
     launched.clear()
     attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.25)
     assert _backward_kinds(launched) == [("dkdv", False), ("dq", False)]
+
+
+@pytest.fixture
+def modes_table(tmp_path):
+    """A choice table whose backward rule (any device) lists Triton's dQ modes atomic, ordered,
+    separate, fastest first, in effect with attention_dq "auto"."""
+    import json
+
+    from ckpt_ext import attention_route
+
+    path = tmp_path / "modes.json"
+    path.write_text(json.dumps({"format": attention_route.TABLE_FORMAT, "rules": [
+        {"phase": "bwd", "backends": ["triton:atomic", "triton:ordered", "triton:separate"]}]}))
+    with config.patch(attention_table=str(path), attention_dq="auto"):
+        yield
+    attention_route.forget_tables()
+
+
+@pytest.fixture
+def determinism_flag():
+    """Sets torch.use_deterministic_algorithms (on, warn_only); the user's back after."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    yield lambda on, warn_only=False: torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_auto_launches_the_tables_mode_torchs_flag_allows(launched, modes_table,
+                                                          determinism_flag, monkeypatch):
+    """attention_dq "auto" (the default) at the Triton launcher: the table's fastest dQ mode
+    when torch's flag is off (atomic) and under warn_only (atomic, and one warning naming the
+    op), the fastest deterministic one when it is on (ordered); ops.attention's
+    deterministic= answers for the flag. The shipped table names no mode here: "separate"."""
+    import threading
+    import warnings
+
+    from ckpt_ext import attention_route
+
+    monkeypatch.setattr(attention_route, "_warned", threading.Event())
+    q, k, v, dout, mask = _inputs()
+    out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.25)
+    runs = []
+    for on, warn_only in ((False, False), (True, True), (True, True), (True, False)):
+        determinism_flag(on, warn_only)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.25)
+        runs.append(sum("ckpt_ext::attention_bwd" in str(w.message) for w in caught))
+    assert _backward_kinds(launched) == [("dkdv", True)] * 3 + [("dkdv", "ordered")]
+    assert runs == [0, 1, 0, 0]      # warn_only: one warning, once
+    launched.clear()
+    with _triton_ops():
+        determinism_flag(False)
+        _attention_grads(q, k, v, dout, mask, deterministic=True)
+        determinism_flag(True)
+        _attention_grads(q, k, v, dout, mask, deterministic=False)
+        with config.patch(attention_table=""):
+            _attention_grads(q, k, v, dout, mask)
+    assert _backward_kinds(launched) == [("dkdv", "ordered"), ("dkdv", True),
+                                         ("dkdv", False), ("dq", False)]
 
 
 def _triton_ops():

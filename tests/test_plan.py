@@ -1565,3 +1565,38 @@ def test_plan_out_lse_what_if(tmp_path):
     assert what_if.main(["--out", str(out)]) == 0
     row = next(line for line in out.read_text().splitlines() if line.startswith("| 1,048,576 "))
     assert row.count("32 min_memory") == 2, row
+
+
+def test_cli_prints_the_strict_step_times(tmp_path, capsys):
+    """With a throughputs file holding the strict backward's rates, a second line gives each
+    setup's step time under torch.use_deterministic_algorithms(True) at that rate; the plan's
+    own rates (a deterministic backward) print that it is the same."""
+    from ckpt_ext import throughputs as tp
+
+    path = tmp_path / "t.json"
+    tp.write_throughputs(path, {"command": "test", "commit": "-", "machine": "test",
+                                "date": "2026-11-27"}, [
+        tp.Rate("attention_forward", 500.0), tp.Rate("attention_backward", 450.0),
+        tp.Rate("attention_backward_strict", 180.0), tp.Rate("matmul", 400.0)])
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    args = [str(tmp_path / "config.json"), "--batch", "1", "--seq", "4096",
+            "--device-memory", "80GiB", "--weights", "lora"]
+    assert plan_cli.main(args + ["--throughputs", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "use_deterministic_algorithms(True)" in x)
+    assert "180 TFLOP/s against 450 by default" in line
+    layers = [LayerDims(4096, 32, 8, 128, 14336)] * 32
+    for setup, name in (("min_memory", "min_memory"), ("hf_gc", "HF checkpointing, HF head")):
+        kw = dict(train_weights=False, lora_rank=16, attention_fwd_tflops=500,
+                  matmul_tflops=400)
+        strict = plan.step_time_estimate(setup, layers, 128256, 1, 4096,
+                                         attention_bwd_tflops=180, **kw)
+        default = plan.step_time_estimate(setup, layers, 128256, 1, 4096,
+                                          attention_bwd_tflops=450, **kw)
+        got = float(re.search(re.escape(name) + r" ([\d.,]+)", line).group(1).replace(",", ""))
+        assert got == pytest.approx(strict, abs=0.006) and strict > default + 0.01
+        assert float(_column(out, name, "step s")) == pytest.approx(default, abs=0.006)
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert ("use_deterministic_algorithms(True) (deterministic attention backwards only): the "
+            "same, the strict backward's rate being the default's, 170 TFLOP/s") in out

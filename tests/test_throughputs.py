@@ -126,3 +126,142 @@ def test_attention_rates_from_backend_rows(tmp_path):
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match=r"other.csv: not bench/attention.py --backend-rows"):
         tp.from_backend_rows(bad)
+
+
+# ---- format 2: rates per query-chunk row count, and the strict backward's ----------------------
+def _chunked():
+    """Whole-sequence rates, chunk rates at up to 512 and above 512 rows, strict rates."""
+    return [tp.Rate("attention_forward", 400.0, rows_max=512),
+            tp.Rate("attention_forward", 450.0, rows_min=513),
+            tp.Rate("attention_forward", 500.0),
+            tp.Rate("attention_backward", 380.0, rows_max=512, source="c.csv"),
+            tp.Rate("attention_backward", 450.0, rows_min=513),
+            tp.Rate("attention_backward", 530.0),
+            tp.Rate("attention_backward_strict", 170.0, rows_min=1),
+            tp.Rate("attention_backward_strict", 380.0),
+            tp.Rate("matmul", 400.0)]
+
+
+def test_rates_per_chunk_rows_and_the_strict_backward(tmp_path):
+    """A rate with row bounds serves the query chunks of that many rows, whole sequences only
+    the rates without (a chunk of at least S rows is a whole sequence); the strict backward's
+    rates serve strict estimates; the seconds follow."""
+    path = tmp_path / "t.json"
+    data = tp.write_throughputs(path, HEADERS, _chunked())
+    assert data["format"] == tp.FORMAT == "ckpt_ext kernel throughputs 2"
+    t = tp.load_throughputs(path)
+    assert t.has_strict
+    S = 32768
+    assert [t.rate("attention_backward", S, rows) for rows in (None, 1, 512, 513, 4096, S)] \
+        == [530.0, 380.0, 380.0, 450.0, 450.0, 530.0]
+    assert [t.rate("attention_backward_strict", S, rows) for rows in (None, 512, 4096)] \
+        == [380.0, 170.0, 170.0]
+    assert t.step_time_kwargs(S, 1152) == {"attention_fwd_tflops": 450.0,
+                                           "attention_bwd_tflops": 450.0, "matmul_tflops": 400.0}
+    assert t.step_time_kwargs(S, 1152, strict=True)["attention_bwd_tflops"] == 170.0
+    assert t.step_time_kwargs(S, strict=True)["attention_bwd_tflops"] == 380.0
+    assert t.chunk_rates("attention_backward", S) == [(None, 512, 380.0), (513, None, 450.0)]
+    assert t.chunk_rates("attention_backward", S, strict=True) == [(1, None, 170.0)]
+    flops = {"attention_forward": 4e15, "attention_backward": 10e15, "matmul": 8e15}
+    assert t.seconds(flops, S, 1152, strict=True) == pytest.approx(
+        4e15 / 450e12 + 10e15 / 170e12 + 8e15 / 400e12, rel=1e-12)
+    assert t.seconds(flops, S) == pytest.approx(4e15 / 500e12 + 10e15 / 530e12 + 8e15 / 400e12,
+                                                rel=1e-12)
+
+
+def test_files_without_strict_rates_and_format_1(tmp_path):
+    """No strict rates: the strict backward's rate is the default's. A format-1 file still
+    loads; it may hold neither row bounds nor strict rates."""
+    t = tp.throughputs_from_dict(_good())
+    assert not t.has_strict and t.rate("attention_backward_strict", 4096) == 170.0
+    assert t.step_time_kwargs(4096, 300, strict=True) == t.step_time_kwargs(4096)
+    assert not tp.default_throughputs().has_strict
+    one = dict(_good(), format="ckpt_ext kernel throughputs 1")
+    assert tp.throughputs_from_dict(one).rate("attention_forward", 9000) == 360.0
+    one["rates"][0]["rows_max"] = 512
+    with pytest.raises(ValueError, match=r"rate 0: unknown key\(s\) \['rows_max'\]"):
+        tp.throughputs_from_dict(one, "one.json")
+    one["rates"][0].pop("rows_max")
+    one["rates"].append({"kind": "attention_backward_strict", "tflops": 1.0})
+    with pytest.raises(ValueError, match="kind must be one of"):
+        tp.throughputs_from_dict(one, "one.json")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda r: r.pop(7), "no attention_backward_strict rate serves every sequence length"),
+    (lambda r: r.pop(5), "no attention_backward rate serves every .* chunks only"),
+    (lambda r: r[0].update(rows_min=600), "rate 0: rows_min 600 > rows_max 512"),
+    (lambda r: r[1].update(rows_min=0), "rate 1: rows_min must be a positive int"),
+])
+def test_malformed_format_2(change, match):
+    data = {"format": tp.FORMAT, **HEADERS, "rates": [r.as_dict() for r in _chunked()]}
+    change(data["rates"])
+    with pytest.raises(ValueError, match=match):
+        tp.throughputs_from_dict(data, "t.json")
+
+
+def _write_rows(path, rows):
+    """A --backend-rows CSV of (backend, mode, sq, sk, q_offset, tflops, ms) rows."""
+    lines = ["# device: test", "backend,served_by,mode,sq,sk,q_offset,causal,masks,tflops,ms"]
+    lines += [f"{b},{b},{m},{sq},{sk},{off},True,none,{t},{ms}"
+              for b, m, sq, sk, off, t, ms in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_chunk_and_strict_rates_from_backend_rows(tmp_path):
+    """'fastest': per shape the fastest backend that ran (default) and the fastest
+    deterministic one (strict: Triton separate / ordered, flash, efficient; not cudnn or
+    triton:atomic); a chunk row count's rate is its calls' FLOPs over their time; row ranges
+    up to each measured count. 'auto': the auto rows, strict from the auto:strict ones."""
+    path = tmp_path / "rows.csv"
+    rows = []
+    for b, f, bw in (("cudnn", 600.0, 530.0), ("triton:atomic", 500.0, 450.0),
+                     ("triton:separate", 500.0, 380.0), ("flash", 340.0, 180.0),
+                     ("auto", 600.0, 530.0), ("auto:strict", 600.0, 380.0)):
+        rows += [(b, "fwd", 8192, 8192, 0, f, 1.0), (b, "bwd", 8192, 8192, 0, bw, 1.0)]
+    # chunks of 1000 rows at two key counts: (100 x 1 + 200 x 3) / 4 = 175 TFLOP/s for triton
+    rows += [("triton:separate", "bwd", 1000, 2000, 1000, 100.0, 1.0),
+             ("triton:separate", "bwd", 1000, 4000, 3000, 200.0, 3.0),
+             ("cudnn", "bwd", 1000, 4000, 3000, 450.0, 1.0),
+             ("triton:separate", "fwd", 1000, 4000, 3000, 300.0, 1.0),
+             ("triton:ordered", "bwd", 300, 4000, 3700, 160.0, 1.0),
+             ("flash", "bwd", 300, 4000, 3700, 150.0, 1.0),
+             ("flash", "bwd", 300, 4000, 3700, float("nan"), 1.0)]
+    _write_rows(path, rows)
+    t = tp.throughputs_from_dict({"format": tp.FORMAT, **HEADERS, "rates": [
+        r.as_dict() for r in tp.from_backend_rows(path, tp.FASTEST, matmul_tflops=400.0)]})
+    assert t.has_strict
+    assert [t.rate("attention_backward", 8192, rows) for rows in (None, 300, 1000, 5000)] \
+        == [530.0, 160.0, 450.0, 450.0]
+    assert [t.rate("attention_backward_strict", 8192, rows) for rows in (None, 300, 1000)] \
+        == [380.0, 160.0, 175.0]
+    assert t.rate("attention_forward", 8192, 1000) == 300.0
+    assert t.chunk_rates("attention_backward", 8192) == [(1, 300, 160.0), (301, None, 450.0)]
+    auto = tp.from_backend_rows(path, "auto", matmul_tflops=400.0)
+    t = tp.throughputs_from_dict({"format": tp.FORMAT, **HEADERS,
+                                  "rates": [r.as_dict() for r in auto]})
+    assert (t.rate("attention_backward", 8192), t.rate("attention_backward_strict", 8192)) \
+        == (530.0, 380.0)
+    cudnn = tp.from_backend_rows(path, "cudnn", matmul_tflops=400.0)
+    assert not any(r.kind == "attention_backward_strict" for r in cudnn)
+
+
+def test_h200_rates_default_and_strict():
+    """The H200 run's CSV (no auto rows; Triton timed under "separate"): 'fastest' gives
+    cuDNN's backward by default and Triton's (or flash's on the layer's first chunk) strict,
+    at the figures the CSV holds."""
+    import pathlib
+
+    csv_path = (pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
+                / "gpu_h200_2026-11-27" / "quick_d_attention.txt")
+    t = tp.throughputs_from_dict({"format": tp.FORMAT, **HEADERS, "rates": [
+        r.as_dict() for r in tp.from_backend_rows(csv_path, tp.FASTEST, 400.0)]})
+    # the CSV's rows: cudnn,cudnn,bwd,...,32768,32768,0,...,530.578 and triton ... 379.271;
+    # at 1056 x 32768 cudnn 452.979 and triton 171.486; at 1152 rows (x 17280) 454 and 174.445
+    for rows, default, strict in ((None, 530.578, 379.271), (1056, 452.979, 171.486),
+                                  (1152, 454.0, 174.445), (4096, 454.0, 174.445)):
+        assert t.rate("attention_backward", 32768, rows) == pytest.approx(default, abs=1e-3)
+        assert t.rate("attention_backward_strict", 32768, rows) == pytest.approx(strict,
+                                                                                 abs=1e-3)
+    # the layer's first chunk, a whole 1152: flash's deterministic backward, 88.96 there
+    assert t.rate("attention_backward_strict", 1152) == pytest.approx(88.9601, abs=1e-3)

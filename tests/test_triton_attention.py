@@ -267,7 +267,7 @@ def test_ruled_out_tiles_are_never_read(rule):
 
 
 # ------------------------------------------------------------------------------------------
-# dQ formed by its own kernel (the default), or inside the dK/dV kernel with atomics or in
+# dQ formed by its own kernel ("separate"), or inside the dK/dV kernel with atomics or in
 # key-block order
 # ------------------------------------------------------------------------------------------
 #            dtype          B  Hq Hkv  S   D  causal mask     documents   window
@@ -563,14 +563,14 @@ def test_query_chunks_reject_bad_arguments(rows, q_offset, accs, exc, match):
 
 
 def test_dq_mode_rejects_unknown_values():
-    with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be one of 'separate', "
+    with pytest.raises(ValueError, match="CKPT_EXT_ATTN_DQ must be one of 'auto', 'separate', "
                                          "'atomic', 'ordered', got 'fast'"):
         config.from_environment({"CKPT_EXT_ATTN_DQ": "fast"})
     with pytest.raises(ValueError, match=r"attention_dq \(CKPT_EXT_ATTN_DQ\) must be one of "
-                                         r"'separate', 'atomic', 'ordered', got 'fast'"):
+                                         r"'auto', 'separate', 'atomic', 'ordered', got 'fast'"):
         with config.patch(attention_dq="fast"):
             pass
-    assert attention.dq_mode() == "separate"
+    assert attention.dq_mode() == "auto"
 
 
 # ------------------------------------------------------------------------------------------
@@ -657,7 +657,7 @@ def test_decoder_layer_has_no_attention_layout_copies(backend, policy):
 @config.patch(attention_dq="separate")
 def test_deterministic_backward():
     """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal
-    (dq too with attention_dq="separate", the default)."""
+    (dq too with attention_dq="separate")."""
     q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, torch.float16, "right", seed=11)
     out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.2)
     first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
