@@ -408,11 +408,24 @@ def _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, l
 
 def _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
                       lora_scaling, gate, up, needs_grad, lora_dropout, dropout_seed,
-                      activation="silu"):
-    """swiglu_bwd's arguments; returns (T, H, I, the 6 lora entries)."""
+                      activation="silu", sums=(None, None, None)):
+    """swiglu_bwd's arguments (sums: its dw_gate_sum, dw_up_sum, dw_down_sum); returns
+    (T, H, I, the 6 lora entries)."""
     T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
                                       lora_scaling, lora_dropout, dropout_seed, activation)
     _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
+    for name, t, shape, layout in zip(("dw_gate_sum", "dw_up_sum", "dw_down_sum"), sums,
+                                      ((I, H), (I, H), (H, I)), ("(I, H)", "(I, H)", "(H, I)")):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {shape} {layout}, got "
+                             f"{tuple(t.shape)}")
+        if t.device != x.device:
+            raise RuntimeError(f"{op}: {name} is on {t.device} but x is on {x.device}")
+        if t.dtype not in (torch.float32, x.dtype):
+            raise TypeError(f"{op}: {name} must be float32 or the dtype of x ({x.dtype}), "
+                            f"got {t.dtype}")
     if _absent(gate) != _absent(up):
         state = {True: "absent", False: "given"}
         raise ValueError(f"{op}: gate and up must be given together (save=\"gate_up\") or both "

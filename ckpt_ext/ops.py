@@ -87,24 +87,30 @@ def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_s
 @torch.library.register_fake("ckpt_ext::swiglu_bwd")
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                      gate, up, needs_grad, lora_dropout=(), dropout_seed=None,
-                     dropout_row_offset=0, dropout_streams=(), activation="silu"):
+                     dropout_row_offset=0, dropout_streams=(), activation="silu",
+                     dw_gate_sum=None, dw_up_sum=None, dw_down_sum=None, sum_beta=0.0):
     _check_row_offset("swiglu_bwd", "dropout_row_offset", dropout_row_offset)
     _check_dropout_streams("swiglu_bwd", dropout_streams)
     T, H, I, lora = _check_swiglu_bwd("swiglu_bwd", dy, x, w_gate, w_up, w_down, b_gate, b_up,
                                       b_down, lora, lora_scaling, gate, up, needs_grad,
-                                      lora_dropout, dropout_seed, activation)
+                                      lora_dropout, dropout_seed, activation,
+                                      (dw_gate_sum, dw_up_sum, dw_down_sum))
 
-    def grad(wanted, t, shape=None):
-        """A gradient of t's shape (or `shape`) and x's dtype where computed, else (0,)."""
+    def grad(wanted, t, shape=None, total=None):
+        """A gradient of t's shape (or `shape`) and x's dtype where computed, else (0,); with
+        its sum over chunks given, a tensor like the sum."""
         if not wanted or t is None:
             return x.new_empty((0,))
+        if total is not None:
+            return total.new_empty(total.shape)
         return x.new_empty(t.shape if shape is None else shape)
 
     dlora = [x.new_empty((0,)) if t is None or not needs_grad[6 + i]
              else t.new_empty(t.shape) for i, t in enumerate(lora)]
-    return (x.new_empty((T, H)), grad(needs_grad[0], w_gate), grad(needs_grad[1], w_up),
-            grad(needs_grad[2], w_down), grad(needs_grad[3], b_gate), grad(needs_grad[4], b_up),
-            grad(needs_grad[5], b_down), dlora)
+    return (x.new_empty((T, H)), grad(needs_grad[0], w_gate, total=dw_gate_sum),
+            grad(needs_grad[1], w_up, total=dw_up_sum),
+            grad(needs_grad[2], w_down, total=dw_down_sum), grad(needs_grad[3], b_gate),
+            grad(needs_grad[4], b_up), grad(needs_grad[5], b_down), dlora)
 
 
 @torch.library.register_fake("ckpt_ext::lora_dropout")

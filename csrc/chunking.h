@@ -115,6 +115,24 @@ inline void set_cuda_sms(int64_t sms) {
   sms_setting().store(std::max<int64_t>(0, sms), std::memory_order_relaxed);
 }
 
+// How one token chunk's gradient product (a weight's, a LoRA factor's) joins the sum over
+// the chunks (csrc/layer_math.cpp Grads::addmm):
+//   kProduct   one chunk: the product is the gradient (the GEMM rounds it once)
+//   kInGemm    the GEMM adds it into the sum (addmm, beta 0 for the first chunk): a float32 or
+//              float64 product into a sum of its own dtype anywhere; a half-precision one into
+//              a float32 sum through addmm's out_dtype, which only CUDA has
+//              (fp32_out_ok: the installed ATen accepts it, probed once per process)
+//   kAddAfter  the product in its dtype, then added to the float32 sum (the CPU's path for
+//              half-precision operands: ATen has no CPU kernel for addmm.dtype_out)
+// The sum is cast to the slot's dtype once, at the end.
+enum class ChunkSum : int64_t { kProduct = 0, kInGemm = 1, kAddAfter = 2 };
+
+inline ChunkSum chunk_sum(bool chunked, bool half_operands, bool cuda, bool fp32_out_ok) {
+  if (!chunked) return ChunkSum::kProduct;
+  if (!half_operands) return ChunkSum::kInGemm;
+  return cuda && fp32_out_ok ? ChunkSum::kInGemm : ChunkSum::kAddAfter;
+}
+
 // Tokens per chunk of the fused layer's attention sublayer or whole layer: a chunk's
 // per-token working set at the compute width and at least float32 (the CPU kernels'
 // precision): the attention's q, out, dout and dq (4 Hq D, q_width = Hq D) and, with the FFN,

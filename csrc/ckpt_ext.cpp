@@ -87,11 +87,17 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // B_up, A_down, B_down]; a gradient not wanted (or whose tensor is absent) is not computed
   // and comes back empty. dlora has 6 entries in the order of lora, each in its adapter's dtype.
   // activation: as in swiglu_fwd (the forward's).
+  // dw_gate_sum / dw_up_sum / dw_down_sum: a wanted weight gradient's sum over token chunks
+  // (float32, or x's dtype; the fused layer's chunks): the op returns sum_beta * sum + dw in
+  // that gradient's place, in the sum's dtype, computed inside the GEMM (addmm, with
+  // out_dtype for a float32 sum of half-precision operands on CUDA); sum_beta 0 (the first
+  // chunk) ignores the sum's contents.
   m.def("swiglu_bwd(Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, "
         "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
         "Tensor? gate, Tensor? up, bool[] needs_grad, float[] lora_dropout=[], "
         "Tensor? dropout_seed=None, int dropout_row_offset=0, int[] dropout_streams=[], "
-        "str activation=\"silu\") -> "
+        "str activation=\"silu\", Tensor? dw_gate_sum=None, Tensor? dw_up_sum=None, "
+        "Tensor? dw_down_sum=None, float sum_beta=0.0) -> "
         "(Tensor dx, Tensor dw_gate, Tensor dw_up, Tensor dw_down, Tensor db_gate, "
         "Tensor db_up, Tensor db_down, Tensor[] dlora)");
 

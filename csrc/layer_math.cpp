@@ -11,10 +11,12 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/isneginf.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/promote_types.h>
 #include <ATen/ops/result_type.h>
 #include <ATen/ops/where.h>
@@ -25,6 +27,7 @@
 #include <array>
 #include <cmath>
 #include <exception>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -362,18 +365,71 @@ void check_moe(const char* op, const at::Tensor& x, const Layer& L) {
   }
 }
 
+// ---- products and their sums ---------------------------------------------------------------
+
+// alpha a b as one GEMM (beta 0: the output's initial contents are ignored).
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double alpha) {
+  if (alpha == 1.0) return a.mm(b);
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+  return at::addmm_out(out, out, a, b, /*beta=*/0.0, alpha);
+}
+
+// acc + alpha a b, added into acc inside the GEMM where acc and the operands share a dtype
+// (addmm_, beta 1: the GEMM adds in float32 and rounds once; ATen 2.13's CPU bf16 addmm_ had
+// 0.55-0.67x the error of a product and an add at 1-512 rows); else the product, then an add
+// with alpha. acc undefined: alpha a b.
+at::Tensor add_product(at::Tensor acc, const at::Tensor& a, const at::Tensor& b,
+                       double alpha = 1.0) {
+  if (!acc.defined()) return scaled_mm(a, b, alpha);
+  if (acc.scalar_type() == a.scalar_type() && acc.scalar_type() == b.scalar_type())
+    return acc.addmm_(a, b, /*beta=*/1.0, alpha);
+  return acc.add_(a.mm(b), alpha);
+}
+
+} // namespace
+
+// Whether the installed ATen computes addmm with float32 out of half-precision operands on
+// the device of `like` (addmm.dtype_out; older releases refused: "self and mat2 must have the
+// same dtype"), probed once per process with a 1x1 product; a refusal warns once and the chunk
+// sums fall back to a product and a separate add. The CPU has no such kernel: false.
+bool gemm_fp32_out_ok(const at::Tensor& like) {
+  if (!like.is_cuda()) return false;
+  static std::once_flag once;
+  static bool ok = false;
+  std::call_once(once, [&] {
+    try {
+      const auto o = like.options().dtype(at::kBFloat16);
+      at::Tensor acc = at::zeros({1, 1}, o.dtype(at::kFloat));
+      at::addmm_out(acc, acc, at::ones({1, 1}, o), at::ones({1, 1}, o), at::kFloat, 0.0, 1.0);
+      ok = acc.item<float>() == 1.0f;
+    } catch (const std::exception&) {
+      ok = false;
+    }
+    if (!ok)
+      TORCH_WARN("ckpt_ext: this torch's addmm does not take a float32 out with bfloat16 "
+                 "operands; the fused layer sums its token chunks' gradients with a separate "
+                 "add per chunk instead of inside the GEMM");
+  });
+  return ok;
+}
+
+namespace {
+
 // ---- projections (with optional LoRA) ------------------------------------------------------
 
 // y = inp W^T + b + scaling * (dropout(inp) A^T) B^T; inp in the compute dtype, dropout in
-// the LoRA dtype (PEFT's order); row0 as in lora_input. The scaling and the sum are one pass
-// (add_ with alpha, at the ops' float32 width, one rounding to y's dtype).
+// the LoRA dtype (PEFT's order); row0 as in lora_input. The B product is added into the base
+// projection's output inside its GEMM (addmm, beta 1, alpha = scaling: one rounding) where y
+// and the adapter share a dtype, else added with alpha at the ops' float32 width
+// (add_product).
 at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0) {
   at::Tensor y = at::linear(inp, L.cast(L.proj(p)), L.cast_opt(L.proj(p, kBias)));
   if (L.has_lora(p)) {
     const at::ScalarType ld = L.lora_dtype(p);
     const at::Tensor u =
         at::linear(lora_input(L, p, inp.to(ld), row0), L.proj(p, kLoraA).to(ld));
-    y.add_(at::linear(u, L.proj(p, kLoraB).to(ld)), L.lora_scale(p));
+    const at::Tensor y2 = y.view({-1, y.size(-1)});
+    add_product(y2, u.view({-1, u.size(-1)}), L.proj(p, kLoraB).to(ld).t(), L.lora_scale(p));
   }
   return y;
 }
@@ -389,7 +445,8 @@ void accumulate(at::Tensor& sum, const at::Tensor& d, bool only_chunk) {
 }
 
 // The gradients of x and of the weight slots. A slot's gradient is summed over the token
-// chunks (accumulate) and cast to the slot's dtype at the end (finish).
+// chunks (accumulate, or addmm for a product: inside the GEMM where chunking::chunk_sum
+// allows) and cast to the slot's dtype at the end (finish).
 struct Grads {
   explicit Grads(bool chunked) : chunked(chunked) {}
   bool chunked;  // more than one token chunk
@@ -397,6 +454,30 @@ struct Grads {
   std::vector<at::Tensor> dw = std::vector<at::Tensor>(kNumSlots);
 
   void add(int64_t s, const at::Tensor& d) { accumulate(dw[s], d, !chunked); }
+  // dw[s] += alpha a b: a (out, T) and b (T, in) in one dtype.
+  void addmm(int64_t s, const at::Tensor& a, const at::Tensor& b, double alpha = 1.0) {
+    at::Tensor& acc = dw[s];
+    const bool half = a.element_size() < 4;
+    switch (chunking::chunk_sum(chunked || acc.defined(), half, a.is_cuda(),
+                                half && gemm_fp32_out_ok(a))) {
+      case chunking::ChunkSum::kProduct:
+        acc = scaled_mm(a, b, alpha);
+        return;
+      case chunking::ChunkSum::kInGemm:
+        if (!half) {
+          acc = add_product(acc, a, b, alpha);
+        } else {
+          const bool first = !acc.defined();
+          if (first) acc = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
+          else if (acc.scalar_type() != at::kFloat) acc = acc.to(at::kFloat);
+          at::addmm_out(acc, acc, a, b, at::kFloat, first ? 0.0 : 1.0, alpha);
+        }
+        return;
+      case chunking::ChunkSum::kAddAfter:
+        accumulate(acc, scaled_mm(a, b, alpha), false);
+        return;
+    }
+  }
   void finish(const Layer& L) {
     for (int64_t s = 0; s < kNumSlots; ++s)
       if (dw[s].defined()) dw[s] = dw[s].to(L.at(s).scalar_type());
@@ -404,12 +485,14 @@ struct Grads {
 };
 
 // Backward of proj_fwd: inp2 (T, in) and dy2 (T, out) in the compute dtype; weight gradients
-// only where `needs` asks for them. Returns d inp (T, in).
+// only where `needs` asks for them. Returns d inp (T, in), added into dsum when it is given
+// (the gradient of an input several projections read: inside the GEMM, add_product).
 at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Tensor& inp2,
-                    const std::vector<bool>& needs, Grads& g, int64_t row0) {
+                    const std::vector<bool>& needs, Grads& g, int64_t row0,
+                    const at::Tensor& dsum = at::Tensor()) {
   const at::Tensor w = L.cast(L.proj(p));
-  at::Tensor dinp = dy2.mm(w);
-  if (needs[slot(p, kWeight)]) g.add(slot(p, kWeight), dy2.t().mm(inp2));
+  at::Tensor dinp = add_product(dsum, dy2, w);
+  if (needs[slot(p, kWeight)]) g.addmm(slot(p, kWeight), dy2.t(), inp2);
   if (needs[slot(p, kBias)]) g.add(slot(p, kBias), dy2.sum(0));
   if (L.has_lora(p)) {
     const double s = L.lora_scale(p);
@@ -418,10 +501,11 @@ at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Ten
     const at::Tensor dyl = dy2.to(ld), inpl = lora_input(L, p, inp2.to(ld), row0);
     const at::Tensor dyb = dyl.mm(b);  // (T, r)
     // dropout is linear and its own adjoint: the input's gradient gets the forward's mask;
-    // the scaling and the sum in one pass (add_ with alpha)
-    dinp.add_(lora_input(L, p, dyb.mm(a), row0), s);
-    if (needs[slot(p, kLoraB)]) g.add(slot(p, kLoraB), dyl.t().mm(inpl.mm(a.t())).mul_(s));
-    if (needs[slot(p, kLoraA)]) g.add(slot(p, kLoraA), dyb.t().mm(inpl).mul_(s));
+    // the scaling and the sum in one pass (add_ with alpha, or the GEMM's alpha without one)
+    if (L.dropout_p(p) > 0.0) dinp.add_(lora_input(L, p, dyb.mm(a), row0), s);
+    else add_product(dinp, dyb, a, s);
+    if (needs[slot(p, kLoraB)]) g.addmm(slot(p, kLoraB), dyl.t(), inpl.mm(a.t()), s);
+    if (needs[slot(p, kLoraA)]) g.addmm(slot(p, kLoraA), dyb.t(), inpl, s);
   }
   return dinp;
 }
@@ -648,7 +732,7 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
   if (dlogits_out.defined()) dlogits.add_(dlogits_out.to(m.scalar_type()));
   if (dprob.defined())
     dlogits.add_(moe::router_stats_backward(logits, dprob, stat_w).to(m.scalar_type()));
-  if (needs[slot(kRouter)]) g.add(slot(kRouter), dlogits.t().mm(m));
+  if (needs[slot(kRouter)]) g.addmm(slot(kRouter), dlogits.t(), m);
   at::Tensor dm = eg.dm.add_(dlogits.mm(wr));
   at::Tensor dshared;
   if (L.has_dense_mlp()) {
@@ -657,7 +741,7 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
       const at::Tensor wg = L.cast(L.moe_w(kSharedGate));
       const at::Tensor sg = at::linear(m, wg).sigmoid_();  // (T, 1)
       const at::Tensor dz = (dy * shared).sum(1, true) * sg * (1 - sg);
-      if (needs[slot(kSharedGate)]) g.add(slot(kSharedGate), dz.t().mm(m));
+      if (needs[slot(kSharedGate)]) g.addmm(slot(kSharedGate), dz.t(), m);
       dm.add_(dz.mm(wg));
       dshared = dy * sg;
     }
@@ -764,6 +848,38 @@ at::Tensor mlp_down_from_gate_up(const Layer& L, const at::Tensor& gate, const a
   return y;
 }
 
+// The dense MLP weights' gradient sums that swiglu_bwd adds a chunk's gradients to inside its
+// GEMMs (its dw_*_sum, sum_beta: it returns sum_beta * sum + dw, which becomes g's sum), where
+// chunking::chunk_sum chooses it: g's float32 sums (the weights' own dtype for float32 /
+// float64 operands); the first chunk passes an uninitialised one with beta 0. Elsewhere (one
+// chunk; half precision on the CPU) nullopt, and Grads::add sums what the op returns.
+std::tuple<std::array<OptTensor, 3>, double> mlp_weight_sums(const Layer& L, const at::Tensor& m,
+                                                              const std::vector<bool>& needs,
+                                                              Grads& g) {
+  std::array<OptTensor, 3> sums;
+  const bool half = m.element_size() < 4;
+  bool first = false, later = false;
+  for (size_t j = 0; j < kMlpProjs.size(); ++j) {
+    const int64_t s = slot(kMlpProjs[j], kWeight);
+    if (!needs[s] || chunking::chunk_sum(g.chunked, half, m.is_cuda(),
+                                         half && gemm_fp32_out_ok(m)) !=
+                         chunking::ChunkSum::kInGemm)
+      continue;
+    at::Tensor& acc = g.dw[s];
+    const at::ScalarType dt = half ? at::kFloat : m.scalar_type();
+    if (!acc.defined()) {
+      acc = at::empty(L.proj(kMlpProjs[j]).sizes(), m.options().dtype(dt));
+      first = true;
+    } else {
+      if (acc.scalar_type() != dt) acc = acc.to(dt);
+      later = true;
+    }
+    sums[j] = acc;
+  }
+  TORCH_INTERNAL_ASSERT(!(first && later), "decoder_layer: the MLP weights' sums started apart");
+  return {sums, first ? 0.0 : 1.0};
+}
+
 // Backward of mlp_forward over the same token chunks: per chunk the norm is recomputed, the
 // SwiGLU backward runs (its (rows, I) work one chunk at a time; fast reads its saved gate/up
 // rows), and the chunk's dx rows are written in place; weight, bias, adapter and norm
@@ -836,15 +952,17 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
         continue;
       }
     }
+    const auto [sums, sum_beta] = mlp_weight_sums(L, m, needs, g);
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
         dmlp, m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
-        row0 + t0, l.streams, L.activation);
+        row0 + t0, l.streams, L.activation, sums[0], sums[1], sums[2], sum_beta);
     const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
     for (size_t j = 0; j < order.size(); ++j) {
       if (!needs[order[j]]) continue;
-      g.add(order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
+      if (j < 3 && sums[j]) g.dw[order[j]] = *base[j];  // the new sum, from inside the GEMM
+      else g.add(order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
     }
     if (dm_moe.defined()) dm2 = dm2 + dm_moe.view(dm2.sizes());
     const at::Tensor dhn = norm_bwd(L, kPostNorm, dm2, hc, needs, g);
@@ -1247,10 +1365,11 @@ at::Tensor projections_backward(const Layer& L, const Chunk& c, const Projected&
     dn = proj_bwd(L, kQ, L.cast(dq_lin.reshape({rows, L.num_heads * d})), n2, needs, g, t0);
   }
   if (dk.defined()) {
-    dn.add_(proj_bwd(L, kK, L.cast(dk_lin.reshape({rows, L.num_kv_heads * d})), n2, needs, g,
-                     t0));
-    dn.add_(proj_bwd(L, kV, dv.transpose(1, 2).reshape({rows, L.num_kv_heads * d}), n2, needs,
-                     g, t0));
+    // the three parts of dn summed inside their GEMMs (proj_bwd's dsum)
+    dn = proj_bwd(L, kK, L.cast(dk_lin.reshape({rows, L.num_kv_heads * d})), n2, needs, g, t0,
+                  dn);
+    dn = proj_bwd(L, kV, dv.transpose(1, 2).reshape({rows, L.num_kv_heads * d}), n2, needs, g,
+                  t0, dn);
   }
   return dn;
 }

@@ -95,6 +95,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lce_chunk_rows", &ckpt_ext::chunking::lce_chunk_rows, pybind11::arg("vocab"),
         pybind11::arg("element_size"), pybind11::arg("buffers"), pybind11::arg("cap"),
         "Tokens per chunk of the CPU linear cross-entropy's (rows, V) logits");
+  m.def(
+      "chunk_sum",
+      [](bool chunked, bool half_operands, bool cuda, bool fp32_out_ok) -> std::string {
+        switch (ckpt_ext::chunking::chunk_sum(chunked, half_operands, cuda, fp32_out_ok)) {
+          case ckpt_ext::chunking::ChunkSum::kProduct: return "product";
+          case ckpt_ext::chunking::ChunkSum::kInGemm: return "in_gemm";
+          case ckpt_ext::chunking::ChunkSum::kAddAfter: break;
+        }
+        return "add_after";
+      },
+      pybind11::arg("chunked"), pybind11::arg("half_operands"), pybind11::arg("cuda"),
+      pybind11::arg("fp32_out_ok"),
+      "How the fused layer sums a token chunk's gradient product (csrc/chunking.h chunk_sum): "
+      "'product' (one chunk), 'in_gemm' (addmm into the float32 sum), 'add_after'");
   m.def("layer_residuals", &ckpt_ext::layer_residuals, pybind11::arg("part"),
         pybind11::arg("preset"), pybind11::arg("moe") = false,
         "The names of the residuals decoder_layer_fwd returns for (part, preset), in order "

@@ -40,6 +40,7 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -304,6 +305,19 @@ struct LoraSum {
 using SwigluGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                at::Tensor, at::Tensor, std::vector<at::Tensor>>;
 
+// A weight gradient's sum over token chunks (swiglu_bwd's dw_*_sum): absent, or of the
+// weight's shape, on x's device, float32 or x's dtype.
+void check_grad_sum(const char* op, const char* name, const std::optional<at::Tensor>& sum,
+                    const at::Tensor& x, c10::IntArrayRef shape, const char* layout) {
+  if (!sum) return;
+  checks::check_shape(op, name, *sum, shape, layout);
+  checks::check_device_as(op, name, *sum, "x", x);
+  CKPT_CHECK_TYPE(sum->scalar_type() == at::kFloat || sum->scalar_type() == x.scalar_type(),
+                  op, name, " must be float32 or the dtype of x (",
+                  checks::dtype_str(x.scalar_type()), "), got ",
+                  checks::dtype_str(sum->scalar_type()));
+}
+
 SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w_gate,
                            const at::Tensor& w_up, const at::Tensor& w_down,
                            const std::optional<at::Tensor>& b_gate,
@@ -318,13 +332,19 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
                            const std::optional<at::Tensor>& dropout_seed,
                            int64_t dropout_row_offset,
                            c10::ArrayRef<int64_t> dropout_streams,
-                           c10::string_view activation) {
+                           c10::string_view activation,
+                           const std::optional<at::Tensor>& dw_gate_sum,
+                           const std::optional<at::Tensor>& dw_up_sum,
+                           const std::optional<at::Tensor>& dw_down_sum, double sum_beta) {
   const char* op = "swiglu_bwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
   const Activation act = parse_activation(activation, op);
   const Adapters ad = parse_lora(op, lora, lora_scaling, lora_dropout, dropout_seed,
                                  dropout_row_offset, x, d, dropout_streams);
   check_like(op, "dy", dy, "x", x, {d.T, d.H}, "(T, H), the shape of x");
+  check_grad_sum(op, "dw_gate_sum", dw_gate_sum, x, {d.I, d.H}, "(I, H)");
+  check_grad_sum(op, "dw_up_sum", dw_up_sum, x, {d.I, d.H}, "(I, H)");
+  check_grad_sum(op, "dw_down_sum", dw_down_sum, x, {d.H, d.I}, "(H, I)");
   const bool recompute = checks::absent(gate);
   CKPT_CHECK_VALUE(recompute == checks::absent(up), op,
                    "gate and up must be given together (save=\"gate_up\") or both left out "
@@ -438,10 +458,17 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
     dlora[2 * p] = n_la[p] ? dla[p].result({r, ins[p]}, ad[p], x) : x.new_empty({0});
     dlora[2 * p + 1] = n_lb[p] ? dlb[p].result({outs[p], r}, ad[p], x) : x.new_empty({0});
   }
+  // A weight gradient with a sum given comes back as sum_beta * sum + dw in the sum's dtype
+  // (the CPU has no float32-out GEMM for half-precision operands: the product, then the add).
+  auto into_sum = [&](at::Tensor dw, const std::optional<at::Tensor>& sum) {
+    if (!sum) return dw;
+    if (sum_beta == 0.0) return dw.to(sum->scalar_type());
+    return sum_beta == 1.0 ? at::add(*sum, dw) : at::add(sum->mul(sum_beta), dw);
+  };
   return {dx,
-          n_wg ? dwg.result({d.I, d.H}, out_opts) : x.new_empty({0}),
-          n_wu ? dwu.result({d.I, d.H}, out_opts) : x.new_empty({0}),
-          n_wd ? dwd.result({d.H, d.I}, out_opts) : x.new_empty({0}),
+          n_wg ? into_sum(dwg.result({d.I, d.H}, out_opts), dw_gate_sum) : x.new_empty({0}),
+          n_wu ? into_sum(dwu.result({d.I, d.H}, out_opts), dw_up_sum) : x.new_empty({0}),
+          n_wd ? into_sum(dwd.result({d.H, d.I}, out_opts), dw_down_sum) : x.new_empty({0}),
           n_bg ? dbg.to(dt) : x.new_empty({0}),
           n_bu ? dbu.to(dt) : x.new_empty({0}),
           dbd,

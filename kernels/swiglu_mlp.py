@@ -123,14 +123,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _lora_tile(acc, xa_ptr, lb_ptr, scale, offs_m, offs_n, T, I, r,
                R: tl.constexpr, PREC: tl.constexpr):
     """acc + scale * xa[offs_m, :r] B[offs_n, :r]^T: the low-rank term of gate or up for one
-    tile, from the precomputed fp32 xa = x A^T (T, r) and the fp32 B (I, r), both contiguous.
+    tile, from the precomputed fp32 xa = x A^T (T, r) and B (I, r) (any float dtype, widened
+    to fp32 as it is loaded), both contiguous.
     R (a power of two >= 16) pads the rank; the padding is masked to zero."""
     offs_r = tl.arange(0, R)
     mask_r = offs_r < r
     xa = tl.load(xa_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :],
                  mask=(offs_m < T)[:, None] & mask_r[None, :], other=0.0)
     bt = tl.load(lb_ptr + offs_n.to(tl.int64)[None, :] * r + offs_r[:, None],
-                 mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)
+                 mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0).to(tl.float32)
     return acc + scale * tl.dot(xa, bt, input_precision=PREC)
 
 
@@ -139,11 +140,13 @@ def _lora_down_accumulate(h, la_ptr, ha_ptr, offs_m, offs_n, T, I, r,
                           R: tl.constexpr, PREC: tl.constexpr):
     """ha[offs_m, :r] += h A[:r, offs_n]^T: this tile's share of act A_down^T (T, r), added
     atomically into the fp32 ha (each row sums the tiles of all intermediate columns).
-    h: fp32 (BLOCK_M, BLOCK_N), zero in the columns past I; A_down fp32 (r, I) contiguous."""
+    h: fp32 (BLOCK_M, BLOCK_N), zero in the columns past I; A_down (r, I) contiguous, any
+    float dtype (widened to fp32 as it is loaded)."""
     offs_r = tl.arange(0, R)
     mask_r = offs_r < r
     at = tl.load(la_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None],
-                 mask=(offs_n < I)[:, None] & mask_r[None, :], other=0.0)      # (BLOCK_N, R)
+                 mask=(offs_n < I)[:, None] & mask_r[None, :],
+                 other=0.0).to(tl.float32)                                      # (BLOCK_N, R)
     part = tl.dot(h, at, input_precision=PREC)                                 # (BLOCK_M, R)
     tl.atomic_add(ha_ptr + offs_m.to(tl.int64)[:, None] * r + offs_r[None, :], part,
                   mask=(offs_m < T)[:, None] & mask_r[None, :])
@@ -330,7 +333,8 @@ def _bwd_epilogue(g, u, offs_m, offs_n, dh_ptr, dgate_ptr, dup_ptr, h_ptr, lad_p
             tl.atomic_add(dlad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], part,
                           mask=mask_r[:, None] & (offs_n < I)[None, :])
         ad = tl.load(lad_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :],
-                     mask=mask_r[:, None] & (offs_n < I)[None, :], other=0.0)  # (R_D, columns)
+                     mask=mask_r[:, None] & (offs_n < I)[None, :],
+                     other=0.0).to(tl.float32)                                  # (R_D, columns)
         dh += _dropped(s_d * tl.dot(dyb, ad, input_precision=LORA_PREC), key_d, thr_d, inv_d,
                        row0_d, offs_m, offs_n, DROP_D)
     dup = dh * act
@@ -680,6 +684,25 @@ def _same_mask(a, b):
     return (b is not None and a.p == b.p and a.key == b.key and a.row0 == b.row0)
 
 
+class _Factors32:
+    """The adapters' factors as contiguous fp32 tensors for the torch matmuls, each converted
+    once per call and only where it is read (a factor already fp32 and contiguous is itself):
+    ``a32[p]`` / ``b32[p]`` for adapter p (gate, up, down), None where it is absent. The
+    kernels load the factors they read in any float dtype."""
+
+    def __init__(self, ad, a=(True, True, True), b=(True, True, True)):
+        self.a32 = [_f32(t[0]) if t is not None and w else None for t, w in zip(ad, a)]
+        self.b32 = [_f32(t[1]) if t is not None and w else None for t, w in zip(ad, b)]
+
+
+def _scaled_mm(a, b, alpha):
+    """alpha a b as one GEMM (addmm, beta 0: its output's initial contents are ignored)."""
+    if alpha == 1.0:
+        return torch.mm(a, b)
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    return torch.addmm(out, a, b, beta=0.0, alpha=alpha, out=out)
+
+
 def _shared_input(xd):
     """Whether both gate/up adapters read the same x' (no dropout, or the same mask): then
     their rank-r products with x' are one GEMM over the two factors stacked, and so are the
@@ -687,16 +710,16 @@ def _shared_input(xd):
     return xd[0] is not None and xd[0] is xd[1]
 
 
-def _input_products(xd, adapters, wanted):
-    """[x'_g A_g^T, x'_u A_u^T] (fp32 (T, r), contiguous; None where absent or not wanted):
-    one GEMM over [A_g; A_u] when the two read the same x'."""
+def _input_products(xd, a32, wanted):
+    """[x'_g A_g^T, x'_u A_u^T] (fp32 (T, r), contiguous; None where absent or not wanted),
+    a32: the fp32 A_g, A_u (_Factors32): one GEMM over [A_g; A_u] when the two read the same
+    x'."""
     if _shared_input(xd) and all(wanted):
-        lg, lu = adapters
-        both = torch.mm(xd[0], torch.cat([_f32(lg[0]), _f32(lu[0])]).t())   # (T, r_g + r_u)
-        r = lg[0].shape[0]
+        both = torch.mm(xd[0], torch.cat(a32[:2]).t())                      # (T, r_g + r_u)
+        r = a32[0].shape[0]
         return [both[:, :r].contiguous(), both[:, r:].contiguous()]
-    return [torch.mm(t, _f32(a[0]).t()) if a is not None and w else None
-            for t, a, w in zip(xd, adapters, wanted)]
+    return [torch.mm(t, a.t()) if a is not None and w else None
+            for t, a, w in zip(xd, a32[:2], wanted)]
 
 
 def _down_dropout_args(drop):
@@ -711,31 +734,35 @@ def _down_dropout_args(drop):
 _RANK_CHUNK_BYTES = 64 << 20
 
 
-def _rank_products(dz, b, xa, need_db):
+def _rank_products(dz, bf, xa, need_db, scale):
     """One gate/up adapter's gradient pieces from dz = dgate or dup (T, I) as written, in x's
-    dtype: (dz B (T, r), dz^T xa (I, r) when need_db else None), both fp32 from fp32 row
-    chunks of dz (B the adapter's (I, r) lora_B weight; xa = x' A^T (T, r) fp32)."""
+    dtype: (dz B (T, r), scale dz^T xa (I, r) when need_db else None), both fp32 from fp32 row
+    chunks of dz (bf the adapter's (I, r) lora_B weight in fp32; xa = x' A^T (T, r) fp32); the
+    row chunks' sum and the scaling inside the GEMMs (addmm, beta 0 for the first)."""
     T, I = dz.shape
-    bf = _f32(b)
     dxa = dz.new_empty((T, bf.shape[1]), dtype=torch.float32)
-    db = dz.new_zeros((I, bf.shape[1]), dtype=torch.float32) if need_db else None
+    db = dz.new_empty((I, bf.shape[1]), dtype=torch.float32) if need_db else None
+    if need_db and T == 0:
+        db.zero_()
     rows = max(1, _RANK_CHUNK_BYTES // (4 * max(I, 1)))
     for t0 in range(0, T, rows):
         z = dz[t0:t0 + rows].float()
         torch.mm(z, bf, out=dxa[t0:t0 + rows])
         if need_db:
-            db.addmm_(z.t(), xa[t0:t0 + rows])
+            db.addmm_(z.t(), xa[t0:t0 + rows], beta=0.0 if t0 == 0 else 1.0, alpha=scale)
     return dxa, db
 
 
-def _down_pieces(h, drop, a_down, dyb, need_da, need_ha):
+def _down_pieces(h, drop, af, dyb, need_da, need_ha, scale):
     """The down adapter's gradient pieces from h (T, I), the product the kernel rounded (and
-    stored) in x's dtype: (dyb^T h' (r, I) when need_da, h' A_down^T (T, r) when need_ha),
-    fp32 (else None), h' = h with the adapter's dropout (drop, None without), widened in fp32
-    row chunks of at most 64 MiB (the dropout's rows are the global ones)."""
+    stored) in x's dtype: (scale dyb^T h' (r, I) when need_da, h' A_down^T (T, r) when
+    need_ha), fp32 (else None), h' = h with the adapter's dropout (drop, None without), widened
+    in fp32 row chunks of at most 64 MiB (the dropout's rows are the global ones); af: A_down
+    (r, I) in fp32; the row chunks' sum and the scaling inside the GEMMs."""
     T, I = h.shape
-    af = _f32(a_down)                                                    # (r, I)
-    dlad = h.new_zeros(af.shape, dtype=torch.float32) if need_da else None
+    dlad = h.new_empty(af.shape, dtype=torch.float32) if need_da else None
+    if need_da and T == 0:
+        dlad.zero_()
     ha = h.new_empty((T, af.shape[0]), dtype=torch.float32) if need_ha else None
     rows = max(1, _RANK_CHUNK_BYTES // (4 * max(I, 1)))
     for t0 in range(0, T, rows):
@@ -746,7 +773,7 @@ def _down_pieces(h, drop, a_down, dyb, need_da, need_ha):
         if need_ha:
             torch.mm(z, af.t(), out=ha[t0:t0 + rows])
         if need_da:
-            dlad.addmm_(dyb[t0:t0 + rows].t(), z)
+            dlad.addmm_(dyb[t0:t0 + rows].t(), z, beta=0.0 if t0 == 0 else 1.0, alpha=scale)
     return dlad, ha
 
 
@@ -851,10 +878,11 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
     gu_shape = (T, I) if return_gate_up else (0,)
     gate, up = x.new_empty(gu_shape), x.new_empty(gu_shape)
     lg, lu, ld = ad
+    fac = _Factors32(ad, a=(True, True, False), b=(False, False, True))
     dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     xd = _adapter_inputs(x, (lg, lu), drop[:2])                       # x' per adapter
     xag, xau = (t if t is not None else dummy                          # (T, r_g), (T, r_u)
-                for t in _input_products(xd, (lg, lu), (True, True)))
+                for t in _input_products(xd, fac.a32, (True, True)))
     del xd
     ha = x.new_zeros((T, _rank(ld)), dtype=torch.float32) if ld else dummy
     drop_d, has_drop_d = _down_dropout_args(drop[2])
@@ -869,22 +897,35 @@ def swiglu_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, h,
                 gate if return_gate_up else h, up if return_gate_up else h,
-                xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
-                _f32(ld[0]) if ld else dummy, ha,
+                xag, lg[1].contiguous() if lg else dummy, xau,
+                lu[1].contiguous() if lu else dummy, ld[0].contiguous() if ld else dummy, ha,
                 _scale(lg), _scale(lu), _rank(lg), _rank(lu), _rank(ld), *drop_d,
                 T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
                 w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1), **meta)
     y = torch.nn.functional.linear(h, w_down, b_down)
     del h
-    if ld is not None:   # fp32 term (s scales the (T, r) factor), one rounding
-        y.add_(torch.mm(ha.mul_(ld[2]), _f32(ld[1]).t()))
+    if ld is not None:   # fp32 term (s the GEMM's alpha), one rounding
+        y.add_(_scaled_mm(ha, fac.b32[2].t(), ld[2]))
     return y, gate, up
+
+
+def _weight_grad(a, b, total, beta):
+    """a b (a weight's gradient, in the operands' dtype), or, given its sum over token chunks
+    ``total`` (float32 or the operands' dtype), ``beta total + a b`` in total's dtype inside
+    the GEMM (addmm; a float32 sum of half-precision operands through its out_dtype, which
+    ATen has on CUDA only)."""
+    if total is None:
+        return torch.mm(a, b)
+    if total.dtype == a.dtype:
+        return torch.addmm(total, a, b, beta=beta)
+    return torch.addmm(total, a, b, beta=beta, out_dtype=total.dtype)
 
 
 def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                gate, up, needs_grad, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
-               dropout_streams=(), activation="silu"):
+               dropout_streams=(), activation="silu", dw_gate_sum=None, dw_up_sum=None,
+               dw_down_sum=None, sum_beta=0.0):
     """SwiGLU MLP backward with optional LoRA adapters.
 
     Args:
@@ -902,6 +943,11 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
             regenerated).
         activation: the forward's, as for ``swiglu_fwd``; its derivative is computed in fp32
             in the tile.
+        dw_gate_sum, dw_up_sum, dw_down_sum: None, or a weight gradient's sum over token
+            chunks (float32 or x's dtype, the weight's shape): the wanted gradient comes back
+            as ``sum_beta * sum + dw`` in the sum's dtype, computed inside its GEMM (sum_beta
+            0: the sum's contents are ignored). A float32 sum of half-precision operands needs
+            addmm's out_dtype, which ATen implements on CUDA only.
 
     Returns:
         (dx (T, H), dw_gate (I, H), dw_up (I, H), dw_down (H, I), db_gate (I,), db_up (I,),
@@ -921,7 +967,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     _check_dropout_streams(op, dropout_streams)
     T, H, I, lora = _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                       lora, lora_scaling, gate, up, needs_grad, lora_dropout,
-                                      dropout_seed, activation)
+                                      dropout_seed, activation,
+                                      (dw_gate_sum, dw_up_sum, dw_down_sum))
     ad = _adapters(op, x, lora, lora_scaling)
     drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset, dropout_streams)
     recompute = _absent(gate)
@@ -935,14 +982,15 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
 
     dummy = _launch.placeholder(x.device)   # pointer arguments this launch never reads
     f32 = torch.float32
+    fac = _Factors32(ad)
 
     xd = _adapter_inputs(x, (lg, lu), drop[:2])                       # x' per adapter
     xag, xau = (t if t is not None else dummy
-                for t in _input_products(xd, (lg, lu), (recompute or n_lb[0],
-                                                        recompute or n_lb[1])))
+                for t in _input_products(xd, fac.a32, (recompute or n_lb[0],
+                                                       recompute or n_lb[1])))
     drop_d, has_drop_d = _down_dropout_args(drop[2])
     dyf = dy.float() if ld else None
-    dyb = torch.mm(dyf, _f32(ld[1])) if ld else dummy                 # (T, r_d)
+    dyb = torch.mm(dyf, fac.b32[2]) if ld else dummy                  # (T, r_d)
     # The down adapter's gradient pieces (dyb^T h', h' A_down^T) come from the stored h after
     # the kernel (_down_pieces), not from atomic sums in its tiles: those cost the tile its
     # registers (sm_90: spills at every tile above 32x64; without them 128x64 fits).
@@ -963,8 +1011,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
         with _launch.on_device(x.device):
             kernel[_grid(T, I, _programs(x.device, meta))](
                 x, w_gate, w_up, b_gate_c, b_up_c, dh, dh, dup, h, gate_c, up_c,
-                xag, _f32(lg[1]) if lg else dummy, xau, _f32(lu[1]) if lu else dummy,
-                _f32(ld[0]) if ld else dummy, dyb, dummy, dummy,
+                xag, fac.b32[0] if lg else dummy, xau, fac.b32[1] if lu else dummy,
+                fac.a32[2] if ld else dummy, dyb, dummy, dummy,
                 _scale(lg), _scale(lu), _scale(ld), _rank(lg), _rank(lu), _rank(ld), *drop_d,
                 T, H, I, _launch.pow2_bucket(T, 16),
                 x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
@@ -975,9 +1023,9 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     def none():
         return x.new_empty((0,))   # distinct placeholders: outputs must not alias
 
-    dw_down = torch.mm(dy.t(), h) if n_wd else none()     # (H, I)
+    dw_down = _weight_grad(dy.t(), h, dw_down_sum, sum_beta) if n_wd else none()   # (H, I)
     if down_pieces:
-        dlad, ha = _down_pieces(h, drop[2], ld[0], dyb, n_la[2], n_lb[2])
+        dlad, ha = _down_pieces(h, drop[2], fac.a32[2], dyb, n_la[2], n_lb[2], ld[2])
     del h
     dx = torch.mm(dgate, w_gate)           # (T, H)
     if dx.is_cuda:
@@ -985,13 +1033,14 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     else:
         # CPU (interpreter runs): the BLAS beta=1 path rounds worse than eager for few rows.
         dx += torch.mm(dup, w_up)
-    dw_gate = torch.mm(dgate.t(), x) if n_wg else none()  # (I, H)
-    dw_up = torch.mm(dup.t(), x) if n_wu else none()      # (I, H)
+    dw_gate = _weight_grad(dgate.t(), x, dw_gate_sum, sum_beta) if n_wg else none()  # (I, H)
+    dw_up = _weight_grad(dup.t(), x, dw_up_sum, sum_beta) if n_wu else none()        # (I, H)
     db_gate = dgate.sum(0, dtype=f32).to(x.dtype) if n_bg else none()
     db_up = dup.sum(0, dtype=f32).to(x.dtype) if n_bu else none()
     db_down = dy.sum(0, dtype=f32).to(x.dtype) if n_bd else none()
     # The gate/up adapters' pieces: dz B (T, r) and dz^T (x' A^T) (I, r), dz = dgate, dup.
-    pieces = [_rank_products(dz, a[1], xa, n_lb[p]) if a is not None else None
+    # (the second scaled by s: dB's GEMM takes it as alpha)
+    pieces = [_rank_products(dz, fac.b32[p], xa, n_lb[p], a[2]) if a is not None else None
               for p, (a, dz, xa) in enumerate(((lg, dgate, xag), (lu, dup, xau)))]
     del dgate, dup, dh
 
@@ -1004,12 +1053,12 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     shared = _shared_input(xd)
     if shared:
         dx_lora = _adapter_input(torch.mm(torch.cat([dxa[0] * lg[2], dxa[1] * lu[2]], 1),
-                                          torch.cat([_f32(lg[0]), _f32(lu[0])])), drop[0])
+                                          torch.cat(fac.a32[:2])), drop[0])
     else:
         dx_lora = None
         for p, a in enumerate(gu):
             if a is not None:
-                t = _adapter_input(torch.mm(dxa[p] * a[2], _f32(a[0])), drop[p])
+                t = _adapter_input(_scaled_mm(dxa[p], fac.a32[p], a[2]), drop[p])
                 dx_lora = t if dx_lora is None else dx_lora.add_(t)
     if shared and n_la[0] and n_la[1]:
         both = torch.mm(torch.cat(dxa, 1).t(), xd[0])                 # (r_g + r_u, H)
@@ -1019,14 +1068,14 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     else:
         for p, a in enumerate(gu):
             if n_la[p]:
-                dlora[2 * p] = torch.mm(dxa[p].t(), xd[p]).mul_(a[2]).to(a[0].dtype)
+                dlora[2 * p] = _scaled_mm(dxa[p].t(), xd[p], a[2]).to(a[0].dtype)
     for p, a in enumerate(gu):
         if n_lb[p]:
-            dlora[2 * p + 1] = pieces[p][1].mul_(a[2]).to(a[1].dtype)
+            dlora[2 * p + 1] = pieces[p][1].to(a[1].dtype)     # scaled in its GEMM
     if dx_lora is not None:
         dx.add_(dx_lora)                                     # one rounding to x's dtype
     if n_la[2]:
-        dlora[4] = dlad.mul_(ld[2]).to(ld[0].dtype)
+        dlora[4] = dlad.to(ld[0].dtype)                      # scaled in its GEMM
     if n_lb[2]:
-        dlora[5] = torch.mm(dyf.t(), ha).mul_(ld[2]).to(ld[1].dtype)
+        dlora[5] = _scaled_mm(dyf.t(), ha, ld[2]).to(ld[1].dtype)
     return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora

@@ -856,6 +856,10 @@ def _opcheck_samples():
     _, gate, up = OPS.swiglu_fwd(*args, lora, scaling, True, *drop)
     for saved in ((None, None), (gate, up)):
         samples.append(("swiglu_bwd", (dy, *args, lora, scaling, *saved, ALL_GRADS, *drop)))
+    # the weight gradients added to sums over token chunks (the fused layer's chunks)
+    sums = (torch.randn(10, 12), torch.randn(10, 12), torch.randn(12, 10))
+    samples.append(("swiglu_bwd", (dy, *args, lora, scaling, None, None, ALL_GRADS, *drop,
+                                   *sums, 1.0)))
     x, w = torch.randn(2, 3, 12), torch.randn(12)
     samples.append(("rms_norm_fwd", (*leaves(x, w), 1e-6)))
     samples.append(("rms_norm_bwd", (torch.randn(2, 3, 12), x, w, 1e-6)))
