@@ -18,6 +18,7 @@ from ckpt_ext import _C, blocks, config
 from reference import FACTOR_GRAD, check_vs_baseline, layer_weights_with_adapters, rope_args, \
     rope_tables
 from test_chunked_layer import chunk_cap
+from test_lora_dropout import needs_interpreter
 
 CUDA = torch.cuda.is_available()
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -117,6 +118,35 @@ def test_cpu_float32_chunks_sum_inside_the_gemm(preset):
         assert sum(adds.values()) >= 4 * 4, adds   # q, k, v, o weights: 4 chunks past the first
     finally:
         config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+
+
+@needs_interpreter
+def test_triton_float32_chunks_sum_inside_the_gemms():
+    """The Triton launchers (interpreter, float32), 4 chunks: no add of a weight-sized tensor
+    for the attention projections' weights and factors, nor for the MLP's weights (summed
+    inside the SwiGLU launcher's GEMMs); the MLP adapters get their own rank, so that shapes
+    name slots. The gradients match the one-chunk step's to float32 rounding."""
+    from ckpt_ext._backend import use_triton
+    x, weights, pe, dy, kw = layer_case(torch.float32, "cpu", 1, 52, seed=4, hidden=64)
+    g = torch.Generator().manual_seed(9)
+    for n in [n for n in weights if n.startswith("mlp.") and "lora" in n]:
+        shape = (R + 2, weights[n].shape[1]) if "lora_A" in n else (weights[n].shape[0], R + 2)
+        weights[n] = 0.1 * torch.randn(shape, generator=g)
+    try:
+        with use_triton("cpu"):
+            whole = step(x, weights, pe, dy, kw, "fast")
+            config.update(chunk_bytes=chunk_cap(13, torch.float32, weights))
+            got = step(x, weights, pe, dy, kw, "fast", record=True)
+    finally:
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+    adds = weight_sized_adds(got[2], weights)
+    adds.update(weight_sized_adds(got[2], weights, ("gate_proj", "up_proj", "down_proj"),
+                                  factors=False))
+    assert adds == {}, adds
+    scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
+    for n in whole[1]:
+        torch.testing.assert_close(got[1][n], whole[1][n], rtol=1e-4,
+                                   atol=1e-5 * scale(whole[1][n]), msg=n)
 
 
 @pytest.mark.parametrize("preset", ["fast", "balanced", "min_memory"])
