@@ -157,21 +157,25 @@ def test_attention_backends_rows(dry_run):
     assert "CKPT_EXT_AUTOTUNE=1" in text
     # the routing's bench: the op with each backend pinned, then its CSV and choice table
     assert "bench/attention.py --backend-rows" in text
-    assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0: fwd [\d.]+ ms", text, re.M), text
+    # Triton is timed under each dQ mode (table format 2), each its own row and CSV line
+    for mode in ("separate", "ordered", "atomic"):
+        assert re.search(rf"^ +triton:{mode} Sq=64 Sk=64 q_offset=0: fwd [\d.]+ ms", text,
+                         re.M), (mode, text)
+        assert re.search(rf"^triton:{mode},triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), mode
     for backend in ("flash", "cudnn", "efficient"):
         assert re.search(rf"^ +{backend} Sq=16 Sk=64 q_offset=48: ", text, re.M), backend
-    assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), text
     # the layer's own calls (6 rows per chunk at the dry run's tiny dims and 16 KiB cap):
     # its first, middle and last chunk, each against the keys it sees
     for sq, sk, off in ((6, 6, 0), (6, 36, 30), (4, 64, 60)):
-        assert re.search(rf"^ +triton Sq={sq} Sk={sk} q_offset={off}: fwd [\d.]+ ms", text,
-                         re.M), (sq, sk, text)
-        assert re.search(rf"^triton,triton,fwd\+bwd,1,4,2,16,{sq},{sk},{off},.*,layer S 64: "
-                         rf"chunk \d+/11 of 6 rows", text, re.M), (sq, sk)
+        assert re.search(rf"^ +triton:ordered Sq={sq} Sk={sk} q_offset={off}: fwd [\d.]+ ms",
+                         text, re.M), (sq, sk, text)
+        assert re.search(rf"^triton:ordered,triton,fwd\+bwd,1,4,2,16,{sq},{sk},{off},.*,"
+                         rf"layer S 64: chunk \d+/11 of 6 rows", text, re.M), (sq, sk)
     # each shape again packed (documents of 24 tokens as segment ids), its own table rules
-    assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0 packed 24: fwd [\d.]+ ms", text, re.M)
-    assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,float32,True,packed 24,", text,
-                     re.M), text
+    assert re.search(r"^ +triton:atomic Sq=64 Sk=64 q_offset=0 packed 24: fwd [\d.]+ ms", text,
+                     re.M)
+    assert re.search(r"^triton:atomic,triton,fwd\+bwd,1,4,2,16,64,64,0,float32,True,packed 24,",
+                     text, re.M), text
     assert '"rules"' in text and '"masks": "packed"' in text
 
 
