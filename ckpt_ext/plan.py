@@ -346,12 +346,16 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
             swiglu += d.ffn_parameters() * (4 + e)     # an fp32 sum and the chunk's own
         rows = layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
-        if rows >= T:        # one chunk: the layer as written out
+        if rows >= T:        # one chunk: the layer as written out. The backward rebuilds
+            # what the attention part needs before the MLP part runs, so beside dy, the MLP
+            # input and its gradient the MLP part holds the normed x, q before and after RoPE,
+            # k before and after RoPE and v (and min_memory's recomputed attention output,
+            # o_proj's output and h, and its lse); counted from the allocator at the peak
             if preset == "min_memory":
-                mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
+                mlp = e * T * (6 * H + 3 * Q + 3 * K) + lse + swiglu
                 attn = e * T * (9 * H + 6 * Q + 6 * K)
             elif preset == "balanced":
-                mlp = e * T * 3 * H + swiglu
+                mlp = e * T * (4 * H + 2 * Q + 3 * K) + swiglu
                 attn = e * T * (9 * H + 5 * Q + 6 * K)
             else:
                 mlp = e * T * 3 * H + swiglu
