@@ -461,8 +461,8 @@ def _dq_turn(start_m, turn_cap, turn_shift, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b, Delta_b,
-                         DQA_b, Sem_b, turn_cap, turn_shift, SegId_b, stride_qh, stride_qs,
-                         stride_qd,
+                         DQA_b, Sem_b, turn_cap, turn_shift, SegId_b,
+                         stride_qh, stride_qs, stride_qd,
                          stride_gh, stride_gs, stride_gd, stride_ah, stride_as, stride_ad,
                          row_pitch, n_heads, offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
                          win_before, win_after, key_edge, cap_in, cap_out,
@@ -500,9 +500,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
     row (the block's first row counts for it; the group's heads row_pitch apart, as Lse2_b):
     the key blocks that added to the tile so far. This key block takes its turn on the tile
     (:func:`_dq_turn` of turn_cap, turn_shift): the number of key blocks above it that meet
-    the tile. It
-    waits until the counter reads that turn, adds its share with a plain read-add-write (it
-    alone holds the tile then), and counts itself.
+    the tile. It waits until the counter reads that turn, adds its share with a plain
+    read-add-write (it alone holds the tile then), and counts itself.
 
     Exact because the key blocks that meet a block of rows are consecutive and end at the
     turn's "last": the first and the past-the-end block of rows a key block visits
