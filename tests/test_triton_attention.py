@@ -953,6 +953,32 @@ def test_dq_ordered_gpu(case):
     check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 3)
 
 
+# Windows and query chunks under the ordered dQ sums on a GPU: turns that differ per block of
+# rows (the window's two edges, a chunk's offset) among concurrent programs, GQA 32/8.
+#                      dtype          B  Hq Hkv  S     D   causal mask     docs  window
+ORDERED_GPU_CASES = [(torch.bfloat16, 1, 32, 8, 2048, 128, True, "none", None, 256),
+                     (torch.float16, 2, 8, 2, 1500, 64, False, "right", None, 100)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ORDERED_GPU_CASES, ids=[_seg_win_id(c) for c in ORDERED_GPU_CASES])
+@config.patch(attention_dq="ordered")
+def test_dq_ordered_windows_and_chunks_gpu(case):
+    """The ordered dQ sums with a sliding window, whole and in query chunks of 300 rows, with
+    the GPU's configs: within the accuracy rule, and two backwards bitwise equal."""
+    dtype, B, Hq, Hkv, S, D, causal, mask_kind, _, window = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask_kind, seed=S + 4, window=window)
+    check_chunks(case, 300, seed=S + 5)
+    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed=S + 6)
+    out, lse = attention.attention_fwd(q, k, v, mask, None, window, causal, D ** -0.5)
+    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, causal,
+                                    D ** -0.5)
+    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, causal,
+                                     D ** -0.5)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,autotune", [("separate", False), ("ordered", False),
                                            ("ordered", True)])
