@@ -345,6 +345,10 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             swiglu = 3 * e * mlp_rows * I
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
             swiglu += d.ffn_parameters() * (4 + e)     # an fp32 sum and the chunk's own
+        elif train_weights and path == "cpu" and not d.moe:
+            # one chunk: the FFN's weight gradients are formed while all but one of the
+            # chunk's (rows, I) buffers are still alive
+            swiglu = max(swiglu, swiglu * (n - 1) // n + e * d.ffn_parameters())
         rows = layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
         if rows >= T:        # one chunk: the layer as written out. The backward rebuilds
             # what the attention part needs before the MLP part runs, so beside dy, the MLP

@@ -172,8 +172,9 @@ part() {   # part ID SECONDS FILE TITLE SCRIPT: SCRIPT (bash) under `timeout SEC
   [[ "$parts" == *"$id"* ]] || return 0    # not among --parts
   local var="QUICK_T_${id^^}"
   secs="${!var:-$secs}"
-  # the dry run: the same timeouts would measure the CPU's load, not the script
-  [ "$dry" = 1 ] && secs="${QUICK_DRY_TIMEOUT:-150}"
+  # the dry run: the same timeouts would measure the CPU's load, not the script (part d times
+  # three dQ modes: about a minute on two quiet cores, past 150 s on a loaded machine)
+  [ "$dry" = 1 ] && secs="${QUICK_DRY_TIMEOUT:-300}"
   # the call's own deadline (the device tool stops a command at 600 s): a slow build or an
   # overrun shortens the last parts, and the summary still prints
   local left=$(( deadline - (SECONDS - start) - 20 ))
