@@ -14,9 +14,11 @@ LLaMA-3-8B's dims cut to 4 decoder layers and the head (H 4096, I 14336, 32/8 he
   (``patch_llama(policy="torch", fuse_lm_head=True)``: the layers stay HF's checkpointed ones);
 * ``fast`` / ``balanced`` / ``min_memory``: ``patch_llama(model, policy=<preset>)`` (fused
   layers and the fused loss);
-* ``auto``: ``patch_llama(model, policy="auto")``: the presets chosen per forward by the plan
-  (``--auto-budget`` passes an ``activation_budget``; without it, the budget is
-  ``patch_llama``'s own default);
+* ``auto``: ``patch_llama(model, policy="auto")``: each layer's way to run (HF's layer,
+  checkpointed or not, or a fused preset) chosen per forward by the plan's time model within
+  the GPU's memory less the model state and headroom (``--auto-budget`` passes an
+  ``activation_budget`` instead; the dry run on the CPU, which needs one, passes 1 GiB); the
+  row's ``paths`` column says what it chose per shape;
 
 and each again with PEFT LoRA (``<row>@lora``: rank ``--lora`` 16, alpha 2r, dropout
 ``--lora-dropout`` 0, on q/k/v/o/gate/up/down, the base frozen; ``--lora 0``: no LoRA rows).
