@@ -30,8 +30,8 @@ use_cache=False).loss.backward()`` with the gradients set to None before it: ``s
 their median (CUDA events; the host clock on the CPU) and ``peak_bytes`` the allocator's peak
 over them above what was allocated before (``torch.cuda.max_memory_allocated``; on the CPU
 ``ckpt_ext.peak_memory_bytes`` of one more, untimed step). A step that runs out of memory
-makes an ``OOM`` row and the run goes on; a longer S of that row is then not tried (its row
-says so). ``--deadline`` (seconds from the start): no row starts after it (``skipped``).
+makes an ``OOM`` row and the run goes on (``no fit``: ``auto``'s plan found no mix that fits,
+its message in the note); a longer S of that row is then not tried (its row says so). ``--deadline`` (seconds from the start): no row starts after it (``skipped``).
 
 Then the table per S and the issue's goals, each with its figure: ``fast`` at most 1.0x ``hf``;
 ``min_memory`` at most 1.0x ``hf_gc+fused_loss`` (at S >= 65536: 0.9x, and its peak at most
@@ -178,7 +178,7 @@ def measure(model, a, seq: int) -> dict:
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    times, peak, ok = [], math.nan, True
+    times, peak, ok, refused = [], math.nan, True, None
     try:
         for _ in range(a.warmup):
             step()
@@ -200,14 +200,19 @@ def measure(model, a, seq: int) -> dict:
         else:
             model.zero_grad(set_to_none=True)
             peak = ckpt_ext.peak_memory_bytes(step)
-    except Exception as exc:   # noqa: BLE001  (only out-of-memory is a row; others raise)
-        if not _oom(exc):
+    except Exception as exc:   # noqa: BLE001  (out of memory and auto's refusal are rows;
+        if isinstance(exc, ValueError) and str(exc).startswith("auto"):   # others raise)
+            refused = str(exc).splitlines()[0]
+        elif not _oom(exc):
             raise
         ok = False
     # out of the except block: the traceback and the partial graph it held are gone
     model.zero_grad(set_to_none=True)
     if not ok:
         free_memory()
+        if refused:    # policy="auto" found no mix that fits: the plan's OOM
+            return {"status": "no fit", "step_ms": math.nan, "peak_bytes": math.nan,
+                    "note": refused}
         return {"status": "OOM", "step_ms": math.nan, "peak_bytes": math.nan}
     return {"status": "ok", "step_ms": statistics.median(times), "peak_bytes": peak,
             "peak_kib_per_token": peak / seq / 1024, "reps": len(times)}
@@ -357,12 +362,13 @@ def main(argv=None) -> list:
         failed_at = None
         for s in a.seqs:
             if failed_at is not None:
-                row = {"status": "OOM", "note": f"not tried: S={failed_at} ran out of memory"}
+                row = {"status": results[name, failed_at]["status"],
+                       "note": f"not tried: S={failed_at} did not fit"}
             elif time.perf_counter() - t_start >= a.deadline:
                 row = {"status": "skipped (deadline)"}
             else:
                 row = measure(model, a, s)
-                if row["status"] == "OOM":
+                if row["status"] in ("OOM", "no fit"):
                     failed_at = s
             results[name, s] = row
             log(f"{name} S={s}: {row['status']}"

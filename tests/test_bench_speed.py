@@ -109,13 +109,29 @@ def test_main_keeps_oom_rows_and_goes_on(tmp_path, monkeypatch, capsys):
     assert got["hf", 32]["status"] == "ok" and got["hf", 64]["status"] == "OOM"
     # the longer S of a row that ran out of memory is not tried
     assert got["hf", 96]["status"] == "OOM"
-    assert got["hf", 96]["note"] == "not tried: S=64 ran out of memory"
+    assert got["hf", 96]["note"] == "not tried: S=64 did not fit"
     assert all(got["fast", s]["status"] == "ok" for s in (32, 64, 96))
     assert built == [("hf", False), ("fast", False), ("hf", True), ("fast", True)]
     printed = capsys.readouterr().out
     assert re.search(r"^ +hf +OOM +$", printed, re.M), printed
     assert re.search(r"^goal S=64: fast / hf = [\d.]+ / nan ms = nan \(<= 1.0: not measured\)$",
                      printed, re.M), printed
+
+
+def test_auto_refusal_is_a_row():
+    """policy="auto" finding no mix that fits (the plan's ValueError) is a "no fit" row with
+    the plan's message; another ValueError is a bug and raises."""
+    class Refusing(_Model):
+        def forward(self, input_ids, labels, use_cache):
+            raise ValueError(self.message)
+
+    model = Refusing(10**6)
+    model.message = "auto: room for the step of 1.00 GiB is below the smallest that fits"
+    row = speed.measure(model, _args(), 32)
+    assert row["status"] == "no fit" and row["note"] == model.message
+    model.message = "shapes do not match"
+    with pytest.raises(ValueError, match="shapes do not match"):
+        speed.measure(model, _args(), 32)
 
 
 def test_deadline_skips_rows(tmp_path, monkeypatch):

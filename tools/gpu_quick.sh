@@ -364,7 +364,7 @@ rm -rf "$stamp" "$att_dir"
   fi
   if has t; then
     echo "-- t: speed table (step ms, peak MiB; B 1, 4 layers + head), goals"
-    grep -E "^== S |^ *[a-z_+@]+ +(ok|OOM|skipped)|^goal S=" "$out/quick_t_speed.txt" \
+    grep -E "^== S |^ *[a-z_+@]+ +(ok|OOM|no fit|skipped)|^goal S=" "$out/quick_t_speed.txt" \
       | cut -c1-150
   fi
   if has g; then
