@@ -201,8 +201,11 @@ def test_cli_on_a_config(tmp_path, capsys):
     out = r.stdout
     for word in ("fast", "balanced", "min_memory", "torch", "HF", "fused", "auto"):
         assert word in out, out
-    want = choose_presets([LayerDims(64, 4, 2, 16, 176)] * 4, 2, 128, "bf16", "300KiB")
-    assert "per layer: " + " ".join(want) in out
+    want = plan.choose_auto([LayerDims(64, 4, 2, 16, 176)] * 4, 1000, 2, 128, "bf16",
+                            budget="300KiB")
+    line = next(x for x in out.splitlines() if x.startswith("per layer (preset, token chunks"))
+    assert re.findall(r"\d: ([a-z_]+) x(\d+) chunks? [\d.]+ ms", line) == [
+        (p, str(n)) for p, n in zip(want.presets, want.chunks)], line
     assert plan_cli.main(DIMS_ARGS + ["--budget", "300KiB"]) == 0
     assert capsys.readouterr().out == out
     assert plan_cli.main([str(tmp_path), "--batch", "2", "--seq", "128", "--budget", "300KiB"]) == 0
@@ -516,8 +519,8 @@ def test_longest_sequence_is_the_last_that_fits():
 
 def test_step_peak_rejects_bad_arguments():
     layers = [LLAMA3_8B]
-    with pytest.raises(ValueError, match="setup must be one of"):
-        plan.step_peak("none", layers, 10, 1, 8, "bf16")
+    with pytest.raises(ValueError, match="setup must be one of .* or 'none'"):
+        plan.step_peak("quick", layers, 10, 1, 8, "bf16")
     with pytest.raises(ValueError, match="path must be 'cuda' or 'cpu'"):
         plan.step_peak("fast", layers, 10, 1, 8, "bf16", path="tpu")
     with pytest.raises(ValueError, match="S must be a positive int"):
