@@ -23,8 +23,10 @@ engine exists for, in two panels of one picture:
    a GPU). The lines through them are the plan's model of the same step
    (``ckpt_ext.plan.step_peak``): filled markers are measured (labelled with the peak),
    lines are the plan. The panel plots the peak per token (the peak divided by S), where
-   the setups' differences show at every length: at short sequences HF checkpointing peaks
-   lowest, past about a thousand tokens here ``min_memory`` does.
+   the setups' differences show at every length: up to about a thousand tokens HF
+   checkpointing peaks lowest here (the fused layer's backward returns all its weight
+   gradients together), at 4,096 tokens ``min_memory`` does; the plan's lines cross where the
+   measured points do.
 2. **Extrapolated by the plan, not measured here:** LLaMA-3.1-8B with LoRA (bf16, B 1, the
    GPU path) on an 80 GB H100: the device memory a step needs (model state + step peak)
    against S, for HF checkpointing with HF's loss and with the fused loss, ``balanced``,
