@@ -1,6 +1,6 @@
 """The demo: the peak memory of a training step against sequence length, where ckpt_ext matters.
 
-    python bench/demo.py [--out demo_results]        # about 3-4 minutes on two idle CPU cores
+    python bench/demo.py [--out demo_results]   # 7 minutes on a busy 2-core machine (bench/results)
 
 Activation memory grows with the number of tokens; at a few hundred tokens a small model's
 step is dominated by its weights, gradients and fixed-size buffers, and every setup looks
