@@ -105,6 +105,7 @@ from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
 from .lm_head import (FinalNorm, FusedHeadForward, check_router_aux_loss, final_norm_problem,
                       head_problem)
 from .masks import BatchMasks, describe, padding_mask_from_4d
+from . import quantized
 from . import sequence_parallel as _sp
 from .sequence_split import deepspeed_ulysses_group, refuse_split_attention
 
@@ -803,9 +804,13 @@ class _PatchedForward:
             router_logits=router_logits, router_stats=router_stats)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)
-        out = offloaded(self.shared.offloader, decoder_layer, x,
-                        [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
-                        options)
+        # QLoRA: quantized bases' weights dequantized for this forward and for the op's
+        # backward only (ckpt_ext.hf.quantized)
+        with quantized.Transient(weights, quantized.compute_dtype(x)) as transient:
+            out = offloaded(self.shared.offloader, decoder_layer, x,
+                            [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids,
+                             seed], options)
+        transient.attach(out)
         if router_stats:
             y, stats = out
             if sp:  # the whole sequence's statistics on every rank (moe.RouterStats)

@@ -1,0 +1,367 @@
+"""QLoRA: decoder layers whose projections are bitsandbytes 4-bit / 8-bit layers under PEFT LoRA
+(ckpt_ext.hf.quantized). The models are loaded as users load them (``from_pretrained`` with a
+``BitsAndBytesConfig``, ``prepare_model_for_kbit_training``, ``get_peft_model``) from tiny
+random checkpoints, on the CPU in float32 compute; the fused model's loss and adapter gradients
+are held to the accuracy rule against a float64 model with the dequantized weights, with the
+unpatched PEFT + bitsandbytes model as the baseline.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: the QLoRA tests need it "
+    "(pip install -e '.[test]')")
+peft = pytest.importorskip("peft", reason="peft is not installed: the QLoRA tests need it "
+                           "(pip install -e '.[test]')")
+bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: the QLoRA "
+                          "tests need it (pip install -e '.[test]')")
+
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+import ckpt_ext  # noqa: E402
+from ckpt_ext import blocks  # noqa: E402
+from ckpt_ext.hf import quantized  # noqa: E402
+from ckpt_ext.hf.adapters import read_projection  # noqa: E402
+from hf_fixtures import make_batch, make_model  # noqa: E402
+from reference import FACTOR_GRAD, FACTOR_OUT, check_vs_baseline  # noqa: E402
+from test_lora_dropout import replay_fused_dropout  # noqa: E402
+
+QUANTS = {
+    "nf4-dq": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                   bnb_4bit_compute_dtype=torch.float32),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4",
+                bnb_4bit_compute_dtype=torch.float32),
+    "int8": dict(load_in_8bit=True),
+}
+# LoRA on these; k_proj and up_proj stay bare quantized layers
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+STREAMS = {path: blocks.PROJECTIONS.index(path) for path in blocks.PROJECTIONS
+           if path.split(".")[1] in TARGETS}
+# Phi-3: LoRA on its fused modules (their dropout stream: their first projection's)
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+PHI3_STREAMS = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 3, "mlp.gate_up_proj": 4,
+                "mlp.down_proj": 6}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family (and config overrides) -> a saved tiny checkpoint of it (perturbed weights)."""
+    saved = {}
+
+    def get(family, **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in saved:
+            path = tmp_path_factory.mktemp(family)
+            make_model(family, "sdpa", **overrides).save_pretrained(path)
+            saved[key] = path
+        return saved[key]
+    return get
+
+
+def qlora_model(path, quant, dropout=0.0, targets=TARGETS):
+    """The QLoRA recipe on a checkpoint: quantized load, prepare_model_for_kbit_training
+    (fp32 norms, embeddings and head; HF gradient checkpointing on), LoRA adapters (random B,
+    so that every adapter gradient is nonzero), training mode."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=BitsAndBytesConfig(**QUANTS[quant]), device_map="cpu",
+            dtype=torch.float32, attn_implementation="sdpa")
+        model = peft.prepare_model_for_kbit_training(model)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets,
+        init_lora_weights=False))
+    return model.train()
+
+
+def bnb_weight(module):
+    """The weight a bitsandbytes layer multiplies with in training, read through its own
+    forward (of the identity, without its bias: exact in float32), independently of
+    ckpt_ext's dequantization."""
+    bias, training = module.bias, module.training
+    module.bias = None
+    module.train()
+    try:
+        with torch.enable_grad():
+            eye = torch.eye(module.in_features, requires_grad=True)
+            w = module(eye).detach().t().contiguous()
+    finally:
+        module.bias = bias
+        module.train(training)
+    return w
+
+
+def dense_f64(model):
+    """A float64 copy of a QLoRA model whose bitsandbytes layers are nn.Linear with the weights
+    bitsandbytes multiplies with (``bnb_weight``; exact in float64): the reference."""
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if quantized.is_quantized_base(module):
+            parent = ref.get_submodule(name.rpartition(".")[0])
+            dense = nn.Linear(module.in_features, module.out_features,
+                              bias=module.bias is not None)
+            with torch.no_grad():
+                dense.weight.copy_(bnb_weight(module))
+                if module.bias is not None:
+                    dense.bias.copy_(module.bias)
+            dense.weight.requires_grad_(False)
+            if dense.bias is not None:
+                dense.bias.requires_grad_(module.bias.requires_grad)
+            parent._modules[name.rpartition(".")[2]] = dense
+    return ref.double()
+
+
+def loss_and_grads(model, ids, mask, labels, **call):
+    """The model's training loss and gradients; for the float64 reference the loss is taken
+    from its logits in float64 (transformers' loss upcasts logits to float32 only)."""
+    model.zero_grad(set_to_none=True)
+    if next(model.parameters()).dtype == torch.float64:
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **call).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                               ignore_index=-100)
+    else:
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
+                     **call).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def fused_calls(model):
+    return [dict(layer.forward.calls) for layer in model.get_base_model().model.layers]
+
+
+def assert_rule(got, base, ref):
+    """The accuracy rule for the loss and every gradient (got, base: float32; ref: float64)."""
+    (loss, grads), (loss_b, grads_b), (loss_r, grads_r) = got, base, ref
+    # the reference computes what bitsandbytes computes
+    torch.testing.assert_close(loss_b.double(), loss_r, rtol=1e-5, atol=0)
+    check_vs_baseline("loss", loss, loss_b, loss_r, FACTOR_OUT)
+    assert set(grads) == set(grads_b) == set(grads_r)
+    assert grads and all("lora_" in n for n in grads)
+    for name in grads_r:
+        check_vs_baseline(name, grads[name], grads_b[name], grads_r[name], FACTOR_GRAD)
+
+
+def run_three(model, batch, preset, dropout, streams=STREAMS, **patch):
+    """(fused, unpatched PEFT + bitsandbytes, float64 dense) loss and gradients."""
+    ref = dense_f64(model)
+    fused = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF gradient checkpointing: the fused layers skip it
+        ckpt_ext.patch_llama(fused, preset, **patch)
+    if dropout:
+        replay_fused_dropout(model, streams, dropout)
+        replay_fused_dropout(ref, streams, dropout)
+    ids, mask, labels = batch
+    base = loss_and_grads(model, ids, mask, labels)
+    want = loss_and_grads(ref, ids, mask, labels)
+    torch.manual_seed(1234)
+    got = loss_and_grads(fused, ids, mask, labels)
+    n = len(fused.get_base_model().model.layers)
+    assert fused_calls(fused) == [{"fused": 1}] * n
+    return got, base, want
+
+
+# ---- the dequantized weight ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("blocksize", [32, 64, 128, 256])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double", [False, True], ids=["plain", "double-quant"])
+def test_4bit_weight_is_what_bitsandbytes_multiplies_with(blocksize, quant_type, double):
+    """A Linear4bit's dequantized weight times x is bitsandbytes' own training forward, bit for
+    bit on the CPU (odd shapes: 37 x 83, not a multiple of the block)."""
+    torch.manual_seed(blocksize)
+    lin = nn.Linear(83, 37)
+    m = bnb.nn.Linear4bit(83, 37, compute_dtype=torch.float32, compress_statistics=double,
+                          quant_type=quant_type)
+    m.load_state_dict(lin.state_dict())
+    m.weight.blocksize = blocksize
+    m = m.to("cpu")
+    assert m.weight.quant_state.blocksize == blocksize and m.weight.quant_state.nested == double
+    x = torch.randn(5, 83, requires_grad=True)
+    want = m(x)
+    w = quantized.dequantize(m, torch.float32)
+    assert w.shape == (37, 83) and w.dtype == torch.float32
+    assert torch.equal(F.linear(x, w, m.bias), want)
+    # and it is a 4-bit approximation of the dense weight, not something else
+    err = (w - lin.weight).abs().max().item()
+    assert 0 < err < 0.5 * lin.weight.abs().max().item()
+    assert quantized.dequantize(m, torch.float64).dtype == torch.float64
+
+
+def test_8bit_weight_is_cb_times_scb_over_127():
+    """A frozen Linear8bitLt's dequantized weight is CB * SCB / 127, and x times it is
+    bitsandbytes' CPU training forward, bit for bit."""
+    torch.manual_seed(0)
+    lin = nn.Linear(83, 37)
+    m = bnb.nn.Linear8bitLt(83, 37, has_fp16_weights=False, threshold=6.0)
+    m.load_state_dict(lin.state_dict())
+    m = m.to("cpu").train()
+    w = quantized.dequantize(m, torch.float32)
+    cb, scb = m.weight.CB, m.weight.SCB
+    torch.testing.assert_close(w.double(), cb.double() * scb.double()[:, None] / 127,
+                               rtol=1e-6, atol=0)
+    x = torch.randn(5, 83, requires_grad=True)
+    want = m(x)  # moves CB / SCB to m.state: read from there now
+    assert m.weight.CB is None and m.state.CB is not None
+    assert torch.equal(F.linear(x, quantized.dequantize(m, torch.float32), m.bias), want)
+
+
+def test_unusable_quantized_layers_are_refused_by_name():
+    """has_fp16_weights=True, a layer not quantized yet, and other quantizers' layers: a reason
+    naming the class (the layer then runs HF's forward)."""
+    trainable = bnb.nn.Linear8bitLt(16, 8, has_fp16_weights=True).to("cpu")
+    assert "has_fp16_weights=True" in read_projection(trainable, True)
+    fresh = bnb.nn.Linear4bit(16, 8)  # never moved to a device: not quantized
+    assert "not quantized yet" in read_projection(fresh, True)
+
+    class QuantLinear(nn.Module):  # the shape of GPTQ / AWQ / HQQ layers: not an nn.Linear
+        pass
+    assert "QuantLinear, not a plain nn.Linear" in read_projection(QuantLinear(), True)
+
+
+# ---- whole models -------------------------------------------------------------------------------
+
+CASES = [("llama", "nf4-dq", "fast", 0.0), ("llama", "nf4-dq", "balanced", 0.2),
+         ("llama", "nf4-dq", "min_memory", 0.0), ("llama", "fp4", "min_memory", 0.2),
+         ("llama", "fp4", "balanced", 0.0), ("llama", "int8", "balanced", 0.2),
+         ("llama", "int8", "fast", 0.0), ("qwen3", "nf4-dq", "min_memory", 0.2),
+         ("qwen3", "int8", "balanced", 0.0), ("mistral", "fp4", "fast", 0.2),
+         ("mistral", "nf4-dq", "balanced", 0.0), ("phi3", "nf4-dq", "balanced", 0.2)]
+
+
+@pytest.mark.parametrize("family,quant,preset,dropout", CASES,
+                         ids=[f"{f}-{q}-{p}-drop{d}" for f, q, p, d in CASES])
+def test_qlora_matches_peft_bitsandbytes(checkpoints, family, quant, preset, dropout):
+    """Every layer fused; loss and every adapter gradient within the accuracy rule of the float64
+    dense reference, bitsandbytes + PEFT unpatched being the baseline (left padding; with LoRA
+    dropout, the unpatched models replay the op's masks). Llama has biases on every
+    projection; Phi-3's quantized qkv_proj / gate_up_proj give their row blocks."""
+    phi3 = family == "phi3"
+    model = qlora_model(checkpoints(family), quant, dropout, PHI3_TARGETS if phi3 else TARGETS)
+    assert_rule(*run_three(model, make_batch(pad=True), preset, dropout,
+                           PHI3_STREAMS if phi3 else STREAMS))
+
+
+@pytest.mark.parametrize("quant", ["nf4-dq", "int8"])
+def test_qlora_packed_sequences(checkpoints, quant):
+    """Packed documents (position ids restart, no mask): fused, within the rule."""
+    model = qlora_model(checkpoints("llama"), quant)
+    ref, fused = dense_f64(model), copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(fused, "min_memory")
+    g = torch.Generator().manual_seed(3)
+    lengths = [7, 1, 12, 3]
+    ids = torch.randint(1, 128, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100
+    runs = [loss_and_grads(m, ids, None, labels, position_ids=pos) for m in (fused, model, ref)]
+    assert fused_calls(fused) == [{"fused": 1}] * 3
+    assert_rule(*runs)
+
+
+def test_qlora_with_offload_matches(checkpoints):
+    """offload='cpu' with quantized bases: the saved activations go to the host pool, the
+    placeholders (never holding memory between passes) stay; same result."""
+    model = qlora_model(checkpoints("llama"), "nf4-dq", 0.2)
+    assert_rule(*run_three(model, make_batch(pad=True), "balanced", 0.2, offload="cpu"))
+
+
+def test_dequantized_once_per_pass_and_never_kept(checkpoints, monkeypatch):
+    """Each quantized module is dequantized once in the forward and once in the backward of each
+    layer (shared by the token chunks and by a fused module's projections), and the op saves
+    only placeholders, which hold no memory between the passes."""
+    model = qlora_model(checkpoints("llama"), "nf4-dq")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(model, "min_memory")
+    counts = {}
+    dequantize = quantized.dequantize
+
+    def counting(module, dtype):
+        counts[id(module)] = counts.get(id(module), 0) + 1
+        return dequantize(module, dtype)
+    monkeypatch.setattr(quantized, "dequantize", counting)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    ids, mask, labels = make_batch(pad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    modules = [m for m in model.modules() if quantized.is_quantized_base(m)]
+    assert len(modules) == 3 * 7 and sorted(counts.values()) == [1] * 21
+    holders = [t for t in saved if quantized.is_placeholder(t)]
+    assert len(holders) == 3 * 7 and all(t.numel() == 0 for t in holders)
+    shapes = {(m.out_features, m.in_features) for m in modules}
+    assert not any(tuple(t.shape) in shapes for t in saved
+                   if not quantized.is_placeholder(t) and not isinstance(t, nn.Parameter))
+    loss.backward()
+    assert sorted(counts.values()) == [2] * 21
+    assert all(t.numel() == 0 for t in holders)
+
+
+@pytest.mark.parametrize("quant", ["nf4-dq", "fp4"])
+def test_eval_forward_before_training_step(checkpoints, quant):
+    """An eval forward without grad repacks Linear4bit weights for bitsandbytes' AVX512-BF16 CPU
+    kernel (quant_state.packing_format_for_cpu; done here by bitsandbytes' own conversion on
+    CPUs without it); the next fused training step reads the repacked weights (their codes and
+    their bf16 block scales) rightly: within the rule against the model holding those same
+    weights in the usual layout. Shapes that bitsandbytes can repack (rows a multiple of 32,
+    columns of the blocksize)."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu, dequantize_blockwise
+    model = qlora_model(checkpoints("llama", intermediate_size=192), quant)
+    fused = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(fused, "balanced")
+    ids, mask, labels = make_batch(pad=True)
+    fused.eval()
+    with torch.no_grad():
+        fused(input_ids=ids, attention_mask=mask, use_cache=False)
+    fused.train()
+    layers4 = [m for m in fused.modules() if quantized.is_quantized_base(m)]
+    for m in layers4:
+        if not getattr(m.weight.quant_state, "packing_format_for_cpu", False):
+            assert not m.support_avx512bf16_for_cpu  # bitsandbytes repacks where it can
+            m.weight.data, m.weight.quant_state = _convert_weight_packed_for_cpu(
+                m.weight.data, m.weight.quant_state)
+    assert all(m.weight.quant_state.packing_format_for_cpu for m in layers4)
+    # the reference: the unrepacked model with the block scales rounded to bf16 as repacking
+    # rounds them
+    for m in model.modules():
+        if quantized.is_quantized_base(m):
+            st = m.weight.quant_state
+            scales = (dequantize_blockwise(st.absmax, st.state2) + st.offset if st.nested
+                      else st.absmax)
+            st.absmax, st.nested = scales.float().bfloat16().float(), False
+    ref = dense_f64(model)
+    base = loss_and_grads(model, ids, mask, labels)
+    got = loss_and_grads(fused, ids, mask, labels)
+    assert fused_calls(fused) == [{"delegated: grad is disabled (inference)": 1, "fused": 1}] * 3
+    assert_rule(got, base, loss_and_grads(ref, ids, mask, labels))
+    # the module is left repacked, as bitsandbytes left it
+    assert all(m.weight.quant_state.packing_format_for_cpu for m in layers4)
+
+
+def test_compiled_qlora_layers_run_hf_forward(checkpoints, monkeypatch):
+    """Under torch.compile the quantized layers are not fused: each runs HF's forward with the
+    reason in the warning (the dequantization runs in eager mode only)."""
+    model = qlora_model(checkpoints("llama"), "nf4-dq")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(model, "balanced")
+    proj = model.get_base_model().model.layers[0].self_attn.q_proj
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert "under torch.compile" in read_projection(proj, True)
+
