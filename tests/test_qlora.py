@@ -227,6 +227,23 @@ def test_unusable_quantized_layers_are_refused_by_name():
     assert "QuantLinear, not a plain nn.Linear" in read_projection(QuantLinear(), True)
 
 
+def test_quantized_head_is_not_fused_with_the_reason(checkpoints):
+    """A quantized lm_head (bitsandbytes leaves it dense unless told): the layers fuse, the head
+    stays HF's, and the warning says why."""
+    model = qlora_model(checkpoints("llama"), "nf4-dq")
+    inner = model.get_base_model()
+    head = bnb.nn.Linear4bit(inner.lm_head.in_features, inner.lm_head.out_features, bias=False,
+                             compute_dtype=torch.float32)
+    head.load_state_dict(inner.lm_head.state_dict())
+    inner.lm_head = head.to("cpu")
+    with pytest.warns(UserWarning, match="LM head is not fused: lm_head is a bitsandbytes "
+                      "Linear4bit"):
+        ckpt_ext.patch_llama(model, "min_memory")
+    ids, mask, labels = make_batch(pad=True)
+    loss, _ = loss_and_grads(model, ids, mask, labels)
+    assert torch.isfinite(loss) and fused_calls(model) == [{"fused": 1}] * 3
+
+
 # ---- whole models -------------------------------------------------------------------------------
 
 CASES = [("llama", "nf4-dq", "fast", 0.0), ("llama", "nf4-dq", "balanced", 0.2),
@@ -365,3 +382,28 @@ def test_compiled_qlora_layers_run_hf_forward(checkpoints, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert "under torch.compile" in read_projection(proj, True)
 
+
+def test_step_peak_holds_one_layers_dequantized_weights(checkpoints):
+    """The CPU allocator's peak of a min_memory QLoRA step grows with the depth by what each
+    layer saves (its input), not by its dequantized weights: 6 layers peak less than one
+    layer's dequantized bytes above 2 layers."""
+    peaks, per_layer = {}, None
+    ids, mask, labels = make_batch(pad=True)
+    for n in (2, 6):
+        model = qlora_model(checkpoints("llama", num_hidden_layers=n, intermediate_size=512),
+                            "nf4-dq")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.patch_llama(model, "min_memory")
+        layer = model.get_base_model().model.layers[0]
+        per_layer = 4 * sum(m.in_features * m.out_features for m in layer.modules()
+                            if quantized.is_quantized_base(m))
+
+        def step():
+            model(input_ids=ids, attention_mask=mask, labels=labels,
+                  use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+        peaks[n] = ckpt_ext.peak_memory_bytes(step)
+        assert fused_calls(model) == [{"fused": 1}] * n
+    print(f"  peaks {peaks}, one layer's dequantized weights {per_layer}")
+    assert peaks[6] - peaks[2] < per_layer
