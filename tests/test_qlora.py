@@ -407,3 +407,64 @@ def test_step_peak_holds_one_layers_dequantized_weights(checkpoints):
         assert fused_calls(model) == [{"fused": 1}] * n
     print(f"  peaks {peaks}, one layer's dequantized weights {per_layer}")
     assert peaks[6] - peaks[2] < per_layer
+
+
+# ---- the plan (ckpt_ext.plan, weights="qlora") against the CPU allocator ------------------------
+
+PLAN_CASE = dict(H=256, heads=4, kv=2, D=40, I=1200, V=1024, L=3)
+
+
+@pytest.fixture(scope="module")
+def plan_checkpoint(tmp_path_factory):
+    c = PLAN_CASE
+    cfg = transformers.LlamaConfig(
+        hidden_size=c["H"], intermediate_size=c["I"], num_hidden_layers=c["L"],
+        num_attention_heads=c["heads"], num_key_value_heads=c["kv"], head_dim=c["D"],
+        vocab_size=c["V"], rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("plan_llama")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def measured_peak(model, policy, S):
+    """The CPU allocator's peak of a training step of the QLoRA model patched with ``policy``
+    at (1, S) tokens, gradients of an earlier step present."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(model, policy)
+    ids = torch.randint(PLAN_CASE["V"], (1, S), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    step()
+    peak = ckpt_ext.peak_memory_bytes(step)
+    ckpt_ext.unpatch_llama(model)
+    return peak
+
+
+@pytest.mark.parametrize("setup", ["min_memory", "fast"])
+def test_plan_step_peak_of_qlora_within_10pct_of_the_cpu_allocator(plan_checkpoint, setup):
+    """plan.step_peak(quantized_base=True) (the dense LoRA step and one layer's dequantized
+    weights) within 10% of the measured peak of an nf4 QLoRA step (fp32, CPU path)."""
+    if torch.cuda.is_available():
+        pytest.skip("measures the CPU allocator")
+    from ckpt_ext import plan
+    c, S = PLAN_CASE, 900
+    model = qlora_model(plan_checkpoint, "nf4-dq", targets="all-linear")
+    peak = measured_peak(model, setup, S)
+    layers = [plan.LayerDims(c["H"], c["heads"], c["kv"], c["D"], c["I"])] * c["L"]
+    want = plan.step_peak(setup, layers, c["V"], 1, S, torch.float32, path="cpu",
+                          train_weights=False, quantized_base=True)
+    print(f"  {setup}: measured {peak}, plan {want.peak} ({want.phase})")
+    assert abs(want.peak - peak) <= 0.10 * peak
+
+
+def test_min_memory_qlora_peaks_below_hf_checkpointing_at_4k(plan_checkpoint):
+    """At S 4096 an nf4 QLoRA step with min_memory peaks below HF gradient checkpointing with
+    the fused loss (policy 'torch') on the same model."""
+    model = qlora_model(plan_checkpoint, "nf4-dq", targets="all-linear")
+    fused = measured_peak(model, "min_memory", 4096)
+    hf = measured_peak(model, "torch", 4096)
+    print(f"  min_memory {fused}, HF checkpointing + fused loss {hf}")
+    assert fused < hf
