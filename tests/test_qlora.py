@@ -468,3 +468,30 @@ def test_min_memory_qlora_peaks_below_hf_checkpointing_at_4k(plan_checkpoint):
     hf = measured_peak(model, "torch", 4096)
     print(f"  min_memory {fused}, HF checkpointing + fused loss {hf}")
     assert fused < hf
+
+
+def test_qlora_under_bf16_autocast(checkpoints):
+    """Under bf16 autocast (Trainer(bf16=True)) the QLoRA model's layers and its fp32 head (as
+    prepare_model_for_kbit_training leaves it) stay fused: the dequantized weights in bf16, the
+    loss and the adapter gradients within the rule at bf16 against the float64 reference,
+    PEFT + bitsandbytes under the same autocast being the baseline."""
+    model = qlora_model(checkpoints("llama"), "nf4-dq")
+    ref = dense_f64(model)
+    fused = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(fused, "balanced")
+    assert type(fused.get_base_model().forward).__name__ == "FusedHeadForward"
+    assert fused.get_base_model().lm_head.weight.dtype == torch.float32
+    batch = make_batch(pad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss_and_grads(fused, *batch)
+        base = loss_and_grads(model, *batch)
+    want = loss_and_grads(ref, *batch)
+    assert fused_calls(fused) == [{"fused": 1}] * 3
+    (loss, grads), (loss_b, grads_b), (loss_r, grads_r) = got, base, want
+    check_vs_baseline("loss", loss, loss_b, loss_r, FACTOR_OUT, dtype=torch.bfloat16)
+    assert set(grads) == set(grads_b) == set(grads_r) and grads
+    for name in grads_r:
+        check_vs_baseline(name, grads[name], grads_b[name], grads_r[name], FACTOR_GRAD,
+                          dtype=torch.bfloat16)
