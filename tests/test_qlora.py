@@ -495,3 +495,46 @@ def test_qlora_under_bf16_autocast(checkpoints):
     for name in grads_r:
         check_vs_baseline(name, grads[name], grads_b[name], grads_r[name], FACTOR_GRAD,
                           dtype=torch.bfloat16)
+
+
+def test_auto_budget_counts_one_layers_dequantized_weights(checkpoints):
+    """policy="auto": the activation budget holds one layer's dequantized weights besides the
+    layers' saved bytes. A budget of every layer 'fast' plus that transient gives 'fast'
+    everywhere, one byte less does not; below 'min_memory' plus the transient the forward
+    raises, naming both."""
+    from ckpt_ext import plan
+    ids, mask, labels = make_batch(pad=True)
+    B, S = ids.shape
+    model = qlora_model(checkpoints("llama"), "nf4-dq")
+    layers = model.get_base_model().model.layers
+    transient = 4 * sum(m.in_features * m.out_features for m in layers[0].modules()
+                        if quantized.is_quantized_base(m))
+    dims = [plan.LayerDims(64, 4, 2, 16, 172)] * 3
+    fast = sum(plan.layer_bytes("fast", d, B, S, torch.float32) for d in dims)
+    least = sum(plan.layer_bytes("min_memory", d, B, S, torch.float32) for d in dims)
+    for budget, all_fast in ((fast + transient, True), (fast + transient - 1, False)):
+        m = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.patch_llama(m, "auto", activation_budget=budget)
+        loss_and_grads(m, ids, mask, labels)
+        (chosen,) = m.get_base_model().model.layers[0].forward.shared.auto.values()
+        assert (chosen == ["fast"] * 3) == all_fast, (budget, chosen)
+        assert fused_calls(m) == [{"fused": 1}] * 3
+    m = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(m, "auto", activation_budget=least + transient - 1)
+    with pytest.raises(ValueError, match=f"one layer's dequantized weights .* the smallest "
+                       f"budget that fits is {least + transient}"):
+        loss_and_grads(m, ids, mask, labels)
+    # with offload: chosen by time within the budget less the transient, fused, same loss
+    m = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(m, "auto", activation_budget=1 << 40, offload="cpu")
+    loss, _ = loss_and_grads(m, ids, mask, labels)
+    (key, _), = m.get_base_model().model.layers[0].forward.shared.auto.items()
+    assert key[-1] == transient and fused_calls(m) == [{"fused": 1}] * 3
+    torch.testing.assert_close(loss, loss_and_grads(model, ids, mask, labels)[0], rtol=1e-5,
+                               atol=0)

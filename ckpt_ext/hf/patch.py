@@ -490,8 +490,19 @@ class _Shared:
         train_weights = any(p.requires_grad for layer in self.layers
                             for n, p in layer.named_parameters()
                             if p.dim() >= 2 and "lora_" not in n)
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else dtype
         return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights,
-                            *self.lora_ranks())
+                            *self.lora_ranks(), self.dequantized_bytes(compute.itemsize))
+
+    @torch.compiler.assume_constant_result
+    def dequantized_bytes(self, itemsize: int) -> int:
+        """QLoRA: the bytes of the largest layer's dequantized projections at ``itemsize``
+        (what a fused layer holds through each of its passes, one layer at a time:
+        ckpt_ext.hf.quantized), 0 without bitsandbytes layers."""
+        return itemsize * max(sum(m.in_features * m.out_features for m in layer.modules()
+                                  if quantized.is_quantized_base(m))
+                              for layer in self.layers)
 
     @torch.compiler.assume_constant_result
     def lora_ranks(self) -> Tuple[int, int]:
@@ -513,17 +524,19 @@ class _Shared:
         return dense, experts
 
     def _offload_choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
-                        lora_rank: int = 0, expert_lora_rank: int = 0) -> List[str]:
+                        lora_rank: int = 0, expert_lora_rank: int = 0,
+                        dequantized: int = 0) -> List[str]:
         """policy="auto" with offload: the plan's choice by time (ckpt_ext.plan.
         choose_offload_layers) within the activation budget, which bounds what the device
         holds of the layers (the offloader's prefetch pool and the layers past its limit),
-        and the offloader's host limit, at the plan's throughputs and the host link rate."""
+        and the offloader's host limit, at the plan's throughputs and the host link rate;
+        ``dequantized``: QLoRA's transient (``dequantized_bytes``), taken off the budget."""
         from ..plan import choose_offload_layers, format_bytes
         from ..throughputs import default_throughputs
         dims = self.layer_dims()
         off = self.offloader
         choice = choose_offload_layers(
-            dims, b, s, dtype, self.budget, off.limit, train_weights=train_weights,
+            dims, b, s, dtype, self.budget - dequantized, off.limit, train_weights=train_weights,
             lora_rank=lora_rank, expert_lora_rank=expert_lora_rank, prefetch=off.prefetch,
             host_link_gbytes_per_s=self.host_link,
             **default_throughputs().step_time_kwargs(s))
@@ -534,22 +547,36 @@ class _Shared:
             pool = _pool(moved, off.prefetch)
             raise ValueError(f"activation_budget {format_bytes(self.budget)} is below the "
                              f"offload prefetch pool at min_memory ({format_bytes(pool)}) plus "
-                             f"the layers past offload_limit ({format_bytes(kept)}) at B={b}, "
-                             f"S={s}; the smallest budget that fits is {pool + kept}")
+                             f"the layers past offload_limit ({format_bytes(kept)})"
+                             + _dequantized_words(dequantized) + f" at B={b}, S={s}; the "
+                             f"smallest budget that fits is {pool + kept + dequantized}")
         return list(choice.presets)
 
     @torch.compiler.assume_constant_result
     def _choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
-                lora_rank: int = 0, expert_lora_rank: int = 0) -> List[str]:
+                lora_rank: int = 0, expert_lora_rank: int = 0,
+                dequantized: int = 0) -> List[str]:
         """The presets for one shape, cached; a constant to torch.compile, which guards on
-        the shapes it is called with (the choice depends on nothing else)."""
-        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank)
+        the shapes it is called with (the choice depends on nothing else). ``dequantized``:
+        QLoRA's transient, which the budget holds besides the layers' saved bytes."""
+        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank) + \
+            ((dequantized,) if dequantized else ())
         if key not in self.auto and self.offloader is not None:
             self.auto[key] = self._offload_choice(b, s, dtype, train_weights, lora_rank,
-                                                  expert_lora_rank)
+                                                  expert_lora_rank, dequantized)
         if key not in self.auto:
-            from ..plan import choose_presets
-            self.auto[key] = choose_presets(self.layer_dims(), b, s, dtype, self.budget)
+            from ..plan import choose_presets, format_bytes, layer_bytes
+            dims = self.layer_dims()
+            if dequantized:
+                smallest = sum(layer_bytes("min_memory", d, b, s, dtype) for d in dims)
+                if self.budget - dequantized < smallest:
+                    raise ValueError(
+                        f"activation_budget of {self.budget} bytes "
+                        f"({format_bytes(self.budget)}) is below every decoder layer at "
+                        f"min_memory ({format_bytes(smallest)})"
+                        f"{_dequantized_words(dequantized)} at B={b}, S={s}; the smallest "
+                        f"budget that fits is {smallest + dequantized}")
+            self.auto[key] = choose_presets(dims, b, s, dtype, self.budget - dequantized)
         return self.auto[key]
 
     def layer_dims(self) -> List[LayerDims]:
@@ -819,6 +846,15 @@ class _PatchedForward:
             stats_sink.append(stats)
             return y
         return moe.record_router_logits(out) if router_logits else out
+
+
+def _dequantized_words(n: int) -> str:
+    """The part of a budget error that names QLoRA's transient (nothing without one)."""
+    if not n:
+        return ""
+    from ..plan import format_bytes
+    return (f" plus one layer's dequantized weights ({format_bytes(n)}, bitsandbytes layers "
+            "dequantized for each pass)")
 
 
 def _patched(layers) -> List[_PatchedForward]:
