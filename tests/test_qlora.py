@@ -246,12 +246,11 @@ def test_quantized_head_is_not_fused_with_the_reason(checkpoints):
 
 # ---- whole models -------------------------------------------------------------------------------
 
-CASES = [("llama", "nf4-dq", "fast", 0.0), ("llama", "nf4-dq", "balanced", 0.2),
-         ("llama", "nf4-dq", "min_memory", 0.0), ("llama", "fp4", "min_memory", 0.2),
-         ("llama", "fp4", "balanced", 0.0), ("llama", "int8", "balanced", 0.2),
-         ("llama", "int8", "fast", 0.0), ("qwen3", "nf4-dq", "min_memory", 0.2),
-         ("qwen3", "int8", "balanced", 0.0), ("mistral", "fp4", "fast", 0.2),
-         ("mistral", "nf4-dq", "balanced", 0.0), ("phi3", "nf4-dq", "balanced", 0.2)]
+# every family of the issue x quantization x preset, LoRA dropout on every other case; Phi-3's
+# fused modules once
+CASES = [(f, q, p, 0.2 * (i % 2)) for i, (f, q, p) in enumerate(
+    (f, q, p) for f in ("llama", "qwen3", "mistral") for q in QUANTS
+    for p in ("fast", "balanced", "min_memory"))] + [("phi3", "nf4-dq", "balanced", 0.2)]
 
 
 @pytest.mark.parametrize("family,quant,preset,dropout", CASES,
@@ -538,3 +537,31 @@ def test_auto_budget_counts_one_layers_dequantized_weights(checkpoints):
     assert key[-1] == transient and fused_calls(m) == [{"fused": 1}] * 3
     torch.testing.assert_close(loss, loss_and_grads(model, ids, mask, labels)[0], rtol=1e-5,
                                atol=0)
+
+
+@pytest.mark.parametrize("quant", ["nf4-dq", "int8"])
+def test_sft_trainer_trains_a_qlora_model_fused(tmp_path, checkpoints, quant):
+    """TRL's SFTTrainer (its gradient checkpointing and bf16 on, as SFTConfig defaults: the
+    fused layers take the checkpointing over, min_memory) on a patched QLoRA model: every layer
+    fused at both steps, and the logged losses those of the unpatched model's run."""
+    from test_training_setups import _sft_setup
+    losses = {}
+    for patched in (False, True):
+        trl, data, tok, args = _sft_setup(tmp_path / str(patched))
+        model = qlora_model(checkpoints("llama"), quant)
+        if patched:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ckpt_ext.patch_llama(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
+                                     processing_class=tok)
+            trainer.train()
+        assert args.gradient_checkpointing and args.bf16  # SFTConfig's defaults
+        losses[patched] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if patched:
+            assert fused_calls(model) == [{"fused": 2}] * 3
+    # bf16 autocast in both runs: the losses agree to bf16's resolution (half its eps, relative)
+    assert len(losses[True]) == 2
+    torch.testing.assert_close(losses[True], losses[False], rtol=2**-9, atol=0)
