@@ -6,6 +6,7 @@ are held to the accuracy rule against a float64 model with the dequantized weigh
 unpatched PEFT + bitsandbytes model as the baseline.
 """
 import copy
+import sys
 import warnings
 
 import pytest
@@ -221,6 +222,10 @@ def test_unusable_quantized_layers_are_refused_by_name():
     assert "has_fp16_weights=True" in read_projection(trainable, True)
     fresh = bnb.nn.Linear4bit(16, 8)  # never moved to a device: not quantized
     assert "not quantized yet" in read_projection(fresh, True)
+    sharded = bnb.nn.Linear4bit(16, 8).to("cpu")
+    assert read_projection(sharded, True).weight.numel() == 0  # a placeholder: fused
+    sharded.weight.ds_id = 3  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+    assert "sharded (DeepSpeed ZeRO-3 or FSDP2)" in read_projection(sharded, True)
 
     class QuantLinear(nn.Module):  # the shape of GPTQ / AWQ / HQQ layers: not an nn.Linear
         pass
@@ -565,3 +570,67 @@ def test_sft_trainer_trains_a_qlora_model_fused(tmp_path, checkpoints, quant):
     # bf16 autocast in both runs: the losses agree to bf16's resolution (half its eps, relative)
     assert len(losses[True]) == 2
     torch.testing.assert_close(losses[True], losses[False], rtol=2**-9, atol=0)
+
+
+# ---- DDP ----------------------------------------------------------------------------------------
+
+def _ddp_batch(rank):
+    from hf_fixtures import padded_batch
+    return padded_batch(128, 2, 13, pad_row=rank % 2, pad=3, seed=100 + rank)
+
+
+def _ddp_worker(rank, init_file, path, out_dir):
+    import torch.distributed as dist
+    from test_distributed import STEPS, WORLD, init_gloo_rank
+    init_gloo_rank(rank, WORLD, init_file)
+    try:
+        model = qlora_model(path, "nf4-dq")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.patch_llama(model, "balanced")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.5)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            ids, mask, labels = _ddp_batch(rank)
+            loss = ddp(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        torch.save({"losses": losses, "fused": fused_calls(model),
+                    "lora": {n: p.detach().clone() for n, p in model.named_parameters()
+                             if "lora_" in n}}, f"{out_dir}/{rank}.pt")
+        del ddp, opt, loss
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo workers are tested on Linux")
+def test_qlora_under_ddp_trains_like_one_process(tmp_path, checkpoints):
+    """A patched nf4 QLoRA model under DDP (2 gloo ranks, SGD on the adapters): every layer
+    fused on every rank, and the ranks' losses and adapters those of one unpatched process
+    stepping with the mean of their gradients."""
+    from test_distributed import STEPS, WORLD, spawn_ranks
+    path = checkpoints("llama")
+    got = spawn_ranks(_ddp_worker, (str(tmp_path / "init"), str(path), str(tmp_path)),
+                      tmp_path, "DDP")
+    ref = qlora_model(path, "nf4-dq")
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    losses = [[] for _ in range(WORLD)]
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for rank in range(WORLD):
+            ids, mask, labels = _ddp_batch(rank)
+            loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            (loss / WORLD).backward()
+            losses[rank].append(loss.item())
+        opt.step()
+    for rank, r in enumerate(got):
+        assert r["fused"] == [{"fused": STEPS}] * 3
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses[rank]),
+                                   rtol=1e-5, atol=1e-6)
+        for n, p in ref.named_parameters():
+            if "lora_" in n:
+                torch.testing.assert_close(r["lora"][n], p.detach(), rtol=1e-4, atol=1e-6)
