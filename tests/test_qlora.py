@@ -644,3 +644,57 @@ def test_qlora_under_ddp_trains_like_one_process(tmp_path, checkpoints):
         for n, p in ref.named_parameters():
             if "lora_" in n:
                 torch.testing.assert_close(r["lora"][n], p.detach(), rtol=1e-4, atol=1e-6)
+
+
+# ---- sequence parallelism -----------------------------------------------------------------------
+
+def _sp_batch():
+    from hf_fixtures import padded_batch
+    ids, mask, labels = padded_batch(128, 2, 14, pad_row=1, pad=9, seed=21)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _sp_worker(rank, init_file, path, out_dir):
+    import torch.distributed as dist
+    from ckpt_ext.hf import sequence_parallel as sp
+    from test_distributed import WORLD, init_gloo_rank
+    init_gloo_rank(rank, WORLD, init_file)
+    try:
+        group = dist.group.WORLD
+        model = qlora_model(path, "nf4-dq")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.patch_llama(model, "balanced", sequence_parallel=group)
+        batch = sp.shard_batch(_sp_batch(), group)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        sp.all_reduce_grads(model, group)
+        torch.save({"loss": loss.detach(), "fused": fused_calls(model),
+                    "grads": {n: p.grad for n, p in model.named_parameters()
+                              if p.grad is not None}}, f"{out_dir}/{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo workers are tested on Linux")
+def test_qlora_sequence_parallel_two_ranks_equal_one_process(tmp_path, checkpoints):
+    """A patched nf4 QLoRA model with sequence_parallel= on 2 gloo ranks (each dequantizing its
+    layers' weights itself), its padded batch cut by shard_batch: the ranks' losses sum to the
+    one-process loss and the gradients summed over the group equal its gradients."""
+    from test_distributed import spawn_ranks
+    path = checkpoints("llama")
+    got = spawn_ranks(_sp_worker, (str(tmp_path / "init"), str(path), str(tmp_path)),
+                      tmp_path, "sequence parallel")
+    model = qlora_model(path, "nf4-dq")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(model, "balanced")
+    loss = model(**_sp_batch(), use_cache=False).loss
+    loss.backward()
+    torch.testing.assert_close(sum(r["loss"] for r in got), loss.detach(), rtol=1e-5, atol=0)
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for r in got:
+        assert r["fused"] == [{"fused": 1}] * 3 and r["grads"].keys() == want.keys()
+        for n, w in want.items():
+            torch.testing.assert_close(r["grads"][n], w, rtol=1e-4, atol=1e-6, msg=n)
