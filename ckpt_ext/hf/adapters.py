@@ -69,9 +69,9 @@ def _base_weight(base: nn.Module) -> Union[Tensor, str]:
         return base.weight
     if quantized.is_quantized_base(base):
         if torch.compiler.is_compiling():
-            return (f"a {type(base).__name__} under torch.compile (the fused layers dequantize "
-                    "bitsandbytes weights in eager mode only: compile QLoRA models unpatched, "
-                    "or run them patched without torch.compile)")
+            return (f"a {type(base).__name__} read under torch.compile: the fused layers "
+                    "dequantize bitsandbytes weights in eager mode, which a layer gets when "
+                    "it holds bitsandbytes layers at patch time (quantize, then patch)")
         problem = quantized.quantized_problem(base)
         return problem if problem else quantized.placeholder(base)
     return f"a LoRA layer around a {type(base).__name__} (other quantised base layers)"

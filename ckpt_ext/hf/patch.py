@@ -636,6 +636,9 @@ class _PatchedForward:
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls: collections.Counter = collections.Counter()
         self.__signature__ = inspect.signature(self.original)  # what HF's forward declares
+        # QLoRA: a layer with bitsandbytes projections runs in eager mode under torch.compile
+        # (_eager_call), where its dequantized weights' placeholders and hooks work
+        self.quantized = any(quantized.is_quantized_base(m) for m in layer.modules())
 
     @property
     def original(self) -> Callable:
@@ -650,6 +653,8 @@ class _PatchedForward:
             self.calls[key] += 1
 
     def __call__(self, hidden_states: Tensor, *args, **kwargs):
+        if getattr(self, "quantized", False) and torch.compiler.is_compiling():
+            return _eager_call(self, hidden_states, *args, **kwargs)
         # This forward's masks and presets, from the model's pre-hook (None when the layer is
         # called outside its model's forward).
         state = kwargs.pop(_FORWARD_KEY, None)
@@ -846,6 +851,14 @@ class _PatchedForward:
             stats_sink.append(stats)
             return y
         return moe.record_router_logits(out) if router_logits else out
+
+
+@torch.compiler.disable
+def _eager_call(forward: "_PatchedForward", hidden_states: Tensor, *args, **kwargs):
+    """A patched layer with bitsandbytes projections called under torch.compile: the call
+    runs in eager mode, a graph break, fused there (its weights dequantized for each pass
+    outside the graph, ckpt_ext.hf.quantized)."""
+    return forward(hidden_states, *args, **kwargs)
 
 
 def _dequantized_words(n: int) -> str:

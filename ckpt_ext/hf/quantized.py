@@ -12,7 +12,9 @@ them again just before its backward (where the op recomputes) and a post-hook fr
 that backward is done. The op saves the placeholder (a leaf that needs no gradient), never the
 dequantized tensor, so between the passes no layer holds a dequantized weight, and only one
 layer's exist at a time. An outer recompute (HF gradient checkpointing) calls the patched
-forward again, which dequantizes again.
+forward again, which dequantizes again. Under torch.compile such a layer runs in eager mode
+(ckpt_ext.hf.patch ``_eager_call``: a graph break), since the placeholders' fills and the
+node hooks are eager-mode operations.
 
 What the dequantized weight is:
 
