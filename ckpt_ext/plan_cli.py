@@ -20,12 +20,12 @@ from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
 from .hf.patch import _model_config
-from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, LORA_RANK,
-                   OFFLOAD_SETUPS, PEAK_SETUPS, QUANTS, SP_LINK_GBYTES_PER_S,
-                   choose_presets_offload,
-                   choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes,
-                   longest_sequence,
-                   longest_sequence_offload, model_state_bytes, offload_step_peak,
+from .plan import (_DTYPES, _PATHS, AUTO_CHOICES, FRAGMENTATION, HOST_LINK_GBYTES_PER_S,
+                   LORA_RANK, OFFLOAD_SETUPS, PEAK_SETUPS, QUANTS, SP_LINK_GBYTES_PER_S,
+                   choose_auto,
+                   choose_presets_offload, format_bytes, head_saved_bytes, headroom_bytes,
+                   layer_bytes, layer_seconds, longest_sequence, longest_sequence_offload,
+                   model_state_bytes, offload_step_peak, dequantized_bytes,
                    parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
                    sp_longest_sequence, sp_step_peak, sp_step_time, step_peak,
                    step_time_estimate)
@@ -518,7 +518,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{format_bytes(head_fused)} (hidden + labels + fp32 lse = "
           f"{e * d.hidden_size + 12:,} B/token)")
     print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
-          "'torch' is listed for comparison and never chosen by 'auto'")
+          "'auto' chooses among these presets and HF's own layer ('none') by the time model")
     print()
     _print_steps(args, layers, V, B, S, dtype)
     if args.offload:
@@ -533,19 +533,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.budget is not None:
         print()
         try:
-            chosen = choose_presets(layers, B, S, dtype, args.budget)
+            choice = _auto_choice(args, layers, V, B, S, dtype, budget=args.budget)
         except ValueError as err:
-            print(f"auto: {err}", file=sys.stderr)
+            print(f"{err}", file=sys.stderr)
             return 2
-        used = sum(layer_bytes(p, x, B, S, dtype) for p, x in zip(chosen, layers))
+        chosen = list(choice.presets)
         flops = sum(recompute_flops(p, x, B, S, **_lora_kwargs(args))
-                    for p, x in zip(chosen, layers))
-        counts = ", ".join(f"{chosen.count(p)} x {p}" for p in FUSED_PRESETS if p in chosen)
-        print(f"auto for a budget of {format_bytes(args.budget)}: {counts}; "
-              f"layers keep {format_bytes(used)} ({format_bytes(used + head_fused)} with the "
-              f"fused head), recompute {_tflop(flops)} TFLOP")
-        print("per layer: " + " ".join(p for p in chosen))
+                    for p, x in zip(chosen, layers) if p != "none")
+        print(f"auto for a budget of {format_bytes(args.budget)}: {_counts(chosen)}; "
+              f"layers keep {format_bytes(choice.saved)} "
+              f"({format_bytes(choice.saved + head_fused)} with the fused head), recompute "
+              f"{_tflop(flops)} TFLOP; the layers' step about {choice.seconds:,.3f} s")
+        _print_auto_layers(args, choice, layers, B, S, dtype)
     return 0
+
+
+def _counts(chosen) -> str:
+    return ", ".join(f"{chosen.count(p)} x {p}" for p in AUTO_CHOICES if p in chosen)
+
+
+def _auto_choice(args, layers, V, B, S, dtype, *, room=None, budget=None):
+    """patch_llama(policy="auto")'s choice (ckpt_ext.plan.choose_auto) at the CLI's rates and
+    the throughputs file's overheads."""
+    if budget is not None and args.weights == "qlora":  # one layer's dequantized weights
+        budget = parse_bytes(budget) - dequantized_bytes(layers, dtype)
+    return choose_auto(layers, V, B, S, dtype, room=room, budget=budget, path=args.path,
+                       train_weights=args.weights == "full", **_lora_kwargs(args),
+                       quantized_base=args.weights == "qlora",
+                       overheads=args.rates.overheads, **_rate_kwargs(args, S))
+
+
+def _print_auto_layers(args, choice, layers, B, S, dtype) -> None:
+    """Each layer's choice, its token chunks and its time in the model."""
+    kw = dict(train_weights=args.weights == "full", overheads=args.rates.overheads,
+              **_lora_kwargs(args), **_rate_kwargs(args, S))
+    cells = [f"{i}: {p} x{n} chunk{'s' if n > 1 else ''} "
+             f"{layer_seconds(p, x, B, S, dtype, chunks=n, **kw) * 1e3:,.1f} ms"
+             for i, (p, n, x) in enumerate(zip(choice.presets, choice.chunks, layers))]
+    print("per layer (preset, token chunks, time in the model): " + "; ".join(cells))
 
 
 def _setups(layers) -> tuple:
@@ -681,6 +706,17 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         rows.append(row)
     print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
                         "step s", "tokens/s", "longest S", "its step s", "its tokens/s"]))
+    if room > 0:
+        try:
+            choice = _auto_choice(args, layers, V, B, S, dtype, room=room)
+            print(f"auto (patch_llama(policy='auto'), no activation_budget: the room left for "
+                  f"the step): {_counts(list(choice.presets))}; step peak "
+                  f"{format_bytes(choice.peak)}, the layers' step about "
+                  f"{choice.seconds:,.3f} s (FLOPs, chunk sums and launches: "
+                  "ckpt_ext.plan.layer_seconds)")
+            _print_auto_layers(args, choice, layers, B, S, dtype)
+        except ValueError as err:
+            print(f"  {err}")
     if args.offload:
         _print_auto_offload(args, layers, V, B, S, dtype, room, host, state + headroom)
     if room <= 0:

@@ -201,8 +201,11 @@ def test_cli_on_a_config(tmp_path, capsys):
     out = r.stdout
     for word in ("fast", "balanced", "min_memory", "torch", "HF", "fused", "auto"):
         assert word in out, out
-    want = choose_presets([LayerDims(64, 4, 2, 16, 176)] * 4, 2, 128, "bf16", "300KiB")
-    assert "per layer: " + " ".join(want) in out
+    want = plan.choose_auto([LayerDims(64, 4, 2, 16, 176)] * 4, 1000, 2, 128, "bf16",
+                            budget="300KiB")
+    line = next(x for x in out.splitlines() if x.startswith("per layer (preset, token chunks"))
+    assert re.findall(r"\d: ([a-z_]+) x(\d+) chunks? [\d.]+ ms", line) == [
+        (p, str(n)) for p, n in zip(want.presets, want.chunks)], line
     assert plan_cli.main(DIMS_ARGS + ["--budget", "300KiB"]) == 0
     assert capsys.readouterr().out == out
     assert plan_cli.main([str(tmp_path), "--batch", "2", "--seq", "128", "--budget", "300KiB"]) == 0
@@ -468,7 +471,7 @@ def _measured_peak(case, setup, monkeypatch):
 @pytest.mark.parametrize("case", sorted(PEAK_CASES))
 @pytest.mark.parametrize("setup", plan.PEAK_SETUPS)
 def test_step_peak_model_matches_the_cpu_allocator(case, setup, monkeypatch):
-    """plan.step_peak (path="cpu") within 10% of the measured peak of a training step, and
+    """plan.step_peak (path="cpu") within 5% of the measured peak of a training step, and
     its saved bytes within 2% of saved_activation_bytes, in shapes it was not fitted on."""
     if torch.cuda.is_available():
         pytest.skip("measures the CPU allocator (the model's CUDA path is checked by "
@@ -484,7 +487,7 @@ def test_step_peak_model_matches_the_cpu_allocator(case, setup, monkeypatch):
         saved += 2 * 4 * c["S"] * c["D"]
     print(f"{case} {setup}: peak {peak} model {model.peak} ({model.phase}); saved {saved} "
           f"model {model.saved}")
-    assert abs(model.peak - peak) <= 0.10 * peak, (model.peak, peak, model.phase)
+    assert abs(model.peak - peak) <= 0.05 * peak, (model.peak, peak, model.phase)
     assert abs(model.saved - saved) <= 0.02 * saved, (model.saved, saved)
 
 
@@ -516,8 +519,8 @@ def test_longest_sequence_is_the_last_that_fits():
 
 def test_step_peak_rejects_bad_arguments():
     layers = [LLAMA3_8B]
-    with pytest.raises(ValueError, match="setup must be one of"):
-        plan.step_peak("none", layers, 10, 1, 8, "bf16")
+    with pytest.raises(ValueError, match="setup must be one of .* or 'none'"):
+        plan.step_peak("quick", layers, 10, 1, 8, "bf16")
     with pytest.raises(ValueError, match="path must be 'cuda' or 'cpu'"):
         plan.step_peak("fast", layers, 10, 1, 8, "bf16", path="tpu")
     with pytest.raises(ValueError, match="S must be a positive int"):

@@ -529,45 +529,50 @@ def test_qlora_under_bf16_autocast(checkpoints):
 
 def test_auto_budget_counts_one_layers_dequantized_weights(checkpoints):
     """policy="auto": the activation budget holds one layer's dequantized weights besides the
-    layers' saved bytes. A budget of every layer 'fast' plus that transient gives 'fast'
-    everywhere, one byte less does not; below 'min_memory' plus the transient the forward
-    raises, naming both."""
+    layers' saved bytes. The QLoRA model chooses, for a budget, what the same model with a
+    dense base chooses for that budget less the transient; below every layer 'min_memory'
+    plus the transient the forward raises, naming it; with offload too."""
     from ckpt_ext import plan
     ids, mask, labels = make_batch(pad=True)
     B, S = ids.shape
-    model = qlora_model(checkpoints("llama"), "nf4-dq")
+    path = checkpoints("llama")
+    model = qlora_model(path, "nf4-dq")
     layers = model.get_base_model().model.layers
     transient = 4 * sum(m.in_features * m.out_features for m in layers[0].modules()
                         if quantized.is_quantized_base(m))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+        dense = peft.prepare_model_for_kbit_training(dense)
+    torch.manual_seed(0)
+    dense = peft.get_peft_model(dense, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)).train()
     dims = [plan.LayerDims(64, 4, 2, 16, 172)] * 3
-    fast = sum(plan.layer_bytes("fast", d, B, S, torch.float32) for d in dims)
     least = sum(plan.layer_bytes("min_memory", d, B, S, torch.float32) for d in dims)
-    for budget, all_fast in ((fast + transient, True), (fast + transient - 1, False)):
-        m = copy.deepcopy(model)
+    fast = sum(plan.layer_bytes("fast", d, B, S, torch.float32) for d in dims)
+
+    def chosen(m, budget, **kw):
+        m = copy.deepcopy(m)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ckpt_ext.patch_llama(m, "auto", activation_budget=budget)
+            ckpt_ext.patch_llama(m, "auto", activation_budget=budget, **kw)
         loss_and_grads(m, ids, mask, labels)
-        (chosen,) = m.get_base_model().model.layers[0].forward.shared.auto.values()
-        assert (chosen == ["fast"] * 3) == all_fast, (budget, chosen)
-        assert fused_calls(m) == [{"fused": 1}] * 3
-    m = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ckpt_ext.patch_llama(m, "auto", activation_budget=least + transient - 1)
-    with pytest.raises(ValueError, match=f"one layer's dequantized weights .* the smallest "
-                       f"budget that fits is {least + transient}"):
-        loss_and_grads(m, ids, mask, labels)
-    # with offload: chosen by time within the budget less the transient, fused, same loss
-    m = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ckpt_ext.patch_llama(m, "auto", activation_budget=1 << 40, offload="cpu")
-    loss, _ = loss_and_grads(m, ids, mask, labels)
-    (key, _), = m.get_base_model().model.layers[0].forward.shared.auto.items()
+        (key, presets), = m.get_base_model().model.layers[0].forward.shared.auto.items()
+        return key, presets, m
+    for budget in (least, (least + fast) // 2, fast, 1 << 30):
+        key, got, m = chosen(model, budget + transient)
+        assert key[-1] == transient
+        assert got == chosen(dense, budget)[1], budget
+        assert sum(c.get("fused", 0) for c in fused_calls(m)) == \
+            sum(p not in ("none", "torch") for p in got)
+    with pytest.raises(ValueError, match="one layer's dequantized weights"):
+        chosen(model, least + transient - 1)
+    # with offload: chosen by time within the budget less the transient, same loss
+    key, got, m = chosen(model, 1 << 40, offload="cpu")
     assert key[-1] == transient and fused_calls(m) == [{"fused": 1}] * 3
-    torch.testing.assert_close(loss, loss_and_grads(model, ids, mask, labels)[0], rtol=1e-5,
-                               atol=0)
+    torch.testing.assert_close(loss_and_grads(m, ids, mask, labels)[0],
+                               loss_and_grads(model, ids, mask, labels)[0], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("quant", ["nf4-dq", "int8"])
