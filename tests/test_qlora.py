@@ -271,10 +271,11 @@ def test_qlora_matches_peft_bitsandbytes(checkpoints, family, quant, preset, dro
                            PHI3_STREAMS if phi3 else STREAMS))
 
 
-@pytest.mark.parametrize("quant", ["nf4-dq", "int8"])
-def test_qlora_packed_sequences(checkpoints, quant):
+@pytest.mark.parametrize("family,quant", [("llama", "nf4-dq"), ("llama", "int8"),
+                                          ("qwen3", "fp4"), ("mistral", "int8")])
+def test_qlora_packed_sequences(checkpoints, family, quant):
     """Packed documents (position ids restart, no mask): fused, within the rule."""
-    model = qlora_model(checkpoints("llama"), quant)
+    model = qlora_model(checkpoints(family), quant)
     ref, fused = dense_f64(model), copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
