@@ -96,6 +96,7 @@ from .presets import per_token_bytes
 __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
            "StepPeak", "model_state_bytes", "longest_sequence", "OffloadPeak",
+           "QUANTS", "quantized_bytes", "dequantized_bytes",
            "offload_device_bytes", "offload_split", "offload_step_peak",
            "longest_sequence_offload", "OffloadChoice", "choose_presets_offload",
            "choose_offload_layers", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
@@ -178,6 +179,40 @@ def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
 # The rank of the plan's LoRA (``--weights lora``: adapters on every projection), PEFT's usual
 # r 16: its state (model_state_bytes) and, in the CLI's step times, its GEMMs (step_flops).
 LORA_RANK = 16
+# QLoRA (``weights="qlora"``): bitsandbytes' quantizations of the base projections and the
+# blocksize its 4-bit loads use
+QUANTS = ("nf4", "fp4", "int8")
+BNB_BLOCKSIZE = 64
+
+
+def quantized_bytes(rows: int, cols: int, quant: str, double_quant: bool = True) -> int:
+    """Bytes of one (rows, cols) projection weight quantized by bitsandbytes: 4-bit (nf4, fp4),
+    two codes a byte and one scale per :data:`BNB_BLOCKSIZE` weights, an fp32 scale or, with
+    ``double_quant``, an 8-bit one with an fp32 scale per 256 of them; int8 (LLM.int8()'s
+    frozen weight), a byte a weight and an fp32 scale per row."""
+    if quant not in QUANTS:
+        raise ValueError(f"quantized_bytes: quant must be one of {', '.join(QUANTS)}, got "
+                         f"{quant!r}")
+    n = rows * cols
+    if quant == "int8":
+        return n + 4 * rows
+    blocks = -(-n // BNB_BLOCKSIZE)
+    scales = blocks + 4 * -(-blocks // 256) if double_quant else 4 * blocks
+    return -(-n // 2) + scales
+
+
+def dequantized_bytes(layers: Sequence[LayerDims], dtype) -> int:
+    """QLoRA: the largest layer's projections dequantized in ``dtype``, what a fused layer
+    holds through each of its passes (one layer at a time)."""
+    e = _dtype(dtype).itemsize
+    return e * max(sum(r * c for r, c in _projection_shapes(x)) for x in layers)
+
+
+def _projection_shapes(x: LayerDims) -> list:
+    """A dense layer's projection weights as (rows, cols): q, k, v, o, gate, up, down."""
+    H, Q, K, I = (x.hidden_size, x.num_heads * x.head_dim, x.num_kv_heads * x.head_dim,
+                  x.intermediate_size)
+    return [(Q, H), (K, H), (K, H), (H, Q), (I, H), (I, H), (H, I)]
 
 
 # ---- the step's peak ---------------------------------------------------------------------------
@@ -236,7 +271,7 @@ def router_logits_bytes(layers: Sequence[LayerDims], T: int, dtype) -> int:
 
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
               path: str = "cuda", train_weights: bool = True,
-              chunk_bytes: Optional[int] = None) -> StepPeak:
+              chunk_bytes: Optional[int] = None, quantized_base: bool = False) -> StepPeak:
     """A model of the activation memory of one training step of a Llama-style
     ``*ForCausalLM`` (a forward with labels, then backward), above what the step starts with
     (weights, the ids, and parameter gradients from an earlier step, added to in place).
@@ -288,6 +323,12 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     its log-softmax's backward) whatever the logits' dtype. These terms were recalibrated
     against the H100 measurement of LLaMA-3.1-8B LoRA (``tests/test_plan.py`` reads it).
 
+    ``quantized_base`` (QLoRA, ``train_weights`` False): the base projections are
+    bitsandbytes-quantized and dequantized for each layer pass (``ckpt_ext.hf.quantized``): a
+    fused layer holds its whole dequantized weights in ``dtype`` through its backward (e times
+    the layer's projection parameters, counted in the top layer's backward; one layer's at a
+    time), HF's re-run layer one projection's at a time (the largest).
+
     The sequence-sized terms are what the sequence-tiled layer removes; the model is kept
     in step with the code by the test that measures it.
     """
@@ -308,6 +349,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     H, Hq, D, I = d.hidden_size, d.num_heads, d.head_dim, d.intermediate_size
     Q, K = Hq * D, d.num_kv_heads * D
     preset = "torch" if setup.startswith("hf_gc") else setup
+    if quantized_base and (train_weights or any(x.moe for x in layers)):
+        raise ValueError("step_peak: quantized_base (QLoRA) is a frozen dense base: pass "
+                         "train_weights=False, and layers without experts")
     if preset in ("torch", "none") and any(x.moe for x in layers):
         raise NotImplementedError(
             f"step_peak: setup {setup!r} with mixture-of-experts layers: the plan models HF's "
@@ -416,6 +460,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         attn += grads
         layer_work = max(mlp, attn)
         phase = f"top layer backward ({'MLP' if mlp >= attn else 'attention'} part)"
+    if quantized_base:   # the dequantized weights of the layer running its backward
+        layer_work += e * (params if preset not in ("torch", "none") else
+                           max(r * c for r, c in _projection_shapes(d)))
     layer_peak = layers_saved + rope + layer_work
     if head_peak >= layer_peak:
         return StepPeak(saved, head_peak, "head backward")
@@ -424,7 +471,8 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
 
 def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
                       lora_rank: int | None = None, tied: bool = False, shard: int = 1,
-                      expert_lora_rank: int = 0) -> int:
+                      expert_lora_rank: int = 0, quant: str = "nf4",
+                      double_quant: bool = True) -> int:
     """Bytes the model and its optimizer hold outside the step, per GPU: ``weights="full"``, a
     full fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
@@ -438,7 +486,13 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
     (E H) and shared expert; ``"lora"`` puts the adapters on the attention and the shared
     expert, and with ``expert_lora_rank`` r > 0 on the routed experts too (PEFT's
     ``target_parameters``: r (H + 2 I_e) for gate_up_proj and r (I_e + H) for down_proj per
-    expert)."""
+    expert).
+
+    ``"qlora"``: the projections quantized by bitsandbytes (``quant``, ``double_quant``:
+    :func:`quantized_bytes`), the embeddings, norms and head in fp32 (as
+    ``peft.prepare_model_for_kbit_training`` leaves them), and the LoRA adapters as for
+    ``"lora"``; dense layers on one device (the fused layers refuse sharded quantized
+    weights, so ``shard`` must be 1)."""
     if isinstance(expert_lora_rank, bool) or not isinstance(expert_lora_rank, int) \
             or expert_lora_rank < 0:
         raise ValueError("model_state_bytes: expert_lora_rank must be a non-negative int, got "
@@ -466,8 +520,20 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
         state = 16 * base
     elif weights == "lora":
         state = e * base + 16 * adapters
+    elif weights == "qlora":
+        if any(x.moe for x in layers) or expert_lora_rank:
+            raise ValueError("model_state_bytes: weights='qlora' plans dense layers (bitsandbytes "
+                             "does not quantize HF's fused expert weights)")
+        if shard != 1:
+            raise ValueError("model_state_bytes: weights='qlora' is unsharded (shard=1): the "
+                             "fused layers refuse ZeRO-3 / FSDP2-sharded quantized weights")
+        quantized = sum(quantized_bytes(r, c, quant, double_quant)
+                        for x in layers for r, c in _projection_shapes(x))
+        dense = V * H0 * (1 if tied else 2) + H0 + sum(2 * x.hidden_size for x in layers)
+        return quantized + 4 * dense + 16 * adapters
     else:
-        raise ValueError(f"model_state_bytes: weights must be 'full' or 'lora', got {weights!r}")
+        raise ValueError("model_state_bytes: weights must be 'full', 'lora' or 'qlora', got "
+                         f"{weights!r}")
     if shard == 1:
         return state
     return -(-state // shard) + 2 * e * unit
@@ -522,14 +588,18 @@ def _longest_fitting(fits, limit: int) -> int:
 def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                      device_memory: int, weights: str, *, path: str = "cuda",
                      limit: int = 1 << 26, headroom: int = 0, shard: int = 1,
-                     expert_lora_rank: int = 0) -> int:
+                     expert_lora_rank: int = 0, quant: str = "nf4",
+                     double_quant: bool = True) -> int:
     """The longest S (at most ``limit``) whose step fits ``device_memory`` less ``headroom``
     (:func:`headroom_bytes`) with the model state of ``weights`` (:func:`model_state_bytes`,
-    sharded ``shard`` ways, ``expert_lora_rank``), by :func:`step_peak`; 0 if none does."""
-    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
-                                                        expert_lora_rank=expert_lora_rank)
+    sharded ``shard`` ways, ``expert_lora_rank``; ``quant``, ``double_quant`` for
+    ``"qlora"``), by :func:`step_peak`; 0 if none does."""
+    room = device_memory - headroom - model_state_bytes(
+        layers, V, dtype, weights, shard=shard, expert_lora_rank=expert_lora_rank, quant=quant,
+        double_quant=double_quant)
     fits = lambda s: step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
-                               train_weights=weights == "full").peak <= room
+                               train_weights=weights == "full",
+                               quantized_base=weights == "qlora").peak <= room
     return _longest_fitting(fits, limit)
 
 
@@ -585,7 +655,8 @@ def offload_split(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S
 
 def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
                       *, path: str = "cuda", train_weights: bool = True,
-                      host_limit: Optional[int] = None, prefetch: int = 1) -> OffloadPeak:
+                      host_limit: Optional[int] = None, prefetch: int = 1,
+                      quantized_base: bool = False) -> OffloadPeak:
     """:func:`step_peak` of a fused preset with its layers' saved bytes in host memory: the
     peak less the bytes of the offloaded layers plus the device prefetch pool (counted at
     every phase, which overstates the head's phase, when the pool is still empty)."""
@@ -594,7 +665,8 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
                          f"(offload moves what a fused layer saves); got {setup!r}")
     layers = list(layers)
     presets = [setup] * len(layers)
-    base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights)
+    base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights,
+                     quantized_base=quantized_base)
     moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit)
     pool = _pool(moved, prefetch)
     return OffloadPeak(base.peak - host + pool, host, len(moved), kept, pool)
@@ -603,16 +675,20 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
 def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                              device_memory: int, host_memory: Optional[int], weights: str, *,
                              path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
-                             shard: int = 1, expert_lora_rank: int = 0) -> int:
+                             shard: int = 1, expert_lora_rank: int = 0, quant: str = "nf4",
+                             double_quant: bool = True) -> int:
     """The longest S (at most ``limit``) whose offloaded step (:func:`offload_step_peak` with
     ``host_memory`` as the host cap, None for none) fits ``device_memory`` less ``headroom``
-    with the model state (``expert_lora_rank``: :func:`model_state_bytes`); 0 if none."""
-    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
-                                                        expert_lora_rank=expert_lora_rank)
+    with the model state (``expert_lora_rank``, ``quant``, ``double_quant``:
+    :func:`model_state_bytes`); 0 if none."""
+    room = device_memory - headroom - model_state_bytes(
+        layers, V, dtype, weights, shard=shard, expert_lora_rank=expert_lora_rank, quant=quant,
+        double_quant=double_quant)
 
     def fits(s):
         p = offload_step_peak(setup, layers, V, B, s, dtype, path=path,
-                              train_weights=weights == "full", host_limit=host_memory)
+                              train_weights=weights == "full", host_limit=host_memory,
+                              quantized_base=weights == "qlora")
         return p.peak <= room
 
     return _longest_fitting(fits, limit)
@@ -888,6 +964,7 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
                            room: int, host_memory: Optional[int], *, path: str = "cuda",
                            train_weights: bool = True, lora_rank: int = 0,
                            expert_lora_rank: int = 0, prefetch: int = 1,
+                           quantized_base: bool = False,
                            host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
                            attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                            attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
@@ -895,7 +972,7 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
     """``auto`` with offload, chosen by time, for the whole step: :func:`choose_offload_layers`
     with the LM head's time added and each preset's working set counted in the device peak,
     which must fit ``room`` bytes (the device less the model state and headroom) with at most
-    ``host_memory`` bytes in host memory.
+    ``host_memory`` bytes in host memory; ``quantized_base``: QLoRA (:func:`step_peak`).
 
     The device peak of a mix is the largest of its presets' working sets (:func:`step_peak`
     less the layers' saved bytes) plus what the device holds of the layers: the prefetch pool
@@ -905,7 +982,8 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
     _check_shape_args(B, S)
     work = {}
     for p in _CHOICES:
-        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights).peak
+        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights,
+                         quantized_base=quantized_base).peak
         work[p] = full - sum(layer_bytes(p, x, B, S, dtype) for x in layers)
     head = 2 * B * S * layers[0].hidden_size * V * ((3 if train_weights else 2) + 1)
     head_s = head / (_check_rate("matmul_tflops", matmul_tflops) * 1e12)
@@ -1001,7 +1079,7 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
                 room: Optional[int] = None, budget: Optional[Budget] = None,
                 path: str = "cuda", train_weights: bool = True, lora_rank: int = 0,
                 expert_lora_rank: int = 0, chunk_bytes: Optional[int] = None,
-                overheads: Optional[Overheads] = None,
+                overheads: Optional[Overheads] = None, quantized_base: bool = False,
                 attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                 attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
                 matmul_tflops: float = MATMUL_TFLOPS) -> AutoChoice:
@@ -1017,7 +1095,8 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
     Solved per working-set bound as a multiple-choice knapsack over (bytes, seconds), keeping
     the Pareto front (exact: a larger room never gives a slower choice). Raises ValueError
     naming the smallest budget or room that fits when none does (every layer
-    ``min_memory``)."""
+    ``min_memory``). ``quantized_base``: QLoRA's dequantized weights in the working sets
+    (:func:`step_peak`)."""
     if (room is None) == (budget is None):
         raise ValueError("choose_auto: give exactly one of room (bytes for the step's peak) "
                          "and budget (bytes for the layers' saved activations)")
@@ -1044,7 +1123,7 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
         for p in options:
             setup = "hf_gc+fused" if p == "torch" else p
             peak = step_peak(setup, layers, V, B, S, dt, path=path, train_weights=train_weights,
-                             chunk_bytes=chunk_bytes).peak
+                             chunk_bytes=chunk_bytes, quantized_base=quantized_base).peak
             work[p] = peak - sum(_saved_bytes(p, x, B, S, dt, train_weights) for x in layers)
     best = None
     for bound in sorted(set(work.values())):      # the mix's largest working set

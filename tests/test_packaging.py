@@ -103,7 +103,7 @@ def test_test_extra_bounds_the_libraries_the_suite_checks():
         project = tomllib.load(f)["project"]
     extra = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower(): r
              for r in project["optional-dependencies"]["test"]}
-    for name in ("transformers", "peft", "accelerate", "deepspeed", "trl"):
+    for name in ("transformers", "peft", "accelerate", "deepspeed", "trl", "bitsandbytes"):
         assert name in extra and "<" in extra[name], f"the test extra: {name} unbounded ({extra})"
     assert not any("<" in r for r in project["dependencies"]), project["dependencies"]
 

@@ -105,6 +105,7 @@ from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
 from .lm_head import (FinalNorm, FusedHeadForward, check_router_aux_loss, final_norm_problem,
                       head_problem)
 from .masks import BatchMasks, describe, padding_mask_from_4d
+from . import quantized
 from . import sequence_parallel as _sp
 from .sequence_split import deepspeed_ulysses_group, refuse_split_attention
 
@@ -492,8 +493,20 @@ class _Shared:
         train_weights = any(p.requires_grad for layer in self.layers
                             for n, p in layer.named_parameters()
                             if p.dim() >= 2 and "lora_" not in n)
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else dtype
         return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights,
-                            *self.lora_ranks(), device=str(weight.device))
+                            *self.lora_ranks(), device=str(weight.device),
+                            dequantized=self.dequantized_bytes(compute.itemsize))
+
+    @torch.compiler.assume_constant_result
+    def dequantized_bytes(self, itemsize: int) -> int:
+        """QLoRA: the bytes of the largest layer's dequantized projections at ``itemsize``
+        (what a fused layer holds through each of its passes, one layer at a time:
+        ckpt_ext.hf.quantized), 0 without bitsandbytes layers."""
+        return itemsize * max(sum(m.in_features * m.out_features for m in layer.modules()
+                                  if quantized.is_quantized_base(m))
+                              for layer in self.layers)
 
     @torch.compiler.assume_constant_result
     def lora_ranks(self) -> Tuple[int, int]:
@@ -537,14 +550,16 @@ class _Shared:
 
     def _offload_choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
                         lora_rank: int = 0, expert_lora_rank: int = 0,
-                        room: Optional[int] = None) -> List[str]:
+                        room: Optional[int] = None, dequantized: int = 0) -> List[str]:
         """policy="auto" with offload: the plan's choice by time (ckpt_ext.plan.
         choose_offload_layers) within the activation budget, which bounds what the device
         holds of the layers (the offloader's prefetch pool and the layers past its limit),
         and the offloader's host limit, at the plan's throughputs and the host link rate.
         Without a budget (``room``: the device's bytes for the step, ``device_room``) each
         preset's working set (ckpt_ext.plan.step_peak less its layers' saved bytes) counts
-        in the device's bytes too."""
+        in the device's bytes too. ``dequantized``: QLoRA's transient (``dequantized_bytes``),
+        held besides: taken off the budget, or in the working sets (step_peak's
+        quantized_base)."""
         from ..plan import choose_offload_layers, format_bytes, layer_bytes, step_peak
         from ..throughputs import default_throughputs
         dims = self.layer_dims()
@@ -552,12 +567,12 @@ class _Shared:
         working = None
         if room is not None:
             vocab = int(self.owner.config.vocab_size)
-            working = {p: step_peak(p, dims, vocab, b, s, dtype,
-                                    train_weights=train_weights).peak
+            working = {p: step_peak(p, dims, vocab, b, s, dtype, train_weights=train_weights,
+                                    quantized_base=bool(dequantized)).peak
                        - sum(layer_bytes(p, x, b, s, dtype) for x in dims)
                        for p in ("fast", "balanced", "min_memory")}
         choice = choose_offload_layers(
-            dims, b, s, dtype, self.budget if room is None else room, off.limit,
+            dims, b, s, dtype, self.budget - dequantized if room is None else room, off.limit,
             working=working, train_weights=train_weights,
             lora_rank=lora_rank, expert_lora_rank=expert_lora_rank, prefetch=off.prefetch,
             host_link_gbytes_per_s=self.host_link,
@@ -576,37 +591,51 @@ class _Shared:
                                  "; shorten the sequence or the batch")
             raise ValueError(f"activation_budget {format_bytes(self.budget)} is below the "
                              f"offload prefetch pool at min_memory ({format_bytes(pool)}) plus "
-                             f"the layers past offload_limit ({format_bytes(kept)}) at B={b}, "
-                             f"S={s}; the smallest budget that fits is {pool + kept}")
+                             f"the layers past offload_limit ({format_bytes(kept)})"
+                             + _dequantized_words(dequantized) + f" at B={b}, S={s}; the "
+                             f"smallest budget that fits is {pool + kept + dequantized}")
         return list(choice.presets)
 
     @torch.compiler.assume_constant_result
     def _choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
                 lora_rank: int = 0, expert_lora_rank: int = 0,
-                device: str = "cpu") -> List[str]:
+                device: str = "cpu", dequantized: int = 0) -> List[str]:
         """The presets for one shape, cached; a constant to torch.compile, which guards on
         the shapes it is called with (the choice depends on nothing else). Without offload
         the plan's choice by time over every way a layer can run (ckpt_ext.plan.choose_auto:
         HF's layer, its torch.utils.checkpoint run, the fused presets) within
         activation_budget (the layers' saved bytes), or without one on CUDA within the
-        device's room for the step (``device_room``)."""
-        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank)
+        device's room for the step (``device_room``). ``dequantized``: QLoRA's transient
+        (``dequantized_bytes``), held besides the layers' saved bytes: taken off the budget,
+        or in the working sets against the device's room."""
+        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank) + \
+            ((dequantized,) if dequantized else ())
         if key in self.auto:
             return self.auto[key]
         room = self.device_room(device, train_weights) if self.budget is None else None
         if self.offloader is not None:
             self.auto[key] = self._offload_choice(b, s, dtype, train_weights, lora_rank,
-                                                  expert_lora_rank, room=room)
+                                                  expert_lora_rank, room=room,
+                                                  dequantized=dequantized)
         else:
-            from ..plan import choose_auto
+            from ..plan import choose_auto, format_bytes
             from ..throughputs import default_throughputs
             rates = default_throughputs()
-            choice = choose_auto(self.layer_dims(), int(self.owner.config.vocab_size), b, s,
-                                 dtype, room=room, budget=self.budget,
-                                 path="cuda" if device.startswith("cuda") else "cpu",
-                                 train_weights=train_weights, lora_rank=lora_rank,
-                                 expert_lora_rank=expert_lora_rank,
-                                 overheads=rates.overheads, **rates.step_time_kwargs(s))
+            budget = self.budget - dequantized if self.budget is not None else None
+            try:
+                choice = choose_auto(self.layer_dims(), int(self.owner.config.vocab_size), b,
+                                     s, dtype, room=room, budget=budget,
+                                     path="cuda" if device.startswith("cuda") else "cpu",
+                                     train_weights=train_weights, lora_rank=lora_rank,
+                                     expert_lora_rank=expert_lora_rank,
+                                     quantized_base=bool(dequantized),
+                                     overheads=rates.overheads, **rates.step_time_kwargs(s))
+            except ValueError as e:
+                if not dequantized or budget is None:
+                    raise
+                raise ValueError(f"{e} (QLoRA: activation_budget {self.budget} bytes less "
+                                 f"one layer's dequantized weights, {dequantized} bytes "
+                                 f"({format_bytes(dequantized)}), which it holds too)") from None
             self.auto[key] = list(choice.presets)
         return self.auto[key]
 
@@ -667,6 +696,9 @@ class _PatchedForward:
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls: collections.Counter = collections.Counter()
         self.__signature__ = inspect.signature(self.original)  # what HF's forward declares
+        # QLoRA: a layer with bitsandbytes projections runs in eager mode under torch.compile
+        # (_eager_call), where its dequantized weights' placeholders and hooks work
+        self.quantized = any(quantized.is_quantized_base(m) for m in layer.modules())
 
     @property
     def original(self) -> Callable:
@@ -681,6 +713,8 @@ class _PatchedForward:
             self.calls[key] += 1
 
     def __call__(self, hidden_states: Tensor, *args, **kwargs):
+        if getattr(self, "quantized", False) and torch.compiler.is_compiling():
+            return _eager_call(self, hidden_states, *args, **kwargs)
         # This forward's masks and presets, from the model's pre-hook (None when the layer is
         # called outside its model's forward).
         state = kwargs.pop(_FORWARD_KEY, None)
@@ -865,9 +899,13 @@ class _PatchedForward:
             router_logits=router_logits, router_stats=router_stats)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)
-        out = offloaded(self.shared.offloader, decoder_layer, x,
-                        [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
-                        options)
+        # QLoRA: quantized bases' weights dequantized for this forward and for the op's
+        # backward only (ckpt_ext.hf.quantized)
+        with quantized.Transient(weights, quantized.compute_dtype(x)) as transient:
+            out = offloaded(self.shared.offloader, decoder_layer, x,
+                            [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids,
+                             seed], options)
+        transient.attach(out)
         if router_stats:
             y, stats = out
             if sp:  # the whole sequence's statistics on every rank (moe.RouterStats)
@@ -876,6 +914,23 @@ class _PatchedForward:
             stats_sink.append(stats)
             return y
         return moe.record_router_logits(out) if router_logits else out
+
+
+@torch.compiler.disable
+def _eager_call(forward: "_PatchedForward", hidden_states: Tensor, *args, **kwargs):
+    """A patched layer with bitsandbytes projections called under torch.compile: the call
+    runs in eager mode, a graph break, fused there (its weights dequantized for each pass
+    outside the graph, ckpt_ext.hf.quantized)."""
+    return forward(hidden_states, *args, **kwargs)
+
+
+def _dequantized_words(n: int) -> str:
+    """The part of a budget error that names QLoRA's transient (nothing without one)."""
+    if not n:
+        return ""
+    from ..plan import format_bytes
+    return (f" plus one layer's dequantized weights ({format_bytes(n)}, bitsandbytes layers "
+            "dequantized for each pass)")
 
 
 def _patched(layers) -> List[_PatchedForward]:
