@@ -126,6 +126,19 @@ def peak_mib(step: Callable[[Optional[Clock]], object]) -> float:
 
 
 # ---- provenance and output -----------------------------------------------------------------
+def hf_checkpointing(model, use_reentrant: bool | None = False):
+    """Turn on HF's gradient checkpointing of ``model``'s decoder layers, as a user would:
+    ``activation_checkpointing_enable`` where transformers has it (its name since 5.24, where
+    ``gradient_checkpointing_enable`` warns that it is deprecated), else the old name.
+    ``use_reentrant=None`` keeps transformers' own default."""
+    kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 def device_tag(cpu: str = "cpu", device=None) -> str:
     """The GPU's name as a file-name tag (``cpu`` without one)."""
     if not _is_cuda(device):

@@ -7,7 +7,7 @@ Rows, all measured in one run on the same weights and inputs:
 * none / torch / fast / balanced / min_memory: ``ckpt_ext.modules.DecoderLayer`` per preset;
 * hf / hf_gc (when transformers imports; ``--no-hf`` drops them): transformers'
   ``LlamaDecoderLayer`` (SDPA attention) carrying the same weights, without and with HF's own
-  gradient checkpointing (``gradient_checkpointing_enable()`` with its defaults);
+  gradient checkpointing (``activation_checkpointing_enable()`` with its defaults);
 * ``--amp bfloat16`` adds ``<preset>@amp`` rows: an fp32-master copy of the layer under
   ``torch.autocast`` (input, grad_out and cos/sin in fp32, as in mixed-precision training);
 * ``--compile`` adds ``<preset>@compiled`` rows: the layer under ``torch.compile`` (inductor

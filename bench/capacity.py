@@ -65,7 +65,8 @@ import torch
 import ckpt_ext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Clock, device_tag, print_table, provenance, write_csv  # noqa: E402
+from _harness import (Clock, device_tag, hf_checkpointing, print_table, provenance,  # noqa: E402
+                      write_csv)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -102,14 +103,8 @@ def build_model(args, setup: str):
                                                  dtype=DTYPES[args.dtype])
     model.train()
     if setup.startswith("hf_gc"):
-        # transformers >= 5.2x renamed the switch (the old name warns); 5.17 has only the old.
-        # get_peft_model sees it on and calls enable_input_require_grads itself.
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+        # get_peft_model sees it on and calls enable_input_require_grads itself
+        hf_checkpointing(model)
     model = peft.get_peft_model(model, peft.LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
     if setup == "hf_gc+fused_loss":

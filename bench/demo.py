@@ -1,6 +1,6 @@
 """The demo: the peak memory of a training step against sequence length, where ckpt_ext matters.
 
-    python bench/demo.py [--out demo_results]        # about 3-4 minutes on two idle CPU cores
+    python bench/demo.py [--out demo_results]   # 7 minutes on a busy 2-core machine (bench/results)
 
 Activation memory grows with the number of tokens; at a few hundred tokens a small model's
 step is dominated by its weights, gradients and fixed-size buffers, and every setup looks
@@ -9,10 +9,10 @@ engine exists for, in two panels of one picture:
 
 1. **Measured, on this machine.** A small LLaMA-style model (transformers
    ``LlamaForCausalLM`` from a config: 4 layers, H 256, 4/2 heads, I 1024, vocab 2048, fp32 on
-   a CPU) trains one step at each of three sequence lengths (128, 1024, 4096 tokens, batch 1)
-   under three setups on the same weights and tokens:
+   a CPU) trains at each of three sequence lengths (128, 1024, 4096 tokens, batch 1) under
+   three setups on the same weights and tokens:
 
-   * ``HF checkpointing + fused loss``: ``model.gradient_checkpointing_enable()`` with
+   * ``HF checkpointing + fused loss``: ``model.activation_checkpointing_enable()`` with
      ``patch_llama(model, "torch")`` (HF's layer re-run in backward, ckpt_ext's fused LM
      head and loss) -- what a user has today, plus the fused loss;
    * ``balanced`` and ``min_memory``: ``patch_llama(model, preset)``.
@@ -23,8 +23,10 @@ engine exists for, in two panels of one picture:
    a GPU). The lines through them are the plan's model of the same step
    (``ckpt_ext.plan.step_peak``): filled markers are measured (labelled with the peak),
    lines are the plan. The panel plots the peak per token (the peak divided by S), where
-   the setups' differences show at every length: at short sequences HF checkpointing peaks
-   lowest, past about a thousand tokens here ``min_memory`` does.
+   the setups' differences show at every length: up to about a thousand tokens HF
+   checkpointing peaks lowest here (the fused layer's backward returns all its weight
+   gradients together), at 4,096 tokens ``min_memory`` does; the plan's lines cross where the
+   measured points do.
 2. **Extrapolated by the plan, not measured here:** LLaMA-3.1-8B with LoRA (bf16, B 1, the
    GPU path) on an 80 GB H100: the device memory a step needs (model state + step peak)
    against S, for HF checkpointing with HF's loss and with the fused loss, ``balanced``,
@@ -36,7 +38,8 @@ engine exists for, in two panels of one picture:
    itself and shows nothing, which is why offload appears only in this panel.
 
 It also prints each setup's loss against HF checkpointing's (the same model and tokens: they
-agree to float32 rounding) and the step times of an untimed-by-the-profiler step. The times
+agree to float32 rounding) and each point's step time: the median of ``--reps`` steps after a
+warm-up step, none of them under the profiler. The times
 are of the CPU kernels (ckpt_ext's ATen path on a CPU, not the Triton kernels) at the load
 average printed beside them: they say nothing about GPU speed.
 
@@ -50,6 +53,7 @@ import argparse
 import contextlib
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,7 +69,8 @@ import ckpt_ext  # noqa: E402
 from ckpt_ext import plan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import device_name, device_tag, provenance, write_csv  # noqa: E402
+from _harness import (device_name, device_tag, hf_checkpointing, provenance,  # noqa: E402
+                      write_csv)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 H100_DIR = os.path.join(RESULTS, "gpu_h100_2026-11-24")
@@ -133,11 +138,7 @@ def build(a, device):
 def set_setup(model, setup):
     ckpt_ext.unpatch_llama(model)
     if setup == "hf_gc+fused":
-        if hasattr(model, "activation_checkpointing_enable"):   # its name from transformers 5.24
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing(model)
         ckpt_ext.patch_llama(model, "torch")
     else:
         (getattr(model, "activation_checkpointing_disable", None) or
@@ -145,29 +146,33 @@ def set_setup(model, setup):
         ckpt_ext.patch_llama(model, setup)
 
 
-def measure(model, ids, device):
-    """(loss, step seconds, peak bytes): one timed step (it leaves the gradients a training
-    run has; on CUDA after an untimed one, which takes the Triton compiles of the shape), then
-    one step under peak_memory_bytes (not timed: the profiler slows it)."""
+def measure(model, ids, device, reps):
+    """(loss, step seconds, peak bytes): an untimed warm-up step (it takes the Triton compiles
+    of the shape on CUDA and leaves the gradients a training run has), the median wall time of
+    ``reps`` timed steps, then one step under peak_memory_bytes (not timed: the profiler slows
+    it)."""
     def step():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach()
 
-    if device.type == "cuda":
-        step()
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     for p in model.parameters():
         p.grad = None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
     loss = step().item()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
     with _quiet_fds():
         peak = ckpt_ext.peak_memory_bytes(step)
-    return loss, seconds, peak
+    return loss, statistics.median(times), peak
 
 
 def load_average() -> str:
@@ -320,6 +325,9 @@ def parse_args(argv=None):
                    help="folder for the CSV and the picture (default demo_results/, ignored "
                         "by git)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed steps per point after the warm-up step; the median is printed "
+                        "(default 3)")
     p.add_argument("--seqs", help="measured sequence lengths, comma-separated (default "
                                   f"{SIZES['cpu']['seqs']} on a CPU, {SIZES['cuda']['seqs']} "
                                   "on a GPU)")
@@ -341,6 +349,8 @@ def parse_args(argv=None):
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
         if getattr(a, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be a positive int")
+    if a.reps < 1:
+        p.error(f"argument --reps: must be a positive int, got {a.reps}")
     if min(a.seqs) < 2:
         p.error("argument --seqs: each length must be at least 2")
     try:   # before minutes of measuring: the results folder must be writable
@@ -365,8 +375,8 @@ def main(argv=None) -> None:
              f"{a.intermediate}, vocab {a.vocab}, {a.dtype}, {n / 1e6:.1f}M params, batch 1")
     print(f"device: {device_name(device)}; torch {torch.__version__}; load average {load0}")
     print(f"model: transformers LlamaForCausalLM, {shape}")
-    print(f"measuring {len(SETUPS)} setups x S {', '.join(map(str, a.seqs))}: a timed step, then "
-          "a step under the memory profiler, per point")
+    print(f"measuring {len(SETUPS)} setups x S {', '.join(map(str, a.seqs))}: a warm-up step, "
+          f"{a.reps} timed steps and a step under the memory profiler, per point")
     g = torch.Generator().manual_seed(1)
     ids_all = torch.randint(0, a.vocab, (1, max(a.seqs)), generator=g).to(device)
     try:
@@ -381,7 +391,7 @@ def main(argv=None) -> None:
             if bar is not None:
                 bar.set_postfix_str(f"S {S} {setup}")
             set_setup(model, setup)
-            loss, seconds, peak = measure(model, ids, device)
+            loss, seconds, peak = measure(model, ids, device, a.reps)
             plan_peak = plan.step_peak(
                 setup, [plan.LayerDims(a.hidden, a.heads, a.kv_heads, a.hidden // a.heads,
                                        a.intermediate)] * a.layers, a.vocab, 1, S,
@@ -411,10 +421,9 @@ def main(argv=None) -> None:
     wall = time.time() - started
     kernels = ("the Triton kernels" if device.type == "cuda" else
                "ckpt_ext's CPU (ATen) kernels, not the GPU ones")
-    caveat = ("each after an untimed warm-up step" if device.type == "cuda"
-              else "CPU times say nothing about GPU speed")
-    print(f"step s: one step each, run by {kernels}; load average {load0} before, {load1} "
-          f"after (1/5/15 min) -- {caveat}")
+    caveat = "" if device.type == "cuda" else " -- CPU times say nothing about GPU speed"
+    print(f"step s: the median of {a.reps} steps after a warm-up step, run by {kernels}; load "
+          f"average {load0} before, {load1} after (1/5/15 min){caveat}")
     print(f"demo wall time {wall:.0f} s")
 
     os.makedirs(a.out, exist_ok=True)
@@ -428,7 +437,8 @@ def main(argv=None) -> None:
         "balanced / min_memory = patch_llama(model, preset)",
         "peak_bytes: ckpt_ext.peak_memory_bytes of one forward+backward step, gradients of the "
         "step before present; plan_peak_bytes: ckpt_ext.plan.step_peak of the same step; "
-        f"step_s: one step's wall time ({kernels})"]
+        f"step_s: the median wall time of {a.reps} steps after an untimed warm-up step "
+        f"({kernels})"]
     write_csv(stem + ".csv", header, ["setup", "seq", "peak_bytes", "plan_peak_bytes",
                                       "plan_over_measured", "loss", "loss_minus_hf_gc",
                                       "step_s", "load_average"], rows)

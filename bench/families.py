@@ -11,6 +11,8 @@ windows and multipliers below. The peak is ckpt_ext.peak_memory_bytes of a train
 after a first one. CPU, a minute: python bench/families.py (prints the table in docs/results.md)."""
 import argparse
 import copy
+import os
+import sys
 import warnings
 
 import torch
@@ -18,6 +20,9 @@ import torch
 import ckpt_ext
 from ckpt_ext.hf.families import FAMILIES, MROPE
 from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import hf_checkpointing  # noqa: E402
 
 warnings.simplefilter("ignore")
 
@@ -72,7 +77,7 @@ def main():
         # what a user would otherwise run: HF's checkpointing, the layers unpatched, and the
         # loss without logits (policy "none" leaves every layer HF's, the head fused)
         gc = copy.deepcopy(base)
-        gc.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing(gc)
         cells.append(measured(ckpt_ext.patch_llama(gc, "none"), ids, mask))
         for preset in ("balanced", "min_memory"):
             model = ckpt_ext.patch_llama(copy.deepcopy(base), preset)

@@ -5,7 +5,7 @@ Default (CPU, fp32): a Qwen3-MoE-shaped tiny model (64 experts, top-k 8, H 256, 
 weights and batch:
 
 * ``hf_gc``: transformers' model with HF gradient checkpointing
-  (``gradient_checkpointing_enable()``, its defaults) and its default experts implementation,
+  (``activation_checkpointing_enable()``, its defaults) and its default experts implementation,
   the loss through ckpt_ext's fused LM head (``patch_llama(model, "none")``);
 * ``fast`` / ``balanced`` / ``min_memory``: ``patch_llama(model, preset)`` (fused layers and
   fused head).
@@ -50,7 +50,8 @@ import ckpt_ext
 from ckpt_ext import blocks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import device_name, device_tag, median, provenance, write_csv  # noqa: E402
+from _harness import (device_name, device_tag, hf_checkpointing, median, provenance,  # noqa: E402
+                      write_csv)
 
 PRESETS = ("fast", "balanced", "min_memory")
 
@@ -99,7 +100,7 @@ def model_rows(args) -> list:
     for name in ("hf_gc", *PRESETS):
         model = copy.deepcopy(base)
         if name == "hf_gc":
-            model.gradient_checkpointing_enable()
+            hf_checkpointing(model, use_reentrant=None)
             ckpt_ext.patch_llama(model, "none")  # HF's layers, the fused loss
         else:
             ckpt_ext.patch_llama(model, name)

@@ -24,12 +24,17 @@ measured one, saved MiB.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
 import ckpt_ext
 from ckpt_ext import plan
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import hf_checkpointing  # noqa: E402
 
 PRESETS = ("torch", "fast", "balanced", "min_memory")
 # (preset, fused head) -> the setup name of ckpt_ext.plan.step_peak
@@ -66,7 +71,7 @@ def build(args, setup: str):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
                                                  dtype=DTYPES[args.dtype]).train()
     if preset in (None, "torch"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing(model)
     if lora:
         import peft
         model = peft.get_peft_model(model, peft.LoraConfig(

@@ -3,10 +3,13 @@ with: fp32, autocast (fp32 master weights), HF gradient checkpointing, torch.com
 (with and without lora_dropout), packed sequences; unpatched vs patched presets. The peak is
 ckpt_ext.peak_memory_bytes of a training step after a first one (its gradients present).
 CPU, a minute: python bench/training_setups.py (prints the table in docs/hf.md; bench/results/training_setups_cpu.txt)."""
-import copy, torch, warnings
+import copy, os, sys, torch, warnings
 warnings.simplefilter("ignore")
 import ckpt_ext
 from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import hf_checkpointing  # noqa: E402
 cfg = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_cache=False)
 torch.manual_seed(0)
@@ -31,7 +34,7 @@ for p in ("balanced", "min_memory"):
 rows.append(("autocast bf16 (fp32 master), unpatched", nbytes(base, True)))
 for p in ("balanced", "min_memory"):
     rows.append((f"autocast bf16 (fp32 master), {p}", nbytes(ckpt_ext.patch_llama(copy.deepcopy(base), p), True)))
-gc = copy.deepcopy(base); gc.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+gc = hf_checkpointing(copy.deepcopy(base))
 rows.append(("HF gradient checkpointing, unpatched", nbytes(gc)))
 rows.append(("HF gradient checkpointing, patched (default policy)", nbytes(ckpt_ext.patch_llama(copy.deepcopy(gc)))))
 for p in ("balanced", "min_memory"):

@@ -68,8 +68,8 @@ class KernelConfig:
     # each backward, see :func:`determinism`: off, the fastest backward the choice table
     # names; on, the fastest deterministic one), "separate" (a kernel of its own,
     # deterministic), "atomic" (added by the dK/dV kernel with fp32 atomics; last bits vary
-    # between runs) or "ordered" (added by the dK/dV kernel in key-block order,
-    # deterministic; no window or segment ids, which take "separate").
+    # between runs) or "ordered" (added by the dK/dV kernel in a fixed key-block order, the
+    # highest key block first; deterministic; segment ids take "separate").
     attention_dq: str = "auto"
     # The fused SwiGLU GEMMs' grid: "persistent" (one program per SM looping over the tiles)
     # or "tiles" (one program per output tile).

@@ -96,10 +96,13 @@ from .presets import per_token_bytes
 __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "recompute_flops", "layer_bytes", "head_saved_bytes", "choose_presets", "step_peak",
            "StepPeak", "model_state_bytes", "longest_sequence", "OffloadPeak",
+           "QUANTS", "quantized_bytes", "dequantized_bytes",
            "offload_device_bytes", "offload_split", "offload_step_peak",
            "longest_sequence_offload", "OffloadChoice", "choose_presets_offload",
            "choose_offload_layers", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
-           "sp_longest_sequence", "sp_step_time", "sp_round_kv_heads", "sp_kv_repeats"]
+           "sp_longest_sequence", "sp_step_time", "sp_round_kv_heads", "sp_kv_repeats",
+           "AUTO_CHOICES", "AutoChoice", "choose_auto", "layer_seconds", "layer_chunks",
+           "plain_layer_bytes", "parameter_state_bytes"]
 
 Budget = Union[int, str]
 
@@ -131,6 +134,41 @@ def layer_bytes(preset: str, dims: LayerDims, B: int, S: int, dtype) -> int:
     return B * S * per_token_bytes(preset, dtype=_dtype(dtype), **dims.kwargs())
 
 
+def plain_layer_bytes(d: LayerDims, B: int, S: int, dtype, train_weights: bool = True) -> int:
+    """Bytes HF's decoder layer (dense) keeps for backward without checkpointing, as counted
+    from the allocator at the top of HF's re-run layer in the ``torch`` preset's backward
+    (:func:`step_peak`): 6 (T, H), 2 (T, Q), 2 (T, K) and 6 (T, I) tensors and the float32
+    lse; in a low-precision model its RMSNorms' fp32 input copies ((8 - e) H a token) and,
+    under LoRA (``train_weights`` False), PEFT's fp32 adapters' copies of each adapted
+    projection's input (4 (5 H + Q + I) in place of e (2 H + I)). The re-run's count includes
+    a few of the backward's transients, so this errs high for the plain layer."""
+    e = _dtype(dtype).itemsize
+    T = B * S
+    H, Q, K, I = (d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim,
+                  d.intermediate_size)
+    total = e * T * (6 * H + 2 * Q + 2 * K + 6 * I) + 4 * d.num_heads * T
+    if e < 4:
+        # HF's RMSNorm upcasts its input and keeps the fp32 copy for backward: the input
+        # norm's 4H beside the layer input, the post-attention norm's 4H in place of h (e*H);
+        # the fp32 count above cannot see either
+        total += T * (8 - e) * H
+        if not train_weights:
+            # PEFT's adapters in fp32 (its default autocast_adapter_dtype=True) on a
+            # low-precision base: each adapted projection casts its input to fp32 and lora_A
+            # keeps that copy (q, k, v, gate, up: 4H each; o_proj 4Q; down 4I), in place of
+            # the normed rows (2 e*H) and the SwiGLU product (e*I) the weights' gradients keep
+            total += T * (4 * (5 * H + Q + I) - e * (2 * H + I))
+    return total
+
+
+def _saved_bytes(preset: str, d: LayerDims, B: int, S: int, dtype,
+                 train_weights: bool = True) -> int:
+    """What one layer keeps for backward under any of :data:`AUTO_CHOICES`."""
+    if preset == "none":
+        return plain_layer_bytes(d, B, S, dtype, train_weights)
+    return layer_bytes(preset, d, B, S, dtype)
+
+
 def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
     """Bytes the LM head + loss keeps for backward (see the module docstring): HF's
     ``B*S*(e*H + 4*V + 8) + 4``, the fused op's ``B*S*(e*H + 12)``."""
@@ -141,6 +179,40 @@ def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
 # The rank of the plan's LoRA (``--weights lora``: adapters on every projection), PEFT's usual
 # r 16: its state (model_state_bytes) and, in the CLI's step times, its GEMMs (step_flops).
 LORA_RANK = 16
+# QLoRA (``weights="qlora"``): bitsandbytes' quantizations of the base projections and the
+# blocksize its 4-bit loads use
+QUANTS = ("nf4", "fp4", "int8")
+BNB_BLOCKSIZE = 64
+
+
+def quantized_bytes(rows: int, cols: int, quant: str, double_quant: bool = True) -> int:
+    """Bytes of one (rows, cols) projection weight quantized by bitsandbytes: 4-bit (nf4, fp4),
+    two codes a byte and one scale per :data:`BNB_BLOCKSIZE` weights, an fp32 scale or, with
+    ``double_quant``, an 8-bit one with an fp32 scale per 256 of them; int8 (LLM.int8()'s
+    frozen weight), a byte a weight and an fp32 scale per row."""
+    if quant not in QUANTS:
+        raise ValueError(f"quantized_bytes: quant must be one of {', '.join(QUANTS)}, got "
+                         f"{quant!r}")
+    n = rows * cols
+    if quant == "int8":
+        return n + 4 * rows
+    blocks = -(-n // BNB_BLOCKSIZE)
+    scales = blocks + 4 * -(-blocks // 256) if double_quant else 4 * blocks
+    return -(-n // 2) + scales
+
+
+def dequantized_bytes(layers: Sequence[LayerDims], dtype) -> int:
+    """QLoRA: the largest layer's projections dequantized in ``dtype``, what a fused layer
+    holds through each of its passes (one layer at a time)."""
+    e = _dtype(dtype).itemsize
+    return e * max(sum(r * c for r, c in _projection_shapes(x)) for x in layers)
+
+
+def _projection_shapes(x: LayerDims) -> list:
+    """A dense layer's projection weights as (rows, cols): q, k, v, o, gate, up, down."""
+    H, Q, K, I = (x.hidden_size, x.num_heads * x.head_dim, x.num_kv_heads * x.head_dim,
+                  x.intermediate_size)
+    return [(Q, H), (K, H), (K, H), (H, Q), (I, H), (I, H), (H, I)]
 
 
 # ---- the step's peak ---------------------------------------------------------------------------
@@ -199,7 +271,7 @@ def router_logits_bytes(layers: Sequence[LayerDims], T: int, dtype) -> int:
 
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
               path: str = "cuda", train_weights: bool = True,
-              chunk_bytes: Optional[int] = None) -> StepPeak:
+              chunk_bytes: Optional[int] = None, quantized_base: bool = False) -> StepPeak:
     """A model of the activation memory of one training step of a Llama-style
     ``*ForCausalLM`` (a forward with labels, then backward), above what the step starts with
     (weights, the ids, and parameter gradients from an earlier step, added to in place).
@@ -251,12 +323,18 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     its log-softmax's backward) whatever the logits' dtype. These terms were recalibrated
     against the H100 measurement of LLaMA-3.1-8B LoRA (``tests/test_plan.py`` reads it).
 
+    ``quantized_base`` (QLoRA, ``train_weights`` False): the base projections are
+    bitsandbytes-quantized and dequantized for each layer pass (``ckpt_ext.hf.quantized``): a
+    fused layer holds its whole dequantized weights in ``dtype`` through its backward (e times
+    the layer's projection parameters, counted in the top layer's backward; one layer's at a
+    time), HF's re-run layer one projection's at a time (the largest).
+
     The sequence-sized terms are what the sequence-tiled layer removes; the model is kept
     in step with the code by the test that measures it.
     """
-    if setup not in PEAK_SETUPS:
-        raise ValueError(f"step_peak: setup must be one of {', '.join(PEAK_SETUPS)}; got "
-                         f"{setup!r}")
+    if setup not in PEAK_SETUPS + ("none",):
+        raise ValueError(f"step_peak: setup must be one of {', '.join(PEAK_SETUPS)} or "
+                         f"'none'; got {setup!r}")
     if path not in _PATHS:
         raise ValueError(f"step_peak: path must be 'cuda' or 'cpu', got {path!r}")
     _check_shape_args(B, S)
@@ -271,12 +349,15 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     H, Hq, D, I = d.hidden_size, d.num_heads, d.head_dim, d.intermediate_size
     Q, K = Hq * D, d.num_kv_heads * D
     preset = "torch" if setup.startswith("hf_gc") else setup
-    if preset == "torch" and any(x.moe for x in layers):
+    if quantized_base and (train_weights or any(x.moe for x in layers)):
+        raise ValueError("step_peak: quantized_base (QLoRA) is a frozen dense base: pass "
+                         "train_weights=False, and layers without experts")
+    if preset in ("torch", "none") and any(x.moe for x in layers):
         raise NotImplementedError(
             f"step_peak: setup {setup!r} with mixture-of-experts layers: the plan models HF's "
-            "re-run layer for dense layers only (bench/moe.py measures HF checkpointing's MoE "
+            "layer for dense layers only (bench/moe.py measures HF checkpointing's MoE "
             "step peak); plan a fused preset")
-    layers_saved = sum(layer_bytes(preset, x, B, S, dtype) for x in layers) \
+    layers_saved = sum(_saved_bytes(preset, x, B, S, dtype, train_weights) for x in layers) \
         + router_logits_bytes(layers, T, dtype)
     rope = 2 * S * D * e
     lse = 4 * Hq * T
@@ -316,20 +397,11 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     params = H * (2 * Q + 2 * K) + d.ffn_parameters()
     grads = e * params if train_weights else 0
     if preset == "torch":
-        layer_work = e * T * (6 * H + 2 * Q + 2 * K + 6 * I) + lse
-        if e < 4:
-            # HF's RMSNorm upcasts its input and keeps the fp32 copy for backward: the input
-            # norm's 4H beside the checkpointed input, the post-attention norm's 4H in place
-            # of h (e*H); the fp32 count above cannot see either
-            layer_work += T * (8 - e) * H
-            if not train_weights:
-                # PEFT's adapters in fp32 (its default autocast_adapter_dtype=True) on a
-                # low-precision base: each adapted projection casts its input to fp32 and
-                # lora_A keeps that copy (q, k, v, gate, up: 4H each; o_proj 4Q; down 4I), in
-                # place of the normed rows (2 e*H) and the SwiGLU product (e*I) that the
-                # weights' gradients would keep
-                layer_work += T * (4 * (5 * H + Q + I) - e * (2 * H + I))
+        layer_work = plain_layer_bytes(d, B, S, dtype, train_weights)
         phase = "top layer backward (HF's layer re-run)"
+    elif preset == "none":   # the top layer's saved tensors are counted; its dy and dx
+        layer_work = e * T * 2 * H + grads
+        phase = "top layer backward (HF's layer)"
     else:
         # The MLP walks token chunks of the cap (three (rows, I) tensors at the compute width)
         mlp_rows = min(T, mlp_chunk_rows(d, e, chunk_bytes, path))
@@ -345,13 +417,21 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             swiglu = 3 * e * mlp_rows * I
         if train_weights and mlp_rows < T:   # the weights' gradients summed over chunks:
             swiglu += d.ffn_parameters() * (4 + e)     # an fp32 sum and the chunk's own
+        elif train_weights and path == "cpu" and not d.moe:
+            # one chunk: the FFN's weight gradients are formed while all but one of the
+            # chunk's (rows, I) buffers are still alive
+            swiglu = max(swiglu, swiglu * (n - 1) // n + e * d.ffn_parameters())
         rows = layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
-        if rows >= T:        # one chunk: the layer as written out
+        if rows >= T:        # one chunk: the layer as written out. The backward rebuilds
+            # what the attention part needs before the MLP part runs, so beside dy, the MLP
+            # input and its gradient the MLP part holds the normed x, q before and after RoPE,
+            # k before and after RoPE and v (and min_memory's recomputed attention output,
+            # o_proj's output and h, and its lse); counted from the allocator at the peak
             if preset == "min_memory":
-                mlp = e * T * (4 * H + 2 * Q + 2 * K) + lse + swiglu
+                mlp = e * T * (6 * H + 3 * Q + 3 * K) + lse + swiglu
                 attn = e * T * (9 * H + 6 * Q + 6 * K)
             elif preset == "balanced":
-                mlp = e * T * 3 * H + swiglu
+                mlp = e * T * (4 * H + 2 * Q + 3 * K) + swiglu
                 attn = e * T * (9 * H + 5 * Q + 6 * K)
             else:
                 mlp = e * T * 3 * H + swiglu
@@ -380,6 +460,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         attn += grads
         layer_work = max(mlp, attn)
         phase = f"top layer backward ({'MLP' if mlp >= attn else 'attention'} part)"
+    if quantized_base:   # the dequantized weights of the layer running its backward
+        layer_work += e * (params if preset not in ("torch", "none") else
+                           max(r * c for r, c in _projection_shapes(d)))
     layer_peak = layers_saved + rope + layer_work
     if head_peak >= layer_peak:
         return StepPeak(saved, head_peak, "head backward")
@@ -388,7 +471,8 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
 
 def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
                       lora_rank: int | None = None, tied: bool = False, shard: int = 1,
-                      expert_lora_rank: int = 0) -> int:
+                      expert_lora_rank: int = 0, quant: str = "nf4",
+                      double_quant: bool = True) -> int:
     """Bytes the model and its optimizer hold outside the step, per GPU: ``weights="full"``, a
     full fine-tune with AdamW on fp32 weights (weights, gradients and two moments: 16 bytes a
     parameter, as under ``Trainer(bf16=True)``); ``"lora"``, a frozen base in ``dtype`` with
@@ -402,7 +486,13 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
     (E H) and shared expert; ``"lora"`` puts the adapters on the attention and the shared
     expert, and with ``expert_lora_rank`` r > 0 on the routed experts too (PEFT's
     ``target_parameters``: r (H + 2 I_e) for gate_up_proj and r (I_e + H) for down_proj per
-    expert)."""
+    expert).
+
+    ``"qlora"``: the projections quantized by bitsandbytes (``quant``, ``double_quant``:
+    :func:`quantized_bytes`), the embeddings, norms and head in fp32 (as
+    ``peft.prepare_model_for_kbit_training`` leaves them), and the LoRA adapters as for
+    ``"lora"``; dense layers on one device (the fused layers refuse sharded quantized
+    weights, so ``shard`` must be 1)."""
     if isinstance(expert_lora_rank, bool) or not isinstance(expert_lora_rank, int) \
             or expert_lora_rank < 0:
         raise ValueError("model_state_bytes: expert_lora_rank must be a non-negative int, got "
@@ -430,11 +520,38 @@ def model_state_bytes(layers: Sequence[LayerDims], V: int, dtype, weights: str,
         state = 16 * base
     elif weights == "lora":
         state = e * base + 16 * adapters
+    elif weights == "qlora":
+        if any(x.moe for x in layers) or expert_lora_rank:
+            raise ValueError("model_state_bytes: weights='qlora' plans dense layers (bitsandbytes "
+                             "does not quantize HF's fused expert weights)")
+        if shard != 1:
+            raise ValueError("model_state_bytes: weights='qlora' is unsharded (shard=1): the "
+                             "fused layers refuse ZeRO-3 / FSDP2-sharded quantized weights")
+        quantized = sum(quantized_bytes(r, c, quant, double_quant)
+                        for x in layers for r, c in _projection_shapes(x))
+        dense = V * H0 * (1 if tied else 2) + H0 + sum(2 * x.hidden_size for x in layers)
+        return quantized + 4 * dense + 16 * adapters
     else:
-        raise ValueError(f"model_state_bytes: weights must be 'full' or 'lora', got {weights!r}")
+        raise ValueError("model_state_bytes: weights must be 'full', 'lora' or 'qlora', got "
+                         f"{weights!r}")
     if shard == 1:
         return state
     return -(-state // shard) + 2 * e * unit
+
+
+def parameter_state_bytes(params) -> int:
+    """The model state of actual parameters, as :func:`model_state_bytes` counts a config's:
+    every parameter's bytes, and for each one that trains (``requires_grad``) its gradient and
+    AdamW's two moments, in its dtype (as ``torch.optim.AdamW`` keeps them): 4 times its bytes.
+    Each tensor counts once."""
+    seen, total = set(), 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel() * p.element_size()
+        total += 4 * n if p.requires_grad else n
+    return total
 
 
 # ---- headroom: what the device holds outside the allocator's count --------------------------
@@ -471,14 +588,18 @@ def _longest_fitting(fits, limit: int) -> int:
 def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                      device_memory: int, weights: str, *, path: str = "cuda",
                      limit: int = 1 << 26, headroom: int = 0, shard: int = 1,
-                     expert_lora_rank: int = 0) -> int:
+                     expert_lora_rank: int = 0, quant: str = "nf4",
+                     double_quant: bool = True) -> int:
     """The longest S (at most ``limit``) whose step fits ``device_memory`` less ``headroom``
     (:func:`headroom_bytes`) with the model state of ``weights`` (:func:`model_state_bytes`,
-    sharded ``shard`` ways, ``expert_lora_rank``), by :func:`step_peak`; 0 if none does."""
-    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
-                                                        expert_lora_rank=expert_lora_rank)
+    sharded ``shard`` ways, ``expert_lora_rank``; ``quant``, ``double_quant`` for
+    ``"qlora"``), by :func:`step_peak`; 0 if none does."""
+    room = device_memory - headroom - model_state_bytes(
+        layers, V, dtype, weights, shard=shard, expert_lora_rank=expert_lora_rank, quant=quant,
+        double_quant=double_quant)
     fits = lambda s: step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
-                               train_weights=weights == "full").peak <= room
+                               train_weights=weights == "full",
+                               quantized_base=weights == "qlora").peak <= room
     return _longest_fitting(fits, limit)
 
 
@@ -534,7 +655,8 @@ def offload_split(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S
 
 def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
                       *, path: str = "cuda", train_weights: bool = True,
-                      host_limit: Optional[int] = None, prefetch: int = 1) -> OffloadPeak:
+                      host_limit: Optional[int] = None, prefetch: int = 1,
+                      quantized_base: bool = False) -> OffloadPeak:
     """:func:`step_peak` of a fused preset with its layers' saved bytes in host memory: the
     peak less the bytes of the offloaded layers plus the device prefetch pool (counted at
     every phase, which overstates the head's phase, when the pool is still empty)."""
@@ -543,7 +665,8 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
                          f"(offload moves what a fused layer saves); got {setup!r}")
     layers = list(layers)
     presets = [setup] * len(layers)
-    base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights)
+    base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights,
+                     quantized_base=quantized_base)
     moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit)
     pool = _pool(moved, prefetch)
     return OffloadPeak(base.peak - host + pool, host, len(moved), kept, pool)
@@ -552,16 +675,20 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
 def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                              device_memory: int, host_memory: Optional[int], weights: str, *,
                              path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
-                             shard: int = 1, expert_lora_rank: int = 0) -> int:
+                             shard: int = 1, expert_lora_rank: int = 0, quant: str = "nf4",
+                             double_quant: bool = True) -> int:
     """The longest S (at most ``limit``) whose offloaded step (:func:`offload_step_peak` with
     ``host_memory`` as the host cap, None for none) fits ``device_memory`` less ``headroom``
-    with the model state (``expert_lora_rank``: :func:`model_state_bytes`); 0 if none."""
-    room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
-                                                        expert_lora_rank=expert_lora_rank)
+    with the model state (``expert_lora_rank``, ``quant``, ``double_quant``:
+    :func:`model_state_bytes`); 0 if none."""
+    room = device_memory - headroom - model_state_bytes(
+        layers, V, dtype, weights, shard=shard, expert_lora_rank=expert_lora_rank, quant=quant,
+        double_quant=double_quant)
 
     def fits(s):
         p = offload_step_peak(setup, layers, V, B, s, dtype, path=path,
-                              train_weights=weights == "full", host_limit=host_memory)
+                              train_weights=weights == "full", host_limit=host_memory,
+                              quantized_base=weights == "qlora")
         return p.peak <= room
 
     return _longest_fitting(fits, limit)
@@ -600,6 +727,8 @@ def _recomputed(preset: str, d: LayerDims, groups: tuple) -> int:
     """The forward FLOPs per token of the projection ``groups`` (:func:`_projection_flops`)
     that ``preset`` recomputes in backward (module docstring)."""
     qkv, o_proj, gate_up, down = groups
+    if preset == "none":     # HF's layer as it is: nothing recomputed
+        return 0
     # the output norms' backward reads the sublayer's output (module docstring)
     out_norms = (d.mlp_output_norm * (down if preset == "fast" else gate_up + down)
                  + (d.attention_output_norm and preset != "min_memory") * o_proj)
@@ -624,7 +753,7 @@ def _flops_parts(preset: str, d: LayerDims, S: int, lora_rank: int = 0,
     matmul = _recomputed(preset, d, _projection_flops(d))
     if lora_rank or expert_lora_rank:
         matmul += _recomputed(preset, d, _projection_flops(d, lora_rank, expert_lora_rank))
-    if preset in ("fast", "balanced"):
+    if preset in ("none", "fast", "balanced"):
         return scores, matmul
     return 2 * scores + pv, matmul
 
@@ -650,6 +779,10 @@ def recompute_flops(preset: str, dims: LayerDims, B: int, S: int, *, lora_rank: 
     with LoRA adapters of ``lora_rank`` / ``expert_lora_rank`` (:func:`_projection_flops`) on
     the projections it recomputes."""
     _check_ranks(lora_rank, expert_lora_rank, "recompute_flops")
+    if preset not in ("fast", "balanced", "min_memory", "torch"):   # ("none": HF's layer,
+        # which recomputes nothing, is auto's choice only: layer_seconds)
+        raise ValueError(f"recompute_flops: preset must be one of 'fast', 'balanced', "
+                         f"'min_memory', 'torch'; got {preset!r}")
     return B * S * _flops_per_token(preset, dims, S, lora_rank, expert_lora_rank)
 
 
@@ -831,6 +964,7 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
                            room: int, host_memory: Optional[int], *, path: str = "cuda",
                            train_weights: bool = True, lora_rank: int = 0,
                            expert_lora_rank: int = 0, prefetch: int = 1,
+                           quantized_base: bool = False,
                            host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
                            attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                            attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
@@ -838,7 +972,7 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
     """``auto`` with offload, chosen by time, for the whole step: :func:`choose_offload_layers`
     with the LM head's time added and each preset's working set counted in the device peak,
     which must fit ``room`` bytes (the device less the model state and headroom) with at most
-    ``host_memory`` bytes in host memory.
+    ``host_memory`` bytes in host memory; ``quantized_base``: QLoRA (:func:`step_peak`).
 
     The device peak of a mix is the largest of its presets' working sets (:func:`step_peak`
     less the layers' saved bytes) plus what the device holds of the layers: the prefetch pool
@@ -848,7 +982,8 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
     _check_shape_args(B, S)
     work = {}
     for p in _CHOICES:
-        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights).peak
+        full = step_peak(p, layers, V, B, S, dtype, path=path, train_weights=train_weights,
+                         quantized_base=quantized_base).peak
         work[p] = full - sum(layer_bytes(p, x, B, S, dtype) for x in layers)
     head = 2 * B * S * layers[0].hidden_size * V * ((3 if train_weights else 2) + 1)
     head_s = head / (_check_rate("matmul_tflops", matmul_tflops) * 1e12)
@@ -866,6 +1001,164 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
             f"{format_bytes(host_memory) if host_memory is not None else 'uncapped'} host "
             f"memory does not); shorten the sequence or raise the host or device memory")
     return best
+
+
+# ---- auto: the fastest setup that fits, over every way a layer can run ------------------------
+# HF's layer as it is ("none"), under torch.utils.checkpoint ("torch"), and the fused presets.
+AUTO_CHOICES = ("none", "torch", "fast", "balanced", "min_memory")
+from .throughputs import Overheads  # noqa: E402
+
+
+def layer_chunks(d: LayerDims, B: int, S: int, dtype, *, path: str = "cuda",
+                 chunk_bytes: Optional[int] = None) -> int:
+    """Token chunks of a fused layer's step: ``ceil(B*S / rows)`` with the engine's rows
+    (:func:`layer_chunk_rows` at the chunk cap, ``chunk_bytes`` or the setting's; on ``"cuda"``
+    at least ``_C.cuda_min_rows`` for :data:`CUDA_SMS`)."""
+    if chunk_bytes is None:
+        chunk_bytes = config.current().chunk_bytes
+    rows = layer_chunk_rows(d, _dtype(dtype).itemsize, chunk_bytes,
+                            CUDA_SMS if path == "cuda" else 0)
+    return -(-(B * S) // rows)
+
+
+def layer_seconds(preset: str, d: LayerDims, B: int, S: int, dtype, *, chunks: int = 1,
+                  train_weights: bool = True, lora_rank: int = 0, expert_lora_rank: int = 0,
+                  overheads: Optional[Overheads] = None,
+                  attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                  attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                  matmul_tflops: float = MATMUL_TFLOPS) -> float:
+    """One layer's step time in the plan's model (an ESTIMATE), for ``preset`` among
+    :data:`AUTO_CHOICES`: the larger of its device time and its host time.
+
+    Device: its FLOPs (forward, backward, the preset's recompute; ``none`` recomputes nothing,
+    ``torch`` the whole forward) at the rates, and, for a fused preset over ``chunks`` > 1
+    token chunks training the weights, the float32 sums of the weight gradients: ``chunks - 1``
+    times (8 + e) bytes a weight at ``overheads.chunk_sum_gbytes_per_s``. Host: the issue time
+    of ``chunks`` chunks (HF's layer: one; checkpointed: 4/3, its forward issued twice) at
+    ``overheads.chunk_launch_seconds``, plus ``lora_chunk_launch_seconds`` each with LoRA
+    (``lora_rank`` or ``expert_lora_rank`` > 0). ``overheads``: :class:`Overheads` (default:
+    the constants in ``ckpt_ext.throughputs``, from the H200 profile)."""
+    if preset not in AUTO_CHOICES:
+        raise ValueError(f"layer_seconds: preset must be one of {', '.join(AUTO_CHOICES)}; got "
+                         f"{preset!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"layer_seconds: chunks must be a positive int, got {chunks!r}")
+    o = Overheads() if overheads is None else overheads
+    rates = tuple(_check_rate(n, v) for n, v in (
+        ("attention_fwd_tflops", attention_fwd_tflops),
+        ("attention_bwd_tflops", attention_bwd_tflops), ("matmul_tflops", matmul_tflops)))
+    lora = bool(lora_rank or expert_lora_rank)
+    device = _layer_compute_seconds(preset, d, B, S, train_weights, *rates,
+                                    lora_rank=lora_rank, expert_lora_rank=expert_lora_rank)
+    fused = preset in _CHOICES
+    n = chunks if fused else 1
+    host_chunks = n if preset != "torch" else 4 / 3   # the re-run forward issues its kernels
+    if fused and train_weights and n > 1:            # again: about a third of the layer's
+        e = _dtype(dtype).itemsize
+        params = d.hidden_size * (2 * d.num_heads + 2 * d.num_kv_heads) * d.head_dim \
+            + d.ffn_parameters()
+        device += (n - 1) * params * (8 + e) / (_check_rate(
+            "chunk_sum_gbytes_per_s", o.chunk_sum_gbytes_per_s) * 1e9)
+    host = host_chunks * (o.chunk_launch_seconds
+                          + (o.lora_chunk_launch_seconds if lora else 0.0))
+    return max(device, host)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """``auto``'s choice (:func:`choose_auto`)."""
+
+    presets: tuple      # one per layer, in forward order, among AUTO_CHOICES
+    seconds: float      # the layers' estimated step time (the head left out: the same in all)
+    saved: int          # the layers' saved bytes
+    peak: int           # the step's modelled peak (step_peak of the mix; 0 under a budget)
+    chunks: tuple       # the fused layers' token chunks (1 for HF's layers)
+
+
+def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
+                room: Optional[int] = None, budget: Optional[Budget] = None,
+                path: str = "cuda", train_weights: bool = True, lora_rank: int = 0,
+                expert_lora_rank: int = 0, chunk_bytes: Optional[int] = None,
+                overheads: Optional[Overheads] = None, quantized_base: bool = False,
+                attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                matmul_tflops: float = MATMUL_TFLOPS) -> AutoChoice:
+    """``patch_llama(policy="auto")``'s choice: one of :data:`AUTO_CHOICES` per layer (HF's
+    layer and its checkpointed run for dense layers only) with the least estimated time
+    (:func:`layer_seconds`, each fused layer at its :func:`layer_chunks`), among the mixes
+    that fit; of equal times, the fewest saved bytes.
+
+    Exactly one of ``room`` and ``budget``: ``room`` bytes for the step's peak above its start
+    (the device less the model state and the headroom): the mix's saved bytes plus the largest
+    working set of the setups it uses (each :func:`step_peak` less its layers' saved bytes);
+    or ``budget`` (``activation_budget``: an int or "20GiB") for the layers' saved bytes alone.
+    Solved per working-set bound as a multiple-choice knapsack over (bytes, seconds), keeping
+    the Pareto front (exact: a larger room never gives a slower choice). Raises ValueError
+    naming the smallest budget or room that fits when none does (every layer
+    ``min_memory``). ``quantized_base``: QLoRA's dequantized weights in the working sets
+    (:func:`step_peak`)."""
+    if (room is None) == (budget is None):
+        raise ValueError("choose_auto: give exactly one of room (bytes for the step's peak) "
+                         "and budget (bytes for the layers' saved activations)")
+    _check_shape_args(B, S)
+    layers = list(layers)
+    if not layers:
+        return AutoChoice((), 0.0, 0, 0, ())
+    dt = _dtype(dtype)
+    limit = parse_bytes(budget) if budget is not None else int(room)
+    dense = not any(x.moe for x in layers)
+    options = AUTO_CHOICES if dense else _CHOICES
+    lora = {"lora_rank": lora_rank, "expert_lora_rank": expert_lora_rank}
+    rates = {"attention_fwd_tflops": attention_fwd_tflops,
+             "attention_bwd_tflops": attention_bwd_tflops, "matmul_tflops": matmul_tflops}
+    chunks = [layer_chunks(x, B, S, dt, path=path, chunk_bytes=chunk_bytes) for x in layers]
+    cost = [[(_saved_bytes(p, x, B, S, dt, train_weights),
+              layer_seconds(p, x, B, S, dt, chunks=n, train_weights=train_weights,
+                            overheads=overheads, **lora, **rates))
+             for p in options] for x, n in zip(layers, chunks)]
+    if budget is not None:
+        work = dict.fromkeys(options, 0)
+    else:
+        work = {}
+        for p in options:
+            setup = "hf_gc+fused" if p == "torch" else p
+            peak = step_peak(setup, layers, V, B, S, dt, path=path, train_weights=train_weights,
+                             chunk_bytes=chunk_bytes, quantized_base=quantized_base).peak
+            work[p] = peak - sum(_saved_bytes(p, x, B, S, dt, train_weights) for x in layers)
+    best = None
+    for bound in sorted(set(work.values())):      # the mix's largest working set
+        allowed = [k for k, p in enumerate(options) if work[p] <= bound]
+        cap = limit - bound
+        front = [(0, 0.0, ())]                    # (bytes, seconds, choices): Pareto front
+        for row in cost:
+            cand = sorted((b + row[k][0], t + row[k][1], ch + (k,))
+                          for b, t, ch in front for k in allowed if b + row[k][0] <= cap)
+            front, least = [], math.inf
+            for b, t, ch in cand:
+                if t < least * (1 - 1e-12):
+                    front.append((b, t, ch))
+                    least = t
+            if not front:
+                break
+        if not front:
+            continue
+        b, t, ch = front[-1]     # the fastest; of equal times, the fewest bytes
+        used = max(work[options[k]] for k in ch)
+        key = (t, b)
+        if best is None or key < best[0]:
+            best = (key, ch, used)
+    if best is None:
+        mins = sum(row[options.index("min_memory")][0] for row in cost)
+        need = mins + (work["min_memory"] if budget is None else 0)
+        what = "activation_budget" if budget is not None else "room for the step"
+        raise ValueError(
+            f"auto: {what} of {format_bytes(limit)} is below the smallest that fits: {need} "
+            f"bytes ({format_bytes(need)}), every one of the {len(layers)} decoder layers "
+            f"'min_memory', at B={B}, S={S}, {str(dt)[6:]}. Shorten the sequence or the batch")
+    (t, b), ch, used = best
+    presets = tuple(options[k] for k in ch)
+    return AutoChoice(presets, t, b, 0 if budget is not None else b + used,
+                      tuple(n if p in _CHOICES else 1 for p, n in zip(presets, chunks)))
 
 
 # ---- sequence parallelism (Ulysses inside the fused layer) ------------------------------------

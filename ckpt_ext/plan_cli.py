@@ -20,11 +20,12 @@ from typing import Optional, Sequence
 
 from .hf.families import layer_dims_from_config
 from .hf.patch import _model_config
-from .plan import (_DTYPES, _PATHS, FRAGMENTATION, HOST_LINK_GBYTES_PER_S, LORA_RANK,
-                   OFFLOAD_SETUPS, PEAK_SETUPS, SP_LINK_GBYTES_PER_S, choose_presets_offload,
-                   choose_presets, format_bytes, head_saved_bytes, headroom_bytes, layer_bytes,
-                   longest_sequence,
-                   longest_sequence_offload, model_state_bytes, offload_step_peak,
+from .plan import (_DTYPES, _PATHS, AUTO_CHOICES, FRAGMENTATION, HOST_LINK_GBYTES_PER_S,
+                   LORA_RANK, OFFLOAD_SETUPS, PEAK_SETUPS, QUANTS, SP_LINK_GBYTES_PER_S,
+                   choose_auto,
+                   choose_presets_offload, format_bytes, head_saved_bytes, headroom_bytes,
+                   layer_bytes, layer_seconds, longest_sequence, longest_sequence_offload,
+                   model_state_bytes, offload_step_peak, dequantized_bytes,
                    parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
                    sp_longest_sequence, sp_step_peak, sp_step_time, step_peak,
                    step_time_estimate)
@@ -204,6 +205,9 @@ _WEIGHTS_HELP = (
     "parameter (Trainer(bf16=True) / autocast), about 120 GiB for an 8B model, so it needs "
     "--shard on an 80 GB GPU; 'lora', a frozen base in --dtype (2 bytes a parameter in bf16) "
     "plus rank-16 adapters on every projection trained in fp32 with AdamW (PEFT's default); "
+    "'qlora', the same adapters on a bitsandbytes-quantized base (--quant; "
+    "prepare_model_for_kbit_training's fp32 embeddings, norms and head), one layer's "
+    "weights dequantized in --dtype at a time (counted in the step's peak); "
     "the step times count the adapters' GEMMs")
 
 _EPILOG = """\
@@ -272,7 +276,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device-memory", help="one GPU's memory, e.g. 80GiB or 81559MiB: prints "
                                             "per setup whether the step fits at --seq, and the "
                                             "longest S that fits")
-    ap.add_argument("--weights", choices=("full", "lora"), default="full", help=_WEIGHTS_HELP)
+    ap.add_argument("--weights", choices=("full", "lora", "qlora"), default="full",
+                    help=_WEIGHTS_HELP)
+    ap.add_argument("--quant", choices=QUANTS, default="nf4",
+                    help="with --weights qlora: bitsandbytes' quantization of the base "
+                         "projections (default nf4; nf4 and fp4 with double quantization "
+                         "unless --no-double-quant)")
+    ap.add_argument("--no-double-quant", action="store_true",
+                    help="with --weights qlora and a 4-bit --quant: fp32 block scales "
+                         "(bnb_4bit_use_double_quant=False)")
     ap.add_argument("--shard", type=_bounded_int(_MAX["shard"]), default=1,
                     help="with --device-memory: the sharding degree of FSDP / ZeRO-3 (default "
                          "1: none): the model state per GPU is 1/N of it plus two gathered "
@@ -350,6 +362,9 @@ _NEEDS = (
     (("shard", "cuda_context", "fragmentation"), "--device-memory",
      lambda a: a.device_memory is not None),
     (("expert_lora_rank",), "--weights lora", lambda a: a.weights == "lora"),
+    (("quant",), "--weights qlora", lambda a: a.weights == "qlora"),
+    (("no_double_quant",), "--weights qlora and a 4-bit --quant",
+     lambda a: a.weights == "qlora" and a.quant != "int8"),
     (("throughputs", "attention_fwd_tflops", "attention_bwd_tflops", "matmul_tflops"),
      "--device-memory or --sequence-parallel N > 1 (the step times)", _times))
 _UNSET = object()
@@ -439,6 +454,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   for x in layers]
     if args.expert_lora_rank and not any(x.moe for x in layers):
         ap.error("argument --expert-lora-rank: applies only to a config with experts")
+    if args.weights == "qlora":
+        if any(x.moe for x in layers):
+            ap.error("argument --weights: 'qlora' plans dense layers (bitsandbytes does not "
+                     "quantize HF's fused expert weights)")
+        if args.shard > 1 or args.sequence_parallel > 1:
+            ap.error("argument --weights: 'qlora' runs on one device or under DDP: the fused "
+                     "layers refuse sharded quantized weights (--shard) and the plan has no "
+                     "QLoRA sequence-parallel model (--sequence-parallel)")
     if "vocab_size" not in config:
         ap.error("missing vocab_size (in the config or --vocab-size)")
     V = config["vocab_size"]
@@ -495,7 +518,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{format_bytes(head_fused)} (hidden + labels + fp32 lse = "
           f"{e * d.hidden_size + 12:,} B/token)")
     print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
-          "'torch' is listed for comparison and never chosen by 'auto'")
+          "'auto' chooses among these presets and HF's own layer ('none') by the time model")
     print()
     _print_steps(args, layers, V, B, S, dtype)
     if args.offload:
@@ -510,19 +533,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.budget is not None:
         print()
         try:
-            chosen = choose_presets(layers, B, S, dtype, args.budget)
+            choice = _auto_choice(args, layers, V, B, S, dtype, budget=args.budget)
         except ValueError as err:
-            print(f"auto: {err}", file=sys.stderr)
+            print(f"{err}", file=sys.stderr)
             return 2
-        used = sum(layer_bytes(p, x, B, S, dtype) for p, x in zip(chosen, layers))
+        chosen = list(choice.presets)
         flops = sum(recompute_flops(p, x, B, S, **_lora_kwargs(args))
-                    for p, x in zip(chosen, layers))
-        counts = ", ".join(f"{chosen.count(p)} x {p}" for p in FUSED_PRESETS if p in chosen)
-        print(f"auto for a budget of {format_bytes(args.budget)}: {counts}; "
-              f"layers keep {format_bytes(used)} ({format_bytes(used + head_fused)} with the "
-              f"fused head), recompute {_tflop(flops)} TFLOP")
-        print("per layer: " + " ".join(p for p in chosen))
+                    for p, x in zip(chosen, layers) if p != "none")
+        print(f"auto for a budget of {format_bytes(args.budget)}: {_counts(chosen)}; "
+              f"layers keep {format_bytes(choice.saved)} "
+              f"({format_bytes(choice.saved + head_fused)} with the fused head), recompute "
+              f"{_tflop(flops)} TFLOP; the layers' step about {choice.seconds:,.3f} s")
+        _print_auto_layers(args, choice, layers, B, S, dtype)
     return 0
+
+
+def _counts(chosen) -> str:
+    return ", ".join(f"{chosen.count(p)} x {p}" for p in AUTO_CHOICES if p in chosen)
+
+
+def _auto_choice(args, layers, V, B, S, dtype, *, room=None, budget=None):
+    """patch_llama(policy="auto")'s choice (ckpt_ext.plan.choose_auto) at the CLI's rates and
+    the throughputs file's overheads."""
+    if budget is not None and args.weights == "qlora":  # one layer's dequantized weights
+        budget = parse_bytes(budget) - dequantized_bytes(layers, dtype)
+    return choose_auto(layers, V, B, S, dtype, room=room, budget=budget, path=args.path,
+                       train_weights=args.weights == "full", **_lora_kwargs(args),
+                       quantized_base=args.weights == "qlora",
+                       overheads=args.rates.overheads, **_rate_kwargs(args, S))
+
+
+def _print_auto_layers(args, choice, layers, B, S, dtype) -> None:
+    """Each layer's choice, its token chunks and its time in the model."""
+    kw = dict(train_weights=args.weights == "full", overheads=args.rates.overheads,
+              **_lora_kwargs(args), **_rate_kwargs(args, S))
+    cells = [f"{i}: {p} x{n} chunk{'s' if n > 1 else ''} "
+             f"{layer_seconds(p, x, B, S, dtype, chunks=n, **kw) * 1e3:,.1f} ms"
+             for i, (p, n, x) in enumerate(zip(choice.presets, choice.chunks, layers))]
+    print("per layer (preset, token chunks, time in the model): " + "; ".join(cells))
 
 
 def _setups(layers) -> tuple:
@@ -537,7 +585,10 @@ _SETUP_NAMES = {"hf_gc": "HF checkpointing, HF head", "hf_gc+fused": "HF checkpo
 
 
 def _weights_words(args) -> str:
-    words = "full fine-tune" if args.weights == "full" else "LoRA"
+    words = {"full": "full fine-tune", "lora": "LoRA"}.get(args.weights)
+    if words is None:
+        words = "QLoRA " + args.quant + (", double quant" if args.quant != "int8"
+                                          and not args.no_double_quant else "")
     return words + (f", sharded {args.shard} ways" if args.shard > 1 else "")
 
 
@@ -548,7 +599,8 @@ def _print_steps(args, layers, V, B, S, dtype) -> None:
               "peak KiB/token", "peak is in"]
     rows = []
     for setup in _setups(layers):
-        p = step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train)
+        p = step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train,
+                      quantized_base=args.weights == "qlora")
         rows.append([_SETUP_NAMES[setup], format_bytes(p.saved), format_bytes(p.peak),
                      f"{p.peak / (B * S) / 1024:,.1f}", p.phase])
     print(_table(rows, header))
@@ -581,7 +633,7 @@ def _print_offload(args, layers, V, B, S, dtype) -> None:
     rows = []
     for setup in OFFLOAD_SETUPS:
         p = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path, train_weights=train,
-                              host_limit=host)
+                              host_limit=host, quantized_base=args.weights == "qlora")
         rows.append([setup, format_bytes(p.peak), format_bytes(p.pool), format_bytes(p.host),
                      f"{p.offloaded}/{len(layers)}", format_bytes(p.kept)])
     print(_table(rows, header))
@@ -626,17 +678,18 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
     for setup, offload in cases:
         if offload:
             peak = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path,
-                                     train_weights=train, host_limit=host).peak
+                                     train_weights=train, host_limit=host,
+                                     quantized_base=args.weights == "qlora").peak
         else:
             peak = step_peak(setup, layers, V, B, S, dtype, path=args.path,
-                             train_weights=train).peak
+                             train_weights=train, quantized_base=args.weights == "qlora").peak
         total = state + peak + headroom
         if room <= 0:
             verdict, n = "does not fit (model state)", 0
         else:
             verdict = "fits" if peak <= room else "does not fit"
             kw = dict(path=args.path, headroom=headroom, shard=args.shard,
-                      expert_lora_rank=args.expert_lora_rank)
+                      expert_lora_rank=args.expert_lora_rank, **_quant_kwargs(args))
             n = (longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
                                           args.weights, **kw) if offload else
                  longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
@@ -653,6 +706,17 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         rows.append(row)
     print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
                         "step s", "tokens/s", "longest S", "its step s", "its tokens/s"]))
+    if room > 0:
+        try:
+            choice = _auto_choice(args, layers, V, B, S, dtype, room=room)
+            print(f"auto (patch_llama(policy='auto'), no activation_budget: the room left for "
+                  f"the step): {_counts(list(choice.presets))}; step peak "
+                  f"{format_bytes(choice.peak)}, the layers' step about "
+                  f"{choice.seconds:,.3f} s (FLOPs, chunk sums and launches: "
+                  "ckpt_ext.plan.layer_seconds)")
+            _print_auto_layers(args, choice, layers, B, S, dtype)
+        except ValueError as err:
+            print(f"  {err}")
     if args.offload:
         _print_auto_offload(args, layers, V, B, S, dtype, room, host, state + headroom)
     if room <= 0:
@@ -660,7 +724,8 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
               f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
               f"{format_bytes(headroom)} kept free)"
               + ("; a full fine-tune keeps 16 B a parameter" if args.weights == "full" else ""))
-        need = _smallest_shard(layers, V, B, S, dtype, args, headroom)
+        need = (_smallest_shard(layers, V, B, S, dtype, args, headroom)
+                if args.weights != "qlora" else 0)
         if need:
             print(f"  sharded (--shard N, FSDP / ZeRO-3): min_memory fits S {S:,} from --shard "
                   f"{need}, where the state is "
@@ -706,6 +771,7 @@ def _print_auto_offload(args, layers, V, B, S, dtype, room, host, outside) -> No
     try:
         c = choose_presets_offload(layers, V, B, S, dtype, room, host, path=args.path,
                                    train_weights=args.weights == "full",
+                                   quantized_base=args.weights == "qlora",
                                    **_lora_kwargs(args),
                                    host_link_gbytes_per_s=args.host_link_gbytes_per_s,
                                    **_rate_kwargs(args, S))
@@ -737,13 +803,21 @@ def _model_state(args, layers, V, dtype, shard: Optional[int] = None) -> int:
     """The model state per GPU of --weights and --expert-lora-rank, sharded --shard ways (or
     ``shard``): ckpt_ext.plan.model_state_bytes."""
     return model_state_bytes(layers, V, dtype, args.weights, shard=shard or args.shard,
-                             expert_lora_rank=args.expert_lora_rank)
+                             expert_lora_rank=args.expert_lora_rank, **_quant_kwargs(args))
+
+
+def _quant_kwargs(args) -> dict:
+    """With --weights qlora, --quant and its double quantization (model_state_bytes)."""
+    if args.weights != "qlora":
+        return {}
+    return {"quant": args.quant, "double_quant": not args.no_double_quant}
 
 
 def _lora_kwargs(args) -> dict:
-    """With --weights lora, the adapters whose GEMMs the FLOPs count (ckpt_ext.plan.step_flops):
-    rank LORA_RANK on every projection, --expert-lora-rank on the routed experts."""
-    if args.weights != "lora":
+    """With --weights lora or qlora, the adapters whose GEMMs the FLOPs count
+    (ckpt_ext.plan.step_flops): rank LORA_RANK on every projection, --expert-lora-rank on the
+    routed experts."""
+    if args.weights not in ("lora", "qlora"):
         return {}
     return {"lora_rank": LORA_RANK, "expert_lora_rank": args.expert_lora_rank}
 

@@ -16,6 +16,12 @@ File format (JSON, :data:`FORMAT`)::
                 "source": "bench/results/....csv"},                   # optional
                ...]}
 
+An optional ``"overheads"`` object gives the time model's costs beyond FLOPs
+(:data:`OVERHEADS`: ``chunk_sum_gbytes_per_s``, the float32 weight-gradient sums of the
+layer's token chunks; ``chunk_launch_seconds`` and ``lora_chunk_launch_seconds``, the host's
+issue time per layer chunk without and with LoRA); those it leaves out keep the plan's
+defaults (:class:`Overheads`).
+
 ``kind`` is one of :data:`KINDS`; a rate serves a step of sequence length S when
 ``seq_min <= S <= seq_max`` (an absent bound: no limit); the first matching rate of a kind
 wins, so narrower ranges go first. ``attention_backward`` is the attention backward under the
@@ -53,8 +59,8 @@ from typing import Optional, Sequence
 
 from ._checks import _open_results_file
 
-__all__ = ["FORMAT", "KINDS", "HEADERS", "Rate", "Throughputs", "load_throughputs",
-           "throughputs_from_dict", "write_throughputs", "default_throughputs",
+__all__ = ["FORMAT", "KINDS", "HEADERS", "Rate", "Throughputs", "Overheads", "OVERHEADS",
+           "load_throughputs", "throughputs_from_dict", "write_throughputs", "default_throughputs",
            "from_backend_rows", "FASTEST"]
 
 FORMAT = "ckpt_ext kernel throughputs 2"
@@ -103,13 +109,47 @@ class Rate:
         return d
 
 
+# What a step of the sequence-tiled layer costs beyond its FLOPs (the plan's time model of
+# auto, ckpt_ext.plan.layer_seconds), from the H200 profile of one LLaMA-3-8B layer at S 4,096
+# (bench/results/gpu_h200_2026-11-27/quick_e_lora_profile.txt, commit 67ac4f8, when the layer
+# ran 4 attention and 11 MLP chunks there):
+# * chunk_sum_gbytes_per_s: each chunk past the first adds its weight gradients into float32
+#   sums, (8 + e) bytes of traffic a weight; `fast`'s aten::add_ took 6.93 ms for about 18.9 GB
+#   (10 MLP and 3 attention adds of 176M and 42M weights, 10 bytes each): 2.7 TB/s, 57% of the
+#   H200's 4.8; the same share of an H100's 3.35 TB/s is 1.9 TB/s;
+# * chunk_launch_seconds: the host's issue time per layer chunk (forward and backward), where
+#   the device waits on it: `fast`'s step took 23.2 ms against 20.4 ms of device time, about
+#   0.2 ms over its 15 chunks;
+# * lora_chunk_launch_seconds: the same with PEFT LoRA on the 7 projections, whose small ops
+#   the host issues per chunk: `fast@lora` took 48.6 ms for 16.1 ms of device time, about
+#   3.2 ms per chunk.
+# A layer's time in the model is the larger of its device time and its host time (the host
+# issues ahead while the device works). HF's own layer counts as one chunk. A throughputs file
+# may give its own values ("overheads", below).
+CHUNK_SUM_GBYTES_PER_S = 1900.0
+CHUNK_LAUNCH_SECONDS = 0.2e-3
+LORA_CHUNK_LAUNCH_SECONDS = 3.2e-3
+OVERHEADS = ("chunk_sum_gbytes_per_s", "chunk_launch_seconds", "lora_chunk_launch_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overheads:
+    """The time model's costs beyond FLOPs (see the constants above)."""
+
+    chunk_sum_gbytes_per_s: float = CHUNK_SUM_GBYTES_PER_S
+    chunk_launch_seconds: float = CHUNK_LAUNCH_SECONDS
+    lora_chunk_launch_seconds: float = LORA_CHUNK_LAUNCH_SECONDS
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Throughputs:
-    """Checked rates with the provenance headers of their file."""
+    """Checked rates with the provenance headers of their file, and the time model's
+    overheads (the file's ``overheads``, else the defaults)."""
 
     rates: tuple
     headers: dict
     source: str = ""
+    overheads: Overheads = Overheads()
 
     @property
     def has_strict(self) -> bool:
@@ -174,9 +214,18 @@ def throughputs_from_dict(data, source: str = "") -> Throughputs:
     # format 1: no row bounds, no strict rates
     keys = {"kind", "tflops", "source"} | set(_BOUNDS if fmt == FORMAT else _BOUNDS[:2])
     kinds = KINDS if fmt == FORMAT else REQUIRED
-    unknown = set(data) - set(HEADERS) - {"format", "note", "rates"}
+    unknown = set(data) - set(HEADERS) - {"format", "note", "rates", "overheads"}
     if unknown:
         raise bad(f"unknown key(s) {sorted(unknown)}")
+    given = data.get("overheads", {})
+    if not isinstance(given, dict) or set(given) - set(OVERHEADS):
+        raise bad(f"overheads must be an object with keys among {list(OVERHEADS)}, got "
+                  f"{given!r}")
+    for key, v in given.items():
+        if type(v) not in (int, float) or not math.isfinite(v) or v < 0 \
+                or (v == 0 and key == "chunk_sum_gbytes_per_s"):
+            raise bad(f"overheads: {key} must be a finite number >= 0 (a rate > 0), got {v!r}")
+    overheads = Overheads(**{k: float(v) for k, v in given.items()})
     entries = data.get("rates")
     if not isinstance(entries, list):
         raise bad(f"rates must be a list, got {entries!r}")
@@ -206,7 +255,7 @@ def throughputs_from_dict(data, source: str = "") -> Throughputs:
         if (kind in REQUIRED or any(r.kind == kind for r in rates)) and not _covers(rates, kind):
             raise bad(f"no {kind} rate serves every sequence length (end the {kind} rates "
                       f"with one without bounds; rows_min / rows_max ones serve chunks only)")
-    return Throughputs(tuple(rates), headers, str(source))
+    return Throughputs(tuple(rates), headers, str(source), overheads)
 
 
 def _covers(rates, kind) -> bool:
@@ -234,12 +283,15 @@ def load_throughputs(path) -> Throughputs:
 
 
 def write_throughputs(path, headers: dict, rates: Sequence[Rate],
-                      note: Optional[str] = None) -> dict:
-    """Write a throughputs file (checked by the reader first); returns its JSON object."""
+                      note: Optional[str] = None, overheads: Optional[dict] = None) -> dict:
+    """Write a throughputs file (checked by the reader first); returns its JSON object.
+    ``overheads``: measured values of the time model's :data:`OVERHEADS` (the rest default)."""
     data = {"format": FORMAT, **{k: headers[k] for k in HEADERS}}
     if note:
         data["note"] = note
     data["rates"] = [r.as_dict() for r in rates]
+    if overheads:
+        data["overheads"] = dict(overheads)
     throughputs_from_dict(data, str(path))
     pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
     return data

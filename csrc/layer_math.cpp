@@ -1593,11 +1593,7 @@ struct LocalQkv {
   at::Tensor q, k, v;
 };
 
-// Round j's query heads (dim 1 of a (B, Hq, S, ...) tensor) and KV heads (as exchanged).
-at::Tensor round_q(const SpContext& sp, const at::Tensor& t, int64_t j) {
-  const int64_t n = sp.g.size * sp.heads.num_heads;
-  return t.narrow(1, j * n, n);
-}
+// Round j's KV heads (dim 1 of a (B, Hkv, S, ...) tensor, as exchanged).
 at::Tensor round_kv(const SpContext& sp, const at::Tensor& t, int64_t j) {
   const int64_t n = sp.g.size * sp.heads.num_kv_heads;
   return t.narrow(1, j * n, n);

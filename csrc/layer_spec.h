@@ -494,15 +494,21 @@ using Member = at::Tensor Residuals::*;
 // What (part, preset) keeps, in the order of decoder_layer_fwd's `saved` output; with an MoE
 // MLP (moe) the routing decision in every preset and no gate/up (fast keeps no expert's).
 inline std::vector<Member> kept(Part part, Preset preset, bool moe = false) {
+  // push_back, not insert of an initializer list: GCC 12 at -O3 reads the latter as an
+  // out-of-bounds copy (-Warray-bounds / -Wstringop-overflow false positives)
   std::vector<Member> m;
-  if (moe && has_mlp(part)) m.insert(m.end(), {&Residuals::topk_idx, &Residuals::topk_w});
+  m.reserve(8);
+  auto add = [&m](std::initializer_list<Member> ms) {
+    for (Member x : ms) m.push_back(x);
+  };
+  if (moe && has_mlp(part)) add({&Residuals::topk_idx, &Residuals::topk_w});
   if (preset == Preset::kMinMemory) return m;
   if (has_attention(part)) {
-    if (preset == Preset::kFast) m.insert(m.end(), {&Residuals::q, &Residuals::k, &Residuals::v});
-    m.insert(m.end(), {&Residuals::out, &Residuals::lse});
+    if (preset == Preset::kFast) add({&Residuals::q, &Residuals::k, &Residuals::v});
+    add({&Residuals::out, &Residuals::lse});
   }
   if (part == Part::kLayer) m.push_back(&Residuals::h);
-  if (has_mlp(part) && preset == Preset::kFast && !moe) m.insert(m.end(), {&Residuals::gate, &Residuals::up});
+  if (has_mlp(part) && preset == Preset::kFast && !moe) add({&Residuals::gate, &Residuals::up});
   return m;
 }
 

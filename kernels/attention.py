@@ -40,8 +40,9 @@ that owns a query block and walks over the key blocks, recomputing Q K^T and dO 
 matmuls per tile pair in all); or ``atomic``, the dK/dV
 kernel also forms dS^T K and adds it into fp32 dQ rows with atomics, then one pass converts
 them to q's dtype (5 matmuls, as FlashAttention-2; not bit-reproducible); or ``ordered``, as
-``atomic`` with each dQ tile taking the key blocks' shares in key-block order (counters and
-waits in place of atomics: bit-reproducible; no window or segment ids). Each kernel visits
+``atomic`` with each dQ tile taking the key blocks' shares in a fixed order, the highest key
+block first (FlashAttention-3's; counters and waits in place of atomics: bit-reproducible; no
+segment ids). Each kernel visits
 only the blocks the band and the segments allow. All rebuild ``P = exp2(s * qk_scale - lse2)``
 tile by tile; the S x S matrix never exists in memory. A row whose lse is -inf gets ``P = 0``,
 hence zero gradients.
@@ -107,8 +108,10 @@ _LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the ker
 #              returns it (an acquire of its own: its later reads see what was released);
 #   _DONE_PTX  bar.sync (every thread's stores of the tile are done), then thread 0 adds 1 to
 #              the counter with release semantics (cumulative over those stores).
-# The labels and registers are local to the braces. The interpreter runs no PTX: it spins in
-# a Triton loop with barriers around the tile's read-add-write.
+# The labels and registers are local to the braces. The interpreter runs no PTX and no
+# spin: it runs the programs one at a time in grid order, so a key block's turn has come when
+# it first reads the counter or never will; a wrong turn puts NaN into the tile (a failure
+# that the tests see, where a spin would hang).
 _PTX_SYNC = tl.constexpr(not _launch.INTERPRET)
 _WAIT_PTX = tl.constexpr("""{
     .reg .pred %p_w;
@@ -157,12 +160,14 @@ def dq_mode() -> str:
     all). ``atomic``: the dK/dV kernel also forms dS^T K and adds it into an fp32 dQ buffer
     with atomics, then one pass converts it to q's dtype (5 matmuls per tile pair, as
     FlashAttention-2; the fp32 sums' order, hence their last bits, vary between runs).
-    ``ordered``: as ``atomic``, but each dQ tile takes the key blocks' shares in key-block
-    order (a counter per tile, a wait for its turn, a plain read-add-write): 5 matmuls and
-    bit-reproducible, at the price of the waits; calls with a window or segment ids run the
-    separate kernel instead. All are exact formulas tested against the same reference; which
-    is faster is for a GPU measurement to decide (``bench/attention.py --backend-rows``
-    times each), and ``auto`` follows that measurement.
+    ``ordered``: as ``atomic``, but each dQ tile takes the key blocks' shares in a fixed
+    order, from the highest key block that meets it down (FlashAttention-3's: the key blocks
+    are launched right to left; a counter per tile, a wait for its turn, a plain
+    read-add-write): 5 matmuls and bit-reproducible, at the price of the waits; calls with
+    segment ids run the separate kernel instead. All are exact formulas tested against the
+    same reference; which is faster is for a GPU measurement to decide
+    (``bench/attention.py --backend-rows`` times each), and ``auto`` follows that
+    measurement.
     """
     return _config.current().attention_dq
 
@@ -438,15 +443,34 @@ def _attn_bwd_preprocess_kernel(Out, DOut, Lse, Delta, Lse2,
 
 
 @triton.jit
+def _dq_turn(start_m, turn_cap, turn_shift, BLOCK_N: tl.constexpr):
+    """The ordered dQ sums' turn of key block kb (of n_kb) on the block of query rows from
+    start_m: last - kb, last the highest key block that meets those rows.
+
+    Key block n meets them iff its first key is within reach of their last query (global
+    position q_off + start_m + BLOCK_M - 1; a key may lie win_after to the right of its
+    query), i.e. n * BLOCK_N < start_m + BLOCK_M + reach with reach = q_off + min(win_after,
+    Sk) (Sk: no limit). So last = min(n_kb, cdiv(start_m + BLOCK_M + reach, BLOCK_N)) - 1,
+    and last - kb = min(turn_cap, (start_m + turn_shift) // BLOCK_N) with the key block's
+    constants turn_cap = n_kb - 1 - kb (the key blocks above it) and turn_shift = BLOCK_M +
+    reach + BLOCK_N - 1 - (kb + 1) * BLOCK_N: two scalars live in the loop, not three. The
+    quotient is >= 0 on every block of rows the key block visits (it is the number of key
+    blocks above kb that meet it before the cap), so truncating and flooring agree."""
+    return tl.minimum(turn_cap, (start_m + turn_shift) // BLOCK_N)
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b, Delta_b,
-                         DQA_b, Sem_b, turn, SegId_b, stride_qh, stride_qs, stride_qd,
+                         DQA_b, Sem_b, turn_cap, turn_shift, SegId_b,
+                         stride_qh, stride_qs, stride_qd,
                          stride_gh, stride_gs, stride_gd, stride_ah, stride_as, stride_ad,
                          row_pitch, n_heads, offs_d, lo, hi, Sq, q_off, qk_scale, sm_scale,
                          win_before, win_after, key_edge, cap_in, cap_out,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BAND: tl.constexpr,
-                         WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                         DQ_ATOMIC: tl.constexpr, DQ_ORDERED: tl.constexpr,
-                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BAND: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+                         HAS_SEG: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                         DQ_ORDERED: tl.constexpr, SOFTCAP: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of each of
     n_heads query heads (one flat loop over (head, block) pairs, heads outer, in a fixed
     order); with DQ_ATOMIC also add this key block's share of dQ (scaled) to the fp32 rows of
@@ -470,22 +494,32 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
     derivative 1 - tanh^2. dP^T - delta is formed before P^T, so that only P^T and that
     difference are live when dS^T is.
 
-    DQ_ORDERED: the dQ tile of (head g, query block) takes the key blocks' shares in the order
-    of the key blocks, so the sums are the same at every run. Sem_b holds one int32 counter per
-    query row (the block's first row counts for it; the group's heads row_pitch apart, as
-    Lse2_b): the key blocks that added to the tile so far. This key block (its index: turn)
-    waits until the counter reads turn, adds its share with a plain read-add-write (it alone
-    holds the tile then), and counts itself. Exact when every key block before this one
-    visits every block of rows (below Sq) this one does, so that the count reaches turn:
-    without a window or segment ids (causal or not, any padding mask, any q_off; a key block
-    whose range is empty may still meet one block of rows, rounded from the empty range,
-    which every key block before it met too, or one past Sq, skipped). The waits cannot
-    deadlock when the key blocks before this one were scheduled earlier (the launcher's grid
-    order). On a GPU the wait and the count are inline PTX (``_WAIT_PTX``, ``_DONE_PTX``), so
-    the loop stays pipelined (tools/check_triton_compile.py's sm_90 compile has the atomic
-    kernel's asynchronous copies); the interpreter runs a Triton loop and barriers instead.
-    What the waits cost against the 2 matmuls saved is for a GPU to measure
-    (tools/gpu_validate.sh quick --parts q).
+    DQ_ORDERED: the dQ tile of (head g, query block) takes the key blocks' shares in a fixed
+    order, FlashAttention-3's: from the highest key block that meets the tile down to the
+    lowest, so the sums are the same at every run. Sem_b holds one int32 counter per query
+    row (the block's first row counts for it; the group's heads row_pitch apart, as Lse2_b):
+    the key blocks that added to the tile so far. This key block takes its turn on the tile
+    (:func:`_dq_turn` of turn_cap, turn_shift): the number of key blocks above it that meet
+    the tile. It waits until the counter reads that turn, adds its share with a plain
+    read-add-write (it alone holds the tile then), and counts itself.
+
+    Exact because the key blocks that meet a block of rows are consecutive and end at the
+    turn's "last": the first and the past-the-end block of rows a key block visits
+    (floor(lo / BLOCK_M), cdiv(max(hi, lo), BLOCK_M), from :func:`_partner_range` and
+    :func:`_tile_ranges`) never decrease from one key block to the next, for any causal
+    diagonal, window, padding mask and q_off (without segment ids, whose spans need not grow
+    with the key position: those calls take the separate kernel). A key block whose range is
+    empty may still meet one block of rows, rounded from the empty range: the blocks above it
+    meet that one too, and one past Sq is skipped. The waits cannot deadlock: a key block
+    waits only for higher key blocks, which the launcher's grid puts at lower program ids
+    (:func:`_attn_bwd_dkdv_kernel`), scheduled earlier. Causal key blocks from the right are
+    also the shortest walks first, so a tile's adds tend to come in the order its counter
+    wants (FlashAttention-3's reason for that order). On a GPU the wait and the count are
+    inline PTX (``_WAIT_PTX``, ``_DONE_PTX``), so the loop stays pipelined
+    (tools/check_triton_compile.py's sm_90 compile has the atomic kernel's asynchronous
+    copies); the interpreter reads the counter once and puts NaN into the tile if the turn
+    has not come (see ``_PTX_SYNC``). What the waits cost against the 2 matmuls saved is for
+    a GPU to measure (tools/gpu_validate.sh quick --parts q).
     """
     d_ok = offs_d < HEAD_DIM
     n_blocks = (hi - lo) // BLOCK_M
@@ -538,6 +572,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
                 # a block of rows past Sq (an empty range rounded to a tile) holds nothing
                 if start_m < Sq:
                     count = Sem_b + g * row_pitch + start_m
+                    turn = _dq_turn(start_m, turn_cap, turn_shift, BLOCK_N)
                     if _PTX_SYNC:
                         seen = tl.inline_asm_elementwise(_WAIT_PTX, "=r,l,r", [count, turn],
                                                          dtype=tl.int32, is_pure=False, pack=1)
@@ -548,13 +583,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b, Lse2_b,
                         tl.store(dq_ptrs, dq, mask=ok)
                         tl.inline_asm_elementwise(_DONE_PTX, "=r,l", [count], dtype=tl.int32,
                                                   is_pure=False, pack=1)
-                    else:
-                        while tl.atomic_add(count, 0, sem="acquire") != turn:
-                            pass
-                        tl.debug_barrier()   # every thread reads after the acquire
-                        dq += tl.load(dq_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                    else:   # the interpreter: one program at a time (see _PTX_SYNC)
+                        seen = tl.atomic_add(count, 0, sem="acquire")
+                        dq += tl.load(dq_ptrs, mask=ok, other=0.0)
+                        dq = tl.where(seen == turn, dq, float("nan"))
                         tl.store(dq_ptrs, dq, mask=ok)
-                        tl.debug_barrier()   # every thread's store before the release
                         tl.atomic_add(count, 1, sem="release")
             else:
                 tl.atomic_add(dq_ptrs, dq, mask=ok, sem="relaxed")
@@ -589,17 +622,21 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
     row_pitch (a multiple of ``_ROW_PITCH``). Visibility as in the forward; the query blocks
     that cannot see any key of this block are never visited.
 
-    DQ_ORDERED (with DQ_ATOMIC): dQ added in key-block order (``_attn_bwd_dkdv_inner``), Sem
-    (B, Hq, row_pitch) int32 counters, zeroed; the grid is then one-dimensional,
-    cdiv(Sk, BLOCK_N) * NBH programs with NBH = B * Hkv, the (batch, KV head) pairs fastest:
-    a program waits only on programs of lower index, and the programs in flight at once are
-    spread over the heads (a few key blocks each) rather than all on one head's key blocks.
+    DQ_ORDERED (with DQ_ATOMIC): dQ added from the highest key block down
+    (``_attn_bwd_dkdv_inner``), Sem (B, Hq, row_pitch) int32 counters, zeroed; the grid is
+    then one-dimensional, cdiv(Sk, BLOCK_N) * NBH programs with NBH = B * Hkv, the key blocks
+    walked right to left (program id p holds key block cdiv(Sk, BLOCK_N) - 1 - p // NBH) and
+    the (batch, KV head) pairs fastest: a program waits only on programs of lower index, and
+    the programs in flight at once are spread over the heads (consecutive programs are other
+    heads, whose counters they never share) rather than all on one head's key blocks.
     """
     tl.static_assert(_ROW_PITCH % BLOCK_M == 0, "BLOCK_M must divide _ROW_PITCH")
+    n_kb = tl.cdiv(Sk, BLOCK_N)
     if DQ_ORDERED:
         pid = tl.program_id(0)
-        pid_n = pid // NBH
-        bh = pid - pid_n * NBH
+        step = pid // NBH
+        pid_n = n_kb - 1 - step
+        bh = pid - step * NBH
         b = (bh // Hkv).to(tl.int64)
         hk = (bh % Hkv).to(tl.int64)
     else:
@@ -628,6 +665,9 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
     lo, full_lo, full_hi, hi = _tile_ranges(start_n - q_off, last_n - q_off, lo, hi, win_after,
                                             win_before, BLOCK_M)
     key_edge = start_n + BLOCK_N > Sk
+    # the ordered dQ sums' turns (_dq_turn): the key blocks above this one, and the shift
+    turn_cap = n_kb - 1 - pid_n
+    turn_shift = BLOCK_M + BLOCK_N - 1 + q_off + tl.minimum(win_after, Sk) - (pid_n + 1) * BLOCK_N
     if HAS_MASK:
         keep = tl.load(Mask + b * stride_mb + offs_n * stride_ms, mask=col_ok, other=0)
         col_ok = col_ok & (keep != 0)
@@ -646,35 +686,36 @@ def _attn_bwd_dkdv_kernel(Q, K, V, Mask, SegId, SegLo, SegHi, DOut, Lse2, Delta,
     if WINDOW:
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
                                       Lse2 + row_base, Delta + row_base, DQA_b,
-                                      Sem + row_base, pid_n, SegId_b,
+                                      Sem + row_base, turn_cap, turn_shift, SegId_b,
                                       stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
                                       stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
                                       GROUP, offs_d, lo, full_lo, Sq, q_off, qk_scale, sm_scale,
                                       win_before, win_after, key_edge, cap_in, cap_out,
-                                      HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
-                                      DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
+                                      HEAD_DIM, BLOCK_M, BLOCK_N, True, WINDOW, HAS_MASK,
+                                      HAS_SEG, DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
         interior_lo = full_lo
     else:
         interior_lo = lo
     dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
                                   Lse2 + row_base, Delta + row_base, DQA_b,
-                                  Sem + row_base, pid_n, SegId_b,
+                                  Sem + row_base, turn_cap, turn_shift, SegId_b,
                                   stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
                                   stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
                                   GROUP, offs_d, interior_lo, full_hi, Sq, q_off, qk_scale,
                                   sm_scale, win_before, win_after, key_edge, cap_in, cap_out,
-                                  HEAD_DIM, BLOCK_M, CAUSAL and not WINDOW, WINDOW, HAS_MASK,
-                                  HAS_SEG, DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
+                                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL and not WINDOW, WINDOW,
+                                  HAS_MASK, HAS_SEG, DQ_ATOMIC, DQ_ORDERED, SOFTCAP,
+                                  DOT_PRECISION)
     if WINDOW:
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, col_ok, seg_k, offs_n, Q_b, DO_b,
                                       Lse2 + row_base, Delta + row_base, DQA_b,
-                                      Sem + row_base, pid_n, SegId_b,
+                                      Sem + row_base, turn_cap, turn_shift, SegId_b,
                                       stride_qh, stride_qs, stride_qd, stride_gh, stride_gs,
                                       stride_gd, stride_ah, stride_as, stride_ad, row_pitch,
                                       GROUP, offs_d, full_hi, hi, Sq, q_off, qk_scale, sm_scale,
                                       win_before, win_after, key_edge, cap_in, cap_out,
-                                      HEAD_DIM, BLOCK_M, True, WINDOW, HAS_MASK, HAS_SEG,
-                                      DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
+                                      HEAD_DIM, BLOCK_M, BLOCK_N, True, WINDOW, HAS_MASK,
+                                      HAS_SEG, DQ_ATOMIC, DQ_ORDERED, SOFTCAP, DOT_PRECISION)
 
     out_off = b * stride_db + hk * stride_dh + offs_n[:, None] * stride_ds + offs_d[None, :] * stride_dd
     if ACCUMULATE:  # one tile at a time: the read adds no more live registers than the loop had
@@ -1147,9 +1188,9 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
         mode = _route.triton_dq_mode(
             _route.Call.of("bwd", q, k, key_padding_mask, segment_ids, window, causal,
                            q_offset, softcap), arch)
-    # "ordered" needs every key block before a key block to visit the query blocks it visits
-    # (see _attn_bwd_dkdv_inner): a window or segment ids take the separate dQ kernel
-    ordered = mode == "ordered" and not has_seg and before == _NO_LIMIT
+    # "ordered" needs the key blocks that meet a block of rows to be consecutive (see
+    # _attn_bwd_dkdv_inner): segment ids take the separate dQ kernel
+    ordered = mode == "ordered" and not has_seg
     atomic = mode == "atomic" or ordered
     if atomic:  # fp32 sums, zeroed; for fp32 inputs dq is its own accumulator
         dq_acc = dq if q.dtype == torch.float32 else _empty_bshd(B, Hq, Sq, D, torch.float32,
@@ -1181,7 +1222,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, segment_ids, window
         if dv.stride() != dk.stride():
             dv_run = torch.empty_strided(dk.shape, dk.stride(), dtype=dv.dtype, device=dv.device)
             dv_run.copy_(dv)
-        if ordered:   # one axis, the (batch, KV head) pairs fastest (the kernel's docstring)
+        if ordered:   # one axis: key blocks right to left, the (batch, KV head) pairs fastest
             def grid(m):
                 return (_launch.cdiv(Sk, m["BLOCK_N"]) * B * Hkv, 1, 1)
         else:

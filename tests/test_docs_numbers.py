@@ -12,6 +12,10 @@ Three markers, HTML comments that Markdown and mkdocs leave out of the rendered 
     line of that block must be a line of FILE (ends stripped). A table may quote some rows.
 ``<!-- calc EXPR -->FIGURE``: a figure derived from a formula (say bytes per token at some
     dims); EXPR is arithmetic (digits, + - * / ** and parentheses), compared as above.
+``FIGURE ... <!-- src FILE :: REGEX [:: UNIT] @ FIGURE -->`` (or ``calc EXPR @ FIGURE``): the same
+    checks, the marker at the end of the line (only other markers, spaces or a table's closing
+    ``|`` after it) naming the figure it vouches for, which must occur exactly once in that
+    line's prose before it. A reader of the raw Markdown in a terminal sees the sentence whole.
 
 Outside code, a number with a unit of memory, time or ratio (``MiB``, ``KiB/token``, ``s``,
 ``minutes``, ``x``, ``%``, ``TFLOP/s``, ...) must carry one of these markers, so a measured
@@ -139,6 +143,22 @@ def block_after(lines, i):
     return list(range(j, k)), set(range(j, k))
 
 
+def trailing_figure(line, m, figure, prose):
+    """(figure, error) for a line-end marker ``m`` that names ``figure``: the figure must occur
+    once in the line's prose before the marker; that occurrence is taken out of ``prose``."""
+    rest = MARKER.sub("", line[m.end():])
+    if rest.strip(" \t|"):
+        return None, f"a marker naming its figure ('@ {figure}') must end the line"
+    if not re.fullmatch(r"-?\d[\d,]*(?:\.\d+)?", figure):
+        return None, f"'@ {figure}' does not name a number"
+    left = "".join(c if keep else " " for c, keep in zip(line[:m.start()], prose))
+    hits = list(re.finditer(rf"(?<![\w.,]){re.escape(figure)}(?![\d]|[.,]\d)", left))
+    if len(hits) != 1:
+        return None, f"'@ {figure}' occurs {len(hits)} times in the line's prose (needs 1)"
+    prose[hits[0].start():hits[0].end()] = bytes(hits[0].end() - hits[0].start())
+    return figure, None
+
+
 def check_text(text, results=RESULTS, name="<text>"):
     """Every problem with the quoted figures of one Markdown text, as strings."""
     problems, lines = [], text.split("\n")
@@ -178,23 +198,31 @@ def check_text(text, results=RESULTS, name="<text>"):
             prose[m.start():m.end()] = bytes(m.end() - m.start())
             if kind == "src-table":
                 continue
-            fig = FIGURE.match(line, m.end())
-            if not fig:
-                problems.append(f"{where}: {kind} marker not followed by a figure")
-                continue
-            prose[m.end():fig.end()] = bytes(fig.end() - m.end())
-            figure = fig.group(1)
+            body, at, named = m.group(2).rpartition(" @ ")
+            if at:
+                figure, err = trailing_figure(line, m, named.strip(), prose)
+                if err:
+                    problems.append(f"{where}: {err}")
+                    continue
+            else:
+                body = m.group(2)
+                fig = FIGURE.match(line, m.end())
+                if not fig:
+                    problems.append(f"{where}: {kind} marker not followed by a figure")
+                    continue
+                prose[m.end():fig.end()] = bytes(fig.end() - m.end())
+                figure = fig.group(1)
             if kind == "src":
-                value, err = source_value(m.group(2), results)
+                value, err = source_value(body, results)
             else:
                 try:
-                    value, err = arithmetic(m.group(2)), None
+                    value, err = arithmetic(body), None
                 except (ValueError, SyntaxError, ZeroDivisionError) as e:
-                    value, err = None, f"calc {m.group(2)!r}: {e}"
+                    value, err = None, f"calc {body!r}: {e}"
             if err:
                 problems.append(f"{where}: {err}")
             elif not rounded_equal(value, figure):
-                problems.append(f"{where}: quotes {figure} but {kind} {m.group(2)!r} gives {value:g}")
+                problems.append(f"{where}: quotes {figure} but {kind} {body!r} gives {value:g}")
         if i in covered:
             continue
         text_left = "".join(c if keep else " " for c, keep in zip(line, prose))
@@ -275,18 +303,46 @@ def test_a_changed_table_row_is_detected(results):
     assert "no table or code block" in problems[0]
 
 
+def test_line_end_markers(results):
+    ok = ("peak 50.2 GiB at **131,072** tokens <!-- src run.csv :: ^min_memory,\\d+,(\\d+) :: GiB "
+          "@ 50.2 --><!-- src run.csv :: ^min_memory,(\\d+), @ 131,072 -->")
+    assert check_text(ok, results) == []
+    assert check_text("| a | 8,192 B <!-- calc 2*4096 @ 8,192 --> |", results) == []
+    cases = {
+        ok.replace("peak 50.2", "peak 50.3"): "occurs 0 times",
+        ok.replace("@ 50.2", "@ 50.3"): "occurs 0 times",
+        ok.replace("tokens <!--", "tokens, 131,072 again <!--"): "occurs 2 times",
+        ok.replace(":: GiB @ 50.2 -->", ":: GiB @ 50.2 --> more"): "must end the line",
+        "at 8,193 bytes <!-- calc 2*4096 @ 8,193 -->": "quotes 8,193",
+        "at 8 GiB <!-- calc 2*4 @ GiB -->": "does not name a number",
+        # a figure that only part of a larger number spells is not the figure
+        "at 131,0725 <!-- src run.csv :: ^min_memory,(\\d+), @ 131,072 -->": "occurs 0 times",
+    }
+    for text, expected in cases.items():
+        problems = check_text(text, results)
+        assert any(expected in p for p in problems), (text, problems)
+
+
 def test_a_changed_readme_figure_is_detected():
     """The real README: change the first sourced figure and the check must fail."""
     text = (ROOT / "README.md").read_text()
     m = next(m for m in MARKER.finditer(text) if m.group(1) == "src")
-    fig = FIGURE.match(text, m.end())
-    start, end = fig.span(1)
-    figure = fig.group(1)
+    named = m.group(2).rpartition(" @ ")[2].strip() if " @ " in m.group(2) else None
+    if named:                           # a line-end marker: its figure sits earlier in the line
+        line_start = text.rindex("\n", 0, m.start()) + 1
+        start = text.index(named, line_start)
+        end, figure = start + len(named), named
+    else:
+        fig = FIGURE.match(text, m.end())
+        start, end = fig.span(1)
+        figure = fig.group(1)
     last = figure[-1]
     changed = text[:end - 1] + ("1" if last != "1" else "2") + text[end:]
     assert check_text(text, name="README.md") == []
     problems = check_text(changed, name="README.md")
-    assert len(problems) == 1 and f"quotes {figure[:-1]}" in problems[0], problems
+    assert len(problems) == 1, problems
+    assert "occurs 0 times" in problems[0] if named else f"quotes {figure[:-1]}" in problems[0], \
+        problems
 
 
 def slug(heading):

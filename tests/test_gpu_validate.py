@@ -60,7 +60,7 @@ def _part_alone(out, part, timeout=300):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     summary = proc.stdout[proc.stdout.index("gpu_validate quick: summary"):]
     assert re.search(rf"^{part} ok ", summary, re.M), summary
-    others = "".join(sorted(set("abcdefgmqs") - {part}))
+    others = "".join(sorted(set("abcdefgmqst") - {part}))
     assert not re.search(rf"^[{others}] (ok|FAILED|TIMEOUT|SKIPPED)", summary, re.M), summary
     return summary
 
@@ -157,21 +157,25 @@ def test_attention_backends_rows(dry_run):
     assert "CKPT_EXT_AUTOTUNE=1" in text
     # the routing's bench: the op with each backend pinned, then its CSV and choice table
     assert "bench/attention.py --backend-rows" in text
-    assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0: fwd [\d.]+ ms", text, re.M), text
+    # Triton is timed under each dQ mode (table format 2), each its own row and CSV line
+    for mode in ("separate", "ordered", "atomic"):
+        assert re.search(rf"^ +triton:{mode} Sq=64 Sk=64 q_offset=0: fwd [\d.]+ ms", text,
+                         re.M), (mode, text)
+        assert re.search(rf"^triton:{mode},triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), mode
     for backend in ("flash", "cudnn", "efficient"):
         assert re.search(rf"^ +{backend} Sq=16 Sk=64 q_offset=48: ", text, re.M), backend
-    assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,", text, re.M), text
     # the layer's own calls (6 rows per chunk at the dry run's tiny dims and 16 KiB cap):
     # its first, middle and last chunk, each against the keys it sees
     for sq, sk, off in ((6, 6, 0), (6, 36, 30), (4, 64, 60)):
-        assert re.search(rf"^ +triton Sq={sq} Sk={sk} q_offset={off}: fwd [\d.]+ ms", text,
-                         re.M), (sq, sk, text)
-        assert re.search(rf"^triton,triton,fwd\+bwd,1,4,2,16,{sq},{sk},{off},.*,layer S 64: "
-                         rf"chunk \d+/11 of 6 rows", text, re.M), (sq, sk)
+        assert re.search(rf"^ +triton:ordered Sq={sq} Sk={sk} q_offset={off}: fwd [\d.]+ ms",
+                         text, re.M), (sq, sk, text)
+        assert re.search(rf"^triton:ordered,triton,fwd\+bwd,1,4,2,16,{sq},{sk},{off},.*,"
+                         rf"layer S 64: chunk \d+/11 of 6 rows", text, re.M), (sq, sk)
     # each shape again packed (documents of 24 tokens as segment ids), its own table rules
-    assert re.search(r"^ +triton Sq=64 Sk=64 q_offset=0 packed 24: fwd [\d.]+ ms", text, re.M)
-    assert re.search(r"^triton,triton,fwd\+bwd,1,4,2,16,64,64,0,float32,True,packed 24,", text,
-                     re.M), text
+    assert re.search(r"^ +triton:atomic Sq=64 Sk=64 q_offset=0 packed 24: fwd [\d.]+ ms", text,
+                     re.M)
+    assert re.search(r"^triton:atomic,triton,fwd\+bwd,1,4,2,16,64,64,0,float32,True,packed 24,",
+                     text, re.M), text
     assert '"rules"' in text and '"masks": "packed"' in text
 
 
@@ -220,7 +224,18 @@ def test_parts_argument_refuses_other_letters(tmp_path):
                           cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "--parts takes letters among abcdefgmqs, got 'ax'" in proc.stdout
+    assert "--parts takes letters among abcdefgmqst, got 'ax'" in proc.stdout
+
+
+def test_parts_whose_files_pass_eight_refused(tmp_path):
+    """The default list returns 8 files; the speed table's part with it would return 9, which
+    the device tool would not bring back: refused before anything runs."""
+    proc = subprocess.run(["bash", str(SCRIPT), "quick", "--dry-run", "--parts", "abcdefgt"],
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--parts abcdefgt would return 9 files, more than the device tool's 8" in proc.stdout
+    assert not list(tmp_path.iterdir())
 
 
 def test_sweep_part_alone_writes_a_winners_file(sweep_dry_run):
@@ -308,3 +323,25 @@ def test_moe_layer_part_alone(tmp_path):
     assert errs["hf"] == 0 and all(e < 1e-4 for e in errs.values()), errs
     assert "LoRA r 4 on attention and experts" in summary
     assert summary.count("goal (Liger's fused MoE") == 2, summary
+
+
+# ---- part t: the speed table (--parts t, or e.g. --parts bcet) ---------------------------------
+def test_speed_table_part_alone(tmp_path):
+    """--parts t: bench/speed.py with the GPU's arguments and --dry-run (the CPU, tiny sizes):
+    every row (HF without and with checkpointing, + the fused loss, the presets, auto; each
+    with LoRA) at both lengths, its CSV in the part's file, the tables and goals in the
+    summary; no other part ran, two files."""
+    summary = _part_alone(tmp_path, "t")
+    assert {p.name for p in tmp_path.iterdir()} == {"quick_0_summary.txt", "quick_t_speed.txt"}
+    log = _read(tmp_path, "quick_t_speed.txt")
+    assert log.startswith("# device: CPU dry run")
+    assert "bench/speed.py --seqs 4096,16384 --warmup 1 --reps 3 --dry-run --deadline" in log
+    rows = re.findall(r"^([a-z_+@]+),[a-z_+]+,[01],(\d+),ok,[\d.e+-]+,[\d.e+-]+,", log, re.M)
+    names = {s + x for x in ("", "@lora") for s in ("hf", "hf_gc", "hf_gc+fused_loss", "fast",
+                                                     "balanced", "min_memory", "auto")}
+    assert set(rows) == {(n, s) for n in names for s in ("32", "64")}, log[-3000:]
+    assert "-- t: speed table" in summary
+    for s in (32, 64):
+        assert f"== S {s}: step ms and peak MiB" in summary
+        assert re.search(rf"^hf_gc\+fused_loss@lora +ok +[\d.]+ +[\d.]+$", summary, re.M)
+        assert re.search(rf"^goal S={s}: fast / hf = ", summary, re.M), summary

@@ -103,6 +103,22 @@ def test_test_extra_bounds_the_libraries_the_suite_checks():
         project = tomllib.load(f)["project"]
     extra = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower(): r
              for r in project["optional-dependencies"]["test"]}
-    for name in ("transformers", "peft", "accelerate", "deepspeed", "trl"):
+    for name in ("transformers", "peft", "accelerate", "deepspeed", "trl", "bitsandbytes"):
         assert name in extra and "<" in extra[name], f"the test extra: {name} unbounded ({extra})"
     assert not any("<" in r for r in project["dependencies"]), project["dependencies"]
+
+
+def test_license_is_an_spdx_expression():
+    """setuptools deprecates the ``license = {text = ...}`` table (its build prints the
+    deprecation, a hard error from 2027-02-18); the SPDX string needs setuptools 77, which the
+    build requires (torch 2.13 itself requires 77.0.3)."""
+    import re
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        toml = tomllib.load(f)
+    assert toml["project"]["license"] == "BSD-3-Clause", toml["project"]["license"]
+    assert toml["project"]["license-files"] == ["LICENSE"]
+    assert os.path.isfile(os.path.join(ROOT, "LICENSE"))
+    setuptools = next(r for r in toml["build-system"]["requires"] if r.startswith("setuptools"))
+    least = re.search(r">=\s*([\d.]+)", setuptools)
+    assert least and tuple(int(x) for x in least.group(1).split(".")[:2]) >= (77, 0), setuptools

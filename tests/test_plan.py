@@ -201,8 +201,11 @@ def test_cli_on_a_config(tmp_path, capsys):
     out = r.stdout
     for word in ("fast", "balanced", "min_memory", "torch", "HF", "fused", "auto"):
         assert word in out, out
-    want = choose_presets([LayerDims(64, 4, 2, 16, 176)] * 4, 2, 128, "bf16", "300KiB")
-    assert "per layer: " + " ".join(want) in out
+    want = plan.choose_auto([LayerDims(64, 4, 2, 16, 176)] * 4, 1000, 2, 128, "bf16",
+                            budget="300KiB")
+    line = next(x for x in out.splitlines() if x.startswith("per layer (preset, token chunks"))
+    assert re.findall(r"\d: ([a-z_]+) x(\d+) chunks? [\d.]+ ms", line) == [
+        (p, str(n)) for p, n in zip(want.presets, want.chunks)], line
     assert plan_cli.main(DIMS_ARGS + ["--budget", "300KiB"]) == 0
     assert capsys.readouterr().out == out
     assert plan_cli.main([str(tmp_path), "--batch", "2", "--seq", "128", "--budget", "300KiB"]) == 0
@@ -256,7 +259,7 @@ def assert_usage_error(flag, value, extra=()):
 @pytest.mark.parametrize("flag,value", [("--seq", "0"), ("--batch", "-1"), ("--seq", "x"),
                                         ("--batch", "2.5"), ("--hidden-size", "0"),
                                         ("--vocab-size", "-3"), ("--budget", "3 parsecs"),
-                                        ("--device-memory", "lots"), ("--weights", "qlora"),
+                                        ("--device-memory", "lots"), ("--weights", "int4"),
                                         ("--path", "tpu")])
 def test_cli_bad_argument_is_a_usage_error(flag, value, capsys):
     assert_usage_error(flag, value)
@@ -468,7 +471,7 @@ def _measured_peak(case, setup, monkeypatch):
 @pytest.mark.parametrize("case", sorted(PEAK_CASES))
 @pytest.mark.parametrize("setup", plan.PEAK_SETUPS)
 def test_step_peak_model_matches_the_cpu_allocator(case, setup, monkeypatch):
-    """plan.step_peak (path="cpu") within 10% of the measured peak of a training step, and
+    """plan.step_peak (path="cpu") within 5% of the measured peak of a training step, and
     its saved bytes within 2% of saved_activation_bytes, in shapes it was not fitted on."""
     if torch.cuda.is_available():
         pytest.skip("measures the CPU allocator (the model's CUDA path is checked by "
@@ -484,7 +487,7 @@ def test_step_peak_model_matches_the_cpu_allocator(case, setup, monkeypatch):
         saved += 2 * 4 * c["S"] * c["D"]
     print(f"{case} {setup}: peak {peak} model {model.peak} ({model.phase}); saved {saved} "
           f"model {model.saved}")
-    assert abs(model.peak - peak) <= 0.10 * peak, (model.peak, peak, model.phase)
+    assert abs(model.peak - peak) <= 0.05 * peak, (model.peak, peak, model.phase)
     assert abs(model.saved - saved) <= 0.02 * saved, (model.saved, saved)
 
 
@@ -516,14 +519,14 @@ def test_longest_sequence_is_the_last_that_fits():
 
 def test_step_peak_rejects_bad_arguments():
     layers = [LLAMA3_8B]
-    with pytest.raises(ValueError, match="setup must be one of"):
-        plan.step_peak("none", layers, 10, 1, 8, "bf16")
+    with pytest.raises(ValueError, match="setup must be one of .* or 'none'"):
+        plan.step_peak("quick", layers, 10, 1, 8, "bf16")
     with pytest.raises(ValueError, match="path must be 'cuda' or 'cpu'"):
         plan.step_peak("fast", layers, 10, 1, 8, "bf16", path="tpu")
     with pytest.raises(ValueError, match="S must be a positive int"):
         plan.step_peak("fast", layers, 10, 1, 0, "bf16")
-    with pytest.raises(ValueError, match="weights must be 'full' or 'lora'"):
-        plan.model_state_bytes(layers, 10, "bf16", "qlora")
+    with pytest.raises(ValueError, match="weights must be 'full', 'lora' or 'qlora'"):
+        plan.model_state_bytes(layers, 10, "bf16", "int4")
 
 
 # ---- absurd sizes: exact integers and bounded inputs (issue 39 item 4) -------------------------
@@ -1600,3 +1603,79 @@ def test_cli_prints_the_strict_step_times(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("use_deterministic_algorithms(True) (deterministic attention backwards only): the "
             "same, the strict backward's rate being the default's, 170 TFLOP/s") in out
+
+
+# ---- QLoRA (weights="qlora") ------------------------------------------------------------------
+
+def test_quantized_bytes_by_hand():
+    """bitsandbytes' storage of a (rows, cols) weight: nf4/fp4 half a byte a weight and a scale
+    per 64 (fp32, or 8-bit with an fp32 scale per 256 blocks); int8 a byte a weight and an
+    fp32 scale per row. An odd shape rounds up."""
+    assert plan.quantized_bytes(4096, 4096, "nf4", double_quant=False) == \
+        4096 * 4096 // 2 + 4 * 4096 * 4096 // 64
+    assert plan.quantized_bytes(4096, 4096, "fp4") == \
+        4096 * 4096 // 2 + 4096 * 4096 // 64 + 4 * 4096 * 4096 // 64 // 256
+    assert plan.quantized_bytes(37, 83, "nf4", double_quant=False) == \
+        (37 * 83 + 1) // 2 + 4 * -(-37 * 83 // 64)
+    assert plan.quantized_bytes(37, 83, "int8") == 37 * 83 + 4 * 37
+    with pytest.raises(ValueError, match="quant must be one of nf4, fp4, int8"):
+        plan.quantized_bytes(8, 8, "int4")
+
+
+def test_model_state_qlora_by_hand():
+    """QLoRA's state: the quantized projections, fp32 embeddings, head and norms, and the
+    adapters at 16 bytes a parameter; unsharded and dense only."""
+    x = LayerDims(64, 4, 2, 16, 176)
+    V, L = 1000, 3
+    shapes = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)]
+    quant = sum(plan.quantized_bytes(r, c, "nf4") for r, c in shapes)
+    adapters = plan.LORA_RANK * sum(r + c for r, c in shapes)
+    fp32 = 4 * (2 * V * 64 + 64 + L * 2 * 64)
+    assert plan.model_state_bytes([x] * L, V, "bf16", "qlora") == \
+        L * quant + fp32 + 16 * L * adapters
+    lora = plan.model_state_bytes([x] * L, V, "bf16", "lora")
+    assert plan.model_state_bytes([x] * L, V, "bf16", "qlora", quant="int8") > \
+        plan.model_state_bytes([x] * L, V, "bf16", "qlora") and lora - 2 * 2 * V * 64 > \
+        plan.model_state_bytes([x] * L, V, "bf16", "qlora") - 4 * 2 * V * 64
+    with pytest.raises(ValueError, match="shard=1"):
+        plan.model_state_bytes([x] * L, V, "bf16", "qlora", shard=2)
+    moe = dataclasses.replace(x, experts=4, top_k=2, expert_intermediate_size=32)
+    with pytest.raises(ValueError, match="dense layers"):
+        plan.model_state_bytes([moe] * L, V, "bf16", "qlora")
+
+
+def test_step_peak_counts_one_layers_dequantized_weights():
+    """quantized_base adds one layer's dequantized projections in the dtype to a fused preset's
+    layer phase (HF's re-run layer: its largest projection), whatever the depth; frozen dense
+    bases only."""
+    x = LayerDims(256, 4, 2, 40, 1200)
+    params = 256 * (2 * 160 + 2 * 80) + 3 * 256 * 1200
+    for layers in ([x] * 2, [x] * 6):
+        for setup in ("min_memory", "balanced", "fast", "hf_gc+fused"):
+            kw = dict(path="cpu", train_weights=False)
+            dense = plan.step_peak(setup, layers, 1024, 1, 900, "fp32", **kw)
+            q = plan.step_peak(setup, layers, 1024, 1, 900, "fp32", quantized_base=True, **kw)
+            assert q.phase == dense.phase and q.phase.startswith("top layer backward")
+            extra = 4 * (params if setup != "hf_gc+fused" else 1200 * 256)
+            assert q.peak - dense.peak == extra, setup
+    with pytest.raises(ValueError, match="train_weights=False"):
+        plan.step_peak("min_memory", [x], 1024, 1, 900, "bf16", quantized_base=True)
+
+
+def test_cli_qlora(tmp_path, capsys):
+    """--weights qlora --quant: the verdict names the quantization and the QLoRA state; --quant
+    without qlora, --no-double-quant with int8, --shard with qlora are usage errors."""
+    assert plan_cli.main(DIMS_ARGS + ["--device-memory", "1GiB", "--weights", "qlora",
+                                      "--quant", "fp4"]) == 0
+    out = capsys.readouterr().out
+    layers = [LayerDims(64, 4, 2, 16, 176)] * 4
+    state = plan.model_state_bytes(layers, 1000, "bf16", "qlora", quant="fp4")
+    assert "will it fit: QLoRA fp4, double quant, B 2, S 128" in out
+    assert f"model state (qlora): {plan.format_bytes(state)}" in out
+    for bad, why in ((["--quant", "int8"], "--quant: applies only with --weights qlora"),
+                     (["--weights", "qlora", "--quant", "int8", "--no-double-quant"],
+                      "--no-double-quant: applies only with --weights qlora and a 4-bit"),
+                     (["--weights", "qlora", "--shard", "2"], "'qlora' runs on one device")):
+        with pytest.raises(SystemExit):
+            plan_cli.main(DIMS_ARGS + ["--device-memory", "1GiB"] + bad)
+        assert why in capsys.readouterr().err, bad

@@ -28,6 +28,8 @@ import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from ckpt_ext import config
 from ckpt_ext.kernels import attention
@@ -285,7 +287,7 @@ DQ_CASES = [(torch.float32, 2, 4, 2, 1, 16, True, "right", None, None),
 def test_dq_modes(mode, case):
     """The attention_dq setting: every dQ path meets the accuracy rule (GQA, padding, segments,
     window, S = 1, 17, 129); the atomic and ordered ones add dQ from every key block of every
-    group head (ordered with segments or a window: the separate kernel)."""
+    group head (ordered with segments: the separate kernel)."""
     dtype, B, Hq, Hkv, S, D, causal, mask, lengths, window = case
     with config.patch(attention_dq=mode):
         assert attention.dq_mode() == mode
@@ -315,55 +317,179 @@ def _spy_launchers(monkeypatch):
     return calls
 
 
-# (B, Hq, Hkv, S, causal, mask, q rows from, BLOCK_M, BLOCK_N of dK/dV): GQA, padding, a key
-# block crossing S, query blocks cut finer and coarser than the key blocks, a query chunk
-ORDERED_CASES = [(2, 4, 2, 71, True, "left", 0, 16, 32), (1, 4, 1, 70, False, "right", 0, 32, 16),
-                 (2, 2, 2, 67, True, "full", 23, 32, 32)]
+def _record_fp32_dq(monkeypatch):
+    """The fp32 tensors of the attention backward's (B, H, S, D) allocations, in order: with
+    fp16 inputs the dQ sums that the dK/dV kernel adds into (before their rounding to fp16),
+    with fp32 ones dq itself (its own accumulator)."""
+    allocs = []
+    real = attention._empty_bshd
+
+    def spy(B, H, S, D, dtype, device):
+        t = real(B, H, S, D, dtype, device)
+        if dtype == torch.float32:
+            allocs.append(t)
+        return t
+    monkeypatch.setattr(attention, "_empty_bshd", spy)
+    return allocs
+
+
+def _dq_sums(monkeypatch, mode, q, k, v, out, lse, dout, mask, window, causal, r0):
+    """(dq, its fp32 sums) of one backward under attention_dq=mode."""
+    allocs = _record_fp32_dq(monkeypatch)
+    with config.patch(attention_dq=mode):
+        dq = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, causal, 0.25,
+                                     r0)[0]
+    if q.dtype == torch.float32:
+        return dq, dq
+    sums = [t for t in allocs if t.shape == q.shape]
+    assert len(sums) == 1, [t.shape for t in allocs]
+    return dq, sums[0]
+
+
+# dtype, B, Hq, Hkv, S, causal, mask, q rows (from, count: None to the end), window, BLOCK_M,
+# BLOCK_N of dK/dV. GQA 4/2 and MQA, padding (a batch with nothing to attend), a key block
+# crossing S, query blocks finer and coarser than the key blocks, query chunks at the end and
+# in the middle (causal key blocks past the chunk's last row: empty ranges, one rounded to a
+# block of real rows with BLOCK_M 64 > BLOCK_N 32, one to a block past Sq), windows (causal
+# and not: key blocks below a block of rows see none of it) in whole calls and in chunks.
+ORDERED_CASES = [
+    (torch.float32, 2, 4, 2, 71, True, "left", (0, None), None, 16, 32),
+    (torch.float32, 1, 4, 1, 70, False, "right", (0, None), None, 32, 16),
+    (torch.float16, 2, 2, 2, 67, True, "full", (23, None), None, 32, 32),
+    (torch.float32, 1, 4, 2, 150, True, "left", (40, 40), None, 64, 32),
+    (torch.float16, 1, 4, 2, 150, True, "none", (40, 40), None, 16, 16),
+    (torch.float32, 1, 4, 2, 83, True, "none", (0, None), 13, 16, 16),
+    (torch.float16, 2, 4, 2, 90, False, "right", (0, None), 21, 32, 16),
+    (torch.float32, 1, 2, 1, 97, False, "left", (30, 45), 11, 16, 32),
+    (torch.float32, 1, 4, 2, 131, True, "right", (60, 71), 40, 32, 16),
+]
+
+
+def _ordered_id(c):
+    dtype, B, Hq, Hkv, S, causal, mask, (r0, rows), window, bm, bn = c
+    return (f"{str(dtype)[6:]}-B{B}-H{Hq}/{Hkv}-S{S}-{'causal' if causal else 'full'}-{mask}"
+            f"-rows{r0}+{rows or S - r0}-w{window}-{bm}x{bn}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
-@pytest.mark.parametrize("case", ORDERED_CASES, ids=["causal-gqa-16x32", "full-mqa-32x16",
-                                                     "causal-chunk"])
-def test_dq_ordered_sums_in_key_block_order(monkeypatch, case):
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=[_ordered_id(c) for c in ORDERED_CASES])
+def test_dq_ordered_sums_from_the_highest_key_block(monkeypatch, case):
     """attention_dq="ordered": the dK/dV kernel forms dQ (no dQ kernel runs) and each dQ tile
-    takes the key blocks' shares in key-block order: the interpreter runs the atomic kernel's
-    programs in that order too, so the two dQ are bitwise equal, and dK / dV equal the other
-    modes' (the same kernel's sums). Within the accuracy rule against float64 (check_case).
-    With segment ids or a window the separate dQ kernel runs instead."""
-    B, Hq, Hkv, S, causal, mask_kind, r0, bm, bn = case
+    takes the key blocks' shares from the highest key block down. Each key block's share is
+    the dQ of a backward whose padding mask keeps that block's keys only (the other keys add
+    exact zeros, so the share is bitwise the kernel's); summed in fp32 from the highest block
+    down they give the ordered dQ sums bitwise, and the same shares summed from the lowest
+    block up do not (cases whose tiles take three or more shares). Two runs are bitwise
+    equal; dK / dV equal the separate mode's (the same kernel's sums); dQ is within a few
+    ulps of the separate kernel's and within the accuracy rule against float64."""
+    dtype, B, Hq, Hkv, S, causal, mask_kind, (r0, rows), window, bm, bn = case
     monkeypatch.setitem(attention.INTERPRETER_BLOCKS, "dkdv", {"BLOCK_M": bm, "BLOCK_N": bn})
-    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, 16, torch.float32, mask_kind, seed=S)
-    q, dout = q[:, :, r0:], dout[:, :, r0:]
-    out, lse = attention.attention_fwd(q, k, v, mask, None, None, causal, 0.25, r0)
+    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, 16, dtype, mask_kind, seed=S + r0)
+    end = S if rows is None else r0 + rows
+    # the scale of dQ's rounding (any order of its sums), from every row
+    dq_scale = attention_abs_sums(q, k, v, dout, mask, causal, 0.25, None, window)["dq"]
+    q, dout = q[:, :, r0:end], dout[:, :, r0:end]
+    out, lse = attention.attention_fwd(q, k, v, mask, None, window, causal, 0.25, r0)
     calls = _spy_launchers(monkeypatch)
-    got = {}
-    for mode in ("ordered", "atomic", "separate"):
-        calls.clear()
-        with config.patch(attention_dq=mode):
-            got[mode] = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None,
-                                                causal, 0.25, r0)
-        if mode == "ordered":
-            assert calls == [("dkdv", True)], calls
-    assert torch.equal(got["ordered"][0], got["atomic"][0])
+    args = (q, k, v, out, lse, dout, mask, window, causal, r0)
+    dq, sums = _dq_sums(monkeypatch, "ordered", *args)
+    assert calls == [("dkdv", True)], calls
+    dq2, sums2 = _dq_sums(monkeypatch, "ordered", *args)
+    assert torch.equal(dq, dq2) and torch.equal(sums, sums2), "two ordered runs differ"
+    assert not torch.isnan(sums).any()
+
+    keep = torch.ones(B, S, dtype=torch.bool, device=DEVICE) if mask is None else mask
+    n_kb = -(-S // bn)
+    shares = []
+    for n in range(n_kb):
+        only = torch.zeros_like(keep)
+        only[:, n * bn:(n + 1) * bn] = True
+        shares.append(_dq_sums(monkeypatch, "atomic", q, k, v, out, lse, dout, keep & only,
+                               window, causal, r0)[1])
+    down, up = torch.zeros_like(sums), torch.zeros_like(sums)
+    for n in range(n_kb):
+        down = down + shares[n_kb - 1 - n]
+        up = up + shares[n]
+    assert torch.equal(sums, down), (sums - down).abs().max()
+    if dtype == torch.float32:
+        assert torch.equal(dq, down)
+    else:
+        assert torch.equal(dq, down.to(dtype))
+    several = sum((s != 0).any(-1) for s in shares) >= 3   # rows taking three shares or more
+    if several.any():
+        assert not torch.equal(sums, up), "the shares' order leaves no trace: a weak case"
+
+    with config.patch(attention_dq="separate"):
+        sep = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, causal, 0.25,
+                                      r0)
+    with config.patch(attention_dq="ordered"):
+        got = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, causal, 0.25,
+                                      r0)
     for i in (1, 2):
-        assert torch.equal(got["ordered"][i], got["separate"][i])
-    torch.testing.assert_close(got["ordered"][0], got["separate"][0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[i], sep[i])
+    check_close_ulps("dq", dq, sep[0], 4 if dtype == torch.float32 else 1, dtype, dq_scale)
     if r0 == 0:
         with config.patch(attention_dq="ordered"):
-            check_case(B, Hq, Hkv, S, 16, torch.float32, causal, mask_kind, seed=S + 1)
+            check_case(B, Hq, Hkv, S, 16, dtype, causal, mask_kind, seed=S + 1, window=window)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter block sizes only apply on CPU")
+def test_dq_ordered_takes_the_separate_kernel_with_segment_ids(monkeypatch):
+    """Segment ids (whose spans need not grow with the key position, so the key blocks that
+    meet a block of rows need not be consecutive) take the separate dQ kernel under
+    attention_dq="ordered"; a window alone does not."""
+    B, Hq, Hkv, S = 2, 4, 2, 67
+    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, 16, torch.float32, "right", seed=4)
     seg = packed_segment_ids(B, S, [20, S - 20], device=DEVICE)
-    for segment_ids, window in ((seg, None), (None, 9)):
-        fo, fl = attention.attention_fwd(q, k, v, mask, segment_ids, window, causal, 0.25, r0)
+    calls = _spy_launchers(monkeypatch)
+    for segment_ids, window, want in ((seg, None, [("dkdv", False), ("dq", False)]),
+                                      (seg, 9, [("dkdv", False), ("dq", False)]),
+                                      (None, 9, [("dkdv", True)])):
+        out, lse = attention.attention_fwd(q, k, v, mask, segment_ids, window, True, 0.25)
         calls.clear()
         with config.patch(attention_dq="ordered"):
-            attention.attention_bwd(dout, q, k, v, fo, fl, mask, segment_ids, window, causal,
-                                    0.25, r0)
-        assert calls == [("dkdv", False), ("dq", False)], calls
+            attention.attention_bwd(dout, q, k, v, out, lse, mask, segment_ids, window, True,
+                                    0.25)
+        assert calls == want, (segment_ids is not None, window, calls)
+
+
+@triton.jit
+def _turn_ascending(start_m, turn_cap, turn_shift, BLOCK_N: tl.constexpr):
+    # the lowest key block first (the order before FlashAttention-3's): key block kb's turn is
+    # kb, which the test's call (causal, whole, BLOCK_M == BLOCK_N) gives as turn_shift =
+    # BLOCK_N - 1 - kb * BLOCK_N
+    return (BLOCK_N - 1 - turn_shift) // BLOCK_N
+
+
+@triton.jit
+def _turn_one_late(start_m, turn_cap, turn_shift, BLOCK_N: tl.constexpr):
+    return (start_m + turn_shift) // BLOCK_N + 1   # the turn after the right one, uncapped
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the Triton interpreter's wait")
+@pytest.mark.parametrize("turn", [_turn_ascending, _turn_one_late], ids=["ascending", "late"])
+def test_dq_ordered_wrong_turn_fails_instead_of_hanging(monkeypatch, turn):
+    """A key block whose turn never comes puts NaN into its dQ tile in the interpreter (which
+    runs the programs one at a time, so a wait would never end): a wrong turn formula shows
+    as a failure, the call returns. The tile of rows that key block 0 alone meets stays exact
+    under the ascending turns; every later tile fails."""
+    monkeypatch.setattr(attention, "_dq_turn", turn)
+    monkeypatch.setitem(attention.INTERPRETER_BLOCKS, "dkdv", {"BLOCK_M": 32, "BLOCK_N": 32})
+    B, Hq, Hkv, S = 1, 4, 2, 70
+    q, k, v, dout, _ = make_inputs(B, Hq, Hkv, S, 16, torch.float32, "none", seed=2)
+    out, lse = attention.attention_fwd(q, k, v, None, None, None, True, 0.25)
+    with config.patch(attention_dq="ordered"):
+        dq = attention.attention_bwd(dout, q, k, v, out, lse, None, None, None, True, 0.25)[0]
+    bad = torch.isnan(dq).any(-1)
+    assert bad[:, :, 32:].all(), bad
+    if turn is _turn_ascending:
+        assert not bad[:, :, :32].any()
 
 
 # The ordered dK/dV kernel compiled for sm_90 (no GPU: triton's bundled ptxas), beside the
-# atomic one of the same config: the inline PTX turn-taking assembles and keeps the loop
-# pipelined (TTGIR's asynchronous copies, as many as the atomic kernel's).
+# atomic one of the same config: the inline PTX turn-taking (a turn per block of rows, key
+# blocks right to left) assembles and keeps the loop pipelined (TTGIR's asynchronous copies,
+# as many as the atomic kernel's); with a sliding window too (three loops, each waiting).
 _ORDERED_AOT_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -373,10 +499,12 @@ import check_triton_compile as t
 t._prepare_environment()
 attention, _, _ = t.load_kernel_modules(False)
 out = {}
-for name, ordered in (("atomic", False), ("ordered", True)):
+for name, ordered, window in (("atomic", False, False), ("ordered", True, False),
+                              ("ordered_window", True, True)):
     sig, consts, attrs = t.attention_signature(attention, "dkdv", "bf16", 128, True, False,
                                                {"BLOCK_M": 16, "BLOCK_N": 128}, dq_atomic=True,
                                                dq_ordered=ordered)
+    consts["WINDOW"] = window
     src = triton.compiler.ASTSource(fn=attention._attn_bwd_dkdv_kernel, signature=sig,
                                     constexprs=consts, attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -401,6 +529,9 @@ def test_dq_ordered_compiles_for_sm90_and_stays_pipelined():
     assert got["ordered"]["async_copies"] == got["atomic"]["async_copies"], got
     assert got["ordered"]["while"] == 0 and got["atomic"]["acquire_spin"] == 0
     assert got["ordered"]["acquire_spin"] >= 1 and got["ordered"]["release"] >= 1, got
+    windowed = got["ordered_window"]
+    assert windowed["while"] == 0 and windowed["async_copies"] > 0, got
+    assert windowed["acquire_spin"] >= 3 and windowed["release"] >= 3, got
 
 
 # ------------------------------------------------------------------------------------------
@@ -470,12 +601,17 @@ def test_query_chunks(case, rows, mode):
         check_chunks(case, rows, seed=rows)
 
 
-@pytest.mark.parametrize("case", CHUNK_CASES[:2], ids=[_seg_win_id(c) for c in CHUNK_CASES[:2]])
+ORDERED_CHUNK_CASES = CHUNK_CASES[:2] + CHUNK_CASES[3:4]
+
+
+@pytest.mark.parametrize("case", ORDERED_CHUNK_CASES,
+                         ids=[_seg_win_id(c) for c in ORDERED_CHUNK_CASES])
 def test_query_chunks_ordered(case):
-    """The ordered dQ sums in query chunks (the cases without segments or a window, which
-    would take the separate kernel): causal with padding and GQA, not causal. Causal chunks
-    have key blocks past their last row, whose empty range rounds to a block of rows past Sq
-    (skipped: none before them visit it, so a wait there would never end)."""
+    """The ordered dQ sums in query chunks (the cases without segments, which would take the
+    separate kernel): causal with padding and GQA, not causal, causal with a window. Causal
+    chunks have key blocks past their last row, whose empty range rounds to a block of rows
+    past Sq (skipped: the key blocks above them do not visit it, so a wait there would never
+    end)."""
     with config.patch(attention_dq="ordered"):
         check_chunks(case, 17, seed=3)
 
@@ -654,14 +790,17 @@ def test_decoder_layer_has_no_attention_layout_copies(backend, policy):
     assert copies == {"fwd": [], "bwd": []}, copies
 
 
-@config.patch(attention_dq="separate")
-def test_deterministic_backward():
+@pytest.mark.parametrize("mode,dtype,window", [("separate", torch.float16, None),
+                                               ("ordered", torch.float16, None),
+                                               ("ordered", torch.float32, 20)])
+def test_deterministic_backward(mode, dtype, window):
     """GQA dk/dv are summed over the query group without atomics: two runs are bitwise equal
-    (dq too with attention_dq="separate")."""
-    q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, torch.float16, "right", seed=11)
-    out, lse = attention.attention_fwd(q, k, v, mask, None, None, True, 0.2)
-    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
-    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, None, True, 0.2)
+    (dq too with attention_dq="separate" or "ordered")."""
+    q, k, v, dout, mask = make_inputs(2, 8, 2, 50, 32, dtype, "right", seed=11)
+    out, lse = attention.attention_fwd(q, k, v, mask, None, window, True, 0.2)
+    with config.patch(attention_dq=mode):
+        first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, True, 0.2)
+        second = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, True, 0.2)
     for a, b, name in zip(first, second, ("dq", "dk", "dv")):
         assert torch.equal(a, b), f"{name} differs between two backward runs"
 
@@ -812,6 +951,32 @@ def test_dq_ordered_gpu(case):
     """The ordered dQ sums with the GPU's configs (their waits on real concurrent programs)."""
     dtype, B, Hq, Hkv, S, D, causal, mask = case
     check_case(B, Hq, Hkv, S, D, dtype, causal, mask, seed=S + 3)
+
+
+# Windows and query chunks under the ordered dQ sums on a GPU: turns that differ per block of
+# rows (the window's two edges, a chunk's offset) among concurrent programs, GQA 32/8.
+#                      dtype          B  Hq Hkv  S     D   causal mask     docs  window
+ORDERED_GPU_CASES = [(torch.bfloat16, 1, 32, 8, 2048, 128, True, "none", None, 256),
+                     (torch.float16, 2, 8, 2, 1500, 64, False, "right", None, 100)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ORDERED_GPU_CASES, ids=[_seg_win_id(c) for c in ORDERED_GPU_CASES])
+@config.patch(attention_dq="ordered")
+def test_dq_ordered_windows_and_chunks_gpu(case):
+    """The ordered dQ sums with a sliding window, whole and in query chunks of 300 rows, with
+    the GPU's configs: within the accuracy rule, and two backwards bitwise equal."""
+    dtype, B, Hq, Hkv, S, D, causal, mask_kind, _, window = case
+    check_case(B, Hq, Hkv, S, D, dtype, causal, mask_kind, seed=S + 4, window=window)
+    check_chunks(case, 300, seed=S + 5)
+    q, k, v, dout, mask = make_inputs(B, Hq, Hkv, S, D, dtype, mask_kind, seed=S + 6)
+    out, lse = attention.attention_fwd(q, k, v, mask, None, window, causal, D ** -0.5)
+    first = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, causal,
+                                    D ** -0.5)
+    second = attention.attention_bwd(dout, q, k, v, out, lse, mask, None, window, causal,
+                                     D ** -0.5)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,14 @@
 #          table the times give (CKPT_EXT_AUTOTUNE=1 here only)
 #   e  70  bench/lora_profile.py: LLaMA-3-8B layer, PEFT LoRA r 16, bf16, S 4096, one profiled
 #          step per fused preset and HF's layer, top kernels
+#   t 110  (not in the default list: --parts t, or with others, e.g. --parts bcet; the speed
+#          issue's table) bench/speed.py: LLaMA-3-8B dims, 4 layers + head, bf16, B 1, at S 4K
+#          and 16K (SPEED_SEQS): HF without checkpointing, HF checkpointing, HF checkpointing +
+#          the fused loss, fast, balanced, min_memory, auto, each without and with PEFT LoRA
+#          r 16: the median step time of 3 after a warm-up, the allocator's peak, OOM rows
+#          kept, the goals (fast <= HF, min_memory <= HF checkpointing + fused loss, the LoRA
+#          increments, auto <= the fastest HF row); its --deadline ends it 10 s before the
+#          part's timeout with the table of what ran
 #   f  45  bench/long_step.py: one layer at S 256K, min_memory with offload
 #   g  30  bench/demo.py with its defaults
 #   h  20  reserve (not run: Triton compiles on a fresh machine overrun the parts; the
@@ -49,14 +57,16 @@
 # summary), quick_a_sdpa_probe.txt, quick_b_gpu_tests.txt, quick_cf_long_step.txt (c and f),
 # quick_d_attention.txt, quick_e_lora_profile.txt, quick_g_demo.txt, quick_g_demo.png (part s:
 # quick_s_attention_bwd.txt, quick_s_attention_bwd_configs.json; part m: quick_m_moe_layer.txt;
-# part q: quick_q_dq_modes.txt).
+# part q: quick_q_dq_modes.txt; part t: quick_t_speed.txt). Parts whose files would pass 8
+# together are refused (e.g. the default list and t: name the parts, e.g. --parts bcet).
 # The one-screen summary is
 # printed last.
 #
 #   OUT=$OUT bash tools/gpu_validate.sh quick              # on the device machine
 #   OUT=$OUT bash tools/gpu_validate.sh quick --parts s    # the second call: the sweep
 #   bash tools/gpu_validate.sh quick --dry-run             # on the CPU: tiny sizes, no build
-#   (--parts LETTERS: those parts only, e.g. --parts bd to rerun two that broke; default abcdefg)
+#   (--parts LETTERS: those parts only, e.g. --parts bd to rerun two that broke; default abcdefg;
+#   the parts run in the order listed above, not in the order of the letters)
 #   (GPU_VALIDATE_DRY=1 does the same as --dry-run; tests/test_gpu_validate.py runs it)
 #
 # The dry run runs every part's own entry points at tiny sizes on the CPU (ATen kernels; the
@@ -75,14 +85,23 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1 ;;
     --parts)
       parts="${2:-}"; shift
-      if ! [[ "$parts" =~ ^[abcdefgmqs]+$ ]]; then
-        echo "gpu_quick: --parts takes letters among abcdefgmqs, got '$parts'"; exit 2
+      if ! [[ "$parts" =~ ^[abcdefgmqst]+$ ]]; then
+        echo "gpu_quick: --parts takes letters among abcdefgmqst, got '$parts'"; exit 2
       fi ;;
     *) echo "gpu_quick: unknown argument '$1' (only --dry-run, --parts LETTERS)"; exit 2 ;;
   esac
   shift
 done
 [ "$dry" = 0 ] || dry=1
+# the files the parts return (the device tool returns 8 at most): the summary, and per part
+n_files=1
+for group in a:1 b:1 cf:1 d:1 e:1 g:2 s:2 m:1 q:1 t:1; do   # g: txt and png; s: txt and json
+  [[ "$parts" == *[${group%%:*}]* ]] && n_files=$((n_files + ${group##*:}))
+done
+if [ "$n_files" -gt 8 ]; then
+  echo "gpu_quick: --parts $parts would return $n_files files, more than the device tool's 8;" \
+       "run fewer parts (e.g. --parts bcet)"; exit 2
+fi
 py="${PYTHON:-python3}"
 out="${OUT:-bench/results/quick_$(date -u +%Y%m%d_%H%M)}"
 mkdir -p "$out"
@@ -172,8 +191,9 @@ part() {   # part ID SECONDS FILE TITLE SCRIPT: SCRIPT (bash) under `timeout SEC
   [[ "$parts" == *"$id"* ]] || return 0    # not among --parts
   local var="QUICK_T_${id^^}"
   secs="${!var:-$secs}"
-  # the dry run: the same timeouts would measure the CPU's load, not the script
-  [ "$dry" = 1 ] && secs="${QUICK_DRY_TIMEOUT:-150}"
+  # the dry run: the same timeouts would measure the CPU's load, not the script (part d times
+  # three dQ modes: about a minute on two quiet cores, past 150 s on a loaded machine)
+  [ "$dry" = 1 ] && secs="${QUICK_DRY_TIMEOUT:-300}"
   # the call's own deadline (the device tool stops a command at 600 s): a slow build or an
   # overrun shortens the last parts, and the summary still prints
   local left=$(( deadline - (SECONDS - start) - 20 ))
@@ -269,6 +289,14 @@ part d 125 quick_d_attention.txt "attention per backend, whole, chunks, packed" 
   "export CKPT_EXT_AUTOTUNE=1; $d_script"
 part e 70 quick_e_lora_profile.txt "LoRA profile: LLaMA-3-8B layer, r 16" \
   "$py bench/lora_profile.py $e_args"
+# t: the speed table (the speed issue's), its CSV appended to the part's file
+t_dir=$(mktemp -d)
+t_args="--seqs ${SPEED_SEQS:-4096,16384} --warmup 1 --reps 3"
+[ "$dry" = 1 ] && t_args="$t_args --dry-run"
+part t 110 quick_t_speed.txt "speed table: HF vs presets, S 4K/16K, +LoRA" \
+  "$py bench/speed.py $t_args --deadline \$((PART_SECS - 10)) --out $t_dir/speed.csv; r=\$?
+   cat $t_dir/speed.csv; exit \$r"
+rm -rf "$t_dir"
 part f 45 quick_cf_long_step.txt "one layer, S 256K, min_memory+offload" \
   "$py bench/long_step.py $f_args"
 part g 30 quick_g_demo.txt "demo (its defaults)" \
@@ -334,6 +362,11 @@ rm -rf "$stamp" "$att_dir"
   if has e; then
     echo "-- e: LoRA"
     grep -E "^(step ms|LoRA increment|goal)" "$out/quick_e_lora_profile.txt" | cut -c1-150
+  fi
+  if has t; then
+    echo "-- t: speed table (step ms, peak MiB; B 1, 4 layers + head), goals"
+    grep -E "^== S |^ *[a-z_+@]+ +(ok|OOM|no fit|skipped)|^goal S=" "$out/quick_t_speed.txt" \
+      | cut -c1-150
   fi
   if has g; then
     echo "-- g: demo"

@@ -1,5 +1,7 @@
 """A decoder layer's projections as the fused op takes them: plain ``nn.Linear``, or a PEFT
-LoRA ``Linear`` around one.
+LoRA ``Linear`` around one; a bitsandbytes 4-bit or 8-bit layer, bare or under PEFT's LoRA
+wrappers for them, in the same way with a placeholder for its weight that
+``ckpt_ext.hf.quantized`` fills with the dequantized weight around each pass of the op.
 
 A LoRA projection computes ``x W^T + b + scaling * dropout(x) A^T B^T`` (PEFT's
 ``lora.Linear``); the op's four slots per projection are ``weight, bias, lora_A, lora_B``,
@@ -18,10 +20,14 @@ that the op computes exactly what the fused module with its one adapter computes
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+import torch
 import torch.nn as nn
 from torch import Tensor
+
+from . import quantized
 
 
 class Projection(NamedTuple):
@@ -43,33 +49,71 @@ def _lora_linear_class():
     return Linear
 
 
+def _lora_quantized_classes() -> tuple:
+    """peft's LoRA wrappers of bitsandbytes' 4-bit and 8-bit layers (those peft defines: it
+    defines them only once bitsandbytes is installed)."""
+    if "bitsandbytes" not in sys.modules:
+        return ()
+    try:
+        from peft.tuners.lora import bnb as lora_bnb
+    except ImportError:
+        return ()
+    return tuple(c for c in (getattr(lora_bnb, n, None) for n in ("Linear4bit", "Linear8bitLt"))
+                 if c is not None)
+
+
+def _base_weight(base: nn.Module) -> Union[Tensor, str]:
+    """The base layer's weight for the op's slot: a plain nn.Linear's weight, a placeholder
+    for a bitsandbytes layer's dequantized one (ckpt_ext.hf.quantized), or why neither."""
+    if type(base) is nn.Linear:
+        return base.weight
+    if quantized.is_quantized_base(base):
+        if torch.compiler.is_compiling():
+            return (f"a {type(base).__name__} read under torch.compile: the fused layers "
+                    "dequantize bitsandbytes weights in eager mode, which a layer gets when "
+                    "it holds bitsandbytes layers at patch time (quantize, then patch)")
+        problem = quantized.quantized_problem(base)
+        return problem if problem else quantized.placeholder(base)
+    return f"a LoRA layer around a {type(base).__name__} (other quantised base layers)"
+
+
 def read_projection(module: nn.Module, training: bool) -> Union[Projection, str]:
-    """The tensors of one projection, or why the fused op cannot compute it."""
+    """The tensors of one projection, or why the fused op cannot compute it. A bitsandbytes
+    4-bit or 8-bit base (bare or under PEFT LoRA) gives a placeholder weight
+    (ckpt_ext.hf.quantized)."""
     if type(module) is nn.Linear:
         return Projection(module.weight, module.bias)
+    if quantized.is_quantized_base(module):
+        weight = _base_weight(module)
+        return weight if isinstance(weight, str) else Projection(weight, module.bias)
     lora = _lora_linear_class()
-    if lora is None or type(module) is not lora:
-        return (f"a {type(module).__name__}, not a plain nn.Linear or a PEFT LoRA Linear "
-                "(quantised and other adapter layers compute more than the fused op reads)")
+    if lora is None or (type(module) is not lora
+                        and type(module) not in _lora_quantized_classes()):
+        return (f"a {type(module).__name__}, not a plain nn.Linear, a bitsandbytes 4-bit or "
+                "8-bit linear layer or a PEFT LoRA layer around one (other quantised and "
+                "adapter layers compute more than the fused op reads)")
     base = module.base_layer
-    if type(base) is not nn.Linear:
-        return f"a LoRA layer around a {type(base).__name__} (quantised base layers)"
+    weight = _base_weight(base)
+    if isinstance(weight, str):
+        return weight
     if getattr(module, "fan_in_fan_out", False):
         return "a LoRA layer with fan_in_fan_out=True"
     if module.disable_adapters:
         if module.merged:
             return "a LoRA layer whose adapters are disabled while merged (PEFT unmerges them)"
-        return Projection(base.weight, base.bias)
+        return Projection(weight, base.bias)
     if module.merged:
-        return Projection(base.weight, base.bias)
+        return Projection(weight, base.bias)
     active = [a for a in module.active_adapters if a in module.lora_A]
     if not active:
-        return Projection(base.weight, base.bias)
+        return Projection(weight, base.bias)
     if len(active) > 1:
         return f"a LoRA layer with several active adapters ({', '.join(active)})"
     name = active[0]
     if module.use_dora.get(name, False):
         return "a LoRA layer with DoRA (use_dora=True)"
+    if name in getattr(module, "lora_variant", {}):
+        return f"a LoRA layer with a LoRA variant ({type(module.lora_variant[name]).__name__})"
     dropout = module.lora_dropout[name]
     if type(dropout) is nn.Dropout:
         p = float(dropout.p) if training else 0.0
@@ -84,8 +128,7 @@ def read_projection(module: nn.Module, training: bool) -> Union[Projection, str]
         return "a LoRA layer whose adapter is not a pair of nn.Linear"
     if a.bias is not None or b.bias is not None:
         return "a LoRA layer with lora_bias=True"
-    return Projection(base.weight, base.bias, a.weight, b.weight, float(module.scaling[name]),
-                      p)
+    return Projection(weight, base.bias, a.weight, b.weight, float(module.scaling[name]), p)
 
 
 # ---- fused projections (Phi-3's qkv_proj and gate_up_proj) -----------------------------------
@@ -106,6 +149,15 @@ def split_rows(t: Optional[Tensor], sizes: Tuple[int, ...]) -> list:
     if t is None:
         return [None] * len(sizes)
     return list(t.split(list(sizes), 0))
+
+
+def _split_weight(w: Tensor, sizes: Tuple[int, ...]) -> list:
+    """A fused module's weight's row blocks (``split_rows``); for a quantized base's
+    placeholder, placeholders of its row blocks (filled with views of one dequantization)."""
+    if not quantized.is_placeholder(w):
+        return split_rows(w, sizes)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [quantized.row_placeholder(w, a, a + n) for a, n in zip(starts, sizes)]
 
 
 def fused_row_sizes(layer: nn.Module, num_heads: int, num_kv_heads: int,
@@ -150,7 +202,7 @@ def read_layer_projections(layer: nn.Module, training: bool, projections: Sequen
         if isinstance(proj, str):
             return f"{path} is {proj}"
         parts = FUSED_MODULES[path]
-        for part, w, b, lb in zip(parts, split_rows(proj.weight, sizes),
+        for part, w, b, lb in zip(parts, _split_weight(proj.weight, sizes),
                                   split_rows(proj.bias, sizes), split_rows(proj.lora_B, sizes)):
             found[part] = proj._replace(weight=w, bias=b, lora_B=lb)
             streams[projections.index(part)] = projections.index(parts[0])

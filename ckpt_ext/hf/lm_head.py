@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
-from . import moe
+from . import moe, quantized
 from .errors import PatchRefused
 from .cache import causal_lm_output, uses_cache
 from .families import Family, HeadRule, head_rule, moe_head as _moe_head, norm_eps
@@ -64,6 +64,10 @@ def head_transform(model: nn.Module,
     logit_scale; softcap): the op's arguments that reproduce the model's head. ``rule``: the
     model's head rule when already looked up (``head_rule``)."""
     head = getattr(model, "lm_head", None)
+    if quantized.is_quantized_base(head):
+        return (f"lm_head is a bitsandbytes {type(head).__name__}: the fused loss needs a dense "
+                "head weight (leave lm_head out of the quantization: bitsandbytes' default, "
+                "llm_int8_skip_modules)"), 1.0, 0.0
     if type(head) is not nn.Linear:
         return f"lm_head is a {type(head).__name__}, not a plain nn.Linear", 1.0, 0.0
     if not isinstance(getattr(model, "model", None), nn.Module):

@@ -105,6 +105,7 @@ from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
 from .lm_head import (FinalNorm, FusedHeadForward, check_router_aux_loss, final_norm_problem,
                       head_problem)
 from .masks import BatchMasks, describe, padding_mask_from_4d
+from . import quantized
 from . import sequence_parallel as _sp
 from .sequence_split import deepspeed_ulysses_group, refuse_split_attention
 
@@ -394,12 +395,14 @@ class _Shared:
 
     def __init__(self, owner: nn.Module, layers: nn.ModuleList, default_policy: bool,
                  budget: Optional[int] = None, offloader=None, host_link: Optional[float] = None,
-                 hook_owner: Optional[nn.Module] = None, bidirectional_images: bool = False):
+                 hook_owner: Optional[nn.Module] = None, bidirectional_images: bool = False,
+                 auto_policy: bool = False):
         self.owner, self.layers, self.default_policy = owner, layers, default_policy
         # The module whose pre-hook reads the batch's masks: the bare model, or the multimodal
         # model around its language model (owner), which receives them 2-D (_mask_owner)
         self.hook_owner = owner if hook_owner is None else hook_owner
         self.bidirectional_images = bidirectional_images  # batches with images run HF's
+        self.auto_policy = auto_policy or budget is not None   # policy="auto"
         self.budget = budget                   # policy="auto": the decoder layers' budget
         self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
         self.host_link = _host_link_default() if host_link is None else host_link  # GB/s
@@ -420,6 +423,7 @@ class _Shared:
         state.setdefault("host_link", _host_link_default())
         state.setdefault("hook_owner", state["owner"])
         state.setdefault("bidirectional_images", False)
+        state.setdefault("auto_policy", state.get("budget") is not None)
         self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -469,7 +473,7 @@ class _Shared:
             images = _image_inputs(named, compiling)
             if images is not None:
                 masks = BatchMasks(custom=images)
-        presets = self.choose(named) if self.budget is not None else None
+        presets = self.choose(named) if self.auto_policy else None
         return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats)}
 
     def choose(self, named) -> Optional[List[str]]:
@@ -489,8 +493,20 @@ class _Shared:
         train_weights = any(p.requires_grad for layer in self.layers
                             for n, p in layer.named_parameters()
                             if p.dim() >= 2 and "lora_" not in n)
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else dtype
         return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights,
-                            *self.lora_ranks())
+                            *self.lora_ranks(), device=str(weight.device),
+                            dequantized=self.dequantized_bytes(compute.itemsize))
+
+    @torch.compiler.assume_constant_result
+    def dequantized_bytes(self, itemsize: int) -> int:
+        """QLoRA: the bytes of the largest layer's dequantized projections at ``itemsize``
+        (what a fused layer holds through each of its passes, one layer at a time:
+        ckpt_ext.hf.quantized), 0 without bitsandbytes layers."""
+        return itemsize * max(sum(m.in_features * m.out_features for m in layer.modules()
+                                  if quantized.is_quantized_base(m))
+                              for layer in self.layers)
 
     @torch.compiler.assume_constant_result
     def lora_ranks(self) -> Tuple[int, int]:
@@ -511,18 +527,53 @@ class _Shared:
                 dense = max(dense, p.shape[0])
         return dense, experts
 
+    def device_room(self, device: str, train_weights: bool) -> int:
+        """policy="auto" without activation_budget on a CUDA device: the bytes a step may take,
+        the device's memory less the model state (ckpt_ext.plan.parameter_state_bytes of the
+        bare model's parameters, and an untied LM head's V x H weight beside them, trained with
+        the embeddings or not) and the headroom (ckpt_ext.plan.headroom_bytes)."""
+        from ..plan import headroom_bytes, parameter_state_bytes
+        if not device.startswith("cuda"):
+            raise ValueError("patch_llama: policy='auto' on the CPU (or another device that is "
+                             f"not CUDA: {device}) needs activation_budget (bytes, or a string "
+                             "such as '20GiB'); on CUDA the device's memory less the model "
+                             "state and headroom is the budget")
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        params = list(self.owner.parameters())
+        state = parameter_state_bytes(params)
+        config = self.owner.config
+        if not getattr(config, "tie_word_embeddings", False):
+            embed = self.owner.get_input_embeddings().weight
+            head = embed.numel() * embed.element_size()
+            state += 4 * head if embed.requires_grad else head
+        return total - state - headroom_bytes(total)
+
     def _offload_choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
-                        lora_rank: int = 0, expert_lora_rank: int = 0) -> List[str]:
+                        lora_rank: int = 0, expert_lora_rank: int = 0,
+                        room: Optional[int] = None, dequantized: int = 0) -> List[str]:
         """policy="auto" with offload: the plan's choice by time (ckpt_ext.plan.
         choose_offload_layers) within the activation budget, which bounds what the device
         holds of the layers (the offloader's prefetch pool and the layers past its limit),
-        and the offloader's host limit, at the plan's throughputs and the host link rate."""
-        from ..plan import choose_offload_layers, format_bytes
+        and the offloader's host limit, at the plan's throughputs and the host link rate.
+        Without a budget (``room``: the device's bytes for the step, ``device_room``) each
+        preset's working set (ckpt_ext.plan.step_peak less its layers' saved bytes) counts
+        in the device's bytes too. ``dequantized``: QLoRA's transient (``dequantized_bytes``),
+        held besides: taken off the budget, or in the working sets (step_peak's
+        quantized_base)."""
+        from ..plan import choose_offload_layers, format_bytes, layer_bytes, step_peak
         from ..throughputs import default_throughputs
         dims = self.layer_dims()
         off = self.offloader
+        working = None
+        if room is not None:
+            vocab = int(self.owner.config.vocab_size)
+            working = {p: step_peak(p, dims, vocab, b, s, dtype, train_weights=train_weights,
+                                    quantized_base=bool(dequantized)).peak
+                       - sum(layer_bytes(p, x, b, s, dtype) for x in dims)
+                       for p in ("fast", "balanced", "min_memory")}
         choice = choose_offload_layers(
-            dims, b, s, dtype, self.budget, off.limit, train_weights=train_weights,
+            dims, b, s, dtype, self.budget - dequantized if room is None else room, off.limit,
+            working=working, train_weights=train_weights,
             lora_rank=lora_rank, expert_lora_rank=expert_lora_rank, prefetch=off.prefetch,
             host_link_gbytes_per_s=self.host_link,
             **default_throughputs().step_time_kwargs(s))
@@ -531,24 +582,61 @@ class _Shared:
             mins = ["min_memory"] * len(dims)
             moved, _, kept = _offload_split(dims, mins, b, s, dtype, off.limit)
             pool = _pool(moved, off.prefetch)
+            if room is not None:
+                raise ValueError(f"auto with offload: the device's {format_bytes(room)} for "
+                                 f"the step hold no mix of presets at B={b}, S={s}: the "
+                                 f"prefetch pool at min_memory ({format_bytes(pool)}) plus the "
+                                 f"layers past offload_limit ({format_bytes(kept)}) plus "
+                                 f"min_memory's working set ({format_bytes(working['min_memory'])})"
+                                 "; shorten the sequence or the batch")
             raise ValueError(f"activation_budget {format_bytes(self.budget)} is below the "
                              f"offload prefetch pool at min_memory ({format_bytes(pool)}) plus "
-                             f"the layers past offload_limit ({format_bytes(kept)}) at B={b}, "
-                             f"S={s}; the smallest budget that fits is {pool + kept}")
+                             f"the layers past offload_limit ({format_bytes(kept)})"
+                             + _dequantized_words(dequantized) + f" at B={b}, S={s}; the "
+                             f"smallest budget that fits is {pool + kept + dequantized}")
         return list(choice.presets)
 
     @torch.compiler.assume_constant_result
     def _choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
-                lora_rank: int = 0, expert_lora_rank: int = 0) -> List[str]:
+                lora_rank: int = 0, expert_lora_rank: int = 0,
+                device: str = "cpu", dequantized: int = 0) -> List[str]:
         """The presets for one shape, cached; a constant to torch.compile, which guards on
-        the shapes it is called with (the choice depends on nothing else)."""
-        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank)
-        if key not in self.auto and self.offloader is not None:
+        the shapes it is called with (the choice depends on nothing else). Without offload
+        the plan's choice by time over every way a layer can run (ckpt_ext.plan.choose_auto:
+        HF's layer, its torch.utils.checkpoint run, the fused presets) within
+        activation_budget (the layers' saved bytes), or without one on CUDA within the
+        device's room for the step (``device_room``). ``dequantized``: QLoRA's transient
+        (``dequantized_bytes``), held besides the layers' saved bytes: taken off the budget,
+        or in the working sets against the device's room."""
+        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank) + \
+            ((dequantized,) if dequantized else ())
+        if key in self.auto:
+            return self.auto[key]
+        room = self.device_room(device, train_weights) if self.budget is None else None
+        if self.offloader is not None:
             self.auto[key] = self._offload_choice(b, s, dtype, train_weights, lora_rank,
-                                                  expert_lora_rank)
-        if key not in self.auto:
-            from ..plan import choose_presets
-            self.auto[key] = choose_presets(self.layer_dims(), b, s, dtype, self.budget)
+                                                  expert_lora_rank, room=room,
+                                                  dequantized=dequantized)
+        else:
+            from ..plan import choose_auto, format_bytes
+            from ..throughputs import default_throughputs
+            rates = default_throughputs()
+            budget = self.budget - dequantized if self.budget is not None else None
+            try:
+                choice = choose_auto(self.layer_dims(), int(self.owner.config.vocab_size), b,
+                                     s, dtype, room=room, budget=budget,
+                                     path="cuda" if device.startswith("cuda") else "cpu",
+                                     train_weights=train_weights, lora_rank=lora_rank,
+                                     expert_lora_rank=expert_lora_rank,
+                                     quantized_base=bool(dequantized),
+                                     overheads=rates.overheads, **rates.step_time_kwargs(s))
+            except ValueError as e:
+                if not dequantized or budget is None:
+                    raise
+                raise ValueError(f"{e} (QLoRA: activation_budget {self.budget} bytes less "
+                                 f"one layer's dequantized weights, {dequantized} bytes "
+                                 f"({format_bytes(dequantized)}), which it holds too)") from None
+            self.auto[key] = list(choice.presets)
         return self.auto[key]
 
     def layer_dims(self) -> List[LayerDims]:
@@ -608,6 +696,9 @@ class _PatchedForward:
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls: collections.Counter = collections.Counter()
         self.__signature__ = inspect.signature(self.original)  # what HF's forward declares
+        # QLoRA: a layer with bitsandbytes projections runs in eager mode under torch.compile
+        # (_eager_call), where its dequantized weights' placeholders and hooks work
+        self.quantized = any(quantized.is_quantized_base(m) for m in layer.modules())
 
     @property
     def original(self) -> Callable:
@@ -622,6 +713,8 @@ class _PatchedForward:
             self.calls[key] += 1
 
     def __call__(self, hidden_states: Tensor, *args, **kwargs):
+        if getattr(self, "quantized", False) and torch.compiler.is_compiling():
+            return _eager_call(self, hidden_states, *args, **kwargs)
         # This forward's masks and presets, from the model's pre-hook (None when the layer is
         # called outside its model's forward).
         state = kwargs.pop(_FORWARD_KEY, None)
@@ -643,6 +736,9 @@ class _PatchedForward:
         if preset == "auto":  # chosen for this forward's shapes; min_memory outside one
             chosen = state.presets if state is not None else None
             preset = chosen[self.idx] if chosen is not None else "min_memory"
+        if preset == "none":   # policy="auto" chose HF's layer as it is
+            self._count("none")
+            return self._hf_forward(hidden_states, kwargs)
         if preset == "torch":
             self._count("torch")
             if hf_checkpointing:  # HF checkpoints the layer: once is enough
@@ -803,9 +899,13 @@ class _PatchedForward:
             router_logits=router_logits, router_stats=router_stats)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)
-        out = offloaded(self.shared.offloader, decoder_layer, x,
-                        [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids, seed],
-                        options)
+        # QLoRA: quantized bases' weights dequantized for this forward and for the op's
+        # backward only (ckpt_ext.hf.quantized)
+        with quantized.Transient(weights, quantized.compute_dtype(x)) as transient:
+            out = offloaded(self.shared.offloader, decoder_layer, x,
+                            [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids,
+                             seed], options)
+        transient.attach(out)
         if router_stats:
             y, stats = out
             if sp:  # the whole sequence's statistics on every rank (moe.RouterStats)
@@ -814,6 +914,23 @@ class _PatchedForward:
             stats_sink.append(stats)
             return y
         return moe.record_router_logits(out) if router_logits else out
+
+
+@torch.compiler.disable
+def _eager_call(forward: "_PatchedForward", hidden_states: Tensor, *args, **kwargs):
+    """A patched layer with bitsandbytes projections called under torch.compile: the call
+    runs in eager mode, a graph break, fused there (its weights dequantized for each pass
+    outside the graph, ckpt_ext.hf.quantized)."""
+    return forward(hidden_states, *args, **kwargs)
+
+
+def _dequantized_words(n: int) -> str:
+    """The part of a budget error that names QLoRA's transient (nothing without one)."""
+    if not n:
+        return ""
+    from ..plan import format_bytes
+    return (f" plus one layer's dequantized weights ({format_bytes(n)}, bitsandbytes layers "
+            "dequantized for each pass)")
 
 
 def _patched(layers) -> List[_PatchedForward]:
@@ -835,11 +952,15 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``model``: a transformers ``*ForCausalLM`` or ``*Model`` of ``SUPPORTED_MODEL_TYPES``, or a
     ``peft.PeftModel`` around one. ``policy``: a preset name for every layer, a list with one
     per layer, a callable ``(layer_idx) -> preset`` (presets: ``ckpt_ext.presets.PRESETS``), or
-    ``"auto"`` with ``activation_budget`` (bytes, or a string such as ``"20GiB"``): at each
-    training forward the layers' presets are chosen for the batch size, sequence length and
-    dtype so that the decoder layers' saved bytes fit the budget with the least recompute
-    (``ckpt_ext.plan.choose_presets``; a budget below every layer at ``min_memory`` raises a
-    ValueError naming the smallest that fits). The default (None) is ``"balanced"``, and
+    ``"auto"``: at each training forward each layer's way to run is chosen for the batch size,
+    sequence length and dtype, by the plan's time model, among HF's layer as it is
+    (``"none"``), under ``torch.utils.checkpoint`` (``"torch"``) and the fused presets: the
+    fastest mix that fits (``ckpt_ext.plan.choose_auto``). What must fit: on CUDA without
+    ``activation_budget``, the step's modelled peak within the device's memory less the model
+    state (``ckpt_ext.plan.parameter_state_bytes``) and headroom; with ``activation_budget``
+    (bytes, or a string such as ``"20GiB"``; needed on the CPU) the decoder layers' saved
+    bytes. A budget or room below every layer at ``min_memory`` raises a ValueError naming the
+    smallest that fits. The default (None) is ``"balanced"``, and
     ``"min_memory"`` for calls made while HF gradient checkpointing is on (it keeps what HF's
     checkpointing keeps). ``fuse_lm_head``: a ``*ForCausalLM``'s training loss runs through
     ``ckpt_ext.ops.linear_cross_entropy`` and its output's ``logits`` is None
@@ -879,12 +1000,9 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     check_router_aux_loss(router_aux_loss, _unwrap_peft(model), owner, layers, fuse_lm_head)
     budget = None
     if policy == "auto":
-        if activation_budget is None:
-            raise ValueError("patch_llama: policy='auto' needs activation_budget (bytes, or a "
-                             "string such as '20GiB'), the budget of the decoder layers' saved "
-                             "activations")
-        from ..plan import parse_bytes
-        budget = parse_bytes(activation_budget)
+        if activation_budget is not None:
+            from ..plan import parse_bytes
+            budget = parse_bytes(activation_budget)
     elif activation_budget is not None:
         raise ValueError("patch_llama: activation_budget applies to policy='auto' only, got "
                          f"policy={policy!r}")
@@ -913,6 +1031,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     unpatch_llama(model)
     multimodal = MULTIMODAL.get(getattr(_unwrap_peft(model).config, "model_type", None))
     shared = _Shared(owner, layers, default_policy=policy is None, budget=budget,
+                     auto_policy=policy == "auto",
                      offloader=offloader, host_link=host_link, hook_owner=_mask_owner(model, owner),
                      bidirectional_images=multimodal is not None and
                      multimodal.bidirectional_images)
