@@ -126,6 +126,14 @@ def peak_mib(step: Callable[[Optional[Clock]], object]) -> float:
 
 
 # ---- provenance and output -----------------------------------------------------------------
+def elapsed_log(t_start: float) -> Callable[[str], None]:
+    """A print that prefixes each message with the seconds since ``t_start``
+    (``time.perf_counter()``), flushed: a long benchmark's progress lines."""
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
+    return log
+
+
 def hf_checkpointing(model, use_reentrant: bool | None = False):
     """Turn on HF's gradient checkpointing of ``model``'s decoder layers, as a user would:
     ``activation_checkpointing_enable`` where transformers has it (its name since 5.24, where

@@ -65,8 +65,8 @@ import torch
 import ckpt_ext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (Clock, device_tag, hf_checkpointing, print_table, provenance,  # noqa: E402
-                      write_csv)
+from _harness import (Clock, device_tag, elapsed_log, hf_checkpointing, print_table,  # noqa: E402
+                      provenance, write_csv)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -369,8 +369,7 @@ def main(argv=None) -> list:
     if not cuda:
         print(CPU_NOTE)
 
-    def log(msg):
-        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
+    log = elapsed_log(t_start)
 
     rows, summaries = [], []
     out = a.out or os.path.join(RESULTS, f"capacity_{device_tag(device=a.device)}.csv")

@@ -58,7 +58,8 @@ import torch
 import ckpt_ext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Clock, device_tag, print_table, provenance, write_csv  # noqa: E402
+from _harness import (Clock, device_tag, elapsed_log, hf_checkpointing, print_table,  # noqa: E402
+                      provenance, write_csv)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -74,17 +75,6 @@ CSV_FIELDS = ["row", "setup", "lora", "seq", "status", "step_ms", "peak_bytes",
 
 
 # ---- the model of a row -------------------------------------------------------------------------
-
-def checkpointing_on(model) -> None:
-    """HF gradient checkpointing, non-reentrant: ``activation_checkpointing_enable`` where
-    transformers has it (5.2x, where the old name warns), else ``gradient_checkpointing_enable``."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-
 
 def build_model(a, setup: str, lora: bool):
     """A fresh ``LlamaForCausalLM`` on ``a.device`` set up for ``setup`` (``SETUPS``), with
@@ -106,7 +96,7 @@ def build_model(a, setup: str, lora: bool):
     model.train()
     if setup.startswith("hf_gc"):
         # before get_peft_model, which then makes the embeddings' output require grad
-        checkpointing_on(model)
+        hf_checkpointing(model)
     if lora:
         import peft
         model = peft.get_peft_model(model, peft.LoraConfig(
@@ -332,8 +322,7 @@ def main(argv=None) -> list:
     if not cuda:
         print(CPU_NOTE)
 
-    def log(msg):
-        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
+    log = elapsed_log(t_start)
 
     out = a.out or os.path.join(RESULTS, f"speed_{device_tag(device=a.device)}.csv")
     header = provenance(a.device, "" if cuda else CPU_NOTE) + [

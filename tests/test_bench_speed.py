@@ -162,5 +162,5 @@ def test_checkpointing_switch_without_deprecation_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         warnings.simplefilter("error", FutureWarning)
-        speed.checkpointing_on(model)
+        speed.hf_checkpointing(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
