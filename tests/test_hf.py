@@ -888,6 +888,41 @@ def test_phi3_compiled_has_no_graph_breaks_and_replays_eager(lora):
                                   use_cache=False)
 
 
+@pytest.mark.parametrize("hf_checkpointing", [False, True], ids=["plain", "hf-gc"])
+def test_compiled_model_with_delegating_layers_replays_eager(hf_checkpointing):
+    """Layers that run HF's forward (PEFT DoRA adapters, which the fused op does not compute)
+    under torch.compile: the patched forward calls HF's class forward, not the layer's instance
+    forward again (dynamo resolved a bound ``forward.__get__`` to the instance attribute, the
+    patched forward itself, and recursed without end); loss and gradients equal eager's, with
+    and without HF gradient checkpointing."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA tests need it "
+                               "(pip install -e '.[test]')")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = peft.get_peft_model(make_model("llama", "sdpa"), peft.LoraConfig(
+        r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
+        target_modules=["q_proj", "v_proj"]))
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    patch_llama(model, "balanced")
+    batch = make_batch(pad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss_e, grads_e = loss_and_grads(model, *batch)
+        compiled = torch.compile(model, backend="aot_eager")
+        loss_c, grads_c = loss_and_grads(compiled, *batch)
+    delegated = [k for layer in model.base_model.model.model.layers
+                 for k in layer.__dict__["forward"].calls
+                 if k.startswith("delegated")]
+    assert delegated, "the DoRA layers were expected to run HF's forward"
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    assert grads_c.keys() == grads_e.keys() and any("lora_magnitude" in n for n in grads_e)
+    for name, g in grads_e.items():
+        torch.testing.assert_close(grads_c[name], g, **TOL, msg=name)
+
+
 # ---- GLM-4: interleaved partial RoPE, one gate_up_proj, norms around both sublayers ----------
 
 @pytest.mark.parametrize("preset", ["fast", "min_memory"])

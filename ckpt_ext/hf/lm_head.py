@@ -152,7 +152,7 @@ class FinalNorm:
 
     @property
     def original(self) -> Callable:
-        return type(self.norm).forward.__get__(self.norm, type(self.norm))
+        return functools.partial(type(self.norm).forward, self.norm)
 
     def __repr__(self) -> str:
         return "<ckpt_ext patched final RMSNorm>"
@@ -209,7 +209,7 @@ class FusedHeadForward:
 
     @property
     def original(self) -> Callable:
-        return type(self.model).forward.__get__(self.model, type(self.model))
+        return functools.partial(type(self.model).forward, self.model)
 
     def __repr__(self) -> str:
         return "<ckpt_ext patched forward: LM head and loss without logits>"

@@ -703,7 +703,7 @@ class _PatchedForward:
     @property
     def original(self) -> Callable:
         """HF's forward: the class attribute, bound to the layer."""
-        return type(self.layer).forward.__get__(self.layer, type(self.layer))
+        return functools.partial(type(self.layer).forward, self.layer)
 
     def __repr__(self) -> str:
         return f"<ckpt_ext patched forward: layer {self.idx}, preset {self.preset!r}>"
