@@ -88,6 +88,9 @@ class Segment:
         """The input of the segment's layer at ``place`` (>= 1), rebuilt if not held; the
         segment lets go of it."""
         x = self.inputs.pop(place, None)
+        if place == 0:  # the first layer's: as the rebuild unpacked it, or its own unpack
+            return x if x is not None else (
+                self.first if self.unpack_first is None else self.unpack_first(self.first))
         if x is None:
             self._rebuild(place)
             x = self.inputs.pop(place)
@@ -99,6 +102,9 @@ class Segment:
                                "(its layer call saved nothing for backward), so the inputs of "
                                "its later layers cannot be rebuilt")
         x = self.first if self.unpack_first is None else self.unpack_first(self.first)
+        # the first layer's backward takes its input from here: its packed input is unpacked
+        # once (hooks around the call, torch.utils.checkpoint's among them, allow no more)
+        self.inputs[0] = x
         devices = [x.device] if x.is_cuda else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             for place in range(1, upto + 1):
@@ -108,7 +114,9 @@ class Segment:
 
 
 class _Placeholder:
-    """What autograd holds in place of the input of a segment's layer 2..k."""
+    """What autograd holds in place of the input of a segment's layer: for the first, a
+    reference to the segment, which holds the input as the first layer's hooks packed it
+    (``Segment.first``); for layers 2..k, nothing of it."""
     __slots__ = ("segment", "place")
 
     def __init__(self, segment: Segment, place: int):
@@ -143,6 +151,13 @@ class Chain:
         self.last, self.version = weakref.ref(y), y._version
 
 
+def _outer_hooks():
+    """The saved-tensor hooks active around this call as (pack, unpack), or (None, None)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return hooks if hooks is not None else (None, None)
+
+
 def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x: Tensor,
          keep: Iterable[Tensor], options):
     """``fn(x, options)``, a fused layer call, as a member of ``chain``'s running segment
@@ -155,7 +170,10 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
         return offloaded(offloader, fn, x, keep, options)  # refuses capture
     seg, place = chain.place(x)
     seg.calls.append(_Call(fn, options, x))
-    inner_pack = inner_unpack = None
+    # what the call's other saved tensors go through: the offloader's hooks, or without one the
+    # saved-tensor hooks around the call (ckpt_ext.saved_activation_bytes then counts what the
+    # segment keeps), or none
+    inner_pack, inner_unpack = _outer_hooks() if offloader is None else (None, None)
     if offloader is not None:
         nbytes = None
         if offloader.limit is not None:
@@ -166,11 +184,10 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
 
     def pack(t: Tensor):
         if t is x:
-            if place:
-                return _Placeholder(seg, place)
-            packed = t if inner_pack is None else inner_pack(t)
-            seg.first, seg.unpack_first = packed, inner_unpack
-            return packed
+            if not place:
+                seg.first = t if inner_pack is None else inner_pack(t)
+                seg.unpack_first = inner_unpack
+            return _Placeholder(seg, place)
         return t if inner_pack is None else inner_pack(t)
 
     def unpack(packed):

@@ -455,6 +455,9 @@ class _Shared:
         # (ckpt_ext.hf.sequence_split; other attn_implementations make the layers delegate).
         impl = _attn_implementation(self.owner.config)
         sp = self.forward_group()
+        segmented = self.segment_layers > 1 and torch.is_grad_enabled()
+        if segmented:  # before anything of ZeRO-3 or sequence parallelism runs
+            _refuse_segments_now(self, sp)
         refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)
                                               if f.preset != "torch"]
                                if impl in SUPPORTED_ATTENTION else [],
@@ -479,10 +482,7 @@ class _Shared:
             if images is not None:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.auto_policy else None
-        chain = None
-        if self.segment_layers > 1 and torch.is_grad_enabled():
-            _refuse_segments_now(self, sp)
-            chain = _segments.Chain(self.segment_layers)
+        chain = _segments.Chain(self.segment_layers) if segmented else None
         return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats,
                                                             chain)}
 
