@@ -9,8 +9,9 @@ device pools exist afterwards; the pools are reused, so they are not in the peak
   each one segment's first input) and device pool (the prefetch slots);
 * the step's peak, ``ckpt_ext.peak_memory_bytes`` (on the CPU the allocator's reports through
   the profiler);
-* the step time, the median of ``--repeats`` steps (noisy on a shared machine: the load average
-  is printed at the start and the end).
+* the step time, the median of ``--repeats`` steps, the setups' steps interleaved so that all
+  see the same machine load (still noisy on a shared machine: the load average is printed at
+  the start and the end).
 
 With k layers per segment the host keeps one layer input per segment, ceil(L / k) of them
 instead of L; the device holds, while a segment's backward runs, up to k - 1 rebuilt inputs
@@ -61,28 +62,31 @@ def measure(args: argparse.Namespace) -> dict:
     input, B*S*H elements of the model's dtype)."""
     ids = torch.randint(args.vocab, (args.batch, args.seq), device=args.device,
                         generator=torch.Generator(args.device).manual_seed(1))
-    out = {}
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    models, offloaders = {}, {}
     for k in args.segments:
         model = build(args, "min_memory+fused")
         ckpt_ext.patch_llama(model, "min_memory", offload="cpu", segment_layers=k)
-        offloader = ckpt_ext.hf.patch._decoder_layers(model)[1][0].forward.shared.offloader
+        offloaders[k] = ckpt_ext.hf.patch._decoder_layers(model)[1][0].forward.shared.offloader
         step(model, ids)                  # warm-up: gradients, pools
-        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-        times = []
-        for _ in range(args.repeats):
+        models[k] = model
+    times = {k: [] for k in models}
+    for _ in range(args.repeats):         # interleaved: every k sees the same machine load
+        for k, model in models.items():
             sync()
             t0 = time.perf_counter()
             step(model, ids)
             sync()
-            times.append(time.perf_counter() - t0)
+            times[k].append(time.perf_counter() - t0)
+    out = {}
+    for k, model in models.items():
         peak = ckpt_ext.peak_memory_bytes(step, model, ids)
-        stats = offloader.stats()
+        stats = offloaders[k].stats()
         x = model.get_input_embeddings().weight
         out[k] = dict(host_bytes=stats["host_bytes"], host_allocations=stats["host_allocations"],
                       device_pool_bytes=stats["device_pool_bytes"], peak=peak,
-                      seconds=statistics.median(times),
+                      seconds=statistics.median(times[k]),
                       layer_input_bytes=args.batch * args.seq * args.hidden * x.element_size())
-        del model
     return out
 
 

@@ -1099,6 +1099,19 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``*ForCausalLM``; under ``sequence_parallel`` the statistics are summed over the group and
     each rank adds its share of the loss, calls without labels or grad included; "exact" is
     refused there).
+    ``segment_layers`` (an int >= 1, default 1: every layer keeps its own input): consecutive
+    fused layers of a training forward grouped k at a time (``ckpt_ext.segments``): a segment
+    keeps its first layer's input only (on the device, or offloaded with ``offload``; layers
+    2..k keep their preset's residuals besides the input, as before), and its backward first
+    re-runs layers 1..k-1 forward (no grad, the recorded RNG and autocast states and dropout
+    seeds) to rebuild the other inputs, each held until its layer's backward: k - 1 more layer
+    forwards per segment for 1/k of the saved inputs, the gradients equal to k = 1's bit for
+    bit (on the CPU). A layer whose input is not the previous fused layer's output (it ran
+    HF's forward, or the model did something in between) starts a new segment. Not built
+    with k > 1 (PatchRefused naming what to use): ``policy="auto"`` and presets other than
+    the fused ones, ``sequence_parallel``, DeepSpeed ZeRO-3, FSDP / DTensor parameters,
+    bitsandbytes (QLoRA) layers and Qwen3-VL; a forward under ``torch.compile`` or DeepSpeed
+    Ulysses raises NotImplementedError.
 
     Raises ``ckpt_ext.PatchRefused`` (a ValueError and a NotImplementedError), before changing
     anything, when the model, or a layer asked to be fused, cannot be (see the module
