@@ -5,18 +5,21 @@ calls of one model forward k at a time. Transformers calls each decoder layer on
 segment is not one call: each fused layer call runs under saved-tensor hooks (``call``) that
 know its place in its segment.
 
-* **forward**: the segment's first layer saves its input as it always does (on the device, or
-  through the model's ``ckpt_ext.offload.Offloader``); layers 2..k save a small placeholder in
-  place of their input, and everything else they save (their preset's residuals, which the
-  offloader moves as usual; weights, cos/sin, masks and the dropout seed, which stay) as
-  before. Each call records what it was called with (the op and its ``LayerOptions``, the
-  dropout seed included), the CPU (and CUDA) RNG state and the autocast state.
-* **backward**: the first placeholder unpacked (layer k's, whose backward runs first) re-runs
-  layers 1..k-1 forward without grad from the segment's input, with the recorded arguments,
-  RNG and autocast states, and keeps their outputs: the inputs of layers 2..k. Each is handed to
-  its layer's backward once and dropped by the segment then, so it is freed when that backward
-  ends. Each layer's backward then runs as its preset says. A second backward through a graph
-  kept with ``retain_graph=True`` rebuilds again.
+* **forward**: the segment's first layer's input is packed as it is without segments (by the
+  model's ``ckpt_ext.offload.Offloader``, else by the saved-tensor hooks around the call, if
+  any) and held by the segment, autograd holding a placeholder that names the segment; layers
+  2..k save a placeholder in place of their input, and everything else they save (their
+  preset's residuals, which the offloader moves as usual; weights, cos/sin, masks and the
+  dropout seed, which stay) as before. Each call records what it was called with (the op and
+  its ``LayerOptions``, the dropout seed included), the CPU (and CUDA) RNG state and the
+  autocast state.
+* **backward**: the first placeholder unpacked (layer k's, whose backward runs first) unpacks
+  the segment's input and re-runs layers 1..k-1 forward without grad from it, with the
+  recorded arguments, RNG and autocast states, and keeps their outputs: the inputs of layers
+  2..k. Each is handed to its layer's backward once and dropped by the segment then, so it is
+  freed when that backward ends; the first layer's backward gets the input that the rebuild
+  unpacked (outer hooks such as ``torch.utils.checkpoint``'s allow one unpack). A second
+  backward through a graph kept with ``retain_graph=True`` rebuilds again.
 
 A layer joins the running segment only when its input *is* the previous fused call's output
 (the same tensor, not changed in place since): anything that runs between two layers, or a
@@ -79,14 +82,16 @@ class Segment:
 
     def __init__(self):
         self.calls: List[_Call] = []
-        self.first = None            # the first layer's packed input (a tensor or a handle)
+        self.first = None            # the first layer's packed input (a tensor or a handle);
+        # set by the first layer's pack (a segment whose first call saved nothing ends there)
         self.unpack_first: Optional[Callable] = None
         self.inputs: dict = {}       # place in the segment -> rebuilt input
         self.rebuilds = 0
 
     def input_of(self, place: int) -> Tensor:
-        """The input of the segment's layer at ``place`` (>= 1), rebuilt if not held; the
-        segment lets go of it."""
+        """The input of the segment's layer at ``place``: the first layer's as the rebuild
+        unpacked it (or unpacked now), a later layer's rebuilt if not held; the segment lets
+        go of it."""
         x = self.inputs.pop(place, None)
         if place == 0:  # the first layer's: as the rebuild unpacked it, or its own unpack
             return x if x is not None else (
@@ -97,10 +102,6 @@ class Segment:
         return x
 
     def _rebuild(self, upto: int) -> None:
-        if self.first is None:
-            raise RuntimeError("ckpt_ext segments: the segment's first layer input was not saved "
-                               "(its layer call saved nothing for backward), so the inputs of "
-                               "its later layers cannot be rebuilt")
         x = self.first if self.unpack_first is None else self.unpack_first(self.first)
         # the first layer's backward takes its input from here: its packed input is unpacked
         # once (hooks around the call, torch.utils.checkpoint's among them, allow no more)
@@ -198,4 +199,8 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = fn(x, options)
     chain.done(out[0] if isinstance(out, tuple) else out)
+    if not place and seg.first is None:
+        # nothing saved (no input of the call needs a gradient: frozen first layers): no
+        # input to rebuild from, so the next layer starts a segment of its own
+        chain.segment = None
     return out

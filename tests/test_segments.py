@@ -192,6 +192,26 @@ def test_moe_family(router_logits, monkeypatch):
     assert_bitwise(ref, got)
 
 
+def test_frozen_first_layer_saves_nothing(monkeypatch):
+    """LoRA on layers 1..3 only, the base frozen: layer 0's call saves nothing (no input needs
+    a gradient), so it cannot start a segment that layer 1 rebuilds from; layers 1, 2 form one
+    and layer 3 its own."""
+    peft = pytest.importorskip("peft")
+    seed = fresh_seed()
+    base = peft.get_peft_model(model_of(seed=seed % 1000), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.05, init_lora_weights=False,
+        target_modules=LORA_TARGETS, layers_to_transform=[1, 2, 3])).train()
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    ckpt_ext.patch_llama(ref, "min_memory")
+    ckpt_ext.patch_llama(model, "min_memory", segment_layers=2)
+    counter = Rebuilds(monkeypatch)
+    batch = batch_of("padded", seed)
+    got = step(model, batch, seed)
+    assert counter.count == 1
+    assert_bitwise(step(ref, batch, seed), got)
+    assert not any("layers.0." in n for n in got[1])
+
+
 def test_hf_gradient_checkpointing_default_policy(monkeypatch):
     """HF checkpointing on, the default policy: min_memory layers in segments."""
     seed = fresh_seed()
@@ -355,6 +375,23 @@ def test_under_torch_checkpoint(monkeypatch):
                       if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_offload_matches_one_layer_segments(monkeypatch):
+    """On CUDA (pinned host pool, side-stream copies, the CUDA RNG state recorded) k = 2
+    within rounding of k = 1 (the GPU kernels need not be deterministic), one host buffer
+    per segment."""
+    seed = fresh_seed()
+    base = model_of(seed=seed % 1000, lora_dropout=0.05).cuda()
+    batch = {k: v.cuda() for k, v in batch_of("padded", seed).items()}
+    ref, got, model = compare(base, 2, batch, seed, monkeypatch, offload="cpu")
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], rtol=1e-4, atol=1e-5, msg=n)
+    off = _decoder_layers(model)[1][0].forward.shared.offloader
+    assert off.stats()["host_allocations"] == 2 and off.stats()["host_in_use"] == 0
+    assert all(b.is_pinned() for b in off.host_buffers())
 
 
 # ---- item 4: host bytes and step peak (bench/segments.py) --------------------------------------
