@@ -183,8 +183,12 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
                 nbytes -= x.numel() * x.element_size()
         inner_pack, inner_unpack = offloader.pack_unpack(keep, nbytes)
 
+    # the input, for the pack hook to recognise; emptied after the call, since autograd keeps
+    # the hooks of what was packed, and a placeholder must not keep the input alive
+    given = [x]
+
     def pack(t: Tensor):
-        if t is x:
+        if given and t is given[0]:
             if not place:
                 seg.first = t if inner_pack is None else inner_pack(t)
                 seg.unpack_first = inner_unpack
@@ -196,8 +200,11 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
             return packed.segment.input_of(packed.place)
         return packed if inner_unpack is None else inner_unpack(packed)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = fn(x, options)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = fn(x, options)
+    finally:
+        given.clear()
     chain.done(out[0] if isinstance(out, tuple) else out)
     if not place and seg.first is None:
         # nothing saved (no input of the call needs a gradient: frozen first layers): no

@@ -269,6 +269,31 @@ def test_each_rebuilt_input_is_freed_after_its_layers_backward(monkeypatch):
     assert all(r() is None for r in handed)
 
 
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_forward_frees_the_inputs_of_later_layers(offload):
+    """After the forward (before backward) a layer's output is alive only where it is the
+    input of a segment's first layer and no offloader took it, or the last layer's (the head
+    keeps it): the placeholders and their hooks hold nothing of the inputs they stand for."""
+    seed = fresh_seed()
+    base = model_of(seed=seed % 1000)
+    batch = batch_of("plain", seed)
+    alive = {}
+    for k in (1, 2, 4):
+        model = copy.deepcopy(base)
+        ckpt_ext.patch_llama(model, "min_memory", offload=offload, segment_layers=k)
+        outputs = []
+        for layer in model.model.layers:
+            layer.register_forward_hook(lambda mod, a, out: outputs.append(weakref.ref(out)))
+        loss = model(**batch, use_cache=False).loss
+        alive[k] = [r() is not None for r in outputs]
+        loss.backward()
+    if offload:
+        assert alive[1] == alive[2] == alive[4] == [False, False, False, True]
+    else:
+        assert alive == {1: [True] * 4, 2: [False, True, False, True],
+                         4: [False, False, False, True]}
+
+
 def test_retain_graph_rebuilds_again(monkeypatch):
     seed = fresh_seed()
     base = model_of(seed=seed % 1000, lora_dropout=0.05)
