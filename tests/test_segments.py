@@ -1,9 +1,9 @@
 """Segments of several decoder layers (``patch_llama(..., segment_layers=k)``, ckpt_ext.segments):
 the loss and every gradient equal those of one-layer segments (k = 1) bit for bit on the CPU,
 fp32 and bf16, with PEFT LoRA dropout, padding, packed sequences, offload, the fused presets, a
-k that does not divide the layer count, Qwen3, Mistral and an MoE family; the rebuilt inputs
-are the ones the backward uses and each is freed after its layer's backward; a layer that runs
-HF's forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of k = 1's
+k that does not divide the layer count, several families and an MoE one; the rebuilt inputs
+are the ones the backward uses and each is freed after its layer's backward, the inputs of
+layers 2..k after the forward; a layer that runs HF's forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of k = 1's
 (bench/segments.py's measurement); bad values and the combinations not built are refused."""
 import copy
 import importlib.util
@@ -173,6 +173,18 @@ def test_other_families(family, monkeypatch):
     seed = fresh_seed()
     base = model_of(family, layers=3, seed=seed % 1000, lora_dropout=0.05)
     ref, got, _ = compare(base, 2, batch_of("padded", seed), seed, monkeypatch, offload="cpu")
+    assert_bitwise(ref, got)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "olmo2", "gemma2"])
+def test_family_fixtures(family, monkeypatch):
+    """hf_fixtures' tiny models of families with other layer layouts (Gemma 3's sliding
+    layers and norms around both sublayers, Phi-3's fused projections, OLMo-2's output norms,
+    Gemma 2's soft-capped eager attention), 3 layers in segments of 2."""
+    from hf_fixtures import make_model
+    seed = fresh_seed()
+    base = make_model(family, seed=seed % 1000).train()
+    ref, got, _ = compare(base, 2, batch_of("plain", seed), seed, monkeypatch, offload="cpu")
     assert_bitwise(ref, got)
 
 
