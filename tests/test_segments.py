@@ -1,9 +1,10 @@
 """Segments of several decoder layers (``patch_llama(..., segment_layers=k)``, ckpt_ext.segments):
 the loss and every gradient equal those of one-layer segments (k = 1) bit for bit on the CPU,
 fp32 and bf16, with PEFT LoRA dropout, padding, packed sequences, offload, the fused presets, a
-k that does not divide the layer count, several families and an MoE one; the rebuilt inputs
-are the ones the backward uses and each is freed after its layer's backward, the inputs of
-layers 2..k after the forward; a layer that runs HF's forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of k = 1's
+k that does not divide the layer count, several families and an MoE one, sequence parallelism
+on 2 gloo processes; the rebuilt inputs are the ones the backward uses and each is freed after
+its layer's backward, the inputs of layers 2..k after the forward; a layer that runs HF's
+forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of k = 1's
 (bench/segments.py's measurement); bad values and the combinations not built are refused."""
 import copy
 import importlib.util
@@ -429,6 +430,59 @@ def test_cuda_offload_matches_one_layer_segments(monkeypatch):
     off = _decoder_layers(model)[1][0].forward.shared.offloader
     assert off.stats()["host_allocations"] == 2 and off.stats()["host_in_use"] == 0
     assert all(b.is_pinned() for b in off.host_buffers())
+
+
+def _sp_worker(rank, world, init_file, out_dir):
+    import datetime
+    import torch.distributed as dist
+    from ckpt_ext.hf import sequence_parallel as sp
+    from test_distributed import TIMEOUT_S
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        torch.set_num_threads(1)
+        group = dist.group.WORLD
+        rebuilds = [0]
+        rebuild = segments.Segment._rebuild
+
+        def counted(seg, upto):
+            rebuilds[0] += 1
+            return rebuild(seg, upto)
+        segments.Segment._rebuild = counted
+        results = {}
+        for key in ("padded", "packed"):
+            base = model_of(seed=3, lora_dropout=0.05)
+            batch = batch_of(key, 11)
+            if key == "padded":  # an even length for the 2-way split
+                batch = {n: t[:, :18] for n, t in batch.items()}
+            batch = sp.shard_batch(batch, group)
+            for k in (1, 2):
+                model = copy.deepcopy(base)
+                ckpt_ext.patch_llama(model, "min_memory", sequence_parallel=group,
+                                     offload="cpu", segment_layers=k)
+                before = rebuilds[0]
+                # rank 0 draws the seeds (the group agrees on them)
+                loss, grads = step(model, batch, 77 + 1000 * rank)
+                results[key, k] = (loss, grads, rebuilds[0] - before)
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_two_ranks(tmp_path):
+    """patch_llama(sequence_parallel=group) on 2 gloo processes: the rebuild runs the layers'
+    exchanges on every rank in the same order; each rank's loss and gradient shares equal k =
+    1's bit for bit (LoRA dropout, offload, padded and packed batches)."""
+    pytest.importorskip("peft")
+    from test_distributed import spawn_ranks
+    ranks = spawn_ranks(_sp_worker, (2, str(tmp_path / "init"), str(tmp_path)), tmp_path,
+                        "segments under sequence parallelism", world=2)
+    for res in ranks:
+        for key in ("padded", "packed"):
+            (loss1, grads1, n1), (loss2, grads2, n2) = res[key, 1], res[key, 2]
+            assert (n1, n2) == (0, 2)
+            assert_bitwise((loss1, grads1), (loss2, grads2))
 
 
 # ---- item 4: host bytes and step peak (bench/segments.py) --------------------------------------

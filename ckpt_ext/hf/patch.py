@@ -995,8 +995,6 @@ def _check_segments(k: int, presets: List[str], layers, config, sequence_paralle
             f"{head} needs every decoder layer fused (a segment rebuilds its layers' inputs "
             f"with the fused op); layers {unfused} have policy {presets[unfused[0]]!r}. Use "
             "'fast', 'balanced' or 'min_memory' for every layer, or " + _SEGMENTS_INSTEAD)
-    if sequence_parallel is not None:
-        raise PatchRefused(f"{head} with sequence_parallel is not built; {_SEGMENTS_INSTEAD}")
     if config.model_type in _SEGMENTS_REFUSED:
         raise PatchRefused(f"{head}: {_SEGMENTS_REFUSED[config.model_type]}; "
                            f"{_SEGMENTS_INSTEAD}")
@@ -1035,7 +1033,7 @@ def _refuse_segments_now(shared: "_Shared", sp: str) -> None:
     k = shared.segment_layers
     if torch.compiler.is_compiling():
         _refuse_compiled_segments(k)
-    if sp:
+    if sp and not shared.sequence_parallel:  # DeepSpeed Ulysses' group (not tested)
         raise NotImplementedError(
             f"ckpt_ext.patch_llama: segment_layers={k} with sequence parallelism (DeepSpeed "
             f"Ulysses' group) is not built; patch the model with segment_layers=1")
@@ -1107,11 +1105,12 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     seeds) to rebuild the other inputs, each held until its layer's backward: k - 1 more layer
     forwards per segment for 1/k of the saved inputs, the gradients equal to k = 1's bit for
     bit (on the CPU). A layer whose input is not the previous fused layer's output (it ran
-    HF's forward, or the model did something in between) starts a new segment. Not built
-    with k > 1 (PatchRefused naming what to use): ``policy="auto"`` and presets other than
-    the fused ones, ``sequence_parallel``, DeepSpeed ZeRO-3, FSDP / DTensor parameters,
-    bitsandbytes (QLoRA) layers and Qwen3-VL; a forward under ``torch.compile`` or DeepSpeed
-    Ulysses raises NotImplementedError.
+    HF's forward, or the model did something in between) starts a new segment. With
+    ``sequence_parallel`` the rebuild runs the layers' exchanges on every rank in the same
+    order. Not built with k > 1 (PatchRefused naming what to use): ``policy="auto"`` and
+    presets other than the fused ones, DeepSpeed ZeRO-3, FSDP / DTensor parameters,
+    bitsandbytes (QLoRA) layers and Qwen3-VL; a forward under ``torch.compile`` or in
+    DeepSpeed Ulysses' group raises NotImplementedError.
 
     Raises ``ckpt_ext.PatchRefused`` (a ValueError and a NotImplementedError), before changing
     anything, when the model, or a layer asked to be fused, cannot be (see the module
