@@ -142,6 +142,26 @@ def test_llama_equals_one_layer_segments(setup, layers, k, monkeypatch):
         assert stats["host_allocations"] == math.ceil(layers / k)
 
 
+def test_offload_limit(monkeypatch):
+    """offload_limit of one layer input: the first segment's input goes to the host, the
+    second's stays on the device (the limit counts only what a call saves: layers 2..k save
+    no input)."""
+    seed = fresh_seed()
+    base = model_of(seed=seed % 1000, lora_dropout=0.05)
+    batch = batch_of("padded", seed)
+    x = batch["input_ids"].numel() * TINY["hidden_size"] * 4
+    results, stats = [], []
+    for k in (1, 2):
+        model = copy.deepcopy(base)
+        ckpt_ext.patch_llama(model, "min_memory", offload="cpu", offload_limit=x,
+                             segment_layers=k)
+        results.append(step(model, batch, seed))
+        stats.append(_decoder_layers(model)[1][0].forward.shared.offloader.stats())
+    assert_bitwise(*results)
+    assert [s["host_bytes"] for s in stats] == [x, x]
+    assert all(s["host_in_use"] == 0 for s in stats)
+
+
 @pytest.mark.parametrize("setup", ["bf16", "bf16_lora_offload", "autocast_bf16"])
 def test_bf16_equals_one_layer_segments(setup, monkeypatch):
     seed = fresh_seed()
