@@ -10,7 +10,7 @@ Public API:
     presets.PRESETS, presets.saved_bytes                         the presets and their bytes
     patch_llama(model, policy=None, *, activation_budget=None, fuse_lm_head=True,
                 offload=None, offload_limit=None, host_link_gbytes_per_s=None,
-                sequence_parallel=None),
+                sequence_parallel=None, router_aux_loss="exact", segment_layers=1),
     patch_model (the same), unpatch_llama(model)                 HF LLaMA-style families
     PatchRefused                                                 what patch_llama refuses
     SUPPORTED_MODEL_TYPES                                        the model_types patched

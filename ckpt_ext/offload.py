@@ -323,10 +323,14 @@ class Offloader:
         """The saved-tensor hooks for one layer call; ``keep``: tensors that stay where they are
         (weights and the inputs all layers share); ``nbytes``: what the call will save, if
         known (the limit then keeps or moves the call's tensors together)."""
+        return torch.autograd.graph.saved_tensors_hooks(*self.pack_unpack(keep, nbytes))
+
+    def pack_unpack(self, keep: Iterable[Tensor], nbytes: Optional[int] = None):
+        """The ``(pack, unpack)`` pair that ``hooks`` installs, for a caller that puts its own
+        saved-tensor hooks around them (``ckpt_ext.segments``)."""
         group = _Group(next(self._ids), nbytes)
         keep = [k for k in keep if isinstance(k, Tensor)]
-        return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(group, keep, t), self._unpack)
+        return (lambda t: self._pack(group, keep, t)), self._unpack
 
 
 def _new_offloader(limit, prefetch, record) -> Offloader:

@@ -91,7 +91,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import _C  # noqa: F401  (registers torch.ops.ckpt_ext)
 from .._checks import _check_bool
 from ..blocks import decoder_layer
-from ..offload import offloaded, resolve as resolve_offload
+from ..offload import resolve as resolve_offload
+from .. import segments as _segments
 from ..presets import FUSED_PRESETS, PRESETS, check_policy
 from . import moe, zero
 from .errors import PatchRefused
@@ -377,6 +378,9 @@ class _ForwardState(NamedTuple):
     # bare model under moe.ROUTER_STATS_KEY. None: the layers return their router logits
     # when transformers collects them.
     router_stats: Optional[list] = None
+    # segment_layers > 1 in a training forward: the forward's chain of segments
+    # (ckpt_ext.segments), which each fused layer call joins
+    segments: Optional[_segments.Chain] = None
 
 
 # The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
@@ -413,6 +417,7 @@ class _Shared:
         self.positional = [p.name for p in params]
 
     sequence_parallel = ""  # patch_llama's group, by name (ckpt_ext.hf.sequence_parallel)
+    segment_layers = 1      # patch_llama's segment_layers (ckpt_ext.segments)
     router_aux_loss = "exact"  # patch_llama's router_aux_loss
 
     def __setstate__(self, state):  # pickles of older versions kept per-forward fields
@@ -450,6 +455,9 @@ class _Shared:
         # (ckpt_ext.hf.sequence_split; other attn_implementations make the layers delegate).
         impl = _attn_implementation(self.owner.config)
         sp = self.forward_group()
+        segmented = self.segment_layers > 1 and torch.is_grad_enabled()
+        if segmented:  # before anything of ZeRO-3 or sequence parallelism runs
+            _refuse_segments_now(self, sp)
         refuse_split_attention(impl, lambda: [f.idx for f in _patched(self.layers)
                                               if f.preset != "torch"]
                                if impl in SUPPORTED_ATTENTION else [],
@@ -474,7 +482,9 @@ class _Shared:
             if images is not None:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.auto_policy else None
-        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats)}
+        chain = _segments.Chain(self.segment_layers) if segmented else None
+        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats,
+                                                            chain)}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
@@ -762,7 +772,8 @@ class _PatchedForward:
             return self._delegate(reason, hidden_states, kwargs, warn=True, sp=sp)
         self._count("fused")
         return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors,
-                           sp=sp, stats=state.router_stats if state is not None else None)
+                           sp=sp, stats=state.router_stats if state is not None else None,
+                           chain=state.segments if state is not None else None)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False,
                   sp: Optional[str] = None):
@@ -863,7 +874,8 @@ class _PatchedForward:
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list, streams: list,
                expert_scaling: Sequence[float] = (), sp: Optional[str] = None,
-               stats: Optional[list] = None) -> Tensor:
+               stats: Optional[list] = None,
+               chain: Optional[_segments.Chain] = None) -> Tensor:
         sp = self.shared.sequence_parallel if sp is None else sp
         spec = self.spec
         cos, sin = _tables_for(x, *position_embeddings)
@@ -902,9 +914,11 @@ class _PatchedForward:
         # QLoRA: quantized bases' weights dequantized for this forward and for the op's
         # backward only (ckpt_ext.hf.quantized)
         with quantized.Transient(weights, quantized.compute_dtype(x)) as transient:
-            out = offloaded(self.shared.offloader, decoder_layer, x,
-                            [*weights, cos, sin, masks.key_padding_mask, masks.segment_ids,
-                             seed], options)
+            # a plain call (its saved tensors offloaded with offload="cpu"), or one layer of a
+            # segment (segment_layers > 1), which keeps its input only if it is the first
+            out = _segments.call(chain, self.shared.offloader, decoder_layer, x,
+                                 [*weights, cos, sin, masks.key_padding_mask,
+                                  masks.segment_ids, seed], options)
         transient.attach(out)
         if router_stats:
             y, stats = out
@@ -938,6 +952,99 @@ def _patched(layers) -> List[_PatchedForward]:
             if isinstance(f, _PatchedForward)]
 
 
+# ---- segments of several layers (ckpt_ext.segments) -------------------------------------------
+
+_SEGMENTS_INSTEAD = "use segment_layers=1 (every layer keeps its own input) for it"
+
+
+def _sharding_problem(layers) -> Optional[str]:
+    """Why the layers' parameters cannot serve a segment's rebuild, which re-runs layer
+    forwards inside another layer's backward with the parameters the forward read (None when
+    they can): DeepSpeed ZeRO-3 and FSDP release gathered parameters between the passes."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without torch.distributed
+        FSDPModule = ()
+    for idx, layer in enumerate(layers):
+        if isinstance(layer, FSDPModule) or any(
+                c.__name__ == "FullyShardedDataParallel" for c in type(layer).__mro__):
+            return f"decoder layer {idx} is sharded by FSDP"
+        for p in layer.parameters():
+            if zero.is_zero3_param(p):
+                return f"decoder layer {idx}'s parameters are partitioned by DeepSpeed ZeRO-3"
+            if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == \
+                    "DTensor":
+                return f"decoder layer {idx}'s parameters are DTensors (FSDP2 or tensor " \
+                    "parallelism)"
+    return None
+
+
+def _check_segments(k: int, presets: List[str], layers, config, sequence_parallel) -> None:
+    """patch_llama's refusals of ``segment_layers`` = k > 1 (PatchRefused, before anything
+    changes): combinations that segments are not built for."""
+    if k == 1:
+        return
+    head = f"patch_llama: segment_layers={k}"
+    if "auto" in presets:
+        raise PatchRefused(f"{head} with policy='auto' is not built (auto does not choose "
+                           "segments); give a fused preset, e.g. policy='min_memory', or "
+                           f"{_SEGMENTS_INSTEAD}")
+    unfused = [i for i, p in enumerate(presets) if p not in FUSED_PRESETS]
+    if unfused:
+        raise PatchRefused(
+            f"{head} needs every decoder layer fused (a segment rebuilds its layers' inputs "
+            f"with the fused op); layers {unfused} have policy {presets[unfused[0]]!r}. Use "
+            "'fast', 'balanced' or 'min_memory' for every layer, or " + _SEGMENTS_INSTEAD)
+    if config.model_type in _SEGMENTS_REFUSED:
+        raise PatchRefused(f"{head}: {_SEGMENTS_REFUSED[config.model_type]}; "
+                           f"{_SEGMENTS_INSTEAD}")
+    for idx, layer in enumerate(layers):
+        if any(quantized.is_quantized_base(m) for m in layer.modules()):
+            raise PatchRefused(f"{head}: decoder layer {idx} has bitsandbytes projections "
+                               "(QLoRA), whose dequantized weights a rebuild would need "
+                               f"again: not built; {_SEGMENTS_INSTEAD}")
+    problem = _sharding_problem(layers)
+    if problem:
+        raise PatchRefused(f"{head}: {problem}, which a segment's rebuild (layer forwards "
+                           f"inside the backward) is not built for; {_SEGMENTS_INSTEAD}")
+
+
+# model_types (of the text stack) whose model runs something between two decoder layers, so
+# that a layer's input is not the previous layer's output
+_SEGMENTS_REFUSED = {
+    "qwen3_vl_text": "Qwen3-VL adds visual features to the hidden states between its first "
+                     "decoder layers (deepstack), so a layer's input is not the previous "
+                     "layer's output",
+}
+
+
+@torch.compiler.disable
+def _refuse_compiled_segments(k: int) -> None:
+    """Raised outside the graph (a graph break), so that it reaches the caller as it is."""
+    raise NotImplementedError(
+        f"ckpt_ext.patch_llama: segment_layers={k} under torch.compile is not built (a "
+        "segment's saved-tensor hooks run in eager mode only); run the model eagerly, or "
+        "patch it with segment_layers=1 to compile it")
+
+
+def _refuse_segments_now(shared: "_Shared", sp: str) -> None:
+    """The refusals of segments that can only be seen when a forward starts (the same on
+    every rank of a group: each reads the same settings)."""
+    k = shared.segment_layers
+    if torch.compiler.is_compiling():
+        _refuse_compiled_segments(k)
+    if sp and not shared.sequence_parallel:  # DeepSpeed Ulysses' group (not tested)
+        raise NotImplementedError(
+            f"ckpt_ext.patch_llama: segment_layers={k} with sequence parallelism (DeepSpeed "
+            f"Ulysses' group) is not built; patch the model with segment_layers=1")
+    problem = _sharding_problem(shared.layers)
+    if problem:
+        raise NotImplementedError(
+            f"ckpt_ext.patch_llama: segment_layers={k}: {problem} (set up after patching), "
+            "which a segment's rebuild is not built for; patch the model with "
+            "segment_layers=1")
+
+
 # ---- public API ------------------------------------------------------------------------------
 
 def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
@@ -945,7 +1052,8 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                 fuse_lm_head: bool = True, offload: Optional[str] = None,
                 offload_limit: Optional[Union[int, str]] = None,
                 host_link_gbytes_per_s: Optional[float] = None,
-                sequence_parallel=None, router_aux_loss: str = "exact") -> nn.Module:
+                sequence_parallel=None, router_aux_loss: str = "exact",
+                segment_layers: int = 1) -> nn.Module:
     """Give every decoder layer of ``model`` a recompute preset; returns ``model`` (patched in
     place).
 
@@ -989,12 +1097,27 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``*ForCausalLM``; under ``sequence_parallel`` the statistics are summed over the group and
     each rank adds its share of the loss, calls without labels or grad included; "exact" is
     refused there).
+    ``segment_layers`` (an int >= 1, default 1: every layer keeps its own input): consecutive
+    fused layers of a training forward grouped k at a time (``ckpt_ext.segments``): a segment
+    keeps its first layer's input only (on the device, or offloaded with ``offload``; layers
+    2..k keep their preset's residuals besides the input, as before), and its backward first
+    re-runs layers 1..k-1 forward (no grad, the recorded RNG and autocast states and dropout
+    seeds) to rebuild the other inputs, each held until its layer's backward: k - 1 more layer
+    forwards per segment for 1/k of the saved inputs, the gradients equal to k = 1's bit for
+    bit (on the CPU). A layer whose input is not the previous fused layer's output (it ran
+    HF's forward, or the model did something in between) starts a new segment. With
+    ``sequence_parallel`` the rebuild runs the layers' exchanges on every rank in the same
+    order. Not built with k > 1 (PatchRefused naming what to use): ``policy="auto"`` and
+    presets other than the fused ones, DeepSpeed ZeRO-3, FSDP / DTensor parameters,
+    bitsandbytes (QLoRA) layers and Qwen3-VL; a forward under ``torch.compile`` or in
+    DeepSpeed Ulysses' group raises NotImplementedError.
 
     Raises ``ckpt_ext.PatchRefused`` (a ValueError and a NotImplementedError), before changing
     anything, when the model, or a layer asked to be fused, cannot be (see the module
     docstring); malformed arguments raise ValueError or TypeError. Patching a patched model
     first undoes the earlier patch."""
     _check_bool("patch_llama", "fuse_lm_head", fuse_lm_head)
+    segment_layers = _segments.check_segment_layers(segment_layers)
     owner, layers = _decoder_layers(model)
     config = _model_config(model)
     check_router_aux_loss(router_aux_loss, _unwrap_peft(model), owner, layers, fuse_lm_head)
@@ -1028,6 +1151,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
         if preset in FUSED_PRESETS or preset == "auto":
             specs[idx] = _check_fusable(layer, idx, config)
     sp_name = _sp.check_patch(sequence_parallel, presets)
+    _check_segments(segment_layers, presets, layers, config, sequence_parallel)
     unpatch_llama(model)
     multimodal = MULTIMODAL.get(getattr(_unwrap_peft(model).config, "model_type", None))
     shared = _Shared(owner, layers, default_policy=policy is None, budget=budget,
@@ -1041,6 +1165,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
             _take_over_call_checkpoint(layer)
     shared.sequence_parallel = sp_name
     shared.router_aux_loss = router_aux_loss
+    shared.segment_layers = segment_layers
     shared.install()
     _patch_head(_unwrap_peft(model), owner, fuse_lm_head, shared, FAMILIES[config.model_type],
                 router_aux_loss)

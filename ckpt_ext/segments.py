@@ -1,0 +1,213 @@
+"""Segments of several fused decoder layers: only the segment's first input is kept.
+
+``patch_llama(model, policy="min_memory", segment_layers=k)`` groups consecutive fused layer
+calls of one model forward k at a time. Transformers calls each decoder layer on its own, so a
+segment is not one call: each fused layer call runs under saved-tensor hooks (``call``) that
+know its place in its segment.
+
+* **forward**: the segment's first layer's input is packed as it is without segments (by the
+  model's ``ckpt_ext.offload.Offloader``, else by the saved-tensor hooks around the call, if
+  any) and held by the segment, autograd holding a placeholder that names the segment; layers
+  2..k save a placeholder in place of their input, and everything else they save (their
+  preset's residuals, which the offloader moves as usual; weights, cos/sin, masks and the
+  dropout seed, which stay) as before. Each call records what it was called with (the op and
+  its ``LayerOptions``, the dropout seed included), the CPU (and CUDA) RNG state and the
+  autocast state.
+* **backward**: the first placeholder unpacked (layer k's, whose backward runs first) unpacks
+  the segment's input and re-runs layers 1..k-1 forward without grad from it, with the
+  recorded arguments, RNG and autocast states, and keeps their outputs: the inputs of layers
+  2..k. Each is handed to its layer's backward once and dropped by the segment then, so it is
+  freed when that backward ends; the first layer's backward gets the input that the rebuild
+  unpacked (outer hooks such as ``torch.utils.checkpoint``'s allow one unpack). A second
+  backward through a graph kept with ``retain_graph=True`` rebuilds again.
+
+A layer joins the running segment only when its input *is* the previous fused call's output
+(the same tensor, not changed in place since): anything that runs between two layers, or a
+layer that runs HF's forward instead of the fused op, starts a new segment. The rebuilt inputs
+are therefore the very values the forward computed (the op is deterministic on the CPU), and
+the gradients equal those of one-layer segments bit for bit.
+
+The cost: k - 1 more layer forwards per segment of k layers in backward, and, while a segment's
+backward runs, up to k - 1 rebuilt layer inputs on the device beside the layer's own backward.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterable, List, Optional
+
+import torch
+from torch import Tensor
+
+from .offload import Offloader, _layer_saved_bytes, offloaded
+
+__all__ = ["check_segment_layers", "Chain", "Segment", "call"]
+
+
+def check_segment_layers(value, what: str = "patch_llama") -> int:
+    """``value`` if it is an int >= 1 (1: every layer its own segment), else a ValueError
+    naming ``segment_layers``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: segment_layers must be an int >= 1 (the decoder layers per "
+                         f"segment; 1 keeps every layer's input), got {value!r}")
+    return value
+
+
+class _Call:
+    """One fused layer call of a segment, as its rebuild replays it."""
+    __slots__ = ("fn", "options", "cpu_rng", "cuda_rng", "device", "autocast")
+
+    def __init__(self, fn: Callable, options, x: Tensor):
+        self.fn, self.options = fn, options
+        self.device = x.device
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+        kind = x.device.type
+        self.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
+                         torch.is_autocast_cache_enabled())
+
+    def run(self, x: Tensor) -> Tensor:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+        kind, enabled, dtype, cache = self.autocast
+        with torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache):
+            out = self.fn(x, self.options)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Segment:
+    """The layer calls of one segment, its first input as the first layer saved it, and the
+    rebuilt inputs of its later layers while the backward needs them. ``rebuilds`` counts the
+    rebuilds run (one per backward through the segment)."""
+
+    def __init__(self):
+        self.calls: List[_Call] = []
+        self.first = None            # the first layer's packed input (a tensor or a handle);
+        # set by the first layer's pack (a segment whose first call saved nothing ends there)
+        self.unpack_first: Optional[Callable] = None
+        self.inputs: dict = {}       # place in the segment -> rebuilt input
+        self.rebuilds = 0
+
+    def input_of(self, place: int) -> Tensor:
+        """The input of the segment's layer at ``place``: the first layer's as the rebuild
+        unpacked it (or unpacked now), a later layer's rebuilt if not held; the segment lets
+        go of it."""
+        x = self.inputs.pop(place, None)
+        if place == 0:  # the first layer's: as the rebuild unpacked it, or its own unpack
+            return x if x is not None else (
+                self.first if self.unpack_first is None else self.unpack_first(self.first))
+        if x is None:
+            self._rebuild(place)
+            x = self.inputs.pop(place)
+        return x
+
+    def _rebuild(self, upto: int) -> None:
+        x = self.first if self.unpack_first is None else self.unpack_first(self.first)
+        # the first layer's backward takes its input from here: its packed input is unpacked
+        # once (hooks around the call, torch.utils.checkpoint's among them, allow no more)
+        self.inputs[0] = x
+        devices = [x.device] if x.is_cuda else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for place in range(1, upto + 1):
+                x = self.calls[place - 1].run(x)
+                self.inputs[place] = x
+        self.rebuilds += 1
+
+
+class _Placeholder:
+    """What autograd holds in place of the input of a segment's layer: for the first, a
+    reference to the segment, which holds the input as the first layer's hooks packed it
+    (``Segment.first``); for layers 2..k, nothing of it."""
+    __slots__ = ("segment", "place")
+
+    def __init__(self, segment: Segment, place: int):
+        self.segment, self.place = segment, place
+
+
+class Chain:
+    """One model forward's segments: the running segment and the last fused call's output.
+    ``k``: the layers per segment. ``segments`` lists the segments in forward order (kept only
+    with ``record=True``, for tests: it holds them past their backward)."""
+
+    def __init__(self, k: int, record: bool = False):
+        self.k = check_segment_layers(k, "Chain")
+        self.segment: Optional[Segment] = None
+        self.last = None             # weakref to the last fused call's output
+        self.version = -1
+        self.segments: Optional[List[Segment]] = [] if record else None
+
+    def place(self, x: Tensor):
+        """(segment, place) for a fused call with input ``x``."""
+        seg = self.segment
+        last = self.last() if self.last is not None else None
+        if seg is not None and len(seg.calls) < self.k and last is x and \
+                x._version == self.version:
+            return seg, len(seg.calls)
+        self.segment = seg = Segment()
+        if self.segments is not None:
+            self.segments.append(seg)
+        return seg, 0
+
+    def done(self, y: Tensor) -> None:
+        self.last, self.version = weakref.ref(y), y._version
+
+
+def _outer_hooks():
+    """The saved-tensor hooks active around this call as (pack, unpack), or (None, None)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return hooks if hooks is not None else (None, None)
+
+
+def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x: Tensor,
+         keep: Iterable[Tensor], options):
+    """``fn(x, options)``, a fused layer call, as a member of ``chain``'s running segment
+    (None: ``ckpt_ext.offload.offloaded``, the call on its own); its saved tensors offloaded
+    by ``offloader`` (None: kept on the device)."""
+    if chain is None or not torch.is_grad_enabled():
+        return offloaded(offloader, fn, x, keep, options)
+    if offloader is not None and torch.cuda.is_available() and \
+            torch.cuda.is_current_stream_capturing():
+        return offloaded(offloader, fn, x, keep, options)  # refuses capture
+    seg, place = chain.place(x)
+    seg.calls.append(_Call(fn, options, x))
+    # what the call's other saved tensors go through: the offloader's hooks, or without one the
+    # saved-tensor hooks around the call (ckpt_ext.saved_activation_bytes then counts what the
+    # segment keeps), or none
+    inner_pack, inner_unpack = _outer_hooks() if offloader is None else (None, None)
+    if offloader is not None:
+        nbytes = None
+        if offloader.limit is not None:
+            nbytes = _layer_saved_bytes(x, options)
+            if place:  # its input is not saved
+                nbytes -= x.numel() * x.element_size()
+        inner_pack, inner_unpack = offloader.pack_unpack(keep, nbytes)
+
+    # the input, for the pack hook to recognise; emptied after the call, since autograd keeps
+    # the hooks of what was packed, and a placeholder must not keep the input alive
+    given = [x]
+
+    def pack(t: Tensor):
+        if given and t is given[0]:
+            if not place:
+                seg.first = t if inner_pack is None else inner_pack(t)
+                seg.unpack_first = inner_unpack
+            return _Placeholder(seg, place)
+        return t if inner_pack is None else inner_pack(t)
+
+    def unpack(packed):
+        if isinstance(packed, _Placeholder):
+            return packed.segment.input_of(packed.place)
+        return packed if inner_unpack is None else inner_unpack(packed)
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = fn(x, options)
+    finally:
+        given.clear()
+    chain.done(out[0] if isinstance(out, tuple) else out)
+    if not place and seg.first is None:
+        # nothing saved (no input of the call needs a gradient: frozen first layers): no
+        # input to rebuild from, so the next layer starts a segment of its own
+        chain.segment = None
+    return out
