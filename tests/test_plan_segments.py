@@ -6,8 +6,11 @@ k, the CLI flag and the longest-S figures of issues 58 and 57."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.utils.checkpoint
 
-from ckpt_ext import plan, plan_cli
+import ckpt_ext
+from ckpt_ext import config, plan, plan_cli
 from ckpt_ext.plan import LayerDims
 
 LLAMA31_8B = LayerDims(4096, 32, 8, 128, 14336)
@@ -339,3 +342,82 @@ def test_cli_segment_layers_auto_needs_device_memory(capsys):
     assert e.value.code == 2
     assert "argument --segment-layers: 'auto' chooses K by the step's fit and time: give " \
            "--device-memory" in capsys.readouterr().err
+
+
+# ---- the model against the CPU allocator, segments emulated ------------------------------------
+
+class _Segment(torch.nn.Module):
+    """k patched decoder layers under torch.utils.checkpoint: the forward keeps the segment's
+    input alone; the backward re-runs the segment's layers forward, each fused min_memory layer
+    saving its input again (the first one the kept input itself), then walks down their
+    backwards. The memory of the runtime's segments (which re-run k - 1 layers, not k), made
+    of parts that exist today, to check the plan's terms against the allocator."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, hidden_states, **kwargs):
+        def run(h):
+            for layer in self.layers:
+                h = layer(h, **kwargs)
+            return h
+        return torch.utils.checkpoint.checkpoint(run, hidden_states, use_reentrant=False)
+
+
+class _Pass(torch.nn.Module):
+    def forward(self, hidden_states, **kwargs):
+        return hidden_states
+
+
+SEGMENT_CASES = {
+    # the top layer's backward sets the peak, one chunk
+    "layer-bound": dict(H=256, heads=4, kv=2, D=40, I=1200, V=1024, L=4, S=900),
+    # the fused layer in token chunks
+    "layer-chunks": dict(H=128, heads=4, kv=2, D=32, I=400, V=512, L=5, S=1100,
+                         cap=(4 * 128 + 3 * 400) * 4 * 150),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEGMENT_CASES))
+@pytest.mark.parametrize("k", [2, 3])
+def test_segment_step_peak_matches_the_cpu_allocator(case, k):
+    """plan.cpu_step_peak(segment_layers=k) within 5% of the allocator's peak of a later
+    training step of a patched HF model whose min_memory layers run in checkpointed segments
+    of k (see _Segment), and the change from k = 1 within 5% of the plan's."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: "
+                                       "the peak is measured on an HF model")
+    if torch.cuda.is_available():
+        pytest.skip("measures the CPU allocator")
+    c = SEGMENT_CASES[case]
+    if "cap" in c:   # conftest restores the setting
+        config.update(chunk_bytes=str(c["cap"]))
+    cfg = transformers.LlamaConfig(
+        hidden_size=c["H"], intermediate_size=c["I"], num_hidden_layers=c["L"],
+        num_attention_heads=c["heads"], num_key_value_heads=c["kv"], head_dim=c["D"],
+        vocab_size=c["V"], rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model.train()
+    ckpt_ext.patch_llama(model, "min_memory")
+    ids = torch.randint(c["V"], (1, c["S"]), generator=torch.Generator().manual_seed(1))
+    layers = list(model.model.layers)
+    peaks = {}
+    for seg in (1, k):
+        if seg > 1:
+            model.model.layers = torch.nn.ModuleList(
+                m for a, b in plan.segment_bounds(len(layers), seg)
+                for m in [_Segment(layers[a:b])] + [_Pass() for _ in range(a + 1, b)])
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+        step()
+        peaks[seg] = ckpt_ext.peak_memory_bytes(step)
+    dims = [LayerDims(c["H"], c["heads"], c["kv"], c["D"], c["I"])] * c["L"]
+    model_peak = {seg: plan.cpu_step_peak("min_memory", dims, c["V"], 1, c["S"], torch.float32,
+                                          segment_layers=seg, chunk_bytes=c.get("cap"))
+                  for seg in (1, k)}
+    print(case, k, peaks, model_peak)
+    assert abs(model_peak[k] - peaks[k]) <= 0.05 * peaks[k], (model_peak, peaks)
+    b = plan.layer_bytes("min_memory", dims[0], 1, c["S"], torch.float32)
+    assert abs((model_peak[k] - model_peak[1]) - (peaks[k] - peaks[1])) <= 0.05 * b * c["L"]
