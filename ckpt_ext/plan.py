@@ -73,10 +73,20 @@ integration; the engine's own numbers it reads from the engine: the chunk rows
 cross-entropy's ``swiglu_buffers``, ``swiglu_chunk_rows``, ``lce_chunk_rows``), the residual layout (``presets.per_token_bytes``), the
 offload rule (``ckpt_ext.offload.admits``) and the chunk cap (``ckpt_ext.config``).
 
+Segments of several layers (``segment_layers`` k of :func:`step_peak`,
+:func:`offload_step_peak`, :func:`sp_step_peak`, :func:`step_flops` and the longest-S searches;
+``min_memory`` only): k consecutive layers keep only the first one's input (on the device or
+offloaded); the segment's backward re-runs its first k - 1 layers forward to rebuild the
+others' inputs and holds them beside its layers' backwards (:func:`segment_bytes`). The host
+holds 1/k of the inputs, the device k - 1 rebuilt ones more at a segment's backward, the step
+one more forward of k - 1 layers a segment; :func:`choose_segment_layers` picks k by time,
+:func:`longest_sequence_segments` the k that reaches furthest, and :func:`cpu_step_peak` is the
+CPU allocator's peak the plan predicts.
+
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
 [--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]
-[--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what each means;
-``ckpt_ext.plan_cli``, which reads HF configs).
+[--segment-layers K|auto] [--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what
+each means; ``ckpt_ext.plan_cli``, which reads HF configs).
 """
 from __future__ import annotations
 
@@ -1176,7 +1186,7 @@ class SegmentChoice:
     kept: int               # offload: the inputs of the segments past the host cap
 
 
-def _segment_seconds(layers, V, B, S, dtype, k, host_memory, offload, train_weights, link,
+def _segment_seconds(layers, V, B, S, dtype, k, host_memory, offloaded, train_weights, link,
                      rates, lora) -> float:
     """The step of ``min_memory`` in segments of k: per segment the larger of its compute
     (its layers' forward, backward and recompute, and the forward of its first k - 1 layers
@@ -1193,16 +1203,11 @@ def _segment_seconds(layers, V, B, S, dtype, k, host_memory, offload, train_weig
         for d in layers[a:b - 1]:
             f, m = _forward_flops(d, B, S, **lora)
             compute += f / (rates[0] * 1e12) + m / (rates[2] * 1e12)
-        if offload and offload_admits(host, nbytes, host_memory):
+        if offloaded and offload.admits(host, nbytes, host_memory):
             host += nbytes
             compute = max(compute, 2 * nbytes / link)
         secs += compute
     return secs
-
-
-def offload_admits(in_use: int, nbytes: int, limit: Optional[int]) -> bool:
-    """The offloader's rule (``ckpt_ext.offload.admits``), read at each call."""
-    return offload.admits(in_use, nbytes, limit)
 
 
 def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
