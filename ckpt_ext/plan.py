@@ -75,11 +75,13 @@ offload rule (``ckpt_ext.offload.admits``) and the chunk cap (``ckpt_ext.config`
 
 Segments of several layers (``segment_layers`` k of :func:`step_peak`,
 :func:`offload_step_peak`, :func:`sp_step_peak`, :func:`step_flops` and the longest-S searches;
-``min_memory`` only): k consecutive layers keep only the first one's input (on the device or
-offloaded); the segment's backward re-runs its first k - 1 layers forward to rebuild the
-others' inputs and holds them beside its layers' backwards (:func:`segment_bytes`). The host
-holds 1/k of the inputs, the device k - 1 rebuilt ones more at a segment's backward, the step
-one more forward of k - 1 layers a segment; :func:`choose_segment_layers` picks k by time,
+the fused presets, as ``patch_llama(segment_layers=k)``): of k consecutive layers only the first
+keeps its input (on the device or offloaded; the others keep what their preset saves besides
+it, nothing under ``min_memory``); the segment's backward re-runs its first k - 1 layers
+forward to rebuild the others' inputs and holds them beside its layers' backwards
+(:func:`segment_bytes`). Under ``min_memory`` the host holds 1/k of the inputs, the device
+k - 1 rebuilt ones more at a segment's backward, the step one more forward of k - 1 layers a
+segment; for ``min_memory``, :func:`choose_segment_layers` picks k by time,
 :func:`longest_sequence_segments` the k that reaches furthest, and :func:`cpu_step_peak` is the
 CPU allocator's peak the plan predicts.
 
@@ -185,10 +187,10 @@ def _saved_bytes(preset: str, d: LayerDims, B: int, S: int, dtype,
 def _check_segment_layers(k, setup: str, where: str) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{where}: segment_layers must be a positive int, got {k!r}")
-    if k > 1 and setup != "min_memory":
-        raise ValueError(f"{where}: segment_layers={k} applies to 'min_memory' (a segment keeps "
-                         f"its first layer's input alone and rebuilds the others' by a "
-                         f"forward); got setup {setup!r}")
+    if k > 1 and setup not in _CHOICES:
+        raise ValueError(f"{where}: segment_layers={k} applies to the fused presets "
+                         f"({', '.join(_CHOICES)}: a segment rebuilds its layers' inputs with "
+                         f"the fused layer's forward); got setup {setup!r}")
 
 
 def segment_bounds(n_layers: int, segment_layers: int) -> list:
@@ -199,39 +201,53 @@ def segment_bounds(n_layers: int, segment_layers: int) -> list:
     return [(a, min(a + segment_layers, n_layers)) for a in range(0, n_layers, segment_layers)]
 
 
-def segment_bytes(layers: Sequence[LayerDims], B: int, S: int, dtype,
-                  segment_layers: int) -> tuple:
-    """``min_memory`` in segments of k = ``segment_layers`` layers, per segment in forward
-    order: (the bytes each keeps from its forward to its backward, its first layer's input;
-    the bytes its backward rebuilds, the inputs of its layers 2..k). A segment's backward
-    re-runs its first k - 1 layers forward to rebuild those inputs and holds them while its
-    layers' backwards walk down, each freed after its layer's backward: at its top layer's
-    backward it holds its own input and all k - 1 rebuilt ones. k = 1: every layer's input,
-    nothing rebuilt."""
-    layers = list(layers)
-    per = [layer_bytes("min_memory", x, B, S, dtype) for x in layers]
-    bounds = segment_bounds(len(layers), segment_layers)
-    return (tuple(per[a] for a, _ in bounds), tuple(sum(per[a + 1:b]) for a, b in bounds))
-
-
-def _rebuilt_peak(inputs, rebuilt, on_device) -> int:
-    """The most the device holds beyond the segments' inputs it keeps (``on_device``: whether
-    each segment's input stays on the device, else it is offloaded): at segment j's backward
-    the segments above j have freed their inputs and j holds its rebuilt ones, so
-    max_j(kept inputs of the segments up to j + rebuilt_j) less every kept input."""
-    below, most = 0, 0
-    for b, r, dev in zip(inputs, rebuilt, on_device):
-        below += b if dev else 0
-        most = max(most, below + r)
-    return most - below
+def _input_bytes(d: LayerDims, B: int, S: int, dtype) -> int:
+    """A decoder layer's input, (B, S, H) in ``dtype``: what a segment's layers 2..k do not
+    keep."""
+    return B * S * d.hidden_size * _dtype(dtype).itemsize
 
 
 def _call_bytes(layers, presets, B, S, dtype, segment_layers: int = 1) -> list:
-    """What each fused call keeps for backward, in forward order: a layer's saved bytes, or
-    with segments a segment's input (:func:`segment_bytes`)."""
+    """What each fused layer call keeps for backward, in forward order: its preset's saved
+    bytes, less its input for layers 2..k of a segment (``segment_layers`` k: their input is
+    rebuilt; ``min_memory``'s layers 2..k keep nothing)."""
+    out = [layer_bytes(p, x, B, S, dtype) for p, x in zip(presets, layers)]
     if segment_layers > 1:
-        return list(segment_bytes(layers, B, S, dtype, segment_layers)[0])
-    return [layer_bytes(p, x, B, S, dtype) for p, x in zip(presets, layers)]
+        for a, b in segment_bounds(len(out), segment_layers):
+            for i in range(a + 1, b):
+                out[i] -= _input_bytes(layers[i], B, S, dtype)
+    return out
+
+
+def segment_bytes(layers: Sequence[LayerDims], B: int, S: int, dtype, segment_layers: int,
+                  preset: str = "min_memory") -> tuple:
+    """A fused ``preset`` (``min_memory`` by default) in segments of k = ``segment_layers``
+    layers, per segment in forward order: (the bytes it keeps from its forward to its
+    backward: its first layer's saved bytes and what its layers 2..k save besides their
+    inputs, nothing for ``min_memory``, whose layers save their input alone; the bytes its
+    backward rebuilds: the inputs of its layers 2..k). A segment's backward re-runs its first
+    k - 1 layers forward to rebuild those inputs and holds them while its layers' backwards
+    walk down, each freed after its layer's backward: at its top layer's backward it holds
+    all k - 1 rebuilt ones. k = 1: every layer's saved bytes, nothing rebuilt."""
+    _check_segment_layers(segment_layers, preset, "segment_bytes")
+    layers = list(layers)
+    calls = _call_bytes(layers, [preset] * len(layers), B, S, dtype, segment_layers)
+    bounds = segment_bounds(len(layers), segment_layers)
+    return (tuple(sum(calls[a:b]) for a, b in bounds),
+            tuple(sum(_input_bytes(x, B, S, dtype) for x in layers[a + 1:b])
+                  for a, b in bounds))
+
+
+def _rebuilt_peak(held, rebuilt) -> int:
+    """The most the device holds beyond what the segments keep on it (``held``: each segment's
+    kept bytes on the device, 0 when offloaded): at segment j's top layer's backward the
+    segments above j have freed theirs and j holds its rebuilt inputs, so
+    max_j(the kept bytes of the segments up to j + rebuilt_j) less all the kept bytes."""
+    below, most = 0, 0
+    for b, r in zip(held, rebuilt):
+        below += b
+        most = max(most, below + r)
+    return most - below
 
 
 def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
@@ -395,12 +411,13 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     the layer's projection parameters, counted in the top layer's backward; one layer's at a
     time), HF's re-run layer one projection's at a time (the largest).
 
-    ``segment_layers`` k (``min_memory`` only; :func:`segment_bytes`): the layers run in
-    segments of k consecutive layers, each keeping its first layer's input alone; a segment's
-    backward re-runs its first k - 1 layers forward to rebuild the inputs of the others and
-    holds them while its layers' backwards walk down, so the top layer's backward has the
-    segment's k - 1 rebuilt inputs beside it (the largest of the segments' held bytes, with
-    the inputs of the segments below). k = 1 is the step as it is.
+    ``segment_layers`` k (a fused preset; :func:`segment_bytes`): the layers run in segments
+    of k consecutive layers, whose layers 2..k keep no input (``min_memory``'s nothing at
+    all); a segment's backward re-runs its first k - 1 layers forward to rebuild the inputs of
+    the others and holds them while its layers' backwards walk down, so the top layer's
+    backward has the segment's k - 1 rebuilt inputs beside it (the largest, over the segments,
+    of their rebuilt inputs with what the segments up to them keep). k = 1 is the step as it
+    is.
 
     The sequence-sized terms are what the sequence-tiled layer removes; the model is kept
     in step with the code by the test that measures it.
@@ -432,9 +449,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             "step peak); plan a fused preset")
     _check_segment_layers(segment_layers, setup, "step_peak")
     if segment_layers > 1:
-        inputs, rebuilds = segment_bytes(layers, B, S, dtype, segment_layers)
-        layers_saved = sum(inputs) + router_logits_bytes(layers, T, dtype)
-        rebuilt = _rebuilt_peak(inputs, rebuilds, [True] * len(inputs))
+        kept, rebuilds = segment_bytes(layers, B, S, dtype, segment_layers, preset)
+        layers_saved = sum(kept) + router_logits_bytes(layers, T, dtype)
+        rebuilt = _rebuilt_peak(kept, rebuilds)
     else:
         rebuilt = 0
         layers_saved = sum(_saved_bytes(preset, x, B, S, dtype, train_weights)
@@ -728,6 +745,8 @@ def _offload_split(layers, presets, B, S, dtype, host_limit, segment_layers: int
     ``segment_layers`` k > 1 a segment of k layers keeping its first layer's input."""
     moved, host, kept = [], 0, 0
     for b in _call_bytes(layers, presets, B, S, dtype, segment_layers):
+        if not b:            # a segment's layer 2..k under min_memory: nothing saved
+            continue
         if offload.admits(host, b, host_limit):
             moved.append(b)
             host += b
@@ -741,8 +760,9 @@ def offload_split(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S
     """(layers offloaded, host bytes, device bytes kept): each layer, in forward order, moves
     to host memory when the host total stays within ``host_limit``, else stays on the device
     (the offloader's rule with ``offload_limit``, ``ckpt_ext.offload.admits``). With
-    ``segment_layers`` k > 1 (``min_memory``: :func:`segment_bytes`) the calls are the
-    segments, each moving its first layer's input: (segments offloaded, host, kept)."""
+    ``segment_layers`` k > 1 (:func:`segment_bytes`) a segment's layers 2..k save no input:
+    under ``min_memory`` the calls that save are the segments' first layers, each moving its
+    input: (calls offloaded, host, kept)."""
     if segment_layers != 1:
         for p in set(presets):
             _check_segment_layers(segment_layers, p, "offload_split")
@@ -760,11 +780,12 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
     peak less the bytes of the offloaded layers plus the device prefetch pool (counted at
     every phase, which overstates the head's phase, when the pool is still empty).
 
-    ``segment_layers`` k > 1 (``min_memory``): the offloader's calls are segments of k layers
-    (:func:`segment_bytes`): the host holds the segments' first inputs alone, the pool's
-    ``prefetch + 1`` slots are segment inputs (the running one and the ones copied back), and
-    the device holds the running segment's k - 1 rebuilt inputs beside the top layer's
-    backward (``rebuilt``). ``chunk_bytes``: :func:`step_peak`."""
+    ``segment_layers`` k > 1 (:func:`segment_bytes`): a segment's layers 2..k save no input,
+    so under ``min_memory`` the host holds the segments' first inputs alone and the pool's
+    ``prefetch + 1`` slots are segment inputs (the running one and the ones copied back); the
+    device holds the running segment's k - 1 rebuilt inputs beside the top layer's backward
+    (``rebuilt``), with the calls past the host cap. ``calls``: the layer calls that save
+    bytes (under ``min_memory`` the segments). ``chunk_bytes``: :func:`step_peak`."""
     if setup not in OFFLOAD_SETUPS:
         raise ValueError(f"offload_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
                          f"(offload moves what a fused layer saves); got {setup!r}")
@@ -776,18 +797,21 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
                                        segment_layers)
     pool = _pool(moved, prefetch)
     rebuilt = 0
-    if segment_layers > 1:   # the offloaded inputs are in host memory: at segment j's
-        # backward the device holds the pool, the kept inputs up to j and j's rebuilt inputs
-        rebuilds = segment_bytes(layers, B, S, dtype, segment_layers)[1]
+    if segment_layers > 1:   # the offloaded calls are in host memory: at segment j's top
+        # layer's backward the device holds the pool, the calls kept on it up to j and j's
+        # rebuilt inputs
         in_host, on_device = 0, []
         for b in sizes:
-            on_device.append(not offload.admits(in_host, b, host_limit))
-            in_host += 0 if on_device[-1] else b
-        rebuilt = _rebuilt_peak(sizes, rebuilds, on_device)
+            on_device.append(b if b and not offload.admits(in_host, b, host_limit) else 0)
+            in_host += b - on_device[-1]
+        bounds = segment_bounds(len(layers), segment_layers)
+        rebuilt = _rebuilt_peak([sum(on_device[a:b]) for a, b in bounds],
+                                segment_bytes(layers, B, S, dtype, segment_layers, setup)[1])
     base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights,
                      quantized_base=quantized_base, segment_layers=segment_layers,
                      chunk_bytes=chunk_bytes, _offloaded=(host, pool, rebuilt))
-    return OffloadPeak(base.peak, host, len(moved), kept, pool, rebuilt, len(sizes))
+    return OffloadPeak(base.peak, host, len(moved), kept, pool, rebuilt,
+                       sum(1 for b in sizes if b))
 
 
 def cpu_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
@@ -801,7 +825,7 @@ def cpu_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: in
     less its prefetch pool: on a CPU-only machine the offloader's host and device pools are
     both CPU memory, allocated in the first step and reused, so a later step allocates
     neither (the offloaded calls' bytes go into the host pool's buffers). ``segment_layers``:
-    ``min_memory`` in segments of k layers (:func:`segment_bytes`); ``chunk_bytes``: the
+    segments of k layers (:func:`segment_bytes`); ``chunk_bytes``: the
     chunk cap the step runs with (default the setting's)."""
     if not offload:
         return step_peak(setup, layers, V, B, S, dtype, path="cpu", train_weights=train_weights,
@@ -956,7 +980,7 @@ def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, 
     MoE layer every fused preset recomputes the experts' gate/up). The low-rank products some
     backward kernels rebuild rather than save (x A^T for dB: 2 r in a token) are left out.
 
-    ``segment_layers`` k > 1 (``min_memory``; :func:`segment_bytes`): each segment's backward
+    ``segment_layers`` k > 1 (a fused preset; :func:`segment_bytes`): each segment's backward
     runs its first k - 1 layers' forward once more (attention forward, every projection and
     adapter) to rebuild the other layers' inputs."""
     if setup not in PEAK_SETUPS:
@@ -1580,8 +1604,8 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     exchange's send and receive buffers, ``min_memory``'s exchanged q and out of every round
     (kept from the recompute) and on CUDA the Triton dQ's fp32 accumulator of a piece (a
     model from the code, not measured on a GPU). N = 1 is :func:`step_peak` itself.
-    ``segment_layers`` k > 1 (``min_memory``): segments of k layers (:func:`segment_bytes`),
-    their inputs saved (or offloaded) and k - 1 rebuilt inputs beside the top layer's
+    ``segment_layers`` k > 1: segments of k layers (:func:`segment_bytes`), their first
+    inputs saved (or offloaded) and k - 1 rebuilt inputs beside the top layer's
     backward (the rebuild runs the layers' forward exchanges: :func:`sp_step_time`)."""
     if setup not in OFFLOAD_SETUPS:
         raise ValueError(f"sp_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
@@ -1620,8 +1644,7 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     if offload:   # the pool, the kept calls and the rebuilt inputs (offload_step_peak)
         held += base.pool - base.host + base.rebuilt
     elif segment_layers > 1:
-        inputs, rebuilds = segment_bytes(layers, B, S_l, dtype, segment_layers)
-        held += _rebuilt_peak(inputs, rebuilds, [True] * len(inputs))
+        held += _rebuilt_peak(*segment_bytes(layers, B, S_l, dtype, segment_layers, setup))
     rope = 2 * S_l * D * e
     # dy, dx; every round's k, v over the gathered sequence and their fp32 gradient sums
     whole = e * T * 2 * H + T * 2 * K * (e + max(4, e))

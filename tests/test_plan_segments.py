@@ -130,23 +130,39 @@ def test_k1_is_todays_model():
                                          "qlora", headroom=hr) == 671_088
 
 
-def test_segments_refuse_bad_values_and_other_presets():
+def test_segments_refuse_bad_values_and_unfused_setups():
     layers = [LLAMA31_8B] * 4
     for bad in (0, -1, True, 1.5, "2", None):
         with pytest.raises(ValueError, match="segment_layers must be a positive int"):
             plan.step_peak("min_memory", layers, V, 1, 64, "bf16", segment_layers=bad)
         with pytest.raises(ValueError, match="segment_layers must be a positive int"):
             plan.offload_step_peak("min_memory", layers, V, 1, 64, "bf16", segment_layers=bad)
-    for setup in ("fast", "balanced"):
-        for fn in (plan.step_peak, plan.offload_step_peak):
-            with pytest.raises(ValueError, match="segment_layers=2 applies to 'min_memory'"):
-                fn(setup, layers, V, 1, 64, "bf16", segment_layers=2)
-        with pytest.raises(ValueError, match="applies to 'min_memory'"):
+    for setup in ("hf_gc", "hf_gc+fused"):
+        with pytest.raises(ValueError, match="segment_layers=2 applies to the fused presets"):
+            plan.step_peak(setup, layers, V, 1, 64, "bf16", segment_layers=2)
+        with pytest.raises(ValueError, match="segment_layers=2 applies to the fused presets"):
             plan.step_flops(setup, layers, V, 1, 64, segment_layers=2)
-        with pytest.raises(ValueError, match="applies to 'min_memory'"):
-            plan.sp_step_peak(setup, layers, V, 1, 64, 2, "bf16", segment_layers=2)
-    with pytest.raises(ValueError, match="applies to 'min_memory'"):
-        plan.step_peak("hf_gc", layers, V, 1, 64, "bf16", segment_layers=2)
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced"])
+def test_segments_of_other_fused_presets_by_hand(preset):
+    """fast and balanced in segments (as patch_llama builds them): layers 2..k keep their
+    residuals but not their input, which the segment's backward rebuilds."""
+    layers = [LLAMA31_8B] * 8
+    S, k = 32768, 4
+    b = plan.layer_bytes(preset, LLAMA31_8B, 1, S, "bf16")
+    x = 2 * 4096 * S                                   # a layer input in bf16
+    kept, rebuilt = plan.segment_bytes(layers, 1, S, "bf16", k, preset)
+    assert kept == (4 * b - 3 * x,) * 2 and rebuilt == (3 * x,) * 2
+    one = plan.offload_step_peak(preset, layers, V, 1, S, "bf16", train_weights=False)
+    p = plan.offload_step_peak(preset, layers, V, 1, S, "bf16", train_weights=False,
+                               segment_layers=k)
+    assert p.host == one.host - 6 * x and p.rebuilt == 3 * x and p.calls == 8
+    assert p.pool == 2 * b                             # the segments' first layers' calls
+    assert p.peak == one.peak + 3 * x
+    base = plan.step_peak(preset, layers, V, 1, S, "bf16", train_weights=False)
+    q = plan.step_peak(preset, layers, V, 1, S, "bf16", train_weights=False, segment_layers=k)
+    assert q.peak == base.peak - 6 * x + 3 * x
 
 
 # ---- time -------------------------------------------------------------------------------------
@@ -313,6 +329,8 @@ def test_cli_segment_layers_auto(capsys):
     assert rc == 0
     line = next(x for x in out.splitlines() if x.startswith("segments (--segment-layers auto)"))
     assert "the longest S over K = 1..32: 1,146,564 with K 3" in line
+    assert "note: patch_llama refuses segment_layers > 1 with bitsandbytes (QLoRA) layers " \
+           "today" in out
     rc = plan_cli.main(CLI_8B + ["--seq", "8388608", "--device-memory", "80GiB", "--weights",
                                  "lora", "--offload", "--host-memory", "128GiB",
                                  "--sequence-parallel", "8", "--segment-layers", "auto"])
@@ -321,6 +339,7 @@ def test_cli_segment_layers_auto(capsys):
     assert "min_memory in 2-layer segments + offload" in out
     line = next(x for x in out.splitlines() if x.startswith("segments (--segment-layers auto)"))
     assert "8,388,608 with K 2" in line
+    assert "refuses segment_layers > 1 with sequence_parallel today" in out
 
 
 @pytest.mark.parametrize("value,why", [
