@@ -557,11 +557,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "'auto' chooses among these presets and HF's own layer ('none') by the time model")
     print()
     args.segments = _resolve_segments(args, layers, V, B, S, dtype)
-    unbuilt = [w for w, on in (("bitsandbytes (QLoRA) layers", args.weights == "qlora"),
-                               ("sequence_parallel", args.sequence_parallel > 1)) if on]
-    if args.segments > 1 and unbuilt:
-        print(f"note: patch_llama refuses segment_layers > 1 with {' and '.join(unbuilt)} "
-              f"today; the segment rows below plan a combination that is not built")
+    if args.segments > 1 and args.weights == "qlora":
+        print("note: patch_llama refuses segment_layers > 1 with bitsandbytes (QLoRA) layers "
+              "today; the segment rows below plan a combination that is not built")
     _print_steps(args, layers, V, B, S, dtype)
     if args.offload:
         print()

@@ -339,7 +339,7 @@ def test_cli_segment_layers_auto(capsys):
     assert "min_memory in 2-layer segments + offload" in out
     line = next(x for x in out.splitlines() if x.startswith("segments (--segment-layers auto)"))
     assert "8,388,608 with K 2" in line
-    assert "refuses segment_layers > 1 with sequence_parallel today" in out
+    assert "note: patch_llama refuses" not in out
 
 
 @pytest.mark.parametrize("value,why", [
