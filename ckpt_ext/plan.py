@@ -720,11 +720,11 @@ class OffloadPeak:
 
     peak: int           # device: the step's peak above its start
     host: int           # host pool bytes held when the forward ends
-    offloaded: int      # calls (layers, or segments) whose saved tensors are in host memory
+    offloaded: int      # layer calls whose saved tensors are in host memory
     kept: int           # bytes of the calls past the host cap, kept on the device
     pool: int           # the device prefetch pool
     rebuilt: int = 0    # segments: the rebuilt layer inputs beside the top layer's backward
-    calls: int = 0      # the fused calls that save: the layers, or the segments
+    calls: int = 0      # the layer calls that save (min_memory in segments: one a segment)
 
 
 def offload_device_bytes(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S: int,
@@ -741,8 +741,9 @@ def _pool(sizes, prefetch: int) -> int:
 
 def _offload_split(layers, presets, B, S, dtype, host_limit, segment_layers: int = 1):
     """(the saved bytes of the calls offloaded, host bytes, device bytes kept), in forward
-    order by the offloader's rule (``ckpt_ext.offload.admits``): a call is a layer, or with
-    ``segment_layers`` k > 1 a segment of k layers keeping its first layer's input."""
+    order by the offloader's rule (``ckpt_ext.offload.admits``): one call a layer, with
+    ``segment_layers`` k > 1 less the inputs of a segment's layers 2..k (a call that saves
+    nothing, ``min_memory``'s layers 2..k, is neither moved nor kept)."""
     moved, host, kept = [], 0, 0
     for b in _call_bytes(layers, presets, B, S, dtype, segment_layers):
         if not b:            # a segment's layer 2..k under min_memory: nothing saved
@@ -825,8 +826,8 @@ def cpu_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: in
     less its prefetch pool: on a CPU-only machine the offloader's host and device pools are
     both CPU memory, allocated in the first step and reused, so a later step allocates
     neither (the offloaded calls' bytes go into the host pool's buffers). ``segment_layers``:
-    segments of k layers (:func:`segment_bytes`); ``chunk_bytes``: the
-    chunk cap the step runs with (default the setting's)."""
+    segments of k layers (:func:`segment_bytes`); ``chunk_bytes``: the chunk cap the step runs
+    with (default the setting's)."""
     if not offload:
         return step_peak(setup, layers, V, B, S, dtype, path="cpu", train_weights=train_weights,
                          chunk_bytes=chunk_bytes, quantized_base=quantized_base,
