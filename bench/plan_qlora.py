@@ -1,8 +1,9 @@
 """The plan's QLoRA figures (``python -m ckpt_ext.plan --weights qlora``): LLaMA-3.1-8B on a 24 GB
 and an 80 GB GPU and LLaMA-3.1-70B on an 80 GB GPU, nf4 with double quantization, B 1, bf16
 activations: the model state, and per setup the longest sequence that fits, without offload and
-with ``offload="cpu"`` into the host memory given. A model of the engine (``ckpt_ext.plan``), not
-a measurement: it needs no GPU.
+with ``offload="cpu"`` into the host memory given, and ``min_memory`` in segments of K layers
+(``--segment-layers``) at the K that reaches furthest. A model of the engine
+(``ckpt_ext.plan``), not a measurement: it needs no GPU.
 
     python bench/plan_qlora.py --out bench/results/plan_qlora.txt
 
@@ -45,6 +46,13 @@ def main(argv=None) -> int:
                  plan.longest_sequence(setup, layers, V, 1, "bf16", device, "qlora", **kw))
             lines.append(f"| {name} | {memory} | {plan.format_bytes(state)} | {words} | "
                          f"{n:,} |")
+        for offload in (False, True):   # min_memory in segments: the best K (issue 58)
+            n, k = plan.longest_sequence_segments(layers, V, 1, "bf16", device, "qlora",
+                                                  offload=offload, host_memory=host,
+                                                  headroom=headroom, quant=a.quant)
+            seg = f"in {k}-layer segments" if k > 1 else "in segments (K 1 reaches furthest)"
+            lines.append(f"| {name} | {memory} | {plan.format_bytes(state)} | `min_memory` {seg}"
+                         f"{' + offload' if offload else ''} | {n:,} |")
     write_plan_result(a.out, f"QLoRA {a.quant} with double quantization, LoRA rank "
                       f"{plan.LORA_RANK} on every projection, B 1, bf16 activations, plan "
                       f"headroom 1 GiB + 5%, host {a.host_memory} for offload", lines)

@@ -1,7 +1,8 @@
 """The plan's figures under sequence parallelism (``python -m ckpt_ext.plan --sequence-parallel
-N``) for N = 1, 2, 4, 8 GPUs: per GPU, per fused preset with offload, the longest sequence and at
-it the saved bytes, the device peak, the host bytes, the all-to-all bytes per layer and the
-step time. A model of the engine (``ckpt_ext.plan``), not a measurement: it needs no GPU.
+N``) for N = 1, 2, 4, 8 GPUs: per GPU, per fused preset with offload (and ``min_memory`` in
+segments of K layers, ``--segment-layers``, at the K that reaches furthest when it is not 1), the
+longest sequence and at it the saved bytes, the device peak, the host bytes, the all-to-all
+bytes per layer and the step time. A model of the engine (``ckpt_ext.plan``), not a measurement: it needs no GPU.
 
 Defaults: LLaMA-3.1-8B LoRA (bf16 base), B 1, 80 GiB devices with the plan's default headroom,
 192 GiB of host memory per GPU, the plan's H100 rates (``--throughputs FILE`` for others) and
@@ -63,6 +64,25 @@ def main(argv=None) -> int:
                 f"{plan.format_bytes(r['host'])} | {plan.format_bytes(r['a2a_fwd'])} / "
                 f"{plan.format_bytes(r['a2a_bwd'])} | {r['step_s']:,.0f} ({r['a2a_s']:,.1f}) | "
                 f"{r['tokens_per_s']:,.0f} |")
+        # min_memory in segments of K layers (issue 58): the K that reaches furthest
+        S, k = plan.longest_sequence_segments(
+            layers, 128256, 1, "bf16", args.device_memory, "lora",
+            host_memory=args.host_memory, sequence_parallel=N,
+            headroom=plan.headroom_bytes(args.device_memory))
+        if k > 1:
+            args.segments = k
+            name = f"min_memory in {k}-layer segments + offload"
+            r = next(r for r in plan_cli.sequence_parallel_rows(args, layers, 128256, 1, S,
+                                                                plan._dtype("bf16"), N)
+                     if r["setup"] == name)
+            assert r["fits"], (N, name, S)
+            lines.append(
+                f"| {N} | `min_memory` in {k}-layer segments + offload | {S:,} | {S // N:,} | "
+                f"{plan.format_bytes(r['saved'])} | {plan.format_bytes(r['peak'])} | "
+                f"{plan.format_bytes(r['host'])} | {plan.format_bytes(r['a2a_fwd'])} / "
+                f"{plan.format_bytes(r['a2a_bwd'])} | {r['step_s']:,.0f} ({r['a2a_s']:,.1f}) | "
+                f"{r['tokens_per_s']:,.0f} |")
+            args.segments = 1
     # the issue's target: 8M tokens on 8 GPUs, min_memory + offload, what stands in the way
     S8, n8 = 8 << 20, 8
     p = plan.sp_step_peak("min_memory", layers, 128256, 1, S8, n8, "bf16", train_weights=False,

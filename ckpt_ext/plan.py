@@ -73,10 +73,22 @@ integration; the engine's own numbers it reads from the engine: the chunk rows
 cross-entropy's ``swiglu_buffers``, ``swiglu_chunk_rows``, ``lce_chunk_rows``), the residual layout (``presets.per_token_bytes``), the
 offload rule (``ckpt_ext.offload.admits``) and the chunk cap (``ckpt_ext.config``).
 
+Segments of several layers (``segment_layers`` k of :func:`step_peak`,
+:func:`offload_step_peak`, :func:`sp_step_peak`, :func:`step_flops` and the longest-S searches;
+the fused presets, as ``patch_llama(segment_layers=k)``): of k consecutive layers only the first
+keeps its input (on the device or offloaded; the others keep what their preset saves besides
+it, nothing under ``min_memory``); the segment's backward re-runs its first k - 1 layers
+forward to rebuild the others' inputs and holds them beside its layers' backwards
+(:func:`segment_bytes`). Under ``min_memory`` the host holds 1/k of the inputs, the device
+k - 1 rebuilt ones more at a segment's backward, the step one more forward of k - 1 layers a
+segment; for ``min_memory``, :func:`choose_segment_layers` picks k by time,
+:func:`longest_sequence_segments` the k that reaches furthest, and :func:`cpu_step_peak` is the
+CPU allocator's peak the plan predicts.
+
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
 [--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]
-[--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what each means;
-``ckpt_ext.plan_cli``, which reads HF configs).
+[--segment-layers K|auto] [--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what
+each means; ``ckpt_ext.plan_cli``, which reads HF configs).
 """
 from __future__ import annotations
 
@@ -102,7 +114,9 @@ __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "choose_offload_layers", "SpPeak", "sp_exchange_bytes", "sp_step_peak",
            "sp_longest_sequence", "sp_step_time", "sp_round_kv_heads", "sp_kv_repeats",
            "AUTO_CHOICES", "AutoChoice", "choose_auto", "layer_seconds", "layer_chunks",
-           "plain_layer_bytes", "parameter_state_bytes"]
+           "plain_layer_bytes", "parameter_state_bytes", "segment_bounds", "segment_bytes",
+           "SegmentChoice", "choose_segment_layers", "longest_sequence_segments",
+           "cpu_step_peak"]
 
 Budget = Union[int, str]
 
@@ -167,6 +181,73 @@ def _saved_bytes(preset: str, d: LayerDims, B: int, S: int, dtype,
     if preset == "none":
         return plain_layer_bytes(d, B, S, dtype, train_weights)
     return layer_bytes(preset, d, B, S, dtype)
+
+
+# ---- segments of several layers ------------------------------------------------------------
+def _check_segment_layers(k, setup: str, where: str) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{where}: segment_layers must be a positive int, got {k!r}")
+    if k > 1 and setup not in _CHOICES:
+        raise ValueError(f"{where}: segment_layers={k} applies to the fused presets "
+                         f"({', '.join(_CHOICES)}: a segment rebuilds its layers' inputs with "
+                         f"the fused layer's forward); got setup {setup!r}")
+
+
+def segment_bounds(n_layers: int, segment_layers: int) -> list:
+    """The segments of ``n_layers`` decoder layers grouped ``segment_layers`` (k) at a time in
+    forward order, as ``(first, stop)`` index pairs; the last one holds the remainder (fewer
+    than k layers when k does not divide the count)."""
+    _check_segment_layers(segment_layers, "min_memory", "segment_bounds")
+    return [(a, min(a + segment_layers, n_layers)) for a in range(0, n_layers, segment_layers)]
+
+
+def _input_bytes(d: LayerDims, B: int, S: int, dtype) -> int:
+    """A decoder layer's input, (B, S, H) in ``dtype``: what a segment's layers 2..k do not
+    keep."""
+    return B * S * d.hidden_size * _dtype(dtype).itemsize
+
+
+def _call_bytes(layers, presets, B, S, dtype, segment_layers: int = 1) -> list:
+    """What each fused layer call keeps for backward, in forward order: its preset's saved
+    bytes, less its input for layers 2..k of a segment (``segment_layers`` k: their input is
+    rebuilt; ``min_memory``'s layers 2..k keep nothing)."""
+    out = [layer_bytes(p, x, B, S, dtype) for p, x in zip(presets, layers)]
+    if segment_layers > 1:
+        for a, b in segment_bounds(len(out), segment_layers):
+            for i in range(a + 1, b):
+                out[i] -= _input_bytes(layers[i], B, S, dtype)
+    return out
+
+
+def segment_bytes(layers: Sequence[LayerDims], B: int, S: int, dtype, segment_layers: int,
+                  preset: str = "min_memory") -> tuple:
+    """A fused ``preset`` (``min_memory`` by default) in segments of k = ``segment_layers``
+    layers, per segment in forward order: (the bytes it keeps from its forward to its
+    backward: its first layer's saved bytes and what its layers 2..k save besides their
+    inputs, nothing for ``min_memory``, whose layers save their input alone; the bytes its
+    backward rebuilds: the inputs of its layers 2..k). A segment's backward re-runs its first
+    k - 1 layers forward to rebuild those inputs and holds them while its layers' backwards
+    walk down, each freed after its layer's backward: at its top layer's backward it holds
+    all k - 1 rebuilt ones. k = 1: every layer's saved bytes, nothing rebuilt."""
+    _check_segment_layers(segment_layers, preset, "segment_bytes")
+    layers = list(layers)
+    calls = _call_bytes(layers, [preset] * len(layers), B, S, dtype, segment_layers)
+    bounds = segment_bounds(len(layers), segment_layers)
+    return (tuple(sum(calls[a:b]) for a, b in bounds),
+            tuple(sum(_input_bytes(x, B, S, dtype) for x in layers[a + 1:b])
+                  for a, b in bounds))
+
+
+def _rebuilt_peak(held, rebuilt) -> int:
+    """The most the device holds beyond what the segments keep on it (``held``: each segment's
+    kept bytes on the device, 0 when offloaded): at segment j's top layer's backward the
+    segments above j have freed theirs and j holds its rebuilt inputs, so
+    max_j(the kept bytes of the segments up to j + rebuilt_j) less all the kept bytes."""
+    below, most = 0, 0
+    for b, r in zip(held, rebuilt):
+        below += b
+        most = max(most, below + r)
+    return most - below
 
 
 def head_saved_bytes(B: int, S: int, H: int, V: int, dtype, fused: bool) -> int:
@@ -271,7 +352,8 @@ def router_logits_bytes(layers: Sequence[LayerDims], T: int, dtype) -> int:
 
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
               path: str = "cuda", train_weights: bool = True,
-              chunk_bytes: Optional[int] = None, quantized_base: bool = False) -> StepPeak:
+              chunk_bytes: Optional[int] = None, quantized_base: bool = False,
+              segment_layers: int = 1, _offloaded: Optional[tuple] = None) -> StepPeak:
     """A model of the activation memory of one training step of a Llama-style
     ``*ForCausalLM`` (a forward with labels, then backward), above what the step starts with
     (weights, the ids, and parameter gradients from an earlier step, added to in place).
@@ -329,6 +411,14 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     the layer's projection parameters, counted in the top layer's backward; one layer's at a
     time), HF's re-run layer one projection's at a time (the largest).
 
+    ``segment_layers`` k (a fused preset; :func:`segment_bytes`): the layers run in segments
+    of k consecutive layers, whose layers 2..k keep no input (``min_memory``'s nothing at
+    all); a segment's backward re-runs its first k - 1 layers forward to rebuild the inputs of
+    the others and holds them while its layers' backwards walk down, so the top layer's
+    backward has the segment's k - 1 rebuilt inputs beside it (the largest, over the segments,
+    of their rebuilt inputs with what the segments up to them keep). k = 1 is the step as it
+    is.
+
     The sequence-sized terms are what the sequence-tiled layer removes; the model is kept
     in step with the code by the test that measures it.
     """
@@ -357,8 +447,21 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             f"step_peak: setup {setup!r} with mixture-of-experts layers: the plan models HF's "
             "layer for dense layers only (bench/moe.py measures HF checkpointing's MoE "
             "step peak); plan a fused preset")
-    layers_saved = sum(_saved_bytes(preset, x, B, S, dtype, train_weights) for x in layers) \
-        + router_logits_bytes(layers, T, dtype)
+    _check_segment_layers(segment_layers, setup, "step_peak")
+    if segment_layers > 1:
+        kept, rebuilds = segment_bytes(layers, B, S, dtype, segment_layers, preset)
+        layers_saved = sum(kept) + router_logits_bytes(layers, T, dtype)
+        rebuilt = _rebuilt_peak(kept, rebuilds)
+    else:
+        rebuilt = 0
+        layers_saved = sum(_saved_bytes(preset, x, B, S, dtype, train_weights)
+                           for x in layers) + router_logits_bytes(layers, T, dtype)
+    # what the device holds of the layers' saved bytes; offload_step_peak's: the offloaded
+    # calls' bytes in host memory, the prefetch pool on the device
+    held = layers_saved
+    if _offloaded is not None:
+        host, pool, rebuilt = _offloaded
+        held = layers_saved - host + pool
     rope = 2 * S * D * e
     lse = 4 * Hq * T
     fused_head = setup != "hf_gc"
@@ -391,7 +494,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         # (T, V) and log_softmax's input gradient beside it, 8*T*V; then the logits' gradient
         # in the model dtype with the weight gradient
         head_work = e * T * H + max(8 * T * V, T * V * e + dw)
-    head_peak = saved + head_work
+    head_peak = held + rope + head_saved + head_work
 
     # the top layer's backward
     params = H * (2 * Q + 2 * K) + d.ffn_parameters()
@@ -463,7 +566,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     if quantized_base:   # the dequantized weights of the layer running its backward
         layer_work += e * (params if preset not in ("torch", "none") else
                            max(r * c for r, c in _projection_shapes(d)))
-    layer_peak = layers_saved + rope + layer_work
+    layer_peak = held + rebuilt + rope + layer_work
+    if rebuilt:
+        phase += " beside its segment's rebuilt inputs"
     if head_peak >= layer_peak:
         return StepPeak(saved, head_peak, "head backward")
     return StepPeak(saved, layer_peak, phase)
@@ -589,17 +694,19 @@ def longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int, dt
                      device_memory: int, weights: str, *, path: str = "cuda",
                      limit: int = 1 << 26, headroom: int = 0, shard: int = 1,
                      expert_lora_rank: int = 0, quant: str = "nf4",
-                     double_quant: bool = True) -> int:
+                     double_quant: bool = True, segment_layers: int = 1) -> int:
     """The longest S (at most ``limit``) whose step fits ``device_memory`` less ``headroom``
     (:func:`headroom_bytes`) with the model state of ``weights`` (:func:`model_state_bytes`,
     sharded ``shard`` ways, ``expert_lora_rank``; ``quant``, ``double_quant`` for
-    ``"qlora"``), by :func:`step_peak`; 0 if none does."""
+    ``"qlora"``), by :func:`step_peak` (with ``segment_layers``); 0 if none does."""
+    _check_segment_layers(segment_layers, setup, "longest_sequence")
     room = device_memory - headroom - model_state_bytes(
         layers, V, dtype, weights, shard=shard, expert_lora_rank=expert_lora_rank, quant=quant,
         double_quant=double_quant)
     fits = lambda s: step_peak(setup, layers, V, B, s, dtype, path=path,  # noqa: E731
                                train_weights=weights == "full",
-                               quantized_base=weights == "qlora").peak <= room
+                               quantized_base=weights == "qlora",
+                               segment_layers=segment_layers).peak <= room
     return _longest_fitting(fits, limit)
 
 
@@ -613,9 +720,11 @@ class OffloadPeak:
 
     peak: int           # device: the step's peak above its start
     host: int           # host pool bytes held when the forward ends
-    offloaded: int      # layers whose saved tensors are in host memory
-    kept: int           # bytes of the layers past the host cap, kept on the device
+    offloaded: int      # layer calls whose saved tensors are in host memory
+    kept: int           # bytes of the calls past the host cap, kept on the device
     pool: int           # the device prefetch pool
+    rebuilt: int = 0    # segments: the rebuilt layer inputs beside the top layer's backward
+    calls: int = 0      # the layer calls that save (min_memory in segments: one a segment)
 
 
 def offload_device_bytes(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S: int,
@@ -630,12 +739,15 @@ def _pool(sizes, prefetch: int) -> int:
     return sum(sorted(sizes, reverse=True)[:prefetch + 1])
 
 
-def _offload_split(layers, presets, B, S, dtype, host_limit):
-    """(the saved bytes of the layers offloaded, host bytes, device bytes kept), in forward
-    order by the offloader's rule (``ckpt_ext.offload.admits``)."""
+def _offload_split(layers, presets, B, S, dtype, host_limit, segment_layers: int = 1):
+    """(the saved bytes of the calls offloaded, host bytes, device bytes kept), in forward
+    order by the offloader's rule (``ckpt_ext.offload.admits``): one call a layer, with
+    ``segment_layers`` k > 1 less the inputs of a segment's layers 2..k (a call that saves
+    nothing, ``min_memory``'s layers 2..k, is neither moved nor kept)."""
     moved, host, kept = [], 0, 0
-    for p, x in zip(presets, layers):
-        b = layer_bytes(p, x, B, S, dtype)
+    for b in _call_bytes(layers, presets, B, S, dtype, segment_layers):
+        if not b:            # a segment's layer 2..k under min_memory: nothing saved
+            continue
         if offload.admits(host, b, host_limit):
             moved.append(b)
             host += b
@@ -645,42 +757,98 @@ def _offload_split(layers, presets, B, S, dtype, host_limit):
 
 
 def offload_split(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S: int, dtype,
-                  host_limit: Optional[int] = None):
+                  host_limit: Optional[int] = None, segment_layers: int = 1):
     """(layers offloaded, host bytes, device bytes kept): each layer, in forward order, moves
     to host memory when the host total stays within ``host_limit``, else stays on the device
-    (the offloader's rule with ``offload_limit``, ``ckpt_ext.offload.admits``)."""
-    moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit)
+    (the offloader's rule with ``offload_limit``, ``ckpt_ext.offload.admits``). With
+    ``segment_layers`` k > 1 (:func:`segment_bytes`) a segment's layers 2..k save no input:
+    under ``min_memory`` the calls that save are the segments' first layers, each moving its
+    input: (calls offloaded, host, kept)."""
+    if segment_layers != 1:
+        for p in set(presets):
+            _check_segment_layers(segment_layers, p, "offload_split")
+    moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit,
+                                       segment_layers)
     return len(moved), host, kept
 
 
 def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
                       *, path: str = "cuda", train_weights: bool = True,
                       host_limit: Optional[int] = None, prefetch: int = 1,
-                      quantized_base: bool = False) -> OffloadPeak:
+                      quantized_base: bool = False, segment_layers: int = 1,
+                      chunk_bytes: Optional[int] = None) -> OffloadPeak:
     """:func:`step_peak` of a fused preset with its layers' saved bytes in host memory: the
     peak less the bytes of the offloaded layers plus the device prefetch pool (counted at
-    every phase, which overstates the head's phase, when the pool is still empty)."""
+    every phase, which overstates the head's phase, when the pool is still empty).
+
+    ``segment_layers`` k > 1 (:func:`segment_bytes`): a segment's layers 2..k save no input,
+    so under ``min_memory`` the host holds the segments' first inputs alone and the pool's
+    ``prefetch + 1`` slots are segment inputs (the running one and the ones copied back); the
+    device holds the running segment's k - 1 rebuilt inputs beside the top layer's backward
+    (``rebuilt``), with the calls past the host cap. ``calls``: the layer calls that save
+    bytes (under ``min_memory`` the segments). ``chunk_bytes``: :func:`step_peak`."""
     if setup not in OFFLOAD_SETUPS:
         raise ValueError(f"offload_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
                          f"(offload moves what a fused layer saves); got {setup!r}")
+    _check_segment_layers(segment_layers, setup, "offload_step_peak")
     layers = list(layers)
     presets = [setup] * len(layers)
-    base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights,
-                     quantized_base=quantized_base)
-    moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit)
+    sizes = _call_bytes(layers, presets, B, S, dtype, segment_layers)
+    moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit,
+                                       segment_layers)
     pool = _pool(moved, prefetch)
-    return OffloadPeak(base.peak - host + pool, host, len(moved), kept, pool)
+    rebuilt = 0
+    if segment_layers > 1:   # the offloaded calls are in host memory: at segment j's top
+        # layer's backward the device holds the pool, the calls kept on it up to j and j's
+        # rebuilt inputs
+        in_host, on_device = 0, []
+        for b in sizes:
+            on_device.append(b if b and not offload.admits(in_host, b, host_limit) else 0)
+            in_host += b - on_device[-1]
+        bounds = segment_bounds(len(layers), segment_layers)
+        rebuilt = _rebuilt_peak([sum(on_device[a:b]) for a, b in bounds],
+                                segment_bytes(layers, B, S, dtype, segment_layers, setup)[1])
+    base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights,
+                     quantized_base=quantized_base, segment_layers=segment_layers,
+                     chunk_bytes=chunk_bytes, _offloaded=(host, pool, rebuilt))
+    return OffloadPeak(base.peak, host, len(moved), kept, pool, rebuilt,
+                       sum(1 for b in sizes if b))
+
+
+def cpu_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
+                  train_weights: bool = True, offload: bool = False,
+                  host_limit: Optional[int] = None, prefetch: int = 1,
+                  segment_layers: int = 1, chunk_bytes: Optional[int] = None,
+                  quantized_base: bool = False) -> int:
+    """The CPU allocator's peak (``ckpt_ext.peak_memory_bytes``) of a training step after the
+    first, as the plan predicts it: :func:`step_peak` on the ``"cpu"`` path, or with
+    ``offload`` (``offload="cpu"``, ``offload_limit=host_limit``) :func:`offload_step_peak`
+    less its prefetch pool: on a CPU-only machine the offloader's host and device pools are
+    both CPU memory, allocated in the first step and reused, so a later step allocates
+    neither (the offloaded calls' bytes go into the host pool's buffers). ``segment_layers``:
+    segments of k layers (:func:`segment_bytes`); ``chunk_bytes``: the chunk cap the step runs
+    with (default the setting's)."""
+    if not offload:
+        return step_peak(setup, layers, V, B, S, dtype, path="cpu", train_weights=train_weights,
+                         chunk_bytes=chunk_bytes, quantized_base=quantized_base,
+                         segment_layers=segment_layers).peak
+    p = offload_step_peak(setup, layers, V, B, S, dtype, path="cpu",
+                          train_weights=train_weights, host_limit=host_limit, prefetch=prefetch,
+                          quantized_base=quantized_base, segment_layers=segment_layers,
+                          chunk_bytes=chunk_bytes)
+    return p.peak - p.pool
 
 
 def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B: int, dtype,
                              device_memory: int, host_memory: Optional[int], weights: str, *,
                              path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
                              shard: int = 1, expert_lora_rank: int = 0, quant: str = "nf4",
-                             double_quant: bool = True) -> int:
+                             double_quant: bool = True, segment_layers: int = 1) -> int:
     """The longest S (at most ``limit``) whose offloaded step (:func:`offload_step_peak` with
-    ``host_memory`` as the host cap, None for none) fits ``device_memory`` less ``headroom``
-    with the model state (``expert_lora_rank``, ``quant``, ``double_quant``:
-    :func:`model_state_bytes`); 0 if none."""
+    ``host_memory`` as the host cap, None for none, and ``segment_layers``) fits
+    ``device_memory`` less ``headroom`` with the model state (``expert_lora_rank``, ``quant``,
+    ``double_quant``: :func:`model_state_bytes`); 0 if none."""
+    _check_segment_layers(segment_layers, setup, "longest_sequence_offload")
     room = device_memory - headroom - model_state_bytes(
         layers, V, dtype, weights, shard=shard, expert_lora_rank=expert_lora_rank, quant=quant,
         double_quant=double_quant)
@@ -688,7 +856,7 @@ def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B:
     def fits(s):
         p = offload_step_peak(setup, layers, V, B, s, dtype, path=path,
                               train_weights=weights == "full", host_limit=host_memory,
-                              quantized_base=weights == "qlora")
+                              quantized_base=weights == "qlora", segment_layers=segment_layers)
         return p.peak <= room
 
     return _longest_fitting(fits, limit)
@@ -793,7 +961,7 @@ from .throughputs import ATTENTION_BWD_TFLOPS, ATTENTION_FWD_TFLOPS, MATMUL_TFLO
 
 def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,
                train_weights: bool = True, lora_rank: int = 0,
-               expert_lora_rank: int = 0) -> dict:
+               expert_lora_rank: int = 0, segment_layers: int = 1) -> dict:
     """The FLOPs of one training step of ``setup`` (:data:`PEAK_SETUPS`), Python ints, in
     three parts: ``attention_forward`` (the causal scores and P V of every layer's forward,
     and again where the setup re-runs the attention forward in backward: ``min_memory`` and
@@ -811,12 +979,17 @@ def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, 
     GEMMs x A^T and (x A^T) B^T forward (2 r (in + out) a token), twice that in backward (dx
     through B then A; dA and dB) and again where the preset recomputes its projection (for an
     MoE layer every fused preset recomputes the experts' gate/up). The low-rank products some
-    backward kernels rebuild rather than save (x A^T for dB: 2 r in a token) are left out."""
+    backward kernels rebuild rather than save (x A^T for dB: 2 r in a token) are left out.
+
+    ``segment_layers`` k > 1 (a fused preset; :func:`segment_bytes`): each segment's backward
+    runs its first k - 1 layers' forward once more (attention forward, every projection and
+    adapter) to rebuild the other layers' inputs."""
     if setup not in PEAK_SETUPS:
         raise ValueError(f"step_flops: setup must be one of {', '.join(PEAK_SETUPS)}; got "
                          f"{setup!r}")
     _check_shape_args(B, S)
     _check_ranks(lora_rank, expert_lora_rank, "step_flops")
+    _check_segment_layers(segment_layers, setup, "step_flops")
     if train_weights and (lora_rank or expert_lora_rank):
         raise ValueError("step_flops: lora_rank / expert_lora_rank count adapters on a frozen "
                          "base: pass train_weights=False with them")
@@ -826,6 +999,9 @@ def step_flops(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, 
     for d in layers:
         f, b, m = _layer_flops(preset, d, B, S, train_weights, lora_rank, expert_lora_rank)
         fwd, bwd, matmul = fwd + f, bwd + b, matmul + m
+    for d in _rebuilt_layers(layers, segment_layers):
+        f, m = _forward_flops(d, B, S, lora_rank, expert_lora_rank)
+        fwd, matmul = fwd + f, matmul + m
     passes = 3 if train_weights else 2
     head = 2 * T * layers[0].hidden_size * V
     matmul += head * passes + (head if setup != "hf_gc" else 0)
@@ -845,17 +1021,37 @@ def _layer_flops(preset: str, d: LayerDims, B: int, S: int, train_weights: bool,
     return T * attn * (1 + reruns), T * attn * 5 // 2, matmul
 
 
+def _rebuilt_layers(layers: Sequence[LayerDims], segment_layers: int) -> list:
+    """The layers a step in segments of ``segment_layers`` runs forward once more: each
+    segment's first k - 1 (none when k = 1)."""
+    layers = list(layers)
+    return [layers[i] for a, b in segment_bounds(len(layers), segment_layers)
+            for i in range(a, b - 1)]
+
+
+def _forward_flops(d: LayerDims, B: int, S: int, lora_rank: int = 0,
+                   expert_lora_rank: int = 0) -> tuple:
+    """(attention, matmul) FLOPs of one layer's forward: the causal scores and P V, every
+    projection and, with a rank, its adapters (:func:`_projection_flops`)."""
+    T = B * S
+    matmul = sum(_projection_flops(d))
+    if lora_rank or expert_lora_rank:
+        matmul += sum(_projection_flops(d, lora_rank, expert_lora_rank))
+    return T * 2 * d.num_heads * d.head_dim * (S + 1), T * matmul
+
+
 def step_time_estimate(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, *,
                        train_weights: bool = True, lora_rank: int = 0,
-                       expert_lora_rank: int = 0,
+                       expert_lora_rank: int = 0, segment_layers: int = 1,
                        attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                        attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
                        matmul_tflops: float = MATMUL_TFLOPS) -> float:
     """Seconds for one training step, ESTIMATED from :func:`step_flops` at fixed rates (H100
     figures by default); memory-bound work (norms, RoPE, SwiGLU, the optimizer), copies and
-    launch gaps are left out. ``lora_rank`` / ``expert_lora_rank``: :func:`step_flops`."""
+    launch gaps are left out. ``lora_rank`` / ``expert_lora_rank`` / ``segment_layers``:
+    :func:`step_flops`."""
     f = step_flops(setup, layers, V, B, S, train_weights=train_weights, lora_rank=lora_rank,
-                   expert_lora_rank=expert_lora_rank)
+                   expert_lora_rank=expert_lora_rank, segment_layers=segment_layers)
     return (f["attention_forward"] / (attention_fwd_tflops * 1e12)
             + f["attention_backward"] / (attention_bwd_tflops * 1e12)
             + f["matmul"] / (matmul_tflops * 1e12))
@@ -1000,6 +1196,140 @@ def choose_presets_offload(layers: Sequence[LayerDims], V: int, B: int, S: int, 
             f"memory for the step at B={B}, S={S} (every layer min_memory with "
             f"{format_bytes(host_memory) if host_memory is not None else 'uncapped'} host "
             f"memory does not); shorten the sequence or raise the host or device memory")
+    return best
+
+
+# ---- segments: how many layers a segment holds, chosen by time ----------------------------------
+@dataclass(frozen=True)
+class SegmentChoice:
+    """``min_memory`` in segments of ``segment_layers`` layers (:func:`choose_segment_layers`)."""
+
+    segment_layers: int     # k: consecutive layers a segment holds (the runtime's one int)
+    seconds: float          # the step time estimate, copies overlapped per segment
+    peak: int               # device: the step's peak above its start
+    host: int               # host bytes (0 without offload)
+    kept: int               # offload: the inputs of the segments past the host cap
+
+
+def _segment_seconds(layers, V, B, S, dtype, k, host_memory, offloaded, train_weights, link,
+                     rates, lora) -> float:
+    """The step of ``min_memory`` in segments of k: per segment the larger of its compute
+    (its layers' forward, backward and recompute, and the forward of its first k - 1 layers
+    once more) and, offloaded, its input's two host copies at ``link`` bytes/s; plus the LM
+    head's GEMMs (the fused head's logits once more)."""
+    secs, host = 0.0, 0
+    H = layers[0].hidden_size
+    head = 2 * B * S * H * V * ((3 if train_weights else 2) + 1)
+    secs += head / (rates[2] * 1e12)
+    sizes = _call_bytes(layers, ["min_memory"] * len(layers), B, S, dtype, k)
+    for (a, b), nbytes in zip(segment_bounds(len(layers), k), sizes):
+        compute = sum(_layer_compute_seconds("min_memory", d, B, S, train_weights, *rates,
+                                             **lora) for d in layers[a:b])
+        for d in layers[a:b - 1]:
+            f, m = _forward_flops(d, B, S, **lora)
+            compute += f / (rates[0] * 1e12) + m / (rates[2] * 1e12)
+        if offloaded and offload.admits(host, nbytes, host_memory):
+            host += nbytes
+            compute = max(compute, 2 * nbytes / link)
+        secs += compute
+    return secs
+
+
+def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
+                          room: int, host_memory: Optional[int] = None, *,
+                          offload: bool = True, path: str = "cuda", train_weights: bool = True,
+                          quantized_base: bool = False, lora_rank: int = 0,
+                          expert_lora_rank: int = 0, prefetch: int = 1,
+                          host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
+                          attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
+                          attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
+                          matmul_tflops: float = MATMUL_TFLOPS) -> SegmentChoice:
+    """``segment_layers`` chosen by time (the rule of ``--segment-layers auto``): of the k in
+    1..len(layers) whose ``min_memory`` step in segments of k fits ``room`` bytes of device
+    memory (:func:`offload_step_peak` with ``host_memory`` as the host cap, the segments
+    past it keeping their inputs on the device; ``offload`` False: :func:`step_peak`), the
+    one with the least estimated time, the smaller k of equal times. The time: per segment
+    the larger of its compute (its layers' forward, backward and recompute, and the rebuild:
+    the forward of its first k - 1 layers once more, at the rates) and, offloaded, its
+    input's two host copies at ``host_link_gbytes_per_s``, plus the LM head's GEMMs. When the
+    host holds every layer's input (k = 1), k = 1 is the fastest unless the copies bind;
+    when it runs short, the k that fits. One k for the whole model, as
+    ``patch_llama(segment_layers=k)`` takes it. Raises ValueError when no k fits."""
+    layers = list(layers)
+    _check_shape_args(B, S)
+    _check_ranks(lora_rank, expert_lora_rank, "choose_segment_layers")
+    if not layers:
+        raise ValueError("choose_segment_layers: layers must not be empty")
+    link = _check_rate("host_link_gbytes_per_s", host_link_gbytes_per_s) * 1e9
+    rates = tuple(_check_rate(n, v) for n, v in (
+        ("attention_fwd_tflops", attention_fwd_tflops),
+        ("attention_bwd_tflops", attention_bwd_tflops), ("matmul_tflops", matmul_tflops)))
+    lora = {"lora_rank": lora_rank, "expert_lora_rank": expert_lora_rank} \
+        if lora_rank or expert_lora_rank else {}
+    best = None
+    for k in range(1, len(layers) + 1):
+        if offload:
+            p = offload_step_peak("min_memory", layers, V, B, S, dtype, path=path,
+                                  train_weights=train_weights, host_limit=host_memory,
+                                  prefetch=prefetch, quantized_base=quantized_base,
+                                  segment_layers=k)
+            peak, host, kept = p.peak, p.host, p.kept
+        else:
+            peak = step_peak("min_memory", layers, V, B, S, dtype, path=path,
+                             train_weights=train_weights, quantized_base=quantized_base,
+                             segment_layers=k).peak
+            host = kept = 0
+        if peak > room:
+            continue
+        secs = _segment_seconds(layers, V, B, S, dtype, k, host_memory, offload,
+                                train_weights, link, rates, lora)
+        if best is None or secs < best.seconds * (1 - 1e-12):
+            best = SegmentChoice(k, secs, peak, host, kept)
+    if best is None:
+        where = (f"{format_bytes(host_memory) if host_memory is not None else 'uncapped'} host "
+                 "memory" if offload else "no offload")
+        raise ValueError(
+            f"segment_layers: no k in 1..{len(layers)} fits min_memory's step into "
+            f"{format_bytes(room)} of device memory at B={B}, S={S} ({where}); the device "
+            f"terms of the top layer's backward bind: shorten the sequence")
+    return best
+
+
+def longest_sequence_segments(layers: Sequence[LayerDims], V: int, B: int, dtype,
+                              device_memory: int, weights: str, *, offload: bool = True,
+                              host_memory: Optional[int] = None, sequence_parallel: int = 1,
+                              path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
+                              shard: int = 1, expert_lora_rank: int = 0, quant: str = "nf4",
+                              double_quant: bool = True) -> tuple:
+    """(S, k): the longest sequence ``min_memory`` reaches in segments of k layers, over
+    k in 1..len(layers), and the smallest k that reaches it: :func:`longest_sequence_offload`
+    (``offload``), :func:`longest_sequence`, or with ``sequence_parallel`` N > 1
+    :func:`sp_longest_sequence` (S the whole sequence), for each k. (0, 1) if none fits."""
+    layers = list(layers)
+    best = (0, 1)
+    for k in range(1, len(layers) + 1):
+        if sequence_parallel > 1:
+            if weights == "qlora":
+                raise ValueError("longest_sequence_segments: the plan has no QLoRA sequence-"
+                                 "parallel model")
+            n = sp_longest_sequence("min_memory", layers, V, B, sequence_parallel, dtype,
+                                    device_memory, weights, path=path, offload=offload,
+                                    host_memory=host_memory, limit=limit, headroom=headroom,
+                                    shard=shard, expert_lora_rank=expert_lora_rank,
+                                    segment_layers=k)
+        elif offload:
+            n = longest_sequence_offload("min_memory", layers, V, B, dtype, device_memory,
+                                         host_memory, weights, path=path, limit=limit,
+                                         headroom=headroom, shard=shard,
+                                         expert_lora_rank=expert_lora_rank, quant=quant,
+                                         double_quant=double_quant, segment_layers=k)
+        else:
+            n = longest_sequence("min_memory", layers, V, B, dtype, device_memory, weights,
+                                 path=path, limit=limit, headroom=headroom, shard=shard,
+                                 expert_lora_rank=expert_lora_rank, quant=quant,
+                                 double_quant=double_quant, segment_layers=k)
+        if n > best[0]:
+            best = (n, k)
     return best
 
 
@@ -1263,7 +1593,7 @@ class SpPeak:
 def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, N: int,
                  dtype, *, path: str = "cuda", train_weights: bool = True,
                  offload: bool = False, host_limit: Optional[int] = None, prefetch: int = 1,
-                 chunk_bytes: Optional[int] = None) -> SpPeak:
+                 chunk_bytes: Optional[int] = None, segment_layers: int = 1) -> SpPeak:
     """A GPU's step under sequence parallelism of N (S the whole sequence): :func:`step_peak`
     (or :func:`offload_step_peak`) of its S/N tokens with the whole tensors of the engine's
     sequence-parallel backward in place of the tiled layer's, or, when more, the top layer's
@@ -1274,22 +1604,29 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     one query chunk's exchanged tensors: a round's q, out, dout and dq as exchanged with the
     exchange's send and receive buffers, ``min_memory``'s exchanged q and out of every round
     (kept from the recompute) and on CUDA the Triton dQ's fp32 accumulator of a piece (a
-    model from the code, not measured on a GPU). N = 1 is :func:`step_peak` itself."""
+    model from the code, not measured on a GPU). N = 1 is :func:`step_peak` itself.
+    ``segment_layers`` k > 1: segments of k layers (:func:`segment_bytes`), their first
+    inputs saved (or offloaded) and k - 1 rebuilt inputs beside the top layer's
+    backward (the rebuild runs the layers' forward exchanges: :func:`sp_step_time`)."""
     if setup not in OFFLOAD_SETUPS:
         raise ValueError(f"sp_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
                          f"(sequence parallelism is the fused layer's); got {setup!r}")
+    _check_segment_layers(segment_layers, setup, "sp_step_peak")
     layers = list(layers)
     for d in layers:
         _check_sp(d, N)
     S_l = sp_local_tokens(S, N)
+    seg = {"segment_layers": segment_layers}
     if offload:
         base = offload_step_peak(setup, layers, V, B, S_l, dtype, path=path,
                                  train_weights=train_weights, host_limit=host_limit,
-                                 prefetch=prefetch)
-        ref = step_peak(setup, layers, V, B, S_l, dtype, path=path, train_weights=train_weights)
+                                 prefetch=prefetch, **seg)
+        ref = step_peak(setup, layers, V, B, S_l, dtype, path=path, train_weights=train_weights,
+                        **seg)
         saved, host, peak, phase = ref.saved, base.host, base.peak, "see the offload table"
     else:
-        ref = step_peak(setup, layers, V, B, S_l, dtype, path=path, train_weights=train_weights)
+        ref = step_peak(setup, layers, V, B, S_l, dtype, path=path, train_weights=train_weights,
+                        **seg)
         saved, host, peak, phase = ref.saved, 0, ref.peak, ref.phase
     kept = base.kept if offload else 0
     if N == 1:
@@ -1304,10 +1641,11 @@ def sp_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     rep = sp_kv_repeats(d.num_kv_heads, N)
     K = d.num_kv_heads * rep * D
     presets = [setup] * len(layers)
-    held = sum(layer_bytes(setup, x, B, S_l, dtype) for x in layers)
-    if offload:
-        moved, host_b, _ = _offload_split(layers, presets, B, S_l, dtype, host_limit)
-        held = held - host_b + _pool(moved, prefetch)
+    held = sum(_call_bytes(layers, presets, B, S_l, dtype, segment_layers))
+    if offload:   # the pool, the kept calls and the rebuilt inputs (offload_step_peak)
+        held += base.pool - base.host + base.rebuilt
+    elif segment_layers > 1:
+        held += _rebuilt_peak(*segment_bytes(layers, B, S_l, dtype, segment_layers, setup))
     rope = 2 * S_l * D * e
     # dy, dx; every round's k, v over the gathered sequence and their fp32 gradient sums
     whole = e * T * 2 * H + T * 2 * K * (e + max(4, e))
@@ -1341,25 +1679,27 @@ def sp_longest_sequence(setup: str, layers: Sequence[LayerDims], V: int, B: int,
                         dtype, device_memory: int, weights: str, *, path: str = "cuda",
                         offload: bool = False, host_memory: Optional[int] = None,
                         limit: int = 1 << 26, headroom: int = 0, shard: int = 1,
-                        expert_lora_rank: int = 0) -> int:
+                        expert_lora_rank: int = 0, segment_layers: int = 1) -> int:
     """The longest whole sequence S (a multiple of N, at most ``limit`` tokens per GPU) whose
-    per-GPU step (:func:`sp_step_peak`) fits ``device_memory`` less ``headroom`` with the model
-    state (sharded ``shard`` ways; ``expert_lora_rank``: :func:`model_state_bytes`); 0 if
-    none."""
+    per-GPU step (:func:`sp_step_peak`, with ``segment_layers``) fits ``device_memory`` less
+    ``headroom`` with the model state (sharded ``shard`` ways; ``expert_lora_rank``:
+    :func:`model_state_bytes`); 0 if none."""
+    _check_segment_layers(segment_layers, setup, "sp_longest_sequence")
     room = device_memory - headroom - model_state_bytes(layers, V, dtype, weights, shard=shard,
                                                         expert_lora_rank=expert_lora_rank)
 
     def fits(s_local):
         return sp_step_peak(setup, layers, V, B, s_local * N, N, dtype, path=path,
                             train_weights=weights == "full", offload=offload,
-                            host_limit=host_memory).peak <= room
+                            host_limit=host_memory,
+                            segment_layers=segment_layers).peak <= room
 
     return N * _longest_fitting(fits, limit)
 
 
 def sp_step_time(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, N: int,
                  dtype, *, train_weights: bool = True, lora_rank: int = 0,
-                 expert_lora_rank: int = 0,
+                 expert_lora_rank: int = 0, segment_layers: int = 1,
                  link_gbytes_per_s: float = SP_LINK_GBYTES_PER_S,
                  attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                  attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
@@ -1369,13 +1709,17 @@ def sp_step_time(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int
     projections and the head, its Hq/N heads over all S for the attention) at the given rates,
     and every layer's exchanged bytes (:func:`sp_exchange_bytes`, forward and backward) at
     ``link_gbytes_per_s`` (GB/s a direction), not overlapped with compute (the engine waits
-    for each exchange). ``lora_rank`` / ``expert_lora_rank``: :func:`step_flops`."""
+    for each exchange). ``lora_rank`` / ``expert_lora_rank`` / ``segment_layers``:
+    :func:`step_flops`; with segments each rebuilt layer's forward exchanges its q, k, v, out
+    and lse once more."""
     f = step_flops(setup, layers, V, B, S, train_weights=train_weights, lora_rank=lora_rank,
-                   expert_lora_rank=expert_lora_rank)
+                   expert_lora_rank=expert_lora_rank, segment_layers=segment_layers)
     compute = (f["attention_forward"] / (attention_fwd_tflops * 1e12)
                + f["attention_backward"] / (attention_bwd_tflops * 1e12)
                + f["matmul"] / (matmul_tflops * 1e12)) / N
-    sent = sum(sum(sp_exchange_bytes(setup, d, B, S, N, dtype)) for d in layers)
+    sent = sum(sum(sp_exchange_bytes(setup, d, B, S, N, dtype)) for d in layers) \
+        + sum(sp_exchange_bytes(setup, d, B, S, N, dtype)[0]
+              for d in _rebuilt_layers(layers, segment_layers))
     return compute, sent / (link_gbytes_per_s * 1e9)
 
 

@@ -1,6 +1,7 @@
 """The planner's command line: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16]
 [--budget 20GiB] [--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory
-200GiB]]] [--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what each means).
+200GiB]]] [--segment-layers K|auto] [--sequence-parallel N] [--throughputs FILE]`` (``--help``
+says what each means).
 
 It reads a model's shape from an HF config (``ckpt_ext.hf.families.layer_dims_from_config``:
 the family decides which output norms the layers have) and prints the figures of
@@ -22,7 +23,7 @@ from .hf.families import layer_dims_from_config
 from .hf.patch import _model_config
 from .plan import (_DTYPES, _PATHS, AUTO_CHOICES, FRAGMENTATION, HOST_LINK_GBYTES_PER_S,
                    LORA_RANK, OFFLOAD_SETUPS, PEAK_SETUPS, QUANTS, SP_LINK_GBYTES_PER_S,
-                   choose_auto,
+                   choose_auto, choose_segment_layers, longest_sequence_segments,
                    choose_presets_offload, format_bytes, head_saved_bytes, headroom_bytes,
                    layer_bytes, layer_seconds, longest_sequence, longest_sequence_offload,
                    model_state_bytes, offload_step_peak, dequantized_bytes,
@@ -157,6 +158,24 @@ _positive_int = _bounded_int(_MAX["dim"])
 # The largest rate a flag or a --throughputs file may give (TFLOP/s, GB/s): past it a step's
 # seconds round to 0.
 _MAX_RATE = 1e9
+
+
+def _segment_layers(text: str):
+    """argparse type of --segment-layers: a positive int or 'auto' (argparse names the
+    option in its error; the bound by the layer count is checked once the config is read)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int or 'auto', got {text!r}") \
+            from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int or 'auto', got {value}")
+    return value
+
+
+_segment_layers.__name__ = "segment layers"
 
 
 def _positive_float(text: str) -> float:
@@ -298,6 +317,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-memory", help="with --offload: host memory for one GPU's saved "
                                           "tensors (offload_limit), e.g. 200GiB; default this "
                                           "machine's RAM / --gpus-per-node")
+    ap.add_argument("--segment-layers", type=_segment_layers, default=1, metavar="K|auto",
+                    help="min_memory in segments of K consecutive layers "
+                         "(patch_llama(policy='min_memory', segment_layers=K)): each segment "
+                         "keeps its first layer's input only (on the device or, with --offload, "
+                         "in host memory: 1/K of the layers' inputs), and its backward runs its "
+                         "first K-1 layers forward once more to rebuild the others' inputs, "
+                         "held on the device beside the top layer's backward; adds 'min_memory "
+                         "in K-layer segments' rows with their step times (the extra forward "
+                         "counted). 'auto' (with --device-memory): the K of least estimated "
+                         "time that fits at --seq (ckpt_ext.plan.choose_segment_layers), and "
+                         "the longest S over every K. Default 1: one layer a segment, as today")
     ap.add_argument("--gpus-per-node", type=_bounded_int(_MAX["gpus"]), default=1,
                     help="with --offload, without --host-memory: GPUs sharing one host's RAM "
                          "(default 1): divides the default --host-memory")
@@ -462,6 +492,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error("argument --weights: 'qlora' runs on one device or under DDP: the fused "
                      "layers refuse sharded quantized weights (--shard) and the plan has no "
                      "QLoRA sequence-parallel model (--sequence-parallel)")
+    if args.segment_layers == "auto" and args.device_memory is None:
+        ap.error("argument --segment-layers: 'auto' chooses K by the step's fit and time: give "
+                 "--device-memory")
+    if args.segment_layers != "auto" and args.segment_layers > len(layers):
+        ap.error(f"argument --segment-layers: must be at most the layer count, {len(layers)}, "
+                 f"got {args.segment_layers}")
     if "vocab_size" not in config:
         ap.error("missing vocab_size (in the config or --vocab-size)")
     V = config["vocab_size"]
@@ -520,6 +556,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("recompute: forward FLOPs redone in backward (matmuls only; see ckpt_ext.plan); "
           "'auto' chooses among these presets and HF's own layer ('none') by the time model")
     print()
+    args.segments = _resolve_segments(args, layers, V, B, S, dtype)
+    if args.segments > 1 and args.weights == "qlora":
+        print("note: patch_llama refuses segment_layers > 1 with bitsandbytes (QLoRA) layers "
+              "today; the segment rows below plan a combination that is not built")
     _print_steps(args, layers, V, B, S, dtype)
     if args.offload:
         print()
@@ -603,6 +643,12 @@ def _print_steps(args, layers, V, B, S, dtype) -> None:
                       quantized_base=args.weights == "qlora")
         rows.append([_SETUP_NAMES[setup], format_bytes(p.saved), format_bytes(p.peak),
                      f"{p.peak / (B * S) / 1024:,.1f}", p.phase])
+    k = _segments(args)
+    if k > 1:
+        p = step_peak("min_memory", layers, V, B, S, dtype, path=args.path, train_weights=train,
+                      quantized_base=args.weights == "qlora", segment_layers=k)
+        rows.append([_segment_name(k), format_bytes(p.saved), format_bytes(p.peak),
+                     f"{p.peak / (B * S) / 1024:,.1f}", p.phase])
     print(_table(rows, header))
     print("peak: the most a training step allocates at once above its start, gradients of an "
           "earlier step present (ckpt_ext.plan.step_peak); the fused presets use the fused "
@@ -636,10 +682,23 @@ def _print_offload(args, layers, V, B, S, dtype) -> None:
                               host_limit=host, quantized_base=args.weights == "qlora")
         rows.append([setup, format_bytes(p.peak), format_bytes(p.pool), format_bytes(p.host),
                      f"{p.offloaded}/{len(layers)}", format_bytes(p.kept)])
+    k = _segments(args)
+    if k > 1:
+        p = offload_step_peak("min_memory", layers, V, B, S, dtype, path=args.path,
+                              train_weights=train, host_limit=host,
+                              quantized_base=args.weights == "qlora", segment_layers=k)
+        rows.append([_segment_name(k), format_bytes(p.peak), format_bytes(p.pool),
+                     format_bytes(p.host), f"{p.offloaded}/{p.calls} segments",
+                     format_bytes(p.kept)])
     print(_table(rows, header))
     print("offload: each fused layer's saved tensors go to host memory in forward and come back "
           "one layer ahead in backward; the device keeps a pool of two layers' worth; past the "
           "host memory the remaining layers keep theirs on the device")
+    if k > 1:
+        print(f"segments of {k}: each segment's first input goes to host memory, the pool holds "
+              f"two segments' inputs, and a segment's backward holds its {k - 1} rebuilt "
+              f"layer input{'s' if k > 2 else ''} on the device ({format_bytes(p.rebuilt)} "
+              f"here) beside the top layer's backward")
 
 
 def _longest_text(n: int, limit: int = 1 << 26) -> str:
@@ -671,35 +730,42 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         print(f"  model state ({args.weights}): {format_bytes(state)}")
     print(f"  left for the step: {format_bytes(room) if room > 0 else 'nothing'}")
     host = _host_memory(args)[0] if args.offload else None
-    cases = [(setup, False) for setup in _setups(layers)]
+    k = _segments(args)
+    cases = [(setup, False, 1) for setup in _setups(layers)]
     if args.offload:
-        cases += [(setup, True) for setup in OFFLOAD_SETUPS]
+        cases += [(setup, True, 1) for setup in OFFLOAD_SETUPS]
+    if k > 1:
+        cases += [("min_memory", False, k)] + ([("min_memory", True, k)] if args.offload else [])
     rows = []
-    for setup, offload in cases:
+    for setup, offload, seg in cases:
         if offload:
             peak = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path,
                                      train_weights=train, host_limit=host,
-                                     quantized_base=args.weights == "qlora").peak
+                                     quantized_base=args.weights == "qlora",
+                                     segment_layers=seg).peak
         else:
             peak = step_peak(setup, layers, V, B, S, dtype, path=args.path,
-                             train_weights=train, quantized_base=args.weights == "qlora").peak
+                             train_weights=train, quantized_base=args.weights == "qlora",
+                             segment_layers=seg).peak
         total = state + peak + headroom
         if room <= 0:
             verdict, n = "does not fit (model state)", 0
         else:
             verdict = "fits" if peak <= room else "does not fit"
             kw = dict(path=args.path, headroom=headroom, shard=args.shard,
-                      expert_lora_rank=args.expert_lora_rank, **_quant_kwargs(args))
+                      expert_lora_rank=args.expert_lora_rank, segment_layers=seg,
+                      **_quant_kwargs(args))
             n = (longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
                                           args.weights, **kw) if offload else
                  longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
         longest = _longest_text(n)
-        secs = _seconds(args, setup, layers, V, B, S)
-        row = [_SETUP_NAMES[setup] + (" + offload" if offload else ""),
+        secs = _seconds(args, setup, layers, V, B, S, segment_layers=seg)
+        name = _SETUP_NAMES[setup] if seg == 1 else _segment_name(seg)
+        row = [name + (" + offload" if offload else ""),
                format_bytes(peak), format_bytes(total), verdict, f"{secs:,.2f}",
                f"{B * S / secs:,.0f}", longest]
         if n:
-            secs_n = _seconds(args, setup, layers, V, B, n)
+            secs_n = _seconds(args, setup, layers, V, B, n, segment_layers=seg)
             row += [f"{secs_n:,.2f}", f"{B * n / secs_n:,.0f}"]
         else:
             row += ["-", "-"]
@@ -719,6 +785,8 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
             print(f"  {err}")
     if args.offload:
         _print_auto_offload(args, layers, V, B, S, dtype, room, host, state + headroom)
+    if args.segment_layers == "auto" and args.sequence_parallel == 1:
+        _print_auto_segments(args, layers, V, B, S, dtype, room, host, headroom)
     if room <= 0:
         print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
               f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
@@ -739,7 +807,8 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
           + (", the offload copies" if args.offload else "")
           + " and launch gaps are left out (the H100 rates came to 0.83-1.03x the measured "
           "LLaMA-3.1-8B LoRA steps at S 8K-16K)")
-    _print_strict(args, [setup for setup, offload in cases if not offload], layers, V, B, S)
+    _print_strict(args, [setup for setup, offload, seg in cases if not offload and seg == 1],
+                  layers, V, B, S)
 
 
 def _print_strict(args, setups, layers, V, B, S) -> None:
@@ -777,6 +846,15 @@ def _print_auto_offload(args, layers, V, B, S, dtype, room, host, outside) -> No
                                    **_rate_kwargs(args, S))
     except ValueError as e:
         print(f"{where} does not fit: {e}")
+        try:
+            seg = choose_segment_layers(layers, V, B, S, dtype, room, host, path=args.path,
+                                        **_segment_choice_kwargs(args, S))
+        except ValueError:
+            return
+        print(f"  min_memory in segments fits: --segment-layers {seg.segment_layers} "
+              f"(the fastest K that fits, ckpt_ext.plan.choose_segment_layers), device peak "
+              f"{format_bytes(seg.peak)}, host {format_bytes(seg.host)}, step s "
+              f"{seg.seconds:,.2f}")
         return
     counts = ", ".join(f"{c.presets.count(p)} x {p}" for p in FUSED_PRESETS if p in c.presets)
     print(f"{where} fits with {counts}; device peak {format_bytes(c.peak)} (state + peak + "
@@ -822,9 +900,94 @@ def _lora_kwargs(args) -> dict:
     return {"lora_rank": LORA_RANK, "expert_lora_rank": args.expert_lora_rank}
 
 
-def _seconds(args, setup, layers, V, B, S, strict: bool = False) -> float:
+def _seconds(args, setup, layers, V, B, S, strict: bool = False,
+             segment_layers: int = 1) -> float:
     return step_time_estimate(setup, layers, V, B, S, train_weights=args.weights == "full",
-                              **_lora_kwargs(args), **_rate_kwargs(args, S, strict))
+                              segment_layers=segment_layers, **_lora_kwargs(args),
+                              **_rate_kwargs(args, S, strict))
+
+
+def _segments(args) -> int:
+    """The K of --segment-layers for the rows (auto: resolved by _resolve_segments)."""
+    return getattr(args, "segments", None) or (
+        args.segment_layers if isinstance(getattr(args, "segment_layers", 1), int) else 1)
+
+
+def _segment_name(k: int) -> str:
+    return f"min_memory in {k}-layer segments"
+
+
+def _segment_choice_kwargs(args, S: int) -> dict:
+    """choose_segment_layers' keywords from the CLI's arguments at S."""
+    return dict(offload=args.offload, train_weights=args.weights == "full",
+                quantized_base=args.weights == "qlora", **_lora_kwargs(args),
+                host_link_gbytes_per_s=args.host_link_gbytes_per_s, **_rate_kwargs(args, S))
+
+
+def _segment_room(args, layers, V, dtype) -> tuple:
+    """(the device memory left for the step, the memory kept free, the host cap or None)."""
+    headroom = headroom_bytes(args.device_memory, args.cuda_context, args.fragmentation)
+    room = args.device_memory - headroom - _model_state(args, layers, V, dtype)
+    return room, headroom, (_host_memory(args)[0] if args.offload else None)
+
+
+def _resolve_segments(args, layers, V, B, S, dtype) -> int:
+    """The K the rows use: --segment-layers K, or for 'auto' the K of least estimated time
+    that fits at S (ckpt_ext.plan.choose_segment_layers; under --sequence-parallel the
+    smallest K whose per-GPU step fits), else the K of the longest S over every K."""
+    if args.segment_layers != "auto":
+        return args.segment_layers
+    room, headroom, host = _segment_room(args, layers, V, dtype)
+    N = args.sequence_parallel
+    if room > 0 and N > 1:
+        for k in range(1, len(layers) + 1):
+            if sp_step_peak("min_memory", layers, V, B, S, N, dtype, path=args.path,
+                            train_weights=args.weights == "full", offload=args.offload,
+                            host_limit=host, segment_layers=k).peak <= room:
+                return k
+    elif room > 0:
+        try:
+            return choose_segment_layers(layers, V, B, S, dtype, room, host, path=args.path,
+                                         **_segment_choice_kwargs(args, S)).segment_layers
+        except ValueError:
+            pass
+    return _longest_segments(args, layers, V, B, dtype)[1]
+
+
+def _longest_segments(args, layers, V, B, dtype) -> tuple:
+    """(the longest S of min_memory over every K, the smallest K reaching it)."""
+    room, headroom, host = _segment_room(args, layers, V, dtype)
+    if room <= 0:
+        return 0, 1
+    return longest_sequence_segments(
+        layers, V, B, dtype, args.device_memory, args.weights, offload=args.offload,
+        host_memory=host, sequence_parallel=args.sequence_parallel, path=args.path,
+        headroom=headroom, shard=args.shard, expert_lora_rank=args.expert_lora_rank,
+        **_quant_kwargs(args))
+
+
+def _print_auto_segments(args, layers, V, B, S, dtype, room, host, headroom) -> None:
+    """--segment-layers auto: the K chosen at S and the longest S over every K."""
+    off = " + offload" if args.offload else ""
+    where = f"segments (--segment-layers auto), min_memory{off}:"
+    try:
+        c = choose_segment_layers(layers, V, B, S, dtype, room, host, path=args.path,
+                                  **_segment_choice_kwargs(args, S)) if room > 0 else None
+    except ValueError:
+        c = None
+    copies = (f"its host copies at {args.host_link_gbytes_per_s:g} GB/s" if args.offload
+              else "nothing else")
+    if c is None:
+        at = f"at S {S:,} no K fits"
+    else:
+        at = (f"at S {S:,} K {c.segment_layers} (the least estimated time that fits: each "
+              f"segment the larger of its compute, the rebuild's forward included, and "
+              f"{copies}), device peak {format_bytes(c.peak)}, step s {c.seconds:,.2f}")
+    n, k = _longest_segments(args, layers, V, B, dtype)
+    longest = (f"the longest S over K = 1..{len(layers)}: {_longest_text(n)} with K {k}, step s "
+               f"{_seconds(args, 'min_memory', layers, V, B, n, segment_layers=k):,.2f}"
+               if n else "no S fits")
+    print(f"{where} {at}; {longest} (ckpt_ext.plan.longest_sequence_segments)")
 
 
 def _rates_words(args, S: int) -> str:
@@ -844,21 +1007,25 @@ def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
     if memory is not None:
         headroom = headroom_bytes(memory, args.cuda_context, args.fragmentation)
         room = memory - headroom - _model_state(args, layers, V, dtype)
-    cases = [(p, False) for p in OFFLOAD_SETUPS]
+    k = _segments(args)
+    cases = [(p, False, 1) for p in OFFLOAD_SETUPS]
     if args.offload:
-        cases += [(p, True) for p in OFFLOAD_SETUPS]
+        cases += [(p, True, 1) for p in OFFLOAD_SETUPS]
+    if k > 1:
+        cases += [("min_memory", False, k)] + ([("min_memory", True, k)] if args.offload else [])
     rows = []
-    for setup, offload in cases:
+    for setup, offload, seg in cases:
         p = sp_step_peak(setup, layers, V, B, S, N, dtype, path=args.path, train_weights=train,
-                         offload=offload, host_limit=host)
+                         offload=offload, host_limit=host, segment_layers=seg)
         fwd = bwd = 0
         if N > 1:
             fwd, bwd = sp_exchange_bytes(setup, layers[0], B, S, N, dtype)
         compute, comm = sp_step_time(setup, layers, V, B, S, N, dtype, train_weights=train,
-                                     **_lora_kwargs(args),
+                                     **_lora_kwargs(args), segment_layers=seg,
                                      link_gbytes_per_s=args.link_gbytes_per_s,
                                      **_rate_kwargs(args, S))
-        row = {"setup": setup + (" + offload" if offload else ""), "saved": p.saved,
+        name = setup if seg == 1 else _segment_name(seg)
+        row = {"setup": name + (" + offload" if offload else ""), "saved": p.saved,
                "peak": p.peak, "phase": p.phase, "host": p.host, "a2a_fwd": fwd,
                "a2a_bwd": bwd, "compute_s": compute, "a2a_s": comm, "step_s": compute + comm,
                "tokens_per_s": B * S / (compute + comm), "fits": None, "longest": None}
@@ -867,10 +1034,11 @@ def sequence_parallel_rows(args, layers, V, B, S, dtype, N):
             row["longest"] = 0 if room <= 0 else sp_longest_sequence(
                 setup, layers, V, B, N, dtype, memory, args.weights, path=args.path,
                 offload=offload, host_memory=host, headroom=headroom, shard=args.shard,
-                expert_lora_rank=args.expert_lora_rank)
+                expert_lora_rank=args.expert_lora_rank, segment_layers=seg)
             if row["longest"]:
                 c, m = sp_step_time(setup, layers, V, B, row["longest"], N, dtype,
                                     train_weights=train, **_lora_kwargs(args),
+                                    segment_layers=seg,
                                     link_gbytes_per_s=args.link_gbytes_per_s,
                                     **_rate_kwargs(args, row["longest"]))
                 row["longest_step_s"] = c + m
@@ -911,6 +1079,20 @@ def _print_sequence_parallel(args, layers, V, B, S, dtype) -> None:
           f"step s: the FLOPs / N at the rates above plus the all-to-all bytes at "
           f"{args.link_gbytes_per_s:g} GB/s, not overlapped (ESTIMATES); the model state per "
           f"GPU is the --shard figure")
+    if args.segment_layers == "auto" and args.device_memory is not None:
+        n, k = _longest_segments(args, layers, V, B, dtype)
+        off = " + offload" if args.offload else ""
+        if n:
+            c, m = sp_step_time("min_memory", layers, V, B, n, N, dtype,
+                                train_weights=args.weights == "full", **_lora_kwargs(args),
+                                segment_layers=k, link_gbytes_per_s=args.link_gbytes_per_s,
+                                **_rate_kwargs(args, n))
+            print(f"segments (--segment-layers auto), min_memory{off} on {N} GPUs: the rows use "
+                  f"K {_segments(args)} (the smallest whose per-GPU step fits at S {S:,}); "
+                  f"the longest S over K = 1..{len(layers)}: {_longest_text(n)} with K {k}, "
+                  f"step s {c + m:,.2f} (ckpt_ext.plan.longest_sequence_segments)")
+        else:
+            print(f"segments (--segment-layers auto), min_memory{off} on {N} GPUs: no S fits")
 
 
 def _smallest_shard(layers, V, B, S, dtype, args, headroom) -> int:
