@@ -377,6 +377,9 @@ class _ForwardState(NamedTuple):
     # bare model under moe.ROUTER_STATS_KEY. None: the layers return their router logits
     # when transformers collects them.
     router_stats: Optional[list] = None
+    # the chunk rule's token rows a chunk per fused preset (the op's chunk_rows,
+    # ckpt_ext.plan.choose_chunk_rows), for this forward's shapes; None: the cap's rows
+    chunk_rows: Optional[Dict[str, int]] = None
 
 
 # The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
@@ -407,6 +410,7 @@ class _Shared:
         self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
         self.host_link = _host_link_default() if host_link is None else host_link  # GB/s
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
+        self.rows: dict = {}                   # (B, S, ..., presets) -> the chunk rule's rows
         self.warned: set = set()
         params = [p for p in inspect.signature(type(self.hook_owner).forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
@@ -424,6 +428,7 @@ class _Shared:
         state.setdefault("hook_owner", state["owner"])
         state.setdefault("bidirectional_images", False)
         state.setdefault("auto_policy", state.get("budget") is not None)
+        state.setdefault("rows", {})
         self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -474,10 +479,86 @@ class _Shared:
             if images is not None:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.auto_policy else None
-        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats)}
+        rows = self.chunk_rows(named, presets) if not sp else None
+        return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats,
+                                                            rows)}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
+        shapes = self._shapes(named)
+        if shapes is None:
+            return None
+        return self._choice(*shapes)
+
+    def chunk_rows(self, named, presets: Optional[List[str]]) -> Optional[Dict[str, int]]:
+        """The chunk rule's rows a chunk per fused preset of this forward
+        (ckpt_ext.plan.choose_chunk_rows, cached per shape), or None (the op's default: the
+        byte cap's rows): when no chunk_bytes is pinned (ckpt_ext.config.chunk_bytes_pinned),
+        without offload, and with a budget known (``chunk_room``). ``presets``: auto's choice
+        for this forward, else each layer's patched preset."""
+        if self.offloader is not None or self.sequence_parallel:
+            return None
+        from .. import config
+        if config.chunk_bytes_pinned():
+            return None
+        shapes = self._shapes(named)
+        if shapes is None:
+            return None
+        if presets is None:
+            presets = [f.preset if isinstance(f, _PatchedForward) else "none"
+                       for f in (layer.__dict__.get("forward") for layer in self.layers)]
+            if "auto" in presets:
+                return None
+        rows = self._rows(*shapes, presets=tuple(presets),
+                          chunk_bytes=config.current().chunk_bytes)
+        return dict(rows) if rows else None
+
+    def chunk_room(self, device: str, train_weights: bool, dequantized: int = 0
+                   ) -> Optional[int]:
+        """The bytes the chunk rule fits a step in: activation_budget (less QLoRA's
+        ``dequantized`` transient), else on CUDA the device's room for the step
+        (``device_room``), else None (no budget known: the cap's rows)."""
+        if self.budget is not None:
+            return self.budget - dequantized
+        if device.startswith("cuda"):
+            return self.device_room(device, train_weights)
+        return None
+
+    @torch.compiler.assume_constant_result
+    def _rows(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
+              lora_rank: int = 0, expert_lora_rank: int = 0, device: str = "cpu",
+              dequantized: int = 0, *, presets: tuple = (), chunk_bytes: int = 0) -> tuple:
+        """((preset, rows), ...) of the chunk rule for one shape and mix of presets, cached;
+        () when no budget is known. The mix's saved bytes are its layers' at their presets
+        (ckpt_ext.plan's models of HF's layer for "none" and "torch")."""
+        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank, dequantized, presets,
+               chunk_bytes)
+        if key in self.rows:
+            return self.rows[key]
+        room = self.chunk_room(device, train_weights, dequantized)
+        fused = sorted(set(presets) & set(FUSED_PRESETS))
+        out = ()
+        if room is not None and fused:
+            from ..plan import _saved_bytes, choose_chunk_rows
+            from ..throughputs import default_throughputs
+            dims = self.layer_dims()
+            saved = sum(_saved_bytes(p, x, b, s, dtype, train_weights)
+                        for p, x in zip(presets, dims))
+            out = tuple(
+                (p, c.rows) for p, c in (
+                    (p, choose_chunk_rows(
+                        p, dims, int(self.owner.config.vocab_size), b, s, dtype, room=room,
+                        saved=saved, path="cuda" if device.startswith("cuda") else "cpu",
+                        train_weights=train_weights, lora_rank=lora_rank,
+                        expert_lora_rank=expert_lora_rank, chunk_bytes=chunk_bytes,
+                        quantized_base=bool(dequantized), throughputs=default_throughputs()))
+                    for p in fused) if c.fits)
+        self.rows[key] = out
+        return out
+
+    def _shapes(self, named) -> Optional[tuple]:
+        """(B, S, dtype, train_weights, lora rank, expert lora rank, device, dequantized) of
+        this forward, what the plan's choices read; None without a (B, S, ...) input."""
         x = named.get("input_ids")
         x = named.get("inputs_embeds") if x is None else x
         if x is None or x.dim() < 2:
@@ -495,9 +576,8 @@ class _Shared:
                             if p.dim() >= 2 and "lora_" not in n)
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
             else dtype
-        return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights,
-                            *self.lora_ranks(), device=str(weight.device),
-                            dequantized=self.dequantized_bytes(compute.itemsize))
+        return (int(x.shape[0]), int(x.shape[1]), dtype, train_weights, *self.lora_ranks(),
+                str(weight.device), self.dequantized_bytes(compute.itemsize))
 
     @torch.compiler.assume_constant_result
     def dequantized_bytes(self, itemsize: int) -> int:
@@ -622,13 +702,13 @@ class _Shared:
             from ..throughputs import default_throughputs
             rates = default_throughputs()
             budget = self.budget - dequantized if self.budget is not None else None
-            try:
+            try:   # the presets; the chunk rows follow them (chunk_rows)
                 choice = choose_auto(self.layer_dims(), int(self.owner.config.vocab_size), b,
                                      s, dtype, room=room, budget=budget,
                                      path="cuda" if device.startswith("cuda") else "cpu",
                                      train_weights=train_weights, lora_rank=lora_rank,
                                      expert_lora_rank=expert_lora_rank,
-                                     quantized_base=bool(dequantized),
+                                     quantized_base=bool(dequantized), chunk_rule=False,
                                      overheads=rates.overheads, **rates.step_time_kwargs(s))
             except ValueError as e:
                 if not dequantized or budget is None:
@@ -762,7 +842,9 @@ class _PatchedForward:
             return self._delegate(reason, hidden_states, kwargs, warn=True, sp=sp)
         self._count("fused")
         return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors,
-                           sp=sp, stats=state.router_stats if state is not None else None)
+                           sp=sp, stats=state.router_stats if state is not None else None,
+                           chunk_rows=state.chunk_rows if state is not None and not sp
+                           else None)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False,
                   sp: Optional[str] = None):
@@ -863,7 +945,8 @@ class _PatchedForward:
     def _fused(self, x: Tensor, position_embeddings, masks: BatchMasks, preset: str,
                weights: list, scaling: list, dropout: list, streams: list,
                expert_scaling: Sequence[float] = (), sp: Optional[str] = None,
-               stats: Optional[list] = None) -> Tensor:
+               stats: Optional[list] = None,
+               chunk_rows: Optional[Dict[str, int]] = None) -> Tensor:
         sp = self.shared.sequence_parallel if sp is None else sp
         spec = self.spec
         cos, sin = _tables_for(x, *position_embeddings)
@@ -896,7 +979,8 @@ class _PatchedForward:
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             expert_lora_scaling=list(expert_scaling), preset=preset, sequence_parallel=sp,
-            router_logits=router_logits, router_stats=router_stats)
+            router_logits=router_logits, router_stats=router_stats,
+            chunk_rows=chunk_rows.get(preset) if chunk_rows else None)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)
         # QLoRA: quantized bases' weights dequantized for this forward and for the op's
