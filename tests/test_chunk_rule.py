@@ -517,3 +517,28 @@ def test_step_peak_at_chunk_rows_matches_the_cpu_allocator(rows, setup, monkeypa
                            chunk_rows=rows)
     print(f"{setup} chunk_rows {rows}: peak {peak} model {model.peak} ({model.phase})")
     assert abs(model.peak - peak) <= 0.05 * peak, (model.peak, peak, model.phase)
+
+
+def test_rule_under_torch_compile_has_no_graph_breaks(monkeypatch):
+    """The rule's rows reach the op in a compiled model too (a constant per shape): no graph
+    break, the eager loss and gradients."""
+    from ckpt_ext.hf import patch as hf_patch
+    torch._dynamo.reset()
+    model = _tiny_model()
+    ids = torch.randint(300, (2, 48), generator=torch.Generator().manual_seed(3))
+    ckpt_ext.patch_llama(model, "min_memory")
+    monkeypatch.setattr(hf_patch._Shared, "chunk_room", lambda self, *a, **k: 1 << 30)
+    seen, loss_e = _ops_rows(monkeypatch, model, ids)
+    assert seen == [96, 96]
+    grads_e = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    explain = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss_c = compiled(input_ids=ids, labels=ids).loss
+    loss_c.backward()
+    assert len(seen) > 2 and set(seen) == {96}    # the spy saw the traced calls' options
+    torch.testing.assert_close(loss_c.detach(), loss_e, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads_e[n], rtol=1e-4, atol=1e-6)
