@@ -48,6 +48,12 @@ knapsack exactly: both bytes and FLOPs are B*S times a per-token integer, so it 
 Pareto front of (bytes per token, FLOPs per token) over the layers seen so far. Exactness makes
 it monotone (a larger budget never gives more recompute), and it depends on shapes only.
 
+Chunk rows (:func:`choose_chunk_rows`): the fused layer's token rows a chunk, for time
+where memory allows: one chunk when the step fits, else the fastest candidate count of chunks
+that fits (:func:`layer_seconds` at the throughputs' rates per query-chunk rows), else the
+cap's; ``patch_llama`` hands them to the op (its ``chunk_rows`` option) unless
+``chunk_bytes`` is pinned, and :func:`choose_auto` weighs them.
+
 LM head (``head_saved_bytes``): HF's ``lm_head`` + ``ForCausalLMLoss`` keeps the head's input
 (e*H per token), the float32 log-softmax of the upcast logits (4*V per token, saved by
 ``log_softmax`` and read by ``nll_loss``) and the shifted labels (8 per token), plus a 4-byte
@@ -348,7 +354,13 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       their gradients' fp32 sum and one chunk's gradients besides); their attention
       part 9 (T, H), 5 (T, Q) and 6 (T, K) tensors (``fast``: 3 and 3, its q/k/v are saved;
       ``min_memory``: one more (T, Q), out) and, training the weights, the layer's weight
-      gradients; the Triton dQ adds an fp32 (T, Q) accumulator.
+      gradients; the Triton dQ adds an fp32 (T, Q) accumulator. Over several token chunks
+      the whole tensors are dy, dx, k and v (unless kept) and their fp32 gradient sums, and
+      the rest is one chunk's: its MLP part holds the chunk's n, h, MLP input and dh, q
+      before and after RoPE and out (``fast`` reads its kept q and out), ``min_memory``'s
+      recomputed output, o_proj output and lse of the chunk, and, training the weights, the
+      layer's fp32 gradient sums, which exist from the first chunk's backward on
+      (``tests/test_chunk_rule.py`` holds this to the CPU allocator at 1 to 8 chunks).
 
     In a low-precision model HF's re-run layer also keeps its two RMSNorms' fp32 input
     copies ((8 - e)*H a token beyond the fp32 count) and, under LoRA (``train_weights``

@@ -542,3 +542,20 @@ def test_rule_under_torch_compile_has_no_graph_breaks(monkeypatch):
     torch.testing.assert_close(loss_c.detach(), loss_e, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads_e[n], rtol=1e-4, atol=1e-6)
+
+
+def test_chunk_room_is_the_budget_or_the_devices_room(monkeypatch):
+    """activation_budget (less QLoRA's transient); on CUDA the device's room, unless the
+    parameters are sharded (ZeRO-3 / FSDP2: out of the room's count); else none."""
+    from ckpt_ext.hf import patch as hf_patch
+    model = ckpt_ext.patch_llama(_tiny_model(), "balanced")
+    shared = model.model.layers[0].forward.shared
+    monkeypatch.setattr(hf_patch._Shared, "device_room", lambda self, *a: 12345)
+    assert shared.chunk_room("cpu", True) is None
+    assert shared.chunk_room("cuda:0", True) == 12345
+    p = next(model.parameters())
+    p.ds_id = 0            # a ZeRO-3 partitioned parameter's mark
+    assert shared.chunk_room("cuda:0", True) is None
+    del p.ds_id
+    shared.budget = 1000
+    assert shared.chunk_room("cpu", True, dequantized=10) == 990

@@ -517,10 +517,14 @@ class _Shared:
                    ) -> Optional[int]:
         """The bytes the chunk rule fits a step in: activation_budget (less QLoRA's
         ``dequantized`` transient), else on CUDA the device's room for the step
-        (``device_room``), else None (no budget known: the cap's rows)."""
+        (``device_room``), else None (no budget known: the cap's rows). Parameters sharded by
+        ZeRO-3 or FSDP2 are out of device_room's count, so with them only activation_budget
+        gives one."""
         if self.budget is not None:
             return self.budget - dequantized
-        if device.startswith("cuda"):
+        if device.startswith("cuda") and not any(
+                hasattr(p, "ds_id") or hasattr(p, "_local_tensor")
+                for p in self.owner.parameters()):
             return self.device_room(device, train_weights)
         return None
 
@@ -1073,6 +1077,14 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``*ForCausalLM``; under ``sequence_parallel`` the statistics are summed over the group and
     each rank adds its share of the loss, calls without labels or grad included; "exact" is
     refused there).
+
+    The fused layers' token chunks: unless ``chunk_bytes`` is pinned
+    (``CKPT_EXT_CHUNK_BYTES``, or ``ckpt_ext.config.patch`` / ``update``), at each training
+    forward the chunk rule (``ckpt_ext.plan.choose_chunk_rows``) picks each fused preset's
+    rows for time where a budget is known (``activation_budget``, or on CUDA the device's
+    room as for ``"auto"``; fixed presets included, not with offload or
+    ``sequence_parallel``): one chunk when the step fits, else the fastest count that fits.
+    Without a budget, or pinned, the chunks are the cap's.
 
     Raises ``ckpt_ext.PatchRefused`` (a ValueError and a NotImplementedError), before changing
     anything, when the model, or a layer asked to be fused, cannot be (see the module
