@@ -463,6 +463,10 @@ def test_fixed_presets_get_the_rule_where_a_budget_is_known(monkeypatch):
     shared.rows.clear()   # cached per shape
     seen, _ = _ops_rows(monkeypatch, model, ids)
     assert seen == [96, 96]
+    shared.rows.clear()
+    with torch.no_grad():    # the layers delegate: no rule (nothing computed, nothing cached)
+        model(input_ids=ids)
+    assert not shared.rows
     config.update(chunk_bytes=str((4 * 64 + 3 * 160) * 4 * 10))   # pinned: 10 rows a chunk
     seen, _ = _ops_rows(monkeypatch, model, ids)
     assert seen == [None, None]

@@ -495,8 +495,9 @@ class _Shared:
         (ckpt_ext.plan.choose_chunk_rows, cached per shape), or None (the op's default: the
         byte cap's rows): when no chunk_bytes is pinned (ckpt_ext.config.chunk_bytes_pinned),
         without offload, and with a budget known (``chunk_room``). ``presets``: auto's choice
-        for this forward, else each layer's patched preset."""
-        if self.offloader is not None or self.sequence_parallel:
+        for this forward, else each layer's patched preset. Forwards without grad (which the
+        layers delegate to HF's forward) get none."""
+        if self.offloader is not None or self.sequence_parallel or not torch.is_grad_enabled():
             return None
         from .. import config
         if config.chunk_bytes_pinned():
