@@ -1461,13 +1461,11 @@ def _chunk_variants(preset, layers, V, B, S, dt, own, tp, lora, peak_kw) -> list
 def _pareto(variants: list) -> list:
     """The variants no other beats in both working set and total time (of equal ones, the
     first: the fewest chunks)."""
-    kept = []
-    for v in variants:
-        if not any(u[0] <= v[0] and sum(u[3]) <= sum(v[3]) and u is not v
-                   and (u[0] < v[0] or sum(u[3]) < sum(v[3])
-                        or variants.index(u) < variants.index(v))
-                   for u in variants):
+    kept, least = [], math.inf
+    for _, total, _, v in sorted((v[0], sum(v[3]), i, v) for i, v in enumerate(variants)):
+        if total < least:
             kept.append(v)
+            least = total
     return kept
 
 

@@ -267,16 +267,19 @@ def test_candidates_and_engine_chunks():
 
 
 def test_step_peak_reads_chunk_rows():
-    """step_peak(chunk_rows=r) is step_peak at a cap that gives r rows (B 1), and more rows
-    take more memory."""
+    """step_peak(chunk_rows=r) under a cap that gives r rows is step_peak at that cap (B 1;
+    the cap still sizes the CPU SwiGLU's pieces), other rows change it, and more rows take
+    more memory."""
     L = [LayerDims(128, 4, 2, 32, 400)] * 2
     width = (4 * 128 + 3 * 400) * 4
     for rows in (150, 300):
-        want = plan.step_peak("balanced", L, 512, 1, 1100, torch.float32, path="cpu",
-                              chunk_bytes=width * rows)
-        got = plan.step_peak("balanced", L, 512, 1, 1100, torch.float32, path="cpu",
-                             chunk_bytes=width * 150, chunk_rows=rows)
+        kw = dict(path="cpu", chunk_bytes=width * rows)
+        want = plan.step_peak("balanced", L, 512, 1, 1100, torch.float32, **kw)
+        got = plan.step_peak("balanced", L, 512, 1, 1100, torch.float32, chunk_rows=rows, **kw)
         assert got.peak == want.peak, rows
+        other = plan.step_peak("balanced", L, 512, 1, 1100, torch.float32,
+                               chunk_rows=2 * rows, **kw)
+        assert other.peak > want.peak, rows
     peaks = [plan.step_peak("min_memory", LLAMA8B * 8, V8B, 1, 65536, "bf16", chunk_rows=r,
                             train_weights=False).peak for r in (4096, 8192, 16384)]
     assert peaks == sorted(peaks) and len(set(peaks)) == 3
