@@ -17,7 +17,10 @@ registers or removes the Triton launchers for CPU tensors, and the CUDA attentio
 ``chunk_bytes`` (``CKPT_EXT_CHUNK_BYTES``), the byte cap of the kernels' token chunks, is
 parsed here once (:func:`parse_bytes`, the one byte parser of the package) and handed to the
 C++ kernels (``ckpt_ext._C.set_chunk_bytes``), which read it at each call; the planner
-(``ckpt_ext.plan``) reads the same field.
+(``ckpt_ext.plan``) reads the same field. Whether it was given (:func:`chunk_bytes_pinned`: the
+variable set to a value, or ``patch`` / ``update`` with ``chunk_bytes``; ``""`` unsets it)
+decides who sizes the fused layer's chunks: a pinned cap is the rule, else
+``ckpt_ext.plan.choose_chunk_rows`` picks the rows for time where memory allows.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import threading
 from typing import Callable, Iterator
 
 __all__ = ["KernelConfig", "SETTINGS", "current", "patch", "update", "reload", "parse_bytes",
-           "determinism"]
+           "determinism", "chunk_bytes_pinned"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -219,6 +222,9 @@ SETTINGS = {s.field: s for s in (
 _lock = threading.RLock()
 _current: KernelConfig | None = None
 _listeners: list = []
+# Whether chunk_bytes was given (chunk_bytes_pinned); read with the environment
+_chunk_pinned = False
+_CHUNK_ENV = "CKPT_EXT_CHUNK_BYTES"
 
 
 def from_environment(environ=None) -> KernelConfig:
@@ -234,14 +240,30 @@ def from_environment(environ=None) -> KernelConfig:
 def current() -> KernelConfig:
     """The settings in effect: the environment's, read at the first call, as changed since
     by :func:`patch` or :func:`reload`."""
-    global _current
+    global _current, _chunk_pinned
     config = _current
     if config is None:
         with _lock:
             if _current is None:
                 _current = from_environment()
+                _chunk_pinned = bool(os.environ.get(_CHUNK_ENV))
             config = _current
     return config
+
+
+def chunk_bytes_pinned() -> bool:
+    """Whether the ``chunk_bytes`` setting was given: ``CKPT_EXT_CHUNK_BYTES`` set to a value
+    when the environment was read, or ``chunk_bytes`` passed to :func:`patch` (inside its
+    block) or :func:`update` (until changed again); ``""`` there, as an empty variable, unsets
+    it (the default cap). A pinned cap sizes the fused layer's token chunks as it says; unpinned,
+    ``ckpt_ext.plan.choose_chunk_rows`` picks them where a memory budget is known."""
+    current()
+    return _chunk_pinned
+
+
+def _pins(changes: dict):
+    """What ``changes`` makes of the pin (None: no chunk_bytes among them)."""
+    return None if "chunk_bytes" not in changes else changes["chunk_bytes"] != ""
 
 
 def on_change(listener: Callable[[KernelConfig, KernelConfig], None]) -> None:
@@ -292,29 +314,42 @@ def patch(**changes) -> Iterator[KernelConfig]:
     checked as the environment's are (ValueError naming the variable and its values); an
     unknown name is a TypeError. Yields the settings in effect inside the block. The settings
     are process-wide (as the environment is), not per thread."""
+    global _chunk_pinned
+    pin = _pins(changes)
     changes = _validated(changes)
     with _lock:
-        before = current()
+        before, pinned = current(), _chunk_pinned
         _set(dataclasses.replace(before, **changes))
+        if pin is not None:
+            _chunk_pinned = pin
     try:
         yield current()
     finally:
-        _set(before)
+        with _lock:
+            _set(before)
+            _chunk_pinned = pinned
 
 
 def update(**changes) -> KernelConfig:
     """Change settings until they are changed again (checked as :func:`patch` checks them):
     for a script or a test that sets one for the rest of its run. Returns the settings."""
+    global _chunk_pinned
+    pin = _pins(changes)
     changes = _validated(changes)
     with _lock:
         _set(dataclasses.replace(current(), **changes))
+        if pin is not None:
+            _chunk_pinned = pin
         return current()
 
 
 def reload() -> KernelConfig:
     """Read the environment again and make its settings current (the listeners run for what
     changed). Returns them."""
+    global _chunk_pinned
     config = from_environment()
-    _set(config)
+    with _lock:
+        _set(config)
+        _chunk_pinned = bool(os.environ.get(_CHUNK_ENV))
     return config
 

@@ -48,6 +48,12 @@ knapsack exactly: both bytes and FLOPs are B*S times a per-token integer, so it 
 Pareto front of (bytes per token, FLOPs per token) over the layers seen so far. Exactness makes
 it monotone (a larger budget never gives more recompute), and it depends on shapes only.
 
+Chunk rows (:func:`choose_chunk_rows`): the fused layer's token rows a chunk, for time
+where memory allows: one chunk when the step fits, else the fastest candidate count of chunks
+that fits (:func:`layer_seconds` at the throughputs' rates per query-chunk rows), else the
+cap's; ``patch_llama`` hands them to the op (its ``chunk_rows`` option) unless
+``chunk_bytes`` is pinned, and :func:`choose_auto` weighs them.
+
 LM head (``head_saved_bytes``): HF's ``lm_head`` + ``ForCausalLMLoss`` keeps the head's input
 (e*H per token), the float32 log-softmax of the upcast logits (4*V per token, saved by
 ``log_softmax`` and read by ``nll_loss``) and the shifted labels (8 per token), plus a 4-byte
@@ -116,7 +122,8 @@ __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "AUTO_CHOICES", "AutoChoice", "choose_auto", "layer_seconds", "layer_chunks",
            "plain_layer_bytes", "parameter_state_bytes", "segment_bounds", "segment_bytes",
            "SegmentChoice", "choose_segment_layers", "longest_sequence_segments",
-           "cpu_step_peak"]
+           "cpu_step_peak", "ChunkChoice", "choose_chunk_rows", "chunk_row_candidates",
+           "engine_chunks"]
 
 Budget = Union[int, str]
 
@@ -350,10 +357,39 @@ def router_logits_bytes(layers: Sequence[LayerDims], T: int, dtype) -> int:
                for x in layers if x.router_logits)
 
 
+def _widest(layers: Sequence[LayerDims]) -> LayerDims:
+    """The layer whose backward the step's peak is modelled on (the widest FFN working set)."""
+    return max(layers, key=lambda x: (x.hidden_size * ffn_row_width(x), x.ffn_parameters()))
+
+
+def _check_chunk_rows(rows, where: str) -> int:
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"{where}: chunk_rows must be a positive int (token rows a chunk) or "
+                         f"None (the byte cap's rows), got {rows!r}")
+    return rows
+
+
+def _chunk_size(B: int, S: int, rows: int) -> int:
+    """The token rows of the fused layer's largest chunk when it is given ``rows`` rows a
+    chunk (csrc/layer_math.cpp ``layer_chunks``): as many whole sequences as fit, at most all
+    B; else ``rows`` of one sequence."""
+    return min(B, rows // S) * S if rows >= S else rows
+
+
+def engine_chunks(B: int, S: int, rows: int) -> int:
+    """The fused layer's token chunks at ``rows`` rows a chunk (csrc/layer_math.cpp
+    ``layer_chunks``): ``ceil(B / (rows // S))`` chunks of whole sequences when a sequence
+    fits, else ``B * ceil(S / rows)`` pieces."""
+    if rows >= S:
+        return -(-B // (rows // S))
+    return B * -(-S // rows)
+
+
 def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
               path: str = "cuda", train_weights: bool = True,
               chunk_bytes: Optional[int] = None, quantized_base: bool = False,
-              segment_layers: int = 1, _offloaded: Optional[tuple] = None) -> StepPeak:
+              segment_layers: int = 1, _offloaded: Optional[tuple] = None,
+              chunk_rows: Optional[int] = None) -> StepPeak:
     """A model of the activation memory of one training step of a Llama-style
     ``*ForCausalLM`` (a forward with labels, then backward), above what the step starts with
     (weights, the ids, and parameter gradients from an earlier step, added to in place).
@@ -368,7 +404,11 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     ``chunk_bytes``: the byte cap of the token chunks, by default the one the kernels read
     (``ckpt_ext.config``'s ``chunk_bytes``, 64 MiB unless set); on ``"cuda"`` the layer's
     chunks hold at least the rows that fill :data:`CUDA_SMS` multiprocessors
-    (:func:`layer_chunk_rows`), which may pass the cap.
+    (:func:`layer_chunk_rows`), which may pass the cap. ``chunk_rows``: the fused layers'
+    token rows a chunk given to the op (its option ``chunk_rows``, :func:`choose_chunk_rows`),
+    in place of the cap's rows for the layer and its MLP (the CPU SwiGLU and the LM head still
+    chunk within the cap); a chunk then holds whole sequences while they fit, else pieces of
+    one.
 
     The peak is the larger of two moments (T = B*S tokens, e the element size, Q = Hq*D,
     K = Hkv*D):
@@ -396,7 +436,13 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
       their gradients' fp32 sum and one chunk's gradients besides); their attention
       part 9 (T, H), 5 (T, Q) and 6 (T, K) tensors (``fast``: 3 and 3, its q/k/v are saved;
       ``min_memory``: one more (T, Q), out) and, training the weights, the layer's weight
-      gradients; the Triton dQ adds an fp32 (T, Q) accumulator.
+      gradients; the Triton dQ adds an fp32 (T, Q) accumulator. Over several token chunks
+      the whole tensors are dy, dx, k and v (unless kept) and their fp32 gradient sums, and
+      the rest is one chunk's: its MLP part holds the chunk's n, h, MLP input and dh, q
+      before and after RoPE and out (``fast`` reads its kept q and out), ``min_memory``'s
+      recomputed output, o_proj output and lse of the chunk, and, training the weights, the
+      layer's fp32 gradient sums, which exist from the first chunk's backward on
+      (``tests/test_chunk_rule.py`` holds this to the CPU allocator at 1 to 8 chunks).
 
     In a low-precision model HF's re-run layer also keeps its two RMSNorms' fp32 input
     copies ((8 - e)*H a token beyond the fp32 count) and, under LoRA (``train_weights``
@@ -435,7 +481,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     T = B * S
     if chunk_bytes is None:
         chunk_bytes = config.current().chunk_bytes
-    d = max(layers, key=lambda x: (x.hidden_size * ffn_row_width(x), x.ffn_parameters()))
+    if chunk_rows is not None:
+        _check_chunk_rows(chunk_rows, "step_peak")
+    d = _widest(layers)
     H, Hq, D, I = d.hidden_size, d.num_heads, d.head_dim, d.intermediate_size
     Q, K = Hq * D, d.num_kv_heads * D
     preset = "torch" if setup.startswith("hf_gc") else setup
@@ -507,7 +555,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
         phase = "top layer backward (HF's layer)"
     else:
         # The MLP walks token chunks of the cap (three (rows, I) tensors at the compute width)
-        mlp_rows = min(T, mlp_chunk_rows(d, e, chunk_bytes, path))
+        # or of the given rows (a chunk's whole sequences, or a piece of one)
+        mlp_rows = min(T, mlp_chunk_rows(d, e, chunk_bytes, path) if chunk_rows is None
+                       else _chunk_size(B, S, chunk_rows))
         # an MoE FFN's backward holds its chunk's ffn_row_width at the compute width (at
         # least fp32), on either path (csrc/moe_math.cpp)
         moe_row = ffn_row_width(d) * max(4, e) if d.moe else 0
@@ -524,7 +574,8 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             # one chunk: the FFN's weight gradients are formed while all but one of the
             # chunk's (rows, I) buffers are still alive
             swiglu = max(swiglu, swiglu * (n - 1) // n + e * d.ffn_parameters())
-        rows = layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
+        rows = (layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
+                if chunk_rows is None else _chunk_size(B, S, chunk_rows))
         if rows >= T:        # one chunk: the layer as written out. The backward rebuilds
             # what the attention part needs before the MLP part runs, so beside dy, the MLP
             # input and its gradient the MLP part holds the normed x, q before and after RoPE,
@@ -551,15 +602,20 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
             else:
                 swiglu = 3 * e * rows * I
             # the chunk's n, h, MLP input and dh, q before and after RoPE and out beside the
-            # MLP's backward; then dh, n, dn with q, out, dout, dq and dq before RoPE
-            mlp = whole + e * rows * (4 * H + 3 * Q) + swiglu
+            # MLP's backward (fast reads its kept q and out); then dh, n, dn with q, out,
+            # dout, dq and dq before RoPE
+            mlp = whole + e * rows * (4 * H + (Q if preset == "fast" else 3 * Q)) + swiglu
             attn = whole + e * rows * (3 * H + 6 * Q)
+            if preset == "min_memory":   # the chunk's recomputed attention output and lse,
+                mlp += e * rows * (Q + H) + lse // T * rows    # and its o_proj output
+                attn += e * rows * (Q + H) + lse // T * rows
             if path == "cuda":   # the Triton dQ's fp32 accumulator
                 attn += 4 * rows * Q
             else:                # the CPU backward's fp32 copies of a kv head's keys and
                 attn += 16 * T * K   # values and its dk, dv sums, (T, D) each, per head
-            if train_weights:   # the layer's gradients summed over the chunks in fp32
-                grads += (4 - e) * params if e < 4 else 0
+            if train_weights:   # the layer's gradients summed over the chunks in fp32, there
+                grads += (4 - e) * params if e < 4 else 0   # from the first chunk's backward
+                mlp += grads    # on: the later chunks' MLP parts run beside them
         attn += grads
         layer_work = max(mlp, attn)
         phase = f"top layer backward ({'MLP' if mlp >= attn else 'attention'} part)"
@@ -1340,15 +1396,16 @@ from .throughputs import Overheads  # noqa: E402
 
 
 def layer_chunks(d: LayerDims, B: int, S: int, dtype, *, path: str = "cuda",
-                 chunk_bytes: Optional[int] = None) -> int:
-    """Token chunks of a fused layer's step: ``ceil(B*S / rows)`` with the engine's rows
-    (:func:`layer_chunk_rows` at the chunk cap, ``chunk_bytes`` or the setting's; on ``"cuda"``
-    at least ``_C.cuda_min_rows`` for :data:`CUDA_SMS`)."""
-    if chunk_bytes is None:
-        chunk_bytes = config.current().chunk_bytes
-    rows = layer_chunk_rows(d, _dtype(dtype).itemsize, chunk_bytes,
-                            CUDA_SMS if path == "cuda" else 0)
-    return -(-(B * S) // rows)
+                 chunk_bytes: Optional[int] = None, chunk_rows: Optional[int] = None) -> int:
+    """Token chunks of a fused layer's step (:func:`engine_chunks`) at ``chunk_rows`` rows a
+    chunk, or at the engine's rows for the cap (:func:`layer_chunk_rows` at ``chunk_bytes`` or
+    the setting's; on ``"cuda"`` at least ``_C.cuda_min_rows`` for :data:`CUDA_SMS`)."""
+    if chunk_rows is None:
+        if chunk_bytes is None:
+            chunk_bytes = config.current().chunk_bytes
+        chunk_rows = layer_chunk_rows(d, _dtype(dtype).itemsize, chunk_bytes,
+                                      CUDA_SMS if path == "cuda" else 0)
+    return engine_chunks(B, S, _check_chunk_rows(chunk_rows, "layer_chunks"))
 
 
 def layer_seconds(preset: str, d: LayerDims, B: int, S: int, dtype, *, chunks: int = 1,
@@ -1394,6 +1451,165 @@ def layer_seconds(preset: str, d: LayerDims, B: int, S: int, dtype, *, chunks: i
     return max(device, host)
 
 
+# ---- the fused layer's chunk rows, chosen for time where memory allows -------------------------
+@dataclass(frozen=True)
+class ChunkChoice:
+    """The chunk rule's choice for one fused preset (:func:`choose_chunk_rows`)."""
+
+    rows: int           # token rows a chunk: the op's chunk_rows
+    chunks: int         # the layer's token chunks at B, S (engine_chunks)
+    seconds: float      # the preset's layers' time at them (layer_seconds, summed)
+    peak: int           # the step's modelled peak with them (step_peak, the mix's saved bytes)
+    fits: bool          # peak <= room; False: nothing fit, and rows are the cap's
+    layer_seconds: tuple = ()   # each layer's time at them, in forward order
+    cap_rows: int = 0   # the rows the byte cap gives (the most chunks the rule considers)
+
+
+# Every chunk count up to this one is a candidate of the rule; past it the counts go 25% apart
+# (and the cap's count is always one): at long sequences in small chunks (the CPU's 64 MiB cap
+# gives a few hundred rows) the rule then weighs tens of counts, not thousands.
+_EVERY_COUNT = 64
+
+
+def _counts_to(n: int) -> list:
+    """1 .. n, every count up to _EVERY_COUNT, then 25% apart, n included."""
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k = k + 1 if k < _EVERY_COUNT else max(k + 1, -(-k * 5 // 4))
+    return out + [n]
+
+
+def chunk_row_candidates(B: int, S: int, cap_rows: int) -> list:
+    """The rows a chunk the chunk rule weighs, fewest chunks first: for each candidate count
+    of chunks (:func:`_counts_to`, up to the cap's) the fewest rows that give it, from one chunk
+    (B*S rows) to the count ``cap_rows`` (the cap's rows) gives, the most chunks. Whole
+    sequences packed while one fits (counts up to B), then pieces of each sequence (B times a
+    count)."""
+    _check_chunk_rows(cap_rows, "chunk_row_candidates")
+    out = {}
+    if cap_rows >= S:                              # the cap's chunks hold whole sequences
+        for c in _counts_to(engine_chunks(B, S, cap_rows)):
+            rows = -(-B // c) * S
+            out.setdefault(engine_chunks(B, S, rows), rows)
+    else:
+        for c in _counts_to(B):                    # whole sequences
+            rows = -(-B // c) * S
+            out.setdefault(engine_chunks(B, S, rows), rows)
+        for k in _counts_to(-(-S // cap_rows))[1:]:   # pieces of every sequence
+            rows = max(-(-S // k), cap_rows)
+            out.setdefault(engine_chunks(B, S, rows), rows)
+    return [out[n] for n in sorted(out)]
+
+
+def _flat_throughputs(overheads: Optional[Overheads], **rates):
+    """A Throughputs of one rate per kind for every S and row count (the plan's scalar rate
+    keywords), with ``overheads``."""
+    from .throughputs import Rate, Throughputs
+    kinds = {"attention_fwd_tflops": "attention_forward",
+             "attention_bwd_tflops": "attention_backward", "matmul_tflops": "matmul"}
+    return Throughputs(tuple(Rate(kinds[k], _check_rate(k, v)) for k, v in rates.items()),
+                       {}, "the plan's rates", Overheads() if overheads is None else overheads)
+
+
+def choose_chunk_rows(preset: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
+                      *, room: Budget, saved: Optional[int] = None, path: str = "cuda",
+                      train_weights: bool = True, lora_rank: int = 0,
+                      expert_lora_rank: int = 0, chunk_bytes: Optional[int] = None,
+                      quantized_base: bool = False, throughputs=None,
+                      strict: bool = False) -> ChunkChoice:
+    """The chunk rule: the token rows a chunk of the fused layers running ``preset`` (one of
+    "fast", "balanced", "min_memory"), for time where memory allows.
+
+    One chunk (the whole batch, B*S rows) when the step fits ``room`` with it; else, of the
+    candidate rows (:func:`chunk_row_candidates`: from one chunk down to the rows of the byte
+    cap, ``chunk_bytes`` or the setting's, which on ``"cuda"`` are at least
+    ``_C.cuda_min_rows`` of :data:`CUDA_SMS`), the fastest whose step fits, by the plan's time
+    model (:func:`layer_seconds` of each layer at :func:`engine_chunks` chunks, the attention
+    at ``throughputs``' rates for query chunks of those rows, :meth:`Throughputs.rate`; of
+    equal times, the fewer chunks); when none fits, the cap's rows (``fits`` False).
+
+    The step fits when its modelled peak (:func:`step_peak` with ``chunk_rows``) is at most
+    ``room`` bytes (an int or "20GiB"). ``saved``: the bytes the step's layers keep when they
+    are a mix (``patch_llama``'s policy, or ``auto``'s choice: each at its preset); the peak is
+    then step_peak's less its own layers' saved bytes plus these (the working set of this
+    preset's backward on top of the mix's saved bytes). ``throughputs``: a
+    :class:`ckpt_ext.throughputs.Throughputs` (None: ``default_throughputs()``), with its
+    overheads; ``strict``: the attention backward's strict rate. ``quantized_base``,
+    ``lora_rank``, ``expert_lora_rank``, ``train_weights``, ``path``: :func:`step_peak` and
+    :func:`layer_seconds`.
+
+    Who calls it: ``patch_llama`` at each training forward (cached per shape) when no
+    ``chunk_bytes`` is pinned (``ckpt_ext.config.chunk_bytes_pinned``) and a budget is known
+    (``activation_budget``, or on CUDA the device's memory less the model state and headroom),
+    for ``auto``'s choice and for fixed presets alike; :func:`choose_auto`; the plan CLI."""
+    if preset not in _CHOICES:
+        raise ValueError(f"choose_chunk_rows: preset must be one of {', '.join(_CHOICES)} (the "
+                         f"fused presets, whose layer runs in token chunks); got {preset!r}")
+    if path not in _PATHS:
+        raise ValueError(f"choose_chunk_rows: path must be 'cuda' or 'cpu', got {path!r}")
+    _check_shape_args(B, S)
+    layers = list(layers)
+    if not layers:
+        raise ValueError("choose_chunk_rows: layers must not be empty")
+    limit = parse_bytes(room, "choose_chunk_rows: room")
+    if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int)
+                              or saved < 0):
+        raise ValueError(f"choose_chunk_rows: saved must be a non-negative int of bytes or "
+                         f"None, got {saved!r}")
+    if chunk_bytes is None:
+        chunk_bytes = config.current().chunk_bytes
+    if throughputs is None:
+        from .throughputs import default_throughputs
+        throughputs = default_throughputs()
+    dt = _dtype(dtype)
+    cap_rows = layer_chunk_rows(_widest(layers), dt.itemsize, chunk_bytes,
+                                CUDA_SMS if path == "cuda" else 0)
+    own = sum(layer_bytes(preset, x, B, S, dt) for x in layers)
+    lora = {"lora_rank": lora_rank, "expert_lora_rank": expert_lora_rank}
+    times = {}
+
+    def peak_of(rows):
+        p = step_peak(preset, layers, V, B, S, dt, path=path, train_weights=train_weights,
+                      chunk_bytes=chunk_bytes, quantized_base=quantized_base,
+                      chunk_rows=rows).peak
+        return p if saved is None else p - own + saved
+
+    def seconds_of(rows):
+        n = engine_chunks(B, S, rows)
+        rates = throughputs.step_time_kwargs(S, rows if n > 1 else None, strict)
+        per = []
+        for x in layers:
+            if x not in times:
+                times[x] = layer_seconds(preset, x, B, S, dt, chunks=n,
+                                         train_weights=train_weights,
+                                         overheads=throughputs.overheads, **lora, **rates)
+            per.append(times[x])
+        times.clear()
+        return tuple(per)
+
+    def choice(rows, peak, fits):
+        per = seconds_of(rows)
+        return ChunkChoice(rows, engine_chunks(B, S, rows), sum(per), peak, fits, per, cap_rows)
+
+    candidates = chunk_row_candidates(B, S, cap_rows)
+    one = candidates[0]
+    peak = peak_of(one)
+    if peak <= limit:
+        return choice(one, peak, True)
+    best = None
+    for rows in candidates[1:]:
+        peak = peak_of(rows)
+        if peak > limit:
+            continue
+        c = choice(rows, peak, True)
+        if best is None or c.seconds < best.seconds * (1 - 1e-12):
+            best = c
+    if best is None:
+        return choice(cap_rows, peak_of(cap_rows), False)
+    return best
+
+
 @dataclass(frozen=True)
 class AutoChoice:
     """``auto``'s choice (:func:`choose_auto`)."""
@@ -1403,6 +1619,10 @@ class AutoChoice:
     saved: int          # the layers' saved bytes
     peak: int           # the step's modelled peak (step_peak of the mix; 0 under a budget)
     chunks: tuple       # the fused layers' token chunks (1 for HF's layers)
+    # the fused layers' chunk_rows by the chunk rule (choose_chunk_rows; None: the cap's rows,
+    # and for HF's layers), and each layer's time in the model, in forward order
+    rows: tuple = ()
+    layer_seconds: tuple = ()
 
 
 def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
@@ -1412,7 +1632,8 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
                 overheads: Optional[Overheads] = None, quantized_base: bool = False,
                 attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                 attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
-                matmul_tflops: float = MATMUL_TFLOPS) -> AutoChoice:
+                matmul_tflops: float = MATMUL_TFLOPS, chunk_rule: Optional[bool] = None,
+                throughputs=None) -> AutoChoice:
     """``patch_llama(policy="auto")``'s choice: one of :data:`AUTO_CHOICES` per layer (HF's
     layer and its checkpointed run for dense layers only) with the least estimated time
     (:func:`layer_seconds`, each fused layer at its :func:`layer_chunks`), among the mixes
@@ -1426,7 +1647,19 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
     the Pareto front (exact: a larger room never gives a slower choice). Raises ValueError
     naming the smallest budget or room that fits when none does (every layer
     ``min_memory``). ``quantized_base``: QLoRA's dequantized weights in the working sets
-    (:func:`step_peak`)."""
+    (:func:`step_peak`).
+
+    The chunk rows (``chunk_rule``; None: on unless ``chunk_bytes`` is given or the setting
+    is pinned, ``ckpt_ext.config.chunk_bytes_pinned``; off, every fused layer at the cap's
+    rows): in a ``room`` each fused preset may run at any of the chunk rule's candidate rows
+    (:func:`chunk_row_candidates`), its working set and time at them (:func:`step_peak` with
+    ``chunk_rows``; :func:`layer_seconds` at ``throughputs``' rates for those query rows, None:
+    these rates for every row count, with ``overheads``), so that per working-set bound each
+    preset runs its fastest rows within it: still exact and monotone. Then each fused preset
+    of the mix gets :func:`choose_chunk_rows`'s rows within the whole room, the mix's saved
+    bytes given, where they are no slower (of equal times: one chunk, or fewer). Under a
+    ``budget`` the presets are chosen at the cap's chunks, and the rule's rows are taken where
+    the budget holds the mix's saved bytes and the preset's working set together."""
     if (room is None) == (budget is None):
         raise ValueError("choose_auto: give exactly one of room (bytes for the step's peak) "
                          "and budget (bytes for the layers' saved activations)")
@@ -1441,28 +1674,48 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
     lora = {"lora_rank": lora_rank, "expert_lora_rank": expert_lora_rank}
     rates = {"attention_fwd_tflops": attention_fwd_tflops,
              "attention_bwd_tflops": attention_bwd_tflops, "matmul_tflops": matmul_tflops}
-    chunks = [layer_chunks(x, B, S, dt, path=path, chunk_bytes=chunk_bytes) for x in layers]
-    cost = [[(_saved_bytes(p, x, B, S, dt, train_weights),
-              layer_seconds(p, x, B, S, dt, chunks=n, train_weights=train_weights,
-                            overheads=overheads, **lora, **rates))
-             for p in options] for x, n in zip(layers, chunks)]
-    if budget is not None:
-        work = dict.fromkeys(options, 0)
-    else:
-        work = {}
-        for p in options:
+    if chunk_rule is None:
+        chunk_rule = chunk_bytes is None and not config.chunk_bytes_pinned()
+    tp = throughputs if throughputs is not None else _flat_throughputs(overheads, **rates)
+    peak_kw = dict(path=path, train_weights=train_weights, chunk_bytes=chunk_bytes,
+                   quantized_base=quantized_base)
+    saved = [[_saved_bytes(p, x, B, S, dt, train_weights) for p in options] for x in layers]
+    own = [sum(row[k] for row in saved) for k in range(len(options))]
+    # Each option's variants: (working set, rows (None: the cap's), chunks, seconds per layer).
+    # HF's layers and, without the rule or under a budget, the fused presets: one, at the cap;
+    # with the rule in a room, a fused preset's rows that no other of them beats in both
+    # working set and time (chunk_row_candidates)
+    cap_chunks = [layer_chunks(x, B, S, dt, path=path, chunk_bytes=chunk_bytes) for x in layers]
+    variants = []
+    for k, p in enumerate(options):
+        if chunk_rule and budget is None and p in _CHOICES:
+            variants.append(_pareto(_chunk_variants(p, layers, V, B, S, dt, own[k], tp, lora,
+                                                    peak_kw)))
+            continue
+        secs = tuple(layer_seconds(p, x, B, S, dt, chunks=n, train_weights=train_weights,
+                                   overheads=overheads, **lora, **rates)
+                     for x, n in zip(layers, cap_chunks))
+        if budget is not None:
+            w = 0
+        else:
             setup = "hf_gc+fused" if p == "torch" else p
-            peak = step_peak(setup, layers, V, B, S, dt, path=path, train_weights=train_weights,
-                             chunk_bytes=chunk_bytes, quantized_base=quantized_base).peak
-            work[p] = peak - sum(_saved_bytes(p, x, B, S, dt, train_weights) for x in layers)
+            w = step_peak(setup, layers, V, B, S, dt, **peak_kw).peak - own[k]
+        n = cap_chunks if p in _CHOICES else [1] * len(layers)
+        variants.append([(w, None, tuple(n), secs)])
     best = None
-    for bound in sorted(set(work.values())):      # the mix's largest working set
-        allowed = [k for k, p in enumerate(options) if work[p] <= bound]
+    for bound in sorted({v[0] for vs in variants for v in vs}):   # the largest working set
+        # each option at its fastest variant within the bound (of equal times, fewer chunks)
+        pick = {}
+        for k, vs in enumerate(variants):
+            within = [v for v in vs if v[0] <= bound]
+            if within:
+                pick[k] = min(within, key=lambda v: (sum(v[3]), max(v[2])))
         cap = limit - bound
         front = [(0, 0.0, ())]                    # (bytes, seconds, choices): Pareto front
-        for row in cost:
-            cand = sorted((b + row[k][0], t + row[k][1], ch + (k,))
-                          for b, t, ch in front for k in allowed if b + row[k][0] <= cap)
+        for i in range(len(layers)):
+            cand = sorted((b + saved[i][k], t + v[3][i], ch + (k,))
+                          for b, t, ch in front for k, v in pick.items()
+                          if b + saved[i][k] <= cap)
             front, least = [], math.inf
             for b, t, ch in cand:
                 if t < least * (1 - 1e-12):
@@ -1473,13 +1726,12 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
         if not front:
             continue
         b, t, ch = front[-1]     # the fastest; of equal times, the fewest bytes
-        used = max(work[options[k]] for k in ch)
         key = (t, b)
         if best is None or key < best[0]:
-            best = (key, ch, used)
+            best = (key, ch, {k: pick[k] for k in set(ch)})
     if best is None:
-        mins = sum(row[options.index("min_memory")][0] for row in cost)
-        need = mins + (work["min_memory"] if budget is None else 0)
+        k = options.index("min_memory")
+        need = own[k] + (min(v[0] for v in variants[k]) if budget is None else 0)
         what = "activation_budget" if budget is not None else "room for the step"
         raise ValueError(
             f"auto: {what} of {format_bytes(limit)} is below the smallest that fits: {need} "
@@ -1487,8 +1739,64 @@ def choose_auto(layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
             f"'min_memory', at B={B}, S={S}, {str(dt)[6:]}. Shorten the sequence or the batch")
     (t, b), ch, used = best
     presets = tuple(options[k] for k in ch)
-    return AutoChoice(presets, t, b, 0 if budget is not None else b + used,
-                      tuple(n if p in _CHOICES else 1 for p, n in zip(presets, chunks)))
+    per = [used[k][3][i] for i, k in enumerate(ch)]
+    chunks = [used[k][2][i] for i, k in enumerate(ch)]
+    rows = [used[k][1] for k in ch]
+    works = {k: b + v[0] for k, v in used.items()}
+    if chunk_rule:
+        # the rule within the whole room (the mix's saved bytes given): one chunk where it
+        # fits, else the fastest rows; taken where it is no slower than the choice above
+        # (in a room the choice is exact, so this only breaks ties toward fewer chunks; under
+        # a budget the budget's bytes beyond the saved ones hold the chunks' working set)
+        for k in used:
+            p = options[k]
+            if p not in _CHOICES:
+                continue
+            c = choose_chunk_rows(p, layers, V, B, S, dt, room=limit, saved=b, throughputs=tp,
+                                  **peak_kw, **lora)
+            mine = [i for i, q in enumerate(ch) if q == k]
+            if not c.fits or any(c.layer_seconds[i] > per[i] * (1 + 1e-12) for i in mine):
+                continue
+            for i in mine:
+                rows[i], chunks[i], per[i] = c.rows, c.chunks, c.layer_seconds[i]
+            works[k] = c.peak
+        t = sum(per)
+    peak = 0 if budget is not None else max(works.values())
+    return AutoChoice(presets, t, b, peak, tuple(chunks), tuple(rows), tuple(per))
+
+
+def _chunk_variants(preset, layers, V, B, S, dt, own, tp, lora, peak_kw) -> list:
+    """(working set, rows, chunks per layer, seconds per layer) of a fused preset at each of
+    the chunk rule's candidate rows (:func:`chunk_row_candidates`), ``own`` its layers' saved
+    bytes."""
+    chunk_bytes = peak_kw["chunk_bytes"]
+    if chunk_bytes is None:
+        chunk_bytes = config.current().chunk_bytes
+    path = peak_kw["path"]
+    cap_rows = layer_chunk_rows(_widest(layers), dt.itemsize, chunk_bytes,
+                                CUDA_SMS if path == "cuda" else 0)
+    out = []
+    for rows in chunk_row_candidates(B, S, cap_rows):
+        n = engine_chunks(B, S, rows)
+        kw = tp.step_time_kwargs(S, rows if n > 1 else None)
+        by_dims = {}
+        secs = tuple(by_dims.setdefault(x, layer_seconds(
+            preset, x, B, S, dt, chunks=n, train_weights=peak_kw["train_weights"],
+            overheads=tp.overheads, **lora, **kw)) for x in layers)
+        work = step_peak(preset, layers, V, B, S, dt, chunk_rows=rows, **peak_kw).peak - own
+        out.append((work, rows, (n,) * len(layers), secs))
+    return out
+
+
+def _pareto(variants: list) -> list:
+    """The variants no other beats in both working set and total time (of equal ones, the
+    first: the fewest chunks)."""
+    kept, least = [], math.inf
+    for _, total, _, v in sorted((v[0], sum(v[3]), i, v) for i, v in enumerate(variants)):
+        if total < least:
+            kept.append(v)
+            least = total
+    return kept
 
 
 # ---- sequence parallelism (Ulysses inside the fused layer) ------------------------------------

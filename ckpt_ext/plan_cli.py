@@ -23,9 +23,10 @@ from .hf.families import layer_dims_from_config
 from .hf.patch import _model_config
 from .plan import (_DTYPES, _PATHS, AUTO_CHOICES, FRAGMENTATION, HOST_LINK_GBYTES_PER_S,
                    LORA_RANK, OFFLOAD_SETUPS, PEAK_SETUPS, QUANTS, SP_LINK_GBYTES_PER_S,
-                   choose_auto, choose_segment_layers, longest_sequence_segments,
+                   choose_auto, choose_chunk_rows, choose_segment_layers,
+                   longest_sequence_segments,
                    choose_presets_offload, format_bytes, head_saved_bytes, headroom_bytes,
-                   layer_bytes, layer_seconds, longest_sequence, longest_sequence_offload,
+                   layer_bytes, longest_sequence, longest_sequence_offload,
                    model_state_bytes, offload_step_peak, dequantized_bytes,
                    parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
                    sp_longest_sequence, sp_step_peak, sp_step_time, step_peak,
@@ -600,17 +601,75 @@ def _auto_choice(args, layers, V, B, S, dtype, *, room=None, budget=None):
     return choose_auto(layers, V, B, S, dtype, room=room, budget=budget, path=args.path,
                        train_weights=args.weights == "full", **_lora_kwargs(args),
                        quantized_base=args.weights == "qlora",
-                       overheads=args.rates.overheads, **_rate_kwargs(args, S))
+                       overheads=args.rates.overheads, throughputs=_throughputs(args),
+                       **_rate_kwargs(args, S))
+
+
+def _throughputs(args):
+    """The throughputs file's rates (by sequence length and query-chunk rows), each kind a
+    --*-tflops flag gives replaced by the flag's rate everywhere: what the chunk rule reads."""
+    from .throughputs import Rate
+    kinds = {"attention_fwd_tflops": "attention_forward",
+             "attention_bwd_tflops": "attention_backward", "matmul_tflops": "matmul"}
+    given = tuple(Rate(kind, float(getattr(args, key)), source="flag")
+                  for key, kind in kinds.items() if getattr(args, key) is not None)
+    return dataclasses.replace(args.rates, rates=given + args.rates.rates) if given \
+        else args.rates
+
+
+def _chunk_words(n: int, rows) -> str:
+    if rows is None:
+        return f"x{n} chunk{'s' if n > 1 else ''} (the cap's rows)"
+    return f"x{n} chunk{'s' if n > 1 else ''} of {rows:,} rows"
 
 
 def _print_auto_layers(args, choice, layers, B, S, dtype) -> None:
-    """Each layer's choice, its token chunks and its time in the model."""
-    kw = dict(train_weights=args.weights == "full", overheads=args.rates.overheads,
-              **_lora_kwargs(args), **_rate_kwargs(args, S))
-    cells = [f"{i}: {p} x{n} chunk{'s' if n > 1 else ''} "
-             f"{layer_seconds(p, x, B, S, dtype, chunks=n, **kw) * 1e3:,.1f} ms"
-             for i, (p, n, x) in enumerate(zip(choice.presets, choice.chunks, layers))]
+    """Each layer's choice, its token chunks (the chunk rule's rows) and its time in the
+    model."""
+    cells = [f"{i}: {p} " + (_chunk_words(n, r) if p not in ("none", "torch") else "x1") +
+             f" {t * 1e3:,.1f} ms"
+             for i, (p, n, r, t) in enumerate(zip(choice.presets, choice.chunks,
+                                                   choice.rows or [None] * len(layers),
+                                                   choice.layer_seconds))]
     print("per layer (preset, token chunks, time in the model): " + "; ".join(cells))
+
+
+def _spans(values) -> list:
+    """[(first, last, value)] of the runs of equal consecutive values."""
+    out = []
+    for i, v in enumerate(values):
+        if out and out[-1][2] == v:
+            out[-1] = (out[-1][0], i, v)
+        else:
+            out.append((i, i, v))
+    return out
+
+
+def _print_chunk_rule(args, layers, V, B, S, dtype, room: int) -> None:
+    """The chunk rule (ckpt_ext.plan.choose_chunk_rows) for each fused preset within the
+    room for the step: each layer's token chunks and its time in the model, beside the cap's."""
+    from .config import chunk_bytes_pinned
+    if chunk_bytes_pinned():
+        print("chunk rows: CKPT_EXT_CHUNK_BYTES is pinned, so the fused layers chunk by the "
+              "cap (the rule of ckpt_ext.plan.choose_chunk_rows is off)")
+        return
+    kw = dict(path=args.path, train_weights=args.weights == "full",
+              quantized_base=args.weights == "qlora", throughputs=_throughputs(args),
+              **_lora_kwargs(args))
+    print(f"chunk rows by time (ckpt_ext.plan.choose_chunk_rows, patch_llama's rule when no "
+          f"chunk_bytes is pinned): one chunk when the step fits the "
+          f"{format_bytes(room)} left for it, else the fastest chunk count that fits; "
+          f"per layer (chunks, time in the model):")
+    for preset in FUSED_PRESETS:
+        c = choose_chunk_rows(preset, layers, V, B, S, dtype, room=room, **kw)
+        cells = "; ".join(
+            (f"layer {a}" if a == b else f"layers {a}-{b}") + f": {c.chunks} chunk"
+            f"{'s' if c.chunks > 1 else ''} of {c.rows:,} rows, {t * 1e3:,.1f} ms"
+            + ("" if a == b else " each")
+            for a, b, t in _spans([round(t, 12) for t in c.layer_seconds]))
+        tail = (f"step peak {format_bytes(c.peak)}" if c.fits else
+                f"nothing fits: the cap's {c.cap_rows:,} rows, step peak {format_bytes(c.peak)}")
+        print(f"  {preset}: {cells}; {tail}")
 
 
 def _setups(layers) -> tuple:
@@ -773,6 +832,7 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
     print(_table(rows, ["setup", "step peak", "state + peak + kept free", f"at S {S:,}",
                         "step s", "tokens/s", "longest S", "its step s", "its tokens/s"]))
     if room > 0:
+        _print_chunk_rule(args, layers, V, B, S, dtype, room)
         try:
             choice = _auto_choice(args, layers, V, B, S, dtype, room=room)
             print(f"auto (patch_llama(policy='auto'), no activation_budget: the room left for "

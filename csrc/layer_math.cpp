@@ -272,6 +272,9 @@ void check_layer(const char* op, const at::Tensor& x, const Layer& L) {
                               "sequence_parallel)");
   check_dropout(op, L);
   parse_activation(L.activation, op);
+  CKPT_CHECK_VALUE(!L.chunk_rows || *L.chunk_rows >= 1, op,
+                   "chunk_rows must be None (the byte cap's rows) or a positive number of "
+                   "token rows, got ", L.chunk_rows.value_or(0));
 }
 
 // The experts' LoRA factors (PEFT's layouts, csrc/moe_math.h) of e experts of width i, and
@@ -752,9 +755,10 @@ std::tuple<at::Tensor, at::Tensor> moe_backward(const Layer& L, const at::Tensor
 // Rows per token chunk of the MLP: the SwiGLU intermediates of a chunk, three (rows, I)
 // tensors at the compute width (the Triton backward's dh, dgate and dup; the CPU kernels
 // chunk further within the same cap), or an MoE layer's (ffn_row_width), within the byte cap,
-// and on CUDA at least kGemmMinRows rows (csrc/chunking.h). A sequence that fits is one chunk,
-// computed exactly as written out.
+// and on CUDA at least kGemmMinRows rows (csrc/chunking.h); or the option chunk_rows when
+// given. A sequence that fits is one chunk, computed exactly as written out.
 int64_t mlp_chunk_rows(const Layer& L, const at::Tensor& h) {
+  if (L.chunk_rows) return *L.chunk_rows;  // the caller's rows (checked >= 1 in make_layer)
   return chunking::mlp_chunk_rows(ffn_row_width(L, h.size(-1)), h.element_size(),
                                   chunking::chunk_bytes(),
                                   h.is_cuda() ? chunking::kGemmMinRows : 0);
@@ -1011,8 +1015,10 @@ OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nu
 //
 // On CUDA at least chunking::cuda_min_rows: rows whose attention fills the device's
 // multiprocessors (two waves of programs over the layer's query heads), and kGemmMinRows for
-// the weights' GEMMs.
+// the weights' GEMMs. The option chunk_rows, when given, is the rows instead (no cap, no
+// minimum).
 int64_t layer_chunk_rows(const Layer& L, const at::Tensor& x) {
+  if (L.chunk_rows) return *L.chunk_rows;
   const int64_t min_rows =
       x.is_cuda() ? chunking::cuda_min_rows(chunking::cuda_sms(), L.num_heads) : 0;
   return chunking::layer_chunk_rows(L.proj(kQ).size(0),
@@ -1972,6 +1978,10 @@ Residuals empty_residuals(const at::Tensor& x, const Layer& L) {
   return r;
 }
 
+// The token chunk rows, whose chunks' exchanges must pair up across the ranks.
+constexpr const char* kSpChunkRowsField =
+    "the same token chunk rows (chunk_rows, or the rows CKPT_EXT_CHUNK_BYTES gives)";
+
 // What every rank of the sequence_parallel group must pass alike for the exchanges to pair
 // up (each field's count fixed; zeros where this rank's layer could not be built).
 std::vector<ulysses::Field> sp_fields(const at::Tensor& x, const Layer* L,
@@ -1991,6 +2001,7 @@ std::vector<ulysses::Field> sp_fields(const at::Tensor& x, const Layer* L,
                  "head rounds", std::vector<int64_t>(7, 0)});
     f.push_back({"the same kinds of masks (key_padding_mask and segment_ids: present, dtype)",
                  {0, 0}});
+    f.push_back({kSpChunkRowsField, {0}});
     return f;
   }
   const int64_t rep = ulysses::kv_repeats(g, L->num_kv_heads);
@@ -2004,6 +2015,7 @@ std::vector<ulysses::Field> sp_fields(const at::Tensor& x, const Layer* L,
                 rounds}});
   f.push_back({"the same kinds of masks (key_padding_mask and segment_ids: present, dtype code)",
                {dtype(L->key_padding_mask), dtype(L->segment_ids)}});
+  f.push_back({kSpChunkRowsField, {layer_chunk_rows(*L, x)}});
   return f;
 }
 

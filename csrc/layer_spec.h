@@ -168,6 +168,13 @@ using OptTensor = std::optional<at::Tensor>;
 //                       the token weights. Excludes router_logits; not with sequence_parallel
 //   part                "layer" | "attention" | "mlp"
 //   preset              "fast" | "balanced" | "min_memory": what forward keeps
+//   chunk_rows          None: the layer's token chunks hold the rows the byte cap gives
+//                       (csrc/chunking.h layer_chunk_rows / mlp_chunk_rows: chunk_bytes, read
+//                       at each call, and the CUDA minimum); n >= 1: n token rows a chunk, the
+//                       layer's and its MLP's (whole sequences packed while they fit), neither
+//                       the cap nor the CUDA minimum applied: ckpt_ext.plan.choose_chunk_rows
+//                       picks it for time where memory allows. The autograd Function saves it
+//                       with the other options, so the backward walks the forward's chunks
 #define CKPT_DECODER_LAYER_ARGS(X, ...)                                                  \
   X(WEIGHTS, "Tensor?[]", const c10::List<OptTensor>&, weights, "", __VA_ARGS__)            \
   X(TENSOR, "Tensor?", const OptTensor&, cos, "=None", __VA_ARGS__)                         \
@@ -200,7 +207,8 @@ using OptTensor = std::optional<at::Tensor>;
   X(OPTION, "bool", bool, router_logits, "=False", __VA_ARGS__)                             \
   X(OPTION, "bool", bool, router_stats, "=False", __VA_ARGS__)                              \
   X(OPTION, "str", c10::string_view, part, "=\"layer\"", __VA_ARGS__)                       \
-  X(OPTION, "str", c10::string_view, preset, "=\"balanced\"", __VA_ARGS__)
+  X(OPTION, "str", c10::string_view, preset, "=\"balanced\"", __VA_ARGS__)                \
+  X(OPTION, "int?", std::optional<int64_t>, chunk_rows, "=None", __VA_ARGS__)
 
 // What the list generates. The first five start each argument with a comma, to follow x
 // (or dy, x):

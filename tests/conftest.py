@@ -49,11 +49,13 @@ def _kernel_settings():
     """The kernel settings a test changed with ckpt_ext.config.update (the chunk cap) come
     back after it."""
     from ckpt_ext import config
-    before = config.current()
+    before, pinned = config.current(), config.chunk_bytes_pinned()
     yield
-    if config.current() != before:
-        config.update(**{f.name: getattr(before, f.name)
-                         for f in dataclasses.fields(before)})
+    if config.current() != before or config.chunk_bytes_pinned() != pinned:
+        restore = {f.name: getattr(before, f.name) for f in dataclasses.fields(before)}
+        if not pinned:   # the default cap, not pinned (tests/test_config.py)
+            restore["chunk_bytes"] = ""
+        config.update(**restore)
 
 
 def pytest_report_header(config):

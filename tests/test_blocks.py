@@ -382,7 +382,8 @@ def test_saved_residuals_follow_the_spec_and_the_formula(dtype, compute_dtype, p
 
 
 def test_decoder_layer_names_its_arguments():
-    assert blocks.LAYER_ARGS[0] == "weights" and blocks.LAYER_ARGS[-2:] == ("part", "preset")
+    assert blocks.LAYER_ARGS[0] == "weights" and blocks.LAYER_ARGS[-3:] == ("part", "preset",
+                                                                       "chunk_rows")
     x, args = _layer_call(torch.float32)
     with pytest.raises(TypeError, match="unknown arguments \\['heads'\\]"):
         blocks.decoder_layer(x, heads=4, **args)

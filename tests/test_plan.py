@@ -204,7 +204,8 @@ def test_cli_on_a_config(tmp_path, capsys):
     want = plan.choose_auto([LayerDims(64, 4, 2, 16, 176)] * 4, 1000, 2, 128, "bf16",
                             budget="300KiB")
     line = next(x for x in out.splitlines() if x.startswith("per layer (preset, token chunks"))
-    assert re.findall(r"\d: ([a-z_]+) x(\d+) chunks? [\d.]+ ms", line) == [
+    assert re.findall(r"\d: ([a-z_]+) x(\d+)(?: chunks?(?: of [\d,]+ rows| \(the cap's "
+                      r"rows\)))? [\d.]+ ms", line) == [
         (p, str(n)) for p, n in zip(want.presets, want.chunks)], line
     assert plan_cli.main(DIMS_ARGS + ["--budget", "300KiB"]) == 0
     assert capsys.readouterr().out == out

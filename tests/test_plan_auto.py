@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import plan
+from ckpt_ext import config, plan
 from ckpt_ext.layer_record import LayerDims
 from ckpt_ext.throughputs import (Overheads, default_throughputs, throughputs_from_dict,
                                   write_throughputs)
@@ -140,14 +140,22 @@ def test_tight_room_mixes_and_more_room_is_never_slower():
         plan.choose_auto(layers, V, 1, S, BF16, room=low - 1)
     last = math.inf
     mixes = set()
+    last_ruled = math.inf
     for room in [low + k * (top - low) // 12 for k in range(13)]:
-        got = plan.choose_auto(layers, V, 1, S, BF16, room=room)
+        # at the cap's chunks (the chunk rule off), against the brute force at those chunks
+        got = plan.choose_auto(layers, V, 1, S, BF16, room=room, chunk_rule=False)
         (secs, saved), mix = _brute_force(layers, S, room)
         assert got.presets == mix, (room, got.presets, mix)
         assert got.peak <= room
         assert got.seconds <= last * (1 + 1e-12)
         last = got.seconds
         mixes.add(got.presets)
+        # with the chunk rule (tests/test_chunk_rule.py holds it to its own brute force):
+        # never slower than at the cap's chunks, within the room, never slower with more room
+        ruled = plan.choose_auto(layers, V, 1, S, BF16, room=room)
+        assert ruled.peak <= room and ruled.seconds <= got.seconds * (1 + 1e-12)
+        assert ruled.seconds <= last_ruled * (1 + 1e-12)
+        last_ruled = ruled.seconds
     assert ("min_memory",) * 3 in mixes and len(mixes) >= 3, mixes
 
 
@@ -166,7 +174,12 @@ def test_at_128k_it_is_min_memory_where_the_room_is_tight():
     h100 = plan.choose_auto(layers, V, 1, S, BF16, room=room, **kw)
     assert set(h100.presets) <= {"balanced", "min_memory"}
     assert h100.presets.count("min_memory") > 16 and h100.peak <= room
-    assert h100.chunks == (32,) * 32
+    # the chunk rule: fewer, larger chunks where the room holds them; the cap's 4,096 rows
+    # (32 chunks) when chunk_bytes is pinned
+    assert all(n < 32 for n in h100.chunks) and h100.peak <= room
+    with config.patch(chunk_bytes=config.KernelConfig.chunk_bytes):
+        pinned = plan.choose_auto(layers, V, 1, S, BF16, room=room, **kw)
+    assert pinned.presets == h100.presets and pinned.chunks == (32,) * 32
     off = plan.choose_presets_offload(layers, V, 1, S, BF16, room, 256 * GiB, **kw)
     assert off.peak <= room
 

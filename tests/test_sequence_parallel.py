@@ -88,6 +88,8 @@ def run(c, rank=0, world=1, group="", fn=blocks.decoder_layer):
         kw["segment_ids"] = kw["segment_ids"].int()
     if bad == "lora_scaling":  # one entry short
         kw["lora_scaling"] = kw["lora_scaling"][:-1]
+    if bad == "op_chunk_rows":  # other chunks: their exchanges would not pair
+        kw["chunk_rows"] = kw["chunk_rows"] + 1
     # rank 1 without the byte cap ("chunk"): more rounds
     cap = c["chunk"] if c["chunk"] is not None and bad != "chunk" else config.current().chunk_bytes
     with config.patch(chunk_bytes=cap):
@@ -199,6 +201,11 @@ def make_moe_case(seed, experts=5, k=2, shared=True, **kw):
     return dict(c, weights=weights, kw=kwargs)
 
 
+def op_chunk_rows(c, rows, **extra):
+    """Case ``c`` with the op's chunk_rows option (the chunk rule's rows), not the cap."""
+    return dict(c, kw=dict(c["kw"], chunk_rows=rows), **extra)
+
+
 CASES_2 = {
     # GQA, KV heads split (Hkv 2 = N), LoRA dropout, left padding, two sequences
     **{f"{p}-gqa-padded": make_case(1, preset=p, padded=True)
@@ -230,6 +237,8 @@ CASES_2 = {
     # tokens (3 chunks, each attending as 2 pieces at different offsets), HF eager's empty rows
     "min_memory-qchunks-padded-eager": make_case(22, preset="min_memory", chunk_rows=4,
                                                  padded=True, eager=True),
+    # the op's chunk_rows option: chunks of 5 of each rank's 12 tokens under the default cap
+    "balanced-op-chunk-rows-padded": op_chunk_rows(make_case(25, padded=True), 5),
 }
 FP32_2 = {"fp32-balanced": make_case(6, dtype=torch.float32, padded=True),
           "fp32-fast-mqa": make_case(7, dtype=torch.float32, preset="fast", hkv=1)}
@@ -241,7 +250,8 @@ BAD_2 = {"bad-heads": make_case(8, hq=3, hkv=3, hidden=48),
          "bad-mask-rank1": dict(make_case(18, padded=True), bad_rank1="mask"),
          "bad-segment-dtype-rank1": dict(make_case(19, packed=True), bad_rank1="segment_dtype"),
          "bad-lora-scaling-rank1": dict(make_case(20), bad_rank1="lora_scaling"),
-         "bad-rounds-rank1": dict(make_case(21, hq=8, hkv=4, chunk_rows=5), bad_rank1="chunk")}
+         "bad-rounds-rank1": dict(make_case(21, hq=8, hkv=4, chunk_rows=5), bad_rank1="chunk"),
+         "bad-op-chunk-rows-rank1": op_chunk_rows(make_case(26), 5, bad_rank1="op_chunk_rows")}
 CASES_4 = {
     "min_memory-hkv2-repeated": make_case(12, preset="min_memory", s=28, padded=True),
     "fast-hkv4-split": make_case(13, preset="fast", hkv=4, s=28, qk_norm=True, packed=True),
@@ -269,7 +279,9 @@ def test_two_ranks_equal_one_process(tmp_path):
               "bad-mask-rank1": "key_padding_mask must have shape (2, 12)",
               "bad-segment-dtype-rank1": "every rank passes the same kinds of masks",
               "bad-lora-scaling-rank1": "lora_scaling",
-              "bad-rounds-rank1": "head rounds (the head rounds follow CKPT_EXT_CHUNK_BYTES"}
+              "bad-rounds-rank1": "head rounds (the head rounds follow CKPT_EXT_CHUNK_BYTES",
+              "bad-op-chunk-rows-rank1": "the same token chunk rows (chunk_rows, or the rows "
+                                         "CKPT_EXT_CHUNK_BYTES gives)"}
     refused_on_1 = ("bad-mask-rank1", "bad-lora-scaling-rank1")
     for key, needle in expect.items():
         for r, res in enumerate(ranks):

@@ -381,6 +381,9 @@ class _ForwardState(NamedTuple):
     # segment_layers > 1 in a training forward: the forward's chain of segments
     # (ckpt_ext.segments), which each fused layer call joins
     segments: Optional[_segments.Chain] = None
+    # the chunk rule's token rows a chunk per fused preset (the op's chunk_rows,
+    # ckpt_ext.plan.choose_chunk_rows), for this forward's shapes; None: the cap's rows
+    chunk_rows: Optional[Dict[str, int]] = None
 
 
 # The keyword under which the bare model's pre-hook hands the layers a _ForwardState.
@@ -411,6 +414,7 @@ class _Shared:
         self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
         self.host_link = _host_link_default() if host_link is None else host_link  # GB/s
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
+        self.rows: dict = {}                   # (B, S, ..., presets) -> the chunk rule's rows
         self.warned: set = set()
         params = [p for p in inspect.signature(type(self.hook_owner).forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
@@ -429,6 +433,7 @@ class _Shared:
         state.setdefault("hook_owner", state["owner"])
         state.setdefault("bidirectional_images", False)
         state.setdefault("auto_policy", state.get("budget") is not None)
+        state.setdefault("rows", {})
         self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -483,11 +488,93 @@ class _Shared:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.auto_policy else None
         chain = _segments.Chain(self.segment_layers) if segmented else None
+        # the chunk rule's rows: not under sequence parallelism, nor in segments (whose
+        # rebuilt inputs the rule's peak model does not count): the cap's rows there
+        rows = self.chunk_rows(named, presets) if not sp and not segmented else None
         return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats,
-                                                            chain)}
+                                                            chain, rows)}
 
     def choose(self, named) -> Optional[List[str]]:
         """policy="auto": the presets of this forward's shapes (cached per shape and dtype)."""
+        shapes = self._shapes(named)
+        if shapes is None:
+            return None
+        return self._choice(*shapes)
+
+    def chunk_rows(self, named, presets: Optional[List[str]]) -> Optional[Dict[str, int]]:
+        """The chunk rule's rows a chunk per fused preset of this forward
+        (ckpt_ext.plan.choose_chunk_rows, cached per shape), or None (the op's default: the
+        byte cap's rows): when no chunk_bytes is pinned (ckpt_ext.config.chunk_bytes_pinned),
+        without offload, and with a budget known (``chunk_room``). ``presets``: auto's choice
+        for this forward, else each layer's patched preset. Forwards without grad (which the
+        layers delegate to HF's forward) get none."""
+        if self.offloader is not None or self.sequence_parallel or not torch.is_grad_enabled():
+            return None
+        from .. import config
+        if config.chunk_bytes_pinned():
+            return None
+        shapes = self._shapes(named)
+        if shapes is None:
+            return None
+        if presets is None:
+            presets = [f.preset if isinstance(f, _PatchedForward) else "none"
+                       for f in (layer.__dict__.get("forward") for layer in self.layers)]
+            if "auto" in presets:
+                return None
+        rows = self._rows(*shapes, presets=tuple(presets),
+                          chunk_bytes=config.current().chunk_bytes)
+        return dict(rows) if rows else None
+
+    def chunk_room(self, device: str, train_weights: bool, dequantized: int = 0
+                   ) -> Optional[int]:
+        """The bytes the chunk rule fits a step in: activation_budget (less QLoRA's
+        ``dequantized`` transient), else on CUDA the device's room for the step
+        (``device_room``), else None (no budget known: the cap's rows). Parameters sharded by
+        ZeRO-3 or FSDP2 are out of device_room's count, so with them only activation_budget
+        gives one."""
+        if self.budget is not None:
+            return self.budget - dequantized
+        if device.startswith("cuda") and not any(
+                hasattr(p, "ds_id") or hasattr(p, "_local_tensor")
+                for p in self.owner.parameters()):
+            return self.device_room(device, train_weights)
+        return None
+
+    @torch.compiler.assume_constant_result
+    def _rows(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
+              lora_rank: int = 0, expert_lora_rank: int = 0, device: str = "cpu",
+              dequantized: int = 0, *, presets: tuple = (), chunk_bytes: int = 0) -> tuple:
+        """((preset, rows), ...) of the chunk rule for one shape and mix of presets, cached;
+        () when no budget is known. The mix's saved bytes are its layers' at their presets
+        (ckpt_ext.plan's models of HF's layer for "none" and "torch")."""
+        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank, dequantized, presets,
+               chunk_bytes)
+        if key in self.rows:
+            return self.rows[key]
+        room = self.chunk_room(device, train_weights, dequantized)
+        fused = sorted(set(presets) & set(FUSED_PRESETS))
+        out = ()
+        if room is not None and fused:
+            from ..plan import _saved_bytes, choose_chunk_rows
+            from ..throughputs import default_throughputs
+            dims = self.layer_dims()
+            saved = sum(_saved_bytes(p, x, b, s, dtype, train_weights)
+                        for p, x in zip(presets, dims))
+            out = tuple(
+                (p, c.rows) for p, c in (
+                    (p, choose_chunk_rows(
+                        p, dims, int(self.owner.config.vocab_size), b, s, dtype, room=room,
+                        saved=saved, path="cuda" if device.startswith("cuda") else "cpu",
+                        train_weights=train_weights, lora_rank=lora_rank,
+                        expert_lora_rank=expert_lora_rank, chunk_bytes=chunk_bytes,
+                        quantized_base=bool(dequantized), throughputs=default_throughputs()))
+                    for p in fused) if c.fits)
+        self.rows[key] = out
+        return out
+
+    def _shapes(self, named) -> Optional[tuple]:
+        """(B, S, dtype, train_weights, lora rank, expert lora rank, device, dequantized) of
+        this forward, what the plan's choices read; None without a (B, S, ...) input."""
         x = named.get("input_ids")
         x = named.get("inputs_embeds") if x is None else x
         if x is None or x.dim() < 2:
@@ -505,9 +592,8 @@ class _Shared:
                             if p.dim() >= 2 and "lora_" not in n)
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
             else dtype
-        return self._choice(int(x.shape[0]), int(x.shape[1]), dtype, train_weights,
-                            *self.lora_ranks(), device=str(weight.device),
-                            dequantized=self.dequantized_bytes(compute.itemsize))
+        return (int(x.shape[0]), int(x.shape[1]), dtype, train_weights, *self.lora_ranks(),
+                str(weight.device), self.dequantized_bytes(compute.itemsize))
 
     @torch.compiler.assume_constant_result
     def dequantized_bytes(self, itemsize: int) -> int:
@@ -632,13 +718,13 @@ class _Shared:
             from ..throughputs import default_throughputs
             rates = default_throughputs()
             budget = self.budget - dequantized if self.budget is not None else None
-            try:
+            try:   # the presets; the chunk rows follow them (chunk_rows)
                 choice = choose_auto(self.layer_dims(), int(self.owner.config.vocab_size), b,
                                      s, dtype, room=room, budget=budget,
                                      path="cuda" if device.startswith("cuda") else "cpu",
                                      train_weights=train_weights, lora_rank=lora_rank,
                                      expert_lora_rank=expert_lora_rank,
-                                     quantized_base=bool(dequantized),
+                                     quantized_base=bool(dequantized), chunk_rule=False,
                                      overheads=rates.overheads, **rates.step_time_kwargs(s))
             except ValueError as e:
                 if not dequantized or budget is None:
@@ -773,7 +859,9 @@ class _PatchedForward:
         self._count("fused")
         return self._fused(hidden_states, kwargs["position_embeddings"], masks, preset, *tensors,
                            sp=sp, stats=state.router_stats if state is not None else None,
-                           chain=state.segments if state is not None else None)
+                           chain=state.segments if state is not None else None,
+                           chunk_rows=state.chunk_rows if state is not None and not sp
+                           else None)
 
     def _delegate(self, reason: str, hidden_states: Tensor, kwargs, warn: bool = False,
                   sp: Optional[str] = None):
@@ -875,7 +963,8 @@ class _PatchedForward:
                weights: list, scaling: list, dropout: list, streams: list,
                expert_scaling: Sequence[float] = (), sp: Optional[str] = None,
                stats: Optional[list] = None,
-               chain: Optional[_segments.Chain] = None) -> Tensor:
+               chain: Optional[_segments.Chain] = None,
+               chunk_rows: Optional[Dict[str, int]] = None) -> Tensor:
         sp = self.shared.sequence_parallel if sp is None else sp
         spec = self.spec
         cos, sin = _tables_for(x, *position_embeddings)
@@ -908,7 +997,8 @@ class _PatchedForward:
             uniform_empty_rows=_attn_implementation(self.config) == "eager" and not spec.softcap,
             lora_scaling=scaling, lora_dropout=dropout, dropout_seed=seed, lora_streams=streams,
             expert_lora_scaling=list(expert_scaling), preset=preset, sequence_parallel=sp,
-            router_logits=router_logits, router_stats=router_stats)
+            router_logits=router_logits, router_stats=router_stats,
+            chunk_rows=chunk_rows.get(preset) if chunk_rows else None)
         # ZeRO-3: the gradients of leaf blocks inside the layer (DeepSpeed's MoE blocks)
         x = zero.reduce_inner_leaves(self.layer, x)
         # QLoRA: quantized bases' weights dequantized for this forward and for the op's
@@ -1111,6 +1201,14 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     presets other than the fused ones, DeepSpeed ZeRO-3, FSDP / DTensor parameters,
     bitsandbytes (QLoRA) layers and Qwen3-VL; a forward under ``torch.compile`` or in
     DeepSpeed Ulysses' group raises NotImplementedError.
+
+    The fused layers' token chunks: unless ``chunk_bytes`` is pinned
+    (``CKPT_EXT_CHUNK_BYTES``, or ``ckpt_ext.config.patch`` / ``update``), at each training
+    forward the chunk rule (``ckpt_ext.plan.choose_chunk_rows``) picks each fused preset's
+    rows for time where a budget is known (``activation_budget``, or on CUDA the device's
+    room as for ``"auto"``; fixed presets included, not with offload or
+    ``sequence_parallel``): one chunk when the step fits, else the fastest count that fits.
+    Without a budget, or pinned, the chunks are the cap's.
 
     Raises ``ckpt_ext.PatchRefused`` (a ValueError and a NotImplementedError), before changing
     anything, when the model, or a layer asked to be fused, cannot be (see the module
