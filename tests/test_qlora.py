@@ -488,6 +488,34 @@ def test_segments_equal_one_layer_segments(checkpoints, quant, layers, k, preset
     assert not [n for n in grads if not torch.equal(grads[n], grads1[n])]
 
 
+@pytest.mark.parametrize("mode", ["autocast_bf16", "retain_graph"])
+def test_segments_under_autocast_and_a_second_backward(checkpoints, mode):
+    """bf16 autocast (the rebuild dequantizes in the recorded compute dtype) and a second
+    backward through a retained graph (which rebuilds and dequantizes again): segments of 2
+    equal k = 1 bit for bit."""
+    model = qlora_model(checkpoints("llama", num_hidden_layers=4), "fp4-dq", 0.05)
+    ids, mask, labels = make_batch(pad=True, seed=5)
+    runs = []
+    for k in (1, 2):
+        fused = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.patch_llama(fused, "min_memory", segment_layers=k)
+        torch.manual_seed(11)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast_bf16"):
+            loss = fused(input_ids=ids, attention_mask=mask, labels=labels,
+                         use_cache=False).loss
+        loss.backward(retain_graph=mode == "retain_graph")
+        if mode == "retain_graph":
+            loss.backward()
+        assert fused_calls(fused) == [{"fused": 1}] * 4
+        runs.append((loss.detach(), {n: p.grad for n, p in fused.named_parameters()
+                                     if p.grad is not None}))
+    (loss1, grads1), (loss2, grads2) = runs
+    assert torch.equal(loss1, loss2) and grads1.keys() == grads2.keys() and grads1
+    assert not [n for n in grads1 if not torch.equal(grads1[n], grads2[n])]
+
+
 def test_segment_rebuild_dequantizes_one_layer_at_a_time(checkpoints, monkeypatch):
     """A segment of 4 QLoRA layers: each quantized module of layers 1..3 is dequantized three
     times (forward, the rebuild's forward, backward), layer 4's twice; at no moment are two
