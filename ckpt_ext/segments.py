@@ -20,6 +20,11 @@ know its place in its segment.
   freed when that backward ends; the first layer's backward gets the input that the rebuild
   unpacked (outer hooks such as ``torch.utils.checkpoint``'s allow one unpack). A second
   backward through a graph kept with ``retain_graph=True`` rebuilds again.
+* **QLoRA** (bitsandbytes bases, ckpt_ext.hf.quantized): a call records its ``Transient``
+  with the rest; the rebuild fills it around its replay of the call (the same dequantization
+  of the same quantized state: the same weights) and frees it after, one layer at a time. A
+  later layer's node pre-hook runs the rebuild before that layer's own weights are filled for
+  its backward, so no two layers' dequantized weights are alive at once.
 
 A layer joins the running segment only when its input *is* the previous fused call's output
 (the same tensor, not changed in place since): anything that runs between two layers, or a
@@ -32,6 +37,7 @@ backward runs, up to k - 1 rebuilt layer inputs on the device beside the layer's
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Callable, Iterable, List, Optional
 
@@ -54,10 +60,10 @@ def check_segment_layers(value, what: str = "patch_llama") -> int:
 
 class _Call:
     """One fused layer call of a segment, as its rebuild replays it."""
-    __slots__ = ("fn", "options", "cpu_rng", "cuda_rng", "device", "autocast")
+    __slots__ = ("fn", "options", "cpu_rng", "cuda_rng", "device", "autocast", "transient")
 
-    def __init__(self, fn: Callable, options, x: Tensor):
-        self.fn, self.options = fn, options
+    def __init__(self, fn: Callable, options, x: Tensor, transient=None):
+        self.fn, self.options, self.transient = fn, options, transient
         self.device = x.device
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
@@ -70,7 +76,10 @@ class _Call:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
         kind, enabled, dtype, cache = self.autocast
-        with torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache):
+        # QLoRA: the call's quantized weights dequantized again for this forward (the same
+        # dequantization, so the same weights) and freed after it
+        fill = self.transient if self.transient else contextlib.nullcontext()
+        with torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache), fill:
             out = self.fn(x, self.options)
         return out[0] if isinstance(out, tuple) else out
 
@@ -100,6 +109,13 @@ class Segment:
             self._rebuild(place)
             x = self.inputs.pop(place)
         return x
+
+    def prepare(self, place: int) -> None:
+        """Rebuild the inputs up to ``place`` now if the segment does not hold that input (the
+        node pre-hook of a layer whose weights are filled for its backward: the rebuild runs
+        before they are, so that it dequantizes its layers' weights one layer at a time)."""
+        if place and place not in self.inputs:
+            self._rebuild(place)
 
     def _rebuild(self, upto: int) -> None:
         x = self.first if self.unpack_first is None else self.unpack_first(self.first)
@@ -160,17 +176,23 @@ def _outer_hooks():
 
 
 def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x: Tensor,
-         keep: Iterable[Tensor], options):
+         keep: Iterable[Tensor], options, transient=None):
     """``fn(x, options)``, a fused layer call, as a member of ``chain``'s running segment
     (None: ``ckpt_ext.offload.offloaded``, the call on its own); its saved tensors offloaded
-    by ``offloader`` (None: kept on the device)."""
+    by ``offloader`` (None: kept on the device).
+
+    ``transient``: the call's ``ckpt_ext.hf.quantized.Transient`` (QLoRA), filled by the caller
+    around this call; the rebuild fills it again around its replay of the call and frees it
+    after. A later layer of a segment with one gets a node pre-hook (registered before the
+    caller's ``Transient.attach``, so it runs first) that rebuilds the segment's inputs before
+    its own weights are filled for its backward: one layer's dequantized weights at a time."""
     if chain is None or not torch.is_grad_enabled():
         return offloaded(offloader, fn, x, keep, options)
     if offloader is not None and torch.cuda.is_available() and \
             torch.cuda.is_current_stream_capturing():
         return offloaded(offloader, fn, x, keep, options)  # refuses capture
     seg, place = chain.place(x)
-    seg.calls.append(_Call(fn, options, x))
+    seg.calls.append(_Call(fn, options, x, transient))
     # what the call's other saved tensors go through: the offloader's hooks, or without one the
     # saved-tensor hooks around the call (ckpt_ext.saved_activation_bytes then counts what the
     # segment keeps), or none
@@ -205,7 +227,10 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
             out = fn(x, options)
     finally:
         given.clear()
-    chain.done(out[0] if isinstance(out, tuple) else out)
+    y = out[0] if isinstance(out, tuple) else out
+    chain.done(y)
+    if place and transient and y.grad_fn is not None:
+        y.grad_fn.register_prehook(lambda grad_outputs: seg.prepare(place))
     if not place and seg.first is None:
         # nothing saved (no input of the call needs a gradient: frozen first layers): no
         # input to rebuild from, so the next layer starts a segment of its own

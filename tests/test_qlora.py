@@ -38,6 +38,11 @@ QUANTS = {
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4",
                 bnb_4bit_compute_dtype=torch.float32),
     "int8": dict(load_in_8bit=True),
+    # the other two 4-bit variants (segments' tests)
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=torch.float32),
+    "fp4-dq": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True,
+                   bnb_4bit_compute_dtype=torch.float32),
 }
 # LoRA on these; k_proj and up_proj stay bare quantized layers
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
@@ -254,7 +259,7 @@ def test_quantized_head_is_not_fused_with_the_reason(checkpoints):
 # every family of the issue x quantization x preset, LoRA dropout on every other case; Phi-3's
 # fused modules once
 CASES = [(f, q, p, 0.2 * (i % 2)) for i, (f, q, p) in enumerate(
-    (f, q, p) for f in ("llama", "qwen3", "mistral") for q in QUANTS
+    (f, q, p) for f in ("llama", "qwen3", "mistral") for q in ("nf4-dq", "fp4", "int8")
     for p in ("fast", "balanced", "min_memory"))] + [("phi3", "nf4-dq", "balanced", 0.2)]
 
 
@@ -428,6 +433,161 @@ def test_step_peak_holds_one_layers_dequantized_weights(checkpoints):
         assert fused_calls(model) == [{"fused": 1}] * n
     print(f"  peaks {peaks}, one layer's dequantized weights {per_layer}")
     assert peaks[6] - peaks[2] < per_layer
+
+
+# ---- segments of several layers (segment_layers=k, ckpt_ext.segments) -------------------------
+
+def segment_step(model, k, preset, batch, seed, offload=None, monkeypatch=None):
+    """A deep copy of ``model`` patched with ``segment_layers=k``: its loss and gradients for
+    LoRA dropout seeds drawn after torch.manual_seed(seed), and the rebuilds it ran."""
+    from ckpt_ext import segments
+    fused = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF gradient checkpointing: the fused layers skip it
+        ckpt_ext.patch_llama(fused, preset, offload=offload, segment_layers=k)
+    rebuilds = []
+    rebuild = segments.Segment._rebuild
+
+    def counted(seg, upto):
+        rebuilds.append(upto)
+        return rebuild(seg, upto)
+    monkeypatch.setattr(segments.Segment, "_rebuild", counted)
+    torch.manual_seed(seed)
+    got = loss_and_grads(fused, *batch)
+    monkeypatch.undo()
+    n = len(fused.get_base_model().model.layers)
+    assert fused_calls(fused) == [{"fused": 1}] * n
+    return got, rebuilds
+
+
+SEGMENT_CASES = [  # quant, layers, k, preset, offload
+    ("nf4-dq", 4, 2, "min_memory", None), ("nf4-dq", 3, 2, "balanced", "cpu"),
+    ("nf4", 4, 4, "min_memory", None), ("fp4", 4, 2, "balanced", None),
+    ("fp4-dq", 3, 2, "min_memory", None), ("int8", 4, 4, "min_memory", "cpu"),
+    ("int8", 3, 2, "balanced", None)]
+
+
+@pytest.mark.parametrize("quant,layers,k,preset,offload", SEGMENT_CASES,
+                         ids=[f"{q}-{n}x{k}-{p}" + ("-offload" if o else "")
+                              for q, n, k, p, o in SEGMENT_CASES])
+def test_segments_equal_one_layer_segments(checkpoints, quant, layers, k, preset, offload,
+                                           monkeypatch):
+    """segment_layers=k on QLoRA layers (LoRA dropout 0.05, left padding): the rebuild
+    dequantizes each replayed layer's weights again, so the loss and every adapter gradient
+    equal those of k = 1 bit for bit, one rebuild per segment of several layers."""
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print(f"seed {seed}")
+    model = qlora_model(checkpoints("llama", num_hidden_layers=layers), quant, 0.05)
+    batch = make_batch(pad=True, seed=seed % 1000)
+    (loss1, grads1), none = segment_step(model, 1, preset, batch, seed, offload, monkeypatch)
+    (loss, grads), rebuilds = segment_step(model, k, preset, batch, seed, offload, monkeypatch)
+    assert none == [] and rebuilds == [min(k, layers - a) - 1 for a in range(0, layers, k)
+                                       if min(k, layers - a) > 1]
+    assert torch.equal(loss, loss1), (loss, loss1)
+    assert grads.keys() == grads1.keys() and grads and all("lora_" in n for n in grads)
+    assert not [n for n in grads if not torch.equal(grads[n], grads1[n])]
+
+
+@pytest.mark.parametrize("mode", ["autocast_bf16", "retain_graph"])
+def test_segments_under_autocast_and_a_second_backward(checkpoints, mode):
+    """bf16 autocast (the rebuild dequantizes in the recorded compute dtype) and a second
+    backward through a retained graph (which rebuilds and dequantizes again): segments of 2
+    equal k = 1 bit for bit."""
+    model = qlora_model(checkpoints("llama", num_hidden_layers=4), "fp4-dq", 0.05)
+    ids, mask, labels = make_batch(pad=True, seed=5)
+    runs = []
+    for k in (1, 2):
+        fused = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.patch_llama(fused, "min_memory", segment_layers=k)
+        torch.manual_seed(11)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast_bf16"):
+            loss = fused(input_ids=ids, attention_mask=mask, labels=labels,
+                         use_cache=False).loss
+        loss.backward(retain_graph=mode == "retain_graph")
+        if mode == "retain_graph":
+            loss.backward()
+        assert fused_calls(fused) == [{"fused": 1}] * 4
+        runs.append((loss.detach(), {n: p.grad for n, p in fused.named_parameters()
+                                     if p.grad is not None}))
+    (loss1, grads1), (loss2, grads2) = runs
+    assert torch.equal(loss1, loss2) and grads1.keys() == grads2.keys() and grads1
+    assert not [n for n in grads1 if not torch.equal(grads1[n], grads2[n])]
+
+
+def test_segment_rebuild_dequantizes_one_layer_at_a_time(checkpoints, monkeypatch):
+    """A segment of 4 QLoRA layers: each quantized module of layers 1..3 is dequantized three
+    times (forward, the rebuild's forward, backward), layer 4's twice; at no moment are two
+    layers' dequantized weights filled in (the rebuild runs before the last layer's weights are
+    filled for its backward), and none is left filled after the step."""
+    model = qlora_model(checkpoints("llama", num_hidden_layers=4), "nf4-dq", 0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt_ext.patch_llama(model, "min_memory", segment_layers=4)
+    layers = model.get_base_model().model.layers
+    layer_of = {id(m): i for i, layer in enumerate(layers) for m in layer.modules()
+                if quantized.is_quantized_base(m)}
+    counts, filled, most, holders = {}, {}, [0], []
+    dequantize = quantized.dequantize
+
+    def counting(module, dtype):
+        counts[id(module)] = counts.get(id(module), 0) + 1
+        return dequantize(module, dtype)
+    fill, free = quantized.Transient.fill, quantized.Transient.free
+
+    def filling(self):
+        fill(self)
+        idx = {layer_of[id(getattr(p, "_ckpt_ext_dequantize")[0])] for p in self.holders}
+        assert len(idx) == 1
+        filled[id(self)] = idx.pop()
+        holders.extend(self.holders)
+        # the layers whose placeholders hold a dequantized weight now
+        live = {layer_of[id(getattr(p, "_ckpt_ext_dequantize")[0])] for p in holders
+                if p.numel()}
+        most[0] = max(most[0], len(live), len(set(filled.values())))
+
+    def freeing(self):
+        free(self)
+        filled.pop(id(self), None)
+    monkeypatch.setattr(quantized, "dequantize", counting)
+    monkeypatch.setattr(quantized.Transient, "fill", filling)
+    monkeypatch.setattr(quantized.Transient, "free", freeing)
+    ids, mask, labels = make_batch(pad=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    assert sorted(counts.values()) == [1] * 28 and not filled
+    loss.backward()
+    per_layer = [sorted(n for m, n in counts.items() if layer_of[m] == i) for i in range(4)]
+    assert per_layer == [[3] * 7] * 3 + [[2] * 7]
+    assert most[0] == 1 and not filled
+    assert holders and all(p.numel() == 0 for p in holders)
+
+
+def test_segment_step_peak_holds_one_layers_dequantized_weights(checkpoints):
+    """The CPU allocator's peak of a min_memory QLoRA step with segments of 2 exceeds k = 1's by
+    the rebuilt input and the rebuild's working set (measured: 3.3 layer inputs), less than a
+    quarter of one layer's dequantized weights; a rebuild run while the last layer's weights
+    are filled for its backward (two layers' at once) measured half of them above k = 1."""
+    ids, mask, labels = make_batch(pad=True)
+    model = qlora_model(checkpoints("llama", num_hidden_layers=4, intermediate_size=512),
+                        "nf4-dq")
+    layer = model.get_base_model().model.layers[0]
+    per_layer = 4 * sum(m.in_features * m.out_features for m in layer.modules()
+                        if quantized.is_quantized_base(m))
+    peaks = {}
+    for k in (1, 2):
+        fused = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.patch_llama(fused, "min_memory", segment_layers=k)
+
+        def step():
+            fused(input_ids=ids, attention_mask=mask, labels=labels,
+                  use_cache=False).loss.backward()
+        peaks[k] = ckpt_ext.peak_memory_bytes(step)
+    x_bytes = 4 * ids.numel() * model.config.hidden_size
+    print(f"  peaks {peaks}, one layer input {x_bytes}, one layer's dequantized {per_layer}")
+    assert peaks[2] - peaks[1] < per_layer / 4
 
 
 # ---- the plan (ckpt_ext.plan, weights="qlora") against the CPU allocator ------------------------

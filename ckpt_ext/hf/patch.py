@@ -1008,7 +1008,7 @@ class _PatchedForward:
             # segment (segment_layers > 1), which keeps its input only if it is the first
             out = _segments.call(chain, self.shared.offloader, decoder_layer, x,
                                  [*weights, cos, sin, masks.key_padding_mask,
-                                  masks.segment_ids, seed], options)
+                                  masks.segment_ids, seed], options, transient)
         transient.attach(out)
         if router_stats:
             y, stats = out
@@ -1088,11 +1088,6 @@ def _check_segments(k: int, presets: List[str], layers, config, sequence_paralle
     if config.model_type in _SEGMENTS_REFUSED:
         raise PatchRefused(f"{head}: {_SEGMENTS_REFUSED[config.model_type]}; "
                            f"{_SEGMENTS_INSTEAD}")
-    for idx, layer in enumerate(layers):
-        if any(quantized.is_quantized_base(m) for m in layer.modules()):
-            raise PatchRefused(f"{head}: decoder layer {idx} has bitsandbytes projections "
-                               "(QLoRA), whose dequantized weights a rebuild would need "
-                               f"again: not built; {_SEGMENTS_INSTEAD}")
     problem = _sharding_problem(layers)
     if problem:
         raise PatchRefused(f"{head}: {problem}, which a segment's rebuild (layer forwards "
@@ -1197,10 +1192,11 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     bit (on the CPU). A layer whose input is not the previous fused layer's output (it ran
     HF's forward, or the model did something in between) starts a new segment. With
     ``sequence_parallel`` the rebuild runs the layers' exchanges on every rank in the same
-    order. Not built with k > 1 (PatchRefused naming what to use): ``policy="auto"`` and
-    presets other than the fused ones, DeepSpeed ZeRO-3, FSDP / DTensor parameters,
-    bitsandbytes (QLoRA) layers and Qwen3-VL; a forward under ``torch.compile`` or in
-    DeepSpeed Ulysses' group raises NotImplementedError.
+    order; with bitsandbytes (QLoRA) projections the rebuild dequantizes each layer's weights
+    again for its forward and frees them after it (one layer's at a time). Not built with
+    k > 1 (PatchRefused naming what to use): ``policy="auto"`` and presets other than the fused
+    ones, DeepSpeed ZeRO-3, FSDP / DTensor parameters and Qwen3-VL; a forward under
+    ``torch.compile`` or in DeepSpeed Ulysses' group raises NotImplementedError.
 
     The fused layers' token chunks: unless ``chunk_bytes`` is pinned
     (``CKPT_EXT_CHUNK_BYTES``, or ``ckpt_ext.config.patch`` / ``update``), at each training
