@@ -558,9 +558,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "'auto' chooses among these presets and HF's own layer ('none') by the time model")
     print()
     args.segments = _resolve_segments(args, layers, V, B, S, dtype)
-    if args.segments > 1 and args.weights == "qlora":
-        print("note: patch_llama refuses segment_layers > 1 with bitsandbytes (QLoRA) layers "
-              "today; the segment rows below plan a combination that is not built")
     _print_steps(args, layers, V, B, S, dtype)
     if args.offload:
         print()
