@@ -71,6 +71,26 @@ Layer make_layer(const c10::List<OptTensor>& weights, const LayerTensors& tensor
   return L;
 }
 
+// Adapter factor `part` (kLoraA / kLoraB) of projection p as the layer's ops read it: in the
+// compute dtype under autocast (Layer::cast), then, where `wide` (the SwiGLU ops, whose LoRA
+// dtype is float32 for a half-precision base), widened to float32 (exact). Converted once per
+// call, not once per token chunk: kept in L.factor_cache (a factor needing no conversion is
+// itself). A slot is always read with the same `wide` (the MLP's factors wide, the attention's
+// not).
+at::Tensor lora_factor(const Layer& L, Proj p, ProjPart part, bool wide = false) {
+  const at::Tensor& f = L.proj(p, part);
+  const bool cast = L.compute_dtype && f.scalar_type() != *L.compute_dtype;
+  const at::ScalarType dt = cast ? *L.compute_dtype : f.scalar_type();
+  const bool widen = wide && c10::elementSize(dt) < 4;
+  if (!cast && !widen) return f;
+  at::Tensor& c = L.factor_cache[slot(p, part)];
+  const at::ScalarType want = widen ? at::kFloat : dt;
+  if (!c.defined()) c = (cast ? f.to(dt) : f).to(want);
+  TORCH_INTERNAL_ASSERT(c.scalar_type() == want, "decoder_layer: adapter factor ",
+                        slot_name(slot(p, part)), " read in two dtypes");
+  return c;
+}
+
 // The adapter's input of projection p, dropout applied (inp in the LoRA dtype); row0: the
 // global token row of inp's first row (masks hash global rows, so chunks change none).
 at::Tensor lora_input(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0) {
@@ -427,9 +447,10 @@ at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0)
   if (L.has_lora(p)) {
     const at::ScalarType ld = L.lora_dtype(p);
     const at::Tensor u =
-        at::linear(lora_input(L, p, inp.to(ld), row0), L.proj(p, kLoraA).to(ld));
+        at::linear(lora_input(L, p, inp.to(ld), row0), lora_factor(L, p, kLoraA).to(ld));
     const at::Tensor y2 = y.view({-1, y.size(-1)});
-    add_product(y2, u.view({-1, u.size(-1)}), L.proj(p, kLoraB).to(ld).t(), L.lora_scale(p));
+    add_product(y2, u.view({-1, u.size(-1)}), lora_factor(L, p, kLoraB).to(ld).t(),
+                L.lora_scale(p));
   }
   return y;
 }
@@ -497,7 +518,7 @@ at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Ten
   if (L.has_lora(p)) {
     const double s = L.lora_scale(p);
     const at::ScalarType ld = L.lora_dtype(p);
-    const at::Tensor a = L.proj(p, kLoraA).to(ld), b = L.proj(p, kLoraB).to(ld);
+    const at::Tensor a = lora_factor(L, p, kLoraA).to(ld), b = lora_factor(L, p, kLoraB).to(ld);
     const at::Tensor dyl = dy2.to(ld), inpl = lora_input(L, p, inp2.to(ld), row0);
     const at::Tensor dyb = dyl.mm(b);  // (T, r)
     // dropout is linear and its own adjoint: the input's gradient gets the forward's mask;
@@ -592,7 +613,9 @@ at::Tensor mlp_input(const at::Tensor& h, const Layer& L) {
 }
 
 // The SwiGLU ops' adapter arguments: [A_gate, B_gate, A_up, B_up, A_down, B_down] (cast to
-// the compute dtype under autocast, their own dtype otherwise), the three factors, and the
+// the compute dtype under autocast, then widened to float32 where half precision: the ops'
+// LoRA dtype, converted once per call by lora_factor; the adapter gradients then come back
+// float32 and are rounded once, at the end), the three factors, and the
 // dropout probabilities with the seed (the ops number gate/up/down 4/5/6, as the layer does).
 constexpr std::array<Proj, 3> kMlpProjs = {kGate, kUp, kDown};
 
@@ -608,7 +631,8 @@ MlpLora mlp_lora(const Layer& L) {
   if (!L.mlp_has_lora()) return l;
   bool any_dropout = false;
   for (Proj p : kMlpProjs) {
-    for (ProjPart part : {kLoraA, kLoraB}) l.lora.push_back(L.cast_opt(L.proj(p, part)));
+    for (ProjPart part : {kLoraA, kLoraB})
+      l.lora.push_back(L.has_lora(p) ? OptTensor(lora_factor(L, p, part, true)) : std::nullopt);
     l.scaling.push_back(L.lora_scale(p));
     l.dropout.push_back(L.dropout_p(p));
     if (!L.lora_streams.empty()) l.streams.push_back(L.stream(p));
@@ -840,7 +864,8 @@ at::Tensor mlp_down_from_gate_up(const Layer& L, const at::Tensor& gate, const a
                                       parse_activation(L.activation, "decoder_layer"));
   at::Tensor y = at::linear(h, L.cast(L.proj(kDown)), L.cast_opt(L.proj(kDown, kBias)));
   if (L.has_lora(kDown)) {
-    const at::Tensor a = L.cast(L.proj(kDown, kLoraA)), b = L.cast(L.proj(kDown, kLoraB));
+    const at::Tensor a = lora_factor(L, kDown, kLoraA, true);
+    const at::Tensor b = lora_factor(L, kDown, kLoraB, true);
     const at::ScalarType ld = at::promote_types(cdt, checks::compute_dtype(a.scalar_type()));
     const at::Tensor u = lora_input(L, kDown, h.to(ld), row0).mm(a.to(ld).t());  // (T, r)
     y.add_(u.mm(b.to(ld).t()).mul_(L.lora_scale(kDown)));
