@@ -52,6 +52,7 @@ from .._checks import (LORA_SUM_NAMES, _check_dropout_streams, _check_row_offset
                        _check_swiglu_bwd, _check_swiglu_fwd)
 from .dropout import dropout_key, dropout_threshold, keep_mask
 from .dropout import lora_dropout as _lora_dropout
+from .dropout import lora_dropout_pair as _lora_dropout_pair
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,11 +660,25 @@ def _adapter_input(t, drop):
     return t if drop is None else _lora_dropout(t, drop.seed, drop.stream, drop.p, drop.row0)
 
 
+def _two_masks(drops):
+    """Whether gate and up both have dropout, with masks of their own (one launch does both,
+    _lora_dropout_pair)."""
+    return (drops[0] is not None and drops[1] is not None and not _same_mask(drops[1], drops[0])
+            and drops[0].row0 == drops[1].row0)
+
+
+def _pair_args(drops):
+    return (drops[0].seed, (drops[0].stream, drops[1].stream), (drops[0].p, drops[1].p),
+            drops[0].row0)
+
+
 def _adapter_inputs(x, adapters, drops):
     """The gate/up adapters' fp32 inputs x' (None for an absent adapter): an adapter with
     dropout reads x and writes its x' in one pass (no fp32 copy of x first: the same bits as
-    dropout of x.float()); those without share one fp32 copy of x, and two with the same mask
-    one x' (the same tensor)."""
+    dropout of x.float()), two with masks of their own both in one launch; those without
+    share one fp32 copy of x, and two with the same mask one x' (the same tensor)."""
+    if all(a is not None for a in adapters) and _two_masks(drops):
+        return list(_lora_dropout_pair(x, None, *_pair_args(drops), out_dtype=torch.float32))
     xf, out = None, []
     for a, drop in zip(adapters, drops):
         if a is None:
@@ -1082,6 +1097,10 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     if shared:
         dx_lora = _adapter_input(torch.mm(torch.cat([dxa[0] * lg[2], dxa[1] * lu[2]], 1),
                                           torch.cat(fac.a32[:2])), drop[0])
+    elif lg is not None and lu is not None and _two_masks(drop):
+        # both masks and their sum in one launch (the same bits as the loop below)
+        dx_lora = _lora_dropout_pair(_scaled_mm(dxa[0], fac.a32[0], lg[2]),
+                                     _scaled_mm(dxa[1], fac.a32[1], lu[2]), *_pair_args(drop))
     else:
         dx_lora = None
         for p, a in enumerate(gu):
