@@ -408,9 +408,10 @@ def _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, l
 
 def _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
                       lora_scaling, gate, up, needs_grad, lora_dropout, dropout_seed,
-                      activation="silu", sums=(None, None, None)):
-    """swiglu_bwd's arguments (sums: its dw_gate_sum, dw_up_sum, dw_down_sum); returns
-    (T, H, I, the 6 lora entries)."""
+                      activation="silu", sums=(None, None, None),
+                      lora_sums=(None,) * 6):
+    """swiglu_bwd's arguments (sums: its dw_gate_sum, dw_up_sum, dw_down_sum; lora_sums: its
+    lora_a_gate_sum .. lora_b_down_sum); returns (T, H, I, the 6 lora entries)."""
     T, H, I, lora = _check_swiglu_fwd(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora,
                                       lora_scaling, lora_dropout, dropout_seed, activation)
     _check_like(op, "dy", dy, "x", x, (T, H), "(T, H), the shape of x")
@@ -438,7 +439,36 @@ def _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lor
         raise ValueError(f"{op}: needs_grad must have 12 entries [w_gate, w_up, w_down, b_gate, "
                          f"b_up, b_down, A_gate, B_gate, A_up, B_up, A_down, B_down], got "
                          f"{len(needs_grad)}")
+    _check_lora_sums(op, lora_sums, lora, needs_grad, x)
     return T, H, I, lora
+
+
+_LORA_FACTORS = ("A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
+LORA_SUM_NAMES = ("lora_a_gate_sum", "lora_b_gate_sum", "lora_a_up_sum", "lora_b_up_sum",
+                  "lora_a_down_sum", "lora_b_down_sum")
+
+
+def _check_lora_sums(op, lora_sums, lora, needs_grad, x):
+    """swiglu_bwd's lora_a_gate_sum .. lora_b_down_sum (lora_sums, 6): each None or the
+    running sum of a gradient the op computes (an adapter given, its needs_grad flag set), of
+    its factor's shape, on x's device, float32 or float64."""
+    for i, t in enumerate(lora_sums):
+        if t is None:
+            continue
+        name = LORA_SUM_NAMES[i]
+        factor = lora[i] if i < len(lora) else None
+        if factor is None or not needs_grad[6 + i]:
+            raise ValueError(f"{op}: {name} is given but the op computes no gradient of "
+                             f"{_LORA_FACTORS[i]} (no adapter there, or its needs_grad flag "
+                             f"is false)")
+        if tuple(t.shape) != tuple(factor.shape):
+            raise ValueError(f"{op}: {name} must have shape {tuple(factor.shape)} the shape of "
+                             f"its factor, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise RuntimeError(f"{op}: {name} is on {t.device} but x is on {x.device}")
+        if t.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"{op}: {name} must be float32 or float64, got "
+                            f"{str(t.dtype).replace('torch.', '')}")
 
 
 def _check_lce_bwd(op, dloss, hidden, weight, bias, labels, lse, logit_scale=1.0, softcap=0.0):

@@ -88,13 +88,17 @@ def _swiglu_fwd_fake(x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_s
 def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                      gate, up, needs_grad, lora_dropout=(), dropout_seed=None,
                      dropout_row_offset=0, dropout_streams=(), activation="silu",
-                     dw_gate_sum=None, dw_up_sum=None, dw_down_sum=None, sum_beta=0.0):
+                     dw_gate_sum=None, dw_up_sum=None, dw_down_sum=None, sum_beta=0.0,
+                     lora_a_gate_sum=None, lora_b_gate_sum=None, lora_a_up_sum=None,
+                     lora_b_up_sum=None, lora_a_down_sum=None, lora_b_down_sum=None):
+    totals = [lora_a_gate_sum, lora_b_gate_sum, lora_a_up_sum, lora_b_up_sum, lora_a_down_sum,
+              lora_b_down_sum]
     _check_row_offset("swiglu_bwd", "dropout_row_offset", dropout_row_offset)
     _check_dropout_streams("swiglu_bwd", dropout_streams)
     T, H, I, lora = _check_swiglu_bwd("swiglu_bwd", dy, x, w_gate, w_up, w_down, b_gate, b_up,
                                       b_down, lora, lora_scaling, gate, up, needs_grad,
                                       lora_dropout, dropout_seed, activation,
-                                      (dw_gate_sum, dw_up_sum, dw_down_sum))
+                                      (dw_gate_sum, dw_up_sum, dw_down_sum), totals)
 
     def grad(wanted, t, shape=None, total=None):
         """A gradient of t's shape (or `shape`) and x's dtype where computed, else (0,); with
@@ -106,7 +110,8 @@ def _swiglu_bwd_fake(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lo
         return x.new_empty(t.shape if shape is None else shape)
 
     dlora = [x.new_empty((0,)) if t is None or not needs_grad[6 + i]
-             else t.new_empty(t.shape) for i, t in enumerate(lora)]
+             else (t if totals[i] is None else totals[i]).new_empty(t.shape)
+             for i, t in enumerate(lora)]
     return (x.new_empty((T, H)), grad(needs_grad[0], w_gate, total=dw_gate_sum),
             grad(needs_grad[1], w_up, total=dw_up_sum),
             grad(needs_grad[2], w_down, total=dw_down_sum), grad(needs_grad[3], b_gate),

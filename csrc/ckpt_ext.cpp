@@ -92,12 +92,18 @@ TORCH_LIBRARY(ckpt_ext, m) {
   // that gradient's place, in the sum's dtype, computed inside the GEMM (addmm, with
   // out_dtype for a float32 sum of half-precision operands on CUDA); sum_beta 0 (the first
   // chunk) ignores the sum's contents.
+  // lora_a_gate_sum .. lora_b_down_sum (the order of lora): a wanted adapter gradient's sum
+  // over token chunks (float32 or float64, the factor's shape; the fused layer's chunks): the
+  // op returns sum + d in that gradient's place, in the sum's dtype (added inside the
+  // gradient's GEMM where the adapter's products are float32, as in the Triton kernels).
   m.def("swiglu_bwd(Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, "
         "Tensor? b_gate, Tensor? b_up, Tensor? b_down, Tensor?[] lora, float[] lora_scaling, "
         "Tensor? gate, Tensor? up, bool[] needs_grad, float[] lora_dropout=[], "
         "Tensor? dropout_seed=None, int dropout_row_offset=0, int[] dropout_streams=[], "
         "str activation=\"silu\", Tensor? dw_gate_sum=None, Tensor? dw_up_sum=None, "
-        "Tensor? dw_down_sum=None, float sum_beta=0.0) -> "
+        "Tensor? dw_down_sum=None, float sum_beta=0.0, Tensor? lora_a_gate_sum=None, "
+        "Tensor? lora_b_gate_sum=None, Tensor? lora_a_up_sum=None, Tensor? lora_b_up_sum=None, "
+        "Tensor? lora_a_down_sum=None, Tensor? lora_b_down_sum=None) -> "
         "(Tensor dx, Tensor dw_gate, Tensor dw_up, Tensor dw_down, Tensor db_gate, "
         "Tensor db_up, Tensor db_down, Tensor[] dlora)");
 

@@ -78,7 +78,8 @@ inline const KernelOp<T3(Tensor, Tensor, Tensor, Tensor, const OptTensor&, const
 // (dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora) = swiglu_bwd(dy, x, w_gate,
 //     w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling, gate, up, needs_grad,
 //     lora_dropout, dropout_seed, dropout_row_offset, dropout_streams, activation,
-//     dw_gate_sum, dw_up_sum, dw_down_sum, sum_beta)
+//     dw_gate_sum, dw_up_sum, dw_down_sum, sum_beta, lora_a_gate_sum, lora_b_gate_sum,
+//     lora_a_up_sum, lora_b_up_sum, lora_a_down_sum, lora_b_down_sum)
 using SwigluGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                at::Tensor, at::Tensor, std::vector<at::Tensor>>;
 inline const KernelOp<SwigluGrads(Tensor, Tensor, Tensor, Tensor, Tensor, const OptTensor&,
@@ -87,7 +88,9 @@ inline const KernelOp<SwigluGrads(Tensor, Tensor, Tensor, Tensor, Tensor, const 
                                   const OptTensor&, const OptTensor&, const c10::List<bool>&,
                                   c10::ArrayRef<double>, const OptTensor&, int64_t,
                                   c10::ArrayRef<int64_t>, c10::string_view, const OptTensor&,
-                                  const OptTensor&, const OptTensor&, double)>
+                                  const OptTensor&, const OptTensor&, double,
+                                  const OptTensor&, const OptTensor&, const OptTensor&,
+                                  const OptTensor&, const OptTensor&, const OptTensor&)>
     swiglu_bwd{"ckpt_ext::swiglu_bwd"};
 
 // y = rms_norm_fwd(x, weight, eps); (dx, dweight) = rms_norm_bwd(dy, x, weight, eps)

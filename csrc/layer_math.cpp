@@ -71,6 +71,23 @@ Layer make_layer(const c10::List<OptTensor>& weights, const LayerTensors& tensor
   return L;
 }
 
+// Adapter factor `part` (kLoraA / kLoraB) of projection p as the layer's ops read it: in the
+// compute dtype under autocast (Layer::cast), then, where `wide` (the SwiGLU ops, whose LoRA
+// dtype is float32 for a half-precision base), widened to float32 (exact). Converted once per
+// call, not once per token chunk: kept in L.factor_cache (a factor needing no conversion is
+// itself; a call reads each slot in one dtype, and one read in another is converted as it is).
+at::Tensor lora_factor(const Layer& L, Proj p, ProjPart part, bool wide = false) {
+  const at::Tensor& f = L.proj(p, part);
+  const bool cast = L.compute_dtype && f.scalar_type() != *L.compute_dtype;
+  const at::ScalarType dt = cast ? *L.compute_dtype : f.scalar_type();
+  const bool widen = wide && c10::elementSize(dt) < 4;
+  if (!cast && !widen) return f;
+  at::Tensor& c = L.factor_cache[slot(p, part)];
+  const at::ScalarType want = widen ? at::kFloat : dt;
+  if (!c.defined()) c = (cast ? f.to(dt) : f).to(want);
+  return c.scalar_type() == want ? c : (cast ? f.to(dt) : f).to(want);
+}
+
 // The adapter's input of projection p, dropout applied (inp in the LoRA dtype); row0: the
 // global token row of inp's first row (masks hash global rows, so chunks change none).
 at::Tensor lora_input(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0) {
@@ -430,9 +447,10 @@ at::Tensor proj_fwd(const Layer& L, Proj p, const at::Tensor& inp, int64_t row0)
   if (L.has_lora(p)) {
     const at::ScalarType ld = L.lora_dtype(p);
     const at::Tensor u =
-        at::linear(lora_input(L, p, inp.to(ld), row0), L.proj(p, kLoraA).to(ld));
+        at::linear(lora_input(L, p, inp.to(ld), row0), lora_factor(L, p, kLoraA).to(ld));
     const at::Tensor y2 = y.view({-1, y.size(-1)});
-    add_product(y2, u.view({-1, u.size(-1)}), L.proj(p, kLoraB).to(ld).t(), L.lora_scale(p));
+    add_product(y2, u.view({-1, u.size(-1)}), lora_factor(L, p, kLoraB).to(ld).t(),
+                L.lora_scale(p));
   }
   return y;
 }
@@ -500,7 +518,7 @@ at::Tensor proj_bwd(const Layer& L, Proj p, const at::Tensor& dy2, const at::Ten
   if (L.has_lora(p)) {
     const double s = L.lora_scale(p);
     const at::ScalarType ld = L.lora_dtype(p);
-    const at::Tensor a = L.proj(p, kLoraA).to(ld), b = L.proj(p, kLoraB).to(ld);
+    const at::Tensor a = lora_factor(L, p, kLoraA).to(ld), b = lora_factor(L, p, kLoraB).to(ld);
     const at::Tensor dyl = dy2.to(ld), inpl = lora_input(L, p, inp2.to(ld), row0);
     const at::Tensor dyb = dyl.mm(b);  // (T, r)
     // dropout is linear and its own adjoint: the input's gradient gets the forward's mask;
@@ -595,7 +613,8 @@ at::Tensor mlp_input(const at::Tensor& h, const Layer& L) {
 }
 
 // The SwiGLU ops' adapter arguments: [A_gate, B_gate, A_up, B_up, A_down, B_down] (cast to
-// the compute dtype under autocast, their own dtype otherwise), the three factors, and the
+// the compute dtype under autocast, converted once per call by lora_factor), the three factors,
+// and the
 // dropout probabilities with the seed (the ops number gate/up/down 4/5/6, as the layer does).
 constexpr std::array<Proj, 3> kMlpProjs = {kGate, kUp, kDown};
 
@@ -606,12 +625,20 @@ struct MlpLora {
   OptTensor seed;
 };
 
-MlpLora mlp_lora(const Layer& L) {
+// For the backward (`backward`) half-precision factors are widened to float32 (the ops' LoRA
+// dtype), all six, as both backends' backward would widen them per call, i.e. per token chunk;
+// their gradients then come back float32 and are rounded once, at the end. The forward's are
+// as they are (the Triton launcher widens only the three it multiplies in torch GEMMs, and
+// an adapter's two factors must share a dtype).
+MlpLora mlp_lora(const Layer& L, bool backward) {
   MlpLora l;
   if (!L.mlp_has_lora()) return l;
   bool any_dropout = false;
   for (Proj p : kMlpProjs) {
-    for (ProjPart part : {kLoraA, kLoraB}) l.lora.push_back(L.cast_opt(L.proj(p, part)));
+    for (ProjPart part : {kLoraA, kLoraB}) {
+      l.lora.push_back(L.has_lora(p) ? OptTensor(lora_factor(L, p, part, backward))
+                                     : std::nullopt);
+    }
     l.scaling.push_back(L.lora_scale(p));
     l.dropout.push_back(L.dropout_p(p));
     if (!L.lora_streams.empty()) l.streams.push_back(L.stream(p));
@@ -791,7 +818,7 @@ Residuals mlp_rows(const Residuals& r, int64_t t0, int64_t n) {
 
 at::Tensor mlp_forward(const at::Tensor& h, const Layer& L, bool keep_gate_up, Residuals& r,
                        int64_t row0) {
-  const MlpLora l = mlp_lora(L);
+  const MlpLora l = mlp_lora(L, false);
   keep_gate_up = keep_gate_up && !L.moe();
   const at::Tensor h2 = flat2(h);
   const int64_t T = h2.size(0);
@@ -844,7 +871,8 @@ at::Tensor mlp_down_from_gate_up(const Layer& L, const at::Tensor& gate, const a
                                       parse_activation(L.activation, "decoder_layer"));
   at::Tensor y = at::linear(h, L.cast(L.proj(kDown)), L.cast_opt(L.proj(kDown, kBias)));
   if (L.has_lora(kDown)) {
-    const at::Tensor a = L.cast(L.proj(kDown, kLoraA)), b = L.cast(L.proj(kDown, kLoraB));
+    const at::Tensor a = lora_factor(L, kDown, kLoraA, true);
+    const at::Tensor b = lora_factor(L, kDown, kLoraB, true);
     const at::ScalarType ld = at::promote_types(cdt, checks::compute_dtype(a.scalar_type()));
     const at::Tensor u = lora_input(L, kDown, h.to(ld), row0).mm(a.to(ld).t());  // (T, r)
     y.add_(u.mm(b.to(ld).t()).mul_(L.lora_scale(kDown)));
@@ -884,6 +912,22 @@ std::tuple<std::array<OptTensor, 3>, double> mlp_weight_sums(const Layer& L, con
   return {sums, first ? 0.0 : 1.0};
 }
 
+// The MLP adapters' gradient sums that swiglu_bwd adds a chunk's gradients to (its
+// lora_a_gate_sum .. lora_b_down_sum: it returns sum + d, which becomes g's sum; inside the
+// adapter's GEMM in the Triton kernels): g's sums of the earlier chunks, float32 (float64) as
+// the ops return them (the factors are widened, lora_factor); nullopt where there is none yet
+// (the first chunk), so that the op's own result starts the sum (Grads::add).
+std::array<OptTensor, 6> mlp_lora_sums(const Layer& L, const std::vector<int64_t>& order,
+                                       const std::vector<bool>& needs, const Grads& g) {
+  std::array<OptTensor, 6> sums;
+  for (size_t k = 0; k < sums.size(); ++k) {
+    const int64_t s = order[6 + k];
+    const at::Tensor& acc = g.dw[s];
+    if (needs[s] && L.at(s).defined() && acc.defined() && acc.element_size() >= 4) sums[k] = acc;
+  }
+  return sums;
+}
+
 // Backward of mlp_forward over the same token chunks: per chunk the norm is recomputed, the
 // SwiGLU backward runs (its (rows, I) work one chunk at a time; fast reads its saved gate/up
 // rows), and the chunk's dx rows are written in place; weight, bias, adapter and norm
@@ -899,7 +943,7 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
     for (ProjPart part : {kLoraA, kLoraB}) order.push_back(slot(p, part));
   c10::List<bool> wanted;
   for (int64_t s : order) wanted.push_back(needs[s]);
-  const MlpLora l = mlp_lora(L);
+  const MlpLora l = mlp_lora(L, true);
   const at::Tensor h2 = flat2(h), dy2 = flat2(dy);
   const int64_t T = h2.size(0);
   const int64_t rows = mlp_chunk_rows(L, h);
@@ -957,16 +1001,20 @@ at::Tensor mlp_backward(const at::Tensor& dy, const at::Tensor& h, const Layer& 
       }
     }
     const auto [sums, sum_beta] = mlp_weight_sums(L, m, needs, g);
+    const std::array<OptTensor, 6> lora_sums = mlp_lora_sums(L, order, needs, g);
     auto [dm2, dwg, dwu, dwd, dbg, dbu, dbd, dlora] = kernel::swiglu_bwd(
         dmlp, m, L.cast(L.proj(kGate)), L.cast(L.proj(kUp)), L.cast(L.proj(kDown)),
         L.cast_opt(L.proj(kGate, kBias)), L.cast_opt(L.proj(kUp, kBias)),
         L.cast_opt(L.proj(kDown, kBias)), l.lora, l.scaling, gate, up, wanted, l.dropout, l.seed,
-        row0 + t0, l.streams, L.activation, sums[0], sums[1], sums[2], sum_beta);
+        row0 + t0, l.streams, L.activation, sums[0], sums[1], sums[2], sum_beta,
+        lora_sums[0], lora_sums[1], lora_sums[2], lora_sums[3], lora_sums[4], lora_sums[5]);
     const std::array<at::Tensor*, 6> base = {&dwg, &dwu, &dwd, &dbg, &dbu, &dbd};
     for (size_t j = 0; j < order.size(); ++j) {
       if (!needs[order[j]]) continue;
+      const size_t k = j - base.size();  // the adapter entry, for j >= 6
       if (j < 3 && sums[j]) g.dw[order[j]] = *base[j];  // the new sum, from inside the GEMM
-      else g.add(order[j], j < base.size() ? *base[j] : dlora[j - base.size()]);
+      else if (j >= base.size() && lora_sums[k]) g.dw[order[j]] = dlora[k];
+      else g.add(order[j], j < base.size() ? *base[j] : dlora[k]);
     }
     if (dm_moe.defined()) dm2 = dm2 + dm_moe.view(dm2.sizes());
     const at::Tensor dhn = norm_bwd(L, kPostNorm, dm2, hc, needs, g);

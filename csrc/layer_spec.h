@@ -427,6 +427,9 @@ struct Layer : LayerTensors, LayerOptions {
   // names): num_kv_heads = num_heads; scale = 1 / sqrt(head_dim), 1 without a q projection.
   int64_t num_kv_heads;
   double scale;
+  // The adapter factors converted for the ops, by slot, once per call (layer_math.cpp's
+  // lora_factor): the token chunks of a call share them.
+  mutable std::vector<at::Tensor> factor_cache = std::vector<at::Tensor>(kNumSlots);
 
   const at::Tensor& at(int64_t s) const { return w[s]; }
   const at::Tensor& norm(Norm n) const { return w[slot(n)]; }

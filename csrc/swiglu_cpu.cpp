@@ -296,7 +296,12 @@ struct LoraSum {
       sum = at::mm(a.t(), b);
     }
   }
-  at::Tensor result(at::IntArrayRef shape, const Adapter& A, const at::Tensor& x) const {
+  // total: the gradient's sum over the caller's earlier token chunks (lora_sums): then
+  // total + s sum in total's dtype.
+  at::Tensor result(at::IntArrayRef shape, const Adapter& A, const at::Tensor& x,
+                    const std::optional<at::Tensor>& total) const {
+    if (total) return sum.defined() ? at::add(*total, sum.to(total->scalar_type()), A.s)
+                                    : total->clone();
     const auto opts = x.options().dtype(A.own);
     return sum.defined() ? sum.mul(A.s).to(A.own) : at::zeros(shape, opts);
   }
@@ -318,6 +323,35 @@ void check_grad_sum(const char* op, const char* name, const std::optional<at::Te
                   checks::dtype_str(sum->scalar_type()));
 }
 
+constexpr const char* kLoraSumNames[6] = {"lora_a_gate_sum", "lora_b_gate_sum",
+                                          "lora_a_up_sum",   "lora_b_up_sum",
+                                          "lora_a_down_sum", "lora_b_down_sum"};
+
+// swiglu_bwd's lora_a_gate_sum .. lora_b_down_sum: each absent or the running sum of a
+// gradient the op computes (an adapter given, its needs_grad flag set), of its factor's shape,
+// on x's device, float32 or float64. Returns the 6 (absent ones nullopt).
+std::array<std::optional<at::Tensor>, 6> check_lora_sums(
+    const char* op, const std::array<const std::optional<at::Tensor>*, 6>& sums,
+    const c10::List<std::optional<at::Tensor>>& lora, const bool* n_la, const bool* n_lb,
+    const at::Tensor& x) {
+  std::array<std::optional<at::Tensor>, 6> out;
+  for (int i = 0; i < 6; ++i) {
+    const std::optional<at::Tensor>& t = *sums[i];
+    if (checks::absent(t)) continue;
+    const std::string name = kLoraSumNames[i];
+    CKPT_CHECK_VALUE((i % 2 == 0 ? n_la : n_lb)[i / 2], op, name,
+                     " is given but the op computes no gradient of ", kLoraNames[i],
+                     " (no adapter there, or its needs_grad flag is false)");
+    const at::Tensor& f = *lora.get(i);
+    checks::check_shape(op, name.c_str(), *t, f.sizes(), "the shape of its factor");
+    checks::check_device_as(op, name.c_str(), *t, "x", x);
+    CKPT_CHECK_TYPE(t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble, op, name,
+                    " must be float32 or float64, got ", checks::dtype_str(t->scalar_type()));
+    out[i] = *t;
+  }
+  return out;
+}
+
 SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w_gate,
                            const at::Tensor& w_up, const at::Tensor& w_down,
                            const std::optional<at::Tensor>& b_gate,
@@ -335,7 +369,13 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
                            c10::string_view activation,
                            const std::optional<at::Tensor>& dw_gate_sum,
                            const std::optional<at::Tensor>& dw_up_sum,
-                           const std::optional<at::Tensor>& dw_down_sum, double sum_beta) {
+                           const std::optional<at::Tensor>& dw_down_sum, double sum_beta,
+                           const std::optional<at::Tensor>& lora_a_gate_sum,
+                           const std::optional<at::Tensor>& lora_b_gate_sum,
+                           const std::optional<at::Tensor>& lora_a_up_sum,
+                           const std::optional<at::Tensor>& lora_b_up_sum,
+                           const std::optional<at::Tensor>& lora_a_down_sum,
+                           const std::optional<at::Tensor>& lora_b_down_sum) {
   const char* op = "swiglu_bwd";
   const SwigluDims d = check_swiglu(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
   const Activation act = parse_activation(activation, op);
@@ -369,6 +409,10 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
     n_lb[p] = ad[p].on && needs_grad.get(7 + 2 * p);
   }
   const Adapter &G = ad[kLGate], &U = ad[kLUp], &D = ad[kLDown];
+  const auto totals = check_lora_sums(op,
+                                      {&lora_a_gate_sum, &lora_b_gate_sum, &lora_a_up_sum,
+                                       &lora_b_up_sum, &lora_a_down_sum, &lora_b_down_sum},
+                                      lora, n_la, n_lb, x);
 
   const at::ScalarType dt = x.scalar_type(), cdt = checks::compute_dtype(dt);
   const auto acc_opts = x.options().dtype(cdt);
@@ -455,8 +499,10 @@ SwigluGrads swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& x, const at::
   const int64_t ins[3] = {d.H, d.H, d.I}, outs[3] = {d.I, d.I, d.H};
   for (int p = 0; p < 3; ++p) {
     const int64_t r = ad[p].on ? ad[p].a.size(0) : 0;
-    dlora[2 * p] = n_la[p] ? dla[p].result({r, ins[p]}, ad[p], x) : x.new_empty({0});
-    dlora[2 * p + 1] = n_lb[p] ? dlb[p].result({outs[p], r}, ad[p], x) : x.new_empty({0});
+    dlora[2 * p] =
+        n_la[p] ? dla[p].result({r, ins[p]}, ad[p], x, totals[2 * p]) : x.new_empty({0});
+    dlora[2 * p + 1] = n_lb[p] ? dlb[p].result({outs[p], r}, ad[p], x, totals[2 * p + 1])
+                               : x.new_empty({0});
   }
   // A weight gradient with a sum given comes back as sum_beta * sum + dw in the sum's dtype
   // (the CPU has no float32-out GEMM for half-precision operands: the product, then the add).

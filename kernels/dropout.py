@@ -85,6 +85,64 @@ def _lora_dropout_kernel(x_ptr, out_ptr, rows, cols, key, threshold, inv, row0,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit(do_not_specialize=["key_a", "threshold_a", "key_b", "threshold_b", "row0"])
+def _lora_dropout_pair_kernel(a_ptr, b_ptr, out_a_ptr, out_b_ptr, rows, cols, key_a,
+                              threshold_a, inv_a, key_b, threshold_b, inv_b, row0,
+                              SUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    inside = (offs_r < rows) & (offs_c < cols)
+    offs = offs_r.to(tl.int64) * cols + offs_c
+    a = tl.load(a_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    ya = tl.where(keep_mask(key_a, threshold_a, offs_r + row0, offs_c), a * inv_a, 0.0)
+    if SUM:
+        b = tl.load(b_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        yb = tl.where(keep_mask(key_b, threshold_b, offs_r + row0, offs_c), b * inv_b, 0.0)
+        tl.store(out_a_ptr + offs, (ya + yb).to(out_a_ptr.dtype.element_ty), mask=inside)
+    else:
+        yb = tl.where(keep_mask(key_b, threshold_b, offs_r + row0, offs_c), a * inv_b, 0.0)
+        tl.store(out_a_ptr + offs, ya.to(out_a_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_b_ptr + offs, yb.to(out_b_ptr.dtype.element_ty), mask=inside)
+
+
+def lora_dropout_pair(a, b, seed, streams, ps, row_offset=0, out_dtype=None):
+    """Two adapters' dropouts (stream ``streams[i]``, probability ``ps[i]`` > 0, one seed and
+    row offset) in one launch, for the SwiGLU launchers (a launcher helper, not an op):
+    with ``b`` None, ``(lora_dropout(a, .., streams[0], ps[0]), lora_dropout(a, .., streams[1],
+    ps[1]))``, a read once; else ``lora_dropout(a, .., streams[0], ps[0]) + lora_dropout(b, ..,
+    streams[1], ps[1])`` for a and b of one shape, the two float32 products added in float32,
+    as adding the two dropouts' float32 results (the same bits). ``out_dtype``: as
+    ``lora_dropout``'s (a's dtype by default)."""
+    op = "lora_dropout_pair"
+    for name, t in (("a", a), ("b", b)):
+        if t is not None:
+            _check_floating(op, name, t)
+            _launch.check_operands(op, (name, t), uses_dot=False)
+    if b is not None and b.shape != a.shape:
+        raise ValueError(f"{op}: b must have the shape of a {tuple(a.shape)}, got "
+                         f"{tuple(b.shape)}")
+    for p in ps:
+        _check_probability(op, "p", p)
+    _check_row_offset(op, "row_offset", row_offset)
+    value = read_seed(op, "seed", seed)
+    keys = [dropout_key(value, s) for s in streams]
+    src_a = a.contiguous()
+    src_b = b.contiguous() if b is not None else src_a
+    out_a = torch.empty_like(src_a, dtype=out_dtype)
+    out_b = torch.empty_like(src_a, dtype=out_dtype) if b is None else out_a
+    if src_a.numel() > 0:
+        cols = src_a.shape[-1] if src_a.dim() else 1
+        rows = src_a.numel() // cols
+        block_r, block_c = 16, min(triton.next_power_of_2(cols), 256)
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        with _launch.on_device(a.device):
+            _lora_dropout_pair_kernel[grid](
+                src_a, src_b, out_a, out_b, rows, cols, keys[0], dropout_threshold(ps[0]),
+                1.0 / (1.0 - ps[0]), keys[1], dropout_threshold(ps[1]), 1.0 / (1.0 - ps[1]),
+                row_offset, SUM=b is not None, BLOCK_R=block_r, BLOCK_C=block_c)
+    return out_a if b is not None else (out_a, out_b)
+
+
 def lora_dropout(x, seed, stream, p, row_offset=0, out_dtype=None):
     """The ``lora_dropout`` op on a CUDA tensor (or a CPU one under the interpreter); x's
     rows are rows ``row_offset``.. of a larger tensor. ``out_dtype`` (the launchers' own

@@ -48,10 +48,11 @@ import triton.language as tl
 
 from .. import config as _config
 from . import _launch
-from .._checks import (_check_dropout_streams, _check_row_offset, _check_swiglu_bwd,
-                       _check_swiglu_fwd)
+from .._checks import (LORA_SUM_NAMES, _check_dropout_streams, _check_row_offset,
+                       _check_swiglu_bwd, _check_swiglu_fwd)
 from .dropout import dropout_key, dropout_threshold, keep_mask
 from .dropout import lora_dropout as _lora_dropout
+from .dropout import lora_dropout_pair as _lora_dropout_pair
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,11 +660,25 @@ def _adapter_input(t, drop):
     return t if drop is None else _lora_dropout(t, drop.seed, drop.stream, drop.p, drop.row0)
 
 
+def _two_masks(drops):
+    """Whether gate and up both have dropout, with masks of their own (one launch does both,
+    _lora_dropout_pair)."""
+    return (drops[0] is not None and drops[1] is not None and not _same_mask(drops[1], drops[0])
+            and drops[0].row0 == drops[1].row0)
+
+
+def _pair_args(drops):
+    return (drops[0].seed, (drops[0].stream, drops[1].stream), (drops[0].p, drops[1].p),
+            drops[0].row0)
+
+
 def _adapter_inputs(x, adapters, drops):
     """The gate/up adapters' fp32 inputs x' (None for an absent adapter): an adapter with
     dropout reads x and writes its x' in one pass (no fp32 copy of x first: the same bits as
-    dropout of x.float()); those without share one fp32 copy of x, and two with the same mask
-    one x' (the same tensor)."""
+    dropout of x.float()), two with masks of their own both in one launch; those without
+    share one fp32 copy of x, and two with the same mask one x' (the same tensor)."""
+    if all(a is not None for a in adapters) and _two_masks(drops):
+        return list(_lora_dropout_pair(x, None, *_pair_args(drops), out_dtype=torch.float32))
     xf, out = None, []
     for a, drop in zip(adapters, drops):
         if a is None:
@@ -734,35 +749,53 @@ def _down_dropout_args(drop):
 _RANK_CHUNK_BYTES = 64 << 20
 
 
-def _rank_products(dz, bf, xa, need_db, scale):
+def _sum_mm(total, a, b, alpha):
+    """alpha a b, or total + alpha a b (a gradient's sum over the caller's token chunks,
+    swiglu_bwd's lora_sums) inside the GEMM (addmm, beta 1), a new tensor either way."""
+    if total is None:
+        return _scaled_mm(a, b, alpha)
+    return torch.addmm(total, a, b, alpha=alpha)
+
+
+def _row_sum(acc, total, a, b, alpha):
+    """A rank-r gradient summed over row chunks: the first chunk's alpha a b (plus total, the
+    caller's sum, where given), later chunks added in place, inside the GEMMs."""
+    return _sum_mm(total, a, b, alpha) if acc is None else acc.addmm_(a, b, alpha=alpha)
+
+
+def _rank_products(dz, bf, xa, need_db, scale, total=None):
     """One gate/up adapter's gradient pieces from dz = dgate or dup (T, I) as written, in x's
     dtype: (dz B (T, r), scale dz^T xa (I, r) when need_db else None), both fp32 from fp32 row
     chunks of dz (bf the adapter's (I, r) lora_B weight in fp32; xa = x' A^T (T, r) fp32); the
-    row chunks' sum and the scaling inside the GEMMs (addmm, beta 0 for the first)."""
+    row chunks' sum, the scaling and the caller's sum ``total`` (None or fp32 (I, r), added)
+    inside the GEMMs."""
     T, I = dz.shape
     dxa = dz.new_empty((T, bf.shape[1]), dtype=torch.float32)
-    db = dz.new_empty((I, bf.shape[1]), dtype=torch.float32) if need_db else None
+    db = None
     if need_db and T == 0:
-        db.zero_()
+        db = total.clone() if total is not None else dz.new_zeros((I, bf.shape[1]),
+                                                                   dtype=torch.float32)
     rows = max(1, _RANK_CHUNK_BYTES // (4 * max(I, 1)))
     for t0 in range(0, T, rows):
         z = dz[t0:t0 + rows].float()
         torch.mm(z, bf, out=dxa[t0:t0 + rows])
         if need_db:
-            db.addmm_(z.t(), xa[t0:t0 + rows], beta=0.0 if t0 == 0 else 1.0, alpha=scale)
+            db = _row_sum(db, total, z.t(), xa[t0:t0 + rows], scale)
     return dxa, db
 
 
-def _down_pieces(h, drop, af, dyb, need_da, need_ha, scale):
+def _down_pieces(h, drop, af, dyb, need_da, need_ha, scale, total=None):
     """The down adapter's gradient pieces from h (T, I), the product the kernel rounded (and
     stored) in x's dtype: (scale dyb^T h' (r, I) when need_da, h' A_down^T (T, r) when
     need_ha), fp32 (else None), h' = h with the adapter's dropout (drop, None without), widened
     in fp32 row chunks of at most 64 MiB (the dropout's rows are the global ones); af: A_down
-    (r, I) in fp32; the row chunks' sum and the scaling inside the GEMMs."""
+    (r, I) in fp32; the row chunks' sum, the scaling and the caller's sum ``total`` (None or
+    fp32 (r, I), added to the first) inside the GEMMs."""
     T, I = h.shape
-    dlad = h.new_empty(af.shape, dtype=torch.float32) if need_da else None
+    dlad = None
     if need_da and T == 0:
-        dlad.zero_()
+        dlad = total.clone() if total is not None else h.new_zeros(af.shape,
+                                                                    dtype=torch.float32)
     ha = h.new_empty((T, af.shape[0]), dtype=torch.float32) if need_ha else None
     rows = max(1, _RANK_CHUNK_BYTES // (4 * max(I, 1)))
     for t0 in range(0, T, rows):
@@ -773,7 +806,7 @@ def _down_pieces(h, drop, af, dyb, need_da, need_ha, scale):
         if need_ha:
             torch.mm(z, af.t(), out=ha[t0:t0 + rows])
         if need_da:
-            dlad.addmm_(dyb[t0:t0 + rows].t(), z, beta=0.0 if t0 == 0 else 1.0, alpha=scale)
+            dlad = _row_sum(dlad, total, dyb[t0:t0 + rows].t(), z, scale)
     return dlad, ha
 
 
@@ -925,7 +958,9 @@ def _weight_grad(a, b, total, beta):
 def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_scaling,
                gate, up, needs_grad, lora_dropout=(), dropout_seed=None, dropout_row_offset=0,
                dropout_streams=(), activation="silu", dw_gate_sum=None, dw_up_sum=None,
-               dw_down_sum=None, sum_beta=0.0):
+               dw_down_sum=None, sum_beta=0.0, lora_a_gate_sum=None, lora_b_gate_sum=None,
+               lora_a_up_sum=None, lora_b_up_sum=None, lora_a_down_sum=None,
+               lora_b_down_sum=None):
     """SwiGLU MLP backward with optional LoRA adapters.
 
     Args:
@@ -948,6 +983,9 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
             as ``sum_beta * sum + dw`` in the sum's dtype, computed inside its GEMM (sum_beta
             0: the sum's contents are ignored). A float32 sum of half-precision operands needs
             addmm's out_dtype, which ATen implements on CUDA only.
+        lora_a_gate_sum .. lora_b_down_sum (the order of lora): None, or a wanted adapter
+            gradient's sum over token chunks (float32, the factor's shape): that gradient
+            comes back as ``sum + d`` in float32, the sum added inside d's GEMM.
 
     Returns:
         (dx (T, H), dw_gate (I, H), dw_up (I, H), dw_down (H, I), db_gate (I,), db_up (I,),
@@ -963,13 +1001,16 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     carry the adapter's dropout; the low-rank part of dx (and of dh) gets the same mask.
     """
     op = "swiglu_bwd"
+    totals = [lora_a_gate_sum, lora_b_gate_sum, lora_a_up_sum, lora_b_up_sum, lora_a_down_sum,
+              lora_b_down_sum]
     _check_row_offset(op, "dropout_row_offset", dropout_row_offset)
     _check_dropout_streams(op, dropout_streams)
     T, H, I, lora = _check_swiglu_bwd(op, dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                       lora, lora_scaling, gate, up, needs_grad, lora_dropout,
                                       dropout_seed, activation,
-                                      (dw_gate_sum, dw_up_sum, dw_down_sum))
+                                      (dw_gate_sum, dw_up_sum, dw_down_sum), totals)
     ad = _adapters(op, x, lora, lora_scaling)
+    _launch.check_operands(op, ("x", x), *zip(LORA_SUM_NAMES, totals), uses_dot=False)
     drop = _dropouts(lora_dropout, dropout_seed, ad, dropout_row_offset, dropout_streams)
     recompute = _absent(gate)
     needs = [bool(n) for n in needs_grad]
@@ -1025,7 +1066,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
 
     dw_down = _weight_grad(dy.t(), h, dw_down_sum, sum_beta) if n_wd else none()   # (H, I)
     if down_pieces:
-        dlad, ha = _down_pieces(h, drop[2], fac.a32[2], dyb, n_la[2], n_lb[2], ld[2])
+        dlad, ha = _down_pieces(h, drop[2], fac.a32[2], dyb, n_la[2], n_lb[2], ld[2],
+                                totals[4])
     del h
     dx = torch.mm(dgate, w_gate)           # (T, H)
     if dx.is_cuda:
@@ -1040,7 +1082,8 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     db_down = dy.sum(0, dtype=f32).to(x.dtype) if n_bd else none()
     # The gate/up adapters' pieces: dz B (T, r) and dz^T (x' A^T) (I, r), dz = dgate, dup.
     # (the second scaled by s: dB's GEMM takes it as alpha)
-    pieces = [_rank_products(dz, fac.b32[p], xa, n_lb[p], a[2]) if a is not None else None
+    pieces = [_rank_products(dz, fac.b32[p], xa, n_lb[p], a[2], totals[2 * p + 1])
+              if a is not None else None
               for p, (a, dz, xa) in enumerate(((lg, dgate, xag), (lu, dup, xau)))]
     del dgate, dup, dh
 
@@ -1054,13 +1097,22 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     if shared:
         dx_lora = _adapter_input(torch.mm(torch.cat([dxa[0] * lg[2], dxa[1] * lu[2]], 1),
                                           torch.cat(fac.a32[:2])), drop[0])
+    elif lg is not None and lu is not None and _two_masks(drop):
+        # both masks and their sum in one launch (the same bits as the loop below)
+        dx_lora = _lora_dropout_pair(_scaled_mm(dxa[0], fac.a32[0], lg[2]),
+                                     _scaled_mm(dxa[1], fac.a32[1], lu[2]), *_pair_args(drop))
     else:
         dx_lora = None
         for p, a in enumerate(gu):
             if a is not None:
                 t = _adapter_input(_scaled_mm(dxa[p], fac.a32[p], a[2]), drop[p])
                 dx_lora = t if dx_lora is None else dx_lora.add_(t)
-    if shared and n_la[0] and n_la[1]:
+    def out(i, t, a):
+        """Adapter gradient i: added to its given sum (fp32) as it is, else in the factor's
+        dtype."""
+        return t if totals[i] is not None else t.to(a.dtype)
+
+    if shared and n_la[0] and n_la[1] and totals[0] is None and totals[2] is None:
         both = torch.mm(torch.cat(dxa, 1).t(), xd[0])                 # (r_g + r_u, H)
         r = lg[0].shape[0]
         dlora[0] = both[:r].mul_(lg[2]).to(lg[0].dtype)
@@ -1068,14 +1120,15 @@ def swiglu_bwd(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, lora, lora_sca
     else:
         for p, a in enumerate(gu):
             if n_la[p]:
-                dlora[2 * p] = _scaled_mm(dxa[p].t(), xd[p], a[2]).to(a[0].dtype)
+                da = _sum_mm(totals[2 * p], dxa[p].t(), xd[p], a[2])
+                dlora[2 * p] = out(2 * p, da, a[0])
     for p, a in enumerate(gu):
         if n_lb[p]:
-            dlora[2 * p + 1] = pieces[p][1].to(a[1].dtype)     # scaled in its GEMM
+            dlora[2 * p + 1] = out(2 * p + 1, pieces[p][1], a[1])    # scaled in its GEMM
     if dx_lora is not None:
         dx.add_(dx_lora)                                     # one rounding to x's dtype
     if n_la[2]:
-        dlora[4] = dlad.to(ld[0].dtype)                      # scaled in its GEMM
+        dlora[4] = out(4, dlad, ld[0])                       # scaled in its GEMM
     if n_lb[2]:
-        dlora[5] = _scaled_mm(dyf.t(), ha, ld[2]).to(ld[1].dtype)
+        dlora[5] = out(5, _sum_mm(totals[5], dyf.t(), ha, ld[2]), ld[1])
     return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, dlora

@@ -9,6 +9,8 @@ chunked step on the CPU (float32: in the GEMM; bfloat16: a separate add); and on
 on the CPU, with the reason) that the installed torch takes a float32 out with bfloat16
 operands, that a chunked bf16 step has no weight-sized add and meets the accuracy rule
 against float64."""
+import contextlib
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -123,9 +125,10 @@ def test_cpu_float32_chunks_sum_inside_the_gemm(preset):
 @needs_interpreter
 def test_triton_float32_chunks_sum_inside_the_gemms():
     """The Triton launchers (interpreter, float32), 4 chunks: no add of a weight-sized tensor
-    for the attention projections' weights and factors, nor for the MLP's weights (summed
-    inside the SwiGLU launcher's GEMMs); the MLP adapters get their own rank, so that shapes
-    name slots. The gradients match the one-chunk step's to float32 rounding."""
+    for the attention projections' weights and factors, nor for the MLP's weights and factors
+    (summed inside the SwiGLU launcher's GEMMs: dw_*_sum, lora_sums); the MLP adapters get
+    their own rank, so that shapes name slots. The gradients match the one-chunk step's to
+    float32 rounding."""
     from ckpt_ext._backend import use_triton
     x, weights, pe, dy, kw = layer_case(torch.float32, "cpu", 1, 52, seed=4, hidden=64)
     g = torch.Generator().manual_seed(9)
@@ -140,8 +143,7 @@ def test_triton_float32_chunks_sum_inside_the_gemms():
     finally:
         config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
     adds = weight_sized_adds(got[2], weights)
-    adds.update(weight_sized_adds(got[2], weights, ("gate_proj", "up_proj", "down_proj"),
-                                  factors=False))
+    adds.update(weight_sized_adds(got[2], weights, ("gate_proj", "up_proj", "down_proj")))
     assert adds == {}, adds
     scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
     for n in whole[1]:
@@ -260,3 +262,105 @@ def test_swiglu_bwd_refuses_bad_sums(change, exc, match):
     args = (x, x, wg, wu, wd.double(), None, None, None, [], [], None, None, [True] * 12)
     with pytest.raises(exc, match=match):
         torch.ops.ckpt_ext.swiglu_bwd(*args, **change)
+
+
+def swiglu_lora_case(dtype, T=11, Hd=8, I=12, r=3, seed=0):
+    """(args of swiglu_bwd with adapters on gate, up and down and dropout on gate and down,
+    every adapter gradient wanted), the 6 factors."""
+    g = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(T, Hd, generator=g, dtype=dtype) for _ in range(2))
+    wg, wu = (torch.randn(I, Hd, generator=g, dtype=dtype) for _ in range(2))
+    wd = torch.randn(Hd, I, generator=g, dtype=dtype)
+    shapes = [(r, Hd), (I, r), (r + 1, Hd), (I, r + 1), (r, I), (Hd, r)]
+    lora = [0.5 * torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+    seed_t = torch.tensor(1234, dtype=torch.int64)
+    args = (dy, x, wg, wu, wd, None, None, None, lora, [0.7, 1.3, 2.0], None, None,
+            [False] * 6 + [True] * 6, [0.25, 0.0, 0.4], seed_t, 5)
+    return args, lora
+
+
+LORA_SUMS = ("lora_a_gate_sum", "lora_b_gate_sum", "lora_a_up_sum", "lora_b_up_sum",
+             "lora_a_down_sum", "lora_b_down_sum")
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=needs_interpreter)])
+def test_swiglu_bwd_adds_the_adapter_gradients_to_their_sums(backend):
+    """swiglu_bwd's lora_*_sum: an adapter gradient with a sum comes back as sum + d in the
+    sum's dtype (float32), the others as without sums (in the factor's dtype), the sums
+    themselves untouched; the ATen kernel (float64 and float32) and the Triton launcher
+    (interpreter, float32)."""
+    from ckpt_ext._backend import use_triton
+    dtypes = [torch.float64, torch.float32] if backend == "cpu" else [torch.float32]
+    for dtype in dtypes:
+        args, lora = swiglu_lora_case(dtype)
+        g = torch.Generator().manual_seed(1)
+        sums = {LORA_SUMS[i]: torch.randn(lora[i].shape, generator=g) for i in (0, 3, 4, 5)}
+        kept = {n: t.clone() for n, t in sums.items()}
+        with use_triton("cpu") if backend == "triton" else contextlib.nullcontext():
+            want = torch.ops.ckpt_ext.swiglu_bwd(*args)
+            got = torch.ops.ckpt_ext.swiglu_bwd(*args, **sums)
+        torch.testing.assert_close(got[0], want[0])
+        for i, (d, w) in enumerate(zip(got[7], want[7])):
+            name = LORA_SUMS[i]
+            if name not in sums:
+                assert d.dtype == lora[i].dtype
+                torch.testing.assert_close(d, w, msg=name)
+            else:
+                assert d.dtype == torch.float32
+                torch.testing.assert_close(d, kept[name] + w.float(), msg=name)
+                torch.testing.assert_close(sums[name], kept[name])  # the sum itself untouched
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(lora_a_gate_sum=torch.zeros(2, 8)), ValueError,
+     "lora_a_gate_sum must have shape \\(3, 8\\)"),
+    (dict(lora_b_gate_sum=torch.zeros(12, 3, dtype=torch.float16)), TypeError,
+     "lora_b_gate_sum must be float32 or float64"),
+])
+def test_swiglu_bwd_refuses_bad_lora_sums(change, exc, match):
+    args, _ = swiglu_lora_case(torch.float64)
+    with pytest.raises(exc, match=match):
+        torch.ops.ckpt_ext.swiglu_bwd(*args, **change)
+
+
+def test_swiglu_bwd_refuses_a_lora_sum_of_a_gradient_it_does_not_compute():
+    args, lora = swiglu_lora_case(torch.float64)
+    args = args[:12] + ([False] * 6 + [True] * 5 + [False],) + args[13:]
+    with pytest.raises(ValueError, match="lora_b_down_sum is given but the op computes no "
+                                         "gradient of B_down"):
+        torch.ops.ckpt_ext.swiglu_bwd(*args, lora_b_down_sum=torch.zeros(lora[5].shape))
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced"])
+def test_mlp_adapter_factors_are_widened_once_per_call(preset):
+    """bfloat16 on the CPU, 4 chunks, only the adapters trained: the backward widens each MLP
+    adapter factor to float32 (the SwiGLU ops' LoRA dtype) once, not once per token chunk (the
+    MLP adapters get their own rank, so that shapes name factors), and the adapters'
+    gradients match the one-chunk step's to bfloat16 rounding (float32 sums, rounded once)."""
+    x, weights, pe, dy, kw = layer_case(torch.bfloat16, "cpu", 1, 52, seed=5, hidden=64)
+    g = torch.Generator().manual_seed(11)
+    mlp = [n for n in weights if n.startswith("mlp.") and "lora" in n]
+    for n in mlp:
+        shape = (R + 2, weights[n].shape[1]) if "lora_A" in n else (weights[n].shape[0], R + 2)
+        weights[n] = (0.1 * torch.randn(shape, generator=g)).bfloat16()
+    frozen = tuple(n for n in weights if "lora" not in n)
+    try:
+        whole = step(x, weights, pe, dy, kw, preset, frozen=frozen)
+        config.update(chunk_bytes=chunk_cap(13, torch.bfloat16, weights))
+        got = step(x, weights, pe, dy, kw, preset, record=True, frozen=frozen)
+    finally:
+        config.update(chunk_bytes=config.KernelConfig.chunk_bytes)
+    widened = {}
+    for ev in got[2].events():
+        if (ev.name == "aten::copy_" and len(ev.input_shapes) > 1
+                and ev.input_dtypes[:2] == ["float", "c10::BFloat16"]):
+            shape = tuple(ev.input_shapes[0])
+            widened[shape] = widened.get(shape, 0) + 1
+    for n in mlp:
+        want = sum(tuple(weights[m].shape) == tuple(weights[n].shape) for m in mlp)
+        assert widened.get(tuple(weights[n].shape)) == want, (n, widened)
+    assert got[1].keys() == whole[1].keys()
+    for n in whole[1]:
+        assert got[1][n].dtype == torch.bfloat16
+        torch.testing.assert_close(got[1][n].float(), whole[1][n].float(), rtol=2e-2,
+                                   atol=2e-2 * whole[1][n].float().abs().max().item(), msg=n)

@@ -178,6 +178,32 @@ def test_triton_mask_equals_the_cpu_op_bit_for_bit(dtype):
         assert torch.equal(wide, OPS.lora_dropout(x.float(), seed_tensor(seed), stream, p))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_dropout_pair_is_the_two_dropouts_bit_for_bit(dtype):
+    """The SwiGLU launchers' two-mask launch (kernels/dropout.py lora_dropout_pair): one input
+    under two streams, and the sum of two inputs' dropouts, are the CPU op's masks (and their
+    float32 sum) bit for bit, on an odd shape at a row offset; mismatched shapes refused."""
+    from ckpt_ext.kernels.dropout import lora_dropout_pair
+    g = torch.Generator().manual_seed(7)
+    a, b = (torch.randn(37, 19, generator=g).to(dtype) for _ in range(2))
+    seed = seed_tensor(2**33 + 9)
+
+    def one(t, stream, p):
+        return OPS.lora_dropout(t.float(), seed, stream, p, 5)
+
+    for streams, ps in (((4, 5), (0.25, 0.4)), ((6, 2), (0.5, 0.05))):
+        got_a, got_b = lora_dropout_pair(a, None, seed, streams, ps, 5, torch.float32)
+        assert got_a.dtype == got_b.dtype == torch.float32
+        assert torch.equal(got_a, one(a, streams[0], ps[0]))
+        assert torch.equal(got_b, one(a, streams[1], ps[1]))
+        assert not torch.equal(got_a, got_b)
+        got = lora_dropout_pair(a.float(), b.float(), seed, streams, ps, 5)
+        assert torch.equal(got, one(a, streams[0], ps[0]) + one(b, streams[1], ps[1]))
+    with pytest.raises(ValueError, match="b must have the shape of a"):
+        lora_dropout_pair(a, b[:3], seed, (4, 5), (0.1, 0.1))
+
+
 # ---- SwiGLU ops ------------------------------------------------------------------------------
 
 T, H, I, R = 37, 24, 40, 3
