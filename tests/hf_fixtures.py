@@ -162,3 +162,16 @@ def assert_compiled_replays_eager(model, loss_and_grads, batch, loss_tol, grad_t
     assert grads_c.keys() == grads_e.keys()
     for name, g in grads_e.items():
         torch.testing.assert_close(grads_c[name], g, **grad_tol, msg=name)
+
+
+def llama_from_dims(c, impl="sdpa"):
+    """A randomly initialised LlamaForCausalLM in train mode with the dims of ``c`` (keys H, I,
+    L, heads, kv, D, V; seed 0), for the tests that measure a step's peak."""
+    cfg = transformers.LlamaConfig(
+        hidden_size=c["H"], intermediate_size=c["I"], num_hidden_layers=c["L"],
+        num_attention_heads=c["heads"], num_key_value_heads=c["kv"], head_dim=c["D"],
+        vocab_size=c["V"], rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+    model.train()
+    return model

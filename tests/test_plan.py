@@ -444,18 +444,13 @@ PEAK_CASES = {
 
 
 def _measured_peak(case, setup, monkeypatch):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: "
-                                       "the peak is measured on an HF model")
+    pytest.importorskip("transformers", reason="transformers is not installed: the "
+                        "peak is measured on an HF model")
     c = PEAK_CASES[case]
     if "cap" in c:
         config.update(chunk_bytes=str(c["cap"]))
-    cfg = transformers.LlamaConfig(
-        hidden_size=c["H"], intermediate_size=c["I"], num_hidden_layers=c["L"],
-        num_attention_heads=c["heads"], num_key_value_heads=c["kv"], head_dim=c["D"],
-        vocab_size=c["V"], rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    model.train()
+    from hf_fixtures import llama_from_dims
+    model = llama_from_dims(c)
     if setup.startswith("hf_gc"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if setup != "hf_gc":

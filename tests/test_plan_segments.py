@@ -403,20 +403,15 @@ def test_segment_step_peak_matches_the_cpu_allocator(case, k):
     """plan.cpu_step_peak(segment_layers=k) within 5% of the allocator's peak of a later
     training step of a patched HF model whose min_memory layers run in checkpointed segments
     of k (see _Segment), and the change from k = 1 within 5% of the plan's."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: "
-                                       "the peak is measured on an HF model")
+    pytest.importorskip("transformers", reason="transformers is not installed: the "
+                        "peak is measured on an HF model")
     if torch.cuda.is_available():
         pytest.skip("measures the CPU allocator")
     c = SEGMENT_CASES[case]
     if "cap" in c:   # conftest restores the setting
         config.update(chunk_bytes=str(c["cap"]))
-    cfg = transformers.LlamaConfig(
-        hidden_size=c["H"], intermediate_size=c["I"], num_hidden_layers=c["L"],
-        num_attention_heads=c["heads"], num_key_value_heads=c["kv"], head_dim=c["D"],
-        vocab_size=c["V"], rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    model.train()
+    from hf_fixtures import llama_from_dims
+    model = llama_from_dims(c)
     ckpt_ext.patch_llama(model, "min_memory")
     ids = torch.randint(c["V"], (1, c["S"]), generator=torch.Generator().manual_seed(1))
     layers = list(model.model.layers)
@@ -447,9 +442,9 @@ def test_segment_step_peak_matches_the_cpu_allocator(case, k):
 def test_runtime_segments_step_peak_matches_the_plan(case, tol, offload, k):
     """patch_llama(policy="min_memory", segment_layers=k[, offload="cpu"]): the allocator's
     peak of a later step against plan.cpu_step_peak (the chunked case's k = 1 model is already
-    4-5% low: the lead's 10% there). Skipped where patch_llama has no segment_layers."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: "
-                                       "the peak is measured on an HF model")
+    4-5% low, so 10% there). Skipped where patch_llama has no segment_layers."""
+    pytest.importorskip("transformers", reason="transformers is not installed: the "
+                        "peak is measured on an HF model")
     import inspect
     if "segment_layers" not in inspect.signature(ckpt_ext.patch_llama).parameters:
         pytest.skip("patch_llama has no segment_layers here")
@@ -458,13 +453,8 @@ def test_runtime_segments_step_peak_matches_the_plan(case, tol, offload, k):
     c = dict(SEGMENT_CASES[case], L=4)
     if "cap" in c:   # conftest restores the setting
         config.update(chunk_bytes=str(c["cap"]))
-    cfg = transformers.LlamaConfig(
-        hidden_size=c["H"], intermediate_size=c["I"], num_hidden_layers=c["L"],
-        num_attention_heads=c["heads"], num_key_value_heads=c["kv"], head_dim=c["D"],
-        vocab_size=c["V"], rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    model.train()
+    from hf_fixtures import llama_from_dims
+    model = llama_from_dims(c)
     ckpt_ext.patch_llama(model, "min_memory", segment_layers=k,
                          offload="cpu" if offload else None)
     ids = torch.randint(c["V"], (1, c["S"]), generator=torch.Generator().manual_seed(1))
