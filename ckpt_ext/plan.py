@@ -1278,7 +1278,8 @@ def _segment_seconds(layers, V, B, S, dtype, k, host_memory, offloaded, train_we
     head = 2 * B * S * H * V * ((3 if train_weights else 2) + 1)
     secs += head / (rates[2] * 1e12)
     sizes = _call_bytes(layers, ["min_memory"] * len(layers), B, S, dtype, k)
-    for (a, b), nbytes in zip(segment_bounds(len(layers), k), sizes):
+    for a, b in segment_bounds(len(layers), k):
+        nbytes = sum(sizes[a:b])    # the segment's calls: its first layer's under min_memory
         compute = sum(_layer_compute_seconds("min_memory", d, B, S, train_weights, *rates,
                                              **lora) for d in layers[a:b])
         for d in layers[a:b - 1]:
@@ -1299,7 +1300,8 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
                           host_link_gbytes_per_s: float = HOST_LINK_GBYTES_PER_S,
                           attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                           attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
-                          matmul_tflops: float = MATMUL_TFLOPS) -> SegmentChoice:
+                          matmul_tflops: float = MATMUL_TFLOPS,
+                          layers_only: bool = False) -> SegmentChoice:
     """``segment_layers`` chosen by time (the rule of ``--segment-layers auto``): of the k in
     1..len(layers) whose ``min_memory`` step in segments of k fits ``room`` bytes of device
     memory (:func:`offload_step_peak` with ``host_memory`` as the host cap, the segments
@@ -1310,7 +1312,11 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
     input's two host copies at ``host_link_gbytes_per_s``, plus the LM head's GEMMs. When the
     host holds every layer's input (k = 1), k = 1 is the fastest unless the copies bind;
     when it runs short, the k that fits. One k for the whole model, as
-    ``patch_llama(segment_layers=k)`` takes it. Raises ValueError when no k fits."""
+    ``patch_llama(segment_layers=k)`` takes it. ``layers_only``: ``room`` bounds only what
+    the device holds of the layers, as ``patch_llama``'s ``activation_budget`` does with
+    offload (the prefetch pool, the inputs past the host cap and the running segment's
+    rebuilt inputs; without offload the segments' kept bytes and the rebuilt inputs), and the
+    choice's ``peak`` is those bytes. Raises ValueError when no k fits."""
     layers = list(layers)
     _check_shape_args(B, S)
     _check_ranks(lora_rank, expert_lora_rank, "choose_segment_layers")
@@ -1330,6 +1336,11 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
                                   prefetch=prefetch, quantized_base=quantized_base,
                                   segment_layers=k)
             peak, host, kept = p.peak, p.host, p.kept
+            if layers_only:
+                peak = p.pool + p.kept + p.rebuilt
+        elif layers_only:
+            held, rebuilt = segment_bytes(layers, B, S, dtype, k)
+            peak, host, kept = sum(held) + _rebuilt_peak(held, rebuilt), 0, 0
         else:
             peak = step_peak("min_memory", layers, V, B, S, dtype, path=path,
                              train_weights=train_weights, quantized_base=quantized_base,
@@ -1345,7 +1356,8 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
         where = (f"{format_bytes(host_memory) if host_memory is not None else 'uncapped'} host "
                  "memory" if offload else "no offload")
         raise ValueError(
-            f"segment_layers: no k in 1..{len(layers)} fits min_memory's step into "
+            f"segment_layers: no k in 1..{len(layers)} fits min_memory's "
+            f"{'layer bytes on the device' if layers_only else 'step'} into "
             f"{format_bytes(room)} of device memory at B={B}, S={S} ({where}); the device "
             f"terms of the top layer's backward bind: shorten the sequence")
     return best

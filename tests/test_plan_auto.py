@@ -328,3 +328,31 @@ def test_patch_without_budget_chooses_within_the_device_room(monkeypatch, offloa
     room["bytes"] = 1000
     with pytest.raises(ValueError, match="1000 B|smallest that fits"):
         shared._choice(1, 65, torch.float32, True, 0, 0, device="cuda:0")
+
+
+def test_offload_without_budget_falls_back_to_segments(monkeypatch):
+    """No activation_budget, a CUDA device, offload_limit one layer input: a room one byte
+    below every layer at min_memory's step peak (plan.offload_step_peak) fits no mix; auto
+    falls back to min_memory in segments of the plan's k (choose_segment_layers within that
+    room, offload_limit as the host memory), k > 1; a room that nothing fits names both."""
+    from ckpt_ext.hf.families import layer_dims_from_config
+    b, s = 1, 64
+    x = b * s * 64 * 4
+    model = ckpt_ext.patch_llama(_tiny().float(), "auto", offload="cpu", offload_limit=x)
+    shared = model.model.layers[0].forward.shared
+    dims = layer_dims_from_config(model.config)
+    one = plan.offload_step_peak("min_memory", dims, 128, b, s, torch.float32, path="cuda",
+                                 host_limit=x).peak
+    room = {"bytes": one - 1}
+    monkeypatch.setattr(type(shared), "device_room", lambda self, device, tw: room["bytes"])
+    got = shared._choice(b, s, torch.float32, True, 0, 0, device="cuda:0")
+    assert got == ["min_memory"] * 3
+    (k, why), = shared.auto_segments.values()
+    want = plan.choose_segment_layers(dims, 128, b, s, torch.float32, one - 1, x, path="cuda",
+                                      **default_throughputs().step_time_kwargs(s))
+    assert k == want.segment_layers > 1 and want.peak < one
+    assert "hold no mix of presets" in why
+    room["bytes"] = 1000
+    with pytest.raises(ValueError, match="hold no mix of presets.*nor does min_memory in "
+                                         "segments.*no k in 1..3 fits"):
+        shared._choice(b, s + 1, torch.float32, True, 0, 0, device="cuda:0")

@@ -598,3 +598,95 @@ def test_qwen3_vl_refused_by_name():
     with pytest.raises(NotImplementedError, match="deepstack"):
         ckpt_ext.patch_llama(model, "min_memory", segment_layers=2)
     ckpt_ext.patch_llama(model, "min_memory")
+
+
+# ---- policy="auto" with offload: segments where offload_limit binds --------------------------
+
+def _auto_segments_case(seed, budget_inputs):
+    """A 4-layer model patched with auto and offload, offload_limit one layer input (8 KiB at
+    B=2, S=16, fp32) and activation_budget ``budget_inputs`` inputs: every layer min_memory
+    needs 4 on the device (the pool's one and the three past the limit)."""
+    base = model_of(seed=seed % 1000, lora_dropout=0.05)
+    batch = batch_of("plain", seed)
+    x = batch["input_ids"].numel() * TINY["hidden_size"] * 4
+    model = copy.deepcopy(base)
+    ckpt_ext.patch_llama(model, "auto", activation_budget=budget_inputs * x, offload="cpu",
+                         offload_limit=x)
+    return base, batch, x, model
+
+
+def test_auto_chooses_segments_when_the_host_runs_short(monkeypatch):
+    """No mix of presets fits 3 inputs; min_memory in segments of k (the plan's choice by
+    time, k = 2 or 3 hold 3) does: the step equals min_memory with segment_layers=k, bit for
+    bit, and rebuilds once per segment of several layers."""
+    from ckpt_ext import plan
+    seed = fresh_seed()
+    base, batch, x, model = _auto_segments_case(seed, 3)
+    counter = Rebuilds(monkeypatch)
+    got = step(model, batch, seed)
+    shared = _decoder_layers(model)[1][0].forward.shared
+    assert list(shared.auto.values()) == [["min_memory"] * 4]
+    (k, why), = shared.auto_segments.values()
+    dims = shared.layer_dims()
+    want = plan.choose_segment_layers(dims, TINY["vocab_size"], 2, 16, torch.float32, 3 * x, x,
+                                      host_link_gbytes_per_s=shared.host_link,
+                                      layers_only=True,
+                                      **ckpt_ext.throughputs.default_throughputs()
+                                      .step_time_kwargs(16))
+    assert k == want.segment_layers and k in (2, 3) and want.peak <= 3 * x
+    assert "activation_budget" in why
+    assert counter.count == multi_layer_segments(4, k)
+    assert fused_calls(model) == [1] * 4
+    ref = copy.deepcopy(base)
+    ckpt_ext.patch_llama(ref, "min_memory", offload="cpu", offload_limit=x, segment_layers=k)
+    with torch.no_grad():  # inference: no segments
+        model(**batch, use_cache=False)
+    assert counter.count == multi_layer_segments(4, k)
+    assert shared.offloader.stats()["host_bytes"] == x
+    assert_bitwise(step(ref, batch, seed), got)
+
+
+def test_auto_keeps_one_layer_segments_where_they_fit(monkeypatch):
+    """4 inputs hold every layer min_memory: no segments, no rebuild, as before."""
+    seed = fresh_seed()
+    base, batch, x, model = _auto_segments_case(seed, 4)
+    counter = Rebuilds(monkeypatch)
+    got = step(model, batch, seed)
+    shared = _decoder_layers(model)[1][0].forward.shared
+    assert list(shared.auto.values()) == [["min_memory"] * 4] and not shared.auto_segments
+    assert counter.count == 0
+    ref = copy.deepcopy(base)
+    ckpt_ext.patch_llama(ref, "min_memory", offload="cpu", offload_limit=x)
+    assert_bitwise(step(ref, batch, seed), got)
+
+
+def test_auto_segments_error_when_nothing_fits():
+    """2 inputs: neither a mix nor any k fits; the error names both. No offload_limit:
+    segments hold no less on the device, the mix's error alone."""
+    seed = fresh_seed()
+    _, batch, x, model = _auto_segments_case(seed, 2)
+    with pytest.raises(ValueError, match=r"activation_budget 16\.00 KiB is below the offload "
+                                         r"prefetch pool .*; nor does min_memory in segments "
+                                         r".*no k in 1\.\.4 fits"):
+        step(model, batch, seed)
+    ckpt_ext.patch_llama(model, "auto", activation_budget=x, offload="cpu")
+    with pytest.raises(ValueError, match=r"the smallest budget that fits is 16384$"):
+        step(model, batch, seed)
+
+
+def test_auto_segments_refused_where_segments_are_not_built():
+    """ZeRO-3 parameters (set up after patching) and torch.compile: auto does not run k > 1
+    there; the mix's error, with the reason."""
+    seed = fresh_seed()
+    _, batch, x, model = _auto_segments_case(seed, 3)
+    p = _decoder_layers(model)[1][1].input_layernorm.weight
+    p.ds_id, p.ds_status = 7, "fake"
+    with pytest.raises(ValueError, match=r"is below the offload prefetch pool .*segments of \d "
+                                         r"layers would fit, but .*ZeRO-3"):
+        step(model, batch, seed)
+    del p.ds_id, p.ds_status
+    _, batch, x, model = _auto_segments_case(seed, 3)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(ValueError, match=r"is below the offload prefetch pool .*would fit, "
+                                         r"but .*torch.compile"):
+        step(compiled, batch, seed)

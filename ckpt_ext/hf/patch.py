@@ -414,6 +414,10 @@ class _Shared:
         self.offloader = offloader             # offload="cpu": the model's ckpt_ext.offload
         self.host_link = _host_link_default() if host_link is None else host_link  # GB/s
         self.auto: dict = {}                   # (B, S, dtype) -> presets, one per layer
+        # auto with offload, where no mix of presets fits: the same keys -> (k, why): min_memory
+        # in segments of k layers (the plan's choose_segment_layers), and the error the mix's
+        # search gave (raised instead where segments are not built: _auto_segments_problem)
+        self.auto_segments: dict = {}
         self.rows: dict = {}                   # (B, S, ..., presets) -> the chunk rule's rows
         self.warned: set = set()
         params = [p for p in inspect.signature(type(self.hook_owner).forward).parameters.values()
@@ -434,6 +438,7 @@ class _Shared:
         state.setdefault("bidirectional_images", False)
         state.setdefault("auto_policy", state.get("budget") is not None)
         state.setdefault("rows", {})
+        state.setdefault("auto_segments", {})
         self.__dict__.update(state)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -487,10 +492,13 @@ class _Shared:
             if images is not None:
                 masks = BatchMasks(custom=images)
         presets = self.choose(named) if self.auto_policy else None
-        chain = _segments.Chain(self.segment_layers) if segmented else None
+        k = self.segment_layers
+        if presets is not None and self.offloader is not None and torch.is_grad_enabled():
+            k = self.auto_segment_layers(named, sp)   # auto's segments (1: none)
+        chain = _segments.Chain(k) if k > 1 and torch.is_grad_enabled() else None
         # the chunk rule's rows: not under sequence parallelism, nor in segments (whose
         # rebuilt inputs the rule's peak model does not count): the cap's rows there
-        rows = self.chunk_rows(named, presets) if not sp and not segmented else None
+        rows = self.chunk_rows(named, presets) if not sp and chain is None else None
         return args, {**kwargs, _FORWARD_KEY: _ForwardState(masks, presets, {}, sp, stats,
                                                             chain, rows)}
 
@@ -500,6 +508,34 @@ class _Shared:
         if shapes is None:
             return None
         return self._choice(*shapes)
+
+    def auto_segment_layers(self, named, sp: str) -> int:
+        """policy="auto" with offload, in a training forward: the segments' k of this forward's
+        shapes (1 unless the offload choice fell back to segments, ``_offload_choice``). Where
+        segments are not built (``_auto_segments_problem``) a k > 1 raises the ValueError of
+        the mix's search instead, with the reason."""
+        shapes = self._shapes(named)
+        if shapes is None:
+            return 1
+        k = self._auto_k(*shapes)
+        if k > 1:
+            problem = _auto_segments_problem(self, sp)
+            if problem:
+                _refuse_auto_segments(self.auto_segments[self._key(*shapes)], problem)
+        return k
+
+    @staticmethod
+    def _key(b: int, s: int, dtype: torch.dtype, train_weights: bool, lora_rank: int = 0,
+             expert_lora_rank: int = 0, device: str = "cpu", dequantized: int = 0) -> tuple:
+        """The cache key of auto's choices for one shape (``self.auto``, ``auto_segments``)."""
+        return (b, s, dtype, train_weights, lora_rank, expert_lora_rank) + \
+            ((dequantized,) if dequantized else ())
+
+    @torch.compiler.assume_constant_result
+    def _auto_k(self, *shapes) -> int:
+        """The segments' k that ``_choice`` chose for these shapes (1: none); a constant to
+        torch.compile, as ``_choice`` is."""
+        return self.auto_segments.get(self._key(*shapes), (1, ""))[0]
 
     def chunk_rows(self, named, presets: Optional[List[str]]) -> Optional[Dict[str, int]]:
         """The chunk rule's rows a chunk per fused preset of this forward
@@ -646,7 +682,8 @@ class _Shared:
 
     def _offload_choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
                         lora_rank: int = 0, expert_lora_rank: int = 0,
-                        room: Optional[int] = None, dequantized: int = 0) -> List[str]:
+                        room: Optional[int] = None, dequantized: int = 0
+                        ) -> Tuple[List[str], Optional[Tuple[int, str]]]:
         """policy="auto" with offload: the plan's choice by time (ckpt_ext.plan.
         choose_offload_layers) within the activation budget, which bounds what the device
         holds of the layers (the offloader's prefetch pool and the layers past its limit),
@@ -655,7 +692,8 @@ class _Shared:
         preset's working set (ckpt_ext.plan.step_peak less its layers' saved bytes) counts
         in the device's bytes too. ``dequantized``: QLoRA's transient (``dequantized_bytes``),
         held besides: taken off the budget, or in the working sets (step_peak's
-        quantized_base)."""
+        quantized_base). Returns (presets, None), or where no mix fits and the host limit
+        binds, (min_memory everywhere, (k, the search's error)): ``_segment_fallback``."""
         from ..plan import choose_offload_layers, format_bytes, layer_bytes, step_peak
         from ..throughputs import default_throughputs
         dims = self.layer_dims()
@@ -679,18 +717,53 @@ class _Shared:
             moved, _, kept = _offload_split(dims, mins, b, s, dtype, off.limit)
             pool = _pool(moved, off.prefetch)
             if room is not None:
-                raise ValueError(f"auto with offload: the device's {format_bytes(room)} for "
-                                 f"the step hold no mix of presets at B={b}, S={s}: the "
-                                 f"prefetch pool at min_memory ({format_bytes(pool)}) plus the "
-                                 f"layers past offload_limit ({format_bytes(kept)}) plus "
-                                 f"min_memory's working set ({format_bytes(working['min_memory'])})"
-                                 "; shorten the sequence or the batch")
-            raise ValueError(f"activation_budget {format_bytes(self.budget)} is below the "
-                             f"offload prefetch pool at min_memory ({format_bytes(pool)}) plus "
-                             f"the layers past offload_limit ({format_bytes(kept)})"
-                             + _dequantized_words(dequantized) + f" at B={b}, S={s}; the "
-                             f"smallest budget that fits is {pool + kept + dequantized}")
-        return list(choice.presets)
+                message = (f"auto with offload: the device's {format_bytes(room)} for "
+                           f"the step hold no mix of presets at B={b}, S={s}: the "
+                           f"prefetch pool at min_memory ({format_bytes(pool)}) plus the "
+                           f"layers past offload_limit ({format_bytes(kept)}) plus "
+                           f"min_memory's working set ({format_bytes(working['min_memory'])})"
+                           "; shorten the sequence or the batch")
+            else:
+                message = (f"activation_budget {format_bytes(self.budget)} is below the "
+                           f"offload prefetch pool at min_memory ({format_bytes(pool)}) plus "
+                           f"the layers past offload_limit ({format_bytes(kept)})"
+                           + _dequantized_words(dequantized) + f" at B={b}, S={s}; the "
+                           f"smallest budget that fits is {pool + kept + dequantized}")
+            if off.limit is None:   # no host cap: segments hold no less on the device
+                raise ValueError(message)
+            k = self._segment_fallback(message, b, s, dtype, train_weights, lora_rank,
+                                       expert_lora_rank, room, dequantized)
+            return mins, (k, message)
+        return list(choice.presets), None
+
+    def _segment_fallback(self, message: str, b: int, s: int, dtype: torch.dtype,
+                          train_weights: bool, lora_rank: int, expert_lora_rank: int,
+                          room: Optional[int], dequantized: int) -> int:
+        """auto with offload where no mix of presets fits and offload_limit binds: the k of
+        ``min_memory`` in segments of k layers, chosen by time by the plan
+        (ckpt_ext.plan.choose_segment_layers, with offload_limit as the host memory) among
+        those that fit: the device's ``room`` for the step (its step peak), or with
+        activation_budget (less QLoRA's ``dequantized``) what the device holds of the layers
+        (the prefetch pool, the segment inputs past offload_limit and the running segment's
+        rebuilt inputs: ``layers_only``), as the budget bounds for the mixes. Raises
+        ValueError naming both when no k fits either."""
+        from ..plan import choose_segment_layers
+        from ..throughputs import default_throughputs
+        off = self.offloader
+        try:
+            seg = choose_segment_layers(
+                self.layer_dims(), int(self.owner.config.vocab_size), b, s, dtype,
+                self.budget - dequantized if room is None else room, off.limit, offload=True,
+                path="cpu" if room is None else "cuda", train_weights=train_weights,
+                quantized_base=bool(dequantized), lora_rank=lora_rank,
+                expert_lora_rank=expert_lora_rank, prefetch=off.prefetch,
+                host_link_gbytes_per_s=self.host_link, layers_only=room is None,
+                **default_throughputs().step_time_kwargs(s))
+        except ValueError as e:
+            raise ValueError(f"{message}; nor does min_memory in segments of several layers "
+                             f"(patch_llama's segment_layers, which auto tries when "
+                             f"offload_limit binds): {e}") from None
+        return seg.segment_layers
 
     @torch.compiler.assume_constant_result
     def _choice(self, b: int, s: int, dtype: torch.dtype, train_weights: bool,
@@ -704,15 +777,18 @@ class _Shared:
         device's room for the step (``device_room``). ``dequantized``: QLoRA's transient
         (``dequantized_bytes``), held besides the layers' saved bytes: taken off the budget,
         or in the working sets against the device's room."""
-        key = (b, s, dtype, train_weights, lora_rank, expert_lora_rank) + \
-            ((dequantized,) if dequantized else ())
+        key = self._key(b, s, dtype, train_weights, lora_rank, expert_lora_rank, device,
+                        dequantized)
         if key in self.auto:
             return self.auto[key]
         room = self.device_room(device, train_weights) if self.budget is None else None
         if self.offloader is not None:
-            self.auto[key] = self._offload_choice(b, s, dtype, train_weights, lora_rank,
-                                                  expert_lora_rank, room=room,
-                                                  dequantized=dequantized)
+            presets, segments = self._offload_choice(b, s, dtype, train_weights, lora_rank,
+                                                     expert_lora_rank, room=room,
+                                                     dequantized=dequantized)
+            if segments is not None:
+                self.auto_segments[key] = segments
+            self.auto[key] = presets
         else:
             from ..plan import choose_auto, format_bytes
             from ..throughputs import default_throughputs
@@ -1076,9 +1152,9 @@ def _check_segments(k: int, presets: List[str], layers, config, sequence_paralle
         return
     head = f"patch_llama: segment_layers={k}"
     if "auto" in presets:
-        raise PatchRefused(f"{head} with policy='auto' is not built (auto does not choose "
-                           "segments); give a fused preset, e.g. policy='min_memory', or "
-                           f"{_SEGMENTS_INSTEAD}")
+        raise PatchRefused(f"{head} with policy='auto' is not built (auto chooses its own "
+                           "segments, with offload='cpu' where offload_limit binds); give a "
+                           f"fused preset, e.g. policy='min_memory', or {_SEGMENTS_INSTEAD}")
     unfused = [i for i, p in enumerate(presets) if p not in FUSED_PRESETS]
     if unfused:
         raise PatchRefused(
@@ -1130,6 +1206,33 @@ def _refuse_segments_now(shared: "_Shared", sp: str) -> None:
             "segment_layers=1")
 
 
+def _auto_segments_problem(shared: "_Shared", sp: str) -> Optional[str]:
+    """Why segments of several layers, chosen by policy="auto", cannot run this forward (None
+    when they can): the combinations patch_llama refuses for ``segment_layers`` > 1."""
+    if torch.compiler.is_compiling():
+        return "a forward under torch.compile (a segment's saved-tensor hooks run eagerly only)"
+    if sp and not shared.sequence_parallel:
+        return "sequence parallelism in DeepSpeed Ulysses' group"
+    unfused = [i for i, layer in enumerate(shared.layers)
+               if not isinstance(layer.__dict__.get("forward"), _PatchedForward)
+               or layer.__dict__["forward"].preset not in FUSED_PRESETS + ("auto",)]
+    if unfused:
+        return f"decoder layers {unfused} are not fused"
+    model_type = shared.owner.config.model_type
+    if model_type in _SEGMENTS_REFUSED:
+        return _SEGMENTS_REFUSED[model_type]
+    return _sharding_problem(shared.layers)
+
+
+@torch.compiler.disable
+def _refuse_auto_segments(choice: Tuple[int, str], problem: str) -> None:
+    """auto's segments where they are not built: the mix's error, with why (outside the graph
+    under torch.compile, so that it reaches the caller as it is)."""
+    k, message = choice
+    raise ValueError(f"{message} (min_memory in segments of {k} layers would fit, but "
+                     f"segments are not built here: {problem})")
+
+
 # ---- public API ------------------------------------------------------------------------------
 
 def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
@@ -1167,6 +1270,13 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``host_link_gbytes_per_s``, default ``ckpt_ext.plan.HOST_LINK_GBYTES_PER_S``, 25 GB/s, an
     assumption until measured) so that what the device holds of the layers (the prefetch pool
     and the layers past ``offload_limit``) fits ``activation_budget`` (see docs/offload.md).
+    Where no mix fits and ``offload_limit`` binds, every layer runs ``min_memory`` in segments
+    of the k (see ``segment_layers``) that ``ckpt_ext.plan.choose_segment_layers`` picks by
+    time among those that fit (``offload_limit`` as the host memory; with
+    ``activation_budget`` what must fit is the layers' device bytes: the prefetch pool, the
+    segment inputs past the limit and the running segment's rebuilt inputs); where segments
+    are not built (those below) the forward raises the mixes' ValueError with the reason, and
+    where no k fits either, a ValueError naming both.
     ``sequence_parallel``: a ``torch.distributed`` group over which every sequence is split
     (Ulysses, inside the fused layers: ``ckpt_ext.hf.sequence_parallel``, whose
     ``shard_batch`` cuts the batch); every layer must be fused. Its ranks' gradients are their
@@ -1194,8 +1304,9 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``sequence_parallel`` the rebuild runs the layers' exchanges on every rank in the same
     order; with bitsandbytes (QLoRA) projections the rebuild dequantizes each layer's weights
     again for its forward and frees them after it (one layer's at a time). Not built with
-    k > 1 (PatchRefused naming what to use): ``policy="auto"`` and presets other than the fused
-    ones, DeepSpeed ZeRO-3, FSDP / DTensor parameters and Qwen3-VL; a forward under
+    k > 1 (PatchRefused naming what to use): ``policy="auto"`` (which picks k itself with
+    offload, above) and presets other than the fused ones, DeepSpeed ZeRO-3, FSDP / DTensor
+    parameters and Qwen3-VL; a forward under
     ``torch.compile`` or in DeepSpeed Ulysses' group raises NotImplementedError.
 
     The fused layers' token chunks: unless ``chunk_bytes`` is pinned
