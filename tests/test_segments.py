@@ -5,8 +5,9 @@ k that does not divide the layer count, several families and an MoE one, sequenc
 on 2 gloo processes, FSDP2 on 2 gloo processes (fully_shard per layer: each replayed layer's
 parameters gathered for its replay); the rebuilt inputs are the ones the backward uses and
 each is freed after its layer's backward, the inputs of layers 2..k after the forward; a layer
-that runs HF's forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of k =
-1's (bench/segments.py's measurement); a weight released before the rebuild raises; bad values and the combinations not built are refused."""
+that runs HF's forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of
+k = 1's (bench/segments.py's measurement); a weight released before the rebuild raises; bad
+values and the combinations not built are refused."""
 import contextlib
 import copy
 import importlib.util
