@@ -25,12 +25,19 @@ know its place in its segment.
   of the same quantized state: the same weights) and frees it after, one layer at a time. A
   later layer's node pre-hook runs the rebuild before that layer's own weights are filled for
   its backward, so no two layers' dequantized weights are alive at once.
+* **FSDP2** (``fully_shard`` on each decoder layer): a call records a ``gather`` that the
+  rebuild enters around its replay of the call: it gathers the layer's parameters (FSDP2's
+  ``unshard``, which fills the very tensors the forward read) and releases them after
+  (``reshard``), unless FSDP2 had already started gathering them for the layer's own backward
+  (its backward prefetch), which then keeps them. A replay whose weights were released and
+  not gathered again (sharding the rebuild does not know) raises a RuntimeError.
 
 A layer joins the running segment only when its input *is* the previous fused call's output
-(the same tensor, not changed in place since): anything that runs between two layers, or a
-layer that runs HF's forward instead of the fused op, starts a new segment. The rebuilt inputs
-are therefore the very values the forward computed (the op is deterministic on the CPU), and
-the gradients equal those of one-layer segments bit for bit.
+(the same tensor, not changed in place since; or a view of all of it, which is what FSDP2's
+pre-forward hook passes on through an identity autograd node): anything that runs between two
+layers, or a layer that runs HF's forward instead of the fused op, starts a new segment. The
+rebuilt inputs are therefore the very values the forward computed (the op is deterministic on
+the CPU), and the gradients equal those of one-layer segments bit for bit.
 
 The cost: k - 1 more layer forwards per segment of k layers in backward, and, while a segment's
 backward runs, up to k - 1 rebuilt layer inputs on the device beside the layer's own backward.
@@ -60,10 +67,11 @@ def check_segment_layers(value, what: str = "patch_llama") -> int:
 
 class _Call:
     """One fused layer call of a segment, as its rebuild replays it."""
-    __slots__ = ("fn", "options", "cpu_rng", "cuda_rng", "device", "autocast", "transient")
+    __slots__ = ("fn", "options", "cpu_rng", "cuda_rng", "device", "autocast", "transient",
+                 "gather")
 
-    def __init__(self, fn: Callable, options, x: Tensor, transient=None):
-        self.fn, self.options, self.transient = fn, options, transient
+    def __init__(self, fn: Callable, options, x: Tensor, transient=None, gather=None):
+        self.fn, self.options, self.transient, self.gather = fn, options, transient, gather
         self.device = x.device
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
@@ -79,9 +87,26 @@ class _Call:
         # QLoRA: the call's quantized weights dequantized again for this forward (the same
         # dequantization, so the same weights) and freed after it
         fill = self.transient if self.transient else contextlib.nullcontext()
-        with torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache), fill:
+        # FSDP2: the layer's parameters gathered for this forward and released after it
+        gathered = self.gather() if self.gather is not None else contextlib.nullcontext()
+        with gathered, torch.autocast(kind, dtype=dtype, enabled=enabled,
+                                      cache_enabled=cache), fill:
+            _check_filled(self.options)
             out = self.fn(x, self.options)
         return out[0] if isinstance(out, tuple) else out
+
+
+def _check_filled(options) -> None:
+    """A RuntimeError if a weight the call read has been released since (its storage freed,
+    or the tensor emptied): sharded parameters that the replay did not gather again."""
+    for w in getattr(options, "weights", ()) or ():
+        if isinstance(w, Tensor) and w.numel() and \
+                w.untyped_storage().nbytes() < (w.storage_offset() + 1) * w.element_size():
+            raise RuntimeError(
+                "ckpt_ext segments: a weight of a layer that a segment's rebuild replays was "
+                "released after its forward (parameters sharded by a module other than the "
+                "decoder layer, e.g. FSDP2 on an outer module only, or ZeRO-3); fully_shard "
+                "each decoder layer, or patch the model with segment_layers=1")
 
 
 class Segment:
@@ -156,7 +181,7 @@ class Chain:
         """(segment, place) for a fused call with input ``x``."""
         seg = self.segment
         last = self.last() if self.last is not None else None
-        if seg is not None and len(seg.calls) < self.k and last is x and \
+        if seg is not None and len(seg.calls) < self.k and _is_whole(x, last) and \
                 x._version == self.version:
             return seg, len(seg.calls)
         self.segment = seg = Segment()
@@ -168,6 +193,19 @@ class Chain:
         self.last, self.version = weakref.ref(y), y._version
 
 
+def _is_whole(x: Tensor, last: Optional[Tensor]) -> bool:
+    """``x`` is ``last``, or a view of all of it as it is (the same values): what a hook that
+    passes a module's input through an identity autograd node makes of it (FSDP2's pre-forward
+    hook, which registers the layer's post-backward that way)."""
+    if last is None:
+        return False
+    if x is last:
+        return True
+    base = last if last._base is None else last._base
+    return x._base is base and x.dtype == last.dtype and x.shape == last.shape and \
+        x.stride() == last.stride() and x.storage_offset() == last.storage_offset()
+
+
 def _outer_hooks():
     """The saved-tensor hooks active around this call as (pack, unpack), or (None, None)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -176,7 +214,7 @@ def _outer_hooks():
 
 
 def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x: Tensor,
-         keep: Iterable[Tensor], options, transient=None):
+         keep: Iterable[Tensor], options, transient=None, gather=None):
     """``fn(x, options)``, a fused layer call, as a member of ``chain``'s running segment
     (None: ``ckpt_ext.offload.offloaded``, the call on its own); its saved tensors offloaded
     by ``offloader`` (None: kept on the device).
@@ -185,14 +223,18 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
     around this call; the rebuild fills it again around its replay of the call and frees it
     after. A later layer of a segment with one gets a node pre-hook (registered before the
     caller's ``Transient.attach``, so it runs first) that rebuilds the segment's inputs before
-    its own weights are filled for its backward: one layer's dequantized weights at a time."""
+    its own weights are filled for its backward: one layer's dequantized weights at a time.
+
+    ``gather``: for a layer whose parameters are sharded (FSDP2), a function returning a
+    context that gathers them around the rebuild's replay of the call and releases them after
+    (the replay reads the same parameter tensors the call read, filled again)."""
     if chain is None or not torch.is_grad_enabled():
         return offloaded(offloader, fn, x, keep, options)
     if offloader is not None and torch.cuda.is_available() and \
             torch.cuda.is_current_stream_capturing():
         return offloaded(offloader, fn, x, keep, options)  # refuses capture
     seg, place = chain.place(x)
-    seg.calls.append(_Call(fn, options, x, transient))
+    seg.calls.append(_Call(fn, options, x, transient, gather))
     # what the call's other saved tensors go through: the offloader's hooks, or without one the
     # saved-tensor hooks around the call (ckpt_ext.saved_activation_bytes then counts what the
     # segment keeps), or none

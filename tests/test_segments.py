@@ -2,10 +2,13 @@
 the loss and every gradient equal those of one-layer segments (k = 1) bit for bit on the CPU,
 fp32 and bf16, with PEFT LoRA dropout, padding, packed sequences, offload, the fused presets, a
 k that does not divide the layer count, several families and an MoE one, sequence parallelism
-on 2 gloo processes; the rebuilt inputs are the ones the backward uses and each is freed after
-its layer's backward, the inputs of layers 2..k after the forward; a layer that runs HF's
-forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of k = 1's
-(bench/segments.py's measurement); bad values and the combinations not built are refused."""
+on 2 gloo processes, FSDP2 on 2 gloo processes (fully_shard per layer: each replayed layer's
+parameters gathered for its replay); the rebuilt inputs are the ones the backward uses and
+each is freed after its layer's backward, the inputs of layers 2..k after the forward; a layer
+that runs HF's forward ends the segment; the host bytes of k = 2 and 4 are 1/2 and 1/4 of
+k = 1's (bench/segments.py's measurement); a weight released before the rebuild raises; bad
+values and the combinations not built are refused."""
+import contextlib
 import copy
 import importlib.util
 import math
@@ -505,6 +508,132 @@ def test_sequence_parallel_two_ranks(tmp_path):
             assert_bitwise((loss1, grads1), (loss2, grads2))
 
 
+def _fsdp2_worker(rank, world, init_file, out_dir):
+    import datetime
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from ckpt_ext.hf import patch as hf_patch
+    from test_distributed import TIMEOUT_S
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        torch.set_num_threads(1)
+        rebuilds, gathers = [0], []
+        rebuild, gather = segments.Segment._rebuild, hf_patch._fsdp2_gather
+
+        def counted(seg, upto):
+            rebuilds[0] += 1
+            return rebuild(seg, upto)
+
+        def watched(layer):
+            # the bytes of the parameter tensors the forward read (FSDP2's unsharded ones)
+            # before the rebuild's gathering, during its replay and after
+            read, factory = list(layer.parameters()), gather(layer)
+            if factory is None:  # not an FSDP2 module
+                return None
+
+            def held():
+                return sum(p.untyped_storage().nbytes() for p in read)
+
+            @contextlib.contextmanager
+            def context():
+                entry = [layer.idx, held()]
+                with factory():
+                    entry.append(held())
+                    yield
+                gathers.append(entry + [held()])
+            return context
+        segments.Segment._rebuild, hf_patch._fsdp2_gather = counted, watched
+        mesh = init_device_mesh("cpu", (world,))
+        base = model_of(seed=5)
+        full = sum(p.numel() * p.element_size() for p in base.model.layers[0].parameters())
+        batch = batch_of("padded", 21 + rank)
+        results = {}
+        for k in (1, 2, 4):
+            model = copy.deepcopy(base)
+            ckpt_ext.patch_llama(model, "min_memory", segment_layers=k)
+            for idx, layer in enumerate(model.model.layers):
+                layer.idx = idx
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            before, gathers[:] = rebuilds[0], []
+            torch.manual_seed(9)
+            loss = model(**batch, use_cache=False).loss
+            loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()
+                     if p.grad is not None}
+            # after the backward, FSDP2 has released every layer's unsharded parameters
+            left = sum(p.untyped_storage().nbytes() for layer in model.model.layers
+                       for p in layer._get_fsdp_state()._fsdp_param_groups[0].fsdp_params
+                       for p in [p.unsharded_param])
+            results[k] = (loss.detach(), grads, rebuilds[0] - before, list(gathers),
+                          fused_calls(model), left)
+        results["full"] = full
+        # fully_shard on the model only: the layers' parameters are the root's, which the
+        # rebuild does not gather; refused when patching and at a forward after patching
+        refusals = []
+        model = copy.deepcopy(base)
+        fully_shard(model, mesh=mesh)
+        try:
+            ckpt_ext.patch_llama(model, "min_memory", segment_layers=2)
+        except NotImplementedError as e:
+            refusals.append(str(e))
+        results["refusals"] = refusals
+        # fully_shard on a module around the layers (not the root) after patching: its
+        # backward gathers all their parameters before the layers' backwards and keeps them to
+        # its end, so the rebuild finds them gathered (the fused head is left out: it reads the
+        # final norm, which this wrapping releases before the head)
+        for k in (1, 2):
+            model = copy.deepcopy(base)
+            ckpt_ext.patch_llama(model, "min_memory", segment_layers=k, fuse_lm_head=False)
+            fully_shard(model.model, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            before = rebuilds[0]
+            torch.manual_seed(9)
+            loss = model(**batch, use_cache=False).loss
+            loss.backward()
+            results["outer", k] = (loss.detach(), {
+                n: p.grad.full_tensor() for n, p in model.named_parameters()
+                if p.grad is not None}, rebuilds[0] - before)
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_two_ranks(tmp_path):
+    """FSDP2 (fully_shard on each of 4 decoder layers and the model) on 2 gloo processes:
+    segments of 2 and 4 rebuild once per segment; each replayed layer's parameters (FSDP2's
+    unsharded tensors, which the forward read) are gathered for its replay, and released after
+    it unless FSDP2 had already started gathering them for the layer's own backward (its
+    backward prefetch of the next layer); after the backward none is left gathered. Each rank's
+    loss and reduced gradients equal k = 1's bit for bit: the same op on the same values, and
+    the same reductions in the same order."""
+    from test_distributed import spawn_ranks
+    ranks = spawn_ranks(_fsdp2_worker, (2, str(tmp_path / "init"), str(tmp_path)), tmp_path,
+                        "segments under FSDP2", world=2)
+    for res in ranks:
+        full = res["full"]
+        for k, rebuilt, gathered in [
+                (1, 0, []),
+                # layer 2 replayed in layer 3's backward, layer 0 in layer 1's; each was being
+                # gathered (prefetched) for its own backward, which comes next: kept for it
+                (2, 2, [[2, 0, full, full], [0, 0, full, full]]),
+                # layers 0, 1, 2 replayed in layer 3's backward: 0 and 1 released after their
+                # replay, 2 (prefetched) kept
+                (4, 1, [[0, 0, full, 0], [1, 0, full, 0], [2, 0, full, full]])]:
+            loss, grads, n, g, calls, left = res[k]
+            assert (n, g, calls, left) == (rebuilt, gathered, [1] * 4, 0), (k, n, g, left)
+            assert_bitwise(res[1][:2], (loss, grads))
+        # fully_shard on an outer module only: refused when patching after it; sharded so
+        # after patching, the outer module keeps the parameters gathered through the backward
+        assert len(res["refusals"]) == 1 and "fully_shard each decoder layer" in \
+            res["refusals"][0] and "segment_layers=1" in res["refusals"][0], res["refusals"]
+        assert (res["outer", 1][2], res["outer", 2][2]) == (0, 2)
+        assert_bitwise(res["outer", 1][:2], res["outer", 2][:2])
+
+
 # ---- item 4: host bytes and step peak (bench/segments.py) --------------------------------------
 
 def _bench():
@@ -571,6 +700,19 @@ def test_zero3_parameters_refused_at_patch_and_at_forward():
     del p.ds_id, p.ds_status
     with torch.no_grad():  # inference: no segments, nothing refused
         model(**batch_of("plain", 1), use_cache=False)
+
+
+def test_released_weight_raises_in_the_rebuild():
+    """A weight released between the forward and the rebuild (as sharding wrappers that the
+    rebuild does not gather would) raises a RuntimeError naming the way out, instead of
+    replaying the layer with it."""
+    model = model_of(layers=2)
+    ckpt_ext.patch_llama(model, "min_memory", segment_layers=2)
+    torch.manual_seed(1)
+    loss = model(**batch_of("plain", 1), use_cache=False).loss
+    model.model.layers[0].mlp.up_proj.weight.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="released after its forward.*segment_layers=1"):
+        loss.backward()
 
 
 def test_compile_refused():

@@ -77,6 +77,7 @@ cos/sin.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import math
@@ -1084,7 +1085,8 @@ class _PatchedForward:
             # segment (segment_layers > 1), which keeps its input only if it is the first
             out = _segments.call(chain, self.shared.offloader, decoder_layer, x,
                                  [*weights, cos, sin, masks.key_padding_mask,
-                                  masks.segment_ids, seed], options, transient)
+                                  masks.segment_ids, seed], options, transient,
+                                 _fsdp2_gather(self.layer) if chain is not None else None)
         transient.attach(out)
         if router_stats:
             y, stats = out
@@ -1123,26 +1125,72 @@ def _patched(layers) -> List[_PatchedForward]:
 _SEGMENTS_INSTEAD = "use segment_layers=1 (every layer keeps its own input) for it"
 
 
-def _sharding_problem(layers) -> Optional[str]:
-    """Why the layers' parameters cannot serve a segment's rebuild, which re-runs layer
-    forwards inside another layer's backward with the parameters the forward read (None when
-    they can): DeepSpeed ZeRO-3 and FSDP release gathered parameters between the passes."""
+def _fsdp2_module():
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without torch.distributed
-        FSDPModule = ()
+        return ()
+    return FSDPModule
+
+
+def _sharding_problem(layers) -> Optional[str]:
+    """Why the layers' parameters cannot serve a segment's rebuild, which re-runs layer
+    forwards inside another layer's backward (None when they can): DeepSpeed ZeRO-3, FSDP (1)
+    and parameters sharded by a module other than the layer itself release or hold them in
+    ways the rebuild does not gather. A layer that is itself an FSDP2 module (``fully_shard``
+    on each decoder layer) is gathered by the rebuild (``_fsdp2_gather``)."""
+    FSDPModule = _fsdp2_module()
     for idx, layer in enumerate(layers):
-        if isinstance(layer, FSDPModule) or any(
-                c.__name__ == "FullyShardedDataParallel" for c in type(layer).__mro__):
-            return f"decoder layer {idx} is sharded by FSDP"
+        if any(c.__name__ == "FullyShardedDataParallel" for c in type(layer).__mro__):
+            return f"decoder layer {idx} is wrapped by FSDP (1); FSDP2's fully_shard on each " \
+                "decoder layer is supported"
+        own = isinstance(layer, FSDPModule)
+        inner = [name for name, mod in layer.named_modules()
+                 if name and isinstance(mod, FSDPModule)]
+        if inner:
+            return f"decoder layer {idx} has modules sharded by FSDP2 of their own " \
+                f"({inner[0]!r}); fully_shard the whole decoder layer instead"
         for p in layer.parameters():
             if zero.is_zero3_param(p):
                 return f"decoder layer {idx}'s parameters are partitioned by DeepSpeed ZeRO-3"
-            if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == \
-                    "DTensor":
-                return f"decoder layer {idx}'s parameters are DTensors (FSDP2 or tensor " \
-                    "parallelism)"
+            if not own and (type(p).__name__ == "DTensor" or
+                            type(getattr(p, "data", None)).__name__ == "DTensor"):
+                return f"decoder layer {idx}'s parameters are DTensors sharded by a module " \
+                    "other than the layer (FSDP2 on an outer module only, or tensor " \
+                    "parallelism); with FSDP2, fully_shard each decoder layer"
     return None
+
+
+def _fsdp2_gather(layer: nn.Module) -> Optional[Callable]:
+    """For a decoder layer that is an FSDP2 module, a function returning a context that gathers
+    its parameters (``unshard``) for a segment's replay of its forward and releases them
+    (``reshard``) after, unless they were gathered already (FSDP2's backward prefetch, or the
+    layer's own backward): those stay for the layer's backward. None for other layers.
+
+    The replay reads the parameter tensors the forward read, which FSDP2 fills again in place
+    when it gathers (as it does for any saved weight's backward); checked here."""
+    if not isinstance(layer, _fsdp2_module()):
+        return None
+    read = list(layer.parameters())  # the unsharded parameters of this forward
+
+    @contextlib.contextmanager
+    def gathered():
+        groups = list(layer._get_fsdp_state()._fsdp_param_groups)
+        held = all(g.is_unsharded or getattr(g, "_all_gather_result", None) is not None
+                   for g in groups)
+        layer.unshard()
+        try:
+            now = list(layer.parameters())
+            if len(now) != len(read) or any(a is not b for a, b in zip(read, now)):
+                raise RuntimeError(
+                    "ckpt_ext segments: FSDP2 gathered other parameter tensors than the "
+                    "forward read for a segment's rebuild; patch the model with "
+                    "segment_layers=1")
+            yield
+        finally:
+            if not held:
+                layer.reshard()
+    return gathered
 
 
 def _check_segments(k: int, presets: List[str], layers, config, sequence_parallel) -> None:
@@ -1303,11 +1351,14 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     HF's forward, or the model did something in between) starts a new segment. With
     ``sequence_parallel`` the rebuild runs the layers' exchanges on every rank in the same
     order; with bitsandbytes (QLoRA) projections the rebuild dequantizes each layer's weights
-    again for its forward and frees them after it (one layer's at a time). Not built with
-    k > 1 (PatchRefused naming what to use): ``policy="auto"`` (which picks k itself with
-    offload, above) and presets other than the fused ones, DeepSpeed ZeRO-3, FSDP / DTensor
-    parameters and Qwen3-VL; a forward under
-    ``torch.compile`` or in DeepSpeed Ulysses' group raises NotImplementedError.
+    again for its forward and frees them after it (one layer's at a time); with FSDP2's
+    ``fully_shard`` on each decoder layer the rebuild gathers each replayed layer's parameters
+    for its replay and releases them after it (unless FSDP2 is already gathering them for
+    that layer's backward). Not built with k > 1 (PatchRefused naming what to use):
+    ``policy="auto"`` (which picks k itself with offload, above) and presets other than the
+    fused ones, DeepSpeed ZeRO-3, FSDP (1), FSDP2 on a module around the layers only,
+    tensor-parallel DTensor parameters and Qwen3-VL; a forward under ``torch.compile`` or in
+    DeepSpeed Ulysses' group raises NotImplementedError.
 
     The fused layers' token chunks: unless ``chunk_bytes`` is pinned
     (``CKPT_EXT_CHUNK_BYTES``, or ``ckpt_ext.config.patch`` / ``update``), at each training
