@@ -108,12 +108,15 @@ def _cpu_session():
 
 
 def _close_session(session) -> None:
-    """Stop ``session`` and add its CPU memory events, in time order, to every open meter."""
+    """Stop ``session`` and add its CPU memory events, in time order, to every open meter.
+    Events of the same timestamp (an allocation freed at once can share one) count their
+    allocations before their frees: a block exists before it is freed, so the peak is never
+    read below what was allocated."""
     session.stop()
-    events = [(e.start_ns(), i, e.nbytes())
+    events = [(e.start_ns(), e.nbytes() < 0, i, e.nbytes())
               for i, e in enumerate(session.profiler.kineto_results.events())
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    for _, _, nbytes in sorted(events):
+    for *_, nbytes in sorted(events):
         for meter in _open_meters:
             meter.add(nbytes)
 

@@ -1,5 +1,6 @@
 """saved_activation_bytes and peak_memory_bytes on cases whose answer is computed by hand."""
 import random
+import types
 
 import pytest
 import torch
@@ -214,3 +215,37 @@ def test_a_running_profiler_of_the_callers_survives_a_refusal():
         assert torch.autograd._profiler_enabled()
         torch.mm(torch.ones(3, 3), torch.ones(3, 3))  # recorded by the caller's profiler
     assert any(e.name == "aten::mm" for e in prof.events())
+
+
+def test_cpu_events_of_one_timestamp_count_allocations_first(monkeypatch):
+    """A block allocated and freed at once can get one timestamp for both events, listed in
+    either order: the allocation counts first, so the meter sees the block (not a dip below
+    zero and back)."""
+    from ckpt_ext import memory
+
+    class Event:
+        def __init__(self, ns, nbytes):
+            self.ns, self.n = ns, nbytes
+
+        def name(self):
+            return "[memory]"
+
+        def device_type(self):
+            return torch.autograd.DeviceType.CPU
+
+        def start_ns(self):
+            return self.ns
+
+        def nbytes(self):
+            return self.n
+
+    n = _fresh_bytes(8)
+    events = [Event(5, 100), Event(7, -n), Event(7, n), Event(9, -100)]  # the free listed first
+    session = types.SimpleNamespace(
+        stop=lambda: None,
+        profiler=types.SimpleNamespace(kineto_results=types.SimpleNamespace(
+            events=lambda: events)))
+    meter = memory._CpuMeter()
+    monkeypatch.setattr(memory, "_open_meters", [meter])
+    memory._close_session(session)
+    assert meter.peak == 100 + n and meter.total == 0
