@@ -87,9 +87,10 @@ class _CpuMeter:
     def __init__(self):
         self.total = self.peak = 0
 
-    def add(self, nbytes: int) -> None:
-        self.total += nbytes
-        self.peak = max(self.peak, self.total)
+    def add_session(self, peak: int, change: int) -> None:
+        """Fold in one profiler session: its peak and its net change, both above its start."""
+        self.peak = max(self.peak, self.total + peak)
+        self.total += change
 
 
 # The CPU measurements in progress, outermost first. torch.profiler runs one session per
@@ -100,35 +101,79 @@ _open_meters: list = []
 _meter_lock = threading.Lock()
 
 
-def _cpu_session():
-    from torch.profiler import ProfilerActivity, profile
-    session = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    session.start()
-    return session
+class _CpuSession:
+    """A torch profiler session that records the CPU allocator's events, bracketed by a
+    one-byte probe: allocated just after the session starts, freed just before it stops.
+
+    Each allocation event carries the allocator's running total after it
+    (``total_allocated``, updated under the allocator's lock), which orders the events
+    exactly; their timestamps do not (two events close together can share one or come out
+    swapped when a thread moves between cores). The probe's two events pin down the total at
+    the session's start and end, and the peak is the highest total between them."""
+
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
+        self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profile.start()
+        self.probe = torch.empty(1, dtype=torch.uint8)
+
+    def close(self) -> tuple[int, int]:
+        """Stop the session: (its peak, its net change), in bytes above its start."""
+        ptr = self.probe.data_ptr()
+        del self.probe
+        self.profile.stop()
+        return _session_bytes(_cpu_allocations(self.profile), ptr)
 
 
-def _close_session(session) -> None:
-    """Stop ``session`` and add its CPU memory events, in time order, to every open meter.
-    Events of the same timestamp (an allocation freed at once can share one) count their
-    allocations before their frees: a block exists before it is freed, so the peak is never
-    read below what was allocated."""
-    session.stop()
-    events = [(e.start_ns(), e.nbytes() < 0, i, e.nbytes())
-              for i, e in enumerate(session.profiler.kineto_results.events())
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    for *_, nbytes in sorted(events):
-        for meter in _open_meters:
-            meter.add(nbytes)
+def _cpu_allocations(profile) -> list:
+    """The CPU allocator events of a stopped profiler session, each as
+    (timestamp, address, bytes: negative for a free, allocator total after it)."""
+    from torch._C._profiler import _EventType
+    found, stack = [], list(profile.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            f = event.extra_fields
+            if f.device.type == "cpu":
+                found.append((event.start_time_ns, f.ptr, f.alloc_size, f.total_allocated))
+    return sorted(found)
+
+
+def _session_bytes(allocations: list, probe_ptr: int) -> tuple[int, int]:
+    """(peak, net change) above the start of a session whose allocator events are
+    ``allocations`` and whose probe (one byte) lives at ``probe_ptr``."""
+    opened = next((total for _, ptr, n, total in allocations if ptr == probe_ptr and n == 1),
+                  None)
+    closed = next((total for _, ptr, n, total in allocations if ptr == probe_ptr and n == -1),
+                  None)
+    if opened is None or closed is None:
+        raise RuntimeError(
+            "peak_memory_bytes: the torch profiler recorded no CPU allocator events for this "
+            "call (profile_memory=True records them in every torch build this library "
+            "supports); the CPU peak cannot be read")
+    # `opened` counts the probe; every event between the probe's two holds it too.
+    highest = max((total for _, ptr, n, total in allocations
+                   if not (ptr == probe_ptr and abs(n) == 1)), default=opened)
+    return max(0, highest - opened), closed - (opened - 1)
 
 
 _session = None  # the profiler session of the open meters (None when there are none)
 
 
+def _close_session(session: _CpuSession) -> None:
+    """Stop ``session`` and fold its peak and net change into every open meter."""
+    peak, change = session.close()
+    for meter in _open_meters:
+        meter.add_session(peak, change)
+
+
 def _cpu_peak(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, int]:
     """(fn's result, peak CPU bytes above the start), from the CPU allocator's reports that
-    ``torch.profiler`` records as memory events: each allocation and free, in time order,
-    moves a running total, whose maximum is the peak. Memory freed that was allocated before
-    the call counts as negative. Calls nest (see ``_open_meters``); a profiler that someone
+    ``torch.profiler`` records as memory events: each allocation and free carries the
+    allocator's running total after it, and the peak is the highest total less the total at
+    the start (see ``_CpuSession``). Memory freed that was allocated before the call counts
+    as negative. Calls nest (see ``_open_meters``); a profiler that someone
     else started is left running and the call is refused (it would have to end that one)."""
     global _session
     with _meter_lock:
@@ -142,14 +187,14 @@ def _cpu_peak(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, int]:
             _close_session(_session)
         meter = _CpuMeter()
         _open_meters.append(meter)
-        _session = _cpu_session()
+        _session = _CpuSession()
     try:
         out = fn(*args, **kwargs)
     finally:
         with _meter_lock:
             _close_session(_session)
             _open_meters.remove(meter)
-            _session = _cpu_session() if _open_meters else None
+            _session = _CpuSession() if _open_meters else None
     return out, meter.peak
 
 
@@ -202,7 +247,8 @@ def peak_memory_bytes(fn: Callable, *args: Any, **kwargs: Any) -> int:
       other reader too), ``torch.cuda.max_memory_allocated`` after it, less the start. Calls
       nest: an inner call's reset keeps the outer call's peak so far.
     * CPU: the CPU allocator's reports of each allocation and free, recorded by
-      ``torch.profiler.profile(profile_memory=True)`` around the call, summed in time order.
+      ``torch.profiler.profile(profile_memory=True)`` around the call: each report carries
+      the allocator's running total, whose highest value less the start is the peak.
       The profiler records every operator too, which slows the call down: do not time it.
       It counts allocations of torch's CPU allocator (every CPU tensor), from all threads.
       The profiler cannot size a block allocated before it started, so on CPU a free of

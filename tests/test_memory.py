@@ -1,6 +1,5 @@
 """saved_activation_bytes and peak_memory_bytes on cases whose answer is computed by hand."""
 import random
-import types
 
 import pytest
 import torch
@@ -217,35 +216,36 @@ def test_a_running_profiler_of_the_callers_survives_a_refusal():
     assert any(e.name == "aten::mm" for e in prof.events())
 
 
-def test_cpu_events_of_one_timestamp_count_allocations_first(monkeypatch):
-    """A block allocated and freed at once can get one timestamp for both events, listed in
-    either order: the allocation counts first, so the meter sees the block (not a dip below
-    zero and back)."""
+@pytest.mark.parametrize("stamps", ["same", "swapped"])
+def test_cpu_peak_follows_the_allocator_total_not_timestamps(stamps):
+    """A block allocated and freed at once can get one timestamp for both events, or the free
+    an earlier one (a thread that moved between cores): the peak follows the allocator's
+    running total that each event carries, so the meter still sees the block."""
     from ckpt_ext import memory
 
-    class Event:
-        def __init__(self, ns, nbytes):
-            self.ns, self.n = ns, nbytes
+    n, base, probe = _fresh_bytes(8), _rng.randrange(1, 1 << 30), 0x1000
+    free_at = 7 if stamps == "same" else 6
+    # (timestamp, address, bytes, allocator total after the event), listed in timestamp order
+    events = sorted([(1, probe, 1, base + 1), (5, 0x2000, 100, base + 101),
+                     (7, 0x3000, n, base + 101 + n), (free_at, 0x3000, -n, base + 101),
+                     (9, 0x2000, -100, base + 1), (10, 0x4000, 40, base + 41),
+                     (11, probe, -1, base + 40)])
+    assert memory._session_bytes(events, probe) == (100 + n, 40)
+    # A running sum in the listed order (the free first) would miss the block.
+    total = peak = 0
+    for *_, nbytes, _ in events:
+        total += nbytes
+        peak = max(peak, total)
+    assert peak < 100 + n
 
-        def name(self):
-            return "[memory]"
 
-        def device_type(self):
-            return torch.autograd.DeviceType.CPU
+def test_cpu_meter_folds_sessions_in_order():
+    from ckpt_ext import memory
 
-        def start_ns(self):
-            return self.ns
-
-        def nbytes(self):
-            return self.n
-
-    n = _fresh_bytes(8)
-    events = [Event(5, 100), Event(7, -n), Event(7, n), Event(9, -100)]  # the free listed first
-    session = types.SimpleNamespace(
-        stop=lambda: None,
-        profiler=types.SimpleNamespace(kineto_results=types.SimpleNamespace(
-            events=lambda: events)))
     meter = memory._CpuMeter()
-    monkeypatch.setattr(memory, "_open_meters", [meter])
-    memory._close_session(session)
-    assert meter.peak == 100 + n and meter.total == 0
+    meter.add_session(peak=50, change=30)
+    meter.add_session(peak=10, change=-20)
+    meter.add_session(peak=25, change=0)
+    assert (meter.peak, meter.total) == (50, 10)
+    meter.add_session(peak=45, change=5)
+    assert (meter.peak, meter.total) == (55, 15)
