@@ -23,6 +23,19 @@ residuals for backward. With ``offload="cpu"`` (``ckpt_ext.modules.DecoderLayer`
   whose saved tensors (counted from the op's fakes before it runs) would pass it keeps them all
   on the device (:func:`admits`, the rule ``ckpt_ext.plan.offload_split`` reads too).
 
+* **streamed inputs** (``stream=True``): a ``min_memory`` layer call saves its input alone
+  (and, for an MoE layer, its routing). Its input then stays in host memory through the
+  backward: the unpack hands the layer's C++ backward the host copy itself, and the backward
+  copies it to the device a token chunk at a time as its walk reads it (twice: once for the
+  keys, once for the queries; the copies run on the compute stream, which first waits for the
+  forward's copy out). The device holds no pool slot for it, one chunk at a time instead: what
+  lets a layer's backward at a million tokens and more leave the device its whole-sequence
+  gradients, keys and sums (``ckpt_ext.plan.offload_step_peak(..., stream=True)``). Other
+  calls (other presets, sequence parallelism, an MLP-only part) use the pool as before. With
+  segments (``ckpt_ext.segments``) a segment's rebuilt inputs go to host memory as well.
+  The price: the copies are not overlapped with compute; at the lengths where the pool is
+  what does not fit, each chunk's attention takes far longer than its copy.
+
 On a CPU-only machine the same code runs with the CPU as the "device": the host pool and the
 device pool are separate allocations and the copies are synchronous.
 """
@@ -65,16 +78,18 @@ def _round(n: int) -> int:
 
 
 class _Entry:
-    """One offloaded tensor: its host copy and, once fetched, its device copy."""
+    """One offloaded tensor: its host copy and, once fetched, its device copy; a streamed
+    entry is never fetched (``packed``: on CUDA the event after its copy out)."""
     __slots__ = ("group", "host", "buf", "key", "nbytes", "size", "stride", "dtype", "device",
-                 "offset", "dev", "__weakref__")
+                 "offset", "dev", "streamed", "packed", "__weakref__")
 
-    def __init__(self, group, host, buf, key, t: Tensor):
+    def __init__(self, group, host, buf, key, t: Tensor, streamed: bool = False):
         self.group, self.host, self.buf, self.key = group, host, buf, key
         self.nbytes = t.numel() * t.element_size()
         self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
         self.offset = 0
         self.dev: Optional[Tensor] = None
+        self.streamed, self.packed = streamed, None
 
 
 class _Handle:
@@ -114,7 +129,9 @@ class Offloader:
 
     ``device``: where the layers compute (a CUDA device, or ``"cpu"`` for the CPU path);
     ``limit``: the most host bytes held at once (None: no cap); ``prefetch``: how many layers
-    ahead of the one running backward to copy back (1 or more).
+    ahead of the one running backward to copy back (1 or more); ``stream``: ``min_memory``
+    layer inputs stay in host memory through the backward, which reads them a token chunk at
+    a time (see the module's docstring).
 
     ``stats()`` reports the pools; with ``record=True``, ``events`` lists in order
     ``("pack", call)`` at a layer call's first offloaded tensor, ``("backward", call)`` at the
@@ -122,7 +139,8 @@ class Offloader:
     when its copy back is started (calls are numbered in forward order).
     """
 
-    def __init__(self, limit: Optional[int] = None, *, prefetch: int = 1, record: bool = False):
+    def __init__(self, limit: Optional[int] = None, *, prefetch: int = 1, stream: bool = False,
+                 record: bool = False):
         if limit is not None:
             if isinstance(limit, bool) or not isinstance(limit, int):
                 raise TypeError(f"offload_limit must be an int number of bytes or None, got "
@@ -131,7 +149,9 @@ class Offloader:
                 raise ValueError(f"offload_limit must be >= 0 bytes, got {limit}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"offload prefetch must be an int >= 1, got {prefetch!r}")
-        self.limit, self.prefetch, self.record = limit, prefetch, record
+        if not isinstance(stream, bool):
+            raise TypeError(f"offload stream must be True or False, got {stream!r}")
+        self.limit, self.prefetch, self.stream, self.record = limit, prefetch, stream, record
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._groups: "dict[int, _Group]" = {}     # alive groups in call order
@@ -147,7 +167,7 @@ class Offloader:
     def __reduce__(self):
         # A copy (deepcopy, pickle) gets empty pools of its own: buffers, streams and the
         # lock are not copied.
-        return (_new_offloader, (self.limit, self.prefetch, self.record))
+        return (_new_offloader, (self.limit, self.prefetch, self.record, self.stream))
 
     # ---- pools ----------------------------------------------------------------------------
 
@@ -189,7 +209,8 @@ class Offloader:
 
     # ---- hooks ----------------------------------------------------------------------------
 
-    def _pack(self, group: _Group, keep: Iterable[Tensor], t: Tensor):
+    def _pack(self, group: _Group, keep: Iterable[Tensor], t: Tensor,
+              streamed: Optional[Tensor] = None):
         if any(t is k for k in keep) or isinstance(t, torch.nn.Parameter) or group.full:
             return t
         if not t.is_floating_point() or t.layout != torch.strided or t.numel() == 0:
@@ -212,15 +233,19 @@ class Offloader:
                 if self.record:
                     self.events.append(("pack", group.gid))
             host = buf.view(src.dtype).as_strided(src.size(), src.stride())
-            entry = _Entry(group, host, buf, (nbytes, cuda), src)
+            entry = _Entry(group, host, buf, (nbytes, cuda), src, streamed=t is streamed)
             group.entries.append(entry)
             group.live += 1
-            group.nbytes += _round(nbytes)
+            if not entry.streamed:
+                group.nbytes += _round(nbytes)
         if cuda:
             side = self._side(src.device)
             side.wait_stream(torch.cuda.current_stream(src.device))
             with torch.cuda.stream(side):
                 host.copy_(src, non_blocking=True)
+                if entry.streamed:
+                    entry.packed = torch.cuda.Event()
+                    entry.packed.record(side)
             src.record_stream(side)
         else:
             host.copy_(src)
@@ -241,6 +266,11 @@ class Offloader:
             self._prefetch_before(group)
             dev = entry.dev
             ready = group.ready
+            if entry.streamed:   # the host copy itself, once its copy out is done
+                dev, ready = entry.host, entry.packed
+                if ready is not None:
+                    torch.cuda.current_stream(entry.device).wait_event(ready)
+                return dev
         if ready is not None:
             torch.cuda.current_stream(dev.device).wait_event(ready)
         return dev
@@ -253,8 +283,15 @@ class Offloader:
                 self._fetch(g, "prefetch")
 
     def _fetch(self, group: _Group, why: str) -> None:
-        """Copy a group's tensors into a free device slot (holding the lock)."""
-        first = group.entries[0]
+        """Copy a group's tensors, but for streamed ones, into a free device slot (holding the
+        lock)."""
+        if self.record:
+            self.events.append((why, group.gid))
+        entries = [e for e in group.entries if not e.streamed]
+        if not entries:          # streamed alone: nothing comes back
+            group.fetched = True
+            return
+        first = entries[0]
         device = first.device
         slot = None
         for s in self._slots:
@@ -269,11 +306,9 @@ class Offloader:
             slot.free_event = None
         slot.owner = group
         group.slot = slot
-        if self.record:
-            self.events.append((why, group.gid))
         offset = 0
         views = []
-        for e in group.entries:
+        for e in entries:
             e.offset = offset
             views.append(slot.buf[offset:offset + e.nbytes].view(e.dtype)
                          .as_strided(e.size, e.stride))
@@ -284,7 +319,7 @@ class Offloader:
                 side.wait_event(slot.free_event)
                 slot.free_event = None
             with torch.cuda.stream(side):
-                for e, v in zip(group.entries, views):
+                for e, v in zip(entries, views):
                     v.copy_(e.host, non_blocking=True)
                     e.dev = v
                 ev = torch.cuda.Event()
@@ -292,7 +327,7 @@ class Offloader:
             slot.buf.record_stream(side)
             group.ready = ev
         else:
-            for e, v in zip(group.entries, views):
+            for e, v in zip(entries, views):
                 v.copy_(e.host)
                 e.dev = v
         group.fetched = True
@@ -304,7 +339,7 @@ class Offloader:
                 return
             self._free_host.setdefault(entry.key, []).append(entry.buf)
             self._host_in_use -= entry.buf.numel()
-            entry.buf = entry.host = entry.dev = None
+            entry.buf = entry.host = entry.dev = entry.packed = None
             group.live -= 1
             if group.live == 0:
                 self._groups.pop(group.gid, None)
@@ -319,22 +354,42 @@ class Offloader:
 
     # ---- calling a layer ------------------------------------------------------------------
 
-    def hooks(self, keep: Iterable[Tensor], nbytes: Optional[int] = None):
+    def hooks(self, keep: Iterable[Tensor], nbytes: Optional[int] = None,
+              streamed: Optional[Tensor] = None):
         """The saved-tensor hooks for one layer call; ``keep``: tensors that stay where they are
         (weights and the inputs all layers share); ``nbytes``: what the call will save, if
-        known (the limit then keeps or moves the call's tensors together)."""
-        return torch.autograd.graph.saved_tensors_hooks(*self.pack_unpack(keep, nbytes))
+        known (the limit then keeps or moves the call's tensors together); ``streamed``: the
+        call's input when it is to stay in host memory through the backward (``streams``)."""
+        return torch.autograd.graph.saved_tensors_hooks(
+            *self.pack_unpack(keep, nbytes, streamed))
 
-    def pack_unpack(self, keep: Iterable[Tensor], nbytes: Optional[int] = None):
+    def pack_unpack(self, keep: Iterable[Tensor], nbytes: Optional[int] = None,
+                    streamed: Optional[Tensor] = None):
         """The ``(pack, unpack)`` pair that ``hooks`` installs, for a caller that puts its own
         saved-tensor hooks around them (``ckpt_ext.segments``)."""
         group = _Group(next(self._ids), nbytes)
         keep = [k for k in keep if isinstance(k, Tensor)]
-        return (lambda t: self._pack(group, keep, t)), self._unpack
+        return (lambda t: self._pack(group, keep, t, streamed)), self._unpack
+
+    def streams(self, options) -> bool:
+        """Whether a fused layer call with these ``LayerOptions`` leaves its input in host
+        memory through the backward: with ``stream=True``, a ``min_memory`` call of an
+        attention layer without sequence parallelism (the backward that reads its input a
+        chunk at a time)."""
+        return self.stream and options.preset == "min_memory" and options.part != "mlp" and \
+            not options.sequence_parallel
+
+    def hold(self, t: Tensor):
+        """``t`` moved to host memory for a backward to read as a streamed input (a segment's
+        rebuilt input): (the host tensor, a handle that keeps it until dropped); past the
+        limit, (``t``, None): it stays where it is."""
+        pack, unpack = self.pack_unpack((), t.numel() * t.element_size(), t)
+        handle = pack(t)
+        return unpack(handle), (handle if isinstance(handle, _Handle) else None)
 
 
-def _new_offloader(limit, prefetch, record) -> Offloader:
-    return Offloader(limit, prefetch=prefetch, record=record)
+def _new_offloader(limit, prefetch, record, stream=False) -> Offloader:
+    return Offloader(limit, prefetch=prefetch, record=record, stream=stream)
 
 
 _COMPILE_WARNED: set = set()
@@ -365,17 +420,24 @@ def default_offloader() -> Offloader:
 
 
 def resolve(offload, offload_limit=None, what: str = "offload", *,
-            shared: bool = False) -> Optional[Offloader]:
+            shared: bool = False, stream: bool = False) -> Optional[Offloader]:
     """``offload`` (None, "cpu" or an Offloader) and ``offload_limit`` (bytes, a string such as
     "64GiB", or None) checked; the Offloader to use, or None. ``shared``: "cpu" without a cap
-    gives the process-wide ``default_offloader()`` instead of a new one."""
+    gives the process-wide ``default_offloader()`` instead of a new one. ``stream``
+    (``{what}_stream``): the Offloader's ``stream`` (streamed ``min_memory`` inputs)."""
+    if not isinstance(stream, bool):
+        raise TypeError(f"{what}_stream must be True or False, got {stream!r}")
     if offload_limit is not None and offload is None:
         raise ValueError(f"{what}_limit applies with {what}='cpu' only, got {what}=None")
+    if stream and offload is None:
+        raise ValueError(f"{what}_stream applies with {what}='cpu' only, got {what}=None")
     if offload is None:
         return None
     if isinstance(offload, Offloader):
         if offload_limit is not None:
             raise ValueError(f"{what}_limit: give the cap to the Offloader itself")
+        if stream:
+            raise ValueError(f"{what}_stream: give stream=True to the Offloader itself")
         return offload
     if offload not in OFFLOAD_TARGETS:
         raise ValueError(f"{what} must be None, 'cpu' (host memory) or a "
@@ -383,7 +445,9 @@ def resolve(offload, offload_limit=None, what: str = "offload", *,
     if offload_limit is not None:
         from .config import parse_bytes
         offload_limit = parse_bytes(offload_limit, f"{what}_limit")
-        return Offloader(offload_limit)
+        return Offloader(offload_limit, stream=stream)
+    if stream:
+        return Offloader(stream=True)
     return default_offloader() if shared else Offloader()
 
 
@@ -403,7 +467,7 @@ def offloaded(offloader: Optional[Offloader], fn, x: Tensor, keep: Iterable[Tens
                            "offload='cpu' (its copies and events are host-driven); capture the "
                            "model with offload=None")
     nbytes = _layer_saved_bytes(x, options) if offloader.limit is not None else None
-    with offloader.hooks(keep, nbytes):
+    with offloader.hooks(keep, nbytes, x if offloader.streams(options) else None):
         return fn(x, options)
 
 

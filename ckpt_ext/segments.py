@@ -39,8 +39,15 @@ layers, or a layer that runs HF's forward instead of the fused op, starts a new 
 rebuilt inputs are therefore the very values the forward computed (the op is deterministic on
 the CPU), and the gradients equal those of one-layer segments bit for bit.
 
+* **streamed inputs** (an offloader with ``stream=True``, ``min_memory``): the segment's first
+  input stays in host memory (``ckpt_ext.offload``); the rebuild copies it to the device for
+  its replay, and each rebuilt input goes to host memory as it is made (through the
+  offloader, within its limit; past it, it stays on the device), held there until its layer's
+  backward, which reads it a token chunk at a time, ends.
+
 The cost: k - 1 more layer forwards per segment of k layers in backward, and, while a segment's
-backward runs, up to k - 1 rebuilt layer inputs on the device beside the layer's own backward.
+backward runs, up to k - 1 rebuilt layer inputs on the device beside the layer's own backward
+(in host memory with streamed inputs).
 """
 from __future__ import annotations
 
@@ -119,21 +126,25 @@ class Segment:
         self.first = None            # the first layer's packed input (a tensor or a handle);
         # set by the first layer's pack (a segment whose first call saved nothing ends there)
         self.unpack_first: Optional[Callable] = None
-        self.inputs: dict = {}       # place in the segment -> rebuilt input
+        self.inputs: dict = {}       # place in the segment -> (rebuilt input, what holds it)
         self.rebuilds = 0
+        # streamed inputs: the offloader's hold (a rebuilt input -> (host copy, its handle))
+        self.hold: Optional[Callable] = None
 
-    def input_of(self, place: int) -> Tensor:
-        """The input of the segment's layer at ``place``: the first layer's as the rebuild
-        unpacked it (or unpacked now), a later layer's rebuilt if not held; the segment lets
-        go of it."""
-        x = self.inputs.pop(place, None)
+    def input_of(self, place: int):
+        """The input of the segment's layer at ``place`` and what keeps it valid while that
+        layer's backward reads it (a host buffer's handle, or None): the first layer's as the
+        rebuild unpacked it (or unpacked now), a later layer's rebuilt if not held; the
+        segment lets go of it."""
+        got = self.inputs.pop(place, None)
         if place == 0:  # the first layer's: as the rebuild unpacked it, or its own unpack
-            return x if x is not None else (
-                self.first if self.unpack_first is None else self.unpack_first(self.first))
-        if x is None:
+            return got if got is not None else (
+                self.first if self.unpack_first is None else self.unpack_first(self.first),
+                None)
+        if got is None:
             self._rebuild(place)
-            x = self.inputs.pop(place)
-        return x
+            got = self.inputs.pop(place)
+        return got
 
     def prepare(self, place: int) -> None:
         """Rebuild the inputs up to ``place`` now if the segment does not hold that input (the
@@ -146,12 +157,15 @@ class Segment:
         x = self.first if self.unpack_first is None else self.unpack_first(self.first)
         # the first layer's backward takes its input from here: its packed input is unpacked
         # once (hooks around the call, torch.utils.checkpoint's among them, allow no more)
-        self.inputs[0] = x
-        devices = [x.device] if x.is_cuda else []
+        self.inputs[0] = (x, None)
+        device = self.calls[0].device
+        if x.device != device:   # a streamed input, in host memory: the replay's copy
+            x = x.to(device, non_blocking=True)
+        devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             for place in range(1, upto + 1):
                 x = self.calls[place - 1].run(x)
-                self.inputs[place] = x
+                self.inputs[place] = (x, None) if self.hold is None else self.hold(x)
         self.rebuilds += 1
 
 
@@ -159,10 +173,10 @@ class _Placeholder:
     """What autograd holds in place of the input of a segment's layer: for the first, a
     reference to the segment, which holds the input as the first layer's hooks packed it
     (``Segment.first``); for layers 2..k, nothing of it."""
-    __slots__ = ("segment", "place")
+    __slots__ = ("segment", "place", "held")
 
     def __init__(self, segment: Segment, place: int):
-        self.segment, self.place = segment, place
+        self.segment, self.place, self.held = segment, place, None
 
 
 class Chain:
@@ -245,7 +259,10 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
             nbytes = _layer_saved_bytes(x, options)
             if place:  # its input is not saved
                 nbytes -= x.numel() * x.element_size()
-        inner_pack, inner_unpack = offloader.pack_unpack(keep, nbytes)
+        streams = offloader.streams(options)
+        inner_pack, inner_unpack = offloader.pack_unpack(keep, nbytes, x if streams else None)
+        if not place and streams:
+            seg.hold = offloader.hold
 
     # the input, for the pack hook to recognise; emptied after the call, since autograd keeps
     # the hooks of what was packed, and a placeholder must not keep the input alive
@@ -261,7 +278,10 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
 
     def unpack(packed):
         if isinstance(packed, _Placeholder):
-            return packed.segment.input_of(packed.place)
+            # autograd holds the placeholder until the layer's backward ends, and with it
+            # what keeps the input valid (a streamed input's host buffer)
+            x, packed.held = packed.segment.input_of(packed.place)
+            return x
         return packed if inner_unpack is None else inner_unpack(packed)
 
     try:

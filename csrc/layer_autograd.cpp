@@ -99,9 +99,12 @@ struct DecoderLayerFn : public torch::autograd::Function<DecoderLayerFn> {
     for (int64_t j = 0; j < n; ++j)
       needs.set(present[j], ctx->needs_input_grad(1 + j) && uses_slot(part, present[j]));
     const at::Tensor& x = v[kSavedX];
-    const at::Tensor dy = grad_outputs[0].defined()
-                              ? grad_outputs[0]
-                              : at::zeros_like(x, at::MemoryFormat::Contiguous);
+    // x may be in host memory (offload's streamed inputs): a missing dy is zeros on the
+    // device the layer computes on, its weights'.
+    const at::Tensor dy =
+        grad_outputs[0].defined()
+            ? grad_outputs[0]
+            : at::zeros(x.sizes(), x.options().device(n ? w[0].device() : x.device()));
     const OptTensor dlogits =
         (o.router_logits || o.router_stats) && grad_outputs[1].defined()
             ? OptTensor(grad_outputs[1])

@@ -25,7 +25,9 @@
 #include <ATen/ops/zeros_like.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
+#include <limits>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -1055,6 +1057,19 @@ struct Chunk {
 
 OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
+// The layer input as the backward reads it, a token chunk at a time: x itself, or, when the
+// input stayed in host memory (ckpt_ext.offload's streamed inputs), `host`, each chunk copied
+// to the device as the walk reads it (on the compute stream; from pinned memory the copy does
+// not block the host). x is then a stand-in with x's shape, dtype and device (one NaN,
+// expanded), for the sizes and options the backward reads: a read of its values would show.
+struct Input {
+  at::Tensor x, host;
+  at::Tensor of(const Chunk& c) const {
+    return host.defined() ? c.of(host).to(x.options(), /*non_blocking=*/true, /*copy=*/true)
+                          : c.of(x);
+  }
+};
+
 // Tokens per chunk of the attention sublayer or the whole layer: the byte cap
 // (csrc/chunking.h) over a chunk's per-token working set, at the compute width and at least
 // float32 (the CPU kernels' precision): the attention's q, out, dout and dq (4 Hq D) and,
@@ -1215,9 +1230,9 @@ void store_keys(Keys& keys, const Chunk& c, const Projected& p) {
 }
 
 // Every chunk's keys, before any query needs them.
-Keys project_keys(const at::Tensor& x, const Layer& L, const std::vector<Chunk>& cs) {
-  Keys keys = allocate_keys(x, L, L.qk_norm());
-  for (const Chunk& c : cs) store_keys(keys, c, project(c.of(x), L, c, Heads::kKeys));
+Keys project_keys(const Input& in, const Layer& L, const std::vector<Chunk>& cs) {
+  Keys keys = allocate_keys(in.x, L, L.qk_norm());
+  for (const Chunk& c : cs) store_keys(keys, c, project(in.of(c), L, c, Heads::kKeys));
   return keys;
 }
 
@@ -1332,7 +1347,7 @@ at::Tensor attention_layer_forward(const at::Tensor& x, const Layer& L, Residual
   Keys keys;
   at::Tensor vmean, y;
   if (keys_first) {
-    keys = project_keys(x, L, cs);
+    keys = project_keys(Input{x, {}}, L, cs);
     vmean = value_mean(L, keys.v);
   } else if (!one) {
     keys = allocate_keys(x, L, false);
@@ -1442,8 +1457,9 @@ at::Tensor input_norm_backward(const Layer& L, const at::Tensor& xc, const at::T
 // input norm's follow at once, and h and dh never exist beyond one chunk. Eager's empty rows
 // see every key, so with uniform_empty_rows (and more than one chunk) the keys wait for a
 // second walk, with the q side's share of dn and dh kept whole in between.
-Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
+Grads attention_layer_backward(const at::Tensor& dy, const Input& in, const Layer& L,
                                const Residuals& r, const std::vector<bool>& needs) {
+  const at::Tensor& x = in.x;  // with a streamed input, for sizes and options only
   const int64_t d = L.head_dim();
   const bool layer = L.part_id == Part::kLayer;
   const std::vector<Chunk> cs = layer_chunks(L, x);
@@ -1455,7 +1471,7 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
   if (r.k.defined()) {
     keys.k = r.k, keys.v = r.v;
   } else if (!one) {
-    keys = project_keys(x, L, cs);
+    keys = project_keys(in, L, cs);
   }
   at::Tensor dk_acc, dv_acc, dn_q;
   if (!one) {
@@ -1467,7 +1483,7 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
   if (L.uniform_empty_rows && keys.k.defined()) empty.emplace(L, keys.k, keys.v);
   for (auto it = cs.rbegin(); it != cs.rend(); ++it) {
     const Chunk& c = *it;
-    const at::Tensor xc = c.of(x), dyc = c.of(dy);
+    const at::Tensor xc = in.of(c), dyc = c.of(dy);
     // The queries (and, for the only chunk without kept keys, the keys): recomputed unless
     // kept, and for their per-head norms' inputs.
     Projected p;
@@ -1551,7 +1567,7 @@ Grads attention_layer_backward(const at::Tensor& dy, const at::Tensor& x, const 
   }
   if (deferred) {  // every empty row is in: the keys' whole gradients, chunk by chunk
     for (const Chunk& c : cs) {
-      const at::Tensor xc = c.of(x);
+      const at::Tensor xc = in.of(c);
       auto [dk_fix, dv_fix] = empty->key_fix(L, c, c.of(keys.v, 2));
       const at::Tensor dk = c.of(dk_acc, 2).add_(dk_fix).to(keys.k.scalar_type());
       const at::Tensor dv = c.of(dv_acc, 2).add_(dv_fix).to(keys.v.scalar_type());
@@ -1986,11 +2002,17 @@ at::Tensor layer_forward(const at::Tensor& x, const Layer& L, Residuals& r) {
   return attention_layer_forward(x, L, r);
 }
 
-Grads layer_backward(const at::Tensor& dy, const at::Tensor& x, const Layer& L,
+Grads layer_backward(const at::Tensor& dy, const Input& in, const Layer& L,
                      const Residuals& r, const std::vector<bool>& needs) {
+  // A streamed input is read chunk by chunk by the attention layer's walk; the other
+  // backwards read it whole, copied to the device here.
+  const at::Tensor x =
+      in.host.defined() && (L.part_id == Part::kMlp || !L.sequence_parallel.empty())
+          ? in.host.to(in.x.options(), /*non_blocking=*/true, /*copy=*/true)
+          : in.x;
   if (L.part_id != Part::kMlp && !L.sequence_parallel.empty())
     return sp_backward(dy, x, L, r, needs);
-  if (L.part_id != Part::kMlp) return attention_layer_backward(dy, x, L, r, needs);
+  if (L.part_id != Part::kMlp) return attention_layer_backward(dy, in, L, r, needs);
   Grads g(/*chunked=*/false);
   g.dx = mlp_backward(dy, x, L, r, needs, g, 0);
   return g;
@@ -2118,10 +2140,27 @@ FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS) {
   return {y, pack(r, L), logits_of(r)};
 }
 
-BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
+namespace {
+std::atomic<bool> streamed_input_check{false};
+}  // namespace
+
+void set_streamed_input_check(bool on) { streamed_input_check.store(on); }
+
+BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x_given LAYER_PARAMS,
                             at::TensorList saved, const c10::List<bool>& needs_grad,
                             const OptTensor& drouter_logits) {
   const char* op = "decoder_layer_bwd";
+  // The input may have stayed in host memory (ckpt_ext.offload's streamed inputs): on another
+  // device than dy, the device the layer computes on. The backward then reads it a chunk at a
+  // time (Input); x stands in for it (see Input). set_streamed_input_check(true) makes every
+  // call read its input so, copying chunks on one device too: the CPU tests' way to run it.
+  const bool streamed = x_given.defined() && dy.defined() && x_given.numel() > 0 &&
+                        (x_given.device() != dy.device() || streamed_input_check.load());
+  const at::Tensor x =
+      streamed ? at::empty({1}, x_given.options().device(dy.device()))
+                     .fill_(std::numeric_limits<double>::quiet_NaN())
+                     .expand(x_given.sizes())
+               : x_given;
   const Layer L = checked_layer(
       op, x, sequence_parallel,
       [&] { return make_layer(weights, LAYER_TENSORS_OF_PARAMS, LAYER_OPTIONS_OF_PARAMS, op); },
@@ -2156,7 +2195,8 @@ BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARA
                           "(B*S, num_experts): the forward's router_logits");
       r.drouter_logits = *drouter_logits;
     }
-    g = layer_backward(dy.to(x.scalar_type()), x, L, r, needs);
+    g = layer_backward(dy.to(x.scalar_type()), Input{x, streamed ? x_given : at::Tensor()}, L,
+                       r, needs);
     g.finish(L);
   }
   // Slots without a gradient come back as empty (0,) tensors (a Tensor[] holds no None), one

@@ -544,6 +544,9 @@ FwdResult decoder_layer_fwd(const at::Tensor& x LAYER_PARAMS);
 BwdResult decoder_layer_bwd(const at::Tensor& dy, const at::Tensor& x LAYER_PARAMS,
                             at::TensorList saved, const c10::List<bool>& needs_grad,
                             const OptTensor& drouter_logits);
+// Test hook: every decoder_layer_bwd reads its input as a streamed one (chunks copied), also
+// when it is on the layer's device (ckpt_ext._C.set_streamed_input_check).
+void set_streamed_input_check(bool on);
 
 }  // namespace layer
 }  // namespace ckpt_ext

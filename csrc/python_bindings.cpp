@@ -17,6 +17,9 @@ void bind_checkpoint(pybind11::module& m);
 std::vector<std::string> layer_weight_slots();
 std::vector<std::string> layer_residuals(const std::string& part, const std::string& preset,
                                          bool moe);
+namespace layer {
+void set_streamed_input_check(bool on);
+}
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,6 +30,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   ckpt_ext::bind_checkpoint(m);
+  m.def("set_streamed_input_check", &ckpt_ext::layer::set_streamed_input_check,
+        pybind11::arg("on"),
+        "Test hook: every fused layer backward reads its input as one streamed from host "
+        "memory (token chunks copied as the walk reads them, the input's stand-in a NaN), also "
+        "when the input is on the layer's device (the CPU tests' way to run that path)");
   m.def("layer_weight_slots", &ckpt_ext::layer_weight_slots,
         "The slot names of decoder_layer's weights list, in order");
   m.def("chunk_bytes", &ckpt_ext::chunking::chunk_bytes,

@@ -273,7 +273,10 @@ def test_rebuilt_inputs_are_the_ones_used(monkeypatch):
     ckpt_ext.patch_llama(model, "min_memory", segment_layers=2)
     want = step(ref, batch, seed)
     input_of = segments.Segment.input_of
-    monkeypatch.setattr(segments.Segment, "input_of", lambda seg, place: input_of(seg, place) * 1.5)
+    def changed_input(seg, place):
+        x, held = input_of(seg, place)
+        return x * 1.5, held
+    monkeypatch.setattr(segments.Segment, "input_of", changed_input)
     changed = step(model, batch, seed)
     assert torch.equal(changed[0], want[0])  # the forward is not touched
     assert not torch.equal(changed[1]["model.layers.1.self_attn.q_proj.weight"],
@@ -294,9 +297,9 @@ def test_each_rebuilt_input_is_freed_after_its_layers_backward(monkeypatch):
 
     def watched(seg, place):
         alive_at.append((place, [r() is not None for r in handed], len(seg.inputs)))
-        x = input_of(seg, place)
+        x, held = input_of(seg, place)
         handed.append(weakref.ref(x))
-        return x
+        return x, held
     monkeypatch.setattr(segments.Segment, "input_of", watched)
     step(model, batch_of("plain", seed), seed)
     assert [a[0] for a in alive_at] == [3, 2, 1, 0]

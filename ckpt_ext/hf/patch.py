@@ -1287,6 +1287,7 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
                 activation_budget: Optional[Union[int, str]] = None,
                 fuse_lm_head: bool = True, offload: Optional[str] = None,
                 offload_limit: Optional[Union[int, str]] = None,
+                offload_stream: bool = False,
                 host_link_gbytes_per_s: Optional[float] = None,
                 sequence_parallel=None, router_aux_loss: str = "exact",
                 segment_layers: int = 1) -> nn.Module:
@@ -1340,6 +1341,12 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     ``*ForCausalLM``; under ``sequence_parallel`` the statistics are summed over the group and
     each rank adds its share of the loss, calls without labels or grad included; "exact" is
     refused there).
+    ``offload_stream=True`` (with ``offload="cpu"``): a ``min_memory`` layer's input stays in
+    host memory through its backward, which copies it to the device a token chunk at a time,
+    instead of coming back whole into the device prefetch pool; a segment's rebuilt inputs go
+    to host memory too (``ckpt_ext.offload``; the plan's ``--offload-stream``). For the
+    longest sequences, where the pool is what does not fit: the copies are not overlapped
+    with compute. Not with ``policy="auto"`` (NotImplementedError: give ``"min_memory"``).
     ``segment_layers`` (an int >= 1, default 1: every layer keeps its own input): consecutive
     fused layers of a training forward grouped k at a time (``ckpt_ext.segments``): a segment
     keeps its first layer's input only (on the device, or offloaded with ``offload``; layers
@@ -1385,7 +1392,13 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     elif activation_budget is not None:
         raise ValueError("patch_llama: activation_budget applies to policy='auto' only, got "
                          f"policy={policy!r}")
-    offloader = resolve_offload(offload, offload_limit)
+    offloader = resolve_offload(offload, offload_limit, stream=offload_stream)
+    if offload_stream and policy == "auto":
+        raise NotImplementedError(
+            "patch_llama: offload_stream=True with policy='auto' is not built (auto's choice "
+            "counts the device prefetch pool that streaming removes); give "
+            "policy='min_memory' with the segment_layers that `python -m ckpt_ext.plan "
+            "--offload --offload-stream --segment-layers auto` prints")
     host_link = _host_link_default()
     if host_link_gbytes_per_s is not None:
         if policy != "auto" or offloader is None:
