@@ -225,3 +225,32 @@ def test_bad_arguments_are_refused():
         Offloader(stream="yes")
     copied = copy.deepcopy(Offloader(stream=True))
     assert copied.stream is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the input then lives in pinned host memory and "
+                           "the backward copies its chunks across (the CPU runs the same code "
+                           "on one device, above)")
+def test_cuda_streamed_inputs_match_the_device_run(restore_chunks):
+    """fp32 on CUDA: min_memory with streamed inputs (pinned host buffers, chunks copied on
+    the compute stream) in segments of 2, chunks of a few tokens, against min_memory without
+    offload: the same loss and gradients (to fp32 rounding: the default attention backward
+    may sum in any order), no device slot, host buffers pinned."""
+    seed = fresh_seed()
+    base = model_of("llama", layers=4, seed=seed % 1000).cuda()
+    batch = {k: v.cuda() for k, v in batch_of("padded", seed).items()}
+    config.update(chunk_bytes=5 * 4 * 4 * 64)
+    ref = copy.deepcopy(base)
+    ckpt_ext.patch_llama(ref, "min_memory")
+    want = step(ref, batch, seed)
+    model = copy.deepcopy(base)
+    off = Offloader(stream=True)
+    ckpt_ext.patch_llama(model, "min_memory", offload=off, segment_layers=2)
+    got = step(model, batch, seed)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert got[1].keys() == want[1].keys()
+    for n in want[1]:
+        torch.testing.assert_close(got[1][n], want[1][n], rtol=1e-4, atol=1e-6, msg=n)
+    assert off.stats()["device_slots"] == 0
+    assert off.host_buffers() and all(b.is_pinned() for b in off.host_buffers())

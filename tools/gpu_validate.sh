@@ -120,8 +120,10 @@ for stage in "${expand[@]}"; do
           | tee -a "$out/gpu_bench.log" | tail -8 || status=1
       ;;
     offload)
-      log "offload='cpu': the CUDA tests (streams, events, pinned memory, overlap, sanitizer)"
-      python3 -m pytest -q -ra tests/test_offload.py 2>&1 | tee -a "$out/gpu_bench.log" \
+      log "offload='cpu': the CUDA tests (streams, events, pinned memory, overlap, sanitizer;"
+      log "streamed inputs: chunks copied from pinned host memory in the layer's backward)"
+      python3 -m pytest -q -ra tests/test_offload.py tests/test_streamed_inputs.py 2>&1 \
+          | tee -a "$out/gpu_bench.log" \
           | tail -15 || status=1
       log "offload='cpu': step time and peak with and without, LLaMA-3-8B layer dims, S 32K"
       python3 bench/offload.py --device cuda --dtype bfloat16 --hidden 4096 \
