@@ -91,8 +91,16 @@ segment; for ``min_memory``, :func:`choose_segment_layers` picks k by time,
 :func:`longest_sequence_segments` the k that reaches furthest, and :func:`cpu_step_peak` is the
 CPU allocator's peak the plan predicts.
 
+Streamed inputs (``stream`` of :func:`offload_step_peak` and the offloaded searches,
+``min_memory`` only; ``patch_llama(..., offload="cpu", offload_stream=True)``): an offloaded
+layer input stays in host memory through the backward, which copies it to the device a token
+chunk at a time, so no prefetch pool holds whole inputs; in segments the rebuilt inputs go to
+host memory too, and the rebuild is a device phase of its own. The copies run serialized with
+compute (:func:`stream_copy_bytes`, timed at the host link's rate).
+
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
-[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]
+[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]
+[--offload-stream]]]
 [--segment-layers K|auto] [--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what
 each means; ``ckpt_ext.plan_cli``, which reads HF configs).
 """
