@@ -91,8 +91,16 @@ segment; for ``min_memory``, :func:`choose_segment_layers` picks k by time,
 :func:`longest_sequence_segments` the k that reaches furthest, and :func:`cpu_step_peak` is the
 CPU allocator's peak the plan predicts.
 
+Streamed inputs (``stream`` of :func:`offload_step_peak` and the offloaded searches,
+``min_memory`` only; ``patch_llama(..., offload="cpu", offload_stream=True)``): an offloaded
+layer input stays in host memory through the backward, which copies it to the device a token
+chunk at a time, so no prefetch pool holds whole inputs; in segments the rebuilt inputs go to
+host memory too, and the rebuild is a device phase of its own. The copies run serialized with
+compute (:func:`stream_copy_bytes`, timed at the host link's rate).
+
 CLI: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16] [--budget 20GiB]
-[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]]]
+[--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory 200GiB]
+[--offload-stream]]]
 [--segment-layers K|auto] [--sequence-parallel N] [--throughputs FILE]`` (``--help`` says what
 each means; ``ckpt_ext.plan_cli``, which reads HF configs).
 """
@@ -122,8 +130,8 @@ __all__ = ["LayerDims", "parse_bytes", "format_bytes",
            "AUTO_CHOICES", "AutoChoice", "choose_auto", "layer_seconds", "layer_chunks",
            "plain_layer_bytes", "parameter_state_bytes", "segment_bounds", "segment_bytes",
            "SegmentChoice", "choose_segment_layers", "longest_sequence_segments",
-           "cpu_step_peak", "ChunkChoice", "choose_chunk_rows", "chunk_row_candidates",
-           "engine_chunks"]
+           "cpu_step_peak", "stream_copy_bytes", "ChunkChoice", "choose_chunk_rows",
+           "chunk_row_candidates", "engine_chunks"]
 
 Budget = Union[int, str]
 
@@ -507,8 +515,9 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     # what the device holds of the layers' saved bytes; offload_step_peak's: the offloaded
     # calls' bytes in host memory, the prefetch pool on the device
     held = layers_saved
+    streamed = 0     # offload_step_peak's streamed inputs: one token chunk of the input
     if _offloaded is not None:
-        host, pool, rebuilt = _offloaded
+        host, pool, rebuilt, streamed = _offloaded
         held = layers_saved - host + pool
     rope = 2 * S * D * e
     lse = 4 * Hq * T
@@ -622,7 +631,7 @@ def step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, d
     if quantized_base:   # the dequantized weights of the layer running its backward
         layer_work += e * (params if preset not in ("torch", "none") else
                            max(r * c for r, c in _projection_shapes(d)))
-    layer_peak = held + rebuilt + rope + layer_work
+    layer_peak = held + rebuilt + rope + layer_work + streamed
     if rebuilt:
         phase += " beside its segment's rebuilt inputs"
     if head_peak >= layer_peak:
@@ -781,6 +790,15 @@ class OffloadPeak:
     pool: int           # the device prefetch pool
     rebuilt: int = 0    # segments: the rebuilt layer inputs beside the top layer's backward
     calls: int = 0      # the layer calls that save (min_memory in segments: one a segment)
+    # streamed inputs (offload_step_peak(..., stream=True)); without stream host_peak is
+    # host, and the rest are 0 / False
+    stream: bool = False
+    host_peak: int = 0      # the most host bytes at once (streamed: the first inputs of the
+    # segments up to the running one and its rebuilt inputs sent to host memory)
+    host_rebuilt: int = 0   # streamed: the most rebuilt inputs in host memory at once
+    rebuild: int = 0        # streamed: the device peak of the segments' rebuild (a phase of
+    # its own: the step's peak is the larger of it and the other phases)
+    copies: int = 0         # streamed: bytes copied serialized with compute in a step
 
 
 def offload_device_bytes(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S: int,
@@ -828,11 +846,141 @@ def offload_split(layers: Sequence[LayerDims], presets: Sequence[str], B: int, S
     return len(moved), host, kept
 
 
+def _check_stream(stream, setup: str, where: str) -> bool:
+    """``stream`` must be a bool, and True only for ``min_memory`` (the streamed backward reads
+    a layer call that saves its input alone)."""
+    if not isinstance(stream, bool):
+        raise ValueError(f"{where}: stream must be a bool, got {stream!r}")
+    if stream and setup != "min_memory":
+        raise ValueError(f"{where}: stream=True applies to setup 'min_memory' only (the "
+                         f"streamed backward copies a layer's input chunk by chunk, and only "
+                         f"min_memory's layer calls save their input alone); got setup "
+                         f"{setup!r}")
+    return stream
+
+
+def _layer_rows(d: LayerDims, B: int, S: int, e: int, chunk_bytes: int, path: str) -> int:
+    """The token rows of the fused layer's largest chunk at the cap (one chunk: all B*S)."""
+    rows = layer_chunk_rows(d, e, chunk_bytes, CUDA_SMS if path == "cuda" else 0)
+    return B * S if rows >= B * S else _chunk_size(B, S, rows)
+
+
+def _forward_work(d: LayerDims, B: int, S: int, e: int, chunk_bytes: int, path: str) -> int:
+    """The device bytes of a ``min_memory`` layer's forward beside its input and output (a
+    count from csrc/layer_math.cpp ``attention_layer_forward``, not measured): over several
+    token chunks the whole k and v, and one chunk's normed x, q before and after RoPE, k
+    before and after RoPE, v, the attention output and float32 lse, h, the MLP input and
+    output rows and the SwiGLU forward's (rows, I) work (on ``"cuda"`` gate, up and their
+    product; on the CPU its fp32 buffers within the cap); one chunk: those of all B*S rows."""
+    T = B * S
+    H, Q, K, I = (d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim,
+                  d.intermediate_size)
+    rows = _layer_rows(d, B, S, e, chunk_bytes, path)
+    keys = 2 * e * T * K if rows < T else 0
+    mlp_rows = min(rows, mlp_chunk_rows(d, e, chunk_bytes, path))
+    if d.moe:
+        swiglu = ffn_row_width(d) * max(4, e) * mlp_rows
+    elif path == "cpu":
+        n = _C.swiglu_buffers(False, False)
+        swiglu = n * 4 * I * min(mlp_rows, _C.swiglu_chunk_rows(I, n, 4, chunk_bytes))
+    else:
+        swiglu = 3 * e * mlp_rows * I
+    return keys + e * rows * (4 * H + 3 * Q + 3 * K) + 4 * d.num_heads * rows + swiglu
+
+
+def _stream_walk(layers, B, S, dtype, k, host_limit, chunk_bytes, path):
+    """The streamed step of ``min_memory`` in segments of k (k = 1: every layer its own) under
+    the offloader's rule (``ckpt_ext.offload.admits``), as a dict: ``host`` (the first inputs
+    in host memory when the forward ends), ``moved`` (those calls' bytes), ``kept`` (the first
+    inputs past the cap, on the device), ``host_peak``, ``host_rebuilt``, ``rebuilt`` (the
+    most the device holds of rebuilt inputs past the cap beside a top layer's backward, as
+    :func:`_rebuilt_peak` counts it), ``rebuild`` (the rebuild phase's device bytes, the most over
+    the segments and their replayed layers: the kept first inputs of the segments up to the
+    running one, its rebuilt inputs kept so far, dy, the replay's input, output and work;
+    0 without a replay; the cos/sin tables and router logits left to the caller), ``copies`` (the
+    bytes copied serialized with compute) and ``per_segment`` (each segment's, in forward
+    order: (its first input's bytes if in host memory else 0, its serialized bytes)).
+
+    Backward, from the last segment: the host holds the first inputs of the segments up to
+    the running one (the ones above were released after their backwards); the rebuild
+    replays the segment's layers 1..k-1 forward, each from a device copy of its input (the
+    first copied in from host memory, whole), and sends each output (the next layer's input)
+    to host memory when the cap admits it, else keeps it on the device. A replay holds the
+    segment top layer's incoming gradient dy, its input and output, and its forward's work
+    (:func:`_forward_work`). Copies serialized with compute: each streamed layer backward
+    reads its input twice (2x), the rebuild reads the first input once and writes each hosted
+    output once."""
+    e = _dtype(dtype).itemsize
+    L = len(layers)
+    sizes = _call_bytes(layers, ["min_memory"] * L, B, S, dtype, k)
+    bounds = segment_bounds(L, k)
+    host, moved, first_host, first_dev = 0, [], [], []
+    for a, _ in bounds:     # forward: the segments' first inputs, in forward order
+        b = sizes[a]
+        if offload.admits(host, b, host_limit):
+            host += b
+            moved.append(b)
+            first_host.append(b)
+            first_dev.append(0)
+        else:
+            first_host.append(0)
+            first_dev.append(b)
+    host_peak, host_rebuilt, most_dev, rebuild = host, 0, 0, 0
+    per_segment = [None] * len(bounds)
+    for j in range(len(bounds) - 1, -1, -1):
+        a, stop = bounds[j]
+        in_use = sum(first_host[:j + 1])
+        below = sum(first_dev[:j + 1])
+        dy = _input_bytes(layers[stop - 1], B, S, dtype)
+        kept_rebuilt, hosted, copies = 0, 0, 2 * first_host[j]
+        prev_hosted = first_host[j] > 0        # the first input comes in from host memory
+        if stop - a > 1 and first_host[j]:
+            copies += first_host[j]
+        for i in range(a, stop - 1):
+            x_in = _input_bytes(layers[i], B, S, dtype) if prev_hosted else 0
+            out = _input_bytes(layers[i + 1], B, S, dtype)
+            work = _forward_work(layers[i], B, S, e, chunk_bytes, path)
+            rebuild = max(rebuild, below + kept_rebuilt + x_in + out + dy + work)
+            if offload.admits(in_use, out, host_limit):
+                in_use += out
+                hosted += out
+                copies += 3 * out       # out to host, then read twice by its backward
+                prev_hosted = True
+            else:
+                kept_rebuilt += out
+                prev_hosted = False
+        host_peak = max(host_peak, in_use)
+        host_rebuilt = max(host_rebuilt, hosted)
+        most_dev = max(most_dev, below + kept_rebuilt)
+        per_segment[j] = (first_host[j], copies)
+    all_kept = sum(first_dev)
+    return {"host": host, "moved": moved, "kept": all_kept, "host_peak": host_peak,
+            "host_rebuilt": host_rebuilt, "rebuilt": most_dev - all_kept,
+            "rebuild": rebuild,
+            "copies": sum(c for _, c in per_segment), "per_segment": per_segment}
+
+
+def stream_copy_bytes(layers: Sequence[LayerDims], B: int, S: int, dtype,
+                      segment_layers: int = 1, host_limit: Optional[int] = None) -> int:
+    """The bytes a streamed ``min_memory`` step (``offload_step_peak(..., stream=True)``)
+    copies between host and device serialized with compute: each layer backward whose input
+    is in host memory reads it twice, chunk by chunk (2x its input), and each segment's
+    rebuild reads its first input in (1x) and writes its hosted rebuilt inputs out (1x each);
+    inputs past ``host_limit`` stay on the device and copy nothing. The forward's copies of
+    the segments' first inputs to host memory overlap compute, as without streaming, and are
+    not counted."""
+    _check_segment_layers(segment_layers, "min_memory", "stream_copy_bytes")
+    _check_shape_args(B, S)
+    layers = list(layers)
+    return _stream_walk(layers, B, S, dtype, segment_layers, host_limit,
+                        config.current().chunk_bytes, "cuda")["copies"]
+
+
 def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype,
                       *, path: str = "cuda", train_weights: bool = True,
                       host_limit: Optional[int] = None, prefetch: int = 1,
                       quantized_base: bool = False, segment_layers: int = 1,
-                      chunk_bytes: Optional[int] = None) -> OffloadPeak:
+                      chunk_bytes: Optional[int] = None, stream: bool = False) -> OffloadPeak:
     """:func:`step_peak` of a fused preset with its layers' saved bytes in host memory: the
     peak less the bytes of the offloaded layers plus the device prefetch pool (counted at
     every phase, which overstates the head's phase, when the pool is still empty).
@@ -842,12 +990,32 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
     ``prefetch + 1`` slots are segment inputs (the running one and the ones copied back); the
     device holds the running segment's k - 1 rebuilt inputs beside the top layer's backward
     (``rebuilt``), with the calls past the host cap. ``calls``: the layer calls that save
-    bytes (under ``min_memory`` the segments). ``chunk_bytes``: :func:`step_peak`."""
+    bytes (under ``min_memory`` the segments). ``chunk_bytes``: :func:`step_peak`.
+
+    ``stream`` (``min_memory`` only, else ValueError; ``Offloader(stream=True)``,
+    ``patch_llama(..., offload="cpu", offload_stream=True)``): a layer call's input in host
+    memory stays there through the backward, which copies it to the device one token chunk
+    at a time as its chunk walk reads it. No prefetch pool (``pool`` 0): the top layer's
+    backward holds one chunk of its input (the layer's chunk rows x H, all B*S in one chunk)
+    beside its working set. With segments (k > 1) each segment's rebuild replays its first
+    k - 1 layers forward from a device copy of each input (the first copied in from host
+    memory) and sends each output, the next layer's input, to host memory through the same
+    offloader (the host cap counts it; past the cap it stays on the device: ``rebuilt``), so
+    the host holds the first inputs of the segments up to the running one and at most its
+    k - 1 rebuilt inputs (``host_peak``, ``host_rebuilt``). The rebuild is a device phase of
+    its own (``rebuild``): the kept inputs, the cos/sin tables and router logits, the
+    segment top layer's incoming gradient dy, one replayed layer's input and output and its
+    forward's work (:func:`_forward_work`; QLoRA: its dequantized weights); ``peak`` is the
+    largest of the head's, the top layer backward's and the rebuild's. ``copies``: the bytes
+    copied serialized with compute (:func:`stream_copy_bytes`)."""
     if setup not in OFFLOAD_SETUPS:
         raise ValueError(f"offload_step_peak: setup must be one of {', '.join(OFFLOAD_SETUPS)} "
                          f"(offload moves what a fused layer saves); got {setup!r}")
     _check_segment_layers(segment_layers, setup, "offload_step_peak")
     layers = list(layers)
+    if _check_stream(stream, setup, "offload_step_peak"):
+        return _stream_step_peak(layers, V, B, S, dtype, path, train_weights, host_limit,
+                                 quantized_base, segment_layers, chunk_bytes)
     presets = [setup] * len(layers)
     sizes = _call_bytes(layers, presets, B, S, dtype, segment_layers)
     moved, host, kept = _offload_split(layers, presets, B, S, dtype, host_limit,
@@ -866,16 +1034,47 @@ def offload_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S
                                 segment_bytes(layers, B, S, dtype, segment_layers, setup)[1])
     base = step_peak(setup, layers, V, B, S, dtype, path=path, train_weights=train_weights,
                      quantized_base=quantized_base, segment_layers=segment_layers,
-                     chunk_bytes=chunk_bytes, _offloaded=(host, pool, rebuilt))
+                     chunk_bytes=chunk_bytes, _offloaded=(host, pool, rebuilt, 0))
     return OffloadPeak(base.peak, host, len(moved), kept, pool, rebuilt,
-                       sum(1 for b in sizes if b))
+                       sum(1 for b in sizes if b), host_peak=host)
+
+
+def _stream_step_peak(layers, V, B, S, dtype, path, train_weights, host_limit,
+                      quantized_base, k, chunk_bytes) -> OffloadPeak:
+    """:func:`offload_step_peak` with ``stream=True`` (its docstring)."""
+    _check_shape_args(B, S)
+    if not layers:
+        raise ValueError("offload_step_peak: layers must not be empty")
+    if chunk_bytes is None:
+        chunk_bytes = config.current().chunk_bytes
+    e = _dtype(dtype).itemsize
+    w = _stream_walk(layers, B, S, dtype, k, host_limit, chunk_bytes, path)
+    d = _widest(layers)
+    chunk = e * d.hidden_size * _layer_rows(d, B, S, e, chunk_bytes, path) if w["moved"] or \
+        w["host_rebuilt"] else 0
+    base = step_peak("min_memory", layers, V, B, S, dtype, path=path,
+                     train_weights=train_weights, quantized_base=quantized_base,
+                     segment_layers=k, chunk_bytes=chunk_bytes,
+                     _offloaded=(w["host"], 0, w["rebuilt"], chunk))
+    peak = base.peak
+    if w["rebuild"]:
+        rebuild = (w["rebuild"] + 2 * S * d.head_dim * e
+                   + router_logits_bytes(layers, B * S, dtype)
+                   + (dequantized_bytes(layers, dtype) if quantized_base else 0))
+        peak = max(peak, rebuild)
+    else:
+        rebuild = 0
+    sizes = _call_bytes(layers, ["min_memory"] * len(layers), B, S, dtype, k)
+    return OffloadPeak(peak, w["host"], len(w["moved"]), w["kept"], 0, w["rebuilt"],
+                       sum(1 for b in sizes if b), True, w["host_peak"], w["host_rebuilt"],
+                       rebuild, w["copies"])
 
 
 def cpu_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: int, dtype, *,
                   train_weights: bool = True, offload: bool = False,
                   host_limit: Optional[int] = None, prefetch: int = 1,
                   segment_layers: int = 1, chunk_bytes: Optional[int] = None,
-                  quantized_base: bool = False) -> int:
+                  quantized_base: bool = False, stream: bool = False) -> int:
     """The CPU allocator's peak (``ckpt_ext.peak_memory_bytes``) of a training step after the
     first, as the plan predicts it: :func:`step_peak` on the ``"cpu"`` path, or with
     ``offload`` (``offload="cpu"``, ``offload_limit=host_limit``) :func:`offload_step_peak`
@@ -883,7 +1082,15 @@ def cpu_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: in
     both CPU memory, allocated in the first step and reused, so a later step allocates
     neither (the offloaded calls' bytes go into the host pool's buffers). ``segment_layers``:
     segments of k layers (:func:`segment_bytes`); ``chunk_bytes``: the chunk cap the step runs
-    with (default the setting's)."""
+    with (default the setting's). ``stream`` (with ``offload``, ``min_memory`` only):
+    :func:`offload_step_peak`'s streamed step, whose pool is 0 (the input's chunks, the
+    rebuild's device copies and its outputs' copies are the step's own allocations; its
+    rebuilt inputs go into the host pool's buffers); a model, not yet held to the
+    allocator."""
+    _check_stream(stream, setup, "cpu_step_peak")
+    if stream and not offload:
+        raise ValueError("cpu_step_peak: stream=True streams offloaded inputs: pass "
+                         "offload=True with it")
     if not offload:
         return step_peak(setup, layers, V, B, S, dtype, path="cpu", train_weights=train_weights,
                          chunk_bytes=chunk_bytes, quantized_base=quantized_base,
@@ -891,7 +1098,7 @@ def cpu_step_peak(setup: str, layers: Sequence[LayerDims], V: int, B: int, S: in
     p = offload_step_peak(setup, layers, V, B, S, dtype, path="cpu",
                           train_weights=train_weights, host_limit=host_limit, prefetch=prefetch,
                           quantized_base=quantized_base, segment_layers=segment_layers,
-                          chunk_bytes=chunk_bytes)
+                          chunk_bytes=chunk_bytes, stream=stream)
     return p.peak - p.pool
 
 
@@ -899,12 +1106,14 @@ def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B:
                              device_memory: int, host_memory: Optional[int], weights: str, *,
                              path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
                              shard: int = 1, expert_lora_rank: int = 0, quant: str = "nf4",
-                             double_quant: bool = True, segment_layers: int = 1) -> int:
+                             double_quant: bool = True, segment_layers: int = 1,
+                             stream: bool = False) -> int:
     """The longest S (at most ``limit``) whose offloaded step (:func:`offload_step_peak` with
-    ``host_memory`` as the host cap, None for none, and ``segment_layers``) fits
+    ``host_memory`` as the host cap, None for none, ``segment_layers`` and ``stream``) fits
     ``device_memory`` less ``headroom`` with the model state (``expert_lora_rank``, ``quant``,
     ``double_quant``: :func:`model_state_bytes`); 0 if none."""
     _check_segment_layers(segment_layers, setup, "longest_sequence_offload")
+    _check_stream(stream, setup, "longest_sequence_offload")
     room = device_memory - headroom - model_state_bytes(
         layers, V, dtype, weights, shard=shard, expert_lora_rank=expert_lora_rank, quant=quant,
         double_quant=double_quant)
@@ -912,7 +1121,8 @@ def longest_sequence_offload(setup: str, layers: Sequence[LayerDims], V: int, B:
     def fits(s):
         p = offload_step_peak(setup, layers, V, B, s, dtype, path=path,
                               train_weights=weights == "full", host_limit=host_memory,
-                              quantized_base=weights == "qlora", segment_layers=segment_layers)
+                              quantized_base=weights == "qlora", segment_layers=segment_layers,
+                              stream=stream)
         return p.peak <= room
 
     return _longest_fitting(fits, limit)
@@ -1268,11 +1478,15 @@ class SegmentChoice:
 
 
 def _segment_seconds(layers, V, B, S, dtype, k, host_memory, offloaded, train_weights, link,
-                     rates, lora) -> float:
+                     rates, lora, stream: bool = False) -> float:
     """The step of ``min_memory`` in segments of k: per segment the larger of its compute
     (its layers' forward, backward and recompute, and the forward of its first k - 1 layers
     once more) and, offloaded, its input's two host copies at ``link`` bytes/s; plus the LM
-    head's GEMMs (the fused head's logits once more)."""
+    head's GEMMs (the fused head's logits once more). ``stream``: per segment the larger of
+    its compute and its input's copy to host memory in forward, plus its copies serialized
+    with compute (:func:`stream_copy_bytes`) at ``link``."""
+    walk = _stream_walk(layers, B, S, dtype, k, host_memory, config.current().chunk_bytes,
+                        "cuda")["per_segment"] if stream else None
     secs, host = 0.0, 0
     H = layers[0].hidden_size
     head = 2 * B * S * H * V * ((3 if train_weights else 2) + 1)
@@ -1285,7 +1499,10 @@ def _segment_seconds(layers, V, B, S, dtype, k, host_memory, offloaded, train_we
         for d in layers[a:b - 1]:
             f, m = _forward_flops(d, B, S, **lora)
             compute += f / (rates[0] * 1e12) + m / (rates[2] * 1e12)
-        if offloaded and offload.admits(host, nbytes, host_memory):
+        if stream:
+            hosted, serial = walk[a // k]    # the segment's, in forward order
+            compute = max(compute, hosted / link) + serial / link
+        elif offloaded and offload.admits(host, nbytes, host_memory):
             host += nbytes
             compute = max(compute, 2 * nbytes / link)
         secs += compute
@@ -1301,7 +1518,7 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
                           attention_fwd_tflops: float = ATTENTION_FWD_TFLOPS,
                           attention_bwd_tflops: float = ATTENTION_BWD_TFLOPS,
                           matmul_tflops: float = MATMUL_TFLOPS,
-                          layers_only: bool = False) -> SegmentChoice:
+                          layers_only: bool = False, stream: bool = False) -> SegmentChoice:
     """``segment_layers`` chosen by time (the rule of ``--segment-layers auto``): of the k in
     1..len(layers) whose ``min_memory`` step in segments of k fits ``room`` bytes of device
     memory (:func:`offload_step_peak` with ``host_memory`` as the host cap, the segments
@@ -1316,10 +1533,17 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
     the device holds of the layers, as ``patch_llama``'s ``activation_budget`` does with
     offload (the prefetch pool, the inputs past the host cap and the running segment's
     rebuilt inputs; without offload the segments' kept bytes and the rebuilt inputs), and the
-    choice's ``peak`` is those bytes. Raises ValueError when no k fits."""
+    choice's ``peak`` is those bytes. ``stream`` (with ``offload``): the streamed step
+    (:func:`offload_step_peak`'s ``stream``), timed per segment as the larger of its compute
+    and its input's copy to host memory, plus the copies serialized with compute
+    (:func:`stream_copy_bytes`) at the link's rate; its ``host`` is the most host bytes at
+    once (the rebuilt inputs included). Raises ValueError when no k fits."""
     layers = list(layers)
     _check_shape_args(B, S)
     _check_ranks(lora_rank, expert_lora_rank, "choose_segment_layers")
+    if _check_stream(stream, "min_memory", "choose_segment_layers") and not offload:
+        raise ValueError("choose_segment_layers: stream=True streams offloaded inputs: pass "
+                         "offload=True with it")
     if not layers:
         raise ValueError("choose_segment_layers: layers must not be empty")
     link = _check_rate("host_link_gbytes_per_s", host_link_gbytes_per_s) * 1e9
@@ -1334,8 +1558,8 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
             p = offload_step_peak("min_memory", layers, V, B, S, dtype, path=path,
                                   train_weights=train_weights, host_limit=host_memory,
                                   prefetch=prefetch, quantized_base=quantized_base,
-                                  segment_layers=k)
-            peak, host, kept = p.peak, p.host, p.kept
+                                  segment_layers=k, stream=stream)
+            peak, host, kept = p.peak, p.host_peak if stream else p.host, p.kept
             if layers_only:
                 peak = p.pool + p.kept + p.rebuilt
         elif layers_only:
@@ -1349,7 +1573,7 @@ def choose_segment_layers(layers: Sequence[LayerDims], V: int, B: int, S: int, d
         if peak > room:
             continue
         secs = _segment_seconds(layers, V, B, S, dtype, k, host_memory, offload,
-                                train_weights, link, rates, lora)
+                                train_weights, link, rates, lora, stream)
         if best is None or secs < best.seconds * (1 - 1e-12):
             best = SegmentChoice(k, secs, peak, host, kept)
     if best is None:
@@ -1368,12 +1592,18 @@ def longest_sequence_segments(layers: Sequence[LayerDims], V: int, B: int, dtype
                               host_memory: Optional[int] = None, sequence_parallel: int = 1,
                               path: str = "cuda", limit: int = 1 << 26, headroom: int = 0,
                               shard: int = 1, expert_lora_rank: int = 0, quant: str = "nf4",
-                              double_quant: bool = True) -> tuple:
+                              double_quant: bool = True, stream: bool = False) -> tuple:
     """(S, k): the longest sequence ``min_memory`` reaches in segments of k layers, over
     k in 1..len(layers), and the smallest k that reaches it: :func:`longest_sequence_offload`
-    (``offload``), :func:`longest_sequence`, or with ``sequence_parallel`` N > 1
-    :func:`sp_longest_sequence` (S the whole sequence), for each k. (0, 1) if none fits."""
+    (``offload``; ``stream``: its streamed step), :func:`longest_sequence`, or with
+    ``sequence_parallel`` N > 1 :func:`sp_longest_sequence` (S the whole sequence), for each
+    k. (0, 1) if none fits."""
     layers = list(layers)
+    if _check_stream(stream, "min_memory", "longest_sequence_segments") and \
+            (not offload or sequence_parallel > 1):
+        raise ValueError("longest_sequence_segments: stream=True streams offloaded inputs "
+                         "on one GPU: pass offload=True and sequence_parallel=1 with it (the "
+                         "sequence-parallel backward reads its inputs whole)")
     best = (0, 1)
     for k in range(1, len(layers) + 1):
         if sequence_parallel > 1:
@@ -1390,7 +1620,8 @@ def longest_sequence_segments(layers: Sequence[LayerDims], V: int, B: int, dtype
                                          host_memory, weights, path=path, limit=limit,
                                          headroom=headroom, shard=shard,
                                          expert_lora_rank=expert_lora_rank, quant=quant,
-                                         double_quant=double_quant, segment_layers=k)
+                                         double_quant=double_quant, segment_layers=k,
+                                         stream=stream)
         else:
             n = longest_sequence("min_memory", layers, V, B, dtype, device_memory, weights,
                                  path=path, limit=limit, headroom=headroom, shard=shard,

@@ -1,7 +1,7 @@
 """The planner's command line: ``python -m ckpt_ext.plan CONFIG --batch B --seq S [--dtype bf16]
 [--budget 20GiB] [--device-memory 80GiB --weights lora [--shard N] [--offload [--host-memory
-200GiB]]] [--segment-layers K|auto] [--sequence-parallel N] [--throughputs FILE]`` (``--help``
-says what each means).
+200GiB] [--offload-stream]]] [--segment-layers K|auto] [--sequence-parallel N] [--throughputs
+FILE]`` (``--help`` says what each means).
 
 It reads a model's shape from an HF config (``ckpt_ext.hf.families.layer_dims_from_config``:
 the family decides which output norms the layers have) and prints the figures of
@@ -27,7 +27,7 @@ from .plan import (_DTYPES, _PATHS, AUTO_CHOICES, FRAGMENTATION, HOST_LINK_GBYTE
                    longest_sequence_segments,
                    choose_presets_offload, format_bytes, head_saved_bytes, headroom_bytes,
                    layer_bytes, longest_sequence, longest_sequence_offload,
-                   model_state_bytes, offload_step_peak, dequantized_bytes,
+                   model_state_bytes, offload_step_peak, dequantized_bytes, stream_copy_bytes,
                    parse_bytes, recompute_flops, sp_exchange_bytes, sp_local_tokens,
                    sp_longest_sequence, sp_step_peak, sp_step_time, step_peak,
                    step_time_estimate)
@@ -318,6 +318,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-memory", help="with --offload: host memory for one GPU's saved "
                                           "tensors (offload_limit), e.g. 200GiB; default this "
                                           "machine's RAM / --gpus-per-node")
+    ap.add_argument("--offload-stream", action="store_true",
+                    help="with --offload: also plan min_memory with streamed inputs "
+                         "(patch_llama(..., offload='cpu', offload_stream=True)): a layer's "
+                         "input stays in host memory through the backward, which copies it to "
+                         "the device a token chunk at a time (no prefetch pool; with segments "
+                         "the rebuilt inputs go to host memory too); the copies are serialized "
+                         "with compute and added to the step times at --host-link-gbytes-per-s "
+                         "(ckpt_ext.plan.offload_step_peak(..., stream=True))")
     ap.add_argument("--segment-layers", type=_segment_layers, default=1, metavar="K|auto",
                     help="min_memory in segments of K consecutive layers "
                          "(patch_llama(policy='min_memory', segment_layers=K)): each segment "
@@ -335,8 +343,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-link-gbytes-per-s", type=_positive_float,
                     default=HOST_LINK_GBYTES_PER_S, metavar="GB_S",
                     help="with --offload and --device-memory: the host link's rate per GPU and "
-                         "direction in GB/s for 'auto' with offload, chosen by time (default "
-                         "25: an assumption; PCIe Gen5 x16 peaks at 64)")
+                         "direction in GB/s for 'auto' with offload, chosen by time, and the "
+                         "streamed rows' copies (default 25: an assumption; PCIe Gen5 x16 "
+                         "peaks at 64)")
     ap.add_argument("--cuda-context", default="1GiB",
                     help="with --device-memory: device memory kept for the CUDA context "
                          "(default 1GiB)")
@@ -384,7 +393,7 @@ def _times(args) -> bool:
 # arguments have it). Given without it, a flag is a usage error naming both; not given, it
 # takes its default.
 _NEEDS = (
-    (("host_memory",), "--offload", lambda a: a.offload),
+    (("host_memory", "offload_stream"), "--offload", lambda a: a.offload),
     (("gpus_per_node",), "--offload and without --host-memory (it divides the default host "
                          "memory)", lambda a: a.offload and a.host_memory is None),
     (("host_link_gbytes_per_s",), "--offload and --device-memory (auto + offload's choice)",
@@ -493,6 +502,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error("argument --weights: 'qlora' runs on one device or under DDP: the fused "
                      "layers refuse sharded quantized weights (--shard) and the plan has no "
                      "QLoRA sequence-parallel model (--sequence-parallel)")
+    if args.offload_stream and args.sequence_parallel > 1:
+        ap.error("argument --offload-stream: applies only without --sequence-parallel (the "
+                 "sequence-parallel backward reads its layer inputs whole)")
     if args.segment_layers == "auto" and args.device_memory is None:
         ap.error("argument --segment-layers: 'auto' chooses K by the step's fit and time: give "
                  "--device-memory")
@@ -558,6 +570,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "'auto' chooses among these presets and HF's own layer ('none') by the time model")
     print()
     args.segments = _resolve_segments(args, layers, V, B, S, dtype)
+    args.stream_segments = (_resolve_segments(args, layers, V, B, S, dtype, stream=True)
+                            if args.offload_stream else None)
     _print_steps(args, layers, V, B, S, dtype)
     if args.offload:
         print()
@@ -746,6 +760,18 @@ def _print_offload(args, layers, V, B, S, dtype) -> None:
         rows.append([_segment_name(k), format_bytes(p.peak), format_bytes(p.pool),
                      format_bytes(p.host), f"{p.offloaded}/{p.calls} segments",
                      format_bytes(p.kept)])
+    streamed = []
+    if args.offload_stream:
+        for ks in sorted({1, _stream_segments(args)}):
+            q = offload_step_peak("min_memory", layers, V, B, S, dtype, path=args.path,
+                                  train_weights=train, host_limit=host,
+                                  quantized_base=args.weights == "qlora", segment_layers=ks,
+                                  stream=True)
+            streamed.append((ks, q))
+            rows.append([_stream_name(ks), format_bytes(q.peak), format_bytes(q.pool),
+                         format_bytes(q.host_peak),
+                         f"{q.offloaded}/{q.calls}" + (" segments" if ks > 1 else ""),
+                         format_bytes(q.kept + q.rebuilt)])
     print(_table(rows, header))
     print("offload: each fused layer's saved tensors go to host memory in forward and come back "
           "one layer ahead in backward; the device keeps a pool of two layers' worth; past the "
@@ -755,6 +781,18 @@ def _print_offload(args, layers, V, B, S, dtype) -> None:
               f"two segments' inputs, and a segment's backward holds its {k - 1} rebuilt "
               f"layer input{'s' if k > 2 else ''} on the device ({format_bytes(p.rebuilt)} "
               f"here) beside the top layer's backward")
+    for ks, q in streamed:
+        first = f"first {ks - 1} layers" if ks > 2 else "first layer"
+        seg = (f"; segments of {ks}: the rebuild replays each segment's {first} forward from "
+               f"a device copy of its input and sends "
+               f"each rebuilt input to host memory (host bytes: the most at once, "
+               f"{format_bytes(q.host_rebuilt)} of them rebuilt; past the host memory they stay "
+               f"on the device, in 'kept on device'), the rebuild a device phase of its own "
+               f"({format_bytes(q.rebuild)} here)" if ks > 1 else "")
+        print(f"{_stream_name(ks)}: the input stays in host memory through the backward, "
+              f"which copies it to the device one token chunk at a time: no prefetch pool"
+              f"{seg}; {format_bytes(q.copies)} copied serialized with compute a step "
+              f"(ckpt_ext.plan.offload_step_peak(..., stream=True))")
 
 
 def _longest_text(n: int, limit: int = 1 << 26) -> str:
@@ -792,13 +830,15 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         cases += [(setup, True, 1) for setup in OFFLOAD_SETUPS]
     if k > 1:
         cases += [("min_memory", False, k)] + ([("min_memory", True, k)] if args.offload else [])
+    streams = ([("min_memory", True, ks, True) for ks in sorted({1, _stream_segments(args)})]
+               if args.offload_stream else [])
     rows = []
-    for setup, offload, seg in cases:
+    for setup, offload, seg, stream in [c + (False,) for c in cases] + streams:
         if offload:
             peak = offload_step_peak(setup, layers, V, B, S, dtype, path=args.path,
                                      train_weights=train, host_limit=host,
                                      quantized_base=args.weights == "qlora",
-                                     segment_layers=seg).peak
+                                     segment_layers=seg, stream=stream).peak
         else:
             peak = step_peak(setup, layers, V, B, S, dtype, path=args.path,
                              train_weights=train, quantized_base=args.weights == "qlora",
@@ -812,16 +852,20 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
                       expert_lora_rank=args.expert_lora_rank, segment_layers=seg,
                       **_quant_kwargs(args))
             n = (longest_sequence_offload(setup, layers, V, B, dtype, memory, host,
-                                          args.weights, **kw) if offload else
+                                          args.weights, stream=stream, **kw) if offload else
                  longest_sequence(setup, layers, V, B, dtype, memory, args.weights, **kw))
         longest = _longest_text(n)
-        secs = _seconds(args, setup, layers, V, B, S, segment_layers=seg)
+
+        def timed(s):
+            return (_stream_seconds(args, layers, V, B, s, dtype, seg, host) if stream else
+                    _seconds(args, setup, layers, V, B, s, segment_layers=seg))
+        secs = timed(S)
         name = _SETUP_NAMES[setup] if seg == 1 else _segment_name(seg)
-        row = [name + (" + offload" if offload else ""),
+        row = [_stream_name(seg) if stream else name + (" + offload" if offload else ""),
                format_bytes(peak), format_bytes(total), verdict, f"{secs:,.2f}",
                f"{B * S / secs:,.0f}", longest]
         if n:
-            secs_n = _seconds(args, setup, layers, V, B, n, segment_layers=seg)
+            secs_n = timed(n)
             row += [f"{secs_n:,.2f}", f"{B * n / secs_n:,.0f}"]
         else:
             row += ["-", "-"]
@@ -844,6 +888,8 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
         _print_auto_offload(args, layers, V, B, S, dtype, room, host, state + headroom)
     if args.segment_layers == "auto" and args.sequence_parallel == 1:
         _print_auto_segments(args, layers, V, B, S, dtype, room, host, headroom)
+        if args.offload_stream:
+            _print_auto_segments(args, layers, V, B, S, dtype, room, host, headroom, True)
     if room <= 0:
         print(f"does not fit: the model state, {format_bytes(state)}, > the usable device "
               f"memory, {format_bytes(usable)} ({format_bytes(memory)} less "
@@ -863,7 +909,11 @@ def _print_verdict(args, layers, V, B, S, dtype) -> None:
           f"ckpt_ext.plan.step_flops) at {_rates_words(args, S)}; norms, SwiGLU, the optimizer"
           + (", the offload copies" if args.offload else "")
           + " and launch gaps are left out (the H100 rates came to 0.83-1.03x the measured "
-          "LLaMA-3.1-8B LoRA steps at S 8K-16K)")
+          "LLaMA-3.1-8B LoRA steps at S 8K-16K)"
+          + (f"; the streamed rows add their copies serialized with compute at "
+             f"{args.host_link_gbytes_per_s:g} GB/s (ckpt_ext.plan.stream_copy_bytes; the "
+             f"forward's copies to host memory overlap compute and are left out)"
+             if args.offload_stream else ""))
     _print_strict(args, [setup for setup, offload, seg in cases if not offload and seg == 1],
                   layers, V, B, S)
 
@@ -974,9 +1024,28 @@ def _segment_name(k: int) -> str:
     return f"min_memory in {k}-layer segments"
 
 
-def _segment_choice_kwargs(args, S: int) -> dict:
-    """choose_segment_layers' keywords from the CLI's arguments at S."""
-    return dict(offload=args.offload, train_weights=args.weights == "full",
+def _stream_name(k: int) -> str:
+    return (_segment_name(k) if k > 1 else "min_memory") + " + offload, streamed inputs"
+
+
+def _stream_segments(args) -> int:
+    """The K of the streamed rows (--offload-stream): --segment-layers K, or for 'auto' the K
+    resolved with the streamed step (_resolve_segments)."""
+    return getattr(args, "stream_segments", None) or _segments(args)
+
+
+def _stream_seconds(args, layers, V, B, S, dtype, k: int, host) -> float:
+    """The step time estimate of the streamed step: _seconds plus its copies serialized with
+    compute at --host-link-gbytes-per-s (ckpt_ext.plan.stream_copy_bytes)."""
+    return (_seconds(args, "min_memory", layers, V, B, S, segment_layers=k)
+            + stream_copy_bytes(layers, B, S, dtype, k, host)
+            / (args.host_link_gbytes_per_s * 1e9))
+
+
+def _segment_choice_kwargs(args, S: int, stream: bool = False) -> dict:
+    """choose_segment_layers' keywords from the CLI's arguments at S (``stream``: the
+    streamed step's)."""
+    return dict(offload=args.offload, stream=stream, train_weights=args.weights == "full",
                 quantized_base=args.weights == "qlora", **_lora_kwargs(args),
                 host_link_gbytes_per_s=args.host_link_gbytes_per_s, **_rate_kwargs(args, S))
 
@@ -988,10 +1057,11 @@ def _segment_room(args, layers, V, dtype) -> tuple:
     return room, headroom, (_host_memory(args)[0] if args.offload else None)
 
 
-def _resolve_segments(args, layers, V, B, S, dtype) -> int:
+def _resolve_segments(args, layers, V, B, S, dtype, stream: bool = False) -> int:
     """The K the rows use: --segment-layers K, or for 'auto' the K of least estimated time
     that fits at S (ckpt_ext.plan.choose_segment_layers; under --sequence-parallel the
-    smallest K whose per-GPU step fits), else the K of the longest S over every K."""
+    smallest K whose per-GPU step fits), else the K of the longest S over every K
+    (``stream``: of the streamed step)."""
     if args.segment_layers != "auto":
         return args.segment_layers
     room, headroom, host = _segment_room(args, layers, V, dtype)
@@ -1005,14 +1075,16 @@ def _resolve_segments(args, layers, V, B, S, dtype) -> int:
     elif room > 0:
         try:
             return choose_segment_layers(layers, V, B, S, dtype, room, host, path=args.path,
-                                         **_segment_choice_kwargs(args, S)).segment_layers
+                                         **_segment_choice_kwargs(args, S, stream)
+                                         ).segment_layers
         except ValueError:
             pass
-    return _longest_segments(args, layers, V, B, dtype)[1]
+    return _longest_segments(args, layers, V, B, dtype, stream)[1]
 
 
-def _longest_segments(args, layers, V, B, dtype) -> tuple:
-    """(the longest S of min_memory over every K, the smallest K reaching it)."""
+def _longest_segments(args, layers, V, B, dtype, stream: bool = False) -> tuple:
+    """(the longest S of min_memory over every K, the smallest K reaching it; ``stream``: of
+    the streamed step)."""
     room, headroom, host = _segment_room(args, layers, V, dtype)
     if room <= 0:
         return 0, 1
@@ -1020,30 +1092,38 @@ def _longest_segments(args, layers, V, B, dtype) -> tuple:
         layers, V, B, dtype, args.device_memory, args.weights, offload=args.offload,
         host_memory=host, sequence_parallel=args.sequence_parallel, path=args.path,
         headroom=headroom, shard=args.shard, expert_lora_rank=args.expert_lora_rank,
-        **_quant_kwargs(args))
+        stream=stream, **_quant_kwargs(args))
 
 
-def _print_auto_segments(args, layers, V, B, S, dtype, room, host, headroom) -> None:
-    """--segment-layers auto: the K chosen at S and the longest S over every K."""
-    off = " + offload" if args.offload else ""
+def _print_auto_segments(args, layers, V, B, S, dtype, room, host, headroom,
+                         stream: bool = False) -> None:
+    """--segment-layers auto: the K chosen at S and the longest S over every K (``stream``:
+    of the streamed step, its copies serialized with compute in its times)."""
+    off = (" + offload, streamed inputs" if stream else " + offload") if args.offload else ""
     where = f"segments (--segment-layers auto), min_memory{off}:"
     try:
         c = choose_segment_layers(layers, V, B, S, dtype, room, host, path=args.path,
-                                  **_segment_choice_kwargs(args, S)) if room > 0 else None
+                                  **_segment_choice_kwargs(args, S, stream)) \
+            if room > 0 else None
     except ValueError:
         c = None
-    copies = (f"its host copies at {args.host_link_gbytes_per_s:g} GB/s" if args.offload
-              else "nothing else")
+    link = f"{args.host_link_gbytes_per_s:g} GB/s"
+    copies = (f"its input's copy to host memory, plus the copies serialized with compute "
+              f"(the streamed backward's and the rebuild's) at {link}" if stream else
+              f"its host copies at {link}" if args.offload else "nothing else")
     if c is None:
         at = f"at S {S:,} no K fits"
     else:
         at = (f"at S {S:,} K {c.segment_layers} (the least estimated time that fits: each "
               f"segment the larger of its compute, the rebuild's forward included, and "
               f"{copies}), device peak {format_bytes(c.peak)}, step s {c.seconds:,.2f}")
-    n, k = _longest_segments(args, layers, V, B, dtype)
+    if c is not None and stream:
+        at += f", host {format_bytes(c.host)}"
+    n, k = _longest_segments(args, layers, V, B, dtype, stream)
+    secs = (_stream_seconds(args, layers, V, B, n, dtype, k, host) if stream else
+            _seconds(args, 'min_memory', layers, V, B, n, segment_layers=k)) if n else 0
     longest = (f"the longest S over K = 1..{len(layers)}: {_longest_text(n)} with K {k}, step s "
-               f"{_seconds(args, 'min_memory', layers, V, B, n, segment_layers=k):,.2f}"
-               if n else "no S fits")
+               f"{secs:,.2f}" if n else "no S fits")
     print(f"{where} {at}; {longest} (ckpt_ext.plan.longest_sequence_segments)")
 
 
