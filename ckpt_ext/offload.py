@@ -210,7 +210,7 @@ class Offloader:
     # ---- hooks ----------------------------------------------------------------------------
 
     def _pack(self, group: _Group, keep: Iterable[Tensor], t: Tensor,
-              streamed: Optional[Tensor] = None):
+              streamed_id: Optional[int] = None):
         if any(t is k for k in keep) or isinstance(t, torch.nn.Parameter) or group.full:
             return t
         if not t.is_floating_point() or t.layout != torch.strided or t.numel() == 0:
@@ -233,7 +233,7 @@ class Offloader:
                 if self.record:
                     self.events.append(("pack", group.gid))
             host = buf.view(src.dtype).as_strided(src.size(), src.stride())
-            entry = _Entry(group, host, buf, (nbytes, cuda), src, streamed=t is streamed)
+            entry = _Entry(group, host, buf, (nbytes, cuda), src, streamed=id(t) == streamed_id)
             group.entries.append(entry)
             group.live += 1
             if not entry.streamed:
@@ -369,7 +369,11 @@ class Offloader:
         saved-tensor hooks around them (``ckpt_ext.segments``)."""
         group = _Group(next(self._ids), nbytes)
         keep = [k for k in keep if isinstance(k, Tensor)]
-        return (lambda t: self._pack(group, keep, t, streamed)), self._unpack
+        # autograd keeps the hooks of what was packed until the backward: they must not keep
+        # the streamed input alive, so it is known by its id (it is alive while the call runs,
+        # the only time the pack hook is called)
+        streamed_id = None if streamed is None else id(streamed)
+        return (lambda t: self._pack(group, keep, t, streamed_id)), self._unpack
 
     def streams(self, options) -> bool:
         """Whether a fused layer call with these ``LayerOptions`` leaves its input in host

@@ -437,12 +437,14 @@ def test_segment_step_peak_matches_the_cpu_allocator(case, k):
 
 
 @pytest.mark.parametrize("case,tol", [("layer-bound", 0.05), ("layer-chunks", 0.10)])
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("offload", [False, True, "stream"])
 @pytest.mark.parametrize("k", [2, 4])
 def test_runtime_segments_step_peak_matches_the_plan(case, tol, offload, k):
-    """patch_llama(policy="min_memory", segment_layers=k[, offload="cpu"]): the allocator's
-    peak of a later step against plan.cpu_step_peak (the chunked case's k = 1 model is already
-    4-5% low, so 10% there). Skipped where patch_llama has no segment_layers."""
+    """patch_llama(policy="min_memory", segment_layers=k[, offload="cpu"[,
+    offload_stream=True]]): the allocator's peak of a later step against plan.cpu_step_peak
+    (the chunked case's k = 1 model is already 4-5% low, so 10% there). Streamed: the inputs
+    must not stay on the device past their layer's forward (a hook that held them showed as
+    every layer's input in the peak). Skipped where patch_llama has no segment_layers."""
     pytest.importorskip("transformers", reason="transformers is not installed: the "
                         "peak is measured on an HF model")
     import inspect
@@ -456,7 +458,8 @@ def test_runtime_segments_step_peak_matches_the_plan(case, tol, offload, k):
     from hf_fixtures import llama_from_dims
     model = llama_from_dims(c)
     ckpt_ext.patch_llama(model, "min_memory", segment_layers=k,
-                         offload="cpu" if offload else None)
+                         offload="cpu" if offload else None,
+                         offload_stream=offload == "stream")
     ids = torch.randint(c["V"], (1, c["S"]), generator=torch.Generator().manual_seed(1))
 
     def step():
@@ -465,5 +468,6 @@ def test_runtime_segments_step_peak_matches_the_plan(case, tol, offload, k):
     peak = ckpt_ext.peak_memory_bytes(step)
     dims = [LayerDims(c["H"], c["heads"], c["kv"], c["D"], c["I"])] * c["L"]
     want = plan.cpu_step_peak("min_memory", dims, c["V"], 1, c["S"], torch.float32,
-                              offload=offload, segment_layers=k, chunk_bytes=c.get("cap"))
+                              offload=bool(offload), segment_layers=k, chunk_bytes=c.get("cap"),
+                              stream=offload == "stream")
     assert abs(want - peak) <= tol * peak, (want, peak)
