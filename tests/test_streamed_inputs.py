@@ -209,6 +209,38 @@ def test_a_limit_keeps_rebuilt_inputs_on_the_device(streamed_check):
     assert held == [True] * 3
 
 
+@pytest.mark.parametrize("budget_inputs", [2, 4])
+def test_auto_with_streamed_inputs_takes_the_plans_segments(streamed_check, budget_inputs):
+    """policy="auto" with offload_stream: every layer min_memory, streamed, in segments of
+    the plan's k for the budget (choose_segment_layers with stream); the step equals
+    min_memory with that k given, bit for bit."""
+    from ckpt_ext import plan
+    from ckpt_ext.hf.patch import _decoder_layers
+    from hf_fixtures import TINY
+    seed = fresh_seed()
+    base = model_of("llama", layers=4, seed=seed % 1000, lora_dropout=0.05)
+    batch = batch_of("plain", seed)
+    x = batch["input_ids"].numel() * TINY["hidden_size"] * 4
+    model = copy.deepcopy(base)
+    ckpt_ext.patch_llama(model, "auto", activation_budget=budget_inputs * x, offload="cpu",
+                         offload_limit=x, offload_stream=True)
+    got = step(model, batch, seed)
+    shared = _decoder_layers(model)[1][0].forward.shared
+    assert list(shared.auto.values()) == [["min_memory"] * 4]
+    (k, _), = shared.auto_segments.values()
+    want = plan.choose_segment_layers(shared.layer_dims(), TINY["vocab_size"], 2, 16,
+                                      torch.float32, budget_inputs * x, x, offload=True,
+                                      host_link_gbytes_per_s=shared.host_link, path="cpu",
+                                      layers_only=True, stream=True,
+                                      **ckpt_ext.throughputs.default_throughputs()
+                                      .step_time_kwargs(16))
+    assert k == want.segment_layers
+    ref = copy.deepcopy(base)
+    ckpt_ext.patch_llama(ref, "min_memory", offload="cpu", offload_limit=x,
+                         offload_stream=True, segment_layers=k)
+    assert_bitwise(step(ref, batch, seed), got)
+
+
 def test_bad_arguments_are_refused():
     model = model_of("llama", layers=2)
     with pytest.raises(ValueError, match="offload_stream applies with offload='cpu'"):
@@ -219,8 +251,6 @@ def test_bad_arguments_are_refused():
     with pytest.raises(TypeError, match="offload_stream must be True or False"):
         ckpt_ext.patch_llama(copy.deepcopy(model), "min_memory", offload="cpu",
                              offload_stream=1)
-    with pytest.raises(NotImplementedError, match="policy='min_memory'"):
-        ckpt_ext.patch_llama(copy.deepcopy(model), "auto", offload="cpu", offload_stream=True)
     with pytest.raises(TypeError, match="offload stream must be True or False"):
         Offloader(stream="yes")
     copied = copy.deepcopy(Offloader(stream=True))

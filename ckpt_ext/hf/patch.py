@@ -694,11 +694,19 @@ class _Shared:
         in the device's bytes too. ``dequantized``: QLoRA's transient (``dequantized_bytes``),
         held besides: taken off the budget, or in the working sets (step_peak's
         quantized_base). Returns (presets, None), or where no mix fits and the host limit
-        binds, (min_memory everywhere, (k, the search's error)): ``_segment_fallback``."""
+        binds, (min_memory everywhere, (k, the search's error)): ``_segment_fallback``.
+        With streamed inputs (``offload_stream``) every layer runs ``min_memory``, streamed,
+        in segments of the k (1 included) that ``_segment_fallback`` picks by time."""
         from ..plan import choose_offload_layers, format_bytes, layer_bytes, step_peak
         from ..throughputs import default_throughputs
         dims = self.layer_dims()
         off = self.offloader
+        if off.stream:
+            message = (f"auto with offload_stream=True: min_memory with streamed inputs "
+                       f"does not fit at B={b}, S={s} in any segment length")
+            k = self._segment_fallback(message, b, s, dtype, train_weights, lora_rank,
+                                       expert_lora_rank, room, dequantized)
+            return ["min_memory"] * len(dims), (k, message)
         working = None
         if room is not None:
             vocab = int(self.owner.config.vocab_size)
@@ -746,8 +754,9 @@ class _Shared:
         those that fit: the device's ``room`` for the step (its step peak), or with
         activation_budget (less QLoRA's ``dequantized``) what the device holds of the layers
         (the prefetch pool, the segment inputs past offload_limit and the running segment's
-        rebuilt inputs: ``layers_only``), as the budget bounds for the mixes. Raises
-        ValueError naming both when no k fits either."""
+        rebuilt inputs: ``layers_only``), as the budget bounds for the mixes; with streamed
+        inputs, the streamed step (the plan's ``stream``). Raises ValueError naming both when
+        no k fits either."""
         from ..plan import choose_segment_layers
         from ..throughputs import default_throughputs
         off = self.offloader
@@ -759,7 +768,7 @@ class _Shared:
                 quantized_base=bool(dequantized), lora_rank=lora_rank,
                 expert_lora_rank=expert_lora_rank, prefetch=off.prefetch,
                 host_link_gbytes_per_s=self.host_link, layers_only=room is None,
-                **default_throughputs().step_time_kwargs(s))
+                stream=off.stream, **default_throughputs().step_time_kwargs(s))
         except ValueError as e:
             raise ValueError(f"{message}; nor does min_memory in segments of several layers "
                              f"(patch_llama's segment_layers, which auto tries when "
@@ -1346,7 +1355,9 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     instead of coming back whole into the device prefetch pool; a segment's rebuilt inputs go
     to host memory too (``ckpt_ext.offload``; the plan's ``--offload-stream``). For the
     longest sequences, where the pool is what does not fit: the copies are not overlapped
-    with compute. Not with ``policy="auto"`` (NotImplementedError: give ``"min_memory"``).
+    with compute. With ``policy="auto"`` every layer then runs ``min_memory``, streamed, in
+    segments of the k (1 included) that ``ckpt_ext.plan.choose_segment_layers`` picks by time
+    among those that fit.
     ``segment_layers`` (an int >= 1, default 1: every layer keeps its own input): consecutive
     fused layers of a training forward grouped k at a time (``ckpt_ext.segments``): a segment
     keeps its first layer's input only (on the device, or offloaded with ``offload``; layers
@@ -1393,12 +1404,6 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
         raise ValueError("patch_llama: activation_budget applies to policy='auto' only, got "
                          f"policy={policy!r}")
     offloader = resolve_offload(offload, offload_limit, stream=offload_stream)
-    if offload_stream and policy == "auto":
-        raise NotImplementedError(
-            "patch_llama: offload_stream=True with policy='auto' is not built (auto's choice "
-            "counts the device prefetch pool that streaming removes); give "
-            "policy='min_memory' with the segment_layers that `python -m ckpt_ext.plan "
-            "--offload --offload-stream --segment-layers auto` prints")
     host_link = _host_link_default()
     if host_link_gbytes_per_s is not None:
         if policy != "auto" or offloader is None:
