@@ -17,7 +17,12 @@ With k layers per segment the host keeps one layer input per segment, ceil(L / k
 instead of L; the device holds, while a segment's backward runs, up to k - 1 rebuilt inputs
 beside the layer's backward, and the backward runs k - 1 more layer forwards per segment.
 
+With ``--stream`` (``offload_stream=True``) the layer inputs stay in host memory through the
+backward, read a token chunk at a time: the device pool holds no slot for them, and the
+rebuilt inputs of a segment go to the host pool too (its buffers count them).
+
     python bench/segments.py                       # a small model (about a minute on 2 cores)
+    python bench/segments.py --stream              # the same with streamed inputs
     python bench/segments.py --seq 4096 --hidden 512 --intermediate 1792 --heads 8 --vocab 16384
 """
 from __future__ import annotations
@@ -46,6 +51,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=SMALL["seq"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--stream", action="store_true",
+                   help="offload_stream=True: streamed inputs, rebuilt inputs in host memory")
     add_model_args(p)
     p.set_defaults(**{k: v for k, v in SMALL.items() if k != "seq"})
     args = p.parse_args(argv)
@@ -66,7 +73,8 @@ def measure(args: argparse.Namespace) -> dict:
     models, offloaders = {}, {}
     for k in args.segments:
         model = build(args, "min_memory+fused")
-        ckpt_ext.patch_llama(model, "min_memory", offload="cpu", segment_layers=k)
+        ckpt_ext.patch_llama(model, "min_memory", offload="cpu", segment_layers=k,
+                             offload_stream=args.stream)
         offloaders[k] = ckpt_ext.hf.patch._decoder_layers(model)[1][0].forward.shared.offloader
         step(model, ids)                  # warm-up: gradients, pools
         models[k] = model
@@ -95,7 +103,7 @@ def main(argv=None) -> dict:
     print(f"H {args.hidden}, I {args.intermediate}, {args.heads}/{args.kv_heads} heads, vocab "
           f"{args.vocab}, {args.layers} layers, B {args.batch}, S {args.seq}, {args.dtype}, "
           f"{args.device}, torch threads {torch.get_num_threads()}, min_memory + fused head + "
-          "offload='cpu'")
+          "offload='cpu'" + (", offload_stream=True" if args.stream else ""))
     print(f"load average at start: {os.getloadavg()}")
     out = measure(args)
     base = out.get(1)
