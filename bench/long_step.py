@@ -24,11 +24,17 @@ the device at a time. Per setup:
   bound); where the plan has ``step_time_estimate``, the step time / the plan's estimate
   (which leaves the host link out) and the plan's 32-layer step at S 1M.
 
+A setup is ``<preset>[+offload[+stream]][+segK]``: ``+stream`` patches with
+``offload_stream=True`` (min_memory inputs streamed from host memory in the backward),
+``+segK`` with ``segment_layers=K``; the plan's model then gets the same ``stream`` and
+``segment_layers``.
+
 Ends with the offload/none step-time ratio for each preset measured both ways.
 
     python bench/long_step.py --dtype bfloat16 --hidden 4096 --intermediate 14336 \\
         --heads 32 --kv-heads 8 --vocab 128256 --layers 4 --seq 131072 \\
         --setups min_memory min_memory+offload
+    python bench/long_step.py ... --layers 2 --seq 262144 --setups min_memory+offload+stream+seg2
 """
 from __future__ import annotations
 
@@ -55,11 +61,17 @@ def gib(n):
 
 
 def parse_setup(text):
-    preset, _, extra = text.partition("+")
-    if preset not in FUSED or extra not in ("", "offload"):
-        raise ValueError(f"setup {text!r}: expected <preset> or <preset>+offload with a preset "
-                         f"of {FUSED}")
-    return preset, extra == "offload"
+    """(preset, offload, stream, segment layers) of ``<preset>[+offload[+stream]][+segK]``."""
+    preset, *extras = text.split("+")
+    seg = 1
+    if extras and extras[-1].startswith("seg") and extras[-1][3:].isdigit():
+        seg = int(extras.pop()[3:])
+    offload, stream = extras[:1] == ["offload"], extras[1:2] == ["stream"]
+    if preset not in FUSED or extras not in ([], ["offload"], ["offload", "stream"]) or \
+            seg < 1 or (stream and preset != "min_memory") or (seg > 1 and preset != "min_memory"):
+        raise ValueError(f"setup {text!r}: expected <preset>[+offload[+stream]][+segK] with a "
+                         f"preset of {FUSED} (stream and segK > 1: min_memory only)")
+    return preset, offload, stream, seg
 
 
 def step_flops(args, preset):
@@ -116,12 +128,13 @@ def main(argv=None):
           f"{plan.layer_chunk_rows(dims[0], dtype.itemsize, config.current().chunk_bytes, sms)}",
           flush=True)
     times = {}
-    for (preset, offload), name in zip(setups, args.setups):
+    for (preset, offload, stream, seg), name in zip(setups, args.setups):
         model = None
         try:
             model = build(args, f"{preset}+fused")
-            if offload:
-                ckpt_ext.patch_llama(model, policy=preset, offload="cpu")
+            if offload or seg > 1:
+                ckpt_ext.patch_llama(model, policy=preset, offload="cpu" if offload else None,
+                                     offload_stream=stream, segment_layers=seg)
             ids = torch.randint(args.vocab, (args.batch, args.seq), device=args.device)
             warm = ids[:, :args.warmup_seq] if args.warmup_seq else ids
             sync(args.device)
@@ -146,7 +159,9 @@ def main(argv=None):
         times[name] = t
         if offload:
             m = plan.offload_step_peak(preset, dims, args.vocab, args.batch, args.seq, dtype,
-                                       path=path)
+                                       path=path, segment_layers=seg, stream=stream)
+            # the host pool's buffers: with streamed inputs the rebuilt inputs' too
+            mhost = m.host_peak if stream else m.host
             pool = stats["device_pool_bytes"] if stats else 0
             host = stats["host_bytes"] if stats else 0
             grew = before is not None and stats is not None and \
@@ -155,23 +170,25 @@ def main(argv=None):
             measured = peak if grew else peak + pool
             extra = (f"  (peak {gib(peak)}{' incl.' if grew else ' +'} device pool {gib(pool)} "
                      f"GiB; plan's pool "
-                     f"{gib(m.pool)})  host {gib(host)} GiB / modelled {gib(m.host)} = "
-                     f"{host / max(m.host, 1):.3f}")
+                     f"{gib(m.pool)})  host {gib(host)} GiB / modelled {gib(mhost)} = "
+                     f"{host / max(mhost, 1):.3f}")
             modelled = m.peak
         else:
             sp = plan.step_peak(preset, dims, args.vocab, args.batch, args.seq, dtype,
-                                path=path)
+                                path=path, segment_layers=seg)
             modelled = sp.peak
             measured, extra = peak, f"  (the plan's peak: {sp.phase})"
         flops, recompute = step_flops(args, preset)
         per_layer_1m = t / args.layers * (2**20 / args.seq) ** 2 * 32
         plan_flops = getattr(plan, "step_flops", None)
         if plan_flops is not None:     # the plan's own count, where this commit has it
-            flops = sum(plan_flops(preset, dims, args.vocab, args.batch, args.seq).values())
+            flops = sum(plan_flops(preset, dims, args.vocab, args.batch, args.seq,
+                                   segment_layers=seg).values())
         estimate = getattr(plan, "step_time_estimate", None)
         if estimate is not None:
-            est = estimate(preset, dims, args.vocab, args.batch, args.seq)
-            est_1m = estimate(preset, dims[:1] * 32, args.vocab, args.batch, 2**20)
+            est = estimate(preset, dims, args.vocab, args.batch, args.seq, segment_layers=seg)
+            est_1m = estimate(preset, dims[:1] * 32, args.vocab, args.batch, 2**20,
+                              segment_layers=seg)
             time_text = (f"step {t:.3g} s / modelled {est:.3g} s = {t / est:.3g} "
                          f"(plan.step_time_estimate{', no host link' if offload else ''}; "
                          f"at S 1M, 32 layers: {est_1m / 60:.1f} min)")

@@ -146,8 +146,10 @@ def test_long_step_measured_beside_modelled(dry_run):
     assert re.search(r"^min_memory +peak .*\(the plan's peak: (head backward|top layer "
                      r"backward)", text, re.M), text
     assert "min_memory: step time offload/none" in text
-    # part f: one layer
-    assert "1 layers, B 1, S 256" in text and "2 layers, B 1, S 128" in text
+    # part f: one 2-layer segment, streamed inputs
+    assert "2 layers, B 1, S 256" in text and "2 layers, B 1, S 128" in text
+    assert re.search(r"^min_memory\+offload\+stream\+seg2 +peak [\d.e+-]+ GiB / modelled "
+                     r"[\d.e+-]+ GiB = [\d.]+ .*plan's pool 0\)", text, re.M), text
     assert "OOM" not in text
 
 
