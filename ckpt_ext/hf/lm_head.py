@@ -33,6 +33,19 @@ and a fused training forward hands that pre-norm hidden state to ``linear_cross_
 the norm's weight: the norm then runs inside the head op, chunk by chunk, and the step keeps
 only the pre-norm hidden state (``ckpt_ext._normed_head``); the norm's own output and its graph
 are dropped. ``torch.compile`` traces the attribute like any other (no graph break).
+
+Under FSDP2 the fused head runs inside the ``*ForCausalLM``'s own call, after the root unit's
+pre-forward hook has unsharded the parameters it manages, so it reads ``lm_head.weight`` and
+the norm's weight gathered, as HF's head does, and autograd accumulates their gradients into
+FSDP2's unsharded parameters, which its post-backward reduce-scatters. The norm runs inside the
+head only when no FSDP2 unit of its own lies between the ``*ForCausalLM`` and the norm:
+``fully_shard(model.model)`` (or on the language model, or on the norm) reshards the norm's
+weight when the bare model's forward ends, before the head, and its backward gathers it again
+only when the gradient reaches the bare model's output. There the norm's output goes to the
+head op as it is (``FinalNorm`` still computed it, inside the bare model's call), and the norm's
+backward runs within that unit's. A head weight that is a DTensor at the call (its unit not
+unsharded: ``forward`` called directly rather than the module, or tensor parallelism) gets
+HF's forward.
 """
 from __future__ import annotations
 
@@ -174,6 +187,34 @@ class FinalNorm:
                     norm_offset=self.offset, norm_cast_last=self.cast_last)
 
 
+def _is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (a parameter that FSDP2 keeps sharded, or tensor parallelism),
+    read without importing torch.distributed where it is not built."""
+    return t is not None and (type(t).__name__ == "DTensor"
+                              or type(getattr(t, "data", None)).__name__ == "DTensor")
+
+
+def _fsdp2_module_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed, or before FSDP2
+        return None
+    return FSDPModule
+
+
+def _path_to(root: nn.Module, target: nn.Module) -> list:
+    """The modules from ``root``'s child down to ``target`` (included) on the way through
+    ``root``'s submodules; empty when ``target`` is not among them."""
+    for name, mod in root.named_modules(remove_duplicate=False):
+        if mod is target:
+            mods, cur = [], root
+            for part in name.split(".") if name else []:
+                cur = cur._modules[part]
+                mods.append(cur)
+            return mods
+    return []
+
+
 def take_prenorm(hidden: torch.Tensor) -> Optional[torch.Tensor]:
     """The input of the FinalNorm call that produced ``hidden``, unlinked from it (so that
     ``hidden`` no longer holds it), or None when ``hidden`` did not come from one. (Set to
@@ -200,6 +241,11 @@ class FusedHeadForward:
         self.positional = [p.name for p in params
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls = {"fused": 0, "hf": 0}
+        # the modules from the model down to its final norm (found at the first fused call)
+        self._norm_path = None
+        # whether the last fused call ran the final norm inside the head op (None: no call yet
+        # or no FinalNorm output)
+        self.last_norm_in_head = None
         # The class's head rule, looked up once (the class does not change; the config values
         # are read at each call).
         _, self.rule = head_rule(model)
@@ -226,7 +272,10 @@ class FusedHeadForward:
                    and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
         if fusable:
             problem, logit_scale, softcap = head_transform(self.model, self.rule)
-            fusable = problem is None
+            # A sharded head weight here means no FSDP2 hook unsharded it (the module's forward
+            # called directly) or tensor parallelism: HF's forward, which handles the latter.
+            fusable = problem is None and not any(
+                _is_dtensor(raw_parameter(self.model.lm_head, n)) for n in ("weight", "bias"))
         if not fusable:
             self._count("hf")
             if self._router_stats_under_sp(kwargs):
@@ -234,6 +283,21 @@ class FusedHeadForward:
             return self.original(**kwargs)
         self._count("fused")
         return self._fused(logit_scale=logit_scale, softcap=softcap, **kwargs)
+
+    def norm_in_head(self, norm: nn.Module) -> bool:
+        """Whether the final norm may run inside the head op: not when an FSDP2 unit other than
+        the ``*ForCausalLM``'s owns its weight (``fully_shard`` on the bare model, the language
+        model or the norm), which reshards it after the bare model's forward and gathers it for
+        backward only through the bare model's output; nor when the weight is a DTensor."""
+        if _is_dtensor(raw_parameter(norm, "weight")):
+            return False
+        fsdp = _fsdp2_module_type()
+        if fsdp is None:
+            return True
+        path = getattr(self, "_norm_path", None)
+        if path is None or path[-1:] != [norm]:
+            path = self._norm_path = _path_to(self.model, norm)
+        return not any(isinstance(m, fsdp) for m in path)
 
     def _router_stats_under_sp(self, kwargs) -> bool:
         """Whether a call that runs HF's forward (no labels, logits_to_keep, no grad) needs
@@ -299,8 +363,13 @@ class FusedHeadForward:
         weight, bias = raw_parameter(head, "weight"), raw_parameter(head, "bias")
         labels = shift_labels.to(hidden.device)
         norm_args = {}
-        if prenorm is not None:  # the final norm inside the head op, on the pre-norm rows
-            hidden = prenorm     # (a ZeRO-3 norm has DeepSpeed's hooks: it ran as HF's)
+        in_head = prenorm is not None and self.norm_in_head(norm)
+        if not torch.compiler.is_compiling():
+            self.last_norm_in_head = None if prenorm is None else in_head
+        if in_head:
+            # the final norm inside the head op, on the pre-norm rows (a ZeRO-3 norm has
+            # DeepSpeed's hooks: it ran as HF's); else the normed rows as they are
+            hidden = prenorm
             norm_args = norm.forward.head_args()
 
         def loss_of(hidden):
