@@ -47,9 +47,9 @@ casts the normed ones) and no FSDP2 unit lies between the ``*ForCausalLM`` and t
 weight when the bare model's forward ends, before the head, and its backward gathers it again
 only when the gradient reaches the bare model's output. There the norm's output goes to the
 head op as it is (computed inside the bare model's call: by ``FinalNorm``, or by HF's forward
-for a norm with hooks of its own), and the norm's backward runs within that unit's. A head weight that is a DTensor at the call (its unit not
-unsharded: ``forward`` called directly rather than the module, or tensor parallelism) gets
-HF's forward.
+for a norm with hooks of its own), and the norm's backward runs within that unit's. A head
+weight that is a DTensor at the call, the head no unit of its own (its unit not unsharded:
+``forward`` called directly rather than the module, or tensor parallelism), gets HF's forward.
 """
 from __future__ import annotations
 
