@@ -11,6 +11,8 @@ weight matters):
   norm_head_unit   per_layer and fully_shard([model.norm, lm_head]) before the root (the
                    norm, a unit, runs as HF's: in float32, so the one-process comparison of
                    this layout takes the looser tolerance)
+  embed_head_unit  per_layer and fully_shard([model.embed_tokens, lm_head]) before the root:
+                   what FSDP2 asks for tied embeddings in a unit of their own
 
 with untied and tied embeddings, patched before and after fully_shard, and PEFT LoRA on the
 attention (the head and the norm frozen). Each rank runs two forwards and backwards on its own
@@ -49,7 +51,8 @@ CASES = [("per_layer", "untied", "before"), ("per_layer", "tied", "before"),
          ("per_layer_bare", "untied", "after"), ("per_layer", "lora", "before"),
          ("per_layer_bare", "lora", "before"), ("head_unit", "untied", "before"),
          ("head_unit", "untied", "after"), ("norm_head_unit", "untied", "before"),
-         ("head_unit", "lora", "before")]
+         ("head_unit", "lora", "before"), ("embed_head_unit", "tied", "before"),
+         ("embed_head_unit", "untied", "before")]
 # under a bf16 MixedPrecisionPolicy (float32 model): the layouts where the norm leaves the head
 MIXED = [("per_layer", "untied", "before"), ("per_layer_bare", "untied", "before"),
          ("head_unit", "untied", "before")]
@@ -89,6 +92,8 @@ def shard(model, layout, mesh, bf16=False):
         fully_shard(lm.lm_head, mesh=mesh)
     if layout == "norm_head_unit":
         fully_shard([lm.model.norm, lm.lm_head], mesh=mesh)
+    if layout == "embed_head_unit":
+        fully_shard([lm.model.embed_tokens, lm.lm_head], mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
@@ -176,7 +181,8 @@ def test_fused_head_under_fsdp2_layouts(tmp_path):
             # the final norm runs inside the head unless the bare model, the head or the norm
             # is a unit of its own (the norm's hooks make it run as HF's: no pre-norm rows)
             assert mine["norm_in_head"] == {"per_layer_bare": False, "head_unit": False,
-                                            "norm_head_unit": None}.get(layout, True), label
+                                            "norm_head_unit": None,
+                                            "embed_head_unit": False}.get(layout, True), label
             ref_losses, ref_grads = refs[embeddings]
             names = set(ref_grads)
             if embeddings == "lora":
