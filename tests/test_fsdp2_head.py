@@ -19,7 +19,8 @@ attention (the head and the norm frozen). Each rank runs two forwards and backwa
 batch: the head is fused at every call; the loss and every gathered gradient
 (``full_tensor()``, FSDP2's mean over the ranks) equal those of the unpatched model under the
 same layout (to the tolerance of the expert-LoRA FSDP2 test, rtol 1e-5 / atol 2e-7: HF's loss
-casts the logits to float32, ours does not) and those of the patched model in one process on both batches (1e-10 / 1e-13).
+casts the logits to float32, ours does not) and those of the patched model in one process on
+both batches (1e-10 / 1e-13).
 Under a bf16 MixedPrecisionPolicy (float32 model) per_layer, per_layer_bare and head_unit
 equal the unpatched model within test_distributed's bf16 tolerance, and each other bit for bit.
 Tied embeddings with fully_shard(model.model) are refused by FSDP2 itself at fully_shard
