@@ -33,6 +33,23 @@ and a fused training forward hands that pre-norm hidden state to ``linear_cross_
 the norm's weight: the norm then runs inside the head op, chunk by chunk, and the step keeps
 only the pre-norm hidden state (``ckpt_ext._normed_head``); the norm's own output and its graph
 are dropped. ``torch.compile`` traces the attribute like any other (no graph break).
+
+Under FSDP2 the fused head runs inside the ``*ForCausalLM``'s own call, after the root unit's
+pre-forward hook has unsharded the parameters it manages, so it reads ``lm_head.weight`` and
+the norm's weight gathered, as HF's head does, and autograd accumulates their gradients into
+FSDP2's unsharded parameters, which its post-backward reduce-scatters. An ``lm_head`` that is an
+FSDP2 unit of its own (``fully_shard(model.lm_head)``, alone or grouped with the norm) runs the
+fused loss as its forward, through its ``__call__``: its hooks unshard it around the loss, again
+for its backward, and reduce-scatter after. The norm runs inside the head only when the head is
+no unit of its own (its MixedPrecisionPolicy would cast the pre-norm rows going in, where HF's
+casts the normed ones) and no FSDP2 unit lies between the ``*ForCausalLM`` and the norm:
+``fully_shard(model.model)`` (or on the language model, or on the norm) reshards the norm's
+weight when the bare model's forward ends, before the head, and its backward gathers it again
+only when the gradient reaches the bare model's output. There the norm's output goes to the
+head op as it is (computed inside the bare model's call: by ``FinalNorm``, or by HF's forward
+for a norm with hooks of its own), and the norm's backward runs within that unit's. A head
+weight that is a DTensor at the call, the head no unit of its own (its unit not unsharded:
+``forward`` called directly rather than the module, or tensor parallelism), gets HF's forward.
 """
 from __future__ import annotations
 
@@ -68,7 +85,7 @@ def head_transform(model: nn.Module,
         return (f"lm_head is a bitsandbytes {type(head).__name__}: the fused loss needs a dense "
                 "head weight (leave lm_head out of the quantization: bitsandbytes' default, "
                 "llm_int8_skip_modules)"), 1.0, 0.0
-    if type(head) is not nn.Linear:
+    if not _plain_linear(head):
         return f"lm_head is a {type(head).__name__}, not a plain nn.Linear", 1.0, 0.0
     if not isinstance(getattr(model, "model", None), nn.Module):
         return "the model has no bare .model to run before the head", 1.0, 0.0
@@ -174,6 +191,67 @@ class FinalNorm:
                     norm_offset=self.offset, norm_cast_last=self.cast_last)
 
 
+def _is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (a parameter that FSDP2 keeps sharded, or tensor parallelism),
+    read without importing torch.distributed where it is not built."""
+    return t is not None and (type(t).__name__ == "DTensor"
+                              or type(getattr(t, "data", None)).__name__ == "DTensor")
+
+
+def _fsdp2_module_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed, or before FSDP2
+        return None
+    return FSDPModule
+
+
+def _fsdp2_unit(module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` applied to it)."""
+    fsdp = _fsdp2_module_type()
+    return fsdp is not None and isinstance(module, fsdp)
+
+
+def _plain_linear(module) -> bool:
+    """Whether ``module`` is an ``nn.Linear``, or one that ``fully_shard`` made an FSDP2 unit
+    (its class FSDP2's subclass of nn.Linear), and no subclass of it."""
+    if type(module) is nn.Linear:
+        return True
+    if not _fsdp2_unit(module):
+        return False
+    fsdp = _fsdp2_module_type()
+    base = [c for c in type(module).__mro__[1:] if not issubclass(c, fsdp)]
+    return bool(base) and base[0] is nn.Linear
+
+
+def _as_forward_of(module: nn.Module, fn: Callable, x: torch.Tensor):
+    """``fn(x)`` run as ``module``'s forward, through ``module.__call__`` and so inside its
+    hooks: on an FSDP2 unit, the unit unsharded before and resharded after, its pre-backward
+    hook on the result (unshard again) and its post-backward one on ``x`` (reduce-scatter)."""
+    own = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        return module(x)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def _path_to(root: nn.Module, target: nn.Module) -> list:
+    """The modules from ``root``'s child down to ``target`` (included) on the way through
+    ``root``'s submodules; empty when ``target`` is not among them."""
+    for name, mod in root.named_modules(remove_duplicate=False):
+        if mod is target:
+            mods, cur = [], root
+            for part in name.split(".") if name else []:
+                cur = cur._modules[part]
+                mods.append(cur)
+            return mods
+    return []
+
+
 def take_prenorm(hidden: torch.Tensor) -> Optional[torch.Tensor]:
     """The input of the FinalNorm call that produced ``hidden``, unlinked from it (so that
     ``hidden`` no longer holds it), or None when ``hidden`` did not come from one. (Set to
@@ -200,6 +278,11 @@ class FusedHeadForward:
         self.positional = [p.name for p in params
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
         self.calls = {"fused": 0, "hf": 0}
+        # the modules from the model down to its final norm (found at the first fused call)
+        self._norm_path = None
+        # whether the last fused call ran the final norm inside the head op (None: no call yet
+        # or no FinalNorm output)
+        self.last_norm_in_head = None
         # The class's head rule, looked up once (the class does not change; the config values
         # are read at each call).
         _, self.rule = head_rule(model)
@@ -226,7 +309,12 @@ class FusedHeadForward:
                    and kwargs.get("logits_to_keep", 0) == 0 and self.rule is not None)
         if fusable:
             problem, logit_scale, softcap = head_transform(self.model, self.rule)
-            fusable = problem is None
+            # A sharded head weight here, the head not an FSDP2 unit of its own (unsharded at
+            # its call), means no FSDP2 hook unsharded it (the module's forward called
+            # directly) or tensor parallelism: HF's forward, which handles the latter.
+            head = self.model.lm_head
+            fusable = problem is None and (_fsdp2_unit(head) or not any(
+                _is_dtensor(raw_parameter(head, n)) for n in ("weight", "bias")))
         if not fusable:
             self._count("hf")
             if self._router_stats_under_sp(kwargs):
@@ -234,6 +322,25 @@ class FusedHeadForward:
             return self.original(**kwargs)
         self._count("fused")
         return self._fused(logit_scale=logit_scale, softcap=softcap, **kwargs)
+
+    def norm_in_head(self, norm: nn.Module) -> bool:
+        """Whether the final norm may run inside the head op: not when an FSDP2 unit other than
+        the ``*ForCausalLM``'s owns its weight (``fully_shard`` on the bare model, the language
+        model or the norm), which reshards it after the bare model's forward and gathers it for
+        backward only through the bare model's output; nor when the weight is a DTensor; nor
+        when ``lm_head`` is an FSDP2 unit, whose MixedPrecisionPolicy would cast the pre-norm
+        rows going in where HF's casts the normed ones."""
+        if _is_dtensor(raw_parameter(norm, "weight")):
+            return False
+        fsdp = _fsdp2_module_type()
+        if fsdp is None:
+            return True
+        if isinstance(self.model.lm_head, fsdp):
+            return False
+        path = getattr(self, "_norm_path", None)
+        if path is None or path[-1:] != [norm]:
+            path = self._norm_path = _path_to(self.model, norm)
+        return not any(isinstance(m, fsdp) for m in path)
 
     def _router_stats_under_sp(self, kwargs) -> bool:
         """Whether a call that runs HF's forward (no labels, logits_to_keep, no grad) needs
@@ -299,12 +406,18 @@ class FusedHeadForward:
         weight, bias = raw_parameter(head, "weight"), raw_parameter(head, "bias")
         labels = shift_labels.to(hidden.device)
         norm_args = {}
-        if prenorm is not None:  # the final norm inside the head op, on the pre-norm rows
-            hidden = prenorm     # (a ZeRO-3 norm has DeepSpeed's hooks: it ran as HF's)
+        in_head = prenorm is not None and self.norm_in_head(norm)
+        if not torch.compiler.is_compiling():
+            self.last_norm_in_head = None if prenorm is None else in_head
+        if in_head:
+            # the final norm inside the head op, on the pre-norm rows (a ZeRO-3 norm has
+            # DeepSpeed's hooks: it ran as HF's); else the normed rows as they are
+            hidden = prenorm
             norm_args = norm.forward.head_args()
 
         def loss_of(hidden):
-            w, b = weight, bias
+            # read at the call: an FSDP2 head unit swaps in its unsharded parameters then
+            w, b = raw_parameter(head, "weight"), raw_parameter(head, "bias")
             device = hidden.device.type
             if torch.is_autocast_enabled(device):  # the head's matmul in the autocast dtype
                 dtype = torch.get_autocast_dtype(device)
@@ -319,7 +432,10 @@ class FusedHeadForward:
                                             logit_scale=logit_scale, softcap=softcap,
                                             **norm_args)
 
-        loss = gathered_for_head([weight, bias], hidden, loss_of)
+        if _fsdp2_unit(head):  # fully_shard(lm_head): the loss inside the head's own call
+            loss = _as_forward_of(head, loss_of, hidden)
+        else:
+            loss = gathered_for_head([weight, bias], hidden, loss_of)
         if moe_head:  # HF's MoE output: the load-balancing loss added when it is asked for
             loss, aux = moe.aux_loss(self.model, loss, outputs, kwargs.get("attention_mask"),
                                      router_logits, stats)
