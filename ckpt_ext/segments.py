@@ -30,12 +30,21 @@ know its place in its segment.
   ``unshard``, which fills the very tensors the forward read) and releases them after
   (``reshard``), unless FSDP2 had already started gathering them for the layer's own backward
   (its backward prefetch), which then keeps them. A replay whose weights were released and
-  not gathered again (sharding the rebuild does not know) raises a RuntimeError.
+  not gathered again (sharding the rebuild does not know: a weight emptied, or its storage
+  freed) raises a RuntimeError.
+* **DeepSpeed ZeRO-3** (a fused layer is a ZeRO-3 leaf module, gathered for its forward and
+  its backward only): the recorded ``gather`` makes the layer's parameters available for the
+  replay without taking any from ZeRO-3's coordinator: those it holds are read as they are,
+  those it is prefetching for the layer's own backward are waited for and stay gathered for
+  it, and only the partitioned ones are gathered (``deepspeed.zero.GatheredParameters``) and
+  partitioned again after the replay (``ckpt_ext.hf.patch._zero3_gather``).
 
 A layer joins the running segment only when its input *is* the previous fused call's output
 (the same tensor, not changed in place since; or a view of all of it, which is what FSDP2's
-pre-forward hook passes on through an identity autograd node): anything that runs between two
-layers, or a layer that runs HF's forward instead of the fused op, starts a new segment. The
+pre-forward hook passes on through an identity autograd node; or an alias of all of it that
+autograd nodes of one input each made, which is what ZeRO-3's hooks pass on, their nodes
+returning the output detached): anything that runs between two layers, or a layer that runs
+HF's forward instead of the fused op, starts a new segment. The
 rebuilt inputs are therefore the very values the forward computed (the op is deterministic on
 the CPU), and the gradients equal those of one-layer segments bit for bit.
 
@@ -75,10 +84,13 @@ def check_segment_layers(value, what: str = "patch_llama") -> int:
 class _Call:
     """One fused layer call of a segment, as its rebuild replays it."""
     __slots__ = ("fn", "options", "cpu_rng", "cuda_rng", "device", "autocast", "transient",
-                 "gather")
+                 "gather", "shapes")
 
     def __init__(self, fn: Callable, options, x: Tensor, transient=None, gather=None):
         self.fn, self.options, self.transient, self.gather = fn, options, transient, gather
+        # the weights' shapes as the call read them (a released ZeRO-3 parameter is emptied)
+        self.shapes = [w.shape if isinstance(w, Tensor) else None
+                       for w in getattr(options, "weights", ()) or ()]
         self.device = x.device
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
@@ -98,22 +110,25 @@ class _Call:
         gathered = self.gather() if self.gather is not None else contextlib.nullcontext()
         with gathered, torch.autocast(kind, dtype=dtype, enabled=enabled,
                                       cache_enabled=cache), fill:
-            _check_filled(self.options)
+            _check_filled(self.options, self.shapes)
             out = self.fn(x, self.options)
         return out[0] if isinstance(out, tuple) else out
 
 
-def _check_filled(options) -> None:
+def _check_filled(options, shapes) -> None:
     """A RuntimeError if a weight the call read has been released since (its storage freed,
-    or the tensor emptied): sharded parameters that the replay did not gather again."""
-    for w in getattr(options, "weights", ()) or ():
-        if isinstance(w, Tensor) and w.numel() and \
+    or the tensor emptied: its shape no longer ``shapes``' entry, what the call read): sharded
+    parameters that the replay did not gather again."""
+    for w, shape in zip(getattr(options, "weights", ()) or (), shapes):
+        if not isinstance(w, Tensor):
+            continue
+        if w.shape != shape or w.numel() and \
                 w.untyped_storage().nbytes() < (w.storage_offset() + 1) * w.element_size():
             raise RuntimeError(
                 "ckpt_ext segments: a weight of a layer that a segment's rebuild replays was "
-                "released after its forward (parameters sharded by a module other than the "
-                "decoder layer, e.g. FSDP2 on an outer module only, or ZeRO-3); fully_shard "
-                "each decoder layer, or patch the model with segment_layers=1")
+                "released after its forward and not gathered again (parameters sharded in a "
+                "way the rebuild does not gather, e.g. by FSDP2 on an outer module only); "
+                "fully_shard each decoder layer, or patch the model with segment_layers=1")
 
 
 class Segment:
@@ -189,22 +204,43 @@ class Chain:
         self.segment: Optional[Segment] = None
         self.last = None             # weakref to the last fused call's output
         self.version = -1
+        # the last output's autograd node and memory (pointer, dtype, shape, strides, offset):
+        # what tells an alias of it once that tensor object is gone (ZeRO-3's hook returns
+        # the layer's output detached, and drops the output itself)
+        self.node = None
+        self.memory = None
         self.segments: Optional[List[Segment]] = [] if record else None
 
     def place(self, x: Tensor):
         """(segment, place) for a fused call with input ``x``."""
         seg = self.segment
-        last = self.last() if self.last is not None else None
-        if seg is not None and len(seg.calls) < self.k and _is_whole(x, last) and \
-                x._version == self.version:
+        if seg is not None and len(seg.calls) < self.k and self._follows(x):
             return seg, len(seg.calls)
         self.segment = seg = Segment()
         if self.segments is not None:
             self.segments.append(seg)
         return seg, 0
 
+    def _follows(self, x: Tensor) -> bool:
+        """``x`` holds the last fused call's output as that call made it: the output itself or
+        a view of all of it (``_is_whole``), or an alias of all of it made by autograd nodes of
+        one input each (``_made_from``), which shares its version counter; its version
+        unchanged since."""
+        if x._version != self.version:
+            return False
+        last = self.last() if self.last is not None else None
+        if _is_whole(x, last):
+            return True
+        return self.memory is not None and _memory(x) == self.memory and \
+            _made_from(x.grad_fn, self.node)
+
     def done(self, y: Tensor) -> None:
         self.last, self.version = weakref.ref(y), y._version
+        self.node, self.memory = y.grad_fn, _memory(y)
+
+
+def _memory(t: Tensor):
+    return (t.untyped_storage().data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset())
 
 
 def _is_whole(x: Tensor, last: Optional[Tensor]) -> bool:
@@ -218,6 +254,22 @@ def _is_whole(x: Tensor, last: Optional[Tensor]) -> bool:
     base = last if last._base is None else last._base
     return x._base is base and x.dtype == last.dtype and x.shape == last.shape and \
         x.stride() == last.stride() and x.storage_offset() == last.storage_offset()
+
+
+def _made_from(node, target, steps: int = 8) -> bool:
+    """``node`` is ``target``, or reaches it within ``steps`` autograd nodes of one input
+    each (DeepSpeed ZeRO-3's pre-backward and post-backward nodes, which return their input
+    detached: an alias sharing its memory and version counter)."""
+    if target is None:
+        return False
+    for _ in range(steps + 1):
+        if node is target:
+            return True
+        nexts = [n for n, _ in getattr(node, "next_functions", ()) or () if n is not None]
+        if len(nexts) != 1:
+            return False
+        node = nexts[0]
+    return False
 
 
 def _outer_hooks():
@@ -239,9 +291,10 @@ def call(chain: Optional[Chain], offloader: Optional[Offloader], fn: Callable, x
     caller's ``Transient.attach``, so it runs first) that rebuilds the segment's inputs before
     its own weights are filled for its backward: one layer's dequantized weights at a time.
 
-    ``gather``: for a layer whose parameters are sharded (FSDP2), a function returning a
-    context that gathers them around the rebuild's replay of the call and releases them after
-    (the replay reads the same parameter tensors the call read, filled again)."""
+    ``gather``: for a layer whose parameters are sharded (FSDP2, ZeRO-3), a function
+    returning a context that gathers them around the rebuild's replay of the call and releases
+    after it what it gathered (the replay reads the same parameter tensors the call read,
+    filled again)."""
     if chain is None or not torch.is_grad_enabled():
         return offloaded(offloader, fn, x, keep, options)
     if offloader is not None and torch.cuda.is_available() and \

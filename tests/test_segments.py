@@ -689,18 +689,29 @@ def test_policies_not_built_are_refused(policy, words):
     ckpt_ext.patch_llama(model, policy, segment_layers=1, **kwargs)  # k = 1: as before
 
 
-def test_zero3_parameters_refused_at_patch_and_at_forward():
+class _FakeDTensor(torch.nn.Parameter):
+    """A parameter whose type reads as a DTensor's (tensor parallelism, or FSDP2 on a module
+    around the layer): sharding that a segment's rebuild does not gather."""
+
+
+_FakeDTensor.__name__ = "DTensor"
+
+
+def test_foreign_sharding_refused_at_patch_and_at_forward():
+    """DTensor parameters of a layer that is not itself an FSDP2 module: refused at patch and,
+    set up after patching, at the forward. (ZeRO-3 parameters are gathered by the rebuild:
+    tests/test_deepspeed_segments.py.)"""
     model = model_of(layers=2)
     p = model.model.layers[1].mlp.down_proj.weight
-    p.ds_id, p.ds_status = 7, "fake"
-    with pytest.raises(NotImplementedError, match="ZeRO-3.*segment_layers=1"):
+    p.__class__ = _FakeDTensor
+    with pytest.raises(NotImplementedError, match="DTensors.*segment_layers=1"):
         ckpt_ext.patch_llama(model, "min_memory", segment_layers=2)
-    del p.ds_id, p.ds_status
+    p.__class__ = torch.nn.Parameter
     ckpt_ext.patch_llama(model, "min_memory", segment_layers=2)
-    p.ds_id, p.ds_status = 7, "fake"
-    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+    p.__class__ = _FakeDTensor
+    with pytest.raises(NotImplementedError, match="DTensors.*segment_layers=1"):
         step(model, batch_of("plain", 1), 1)
-    del p.ds_id, p.ds_status
+    p.__class__ = torch.nn.Parameter
     with torch.no_grad():  # inference: no segments, nothing refused
         model(**batch_of("plain", 1), use_cache=False)
 
@@ -820,16 +831,17 @@ def test_auto_segments_error_when_nothing_fits():
 
 
 def test_auto_segments_refused_where_segments_are_not_built():
-    """ZeRO-3 parameters (set up after patching) and torch.compile: auto does not run k > 1
+    """Parameters sharded in a way the rebuild does not gather (DTensors of a layer that is
+    not an FSDP2 module, set up after patching) and torch.compile: auto does not run k > 1
     there; the mix's error, with the reason."""
     seed = fresh_seed()
     _, batch, x, model = _auto_segments_case(seed, 3)
     p = _decoder_layers(model)[1][1].input_layernorm.weight
-    p.ds_id, p.ds_status = 7, "fake"
+    p.__class__ = _FakeDTensor
     with pytest.raises(ValueError, match=r"is below the offload prefetch pool .*segments of \d "
-                                         r"layers would fit, but .*ZeRO-3"):
+                                         r"layers would fit, but .*DTensors"):
         step(model, batch, seed)
-    del p.ds_id, p.ds_status
+    p.__class__ = torch.nn.Parameter
     _, batch, x, model = _auto_segments_case(seed, 3)
     compiled = torch.compile(model, backend="eager")
     with pytest.raises(ValueError, match=r"is below the offload prefetch pool .*would fit, "

@@ -1095,7 +1095,7 @@ class _PatchedForward:
             out = _segments.call(chain, self.shared.offloader, decoder_layer, x,
                                  [*weights, cos, sin, masks.key_padding_mask,
                                   masks.segment_ids, seed], options, transient,
-                                 _fsdp2_gather(self.layer) if chain is not None else None)
+                                 _segment_gather(self.layer) if chain is not None else None)
         transient.attach(out)
         if router_stats:
             y, stats = out
@@ -1144,10 +1144,11 @@ def _fsdp2_module():
 
 def _sharding_problem(layers) -> Optional[str]:
     """Why the layers' parameters cannot serve a segment's rebuild, which re-runs layer
-    forwards inside another layer's backward (None when they can): DeepSpeed ZeRO-3, FSDP (1)
-    and parameters sharded by a module other than the layer itself release or hold them in
-    ways the rebuild does not gather. A layer that is itself an FSDP2 module (``fully_shard``
-    on each decoder layer) is gathered by the rebuild (``_fsdp2_gather``)."""
+    forwards inside another layer's backward (None when they can): FSDP (1) and parameters
+    sharded by a module other than the layer itself release or hold them in ways the rebuild
+    does not gather. A layer that is itself an FSDP2 module (``fully_shard`` on each decoder
+    layer) is gathered by the rebuild (``_fsdp2_gather``), and so is one whose parameters are
+    DeepSpeed ZeRO-3 parameters (``_zero3_gather``; a fused layer is a ZeRO-3 leaf module)."""
     FSDPModule = _fsdp2_module()
     for idx, layer in enumerate(layers):
         if any(c.__name__ == "FullyShardedDataParallel" for c in type(layer).__mro__):
@@ -1160,8 +1161,6 @@ def _sharding_problem(layers) -> Optional[str]:
             return f"decoder layer {idx} has modules sharded by FSDP2 of their own " \
                 f"({inner[0]!r}); fully_shard the whole decoder layer instead"
         for p in layer.parameters():
-            if zero.is_zero3_param(p):
-                return f"decoder layer {idx}'s parameters are partitioned by DeepSpeed ZeRO-3"
             if not own and (type(p).__name__ == "DTensor" or
                             type(getattr(p, "data", None)).__name__ == "DTensor"):
                 return f"decoder layer {idx}'s parameters are DTensors sharded by a module " \
@@ -1200,6 +1199,81 @@ def _fsdp2_gather(layer: nn.Module) -> Optional[Callable]:
             if not held:
                 layer.reshard()
     return gathered
+
+
+def _zero3_gather(layer: nn.Module) -> Optional[Callable]:
+    """For a decoder layer whose parameters are DeepSpeed ZeRO-3 parameters, a function
+    returning a context that makes them available for a segment's replay of its forward and
+    releases, after it, exactly those it gathered itself. None for other layers.
+
+    The replay runs inside a later layer's backward, where ZeRO-3's coordinator may hold some
+    of them: available (the later layer's, kept for reuse, or persistent) or in flight (its
+    prefetch for this layer's own backward, in its registry of all-gathers under way). Those
+    it leaves to the coordinator: in-flight ones are waited for (the registry's handle, which
+    stays there: the coordinator's own wait is then a no-op) and stay gathered for the layer's
+    backward, which the coordinator had fetched them for. The partitioned ones are gathered
+    with ``deepspeed.zero.GatheredParameters`` and partitioned again when the replay is done;
+    every rank replays the same layers in the same order, so the collectives match. The replay
+    reads the parameter tensors the forward read, which ZeRO-3 fills again in place."""
+    params = [p for p in layer.parameters() if zero.is_zero3_param(p)]
+    if not params:
+        return None
+
+    @contextlib.contextmanager
+    def gathered():
+        import deepspeed
+        from deepspeed.runtime.zero import ZeroParamStatus
+        inflight = [p for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
+        if inflight:
+            registry = _zero3_inflight_registry(layer)
+            handles = [registry.get(p) if registry is not None else None for p in inflight]
+            if any(h is None for h in handles):
+                raise RuntimeError(
+                    "ckpt_ext segments: a parameter of a layer that a segment's rebuild replays "
+                    "is being gathered by ZeRO-3, and its all-gather is not in the registry of "
+                    "the DeepSpeed engine whose hooks are on the layer; patch the model with "
+                    "segment_layers=1")
+            for handle in {id(h): h for h in handles}.values():
+                handle.wait()
+        mine = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        with deepspeed.zero.GatheredParameters(mine, enabled=bool(mine)):
+            yield
+    return gathered
+
+
+def _zero3_inflight_registry(layer: nn.Module):
+    """The registry of ZeRO-3's all-gathers under way (parameter -> handle) of the DeepSpeed
+    engine whose hooks gather ``layer``'s parameters: its ``ds_inflight_param_registry``, on
+    the module the engine was given, found through its hooks on the layer; None if none."""
+    hooks = [h for h in (*layer._forward_pre_hooks.values(), *layer._forward_hooks.values())
+             if zero.is_deepspeed_hook(h)]
+    seen = set()
+    for _ in range(3):  # the hooks, what they wrap (torch.compiler.disable), what that closes on
+        found = []
+        for fn in hooks:
+            fn = inspect.unwrap(fn)
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    owner = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                registry = getattr(getattr(owner, "module", None), "ds_inflight_param_registry",
+                                   None)
+                if registry is not None:
+                    return registry
+                if callable(owner):
+                    found.append(owner)
+        hooks = found
+    return None
+
+
+def _segment_gather(layer: nn.Module) -> Optional[Callable]:
+    """The gather of a segment's replay of ``layer``'s call: FSDP2's or ZeRO-3's, else None."""
+    gather = _fsdp2_gather(layer)
+    return gather if gather is not None else _zero3_gather(layer)
 
 
 def _check_segments(k: int, presets: List[str], layers, config, sequence_parallel) -> None:
@@ -1372,9 +1446,12 @@ def patch_llama(model: nn.Module, policy: Optional[Policy] = None, *,
     again for its forward and frees them after it (one layer's at a time); with FSDP2's
     ``fully_shard`` on each decoder layer the rebuild gathers each replayed layer's parameters
     for its replay and releases them after it (unless FSDP2 is already gathering them for
-    that layer's backward). Not built with k > 1 (PatchRefused naming what to use):
-    ``policy="auto"`` (which picks k itself with offload, above) and presets other than the
-    fused ones, DeepSpeed ZeRO-3, FSDP (1), FSDP2 on a module around the layers only,
+    that layer's backward); under DeepSpeed ZeRO-3 it gathers each replayed layer's
+    partitioned parameters for its replay and partitions them again after it (those ZeRO-3
+    holds or is prefetching for the layer's backward it leaves to ZeRO-3). Not built with
+    k > 1 (PatchRefused naming what to use): ``policy="auto"`` (which picks k itself with
+    offload, above) and presets other than the fused ones, FSDP (1), FSDP2 on a module around
+    the layers only,
     tensor-parallel DTensor parameters and Qwen3-VL; a forward under ``torch.compile`` or in
     DeepSpeed Ulysses' group raises NotImplementedError.
 
