@@ -61,10 +61,10 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
        "shared_expert_intermediate_size": 48, "norm_topk_prob": True}
 
 
-def make_model(family="llama"):
+def make_model(family="llama", layers=LAYERS):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=LAYERS, num_attention_heads=4,
+                               num_hidden_layers=layers, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=V, use_cache=False,
                                pad_token_id=0, **(MOE if family == "qwen2_moe" else {}))
     torch.manual_seed(0)
@@ -247,9 +247,11 @@ def word_tokenizer():
                                    unk_token="<unk>")
 
 
-def _worker(rank, init_file, out_dir):
+def run_rank(rank, init_file, out_dir, runs, timeout_s: int = TIMEOUT_S) -> None:
+    """One spawned rank: gloo set up for DeepSpeed on the CPU, then each ``(name, fn)`` of
+    ``runs`` (a None result: not run here), timed; the results saved as ``<rank>.pt``."""
     from test_distributed import init_gloo_rank
-    init_gloo_rank(rank, WORLD, init_file, TIMEOUT_S)
+    init_gloo_rank(rank, WORLD, init_file, timeout_s)
     warnings.simplefilter("ignore")
     # On the CPU accelerator DeepSpeed JIT-compiles a shared-memory allreduce op when its
     # communication backend starts (minutes on 2 cores, once per machine); gloo does every
@@ -257,17 +259,12 @@ def _worker(rank, init_file, out_dir):
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     try:
         results, times = {}, {}
-        for name, stage, patched, lora in ENGINE_RUNS + TRAINER_RUNS:
+        for name, fn in runs:
             t0 = time.monotonic()
-            if name.startswith("sft") and importlib.util.find_spec("trl") is None:
-                continue
-            if name.startswith(("trainer", "sft")):
-                results[name] = trainer_run(rank, stage, patched, lora, out_dir,
-                                            sft=name.startswith("sft"))
-            else:
-                results[name] = engine_run(rank, stage, patched, lora,
-                                           "qwen2_moe" if "-moe" in name else "llama")
-            times[name] = time.monotonic() - t0
+            result = fn()
+            if result is not None:
+                results[name] = result
+                times[name] = time.monotonic() - t0
         results["times"] = times
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
         dist.barrier()
@@ -275,15 +272,27 @@ def _worker(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
-def _run_workers(shared) -> str:
-    """Runs the workers; "done in N s", or what went wrong."""
+def _worker(rank, init_file, out_dir):
+    def run(name, stage, patched, lora):
+        if name.startswith("sft") and importlib.util.find_spec("trl") is None:
+            return None
+        if name.startswith(("trainer", "sft")):
+            return trainer_run(rank, stage, patched, lora, out_dir, sft=name.startswith("sft"))
+        return engine_run(rank, stage, patched, lora,
+                          "qwen2_moe" if "-moe" in name else "llama")
+    run_rank(rank, init_file, out_dir,
+             [(r[0], lambda r=r: run(*r)) for r in ENGINE_RUNS + TRAINER_RUNS])
+
+
+def _run_workers(worker, shared, timeout_s: int) -> str:
+    """Runs ``worker`` on WORLD spawned processes; "done in N s", or what went wrong."""
     start = time.monotonic()
-    ctx = mp.start_processes(_worker, args=(str(shared / "init"), str(shared)), nprocs=WORLD,
+    ctx = mp.start_processes(worker, args=(str(shared / "init"), str(shared)), nprocs=WORLD,
                              start_method="spawn", join=False)
     try:
         while not ctx.join(timeout=1):
-            if time.monotonic() > start + TIMEOUT_S:
-                return f"the DeepSpeed workers did not finish within {TIMEOUT_S} s; killed"
+            if time.monotonic() > start + timeout_s:
+                return f"the DeepSpeed workers did not finish within {timeout_s} s; killed"
     except Exception as e:  # a worker failed: its traceback
         return f"a DeepSpeed worker failed: {e}"
     finally:
@@ -293,29 +302,36 @@ def _run_workers(shared) -> str:
     return f"done in {time.monotonic() - start:.1f} s"
 
 
-@pytest.fixture(scope="session")
-def zero_runs(tmp_path_factory):
-    """Every run above, once per session even under pytest-xdist (the first worker to get here
-    runs them; the others wait on a file lock and read its results)."""
-    if sys.platform != "linux":
-        pytest.skip("spawned gloo workers are tested on Linux")
+def session_runs(tmp_path_factory, folder: str, worker, timeout_s: int, label: str) -> list:
+    """``worker``'s runs, once per session even under pytest-xdist (the first worker to get
+    here runs them in ``folder``; the others wait on a file lock and read its results): each
+    rank's saved results."""
     filelock = pytest.importorskip("filelock", reason="filelock is not installed (torch "
                                    "depends on it)")
-    pytest.importorskip("accelerate", reason="accelerate is not installed: Trainer needs it "
-                        "(pip install -e '.[test]')")
     base = tmp_path_factory.getbasetemp()  # under xdist, the session's folder is its parent
-    shared = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "deepspeed-runs"
+    shared = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / folder
     shared.mkdir(exist_ok=True)
     with filelock.FileLock(str(shared / "lock")):
         if not (shared / "outcome").exists():
-            (shared / "outcome").write_text(_run_workers(shared))
+            (shared / "outcome").write_text(_run_workers(worker, shared, timeout_s))
     outcome = (shared / "outcome").read_text()
     if not outcome.startswith("done"):
         pytest.fail(outcome, pytrace=False)
     results = [torch.load(shared / f"{r}.pt", weights_only=False) for r in range(WORLD)]
-    print(f"DeepSpeed runs: {outcome}; per run (rank 0): "
+    print(f"{label}: {outcome}; per run (rank 0): "
           + ", ".join(f"{k} {v:.1f} s" for k, v in results[0]["times"].items()))
     return results
+
+
+@pytest.fixture(scope="session")
+def zero_runs(tmp_path_factory):
+    """Every run above, once per session even under pytest-xdist (``session_runs``)."""
+    if sys.platform != "linux":
+        pytest.skip("spawned gloo workers are tested on Linux")
+    pytest.importorskip("accelerate", reason="accelerate is not installed: Trainer needs it "
+                        "(pip install -e '.[test]')")
+    return session_runs(tmp_path_factory, "deepspeed-runs", _worker, TIMEOUT_S,
+                        "DeepSpeed runs")
 
 
 def check_against_unpatched(results, name, ref):

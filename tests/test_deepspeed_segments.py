@@ -14,15 +14,11 @@ after each backward every parameter is partitioned, as with k = 1. Without the g
 replay reads released weights and raises."""
 import collections
 import importlib.util
-import os
 import sys
-import time
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers", reason="transformers is not installed: these tests need it "
                     "(pip install -e '.[test]')")
@@ -35,7 +31,8 @@ if importlib.util.find_spec("peft") is None:
 if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
-from test_deepspeed import B, MOE, V, WORLD, add_lora, batch, decoder  # noqa: E402
+from test_deepspeed import (B, add_lora, batch, decoder, make_model,  # noqa: E402
+                            run_rank, session_runs)
 
 LAYERS, STEPS = 5, 3
 TIMEOUT_S = 420  # all runs: about 100 s on 2 idle cores
@@ -63,16 +60,6 @@ def ds_config(prefetch):
     return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**6, "wall_clock_breakdown": False}
-
-
-def make_model(family):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=LAYERS, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=V, use_cache=False,
-                               pad_token_id=0, **(MOE if family == "qwen2_moe" else {}))
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
 class Watch:
@@ -110,7 +97,7 @@ def engine_run(rank, family, when, k, options):
     import ckpt_ext
     from ckpt_ext.hf import patch as hf_patch
     config = ds_config(options.get("prefetch", False))
-    model = add_lora(make_model(family), experts=family == "qwen2_moe")
+    model = add_lora(make_model(family, LAYERS), experts=family == "qwen2_moe")
     deepspeed.zero.Init(module=model, config_dict_or_path=config)  # partitioned before both
     kwargs = {"segment_layers": k, "offload": options.get("offload")}
     if when == "before":
@@ -153,61 +140,19 @@ def engine_run(rank, family, when, k, options):
 
 
 def _worker(rank, init_file, out_dir):
-    from test_distributed import init_gloo_rank
-    init_gloo_rank(rank, WORLD, init_file, TIMEOUT_S)
-    warnings.simplefilter("ignore")
-    # no shared-memory allreduce op to JIT-compile: gloo does every collective (test_deepspeed)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    try:
-        results, times = {}, {}
-        for name, family, when, k, options in RUNS + [FAILING]:
-            t0 = time.monotonic()
-            results[name] = engine_run(rank, family, when, k, options)
-            times[name] = time.monotonic() - t0
-        results["times"] = times
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_workers(shared) -> str:
-    start = time.monotonic()
-    ctx = mp.start_processes(_worker, args=(str(shared / "init"), str(shared)), nprocs=WORLD,
-                             start_method="spawn", join=False)
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > start + TIMEOUT_S:
-                return f"the DeepSpeed workers did not finish within {TIMEOUT_S} s; killed"
-    except Exception as e:  # a worker failed: its traceback
-        return f"a DeepSpeed worker failed: {e}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return f"done in {time.monotonic() - start:.1f} s"
+    run_rank(rank, init_file, out_dir,
+             [(name, lambda run=(family, when, k, options): engine_run(rank, *run))
+              for name, family, when, k, options in RUNS + [FAILING]], TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")
 def segment_runs(tmp_path_factory):
-    """Every run above, once per session even under pytest-xdist (test_deepspeed's way)."""
+    """Every run above, once per session even under pytest-xdist (test_deepspeed's
+    ``session_runs``)."""
     if sys.platform != "linux":
         pytest.skip("spawned gloo workers are tested on Linux")
-    filelock = pytest.importorskip("filelock", reason="filelock is not installed (torch "
-                                   "depends on it)")
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "ds-segment-runs"
-    shared.mkdir(exist_ok=True)
-    with filelock.FileLock(str(shared / "lock")):
-        if not (shared / "outcome").exists():
-            (shared / "outcome").write_text(_run_workers(shared))
-    outcome = (shared / "outcome").read_text()
-    if not outcome.startswith("done"):
-        pytest.fail(outcome, pytrace=False)
-    results = [torch.load(shared / f"{r}.pt", weights_only=False) for r in range(WORLD)]
-    print(f"DeepSpeed segment runs: {outcome}; per run (rank 0): "
-          + ", ".join(f"{k} {v:.1f} s" for k, v in results[0]["times"].items()))
-    return results
+    return session_runs(tmp_path_factory, "ds-segment-runs", _worker, TIMEOUT_S,
+                        "DeepSpeed segment runs")
 
 
 def rebuilds_per_backward(k):

@@ -109,6 +109,18 @@ def test_the_stand_in_would_show_a_read_of_the_input(streamed_check):
     assert torch.isnan(chunked.run(nan_x, weights, pe, dy, kw, "min_memory", "layer")[1]).all()
 
 
+def _plain_and_streamed(base, batch, seed, k):
+    """(min_memory's step without offload, its step with streamed inputs in segments of k,
+    the latter's offloader), each on a copy of ``base``."""
+    ref = copy.deepcopy(base)
+    ckpt_ext.patch_llama(ref, "min_memory")
+    want = step(ref, batch, seed)
+    model = copy.deepcopy(base)
+    off = Offloader(stream=True)
+    ckpt_ext.patch_llama(model, "min_memory", offload=off, segment_layers=k)
+    return want, step(model, batch, seed), off
+
+
 CASES_HF = [("llama", 1, "plain"), ("llama", 2, "padded"), ("llama", 3, "packed"),
             ("qwen3", 2, "plain"), ("qwen3_moe", 2, "plain")]
 
@@ -128,13 +140,8 @@ def test_hf_streamed_inputs_give_the_gradients_of_the_device(streamed_check, res
     batch = batch_of(kind, seed)
     if not family.endswith("_moe"):  # a few tokens a chunk (the MoE one's rows are wider)
         config.update(chunk_bytes=5 * 4 * 4 * 64)
-    ref = copy.deepcopy(base)
-    ckpt_ext.patch_llama(ref, "min_memory")
-    want = step(ref, batch, seed)
-    model = copy.deepcopy(base)
-    off = Offloader(stream=True)
-    ckpt_ext.patch_llama(model, "min_memory", offload=off, segment_layers=k)
-    assert_bitwise(want, step(model, batch, seed))
+    want, got, off = _plain_and_streamed(base, batch, seed, k)
+    assert_bitwise(want, got)
     stats = off.stats()
     assert stats["host_in_use"] == 0 and stats["host_bytes"] > 0, stats  # pooled, given back
     if family.endswith("_moe"):   # the routing's float weights come back through the pool
@@ -270,13 +277,7 @@ def test_cuda_streamed_inputs_match_the_device_run(restore_chunks):
     base = model_of("llama", layers=4, seed=seed % 1000).cuda()
     batch = {k: v.cuda() for k, v in batch_of("padded", seed).items()}
     config.update(chunk_bytes=5 * 4 * 4 * 64)
-    ref = copy.deepcopy(base)
-    ckpt_ext.patch_llama(ref, "min_memory")
-    want = step(ref, batch, seed)
-    model = copy.deepcopy(base)
-    off = Offloader(stream=True)
-    ckpt_ext.patch_llama(model, "min_memory", offload=off, segment_layers=2)
-    got = step(model, batch, seed)
+    want, got, off = _plain_and_streamed(base, batch, seed, 2)
     torch.cuda.synchronize()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert got[1].keys() == want[1].keys()
