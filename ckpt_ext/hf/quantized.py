@@ -51,6 +51,8 @@ __all__ = ["is_quantized_base", "quantized_problem", "placeholder", "row_placeho
            "is_placeholder", "dequantize", "Transient", "compute_dtype"]
 
 _SOURCE = "_ckpt_ext_dequantize"  # a placeholder's (module, (start, stop) or None)
+_PINNED = "_ckpt_ext_pinned"      # a placeholder's backwards in progress (Transient.attach)
+_PLACEHOLDERS = "_ckpt_ext_placeholders"  # a quantized module's placeholders, by rows
 
 
 def _bnb_classes() -> Tuple[tuple, tuple]:
@@ -148,12 +150,25 @@ def dequantize(module: nn.Module, dtype: torch.dtype) -> Tensor:
 
 # ---- placeholders -----------------------------------------------------------------------------
 
+def _placeholder_of(module: nn.Module, rows, device) -> Tensor:
+    """The one placeholder of ``module``'s weight rows ``rows`` (None: all), made on first use
+    and the same tensor at every later call: a forward run again (a segment's rebuild, an
+    outer torch.utils.checkpoint's recompute) saves the very tensor that the op's backward
+    pre-hook fills (``Transient.attach``). The base is frozen and its dequantization the same
+    at every fill, so calls in flight together may share it."""
+    made = module.__dict__.setdefault(_PLACEHOLDERS, {})
+    t = made.get(rows)
+    if t is None or t.device != device:
+        t = torch.empty(0, device=device)
+        setattr(t, _SOURCE, (module, rows))
+        made[rows] = t
+    return t
+
+
 def placeholder(module: nn.Module) -> Tensor:
     """An empty tensor standing for ``module``'s dequantized weight in the op's weight slot;
-    ``Transient`` fills it around the op's passes."""
-    t = torch.empty(0, device=module.weight.device)
-    setattr(t, _SOURCE, (module, None))
-    return t
+    ``Transient`` fills it around the op's passes (one per module: ``_placeholder_of``)."""
+    return _placeholder_of(module, None, module.weight.device)
 
 
 def row_placeholder(t: Tensor, start: int, stop: int) -> Tensor:
@@ -162,9 +177,7 @@ def row_placeholder(t: Tensor, start: int, stop: int) -> Tensor:
     module, rows = getattr(t, _SOURCE)
     if rows is not None:
         start, stop = rows[0] + start, rows[0] + stop
-    p = torch.empty(0, device=t.device)
-    setattr(p, _SOURCE, (module, (start, stop)))
-    return p
+    return _placeholder_of(module, (start, stop), t.device)
 
 
 def is_placeholder(t: Optional[Tensor]) -> bool:
@@ -198,6 +211,8 @@ class Transient:
     def fill(self) -> None:
         dense: Dict[int, Tensor] = {}
         for p in self.holders:
+            if getattr(p, _PINNED, 0):   # filled for a backward that is running (attach)
+                continue
             module, rows = getattr(p, _SOURCE)
             if id(module) not in dense:
                 with torch.no_grad():
@@ -206,8 +221,13 @@ class Transient:
             p.data = w if rows is None else w[rows[0]:rows[1]]
 
     def free(self) -> None:
+        # one element (a NaN) expanded to the filled shape: no memory held, the shape kept for
+        # torch.utils.checkpoint, which compares the shapes a recompute saved with the
+        # forward's after the recompute has freed them; a read between passes shows
         for p in self.holders:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if not getattr(p, _PINNED, 0):
+                p.data = torch.full((), float("nan"), dtype=p.dtype,
+                                    device=p.device).expand(p.shape)
 
     def __enter__(self) -> "Transient":
         if self.holders:
@@ -225,5 +245,18 @@ class Transient:
         node = y.grad_fn if self.holders else None
         if node is None:
             return
-        node.register_prehook(lambda grad_outputs: self.fill())
-        node.register_hook(lambda grad_inputs, grad_outputs: self.free())
+        node.register_prehook(lambda grad_outputs: self._pin(+1))
+        node.register_hook(lambda grad_inputs, grad_outputs: self._pin(-1))
+
+    def _pin(self, step: int) -> None:
+        """The node's backward starting (+1: fill, then pin) or done (-1: unpin, then free).
+        While pinned, the holders stay filled: a forward that runs inside that backward (an
+        outer torch.utils.checkpoint's recompute, which the op's unpacking triggers after
+        this pre-hook) neither dequantizes them again nor frees them under the op. A backward
+        that raises leaves them pinned (filled) until the layer's next backward ends."""
+        if step > 0:
+            self.fill()
+        for p in self.holders:
+            setattr(p, _PINNED, max(0, getattr(p, _PINNED, 0) + step))
+        if step < 0:
+            self.free()
