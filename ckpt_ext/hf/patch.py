@@ -104,8 +104,8 @@ from .layer_checks import (ATTENTIONS_FIX as _ATTENTIONS_FIX, foreign_forward as
                            structure_problem as _dense_structure_problem)
 from .families import (FAMILIES, MULTIMODAL, Family, activation, layer_dims,
                        layer_record, text_positions)
-from .lm_head import (FinalNorm, FusedHeadForward, check_router_aux_loss, final_norm_problem,
-                      head_problem)
+from .lm_head import (FinalNorm, FusedHeadForward, _fsdp2_module_type, _is_dtensor,
+                      check_router_aux_loss, final_norm_problem, head_problem)
 from .masks import BatchMasks, describe, padding_mask_from_4d
 from . import quantized
 from . import sequence_parallel as _sp
@@ -1135,11 +1135,8 @@ _SEGMENTS_INSTEAD = "use segment_layers=1 (every layer keeps its own input) for 
 
 
 def _fsdp2_module():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without torch.distributed
-        return ()
-    return FSDPModule
+    """FSDP2's module class, or () (which no module is an instance of) without it."""
+    return _fsdp2_module_type() or ()
 
 
 def _sharding_problem(layers) -> Optional[str]:
@@ -1161,8 +1158,7 @@ def _sharding_problem(layers) -> Optional[str]:
             return f"decoder layer {idx} has modules sharded by FSDP2 of their own " \
                 f"({inner[0]!r}); fully_shard the whole decoder layer instead"
         for p in layer.parameters():
-            if not own and (type(p).__name__ == "DTensor" or
-                            type(getattr(p, "data", None)).__name__ == "DTensor"):
+            if not own and _is_dtensor(p):
                 return f"decoder layer {idx}'s parameters are DTensors sharded by a module " \
                     "other than the layer (FSDP2 on an outer module only, or tensor " \
                     "parallelism); with FSDP2, fully_shard each decoder layer"
